@@ -1,0 +1,18 @@
+"""jitattn: a JIT kernel-template engine for LLM attention.
+
+Importing this package initialises no CUDA context, creates no directory and
+compiles nothing; all of that happens on first use of a kernel.
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from .spec import DType, KVLayout, KVStorage, MaskMode, Op, PosEncoding, Target, VariantSpec  # noqa: E402
+from .jit import build_many, load  # noqa: E402
+from .attention.merge import merge_state, merge_state_in_place, merge_states  # noqa: E402
+
+__all__ = [
+    "DType", "KVLayout", "KVStorage", "MaskMode", "Op", "PosEncoding", "Target", "VariantSpec",
+    "build_many", "load", "merge_state", "merge_state_in_place", "merge_states",
+]

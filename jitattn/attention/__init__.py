@@ -1,0 +1,1 @@
+"""Python front-ends of the attention kernels (wrappers and functions)."""

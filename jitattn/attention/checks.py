@@ -1,0 +1,63 @@
+"""Input checks and target/stream resolution shared by every op.
+
+The target follows the data: tensors on a CUDA device run the ``cuda``
+target on that device, tensors on the CPU the ``cpu`` target.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+from ..spec import Target
+
+
+def target_of(what: str, tensors: Iterable[torch.Tensor | None]) -> tuple[Target, torch.device]:
+    """The (target, device) all ``tensors`` live on; a clear error if they are mixed."""
+    devices = {t.device for t in tensors if t is not None}
+    if not devices:
+        raise ValueError(f"{what}: no tensors given")
+    if len(devices) > 1:
+        listed = ", ".join(sorted(str(d) for d in devices))
+        raise ValueError(f"{what}: tensors are on different devices ({listed}); move them to one device")
+    device = devices.pop()
+    if device.type == "cuda":
+        return Target.CUDA, device
+    if device.type == "cpu":
+        return Target.CPU, device
+    raise ValueError(f"{what}: device {device} is not supported; use a CUDA device or the CPU")
+
+
+def stream_handle(device: torch.device) -> int | None:
+    """The raw stream to launch on: the current stream of ``device`` (None on the CPU)."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.current_stream(device).cuda_stream
+
+
+def cpu_threads() -> int:
+    """OpenMP threads for a cpu-target launch: follows torch.get_num_threads()."""
+    return max(1, torch.get_num_threads())
+
+
+def check_tensor(
+    name: str, tensor: torch.Tensor, *, ndim: int | None = None, dtypes: tuple[torch.dtype, ...] | None = None,
+    last_dim_contiguous: bool = True,
+) -> None:
+    """Raise a ValueError/TypeError naming ``name`` when the tensor has the wrong rank, dtype or strides."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if ndim is not None and tensor.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(tensor.shape)}")
+    if dtypes is not None and tensor.dtype not in dtypes:
+        allowed = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+        raise TypeError(f"{name} has dtype {str(tensor.dtype).removeprefix('torch.')}; expected one of {allowed}")
+    if last_dim_contiguous and tensor.dim() > 0 and tensor.shape[-1] > 1 and tensor.stride(-1) != 1:
+        raise ValueError(f"{name} must be contiguous in its last dimension (stride {tensor.stride(-1)}); "
+                         "call .contiguous() on it")
+
+
+def check_shape(name: str, tensor: torch.Tensor, expected: tuple[int, ...]) -> None:
+    if tuple(tensor.shape) != tuple(expected):
+        raise ValueError(f"{name} has shape {tuple(tensor.shape)}; expected {tuple(expected)}")

@@ -1,0 +1,114 @@
+"""Merging attention states by their log-sum-exp.
+
+An attention *state* is the pair (v, s): v ``[seq_len, num_heads, head_dim]``
+is attention output over some subset of the keys, s ``[seq_len, num_heads]``
+(float32) is the **natural-log** LSE of the logits over that subset. Merging
+the states of disjoint key subsets gives the state over their union. A state
+with s = -inf (no keys) contributes nothing; merging two such states gives
+v = 0 and s = -inf, never NaN.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..jit import load
+from ..spec import Op, VariantSpec
+from .checks import check_shape, check_tensor, cpu_threads, stream_handle, target_of
+
+_VALUE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _module(value_dtype: torch.dtype, target):
+    return load(VariantSpec(op=Op.MERGE, target=target, o_dtype=value_dtype))
+
+
+def _check_pair(v_a, s_a, v_b, s_b) -> None:
+    check_tensor("v_a", v_a, ndim=3, dtypes=_VALUE_DTYPES)
+    check_tensor("s_a", s_a, ndim=2, dtypes=(torch.float32,), last_dim_contiguous=False)
+    check_shape("v_b", v_b, tuple(v_a.shape))
+    check_shape("s_a", s_a, tuple(v_a.shape[:2]))
+    check_shape("s_b", s_b, tuple(v_a.shape[:2]))
+    check_tensor("v_b", v_b, dtypes=(v_a.dtype,))
+    check_tensor("s_b", s_b, dtypes=(torch.float32,), last_dim_contiguous=False)
+
+
+def _launch_pair(v_a, s_a, v_b, s_b, v_out, s_out, mask) -> None:
+    target, device = target_of("merge_state", (v_a, s_a, v_b, s_b, v_out, s_out, mask))
+    seq_len, num_heads, head_dim = v_a.shape
+    _module(v_a.dtype, target).launch(
+        "merge_state", stream_handle(device),
+        v_a=v_a.data_ptr(), s_a=s_a.data_ptr(), v_b=v_b.data_ptr(), s_b=s_b.data_ptr(),
+        v_out=v_out.data_ptr(), s_out=s_out.data_ptr(), mask=mask.data_ptr() if mask is not None else None,
+        seq_len=seq_len, num_heads=num_heads, head_dim=head_dim,
+        v_a_stride_n=v_a.stride(0), v_a_stride_h=v_a.stride(1), s_a_stride_n=s_a.stride(0), s_a_stride_h=s_a.stride(1),
+        v_b_stride_n=v_b.stride(0), v_b_stride_h=v_b.stride(1), s_b_stride_n=s_b.stride(0), s_b_stride_h=s_b.stride(1),
+        v_out_stride_n=v_out.stride(0), v_out_stride_h=v_out.stride(1),
+        s_out_stride_n=s_out.stride(0), s_out_stride_h=s_out.stride(1),
+        num_threads=cpu_threads(),
+    )
+
+
+def merge_state(
+    v_a: torch.Tensor, s_a: torch.Tensor, v_b: torch.Tensor, s_b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge two attention states.
+
+    Args:
+        v_a, v_b: ``[seq_len, num_heads, head_dim]``, float16/bfloat16/float32.
+        s_a, s_b: ``[seq_len, num_heads]`` float32, natural-log LSE.
+
+    Returns:
+        ``(v, s)``: the merged output (v_a's dtype) and its natural-log LSE.
+    """
+    _check_pair(v_a, s_a, v_b, s_b)
+    v_out = torch.empty_like(v_a, memory_format=torch.contiguous_format)
+    s_out = torch.empty(s_a.shape, dtype=torch.float32, device=s_a.device)
+    _launch_pair(v_a, s_a, v_b, s_b, v_out, s_out, None)
+    return v_out, s_out
+
+
+def merge_state_in_place(
+    v: torch.Tensor, s: torch.Tensor, v_other: torch.Tensor, s_other: torch.Tensor,
+    mask: torch.Tensor | None = None,
+) -> None:
+    """Merge ``(v_other, s_other)`` into ``(v, s)`` in place.
+
+    ``mask`` (optional, bool ``[seq_len]``): rows where it is False are left unchanged.
+    """
+    _check_pair(v, s, v_other, s_other)
+    if mask is not None:
+        check_tensor("mask", mask, ndim=1, dtypes=(torch.bool, torch.uint8))
+        check_shape("mask", mask, (v.shape[0],))
+        mask = mask.contiguous()
+    _launch_pair(v, s, v_other, s_other, v, s, mask)
+
+
+def merge_states(v: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge ``num_states`` attention states per row.
+
+    Args:
+        v: ``[seq_len, num_states, num_heads, head_dim]``.
+        s: ``[seq_len, num_states, num_heads]`` float32, natural-log LSE.
+
+    Returns:
+        ``(v, s)`` of shapes ``[seq_len, num_heads, head_dim]`` and ``[seq_len, num_heads]``.
+    """
+    check_tensor("v", v, ndim=4, dtypes=_VALUE_DTYPES)
+    check_tensor("s", s, ndim=3, dtypes=(torch.float32,), last_dim_contiguous=False)
+    check_shape("s", s, tuple(v.shape[:3]))
+    target, device = target_of("merge_states", (v, s))
+    seq_len, num_states, num_heads, head_dim = v.shape
+    v_out = torch.empty((seq_len, num_heads, head_dim), dtype=v.dtype, device=v.device)
+    s_out = torch.empty((seq_len, num_heads), dtype=torch.float32, device=v.device)
+    _module(v.dtype, target).launch(
+        "merge_states", stream_handle(device),
+        v=v.data_ptr(), s=s.data_ptr(), v_out=v_out.data_ptr(), s_out=s_out.data_ptr(),
+        seq_len=seq_len, num_states=num_states, num_heads=num_heads, head_dim=head_dim,
+        v_stride_n=v.stride(0), v_stride_k=v.stride(1), v_stride_h=v.stride(2),
+        s_stride_n=s.stride(0), s_stride_k=s.stride(1), s_stride_h=s.stride(2),
+        v_out_stride_n=v_out.stride(0), v_out_stride_h=v_out.stride(1),
+        s_out_stride_n=s_out.stride(0), s_out_stride_h=s_out.stride(1),
+        num_threads=cpu_threads(),
+    )
+    return v_out, s_out

@@ -1,0 +1,119 @@
+"""The pipeline: spec -> render -> build (ninja, locked, cached) -> load.
+
+``load(spec)`` is the one entry point the wrappers use; ``build_many`` builds
+many cold specs in parallel under one job budget (the CLI and the GPU test
+pre-build use it).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+from .. import env
+from ..spec import VariantSpec
+from .build import compile_count
+from .cache import BuildPlan, build_entry, find_entry, plan_build
+from .errors import BuildError, CacheError, CompileDisabledError, JitError, KernelError
+from .loader import Module
+from .render import render
+from .toolchain import ToolchainError, default_jobs
+
+__all__ = [
+    "BuildError", "BuildResult", "CacheError", "CompileDisabledError", "JitError", "KernelError", "Module",
+    "ToolchainError", "build_many", "compile_count", "load", "render",
+]
+
+_registry: dict[VariantSpec, Module] = {}
+_registry_lock = threading.Lock()
+
+
+def _refuse_compile_if_asked(spec: VariantSpec) -> None:
+    if env.assert_no_compile():
+        raise CompileDisabledError(
+            f"{spec.uri} is not in the cache and JITATTN_ASSERT_NO_COMPILE=1 forbids compiling it; "
+            f"pre-build it (jitattn-cache warm --spec '{spec.uri}') or unset JITATTN_ASSERT_NO_COMPILE"
+        )
+
+
+def _ensure_built(plan: BuildPlan, jobs: int) -> tuple[str, float]:
+    """('cached' | 'built', seconds) after making sure ``plan`` has an entry."""
+    if find_entry(plan) is not None:
+        return "cached", 0.0
+    _refuse_compile_if_asked(plan.spec)
+    started = time.perf_counter()
+    build_entry(plan, jobs=jobs)
+    return "built", time.perf_counter() - started
+
+
+def load(spec: VariantSpec) -> Module:
+    """The loaded module for ``spec``: a dict hit after the first call in a process.
+
+    On a cache miss this renders, builds (one INFO log line) and publishes the
+    module first; with JITATTN_ASSERT_NO_COMPILE=1 a miss raises instead.
+    """
+    module = _registry.get(spec)
+    if module is not None:
+        return module
+    with _registry_lock:
+        module = _registry.get(spec)
+        if module is None:
+            plan = plan_build(spec)
+            entry_dir = find_entry(plan)
+            if entry_dir is None:
+                _refuse_compile_if_asked(spec)
+                entry_dir = build_entry(plan, jobs=default_jobs())
+            module = Module(spec, entry_dir / "lib.so", plan.entries)
+            _registry[spec] = module
+    return module
+
+
+@dataclass(frozen=True)
+class BuildResult:
+    spec: VariantSpec
+    status: str  # "cached", "built" or "failed"
+    seconds: float
+    error: str | None = None
+
+
+def build_many(
+    specs: Iterable[VariantSpec],
+    jobs: int | None = None,
+    on_done: Callable[[BuildResult], None] | None = None,
+    raise_on_error: bool = False,
+) -> list[BuildResult]:
+    """Make sure every spec has a cache entry, building cold ones in parallel.
+
+    ``jobs`` (default: the memory-aware ``default_jobs()``) bounds the
+    compiler processes running at once across all specs. ``on_done`` is
+    called once per spec as it finishes (the CLI's progress bar).
+    """
+    unique = list(dict.fromkeys(specs))
+    jobs = jobs or default_jobs()
+    results: list[BuildResult] = []
+
+    def one(spec: VariantSpec) -> BuildResult:
+        started = time.perf_counter()
+        try:
+            status, _ = _ensure_built(plan_build(spec), jobs=1)
+            return BuildResult(spec, status, time.perf_counter() - started)
+        except (JitError, ToolchainError, ValueError, NotImplementedError, OSError) as exc:
+            return BuildResult(spec, "failed", time.perf_counter() - started, str(exc))
+
+    with ThreadPoolExecutor(max_workers=max(1, min(jobs, len(unique) or 1))) as pool:
+        futures = [pool.submit(one, spec) for spec in unique]
+        for future in as_completed(futures):
+            result = future.result()
+            results.append(result)
+            if on_done is not None:
+                on_done(result)
+    order = {spec: i for i, spec in enumerate(unique)}
+    results.sort(key=lambda r: order[r.spec])
+    failed = [r for r in results if r.status == "failed"]
+    if raise_on_error and failed:
+        details = "\n\n".join(f"{r.spec.uri}: {r.error}" for r in failed)
+        raise BuildError(f"{len(failed)} of {len(results)} builds failed:\n{details}")
+    return results

@@ -1,0 +1,301 @@
+"""The content-keyed kernel cache and its publish protocol.
+
+Layout: ``<layer>/<SCHEMA>/<uri>-<key16>/{sources/, build.ninja, lib.so, manifest.json}``.
+Read-only layers (``JITATTN_CACHE_PATH``) are searched first and never written;
+the writable root (``JITATTN_CACHE_DIR`` or the platform cache dir) last.
+
+An entry exists once its ``manifest.json`` exists and the library's sha256
+matches it. Builds happen in a private temp dir under a per-key file lock
+(released by the OS if the holder dies) and are published by one atomic
+rename, so a killed build, a half-written file or a corrupted library never
+becomes something that loads.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import os
+import shutil
+import stat
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import filelock
+
+from .. import __version__, env
+from ..abi import ABI_VERSION, Entry
+from ..families import family
+from ..log import get_logger
+from ..spec import Target, VariantSpec
+from . import toolchain as tc
+from .build import LIBRARY_NAME, run_ninja, write_ninja
+from .errors import BuildError, CacheError
+from .loader import check_library
+from .render import included_headers, render
+from .templates import include_dir
+
+SCHEMA = "v1"
+MANIFEST = "manifest.json"
+
+
+@dataclass(frozen=True)
+class BuildPlan:
+    """Everything that determines one binary, and the key derived from it."""
+
+    spec: VariantSpec
+    sources: dict[str, str]
+    headers: dict[str, str]
+    cflags: tuple[str, ...]
+    ldflags: tuple[str, ...]
+    archs: tuple[str, ...]
+    key: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.spec.uri}-{self.key[:16]}"
+
+    @property
+    def entries(self) -> tuple[Entry, ...]:
+        return family(self.spec.op).entries(self.spec)
+
+
+def compute_key(
+    spec: VariantSpec, sources: dict[str, str], headers: dict[str, str],
+    cflags: tuple[str, ...], ldflags: tuple[str, ...], archs: tuple[str, ...],
+) -> str:
+    """sha256 over every keyed input; paths, mtimes and compiler locations are not among them."""
+    material = {
+        "schema": SCHEMA,
+        "abi": ABI_VERSION,
+        "spec": spec.to_dict(),
+        "sources": sources,
+        "headers": headers,
+        "cflags": list(cflags),
+        "ldflags": list(ldflags),
+        "archs": list(archs),
+    }
+    return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()
+
+
+def plan_build(spec: VariantSpec) -> BuildPlan:
+    """Render ``spec`` and compute its key (pure apart from reading templates and the arch)."""
+    sources = render(spec)
+    headers = included_headers(sources, spec.target)
+    archs = tc.cuda_arch_list() if spec.target is Target.CUDA else ()
+    cflags = tc.compile_flags(spec.target) + tc.gencode_flags(archs)
+    ldflags = tc.link_flags(spec.target) + tc.gencode_flags(archs)
+    key = compute_key(spec, sources, headers, cflags, ldflags, archs)
+    return BuildPlan(spec, sources, headers, cflags, ldflags, archs, key)
+
+
+# -- locations and safety ------------------------------------------------------
+
+
+def _unsafe_reason(path: Path) -> str | None:
+    """Why loading code from ``path`` would be unsafe, or None."""
+    st = path.stat()
+    if st.st_uid not in (os.getuid(), 0):
+        return f"{path} is owned by uid {st.st_uid}, not by you or root"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"{path} is writable by other users (mode {stat.filemode(st.st_mode)})"
+    return None
+
+
+def _check_safe(path: Path, what: str) -> None:
+    reason = _unsafe_reason(path)
+    if reason is not None:
+        raise CacheError(
+            f"refusing to load kernels from {what}: {reason}; loading a library from it would run code "
+            f"others can change. Fix the permissions (chmod go-w) or remove it"
+        )
+
+
+def writable_root() -> Path:
+    """The writable cache root's schema dir, created private (0700) if missing."""
+    root = env.cache_dir()
+    try:
+        root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        base = root / SCHEMA
+        for sub in (base, base / "locks", base / "tmp"):
+            sub.mkdir(mode=0o700, exist_ok=True)
+    except OSError as exc:
+        raise CacheError(
+            f"cannot create the jitattn cache at {root} ({exc.strerror}); set JITATTN_CACHE_DIR to a "
+            "writable directory"
+        ) from None
+    if not os.access(root, os.W_OK | os.X_OK) or not os.access(base, os.W_OK | os.X_OK):
+        raise CacheError(f"the jitattn cache at {root} is not writable; set JITATTN_CACHE_DIR to a writable directory")
+    _check_safe(root, "cache root (JITATTN_CACHE_DIR)")
+    return base
+
+
+def layers() -> list[Path]:
+    """Schema dirs to search for entries, read-only layers first (they need not exist)."""
+    found = [layer / SCHEMA for layer in env.cache_path()]
+    found.append(env.cache_dir() / SCHEMA)
+    return found
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def read_manifest(entry_dir: Path) -> dict | None:
+    try:
+        return json.loads((entry_dir / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def entry_problem(entry_dir: Path, key: str | None = None) -> str | None:
+    """Why ``entry_dir`` is not a usable entry (missing, corrupt, wrong key), or None."""
+    manifest = read_manifest(entry_dir)
+    if manifest is None:
+        return "no readable manifest"
+    if key is not None and manifest.get("key") != key:
+        return "manifest key does not match"
+    library = entry_dir / manifest.get("library", LIBRARY_NAME)
+    try:
+        actual = sha256_file(library)
+    except OSError:
+        return "library missing"
+    if actual != manifest.get("sha256"):
+        return "library checksum does not match its manifest (corrupted)"
+    return None
+
+
+def find_entry(plan: BuildPlan) -> Path | None:
+    """The first valid entry for ``plan`` in the read-only layers, then the writable root."""
+    log = get_logger()
+    for base in layers():
+        entry_dir = base / plan.name
+        if not (entry_dir / MANIFEST).exists():
+            continue
+        _check_safe(base.parent, "cache layer")
+        _check_safe(entry_dir, "cache entry")
+        problem = entry_problem(entry_dir, plan.key)
+        if problem is None:
+            _check_safe(entry_dir / LIBRARY_NAME, "cache entry library")
+            return entry_dir
+        log.warning("ignoring cache entry %s: %s", entry_dir, problem)
+    return None
+
+
+# -- building and publishing ---------------------------------------------------
+
+
+def build_entry(plan: BuildPlan, jobs: int = 1) -> Path:
+    """Build and publish ``plan`` into the writable root; returns the entry dir.
+
+    Exactly one process builds a given key at a time; the others wait on the
+    lock, then find the published entry.
+    """
+    base = writable_root()
+    entry_dir = base / plan.name
+    lock = filelock.FileLock(str(base / "locks" / (plan.name + ".lock")))
+    log = get_logger()
+    try:
+        lock.acquire(timeout=2)
+    except filelock.Timeout:
+        log.info("waiting for another process building %s", plan.spec.uri)
+        lock.acquire()
+    try:
+        if (entry_dir / MANIFEST).exists() and entry_problem(entry_dir, plan.key) is None:
+            return entry_dir
+        _remove_stale_temps(base, plan.name)
+        started = time.perf_counter()
+        work_dir = _build_in_temp(base, plan, jobs)
+        seconds = time.perf_counter() - started
+        _write_manifest(work_dir, plan, seconds)
+        if entry_dir.exists():  # a corrupted or stale entry: move it out of the way first
+            trash = base / "tmp" / f"{plan.name}.trash-{uuid.uuid4().hex[:8]}"
+            os.replace(entry_dir, trash)
+            shutil.rmtree(trash, ignore_errors=True)
+        os.replace(work_dir, entry_dir)
+        log.info("built %s in %.1f s -> %s", plan.spec.uri, seconds, entry_dir)
+        return entry_dir
+    finally:
+        lock.release()
+
+
+def _remove_stale_temps(base: Path, name: str) -> None:
+    # We hold the key's lock, so any temp dir of this key is left over from a killed build.
+    for leftover in (base / "tmp").glob(name + ".*"):
+        shutil.rmtree(leftover, ignore_errors=True)
+
+
+def _build_in_temp(base: Path, plan: BuildPlan, jobs: int) -> Path:
+    toolchain = tc.probe(plan.spec.target)
+    work_dir = Path(tempfile.mkdtemp(prefix=plan.name + ".", dir=base / "tmp"))
+    try:
+        (work_dir / "sources").mkdir()
+        (work_dir / "obj").mkdir()
+        for name, text in plan.sources.items():
+            (work_dir / "sources" / name).write_text(text)
+        main_sources = [n for n in plan.sources if not n.endswith(".h")]
+        write_ninja(work_dir, main_sources, plan.spec.target, toolchain, plan.cflags, plan.ldflags,
+                    include_dir(plan.spec.target.value))
+        try:
+            run_ninja(work_dir, jobs, work_dir / "sources" / main_sources[0])
+        except BuildError as exc:
+            kept = _keep_failed(base, plan, work_dir)
+            raise BuildError(str(exc).replace(str(work_dir), str(kept))) from None
+        try:
+            check_library(work_dir / LIBRARY_NAME, plan.spec.uri, plan.entries)
+        except (OSError, RuntimeError, AttributeError) as exc:
+            raise BuildError(f"{plan.spec.uri}: the built library does not load or lacks a symbol: {exc}") from None
+        shutil.rmtree(work_dir / "obj", ignore_errors=True)
+        return work_dir
+    except OSError as exc:
+        shutil.rmtree(work_dir, ignore_errors=True)
+        raise CacheError(f"building {plan.spec.uri} in {work_dir} failed: {exc} (is the disk full?)") from None
+    except BaseException:
+        shutil.rmtree(work_dir, ignore_errors=True)
+        raise
+
+
+def _keep_failed(base: Path, plan: BuildPlan, work_dir: Path) -> Path:
+    """Move a failed build where the user can read it; returns its new path."""
+    failed = base / "failed" / plan.name
+    failed.parent.mkdir(mode=0o700, exist_ok=True)
+    shutil.rmtree(failed, ignore_errors=True)
+    shutil.copytree(work_dir, failed)
+    return failed
+
+
+def _write_manifest(work_dir: Path, plan: BuildPlan, seconds: float) -> None:
+    toolchain = tc.probe(plan.spec.target)
+    library = work_dir / LIBRARY_NAME
+    manifest = {
+        "schema": SCHEMA,
+        "uri": plan.spec.uri,
+        "key": plan.key,
+        "spec": plan.spec.to_dict(),
+        "target": plan.spec.target.value,
+        "archs": list(plan.archs),
+        "cflags": list(plan.cflags),
+        "ldflags": list(plan.ldflags),
+        "toolchain": {"compiler": os.path.basename(toolchain.compiler), "version": toolchain.version},
+        "library": LIBRARY_NAME,
+        "sha256": sha256_file(library),
+        "size": library.stat().st_size,
+        "exports": [e.symbol for e in plan.entries],
+        "built_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "build_seconds": round(seconds, 3),
+        "jitattn_version": __version__,
+    }
+    partial = work_dir / (MANIFEST + ".partial")
+    with open(partial, "w") as f:
+        json.dump(manifest, f, indent=2, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(partial, work_dir / MANIFEST)

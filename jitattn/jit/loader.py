@@ -1,0 +1,64 @@
+"""Load a built library with ctypes and call its launch functions."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from pathlib import Path
+
+from ..abi import ABI_VERSION, Entry, ctypes_struct
+from ..spec import VariantSpec
+from .errors import KernelError
+
+_ERR_LEN = 1024
+
+
+class Module:
+    """A loaded kernel module: ``module.launch("merge_state", stream, **fields)``."""
+
+    def __init__(self, spec: VariantSpec, path: Path, entries: tuple[Entry, ...]) -> None:
+        self.spec = spec
+        self.path = Path(path)
+        self._lib = ctypes.CDLL(str(path), mode=os.RTLD_NOW | os.RTLD_LOCAL)
+        self._functions: dict[str, tuple[ctypes._CFuncPtr, type[ctypes.Structure], frozenset[str]]] = {}
+        for entry in entries:
+            function = getattr(self._lib, entry.symbol)
+            struct = ctypes_struct(entry)
+            function.argtypes = [ctypes.POINTER(struct), ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int]
+            function.restype = ctypes.c_int
+            self._functions[entry.name] = (function, struct, frozenset(f.name for f in entry.fields))
+
+    @property
+    def entry_names(self) -> tuple[str, ...]:
+        return tuple(self._functions)
+
+    def launch(self, entry: str, stream: int | None = None, **values: int | float) -> None:
+        """Fill the params struct from ``values`` (every field, no more) and call ``entry``."""
+        function, struct, names = self._functions[entry]
+        if set(values) != names:
+            missing, extra = sorted(names - set(values)), sorted(set(values) - names)
+            raise TypeError(f"{self.spec.uri}:{entry}: missing params {missing}, unexpected params {extra}")
+        params = struct(**values)
+        err = ctypes.create_string_buffer(_ERR_LEN)
+        rc = function(ctypes.byref(params), stream, err, _ERR_LEN)
+        if rc != 0:
+            message = err.value.decode(errors="replace") or f"error code {rc}"
+            raise KernelError(f"{self.spec.kernel_name} ({entry}): {message}")
+
+    def __repr__(self) -> str:
+        return f"Module({self.spec.uri!r}, {str(self.path)!r})"
+
+
+def check_library(path: Path, uri: str, entries: tuple[Entry, ...]) -> None:
+    """Raise unless the library at ``path`` loads, has our ABI version and exports every entry."""
+    lib = ctypes.CDLL(str(path), mode=os.RTLD_NOW | os.RTLD_LOCAL)
+    lib.jitattn_abi_version.restype = ctypes.c_int
+    lib.jitattn_module_uri.restype = ctypes.c_char_p
+    version = lib.jitattn_abi_version()
+    if version != ABI_VERSION:
+        raise RuntimeError(f"{path}: ABI version {version}, expected {ABI_VERSION}")
+    found_uri = lib.jitattn_module_uri().decode()
+    if found_uri != uri:
+        raise RuntimeError(f"{path}: module uri {found_uri!r}, expected {uri!r}")
+    for entry in entries:
+        getattr(lib, entry.symbol)  # AttributeError names the missing symbol

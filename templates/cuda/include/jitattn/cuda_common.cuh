@@ -1,0 +1,42 @@
+// Types, conversions and error reporting shared by the cuda-target kernels.
+#pragma once
+#include <cuda_runtime.h>
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+#include <math_constants.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdarg.h>
+
+namespace jitattn {
+
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_float(__nv_fp8_e4m3 x) { return float(x); }
+__device__ __forceinline__ float to_float(__nv_fp8_e5m2 x) { return float(x); }
+
+template <typename T> __device__ __forceinline__ T from_float(float x);
+template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
+template <> __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+
+inline int report_error(char* err, int err_len, const char* fmt, ...) {
+  if (err && err_len > 0) {
+    va_list args;
+    va_start(args, fmt);
+    vsnprintf(err, size_t(err_len), fmt, args);
+    va_end(args);
+  }
+  return 1;
+}
+
+// Turns a launch failure into the caller's error message.
+inline int check_launch(char* err, int err_len, const char* what) {
+  cudaError_t status = cudaGetLastError();
+  if (status != cudaSuccess) return report_error(err, err_len, "%s: %s", what, cudaGetErrorString(status));
+  return 0;
+}
+
+}  // namespace jitattn
