@@ -254,6 +254,7 @@ def _build_in_temp(base: Path, plan: BuildPlan, jobs: int) -> Path:
         except (OSError, RuntimeError, AttributeError) as exc:
             raise BuildError(f"{plan.spec.uri}: the built library does not load or lacks a symbol: {exc}") from None
         shutil.rmtree(work_dir / "obj", ignore_errors=True)
+        _drop_shared_write_bits(work_dir)
         return work_dir
     except OSError as exc:
         shutil.rmtree(work_dir, ignore_errors=True)
@@ -261,6 +262,14 @@ def _build_in_temp(base: Path, plan: BuildPlan, jobs: int) -> Path:
     except BaseException:
         shutil.rmtree(work_dir, ignore_errors=True)
         raise
+
+
+def _drop_shared_write_bits(work_dir: Path) -> None:
+    # A permissive umask (002) must not make our own entries fail the safety check.
+    for path in [work_dir, *work_dir.rglob("*")]:
+        mode = path.stat().st_mode
+        if mode & (stat.S_IWGRP | stat.S_IWOTH):
+            os.chmod(path, mode & ~(stat.S_IWGRP | stat.S_IWOTH))
 
 
 def _keep_failed(base: Path, plan: BuildPlan, work_dir: Path) -> Path:

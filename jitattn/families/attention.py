@@ -1,0 +1,56 @@
+"""The binary interface shared by the decode and prefill kernel families.
+
+One launch computes attention for a batch of requests. Request r has queries
+``q[qo_indptr[r]:qo_indptr[r+1]]`` and a KV sequence that is either ragged
+(tokens ``kv_indptr[r]:kv_indptr[r+1]`` of k/v) or paged (pages
+``kv_indices[kv_indptr[r]:kv_indptr[r+1]]``, the last one holding
+``kv_last_page_len[r]`` tokens). All strides are in elements:
+
+- q/o: ``[tokens, heads, dim]`` with ``*_stride_n`` (token) and ``*_stride_h`` (head).
+- k/v ragged: token t, head h at ``t*stride_n + h*stride_h``.
+- k/v paged: page p, slot s, head h at ``p*stride_page + s*stride_n + h*stride_h``
+  (NHD and HND differ only in these strides).
+- lse: ``[tokens, heads]`` float32, natural log; ``lse`` may be null.
+
+Query i of a request with qo_len q and kv_len k sits at position k - q + i.
+``pos_encoding``: 0 none, 1 rope (llama rotate-half), 2 alibi.
+``causal``: bottom-right. ``window_left`` < 0 disables the window.
+``logits_soft_cap`` <= 0 disables the cap. ``custom_mask``: per-request
+bit-packed (little-endian) row-major qo_len x kv_len masks, request r's block
+starting at byte ``mask_indptr[r]`` (FlashInfer's layout); null when unused.
+Index arrays are int32. ``k_scale``/``v_scale`` dequantize fp8 KV (1 otherwise).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..abi import Entry, fields
+from ..spec import VariantSpec
+from . import c_type
+
+ATTENTION = Entry("attention", fields(
+    "q:ptr k:ptr v:ptr o:ptr lse:ptr "
+    "qo_indptr:ptr kv_indptr:ptr kv_indices:ptr kv_last_page_len:ptr custom_mask:ptr mask_indptr:ptr "
+    "batch_size:i64 num_qo_heads:i64 num_kv_heads:i64 head_dim_qk:i64 head_dim_vo:i64 page_size:i64 "
+    "q_stride_n:i64 q_stride_h:i64 "
+    "k_stride_page:i64 k_stride_n:i64 k_stride_h:i64 v_stride_page:i64 v_stride_n:i64 v_stride_h:i64 "
+    "o_stride_n:i64 o_stride_h:i64 lse_stride_n:i64 lse_stride_h:i64 "
+    "kv_paged:i32 causal:i32 pos_encoding:i32 window_left:i32 "
+    "sm_scale:f32 logits_soft_cap:f32 rope_rcp_scale:f32 rope_rcp_theta:f32 k_scale:f32 v_scale:f32 "
+    "num_threads:i32"
+))
+
+POS_ENCODING_CODES = {"none": 0, "rope": 1, "alibi": 2}
+
+
+def entries(spec: VariantSpec) -> tuple[Entry, ...]:
+    return (ATTENTION,)
+
+
+def context(spec: VariantSpec) -> dict[str, Any]:
+    return {
+        "q_ctype": c_type(spec.q_dtype, spec.target),
+        "kv_ctype": c_type(spec.kv_dtype, spec.target),
+        "o_ctype": c_type(spec.o_dtype, spec.target),
+    }

@@ -1,0 +1,11 @@
+"""Decode kernels: one query token per request over a paged (or ragged) KV.
+
+The cpu target shares the generic attention kernel with prefill (every axis
+but the dtypes at run time); the cuda target compiles its own template.
+"""
+
+from __future__ import annotations
+
+from .attention import context, entries  # noqa: F401  (the family interface)
+
+TEMPLATES = {"cpu": "cpu/attention.cpp.jinja", "cuda": "cuda/decode.cu.jinja"}
