@@ -48,6 +48,7 @@ def launch_attention(
     kv_indices: torch.Tensor | None, kv_last_page_len: torch.Tensor | None, page_size: int,
     kv_layout: KVLayout, custom_mask: torch.Tensor | None, mask_indptr: torch.Tensor | None,
     num_kv_heads: int, scalars: AttentionScalars, k_scale: float = 1.0, v_scale: float = 1.0,
+    workspace: torch.Tensor | None = None, split_indptr: torch.Tensor | None = None, kv_chunk_size: int = 0,
 ) -> None:
     """Launch ``module``'s attention entry on q's device and current stream.
 
@@ -72,5 +73,8 @@ def launch_attention(
         kv_paged=int(paged), causal=int(scalars.causal), pos_encoding=POS_ENCODING_CODES[scalars.pos_encoding.value],
         window_left=scalars.window_left, sm_scale=scalars.sm_scale, logits_soft_cap=scalars.logits_soft_cap,
         rope_rcp_scale=1.0 / scalars.rope_scale, rope_rcp_theta=1.0 / scalars.rope_theta,
-        k_scale=k_scale, v_scale=v_scale, num_threads=cpu_threads(),
+        k_scale=k_scale, v_scale=v_scale,
+        workspace=_ptr(workspace), workspace_bytes=workspace.numel() * workspace.element_size() if workspace is not None else 0,
+        split_indptr=_ptr(split_indptr), kv_chunk_size=kv_chunk_size if split_indptr is not None else 0,
+        num_threads=cpu_threads(),
     )

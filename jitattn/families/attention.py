@@ -19,6 +19,12 @@ Query i of a request with qo_len q and kv_len k sits at position k - q + i.
 bit-packed (little-endian) row-major qo_len x kv_len masks, request r's block
 starting at byte ``mask_indptr[r]`` (FlashInfer's layout); null when unused.
 Index arrays are int32. ``k_scale``/``v_scale`` dequantize fp8 KV (1 otherwise).
+
+Split-KV (used by kernels that support it; the cpu kernel ignores it): when
+``kv_chunk_size`` > 0, request r's KV is cut into chunks of that many tokens;
+``split_indptr[r]`` (int32, batch+1 entries) is the index of r's first chunk
+among all chunks, and ``workspace`` (``workspace_bytes`` long, from the
+plan) holds each chunk's partial output and LSE before they are merged.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ ATTENTION = Entry("attention", fields(
     "o_stride_n:i64 o_stride_h:i64 lse_stride_n:i64 lse_stride_h:i64 "
     "kv_paged:i32 causal:i32 pos_encoding:i32 window_left:i32 "
     "sm_scale:f32 logits_soft_cap:f32 rope_rcp_scale:f32 rope_rcp_theta:f32 k_scale:f32 v_scale:f32 "
+    "workspace:ptr workspace_bytes:i64 split_indptr:ptr kv_chunk_size:i64 "
     "num_threads:i32"
 ))
 
