@@ -1,0 +1,142 @@
+"""What decode and prefill wrappers share: the stored plan and the run step.
+
+``plan()`` (in each wrapper) validates and uploads everything once and
+stores an ``AttentionPlan``; ``run_plan`` checks the per-call tensors
+against it and launches. ``run_plan`` never synchronises the device.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from ..jit import Module
+from ..log import get_logger
+from ..plan import PagedIndex, SplitPlan, check_page_pool, split_workspace_bytes
+from ..spec import KVLayout, Target, VariantSpec
+from .checks import check_tensor, target_of
+from .kv import check_kv_pair
+from .launch import AttentionScalars, launch_attention
+
+
+@dataclass
+class AttentionPlan:
+    spec: VariantSpec
+    module: Module
+    scalars: AttentionScalars
+    q_dtype: torch.dtype
+    kv_dtype: torch.dtype
+    o_dtype: torch.dtype
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim_qk: int
+    head_dim_vo: int
+    page_size: int | None  # None: ragged KV
+    kv_layout: KVLayout
+    total_qo: int  # rows of q the plan covers
+    qo_indptr: torch.Tensor  # on the device
+    kv_indptr: torch.Tensor
+    kv_indices: torch.Tensor | None
+    kv_last_page_len: torch.Tensor | None
+    custom_mask: torch.Tensor | None
+    mask_indptr: torch.Tensor | None
+    index: PagedIndex | None
+    split: SplitPlan
+    split_indptr: torch.Tensor | None
+    total_kv: int | None = None  # ragged: rows of k/v the plan covers
+
+
+def upload(host: torch.Tensor, device: torch.device, buffer: torch.Tensor | None = None, name: str = "") -> torch.Tensor:
+    """Copy a host tensor to ``device`` (into ``buffer`` when given, as CUDA-graph mode requires)."""
+    if buffer is None:
+        return host.to(device, non_blocking=False) if device.type != "cpu" else host
+    if buffer.dtype != host.dtype or buffer.device != device or buffer.numel() < host.numel():
+        raise ValueError(
+            f"{name} buffer ({buffer.numel()} x {buffer.dtype} on {buffer.device}) cannot hold "
+            f"{host.numel()} x {host.dtype} on {device}; allocate it for the largest batch"
+        )
+    buffer[: host.numel()].copy_(host, non_blocking=False)
+    return buffer
+
+
+@functools.cache
+def num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def check_workspace(workspace: torch.Tensor, needed: int, wrapper: str) -> None:
+    have = workspace.numel() * workspace.element_size()
+    if needed > have:
+        raise ValueError(
+            f"{wrapper}: this plan needs {needed} bytes of float workspace but the buffer has {have}; "
+            f"allocate at least {needed} bytes (see {wrapper}.workspace_size for the worst case), "
+            "or plan with disable_split_kv=True"
+        )
+
+
+def log_plan(wrapper: str, plan: AttentionPlan, workspace_bytes: int) -> None:
+    get_logger().info(
+        "%s.plan: kernel %s, batch %d, splits %d (chunk %d tokens), workspace %d bytes",
+        wrapper, plan.spec.kernel_name, plan.qo_indptr.numel() - 1, plan.split.num_chunks,
+        plan.split.kv_chunk_size, workspace_bytes,
+    )
+
+
+def workspace_target(workspace: torch.Tensor, wrapper: str) -> tuple[Target, torch.device]:
+    if not isinstance(workspace, torch.Tensor):
+        raise TypeError(f"{wrapper}: float_workspace_buffer must be a torch.Tensor (e.g. torch.empty(128 << 20, dtype=torch.uint8))")
+    return target_of(wrapper, (workspace,))
+
+
+def run_plan(
+    plan: AttentionPlan | None, wrapper: str, workspace: torch.Tensor, q: torch.Tensor,
+    k: torch.Tensor, v: torch.Tensor, *, k_scale: float, v_scale: float,
+    out: torch.Tensor | None, lse: torch.Tensor | None, return_lse: bool,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Check q/k/v/out/lse against ``plan`` and launch; returns out or (out, lse)."""
+    if plan is None:
+        raise RuntimeError(f"{wrapper}.run() called before plan(); call plan() once per batch first")
+    target_of(wrapper, (workspace, q, k, v, out, lse))
+    check_tensor("q", q, ndim=3, dtypes=(plan.q_dtype,))
+    if tuple(q.shape) != (plan.total_qo, plan.num_qo_heads, plan.head_dim_qk):
+        raise ValueError(
+            f"q has shape {tuple(q.shape)}; the plan expects {(plan.total_qo, plan.num_qo_heads, plan.head_dim_qk)}"
+        )
+    if plan.page_size is not None:
+        pages = check_kv_pair(k, v, plan.kv_layout, num_kv_heads=plan.num_kv_heads, head_dim_qk=plan.head_dim_qk,
+                              head_dim_vo=plan.head_dim_vo, page_size=plan.page_size, dtype=plan.kv_dtype)
+        check_page_pool(plan.index, pages)
+    else:
+        for name, t, dim in (("k", k, plan.head_dim_qk), ("v", v, plan.head_dim_vo)):
+            check_tensor(name, t, ndim=3, dtypes=(plan.kv_dtype,))
+            if t.shape[1:] != (plan.num_kv_heads, dim) or t.shape[0] < plan.total_kv:
+                raise ValueError(f"{name} has shape {tuple(t.shape)}; the plan expects "
+                                 f"[>= {plan.total_kv}, {plan.num_kv_heads}, {dim}]")
+    o_shape = (plan.total_qo, plan.num_qo_heads, plan.head_dim_vo)
+    if out is None:
+        out = torch.empty(o_shape, dtype=plan.o_dtype, device=q.device)
+    else:
+        check_tensor("out", out, ndim=3, dtypes=(plan.o_dtype,))
+        if tuple(out.shape) != o_shape:
+            raise ValueError(f"out has shape {tuple(out.shape)}; expected {o_shape}")
+    if lse is not None:
+        check_tensor("lse", lse, ndim=2, dtypes=(torch.float32,), last_dim_contiguous=False)
+        if tuple(lse.shape) != o_shape[:2]:
+            raise ValueError(f"lse has shape {tuple(lse.shape)}; expected {o_shape[:2]}")
+    elif return_lse:
+        lse = torch.empty(o_shape[:2], dtype=torch.float32, device=q.device)
+    if plan.split.kv_chunk_size:
+        check_workspace(workspace, split_workspace_bytes(plan.split.num_chunks, plan.num_qo_heads, plan.head_dim_vo),
+                        wrapper)
+    launch_attention(
+        plan.module, q=q, k=k, v=v, o=out, lse=lse, qo_indptr=plan.qo_indptr, kv_indptr=plan.kv_indptr,
+        kv_indices=plan.kv_indices, kv_last_page_len=plan.kv_last_page_len, page_size=plan.page_size or 1,
+        kv_layout=plan.kv_layout, custom_mask=plan.custom_mask, mask_indptr=plan.mask_indptr,
+        num_kv_heads=plan.num_kv_heads, scalars=plan.scalars, k_scale=k_scale, v_scale=v_scale,
+        workspace=workspace if plan.split.kv_chunk_size else None,
+        split_indptr=plan.split_indptr if plan.split.kv_chunk_size else None,
+        kv_chunk_size=plan.split.kv_chunk_size,
+    )
+    return (out, lse) if return_lse else out

@@ -1,0 +1,47 @@
+"""The specs each wrapper requests, computed by one function per op.
+
+The CLI's ``warm`` uses the same functions, so a pre-warmed cache holds
+exactly what the wrappers will ask for. On the cpu target only the dtypes
+are compiled in (everything else is a run-time argument, which keeps the
+number of builds small); on cuda every axis of ``SPECIALIZED_AXES``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..spec import KVLayout, KVStorage, MaskMode, Op, PosEncoding, Target, VariantSpec
+
+
+def attention_spec(
+    op: Op, target: Target, *, q_dtype: torch.dtype, kv_dtype: torch.dtype, o_dtype: torch.dtype,
+    head_dim_qk: int, head_dim_vo: int, num_qo_heads: int, num_kv_heads: int,
+    pos_encoding: PosEncoding, use_sliding_window: bool, use_logits_soft_cap: bool,
+    mask_mode: MaskMode, kv_layout: KVLayout, kv_storage: KVStorage,
+) -> VariantSpec:
+    """The spec of a decode or prefill kernel for these shapes and options."""
+    if num_kv_heads < 1 or num_qo_heads < 1 or num_qo_heads % num_kv_heads != 0:
+        raise ValueError(
+            f"num_qo_heads={num_qo_heads} must be a positive multiple of num_kv_heads={num_kv_heads} "
+            "(MHA: equal, GQA: a multiple, MQA: num_kv_heads=1)"
+        )
+    if target is Target.CPU:
+        from ..spec import check_head_dims
+
+        check_head_dims(head_dim_qk, head_dim_vo)  # validated even where it is a run-time value
+        return VariantSpec(op=op, target=target, q_dtype=q_dtype, kv_dtype=kv_dtype, o_dtype=o_dtype)
+    return VariantSpec(
+        op=op, target=target, q_dtype=q_dtype, kv_dtype=kv_dtype, o_dtype=o_dtype,
+        head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo, group_size=num_qo_heads // num_kv_heads,
+        pos_encoding=pos_encoding, use_sliding_window=use_sliding_window, use_logits_soft_cap=use_logits_soft_cap,
+        mask_mode=mask_mode if op is Op.PREFILL else None, kv_layout=kv_layout,
+        kv_storage=kv_storage,
+    )
+
+
+def merge_spec(target: Target, dtype: torch.dtype) -> VariantSpec:
+    return VariantSpec(op=Op.MERGE, target=target, o_dtype=dtype)
+
+
+def append_spec(target: Target, kv_dtype: torch.dtype) -> VariantSpec:
+    return VariantSpec(op=Op.APPEND, target=target, kv_dtype=kv_dtype)

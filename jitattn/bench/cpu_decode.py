@@ -1,0 +1,119 @@
+"""Decode on the cpu target: jitattn's generic attention kernel vs torch SDPA.
+
+Run: ``python -m jitattn.bench.cpu_decode [--batch 16 --kv-len 1024 ...]``.
+
+One decode step (one query per request) over a paged KV cache (NHD, pages in a
+shuffled order, like a live cache) for jitattn, and over the same data as a
+contiguous ``[batch, heads, kv_len, dim]`` float32 tensor for
+``torch.nn.functional.scaled_dot_product_attention`` (``enable_gqa=True``).
+Bytes per call = K + V read + q read + o written, in each kernel's own dtypes.
+Each figure is the median of ``--iters`` timed calls after warm-up.
+
+Measured (2-core AMD EPYC VM, torch 2.13 CPU with AVX512 kernels, g++ 12
+-O3 without -march; batch 16, kv_len 1024, 32/8 heads, head_dim 128, page 16):
+
+    kernel                     us      GB/s
+    jitattn f32 (paged)      ~7000     ~19
+    jitattn bf16 (paged)     ~4300     ~16
+    torch SDPA f32           ~9700     ~14
+
+(see the final numbers printed by a run; they vary by a few percent.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import time
+
+import torch
+
+import jitattn
+from jitattn.attention.launch import AttentionScalars, launch_attention
+from jitattn.spec import KVLayout, PosEncoding, VariantSpec
+
+
+def _median_us(fn, iters: int, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        started = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times) * 1e6
+
+
+def _report(name: str, us: float, num_bytes: int) -> None:
+    print(f"{name:<28}{us:>10.0f} us{num_bytes / (us * 1e-6) / 1e9:>10.1f} GB/s")
+
+
+def bench(batch: int, kv_len: int, num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
+          iters: int) -> None:
+    torch.manual_seed(0)
+    pages_per_request = math.ceil(kv_len / page_size)
+    num_pages = batch * pages_per_request
+    kv_indices = torch.randperm(num_pages, dtype=torch.int32)
+    kv_indptr = torch.arange(0, num_pages + 1, pages_per_request, dtype=torch.int32)
+    kv_last_page_len = torch.full((batch,), kv_len - (pages_per_request - 1) * page_size, dtype=torch.int32)
+    qo_indptr = torch.arange(batch + 1, dtype=torch.int32)
+    scalars = AttentionScalars(
+        causal=False, pos_encoding=PosEncoding.NONE, window_left=-1, sm_scale=1.0 / math.sqrt(head_dim),
+        logits_soft_cap=0.0, rope_scale=1.0, rope_theta=1e4,
+    )
+    cache_f32 = torch.randn(num_pages, 2, page_size, num_kv_heads, head_dim)
+    q_f32 = torch.randn(batch, num_qo_heads, head_dim)
+
+    # The same keys/values, contiguous per request, for SDPA: [batch, kv_heads, kv_len, dim].
+    gathered = cache_f32[kv_indices.long()].view(batch, pages_per_request, 2, page_size, num_kv_heads, head_dim)
+    gathered = gathered.permute(2, 0, 4, 1, 3, 5).reshape(2, batch, num_kv_heads, -1, head_dim)[:, :, :, :kv_len]
+    k_sdpa, v_sdpa = gathered[0].contiguous(), gathered[1].contiguous()
+    q_sdpa = q_f32.unsqueeze(2)  # [batch, heads, 1, dim]
+
+    def sdpa():
+        return torch.nn.functional.scaled_dot_product_attention(q_sdpa, k_sdpa, v_sdpa, enable_gqa=True)
+
+    expected = sdpa().squeeze(2)
+    print(f"decode: batch {batch}, kv_len {kv_len}, heads {num_qo_heads}/{num_kv_heads}, head_dim {head_dim}, "
+          f"page_size {page_size}, {torch.get_num_threads()} threads")
+    for dtype, name in ((torch.float32, "f32"), (torch.bfloat16, "bf16")):
+        module = jitattn.load(VariantSpec(op="decode", target="cpu", q_dtype=name, kv_dtype=name, o_dtype=name))
+        cache = cache_f32.to(dtype)
+        q = q_f32.to(dtype)
+        o = torch.empty(batch, num_qo_heads, head_dim, dtype=dtype)
+
+        def run(module=module, cache=cache, q=q, o=o):
+            launch_attention(
+                module, q=q, k=cache[:, 0], v=cache[:, 1], o=o, lse=None, qo_indptr=qo_indptr,
+                kv_indptr=kv_indptr, kv_indices=kv_indices, kv_last_page_len=kv_last_page_len,
+                page_size=page_size, kv_layout=KVLayout.NHD, custom_mask=None, mask_indptr=None,
+                num_kv_heads=num_kv_heads, scalars=scalars,
+            )
+
+        run()
+        error = (o.float() - expected).abs().max().item()
+        kv_bytes = 2 * batch * kv_len * num_kv_heads * head_dim * cache.element_size()
+        qo_bytes = 2 * batch * num_qo_heads * head_dim * q.element_size()
+        _report(f"jitattn {name} (paged)", _median_us(run, iters), kv_bytes + qo_bytes)
+        print(f"{'':<28}max |o - sdpa| = {error:.1e}")
+    kv_bytes = 2 * batch * kv_len * num_kv_heads * head_dim * 4
+    qo_bytes = 2 * batch * num_qo_heads * head_dim * 4
+    _report("torch SDPA f32 (enable_gqa)", _median_us(sdpa, iters), kv_bytes + qo_bytes)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--kv-len", type=int, default=1024)
+    parser.add_argument("--num-qo-heads", type=int, default=32)
+    parser.add_argument("--num-kv-heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--iters", type=int, default=20)
+    args = parser.parse_args(argv)
+    bench(args.batch, args.kv_len, args.num_qo_heads, args.num_kv_heads, args.head_dim, args.page_size, args.iters)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,190 @@
+"""Host-side planning: page-table checks, lengths and the split-KV schedule.
+
+Pure functions over host tensors/lists, so they are unit-tested on their own.
+Wrappers call them once per ``plan()``; ``run()`` then only launches.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class PagedIndex:
+    """A validated page table, on the host."""
+
+    indptr: torch.Tensor  # int32 [batch + 1]
+    indices: torch.Tensor  # int32 [>= indptr[-1]]
+    last_page_len: torch.Tensor  # int32 [batch]
+    page_size: int
+    kv_lens: tuple[int, ...]
+    max_page_index: int  # -1 when no page is referenced
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.kv_lens)
+
+
+def to_host_int32(name: str, tensor: torch.Tensor, ndim: int = 1) -> torch.Tensor:
+    """A host copy of an int32 index tensor (one device->host copy if it is on a GPU)."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of int32, got {type(tensor).__name__}")
+    if tensor.dtype != torch.int32:
+        raise TypeError(f"{name} has dtype {tensor.dtype}; index arrays must be int32 (use .int())")
+    if tensor.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(tensor.shape)}")
+    return tensor.detach().to("cpu").contiguous()
+
+
+def check_indptr(name: str, indptr: torch.Tensor) -> torch.Tensor:
+    host = to_host_int32(name, indptr)
+    if host.numel() < 1:
+        raise ValueError(f"{name} must have batch_size + 1 >= 1 entries")
+    if host[0].item() != 0:
+        raise ValueError(f"{name}[0] must be 0, got {host[0].item()}")
+    if host.numel() > 1 and bool((host[1:] < host[:-1]).any()):
+        raise ValueError(f"{name} must be non-decreasing")
+    return host
+
+
+def check_paged_index(
+    indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tensor, page_size: int,
+    *, names: tuple[str, str, str] = ("indptr", "indices", "last_page_len"),
+) -> PagedIndex:
+    """Validate a page table and compute each request's KV length.
+
+    kv_len = (num_pages - 1) * page_size + last_page_len, and 0 for a request
+    with no pages. last_page_len must lie in [1, page_size] for a request
+    with pages.
+    """
+    if not isinstance(page_size, int) or page_size < 1:
+        raise ValueError(f"page_size={page_size!r} must be a positive int")
+    indptr_h = check_indptr(names[0], indptr)
+    indices_h = to_host_int32(names[1], indices)
+    last_h = to_host_int32(names[2], last_page_len)
+    batch = indptr_h.numel() - 1
+    if last_h.numel() != batch:
+        raise ValueError(f"{names[2]} has {last_h.numel()} entries; expected batch_size = {batch} (len({names[0]}) - 1)")
+    total_pages = int(indptr_h[-1])
+    if total_pages > indices_h.numel():
+        raise ValueError(f"{names[0]}[-1] = {total_pages} exceeds len({names[1]}) = {indices_h.numel()}")
+    used = indices_h[:total_pages]
+    if total_pages and int(used.min()) < 0:
+        raise ValueError(f"{names[1]} has a negative page index ({int(used.min())})")
+    num_pages = (indptr_h[1:] - indptr_h[:-1]).tolist()
+    lasts = last_h.tolist()
+    kv_lens = []
+    for r, (pages, last) in enumerate(zip(num_pages, lasts)):
+        if pages == 0:
+            kv_lens.append(0)
+            continue
+        if not 1 <= last <= page_size:
+            raise ValueError(
+                f"{names[2]}[{r}] = {last} is out of range: a request with pages needs 1 <= last_page_len <= "
+                f"page_size ({page_size})"
+            )
+        kv_lens.append((pages - 1) * page_size + last)
+    return PagedIndex(
+        indptr=indptr_h, indices=indices_h, last_page_len=last_h, page_size=page_size,
+        kv_lens=tuple(kv_lens), max_page_index=int(used.max()) if total_pages else -1,
+    )
+
+
+def check_page_pool(index: PagedIndex, num_pages_in_cache: int, indices_name: str = "indices") -> None:
+    """Refuse page indices past the end of the KV pool."""
+    if index.max_page_index >= num_pages_in_cache:
+        raise ValueError(
+            f"{indices_name} references page {index.max_page_index} but the kv cache has only "
+            f"{num_pages_in_cache} pages"
+        )
+
+
+@dataclass(frozen=True)
+class SplitPlan:
+    """How each request's KV is cut into chunks processed in parallel."""
+
+    kv_chunk_size: int  # tokens per chunk; 0 = no split
+    split_indptr: tuple[int, ...]  # first chunk index of each request; len batch + 1
+
+    @property
+    def num_chunks(self) -> int:
+        return self.split_indptr[-1]
+
+
+def plan_decode_split(
+    kv_lens: tuple[int, ...], *, num_kv_heads: int, num_sms: int, page_size: int,
+    fixed_split_size: int | None = None, disable_split_kv: bool = False, min_chunk_tokens: int = 256,
+) -> SplitPlan:
+    """Choose the split-KV chunk size for a decode batch.
+
+    Split only when the batch alone cannot fill the GPU: aim for about two
+    blocks per SM, never cut chunks smaller than ``min_chunk_tokens``, and
+    keep chunk boundaries on page boundaries. ``fixed_split_size`` (in pages)
+    forces a chunk size, which makes results independent of the batch's
+    composition.
+    """
+    batch = len(kv_lens)
+    if disable_split_kv or batch == 0:
+        return SplitPlan(0, tuple(range(batch + 1)))
+    if fixed_split_size is not None:
+        if fixed_split_size < 1:
+            raise ValueError(f"fixed_split_size={fixed_split_size} must be >= 1 (pages per chunk)")
+        chunk = fixed_split_size * page_size
+    else:
+        blocks = batch * num_kv_heads
+        target = 2 * num_sms
+        if blocks >= target:
+            return SplitPlan(0, tuple(range(batch + 1)))
+        splits_per_request = math.ceil(target / blocks)
+        longest = max(kv_lens)
+        chunk = max(min_chunk_tokens, math.ceil(longest / splits_per_request))
+        chunk = math.ceil(chunk / page_size) * page_size
+        if chunk >= longest:
+            return SplitPlan(0, tuple(range(batch + 1)))
+    indptr = [0]
+    for kv_len in kv_lens:
+        indptr.append(indptr[-1] + max(1, math.ceil(kv_len / chunk)))
+    return SplitPlan(chunk, tuple(indptr))
+
+
+def split_workspace_bytes(num_chunks: int, num_qo_heads: int, head_dim_vo: int) -> int:
+    """Bytes of float workspace a split plan needs: fp32 partial o and lse per chunk and head."""
+    return num_chunks * num_qo_heads * (head_dim_vo + 1) * 4
+
+
+def packed_mask_indptr(qo_lens: list[int], kv_lens: list[int]) -> torch.Tensor:
+    """Byte offset of each request's bit-packed qo_len x kv_len mask (each starts on a byte)."""
+    sizes = [(q * k + 7) // 8 for q, k in zip(qo_lens, kv_lens)]
+    out = [0]
+    for size in sizes:
+        out.append(out[-1] + size)
+    return torch.tensor(out, dtype=torch.int32)
+
+
+def segment_packbits(custom_mask: torch.Tensor, qo_lens: list[int], kv_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pack FlashInfer's flattened boolean mask per request, bit i of a request at byte i//8, bit i%8.
+
+    Returns (packed uint8, mask_indptr int32 in bytes).
+    """
+    mask = custom_mask.detach().to("cpu").reshape(-1)
+    if mask.dtype != torch.bool:
+        raise TypeError(f"custom_mask has dtype {mask.dtype}; pass a bool mask (or packed_custom_mask as uint8)")
+    expected = sum(q * k for q, k in zip(qo_lens, kv_lens))
+    if mask.numel() != expected:
+        raise ValueError(
+            f"custom_mask has {mask.numel()} elements; the requests' qo_len*kv_len sum to {expected} "
+            "(flattened row-major per request, concatenated)"
+        )
+    weights = torch.tensor([1 << i for i in range(8)], dtype=torch.uint8)
+    chunks, offset = [], 0
+    for q, k in zip(qo_lens, kv_lens):
+        bits = mask[offset: offset + q * k]
+        offset += q * k
+        padded = torch.zeros((bits.numel() + 7) // 8 * 8, dtype=torch.uint8)
+        padded[: bits.numel()] = bits.to(torch.uint8)
+        chunks.append((padded.view(-1, 8) * weights).sum(dim=1, dtype=torch.uint8) if padded.numel() else padded)
+    packed = torch.cat(chunks) if chunks else torch.zeros(0, dtype=torch.uint8)
+    return packed, packed_mask_indptr(qo_lens, kv_lens)

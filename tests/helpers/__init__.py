@@ -1,0 +1,1 @@
+"""Helpers shared by the cache tests (child-process runner, a compiler wrapper)."""
