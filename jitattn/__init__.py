@@ -11,8 +11,16 @@ __version__ = "0.1.0"
 from .spec import DType, KVLayout, KVStorage, MaskMode, Op, PosEncoding, Target, VariantSpec  # noqa: E402
 from .jit import build_many, load  # noqa: E402
 from .attention.merge import merge_state, merge_state_in_place, merge_states  # noqa: E402
+from .decode import BatchDecodeWithPagedKVCacheWrapper, single_decode_with_kv_cache  # noqa: E402
+from .prefill import (  # noqa: E402
+    BatchPrefillWithPagedKVCacheWrapper, BatchPrefillWithRaggedKVCacheWrapper, single_prefill_with_kv_cache,
+)
+from .cascade import MultiLevelCascadeAttentionWrapper  # noqa: E402
 
 __all__ = [
-    "DType", "KVLayout", "KVStorage", "MaskMode", "Op", "PosEncoding", "Target", "VariantSpec",
-    "build_many", "load", "merge_state", "merge_state_in_place", "merge_states",
+    "BatchDecodeWithPagedKVCacheWrapper", "BatchPrefillWithPagedKVCacheWrapper",
+    "BatchPrefillWithRaggedKVCacheWrapper", "DType", "KVLayout", "KVStorage", "MaskMode",
+    "MultiLevelCascadeAttentionWrapper", "Op", "PosEncoding", "Target", "VariantSpec", "build_many", "load",
+    "merge_state", "merge_state_in_place", "merge_states", "single_decode_with_kv_cache",
+    "single_prefill_with_kv_cache",
 ]

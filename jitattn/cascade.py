@@ -1,0 +1,103 @@
+"""Cascade attention: shared-prefix levels computed once, merged by LSE.
+
+Level i has its own page table and ``qo_indptr``: a level's "request" is a
+node of the prefix tree, whose queries are all the query tokens below that
+node and whose KV is the node's own pages. Each level runs once; the levels'
+states are merged with ``merge_state_in_place`` (natural-log LSE). Causal
+masking applies to the last level only (the earlier levels are prefixes every
+query sees whole).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .attention.merge import merge_state, merge_state_in_place, merge_states
+from .attention.options import parse_pos_encoding
+from .prefill import BatchPrefillWithPagedKVCacheWrapper
+from .spec import PosEncoding
+
+__all__ = ["MultiLevelCascadeAttentionWrapper", "merge_state", "merge_state_in_place", "merge_states"]
+
+
+class MultiLevelCascadeAttentionWrapper:
+    """Multi-level cascade attention over a paged KV cache (FlashInfer-compatible)."""
+
+    def __init__(
+        self, num_levels: int, float_workspace_buffer: torch.Tensor, kv_layout: str = "NHD",
+        use_cuda_graph: bool = False, qo_indptr_buf_arr: list[torch.Tensor] | None = None,
+        paged_kv_indptr_buf_arr: list[torch.Tensor] | None = None,
+        paged_kv_indices_buf_arr: list[torch.Tensor] | None = None,
+        paged_kv_last_page_len_buf_arr: list[torch.Tensor] | None = None,
+    ) -> None:
+        if not isinstance(num_levels, int) or num_levels < 1:
+            raise ValueError(f"num_levels={num_levels!r} must be a positive int")
+        self._num_levels = num_levels
+
+        def buf(arr, i):
+            return arr[i] if arr is not None else None
+
+        self._wrappers = [
+            BatchPrefillWithPagedKVCacheWrapper(
+                float_workspace_buffer, kv_layout, use_cuda_graph=use_cuda_graph,
+                qo_indptr_buf=buf(qo_indptr_buf_arr, i), paged_kv_indptr_buf=buf(paged_kv_indptr_buf_arr, i),
+                paged_kv_indices_buf=buf(paged_kv_indices_buf_arr, i),
+                paged_kv_last_page_len_buf=buf(paged_kv_last_page_len_buf_arr, i),
+            )
+            for i in range(num_levels)
+        ]
+
+    def reset_workspace_buffer(self, float_workspace_buffer: torch.Tensor, int_workspace_buffers=None) -> None:
+        for wrapper in self._wrappers:
+            wrapper.reset_workspace_buffer(float_workspace_buffer)
+
+    def plan(
+        self, qo_indptr_arr: list[torch.Tensor], paged_kv_indptr_arr: list[torch.Tensor],
+        paged_kv_indices_arr: list[torch.Tensor], paged_kv_last_page_len: list[torch.Tensor],
+        num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int, causal: bool = False,
+        pos_encoding_mode: str = "NONE", use_fp16_qk_reduction: bool = False, sm_scale: float | None = None,
+        window_left: int = -1, logits_soft_cap: float | None = None, rope_scale: float | None = None,
+        rope_theta: float | None = None, q_data_type: str | torch.dtype = "float16",
+        kv_data_type: str | torch.dtype | None = None,
+    ) -> None:
+        """Plan every level: ``*_arr[i]`` is level i's index array (one entry per level)."""
+        for name, arr in (("qo_indptr_arr", qo_indptr_arr), ("paged_kv_indptr_arr", paged_kv_indptr_arr),
+                          ("paged_kv_indices_arr", paged_kv_indices_arr),
+                          ("paged_kv_last_page_len", paged_kv_last_page_len)):
+            if len(arr) != self._num_levels:
+                raise ValueError(f"{name} has {len(arr)} entries; this wrapper has num_levels={self._num_levels}")
+        if parse_pos_encoding(pos_encoding_mode) is not PosEncoding.NONE or window_left >= 0:
+            raise ValueError(
+                "cascade levels see positions relative to their own KV, so in-kernel RoPE/ALiBi and sliding "
+                "windows would be wrong; apply RoPE before writing the cache and use pos_encoding_mode='NONE', "
+                "window_left=-1 (or use the flat wrappers)"
+            )
+        totals = {int(qo[-1]) for qo in qo_indptr_arr}
+        if len(totals) != 1:
+            raise ValueError(f"every level's qo_indptr must end at the same token count; got {sorted(totals)}")
+        for level, wrapper in enumerate(self._wrappers):
+            wrapper.plan(
+                qo_indptr_arr[level], paged_kv_indptr_arr[level], paged_kv_indices_arr[level],
+                paged_kv_last_page_len[level], num_qo_heads, num_kv_heads, head_dim, page_size,
+                causal=causal if level == self._num_levels - 1 else False,
+                use_fp16_qk_reduction=use_fp16_qk_reduction, sm_scale=sm_scale, logits_soft_cap=logits_soft_cap,
+                q_data_type=q_data_type, kv_data_type=kv_data_type,
+            )
+
+    begin_forward = plan
+
+    def end_forward(self) -> None:
+        """No-op kept for older FlashInfer call sites."""
+
+    def run(
+        self, q: torch.Tensor, paged_kv_cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor], *,
+        k_scale: float | None = None, v_scale: float | None = None,
+    ) -> torch.Tensor:
+        """q ``[total_qo, num_qo_heads, head_dim]`` -> attention over every level's KV."""
+        out, lse = self._wrappers[0].run(q, paged_kv_cache, k_scale=k_scale, v_scale=v_scale, return_lse=True)
+        for wrapper in self._wrappers[1:]:
+            level_out, level_lse = wrapper.run(q, paged_kv_cache, k_scale=k_scale, v_scale=v_scale, return_lse=True)
+            merge_state_in_place(out, lse, level_out, level_lse)
+        return out
+
+    forward = run
