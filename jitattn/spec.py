@@ -349,3 +349,72 @@ def _plain(value: Any) -> Any:
 
 def _show(value: Any) -> str:
     return repr(_plain(value))
+
+
+_ATTENTION_DEFAULTS: dict[str, Any] = {
+    "pos_encoding": PosEncoding.NONE, "use_sliding_window": False, "use_logits_soft_cap": False,
+    "mask_mode": MaskMode.NONE,
+}
+
+
+def parse_spec_text(text: str) -> VariantSpec:
+    """A spec from its text form: a uri (``decode_paged_cuda_bf16_hd128_g4_nhd``) or
+    ``key=value`` pairs separated by commas (``op=merge,target=cpu,o_dtype=bf16``).
+
+    In the uri form, boolean and enum axes a kernel specialises on default to
+    off/none when their token is absent, as the grammar prints them.
+    """
+    text = text.strip()
+    if "=" in text:
+        values: dict[str, Any] = {}
+        for pair in text.split(","):
+            key, _, raw = pair.partition("=")
+            key, raw = key.strip(), raw.strip()
+            if key in ("head_dim_qk", "head_dim_vo", "group_size"):
+                values[key] = int(raw)
+            elif key in ("use_sliding_window", "use_logits_soft_cap"):
+                values[key] = raw.lower() in ("1", "true", "yes", "on")
+            else:
+                values[key] = raw
+        return VariantSpec.from_dict(values)
+    return _parse_uri(text)
+
+
+def _parse_uri(uri: str) -> VariantSpec:
+    tokens = uri.split("_")
+    values: dict[str, Any] = {"op": Op.parse(tokens.pop(0), "op")}
+    if tokens and tokens[0] in ("paged", "ragged"):
+        values["kv_storage"] = tokens.pop(0)
+    values["target"] = Target.parse(tokens.pop(0) if tokens else "", "target")
+    base = DType.parse(tokens.pop(0), "dtype") if tokens else None
+    for token in tokens:
+        if token.startswith("kv") and token not in ("kv",):
+            values["kv_dtype"] = DType.parse(token[2:], "kv_dtype")
+        elif token.startswith("o") and token[1:] in {d.value for d in DType}:
+            values["o_dtype"] = DType.parse(token[1:], "o_dtype")
+        elif token.startswith("hd"):
+            qk, _, vo = token[2:].partition("x")
+            values["head_dim_qk"], values["head_dim_vo"] = int(qk), int(vo or qk)
+        elif token.startswith("g") and token[1:].isdigit():
+            values["group_size"] = int(token[1:])
+        elif token in ("rope", "alibi"):
+            values["pos_encoding"] = token
+        elif token == "swa":
+            values["use_sliding_window"] = True
+        elif token == "softcap":
+            values["use_logits_soft_cap"] = True
+        elif token in ("causal", "custom"):
+            values["mask_mode"] = token
+        elif token in ("nhd", "hnd"):
+            values["kv_layout"] = token
+        else:
+            raise ValueError(f"uri {uri!r}: unknown token {token!r} (see the grammar in jitattn.spec)")
+    axes = SPECIALIZED_AXES[(values["op"], values["target"])]
+    if base is not None:
+        for name in ("q_dtype", "kv_dtype", "o_dtype"):
+            if name in axes:
+                values.setdefault(name, base)
+    for name, default in _ATTENTION_DEFAULTS.items():
+        if name in axes:
+            values.setdefault(name, default)
+    return VariantSpec(**values)

@@ -45,3 +45,33 @@ def merge_spec(target: Target, dtype: torch.dtype) -> VariantSpec:
 
 def append_spec(target: Target, kv_dtype: torch.dtype) -> VariantSpec:
     return VariantSpec(op=Op.APPEND, target=target, kv_dtype=kv_dtype)
+
+
+def model_specs(
+    target: Target, *, num_qo_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+    kv_dtype: torch.dtype, sliding_window: bool = False, full_attention_too: bool = True,
+    logits_soft_cap: bool = False, kv_layout: KVLayout = KVLayout.NHD,
+) -> list[VariantSpec]:
+    """Every spec a model's decode, prefill (paged and ragged), cascade, merge and append paths request.
+
+    ``sliding_window`` adds the windowed variants; ``full_attention_too``
+    keeps the unwindowed ones (models that alternate layers need both).
+    """
+    windows = [True] if sliding_window and not full_attention_too else ([False, True] if sliding_window else [False])
+    common = dict(
+        q_dtype=dtype, kv_dtype=kv_dtype, o_dtype=dtype, head_dim_qk=head_dim, head_dim_vo=head_dim,
+        num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, pos_encoding=PosEncoding.NONE,
+        use_logits_soft_cap=logits_soft_cap, kv_layout=kv_layout,
+    )
+    specs: list[VariantSpec] = []
+    for window in windows:
+        specs.append(attention_spec(Op.DECODE, target, use_sliding_window=window, mask_mode=MaskMode.NONE,
+                                    kv_storage=KVStorage.PAGED, **common))
+        for storage in (KVStorage.PAGED, KVStorage.RAGGED):
+            # causal for prefill/append, none for the shared-prefix levels of cascade
+            for mask in (MaskMode.CAUSAL, MaskMode.NONE):
+                specs.append(attention_spec(Op.PREFILL, target, use_sliding_window=window, mask_mode=mask,
+                                            kv_storage=storage, **common))
+    specs.append(merge_spec(target, dtype))
+    specs.append(append_spec(target, kv_dtype))
+    return list(dict.fromkeys(specs))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import posixpath
 import re
 from pathlib import Path
 
@@ -14,7 +15,7 @@ from ..spec import Target, VariantSpec
 from .templates import include_dir, template_root
 
 _SOURCE_SUFFIX = {Target.CUDA: ".cu", Target.CPU: ".cpp"}
-_INCLUDE_RE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
+_INCLUDE_RE = re.compile(r'^\s*#\s*include\s*([<"])([^>"]+)[>"]', re.MULTILINE)
 
 
 @functools.cache
@@ -39,7 +40,13 @@ def render(spec: VariantSpec) -> dict[str, str]:
         "entries": {e.name: e for e in entries},
         **fam.context(spec),
     }
-    template = _environment(template_root()).get_template(fam.TEMPLATES[spec.target.value])
+    try:
+        template = _environment(template_root()).get_template(fam.TEMPLATES[spec.target.value])
+    except jinja2.TemplateNotFound:
+        raise NotImplementedError(
+            f"{spec.uri}: op {spec.op.value!r} has no kernel template for target {spec.target.value!r} "
+            "in this version of jitattn"
+        ) from None
     return {
         "params.h": c_header(entries),
         "kernel" + _SOURCE_SUFFIX[spec.target]: template.render(context),
@@ -47,17 +54,30 @@ def render(spec: VariantSpec) -> dict[str, str]:
 
 
 def included_headers(sources: dict[str, str], target: Target) -> dict[str, str]:
-    """Every hand-written header the sources include (transitively): {relative path: text}."""
+    """Every hand-written header the sources include (transitively): {relative path: text}.
+
+    Resolved the way the compiler does: a quoted include is looked up next to the
+    including file first, then in the -I dirs (the rendered sources, then ``include_dir``).
+    """
     inc = include_dir(target.value)
     found: dict[str, str] = {}
-    pending = list(sources.values())
+    # (directory of the including file relative to ``inc``, or None for a rendered source; its text)
+    pending: list[tuple[str | None, str]] = [(None, text) for text in sources.values()]
     while pending:
-        text = pending.pop()
-        for name in _INCLUDE_RE.findall(text):
-            if name in sources or name in found:
-                continue
-            path = inc / name
-            if path.is_file():
-                found[name] = path.read_text()
-                pending.append(found[name])
+        here, text = pending.pop()
+        for quote, name in _INCLUDE_RE.findall(text):
+            search = ([here] if quote == '"' else []) + [None, ""]
+            for base in search:
+                if base is None:  # the rendered sources' dir: those files are keyed already
+                    if name in sources:
+                        break
+                    continue
+                rel = posixpath.normpath(posixpath.join(base, name))
+                if rel in found:
+                    break
+                if rel.startswith("../") or posixpath.isabs(rel) or not (inc / rel).is_file():
+                    continue
+                found[rel] = (inc / rel).read_text()
+                pending.append((posixpath.dirname(rel), found[rel]))
+                break
     return dict(sorted(found.items()))

@@ -1,0 +1,362 @@
+"""Paged KV cache maintenance: appending tokens and the index math around it.
+
+FlashInfer-compatible (``flashinfer.page``): same names, same argument order.
+
+Cache formats accepted by ``append_paged_kv_cache`` (``kv_layout`` "NHD" / "HND"):
+
+- one 5-D tensor ``[pages, 2, page_size, H_kv, D]`` (NHD) or ``[pages, 2, H_kv, page_size, D]`` (HND),
+  index 0 of dim 1 the keys, 1 the values;
+- a ``(k_cache, v_cache)`` tuple of 4-D tensors ``[pages, page_size, H_kv, D]`` (NHD) or
+  ``[pages, H_kv, page_size, D]`` (HND);
+- a ``(k_cache, v_cache)`` tuple of 3-D tensors ``[tokens, H_kv, D]``: page_size 1 (layout irrelevant).
+
+Request ``r`` owns pages ``kv_indices[kv_indptr[r]:kv_indptr[r+1]]`` in order; position ``pos``
+of it lives in page ``kv_indices[kv_indptr[r] + pos // page_size]``, slot ``pos % page_size``.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence, Union
+
+import torch
+
+from ..families.append import SRC_BF16, SRC_F16, SRC_F32, SRC_SAME
+from ..jit import load
+from ..spec import KVLayout, Op, Target, VariantSpec
+from .checks import check_tensor, cpu_threads, stream_handle, target_of
+
+__all__ = ["append_paged_kv_cache", "get_batch_indices_positions", "get_seq_lens"]
+
+PagedKVCache = Union[torch.Tensor, Sequence[torch.Tensor]]
+
+_CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)
+_SRC_CODES = {torch.float32: SRC_F32, torch.float16: SRC_F16, torch.bfloat16: SRC_BF16}
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+class _CacheView:
+    """The k and v tensors of a paged cache and their (page, slot, head) strides in elements."""
+
+    def __init__(self, paged_kv_cache: PagedKVCache, layout: KVLayout) -> None:
+        if isinstance(paged_kv_cache, torch.Tensor):
+            if paged_kv_cache.dim() != 5 or paged_kv_cache.shape[1] != 2:
+                raise ValueError(
+                    "paged_kv_cache as one tensor must be [pages, 2, page_size, num_kv_heads, head_dim] (NHD) or "
+                    f"[pages, 2, num_kv_heads, page_size, head_dim] (HND); got shape {tuple(paged_kv_cache.shape)}"
+                )
+            k, v = paged_kv_cache[:, 0], paged_kv_cache[:, 1]
+        elif isinstance(paged_kv_cache, (tuple, list)):
+            if len(paged_kv_cache) != 2:
+                raise ValueError(f"paged_kv_cache as a tuple must be (k_cache, v_cache); got {len(paged_kv_cache)} items")
+            k, v = paged_kv_cache
+            for name, t in (("k_cache", k), ("v_cache", v)):
+                if not isinstance(t, torch.Tensor):
+                    raise TypeError(f"paged_kv_cache: {name} must be a torch.Tensor, got {type(t).__name__}")
+            if k.dim() != v.dim() or k.dim() not in (3, 4):
+                raise ValueError(
+                    "paged_kv_cache as a tuple must hold two 4-D tensors [pages, page_size, num_kv_heads, head_dim] "
+                    "(NHD) / [pages, num_kv_heads, page_size, head_dim] (HND), or two 3-D tensors "
+                    f"[tokens, num_kv_heads, head_dim] (page_size 1); got shapes {tuple(k.shape)} and {tuple(v.shape)}"
+                )
+        else:
+            raise TypeError(
+                "paged_kv_cache must be a 5-D tensor or a (k_cache, v_cache) tuple, "
+                f"got {type(paged_kv_cache).__name__}"
+            )
+        if tuple(k.shape) != tuple(v.shape):
+            raise ValueError(f"paged_kv_cache: k_cache {tuple(k.shape)} and v_cache {tuple(v.shape)} differ in shape")
+        if k.dtype != v.dtype:
+            raise TypeError(f"paged_kv_cache: k_cache is {_name(k.dtype)} but v_cache is {_name(v.dtype)}")
+        if k.device != v.device:
+            raise ValueError(f"paged_kv_cache: k_cache is on {k.device} but v_cache is on {v.device}")
+        for name, t in (("k_cache", k), ("v_cache", v)):
+            check_tensor(f"paged_kv_cache ({name})", t, dtypes=_CACHE_DTYPES)
+        self.k, self.v = k, v
+        if k.dim() == 3:  # [tokens, heads, dim]: page_size 1, a page is a token
+            self.num_pages, self.num_heads, self.head_dim = k.shape
+            self.page_size = 1
+            self.k_strides = (k.stride(0), 0, k.stride(1))
+            self.v_strides = (v.stride(0), 0, v.stride(1))
+        elif layout is KVLayout.NHD:  # [pages, page_size, heads, dim]
+            self.num_pages, self.page_size, self.num_heads, self.head_dim = k.shape
+            self.k_strides = (k.stride(0), k.stride(1), k.stride(2))
+            self.v_strides = (v.stride(0), v.stride(1), v.stride(2))
+        else:  # HND: [pages, heads, page_size, dim]
+            self.num_pages, self.num_heads, self.page_size, self.head_dim = k.shape
+            self.k_strides = (k.stride(0), k.stride(2), k.stride(1))
+            self.v_strides = (v.stride(0), v.stride(2), v.stride(1))
+        if self.page_size < 1:
+            raise ValueError(f"paged_kv_cache has page_size {self.page_size}; it must be at least 1")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.k.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.k.device
+
+
+def _check_index(name: str, tensor: torch.Tensor, cache_device: torch.device) -> None:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor (int32), got {type(tensor).__name__}")
+    if tensor.dim() != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {tuple(tensor.shape)}")
+    if tensor.dtype != torch.int32:
+        raise TypeError(f"{name} has dtype {_name(tensor.dtype)}; index arrays must be int32 (use .int())")
+    if tensor.device.type != "cpu" and tensor.device != cache_device:
+        raise ValueError(
+            f"{name} is on {tensor.device} but paged_kv_cache is on {cache_device}; index arrays must be on "
+            "the cache's device or on the host (cpu)"
+        )
+
+
+def _validate_host_indices(
+    batch_indices: torch.Tensor, positions: torch.Tensor, kv_indices: torch.Tensor, kv_indptr: torch.Tensor,
+    kv_last_page_len: torch.Tensor, num_pages: int, page_size: int,
+) -> None:
+    """Range checks on whichever index arrays are on the host (no device sync is ever needed)."""
+    batch_size = kv_indptr.shape[0] - 1
+    host = lambda t: t.device.type == "cpu"  # noqa: E731
+    if host(kv_indptr) and batch_size > 0:
+        indptr = kv_indptr.to(torch.int64)
+        if int(indptr[0]) < 0:
+            raise ValueError(f"kv_indptr[0]={int(indptr[0])} must be >= 0")
+        steps = indptr[1:] - indptr[:-1]
+        if bool((steps < 0).any()):
+            r = int(torch.nonzero(steps < 0)[0])
+            raise ValueError(f"kv_indptr must be non-decreasing; kv_indptr[{r + 1}] < kv_indptr[{r}]")
+        if int(indptr[-1]) > kv_indices.shape[0]:
+            raise ValueError(
+                f"kv_indptr[-1]={int(indptr[-1])} exceeds len(kv_indices)={kv_indices.shape[0]}"
+            )
+        if host(kv_indices):
+            used = kv_indices[int(indptr[0]):int(indptr[-1])].to(torch.int64)
+            bad = (used < 0) | (used >= num_pages)
+            if bool(bad.any()):
+                i = int(torch.nonzero(bad)[0]) + int(indptr[0])
+                raise IndexError(
+                    f"kv_indices[{i}]={int(kv_indices[i])} is not a page of the cache (it has {num_pages} pages)"
+                )
+    if host(kv_last_page_len) and kv_last_page_len.numel():
+        last = kv_last_page_len.to(torch.int64)
+        bad = (last < 0) | (last > page_size)
+        if bool(bad.any()):
+            r = int(torch.nonzero(bad)[0])
+            raise ValueError(f"kv_last_page_len[{r}]={int(last[r])} is outside [0, page_size={page_size}]")
+    if host(batch_indices) and batch_indices.numel():
+        bi = batch_indices.to(torch.int64)
+        bad = (bi < 0) | (bi >= batch_size)
+        if bool(bad.any()):
+            t = int(torch.nonzero(bad)[0])
+            raise IndexError(f"batch_indices[{t}]={int(bi[t])} is outside [0, batch_size={batch_size})")
+    if host(positions) and positions.numel():
+        pos = positions.to(torch.int64)
+        if bool((pos < 0).any()):
+            t = int(torch.nonzero(pos < 0)[0])
+            raise IndexError(f"positions[{t}]={int(pos[t])} is negative")
+        if host(batch_indices) and host(kv_indptr):
+            indptr = kv_indptr.to(torch.int64)
+            capacity = (indptr[1:] - indptr[:-1]) * page_size
+            cap = capacity[batch_indices.to(torch.int64)]
+            bad = pos >= cap
+            if bool(bad.any()):
+                t = int(torch.nonzero(bad)[0])
+                r = int(batch_indices[t])
+                raise IndexError(
+                    f"positions[{t}]={int(pos[t])} is beyond request {r}'s pages: it holds "
+                    f"{int(capacity[r]) // page_size} pages of {page_size} tokens (capacity {int(capacity[r])}); "
+                    "allocate the pages (kv_indices/kv_indptr) before appending"
+                )
+
+
+def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``tensor`` contiguous on ``device`` without a host sync.
+
+    A pageable host tensor is staged by the copy itself, so the caller may reuse it right after;
+    a pinned one would be read asynchronously, so it is first cloned into pageable memory.
+    """
+    if tensor.device == device:
+        return tensor.contiguous()
+    if tensor.is_pinned():
+        tensor = tensor.clone()
+    return tensor.to(device, non_blocking=True).contiguous()
+
+
+def append_paged_kv_cache(
+    append_key: torch.Tensor,
+    append_value: torch.Tensor,
+    batch_indices: torch.Tensor,
+    positions: torch.Tensor,
+    paged_kv_cache: PagedKVCache,
+    kv_indices: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_last_page_len: torch.Tensor,
+    kv_layout: str = "NHD",
+) -> None:
+    """Write new tokens' keys and values into a paged KV cache, in place.
+
+    Args:
+        append_key, append_value: ``[nnz, num_kv_heads, head_dim]``, float32/float16/bfloat16 or the
+            cache's own dtype; strided views (e.g. slices of a fused qkv tensor) are read in place, but
+            the last dimension must be contiguous.
+        batch_indices, positions: int32 ``[nnz]``: token ``t`` is position ``positions[t]`` of request
+            ``batch_indices[t]`` (see :func:`get_batch_indices_positions`).
+        paged_kv_cache: see the module docstring; float32/float16/bfloat16/float8_e4m3fn/float8_e5m2.
+        kv_indices, kv_indptr, kv_last_page_len: int32 page table of the cache *after* the append
+            (``kv_last_page_len`` is only checked, the write does not need it).
+        kv_layout: ``"NHD"`` or ``"HND"``.
+
+    Values are rounded to the cache dtype as torch's ``.to()`` does (round to nearest even;
+    fp8 e4m3 saturates to +-448, fp8 e5m2 overflows to inf). Index arrays may live on the host or
+    on the cache's device; host-side ones are range-checked before the launch (a position beyond the
+    request's pages raises ``IndexError``). On a CUDA device the kernel runs on the current stream;
+    out-of-range entries of device-side index arrays are skipped, never written out of bounds.
+    """
+    layout = KVLayout.parse(kv_layout, "kv_layout")
+    cache = _CacheView(paged_kv_cache, layout)
+    for name, t in (("append_key", append_key), ("append_value", append_value)):
+        check_tensor(name, t, ndim=3)
+        if t.dtype not in _SRC_CODES and t.dtype != cache.dtype:
+            raise TypeError(
+                f"{name} has dtype {_name(t.dtype)}; use float32, float16, bfloat16 or the cache's dtype "
+                f"({_name(cache.dtype)})"
+            )
+    if append_value.dtype != append_key.dtype:
+        raise TypeError(f"append_key is {_name(append_key.dtype)} but append_value is {_name(append_value.dtype)}")
+    nnz = append_key.shape[0]
+    expected = (nnz, cache.num_heads, cache.head_dim)
+    for name, t in (("append_key", append_key), ("append_value", append_value)):
+        if tuple(t.shape) != expected:
+            raise ValueError(
+                f"{name} has shape {tuple(t.shape)}; expected [nnz, num_kv_heads, head_dim] = {expected} "
+                "to match paged_kv_cache"
+            )
+    target, device = target_of("append_paged_kv_cache", (append_key, append_value, cache.k, cache.v))
+    index_arrays = {
+        "batch_indices": batch_indices, "positions": positions, "kv_indices": kv_indices,
+        "kv_indptr": kv_indptr, "kv_last_page_len": kv_last_page_len,
+    }
+    for name, t in index_arrays.items():
+        _check_index(name, t, device)
+    for name in ("batch_indices", "positions"):
+        if index_arrays[name].shape[0] != nnz:
+            raise ValueError(f"{name} has {index_arrays[name].shape[0]} entries; expected nnz={nnz} (append_key's rows)")
+    if kv_indptr.shape[0] < 1:
+        raise ValueError("kv_indptr must have batch_size + 1 entries; it is empty")
+    batch_size = kv_indptr.shape[0] - 1
+    if kv_last_page_len.shape[0] != batch_size:
+        raise ValueError(
+            f"kv_last_page_len has {kv_last_page_len.shape[0]} entries; expected batch_size={batch_size} "
+            "(len(kv_indptr) - 1)"
+        )
+    _validate_host_indices(batch_indices, positions, kv_indices, kv_indptr, kv_last_page_len,
+                           cache.num_pages, cache.page_size)
+    if nnz == 0 or cache.num_heads == 0 or cache.head_dim == 0:
+        return
+    src_code = SRC_SAME if append_key.dtype == cache.dtype else _SRC_CODES[append_key.dtype]
+    module = load(VariantSpec(op=Op.APPEND, target=target, kv_dtype=cache.dtype))
+    to_dev = {name: _to_device(t, device) for name, t in index_arrays.items() if name != "kv_last_page_len"}
+    params = dict(
+        append_key=append_key.data_ptr(), append_value=append_value.data_ptr(),
+        batch_indices=to_dev["batch_indices"].data_ptr(), positions=to_dev["positions"].data_ptr(),
+        k_cache=cache.k.data_ptr(), v_cache=cache.v.data_ptr(),
+        kv_indices=to_dev["kv_indices"].data_ptr(), kv_indptr=to_dev["kv_indptr"].data_ptr(),
+        nnz=nnz, batch_size=batch_size, num_pages=cache.num_pages, num_heads=cache.num_heads,
+        head_dim=cache.head_dim, page_size=cache.page_size,
+        key_stride_n=append_key.stride(0), key_stride_h=append_key.stride(1),
+        value_stride_n=append_value.stride(0), value_stride_h=append_value.stride(1),
+        k_stride_page=cache.k_strides[0], k_stride_n=cache.k_strides[1], k_stride_h=cache.k_strides[2],
+        v_stride_page=cache.v_strides[0], v_stride_n=cache.v_strides[1], v_stride_h=cache.v_strides[2],
+        src_dtype=src_code, num_threads=cpu_threads(),
+    )
+    if target is Target.CUDA:
+        with torch.cuda.device(device):
+            module.launch("append", stream_handle(device), **params)
+    else:
+        module.launch("append", None, **params)
+
+
+def get_batch_indices_positions(
+    append_indptr: torch.Tensor, seq_lens: torch.Tensor, nnz: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Batch index and position of every appended token (FlashInfer semantics).
+
+    Request ``r`` appends ``a_r = append_indptr[r+1] - append_indptr[r]`` tokens, the last ones of
+    its sequence: they get batch index ``r`` and positions ``seq_lens[r] - a_r, ..., seq_lens[r] - 1``
+    (``seq_lens`` counts tokens *after* the append, e.g. :func:`get_seq_lens` of the new page table).
+
+    Args:
+        append_indptr: ``[batch_size + 1]`` integer tensor.
+        seq_lens: ``[batch_size]`` integer tensor (host or ``append_indptr``'s device).
+        nnz: ``append_indptr[-1]``, the number of appended tokens; passed in so that a CUDA
+            ``append_indptr`` is never read back to the host.
+
+    Returns:
+        ``(batch_indices, positions)``: int32 ``[nnz]`` on ``append_indptr``'s device. Runs as a few
+        torch ops on that device, with no host synchronisation.
+    """
+    for name, t in (("append_indptr", append_indptr), ("seq_lens", seq_lens)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 1 or t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+            raise ValueError(f"{name} must be a 1-D integer tensor, got {_name(t.dtype)} of shape {tuple(t.shape)}")
+    nnz = int(nnz)
+    device = append_indptr.device
+    batch_size = append_indptr.shape[0] - 1
+    if batch_size < 0:
+        raise ValueError("append_indptr must have batch_size + 1 entries; it is empty")
+    if seq_lens.shape[0] < batch_size:
+        raise ValueError(f"seq_lens has {seq_lens.shape[0]} entries; expected batch_size={batch_size}")
+    if nnz < 0:
+        raise ValueError(f"nnz={nnz} must be >= 0")
+    indptr = append_indptr.to(torch.int64)
+    lens = seq_lens[:batch_size].to(device=device, dtype=torch.int64, non_blocking=True)
+    if device.type == "cpu" and seq_lens.device.type == "cpu":
+        if int(indptr[-1]) != nnz:
+            raise ValueError(f"nnz={nnz} must equal append_indptr[-1]={int(indptr[-1])}")
+        counts = indptr[1:] - indptr[:-1]
+        bad = (counts < 0) | (counts > lens)
+        if bool(bad.any()):
+            r = int(torch.nonzero(bad)[0])
+            raise ValueError(
+                f"request {r} appends {int(counts[r])} tokens but seq_lens[{r}]={int(lens[r])}; "
+                "seq_lens must count the tokens after the append"
+            )
+    tokens = torch.arange(nnz, dtype=torch.int64, device=device)
+    if batch_size == 0:
+        empty = torch.zeros(nnz, dtype=torch.int32, device=device)
+        return empty, empty.clone()
+    # Request of token t: the number of requests whose end is <= t.
+    batch = torch.searchsorted(indptr[1:].contiguous(), tokens, right=True).clamp_(max=batch_size - 1)
+    positions = lens[batch] - (indptr[batch + 1] - tokens)
+    return batch.to(torch.int32), positions.to(torch.int32)
+
+
+def get_seq_lens(kv_indptr: torch.Tensor, kv_last_page_len: torch.Tensor, page_size: int) -> torch.Tensor:
+    """Per-request KV lengths of a paged cache: int32 ``[batch_size]`` on ``kv_indptr``'s device.
+
+    ``len[r] = (num_pages[r] - 1) * page_size + kv_last_page_len[r]`` when request ``r`` has pages,
+    else 0. No host synchronisation.
+    """
+    for name, t in (("kv_indptr", kv_indptr), ("kv_last_page_len", kv_last_page_len)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 1 or t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+            raise ValueError(f"{name} must be a 1-D integer tensor, got {_name(t.dtype)} of shape {tuple(t.shape)}")
+    page_size = int(page_size)
+    if page_size < 1:
+        raise ValueError(f"page_size={page_size} must be >= 1")
+    batch_size = kv_indptr.shape[0] - 1
+    if batch_size < 0:
+        raise ValueError("kv_indptr must have batch_size + 1 entries; it is empty")
+    if kv_last_page_len.shape[0] < batch_size:
+        raise ValueError(f"kv_last_page_len has {kv_last_page_len.shape[0]} entries; expected batch_size={batch_size}")
+    device = kv_indptr.device
+    num_pages = kv_indptr[1:].to(torch.int64) - kv_indptr[:-1].to(torch.int64)
+    last = kv_last_page_len[:batch_size].to(device=device, dtype=torch.int64, non_blocking=True)
+    lens = (num_pages - 1) * page_size + last
+    return torch.where(num_pages > 0, lens, torch.zeros_like(lens)).to(torch.int32)

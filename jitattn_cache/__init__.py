@@ -1,0 +1,1 @@
+"""jitattn-cache: pre-warm, inspect and maintain the jitattn kernel cache."""
