@@ -12,9 +12,11 @@ the engine is pointed at; the checkout is never touched.
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -25,7 +27,7 @@ import jitattn.jit.toolchain as tc
 from jitattn.jit.cache import compute_key, plan_build
 from jitattn.spec import Target, VariantSpec
 
-from helpers.procs import child_env, load_command, parse_report
+from helpers.procs import child_env, parse_report
 
 # ``jitattn.jit.render`` is the function (re-exported by jitattn.jit); the module is here:
 render = importlib.import_module("jitattn.jit.render")
@@ -87,16 +89,22 @@ def test_key_does_not_depend_on_dict_insertion_order():
     assert compute_key(CPU, reversed_sources, plan.headers, plan.cflags, plan.ldflags, plan.archs) == plan.key
 
 
-@pytest.mark.parametrize("which", ["cpu", "cuda"])
-def test_key_is_stable_across_processes(which, tmp_path):
-    spec = SPECS[which]
-    expected = _key(spec)
-    for seed in ("0", "4242"):
-        proc = subprocess.run(
-            load_command(spec, "--key-only"), capture_output=True, text=True, timeout=120, cwd=tmp_path,
-            env=child_env(PYTHONHASHSEED=seed, JITATTN_CUDA_ARCH_LIST="9.0a", TORCH_CUDA_ARCH_LIST=None),
-        )
-        assert parse_report(proc.returncode, proc.stdout, proc.stderr)["key"] == expected
+_KEYS_IN_CHILD = """
+import json, sys
+from jitattn.jit.cache import plan_build
+from jitattn.spec import VariantSpec
+print(json.dumps({"keys": [plan_build(VariantSpec.from_dict(d)).key for d in json.loads(sys.argv[1])]}))
+"""
+
+
+def test_key_is_stable_across_processes(tmp_path):
+    specs = [CPU, CUDA]
+    proc = subprocess.run(
+        [sys.executable, "-c", _KEYS_IN_CHILD, json.dumps([s.to_dict() for s in specs])],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+        env=child_env(PYTHONHASHSEED="4242", JITATTN_CUDA_ARCH_LIST="9.0a", TORCH_CUDA_ARCH_LIST=None),
+    )
+    assert parse_report(proc.returncode, proc.stdout, proc.stderr)["keys"] == [_key(s) for s in specs]
 
 
 # -- what changes the key --------------------------------------------------------

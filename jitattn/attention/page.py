@@ -236,6 +236,11 @@ def append_paged_kv_cache(
                 "to match paged_kv_cache"
             )
     target, device = target_of("append_paged_kv_cache", (append_key, append_value, cache.k, cache.v))
+    if target is Target.CUDA and cache.dtype == torch.float32:
+        raise TypeError(
+            "float32 paged caches are supported on the cpu target only; on a CUDA device use a float16, "
+            "bfloat16 or fp8 cache"
+        )
     index_arrays = {
         "batch_indices": batch_indices, "positions": positions, "kv_indices": kv_indices,
         "kv_indptr": kv_indptr, "kv_last_page_len": kv_last_page_len,

@@ -26,6 +26,7 @@ import argparse
 import math
 import statistics
 import time
+from typing import Callable
 
 import torch
 
@@ -34,23 +35,23 @@ from jitattn.attention.launch import AttentionScalars, launch_attention
 from jitattn.spec import KVLayout, PosEncoding, VariantSpec
 
 
-def _median_us(fn, iters: int, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        started = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times) * 1e6
-
-
-def _report(name: str, us: float, num_bytes: int) -> None:
-    print(f"{name:<28}{us:>10.0f} us{num_bytes / (us * 1e-6) / 1e9:>10.1f} GB/s")
+def _median_us(kernels: dict[str, Callable[[], object]], rounds: int, warmup: int = 3) -> dict[str, float]:
+    """Median microseconds per call of each kernel, timed round-robin so that
+    load from other processes on the machine hits every kernel alike."""
+    for fn in kernels.values():
+        for _ in range(warmup):
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in kernels}
+    for _ in range(rounds):
+        for name, fn in kernels.items():
+            started = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - started)
+    return {name: statistics.median(t) * 1e6 for name, t in times.items()}
 
 
 def bench(batch: int, kv_len: int, num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
-          iters: int) -> None:
+          rounds: int) -> None:
     torch.manual_seed(0)
     pages_per_request = math.ceil(kv_len / page_size)
     num_pages = batch * pages_per_request
@@ -75,8 +76,11 @@ def bench(batch: int, kv_len: int, num_qo_heads: int, num_kv_heads: int, head_di
         return torch.nn.functional.scaled_dot_product_attention(q_sdpa, k_sdpa, v_sdpa, enable_gqa=True)
 
     expected = sdpa().squeeze(2)
-    print(f"decode: batch {batch}, kv_len {kv_len}, heads {num_qo_heads}/{num_kv_heads}, head_dim {head_dim}, "
-          f"page_size {page_size}, {torch.get_num_threads()} threads")
+    kernels: dict[str, Callable[[], object]] = {}
+    num_bytes: dict[str, int] = {}
+    errors: dict[str, float] = {}
+    qo_elements = 2 * batch * num_qo_heads * head_dim  # q read + o written
+    kv_elements = 2 * batch * kv_len * num_kv_heads * head_dim  # K + V read
     for dtype, name in ((torch.float32, "f32"), (torch.bfloat16, "bf16")):
         module = jitattn.load(VariantSpec(op="decode", target="cpu", q_dtype=name, kv_dtype=name, o_dtype=name))
         cache = cache_f32.to(dtype)
@@ -91,15 +95,20 @@ def bench(batch: int, kv_len: int, num_qo_heads: int, num_kv_heads: int, head_di
                 num_kv_heads=num_kv_heads, scalars=scalars,
             )
 
+        label = f"jitattn {name} (paged)"
         run()
-        error = (o.float() - expected).abs().max().item()
-        kv_bytes = 2 * batch * kv_len * num_kv_heads * head_dim * cache.element_size()
-        qo_bytes = 2 * batch * num_qo_heads * head_dim * q.element_size()
-        _report(f"jitattn {name} (paged)", _median_us(run, iters), kv_bytes + qo_bytes)
-        print(f"{'':<28}max |o - sdpa| = {error:.1e}")
-    kv_bytes = 2 * batch * kv_len * num_kv_heads * head_dim * 4
-    qo_bytes = 2 * batch * num_qo_heads * head_dim * 4
-    _report("torch SDPA f32 (enable_gqa)", _median_us(sdpa, iters), kv_bytes + qo_bytes)
+        errors[label] = (o.float() - expected).abs().max().item()
+        kernels[label] = run
+        num_bytes[label] = (kv_elements + qo_elements) * dtype.itemsize
+    kernels["torch SDPA f32 (enable_gqa)"] = sdpa
+    num_bytes["torch SDPA f32 (enable_gqa)"] = (kv_elements + qo_elements) * 4
+
+    print(f"decode: batch {batch}, kv_len {kv_len}, heads {num_qo_heads}/{num_kv_heads}, head_dim {head_dim}, "
+          f"page_size {page_size}, {torch.get_num_threads()} threads, median of {rounds} round-robin calls")
+    print(f"{'kernel':<30}{'us':>10}{'GB/s':>9}  max |o - sdpa|")
+    for label, us in _median_us(kernels, rounds).items():
+        error = f"{errors[label]:.1e}" if label in errors else "-"
+        print(f"{label:<30}{us:>10.0f}{num_bytes[label] / (us * 1e-6) / 1e9:>9.1f}  {error}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -110,9 +119,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--page-size", type=int, default=16)
-    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=30)
     args = parser.parse_args(argv)
-    bench(args.batch, args.kv_len, args.num_qo_heads, args.num_kv_heads, args.head_dim, args.page_size, args.iters)
+    bench(args.batch, args.kv_len, args.num_qo_heads, args.num_kv_heads, args.head_dim, args.page_size, args.rounds)
 
 
 if __name__ == "__main__":

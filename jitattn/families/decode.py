@@ -1,11 +1,165 @@
 """Decode kernels: one query token per request over a paged (or ragged) KV.
 
 The cpu target shares the generic attention kernel with prefill (every axis
-but the dtypes at run time); the cuda target compiles its own template.
+but the dtypes at run time); the cuda target compiles its own template
+(``templates/cuda/decode.cu.jinja``), whose every derived constant -- vector
+widths, thread layout, tile and pipeline sizes, shared memory -- is computed
+here by ``cuda_layout`` and handed to the template as a flat constant list.
+
+cuda kernel shape (one thread block per (request, KV chunk, KV head)):
+
+- The K/V rows of a tile of ``tile_tokens`` tokens are copied into shared
+  memory with ``cp.async`` (16-byte copies where a row allows it),
+  ``stages`` tiles in flight; the page table of the tile after next is read
+  while the current tile is computed.
+- A thread owns ``vec`` consecutive elements of the head dimension
+  (``cpt_q``/``cpt_v`` such chunks, ``tx`` threads per row) for
+  ``heads_per_thread`` of the group's query heads, so every KV element read
+  from shared memory is converted once and used for all those heads; scores
+  are summed over the ``tx`` lanes with butterfly shuffles.
+- ``tz`` groups of threads take interleaved tokens of a tile and keep their
+  own fp32 online-softmax state, merged through shared memory at the end.
+- Split-KV (``kv_chunk_size > 0`` at run time): a block per (chunk, KV head)
+  writes a partial output and natural-log LSE to the workspace (or the final
+  output when its request has one chunk); a second kernel merges the chunks.
+
+Workspace layout (split-KV), in the ABI's terms: with
+``row_bytes = 4 * num_qo_heads * (head_dim_vo + 1)`` the workspace holds
+``cap = workspace_bytes // row_bytes`` chunk rows: float32 partial outputs
+``[cap, num_qo_heads, head_dim_vo]`` at byte 0, then float32 LSEs
+``[cap, num_qo_heads]``. A plan needs ``cap >= split_indptr[batch]``; see
+``split_workspace_bytes``.
 """
 
 from __future__ import annotations
 
-from .attention import context, entries  # noqa: F401  (the family interface)
+from typing import Any
+
+from ..spec import DType, PosEncoding, Target, VariantSpec
+from . import c_type
+from .attention import context as _attention_context
+from .attention import entries  # noqa: F401  (the family interface)
 
 TEMPLATES = {"cpu": "cpu/attention.cpp.jinja", "cuda": "cuda/decode.cu.jinja"}
+
+# Tuning knobs of the cuda layout. The benchmark may override entries (it
+# renders distinct sources, hence distinct cache entries); nothing else should.
+TUNING: dict[str, int] = {
+    "threads": 128,            # target threads per block (more when a group needs them)
+    "tokens_per_step": 4,      # tokens a thread scores between softmax updates (8 when one head per thread)
+    "max_heads_per_thread": 4,  # query heads a thread owns before the group is spread over more threads
+    "stage_bytes": 16 << 10,   # target bytes of K+V per pipeline stage
+    "smem_bytes": 48 << 10,    # target shared memory for the pipeline
+    "max_stages": 4,
+}
+
+_MERGE_WARPS = 4
+
+
+def split_workspace_bytes(num_chunks_total: int, num_qo_heads: int, head_dim_vo: int) -> int:
+    """Workspace bytes a split-KV launch needs for ``num_chunks_total`` (= split_indptr[batch]) chunks."""
+    return 4 * num_qo_heads * (head_dim_vo + 1) * num_chunks_total
+
+
+def _next_pow2(n: int) -> int:
+    p = 1
+    while p < n:
+        p *= 2
+    return p
+
+
+def cuda_layout(spec: VariantSpec, tuning: dict[str, int] | None = None) -> dict[str, int]:
+    """Every derived constant of the cuda decode kernel for ``spec`` (plain ints)."""
+    t = dict(TUNING)
+    if tuning:
+        t.update(tuning)
+    dqk, dvo, group = spec.head_dim_qk, spec.head_dim_vo, spec.group_size
+    elem = spec.kv_dtype.itemsize
+    rope = spec.pos_encoding is PosEncoding.ROPE_LLAMA
+
+    # Compute vector: 8 elements (16 B of f16/bf16, 8 B of fp8). RoPE pairs
+    # element i with i + D/2, so a chunk must not straddle D/2.
+    vec = 8
+    if rope and (dqk // 2) % vec:
+        vec = 4
+    ncq, ncv = dqk // vec, dvo // vec
+    tx = min(32, _next_pow2(min(ncq, ncv)))
+    cpt_q, cpt_v = -(-ncq // tx), -(-ncv // tx)
+
+    # Query heads per thread, bounded by registers (q, o and scores per head).
+    tps = t["tokens_per_step"]
+    per_head = vec * (cpt_q + cpt_v) + tps
+    hpt_max = max(1, min(t["max_heads_per_thread"], 96 // per_head))
+    gy = -(-group // hpt_max)
+    gy = max(1, min(gy, max(1, 512 // tx)))
+    hpt = -(-group // gy)
+    if hpt == 1 and tps < 8:
+        tps = 8
+    tz = max(1, t["threads"] // (tx * gy))
+    nt = tx * gy * tz
+
+    # Tile: tz * tps tokens per step, steps per tile to reach the stage target.
+    bytes_per_token = (dqk + dvo) * elem
+    while tps > 1 and tz * tps * bytes_per_token > t["stage_bytes"]:
+        tps //= 2
+    step_tokens = tz * tps
+    steps = 1
+    while step_tokens * steps * 2 * bytes_per_token <= t["stage_bytes"] and steps < 8:
+        steps *= 2
+    tile_tokens = step_tokens * steps
+    while tile_tokens % 4:  # keeps every stage 16-byte aligned for any dtype
+        steps *= 2
+        tile_tokens = step_tokens * steps
+    stage_bytes = tile_tokens * bytes_per_token
+    stages = max(2, min(t["max_stages"], t["smem_bytes"] // stage_bytes))
+
+    load_bytes = 16 if (dqk * elem) % 16 == 0 and (dvo * elem) % 16 == 0 else 8
+    cpr_k, cpr_v = dqk * elem // load_bytes, dvo * elem // load_bytes
+    gs = gy * hpt  # head slots (>= group; extra slots repeat the last head)
+
+    k_stage_bytes = tile_tokens * dqk * elem
+    v_stage_bytes = tile_tokens * dvo * elem
+    pipe_bytes = stages * (k_stage_bytes + v_stage_bytes)
+    table_bytes = stages * tile_tokens * 16  # int64 K and V row offsets per stage
+    merge_bytes = tz * gs * (dvo * 4 + 8)
+    smem = max(pipe_bytes + table_bytes, merge_bytes)
+    assert k_stage_bytes % 16 == 0 and v_stage_bytes % 16 == 0 and pipe_bytes % 16 == 0
+
+    return {
+        "kDQK": dqk, "kDVO": dvo, "kGroup": group, "kElemBytes": elem,
+        "kVec": vec, "kNCQ": ncq, "kNCV": ncv, "kTX": tx, "kCPTQ": cpt_q, "kCPTV": cpt_v,
+        "kHPT": hpt, "kGY": gy, "kGS": gs, "kTZ": tz, "kNT": nt,
+        "kTPS": tps, "kSteps": steps, "kTileTokens": tile_tokens, "kStages": stages,
+        "kLoadBytes": load_bytes, "kCPRK": cpr_k, "kCPRV": cpr_v,
+        "kLoadsK": -(-(tile_tokens * cpr_k) // nt), "kLoadsV": -(-(tile_tokens * cpr_v) // nt),
+        "kKStageBytes": k_stage_bytes, "kVStageBytes": v_stage_bytes,
+        "kPipeBytes": pipe_bytes, "kSmemBytes": smem,
+        "kMergeWarps": _MERGE_WARPS,
+    }
+
+
+def _cuda_context(spec: VariantSpec) -> dict[str, Any]:
+    layout = cuda_layout(spec)
+    pos = spec.pos_encoding
+    flags = {
+        "kRope": pos is PosEncoding.ROPE_LLAMA,
+        "kAlibi": pos is PosEncoding.ALIBI,
+        "kWindow": bool(spec.use_sliding_window),
+        "kSoftCap": bool(spec.use_logits_soft_cap),
+        "kKVFp8": spec.kv_dtype in (DType.E4M3, DType.E5M2),
+    }
+    constants = [("int", name, str(value)) for name, value in layout.items()]
+    constants += [("bool", name, "true" if value else "false") for name, value in flags.items()]
+    constants.append(("int", "kPosCode", str({PosEncoding.NONE: 0, PosEncoding.ROPE_LLAMA: 1, PosEncoding.ALIBI: 2}[pos])))
+    return {
+        "constants": constants,
+        "smem_bytes": layout["kSmemBytes"],
+        "kv_elem_ctype": c_type(spec.kv_dtype, Target.CUDA),
+    }
+
+
+def context(spec: VariantSpec) -> dict[str, Any]:
+    ctx = _attention_context(spec)
+    if spec.target is Target.CUDA:
+        ctx.update(_cuda_context(spec))
+    return ctx

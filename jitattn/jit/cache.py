@@ -181,6 +181,8 @@ def find_entry(plan: BuildPlan) -> Path | None:
         if not (entry_dir / MANIFEST).exists():
             continue
         _check_safe(base.parent, "cache layer")
+        # Whoever can write the schema dir can swap entries in and out of it.
+        _check_safe(base, "cache layer")
         _check_safe(entry_dir, "cache entry")
         problem = entry_problem(entry_dir, plan.key)
         if problem is None:

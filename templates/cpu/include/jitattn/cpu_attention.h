@@ -16,6 +16,9 @@ constexpr int kKeyBlock = 32;
 // Query rows (queries of a tile x query heads of a GQA group) per work item:
 // every KV row converted to float is reused by this many rows.
 constexpr int kRowBudget = 32;
+// Work items per thread below which decode items stop merging kv heads, so a
+// dynamic schedule still has something to balance.
+constexpr int kItemsPerThread = 4;
 
 // ---------------------------------------------------------------------------
 // Element conversion

@@ -1,0 +1,74 @@
+"""MultiLevelCascadeAttentionWrapper: a 3-level prefix tree equals plain attention over the concatenated KV."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import jitattn
+from jitattn import reference
+
+from attention_cases import assert_close_out, devices
+
+PAGE = 16
+
+
+def _level(nodes_kv_lens: list[int], page_pool: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Page table for one level: each node takes fresh pages from ``page_pool``."""
+    indptr, indices, last = [0], [], []
+    for n in nodes_kv_lens:
+        pages = (n + PAGE - 1) // PAGE
+        indices += [page_pool.pop() for _ in range(pages)]
+        indptr.append(len(indices))
+        last.append((n - 1) % PAGE + 1 if n else 0)
+    return (torch.tensor(indptr, dtype=torch.int32), torch.tensor(indices, dtype=torch.int32),
+            torch.tensor(last, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("qo_lens,causal", [([1, 1, 1, 1], False), ([2, 1, 3, 2], True)], ids=["decode", "prefill"])
+def test_three_level_cascade_equals_flat_attention(device: str, qo_lens: list[int], causal: bool) -> None:
+    gen = torch.Generator().manual_seed(11)
+    hq, hkv, d, dtype = 8, 2, 64, torch.float16
+    shared, nodes, unique = [37], [20, 16], [5, 3, 9, 4]
+    node_of = [0, 0, 1, 1]
+    pool = torch.randperm(64, generator=gen).tolist()
+    cache = torch.randn(64, 2, PAGE, hkv, d, generator=gen).to(dtype).to(device)
+    levels = [_level(shared, pool), _level(nodes, pool), _level(unique, pool)]
+    total_q = sum(qo_lens)
+    qo_cum = torch.tensor([0] + torch.tensor(qo_lens).cumsum(0).tolist(), dtype=torch.int32)
+    node_q = [sum(q for q, n in zip(qo_lens, node_of) if n == i) for i in range(2)]
+    qo_arr = [torch.tensor([0, total_q], dtype=torch.int32),
+              torch.tensor([0, node_q[0], node_q[0] + node_q[1]], dtype=torch.int32), qo_cum]
+    q = torch.randn(total_q, hq, d, generator=gen).to(dtype).to(device)
+
+    wrapper = jitattn.MultiLevelCascadeAttentionWrapper(3, torch.empty(1 << 20, dtype=torch.uint8, device=device))
+    wrapper.plan(qo_arr, [lv[0] for lv in levels], [lv[1] for lv in levels], [lv[2] for lv in levels],
+                 hq, hkv, d, PAGE, causal=causal, q_data_type=dtype)
+    out = wrapper.run(q, cache)
+
+    # Reference: each request's KV is its prefix, its node's KV and its own tail, concatenated.
+    ragged = [reference.paged_kv_to_ragged(cache, *lv) for lv in levels]
+
+    def tokens(level: int, node: int) -> tuple[torch.Tensor, torch.Tensor]:
+        k, v, indptr = ragged[level]
+        return k[indptr[node]:indptr[node + 1]], v[indptr[node]:indptr[node + 1]]
+
+    expected = []
+    for r in range(4):
+        parts = [tokens(0, 0), tokens(1, node_of[r]), tokens(2, r)]
+        k = torch.cat([p[0] for p in parts])
+        v = torch.cat([p[1] for p in parts])
+        o, _ = reference.single_attention(q[qo_cum[r]:qo_cum[r + 1]], k, v, causal=causal)
+        expected.append(o)
+    # Each level's output is rounded to fp16 before the merge: allow two roundings.
+    assert_close_out(out, torch.cat(expected), torch.bfloat16)
+    torch.testing.assert_close(out.float().cpu(), torch.cat(expected).float(), atol=3e-3, rtol=3e-3)
+
+
+def test_cascade_refuses_position_dependent_features() -> None:
+    wrapper = jitattn.MultiLevelCascadeAttentionWrapper(1, torch.empty(1 << 20, dtype=torch.uint8))
+    z = torch.zeros(1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="RoPE"):
+        wrapper.plan([torch.tensor([0, 1], dtype=torch.int32)], [torch.tensor([0, 1], dtype=torch.int32)], [z],
+                     [torch.tensor([1], dtype=torch.int32)], 4, 4, 64, 16, pos_encoding_mode="ROPE_LLAMA")

@@ -1,0 +1,121 @@
+"""BatchDecodeWithPagedKVCacheWrapper and single_decode_with_kv_cache against the float reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import jitattn
+from jitattn import reference
+from jitattn.attention.specs import attention_spec
+from jitattn.spec import KVLayout, KVStorage, MaskMode, Op, PosEncoding, Target
+
+from attention_cases import assert_close_lse, assert_close_out, devices, random_paged_batch
+
+bf16, f16, f32 = torch.bfloat16, torch.float16, torch.float32
+e4m3, e5m2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+# Pairwise-style coverage: every head_dim, group size, dtype, layout, page size, feature appears.
+# (head_dim, qo_heads, kv_heads, q dtype, kv dtype, layout, page, pos, window, softcap, sm_scale, kv format)
+CASES = {
+    "d64_mha_bf16_nhd_p16": (64, 4, 4, bf16, bf16, "NHD", 16, "NONE", -1, None, None, "5d"),
+    "d72_g4_f16_hnd_p1_rope": (72, 8, 2, f16, f16, "HND", 1, "ROPE_LLAMA", -1, None, None, "5d"),
+    "d80_g5_bf16_e4m3_p64_alibi": (80, 10, 2, bf16, e4m3, "NHD", 64, "ALIBI", -1, None, None, "tuple4"),
+    "d96_g7_f16_e5m2_hnd_window_softcap": (96, 14, 2, f16, e5m2, "HND", 16, "NONE", 20, 30.0, None, "tuple4"),
+    "d112_mqa_bf16_p1_tokens": (112, 6, 1, bf16, bf16, "NHD", 1, "NONE", -1, None, 0.05, "tuple3"),
+    "d128_g4_bf16_rope_window_softcap_scale": (128, 16, 4, bf16, bf16, "NHD", 16, "ROPE_LLAMA", 33, 50.0, 0.1, "5d"),
+    "d192_g2_f16_hnd_p64": (192, 4, 2, f16, f16, "HND", 64, "ALIBI", 7, None, None, "5d"),
+    "d256_g2_bf16_softcap": (256, 4, 2, bf16, bf16, "NHD", 16, "NONE", -1, 50.0, None, "5d"),
+    "d128_g4_f32": (128, 8, 2, f32, f32, "HND", 16, "ROPE_LLAMA", -1, None, None, "5d"),
+    "d64_g4_f16_e4m3_hnd_rope": (64, 8, 2, f16, e4m3, "HND", 16, "ROPE_LLAMA", -1, None, None, "5d"),
+}
+KV_LENS = [1, 17, 0, 100, 64, 3]
+
+
+def _spec(case, target: Target):
+    d, hq, hkv, qd, kvd, layout, page, pos, window, cap, scale, fmt = case
+    return attention_spec(
+        Op.DECODE, target, q_dtype=qd, kv_dtype=kvd, o_dtype=qd, head_dim_qk=d, head_dim_vo=d, num_qo_heads=hq,
+        num_kv_heads=hkv, pos_encoding=PosEncoding.parse(pos.lower().replace("rope_llama", "rope"), "pos"),
+        use_sliding_window=window >= 0, use_logits_soft_cap=cap is not None, mask_mode=MaskMode.NONE,
+        kv_layout=KVLayout.parse(layout, "layout"), kv_storage=KVStorage.PAGED,
+    )
+
+
+GPU_SPECS = [_spec(c, Target.CUDA) for c in CASES.values() if c[3] != f32]
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("case_id", list(CASES))
+def test_batch_decode_matches_reference(case_id: str, device: str) -> None:
+    d, hq, hkv, qd, kvd, layout, page, pos, window, cap, scale, fmt = CASES[case_id]
+    if device == "cuda" and qd == f32:
+        pytest.skip("f32 queries run on the cpu target only")
+    gen = torch.Generator().manual_seed(hash(case_id) % 2**31)
+    batch = random_paged_batch(KV_LENS, hkv, d, page, kvd, layout, fmt, device, generator=gen)
+    q = torch.randn(len(KV_LENS), hq, d, generator=gen).to(qd).to(device)
+    k_scale, v_scale = (0.7, 1.3) if kvd in (e4m3, e5m2) else (None, None)
+    workspace = torch.empty(32 << 20, dtype=torch.uint8, device=device)
+    wrapper = jitattn.BatchDecodeWithPagedKVCacheWrapper(workspace, kv_layout=layout)
+    wrapper.plan(batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len, hq, hkv, d, page,
+                 pos_encoding_mode=pos, window_left=window, logits_soft_cap=cap, q_data_type=qd,
+                 kv_data_type=kvd, sm_scale=scale, rope_theta=5e3 if pos == "ROPE_LLAMA" else None)
+    out = torch.full((len(KV_LENS), hq, d), float("nan"), dtype=qd, device=device)
+    lse = torch.full((len(KV_LENS), hq), float("nan"), dtype=torch.float32, device=device)
+    wrapper.run(q, batch.cache, k_scale=k_scale, v_scale=v_scale, out=out, lse=lse)
+    ref_o, ref_lse = reference.batch_decode_paged(
+        q, batch.cache, batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len, kv_layout=layout,
+        pos_encoding_mode=pos, window_left=window, logits_soft_cap=cap, sm_scale=scale,
+        rope_theta=5e3 if pos == "ROPE_LLAMA" else None, k_scale=k_scale, v_scale=v_scale,
+    )
+    assert_close_out(out, ref_o, qd)
+    assert_close_lse(lse, ref_lse)
+    assert torch.all(out[2] == 0) and torch.all(torch.isneginf(lse[2])), "empty request must give 0 and -inf"
+
+
+@pytest.mark.parametrize("device", devices())
+def test_decode_return_lse_and_aliases(device: str) -> None:
+    gen = torch.Generator().manual_seed(1)
+    batch = random_paged_batch([5, 30], 2, 64, 16, bf16, device=device, generator=gen)
+    q = torch.randn(2, 8, 64, generator=gen).to(bf16).to(device)
+    wrapper = jitattn.BatchDecodeWithPagedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8, device=device))
+    wrapper.begin_forward(batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len, 8, 2, 64, 16,
+                          data_type=torch.bfloat16)
+    out, lse = wrapper.forward_return_lse(q, batch.cache)
+    plain = wrapper.forward(q, batch.cache)
+    wrapper.end_forward()
+    ref_o, ref_lse = reference.batch_decode_paged(q, batch.cache, batch.kv_indptr, batch.kv_indices,
+                                                  batch.kv_last_page_len)
+    assert_close_out(out, ref_o, bf16)
+    assert_close_lse(lse, ref_lse)
+    assert torch.equal(out, plain)
+
+
+@pytest.mark.parametrize("device", devices())
+def test_decode_q_from_fused_qkv_is_used_without_copy(device: str) -> None:
+    gen = torch.Generator().manual_seed(2)
+    batch = random_paged_batch([9, 40, 1], 2, 128, 16, bf16, device=device, generator=gen)
+    qkv = torch.randn(3, 8 + 2 * 2, 128, generator=gen).to(bf16).to(device)
+    q = qkv[:, :8]  # strided: row stride is 12 heads
+    assert not q.is_contiguous()
+    wrapper = jitattn.BatchDecodeWithPagedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8, device=device))
+    wrapper.plan(batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len, 8, 2, 128, 16, q_data_type=bf16)
+    out = wrapper.run(q, batch.cache)
+    ref_o, _ = reference.batch_decode_paged(q, batch.cache, batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len)
+    assert_close_out(out, ref_o, bf16)
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_single_decode_matches_reference(device: str, layout: str) -> None:
+    gen = torch.Generator().manual_seed(3)
+    kv_len, hq, hkv, d = 77, 8, 2, 64
+    q = torch.randn(hq, d, generator=gen).to(f16).to(device)
+    k = torch.randn(kv_len, hkv, d, generator=gen).to(f16).to(device)
+    v = torch.randn(kv_len, hkv, d, generator=gen).to(f16).to(device)
+    kk, vv = (k, v) if layout == "NHD" else (k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous())
+    out, lse = jitattn.single_decode_with_kv_cache(q, kk, vv, kv_layout=layout, logits_soft_cap=20.0,
+                                                   return_lse=True)
+    ref_o, ref_lse = reference.single_attention(q.unsqueeze(0), k, v, logits_soft_cap=20.0)
+    assert_close_out(out, ref_o[0], f16)
+    assert_close_lse(lse, ref_lse[0])

@@ -1,0 +1,140 @@
+"""Bad input to the public API raises a clear error before anything is launched."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import jitattn
+from jitattn.jit.loader import Module
+
+from attention_cases import random_paged_batch
+
+
+@pytest.fixture(autouse=True)
+def no_launch(monkeypatch):
+    """Any launch during these tests is a failure: errors must come first."""
+    def refuse(self, entry, stream=None, **values):
+        raise AssertionError(f"{entry} was launched despite bad input")
+    monkeypatch.setattr(Module, "launch", refuse)
+
+
+def _decode(**overrides):
+    batch = random_paged_batch([5, 20], 2, 64, 16, torch.bfloat16)
+    args = dict(indptr=batch.kv_indptr, indices=batch.kv_indices, last_page_len=batch.kv_last_page_len,
+                num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=16, q_data_type=torch.bfloat16)
+    args.update(overrides)
+    wrapper = jitattn.BatchDecodeWithPagedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8))
+    wrapper.plan(**args)
+    return wrapper, batch
+
+
+def test_head_dim_36_is_refused_at_plan() -> None:
+    with pytest.raises(ValueError, match="head_dim_qk=36.*multiple of 8"):
+        _decode(head_dim=36)
+
+
+def test_group_size_must_divide() -> None:
+    with pytest.raises(ValueError, match="num_qo_heads=6 must be a positive multiple of num_kv_heads=4"):
+        _decode(num_qo_heads=6, num_kv_heads=4)
+
+
+def test_last_page_len_out_of_range() -> None:
+    batch = random_paged_batch([5, 20], 2, 64, 16, torch.bfloat16)
+    with pytest.raises(ValueError, match=r"last_page_len\[1\] = 17 is out of range"):
+        _decode(last_page_len=torch.tensor([5, 17], dtype=torch.int32), indptr=batch.kv_indptr,
+                indices=batch.kv_indices)
+
+
+def test_int64_index_arrays_are_refused() -> None:
+    batch = random_paged_batch([5, 20], 2, 64, 16, torch.bfloat16)
+    with pytest.raises(TypeError, match="int32"):
+        _decode(indptr=batch.kv_indptr.long())
+
+
+def test_indptr_must_start_at_zero_and_not_decrease() -> None:
+    with pytest.raises(ValueError, match=r"indptr\[0\] must be 0"):
+        _decode(indptr=torch.tensor([1, 1, 3], dtype=torch.int32))
+    with pytest.raises(ValueError, match="non-decreasing"):
+        _decode(indptr=torch.tensor([0, 2, 1], dtype=torch.int32))
+
+
+def test_indices_past_the_page_pool() -> None:
+    wrapper, batch = _decode()
+    q = torch.randn(2, 8, 64).to(torch.bfloat16)
+    small = batch.cache[: int(batch.kv_indices.max())]  # drop the highest referenced page
+    with pytest.raises(ValueError, match="references page .* only"):
+        wrapper.run(q, small)
+
+
+def test_wrong_q_dtype_shape_and_kv_dtype() -> None:
+    wrapper, batch = _decode()
+    with pytest.raises(TypeError, match="q has dtype float16"):
+        wrapper.run(torch.randn(2, 8, 64).half(), batch.cache)
+    with pytest.raises(ValueError, match="q has shape"):
+        wrapper.run(torch.randn(3, 8, 64).to(torch.bfloat16), batch.cache)
+    with pytest.raises(TypeError, match="kv cache dtype"):
+        wrapper.run(torch.randn(2, 8, 64).to(torch.bfloat16), batch.cache.half())
+
+
+def test_kv_cache_shape_mismatch() -> None:
+    wrapper, batch = _decode()
+    q = torch.randn(2, 8, 64).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="kv heads"):
+        wrapper.run(q, batch.cache.transpose(2, 3))  # an HND tensor given to an NHD wrapper
+    with pytest.raises(ValueError, match="single tensor must be"):
+        wrapper.run(q, batch.cache[:, 0])
+
+
+def test_out_and_lse_are_checked() -> None:
+    wrapper, batch = _decode()
+    q = torch.randn(2, 8, 64).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="out has shape"):
+        wrapper.run(q, batch.cache, out=torch.empty(2, 8, 32, dtype=torch.bfloat16))
+    with pytest.raises(TypeError, match="lse has dtype"):
+        wrapper.run(q, batch.cache, lse=torch.empty(2, 8, dtype=torch.float16))
+
+
+def test_unsupported_device_is_refused() -> None:
+    with pytest.raises(ValueError, match="not supported"):
+        jitattn.BatchDecodeWithPagedKVCacheWrapper(torch.empty(16, dtype=torch.uint8, device="meta"))
+
+
+def test_run_before_plan() -> None:
+    wrapper = jitattn.BatchDecodeWithPagedKVCacheWrapper(torch.empty(16, dtype=torch.uint8))
+    with pytest.raises(RuntimeError, match="before plan"):
+        wrapper.run(torch.randn(1, 4, 64), torch.randn(1, 2, 16, 4, 64))
+
+
+def test_bad_options() -> None:
+    with pytest.raises(ValueError, match="pos_encoding_mode"):
+        _decode(pos_encoding_mode="ROPE_GPTJ")
+    with pytest.raises(ValueError, match="window_left"):
+        _decode(window_left=-2)
+    with pytest.raises(ValueError, match="logits_soft_cap"):
+        _decode(logits_soft_cap=-1.0)
+    with pytest.raises(ValueError, match="q_data_type"):
+        _decode(q_data_type="int8")
+
+
+def test_prefill_causal_needs_kv_at_least_qo() -> None:
+    wrapper = jitattn.BatchPrefillWithRaggedKVCacheWrapper(torch.empty(16, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="qo_len 5 > kv_len 3"):
+        wrapper.plan(torch.tensor([0, 5], dtype=torch.int32), torch.tensor([0, 3], dtype=torch.int32), 4, 4, 64,
+                     causal=True)
+
+
+def test_custom_mask_size_is_checked() -> None:
+    wrapper = jitattn.BatchPrefillWithRaggedKVCacheWrapper(torch.empty(16, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="custom_mask has 7 elements"):
+        wrapper.plan(torch.tensor([0, 2], dtype=torch.int32), torch.tensor([0, 3], dtype=torch.int32), 4, 4, 64,
+                     custom_mask=torch.ones(7, dtype=torch.bool))
+
+
+def test_ragged_kv_shape_is_checked() -> None:
+    wrapper = jitattn.BatchPrefillWithRaggedKVCacheWrapper(torch.empty(16, dtype=torch.uint8))
+    wrapper.plan(torch.tensor([0, 2], dtype=torch.int32), torch.tensor([0, 3], dtype=torch.int32), 4, 2, 64,
+                 q_data_type=torch.float16)
+    q = torch.randn(2, 4, 64).half()
+    with pytest.raises(ValueError, match="k has shape"):
+        wrapper.run(q, torch.randn(2, 2, 64).half(), torch.randn(3, 2, 64).half())

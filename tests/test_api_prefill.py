@@ -1,0 +1,168 @@
+"""Paged/ragged/single prefill wrappers against the float reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import jitattn
+from jitattn import reference
+from jitattn.attention.specs import attention_spec
+from jitattn.spec import KVLayout, KVStorage, MaskMode, Op, PosEncoding, Target
+
+from attention_cases import assert_close_lse, assert_close_out, devices, random_paged_batch
+
+bf16, f16, f32 = torch.bfloat16, torch.float16, torch.float32
+e4m3, e5m2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+# (head_dim_qk, head_dim_vo, qo_heads, kv_heads, q dtype, kv dtype, layout, page, mask, pos, window, softcap, sm_scale)
+CASES = {
+    "d64_g4_bf16_causal_p16": (64, 64, 8, 2, bf16, bf16, "NHD", 16, "causal", "NONE", -1, None, None),
+    "d72_mha_f16_hnd_p1_none": (72, 72, 4, 4, f16, f16, "HND", 1, "none", "NONE", -1, None, None),
+    "d80_g5_bf16_rope_causal_p64": (80, 80, 10, 2, bf16, bf16, "NHD", 64, "causal", "ROPE_LLAMA", -1, None, None),
+    "d96_g7_f16_alibi_window": (96, 96, 7, 1, f16, f16, "NHD", 16, "causal", "ALIBI", 9, None, None),
+    "d112_mqa_bf16_custom_mask": (112, 112, 3, 1, bf16, bf16, "HND", 16, "custom", "NONE", -1, None, None),
+    "d128_g4_bf16_softcap_scale": (128, 128, 8, 2, bf16, bf16, "NHD", 16, "causal", "NONE", -1, 30.0, 0.07),
+    "d192x128_g2_bf16_causal": (192, 128, 4, 2, bf16, bf16, "NHD", 16, "causal", "NONE", -1, None, None),
+    "d256_g2_f16_packed_mask": (256, 256, 4, 2, f16, f16, "NHD", 16, "packed", "NONE", -1, None, None),
+    "d128_g4_bf16_e4m3_causal": (128, 128, 8, 2, bf16, e4m3, "HND", 16, "causal", "ROPE_LLAMA", 12, None, None),
+    "d64_g4_f16_e5m2_none": (64, 64, 8, 2, f16, e5m2, "NHD", 64, "none", "NONE", -1, 40.0, None),
+    "d64_g2_f32_causal": (64, 64, 4, 2, f32, f32, "NHD", 16, "causal", "ALIBI", -1, None, None),
+}
+QO_LENS = [3, 1, 0, 17, 5]
+KV_LENS = [10, 1, 0, 40, 5]
+
+
+def _mask_mode(mask: str) -> MaskMode:
+    return {"causal": MaskMode.CAUSAL, "none": MaskMode.NONE}.get(mask, MaskMode.CUSTOM)
+
+
+def _spec(case, target: Target, storage: KVStorage):
+    dqk, dvo, hq, hkv, qd, kvd, layout, page, mask, pos, window, cap, scale = case
+    return attention_spec(
+        Op.PREFILL, target, q_dtype=qd, kv_dtype=kvd, o_dtype=qd, head_dim_qk=dqk, head_dim_vo=dvo, num_qo_heads=hq,
+        num_kv_heads=hkv, pos_encoding=PosEncoding.parse(pos.lower().replace("rope_llama", "rope"), "pos"),
+        use_sliding_window=window >= 0, use_logits_soft_cap=cap is not None, mask_mode=_mask_mode(mask),
+        kv_layout=KVLayout.parse(layout if storage is KVStorage.PAGED else "NHD", "layout"), kv_storage=storage,
+    )
+
+
+GPU_SPECS = [_spec(c, Target.CUDA, s) for c in CASES.values() if c[4] != f32
+             for s in (KVStorage.PAGED, KVStorage.RAGGED)]
+
+
+def _mask_args(mask: str, gen: torch.Generator, device: str):
+    """(custom_mask, packed_custom_mask, bool flat mask for the reference)."""
+    if mask not in ("custom", "packed"):
+        return None, None, None
+    flat = torch.rand(sum(q * k for q, k in zip(QO_LENS, KV_LENS)), generator=gen) > 0.4
+    if mask == "custom":
+        return flat.to(device), None, flat
+    packed = torch.cat([reference.pack_custom_mask(seg) for seg in torch.split(flat, [q * k for q, k in zip(QO_LENS, KV_LENS)])
+                        if seg.numel()])
+    return None, packed.to(device), flat
+
+
+def _qo_indptr() -> torch.Tensor:
+    return torch.tensor([0] + torch.tensor(QO_LENS).cumsum(0).tolist(), dtype=torch.int32)
+
+
+def _common(case):
+    dqk, dvo, hq, hkv, qd, kvd, layout, page, mask, pos, window, cap, scale = case
+    plan_kw = dict(causal=mask == "causal", pos_encoding_mode=pos, window_left=window, logits_soft_cap=cap,
+                   sm_scale=scale, q_data_type=qd, kv_data_type=kvd)
+    ref_kw = dict(causal=mask == "causal", pos_encoding_mode=pos, window_left=window, logits_soft_cap=cap,
+                  sm_scale=scale)
+    return plan_kw, ref_kw
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("case_id", list(CASES))
+def test_paged_prefill_matches_reference(case_id: str, device: str) -> None:
+    dqk, dvo, hq, hkv, qd, kvd, layout, page, mask, pos, window, cap, scale = case = CASES[case_id]
+    if device == "cuda" and qd == f32:
+        pytest.skip("f32 queries run on the cpu target only")
+    gen = torch.Generator().manual_seed(hash(case_id) % 2**31)
+    fmt = "5d" if dqk == dvo else "tuple4"
+    batch = random_paged_batch(KV_LENS, hkv, dqk, page, kvd, layout, fmt, device, generator=gen, head_dim_vo=dvo)
+    q = torch.randn(sum(QO_LENS), hq, dqk, generator=gen).to(qd).to(device)
+    custom, packed, flat = _mask_args(mask, gen, device)
+    k_scale, v_scale = (1.4, 0.6) if kvd in (e4m3, e5m2) else (None, None)
+    plan_kw, ref_kw = _common(case)
+    wrapper = jitattn.BatchPrefillWithPagedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8, device=device), layout)
+    wrapper.plan(_qo_indptr(), batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len, hq, hkv, dqk, page,
+                 head_dim_vo=dvo, custom_mask=custom, packed_custom_mask=packed, **plan_kw)
+    out = torch.full((sum(QO_LENS), hq, dvo), float("nan"), dtype=qd, device=device)
+    lse = torch.full((sum(QO_LENS), hq), float("nan"), device=device)
+    wrapper.run(q, batch.cache, out=out, lse=lse, k_scale=k_scale, v_scale=v_scale)
+    ref_o, ref_lse = reference.batch_prefill_paged(
+        q, batch.cache, _qo_indptr(), batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len, kv_layout=layout,
+        custom_mask=flat, k_scale=k_scale, v_scale=v_scale, **ref_kw,
+    )
+    assert_close_out(out, ref_o, qd)
+    assert_close_lse(lse, ref_lse)
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("case_id", list(CASES))
+def test_ragged_prefill_matches_reference(case_id: str, device: str) -> None:
+    dqk, dvo, hq, hkv, qd, kvd, layout, page, mask, pos, window, cap, scale = case = CASES[case_id]
+    if device == "cuda" and qd == f32:
+        pytest.skip("f32 queries run on the cpu target only")
+    gen = torch.Generator().manual_seed(hash(case_id) % 2**31 + 1)
+    total_kv = sum(KV_LENS)
+    # k/v as views into a fused kv tensor: strided tokens, no copies
+    kv = torch.randn(total_kv, 2 * hkv, max(dqk, dvo), generator=gen).to(kvd).to(device)
+    k, v = kv[:, :hkv, :dqk], kv[:, hkv:, :dvo]
+    q = torch.randn(sum(QO_LENS), hq, dqk, generator=gen).to(qd).to(device)
+    kv_indptr = torch.tensor([0] + torch.tensor(KV_LENS).cumsum(0).tolist(), dtype=torch.int32)
+    custom, packed, flat = _mask_args(mask, gen, device)
+    k_scale, v_scale = (1.4, 0.6) if kvd in (e4m3, e5m2) else (None, None)
+    plan_kw, ref_kw = _common(case)
+    wrapper = jitattn.BatchPrefillWithRaggedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8, device=device))
+    wrapper.plan(_qo_indptr(), kv_indptr, hq, hkv, dqk, head_dim_vo=dvo, custom_mask=custom,
+                 packed_custom_mask=packed, **plan_kw)
+    out, lse = wrapper.run(q, k, v, return_lse=True, k_scale=k_scale, v_scale=v_scale)
+    ref_o, ref_lse = reference.batch_ragged_attention(q, k, v, _qo_indptr(), kv_indptr, custom_mask=flat,
+                                                      k_scale=k_scale, v_scale=v_scale, **ref_kw)
+    assert_close_out(out, ref_o, qd)
+    assert_close_lse(lse, ref_lse)
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("causal", [False, True])
+def test_single_prefill_matches_reference(device: str, causal: bool) -> None:
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(9, 8, 128, generator=gen).to(bf16).to(device)
+    k = torch.randn(30, 2, 128, generator=gen).to(bf16).to(device)
+    v = torch.randn(30, 2, 128, generator=gen).to(bf16).to(device)
+    out, lse = jitattn.single_prefill_with_kv_cache(q, k, v, causal=causal, window_left=11, return_lse=True)
+    ref_o, ref_lse = reference.single_attention(q, k, v, causal=causal, window_left=11)
+    assert_close_out(out, ref_o, bf16)
+    assert_close_lse(lse, ref_lse)
+
+
+@pytest.mark.parametrize("device", devices())
+def test_single_prefill_custom_mask_2d(device: str) -> None:
+    gen = torch.Generator().manual_seed(6)
+    q = torch.randn(5, 4, 64, generator=gen).to(f16).to(device)
+    k = torch.randn(12, 4, 64, generator=gen).to(f16).to(device)
+    v = torch.randn(12, 4, 64, generator=gen).to(f16).to(device)
+    mask = torch.rand(5, 12, generator=gen) > 0.5
+    out = jitattn.single_prefill_with_kv_cache(q, k, v, custom_mask=mask.to(device), causal=True)
+    ref_o, _ = reference.single_attention(q, k, v, custom_mask=mask)
+    assert_close_out(out, ref_o, f16)
+
+
+GPU_SPECS += [
+    attention_spec(Op.PREFILL, Target.CUDA, q_dtype=bf16, kv_dtype=bf16, o_dtype=bf16, head_dim_qk=128,
+                   head_dim_vo=128, num_qo_heads=8, num_kv_heads=2, pos_encoding=PosEncoding.NONE,
+                   use_sliding_window=True, use_logits_soft_cap=False, mask_mode=m, kv_layout=KVLayout.NHD,
+                   kv_storage=KVStorage.PAGED)
+    for m in (MaskMode.NONE, MaskMode.CAUSAL)
+] + [
+    attention_spec(Op.PREFILL, Target.CUDA, q_dtype=f16, kv_dtype=f16, o_dtype=f16, head_dim_qk=64,
+                   head_dim_vo=64, num_qo_heads=4, num_kv_heads=4, pos_encoding=PosEncoding.NONE,
+                   use_sliding_window=False, use_logits_soft_cap=False, mask_mode=MaskMode.CUSTOM,
+                   kv_layout=KVLayout.NHD, kv_storage=KVStorage.PAGED)
+]
