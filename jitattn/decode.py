@@ -12,7 +12,7 @@ from .attention.kv import split_paged_kv_cache
 from .attention.options import fp8_scale, parse_dtype, parse_kv_layout, parse_pos_encoding, resolve_scalars
 from .attention.specs import attention_spec
 from .jit import load
-from .plan import SplitPlan, check_paged_index, plan_decode_split, split_workspace_bytes
+from .plan import SplitPlan, check_paged_index, max_decode_chunks, plan_decode_split, split_workspace_bytes
 from .spec import KVLayout, KVStorage, MaskMode, Op, PosEncoding, Target
 
 __all__ = ["BatchDecodeWithPagedKVCacheWrapper", "single_decode_with_kv_cache"]
@@ -115,6 +115,24 @@ class BatchDecodeWithPagedKVCacheWrapper:
         log_plan(_WRAPPER, self._plan, workspace_bytes)
 
     begin_forward = plan
+
+    def workspace_size(
+        self, max_batch_size: int, max_kv_tokens: int, num_qo_heads: int, num_kv_heads: int, head_dim: int,
+        page_size: int, fixed_split_size: int | None = None,
+    ) -> tuple[int, int]:
+        """(float_bytes, int_bytes) that any plan within these limits needs on this wrapper's device.
+
+        float_bytes is what ``float_workspace_buffer`` must hold (split-KV partial outputs:
+        ``chunks * num_qo_heads * (head_dim + 1) * 4``); int_bytes is the plan metadata this
+        wrapper keeps in its own buffers (never in the shared float workspace).
+        """
+        int_bytes = 2 * (max_batch_size + 1) * 4
+        if self._target is not Target.CUDA:
+            return 0, int_bytes
+        chunks = max_decode_chunks(max_batch_size, max_kv_tokens, num_kv_heads=num_kv_heads,
+                                   num_sms=num_sms(self._device.index or 0), page_size=page_size,
+                                   fixed_split_size=fixed_split_size)
+        return split_workspace_bytes(chunks, num_qo_heads, head_dim), int_bytes
 
     def end_forward(self) -> None:
         """No-op kept for older FlashInfer call sites."""

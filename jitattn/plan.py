@@ -117,37 +117,51 @@ class SplitPlan:
 def plan_decode_split(
     kv_lens: tuple[int, ...], *, num_kv_heads: int, num_sms: int, page_size: int,
     fixed_split_size: int | None = None, disable_split_kv: bool = False, min_chunk_tokens: int = 256,
+    blocks_per_sm: int = 2,
 ) -> SplitPlan:
     """Choose the split-KV chunk size for a decode batch.
 
-    Split only when the batch alone cannot fill the GPU: aim for about two
-    blocks per SM, never cut chunks smaller than ``min_chunk_tokens``, and
-    keep chunk boundaries on page boundaries. ``fixed_split_size`` (in pages)
-    forces a chunk size, which makes results independent of the batch's
-    composition.
+    A block processes one (chunk, kv head). Balance the work: the chunk length
+    is the total KV work divided over ``blocks_per_sm`` blocks per SM, so a
+    single long request is cut to fill every SM and a long request among many
+    short ones (a skewed batch) is cut to the others' scale, while a batch
+    that already fills the GPU is not split. Chunks are never shorter than
+    ``min_chunk_tokens`` and end on page boundaries. ``fixed_split_size`` (in
+    pages) forces the chunk length, which makes every request's result
+    independent of the rest of the batch.
     """
     batch = len(kv_lens)
-    if disable_split_kv or batch == 0:
-        return SplitPlan(0, tuple(range(batch + 1)))
+    no_split = SplitPlan(0, tuple(range(batch + 1)))
+    if disable_split_kv or batch == 0 or max(kv_lens) == 0:
+        return no_split
     if fixed_split_size is not None:
         if fixed_split_size < 1:
             raise ValueError(f"fixed_split_size={fixed_split_size} must be >= 1 (pages per chunk)")
         chunk = fixed_split_size * page_size
     else:
-        blocks = batch * num_kv_heads
-        target = 2 * num_sms
-        if blocks >= target:
-            return SplitPlan(0, tuple(range(batch + 1)))
-        splits_per_request = math.ceil(target / blocks)
-        longest = max(kv_lens)
-        chunk = max(min_chunk_tokens, math.ceil(longest / splits_per_request))
-        chunk = math.ceil(chunk / page_size) * page_size
-        if chunk >= longest:
-            return SplitPlan(0, tuple(range(batch + 1)))
+        balanced = math.ceil(sum(kv_lens) * num_kv_heads / (blocks_per_sm * num_sms))
+        chunk = math.ceil(max(min_chunk_tokens, balanced) / page_size) * page_size
+        if chunk >= max(kv_lens):
+            return no_split
     indptr = [0]
     for kv_len in kv_lens:
         indptr.append(indptr[-1] + max(1, math.ceil(kv_len / chunk)))
     return SplitPlan(chunk, tuple(indptr))
+
+
+def max_decode_chunks(
+    max_batch: int, max_kv_tokens: int, *, num_kv_heads: int, num_sms: int, page_size: int,
+    fixed_split_size: int | None = None, min_chunk_tokens: int = 256, blocks_per_sm: int = 2,
+) -> int:
+    """An upper bound on ``plan_decode_split(...).num_chunks`` over every batch within the limits."""
+    if fixed_split_size is not None:
+        chunk = fixed_split_size * page_size
+    else:
+        # chunk >= total * H / (blocks_per_sm * SMs), so sum(ceil(len / chunk)) <= blocks_per_sm * SMs / H + batch
+        chunk = max(min_chunk_tokens, 1)
+        return max_batch + min(math.ceil(blocks_per_sm * num_sms / max(1, num_kv_heads)),
+                               math.ceil(max_kv_tokens / chunk))
+    return max_batch + math.ceil(max_kv_tokens / chunk)
 
 
 def split_workspace_bytes(num_chunks: int, num_qo_heads: int, head_dim_vo: int) -> int:

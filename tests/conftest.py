@@ -29,6 +29,37 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """On a GPU machine, pre-build every spec the selected GPU tests load, in parallel.
+
+    A test module lists them in ``GPU_SPECS``; the machine starts with an
+    empty cache, and building them one by one inside the tests would be slow.
+    """
+    if not torch.cuda.is_available():
+        return
+    specs, seen = [], set()
+    for item in session.items:
+        module = getattr(item, "module", None)
+        if module is None or module in seen or "gpu" not in item.keywords:
+            continue
+        seen.add(module)
+        specs += list(getattr(module, "GPU_SPECS", []))
+    if not specs:
+        return
+    import time
+
+    import jitattn.jit
+
+    started = time.perf_counter()
+    results = jitattn.jit.build_many(specs, jobs=os.cpu_count())
+    failed = [r for r in results if r.status == "failed"]
+    built = sum(r.status == "built" for r in results)
+    print(f"\njitattn: pre-built {built} of {len(results)} GPU specs in {time.perf_counter() - started:.1f} s"
+          f" ({len(failed)} failed)")
+    for r in failed:
+        print(f"  FAILED {r.spec.uri}: {r.error.splitlines()[0] if r.error else ''}")
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
     import jitattn.jit
 

@@ -216,7 +216,8 @@ def test_append_host_and_device_index_arrays(device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_fp8_rounding_matches_torch(device, dtype):
     """Every fp8 value, the midpoints between neighbours (ties to even), values just off them,
-    tiny subnormals, out-of-range values, inf and NaN: bit-identical to torch's .to()."""
+    tiny subnormals, out-of-range values, inf and NaN: bit-identical to torch's .to() (e4m3
+    saturation as in current torch)."""
     finite = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype).float()
     finite = torch.unique(finite[torch.isfinite(finite)])  # sorted, +-0 merged
     mids = (finite[1:] + finite[:-1]) / 2
@@ -236,7 +237,10 @@ def test_fp8_rounding_matches_torch(device, dtype):
                                torch.arange(nnz + 1, dtype=torch.int32), torch.ones(nnz, dtype=torch.int32))
     got_bits = k.cpu().reshape(-1)[:n].view(torch.uint8)
     want_bits = x.reshape(-1)[:n].to(dtype).view(torch.uint8)
-    bad = (got_bits != want_bits).nonzero().reshape(-1)
+    # torch before ~2.12 turned e4m3 values beyond 464 (and inf) into NaN; newer torch saturates
+    # them to +-448 as jitattn does (checked explicitly below), so compare with torch up to 464.
+    compared = x.reshape(-1)[:n].abs() <= 464 if dtype == torch.float8_e4m3fn else torch.ones(n, dtype=torch.bool)
+    bad = ((got_bits != want_bits) & compared).nonzero().reshape(-1)
     assert bad.numel() == 0, (
         f"{bad.numel()} conversions differ from torch, e.g. {x.reshape(-1)[bad[0]].item()!r} -> "
         f"0x{int(got_bits[bad[0]]):02x}, torch 0x{int(want_bits[bad[0]]):02x}"

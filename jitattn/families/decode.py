@@ -132,6 +132,7 @@ def cuda_layout(spec: VariantSpec, tuning: dict[str, int] | None = None) -> dict
         "kTPS": tps, "kSteps": steps, "kTileTokens": tile_tokens, "kStages": stages,
         "kLoadBytes": load_bytes, "kCPRK": cpr_k, "kCPRV": cpr_v,
         "kLoadsK": -(-(tile_tokens * cpr_k) // nt), "kLoadsV": -(-(tile_tokens * cpr_v) // nt),
+        "kTabPerThread": -(-tile_tokens // nt),
         "kKStageBytes": k_stage_bytes, "kVStageBytes": v_stage_bytes,
         "kPipeBytes": pipe_bytes, "kSmemBytes": smem,
         "kMergeWarps": _MERGE_WARPS,

@@ -1,0 +1,94 @@
+"""The host-side planner (pure functions): page-table checks, split-KV schedule, mask packing."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from jitattn import reference
+from jitattn.plan import check_paged_index, max_decode_chunks, plan_decode_split, segment_packbits, split_workspace_bytes
+
+
+def _i32(values):
+    return torch.tensor(values, dtype=torch.int32)
+
+
+def test_kv_lens_from_page_table() -> None:
+    index = check_paged_index(_i32([0, 2, 2, 5]), _i32([4, 1, 0, 2, 3]), _i32([3, 0, 16]), 16)
+    assert index.kv_lens == (19, 0, 48)
+    assert index.max_page_index == 4
+    assert index.batch_size == 3
+
+
+def test_empty_batch_and_empty_requests() -> None:
+    index = check_paged_index(_i32([0]), _i32([]), _i32([]), 16)
+    assert index.kv_lens == () and index.max_page_index == -1
+
+
+@pytest.mark.parametrize("indptr,indices,last,match", [
+    ([0, 2], [1], [3], "exceeds"),
+    ([0, 1], [-1], [3], "negative"),
+    ([0, 1], [0], [0], "out of range"),
+    ([0, 1], [0], [3, 3], "expected batch_size"),
+])
+def test_bad_page_tables(indptr, indices, last, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        check_paged_index(_i32(indptr), _i32(indices), _i32(last), 16)
+
+
+def test_no_split_when_the_batch_fills_the_gpu() -> None:
+    plan = plan_decode_split((2048,) * 64, num_kv_heads=8, num_sms=132, page_size=16)
+    assert plan.kv_chunk_size == 0 and plan.num_chunks == 64
+
+
+def test_single_long_request_is_split_to_fill_the_gpu() -> None:
+    plan = plan_decode_split((32768,), num_kv_heads=8, num_sms=132, page_size=16)
+    assert plan.kv_chunk_size > 0 and plan.kv_chunk_size % 16 == 0
+    assert plan.num_chunks * 8 >= 132, "every SM should get work"
+    assert plan.split_indptr == (0, math.ceil(32768 / plan.kv_chunk_size))
+
+
+def test_skewed_batch_cuts_the_long_request_most() -> None:
+    lens = (32768,) + (512,) * 63
+    plan = plan_decode_split(lens, num_kv_heads=8, num_sms=132, page_size=16)
+    chunks = [b - a for a, b in zip(plan.split_indptr, plan.split_indptr[1:])]
+    assert chunks[0] >= 8, "the 32k request must be spread over many SMs"
+    assert max(chunks[1:]) == 1, "short requests stay whole"
+    assert plan.kv_chunk_size <= 4 * 512
+
+
+def test_fixed_split_size_is_in_pages_and_independent_of_the_batch() -> None:
+    alone = plan_decode_split((1000,), num_kv_heads=8, num_sms=132, page_size=16, fixed_split_size=8)
+    crowd = plan_decode_split((1000,) + (7,) * 200, num_kv_heads=8, num_sms=132, page_size=16, fixed_split_size=8)
+    assert alone.kv_chunk_size == crowd.kv_chunk_size == 128
+    assert alone.split_indptr[1] == crowd.split_indptr[1] == 8
+
+
+def test_disable_split_kv() -> None:
+    plan = plan_decode_split((32768,), num_kv_heads=8, num_sms=132, page_size=16, disable_split_kv=True)
+    assert plan.kv_chunk_size == 0 and plan.split_indptr == (0, 1)
+
+
+def test_workspace_formula() -> None:
+    assert split_workspace_bytes(10, 32, 128) == 10 * 32 * 129 * 4
+
+
+def test_segment_packbits_matches_reference_packing() -> None:
+    gen = torch.Generator().manual_seed(0)
+    qo, kv = [3, 0, 2], [5, 4, 7]
+    flat = torch.rand(sum(q * k for q, k in zip(qo, kv)), generator=gen) > 0.5
+    packed, indptr = segment_packbits(flat, qo, kv)
+    assert indptr.tolist() == [0, 2, 2, 4]
+    segments = torch.split(flat, [q * k for q, k in zip(qo, kv)])
+    expected = torch.cat([reference.pack_custom_mask(s) for s in segments if s.numel()])
+    assert torch.equal(packed, expected)
+
+
+@pytest.mark.parametrize("lens", [(32768,), (32768,) + (512,) * 63, (100,) * 7, (5000, 3, 70000), (1,)])
+@pytest.mark.parametrize("fixed", [None, 4])
+def test_max_decode_chunks_bounds_every_plan(lens, fixed) -> None:
+    kw = dict(num_kv_heads=8, num_sms=132, page_size=16)
+    plan = plan_decode_split(lens, fixed_split_size=fixed, **kw)
+    assert plan.num_chunks <= max_decode_chunks(len(lens), sum(lens), fixed_split_size=fixed, **kw)
