@@ -89,12 +89,14 @@ class BatchDecodeWithPagedKVCacheWrapper:
             use_sliding_window=scalars.window_left >= 0, use_logits_soft_cap=scalars.logits_soft_cap > 0,
             mask_mode=MaskMode.NONE, kv_layout=self._kv_layout, kv_storage=KVStorage.PAGED,
         )
-        if self._target is Target.CUDA:
+        if self._target is Target.CUDA and not self._use_cuda_graph:
             split = plan_decode_split(
                 index.kv_lens, num_kv_heads=num_kv_heads, num_sms=num_sms(self._device.index or 0),
                 page_size=page_size, fixed_split_size=fixed_split_size, disable_split_kv=disable_split_kv,
             )
-        else:  # the cpu kernel parallelises over requests and heads; it does not split
+        else:
+            # The cpu kernel parallelises over requests and heads; under CUDA graphs the grid
+            # must not depend on lengths, so graph mode does not split either.
             split = SplitPlan(0, tuple(range(index.batch_size + 1)))
         workspace_bytes = split_workspace_bytes(split.num_chunks, num_qo_heads, head_dim) if split.kv_chunk_size else 0
         check_workspace(self._workspace, workspace_bytes, _WRAPPER)
@@ -111,6 +113,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
             kv_last_page_len=upload(index.last_page_len, device, last_buf, "paged_kv_last_page_len"),
             custom_mask=None, mask_indptr=None, index=index, split=split,
             split_indptr=upload(torch.tensor(split.split_indptr, dtype=torch.int32), device),
+            use_cuda_graph=self._use_cuda_graph,
         )
         log_plan(_WRAPPER, self._plan, workspace_bytes)
 

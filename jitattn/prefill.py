@@ -24,7 +24,7 @@ def _plan_prefill(
     num_kv_heads: int, head_dim_qk: int, head_dim_vo: int | None, custom_mask: torch.Tensor | None,
     packed_custom_mask: torch.Tensor | None, causal: bool, pos_encoding_mode, sm_scale, window_left,
     logits_soft_cap, rope_scale, rope_theta, q_data_type, kv_data_type, o_data_type=None,
-    buffers: dict[str, torch.Tensor | None],
+    buffers: dict[str, torch.Tensor | None], use_cuda_graph: bool = False,
 ) -> AttentionPlan:
     """Validate and upload one prefill batch (shared by the paged and ragged wrappers)."""
     head_dim_vo = head_dim_qk if head_dim_vo is None else head_dim_vo
@@ -79,7 +79,7 @@ def _plan_prefill(
         mask_indptr=upload(mask_indptr_host, device, buffers.get("mask_indptr"), "mask_indptr")
         if mask_indptr_host is not None else None,
         index=index, split=SplitPlan(0, tuple(range(len(kv_lens) + 1))), split_indptr=None,
-        total_kv=None if index else int(kv_indptr_host[-1]),
+        total_kv=None if index else int(kv_indptr_host[-1]), use_cuda_graph=use_cuda_graph,
     )
     log_plan(wrapper, plan, 0)
     return plan
@@ -166,7 +166,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapperBase):
             packed_custom_mask=packed_custom_mask, causal=causal, pos_encoding_mode=pos_encoding_mode,
             sm_scale=sm_scale, window_left=window_left, logits_soft_cap=logits_soft_cap, rope_scale=rope_scale,
             rope_theta=rope_theta, q_data_type=q_data_type, kv_data_type=kv_data_type, o_data_type=o_data_type,
-            buffers=self._buffers,
+            buffers=self._buffers, use_cuda_graph=self._use_cuda_graph,
         )
 
     begin_forward = plan
@@ -224,7 +224,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapperBase):
             packed_custom_mask=packed_custom_mask, causal=causal, pos_encoding_mode=pos_encoding_mode,
             sm_scale=sm_scale, window_left=window_left, logits_soft_cap=logits_soft_cap, rope_scale=rope_scale,
             rope_theta=rope_theta, q_data_type=q_data_type, kv_data_type=kv_data_type, o_data_type=o_data_type,
-            buffers=self._buffers,
+            buffers=self._buffers, use_cuda_graph=self._use_cuda_graph,
         )
 
     begin_forward = plan

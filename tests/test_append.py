@@ -299,12 +299,12 @@ def test_index_helpers_match_reference_random(device):
 
 @pytest.mark.gpu
 def test_index_helpers_do_not_sync_on_cuda():
-    indptr, last = _i32([0, 2, 2, 5], "cuda"), _i32([3, 1, 16], "cuda")
+    indptr, last, append_indptr = _i32([0, 2, 2, 5], "cuda"), _i32([3, 1, 16], "cuda"), _i32([0, 2, 2, 5], "cuda")
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         lens = page.get_seq_lens(indptr, last, 16)
-        bi, pos = page.get_batch_indices_positions(_i32([0, 2, 2, 5], "cuda"), lens, 5)
+        bi, pos = page.get_batch_indices_positions(append_indptr, lens, 5)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert lens.tolist() == [19, 0, 48] and bi.tolist() == [0, 0, 2, 2, 2] and pos.tolist() == [17, 18, 45, 46, 47]
@@ -346,6 +346,22 @@ def test_append_runs_on_the_current_stream():
         _append(case, bi=bi, pos=pos)
     stream.synchronize()
     case.check(want, "side stream")
+
+
+@pytest.mark.gpu
+def test_append_does_not_sync_with_device_index_arrays():
+    case = Case(page_size=16, cache_dtype=torch.float8_e4m3fn, src_dtype=torch.bfloat16, salt=23).to("cuda")
+    want = case.expected()
+    bi, pos = case.indices()
+    _append(case, bi=bi, pos=pos)  # load the module first
+    case.cache = case.cache.clone()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        _append(case, bi=bi, pos=pos)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    case.check(want, "device index arrays")
 
 
 @pytest.mark.gpu

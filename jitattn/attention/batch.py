@@ -46,6 +46,7 @@ class AttentionPlan:
     split: SplitPlan
     split_indptr: torch.Tensor | None
     total_kv: int | None = None  # ragged: rows of k/v the plan covers
+    use_cuda_graph: bool = False  # index tensors live in fixed caller buffers
 
 
 def upload(host: torch.Tensor, device: torch.device, buffer: torch.Tensor | None = None, name: str = "") -> torch.Tensor:
@@ -99,6 +100,12 @@ def run_plan(
     if plan is None:
         raise RuntimeError(f"{wrapper}.run() called before plan(); call plan() once per batch first")
     target_of(wrapper, (workspace, q, k, v, out, lse))
+    if q.is_cuda and not plan.use_cuda_graph and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            f"{wrapper}.run() is being captured into a CUDA graph, but the wrapper was built without "
+            "use_cuda_graph=True: its plan lives in buffers a later plan() replaces, so replays would read "
+            "stale or freed memory. Construct it with use_cuda_graph=True and fixed index buffers"
+        )
     check_tensor("q", q, ndim=3, dtypes=(plan.q_dtype,))
     if tuple(q.shape) != (plan.total_qo, plan.num_qo_heads, plan.head_dim_qk):
         raise ValueError(

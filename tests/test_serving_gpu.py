@@ -1,0 +1,109 @@
+"""Serving behaviour on the GPU: no syncs or hidden allocations in run(), CUDA graphs, capture safety."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+import jitattn
+from jitattn import reference
+from jitattn.attention.specs import attention_spec
+from jitattn.spec import KVLayout, KVStorage, MaskMode, Op, PosEncoding, Target
+
+from attention_cases import assert_close_out, random_paged_batch
+
+pytestmark = pytest.mark.gpu
+
+HQ, HKV, D, PAGE = 32, 8, 128, 16
+GPU_SPECS = [attention_spec(
+    Op.DECODE, Target.CUDA, q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16, o_dtype=torch.bfloat16,
+    head_dim_qk=D, head_dim_vo=D, num_qo_heads=HQ, num_kv_heads=HKV, pos_encoding=PosEncoding.NONE,
+    use_sliding_window=False, use_logits_soft_cap=False, mask_mode=MaskMode.NONE, kv_layout=KVLayout.NHD,
+    kv_storage=KVStorage.PAGED,
+)]
+
+
+def _planned(kv_lens, **wrapper_kw):
+    batch = random_paged_batch(kv_lens, HKV, D, PAGE, torch.bfloat16, device="cuda")
+    wrapper = jitattn.BatchDecodeWithPagedKVCacheWrapper(
+        torch.empty(64 << 20, dtype=torch.uint8, device="cuda"), **wrapper_kw)
+    wrapper.plan(batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len, HQ, HKV, D, PAGE,
+                 q_data_type=torch.bfloat16)
+    q = torch.randn(len(kv_lens), HQ, D, dtype=torch.bfloat16, device="cuda")
+    return wrapper, batch, q
+
+
+def test_run_does_not_synchronise() -> None:
+    wrapper, batch, q = _planned([300, 4000, 17])
+    out = torch.empty(3, HQ, D, dtype=torch.bfloat16, device="cuda")
+    wrapper.run(q, batch.cache, out=out)  # warm-up
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000 // 1000 * 200)  # a few hundred ms of GPU busy-wait
+    started = time.perf_counter()
+    wrapper.run(q, batch.cache, out=out)
+    host_seconds = time.perf_counter() - started
+    still_busy = not torch.cuda.current_stream().query()
+    torch.cuda.synchronize()
+    assert still_busy, "run() waited for the GPU (a hidden synchronisation)"
+    assert host_seconds < 0.05
+
+
+def test_run_allocates_only_its_outputs() -> None:
+    wrapper, batch, q = _planned([300, 4000, 17])
+    out = torch.empty(3, HQ, D, dtype=torch.bfloat16, device="cuda")
+    lse = torch.empty(3, HQ, dtype=torch.float32, device="cuda")
+    wrapper.run(q, batch.cache, out=out, lse=lse)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_stats()["allocation.all.allocated"]
+    wrapper.run(q, batch.cache, out=out, lse=lse)
+    assert torch.cuda.memory_stats()["allocation.all.allocated"] == before, "run() with out/lse allocated memory"
+    wrapper.run(q, batch.cache, return_lse=True)
+    assert torch.cuda.memory_stats()["allocation.all.allocated"] == before + 2, "run() allocated beyond out and lse"
+
+
+def test_capture_without_graph_mode_is_refused() -> None:
+    wrapper, batch, q = _planned([30, 40])
+    wrapper.run(q, batch.cache)
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="use_cuda_graph=True"):
+        with torch.cuda.graph(graph):
+            wrapper.run(q, batch.cache)
+
+
+def test_cuda_graph_replays_after_replanning() -> None:
+    gen = torch.Generator().manual_seed(7)
+    batch_size, max_pages = 8, 8 * 64
+    pool = torch.randn(max_pages, 2, PAGE, HKV, D, generator=gen).to(torch.bfloat16).cuda()
+    indptr_buf = torch.empty(batch_size + 1, dtype=torch.int32, device="cuda")
+    indices_buf = torch.empty(max_pages, dtype=torch.int32, device="cuda")
+    last_buf = torch.empty(batch_size, dtype=torch.int32, device="cuda")
+    wrapper = jitattn.BatchDecodeWithPagedKVCacheWrapper(
+        torch.empty(64 << 20, dtype=torch.uint8, device="cuda"), use_cuda_graph=True,
+        paged_kv_indptr_buffer=indptr_buf, paged_kv_indices_buffer=indices_buf,
+        paged_kv_last_page_len_buffer=last_buf)
+    q = torch.randn(batch_size, HQ, D, generator=gen).to(torch.bfloat16).cuda()
+    out = torch.empty(batch_size, HQ, D, dtype=torch.bfloat16, device="cuda")
+
+    def random_table():
+        lens = torch.randint(1, 64 * PAGE, (batch_size,), generator=gen).tolist()
+        pages = [(n + PAGE - 1) // PAGE for n in lens]
+        indptr = torch.tensor([0] + torch.tensor(pages).cumsum(0).tolist(), dtype=torch.int32)
+        indices = torch.randperm(max_pages, generator=gen)[: sum(pages)].to(torch.int32)
+        last = torch.tensor([(n - 1) % PAGE + 1 for n in lens], dtype=torch.int32)
+        return indptr, indices, last
+
+    table = random_table()
+    wrapper.plan(*table, HQ, HKV, D, PAGE, q_data_type=torch.bfloat16)
+    wrapper.run(q, pool, out=out)  # warm-up outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        wrapper.run(q, pool, out=out)
+    for _ in range(20):
+        table = random_table()
+        wrapper.plan(*table, HQ, HKV, D, PAGE, q_data_type=torch.bfloat16)
+        out.fill_(float("nan"))
+        graph.replay()
+        expected, _ = reference.batch_decode_paged(q, pool, *table)
+        assert_close_out(out, expected, torch.bfloat16)
