@@ -49,6 +49,11 @@ class BatchDecodeWithPagedKVCacheWrapper:
                 "paged_kv_last_page_len_buffer (fixed buffers sized for the largest batch)"
             )
         self._buffers = (paged_kv_indptr_buffer, paged_kv_indices_buffer, paged_kv_last_page_len_buffer)
+        # Under CUDA graphs every array a captured launch reads must keep its address across plans.
+        self._own_buffers: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
+        if self._use_cuda_graph:
+            rows = paged_kv_indptr_buffer.numel()
+            self._own_buffers = tuple(torch.empty(rows, dtype=torch.int32, device=self._device) for _ in range(2))
         self._plan: AttentionPlan | None = None
 
     @property
@@ -100,19 +105,26 @@ class BatchDecodeWithPagedKVCacheWrapper:
             split = SplitPlan(0, tuple(range(index.batch_size + 1)))
         workspace_bytes = split_workspace_bytes(split.num_chunks, num_qo_heads, head_dim) if split.kv_chunk_size else 0
         check_workspace(self._workspace, workspace_bytes, _WRAPPER)
+        if self._use_cuda_graph and self._plan is not None and self._plan.total_qo != index.batch_size:
+            raise ValueError(
+                f"a use_cuda_graph wrapper keeps its batch size ({self._plan.total_qo}); got {index.batch_size}. "
+                "Captured launches have the batch size baked in: use one wrapper per captured batch size"
+            )
         module = load(spec)
         device = self._device
         indptr_buf, indices_buf, last_buf = self._buffers
+        qo_indptr_buf, split_indptr_buf = self._own_buffers
         self._plan = AttentionPlan(
             spec=spec, module=module, scalars=scalars, q_dtype=q_dtype, kv_dtype=kv_dtype, o_dtype=q_dtype,
             num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim_qk=head_dim, head_dim_vo=head_dim,
             page_size=page_size, kv_layout=self._kv_layout, total_qo=index.batch_size,
-            qo_indptr=upload(torch.arange(index.batch_size + 1, dtype=torch.int32), device),
+            qo_indptr=upload(torch.arange(index.batch_size + 1, dtype=torch.int32), device, qo_indptr_buf, "qo_indptr"),
             kv_indptr=upload(index.indptr, device, indptr_buf, "paged_kv_indptr"),
             kv_indices=upload(index.indices, device, indices_buf, "paged_kv_indices"),
             kv_last_page_len=upload(index.last_page_len, device, last_buf, "paged_kv_last_page_len"),
             custom_mask=None, mask_indptr=None, index=index, split=split,
-            split_indptr=upload(torch.tensor(split.split_indptr, dtype=torch.int32), device),
+            split_indptr=upload(torch.tensor(split.split_indptr, dtype=torch.int32), device, split_indptr_buf,
+                                "split_indptr"),
             use_cuda_graph=self._use_cuda_graph,
         )
         log_plan(_WRAPPER, self._plan, workspace_bytes)

@@ -1,0 +1,390 @@
+"""The cuda paged-decode kernel against the float64 reference, through ``launch_attention``.
+
+Every test draws fresh random inputs (never zeros) and poisons the outputs
+with NaN before the launch, so an unwritten element fails. ``GPU_SPECS`` lists
+every spec these tests load, for the parallel pre-build.
+
+The split-KV plan used here (``split_plan``) is the formula the planner is
+meant to adopt: request r gets ``ceil(kv_len[r] / kv_chunk_size)`` chunks
+(0 for an empty request), ``split_indptr`` is their exclusive prefix sum, and
+the workspace needs ``4 * num_qo_heads * (head_dim_vo + 1) * split_indptr[batch]``
+bytes (``jitattn.families.decode.split_workspace_bytes``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import jitattn
+from jitattn import reference
+from jitattn.attention.launch import AttentionScalars, launch_attention
+from jitattn.families.decode import split_workspace_bytes
+from jitattn.jit import KernelError
+from jitattn.spec import KVLayout, PosEncoding, VariantSpec
+
+pytestmark = pytest.mark.gpu
+
+bf16, f16 = torch.bfloat16, torch.float16
+e4m3, e5m2 = torch.float8_e4m3fn, torch.float8_e5m2
+_DT = {bf16: "bf16", f16: "f16", e4m3: "e4m3", e5m2: "e5m2"}
+_TOL = {bf16: 2e-2, f16: 4e-3}
+
+
+def dspec(q=bf16, kv=None, hd=128, hdv=None, g=4, pos="none", swa=False, cap=False, layout="nhd") -> VariantSpec:
+    kv = q if kv is None else kv
+    return VariantSpec(
+        op="decode", target="cuda", q_dtype=_DT[q], kv_dtype=_DT[kv], o_dtype=_DT[q], head_dim_qk=hd,
+        head_dim_vo=hd if hdv is None else hdv, group_size=g, pos_encoding=pos, use_sliding_window=swa,
+        use_logits_soft_cap=cap, kv_layout=layout, kv_storage="paged",
+    )
+
+
+# -- the specs every test below loads --------------------------------------------------------------
+BASE = dspec()
+HEAD_DIMS = {64: dspec(hd=64), 72: dspec(hd=72), 96: dspec(hd=96), 128: BASE, 256: dspec(hd=256),
+             "192x128": dspec(hd=192, hdv=128)}
+GROUPS = {1: dspec(g=1), 4: BASE, 5: dspec(g=5), 7: dspec(g=7), 8: dspec(g=8), "mqa32": dspec(g=32)}
+KV_TYPES = {
+    "f16": dspec(q=f16),
+    "bf16_e4m3": dspec(q=bf16, kv=e4m3),
+    "f16_e5m2": dspec(q=f16, kv=e5m2),
+    "bf16_e4m3_hd72_hnd": dspec(q=bf16, kv=e4m3, hd=72, layout="hnd"),  # 72-byte rows: 8-byte copies
+    "f16_e5m2_hd256_hnd_g8": dspec(q=f16, kv=e5m2, hd=256, g=8, layout="hnd"),
+}
+HND = dspec(layout="hnd")
+ROPE = {"bf16_hd128": dspec(pos="rope"), "f16_hd72_hnd": dspec(q=f16, hd=72, pos="rope", layout="hnd"),
+        "e4m3_hd64_g5": dspec(kv=e4m3, hd=64, g=5, pos="rope")}
+ALIBI = dspec(g=7, pos="alibi")
+SWA = dspec(swa=True)
+SOFTCAP = dspec(cap=True)
+COMBO = dspec(pos="rope", swa=True, cap=True)
+COMBO_ALIBI = dspec(q=f16, hd=96, g=5, pos="alibi", swa=True, cap=True, layout="hnd")
+
+GPU_SPECS: list[VariantSpec] = list(dict.fromkeys([
+    BASE, *HEAD_DIMS.values(), *GROUPS.values(), *KV_TYPES.values(), HND, *ROPE.values(), ALIBI, SWA, SOFTCAP,
+    COMBO, COMBO_ALIBI,
+]))
+
+
+# -- inputs -----------------------------------------------------------------------------------------
+class Paged:
+    """A random KV pool (pages handed out in random order) and its page table."""
+
+    def __init__(self, lens, hkv, dqk, dvo, page_size, dtype, layout="nhd", fmt="tuple", gen=None,
+                 spare=5, device="cuda"):
+        self.lens, self.page_size, self.layout, self.hkv = list(lens), page_size, layout, hkv
+        pages_per = [-(-n // page_size) for n in lens]
+        total = sum(pages_per)
+        pool = total + spare
+        self.kv_indices = torch.randperm(pool, generator=gen)[:total].to(torch.int32).to(device)
+        self.kv_indptr = torch.tensor([0] + torch.tensor(pages_per, dtype=torch.int64).cumsum(0).tolist(),
+                                      dtype=torch.int32, device=device)
+        self.kv_last_page_len = torch.tensor([(n - 1) % page_size + 1 if n else 0 for n in lens],
+                                             dtype=torch.int32, device=device)
+
+        def rand(shape):
+            return (torch.randn(shape, generator=gen) * (2 if dtype in (e4m3, e5m2) else 1)).to(dtype).to(device)
+
+        if fmt == "5d":
+            assert dqk == dvo
+            shape = (pool, 2, page_size, hkv, dqk) if layout == "nhd" else (pool, 2, hkv, page_size, dqk)
+            self.cache = rand(shape)
+            self.k, self.v = self.cache[:, 0], self.cache[:, 1]
+        else:
+            def shape(d):
+                return (pool, page_size, hkv, d) if layout == "nhd" else (pool, hkv, page_size, d)
+            self.k, self.v = rand(shape(dqk)), rand(shape(dvo))
+            self.cache = (self.k, self.v)
+
+
+def split_plan(kv_lens, chunk, num_qo_heads, head_dim_vo, device="cuda"):
+    """(split_indptr int32 [batch + 1], workspace uint8) for kv_chunk_size ``chunk``."""
+    counts = [-(-n // chunk) for n in kv_lens]
+    indptr = [0]
+    for c in counts:
+        indptr.append(indptr[-1] + c)
+    nbytes = split_workspace_bytes(max(indptr[-1], 1), num_qo_heads, head_dim_vo)
+    workspace = torch.full((nbytes,), 0xFF, dtype=torch.uint8, device=device)  # NaN-filled floats
+    return torch.tensor(indptr, dtype=torch.int32, device=device), workspace
+
+
+def run_decode(spec, q, kv: Paged, *, window=-1, cap=0.0, sm_scale=None, rope_scale=1.0, rope_theta=1e4,
+               k_scale=1.0, v_scale=1.0, chunk=0, o=None, lse=None, workspace=None, split_indptr=None, pos=None):
+    module = jitattn.load(spec)
+    batch, hq, dqk = q.shape
+    dvo = kv.v.shape[-1]
+    if o is None:
+        o = torch.full((batch, hq, dvo), float("nan"), dtype=q.dtype, device=q.device)
+    if lse is None:
+        lse = torch.full((batch, hq), float("nan"), dtype=torch.float32, device=q.device)
+    if chunk and workspace is None:
+        split_indptr, workspace = split_plan(kv.lens, chunk, hq, dvo)
+    scalars = AttentionScalars(
+        causal=False, pos_encoding=spec.pos_encoding if pos is None else pos, window_left=window,
+        sm_scale=1.0 / math.sqrt(dqk) if sm_scale is None else sm_scale, logits_soft_cap=cap,
+        rope_scale=rope_scale, rope_theta=rope_theta,
+    )
+    launch_attention(
+        module, q=q, k=kv.k, v=kv.v, o=o, lse=lse,
+        qo_indptr=torch.arange(batch + 1, dtype=torch.int32, device=q.device), kv_indptr=kv.kv_indptr,
+        kv_indices=kv.kv_indices, kv_last_page_len=kv.kv_last_page_len, page_size=kv.page_size,
+        kv_layout=KVLayout.parse(kv.layout, "kv_layout"), custom_mask=None, mask_indptr=None,
+        num_kv_heads=kv.hkv, scalars=scalars, k_scale=k_scale, v_scale=v_scale,
+        workspace=workspace, split_indptr=split_indptr, kv_chunk_size=chunk,
+    )
+    torch.cuda.synchronize()
+    return o, lse
+
+
+def ref_decode(spec, q, kv: Paged, *, window=-1, cap=0.0, sm_scale=None, rope_scale=1.0, rope_theta=1e4,
+               k_scale=1.0, v_scale=1.0):
+    pos = {"none": "NONE", "rope": "ROPE_LLAMA", "alibi": "ALIBI"}[spec.pos_encoding.value]
+    return reference.batch_decode_paged(
+        q, kv.cache, kv.kv_indptr, kv.kv_indices, kv.kv_last_page_len, kv_layout=kv.layout.upper(),
+        sm_scale=sm_scale, window_left=window, logits_soft_cap=cap if cap > 0 else None, pos_encoding_mode=pos,
+        rope_scale=rope_scale, rope_theta=rope_theta, k_scale=k_scale, v_scale=v_scale,
+    )
+
+
+def check(out, lse, ref, dtype, lse_atol=2e-3):
+    ref_o, ref_lse = ref
+    out, lse = out.float().cpu(), lse.cpu()
+    assert not torch.isnan(out).any(), "output has NaN (unwritten or invalid)"
+    assert not torch.isnan(lse).any(), "lse has NaN (unwritten or invalid)"
+    tol = _TOL[dtype]
+    torch.testing.assert_close(out, ref_o.float().cpu(), atol=tol, rtol=tol)
+    ref_lse = ref_lse.cpu()
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse)), "lse -inf pattern differs"
+    finite = torch.isfinite(ref_lse)
+    torch.testing.assert_close(lse[finite], ref_lse[finite], atol=lse_atol, rtol=1e-4)
+
+
+def case(spec, lens, hkv, page_size, *, seed, layout=None, fmt="tuple", chunks=(0,), **kw):
+    """Random q and KV for ``spec``; run the kernel (each chunk size) and compare with the reference."""
+    gen = torch.Generator().manual_seed(seed)
+    layout = layout or spec.kv_layout.value
+    kv = Paged(lens, hkv, spec.head_dim_qk, spec.head_dim_vo, page_size, spec.kv_dtype.torch_dtype, layout, fmt, gen)
+    q = torch.randn(len(lens), hkv * spec.group_size, spec.head_dim_qk, generator=gen).to(spec.q_dtype.torch_dtype)
+    q = q.cuda()
+    if spec.kv_dtype.is_fp8:
+        kw.setdefault("k_scale", 0.7)
+        kw.setdefault("v_scale", 1.3)
+    ref = ref_decode(spec, q, kv, **kw)
+    outs = []
+    for chunk in chunks:
+        o, lse = run_decode(spec, q, kv, chunk=chunk, **kw)
+        check(o, lse, ref, spec.q_dtype.torch_dtype)
+        for r, n in enumerate(lens):
+            if n == 0:
+                assert torch.all(o[r] == 0) and torch.all(torch.isneginf(lse[r])), "empty request: o = 0, lse = -inf"
+        outs.append((o, lse))
+    return outs
+
+
+LENS = [1, 0, 37, 300, 16, 129]
+
+
+# -- tests ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("hd", list(HEAD_DIMS))
+def test_head_dims(hd):
+    spec = HEAD_DIMS[hd]
+    case(spec, LENS, 2, 16, seed=1, chunks=(0, 64))
+
+
+@pytest.mark.parametrize("g", list(GROUPS))
+def test_group_sizes(g):
+    spec = GROUPS[g]
+    hkv = 1 if g == "mqa32" else 2
+    case(spec, LENS, hkv, 16, seed=2, chunks=(0, 48))
+
+
+@pytest.mark.parametrize("name", list(KV_TYPES))
+def test_kv_dtypes(name):
+    spec = KV_TYPES[name]
+    case(spec, LENS, 2, 16, seed=3, chunks=(0, 40), k_scale=0.6, v_scale=1.7)
+
+
+@pytest.mark.parametrize("layout", ["nhd", "hnd"])
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+def test_layouts_page_sizes_5d_cache(layout, page_size):
+    spec = BASE if layout == "nhd" else HND
+    case(spec, [5, 1, 0, 200, 64, 65], 4, page_size, seed=4 + page_size, fmt="5d", chunks=(0, 32))
+
+
+@pytest.mark.parametrize("name", list(ROPE))
+def test_rope(name):
+    spec = ROPE[name]
+    case(spec, LENS, 2, 16, seed=5, chunks=(0, 64))
+    case(spec, [700, 3], 2, 64, seed=6, rope_scale=2.5, rope_theta=5e5, chunks=(0, 128))
+
+
+def test_alibi():
+    case(ALIBI, LENS, 3, 16, seed=7, chunks=(0, 50))  # 21 query heads: non-power-of-two slopes
+
+
+@pytest.mark.parametrize("window", [0, 1, 5, 63, 64, 1000])
+def test_sliding_window(window):
+    case(SWA, LENS, 2, 16, seed=8, window=window, chunks=(0, 32))
+
+
+def test_sliding_window_disabled_at_run_time():
+    case(SWA, LENS, 2, 16, seed=9, window=-1, chunks=(0, 64))
+
+
+@pytest.mark.parametrize("cap", [0.0, 1.0, 30.0])
+def test_softcap(cap):
+    case(SOFTCAP, LENS, 2, 16, seed=10, cap=cap, sm_scale=0.3, chunks=(0, 64))
+
+
+def test_rope_window_softcap():
+    case(COMBO, LENS, 2, 16, seed=11, window=40, cap=20.0, rope_theta=5e4, chunks=(0, 32))
+
+
+def test_alibi_window_softcap_hnd():
+    case(COMBO_ALIBI, LENS, 2, 64, seed=12, window=77, cap=15.0, chunks=(0, 64))
+
+
+def test_split_matches_no_split():
+    outs = case(GROUPS[8], [2000, 1, 0, 4097], 2, 16, seed=13, chunks=(0, 256, 100, 1))
+    base_o, base_lse = outs[0]
+    for o, lse in outs[1:]:
+        torch.testing.assert_close(o.float(), base_o.float(), atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(lse, base_lse, atol=1e-4, rtol=1e-5)
+
+
+def test_many_requests_split():
+    # more requests than threads in a block: the chunk -> request search takes several rounds
+    gen = torch.Generator().manual_seed(14)
+    lens = torch.randint(0, 90, (333,), generator=gen).tolist()
+    case(BASE, lens, 1, 16, seed=15, chunks=(0, 16, 1000))
+
+
+def test_strided_q_from_fused_qkv():
+    spec = GROUPS[5]
+    gen = torch.Generator().manual_seed(16)
+    hkv, d = 2, spec.head_dim_qk
+    hq = hkv * spec.group_size
+    kv = Paged(LENS, hkv, d, d, 16, bf16, "nhd", "5d", gen)
+    qkv = torch.randn(len(LENS), (hq + 2 * hkv) * d, generator=gen).to(bf16).cuda()
+    q = qkv[:, : hq * d].view(len(LENS), hq, d)
+    assert not q.is_contiguous()
+    ref = ref_decode(spec, q.contiguous(), kv)
+    for chunk in (0, 64):
+        o, lse = run_decode(spec, q, kv, chunk=chunk)
+        check(o, lse, ref, bf16)
+
+
+def test_strided_output():
+    gen = torch.Generator().manual_seed(17)
+    kv = Paged(LENS, 2, 128, 128, 16, bf16, "nhd", "tuple", gen)
+    q = torch.randn(len(LENS), 8, 128, generator=gen).to(bf16).cuda()
+    o_full = torch.full((len(LENS), 8, 256), float("nan"), dtype=bf16, device="cuda")
+    lse_full = torch.full((8, len(LENS)), float("nan"), device="cuda")
+    o, lse = o_full[:, :, 64:192], lse_full.t()
+    ref = ref_decode(BASE, q, kv)
+    run_decode(BASE, q, kv, o=o, lse=lse)
+    check(o, lse, ref, bf16)
+    assert torch.isnan(o_full[:, :, :64]).all() and torch.isnan(o_full[:, :, 192:]).all(), "wrote outside o"
+
+
+def test_single_request_contiguous_kv_as_one_page():
+    gen = torch.Generator().manual_seed(18)
+    kv_len, hkv = 777, 2
+    k = torch.randn(kv_len, hkv, 128, generator=gen).to(bf16).cuda()
+    v = torch.randn(kv_len, hkv, 128, generator=gen).to(bf16).cuda()
+    q = torch.randn(1, 8, 128, generator=gen).to(bf16).cuda()
+    kv = Paged([kv_len], hkv, 128, 128, kv_len, bf16, "nhd", "tuple", gen, spare=0)
+    kv.k, kv.v = k.unsqueeze(0), v.unsqueeze(0)
+    kv.cache = (kv.k, kv.v)
+    kv.kv_indices = torch.zeros(1, dtype=torch.int32, device="cuda")
+    ref = reference.single_attention(q, k, v)
+    for chunk in (0, 128):
+        o, lse = run_decode(BASE, q, kv, chunk=chunk)
+        check(o, lse, ref, bf16)
+
+
+def test_lse_optional():
+    gen = torch.Generator().manual_seed(19)
+    kv = Paged(LENS, 2, 128, 128, 16, bf16, "nhd", "tuple", gen)
+    q = torch.randn(len(LENS), 8, 128, generator=gen).to(bf16).cuda()
+    ref = ref_decode(BASE, q, kv)
+    module = jitattn.load(BASE)
+    for chunk in (0, 64):
+        o = torch.full((len(LENS), 8, 128), float("nan"), dtype=bf16, device="cuda")
+        sp, ws = split_plan(LENS, chunk, 8, 128) if chunk else (None, None)
+        launch_attention(
+            module, q=q, k=kv.k, v=kv.v, o=o, lse=None,
+            qo_indptr=torch.arange(len(LENS) + 1, dtype=torch.int32, device="cuda"), kv_indptr=kv.kv_indptr,
+            kv_indices=kv.kv_indices, kv_last_page_len=kv.kv_last_page_len, page_size=16, kv_layout=KVLayout.NHD,
+            custom_mask=None, mask_indptr=None, num_kv_heads=2,
+            scalars=AttentionScalars(False, PosEncoding.NONE, -1, 128 ** -0.5, 0.0, 1.0, 1e4),
+            workspace=ws, split_indptr=sp, kv_chunk_size=chunk,
+        )
+        torch.cuda.synchronize()
+        torch.testing.assert_close(o.float().cpu(), ref[0].cpu(), atol=2e-2, rtol=2e-2)
+
+
+def test_empty_batch():
+    gen = torch.Generator().manual_seed(20)
+    kv = Paged([], 2, 128, 128, 16, bf16, "nhd", "tuple", gen)
+    q = torch.randn(0, 8, 128, generator=gen).to(bf16).cuda()
+    o, lse = run_decode(BASE, q, kv)
+    assert o.shape == (0, 8, 128)
+
+
+def test_large_pool_64bit_offsets():
+    # A pool over 8 GB with the used pages at its top: element offsets exceed 2^32.
+    page_size, hkv, d = 16, 8, 128
+    page_elems = 2 * page_size * hkv * d
+    pool = (9 << 30) // (page_elems * 2) + 1
+    assert pool * page_elems > 2 ** 32
+    cache = torch.empty((pool, 2, page_size, hkv, d), dtype=bf16, device="cuda")
+    gen = torch.Generator().manual_seed(21)
+    lens = [40, 17, 1, 33]
+    pages_per = [-(-n // page_size) for n in lens]
+    total = sum(pages_per)
+    top = torch.arange(pool - 1, pool - 1 - total, -1, dtype=torch.int64)
+    top = top[torch.randperm(total, generator=gen)]
+    cache[top.cuda()] = torch.randn((total, 2, page_size, hkv, d), generator=gen).to(bf16).cuda()
+    kv = Paged(lens, hkv, d, d, page_size, bf16, "nhd", "tuple", gen, spare=0)
+    kv.cache, kv.k, kv.v = cache, cache[:, 0], cache[:, 1]
+    kv.kv_indices = top.to(torch.int32).cuda()
+    q = torch.randn(len(lens), hkv * 4, d, generator=gen).to(bf16).cuda()
+    ref = ref_decode(BASE, q, kv)
+    for chunk in (0, 16):
+        o, lse = run_decode(BASE, q, kv, chunk=chunk)
+        check(o, lse, ref, bf16)
+    del cache, kv
+    torch.cuda.empty_cache()
+
+
+def test_errors_are_reported():
+    gen = torch.Generator().manual_seed(22)
+    kv = Paged([10, 20], 2, 128, 128, 16, bf16, "nhd", "tuple", gen)
+    q = torch.randn(2, 6, 128, generator=gen).to(bf16).cuda()  # 6 heads: group 3, module is group 4
+    with pytest.raises(KernelError, match="group_size"):
+        run_decode(BASE, q, kv)
+    q = torch.randn(2, 8, 128, generator=gen).to(bf16).cuda()
+    tiny = torch.empty(16, dtype=torch.uint8, device="cuda")
+    sp = torch.tensor([0, 1, 2], dtype=torch.int32, device="cuda")
+    with pytest.raises(KernelError, match="workspace too small"):
+        run_decode(BASE, q, kv, chunk=16, workspace=tiny, split_indptr=sp)
+    with pytest.raises(KernelError, match="pos_encoding"):
+        run_decode(ROPE["bf16_hd128"], q, kv, pos=PosEncoding.NONE)
+
+
+def test_workspace_smaller_than_plan_gives_nan():
+    # The kernel cannot see split_indptr on the host; an undersized workspace must not corrupt memory
+    # and must not pass silently.
+    gen = torch.Generator().manual_seed(23)
+    kv = Paged([100, 100], 2, 128, 128, 16, bf16, "nhd", "tuple", gen)
+    q = torch.randn(2, 8, 128, generator=gen).to(bf16).cuda()
+    sp, _ = split_plan(kv.lens, 10, 8, 128)  # 20 chunks
+    guard = torch.full((split_workspace_bytes(20, 8, 128),), 0x7F, dtype=torch.uint8, device="cuda")
+    ws = guard[: split_workspace_bytes(5, 8, 128)]
+    o, lse = run_decode(BASE, q, kv, chunk=10, workspace=ws, split_indptr=sp)
+    assert torch.isnan(o.float()).all() and torch.isnan(lse).all()
+    assert (guard[ws.numel():] == 0x7F).all(), "wrote past the workspace"
