@@ -16,11 +16,13 @@ from .prefill import (  # noqa: E402
     BatchPrefillWithPagedKVCacheWrapper, BatchPrefillWithRaggedKVCacheWrapper, single_prefill_with_kv_cache,
 )
 from .cascade import MultiLevelCascadeAttentionWrapper  # noqa: E402
+from .page import append_paged_kv_cache, get_batch_indices_positions, get_seq_lens  # noqa: E402
 
 __all__ = [
     "BatchDecodeWithPagedKVCacheWrapper", "BatchPrefillWithPagedKVCacheWrapper",
     "BatchPrefillWithRaggedKVCacheWrapper", "DType", "KVLayout", "KVStorage", "MaskMode",
-    "MultiLevelCascadeAttentionWrapper", "Op", "PosEncoding", "Target", "VariantSpec", "build_many", "load",
+    "MultiLevelCascadeAttentionWrapper", "Op", "append_paged_kv_cache", "get_batch_indices_positions",
+    "get_seq_lens", "PosEncoding", "Target", "VariantSpec", "build_many", "load",
     "merge_state", "merge_state_in_place", "merge_states", "single_decode_with_kv_cache",
     "single_prefill_with_kv_cache",
 ]

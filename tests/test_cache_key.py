@@ -271,7 +271,7 @@ def _cxx_on_another_path(mp, root):
     # The same compiler reached through a different PATH entry.
     bindir = root.parent / "other-bin"
     bindir.mkdir()
-    (bindir / "c++").symlink_to(os.path.realpath(shutil.which("c++") or shutil.which("g++")))
+    (bindir / "c++").symlink_to(os.path.realpath(shutil.which("g++")))
     mp.delenv("JITATTN_CXX", raising=False)
     mp.delenv("CXX", raising=False)
     mp.setenv("PATH", f"{bindir}{os.pathsep}{os.environ['PATH']}")

@@ -7,6 +7,7 @@ fresh random values each run, with some empty (-inf) states mixed in.
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -27,7 +28,10 @@ S_TOL = dict(atol=1e-4, rtol=1e-5)
 
 
 def _gen() -> torch.Generator:
-    return torch.Generator().manual_seed(torch.seed() % (2**31))
+    """A generator with a fresh seed, printed so a failure can be replayed."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    print(f"input seed: {seed}")
+    return torch.Generator().manual_seed(seed)
 
 
 def _values(shape, dtype, device, g) -> torch.Tensor:

@@ -50,7 +50,9 @@ class _CacheView:
             k, v = paged_kv_cache[:, 0], paged_kv_cache[:, 1]
         elif isinstance(paged_kv_cache, (tuple, list)):
             if len(paged_kv_cache) != 2:
-                raise ValueError(f"paged_kv_cache as a tuple must be (k_cache, v_cache); got {len(paged_kv_cache)} items")
+                raise ValueError(
+                    f"paged_kv_cache as a tuple must be (k_cache, v_cache); got {len(paged_kv_cache)} items"
+                )
             k, v = paged_kv_cache
             for name, t in (("k_cache", k), ("v_cache", v)):
                 if not isinstance(t, torch.Tensor):
@@ -249,7 +251,9 @@ def append_paged_kv_cache(
         _check_index(name, t, device)
     for name in ("batch_indices", "positions"):
         if index_arrays[name].shape[0] != nnz:
-            raise ValueError(f"{name} has {index_arrays[name].shape[0]} entries; expected nnz={nnz} (append_key's rows)")
+            raise ValueError(
+                f"{name} has {index_arrays[name].shape[0]} entries; expected nnz={nnz} (append_key's rows)"
+            )
     if kv_indptr.shape[0] < 1:
         raise ValueError("kv_indptr must have batch_size + 1 entries; it is empty")
     batch_size = kv_indptr.shape[0] - 1

@@ -1,7 +1,6 @@
 """Child process for the cache tests: load one spec and report what happened.
 
-    python tests/helpers/load_spec.py SPEC_JSON [--check] [--key-only]
-                                      [--ready FILE --go FILE]
+    python tests/helpers/load_spec.py SPEC_JSON [--check] [--ready FILE --go FILE]
 
 Prints one JSON line: the entry's path, the load time, this process's
 ``compile_count()`` and, with ``--check``, the largest error of merge_state /
@@ -45,7 +44,6 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("spec", help="VariantSpec.to_dict() as JSON")
     parser.add_argument("--check", action="store_true", help="run merge_state(s) against the reference")
-    parser.add_argument("--key-only", action="store_true", help="print the cache key and exit")
     parser.add_argument("--ready", help="file to touch once imported")
     parser.add_argument("--go", help="file to wait for before loading")
     args = parser.parse_args()
@@ -55,11 +53,6 @@ def main() -> None:
     from jitattn.spec import VariantSpec
 
     spec = VariantSpec.from_dict(json.loads(args.spec))
-    if args.key_only:
-        from jitattn.jit.cache import plan_build
-
-        print(json.dumps({"key": plan_build(spec).key}))
-        return
     if args.ready:
         Path(args.ready).touch()
     if args.go:

@@ -132,6 +132,52 @@ inline void dot_keys(const float* q, const float* const* keys, int num_keys, int
   }
 }
 
+// out0[c] = q0 . keys[c] and out1[c] = q1 . keys[c]: two query rows by four
+// keys per pass, eight independent sums, 0.75 loads per multiply-add.
+inline void dot_keys2(const float* q0, const float* q1, const float* const* keys, int num_keys, int64_t dim,
+                      float* out0, float* out1) {
+  int c = 0;
+  for (; c + 4 <= num_keys; c += 4) {
+    const float* k0 = keys[c];
+    const float* k1 = keys[c + 1];
+    const float* k2 = keys[c + 2];
+    const float* k3 = keys[c + 3];
+    float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f, b0 = 0.0f, b1 = 0.0f, b2 = 0.0f, b3 = 0.0f;
+#pragma omp simd reduction(+ : a0, a1, a2, a3, b0, b1, b2, b3)
+    for (int64_t d = 0; d < dim; ++d) {
+      const float x = q0[d], y = q1[d];
+      const float e0 = k0[d], e1 = k1[d], e2 = k2[d], e3 = k3[d];
+      a0 += x * e0;
+      a1 += x * e1;
+      a2 += x * e2;
+      a3 += x * e3;
+      b0 += y * e0;
+      b1 += y * e1;
+      b2 += y * e2;
+      b3 += y * e3;
+    }
+    out0[c] = a0;
+    out0[c + 1] = a1;
+    out0[c + 2] = a2;
+    out0[c + 3] = a3;
+    out1[c] = b0;
+    out1[c + 1] = b1;
+    out1[c + 2] = b2;
+    out1[c + 3] = b3;
+  }
+  for (; c < num_keys; ++c) {
+    const float* k0 = keys[c];
+    float a0 = 0.0f, b0 = 0.0f;
+#pragma omp simd reduction(+ : a0, b0)
+    for (int64_t d = 0; d < dim; ++d) {
+      a0 += q0[d] * k0[d];
+      b0 += q1[d] * k0[d];
+    }
+    out0[c] = a0;
+    out1[c] = b0;
+  }
+}
+
 // acc += sum_c weight[c] * values[c]. Four values per pass over acc, so each
 // accumulator element is loaded and stored once per four keys.
 inline void accumulate_values(float* acc, const float* weight, const float* const* values, int num_values,
