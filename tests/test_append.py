@@ -26,6 +26,7 @@ SEED = int(os.environ.get("JITATTN_TEST_SEED", random.randrange(2**31)))
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 ALL_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2]
+GPU_SPECS = [VariantSpec(op="append", target="cuda", kv_dtype=d) for d in ALL_DTYPES if d != torch.float32]
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 
 
