@@ -28,7 +28,8 @@ __all__ = [
 ]
 
 _registry: dict[VariantSpec, Module] = {}
-_registry_lock = threading.Lock()
+_registry_lock = threading.Lock()  # guards _spec_locks; never held during a build
+_spec_locks: dict[VariantSpec, threading.Lock] = {}
 
 
 def _refuse_compile_if_asked(spec: VariantSpec) -> None:
@@ -59,6 +60,8 @@ def load(spec: VariantSpec) -> Module:
     if module is not None:
         return module
     with _registry_lock:
+        spec_lock = _spec_locks.setdefault(spec, threading.Lock())
+    with spec_lock:  # one thread builds a given spec; loads of other specs proceed
         module = _registry.get(spec)
         if module is None:
             plan = plan_build(spec)

@@ -218,6 +218,7 @@ def build_entry(plan: BuildPlan, jobs: int = 1) -> Path:
         work_dir = _build_in_temp(base, plan, jobs)
         seconds = time.perf_counter() - started
         _write_manifest(work_dir, plan, seconds)
+        _point_build_file_at(work_dir, entry_dir)
         if entry_dir.exists():  # a corrupted or stale entry: move it out of the way first
             trash = base / "tmp" / f"{plan.name}.trash-{uuid.uuid4().hex[:8]}"
             os.replace(entry_dir, trash)
@@ -266,6 +267,12 @@ def _build_in_temp(base: Path, plan: BuildPlan, jobs: int) -> Path:
         raise
 
 
+def _point_build_file_at(work_dir: Path, final_dir: Path) -> None:
+    # build.ninja names absolute paths; make it name the published entry so it can be re-run there.
+    ninja_file = work_dir / "build.ninja"
+    ninja_file.write_text(ninja_file.read_text().replace(str(work_dir), str(final_dir)))
+
+
 def _drop_shared_write_bits(work_dir: Path) -> None:
     # A permissive umask (002) must not make our own entries fail the safety check.
     for path in [work_dir, *work_dir.rglob("*")]:
@@ -279,6 +286,7 @@ def _keep_failed(base: Path, plan: BuildPlan, work_dir: Path) -> Path:
     failed = base / "failed" / plan.name
     failed.parent.mkdir(mode=0o700, exist_ok=True)
     shutil.rmtree(failed, ignore_errors=True)
+    _point_build_file_at(work_dir, failed)
     shutil.copytree(work_dir, failed)
     return failed
 
