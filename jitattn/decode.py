@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 
 from .attention.batch import (
-    AttentionPlan, check_workspace, log_plan, num_sms, run_plan, upload, workspace_target,
+    AttentionPlan, check_workspace, log_plan, num_sms, run_plan, run_plan_or_compiled, upload, workspace_target,
 )
+from .attention.compiled import register_wrapper
 from .attention.checks import check_tensor, target_of
 from .attention.kv import split_paged_kv_cache
 from .attention.options import fp8_scale, parse_dtype, parse_kv_layout, parse_pos_encoding, resolve_scalars
@@ -55,6 +56,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
             rows = paged_kv_indptr_buffer.numel()
             self._own_buffers = tuple(torch.empty(rows, dtype=torch.int32, device=self._device) for _ in range(2))
         self._plan: AttentionPlan | None = None
+        self._op_key = register_wrapper(self)
 
     @property
     def is_cuda_graph_enabled(self) -> bool:
@@ -159,10 +161,14 @@ class BatchDecodeWithPagedKVCacheWrapper:
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Decode attention: q ``[batch, num_qo_heads, head_dim]`` -> out (and natural-log lse ``[batch, heads]``)."""
         k, v = split_paged_kv_cache(paged_kv_cache, self._kv_layout)
-        return run_plan(
-            self._plan, _WRAPPER, self._workspace, q, k, v, k_scale=fp8_scale(k_scale, "k_scale"),
+        return run_plan_or_compiled(
+            self._op_key, self._plan, _WRAPPER, self._workspace, q, k, v, k_scale=fp8_scale(k_scale, "k_scale"),
             v_scale=fp8_scale(v_scale, "v_scale"), out=out, lse=lse, return_lse=return_lse,
         )
+
+    def _run_eager(self, q, k, v, *, k_scale, v_scale, out, lse, return_lse):
+        return run_plan(self._plan, _WRAPPER, self._workspace, q, k, v, k_scale=k_scale, v_scale=v_scale, out=out,
+                        lse=lse, return_lse=return_lse)
 
     def forward(self, q: torch.Tensor, paged_kv_cache, **kwargs) -> torch.Tensor:
         """Older spelling of ``run`` (ignores plan-time options passed again here)."""

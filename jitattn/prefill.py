@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from .attention.batch import AttentionPlan, log_plan, run_plan, upload, workspace_target
+from .attention.batch import AttentionPlan, log_plan, run_plan, run_plan_or_compiled, upload, workspace_target
+from .attention.compiled import register_wrapper
 from .attention.checks import check_tensor, target_of
 from .attention.kv import split_paged_kv_cache
 from .attention.options import fp8_scale, parse_dtype, parse_kv_layout, parse_pos_encoding, resolve_scalars
@@ -103,6 +104,7 @@ class _PrefillWrapperBase:
                              "(sized for the largest batch)")
         self._buffers = buffers
         self._plan: AttentionPlan | None = None
+        self._op_key = register_wrapper(self)
 
     @property
     def is_cuda_graph_enabled(self) -> bool:
@@ -116,10 +118,14 @@ class _PrefillWrapperBase:
         """No-op kept for older FlashInfer call sites."""
 
     def _run(self, q, k, v, k_scale, v_scale, out, lse, return_lse):
-        return run_plan(
-            self._plan, self._NAME, self._workspace, q, k, v, k_scale=fp8_scale(k_scale, "k_scale"),
+        return run_plan_or_compiled(
+            self._op_key, self._plan, self._NAME, self._workspace, q, k, v, k_scale=fp8_scale(k_scale, "k_scale"),
             v_scale=fp8_scale(v_scale, "v_scale"), out=out, lse=lse, return_lse=return_lse,
         )
+
+    def _run_eager(self, q, k, v, *, k_scale, v_scale, out, lse, return_lse):
+        return run_plan(self._plan, self._NAME, self._workspace, q, k, v, k_scale=k_scale, v_scale=v_scale,
+                        out=out, lse=lse, return_lse=return_lse)
 
 
 class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapperBase):

@@ -91,6 +91,23 @@ def workspace_target(workspace: torch.Tensor, wrapper: str) -> tuple[Target, tor
     return target_of(wrapper, (workspace,))
 
 
+def run_plan_or_compiled(
+    key: int, plan: AttentionPlan | None, wrapper: str, workspace: torch.Tensor, q: torch.Tensor,
+    k: torch.Tensor, v: torch.Tensor, *, k_scale: float, v_scale: float,
+    out: torch.Tensor | None, lse: torch.Tensor | None, return_lse: bool,
+):
+    """``run_plan`` eagerly; under torch.compile one opaque custom op that finds the plan at run time."""
+    if torch.compiler.is_compiling():
+        if plan is None:
+            raise RuntimeError(f"{wrapper}.run() called before plan(); call plan() once per batch first")
+        from .compiled import run_compiled
+
+        return run_compiled(key, q, k, v, head_dim_vo=plan.head_dim_vo, out_dtype=plan.o_dtype, k_scale=k_scale,
+                            v_scale=v_scale, out=out, lse=lse, return_lse=return_lse)
+    return run_plan(plan, wrapper, workspace, q, k, v, k_scale=k_scale, v_scale=v_scale, out=out, lse=lse,
+                    return_lse=return_lse)
+
+
 def run_plan(
     plan: AttentionPlan | None, wrapper: str, workspace: torch.Tensor, q: torch.Tensor,
     k: torch.Tensor, v: torch.Tensor, *, k_scale: float, v_scale: float,

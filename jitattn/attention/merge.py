@@ -49,18 +49,10 @@ def _launch_pair(v_a, s_a, v_b, s_b, v_out, s_out, mask) -> None:
     )
 
 
-def merge_state(
+def _merge_state_eager(
     v_a: torch.Tensor, s_a: torch.Tensor, v_b: torch.Tensor, s_b: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Merge two attention states.
-
-    Args:
-        v_a, v_b: ``[seq_len, num_heads, head_dim]``, float16/bfloat16/float32.
-        s_a, s_b: ``[seq_len, num_heads]`` float32, natural-log LSE.
-
-    Returns:
-        ``(v, s)``: the merged output (v_a's dtype) and its natural-log LSE.
-    """
+    """Eager implementation (see the public function of the same name)."""
     _check_pair(v_a, s_a, v_b, s_b)
     v_out = torch.empty_like(v_a, memory_format=torch.contiguous_format)
     s_out = torch.empty(s_a.shape, dtype=torch.float32, device=s_a.device)
@@ -68,14 +60,11 @@ def merge_state(
     return v_out, s_out
 
 
-def merge_state_in_place(
+def _merge_state_in_place_eager(
     v: torch.Tensor, s: torch.Tensor, v_other: torch.Tensor, s_other: torch.Tensor,
     mask: torch.Tensor | None = None,
 ) -> None:
-    """Merge ``(v_other, s_other)`` into ``(v, s)`` in place.
-
-    ``mask`` (optional, bool ``[seq_len]``): rows where it is False are left unchanged.
-    """
+    """Eager implementation (see the public function of the same name)."""
     _check_pair(v, s, v_other, s_other)
     if mask is not None:
         check_tensor("mask", mask, ndim=1, dtypes=(torch.bool, torch.uint8))
@@ -84,16 +73,8 @@ def merge_state_in_place(
     _launch_pair(v, s, v_other, s_other, v, s, mask)
 
 
-def merge_states(v: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Merge ``num_states`` attention states per row.
-
-    Args:
-        v: ``[seq_len, num_states, num_heads, head_dim]``.
-        s: ``[seq_len, num_states, num_heads]`` float32, natural-log LSE.
-
-    Returns:
-        ``(v, s)`` of shapes ``[seq_len, num_heads, head_dim]`` and ``[seq_len, num_heads]``.
-    """
+def _merge_states_eager(v: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eager implementation (see the public function of the same name)."""
     check_tensor("v", v, ndim=4, dtypes=_VALUE_DTYPES)
     check_tensor("s", s, ndim=3, dtypes=(torch.float32,), last_dim_contiguous=False)
     check_shape("s", s, tuple(v.shape[:3]))
@@ -112,3 +93,70 @@ def merge_states(v: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.
         num_threads=cpu_threads(),
     )
     return v_out, s_out
+
+
+# torch.compile: the same functions as opaque custom ops (fake implementations give shapes only).
+_merge_state_op = torch.library.custom_op("jitattn::merge_state", mutates_args=())(_merge_state_eager)
+_merge_states_op = torch.library.custom_op("jitattn::merge_states", mutates_args=())(_merge_states_eager)
+_merge_state_in_place_op = torch.library.custom_op(
+    "jitattn::merge_state_in_place", mutates_args=("v", "s"))(_merge_state_in_place_eager)
+
+
+@_merge_state_op.register_fake
+def _(v_a, s_a, v_b, s_b):
+    return torch.empty_like(v_a, memory_format=torch.contiguous_format), s_a.new_empty(s_a.shape)
+
+
+@_merge_states_op.register_fake
+def _(v, s):
+    return v.new_empty((v.shape[0], v.shape[2], v.shape[3])), s.new_empty((s.shape[0], s.shape[2]))
+
+
+@_merge_state_in_place_op.register_fake
+def _(v, s, v_other, s_other, mask=None):
+    return None
+
+
+def merge_state(
+    v_a: torch.Tensor, s_a: torch.Tensor, v_b: torch.Tensor, s_b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge two attention states.
+
+    Args:
+        v_a, v_b: ``[seq_len, num_heads, head_dim]``, float16/bfloat16/float32.
+        s_a, s_b: ``[seq_len, num_heads]`` float32, natural-log LSE.
+
+    Returns:
+        ``(v, s)``: the merged output (v_a's dtype) and its natural-log LSE.
+    """
+    if torch.compiler.is_compiling():
+        return _merge_state_op(v_a, s_a, v_b, s_b)
+    return _merge_state_eager(v_a, s_a, v_b, s_b)
+
+
+def merge_state_in_place(
+    v: torch.Tensor, s: torch.Tensor, v_other: torch.Tensor, s_other: torch.Tensor,
+    mask: torch.Tensor | None = None,
+) -> None:
+    """Merge ``(v_other, s_other)`` into ``(v, s)`` in place.
+
+    ``mask`` (optional, bool ``[seq_len]``): rows where it is False are left unchanged.
+    """
+    if torch.compiler.is_compiling():
+        return _merge_state_in_place_op(v, s, v_other, s_other, mask)
+    return _merge_state_in_place_eager(v, s, v_other, s_other, mask)
+
+
+def merge_states(v: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge ``num_states`` attention states per row.
+
+    Args:
+        v: ``[seq_len, num_states, num_heads, head_dim]``.
+        s: ``[seq_len, num_states, num_heads]`` float32, natural-log LSE.
+
+    Returns:
+        ``(v, s)`` of shapes ``[seq_len, num_heads, head_dim]`` and ``[seq_len, num_heads]``.
+    """
+    if torch.compiler.is_compiling():
+        return _merge_states_op(v, s)
+    return _merge_states_eager(v, s)

@@ -1,11 +1,173 @@
 """Prefill kernels: many query tokens per request over a ragged or paged KV.
 
 The cpu target shares the generic attention kernel with decode (every axis
-but the dtypes at run time); the cuda target compiles its own template.
+but the dtypes at run time); the cuda target compiles its own template
+(``templates/cuda/prefill.cu.jinja``), whose every derived constant -- tile
+sizes, warps, pipeline stages, shared-memory layout, swizzle -- is computed
+here by ``cuda_layout`` and handed to the template as a flat constant list.
+
+cuda kernel shape (sm80+ generic tier: ``mma.sync.m16n8k16``, fp32 accumulate):
+
+- A thread block of ``warps`` warps owns a tile of ``cta_q`` query *rows* of
+  one request and one KV head; row = (query token, head in the GQA group), so
+  row ``rho`` of a request is token ``rho // group``, query head
+  ``kv_head * group + rho % group``. Each warp owns ``16 * mma_q`` rows.
+- KV is walked in blocks of ``cta_kv`` tokens through a ``stages``-deep
+  ``cp.async`` pipeline into XOR-swizzled (or odd-padded) shared memory; the
+  row offsets of each block (page-table lookups for paged KV) are fetched one
+  iteration ahead into a small table. ``ldmatrix`` feeds the tensor cores;
+  online softmax runs in fp32 in the log2 domain. Causal / window blocks no
+  query row can see are skipped; only blocks on a boundary are masked.
+- head_dim is padded to a multiple of 16 inside shared memory only (the
+  padded columns are zero-filled by ``cp.async``, never read from memory).
+- fp8 KV lands raw and is converted to the query dtype in shared memory; RoPE
+  rotates Q (once per tile) and each K block in shared memory in fp32. With
+  bf16 and RoPE the rotated values are kept as hi + lo bf16 pairs and q.k is
+  three MMAs (hi.hi + hi.lo + lo.hi): a single bf16 rounding after the
+  rotation costs ~4e-3 in the logits, which the LSE cannot afford.
+- Work mapping, with no host-side work list and no total query count on the
+  host: a persistent grid (SMs x resident blocks) walks *virtual tiles*.
+  Request r's tiles start at ``base(r) = r + (qo_indptr[r] * group) // cta_q``
+  (strictly increasing, and ``base(r+1) - base(r)`` is at least r's tile
+  count), so a virtual tile finds its request by a binary search over
+  ``qo_indptr``; the few virtual tiles past a request's last tile are empty.
+  Items are (virtual tile, kv head), taken in a snake order over the grid;
+  within a request the tiles run last (the most causal work) first.
 """
 
 from __future__ import annotations
 
-from .attention import context, entries  # noqa: F401  (the family interface)
+from typing import Any
+
+from ..spec import DType, KVStorage, MaskMode, PosEncoding, Target, VariantSpec
+from . import c_type
+from .attention import context as _attention_context
+from .attention import entries  # noqa: F401  (the family interface)
 
 TEMPLATES = {"cpu": "cpu/attention.cpp.jinja", "cuda": "cuda/prefill.cu.jinja"}
+
+# Tuning knobs of the cuda layout. The benchmark may override entries (it
+# renders distinct sources, hence distinct cache entries); nothing else should.
+TUNING: dict[str, int] = {
+    "warps": 4,
+    "stages": 2,
+    "blocks_per_sm": 2,          # resident blocks the layout is sized for (registers and shared memory)
+    "smem_per_sm": 227 << 10,    # usable shared memory per SM (H100/H200: 227 KiB; A100: 163 KiB)
+    "mma_q_max_dim": 128,        # head dims up to this get 32 rows per warp (two m16 tiles)
+}
+
+_LOG2E = 1.4426950408889634
+
+
+def _ceil(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def _row_chunks(dim_pad: int) -> tuple[int, bool]:
+    """(16-byte chunks per shared-memory row, swizzled?) for a row of ``dim_pad`` 16-bit elements."""
+    chunks = dim_pad // 8
+    if chunks % 8 == 0:
+        return chunks, True
+    return (chunks + 1 if chunks % 2 == 0 else chunks), False
+
+
+def cuda_layout(spec: VariantSpec, tuning: dict[str, int] | None = None) -> dict[str, int]:
+    """Every derived constant of the cuda prefill kernel for ``spec`` (plain ints)."""
+    t = dict(TUNING)
+    if tuning:
+        t.update(tuning)
+    dqk, dvo, group = spec.head_dim_qk, spec.head_dim_vo, spec.group_size
+    kv_fp8 = spec.kv_dtype.is_fp8
+    rope = spec.pos_encoding is PosEncoding.ROPE_LLAMA
+    split = rope and spec.q_dtype is DType.BF16
+    warps = t["warps"]
+    threads = 32 * warps
+    dqk_pad, dvo_pad = _ceil(dqk, 16), _ceil(dvo, 16)
+    qk_rc, qk_sw = _row_chunks(dqk_pad)
+    vo_rc, vo_sw = _row_chunks(dvo_pad)
+    mma_q = 2 if max(dqk_pad, dvo_pad) <= t["mma_q_max_dim"] else 1
+    cta_q = warps * 16 * mma_q
+    stages = t["stages"]
+    budget = t["smem_per_sm"] // t["blocks_per_sm"] - 1024  # the runtime reserves 1 KiB per block
+
+    def smem_for(cta_kv: int) -> dict[str, int]:
+        sizes = {
+            "Q": cta_q * qk_rc * 16,
+            "QLo": cta_q * qk_rc * 16 if split else 0,
+            "K": stages * cta_kv * (dqk if kv_fp8 else qk_rc * 16),
+            "V": stages * cta_kv * (dvo if kv_fp8 else vo_rc * 16),
+            "Kc": cta_kv * qk_rc * 16 if kv_fp8 else 0,
+            "KcLo": cta_kv * qk_rc * 16 if split else 0,
+            "Vc": cta_kv * vo_rc * 16 if kv_fp8 else 0,
+            "Tab": 2 * cta_kv * 16,
+            "Freq": _ceil(dqk // 2 * 8, 16) if rope else 0,
+        }
+        offsets, at = {}, 0
+        for name, size in sizes.items():  # Kc, KcLo, Vc are contiguous: zeroed once as one range
+            offsets[name] = at
+            at += _ceil(size, 16)
+        offsets["Zero"], offsets["ZeroEnd"] = offsets["Kc"], offsets["Tab"]
+        offsets["QLoEnd"] = offsets["QLo"] + sizes["QLo"]
+        offsets["Total"] = at
+        return offsets
+
+    cta_kv = 64
+    smem = smem_for(cta_kv)
+    if smem["Total"] > budget:
+        cta_kv = 32
+        smem = smem_for(cta_kv)
+    if smem["Total"] > budget:
+        raise ValueError(f"{spec.uri}: the prefill tile needs {smem['Total']} B of shared memory, over {budget}")
+
+    kv_bytes = spec.kv_dtype.itemsize
+    load_bytes = 8 if kv_fp8 else 16       # one cp.async: 8 elements
+    k_load_chunks = dqk // 8 if kv_fp8 else dqk_pad // 8   # 16-bit rows also zero-fill the padded chunks
+    v_load_chunks = dvo // 8 if kv_fp8 else dvo_pad // 8
+    q_load_chunks = dqk_pad // 8
+    layout = {
+        "kThreads": threads, "kWarps": warps, "kMinBlocks": t["blocks_per_sm"],
+        "kMmaQ": mma_q, "kCtaQ": cta_q, "kCtaKV": cta_kv, "kStages": stages, "kGroup": group,
+        "kDQK": dqk, "kDVO": dvo, "kDQKPad": dqk_pad, "kDVOPad": dvo_pad,
+        "kQKRowChunks": qk_rc, "kVORowChunks": vo_rc,
+        "kKVBytes": kv_bytes, "kLoadBytes": load_bytes,
+        "kQLoadChunks": q_load_chunks, "kKLoadChunks": k_load_chunks, "kVLoadChunks": v_load_chunks,
+        "kKStageBytes": cta_kv * (dqk if kv_fp8 else qk_rc * 16),
+        "kVStageBytes": cta_kv * (dvo if kv_fp8 else vo_rc * 16),
+        "kSmemBytes": smem["Total"],
+    }
+    for name in ("Q", "QLo", "K", "V", "Kc", "KcLo", "Vc", "Tab", "Freq", "Zero", "ZeroEnd", "QLoEnd"):
+        layout["kOff" + name] = smem[name]
+    flags = {"kQKSwizzle": qk_sw, "kVOSwizzle": vo_sw, "kSplitQK": split}
+    return {**layout, **{k: int(v) for k, v in flags.items()}}
+
+
+def _cuda_context(spec: VariantSpec, tuning: dict[str, int] | None = None) -> dict[str, Any]:
+    layout = cuda_layout(spec, tuning)
+    bool_names = {"kQKSwizzle", "kVOSwizzle", "kSplitQK"}
+    flags = {
+        "kKVFp8": spec.kv_dtype.is_fp8,
+        "kRope": spec.pos_encoding is PosEncoding.ROPE_LLAMA,
+        "kAlibi": spec.pos_encoding is PosEncoding.ALIBI,
+        "kSwa": bool(spec.use_sliding_window),
+        "kSoftCap": bool(spec.use_logits_soft_cap),
+        "kCausal": spec.mask_mode is MaskMode.CAUSAL,
+        "kCustom": spec.mask_mode is MaskMode.CUSTOM,
+        "kPaged": spec.kv_storage is KVStorage.PAGED,
+    }
+    constants = [("int", name, str(value)) for name, value in layout.items() if name not in bool_names]
+    constants += [("bool", name, "true" if layout[name] else "false") for name in sorted(bool_names)]
+    constants += [("bool", name, "true" if value else "false") for name, value in flags.items()]
+    constants.append(("int", "kPosCode", str({PosEncoding.NONE: 0, PosEncoding.ROPE_LLAMA: 1,
+                                              PosEncoding.ALIBI: 2}[spec.pos_encoding])))
+    constants.append(("float", "kLog2e", repr(_LOG2E) + "f"))
+    return {
+        "constants": constants,
+        "smem_bytes": layout["kSmemBytes"],
+    }
+
+
+def context(spec: VariantSpec) -> dict[str, Any]:
+    ctx = _attention_context(spec)
+    if spec.target is Target.CUDA:
+        ctx.update(_cuda_context(spec))
+    return ctx

@@ -1,0 +1,57 @@
+"""torch.library custom ops, so models calling jitattn compile with torch.compile.
+
+Under compilation a wrapper's ``run()`` becomes one opaque op call,
+``jitattn::wrapper_run``, keyed by a per-wrapper integer that never changes:
+the current plan is looked up when the op executes, so a new ``plan()``
+(different lengths, same shapes) never triggers a recompile. The fake
+implementations give output shapes and dtypes without running anything.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+import torch
+
+_wrappers: dict[int, weakref.ReferenceType] = {}
+_keys = itertools.count(1)
+
+
+def register_wrapper(wrapper: object) -> int:
+    """A stable key for ``wrapper`` (dropped when the wrapper is garbage collected)."""
+    key = next(_keys)
+    _wrappers[key] = weakref.ref(wrapper, lambda _ref, key=key: _wrappers.pop(key, None))
+    return key
+
+
+@torch.library.custom_op("jitattn::wrapper_run", mutates_args=())
+def wrapper_run(
+    key: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dim_vo: int, out_dtype: torch.dtype,
+    k_scale: float, v_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    wrapper = _wrappers[key]()
+    if wrapper is None:
+        raise RuntimeError("jitattn: the wrapper this compiled graph calls no longer exists")
+    return wrapper._run_eager(q, k, v, k_scale=k_scale, v_scale=v_scale, out=None, lse=None, return_lse=True)
+
+
+@wrapper_run.register_fake
+def _wrapper_run_fake(key, q, k, v, head_dim_vo, out_dtype, k_scale, v_scale):
+    out = q.new_empty((q.shape[0], q.shape[1], head_dim_vo), dtype=out_dtype)
+    lse = q.new_empty((q.shape[0], q.shape[1]), dtype=torch.float32)
+    return out, lse
+
+
+def run_compiled(
+    key: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, head_dim_vo: int, out_dtype: torch.dtype,
+    k_scale: float, v_scale: float, out: torch.Tensor | None, lse: torch.Tensor | None, return_lse: bool,
+):
+    """The compiled path of a wrapper's run(): one custom op, results copied into out/lse if given."""
+    result, result_lse = torch.ops.jitattn.wrapper_run(key, q, k, v, head_dim_vo, out_dtype, k_scale, v_scale)
+    if out is not None:
+        out.copy_(result)
+        result = out
+    if lse is not None:
+        lse.copy_(result_lse)
+        result_lse = lse
+    return (result, result_lse) if return_lse else result

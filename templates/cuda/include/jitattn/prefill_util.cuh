@@ -1,0 +1,84 @@
+// Helpers of the cuda prefill kernel (templates/cuda/prefill.cu.jinja): the
+// shared-memory tile layout, fp8 -> 16-bit conversion, RoPE angles, ALiBi slopes.
+#pragma once
+#include "jitattn/cuda_common.cuh"
+#include "jitattn/mma_sm80.cuh"
+#include <type_traits>
+
+namespace jitattn {
+namespace pf {
+
+// ---- shared-memory tiles ----------------------------------------------------------
+//
+// A tile is rows of 16-byte chunks (8 elements of a 16-bit type), ROW_CHUNKS
+// chunks per row. When ROW_CHUNKS is a multiple of 8 the chunk index is XORed
+// with (row % 8) (the 8 rows one ldmatrix reads then hit 8 distinct 16-byte
+// bank groups); otherwise ROW_CHUNKS is odd (the row is padded by one chunk),
+// which spreads the rows over the banks with no swizzle.
+template <int ROW_CHUNKS, bool SWIZZLE>
+__device__ __forceinline__ int chunk_index(int row, int chunk) {
+  if constexpr (SWIZZLE) {
+    static_assert(ROW_CHUNKS % 8 == 0, "a swizzled row is a multiple of 8 chunks");
+    return row * ROW_CHUNKS + (chunk ^ (row & 7));
+  } else {
+    static_assert(ROW_CHUNKS % 2 == 1, "an unswizzled row is an odd number of chunks");
+    return row * ROW_CHUNKS + chunk;
+  }
+}
+
+// Element offset of (row, col) in such a tile.
+template <int ROW_CHUNKS, bool SWIZZLE>
+__device__ __forceinline__ int elem_index(int row, int col) {
+  return chunk_index<ROW_CHUNKS, SWIZZLE>(row, col >> 3) * 8 + (col & 7);
+}
+
+// ---- fp8 --------------------------------------------------------------------------
+
+template <typename KV> struct Fp8Kind;
+template <> struct Fp8Kind<__nv_fp8_e4m3> { static constexpr __nv_fp8_interpretation_t value = __NV_E4M3; };
+template <> struct Fp8Kind<__nv_fp8_e5m2> { static constexpr __nv_fp8_interpretation_t value = __NV_E5M2; };
+
+// Two fp8 (the low 16 bits of w) -> two floats; exact.
+template <typename KV>
+__device__ __forceinline__ float2 fp8x2_to_float2(uint32_t w) {
+  const __half2_raw raw = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w & 0xffffu),
+                                                     Fp8Kind<KV>::value);
+  return __half22float2(*reinterpret_cast<const __half2*>(&raw));
+}
+
+// Two fp8 -> one word of two T. Exact: every e4m3 / e5m2 value is an f16 and a bf16.
+template <typename T, typename KV>
+__device__ __forceinline__ uint32_t fp8x2_to_word(uint32_t w) {
+  if constexpr (std::is_same_v<T, __half>) {
+    const __half2_raw raw = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w & 0xffffu),
+                                                       Fp8Kind<KV>::value);
+    return *reinterpret_cast<const uint32_t*>(&raw);
+  } else {
+    const float2 f = fp8x2_to_float2<KV>(w);
+    return mma::pack2<T>(f.x, f.y);
+  }
+}
+
+// ---- RoPE -------------------------------------------------------------------------
+
+// sin and cos of pos * freq: the angle and its reduction to [-pi, pi] in double
+// (exact for any int32 position), then the fast intrinsic, accurate there.
+__device__ __forceinline__ void rope_sincos(int pos, double freq, float* s, float* c) {
+  const double angle = double(pos) * freq;
+  const double k = rint(angle * 0.15915494309189535);
+  const float r = float(fma(-k, 6.283185307179586, angle));
+  __sincosf(r, s, c);
+}
+
+// ---- ALiBi ------------------------------------------------------------------------
+
+// The standard slope of head `head` of `num_heads` (as jitattn.reference.alibi_slopes).
+__device__ __forceinline__ float alibi_slope(int64_t head, int64_t num_heads) {
+  int64_t m = 1;
+  while (m * 2 <= num_heads) m *= 2;
+  if (head < m) return float(exp2(-8.0 / double(m) * double(head + 1)));
+  return float(exp2(-4.0 / double(m) * double(1 + 2 * (head - m))));
+}
+
+}  // namespace pf
+}  // namespace jitattn
