@@ -71,14 +71,15 @@ def copy_ceiling_gbs(nbytes: int = 2 << 30) -> float:
 
 
 class Problem:
-    def __init__(self, batch: int, kv_len: int, pool_factor: float = 2.0, seed: int = 0):
+    def __init__(self, batch: int, kv_len: int, pool_factor: float = 2.0, seed: int = 0, layout: str = "nhd"):
         gen = torch.Generator(device="cuda").manual_seed(seed)
-        self.batch, self.kv_len = batch, kv_len
+        self.batch, self.kv_len, self.layout = batch, kv_len, layout
         pages_per = -(-kv_len // PAGE)
         needed = batch * pages_per
         pool = max(int(needed * pool_factor), needed + 1)
-        # [pages, 2, page, H_kv, D]: k and v are the halves of one 5-D cache (NHD).
-        self.cache = torch.randn((pool, 2, PAGE, H_KV, D), device="cuda", dtype=torch.bfloat16, generator=gen)
+        # [pages, 2, page, H_kv, D] (NHD) or [pages, 2, H_kv, page, D] (HND): k and v are the halves of one 5-D cache.
+        shape = (pool, 2, PAGE, H_KV, D) if layout == "nhd" else (pool, 2, H_KV, PAGE, D)
+        self.cache = torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=gen)
         self.kv_indices = torch.randperm(pool, device="cuda", generator=gen)[:needed].to(torch.int32)
         self.kv_indptr = torch.arange(0, needed + 1, pages_per, dtype=torch.int32, device="cuda")
         self.kv_last_page_len = torch.full((batch,), (kv_len - 1) % PAGE + 1, dtype=torch.int32, device="cuda")
@@ -100,7 +101,7 @@ class Problem:
         spec = VariantSpec(
             op="decode", target="cuda", q_dtype="bf16", kv_dtype="bf16", o_dtype="bf16", head_dim_qk=D,
             head_dim_vo=D, group_size=H_QO // H_KV, pos_encoding="none", use_sliding_window=False,
-            use_logits_soft_cap=False, kv_layout="nhd", kv_storage="paged",
+            use_logits_soft_cap=False, kv_layout=self.layout, kv_storage="paged",
         )
         module = jitattn.load(spec)
         workspace = split_indptr = None
@@ -115,7 +116,7 @@ class Problem:
             launch_attention(
                 module, q=self.q, k=k, v=v, o=self.o, lse=self.lse, qo_indptr=self.qo_indptr,
                 kv_indptr=self.kv_indptr, kv_indices=self.kv_indices, kv_last_page_len=self.kv_last_page_len,
-                page_size=PAGE, kv_layout=KVLayout.NHD, custom_mask=None, mask_indptr=None, num_kv_heads=H_KV,
+                page_size=PAGE, kv_layout=KVLayout.parse(self.layout, "kv_layout"), custom_mask=None, mask_indptr=None, num_kv_heads=H_KV,
                 scalars=scalars, workspace=workspace, split_indptr=split_indptr, kv_chunk_size=chunk,
             )
 
@@ -129,7 +130,8 @@ class Problem:
 
     def contiguous_kv(self):
         pages = self.kv_indices.long().view(self.batch, -1)
-        kv = self.cache[pages]  # [B, pages, 2, page, H, D]
+        cache = self.cache if self.layout == "nhd" else self.cache.transpose(2, 3)
+        kv = cache[pages]  # [B, pages, 2, page, H, D]
         kv = kv.permute(2, 0, 4, 1, 3, 5).reshape(2, self.batch, H_KV, -1, D)[:, :, :, : self.kv_len]
         return kv[0].contiguous(), kv[1].contiguous()
 
@@ -161,6 +163,12 @@ def main_cases(ceiling: float, quick: bool = False) -> list[str]:
     rows.append(_row("torch SDPA b64 x kv2048 (contiguous KV)", us, big.bytes, ceiling))
     del big
     torch.cuda.empty_cache()
+    hnd = Problem(64, 2048, layout="hnd")
+    us = _median_us(_graphed(hnd.jitattn_fn()), iters=200)
+    rows.append(_row("jitattn decode b64 x kv2048 HND (no split)", us, hnd.bytes, ceiling))
+    rows.append(f"{'  max |o - sdpa_fp32|':44s} {hnd.check():.2e}")
+    del hnd
+    torch.cuda.empty_cache()
 
     long = Problem(1, 32768, pool_factor=4.0)
     for chunk in (0, 256, 512, 1024, 2048):
@@ -177,12 +185,11 @@ def main_cases(ceiling: float, quick: bool = False) -> list[str]:
 
 SWEEP = [
     {},
-    {"smem_bytes": 64 << 10},
-    {"smem_bytes": 32 << 10, "stage_bytes": 8 << 10},
-    {"threads": 256},
-    {"max_heads_per_thread": 2},
-    {"tokens_per_step": 2},
-    {"tokens_per_step": 8, "stage_bytes": 32 << 10, "smem_bytes": 96 << 10},
+    {"mma": 0},
+    {"mma_smem_bytes": 80 << 10},
+    {"mma_smem_bytes": 150 << 10},
+    {"mma_stage_bytes": 80 << 10, "mma_smem_bytes": 140 << 10},
+    {"head_minor": 0},
 ]
 
 

@@ -6,19 +6,29 @@ but the dtypes at run time); the cuda target compiles its own template
 widths, thread layout, tile and pipeline sizes, shared memory -- is computed
 here by ``cuda_layout`` and handed to the template as a flat constant list.
 
-cuda kernel shape (one thread block per (request, KV chunk, KV head)):
+cuda kernel shape (one thread block per (request, KV chunk, KV head); the
+KV heads of one request are consecutive blocks):
 
 - The K/V rows of a tile of ``tile_tokens`` tokens are copied into shared
   memory with ``cp.async`` (16-byte copies where a row allows it),
   ``stages`` tiles in flight; the page table of the tile after next is read
   while the current tile is computed.
-- A thread owns ``vec`` consecutive elements of the head dimension
-  (``cpt_q``/``cpt_v`` such chunks, ``tx`` threads per row) for
+- Tensor-core path (``mma_eligible``: f16/bf16 KV, no RoPE, head dims
+  multiples of 16, qk <= 192, vo <= 128, group <= 16): four warps each take
+  16 tokens per step; S = Q K^T with ``mma.sync.m16n8k16`` (the group's heads
+  are the 16 rows, Q from shared memory, K by ``ldmatrix``), fp32 online
+  softmax on the accumulators, then O += P V with P as the A operand (V by
+  ``ldmatrix.trans``). Shared-memory rows are padded to an odd number of
+  16-byte units so ``ldmatrix`` is bank-conflict free.
+- CUDA-core path (every other variant: fp8 KV, RoPE, head dims with a
+  remainder of 8, large groups, head_dim 256): a thread owns ``vec``
+  consecutive elements of the head dimension (``cpt_q``/``cpt_v`` such chunks, ``tx`` threads per row) for
   ``heads_per_thread`` of the group's query heads, so every KV element read
   from shared memory is converted once and used for all those heads; scores
   are summed over the ``tx`` lanes with butterfly shuffles.
-- ``tz`` groups of threads take interleaved tokens of a tile and keep their
-  own fp32 online-softmax state, merged through shared memory at the end.
+  ``tz`` groups of threads take interleaved tokens of a tile.
+- Each warp (tensor cores) or thread group (CUDA cores) keeps its own fp32
+  online-softmax state; they are merged through shared memory at the end.
 - Split-KV (``kv_chunk_size > 0`` at run time): a block per (chunk, KV head)
   writes a partial output and natural-log LSE to the workspace (or the final
   output when its request has one chunk); a second kernel merges the chunks.
@@ -51,9 +61,13 @@ TUNING: dict[str, int] = {
     "stage_bytes": 16 << 10,   # target bytes of K+V per pipeline stage
     "smem_bytes": 48 << 10,    # target shared memory for the pipeline
     "max_stages": 4,
+    "head_minor": 1,           # consecutive blocks take the KV heads of one request (DRAM locality in NHD)
+    "mma": 1,                  # tensor-core path where the variant allows it (see mma_eligible)
+    "mma_stage_bytes": 32 << 10,
+    "mma_smem_bytes": 112 << 10,
 }
 
-_MERGE_WARPS = 4
+_MERGE_THREADS = 128
 
 
 def split_workspace_bytes(num_chunks_total: int, num_qo_heads: int, head_dim_vo: int) -> int:
@@ -68,11 +82,64 @@ def _next_pow2(n: int) -> int:
     return p
 
 
+def mma_eligible(spec: VariantSpec) -> bool:
+    """Whether ``spec`` can take the tensor-core (mma.sync m16n8k16) path."""
+    return (
+        not spec.kv_dtype.is_fp8 and spec.pos_encoding is not PosEncoding.ROPE_LLAMA
+        and spec.head_dim_qk % 16 == 0 and spec.head_dim_vo % 16 == 0 and spec.group_size <= 16
+        and spec.head_dim_qk <= 192 and spec.head_dim_vo <= 128  # O fragments stay in registers
+    )
+
+
+def _pitch(row_bytes: int) -> int:
+    """Shared-memory row pitch: an odd number of 16-byte units, so ldmatrix rows hit distinct banks."""
+    units = row_bytes // 16
+    return 16 * (units if units % 2 else units + 1)
+
+
 def cuda_layout(spec: VariantSpec, tuning: dict[str, int] | None = None) -> dict[str, int]:
     """Every derived constant of the cuda decode kernel for ``spec`` (plain ints)."""
     t = dict(TUNING)
     if tuning:
         t.update(tuning)
+    simt = _simt_layout(spec, t)
+    if not (t["mma"] and mma_eligible(spec)):
+        return simt
+    return {**simt, **_mma_layout(spec, t)}
+
+
+def _mma_layout(spec: VariantSpec, t: dict[str, int]) -> dict[str, int]:
+    """Tensor-core path: 4 warps, each scores 16 tokens per step for all (<= 16) heads with
+    mma.sync (Q from shared memory, K/V by ldmatrix), then P.V with the scores as the A operand."""
+    dqk, dvo, group = spec.head_dim_qk, spec.head_dim_vo, spec.group_size
+    nw = 4
+    k_pitch, v_pitch = _pitch(dqk * 2), _pitch(dvo * 2)
+    step_tokens = nw * 16
+    steps = 1
+    while step_tokens * steps * 2 * (k_pitch + v_pitch) <= t["mma_stage_bytes"] and steps < 4:
+        steps *= 2
+    tile_tokens = step_tokens * steps
+    k_stage, v_stage = tile_tokens * k_pitch, tile_tokens * v_pitch
+    stages = max(2, min(t["max_stages"], t["mma_smem_bytes"] // (k_stage + v_stage)))
+    pipe = stages * (k_stage + v_stage)
+    table = stages * tile_tokens * 16
+    q_bytes = 16 * k_pitch
+    merge = nw * group * (dvo * 4 + 8)
+    nt = nw * 32
+    return {
+        "kMma": 1, "kNW": nw, "kTZ": nw, "kGS": group, "kNT": nt,
+        "kKPitch": k_pitch, "kVPitch": v_pitch, "kQOffset": pipe + table,
+        "kSteps": steps, "kTileTokens": tile_tokens, "kStages": stages,
+        "kLoadBytes": 16, "kCPRK": dqk * 2 // 16, "kCPRV": dvo * 2 // 16,
+        "kLoadsK": -(-(tile_tokens * dqk * 2 // 16) // nt), "kLoadsV": -(-(tile_tokens * dvo * 2 // 16) // nt),
+        "kTabPerThread": -(-tile_tokens // nt),
+        "kKStageBytes": k_stage, "kVStageBytes": v_stage, "kPipeBytes": pipe,
+        "kSmemBytes": max(pipe + table + q_bytes, merge),
+    }
+
+
+def _simt_layout(spec: VariantSpec, t: dict[str, int]) -> dict[str, int]:
+    """CUDA-core path (every variant): see the module docstring."""
     dqk, dvo, group = spec.head_dim_qk, spec.head_dim_vo, spec.group_size
     elem = spec.kv_dtype.itemsize
     rope = spec.pos_encoding is PosEncoding.ROPE_LLAMA
@@ -134,8 +201,10 @@ def cuda_layout(spec: VariantSpec, tuning: dict[str, int] | None = None) -> dict
         "kLoadsK": -(-(tile_tokens * cpr_k) // nt), "kLoadsV": -(-(tile_tokens * cpr_v) // nt),
         "kTabPerThread": -(-tile_tokens // nt),
         "kKStageBytes": k_stage_bytes, "kVStageBytes": v_stage_bytes,
+        "kMma": 0, "kNW": 1, "kKPitch": dqk * elem, "kVPitch": dvo * elem, "kQOffset": 0,
         "kPipeBytes": pipe_bytes, "kSmemBytes": smem,
-        "kMergeWarps": _MERGE_WARPS,
+        "kHeadMinor": int(bool(t["head_minor"])),
+        "kMergeThreads": _MERGE_THREADS, "kMergeLanes": dvo // 4, "kMergeGroups": max(1, _MERGE_THREADS // (dvo // 4)),
     }
 
 
