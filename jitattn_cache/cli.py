@@ -1,210 +1,280 @@
-"""The ``jitattn-cache`` command line.
+"""The ``jitattn-cache`` command line: pre-warm, inspect and maintain the jitattn kernel cache.
 
-Exit codes: 0 ok, 1 some builds (or checks) failed, 2 usage error.
+Exit codes: 0 ok; 1 some builds or checks failed (or something was refused);
+2 usage error (bad arguments, unknown preset, bad spec text, missing file,
+bad --arch); 130 interrupted (Ctrl-C; the cache stays consistent).
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
-import os
 import shutil
 import sys
-import time
-from pathlib import Path
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+from .selection import UsageError, add_selection_args
 
-
-class UsageError(Exception):
-    pass
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 
-def _specs_from_args(args: argparse.Namespace):
-    import torch  # noqa: F401  (dtype parsing)
-
-    from jitattn.attention.options import parse_dtype
-    from jitattn.attention.specs import model_specs
-    from jitattn.spec import Target, parse_spec_text
-
-    from .presets import PRESETS, from_hf_config
-
-    target = Target.parse(args.target, "--target")
-    specs = []
-    shapes = []
-    for name in args.preset or []:
-        if name not in PRESETS:
-            raise UsageError(f"unknown preset {name!r}; available: {', '.join(sorted(PRESETS))}")
-        shapes.append(PRESETS[name])
-    for path in args.config or []:
-        shapes.append(from_hf_config(path))
-    dtype = parse_dtype(args.dtype, "--dtype")
-    kv_dtype = parse_dtype(args.kv_dtype, "--kv-dtype") if args.kv_dtype else dtype
-    if target is Target.CUDA and dtype == torch.float32:
-        raise UsageError("--dtype float32 is supported on the cpu target only; use bfloat16 or float16")
-    for shape in shapes:
-        shape = shape.with_tensor_parallel(args.tp)
-        specs += model_specs(
-            target, num_qo_heads=shape.num_qo_heads, num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
-            dtype=dtype, kv_dtype=kv_dtype, sliding_window=shape.sliding_window,
-            full_attention_too=shape.full_attention_too, logits_soft_cap=shape.logits_soft_cap,
-        )
-    for text in args.spec or []:
-        specs.append(parse_spec_text(text))
-    if not specs:
-        raise UsageError("nothing to warm: give --preset NAME, --config config.json or --spec TEXT")
-    return list(dict.fromkeys(specs))
-
-
-def _default_target(arch: str | None) -> str:
-    if arch:
-        return "cuda"
-    try:
-        import torch
-
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    except Exception:
-        return "cpu"
-
-
-def cmd_warm(args: argparse.Namespace) -> int:
-    if args.arch:
-        os.environ["JITATTN_CUDA_ARCH_LIST"] = args.arch
-    args.target = args.target or _default_target(args.arch)
-    specs = _specs_from_args(args)
-    import jitattn.jit as jit
-    from jitattn.jit.cache import find_entry, plan_build
-
-    if args.dry_run:
-        for spec in specs:
-            try:
-                status = "cached" if find_entry(plan_build(spec)) else "cold"
-            except (NotImplementedError, RuntimeError) as exc:
-                status = f"error: {exc}"
-            print(f"{spec.uri:60s} {status}")
-        return EXIT_OK
-    from tqdm import tqdm
-
-    started = time.perf_counter()
-    bar = tqdm(total=len(specs), unit="spec", desc="jitattn warm", disable=args.quiet)
-
-    def on_done(result) -> None:
-        bar.set_postfix_str(f"{result.status}: {result.spec.uri}", refresh=False)
-        bar.update(1)
-
-    try:
-        results = jit.build_many(specs, jobs=args.jobs, on_done=on_done)
-    finally:
-        bar.close()
-    built = [r for r in results if r.status == "built"]
-    cached = [r for r in results if r.status == "cached"]
-    failed = [r for r in results if r.status == "failed"]
-    print(f"jitattn-cache warm: {len(built)} built, {len(cached)} already cached, {len(failed)} failed "
-          f"({len(specs)} specs, target {args.target}, {time.perf_counter() - started:.1f} s)")
-    for r in failed:
-        print(f"FAILED {r.spec.uri}:\n{r.error}", file=sys.stderr)
-    return EXIT_FAILED if failed else EXIT_OK
-
-
-def _entries():
-    from jitattn.jit.cache import layers, read_manifest
-
-    for base in layers():
-        if not base.is_dir():
-            continue
-        for entry in sorted(base.iterdir()):
-            manifest = read_manifest(entry)
-            if manifest is not None:
-                yield base, entry, manifest
+# -- inspect ---------------------------------------------------------------------------
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    rows = list(_entries())
-    for base, entry, m in rows:
-        size = sum(p.stat().st_size for p in entry.rglob("*") if p.is_file())
-        arch = ",".join(m.get("archs") or []) or "host"
-        print(f"{m['uri']:60s} {m['target']:4s} {arch:8s} {size / 1e6:7.2f} MB  {m.get('built_at', '?')}  {entry}")
-    print(f"{len(rows)} entries")
+    from .store import entries, human_size
+
+    rows = entries()
+    if args.json:
+        print(json.dumps([{
+            "uri": e.uri, "target": e.target, "arch": e.arch, "size": e.size,
+            "built_at": (e.manifest or {}).get("built_at"), "path": str(e.path),
+            "layer": "writable" if e.writable else "read-only",
+        } for e in rows], indent=2))
+        return EXIT_OK
+    if rows:
+        width = max(len(e.uri) for e in rows) + 2
+        print(f"{'URI':{width}s} {'TARGET':6s} {'ARCH':10s} {'SIZE':>10s}  {'BUILT (UTC)':19s}  LAYER")
+        for e in rows:
+            built = e.built_at.astimezone(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S") if e.built_at else "?"
+            layer = "rw" if e.writable else f"ro {e.base.parent}"
+            note = "" if e.manifest is not None else "  (no manifest: see `jitattn-cache verify`)"
+            print(f"{e.uri:{width}s} {e.target:6s} {e.arch:10s} {human_size(e.size):>10s}  {built:19s}  {layer}{note}")
+    total = sum(e.size for e in rows)
+    print(f"{len(rows)} entries, {human_size(total)}")
     return EXIT_OK
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    found = [(entry, m) for _, entry, m in _entries() if m["uri"] == args.uri or entry.name.startswith(args.uri)]
+    from jitattn.jit.cache import foreign_entry_problem
+
+    from .store import entries, human_size
+
+    query = args.uri
+    found = [e for e in entries() if query in (e.uri, e.name)
+             or (len(query) >= 6 and str((e.manifest or {}).get("key", "")).startswith(query))]
     if not found:
-        print(f"no cache entry matches {args.uri!r} (see `jitattn-cache ls`)", file=sys.stderr)
+        print(f"no cache entry matches {query!r} (see `jitattn-cache ls`)", file=sys.stderr)
         return EXIT_FAILED
-    for entry, m in found:
-        print(f"# {entry}")
-        print(json.dumps(m, indent=2, sort_keys=True))
+    for e in found:
+        problem = foreign_entry_problem(e.path)
+        print(f"# {e.path}")
+        print(f"layer:  {'writable' if e.writable else 'read-only'} ({e.base.parent})")
+        print(f"size:   {human_size(e.size)}")
+        print(f"status: {'ok' if problem is None else 'BAD: ' + problem}")
+        print(json.dumps(e.manifest, indent=2, sort_keys=True) if e.manifest is not None else "(no manifest)")
     return EXIT_OK
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from jitattn.jit.cache import entry_problem, layers
+    """Re-checksum every entry of every layer; --fix removes bad ones from the writable cache."""
+    from jitattn.jit.cache import LIBRARY_NAME, _unsafe_reason, foreign_entry_problem, remove_entry
 
-    bad = 0
-    writable = layers()[-1]
-    for base, entry, _ in _entries():
-        problem = entry_problem(entry)
+    from .store import entries
+
+    rows = entries()
+    bad = unfixed = 0
+    for e in rows:
+        problem = foreign_entry_problem(e.path)
+        if problem is None:
+            for path in (e.path, e.path / LIBRARY_NAME):
+                reason = _unsafe_reason(path) if path.exists() else None
+                if reason:
+                    problem = f"unsafe: {reason}"
+                    break
         if problem is None:
             continue
         bad += 1
-        print(f"BAD {entry}: {problem}")
-        if args.fix and base == writable:
-            shutil.rmtree(entry, ignore_errors=True)
-            print(f"  removed {entry}")
-    print(f"verify: {bad} bad entries")
-    return EXIT_FAILED if bad and not args.fix else EXIT_OK
+        print(f"BAD {e.path}: {problem}")
+        if not args.fix:
+            unfixed += 1
+        elif not e.writable:
+            unfixed += 1
+            print(f"  not removed: {e.base.parent} is a read-only layer (JITATTN_CACHE_PATH); fix or replace it there")
+        elif remove_entry(e.base, e.path):
+            print("  removed")
+        else:
+            unfixed += 1
+            print("  not removed: its lock is held (a build of it is running); try again")
+    print(f"verify: {len(rows)} entries, {len(rows) - bad} ok, {bad} bad"
+          + (f", {bad - unfixed} removed" if args.fix else (" (--fix removes them)" if bad else "")))
+    return EXIT_FAILED if unfixed else EXIT_OK
+
+
+# -- maintain ----------------------------------------------------------------------------
 
 
 def cmd_clear(args: argparse.Namespace) -> int:
-    from jitattn import env
-    from jitattn.jit.cache import SCHEMA
+    """Remove every entry (and kept failed builds) of the writable cache, each under its lock."""
+    from jitattn.jit.cache import remove_entry
 
-    root = env.cache_dir() / SCHEMA
-    if root.exists():
-        shutil.rmtree(root)
-    print(f"cleared {root}")
+    from .store import entries, writable_base
+
+    base = writable_base()
+    removed, busy = 0, []
+    for e in entries(include_readonly=False):
+        if remove_entry(e.base, e.path):
+            removed += 1
+        else:
+            busy.append(e.name)
+    shutil.rmtree(base / "failed", ignore_errors=True)
+    print(f"cleared {base}: removed {removed} entries")
+    for name in busy:
+        print(f"  kept {name}: a build of it is running (its lock is held)", file=sys.stderr)
+    return EXIT_FAILED if busy else EXIT_OK
+
+
+def cmd_prune(args: argparse.Namespace) -> int:
+    """Remove entries of the writable cache by build time (oldest first), never touching the load path."""
+    from jitattn.jit.cache import remove_entry
+
+    from .store import entries, human_size, parse_duration, parse_size, writable_base
+
+    if args.max_size is None and args.older_than is None:
+        raise UsageError("prune needs --max-size SIZE (e.g. 2G) and/or --older-than AGE (e.g. 30d)")
+    max_size = parse_size(args.max_size) if args.max_size is not None else None
+    max_age = parse_duration(args.older_than) if args.older_than is not None else None
+    epoch = datetime.datetime.min.replace(tzinfo=datetime.timezone.utc)
+    rows = [e for e in entries(include_readonly=False) if e.manifest is not None]
+    rows.sort(key=lambda e: (e.built_at or epoch, e.name))  # unknown build time: oldest
+    sizes = {e.name: e.size for e in rows}
+    now = datetime.datetime.now(datetime.timezone.utc)
+    doomed: dict[str, object] = {}  # name -> entry, oldest first
+    if max_age is not None:
+        doomed = {e.name: e for e in rows if e.built_at is None or now - e.built_at > max_age}
+    if max_size is not None:
+        total = sum(sizes[e.name] for e in rows if e.name not in doomed)
+        for e in rows:
+            if total <= max_size:
+                break
+            if e.name not in doomed:
+                doomed[e.name] = e
+                total -= sizes[e.name]
+    doomed = sorted(doomed.values(), key=rows.index)
+    freed, busy = 0, []
+    for e in doomed:
+        age = f"built {e.built_at:%Y-%m-%d %H:%M}" if e.built_at else "build time unknown"
+        if args.dry_run:
+            print(f"would remove {e.uri} ({human_size(sizes[e.name])}, {age})")
+            freed += sizes[e.name]
+        elif remove_entry(e.base, e.path):
+            print(f"removed {e.uri} ({human_size(sizes[e.name])}, {age})")
+            freed += sizes[e.name]
+        else:
+            busy.append(e)
+            print(f"kept {e.uri}: a build of it is running (its lock is held)", file=sys.stderr)
+    removed = len(doomed) - len(busy)
+    left = sum(sizes.values()) - freed
+    verb = "would prune" if args.dry_run else "pruned"
+    print(f"{verb} {removed} entries ({human_size(freed)}); {len(rows) - removed} entries, {human_size(left)} left "
+          f"in {writable_base()}")
+    return EXIT_FAILED if busy else EXIT_OK
+
+
+def cmd_presets(args: argparse.Namespace) -> int:
+    from .presets import PRESETS
+
+    width = max(map(len, PRESETS)) + 2
+    for name, shape in PRESETS.items():
+        print(f"{name:{width}s} {shape.describe()}")
     return EXIT_OK
 
 
-def cmd_show_config(args: argparse.Namespace) -> int:
-    from jitattn import env
+# -- parser --------------------------------------------------------------------------------
 
-    for name, value, source in env.describe():
-        print(f"{name:26s} {value}   [{source}]")
-    print(f"{'(cache root in use)':26s} {env.cache_dir()}")
-    return EXIT_OK
+
+def _warm(args):
+    from .warm import cmd_warm
+
+    return cmd_warm(args)
+
+
+def _export(args):
+    from .bundle import cmd_export
+
+    return cmd_export(args)
+
+
+def _import(args):
+    from .bundle import cmd_import
+
+    return cmd_import(args)
+
+
+def _doctor(args):
+    from .doctor import cmd_doctor
+
+    return cmd_doctor(args)
+
+
+def _show_config(args):
+    from .doctor import cmd_show_config
+
+    return cmd_show_config(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="jitattn-cache", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    warm = sub.add_parser("warm", help="pre-build every kernel a model (or spec) needs")
-    warm.add_argument("--preset", action="append", help="model preset (llama-3-8b, mistral-7b, gemma-2-9b, ...)")
-    warm.add_argument("--config", action="append", help="path to a Hugging Face config.json")
-    warm.add_argument("--spec", action="append", help="one spec: a uri or key=value,... (see README)")
-    warm.add_argument("--target", choices=["cuda", "cpu"], help="default: cuda when a GPU is visible or --arch given")
-    warm.add_argument("--arch", help="CUDA archs, e.g. '9.0a' or '8.0;9.0a' (build without a GPU)")
-    warm.add_argument("--dtype", default="bfloat16", help="q/o dtype (default bfloat16)")
-    warm.add_argument("--kv-dtype", help="kv cache dtype (default: --dtype; e.g. float8_e4m3fn)")
-    warm.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (splits heads)")
-    warm.add_argument("-j", "--jobs", type=int, help="parallel compiles (default: memory-aware)")
-    warm.add_argument("--dry-run", action="store_true", help="list the specs and whether they are cached")
+    parser = argparse.ArgumentParser(
+        prog="jitattn-cache", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    warm = sub.add_parser("warm", help="pre-build every kernel a model (or spec) needs",
+                          description="Build every spec a model's decode, prefill (paged and ragged), cascade, "
+                                      "merge and append paths request, in parallel, with progress.")
+    add_selection_args(warm)
+    warm.add_argument("-j", "--jobs", type=int, help="parallel compiles (default: min(CPUs, free memory / 2 GiB), "
+                                                     "or JITATTN_MAX_JOBS / MAX_JOBS)")
+    warm.add_argument("--dry-run", action="store_true", help="list the specs and their cache status; build nothing")
     warm.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
-    warm.set_defaults(func=cmd_warm)
-    ls = sub.add_parser("ls", help="list cache entries")
+    warm.set_defaults(func=_warm)
+
+    ls = sub.add_parser("ls", help="list cache entries (uri, target, arch, size, build time, layer)")
+    ls.add_argument("--json", action="store_true", help="machine-readable output")
     ls.set_defaults(func=cmd_ls)
-    info = sub.add_parser("info", help="show one entry's manifest")
-    info.add_argument("uri")
+
+    info = sub.add_parser("info", help="show one entry: status and manifest")
+    info.add_argument("uri", help="a uri, an entry dir name or a key prefix (6+ hex digits)")
     info.set_defaults(func=cmd_info)
-    verify = sub.add_parser("verify", help="re-checksum every entry")
-    verify.add_argument("--fix", action="store_true", help="remove bad entries from the writable cache")
+
+    verify = sub.add_parser("verify", help="re-checksum every entry of every layer")
+    verify.add_argument("--fix", action="store_true", help="remove bad entries (writable cache only)")
     verify.set_defaults(func=cmd_verify)
+
     clear = sub.add_parser("clear", help="remove every entry of the writable cache")
     clear.set_defaults(func=cmd_clear)
-    show = sub.add_parser("show-config", help="print every JITATTN_* knob and its source")
-    show.set_defaults(func=cmd_show_config)
+
+    prune = sub.add_parser("prune", help="remove old entries of the writable cache (by build time, oldest first)")
+    prune.add_argument("--max-size", metavar="SIZE", help="keep the newest entries that fit, e.g. 2G, 500M")
+    prune.add_argument("--older-than", metavar="AGE", help="remove entries built longer ago, e.g. 30d, 12h, 2w")
+    prune.add_argument("--dry-run", action="store_true", help="print what would be removed")
+    prune.set_defaults(func=cmd_prune)
+
+    export = sub.add_parser("export", help="write cache entries to a bundle (.tar.gz) for other machines",
+                            description="Bundle entries of the writable cache and the read-only layers: all of "
+                                        "them, or those a --preset / --config / --spec selection needs.")
+    export.add_argument("file", metavar="FILE.tar.gz")
+    add_selection_args(export)
+    export.add_argument("--allow-missing", action="store_true",
+                        help="export what is there when some selected specs are not cached (default: refuse)")
+    export.set_defaults(func=_export)
+
+    imp = sub.add_parser("import", help="add a bundle's entries to a cache (checked, atomic)")
+    imp.add_argument("file", metavar="FILE.tar.gz")
+    imp.add_argument("--to", metavar="DIR", help="cache root to import into (default: the writable cache); "
+                                                 "use DIR read-only with JITATTN_CACHE_PATH=DIR")
+    imp.add_argument("--force", action="store_true",
+                     help="import entries built for another CUDA arch list (never skips the safety checks)")
+    imp.set_defaults(func=_import)
+
+    show = sub.add_parser("show-config", help="print every jitattn setting, its value and where it came from")
+    show.set_defaults(func=_show_config)
+
+    doctor = sub.add_parser("doctor", help="check the toolchain, GPU, cache dir and layers; say how to fix problems")
+    doctor.set_defaults(func=_doctor)
+
+    presets = sub.add_parser("presets", help="list the model presets")
+    presets.set_defaults(func=cmd_presets)
     return parser
 
 
@@ -214,18 +284,23 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exc:
         return EXIT_USAGE if exc.code not in (0, None) else EXIT_OK
+    from jitattn.jit import JitError, ToolchainError
+
     try:
         return args.func(args)
     except UsageError as exc:
         print(f"jitattn-cache: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    except ValueError as exc:
+    except ValueError as exc:  # a bad setting (e.g. MAX_JOBS=abc) found while running
         print(f"jitattn-cache: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    except KeyboardInterrupt:
-        print("jitattn-cache: interrupted; the cache is consistent (unfinished builds were not published)",
-              file=sys.stderr)
+    except (JitError, ToolchainError, OSError) as exc:
+        print(f"jitattn-cache: {exc}", file=sys.stderr)
         return EXIT_FAILED
+    except KeyboardInterrupt:
+        print("\njitattn-cache: interrupted; the cache is consistent (nothing half-built is published)",
+              file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

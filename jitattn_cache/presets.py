@@ -1,4 +1,9 @@
-"""Model attention shapes: built-in presets and Hugging Face config.json files."""
+"""Model attention shapes: built-in presets and Hugging Face config.json files.
+
+A ``ModelShape`` is what ``jitattn.attention.specs.model_specs`` needs to list
+every kernel a model's decode, prefill (paged and ragged), cascade, merge and
+append paths request; ``warm`` and ``export`` expand shapes with it.
+"""
 
 from __future__ import annotations
 
@@ -17,10 +22,33 @@ class ModelShape:
     logits_soft_cap: bool = False
 
     def with_tensor_parallel(self, tp: int) -> "ModelShape":
-        if tp < 1 or self.num_qo_heads % tp != 0:
+        """The shape one rank of a ``tp``-way tensor-parallel model sees.
+
+        Query heads are split evenly; kv heads are split when ``tp`` divides
+        them, and replicated (one per rank) when they divide ``tp`` (vLLM's and
+        SGLang's rule).
+        """
+        if tp < 1:
+            raise ValueError(f"--tp {tp} must be at least 1")
+        if self.num_qo_heads % tp != 0:
             raise ValueError(f"--tp {tp} must divide num_attention_heads={self.num_qo_heads}")
-        kv = self.num_kv_heads // tp if self.num_kv_heads % tp == 0 else 1  # kv heads replicate when tp > kv heads
-        return replace(self, num_qo_heads=self.num_qo_heads // tp, num_kv_heads=max(1, kv))
+        if self.num_kv_heads % tp == 0:
+            kv = self.num_kv_heads // tp
+        elif tp % self.num_kv_heads == 0:
+            kv = 1  # each rank holds one replicated kv head
+        else:
+            raise ValueError(
+                f"--tp {tp} must divide num_key_value_heads={self.num_kv_heads} or be a multiple of it"
+            )
+        return replace(self, num_qo_heads=self.num_qo_heads // tp, num_kv_heads=kv)
+
+    def describe(self) -> str:
+        parts = [f"{self.num_qo_heads} q heads", f"{self.num_kv_heads} kv heads", f"head_dim {self.head_dim}"]
+        if self.sliding_window:
+            parts.append("sliding window" + (" + global layers" if self.full_attention_too else ""))
+        if self.logits_soft_cap:
+            parts.append("logits soft cap")
+        return ", ".join(parts)
 
 
 PRESETS: dict[str, ModelShape] = {
@@ -33,28 +61,59 @@ PRESETS: dict[str, ModelShape] = {
 }
 
 
+def _positive_int(config: dict, name: str, path: str | Path) -> int:
+    value = config[name]
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{path}: {name}={value!r} must be a positive integer")
+    return value
+
+
 def from_hf_config(path: str | Path) -> ModelShape:
-    """Read the attention shape from a Hugging Face ``config.json`` on disk."""
+    """Read the attention shape from a Hugging Face ``config.json`` on disk.
+
+    Uses num_attention_heads, num_key_value_heads (default: MHA), head_dim
+    (else hidden_size / num_attention_heads), sliding_window (with
+    use_sliding_window, and gemma-style alternation via layer_types,
+    sliding_window_pattern or model_type gemma*) and attn_logit_softcapping.
+    RoPE settings need nothing compiled: jitattn's model specs take positions
+    as applied by the serving stack, and rope scalars are run-time arguments.
+    """
     try:
         config = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ValueError(f"model config {path} does not exist") from None
     except (OSError, ValueError) as exc:
         raise ValueError(f"cannot read model config {path}: {exc}") from None
-    config = config.get("text_config", config)  # multimodal configs nest the language model
-    try:
-        heads = int(config["num_attention_heads"])
-    except KeyError:
-        raise ValueError(f"{path}: no num_attention_heads; is this a transformer config.json?") from None
-    kv_heads = int(config.get("num_key_value_heads") or heads)
-    head_dim = config.get("head_dim") or int(config["hidden_size"]) // heads
+    if not isinstance(config, dict):
+        raise ValueError(f"{path}: not a JSON object; expected a Hugging Face config.json")
+    config = config.get("text_config") or config  # multimodal configs nest the language model
+    if "num_attention_heads" not in config:
+        raise ValueError(f"{path}: no num_attention_heads; is this a transformer config.json?")
+    heads = _positive_int(config, "num_attention_heads", path)
+    kv_heads = _positive_int(config, "num_key_value_heads", path) if config.get("num_key_value_heads") else heads
+    if config.get("head_dim"):
+        head_dim = _positive_int(config, "head_dim", path)
+    elif config.get("hidden_size"):
+        hidden = _positive_int(config, "hidden_size", path)
+        if hidden % heads:
+            raise ValueError(f"{path}: hidden_size={hidden} is not a multiple of num_attention_heads={heads}")
+        head_dim = hidden // heads
+    else:
+        raise ValueError(f"{path}: neither head_dim nor hidden_size is set")
+    if heads % kv_heads:
+        raise ValueError(f"{path}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
     window = config.get("sliding_window")
-    uses_window = bool(window) and config.get("use_sliding_window", True)
+    uses_window = bool(window) and bool(config.get("use_sliding_window", True))
+    layer_types = [str(t) for t in config.get("layer_types") or []]
+    if layer_types and "sliding_attention" not in layer_types:
+        uses_window = False  # every layer is global
     # Gemma-2 style models alternate windowed and global layers.
     alternating = uses_window and (
-        "sliding_window_pattern" in config or config.get("model_type", "").startswith("gemma")
-        or bool(config.get("layer_types"))
+        bool(config.get("sliding_window_pattern")) or str(config.get("model_type", "")).startswith("gemma")
+        or any(t != "sliding_attention" for t in layer_types)
     )
     return ModelShape(
-        num_qo_heads=heads, num_kv_heads=kv_heads, head_dim=int(head_dim), sliding_window=uses_window,
+        num_qo_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, sliding_window=uses_window,
         full_attention_too=(not uses_window) or alternating,
         logits_soft_cap=bool(config.get("attn_logit_softcapping")),
     )

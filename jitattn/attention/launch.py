@@ -55,6 +55,16 @@ def launch_attention(
     ``kv_indices is None`` means ragged KV (k/v ``[tokens, heads, dim]``);
     otherwise k/v are 4-D paged tensors in ``kv_layout``.
     """
+    if q.is_cuda and q.device.index != torch.cuda.current_device():
+        # The module launches on (and reads attributes of) the current device.
+        with torch.cuda.device(q.device):
+            return launch_attention(
+                module, q=q, k=k, v=v, o=o, lse=lse, qo_indptr=qo_indptr, kv_indptr=kv_indptr,
+                kv_indices=kv_indices, kv_last_page_len=kv_last_page_len, page_size=page_size,
+                kv_layout=kv_layout, custom_mask=custom_mask, mask_indptr=mask_indptr, num_kv_heads=num_kv_heads,
+                scalars=scalars, k_scale=k_scale, v_scale=v_scale, workspace=workspace,
+                split_indptr=split_indptr, kv_chunk_size=kv_chunk_size,
+            )
     paged = kv_indices is not None
     k_page, k_tok, k_head = kv_strides(k, paged, kv_layout)
     v_page, v_tok, v_head = kv_strides(v, paged, kv_layout)

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..plan import split_workspace_bytes  # noqa: F401  (the kernel's workspace layout)
 from ..spec import DType, PosEncoding, Target, VariantSpec
 from . import c_type
 from .attention import context as _attention_context
@@ -68,11 +69,6 @@ TUNING: dict[str, int] = {
 }
 
 _MERGE_THREADS = 128
-
-
-def split_workspace_bytes(num_chunks_total: int, num_qo_heads: int, head_dim_vo: int) -> int:
-    """Workspace bytes a split-KV launch needs for ``num_chunks_total`` (= split_indptr[batch]) chunks."""
-    return 4 * num_qo_heads * (head_dim_vo + 1) * num_chunks_total
 
 
 def _next_pow2(n: int) -> int:

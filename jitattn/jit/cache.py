@@ -17,6 +17,8 @@ import datetime
 import hashlib
 import json
 import os
+import platform
+import re
 import shutil
 import stat
 import tempfile
@@ -304,6 +306,7 @@ def _write_manifest(work_dir: Path, plan: BuildPlan, seconds: float) -> None:
         "cflags": list(plan.cflags),
         "ldflags": list(plan.ldflags),
         "toolchain": {"compiler": os.path.basename(toolchain.compiler), "version": toolchain.version},
+        "machine": platform.machine(),  # host architecture; `jitattn-cache import` checks it
         "library": LIBRARY_NAME,
         "sha256": sha256_file(library),
         "size": library.stat().st_size,
@@ -318,3 +321,96 @@ def _write_manifest(work_dir: Path, plan: BuildPlan, seconds: float) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(partial, work_dir / MANIFEST)
+
+
+# -- maintenance (the jitattn-cache CLI) -----------------------------------------
+
+# An entry dir is named "<uri>-<key16>"; the schema dir also holds locks/, tmp/ and failed/.
+ENTRY_NAME_RE = re.compile(r"^[a-z0-9_]+-[0-9a-f]{16}$")
+
+
+def entry_lock(base: Path, name: str) -> filelock.FileLock:
+    """The per-key lock of entry ``name`` in schema dir ``base`` (the lock ``build_entry`` takes)."""
+    for sub in ("locks", "tmp"):
+        (base / sub).mkdir(mode=0o700, exist_ok=True)
+    return filelock.FileLock(str(base / "locks" / (name + ".lock")))
+
+
+def entry_dirs(base: Path) -> list[Path]:
+    """Every entry-named dir of schema dir ``base`` (valid or not), sorted by name."""
+    try:
+        return sorted(p for p in base.iterdir() if p.is_dir() and ENTRY_NAME_RE.match(p.name))
+    except OSError:
+        return []
+
+
+def foreign_entry_problem(entry_dir: Path) -> str | None:
+    """Why ``entry_dir`` (possibly from another machine) is not a consistent entry, or None.
+
+    Beyond ``entry_problem``: the manifest's schema, uri and key must match the
+    dir's name, and its spec must be valid and have that uri.
+    """
+    problem = entry_problem(entry_dir)
+    if problem is not None:
+        return problem
+    manifest = read_manifest(entry_dir)
+    if manifest.get("schema") != SCHEMA or manifest.get("library", LIBRARY_NAME) != LIBRARY_NAME:
+        return f"manifest schema {manifest.get('schema')!r} / library {manifest.get('library')!r} is not ours"
+    key = str(manifest.get("key", ""))
+    if f"{manifest.get('uri')}-{key[:16]}" != entry_dir.name or not re.fullmatch(r"[0-9a-f]{64}", key):
+        return "manifest uri/key do not match the entry's name"
+    try:
+        spec = VariantSpec.from_dict(manifest.get("spec") or {})
+    except (TypeError, ValueError) as exc:
+        return f"manifest spec is invalid: {exc}"
+    if spec.uri != manifest.get("uri"):
+        return f"manifest spec has uri {spec.uri!r}, not {manifest.get('uri')!r}"
+    return None
+
+
+def remove_entry(base: Path, entry_dir: Path, timeout: float = 10.0) -> bool:
+    """Remove an entry of the writable schema dir ``base`` under its per-key lock.
+
+    The entry is first renamed into ``tmp/`` (one atomic step: a loader sees it
+    or not), then deleted. Returns False if the lock stayed busy (a build of
+    that key is running).
+    """
+    lock = entry_lock(base, entry_dir.name)
+    try:
+        lock.acquire(timeout=timeout)
+    except filelock.Timeout:
+        return False
+    try:
+        if entry_dir.exists():
+            trash = base / "tmp" / f"{entry_dir.name}.trash-{uuid.uuid4().hex[:8]}"
+            os.replace(entry_dir, trash)
+            shutil.rmtree(trash, ignore_errors=True)
+        return True
+    finally:
+        lock.release()
+
+
+def publish_entry(base: Path, staged: Path, timeout: float | None = None) -> str:
+    """Move a complete, verified entry dir ``staged`` (on ``base``'s filesystem) into ``base``.
+
+    Under the per-key lock: a valid entry already there is kept ('present');
+    an invalid one is replaced ('replaced'); else the entry is published by one
+    atomic rename ('published'). ``staged`` is consumed either way.
+    """
+    entry_dir = base / staged.name
+    lock = entry_lock(base, staged.name)
+    lock.acquire(timeout=-1 if timeout is None else timeout)
+    try:
+        if entry_dir.exists() and entry_problem(entry_dir) is None:
+            shutil.rmtree(staged, ignore_errors=True)
+            return "present"
+        status = "published"
+        if entry_dir.exists():
+            trash = base / "tmp" / f"{staged.name}.trash-{uuid.uuid4().hex[:8]}"
+            os.replace(entry_dir, trash)
+            shutil.rmtree(trash, ignore_errors=True)
+            status = "replaced"
+        os.replace(staged, entry_dir)
+        return status
+    finally:
+        lock.release()

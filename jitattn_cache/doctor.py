@@ -1,0 +1,391 @@
+"""``show-config`` (every knob, its value and where it came from) and ``doctor`` (what is wrong, how to fix it)."""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from .store import entries, human_size
+
+EXIT_OK, EXIT_FAILED = 0, 1
+MIN_FREE_BYTES = 1 << 30
+
+# -- show-config -----------------------------------------------------------------
+
+# knob -> aliases read when it is unset (in the order jitattn.env reads them)
+_ALIASES = {
+    "JITATTN_MAX_JOBS": ("MAX_JOBS",),
+    "JITATTN_CUDA_ARCH_LIST": ("TORCH_CUDA_ARCH_LIST",),
+    "JITATTN_CXX": ("CXX",),
+    "CUDA_HOME": ("CUDA_PATH",),
+}
+
+
+def _set(name: str) -> str | None:
+    value = os.environ.get(name)
+    return value if value else None
+
+
+def _effective_default(name: str) -> str:
+    """What jitattn uses for ``name`` when nothing is set (computed, never fails)."""
+    from jitattn import env
+    from jitattn.jit import toolchain as tc
+    from jitattn.spec import Target
+
+    try:
+        if name == "JITATTN_CACHE_DIR":
+            return str(env.cache_dir())
+        if name == "JITATTN_MAX_JOBS":
+            return f"{tc.default_jobs()}  (min(CPUs, free memory / 2 GiB))"
+        if name == "JITATTN_CUDA_ARCH_LIST":
+            from .selection import gpu_visible
+
+            if gpu_visible():
+                return f"{';'.join(tc.cuda_arch_list())}  (the visible GPU)"
+            return "(none: no visible GPU; cuda builds need --arch or this variable)"
+        if name == "JITATTN_NVCC":
+            try:
+                return f"{tc.probe(Target.CUDA).compiler}  (found on the search path)"
+            except tc.ToolchainError:
+                return "(not found)"
+        if name == "JITATTN_CXX":
+            try:
+                return f"c++  ({tc.probe(Target.CPU).compiler})"
+            except tc.ToolchainError:
+                return "c++  (not found)"
+        if name == "JITATTN_CACHE_PATH":
+            return "(none)"
+        if name == "JITATTN_ASSERT_NO_COMPILE":
+            return "0"
+        if name == "JITATTN_LOG_LEVEL":
+            return "(unset: the jitattn logger has no handler)"
+        if name == "CUDA_HOME":
+            return "(unset)"
+    except Exception as exc:  # noqa: BLE001 - show-config must always print
+        return f"(error: {exc})"
+    return ""
+
+
+def config_rows() -> list[tuple[str, str, str]]:
+    """(knob, value, source) for every knob jitattn reads, plus unknown JITATTN_* variables."""
+    from jitattn import env
+
+    rows = []
+    known = set()
+    for knob in env.KNOBS:
+        known.add(knob.name)
+        value, source = _set(knob.name), "env"
+        if value is None:
+            for alias in _ALIASES.get(knob.name, ()):
+                known.add(alias)
+                if _set(alias) is not None:
+                    value, source = _set(alias), f"env {alias}"
+                    break
+        if value is None:
+            value, source = _effective_default(knob.name), "default"
+        rows.append((knob.name, value, source))
+    for name in sorted(os.environ):
+        if name.startswith("JITATTN_") and name not in known:
+            rows.append((name, os.environ[name], "env (unknown to jitattn: a typo?)"))
+    return rows
+
+
+def cmd_show_config(args: argparse.Namespace) -> int:
+    rows = config_rows()
+    width = max(len(r[0]) for r in rows) + 2
+    for name, value, source in rows:
+        print(f"{name:{width}s} {value}   [{source}]")
+    return EXIT_OK
+
+
+# -- doctor --------------------------------------------------------------------------
+
+
+@dataclass
+class Check:
+    name: str
+    level: str  # "ok" | "warn" | "FAIL"
+    detail: str
+    fix: str = ""
+
+
+def _executable(path: str) -> bool:
+    return os.path.isfile(path) and os.access(path, os.X_OK)
+
+
+def _release(version: str) -> tuple[int, int] | None:
+    match = re.search(r"release (\d+)\.(\d+)", version)
+    return (int(match.group(1)), int(match.group(2))) if match else None
+
+
+def _check_config(out: list[Check]) -> None:
+    from jitattn import env
+
+    try:
+        env.max_jobs_override()
+    except ValueError as exc:
+        out.append(Check("jobs", "FAIL", str(exc), "set JITATTN_MAX_JOBS (or MAX_JOBS) to a positive integer"))
+    for name, value, source in config_rows():
+        if source.startswith("env (unknown"):
+            out.append(Check("config", "warn", f"{name}={value} is not a jitattn setting",
+                             "check the spelling (`jitattn-cache show-config` lists the settings)"))
+
+
+def _check_nvcc(out: list[Check], gpu: bool) -> str | None:
+    """Returns nvcc's version line when found."""
+    from jitattn import env
+    from jitattn.jit import toolchain as tc
+    from jitattn.spec import Target
+
+    override = env.nvcc_override()
+    if override and not _executable(override):
+        out.append(Check("nvcc", "FAIL", f"missing: JITATTN_NVCC={override} is not an executable file",
+                         "point JITATTN_NVCC at nvcc (e.g. /usr/local/cuda/bin/nvcc) or unset it"))
+        return None
+    home = env.cuda_home()
+    if home and not override and not _executable(str(Path(home) / "bin" / "nvcc")):
+        out.append(Check("nvcc", "FAIL", f"missing: CUDA_HOME/CUDA_PATH={home} has no bin/nvcc",
+                         "set CUDA_HOME to the CUDA toolkit root (the folder with bin/nvcc) or unset it"))
+        return None
+    try:
+        toolchain = tc.probe(Target.CUDA)
+    except tc.ToolchainError as exc:
+        needed = gpu and not env.assert_no_compile()
+        out.append(Check(
+            "nvcc", "FAIL" if needed else "warn", "missing: " + str(exc).split(":")[0],
+            "install the CUDA toolkit (12.4+) or set CUDA_HOME / JITATTN_NVCC; only building cuda kernels needs "
+            "it (a server can load a pre-built bundle through JITATTN_CACHE_PATH without it)",
+        ))
+        return None
+    out.append(Check("nvcc", "ok", f"{toolchain.compiler} ({toolchain.version})"))
+    return toolchain.version
+
+
+def _compute_name(arch: str) -> str:
+    """'9.0a' / '9.0a+PTX' -> 'compute_90' (the name `nvcc --list-gpu-arch` prints)."""
+    major, minor = re.match(r"(\d+)\.(\d+)", arch).groups()
+    return f"compute_{major}{minor}"
+
+
+def _check_arch_support(out: list[Check], nvcc_version: str | None, gpu: bool) -> None:
+    from jitattn import env
+    from jitattn.jit import toolchain as tc
+    from jitattn.spec import Target
+
+    try:
+        archs = tc.cuda_arch_list() if (env.cuda_arch_list() or gpu) else ()
+    except tc.ToolchainError as exc:
+        out.append(Check("arch list", "FAIL", str(exc).split(";")[0],
+                         "set JITATTN_CUDA_ARCH_LIST like '9.0a' or '8.0;9.0a', or unset it"))
+        return
+    if not archs:
+        out.append(Check("arch list", "ok", "none to build by default (no GPU, no JITATTN_CUDA_ARCH_LIST); "
+                         "`warm --arch 9.0a` builds for a GPU elsewhere"))
+        return
+    if nvcc_version is None:
+        out.append(Check("arch list", "ok", ";".join(archs)))
+        return
+    try:
+        listed = subprocess.run([tc.probe(Target.CUDA).compiler, "--list-gpu-arch"], capture_output=True,
+                                text=True, timeout=60).stdout.split()
+    except (OSError, subprocess.TimeoutExpired):
+        listed = []
+    if not listed:
+        out.append(Check("arch list", "ok", ";".join(archs)))
+        return
+    unsupported = [a for a in archs if _compute_name(a) not in listed]
+    if unsupported:
+        out.append(Check("arch list", "FAIL", f"this nvcc cannot build {', '.join(unsupported)} "
+                         f"(it supports {', '.join(x.removeprefix('compute_') for x in listed)})",
+                         "use a CUDA toolkit that supports these archs, or change JITATTN_CUDA_ARCH_LIST"))
+    else:
+        out.append(Check("arch list", "ok", f"{';'.join(archs)} (supported by this nvcc)"))
+
+
+def _check_host_compiler(out: list[Check]) -> None:
+    from jitattn import env
+    from jitattn.jit import toolchain as tc
+    from jitattn.spec import Target
+
+    try:
+        toolchain = tc.probe(Target.CPU)
+    except tc.ToolchainError as exc:
+        explicit = os.environ.get("JITATTN_CXX") or os.environ.get("CXX")
+        out.append(Check(
+            "host compiler", "warn" if env.assert_no_compile() and not explicit else "FAIL", str(exc).split(":")[0],
+            f"{'fix JITATTN_CXX/CXX or unset it; ' if explicit else ''}install g++ (or clang++ with OpenMP) or set "
+            "JITATTN_CXX to its path; the cpu target and nvcc both need one",
+        ))
+        return
+    with tempfile.TemporaryDirectory(prefix="jitattn-doctor-") as tmp:
+        src = Path(tmp) / "t.cpp"
+        src.write_text('#include <omp.h>\nextern "C" int f() { return omp_get_max_threads(); }\n')
+        proc = subprocess.run([toolchain.compiler, *tc.CPU_FLAGS, "-shared", str(src), "-o", str(Path(tmp) / "t.so")],
+                              capture_output=True, text=True, timeout=120)
+    if proc.returncode != 0:
+        out.append(Check("host compiler", "FAIL", f"{toolchain.compiler} ({toolchain.version}) cannot build an "
+                         f"OpenMP shared library: {(proc.stderr or proc.stdout).strip().splitlines()[-1:]}",
+                         "install the OpenMP runtime (libgomp for g++, libomp for clang++) or use g++"))
+        return
+    out.append(Check("host compiler", "ok", f"{toolchain.compiler} ({toolchain.version}; OpenMP works)"))
+
+
+def _check_ninja(out: list[Check]) -> None:
+    from jitattn.jit.build import _ninja
+    from jitattn.jit.errors import BuildError
+
+    try:
+        out.append(Check("ninja", "ok", _ninja()))
+    except BuildError as exc:
+        out.append(Check("ninja", "FAIL", str(exc), "pip install ninja"))
+
+
+def _driver_version() -> int | None:
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+        version = ctypes.c_int(0)
+        if lib.cuDriverGetVersion(ctypes.byref(version)) == 0:
+            return version.value
+    except (OSError, AttributeError):
+        pass
+    return None
+
+
+def _check_gpu(out: list[Check], nvcc_version: str | None) -> bool:
+    try:
+        import torch
+    except Exception as exc:  # noqa: BLE001
+        out.append(Check("GPU", "warn", f"torch cannot be imported ({exc})", "pip install torch"))
+        return False
+    if not torch.cuda.is_available():
+        why = "torch is a CPU-only build" if torch.version.cuda is None else "no CUDA device is visible"
+        out.append(Check("GPU", "ok", f"none ({why}): the cpu target works; cuda kernels can still be built for "
+                         "another machine with `warm --arch 9.0a`"))
+        return False
+    gpus = []
+    for i in range(torch.cuda.device_count()):
+        major, minor = torch.cuda.get_device_capability(i)
+        gpus.append(f"cuda:{i} {torch.cuda.get_device_name(i)} (sm_{major}{minor})")
+    out.append(Check("GPU", "ok", "; ".join(gpus)))
+    driver, release = _driver_version(), _release(nvcc_version or "")
+    if driver and release and driver < release[0] * 1000 + release[1] * 10:
+        out.append(Check("driver", "FAIL", f"the driver supports CUDA {driver // 1000}.{driver % 1000 // 10}, "
+                         f"but nvcc is {release[0]}.{release[1]}: kernels built with it will not run",
+                         "update the NVIDIA driver, or point CUDA_HOME at a toolkit the driver supports"))
+    elif driver:
+        out.append(Check("driver", "ok", f"supports CUDA {driver // 1000}.{driver % 1000 // 10}"))
+    return True
+
+
+def _nearest_existing(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def _check_cache_dir(out: list[Check]) -> None:
+    from jitattn import env
+    from jitattn.jit.cache import SCHEMA, _unsafe_reason
+
+    root = env.cache_dir()
+    where = "JITATTN_CACHE_DIR" if os.environ.get("JITATTN_CACHE_DIR") else "the default location"
+    existing = _nearest_existing(root)
+    if root.exists():
+        if not root.is_dir() or not os.access(root, os.W_OK | os.X_OK):
+            out.append(Check("cache dir", "FAIL", f"{root} ({where}) is not a writable directory",
+                             f"fix its permissions (chmod u+rwx {root}) or set JITATTN_CACHE_DIR elsewhere"))
+            return
+        reason = _unsafe_reason(root)
+        if reason is not None:
+            out.append(Check("cache dir", "FAIL", f"unsafe: {reason}; jitattn refuses to use it",
+                             f"chmod go-w {root} (or set JITATTN_CACHE_DIR to a private directory)"))
+            return
+        n = sum(1 for e in entries() if e.writable)
+        size = sum(e.size for e in entries() if e.writable)
+        detail = f"{root} ({where}; {n} entries, {human_size(size)})"
+        failed = root / SCHEMA / "failed"
+        if failed.is_dir() and any(failed.iterdir()):
+            detail += f"; failed builds kept in {failed}"
+    elif not os.access(existing, os.W_OK | os.X_OK):
+        out.append(Check("cache dir", "FAIL", f"{root} ({where}) does not exist and {existing} is not writable",
+                         "set JITATTN_CACHE_DIR to a writable directory"))
+        return
+    else:
+        detail = f"{root} ({where}; not created yet)"
+    free = shutil.disk_usage(existing).free
+    if free < MIN_FREE_BYTES:
+        out.append(Check("cache dir", "FAIL", f"{detail}: only {human_size(free)} free",
+                         "free space, `jitattn-cache prune --max-size 1G`, or set JITATTN_CACHE_DIR elsewhere"))
+    else:
+        out.append(Check("cache dir", "ok", f"{detail}; {human_size(free)} free"))
+
+
+def _check_layers(out: list[Check]) -> None:
+    from jitattn import env
+    from jitattn.jit.cache import LIBRARY_NAME, SCHEMA, _unsafe_reason, entry_dirs, foreign_entry_problem
+
+    for layer in env.cache_path():
+        base = layer / SCHEMA
+        if not base.is_dir():
+            out.append(Check("read-only layer", "warn", f"{layer} (JITATTN_CACHE_PATH) has no {SCHEMA}/ folder: "
+                             "nothing is loaded from it", "point JITATTN_CACHE_PATH at the folder holding v1/"))
+            continue
+        unsafe = []
+        for path in (layer, base):
+            reason = _unsafe_reason(path)
+            if reason:
+                unsafe.append(reason)
+        bad = 0
+        dirs = entry_dirs(base)
+        for entry in dirs:
+            for path in (entry, entry / LIBRARY_NAME):
+                if path.exists():
+                    reason = _unsafe_reason(path)
+                    if reason:
+                        unsafe.append(reason)
+            bad += foreign_entry_problem(entry) is not None
+        if unsafe:
+            shown = "; ".join(unsafe[:3]) + (f"; and {len(unsafe) - 3} more" if len(unsafe) > 3 else "")
+            out.append(Check("read-only layer", "FAIL", f"{layer}: unsafe: {shown}; loads from it are refused",
+                             f"chmod -R go-w {layer} and make it owned by you or root"))
+        elif bad:
+            out.append(Check("read-only layer", "FAIL", f"{layer}: {bad} of {len(dirs)} entries fail their checksum",
+                             "re-create the bundle (`jitattn-cache export`) and import it again; "
+                             "`jitattn-cache verify` lists them"))
+        else:
+            out.append(Check("read-only layer", "ok", f"{layer} ({len(dirs)} entries, safe)"))
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    import jitattn
+
+    checks: list[Check] = [Check("jitattn", "ok", f"{jitattn.__version__} ({Path(jitattn.__file__).parent}), "
+                                 f"Python {sys.version.split()[0]}")]
+    _check_config(checks)
+    from .selection import gpu_visible
+
+    gpu = gpu_visible()
+    nvcc_version = _check_nvcc(checks, gpu)
+    _check_host_compiler(checks)
+    _check_ninja(checks)
+    _check_gpu(checks, nvcc_version)
+    _check_arch_support(checks, nvcc_version, gpu)
+    _check_cache_dir(checks)
+    _check_layers(checks)
+    width = max(len(c.name) for c in checks) + 1
+    for c in checks:
+        print(f"[{c.level:^4s}] {c.name + ':':{width}s} {c.detail}")
+        if c.fix:
+            print(f"       {'':{width}s} fix: {c.fix}")
+    problems = sum(c.level == "FAIL" for c in checks)
+    warnings = sum(c.level == "warn" for c in checks)
+    print(f"doctor: {problems} problem(s), {warnings} warning(s)")
+    return EXIT_FAILED if problems else EXIT_OK

@@ -1,0 +1,118 @@
+"""Reading the cache for the CLI: entries of every layer, sizes, build times, units."""
+
+from __future__ import annotations
+
+import datetime
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from .selection import UsageError
+
+
+@dataclass
+class CacheEntry:
+    base: Path  # the layer's schema dir (<layer>/v1)
+    path: Path  # <base>/<uri>-<key16>
+    manifest: dict | None  # None: unreadable
+    writable: bool  # in the writable cache (else a read-only JITATTN_CACHE_PATH layer)
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    @property
+    def uri(self) -> str:
+        return (self.manifest or {}).get("uri") or self.name.rsplit("-", 1)[0]
+
+    @property
+    def target(self) -> str:
+        return (self.manifest or {}).get("target", "?")
+
+    @property
+    def arch(self) -> str:
+        m = self.manifest or {}
+        if m.get("target") == "cuda":
+            return ";".join(m.get("archs") or []) or "?"
+        return m.get("machine") or "host"
+
+    @property
+    def size(self) -> int:
+        return tree_size(self.path)
+
+    @property
+    def built_at(self) -> datetime.datetime | None:
+        return parse_time((self.manifest or {}).get("built_at"))
+
+
+def tree_size(path: Path) -> int:
+    total = 0
+    for p in path.rglob("*"):
+        try:
+            if p.is_file() and not p.is_symlink():
+                total += p.stat().st_size
+        except OSError:
+            pass
+    return total
+
+
+def parse_time(value: str | None) -> datetime.datetime | None:
+    if not value:
+        return None
+    try:
+        t = datetime.datetime.fromisoformat(str(value))
+    except ValueError:
+        return None
+    return t if t.tzinfo else t.replace(tzinfo=datetime.timezone.utc)
+
+
+def writable_base() -> Path:
+    from jitattn import env
+    from jitattn.jit.cache import SCHEMA
+
+    return env.cache_dir() / SCHEMA
+
+
+def entries(include_readonly: bool = True) -> list[CacheEntry]:
+    """Every entry-named dir of the read-only layers (first) and the writable cache."""
+    from jitattn.jit.cache import entry_dirs, layers, read_manifest
+
+    found = []
+    all_layers = layers()
+    writable = all_layers[-1]
+    for base in all_layers:
+        if base != writable and not include_readonly:
+            continue
+        for path in entry_dirs(base):
+            found.append(CacheEntry(base, path, read_manifest(path), base == writable))
+    return found
+
+
+def human_size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)
+_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$", re.IGNORECASE)
+_DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+def parse_size(text: str) -> int:
+    """'2G', '500M', '1.5GiB', '4096' -> bytes (powers of 1024)."""
+    match = _SIZE_RE.match(text)
+    if not match:
+        raise UsageError(f"size {text!r} is not understood; use e.g. 2G, 500M, 64K or a byte count")
+    number, unit = float(match.group(1)), match.group(2).lower()
+    return int(number * 1024 ** " kmgt".index(unit or " "))
+
+
+def parse_duration(text: str) -> datetime.timedelta:
+    """'30d', '12h', '2w', '90m', '45s' -> timedelta."""
+    match = _DURATION_RE.match(text)
+    if not match:
+        raise UsageError(f"duration {text!r} is not understood; use e.g. 30d, 12h, 2w, 90m or 45s")
+    return datetime.timedelta(seconds=float(match.group(1)) * _DURATION_UNITS[match.group(2).lower()])
