@@ -48,9 +48,12 @@ def link_flags(target: Target) -> tuple[str, ...]:
 
 
 def _find_nvcc() -> str:
+    explicit = env.nvcc_override()
+    if explicit:
+        if os.path.isfile(explicit) and os.access(explicit, os.X_OK):
+            return os.path.realpath(explicit)
+        raise ToolchainError(f"JITATTN_NVCC={explicit!r} is not an executable nvcc; fix or unset it")
     candidates = []
-    if env.nvcc_override():
-        candidates.append(env.nvcc_override())
     if env.cuda_home():
         candidates.append(str(Path(env.cuda_home()) / "bin" / "nvcc"))
     candidates.append(shutil.which("nvcc") or "")
