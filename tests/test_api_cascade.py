@@ -63,7 +63,7 @@ def test_three_level_cascade_equals_flat_attention(device: str, qo_lens: list[in
         expected.append(o)
     # Each level's output is rounded to fp16 before the merge: allow two roundings.
     assert_close_out(out, torch.cat(expected), torch.bfloat16)
-    torch.testing.assert_close(out.float().cpu(), torch.cat(expected).float(), atol=3e-3, rtol=3e-3)
+    torch.testing.assert_close(out.float().cpu(), torch.cat(expected).float().cpu(), atol=3e-3, rtol=3e-3)
 
 
 def test_cascade_refuses_position_dependent_features() -> None:
