@@ -14,9 +14,10 @@ from attention_cases import random_paged_batch
 @pytest.fixture(autouse=True)
 def no_launch(monkeypatch):
     """Any launch during these tests is a failure: errors must come first."""
-    def refuse(self, entry, stream=None, **values):
+    def refuse(self, entry, *args, **values):
         raise AssertionError(f"{entry} was launched despite bad input")
     monkeypatch.setattr(Module, "launch", refuse)
+    monkeypatch.setattr(Module, "call", refuse)
 
 
 def _decode(**overrides):

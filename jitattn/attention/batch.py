@@ -18,7 +18,7 @@ from ..plan import PagedIndex, SplitPlan, check_page_pool, split_workspace_bytes
 from ..spec import KVLayout, Target, VariantSpec
 from .checks import check_tensor, target_of
 from .kv import check_kv_pair
-from .launch import AttentionScalars, launch_attention
+from .launch import AttentionScalars, PreparedAttention
 
 
 @dataclass
@@ -47,6 +47,17 @@ class AttentionPlan:
     split_indptr: torch.Tensor | None
     total_kv: int | None = None  # ragged: rows of k/v the plan covers
     use_cuda_graph: bool = False  # index tensors live in fixed caller buffers
+    launch: PreparedAttention | None = None  # the params struct, filled once here
+
+    def __post_init__(self) -> None:
+        self.launch = PreparedAttention(
+            self.module, qo_indptr=self.qo_indptr, kv_indptr=self.kv_indptr, kv_indices=self.kv_indices,
+            kv_last_page_len=self.kv_last_page_len, page_size=self.page_size or 1, kv_layout=self.kv_layout,
+            custom_mask=self.custom_mask, mask_indptr=self.mask_indptr, num_qo_heads=self.num_qo_heads,
+            num_kv_heads=self.num_kv_heads, head_dim_qk=self.head_dim_qk, head_dim_vo=self.head_dim_vo,
+            scalars=self.scalars, split_indptr=self.split_indptr if self.split.kv_chunk_size else None,
+            kv_chunk_size=self.split.kv_chunk_size,
+        )
 
 
 def upload(host: torch.Tensor, device: torch.device, buffer: torch.Tensor | None = None, name: str = "") -> torch.Tensor:
@@ -154,13 +165,5 @@ def run_plan(
     if plan.split.kv_chunk_size:
         check_workspace(workspace, split_workspace_bytes(plan.split.num_chunks, plan.num_qo_heads, plan.head_dim_vo),
                         wrapper)
-    launch_attention(
-        plan.module, q=q, k=k, v=v, o=out, lse=lse, qo_indptr=plan.qo_indptr, kv_indptr=plan.kv_indptr,
-        kv_indices=plan.kv_indices, kv_last_page_len=plan.kv_last_page_len, page_size=plan.page_size or 1,
-        kv_layout=plan.kv_layout, custom_mask=plan.custom_mask, mask_indptr=plan.mask_indptr,
-        num_kv_heads=plan.num_kv_heads, scalars=plan.scalars, k_scale=k_scale, v_scale=v_scale,
-        workspace=workspace if plan.split.kv_chunk_size else None,
-        split_indptr=plan.split_indptr if plan.split.kv_chunk_size else None,
-        kv_chunk_size=plan.split.kv_chunk_size,
-    )
+    plan.launch(q, k, v, out, lse, k_scale, v_scale, workspace)
     return (out, lse) if return_lse else out

@@ -42,6 +42,67 @@ def kv_strides(cache: torch.Tensor, paged: bool, kv_layout: KVLayout) -> tuple[i
     return cache.stride(0), cache.stride(2), cache.stride(1)  # HND: [pages, heads, page_size, dim]
 
 
+class PreparedAttention:
+    """An attention launch whose plan-time fields are filled once; each call sets the tensors.
+
+    This keeps ``run()`` to a handful of field writes and one ctypes call.
+    """
+
+    def __init__(
+        self, module: Module, *, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor,
+        kv_indices: torch.Tensor | None, kv_last_page_len: torch.Tensor | None, page_size: int,
+        kv_layout: KVLayout, custom_mask: torch.Tensor | None, mask_indptr: torch.Tensor | None,
+        num_qo_heads: int, num_kv_heads: int, head_dim_qk: int, head_dim_vo: int, scalars: AttentionScalars,
+        split_indptr: torch.Tensor | None = None, kv_chunk_size: int = 0,
+    ) -> None:
+        self.module = module
+        self.paged = kv_indices is not None
+        self.kv_layout = kv_layout
+        self.params = module.params(
+            "attention",
+            q=None, k=None, v=None, o=None, lse=None,
+            qo_indptr=_ptr(qo_indptr), kv_indptr=_ptr(kv_indptr), kv_indices=_ptr(kv_indices),
+            kv_last_page_len=_ptr(kv_last_page_len), custom_mask=_ptr(custom_mask), mask_indptr=_ptr(mask_indptr),
+            batch_size=qo_indptr.shape[0] - 1, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
+            head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo, page_size=page_size if self.paged else 1,
+            q_stride_n=0, q_stride_h=0, k_stride_page=0, k_stride_n=0, k_stride_h=0,
+            v_stride_page=0, v_stride_n=0, v_stride_h=0, o_stride_n=0, o_stride_h=0, lse_stride_n=0, lse_stride_h=0,
+            kv_paged=int(self.paged), causal=int(scalars.causal),
+            pos_encoding=POS_ENCODING_CODES[scalars.pos_encoding.value], window_left=scalars.window_left,
+            sm_scale=scalars.sm_scale, logits_soft_cap=scalars.logits_soft_cap,
+            rope_rcp_scale=1.0 / scalars.rope_scale, rope_rcp_theta=1.0 / scalars.rope_theta,
+            k_scale=1.0, v_scale=1.0, workspace=None, workspace_bytes=0,
+            split_indptr=_ptr(split_indptr) if kv_chunk_size else None, kv_chunk_size=kv_chunk_size,
+            num_threads=cpu_threads(),
+        )
+
+    def __call__(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor | None,
+        k_scale: float = 1.0, v_scale: float = 1.0, workspace: torch.Tensor | None = None,
+    ) -> None:
+        if q.is_cuda and q.device.index != torch.cuda.current_device():
+            # The module launches on (and reads attributes of) the current device.
+            with torch.cuda.device(q.device):
+                return self(q, k, v, o, lse, k_scale, v_scale, workspace)
+        p = self.params
+        p.q, p.k, p.v, p.o = q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr()
+        p.q_stride_n, p.q_stride_h = q.stride(0), q.stride(1)
+        p.k_stride_page, p.k_stride_n, p.k_stride_h = kv_strides(k, self.paged, self.kv_layout)
+        p.v_stride_page, p.v_stride_n, p.v_stride_h = kv_strides(v, self.paged, self.kv_layout)
+        p.o_stride_n, p.o_stride_h = o.stride(0), o.stride(1)
+        if lse is not None:
+            p.lse, p.lse_stride_n, p.lse_stride_h = lse.data_ptr(), lse.stride(0), lse.stride(1)
+        else:
+            p.lse, p.lse_stride_n, p.lse_stride_h = None, 0, 0
+        p.k_scale, p.v_scale = k_scale, v_scale
+        if workspace is not None and p.kv_chunk_size:
+            p.workspace, p.workspace_bytes = workspace.data_ptr(), workspace.numel() * workspace.element_size()
+        else:
+            p.workspace, p.workspace_bytes = None, 0
+        p.num_threads = cpu_threads() if not q.is_cuda else 1
+        self.module.call("attention", p, stream_handle(q.device))
+
+
 def launch_attention(
     module: Module, *, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
     lse: torch.Tensor | None, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor,
@@ -50,41 +111,16 @@ def launch_attention(
     num_kv_heads: int, scalars: AttentionScalars, k_scale: float = 1.0, v_scale: float = 1.0,
     workspace: torch.Tensor | None = None, split_indptr: torch.Tensor | None = None, kv_chunk_size: int = 0,
 ) -> None:
-    """Launch ``module``'s attention entry on q's device and current stream.
+    """Launch ``module``'s attention entry on q's device and current stream (prepare + call in one).
 
     ``kv_indices is None`` means ragged KV (k/v ``[tokens, heads, dim]``);
     otherwise k/v are 4-D paged tensors in ``kv_layout``.
     """
-    if q.is_cuda and q.device.index != torch.cuda.current_device():
-        # The module launches on (and reads attributes of) the current device.
-        with torch.cuda.device(q.device):
-            return launch_attention(
-                module, q=q, k=k, v=v, o=o, lse=lse, qo_indptr=qo_indptr, kv_indptr=kv_indptr,
-                kv_indices=kv_indices, kv_last_page_len=kv_last_page_len, page_size=page_size,
-                kv_layout=kv_layout, custom_mask=custom_mask, mask_indptr=mask_indptr, num_kv_heads=num_kv_heads,
-                scalars=scalars, k_scale=k_scale, v_scale=v_scale, workspace=workspace,
-                split_indptr=split_indptr, kv_chunk_size=kv_chunk_size,
-            )
-    paged = kv_indices is not None
-    k_page, k_tok, k_head = kv_strides(k, paged, kv_layout)
-    v_page, v_tok, v_head = kv_strides(v, paged, kv_layout)
-    module.launch(
-        "attention", stream_handle(q.device),
-        q=_ptr(q), k=_ptr(k), v=_ptr(v), o=_ptr(o), lse=_ptr(lse),
-        qo_indptr=_ptr(qo_indptr), kv_indptr=_ptr(kv_indptr), kv_indices=_ptr(kv_indices),
-        kv_last_page_len=_ptr(kv_last_page_len), custom_mask=_ptr(custom_mask), mask_indptr=_ptr(mask_indptr),
-        batch_size=qo_indptr.shape[0] - 1, num_qo_heads=q.shape[1], num_kv_heads=num_kv_heads,
-        head_dim_qk=q.shape[2], head_dim_vo=o.shape[2], page_size=page_size if paged else 1,
-        q_stride_n=q.stride(0), q_stride_h=q.stride(1),
-        k_stride_page=k_page, k_stride_n=k_tok, k_stride_h=k_head,
-        v_stride_page=v_page, v_stride_n=v_tok, v_stride_h=v_head,
-        o_stride_n=o.stride(0), o_stride_h=o.stride(1),
-        lse_stride_n=lse.stride(0) if lse is not None else 0, lse_stride_h=lse.stride(1) if lse is not None else 0,
-        kv_paged=int(paged), causal=int(scalars.causal), pos_encoding=POS_ENCODING_CODES[scalars.pos_encoding.value],
-        window_left=scalars.window_left, sm_scale=scalars.sm_scale, logits_soft_cap=scalars.logits_soft_cap,
-        rope_rcp_scale=1.0 / scalars.rope_scale, rope_rcp_theta=1.0 / scalars.rope_theta,
-        k_scale=k_scale, v_scale=v_scale,
-        workspace=_ptr(workspace), workspace_bytes=workspace.numel() * workspace.element_size() if workspace is not None else 0,
-        split_indptr=_ptr(split_indptr), kv_chunk_size=kv_chunk_size if split_indptr is not None else 0,
-        num_threads=cpu_threads(),
+    prepared = PreparedAttention(
+        module, qo_indptr=qo_indptr, kv_indptr=kv_indptr, kv_indices=kv_indices, kv_last_page_len=kv_last_page_len,
+        page_size=page_size, kv_layout=kv_layout, custom_mask=custom_mask, mask_indptr=mask_indptr,
+        num_qo_heads=q.shape[1], num_kv_heads=num_kv_heads, head_dim_qk=q.shape[2], head_dim_vo=o.shape[2],
+        scalars=scalars, split_indptr=split_indptr if kv_chunk_size else None,
+        kv_chunk_size=kv_chunk_size if split_indptr is not None else 0,
     )
+    prepared(q, k, v, o, lse, k_scale, v_scale, workspace)

@@ -27,23 +27,31 @@ class Module:
             function.argtypes = [ctypes.POINTER(struct), ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int]
             function.restype = ctypes.c_int
             self._functions[entry.name] = (function, struct, frozenset(f.name for f in entry.fields))
+        self._err = ctypes.create_string_buffer(_ERR_LEN)  # written only when a launch fails
 
     @property
     def entry_names(self) -> tuple[str, ...]:
         return tuple(self._functions)
 
-    def launch(self, entry: str, stream: int | None = None, **values: int | float) -> None:
-        """Fill the params struct from ``values`` (every field, no more) and call ``entry``."""
-        function, struct, names = self._functions[entry]
+    def params(self, entry: str, **values: int | float | None) -> ctypes.Structure:
+        """A params struct for ``entry`` filled from ``values`` (every field, no more)."""
+        _, struct, names = self._functions[entry]
         if set(values) != names:
             missing, extra = sorted(names - set(values)), sorted(set(values) - names)
             raise TypeError(f"{self.spec.uri}:{entry}: missing params {missing}, unexpected params {extra}")
-        params = struct(**values)
-        err = ctypes.create_string_buffer(_ERR_LEN)
-        rc = function(ctypes.byref(params), stream, err, _ERR_LEN)
+        return struct(**values)
+
+    def call(self, entry: str, params: ctypes.Structure, stream: int | None = None) -> None:
+        """Call ``entry`` with a filled params struct; a non-zero return raises KernelError."""
+        function = self._functions[entry][0]
+        rc = function(ctypes.byref(params), stream, self._err, _ERR_LEN)
         if rc != 0:
-            message = err.value.decode(errors="replace") or f"error code {rc}"
+            message = self._err.value.decode(errors="replace") or f"error code {rc}"
             raise KernelError(f"{self.spec.kernel_name} ({entry}): {message}")
+
+    def launch(self, entry: str, stream: int | None = None, **values: int | float | None) -> None:
+        """Fill the params struct from ``values`` (every field, no more) and call ``entry``."""
+        self.call(entry, self.params(entry, **values), stream)
 
     def __repr__(self) -> str:
         return f"Module({self.spec.uri!r}, {str(self.path)!r})"
