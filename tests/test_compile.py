@@ -8,8 +8,18 @@ import torch._dynamo
 
 import jitattn
 from jitattn import reference
+from jitattn.attention.specs import attention_spec
+from jitattn.spec import KVLayout, KVStorage, MaskMode, Op, PosEncoding, Target
 
 from attention_cases import assert_close_out, random_paged_batch
+
+
+GPU_SPECS = [attention_spec(
+    Op.DECODE, Target.CUDA, q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16, o_dtype=torch.bfloat16,
+    head_dim_qk=128, head_dim_vo=128, num_qo_heads=32, num_kv_heads=8, pos_encoding=PosEncoding.NONE,
+    use_sliding_window=False, use_logits_soft_cap=False, mask_mode=MaskMode.NONE, kv_layout=KVLayout.NHD,
+    kv_storage=KVStorage.PAGED,
+)]
 
 
 @pytest.fixture(autouse=True)
@@ -86,3 +96,25 @@ def test_cascade_and_merges_compile_fullgraph() -> None:
     out, merged = step(q, cache)
     torch.testing.assert_close(out, eager)
     torch.testing.assert_close(merged, eager)
+
+
+@pytest.mark.gpu
+def test_decode_compiles_with_inductor_on_cuda() -> None:
+    gen = torch.Generator().manual_seed(8)
+    wrapper = jitattn.BatchDecodeWithPagedKVCacheWrapper(torch.empty(64 << 20, dtype=torch.uint8, device="cuda"))
+
+    @torch.compile(fullgraph=True)
+    def layer(q, cache):
+        return torch.nn.functional.silu(wrapper.run(q, cache))
+
+    for lens in ([5, 400, 17], [3000, 1, 64]):
+        pages = sum((n + 15) // 16 for n in lens)
+        batch = random_paged_batch(lens, 8, 128, 16, torch.bfloat16, device="cuda", generator=gen,
+                                   spare_pages=300 - pages)
+        q = torch.randn(3, 32, 128, generator=gen).to(torch.bfloat16).cuda()
+        wrapper.plan(batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len, 32, 8, 128, 16,
+                     q_data_type=torch.bfloat16)
+        out = layer(q, batch.cache)
+        expected, _ = reference.batch_decode_paged(q, batch.cache, batch.kv_indptr, batch.kv_indices,
+                                                   batch.kv_last_page_len)
+        assert_close_out(out, torch.nn.functional.silu(expected.cuda()).cpu(), torch.bfloat16)
