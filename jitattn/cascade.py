@@ -86,6 +86,11 @@ class MultiLevelCascadeAttentionWrapper:
 
     begin_forward = plan
 
+    def workspace_size(self, *args, **kwargs) -> tuple[int, int]:
+        """(float_bytes, int_bytes) for every level together; arguments as the prefill wrapper's."""
+        sizes = [w.workspace_size(*args, **kwargs) for w in self._wrappers]
+        return max(f for f, _ in sizes), sum(i for _, i in sizes)
+
     def end_forward(self) -> None:
         """No-op kept for older FlashInfer call sites."""
 

@@ -117,6 +117,20 @@ class _PrefillWrapperBase:
     def end_forward(self) -> None:
         """No-op kept for older FlashInfer call sites."""
 
+    def workspace_size(
+        self, max_batch_size: int, max_qo_tokens: int, max_kv_tokens: int, num_qo_heads: int, num_kv_heads: int,
+        head_dim_qk: int, page_size: int = 1, head_dim_vo: int | None = None,
+    ) -> tuple[int, int]:
+        """(float_bytes, int_bytes) that any plan within these limits needs.
+
+        Prefill does not split the KV, so it needs no float workspace; int_bytes is the
+        page table and indptr arrays this wrapper keeps in its own buffers (never in the
+        shared float workspace), without a custom mask (add ``ceil(qo_len * kv_len / 8)``
+        bytes per request for one).
+        """
+        max_pages = (max_kv_tokens + page_size - 1) // page_size + max_batch_size
+        return 0, 4 * (3 * (max_batch_size + 1) + max_pages)
+
     def _run(self, q, k, v, k_scale, v_scale, out, lse, return_lse):
         return run_plan_or_compiled(
             self._op_key, self._plan, self._NAME, self._workspace, q, k, v, k_scale=fp8_scale(k_scale, "k_scale"),
