@@ -107,3 +107,28 @@ def test_cuda_graph_replays_after_replanning() -> None:
         graph.replay()
         expected, _ = reference.batch_decode_paged(q, pool, *table)
         assert_close_out(out, expected, torch.bfloat16)
+
+
+def test_fixed_split_size_is_bit_identical_across_batch_compositions() -> None:
+    gen = torch.Generator().manual_seed(9)
+    pool = torch.randn(400, 2, PAGE, HKV, D, generator=gen).to(torch.bfloat16).cuda()
+    target_pages = torch.randperm(400, generator=gen)[:63].to(torch.int32)  # a 1000-token request
+    q_target = torch.randn(1, HQ, D, generator=gen).to(torch.bfloat16).cuda()
+    workspace = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+
+    def run_batch(others: list[int]) -> torch.Tensor:
+        pages = [63] + [(n + PAGE - 1) // PAGE for n in others]
+        rest = torch.randint(0, 400, (sum(pages[1:]),), generator=gen, dtype=torch.int32)
+        indices = torch.cat([target_pages, rest])
+        indptr = torch.tensor([0] + torch.tensor(pages).cumsum(0).tolist(), dtype=torch.int32)
+        last = torch.tensor([1000 - 62 * PAGE] + [(n - 1) % PAGE + 1 for n in others], dtype=torch.int32)
+        q = torch.cat([q_target, torch.randn(len(others), HQ, D, generator=gen).to(torch.bfloat16).cuda()])
+        wrapper = jitattn.BatchDecodeWithPagedKVCacheWrapper(workspace)
+        wrapper.plan(indptr, indices, last, HQ, HKV, D, PAGE, q_data_type=torch.bfloat16, fixed_split_size=4)
+        return wrapper.run(q, pool)[0]
+
+    alone = run_batch([])
+    for others in ([5], [3000, 17, 900], [64] * 100):
+        assert torch.equal(run_batch(others), alone), f"output changed with batch composition {others[:3]}..."
+    auto = jitattn.BatchDecodeWithPagedKVCacheWrapper(workspace)
+    assert alone.isfinite().all() and auto is not None
