@@ -130,5 +130,4 @@ def test_fixed_split_size_is_bit_identical_across_batch_compositions() -> None:
     alone = run_batch([])
     for others in ([5], [3000, 17, 900], [64] * 100):
         assert torch.equal(run_batch(others), alone), f"output changed with batch composition {others[:3]}..."
-    auto = jitattn.BatchDecodeWithPagedKVCacheWrapper(workspace)
-    assert alone.isfinite().all() and auto is not None
+    assert alone.isfinite().all()
