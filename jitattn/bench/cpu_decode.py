@@ -7,17 +7,22 @@ shuffled order, like a live cache) for jitattn, and over the same data as a
 contiguous ``[batch, heads, kv_len, dim]`` float32 tensor for
 ``torch.nn.functional.scaled_dot_product_attention`` (``enable_gqa=True``).
 Bytes per call = K + V read + q read + o written, in each kernel's own dtypes.
-Each figure is the median of ``--iters`` timed calls after warm-up.
+Each figure is the median of ``--rounds`` calls timed round-robin after
+warm-up; ``max |o - sdpa|`` compares against SDPA on the float32 data (for bf16
+it is mostly the rounding of the inputs to bf16).
 
-Measured (2-core AMD EPYC VM, torch 2.13 CPU with AVX512 kernels, g++ 12
--O3 without -march; batch 16, kv_len 1024, 32/8 heads, head_dim 128, page 16):
+Measured 2026-11-29 on the 2-core AMD EPYC dev VM (shared, so +-5 %), torch
+2.13 CPU (its SDPA uses AVX-512), g++ 12 -O3 without -march (SSE2 only);
+batch 16, kv_len 1024, 32/8 heads, head_dim 128, page_size 16, 2 threads:
 
-    kernel                     us      GB/s
-    jitattn f32 (paged)      ~7000     ~19
-    jitattn bf16 (paged)     ~4300     ~16
-    torch SDPA f32           ~9700     ~14
+    kernel                          us     GB/s
+    jitattn f32 (paged)           8400     16.1
+    jitattn bf16 (paged)          9000      7.5
+    torch SDPA f32 (enable_gqa)  10200     13.2
 
-(see the final numbers printed by a run; they vary by a few percent.)
+The kernel is compute-bound at the SSE2 multiply/add rate (~2 vector
+multiply-adds per cycle per core): bf16 halves the bytes but adds a
+conversion pass, so it is no faster than f32.
 """
 
 from __future__ import annotations

@@ -13,8 +13,9 @@ namespace jitattn {
 
 // Keys per online-softmax block: the K and V rows of one block stay in L1.
 constexpr int kKeyBlock = 32;
-// Query rows (queries of a tile x query heads of a GQA group) per work item:
-// every KV row converted to float is reused by this many rows.
+// Rows (query x query head) per work item, the queries of a tile times a GQA
+// group (times several kv heads' groups in decode): every KV row converted to
+// float is reused by a head's share of them.
 constexpr int kRowBudget = 32;
 // Work items per thread below which decode items stop merging kv heads, so a
 // dynamic schedule still has something to balance.
@@ -102,6 +103,7 @@ inline float exp_nonpositive(float x) {
 }
 
 // out[c] = q . keys[c] for c < num_keys. Four keys share each load of q.
+// (`omp simd reduction` lets the compiler split each sum over vector lanes.)
 inline void dot_keys(const float* q, const float* const* keys, int num_keys, int64_t dim, float* out) {
   int c = 0;
   for (; c + 4 <= num_keys; c += 4) {
@@ -178,24 +180,29 @@ inline void dot_keys2(const float* q0, const float* q1, const float* const* keys
   }
 }
 
-// acc += sum_c weight[c] * values[c]. Four values per pass over acc, so each
-// accumulator element is loaded and stored once per four keys.
+// acc += sum_c weight[c] * values[c]. Eight values per pass over acc, so each
+// accumulator element is loaded and stored once per eight keys.
 inline void accumulate_values(float* acc, const float* weight, const float* const* values, int num_values,
                               int64_t dim) {
   int c = 0;
-  for (; c + 4 <= num_values; c += 4) {
+  for (; c + 8 <= num_values; c += 8) {
     const float w0 = weight[c], w1 = weight[c + 1], w2 = weight[c + 2], w3 = weight[c + 3];
-    if (w0 == 0.0f && w1 == 0.0f && w2 == 0.0f && w3 == 0.0f) continue;  // masked keys
+    const float w4 = weight[c + 4], w5 = weight[c + 5], w6 = weight[c + 6], w7 = weight[c + 7];
     const float* v0 = values[c];
     const float* v1 = values[c + 1];
     const float* v2 = values[c + 2];
     const float* v3 = values[c + 3];
+    const float* v4 = values[c + 4];
+    const float* v5 = values[c + 5];
+    const float* v6 = values[c + 6];
+    const float* v7 = values[c + 7];
 #pragma omp simd
-    for (int64_t d = 0; d < dim; ++d) acc[d] += w0 * v0[d] + w1 * v1[d] + w2 * v2[d] + w3 * v3[d];
+    for (int64_t d = 0; d < dim; ++d)
+      acc[d] += ((w0 * v0[d] + w1 * v1[d]) + (w2 * v2[d] + w3 * v3[d])) +
+                ((w4 * v4[d] + w5 * v5[d]) + (w6 * v6[d] + w7 * v7[d]));
   }
   for (; c < num_values; ++c) {
     const float w0 = weight[c];
-    if (w0 == 0.0f) continue;
     const float* v0 = values[c];
 #pragma omp simd
     for (int64_t d = 0; d < dim; ++d) acc[d] += w0 * v0[d];
@@ -206,19 +213,24 @@ inline void accumulate_values(float* acc, const float* weight, const float* cons
 // Position encodings
 // ---------------------------------------------------------------------------
 
-// freq[i] = rcp_scale * rcp_theta^(2i / dim) for i < dim / 2, in double so that
-// angle = pos * freq[i] stays exact for long positions.
-inline void rope_frequencies(double* freq, int64_t dim, float rcp_scale, float rcp_theta) {
-  for (int64_t i = 0; i < dim / 2; ++i)
-    freq[i] = double(rcp_scale) * pow(double(rcp_theta), 2.0 * double(i) / double(dim));
-}
-
-// Llama rotate-half RoPE of x[0:dim] at position pos (in place).
-inline void rope_rotate(float* x, int64_t dim, int64_t pos, const double* freq) {
+// RoPE table row of one position: cos_sin[i] = cos(angle_i), cos_sin[half + i]
+// = sin(angle_i), angle_i = pos * rcp_scale * rcp_theta^(2i / dim). Angles in
+// double so long positions stay exact; the table is filled once per launch.
+inline void rope_fill(float* cos_sin, int64_t dim, int64_t pos, float rcp_scale, float rcp_theta) {
   const int64_t half = dim / 2;
   for (int64_t i = 0; i < half; ++i) {
-    const double angle = double(pos) * freq[i];
-    const float c = float(cos(angle)), s = float(sin(angle));
+    const double angle = double(pos) * double(rcp_scale) * pow(double(rcp_theta), 2.0 * double(i) / double(dim));
+    cos_sin[i] = float(cos(angle));
+    cos_sin[half + i] = float(sin(angle));
+  }
+}
+
+// Llama rotate-half RoPE of x[0:dim] (in place) by one table row (rope_fill).
+inline void rope_rotate(float* x, int64_t dim, const float* cos_sin) {
+  const int64_t half = dim / 2;
+#pragma omp simd
+  for (int64_t i = 0; i < half; ++i) {
+    const float c = cos_sin[i], s = cos_sin[half + i];
     const float x1 = x[i], x2 = x[i + half];
     x[i] = x1 * c - x2 * s;
     x[i + half] = x2 * c + x1 * s;
