@@ -8,7 +8,7 @@ from .attention.batch import (
     AttentionPlan, check_workspace, log_plan, num_sms, run_plan, run_plan_or_compiled, upload, workspace_target,
 )
 from .attention.compiled import register_wrapper
-from .attention.checks import check_tensor, target_of
+from .attention.checks import check_tensor, cpu_threads, target_of
 from .attention.kv import split_paged_kv_cache
 from .attention.options import fp8_scale, parse_dtype, parse_kv_layout, parse_pos_encoding, resolve_scalars
 from .attention.specs import attention_spec
@@ -96,15 +96,16 @@ class BatchDecodeWithPagedKVCacheWrapper:
             use_sliding_window=scalars.window_left >= 0, use_logits_soft_cap=scalars.logits_soft_cap > 0,
             mask_mode=MaskMode.NONE, kv_layout=self._kv_layout, kv_storage=KVStorage.PAGED,
         )
-        if self._target is Target.CUDA and not self._use_cuda_graph:
-            split = plan_decode_split(
-                index.kv_lens, num_kv_heads=num_kv_heads, num_sms=num_sms(self._device.index or 0),
-                page_size=page_size, fixed_split_size=fixed_split_size, disable_split_kv=disable_split_kv,
-            )
-        else:
-            # The cpu kernel parallelises over requests and heads; under CUDA graphs the grid
-            # must not depend on lengths, so graph mode does not split either.
+        if self._use_cuda_graph:
+            # Under CUDA graphs the grid must not depend on lengths: no split.
             split = SplitPlan(0, tuple(range(index.batch_size + 1)))
+        else:
+            # The cpu target runs the same plan; its "SMs" are the OpenMP threads.
+            workers = num_sms(self._device.index or 0) if self._target is Target.CUDA else cpu_threads()
+            split = plan_decode_split(
+                index.kv_lens, num_kv_heads=num_kv_heads, num_sms=workers, page_size=page_size,
+                fixed_split_size=fixed_split_size, disable_split_kv=disable_split_kv,
+            )
         workspace_bytes = split_workspace_bytes(split.num_chunks, num_qo_heads, head_dim) if split.kv_chunk_size else 0
         check_workspace(self._workspace, workspace_bytes, _WRAPPER)
         if self._use_cuda_graph and self._plan is not None and self._plan.total_qo != index.batch_size:
@@ -144,11 +145,9 @@ class BatchDecodeWithPagedKVCacheWrapper:
         wrapper keeps in its own buffers (never in the shared float workspace).
         """
         int_bytes = 2 * (max_batch_size + 1) * 4
-        if self._target is not Target.CUDA:
-            return 0, int_bytes
-        chunks = max_decode_chunks(max_batch_size, max_kv_tokens, num_kv_heads=num_kv_heads,
-                                   num_sms=num_sms(self._device.index or 0), page_size=page_size,
-                                   fixed_split_size=fixed_split_size)
+        workers = num_sms(self._device.index or 0) if self._target is Target.CUDA else cpu_threads()
+        chunks = max_decode_chunks(max_batch_size, max_kv_tokens, num_kv_heads=num_kv_heads, num_sms=workers,
+                                   page_size=page_size, fixed_split_size=fixed_split_size)
         return split_workspace_bytes(chunks, num_qo_heads, head_dim), int_bytes
 
     def end_forward(self) -> None:

@@ -119,3 +119,37 @@ def test_single_decode_matches_reference(device: str, layout: str) -> None:
     ref_o, ref_lse = reference.single_attention(q.unsqueeze(0), k, v, logits_soft_cap=20.0)
     assert_close_out(out, ref_o[0], f16)
     assert_close_lse(lse, ref_lse[0])
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("fixed_split_size", [1, 3, 8])
+def test_any_split_gives_the_same_answer_as_no_split(device: str, fixed_split_size: int) -> None:
+    gen = torch.Generator().manual_seed(fixed_split_size)
+    lens = [1, 100, 0, 700, 33]
+    batch = random_paged_batch(lens, 2, 128, 16, bf16, device=device, generator=gen)
+    q = torch.randn(len(lens), 8, 128, generator=gen).to(bf16).to(device)
+    workspace = torch.empty(16 << 20, dtype=torch.uint8, device=device)
+    results = []
+    for options in ({"disable_split_kv": True}, {"fixed_split_size": fixed_split_size}):
+        wrapper = jitattn.BatchDecodeWithPagedKVCacheWrapper(workspace)
+        wrapper.plan(batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len, 8, 2, 128, 16, q_data_type=bf16,
+                     logits_soft_cap=30.0, **options)
+        out = torch.full((len(lens), 8, 128), float("nan"), dtype=bf16, device=device)
+        lse = torch.full((len(lens), 8), float("nan"), device=device)
+        wrapper.run(q, batch.cache, out=out, lse=lse)
+        results.append((out, lse))
+    assert wrapper._plan.split.num_chunks > len(lens), "the fixed split size must actually split"
+    ref_o, ref_lse = reference.batch_decode_paged(q, batch.cache, batch.kv_indptr, batch.kv_indices,
+                                                  batch.kv_last_page_len, logits_soft_cap=30.0)
+    for out, lse in results:
+        assert_close_out(out, ref_o, bf16)
+        assert_close_lse(lse, ref_lse)
+    torch.testing.assert_close(results[0][0].float(), results[1][0].float(), atol=1e-2, rtol=1e-2)
+
+
+def test_workspace_too_small_for_the_split_is_refused_at_plan() -> None:
+    batch = random_paged_batch([700], 2, 128, 16, bf16)
+    wrapper = jitattn.BatchDecodeWithPagedKVCacheWrapper(torch.empty(1000, dtype=torch.uint8))
+    with pytest.raises(ValueError, match=r"needs \d+ bytes of float workspace but the buffer has 1000"):
+        wrapper.plan(batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len, 8, 2, 128, 16, q_data_type=bf16,
+                     fixed_split_size=1)
