@@ -23,51 +23,28 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 import subprocess
 import sys
 
 import torch
 import torch.nn.functional as F
 
+from .ceilings import copy_gbs
+from .timing import Timer, events_median_us, graphed
+
 H_QO, H_KV, D, PAGE = 32, 8, 128, 16
 
 
 def _median_us(fn, iters: int = 100, warmup: int = 10) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    for i in range(iters):
-        starts[i].record()
-        fn()
-        ends[i].record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)) * 1e3
+    return events_median_us(fn, iters=iters, warmup=warmup)
 
 
-def _graphed(fn):
-    fn()  # first call: build/load, device attributes
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-        torch.cuda.synchronize()
-        with torch.cuda.graph(graph, stream=stream):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    return graph.replay
+_graphed = graphed
 
 
 def copy_ceiling_gbs(nbytes: int = 2 << 30) -> float:
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_(0, 255)
-    dst = torch.empty_like(src)
-    us = _median_us(lambda: dst.copy_(src), iters=30, warmup=5)
-    return 2 * nbytes / (us * 1e-6) / 1e9
+    """Device-to-device copy GB/s (bytes read + written), as in the suite's ceilings."""
+    return copy_gbs(Timer(torch.device("cuda", torch.cuda.current_device())), nbytes)["gbps"]
 
 
 class Problem:

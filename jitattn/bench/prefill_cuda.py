@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from typing import Callable
 
 import torch
@@ -33,6 +32,9 @@ from jitattn.jit import Module
 from jitattn.jit.cache import build_entry, find_entry, plan_build
 from jitattn.spec import KVLayout, KVStorage, MaskMode, Op, PosEncoding, Target, VariantSpec
 
+from .ceilings import gemm_tflops as _gemm
+from .timing import Timer, events_median_us
+
 DEFAULT_TUNINGS = [
     {},
     {"stages": 3},
@@ -42,18 +44,8 @@ DEFAULT_TUNINGS = [
 
 
 def _median_ms(fn: Callable[[], object], iters: int, warmup: int = 5) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    """Median ms of ``fn``, each call timed alone by CUDA events (it includes its launch latency)."""
+    return events_median_us(fn, iters=iters, warmup=warmup, sync_each=True) / 1e3
 
 
 def module_with(spec: VariantSpec, tuning: dict[str, int]) -> Module:
@@ -70,11 +62,8 @@ def module_with(spec: VariantSpec, tuning: dict[str, int]) -> Module:
 
 
 def gemm_tflops(iters: int) -> float:
-    n = 8192
-    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    ms = _median_ms(lambda: torch.matmul(a, b), iters)
-    return 2 * n**3 / ms / 1e9
+    """bf16 8192^3 torch.matmul TFLOP/s on random data, as in the suite's ceilings."""
+    return _gemm(Timer(torch.device("cuda", torch.cuda.current_device())), 8192, torch.bfloat16)["tflops"]
 
 
 def main(argv: list[str] | None = None) -> None:

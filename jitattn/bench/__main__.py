@@ -1,0 +1,81 @@
+"""``python -m jitattn.bench``: jitattn beside torch SDPA and the hardware ceilings, every config defined.
+
+Examples::
+
+    python -m jitattn.bench                                  # every suite
+    python -m jitattn.bench --suite decode --json d.json
+    python -m jitattn.bench --only 'decode/llama8b_*,prefill/llama8b_causal_b8_s4096'
+    python -m jitattn.bench --quick --json out.json --plot out.png
+    python -m jitattn.bench --list
+
+Without a CUDA device the cpu target runs at small sizes (the JSON says so).
+How numbers are produced: ``jitattn/bench/suite.py`` and ``docs/benchmarks/README.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from .configs import SUITES
+
+    ap = argparse.ArgumentParser(prog="python -m jitattn.bench", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--suite", default="all", choices=("all", *SUITES))
+    ap.add_argument("--only", default="", help="comma-separated case names, suites or globs (overrides --quick's "
+                                                "selection; a variant brings its plain case)")
+    ap.add_argument("--quick", action="store_true", help="a subset with shorter timing (under 2 minutes)")
+    ap.add_argument("--json", default=None, metavar="FILE", help="write the results (rewritten after every case)")
+    ap.add_argument("--plot", default=None, metavar="FILE.png", help="fraction of ceiling per case (matplotlib)")
+    ap.add_argument("--target", default="auto", choices=("auto", "cuda", "cpu"),
+                    help="auto: cuda when a GPU is visible, else the cpu target at small sizes")
+    ap.add_argument("--jobs", type=int, default=0, help="parallel builds in the pre-build (default min(16, CPUs))")
+    ap.add_argument("--no-prebuild", action="store_true", help="skip the parallel pre-build (builds happen lazily)")
+    ap.add_argument("--measure-s", type=float, default=0.0,
+                    help="timing budget per measurement in seconds (default 0.5 cuda / 0.3 cpu; --quick 0.3 / 0.1)")
+    ap.add_argument("--case-budget", type=float, default=45.0,
+                    help="seconds per case; a case past it skips its remaining stages (default 45)")
+    ap.add_argument("--deadline", type=float, default=0.0,
+                    help="seconds for the whole run; cases after it are listed as skipped (default 210, --quick 100)")
+    ap.add_argument("--list", action="store_true", help="list the cases and exit")
+    ap.add_argument("--ceilings-json", default=None, help=argparse.SUPPRESS)  # a resumed child reuses the ceilings
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    opts = ap.parse_args(argv)
+    opts.only = [s for s in opts.only.split(",") if s.strip()] if opts.only else []
+    return opts
+
+
+def main(argv: list[str] | None = None) -> int:
+    opts = parse_args(argv)
+    from . import configs
+
+    if opts.list:
+        for case in configs.select(opts.suite, opts.only or None, opts.quick):
+            names = configs.row_names(case)
+            extra = f"  -> rows {', '.join(names)}" if names != (case.name,) else ""
+            print(f"{case.name}{extra}")
+        return 0
+    try:
+        configs.select(opts.suite, opts.only or None, opts.quick)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    from . import report, suite
+
+    doc = suite.run(opts)
+    if not opts.child:
+        report.print_final(doc)
+        if opts.plot:
+            try:
+                report.plot(doc, opts.plot)
+            except Exception as exc:  # a plotting problem never loses the results
+                print(f"--plot {opts.plot}: failed ({type(exc).__name__}: {exc})", flush=True)
+        if opts.json:
+            print(f"results written to {opts.json}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,404 @@
+"""Every benchmark case of ``python -m jitattn.bench`` and the work it counts.
+
+A case is plain data: its shapes, options and the bytes / FLOPs it must move
+or compute, by the formulas of issue 7 (tested in ``tests/test_bench.py``):
+
+- decode bytes = 2 * (tokens of KV read) * H_kv * D * bytes/elem + q bytes + o bytes,
+  where a sliding window ``window_left = w`` reads ``min(kv_len, w + 1)`` tokens;
+- prefill FLOPs = 4 * (unmasked (query, key) pairs, bottom-right causal) * H_q * D;
+- cascade bytes = the shared prefix's KV once + each request's own KV (+ q and o);
+- MLA FLOPs = 2 * B * H * L * (576 + 512); MLA bytes = B * L * 576 * bytes/elem.
+
+Names are ``suite/name``. ``small()`` shrinks a case for the cpu target (same
+name, same shape of the problem, ~1/16 of the tokens); ``QUICK`` lists the
+``--quick`` subset.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from dataclasses import dataclass, field
+from typing import Union
+
+DTYPE_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "e4m3": 1, "e5m2": 1}
+SUITES = ("decode", "prefill", "cascade", "variants", "mla", "jit")
+CPU_SCALE = 16  # tokens / CPU_SCALE on the cpu target
+
+
+def _div(n: int, by: int, minimum: int = 1) -> int:
+    return max(minimum, n // by)
+
+
+def visible_keys(qo_len: int, kv_len: int, causal: bool, window_left: int = -1) -> int:
+    """Unmasked (query, key) pairs of one request (bottom-right causal, window ``[p - w, p]``).
+
+    Query i sits at position ``p = kv_len - qo_len + i``; causal keeps keys ``j <= p``, a window
+    ``w >= 0`` keeps ``j >= p - w`` (as in ``jitattn.reference``; a non-causal window bounds
+    the left side only).
+    """
+    total = 0
+    hi_all = kv_len - 1
+    for i in range(qo_len):
+        p = kv_len - qo_len + i
+        hi = min(p, hi_all) if causal else hi_all
+        lo = max(0, p - window_left) if window_left >= 0 else 0
+        total += max(0, hi - lo + 1)
+    return total
+
+
+def _visible_keys_fast(qo_len: int, kv_len: int, causal: bool, window_left: int) -> int:
+    """``visible_keys`` in closed form for the common cases (long prefills)."""
+    if window_left < 0 and not causal:
+        return qo_len * kv_len
+    if window_left < 0 and causal:
+        if kv_len >= qo_len:
+            return qo_len * (kv_len - qo_len) + qo_len * (qo_len + 1) // 2
+        return visible_keys(qo_len, kv_len, causal, window_left)
+    return visible_keys(qo_len, kv_len, causal, window_left)
+
+
+# --------------------------------------------------------------------------- #
+# Cases
+# --------------------------------------------------------------------------- #
+@dataclass(frozen=True)
+class Attn:
+    """A decode (one query per request) or prefill batch over paged or ragged KV."""
+
+    name: str
+    op: str  # "decode" | "prefill"
+    kv_lens: tuple[int, ...]
+    qo_lens: tuple[int, ...] | None = None  # prefill only; None = one query per request (decode)
+    num_qo_heads: int = 32
+    num_kv_heads: int = 8
+    head_dim: int = 128
+    page_size: int = 16
+    storage: str = "paged"  # "paged" | "ragged" (prefill)
+    dtype: str = "bf16"  # q and o
+    kv_dtype: str = "bf16"
+    causal: bool = False
+    custom_mask: bool = False  # prefill: a custom mask with the causal pattern (custom-mask kernel, causal work)
+    window_left: int = -1
+    logits_soft_cap: float = 0.0
+    pos_encoding: str = "NONE"  # "NONE" | "ROPE_LLAMA" | "ALIBI"
+    plain: str | None = None  # variants: the plain case it is compared with
+    sdpa: bool = True  # compare with torch SDPA
+    note: str = ""
+
+    @property
+    def suite(self) -> str:
+        return self.name.split("/", 1)[0]
+
+    @property
+    def batch(self) -> int:
+        return len(self.kv_lens)
+
+    @property
+    def queries(self) -> tuple[int, ...]:
+        return self.qo_lens if self.qo_lens is not None else (1,) * self.batch
+
+    @property
+    def kind(self) -> str:
+        return "bandwidth" if self.op == "decode" else "compute"
+
+    @property
+    def kv_tokens_read(self) -> int:
+        """Tokens of KV a decode step reads (inside the window when there is one)."""
+        if self.window_left >= 0:
+            return sum(min(n, self.window_left + 1) for n in self.kv_lens)
+        return sum(self.kv_lens)
+
+    @property
+    def pairs(self) -> int:
+        masked = self.causal or self.custom_mask  # the custom mask has the causal pattern
+        return sum(_visible_keys_fast(q, k, masked, self.window_left) for q, k in zip(self.queries, self.kv_lens))
+
+    @property
+    def bytes(self) -> int:
+        """Decode: KV read (inside the window) + q + o. Prefill: K/V once + q + o (for reference)."""
+        kv = DTYPE_BYTES[self.kv_dtype]
+        qo = DTYPE_BYTES[self.dtype]
+        tokens = self.kv_tokens_read if self.op == "decode" else sum(self.kv_lens)
+        return 2 * tokens * self.num_kv_heads * self.head_dim * kv + 2 * sum(self.queries) * self.num_qo_heads * self.head_dim * qo
+
+    @property
+    def flops(self) -> int:
+        return 4 * self.pairs * self.num_qo_heads * self.head_dim
+
+    def params(self) -> dict:
+        out = {
+            "op": self.op, "batch": self.batch, "heads_qo": self.num_qo_heads, "heads_kv": self.num_kv_heads,
+            "head_dim": self.head_dim, "dtype": self.dtype, "kv_dtype": self.kv_dtype, "storage": self.storage,
+            "page_size": self.page_size if self.storage == "paged" else None,
+        }
+        lens = sorted(set(self.kv_lens))
+        out["kv_len"] = lens[0] if len(lens) == 1 else {"min": lens[0], "max": lens[-1], "total": sum(self.kv_lens)}
+        if self.qo_lens is not None:
+            qlens = sorted(set(self.qo_lens))
+            out["qo_len"] = qlens[0] if len(qlens) == 1 else {"min": qlens[0], "max": qlens[-1], "total": sum(self.qo_lens)}
+            out["causal"] = self.causal
+        for key, default in (("custom_mask", False), ("window_left", -1), ("logits_soft_cap", 0.0),
+                             ("pos_encoding", "NONE")):
+            if getattr(self, key) != default:
+                out[key] = getattr(self, key)
+        return out
+
+    def small(self) -> "Attn":
+        """~1/16 of the tokens (and of the requests) for the cpu target."""
+        keep = _div(self.batch, 16 if self.op == "decode" else 8)
+        kv = tuple(_div(n, CPU_SCALE, 8) for n in self.kv_lens[:keep])
+        qo = tuple(_div(n, CPU_SCALE, 8) for n in self.qo_lens[:keep]) if self.qo_lens is not None else None
+        window = (self.window_left + 1) // CPU_SCALE - 1 if self.window_left >= 0 else -1
+        return dataclasses.replace(self, kv_lens=kv, qo_lens=qo, window_left=window)
+
+
+@dataclass(frozen=True)
+class Cascade:
+    """Decode over a shared prefix + a unique tail per request, beside flat decode over the same pages."""
+
+    name: str
+    batch: int
+    shared_len: int
+    unique_len: int
+    num_qo_heads: int = 32
+    num_kv_heads: int = 8
+    head_dim: int = 128
+    page_size: int = 16
+    dtype: str = "bf16"
+    kind: str = "bandwidth"
+
+    @property
+    def suite(self) -> str:
+        return "cascade"
+
+    @property
+    def bytes(self) -> int:
+        """Shared prefix once + each request's own KV + q + o."""
+        e = DTYPE_BYTES[self.dtype]
+        tokens = self.shared_len + self.batch * self.unique_len
+        return 2 * tokens * self.num_kv_heads * self.head_dim * e + 2 * self.batch * self.num_qo_heads * self.head_dim * e
+
+    @property
+    def flops(self) -> int:
+        return 4 * self.batch * (self.shared_len + self.unique_len) * self.num_qo_heads * self.head_dim
+
+    def flat(self) -> Attn:
+        """Flat paged decode over the same page table (the shared pages listed per request)."""
+        return Attn(self.name + ":flat", "decode", (self.shared_len + self.unique_len,) * self.batch,
+                    num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+                    page_size=self.page_size, dtype=self.dtype, kv_dtype=self.dtype)
+
+    def params(self) -> dict:
+        return {"batch": self.batch, "shared_len": self.shared_len, "unique_len": self.unique_len,
+                "heads_qo": self.num_qo_heads, "heads_kv": self.num_kv_heads, "head_dim": self.head_dim,
+                "page_size": self.page_size, "dtype": self.dtype, "levels": 2}
+
+    def small(self) -> "Cascade":
+        return dataclasses.replace(self, batch=_div(self.batch, 16, 2), shared_len=_div(self.shared_len, CPU_SCALE),
+                                   unique_len=_div(self.unique_len, CPU_SCALE))
+
+
+@dataclass(frozen=True)
+class MLA:
+    """Multi-head latent attention decode (DeepSeek): not implemented yet, listed with its formulas."""
+
+    name: str
+    batch: int
+    kv_len: int
+    num_heads: int = 128
+    page_size: int = 64
+    ckv_dim: int = 512
+    kpe_dim: int = 64
+    dtype: str = "bf16"
+    kind: str = "bandwidth"
+
+    @property
+    def suite(self) -> str:
+        return "mla"
+
+    @property
+    def flops(self) -> int:
+        return 2 * self.batch * self.num_heads * self.kv_len * (self.ckv_dim + self.kpe_dim + self.ckv_dim)
+
+    @property
+    def bytes(self) -> int:
+        return self.batch * self.kv_len * (self.ckv_dim + self.kpe_dim) * DTYPE_BYTES[self.dtype]
+
+    def params(self) -> dict:
+        return {"batch": self.batch, "kv_len": self.kv_len, "heads": self.num_heads, "ckv": self.ckv_dim,
+                "kpe": self.kpe_dim, "page_size": self.page_size, "dtype": self.dtype}
+
+    def small(self) -> "MLA":
+        return self
+
+
+@dataclass(frozen=True)
+class Jit:
+    """Host-side costs: import, cold build / warm load, run() overhead, plan() time."""
+
+    name: str
+    what: str  # "import" | "build" | "run_overhead" | "plan"
+    rows: tuple[str, ...] = ()  # the row names it produces (default: its own name)
+    batch: int = 1
+    kv_len: int = 16
+    kind: str = "host"
+    extra: dict = field(default_factory=dict, compare=False, hash=False)
+
+    @property
+    def suite(self) -> str:
+        return "jit"
+
+    def small(self) -> "Jit":
+        return self
+
+    def params(self) -> dict:
+        out = {"what": self.what}
+        if self.what in ("run_overhead", "plan"):
+            out.update(batch=self.batch, kv_len=self.kv_len, heads_qo=32, heads_kv=8, head_dim=128, page_size=16)
+        return out
+
+
+Case = Union[Attn, Cascade, MLA, Jit]
+
+
+def _decode(name: str, batch: int, kv_len: int, **kw) -> Attn:
+    return Attn("decode/" + name, "decode", (kv_len,) * batch, **kw)
+
+
+def _prefill(name: str, batch: int, seq: int, causal: bool = True, storage: str = "ragged", **kw) -> Attn:
+    return Attn("prefill/" + name, "prefill", (seq,) * batch, qo_lens=(seq,) * batch, causal=causal,
+                storage=storage, **kw)
+
+
+def varlen_lengths(n: int = 16, lo: int = 128, hi: int = 8192, seed: int = 0) -> tuple[int, ...]:
+    """``prefill/llama8b_causal_varlen``'s lengths: uniform in [lo, hi] from a fixed seed."""
+    rng = random.Random(seed)
+    return tuple(rng.randint(lo, hi) for _ in range(n))
+
+
+_VARLEN = varlen_lengths()
+
+DECODE: list[Attn] = [
+    _decode("llama8b_b64_s2048", 64, 2048),
+    _decode("llama8b_b256_s4096", 256, 4096),
+    _decode("llama8b_b1_s32768", 1, 32768),
+    _decode("mha_b64_s2048_d128", 64, 2048, num_kv_heads=32),
+    _decode("gemma2_softcap_b64_s4096_d256", 64, 4096, num_qo_heads=16, head_dim=256, logits_soft_cap=50.0),
+    _decode("mistral_window4096_b32_s16384", 32, 16384, window_left=4095,
+            note="SDPA over the window's 4096 keys"),
+    _decode("phi3_d96_b64_s4096", 64, 4096, num_kv_heads=32, head_dim=96),
+    Attn("decode/skewed_b64", "decode", (32768,) + (512,) * 63, note="SDPA: one call per distinct length"),
+    _decode("fp8kv_b256_s4096", 256, 4096, kv_dtype="e4m3"),
+    _decode("llama8b_b64_s2048_page1", 64, 2048, page_size=1),
+    _decode("llama8b_b64_s2048_rope", 64, 2048, pos_encoding="ROPE_LLAMA"),
+]
+
+PREFILL: list[Attn] = [
+    _prefill("llama8b_causal_b8_s4096", 8, 4096),
+    _prefill("d64_causal_b16_s2048", 16, 2048, head_dim=64),
+    _prefill("d256_causal_b4_s4096", 4, 4096, num_qo_heads=16, head_dim=256),
+    _prefill("llama8b_noncausal_b8_s4096", 8, 4096, causal=False),
+    _prefill("llama8b_causal_paged_b8_s4096", 8, 4096, storage="paged"),
+    Attn("prefill/llama8b_causal_varlen", "prefill", _VARLEN, qo_lens=_VARLEN, causal=True, storage="ragged",
+         note="16 lengths uniform in 128..8192 (seed 0); SDPA: one call per request"),
+]
+
+CASCADE: list[Cascade] = [
+    Cascade("cascade/b128_shared8192_u256", 128, 8192, 256),
+    Cascade("cascade/b32_shared32768_u128", 32, 32768, 128),
+]
+
+# Variants: each beside the plain kernel at equal work (the same tokens read / the same batch).
+_PLAIN_DECODE = Attn("variants/plain_decode_b64_s4096", "decode", (4096,) * 64, sdpa=False)
+_PLAIN_PREFILL = Attn("variants/plain_prefill_causal_b4_s4096", "prefill", (4096,) * 4, qo_lens=(4096,) * 4,
+                      causal=True, storage="ragged", sdpa=False)
+
+
+def _variant(plain: Attn, name: str, **kw) -> Attn:
+    return dataclasses.replace(plain, name="variants/" + name, plain=plain.name, **kw)
+
+
+VARIANTS: list[Attn] = [
+    _PLAIN_DECODE,
+    _variant(_PLAIN_DECODE, "decode_softcap_b64_s4096", logits_soft_cap=50.0),
+    _variant(_PLAIN_DECODE, "decode_window_b64_s8192_w4096", kv_lens=(8192,) * 64, window_left=4095,
+             note="reads the same 4096 tokens per request as the plain case"),
+    _variant(_PLAIN_DECODE, "decode_rope_b64_s4096", pos_encoding="ROPE_LLAMA"),
+    _variant(_PLAIN_DECODE, "decode_alibi_b64_s4096", pos_encoding="ALIBI"),
+    _PLAIN_PREFILL,
+    _variant(_PLAIN_PREFILL, "prefill_softcap_causal_b4_s4096", logits_soft_cap=50.0),
+    _variant(_PLAIN_PREFILL, "prefill_window1024_causal_b4_s4096", window_left=1023,
+             note="compared by TFLOP/s over the unmasked pairs"),
+    _variant(_PLAIN_PREFILL, "prefill_rope_causal_b4_s4096", pos_encoding="ROPE_LLAMA"),
+    _variant(_PLAIN_PREFILL, "prefill_alibi_causal_b4_s4096", pos_encoding="ALIBI"),
+    _variant(_PLAIN_PREFILL, "prefill_custom_causal_b4_s4096", causal=False, custom_mask=True,
+             note="custom mask with the causal pattern"),
+]
+
+MLA_CASES: list[MLA] = [
+    MLA("mla/b64_s4096_p64", 64, 4096),
+    MLA("mla/b128_s8192_p64", 128, 8192),
+    MLA("mla/h16_b128_s4096_p64", 128, 4096, num_heads=16),
+]
+
+JIT: list[Jit] = [
+    Jit("jit/import_jitattn", "import"),
+    Jit("jit/build", "build", rows=("jit/cold_build_decode", "jit/cold_build_prefill", "jit/warm_load_decode",
+                                    "jit/warm_load_prefill")),
+    Jit("jit/run_overhead_decode", "run_overhead", batch=1, kv_len=16),
+    Jit("jit/plan_decode_b256", "plan", batch=256, kv_len=4096),
+]
+
+ALL_CASES: list[Case] = [*DECODE, *PREFILL, *CASCADE, *VARIANTS, *MLA_CASES, *JIT]
+BY_NAME: dict[str, Case] = {c.name: c for c in ALL_CASES}
+
+QUICK: tuple[str, ...] = (
+    "decode/llama8b_b64_s2048", "decode/llama8b_b1_s32768", "decode/skewed_b64", "decode/fp8kv_b256_s4096",
+    "prefill/llama8b_causal_b8_s4096", "prefill/llama8b_causal_varlen",
+    "cascade/b128_shared8192_u256",
+    "variants/plain_decode_b64_s4096", "variants/decode_softcap_b64_s4096",
+    "mla/b64_s4096_p64",
+    "jit/import_jitattn", "jit/build", "jit/run_overhead_decode", "jit/plan_decode_b256",
+)
+
+
+def row_names(case: Case) -> tuple[str, ...]:
+    """The rows a case produces (a cascade adds its flat-decode row ``NAME:flat``)."""
+    if isinstance(case, Jit) and case.rows:
+        return case.rows
+    if isinstance(case, Cascade):
+        return (case.name, case.name + ":flat")
+    return (case.name,)
+
+
+def select(suite: str = "all", only: list[str] | None = None, quick: bool = False) -> list[Case]:
+    """The cases of ``suite`` (or ``all``), narrowed by ``--only`` (names, row names, suites or globs)."""
+    import fnmatch
+
+    if suite != "all" and suite not in SUITES:
+        raise ValueError(f"--suite {suite!r}: use one of all, {', '.join(SUITES)}")
+    cases = [c for c in ALL_CASES if suite == "all" or c.suite == suite]
+    if quick:
+        cases = [c for c in cases if c.name in QUICK]
+    if only:
+        wanted = [w.strip() for w in only if w.strip()]
+        unknown = [w for w in wanted if not any(_matches(c, w, fnmatch) for c in ALL_CASES)]
+        if unknown:
+            raise ValueError(f"--only: no case matches {', '.join(unknown)} (see --list)")
+        pool = [c for c in ALL_CASES if suite == "all" or c.suite == suite]
+        cases = [c for c in pool if any(_matches(c, w, fnmatch) for w in wanted)]
+        # A variant needs its plain case first.
+        names = {c.name for c in cases}
+        for c in list(cases):
+            if isinstance(c, Attn) and c.plain and c.plain not in names:
+                cases.insert(0, BY_NAME[c.plain])
+                names.add(c.plain)
+        cases.sort(key=ALL_CASES.index)
+    return cases
+
+
+def _matches(case: Case, pattern: str, fnmatch) -> bool:
+    names = (case.name, *row_names(case))
+    if pattern == case.suite:
+        return True
+    return any(fnmatch.fnmatchcase(n, pattern) for n in names)
