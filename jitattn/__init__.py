@@ -8,6 +8,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
+from .variant import AttentionVariant, VariantParam  # noqa: E402
 from .spec import DType, KVLayout, KVStorage, MaskMode, Op, PosEncoding, Target, VariantSpec  # noqa: E402
 from .jit import build_many, load  # noqa: E402
 from .attention.merge import merge_state, merge_state_in_place, merge_states  # noqa: E402
@@ -19,7 +20,7 @@ from .cascade import MultiLevelCascadeAttentionWrapper  # noqa: E402
 from .page import append_paged_kv_cache, get_batch_indices_positions, get_seq_lens  # noqa: E402
 
 __all__ = [
-    "BatchDecodeWithPagedKVCacheWrapper", "BatchPrefillWithPagedKVCacheWrapper",
+    "AttentionVariant", "VariantParam", "BatchDecodeWithPagedKVCacheWrapper", "BatchPrefillWithPagedKVCacheWrapper",
     "BatchPrefillWithRaggedKVCacheWrapper", "DType", "KVLayout", "KVStorage", "MaskMode",
     "MultiLevelCascadeAttentionWrapper", "Op", "append_paged_kv_cache", "get_batch_indices_positions",
     "get_seq_lens", "PosEncoding", "Target", "VariantSpec", "build_many", "load",

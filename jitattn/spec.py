@@ -10,7 +10,7 @@ URI grammar (documented in README.md; ``uri`` is derived, never stored)::
 
     uri   := op ["_" storage] "_" target "_" dtype ["_kv" kvdtype] ["_o" odtype]
              ["_hd" qk ["x" vo]] ["_g" group] ["_" pos] ["_swa"] ["_softcap"]
-             ["_" mask] ["_" layout]
+             ["_" mask] ["_" layout] ["_v" name "-" hash8]
     op      := decode | prefill | merge | append
     storage := paged | ragged
     target  := cuda | cpu
@@ -20,6 +20,8 @@ URI grammar (documented in README.md; ``uri`` is derived, never stored)::
     pos     := rope | alibi            (absent: none)
     mask    := causal | custom         (absent: none)
     layout  := nhd | hnd
+    name, hash8 := a custom variant's name and the first 8 hex digits of the sha256
+               of its canonical form (jitattn.variant); "-" becomes "_" in the kernel name
 
 The profiler-visible kernel name is ``"jitattn_" + uri`` with the target token
 removed, e.g. ``jitattn_decode_paged_bf16_hd128_g4_nhd``.
@@ -34,6 +36,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from .variant import AttentionVariant
 
 
 class _Choice(str, enum.Enum):
@@ -201,8 +205,13 @@ class VariantSpec:
     kv_layout: KVLayout | None = None
     kv_storage: KVStorage | None = None
     idtype: IndexDType = IndexDType.I32
+    variant: AttentionVariant | None = None  # custom snippets (decode/prefill); see jitattn.variant
 
     def __post_init__(self) -> None:
+        if isinstance(self.variant, dict):
+            object.__setattr__(self, "variant", AttentionVariant.from_dict(self.variant))
+        if self.variant is not None and not isinstance(self.variant, AttentionVariant):
+            raise ValueError(f"variant={self.variant!r} must be a jitattn.AttentionVariant, a dict of one, or None")
         for name, enum_type in _ENUM_FIELDS.items():
             value = getattr(self, name)
             if value is not None:
@@ -223,7 +232,7 @@ class VariantSpec:
         axes = SPECIALIZED_AXES[(self.op, self.target)]
         for field in dataclasses.fields(self):
             name = field.name
-            if name in ("op", "target", "idtype"):
+            if name in ("op", "target", "idtype", "variant"):
                 continue
             value = getattr(self, name)
             if name in axes and value is None:
@@ -262,6 +271,17 @@ class VariantSpec:
             )
         if self.head_dim_qk is not None or self.head_dim_vo is not None:
             check_head_dims(self.head_dim_qk, self.head_dim_vo)
+        if self.variant is not None and self.op not in (Op.DECODE, Op.PREFILL):
+            raise ValueError(
+                f"variant is for attention kernels (op 'decode' or 'prefill'); op={self.op.value!r} takes none"
+            )
+        if (self.variant is not None and self.target is Target.CUDA and self.op is Op.PREFILL
+                and (self.variant.query_transform or self.variant.key_transform)):
+            raise ValueError(
+                f"variant {self.variant.name!r}: query_transform and key_transform are not implemented on the cuda "
+                "prefill kernel yet (they are on cpu and cuda decode); fold them into the q/k you pass, or use "
+                "logits_transform"
+            )
         if self.group_size is not None and self.group_size < 1:
             raise ValueError(f"group_size={self.group_size} must be >= 1 (num_qo_heads // num_kv_heads)")
 
@@ -307,11 +327,19 @@ class VariantSpec:
             tokens.append(self.mask_mode.value)
         if self.kv_layout is not None:
             tokens.append(self.kv_layout.value)
+        if self.variant is not None:  # "v<name>-<hash8>"; a C identifier in the kernel name
+            tokens.append(self.variant.token if with_target else self.variant.token.replace("-", "_"))
         return tokens
 
     def to_dict(self) -> dict[str, Any]:
-        """Canonical JSON-able form (enums as their values); part of the cache key."""
-        return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
+        """Canonical JSON-able form (enums as their values); part of the cache key.
+
+        ``variant`` appears only when set, so specs without one keep their keys.
+        """
+        data = {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self) if f.name != "variant"}
+        if self.variant is not None:
+            data["variant"] = self.variant.to_dict()
+        return data
 
     def canonical_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
@@ -359,12 +387,15 @@ _ATTENTION_DEFAULTS: dict[str, Any] = {
 
 def parse_spec_text(text: str) -> VariantSpec:
     """A spec from its text form: a uri (``decode_paged_cuda_bf16_hd128_g4_nhd``) or
-    ``key=value`` pairs separated by commas (``op=merge,target=cpu,o_dtype=bf16``).
+    ``key=value`` pairs separated by commas (``op=merge,target=cpu,o_dtype=bf16``), or
+    ``@path/to/spec.json`` (the spec's ``to_dict()``; the only form that carries a custom variant).
 
     In the uri form, boolean and enum axes a kernel specialises on default to
     off/none when their token is absent, as the grammar prints them.
     """
     text = text.strip()
+    if text.startswith("@"):
+        return _spec_from_file(text[1:])
     if "=" in text:
         values: dict[str, Any] = {}
         for pair in text.split(","):
@@ -380,7 +411,27 @@ def parse_spec_text(text: str) -> VariantSpec:
     return _parse_uri(text)
 
 
+def _spec_from_file(path: str) -> VariantSpec:
+    """``@path``: a JSON file holding one spec's fields (``VariantSpec.to_dict``), a variant included."""
+    from pathlib import Path
+
+    try:
+        data = json.loads(Path(path).read_text())
+    except OSError as exc:
+        raise ValueError(f"cannot read spec file {path!r}: {exc.strerror}") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"spec file {path!r} is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"spec file {path!r} must hold one JSON object (the spec's fields)")
+    return VariantSpec.from_dict(data)
+
+
 def _parse_uri(uri: str) -> VariantSpec:
+    if "-" in uri:
+        raise ValueError(
+            f"uri {uri!r} names a custom variant, whose snippets a uri cannot carry; give the spec as a "
+            "JSON file instead: --spec @path/to/spec.json (VariantSpec.to_dict() written with json.dump)"
+        )
     tokens = uri.split("_")
     values: dict[str, Any] = {"op": Op.parse(tokens.pop(0), "op")}
     if tokens and tokens[0] in ("paged", "ragged"):

@@ -20,6 +20,11 @@ bit-packed (little-endian) row-major qo_len x kv_len masks, request r's block
 starting at byte ``mask_indptr[r]`` (FlashInfer's layout); null when unused.
 Index arrays are int32. ``k_scale``/``v_scale`` dequantize fp8 KV (1 otherwise).
 
+Custom variants (``spec.variant``, see ``jitattn.variant``): the struct gains a
+last field ``variant_params``, a pointer to the variant's ``VariantParams``
+(generated in ``variant.h`` by ``jitattn.families.variant``); specs without a
+variant keep the struct without it, byte for byte.
+
 Split-KV (used by kernels that support it; the cpu kernel ignores it): when
 ``kv_chunk_size`` > 0, request r's KV is cut into chunks of that many tokens;
 ``split_indptr[r]`` (int32, batch+1 entries) is the index of r's first chunk
@@ -31,9 +36,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..abi import Entry, fields
+from ..abi import Entry, Field, fields
 from ..spec import VariantSpec
 from . import c_type
+from .variant import context as variant_context
 
 ATTENTION = Entry("attention", fields(
     "q:ptr k:ptr v:ptr o:ptr lse:ptr "
@@ -48,15 +54,18 @@ ATTENTION = Entry("attention", fields(
     "num_threads:i32"
 ))
 
+ATTENTION_WITH_VARIANT = Entry("attention", ATTENTION.fields + (Field("variant_params", "ptr"),))
+
 POS_ENCODING_CODES = {"none": 0, "rope": 1, "alibi": 2}
 
 
 def entries(spec: VariantSpec) -> tuple[Entry, ...]:
-    return (ATTENTION,)
+    return (ATTENTION_WITH_VARIANT if spec.variant is not None else ATTENTION,)
 
 
 def context(spec: VariantSpec) -> dict[str, Any]:
     return {
+        **variant_context(spec),
         "q_ctype": c_type(spec.q_dtype, spec.target),
         "kv_ctype": c_type(spec.kv_dtype, spec.target),
         "o_ctype": c_type(spec.o_dtype, spec.target),

@@ -38,6 +38,7 @@ from . import toolchain as tc
 from .build import LIBRARY_NAME, run_ninja, write_ninja
 from .errors import BuildError, CacheError
 from .loader import check_library
+from ..families.variant import explain_build_error
 from .render import included_headers, render
 from .templates import include_dir
 
@@ -253,7 +254,7 @@ def _build_in_temp(base: Path, plan: BuildPlan, jobs: int) -> Path:
             run_ninja(work_dir, jobs, work_dir / "sources" / main_sources[0])
         except BuildError as exc:
             kept = _keep_failed(base, plan, work_dir)
-            raise BuildError(str(exc).replace(str(work_dir), str(kept))) from None
+            raise BuildError(explain_build_error(plan.spec, str(exc).replace(str(work_dir), str(kept)))) from None
         try:
             check_library(work_dir / LIBRARY_NAME, plan.spec.uri, plan.entries)
         except (OSError, RuntimeError, AttributeError) as exc:

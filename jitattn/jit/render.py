@@ -11,6 +11,7 @@ import jinja2
 
 from ..abi import ABI_VERSION, c_header
 from ..families import family
+from ..families import variant as variant_source
 from ..spec import Target, VariantSpec
 from .templates import include_dir, template_root
 
@@ -47,10 +48,13 @@ def render(spec: VariantSpec) -> dict[str, str]:
             f"{spec.uri}: op {spec.op.value!r} has no kernel template for target {spec.target.value!r} "
             "in this version of jitattn"
         ) from None
-    return {
+    sources = {
         "params.h": c_header(entries),
         "kernel" + _SOURCE_SUFFIX[spec.target]: template.render(context),
     }
+    if spec.variant is not None:
+        sources[variant_source.HEADER_NAME] = variant_source.header(spec)
+    return sources
 
 
 def included_headers(sources: dict[str, str], target: Target) -> dict[str, str]:
