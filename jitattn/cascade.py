@@ -16,6 +16,7 @@ from .attention.merge import merge_state, merge_state_in_place, merge_states
 from .attention.options import parse_pos_encoding
 from .prefill import BatchPrefillWithPagedKVCacheWrapper
 from .spec import PosEncoding
+from .variant import AttentionVariant
 
 __all__ = ["MultiLevelCascadeAttentionWrapper", "merge_state", "merge_state_in_place", "merge_states"]
 
@@ -58,9 +59,13 @@ class MultiLevelCascadeAttentionWrapper:
         pos_encoding_mode: str = "NONE", use_fp16_qk_reduction: bool = False, sm_scale: float | None = None,
         window_left: int = -1, logits_soft_cap: float | None = None, rope_scale: float | None = None,
         rope_theta: float | None = None, q_data_type: str | torch.dtype = "float16",
-        kv_data_type: str | torch.dtype | None = None,
+        kv_data_type: str | torch.dtype | None = None, variant: AttentionVariant | None = None,
     ) -> None:
-        """Plan every level: ``*_arr[i]`` is level i's index array (one entry per level)."""
+        """Plan every level: ``*_arr[i]`` is level i's index array (one entry per level).
+
+        ``variant``: a custom variant run at every level (its ``q_idx``/``kv_idx`` are relative to
+        the level's node); the levels are merged by LSE, so it must use softmax and have no output
+        transform."""
         for name, arr in (("qo_indptr_arr", qo_indptr_arr), ("paged_kv_indptr_arr", paged_kv_indptr_arr),
                           ("paged_kv_indices_arr", paged_kv_indices_arr),
                           ("paged_kv_last_page_len", paged_kv_last_page_len)):
@@ -72,6 +77,11 @@ class MultiLevelCascadeAttentionWrapper:
                 "windows would be wrong; apply RoPE before writing the cache and use pos_encoding_mode='NONE', "
                 "window_left=-1 (or use the flat wrappers)"
             )
+        if variant is not None and not variant.splittable:
+            raise ValueError(
+                f"variant {variant.name!r} cannot run in cascade: the levels are merged by their LSE, which needs "
+                "use_softmax=True and no output_transform; use the flat prefill wrapper for it"
+            )
         totals = {int(qo[-1]) for qo in qo_indptr_arr}
         if len(totals) != 1:
             raise ValueError(f"every level's qo_indptr must end at the same token count; got {sorted(totals)}")
@@ -81,7 +91,7 @@ class MultiLevelCascadeAttentionWrapper:
                 paged_kv_last_page_len[level], num_qo_heads, num_kv_heads, head_dim, page_size,
                 causal=causal if level == self._num_levels - 1 else False,
                 use_fp16_qk_reduction=use_fp16_qk_reduction, sm_scale=sm_scale, logits_soft_cap=logits_soft_cap,
-                q_data_type=q_data_type, kv_data_type=kv_data_type,
+                q_data_type=q_data_type, kv_data_type=kv_data_type, variant=variant,
             )
 
     begin_forward = plan
@@ -96,12 +106,16 @@ class MultiLevelCascadeAttentionWrapper:
 
     def run(
         self, q: torch.Tensor, paged_kv_cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor], *,
-        k_scale: float | None = None, v_scale: float | None = None,
+        k_scale: float | None = None, v_scale: float | None = None, **variant_args,
     ) -> torch.Tensor:
-        """q ``[total_qo, num_qo_heads, head_dim]`` -> attention over every level's KV."""
-        out, lse = self._wrappers[0].run(q, paged_kv_cache, k_scale=k_scale, v_scale=v_scale, return_lse=True)
+        """q ``[total_qo, num_qo_heads, head_dim]`` -> attention over every level's KV.
+
+        ``variant_args``: the planned custom variant's parameters, by name (the same for every level)."""
+        out, lse = self._wrappers[0].run(q, paged_kv_cache, k_scale=k_scale, v_scale=v_scale, return_lse=True,
+                                         **variant_args)
         for wrapper in self._wrappers[1:]:
-            level_out, level_lse = wrapper.run(q, paged_kv_cache, k_scale=k_scale, v_scale=v_scale, return_lse=True)
+            level_out, level_lse = wrapper.run(q, paged_kv_cache, k_scale=k_scale, v_scale=v_scale, return_lse=True,
+                                               **variant_args)
             merge_state_in_place(out, lse, level_out, level_lse)
         return out
 

@@ -14,6 +14,7 @@ from .attention.options import fp8_scale, parse_dtype, parse_kv_layout, parse_po
 from .attention.specs import attention_spec
 from .jit import load
 from .plan import SplitPlan, check_paged_index, max_decode_chunks, plan_decode_split, split_workspace_bytes
+from .variant import AttentionVariant
 from .spec import KVLayout, KVStorage, MaskMode, Op, PosEncoding, Target
 
 __all__ = ["BatchDecodeWithPagedKVCacheWrapper", "single_decode_with_kv_cache"]
@@ -73,8 +74,13 @@ class BatchDecodeWithPagedKVCacheWrapper:
         kv_data_type: str | torch.dtype | None = None, data_type: str | torch.dtype | None = None,
         sm_scale: float | None = None, rope_scale: float | None = None, rope_theta: float | None = None,
         non_blocking: bool = True, fixed_split_size: int | None = None, disable_split_kv: bool = False,
+        variant: AttentionVariant | None = None,
     ) -> None:
         """Plan decode for one batch.
+
+        ``variant`` (a ``jitattn.AttentionVariant``) selects a custom variant; its extra
+        parameters are then passed to ``run(..., name=value)``. A variant without softmax or
+        with an output transform is never split over the KV.
 
         Index arrays are int32, on the host (no device sync) or on the device
         (copied to the host once here). ``data_type`` (deprecated in
@@ -94,8 +100,10 @@ class BatchDecodeWithPagedKVCacheWrapper:
             Op.DECODE, self._target, q_dtype=q_dtype, kv_dtype=kv_dtype, o_dtype=q_dtype, head_dim_qk=head_dim,
             head_dim_vo=head_dim, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, pos_encoding=pos,
             use_sliding_window=scalars.window_left >= 0, use_logits_soft_cap=scalars.logits_soft_cap > 0,
-            mask_mode=MaskMode.NONE, kv_layout=self._kv_layout, kv_storage=KVStorage.PAGED,
+            mask_mode=MaskMode.NONE, kv_layout=self._kv_layout, kv_storage=KVStorage.PAGED, variant=variant,
         )
+        if variant is not None and not variant.splittable:
+            disable_split_kv = True  # partial states of such a variant cannot be merged by LSE
         if self._use_cuda_graph:
             # Under CUDA graphs the grid must not depend on lengths: no split.
             split = SplitPlan(0, tuple(range(index.batch_size + 1)))
@@ -128,7 +136,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
             custom_mask=None, mask_indptr=None, index=index, split=split,
             split_indptr=upload(torch.tensor(split.split_indptr, dtype=torch.int32), device, split_indptr_buf,
                                 "split_indptr"),
-            use_cuda_graph=self._use_cuda_graph,
+            use_cuda_graph=self._use_cuda_graph, wrapper=_WRAPPER,
         )
         log_plan(_WRAPPER, self._plan, workspace_bytes)
 
@@ -156,13 +164,16 @@ class BatchDecodeWithPagedKVCacheWrapper:
     def run(
         self, q: torch.Tensor, paged_kv_cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor], *,
         k_scale: float | None = None, v_scale: float | None = None, out: torch.Tensor | None = None,
-        lse: torch.Tensor | None = None, return_lse: bool = False,
+        lse: torch.Tensor | None = None, return_lse: bool = False, **variant_args,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Decode attention: q ``[batch, num_qo_heads, head_dim]`` -> out (and natural-log lse ``[batch, heads]``)."""
+        """Decode attention: q ``[batch, num_qo_heads, head_dim]`` -> out (and natural-log lse ``[batch, heads]``).
+
+        ``variant_args``: the planned custom variant's parameters, by name.
+        """
         k, v = split_paged_kv_cache(paged_kv_cache, self._kv_layout)
         return run_plan_or_compiled(
             self._op_key, self._plan, _WRAPPER, self._workspace, q, k, v, k_scale=fp8_scale(k_scale, "k_scale"),
-            v_scale=fp8_scale(v_scale, "v_scale"), out=out, lse=lse, return_lse=return_lse,
+            v_scale=fp8_scale(v_scale, "v_scale"), out=out, lse=lse, return_lse=return_lse, variant_args=variant_args,
         )
 
     def _run_eager(self, q, k, v, *, k_scale, v_scale, out, lse, return_lse):

@@ -12,6 +12,7 @@ from .attention.options import fp8_scale, parse_dtype, parse_kv_layout, parse_po
 from .attention.specs import attention_spec
 from .jit import load
 from .plan import PagedIndex, SplitPlan, check_indptr, check_paged_index, packed_mask_indptr, segment_packbits
+from .variant import AttentionVariant
 from .spec import KVLayout, KVStorage, MaskMode, Op, Target
 
 __all__ = [
@@ -25,7 +26,7 @@ def _plan_prefill(
     num_kv_heads: int, head_dim_qk: int, head_dim_vo: int | None, custom_mask: torch.Tensor | None,
     packed_custom_mask: torch.Tensor | None, causal: bool, pos_encoding_mode, sm_scale, window_left,
     logits_soft_cap, rope_scale, rope_theta, q_data_type, kv_data_type, o_data_type=None,
-    buffers: dict[str, torch.Tensor | None], use_cuda_graph: bool = False,
+    buffers: dict[str, torch.Tensor | None], use_cuda_graph: bool = False, variant: AttentionVariant | None = None,
 ) -> AttentionPlan:
     """Validate and upload one prefill batch (shared by the paged and ragged wrappers)."""
     head_dim_vo = head_dim_qk if head_dim_vo is None else head_dim_vo
@@ -65,6 +66,7 @@ def _plan_prefill(
         head_dim_vo=head_dim_vo, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, pos_encoding=pos,
         use_sliding_window=scalars.window_left >= 0, use_logits_soft_cap=scalars.logits_soft_cap > 0,
         mask_mode=mask_mode, kv_layout=kv_layout, kv_storage=KVStorage.PAGED if index else KVStorage.RAGGED,
+        variant=variant,
     )
     module = load(spec)
     plan = AttentionPlan(
@@ -80,7 +82,7 @@ def _plan_prefill(
         mask_indptr=upload(mask_indptr_host, device, buffers.get("mask_indptr"), "mask_indptr")
         if mask_indptr_host is not None else None,
         index=index, split=SplitPlan(0, tuple(range(len(kv_lens) + 1))), split_indptr=None,
-        total_kv=None if index else int(kv_indptr_host[-1]), use_cuda_graph=use_cuda_graph,
+        total_kv=None if index else int(kv_indptr_host[-1]), use_cuda_graph=use_cuda_graph, wrapper=wrapper,
     )
     log_plan(wrapper, plan, 0)
     return plan
@@ -131,10 +133,10 @@ class _PrefillWrapperBase:
         max_pages = (max_kv_tokens + page_size - 1) // page_size + max_batch_size
         return 0, 4 * (3 * (max_batch_size + 1) + max_pages)
 
-    def _run(self, q, k, v, k_scale, v_scale, out, lse, return_lse):
+    def _run(self, q, k, v, k_scale, v_scale, out, lse, return_lse, variant_args=None):
         return run_plan_or_compiled(
             self._op_key, self._plan, self._NAME, self._workspace, q, k, v, k_scale=fp8_scale(k_scale, "k_scale"),
-            v_scale=fp8_scale(v_scale, "v_scale"), out=out, lse=lse, return_lse=return_lse,
+            v_scale=fp8_scale(v_scale, "v_scale"), out=out, lse=lse, return_lse=return_lse, variant_args=variant_args,
         )
 
     def _run_eager(self, q, k, v, *, k_scale, v_scale, out, lse, return_lse):
@@ -171,9 +173,12 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapperBase):
         o_data_type: str | torch.dtype | None = None, non_blocking: bool = True,
         prefix_len_ptr=None, token_pos_in_items_ptr=None, token_pos_in_items_len: int = 0,
         max_item_len_ptr=None, seq_lens=None, seq_lens_q=None, block_tables=None, max_token_per_sequence=None,
-        max_sequence_kv=None,
+        max_sequence_kv=None, variant: AttentionVariant | None = None,
     ) -> None:
         """Plan one batch. ``custom_mask`` (bool, flattened per request) overrides ``causal``.
+
+        ``variant`` (a ``jitattn.AttentionVariant``) selects a custom variant; its extra
+        parameters are then passed to ``run(..., name=value)``.
 
         Causal is bottom-right: query i of a request with qo_len q and kv_len k sees kv positions <= k - q + i.
         """
@@ -186,7 +191,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapperBase):
             packed_custom_mask=packed_custom_mask, causal=causal, pos_encoding_mode=pos_encoding_mode,
             sm_scale=sm_scale, window_left=window_left, logits_soft_cap=logits_soft_cap, rope_scale=rope_scale,
             rope_theta=rope_theta, q_data_type=q_data_type, kv_data_type=kv_data_type, o_data_type=o_data_type,
-            buffers=self._buffers, use_cuda_graph=self._use_cuda_graph,
+            buffers=self._buffers, use_cuda_graph=self._use_cuda_graph, variant=variant,
         )
 
     begin_forward = plan
@@ -194,11 +199,13 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapperBase):
     def run(
         self, q: torch.Tensor, paged_kv_cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor], *,
         k_scale: float | None = None, v_scale: float | None = None, out: torch.Tensor | None = None,
-        lse: torch.Tensor | None = None, return_lse: bool = False,
+        lse: torch.Tensor | None = None, return_lse: bool = False, **variant_args,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """q ``[total_qo, num_qo_heads, head_dim_qk]`` -> out ``[total_qo, num_qo_heads, head_dim_vo]`` (and lse)."""
+        """q ``[total_qo, num_qo_heads, head_dim_qk]`` -> out ``[total_qo, num_qo_heads, head_dim_vo]`` (and lse).
+
+        ``variant_args``: the planned custom variant's parameters, by name."""
         k, v = split_paged_kv_cache(paged_kv_cache, self._kv_layout)
-        return self._run(q, k, v, k_scale, v_scale, out, lse, return_lse)
+        return self._run(q, k, v, k_scale, v_scale, out, lse, return_lse, variant_args)
 
     def forward(self, q: torch.Tensor, paged_kv_cache, **kwargs) -> torch.Tensor:
         """Older spelling of ``run``."""
@@ -234,8 +241,11 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapperBase):
         sm_scale: float | None = None, rope_scale: float | None = None, rope_theta: float | None = None,
         q_data_type: str | torch.dtype = "float16", kv_data_type: str | torch.dtype | None = None,
         o_data_type: str | torch.dtype | None = None, non_blocking: bool = True,
+        variant: AttentionVariant | None = None,
     ) -> None:
-        """Plan one batch; request r's keys are rows ``kv_indptr[r]:kv_indptr[r+1]`` of k/v."""
+        """Plan one batch; request r's keys are rows ``kv_indptr[r]:kv_indptr[r+1]`` of k/v.
+
+        ``variant``: a custom variant, as in the paged wrapper's ``plan``."""
         kv_host = check_indptr("kv_indptr", kv_indptr)
         self._plan = _plan_prefill(
             self._NAME, self._target, self._device, self._kv_layout, qo_indptr=qo_indptr, kv_indptr_host=kv_host,
@@ -244,7 +254,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapperBase):
             packed_custom_mask=packed_custom_mask, causal=causal, pos_encoding_mode=pos_encoding_mode,
             sm_scale=sm_scale, window_left=window_left, logits_soft_cap=logits_soft_cap, rope_scale=rope_scale,
             rope_theta=rope_theta, q_data_type=q_data_type, kv_data_type=kv_data_type, o_data_type=o_data_type,
-            buffers=self._buffers, use_cuda_graph=self._use_cuda_graph,
+            buffers=self._buffers, use_cuda_graph=self._use_cuda_graph, variant=variant,
         )
 
     begin_forward = plan
@@ -252,10 +262,12 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapperBase):
     def run(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, k_scale: float | None = None,
         v_scale: float | None = None, out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
-        return_lse: bool = False,
+        return_lse: bool = False, **variant_args,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """q ``[total_qo, H_qo, D_qk]``, k ``[total_kv, H_kv, D_qk]``, v ``[total_kv, H_kv, D_vo]`` -> out (and lse)."""
-        return self._run(q, k, v, k_scale, v_scale, out, lse, return_lse)
+        """q ``[total_qo, H_qo, D_qk]``, k ``[total_kv, H_kv, D_qk]``, v ``[total_kv, H_kv, D_vo]`` -> out (and lse).
+
+        ``variant_args``: the planned custom variant's parameters, by name."""
+        return self._run(q, k, v, k_scale, v_scale, out, lse, return_lse, variant_args)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:
         """Older spelling of ``run``."""

@@ -19,6 +19,7 @@ from ..spec import KVLayout, Target, VariantSpec
 from .checks import check_tensor, target_of
 from .kv import check_kv_pair
 from .launch import AttentionScalars, PreparedAttention
+from .variant_args import VariantArgs
 
 
 @dataclass
@@ -48,8 +49,12 @@ class AttentionPlan:
     total_kv: int | None = None  # ragged: rows of k/v the plan covers
     use_cuda_graph: bool = False  # index tensors live in fixed caller buffers
     launch: PreparedAttention | None = None  # the params struct, filled once here
+    variant_args: VariantArgs | None = None  # the variant's struct (spec.variant only), filled per run()
+    wrapper: str = ""
 
     def __post_init__(self) -> None:
+        if self.spec.variant is not None:
+            self.variant_args = VariantArgs(self.spec.variant, self.wrapper or "wrapper")
         self.launch = PreparedAttention(
             self.module, qo_indptr=self.qo_indptr, kv_indptr=self.kv_indptr, kv_indices=self.kv_indices,
             kv_last_page_len=self.kv_last_page_len, page_size=self.page_size or 1, kv_layout=self.kv_layout,
@@ -57,6 +62,7 @@ class AttentionPlan:
             num_kv_heads=self.num_kv_heads, head_dim_qk=self.head_dim_qk, head_dim_vo=self.head_dim_vo,
             scalars=self.scalars, split_indptr=self.split_indptr if self.split.kv_chunk_size else None,
             kv_chunk_size=self.split.kv_chunk_size,
+            variant_params=self.variant_args.address if self.variant_args is not None else None,
         )
 
 
@@ -105,10 +111,15 @@ def workspace_target(workspace: torch.Tensor, wrapper: str) -> tuple[Target, tor
 def run_plan_or_compiled(
     key: int, plan: AttentionPlan | None, wrapper: str, workspace: torch.Tensor, q: torch.Tensor,
     k: torch.Tensor, v: torch.Tensor, *, k_scale: float, v_scale: float,
-    out: torch.Tensor | None, lse: torch.Tensor | None, return_lse: bool,
+    out: torch.Tensor | None, lse: torch.Tensor | None, return_lse: bool, variant_args: dict | None = None,
 ):
     """``run_plan`` eagerly; under torch.compile one opaque custom op that finds the plan at run time."""
     if torch.compiler.is_compiling():
+        if plan is not None and plan.spec.variant is not None:
+            raise NotImplementedError(
+                f"{wrapper}.run() with a custom variant is not supported under torch.compile yet; call it "
+                "outside the compiled region (torch.compiler.disable)"
+            )
         if plan is None:
             raise RuntimeError(f"{wrapper}.run() called before plan(); call plan() once per batch first")
         from .compiled import run_compiled
@@ -116,17 +127,24 @@ def run_plan_or_compiled(
         return run_compiled(key, q, k, v, head_dim_vo=plan.head_dim_vo, out_dtype=plan.o_dtype, k_scale=k_scale,
                             v_scale=v_scale, out=out, lse=lse, return_lse=return_lse)
     return run_plan(plan, wrapper, workspace, q, k, v, k_scale=k_scale, v_scale=v_scale, out=out, lse=lse,
-                    return_lse=return_lse)
+                    return_lse=return_lse, variant_args=variant_args)
 
 
 def run_plan(
     plan: AttentionPlan | None, wrapper: str, workspace: torch.Tensor, q: torch.Tensor,
     k: torch.Tensor, v: torch.Tensor, *, k_scale: float, v_scale: float,
-    out: torch.Tensor | None, lse: torch.Tensor | None, return_lse: bool,
+    out: torch.Tensor | None, lse: torch.Tensor | None, return_lse: bool, variant_args: dict | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Check q/k/v/out/lse against ``plan`` and launch; returns out or (out, lse)."""
+    """Check q/k/v/out/lse (and a variant's extra arguments) against ``plan`` and launch; returns out or (out, lse)."""
     if plan is None:
         raise RuntimeError(f"{wrapper}.run() called before plan(); call plan() once per batch first")
+    if plan.variant_args is not None:
+        plan.variant_args.fill(variant_args or {}, q.device)
+    elif variant_args:
+        raise TypeError(
+            f"{wrapper}.run() got unexpected keyword argument(s) {sorted(variant_args)}; extra arguments are the "
+            "parameters of a custom variant, and this plan has none (plan(..., variant=...))"
+        )
     target_of(wrapper, (workspace, q, k, v, out, lse))
     if q.is_cuda and not plan.use_cuda_graph and torch.cuda.is_current_stream_capturing():
         raise RuntimeError(

@@ -53,13 +53,15 @@ class PreparedAttention:
         kv_indices: torch.Tensor | None, kv_last_page_len: torch.Tensor | None, page_size: int,
         kv_layout: KVLayout, custom_mask: torch.Tensor | None, mask_indptr: torch.Tensor | None,
         num_qo_heads: int, num_kv_heads: int, head_dim_qk: int, head_dim_vo: int, scalars: AttentionScalars,
-        split_indptr: torch.Tensor | None = None, kv_chunk_size: int = 0,
+        split_indptr: torch.Tensor | None = None, kv_chunk_size: int = 0, variant_params: int | None = None,
     ) -> None:
         self.module = module
         self.paged = kv_indices is not None
         self.kv_layout = kv_layout
+        # The variant's struct pointer is a field only of modules built with a variant.
+        variant_field = {"variant_params": variant_params} if module.spec.variant is not None else {}
         self.params = module.params(
-            "attention",
+            "attention", **variant_field,
             q=None, k=None, v=None, o=None, lse=None,
             qo_indptr=_ptr(qo_indptr), kv_indptr=_ptr(kv_indptr), kv_indices=_ptr(kv_indices),
             kv_last_page_len=_ptr(kv_last_page_len), custom_mask=_ptr(custom_mask), mask_indptr=_ptr(mask_indptr),

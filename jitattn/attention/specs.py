@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from ..variant import AttentionVariant
 from ..spec import KVLayout, KVStorage, MaskMode, Op, PosEncoding, Target, VariantSpec
 
 
@@ -17,9 +18,11 @@ def attention_spec(
     op: Op, target: Target, *, q_dtype: torch.dtype, kv_dtype: torch.dtype, o_dtype: torch.dtype,
     head_dim_qk: int, head_dim_vo: int, num_qo_heads: int, num_kv_heads: int,
     pos_encoding: PosEncoding, use_sliding_window: bool, use_logits_soft_cap: bool,
-    mask_mode: MaskMode, kv_layout: KVLayout, kv_storage: KVStorage,
+    mask_mode: MaskMode, kv_layout: KVLayout, kv_storage: KVStorage, variant: AttentionVariant | None = None,
 ) -> VariantSpec:
-    """The spec of a decode or prefill kernel for these shapes and options."""
+    """The spec of a decode or prefill kernel for these shapes and options (and custom variant, if any)."""
+    if variant is not None and not isinstance(variant, AttentionVariant):
+        raise TypeError(f"variant must be a jitattn.AttentionVariant or None; got {type(variant).__name__}")
     if num_kv_heads < 1 or num_qo_heads < 1 or num_qo_heads % num_kv_heads != 0:
         raise ValueError(
             f"num_qo_heads={num_qo_heads} must be a positive multiple of num_kv_heads={num_kv_heads} "
@@ -29,13 +32,13 @@ def attention_spec(
         from ..spec import check_head_dims
 
         check_head_dims(head_dim_qk, head_dim_vo)  # validated even where it is a run-time value
-        return VariantSpec(op=op, target=target, q_dtype=q_dtype, kv_dtype=kv_dtype, o_dtype=o_dtype)
+        return VariantSpec(op=op, target=target, q_dtype=q_dtype, kv_dtype=kv_dtype, o_dtype=o_dtype, variant=variant)
     return VariantSpec(
         op=op, target=target, q_dtype=q_dtype, kv_dtype=kv_dtype, o_dtype=o_dtype,
         head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo, group_size=num_qo_heads // num_kv_heads,
         pos_encoding=pos_encoding, use_sliding_window=use_sliding_window, use_logits_soft_cap=use_logits_soft_cap,
         mask_mode=mask_mode if op is Op.PREFILL else None, kv_layout=kv_layout,
-        kv_storage=kv_storage,
+        kv_storage=kv_storage, variant=variant,
     )
 
 

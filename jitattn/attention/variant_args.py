@@ -1,0 +1,97 @@
+"""The run-time side of a custom variant: ``run(..., **extra)`` -> the VariantParams struct.
+
+``VariantArgs`` owns one ctypes ``VariantParams`` (the mirror of the struct in
+``variant.h``, generated from the same field list) per plan; each ``run()``
+validates the keyword arguments against the variant's declared parameters and
+writes them into it -- no allocation, no device sync.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from ..abi import ctypes_struct
+from ..families.variant import params_entry
+from ..variant import TENSOR_DTYPES, AttentionVariant
+
+_INT_RANGE = {"i32": (-(2**31), 2**31 - 1), "i64": (-(2**63), 2**63 - 1)}
+
+
+class VariantArgs:
+    """The VariantParams struct of one plan and the check that fills it."""
+
+    def __init__(self, variant: AttentionVariant, wrapper: str) -> None:
+        self.variant = variant
+        self.wrapper = wrapper
+        self.struct = ctypes_struct(params_entry(variant))()
+        self._declared = {p.name: p for p in variant.params}
+
+    @property
+    def address(self) -> int:
+        return ctypes.addressof(self.struct)
+
+    def fill(self, args: dict, device: torch.device) -> None:
+        """Check ``args`` (the extra keyword arguments of run()) and write them into the struct."""
+        where = f"{self.wrapper}.run() (variant {self.variant.name!r})"
+        unknown = sorted(set(args) - set(self._declared))
+        if unknown:
+            declared = ", ".join(self._declared) or "none"
+            raise TypeError(f"{where}: unexpected keyword argument(s) {unknown}; the variant declares: {declared}")
+        s = self.struct
+        for name, param in self._declared.items():
+            value = args.get(name)
+            if value is None:
+                if not param.optional:
+                    raise TypeError(
+                        f"{where}: missing required argument {name!r} ({_describe(param)}); pass it as "
+                        f"run(..., {name}=...)"
+                    )
+                setattr(s, name, None if param.rank else 0)
+                for d in range(param.rank):
+                    setattr(s, f"{name}_size{d}", 0)
+                continue
+            if param.rank == 0:
+                setattr(s, name, _scalar(where, param, value))
+                continue
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(f"{where}: {name} must be a torch.Tensor ({_describe(param)}); got "
+                                f"{type(value).__name__}")
+            expected = getattr(torch, TENSOR_DTYPES[param.dtype][1])
+            if value.dtype != expected:
+                raise TypeError(f"{where}: {name} has dtype {value.dtype}; the variant declares {expected} "
+                                f"({param.dtype}); convert it with .to({expected})")
+            if value.dim() != param.rank:
+                raise ValueError(f"{where}: {name} has {value.dim()} dimensions (shape {tuple(value.shape)}); the "
+                                 f"variant declares rank {param.rank}")
+            if value.device != device:
+                raise ValueError(f"{where}: {name} is on {value.device}; the launch runs on {device} (move it "
+                                 "there once, outside the per-layer loop)")
+            if not value.is_contiguous():
+                raise ValueError(f"{where}: {name} must be contiguous (snippets index it row-major); pass "
+                                 f"{name}.contiguous()")
+            setattr(s, name, value.data_ptr() if value.numel() else None)
+            for d in range(param.rank):
+                setattr(s, f"{name}_size{d}", value.shape[d])
+
+
+def _describe(param) -> str:
+    return f"a {param.dtype} scalar" if param.rank == 0 else f"a rank-{param.rank} {param.dtype} tensor"
+
+
+def _scalar(where: str, param, value):
+    if isinstance(value, torch.Tensor):
+        raise TypeError(f"{where}: {param.name} is a scalar parameter; pass a Python number (reading a tensor "
+                        "would sync the device)")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{where}: {param.name} must be a Python {'float' if param.dtype == 'f32' else 'int'}; "
+                        f"got {value!r}")
+    if param.dtype == "f32":
+        return float(value)
+    if isinstance(value, float):
+        raise TypeError(f"{where}: {param.name} is declared {param.dtype}; got the float {value!r}")
+    lo, hi = _INT_RANGE[param.dtype]
+    if not lo <= value <= hi:
+        raise ValueError(f"{where}: {param.name}={value} does not fit in {param.dtype}")
+    return int(value)
