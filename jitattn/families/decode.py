@@ -81,7 +81,8 @@ def _next_pow2(n: int) -> int:
 def mma_eligible(spec: VariantSpec) -> bool:
     """Whether ``spec`` can take the tensor-core (mma.sync m16n8k16) path."""
     return (
-        not spec.kv_dtype.is_fp8 and spec.pos_encoding is not PosEncoding.ROPE_LLAMA
+        spec.variant is None  # custom snippets run on the CUDA-core path
+        and not spec.kv_dtype.is_fp8 and spec.pos_encoding is not PosEncoding.ROPE_LLAMA
         and spec.head_dim_qk % 16 == 0 and spec.head_dim_vo % 16 == 0 and spec.group_size <= 16
         and spec.head_dim_qk <= 192 and spec.head_dim_vo <= 128  # O fragments stay in registers
     )
