@@ -36,7 +36,7 @@ def main() -> None:
     out, lse = wrapper.run(q, paged_kv_cache, return_lse=True)  # once per layer
 
     expected, expected_lse = reference.batch_decode_paged(q, paged_kv_cache, kv_indptr, kv_indices, kv_last_page_len)
-    error = (out.float().cpu() - expected).abs().max().item()
+    error = (out.float().cpu() - expected.float().cpu()).abs().max().item()
     print(f"device={device} out={tuple(out.shape)} max abs error vs float64 reference: {error:.2e}")
     assert error < 2e-2, "decode output differs from the reference"
 
