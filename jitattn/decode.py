@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .attention.batch import (
-    AttentionPlan, check_workspace, log_plan, num_sms, run_plan, run_plan_or_compiled, upload, workspace_target,
+    AttentionPlan, check_workspace, log_plan, num_sms, run_plan, run_plan_or_compiled, upload_int32, workspace_target,
 )
 from .attention.compiled import register_wrapper
 from .attention.checks import check_tensor, cpu_threads, target_of
@@ -125,17 +125,19 @@ class BatchDecodeWithPagedKVCacheWrapper:
         device = self._device
         indptr_buf, indices_buf, last_buf = self._buffers
         qo_indptr_buf, split_indptr_buf = self._own_buffers
+        qo_indptr_dev, indptr_dev, indices_dev, last_dev, split_dev = upload_int32([
+            ("qo_indptr", torch.arange(index.batch_size + 1, dtype=torch.int32), qo_indptr_buf),
+            ("paged_kv_indptr", index.indptr, indptr_buf),
+            ("paged_kv_indices", index.indices, indices_buf),
+            ("paged_kv_last_page_len", index.last_page_len, last_buf),
+            ("split_indptr", torch.tensor(split.split_indptr, dtype=torch.int32), split_indptr_buf),
+        ], device)
         self._plan = AttentionPlan(
             spec=spec, module=module, scalars=scalars, q_dtype=q_dtype, kv_dtype=kv_dtype, o_dtype=q_dtype,
             num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim_qk=head_dim, head_dim_vo=head_dim,
             page_size=page_size, kv_layout=self._kv_layout, total_qo=index.batch_size,
-            qo_indptr=upload(torch.arange(index.batch_size + 1, dtype=torch.int32), device, qo_indptr_buf, "qo_indptr"),
-            kv_indptr=upload(index.indptr, device, indptr_buf, "paged_kv_indptr"),
-            kv_indices=upload(index.indices, device, indices_buf, "paged_kv_indices"),
-            kv_last_page_len=upload(index.last_page_len, device, last_buf, "paged_kv_last_page_len"),
-            custom_mask=None, mask_indptr=None, index=index, split=split,
-            split_indptr=upload(torch.tensor(split.split_indptr, dtype=torch.int32), device, split_indptr_buf,
-                                "split_indptr"),
+            qo_indptr=qo_indptr_dev, kv_indptr=indptr_dev, kv_indices=indices_dev, kv_last_page_len=last_dev,
+            custom_mask=None, mask_indptr=None, index=index, split=split, split_indptr=split_dev,
             use_cuda_graph=self._use_cuda_graph, wrapper=_WRAPPER,
         )
         log_plan(_WRAPPER, self._plan, workspace_bytes)

@@ -74,19 +74,17 @@ def check_paged_index(
     used = indices_h[:total_pages]
     if total_pages and int(used.min()) < 0:
         raise ValueError(f"{names[1]} has a negative page index ({int(used.min())})")
-    num_pages = (indptr_h[1:] - indptr_h[:-1]).tolist()
-    lasts = last_h.tolist()
-    kv_lens = []
-    for r, (pages, last) in enumerate(zip(num_pages, lasts)):
-        if pages == 0:
-            kv_lens.append(0)
-            continue
-        if not 1 <= last <= page_size:
-            raise ValueError(
-                f"{names[2]}[{r}] = {last} is out of range: a request with pages needs 1 <= last_page_len <= "
-                f"page_size ({page_size})"
-            )
-        kv_lens.append((pages - 1) * page_size + last)
+    num_pages = (indptr_h[1:] - indptr_h[:-1]).to(torch.int64)
+    last = last_h.to(torch.int64)
+    has_pages = num_pages > 0
+    bad = has_pages & ((last < 1) | (last > page_size))
+    if bool(bad.any()):
+        r = int(bad.nonzero()[0])
+        raise ValueError(
+            f"{names[2]}[{r}] = {int(last[r])} is out of range: a request with pages needs 1 <= last_page_len <= "
+            f"page_size ({page_size})"
+        )
+    kv_lens = torch.where(has_pages, (num_pages - 1) * page_size + last, 0).tolist()
     return PagedIndex(
         indptr=indptr_h, indices=indices_h, last_page_len=last_h, page_size=page_size,
         kv_lens=tuple(kv_lens), max_page_index=int(used.max()) if total_pages else -1,

@@ -79,6 +79,35 @@ def upload(host: torch.Tensor, device: torch.device, buffer: torch.Tensor | None
     return buffer
 
 
+def upload_int32(
+    arrays: list[tuple[str, torch.Tensor, torch.Tensor | None]], device: torch.device,
+) -> list[torch.Tensor]:
+    """Upload several int32 host arrays: into their fixed buffers when given, the rest in one copy.
+
+    One host-to-device copy instead of one per array keeps ``plan()`` cheap; each
+    array starts on a 16-byte boundary of the shared device tensor.
+    """
+    out: list[torch.Tensor | None] = [None] * len(arrays)
+    packed: list[tuple[int, torch.Tensor]] = []
+    for i, (name, host, buffer) in enumerate(arrays):
+        if buffer is not None or device.type == "cpu":
+            out[i] = upload(host, device, buffer, name)
+        else:
+            packed.append((i, host))
+    if packed:
+        offsets, total = [], 0
+        for _, host in packed:
+            offsets.append(total)
+            total += (host.numel() + 3) // 4 * 4
+        staging = torch.zeros(total, dtype=torch.int32)
+        for offset, (_, host) in zip(offsets, packed):
+            staging[offset: offset + host.numel()] = host
+        on_device = staging.to(device)
+        for offset, (i, host) in zip(offsets, packed):
+            out[i] = on_device[offset: offset + host.numel()]
+    return out
+
+
 @functools.cache
 def num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
@@ -145,7 +174,9 @@ def run_plan(
             f"{wrapper}.run() got unexpected keyword argument(s) {sorted(variant_args)}; extra arguments are the "
             "parameters of a custom variant, and this plan has none (plan(..., variant=...))"
         )
-    target_of(wrapper, (workspace, q, k, v, out, lse))
+    device = q.device
+    if any(t is not None and t.device != device for t in (workspace, k, v, out, lse)):
+        target_of(wrapper, (workspace, q, k, v, out, lse))  # raises, naming the devices
     if q.is_cuda and not plan.use_cuda_graph and torch.cuda.is_current_stream_capturing():
         raise RuntimeError(
             f"{wrapper}.run() is being captured into a CUDA graph, but the wrapper was built without "

@@ -33,7 +33,12 @@ def stream_handle(device: torch.device) -> int | None:
     """The raw stream to launch on: the current stream of ``device`` (None on the CPU)."""
     if device.type != "cuda":
         return None
+    if _raw_stream is not None:  # ~0.2 us instead of ~7 us for a Stream object on a slow host
+        return _raw_stream(device.index if device.index is not None else torch.cuda.current_device())
     return torch.cuda.current_stream(device).cuda_stream
+
+
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
 def cpu_threads() -> int:

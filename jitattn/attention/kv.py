@@ -27,7 +27,7 @@ def split_paged_kv_cache(
                 "[pages, 2, page_size, H_kv, D] (NHD) or [pages, 2, H_kv, page_size, D] (HND); "
                 "or pass a (k, v) tuple"
             )
-        return paged_kv_cache[:, 0], paged_kv_cache[:, 1]
+        return paged_kv_cache.unbind(1)
     if not isinstance(paged_kv_cache, (tuple, list)) or len(paged_kv_cache) != 2:
         raise TypeError("paged_kv_cache must be a 5-D tensor or a (k_cache, v_cache) tuple")
     k, v = paged_kv_cache

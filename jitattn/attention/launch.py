@@ -35,11 +35,12 @@ def _ptr(tensor: torch.Tensor | None) -> int | None:
 
 def kv_strides(cache: torch.Tensor, paged: bool, kv_layout: KVLayout) -> tuple[int, int, int]:
     """(stride_page, stride_token, stride_head) in elements of a k or v tensor."""
+    strides = cache.stride()
     if not paged:  # [tokens, heads, dim]
-        return 0, cache.stride(0), cache.stride(1)
+        return 0, strides[0], strides[1]
     if kv_layout is KVLayout.NHD:  # [pages, page_size, heads, dim]
-        return cache.stride(0), cache.stride(1), cache.stride(2)
-    return cache.stride(0), cache.stride(2), cache.stride(1)  # HND: [pages, heads, page_size, dim]
+        return strides[0], strides[1], strides[2]
+    return strides[0], strides[2], strides[1]  # HND: [pages, heads, page_size, dim]
 
 
 class PreparedAttention:
@@ -88,12 +89,12 @@ class PreparedAttention:
                 return self(q, k, v, o, lse, k_scale, v_scale, workspace)
         p = self.params
         p.q, p.k, p.v, p.o = q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr()
-        p.q_stride_n, p.q_stride_h = q.stride(0), q.stride(1)
+        p.q_stride_n, p.q_stride_h = q.stride()[:2]
         p.k_stride_page, p.k_stride_n, p.k_stride_h = kv_strides(k, self.paged, self.kv_layout)
         p.v_stride_page, p.v_stride_n, p.v_stride_h = kv_strides(v, self.paged, self.kv_layout)
-        p.o_stride_n, p.o_stride_h = o.stride(0), o.stride(1)
+        p.o_stride_n, p.o_stride_h = o.stride()[:2]
         if lse is not None:
-            p.lse, p.lse_stride_n, p.lse_stride_h = lse.data_ptr(), lse.stride(0), lse.stride(1)
+            p.lse, (p.lse_stride_n, p.lse_stride_h) = lse.data_ptr(), lse.stride()
         else:
             p.lse, p.lse_stride_n, p.lse_stride_h = None, 0, 0
         p.k_scale, p.v_scale = k_scale, v_scale

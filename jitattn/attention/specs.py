@@ -8,12 +8,15 @@ number of builds small); on cuda every axis of ``SPECIALIZED_AXES``.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ..variant import AttentionVariant
 from ..spec import KVLayout, KVStorage, MaskMode, Op, PosEncoding, Target, VariantSpec
 
 
+@functools.lru_cache(maxsize=512)  # plan() asks for the same spec every step; validation is not free
 def attention_spec(
     op: Op, target: Target, *, q_dtype: torch.dtype, kv_dtype: torch.dtype, o_dtype: torch.dtype,
     head_dim_qk: int, head_dim_vo: int, num_qo_heads: int, num_kv_heads: int,
