@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from .attention.batch import (
-    AttentionPlan, check_workspace, log_plan, num_sms, run_plan, run_plan_or_compiled, upload_int32, workspace_target,
-)
-from .attention.compiled import register_wrapper
+from .attention.batch import AttentionPlan, check_workspace, log_plan, num_sms, upload_int32
+from .attention.wrapper import BatchWrapperBase
 from .attention.checks import check_tensor, cpu_threads, target_of
 from .attention.kv import split_paged_kv_cache
 from .attention.options import fp8_scale, parse_dtype, parse_kv_layout, parse_pos_encoding, resolve_scalars
@@ -22,7 +20,7 @@ __all__ = ["BatchDecodeWithPagedKVCacheWrapper", "single_decode_with_kv_cache"]
 _WRAPPER = "BatchDecodeWithPagedKVCacheWrapper"
 
 
-class BatchDecodeWithPagedKVCacheWrapper:
+class BatchDecodeWithPagedKVCacheWrapper(BatchWrapperBase):
     """Batched decode (one query token per request) over a paged KV cache.
 
     ``plan()`` once per batch (it validates the page table on the host,
@@ -30,42 +28,25 @@ class BatchDecodeWithPagedKVCacheWrapper:
     layer. The target follows ``float_workspace_buffer``'s device.
     """
 
+    _NAME = _WRAPPER
+
     def __init__(
         self, float_workspace_buffer: torch.Tensor, kv_layout: str = "NHD", use_cuda_graph: bool = False,
         use_tensor_cores: bool = False, paged_kv_indptr_buffer: torch.Tensor | None = None,
         paged_kv_indices_buffer: torch.Tensor | None = None,
         paged_kv_last_page_len_buffer: torch.Tensor | None = None, backend: str = "auto",
     ) -> None:
-        self._target, self._device = workspace_target(float_workspace_buffer, _WRAPPER)
-        self._workspace = float_workspace_buffer
-        self._kv_layout = parse_kv_layout(kv_layout)
-        self._use_cuda_graph = bool(use_cuda_graph)
         self._use_tensor_cores = bool(use_tensor_cores)
-        if backend not in ("auto", "fa2", "fa3"):
-            raise ValueError(f"backend={backend!r} is not supported; use 'auto'")
-        if self._use_cuda_graph and any(
-            b is None for b in (paged_kv_indptr_buffer, paged_kv_indices_buffer, paged_kv_last_page_len_buffer)
-        ):
-            raise ValueError(
-                "use_cuda_graph=True needs paged_kv_indptr_buffer, paged_kv_indices_buffer and "
-                "paged_kv_last_page_len_buffer (fixed buffers sized for the largest batch)"
-            )
-        self._buffers = (paged_kv_indptr_buffer, paged_kv_indices_buffer, paged_kv_last_page_len_buffer)
+        super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph, backend, {
+            "kv_indptr": paged_kv_indptr_buffer, "kv_indices": paged_kv_indices_buffer,
+            "kv_last_page_len": paged_kv_last_page_len_buffer,
+        }, {"kv_indptr": "paged_kv_indptr_buffer", "kv_indices": "paged_kv_indices_buffer",
+            "kv_last_page_len": "paged_kv_last_page_len_buffer"})
         # Under CUDA graphs every array a captured launch reads must keep its address across plans.
         self._own_buffers: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
         if self._use_cuda_graph:
             rows = paged_kv_indptr_buffer.numel()
             self._own_buffers = tuple(torch.empty(rows, dtype=torch.int32, device=self._device) for _ in range(2))
-        self._plan: AttentionPlan | None = None
-        self._op_key = register_wrapper(self)
-
-    @property
-    def is_cuda_graph_enabled(self) -> bool:
-        return self._use_cuda_graph
-
-    def reset_workspace_buffer(self, float_workspace_buffer: torch.Tensor, int_workspace_buffer=None) -> None:
-        target_of(_WRAPPER, (float_workspace_buffer, self._workspace))
-        self._workspace = float_workspace_buffer
 
     def plan(
         self, indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tensor, num_qo_heads: int,
@@ -123,7 +104,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
             )
         module = load(spec)
         device = self._device
-        indptr_buf, indices_buf, last_buf = self._buffers
+        indptr_buf, indices_buf, last_buf = (self._buffers[r] for r in ("kv_indptr", "kv_indices", "kv_last_page_len"))
         qo_indptr_buf, split_indptr_buf = self._own_buffers
         qo_indptr_dev, indptr_dev, indices_dev, last_dev, split_dev = upload_int32([
             ("qo_indptr", torch.arange(index.batch_size + 1, dtype=torch.int32), qo_indptr_buf),
@@ -160,9 +141,6 @@ class BatchDecodeWithPagedKVCacheWrapper:
                                    page_size=page_size, fixed_split_size=fixed_split_size)
         return split_workspace_bytes(chunks, num_qo_heads, head_dim), int_bytes
 
-    def end_forward(self) -> None:
-        """No-op kept for older FlashInfer call sites."""
-
     def run(
         self, q: torch.Tensor, paged_kv_cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor], *,
         k_scale: float | None = None, v_scale: float | None = None, out: torch.Tensor | None = None,
@@ -173,25 +151,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         ``variant_args``: the planned custom variant's parameters, by name.
         """
         k, v = split_paged_kv_cache(paged_kv_cache, self._kv_layout)
-        return run_plan_or_compiled(
-            self._op_key, self._plan, _WRAPPER, self._workspace, q, k, v, k_scale=fp8_scale(k_scale, "k_scale"),
-            v_scale=fp8_scale(v_scale, "v_scale"), out=out, lse=lse, return_lse=return_lse, variant_args=variant_args,
-        )
-
-    def _run_eager(self, q, k, v, *, k_scale, v_scale, out, lse, return_lse):
-        return run_plan(self._plan, _WRAPPER, self._workspace, q, k, v, k_scale=k_scale, v_scale=v_scale, out=out,
-                        lse=lse, return_lse=return_lse)
-
-    def forward(self, q: torch.Tensor, paged_kv_cache, **kwargs) -> torch.Tensor:
-        """Older spelling of ``run`` (ignores plan-time options passed again here)."""
-        return self.run(q, paged_kv_cache, **_run_kwargs(kwargs))
-
-    def forward_return_lse(self, q: torch.Tensor, paged_kv_cache, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.run(q, paged_kv_cache, return_lse=True, **_run_kwargs(kwargs))
-
-
-def _run_kwargs(kwargs: dict) -> dict:
-    return {k: kwargs[k] for k in ("k_scale", "v_scale", "out", "lse") if k in kwargs}
+        return self._run(q, k, v, k_scale, v_scale, out, lse, return_lse, variant_args)
 
 
 def single_decode_with_kv_cache(

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from .attention.batch import AttentionPlan, log_plan, run_plan, run_plan_or_compiled, upload, workspace_target
-from .attention.compiled import register_wrapper
+from .attention.batch import AttentionPlan, log_plan, upload
+from .attention.wrapper import BatchWrapperBase
 from .attention.checks import check_tensor, target_of
 from .attention.kv import split_paged_kv_cache
 from .attention.options import fp8_scale, parse_dtype, parse_kv_layout, parse_pos_encoding, resolve_scalars
@@ -88,37 +88,7 @@ def _plan_prefill(
     return plan
 
 
-class _PrefillWrapperBase:
-    _NAME = ""
-
-    def __init__(self, float_workspace_buffer: torch.Tensor, kv_layout: str, use_cuda_graph: bool,
-                 backend: str, buffers: dict[str, torch.Tensor | None]) -> None:
-        self._target, self._device = workspace_target(float_workspace_buffer, self._NAME)
-        self._workspace = float_workspace_buffer
-        self._kv_layout = parse_kv_layout(kv_layout)
-        if backend not in ("auto", "fa2", "fa3"):
-            raise ValueError(f"backend={backend!r} is not supported; use 'auto'")
-        self._use_cuda_graph = bool(use_cuda_graph)
-        required = [name for name, buf in buffers.items()
-                    if buf is None and name in ("qo_indptr", "kv_indptr", "kv_indices", "kv_last_page_len")]
-        if self._use_cuda_graph and required:
-            raise ValueError(f"use_cuda_graph=True needs fixed buffers for {', '.join(required)} "
-                             "(sized for the largest batch)")
-        self._buffers = buffers
-        self._plan: AttentionPlan | None = None
-        self._op_key = register_wrapper(self)
-
-    @property
-    def is_cuda_graph_enabled(self) -> bool:
-        return self._use_cuda_graph
-
-    def reset_workspace_buffer(self, float_workspace_buffer: torch.Tensor, int_workspace_buffer=None) -> None:
-        target_of(self._NAME, (float_workspace_buffer, self._workspace))
-        self._workspace = float_workspace_buffer
-
-    def end_forward(self) -> None:
-        """No-op kept for older FlashInfer call sites."""
-
+class _PrefillWrapperBase(BatchWrapperBase):
     def workspace_size(
         self, max_batch_size: int, max_qo_tokens: int, max_kv_tokens: int, num_qo_heads: int, num_kv_heads: int,
         head_dim_qk: int, page_size: int = 1, head_dim_vo: int | None = None,
@@ -132,16 +102,6 @@ class _PrefillWrapperBase:
         """
         max_pages = (max_kv_tokens + page_size - 1) // page_size + max_batch_size
         return 0, 4 * (3 * (max_batch_size + 1) + max_pages)
-
-    def _run(self, q, k, v, k_scale, v_scale, out, lse, return_lse, variant_args=None):
-        return run_plan_or_compiled(
-            self._op_key, self._plan, self._NAME, self._workspace, q, k, v, k_scale=fp8_scale(k_scale, "k_scale"),
-            v_scale=fp8_scale(v_scale, "v_scale"), out=out, lse=lse, return_lse=return_lse, variant_args=variant_args,
-        )
-
-    def _run_eager(self, q, k, v, *, k_scale, v_scale, out, lse, return_lse):
-        return run_plan(self._plan, self._NAME, self._workspace, q, k, v, k_scale=k_scale, v_scale=v_scale,
-                        out=out, lse=lse, return_lse=return_lse)
 
 
 class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapperBase):
@@ -160,7 +120,8 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapperBase):
             "qo_indptr": qo_indptr_buf, "kv_indptr": paged_kv_indptr_buf, "kv_indices": paged_kv_indices_buf,
             "kv_last_page_len": paged_kv_last_page_len_buf, "custom_mask": custom_mask_buf,
             "mask_indptr": mask_indptr_buf,
-        })
+        }, {"qo_indptr": "qo_indptr_buf", "kv_indptr": "paged_kv_indptr_buf", "kv_indices": "paged_kv_indices_buf",
+            "kv_last_page_len": "paged_kv_last_page_len_buf"})
 
     def plan(
         self, qo_indptr: torch.Tensor, paged_kv_indptr: torch.Tensor, paged_kv_indices: torch.Tensor,
@@ -207,12 +168,6 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapperBase):
         k, v = split_paged_kv_cache(paged_kv_cache, self._kv_layout)
         return self._run(q, k, v, k_scale, v_scale, out, lse, return_lse, variant_args)
 
-    def forward(self, q: torch.Tensor, paged_kv_cache, **kwargs) -> torch.Tensor:
-        """Older spelling of ``run``."""
-        return self.run(q, paged_kv_cache, **_run_kwargs(kwargs))
-
-    def forward_return_lse(self, q: torch.Tensor, paged_kv_cache, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.run(q, paged_kv_cache, return_lse=True, **_run_kwargs(kwargs))
 
 
 class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapperBase):
@@ -231,7 +186,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapperBase):
         super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph, backend, {
             "qo_indptr": qo_indptr_buf, "kv_indptr": kv_indptr_buf, "custom_mask": custom_mask_buf,
             "mask_indptr": mask_indptr_buf,
-        })
+        }, {"qo_indptr": "qo_indptr_buf", "kv_indptr": "kv_indptr_buf"})
 
     def plan(
         self, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, num_qo_heads: int, num_kv_heads: int,
@@ -269,16 +224,6 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapperBase):
         ``variant_args``: the planned custom variant's parameters, by name."""
         return self._run(q, k, v, k_scale, v_scale, out, lse, return_lse, variant_args)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:
-        """Older spelling of ``run``."""
-        return self.run(q, k, v, **_run_kwargs(kwargs))
-
-    def forward_return_lse(self, q, k, v, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.run(q, k, v, return_lse=True, **_run_kwargs(kwargs))
-
-
-def _run_kwargs(kwargs: dict) -> dict:
-    return {k: kwargs[k] for k in ("k_scale", "v_scale", "out", "lse") if k in kwargs}
 
 
 def single_prefill_with_kv_cache(

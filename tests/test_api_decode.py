@@ -153,3 +153,27 @@ def test_workspace_too_small_for_the_split_is_refused_at_plan() -> None:
     with pytest.raises(ValueError, match=r"needs \d+ bytes of float workspace but the buffer has 1000"):
         wrapper.plan(batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len, 8, 2, 128, 16, q_data_type=bf16,
                      fixed_split_size=1)
+
+
+def test_graph_mode_needs_fixed_buffers_and_uses_them() -> None:
+    with pytest.raises(ValueError, match="paged_kv_indptr_buffer, paged_kv_indices_buffer"):
+        jitattn.BatchDecodeWithPagedKVCacheWrapper(torch.empty(16, dtype=torch.uint8), use_cuda_graph=True)
+    with pytest.raises(ValueError, match="qo_indptr_buf, paged_kv_indptr_buf"):
+        jitattn.BatchPrefillWithPagedKVCacheWrapper(torch.empty(16, dtype=torch.uint8), use_cuda_graph=True)
+    gen = torch.Generator().manual_seed(12)
+    buffers = [torch.full((n,), -1, dtype=torch.int32) for n in (5, 64, 4)]
+    wrapper = jitattn.BatchDecodeWithPagedKVCacheWrapper(
+        torch.empty(1 << 20, dtype=torch.uint8), use_cuda_graph=True, paged_kv_indptr_buffer=buffers[0],
+        paged_kv_indices_buffer=buffers[1], paged_kv_last_page_len_buffer=buffers[2])
+    assert wrapper.is_cuda_graph_enabled
+    for lens in ([3, 40, 1, 17], [90, 2, 2, 30]):
+        batch = random_paged_batch(lens, 2, 64, 16, f16, generator=gen)
+        q = torch.randn(4, 8, 64, generator=gen).to(f16)
+        wrapper.plan(batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len, 8, 2, 64, 16, q_data_type=f16)
+        assert torch.equal(buffers[0], batch.kv_indptr), "the plan must live in the caller's buffers"
+        expected, _ = reference.batch_decode_paged(q, batch.cache, batch.kv_indptr, batch.kv_indices,
+                                                   batch.kv_last_page_len)
+        assert_close_out(wrapper.run(q, batch.cache), expected, f16)
+    with pytest.raises(ValueError, match="keeps its batch size"):
+        batch = random_paged_batch([3, 4], 2, 64, 16, f16, generator=gen)
+        wrapper.plan(batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len, 8, 2, 64, 16, q_data_type=f16)
