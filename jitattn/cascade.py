@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import torch
 
+from .attention.batch import num_sms
+from .attention.checks import cpu_threads
 from .attention.merge import merge_state, merge_state_in_place, merge_states
 from .attention.options import parse_pos_encoding
+from .plan import cascade_level_chunks, check_indptr, check_paged_index, split_level_page_table
 from .prefill import BatchPrefillWithPagedKVCacheWrapper
 from .spec import PosEncoding
 from .variant import AttentionVariant
@@ -60,8 +63,13 @@ class MultiLevelCascadeAttentionWrapper:
         window_left: int = -1, logits_soft_cap: float | None = None, rope_scale: float | None = None,
         rope_theta: float | None = None, q_data_type: str | torch.dtype = "float16",
         kv_data_type: str | torch.dtype | None = None, variant: AttentionVariant | None = None,
+        fixed_split_size: int | None = None,
     ) -> None:
         """Plan every level: ``*_arr[i]`` is level i's index array (one entry per level).
+
+        A shared (non-causal) level whose few nodes cannot fill the device is cut into
+        chunks of its nodes' KV that run in parallel and are merged by LSE;
+        ``fixed_split_size`` (a jitattn extension) caps a chunk at that many pages.
 
         ``variant``: a custom variant run at every level (its ``q_idx``/``kv_idx`` are relative to
         the level's node); the levels are merged by LSE, so it must use softmax and have no output
@@ -85,11 +93,25 @@ class MultiLevelCascadeAttentionWrapper:
         totals = {int(qo[-1]) for qo in qo_indptr_arr}
         if len(totals) != 1:
             raise ValueError(f"every level's qo_indptr must end at the same token count; got {sorted(totals)}")
+        self._level_chunks = []
         for level, wrapper in enumerate(self._wrappers):
+            level_causal = causal if level == self._num_levels - 1 else False
+            tables = (qo_indptr_arr[level], paged_kv_indptr_arr[level], paged_kv_indices_arr[level],
+                      paged_kv_last_page_len[level])
+            chunks = 1
+            # Splitting shifts positions inside a chunk: only for plain, non-causal, non-graph levels.
+            if not level_causal and variant is None and not wrapper.is_cuda_graph_enabled:
+                index = check_paged_index(*tables[1:], page_size, names=(
+                    "paged_kv_indptr_arr[i]", "paged_kv_indices_arr[i]", "paged_kv_last_page_len[i]"))
+                workers = num_sms(wrapper._device.index or 0) if wrapper._device.type == "cuda" else cpu_threads()
+                chunks = cascade_level_chunks(index.kv_lens, num_kv_heads=num_kv_heads, num_sms=workers,
+                                              page_size=page_size, fixed_split_size=fixed_split_size)
+                if chunks > 1:
+                    tables = split_level_page_table(check_indptr("qo_indptr_arr[i]", tables[0]), index, chunks)
+            self._level_chunks.append(chunks)
             wrapper.plan(
-                qo_indptr_arr[level], paged_kv_indptr_arr[level], paged_kv_indices_arr[level],
-                paged_kv_last_page_len[level], num_qo_heads, num_kv_heads, head_dim, page_size,
-                causal=causal if level == self._num_levels - 1 else False,
+                *tables, num_qo_heads, num_kv_heads, head_dim, page_size,
+                causal=level_causal,
                 use_fp16_qk_reduction=use_fp16_qk_reduction, sm_scale=sm_scale, logits_soft_cap=logits_soft_cap,
                 q_data_type=q_data_type, kv_data_type=kv_data_type, variant=variant,
             )
@@ -111,12 +133,20 @@ class MultiLevelCascadeAttentionWrapper:
         """q ``[total_qo, num_qo_heads, head_dim]`` -> attention over every level's KV.
 
         ``variant_args``: the planned custom variant's parameters, by name (the same for every level)."""
-        out, lse = self._wrappers[0].run(q, paged_kv_cache, k_scale=k_scale, v_scale=v_scale, return_lse=True,
-                                         **variant_args)
-        for wrapper in self._wrappers[1:]:
-            level_out, level_lse = wrapper.run(q, paged_kv_cache, k_scale=k_scale, v_scale=v_scale, return_lse=True,
-                                               **variant_args)
-            merge_state_in_place(out, lse, level_out, level_lse)
+        out = lse = None
+        for wrapper, chunks in zip(self._wrappers, self._level_chunks):
+            if chunks == 1:
+                level_out, level_lse = wrapper.run(q, paged_kv_cache, k_scale=k_scale, v_scale=v_scale,
+                                                   return_lse=True, **variant_args)
+            else:  # every chunk sees all the level's queries; merge the chunks' states per query
+                parts, parts_lse = wrapper.run(q.repeat(chunks, 1, 1), paged_kv_cache, k_scale=k_scale,
+                                               v_scale=v_scale, return_lse=True)
+                level_out, level_lse = merge_states(parts.view(chunks, *q.shape[:2], -1).transpose(0, 1),
+                                                    parts_lse.view(chunks, *q.shape[:2]).transpose(0, 1))
+            if out is None:
+                out, lse = level_out, level_lse
+            else:
+                merge_state_in_place(out, lse, level_out, level_lse)
         return out
 
     forward = run

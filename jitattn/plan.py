@@ -200,3 +200,59 @@ def segment_packbits(custom_mask: torch.Tensor, qo_lens: list[int], kv_lens: lis
         chunks.append((padded.view(-1, 8) * weights).sum(dim=1, dtype=torch.uint8) if padded.numel() else padded)
     packed = torch.cat(chunks) if chunks else torch.zeros(0, dtype=torch.uint8)
     return packed, packed_mask_indptr(qo_lens, kv_lens)
+
+
+def cascade_level_chunks(
+    kv_lens: tuple[int, ...], *, num_kv_heads: int, num_sms: int, page_size: int,
+    fixed_split_size: int | None = None, min_chunk_tokens: int = 256, blocks_per_sm: int = 2,
+) -> int:
+    """How many chunks to cut each node's KV of one shared cascade level into (1 = no split).
+
+    A shared level has few nodes (often one) whose KV is long: without a split
+    it keeps only ``nodes * num_kv_heads`` blocks busy. ``fixed_split_size``
+    caps a chunk at that many pages.
+    """
+    if not kv_lens or max(kv_lens) == 0:
+        return 1
+    longest_pages = max((n + page_size - 1) // page_size for n in kv_lens)
+    if fixed_split_size is not None:
+        if fixed_split_size < 1:
+            raise ValueError(f"fixed_split_size={fixed_split_size} must be >= 1 (pages per chunk)")
+        return max(1, math.ceil(longest_pages / fixed_split_size))
+    blocks = len(kv_lens) * num_kv_heads
+    wanted = math.ceil(blocks_per_sm * num_sms / blocks)
+    limit = max(1, max(kv_lens) // min_chunk_tokens)
+    return max(1, min(wanted, limit, longest_pages))
+
+
+def split_level_page_table(
+    qo_indptr: torch.Tensor, index: PagedIndex, num_chunks: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The page table of a level whose nodes are each cut into ``num_chunks`` chunks.
+
+    The expanded batch is chunk-major: request ``c * nodes + r`` is chunk c of
+    node r, and its queries are rows ``c * total_q + qo_indptr[r] ...`` of the
+    queries repeated ``num_chunks`` times, so the partial outputs reshape to
+    ``[num_chunks, total_q, ...]`` for an LSE merge. Chunk boundaries fall on
+    pages; a chunk past a node's last page is empty (kv_len 0).
+    Returns (qo_indptr, kv_indptr, kv_indices, kv_last_page_len), int32, host.
+    """
+    total_q = int(qo_indptr[-1])
+    pages = (index.indptr[1:] - index.indptr[:-1]).tolist()
+    starts = index.indptr[:-1].tolist()
+    lasts = index.last_page_len.tolist()
+    qo_starts = qo_indptr[:-1].tolist()
+    new_qo, new_kv, new_last, new_indices = [], [0], [], []
+    for c in range(num_chunks):
+        for r, num_pages in enumerate(pages):
+            per_chunk = math.ceil(num_pages / num_chunks) if num_pages else 0
+            first, end = min(c * per_chunk, num_pages), min((c + 1) * per_chunk, num_pages)
+            new_qo.append(c * total_q + qo_starts[r])
+            new_indices.append(index.indices[starts[r] + first: starts[r] + end])
+            new_kv.append(new_kv[-1] + end - first)
+            new_last.append(0 if end == first else (lasts[r] if end == num_pages else index.page_size))
+    new_qo.append(num_chunks * total_q)
+    i32 = torch.int32
+    indices = torch.cat(new_indices) if new_indices else torch.zeros(0, dtype=i32)
+    return (torch.tensor(new_qo, dtype=i32), torch.tensor(new_kv, dtype=i32), indices.to(i32),
+            torch.tensor(new_last, dtype=i32))

@@ -26,8 +26,10 @@ def _level(nodes_kv_lens: list[int], page_pool: list[int]) -> tuple[torch.Tensor
 
 
 @pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("fixed_split_size", [None, 1, 2], ids=["auto", "split1", "split2"])
 @pytest.mark.parametrize("qo_lens,causal", [([1, 1, 1, 1], False), ([2, 1, 3, 2], True)], ids=["decode", "prefill"])
-def test_three_level_cascade_equals_flat_attention(device: str, qo_lens: list[int], causal: bool) -> None:
+def test_three_level_cascade_equals_flat_attention(device: str, qo_lens: list[int], causal: bool,
+                                                   fixed_split_size: int | None) -> None:
     gen = torch.Generator().manual_seed(11)
     hq, hkv, d, dtype = 8, 2, 64, torch.float16
     shared, nodes, unique = [37], [20, 16], [5, 3, 9, 4]
@@ -44,7 +46,11 @@ def test_three_level_cascade_equals_flat_attention(device: str, qo_lens: list[in
 
     wrapper = jitattn.MultiLevelCascadeAttentionWrapper(3, torch.empty(1 << 20, dtype=torch.uint8, device=device))
     wrapper.plan(qo_arr, [lv[0] for lv in levels], [lv[1] for lv in levels], [lv[2] for lv in levels],
-                 hq, hkv, d, PAGE, causal=causal, q_data_type=dtype)
+                 hq, hkv, d, PAGE, causal=causal, q_data_type=dtype, fixed_split_size=fixed_split_size)
+    if fixed_split_size is not None:
+        assert wrapper._level_chunks[0] > 1, "the shared prefix level (3 pages) must be split"
+    if causal:
+        assert wrapper._level_chunks[2] == 1, "a causal level is never split"
     out = wrapper.run(q, cache)
 
     # Reference: each request's KV is its prefix, its node's KV and its own tail, concatenated.

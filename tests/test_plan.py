@@ -92,3 +92,17 @@ def test_max_decode_chunks_bounds_every_plan(lens, fixed) -> None:
     kw = dict(num_kv_heads=8, num_sms=132, page_size=16)
     plan = plan_decode_split(lens, fixed_split_size=fixed, **kw)
     assert plan.num_chunks <= max_decode_chunks(len(lens), sum(lens), fixed_split_size=fixed, **kw)
+
+
+def test_split_level_page_table_is_chunk_major_on_page_boundaries() -> None:
+    from jitattn.plan import cascade_level_chunks, split_level_page_table
+
+    index = check_paged_index(_i32([0, 5, 7]), _i32([10, 11, 12, 13, 14, 20, 21]), _i32([3, 16]), 16)
+    qo, kv, indices, last = split_level_page_table(_i32([0, 2, 3]), index, 3)
+    assert qo.tolist() == [0, 2, 3, 5, 6, 8, 9]  # chunk c's queries are rows c * 3 + ...
+    assert kv.tolist() == [0, 2, 3, 5, 6, 7, 7]
+    assert indices.tolist() == [10, 11, 20, 12, 13, 21, 14]
+    assert last.tolist() == [16, 16, 16, 16, 3, 0]  # node 1's third chunk is empty
+    assert cascade_level_chunks((32768,), num_kv_heads=8, num_sms=132, page_size=16) == 33
+    assert cascade_level_chunks((100,) * 64, num_kv_heads=8, num_sms=132, page_size=16) == 1
+    assert cascade_level_chunks((67, 32), num_kv_heads=8, num_sms=132, page_size=16, fixed_split_size=2) == 3
