@@ -163,7 +163,7 @@ def check(out, lse, ref, dtype, lse_atol=2e-3):
     torch.testing.assert_close(lse[finite], ref_lse[finite], atol=lse_atol, rtol=1e-4)
 
 
-def case(spec, lens, hkv, page_size, *, seed, layout=None, fmt="tuple", chunks=(0,), **kw):
+def check_case(spec, lens, hkv, page_size, *, seed, layout=None, fmt="tuple", chunks=(0,), **kw):
     """Random q and KV for ``spec``; run the kernel (each chunk size) and compare with the reference."""
     gen = torch.Generator().manual_seed(seed)
     layout = layout or spec.kv_layout.value
@@ -192,64 +192,64 @@ LENS = [1, 0, 37, 300, 16, 129]
 @pytest.mark.parametrize("hd", list(HEAD_DIMS))
 def test_head_dims(hd):
     spec = HEAD_DIMS[hd]
-    case(spec, LENS, 2, 16, seed=1, chunks=(0, 64))
+    check_case(spec, LENS, 2, 16, seed=1, chunks=(0, 64))
 
 
 @pytest.mark.parametrize("g", list(GROUPS))
 def test_group_sizes(g):
     spec = GROUPS[g]
     hkv = 1 if g == "mqa32" else 2
-    case(spec, LENS, hkv, 16, seed=2, chunks=(0, 48))
+    check_case(spec, LENS, hkv, 16, seed=2, chunks=(0, 48))
 
 
 @pytest.mark.parametrize("name", list(KV_TYPES))
 def test_kv_dtypes(name):
     spec = KV_TYPES[name]
-    case(spec, LENS, 2, 16, seed=3, chunks=(0, 40), k_scale=0.6, v_scale=1.7)
+    check_case(spec, LENS, 2, 16, seed=3, chunks=(0, 40), k_scale=0.6, v_scale=1.7)
 
 
 @pytest.mark.parametrize("layout", ["nhd", "hnd"])
 @pytest.mark.parametrize("page_size", [1, 16, 64])
 def test_layouts_page_sizes_5d_cache(layout, page_size):
     spec = BASE if layout == "nhd" else HND
-    case(spec, [5, 1, 0, 200, 64, 65], 4, page_size, seed=4 + page_size, fmt="5d", chunks=(0, 32))
+    check_case(spec, [5, 1, 0, 200, 64, 65], 4, page_size, seed=4 + page_size, fmt="5d", chunks=(0, 32))
 
 
 @pytest.mark.parametrize("name", list(ROPE))
 def test_rope(name):
     spec = ROPE[name]
-    case(spec, LENS, 2, 16, seed=5, chunks=(0, 64))
-    case(spec, [700, 3], 2, 64, seed=6, rope_scale=2.5, rope_theta=5e5, chunks=(0, 128))
+    check_case(spec, LENS, 2, 16, seed=5, chunks=(0, 64))
+    check_case(spec, [700, 3], 2, 64, seed=6, rope_scale=2.5, rope_theta=5e5, chunks=(0, 128))
 
 
 def test_alibi():
-    case(ALIBI, LENS, 3, 16, seed=7, chunks=(0, 50))  # 21 query heads: non-power-of-two slopes
+    check_case(ALIBI, LENS, 3, 16, seed=7, chunks=(0, 50))  # 21 query heads: non-power-of-two slopes
 
 
 @pytest.mark.parametrize("window", [0, 1, 5, 63, 64, 1000])
 def test_sliding_window(window):
-    case(SWA, LENS, 2, 16, seed=8, window=window, chunks=(0, 32))
+    check_case(SWA, LENS, 2, 16, seed=8, window=window, chunks=(0, 32))
 
 
 def test_sliding_window_disabled_at_run_time():
-    case(SWA, LENS, 2, 16, seed=9, window=-1, chunks=(0, 64))
+    check_case(SWA, LENS, 2, 16, seed=9, window=-1, chunks=(0, 64))
 
 
 @pytest.mark.parametrize("cap", [0.0, 1.0, 30.0])
 def test_softcap(cap):
-    case(SOFTCAP, LENS, 2, 16, seed=10, cap=cap, sm_scale=0.3, chunks=(0, 64))
+    check_case(SOFTCAP, LENS, 2, 16, seed=10, cap=cap, sm_scale=0.3, chunks=(0, 64))
 
 
 def test_rope_window_softcap():
-    case(COMBO, LENS, 2, 16, seed=11, window=40, cap=20.0, rope_theta=5e4, chunks=(0, 32))
+    check_case(COMBO, LENS, 2, 16, seed=11, window=40, cap=20.0, rope_theta=5e4, chunks=(0, 32))
 
 
 def test_alibi_window_softcap_hnd():
-    case(COMBO_ALIBI, LENS, 2, 64, seed=12, window=77, cap=15.0, chunks=(0, 64))
+    check_case(COMBO_ALIBI, LENS, 2, 64, seed=12, window=77, cap=15.0, chunks=(0, 64))
 
 
 def test_split_matches_no_split():
-    outs = case(GROUPS[8], [2000, 1, 0, 4097], 2, 16, seed=13, chunks=(0, 256, 100, 1))
+    outs = check_case(GROUPS[8], [2000, 1, 0, 4097], 2, 16, seed=13, chunks=(0, 256, 100, 1))
     base_o, base_lse = outs[0]
     for o, lse in outs[1:]:
         torch.testing.assert_close(o.float(), base_o.float(), atol=2e-2, rtol=2e-2)
@@ -260,7 +260,7 @@ def test_many_requests_split():
     # more requests than threads in a block: the chunk -> request search takes several rounds
     gen = torch.Generator().manual_seed(14)
     lens = torch.randint(0, 90, (333,), generator=gen).tolist()
-    case(BASE, lens, 1, 16, seed=15, chunks=(0, 16, 1000))
+    check_case(BASE, lens, 1, 16, seed=15, chunks=(0, 16, 1000))
 
 
 def test_strided_q_from_fused_qkv():
