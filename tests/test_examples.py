@@ -13,7 +13,7 @@ from helpers.procs import child_env
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
-@pytest.mark.parametrize("name", ["quickstart.py", "custom_variant.py"])
+@pytest.mark.parametrize("name", ["quickstart.py", "custom_variant.py", "serving_loop.py"])
 def test_example_runs_and_matches_its_reference(name):
     proc = subprocess.run([sys.executable, str(EXAMPLES / name)], env=child_env(), capture_output=True, text=True,
                           timeout=600)
