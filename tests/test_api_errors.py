@@ -10,6 +10,8 @@ from jitattn.jit.loader import Module
 
 from attention_cases import random_paged_batch
 
+_real_call = Module.call
+
 
 @pytest.fixture(autouse=True)
 def no_launch(monkeypatch):
@@ -139,3 +141,16 @@ def test_ragged_kv_shape_is_checked() -> None:
     q = torch.randn(2, 4, 64).half()
     with pytest.raises(ValueError, match="k has shape"):
         wrapper.run(q, torch.randn(2, 2, 64).half(), torch.randn(3, 2, 64).half())
+
+
+def test_checks_run_again_when_the_tensors_change_shape(monkeypatch) -> None:
+    wrapper, batch = _decode()
+    q = torch.randn(2, 8, 64).to(torch.bfloat16)
+    monkeypatch.setattr(Module, "call", _real_call)  # this test launches: the first call passes and is remembered
+    wrapper.run(q, batch.cache)
+    with pytest.raises(ValueError, match="q has shape"):
+        wrapper.run(torch.randn(2, 4, 64).to(torch.bfloat16), batch.cache)
+    with pytest.raises(ValueError, match="references page .* only"):
+        wrapper.run(q, batch.cache[: int(batch.kv_indices.max())])
+    with pytest.raises(TypeError, match="q must be a torch.Tensor"):
+        wrapper.run([1.0], batch.cache)

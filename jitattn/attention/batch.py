@@ -49,6 +49,7 @@ class AttentionPlan:
     total_kv: int | None = None  # ragged: rows of k/v the plan covers
     use_cuda_graph: bool = False  # index tensors live in fixed caller buffers
     launch: PreparedAttention | None = None  # the params struct, filled once here
+    checked_signature: tuple | None = None  # q/k/v shapes, strides and dtypes that passed the checks
     variant_args: VariantArgs | None = None  # the variant's struct (spec.variant only), filled per run()
     wrapper: str = ""
 
@@ -174,6 +175,9 @@ def run_plan(
             f"{wrapper}.run() got unexpected keyword argument(s) {sorted(variant_args)}; extra arguments are the "
             "parameters of a custom variant, and this plan has none (plan(..., variant=...))"
         )
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{wrapper}.run(): {name} must be a torch.Tensor, got {type(t).__name__}")
     device = q.device
     if any(t is not None and t.device != device for t in (workspace, k, v, out, lse)):
         target_of(wrapper, (workspace, q, k, v, out, lse))  # raises, naming the devices
@@ -183,21 +187,26 @@ def run_plan(
             "use_cuda_graph=True: its plan lives in buffers a later plan() replaces, so replays would read "
             "stale or freed memory. Construct it with use_cuda_graph=True and fixed index buffers"
         )
-    check_tensor("q", q, ndim=3, dtypes=(plan.q_dtype,))
-    if tuple(q.shape) != (plan.total_qo, plan.num_qo_heads, plan.head_dim_qk):
-        raise ValueError(
-            f"q has shape {tuple(q.shape)}; the plan expects {(plan.total_qo, plan.num_qo_heads, plan.head_dim_qk)}"
-        )
-    if plan.page_size is not None:
-        pages = check_kv_pair(k, v, plan.kv_layout, num_kv_heads=plan.num_kv_heads, head_dim_qk=plan.head_dim_qk,
-                              head_dim_vo=plan.head_dim_vo, page_size=plan.page_size, dtype=plan.kv_dtype)
-        check_page_pool(plan.index, pages)
-    else:
-        for name, t, dim in (("k", k, plan.head_dim_qk), ("v", v, plan.head_dim_vo)):
-            check_tensor(name, t, ndim=3, dtypes=(plan.kv_dtype,))
-            if t.shape[1:] != (plan.num_kv_heads, dim) or t.shape[0] < plan.total_kv:
-                raise ValueError(f"{name} has shape {tuple(t.shape)}; the plan expects "
-                                 f"[>= {plan.total_kv}, {plan.num_kv_heads}, {dim}]")
+    # The shape/stride/dtype checks depend only on this signature: repeated calls with
+    # same-shaped tensors (every layer of a step) check once.
+    signature = (q.shape, q.stride(), q.dtype, k.shape, k.stride(), k.dtype, v.shape, v.stride(), v.dtype)
+    if signature != plan.checked_signature:
+        check_tensor("q", q, ndim=3, dtypes=(plan.q_dtype,))
+        if tuple(q.shape) != (plan.total_qo, plan.num_qo_heads, plan.head_dim_qk):
+            raise ValueError(
+                f"q has shape {tuple(q.shape)}; the plan expects {(plan.total_qo, plan.num_qo_heads, plan.head_dim_qk)}"
+            )
+        if plan.page_size is not None:
+            pages = check_kv_pair(k, v, plan.kv_layout, num_kv_heads=plan.num_kv_heads, head_dim_qk=plan.head_dim_qk,
+                                  head_dim_vo=plan.head_dim_vo, page_size=plan.page_size, dtype=plan.kv_dtype)
+            check_page_pool(plan.index, pages)
+        else:
+            for name, t, dim in (("k", k, plan.head_dim_qk), ("v", v, plan.head_dim_vo)):
+                check_tensor(name, t, ndim=3, dtypes=(plan.kv_dtype,))
+                if t.shape[1:] != (plan.num_kv_heads, dim) or t.shape[0] < plan.total_kv:
+                    raise ValueError(f"{name} has shape {tuple(t.shape)}; the plan expects "
+                                     f"[>= {plan.total_kv}, {plan.num_kv_heads}, {dim}]")
+        plan.checked_signature = signature
     o_shape = (plan.total_qo, plan.num_qo_heads, plan.head_dim_vo)
     if out is None:
         out = torch.empty(o_shape, dtype=plan.o_dtype, device=q.device)
