@@ -177,3 +177,17 @@ def test_graph_mode_needs_fixed_buffers_and_uses_them() -> None:
     with pytest.raises(ValueError, match="keeps its batch size"):
         batch = random_paged_batch([3, 4], 2, 64, 16, f16, generator=gen)
         wrapper.plan(batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len, 8, 2, 64, 16, q_data_type=f16)
+
+
+def test_plan_owns_its_index_arrays_on_the_cpu_target() -> None:
+    gen = torch.Generator().manual_seed(13)
+    batch = random_paged_batch([30, 7], 2, 64, 16, f16, generator=gen)
+    q = torch.randn(2, 8, 64, generator=gen).to(f16)
+    wrapper = jitattn.BatchDecodeWithPagedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8))
+    indptr, indices, last = batch.kv_indptr.clone(), batch.kv_indices.clone(), batch.kv_last_page_len.clone()
+    wrapper.plan(indptr, indices, last, 8, 2, 64, 16, q_data_type=f16)
+    indices.fill_(0)  # the caller refills its buffers for the next batch before this one runs
+    last.fill_(1)
+    expected, _ = reference.batch_decode_paged(q, batch.cache, batch.kv_indptr, batch.kv_indices,
+                                               batch.kv_last_page_len)
+    assert_close_out(wrapper.run(q, batch.cache), expected, f16)

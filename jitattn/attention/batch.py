@@ -68,9 +68,13 @@ class AttentionPlan:
 
 
 def upload(host: torch.Tensor, device: torch.device, buffer: torch.Tensor | None = None, name: str = "") -> torch.Tensor:
-    """Copy a host tensor to ``device`` (into ``buffer`` when given, as CUDA-graph mode requires)."""
+    """Copy a host tensor to ``device`` (into ``buffer`` when given, as CUDA-graph mode requires).
+
+    Always a copy, also on the cpu target: the caller may refill its index tensors for the
+    next batch while this plan is still in use.
+    """
     if buffer is None:
-        return host.to(device, non_blocking=False) if device.type != "cpu" else host
+        return host.to(device, non_blocking=False) if device.type != "cpu" else host.clone()
     if buffer.dtype != host.dtype or buffer.device != device or buffer.numel() < host.numel():
         raise ValueError(
             f"{name} buffer ({buffer.numel()} x {buffer.dtype} on {buffer.device}) cannot hold "
