@@ -8,12 +8,12 @@ from .attention.batch import AttentionPlan, check_workspace, log_plan, num_sms, 
 from .attention.wrapper import BatchWrapperBase
 from .attention.checks import check_tensor, cpu_threads, target_of
 from .attention.kv import split_paged_kv_cache
-from .attention.options import fp8_scale, parse_dtype, parse_kv_layout, parse_pos_encoding, resolve_scalars
+from .attention.options import parse_dtype, parse_kv_layout, parse_pos_encoding, resolve_scalars
 from .attention.specs import attention_spec
 from .jit import load
 from .plan import SplitPlan, check_paged_index, max_decode_chunks, plan_decode_split, split_workspace_bytes
 from .variant import AttentionVariant
-from .spec import KVLayout, KVStorage, MaskMode, Op, PosEncoding, Target
+from .spec import KVLayout, KVStorage, MaskMode, Op, Target
 
 __all__ = ["BatchDecodeWithPagedKVCacheWrapper", "single_decode_with_kv_cache"]
 

@@ -8,7 +8,7 @@ from .attention.batch import AttentionPlan, log_plan, upload
 from .attention.wrapper import BatchWrapperBase
 from .attention.checks import check_tensor, target_of
 from .attention.kv import split_paged_kv_cache
-from .attention.options import fp8_scale, parse_dtype, parse_kv_layout, parse_pos_encoding, resolve_scalars
+from .attention.options import parse_dtype, parse_kv_layout, parse_pos_encoding, resolve_scalars
 from .attention.specs import attention_spec
 from .jit import load
 from .plan import PagedIndex, SplitPlan, check_indptr, check_paged_index, packed_mask_indptr, segment_packbits

@@ -225,7 +225,6 @@ def single_attention(
     kv_len, h_kv, d_k = k.shape
     if tuple(v.shape[:2]) != (kv_len, h_kv):
         raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} disagree")
-    d_vo = v.shape[2]
     if d_k != d_qk:
         raise ValueError(f"q head dim {d_qk} != k head dim {d_k}")
     if h_kv < 1 or h_qo % h_kv != 0:

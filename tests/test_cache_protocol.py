@@ -35,7 +35,7 @@ from jitattn.jit.cache import SCHEMA, entry_problem, find_entry, plan_build
 from jitattn.jit.toolchain import probe
 from jitattn.spec import Target, VariantSpec
 
-from helpers.procs import child_env, load_command, parse_report, run_load
+from helpers.procs import child_env, load_at_once, load_command, run_load
 
 cache_module = importlib.import_module("jitattn.jit.cache")
 
@@ -152,31 +152,7 @@ def test_assert_no_compile_allows_a_warm_spec(fresh_cache, monkeypatch):
 # -- concurrency and faults ----------------------------------------------------------
 
 def test_eight_processes_asking_for_one_cold_spec_build_it_once(fresh_cache, tmp_path):
-    go = tmp_path / "go"
-    children = []
-    for i in range(8):
-        ready = tmp_path / f"ready-{i}"
-        proc = subprocess.Popen(
-            load_command(SPEC, "--check", "--ready", str(ready), "--go", str(go)),
-            env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )
-        children.append((ready, proc))
-    try:
-        deadline = time.monotonic() + 120
-        while not all(ready.exists() for ready, _ in children):
-            assert all(proc.poll() is None for _, proc in children), "a child died before the start signal"
-            assert time.monotonic() < deadline, "children did not get ready"
-            time.sleep(0.01)
-        go.touch()  # all eight ask at once
-        reports = []
-        for _, proc in children:
-            out, err = proc.communicate(timeout=120)
-            reports.append(parse_report(proc.returncode, out, err))
-    finally:
-        for _, proc in children:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+    reports = load_at_once(SPEC, 8, tmp_path, "--check")
     assert sum(r["compile_count"] for r in reports) == 1, [r["compile_count"] for r in reports]
     assert {r["path"] for r in reports} == {str(_entry(fresh_cache) / "lib.so")}
     assert max(r["max_err"] for r in reports) < 1e-5

@@ -428,7 +428,7 @@ def test_batch_ragged_matches_per_request_and_flat_mask():
     # request 0 vs SDPA (explicit) to tie to an independent implementation
     m0 = masks[0] & _bottom_right_causal(3, 7)
     if bool(m0.any(dim=1).all()):
-        kk, vv = k[:7].repeat_interleave(2, 1), v[:7].repeat_interleave(2, 1)
+        vv = v[:7].repeat_interleave(2, 1)
         logits = _explicit_logits(q[:3], k[:7], 1 / math.sqrt(8))
         logits = 2.0 * torch.tanh(logits / 2.0)
         logits = logits.masked_fill(~m0, float("-inf"))

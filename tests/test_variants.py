@@ -4,8 +4,6 @@ cache contract (content-keyed, built once), argument checks and compile-error re
 from __future__ import annotations
 
 import json
-import subprocess
-import time
 
 import pytest
 import torch
@@ -18,7 +16,7 @@ from jitattn.jit.cache import plan_build
 from jitattn.spec import KVLayout, KVStorage, MaskMode, Op, PosEncoding, Target, VariantSpec, parse_spec_text
 
 from attention_cases import devices, random_paged_batch
-from helpers.procs import child_env, load_command, parse_report
+from helpers.procs import load_at_once
 from helpers.render_hashes import RECORD, current_hashes
 
 HQ, HKV, DIM, PAGE = 8, 2, 64, 16
@@ -254,29 +252,7 @@ def test_editing_a_snippet_changes_the_key_and_rebuilds(fresh_cache):
 
 def test_the_same_variant_in_two_processes_builds_once(fresh_cache, tmp_path):
     spec = _cpu_spec(DOC_MASK, Op.DECODE)
-    go = tmp_path / "go"
-    children = []
-    for i in range(2):
-        ready = tmp_path / f"ready-{i}"
-        proc = subprocess.Popen(load_command(spec, "--ready", str(ready), "--go", str(go)), env=child_env(),
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        children.append((ready, proc))
-    try:
-        deadline = time.monotonic() + 120
-        while not all(ready.exists() for ready, _ in children):
-            assert all(proc.poll() is None for _, proc in children), "a child died before the start signal"
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
-        go.touch()
-        reports = []
-        for _, proc in children:
-            out, err = proc.communicate(timeout=120)
-            reports.append(parse_report(proc.returncode, out, err))
-    finally:
-        for _, proc in children:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+    reports = load_at_once(spec, 2, tmp_path)
     assert sum(r["compile_count"] for r in reports) == 1
     assert len({r["path"] for r in reports}) == 1
 

@@ -47,7 +47,6 @@ from __future__ import annotations
 from typing import Any
 
 from ..spec import DType, KVStorage, MaskMode, PosEncoding, Target, VariantSpec
-from . import c_type
 from .attention import context as _attention_context
 from .attention import entries  # noqa: F401  (the family interface)
 

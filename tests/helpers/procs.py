@@ -50,3 +50,37 @@ def parse_report(returncode: int, stdout: str, stderr: str) -> dict:
     lines = [line for line in stdout.splitlines() if line.startswith("{")]
     assert lines, f"child printed no report:\nstdout={stdout!r}\nstderr={stderr[-2000:]}"
     return json.loads(lines[-1])
+
+
+def load_at_once(spec, count: int, tmp_path: Path, *extra: str, timeout: float = 120) -> list[dict]:
+    """Start ``count`` processes that load ``spec``, release them together, return their reports.
+
+    Each child signals readiness with a file and waits for a shared "go" file, so
+    the loads really race (the cache's lock must make exactly one of them build).
+    """
+    import time
+
+    go = tmp_path / "go"
+    children = []
+    try:
+        for i in range(count):
+            ready = tmp_path / f"ready-{i}"
+            proc = subprocess.Popen(load_command(spec, *extra, "--ready", str(ready), "--go", str(go)),
+                                    env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            children.append((ready, proc))
+        deadline = time.monotonic() + timeout
+        while not all(ready.exists() for ready, _ in children):
+            assert all(proc.poll() is None for _, proc in children), "a child died before the start signal"
+            assert time.monotonic() < deadline, "children did not get ready"
+            time.sleep(0.01)
+        go.touch()  # all ask at once
+        reports = []
+        for _, proc in children:
+            out, err = proc.communicate(timeout=timeout)
+            reports.append(parse_report(proc.returncode, out, err))
+        return reports
+    finally:
+        for _, proc in children:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
