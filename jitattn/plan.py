@@ -39,6 +39,26 @@ def to_host_int32(name: str, tensor: torch.Tensor, ndim: int = 1) -> torch.Tenso
     return tensor.detach().to("cpu").contiguous()
 
 
+def to_host_int32_many(names: tuple[str, ...], tensors: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+    """Host copies of several 1-D int32 index tensors; those on one GPU come back in a single copy.
+
+    Serving engines pass page tables on the device: one device->host transfer (one
+    synchronisation) per ``plan()`` instead of one per array.
+    """
+    on_device = [t for t in tensors if isinstance(t, torch.Tensor) and t.device.type != "cpu"]
+    if len(on_device) > 1 and len({t.device for t in on_device}) == 1 and all(
+        t.dtype == torch.int32 and t.dim() == 1 for t in tensors
+    ):
+        return joined_to_host([t.detach().to(on_device[0].device) for t in tensors])
+    return [to_host_int32(name, t) for name, t in zip(names, tensors)]
+
+
+def joined_to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Host copies of same-device 1-D tensors through one concatenated transfer."""
+    joined = torch.cat(tensors).to("cpu")
+    return [part.contiguous() for part in joined.split([t.numel() for t in tensors])]
+
+
 def check_indptr(name: str, indptr: torch.Tensor) -> torch.Tensor:
     host = to_host_int32(name, indptr)
     if host.numel() < 1:
@@ -62,9 +82,8 @@ def check_paged_index(
     """
     if not isinstance(page_size, int) or page_size < 1:
         raise ValueError(f"page_size={page_size!r} must be a positive int")
-    indptr_h = check_indptr(names[0], indptr)
-    indices_h = to_host_int32(names[1], indices)
-    last_h = to_host_int32(names[2], last_page_len)
+    indptr_h, indices_h, last_h = to_host_int32_many(names, (indptr, indices, last_page_len))
+    indptr_h = check_indptr(names[0], indptr_h)
     batch = indptr_h.numel() - 1
     if last_h.numel() != batch:
         raise ValueError(f"{names[2]} has {last_h.numel()} entries; expected batch_size = {batch} (len({names[0]}) - 1)")

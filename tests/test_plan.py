@@ -106,3 +106,14 @@ def test_split_level_page_table_is_chunk_major_on_page_boundaries() -> None:
     assert cascade_level_chunks((32768,), num_kv_heads=8, num_sms=132, page_size=16) == 33
     assert cascade_level_chunks((100,) * 64, num_kv_heads=8, num_sms=132, page_size=16) == 1
     assert cascade_level_chunks((67, 32), num_kv_heads=8, num_sms=132, page_size=16, fixed_split_size=2) == 3
+
+
+def test_index_arrays_come_to_the_host_through_one_joined_copy() -> None:
+    from jitattn.plan import joined_to_host, to_host_int32_many
+
+    tensors = [torch.tensor(x, dtype=torch.int32) for x in ([0, 2, 3], [], [5, 1, 4], [7, 16])]
+    assert [h.tolist() for h in joined_to_host(tensors)] == [t.tolist() for t in tensors]
+    host = to_host_int32_many(("a", "b", "c"), (tensors[0], tensors[2], tensors[3]))
+    assert [h.tolist() for h in host] == [[0, 2, 3], [5, 1, 4], [7, 16]]
+    with pytest.raises(TypeError, match="b has dtype torch.int64"):
+        to_host_int32_many(("a", "b", "c"), (tensors[0], tensors[2].long(), tensors[3]))

@@ -131,3 +131,11 @@ def test_fixed_split_size_is_bit_identical_across_batch_compositions() -> None:
     for others in ([5], [3000, 17, 900], [64] * 100):
         assert torch.equal(run_batch(others), alone), f"output changed with batch composition {others[:3]}..."
     assert alone.isfinite().all()
+
+
+def test_device_index_tensors_plan_like_host_ones() -> None:
+    wrapper, batch, q = _planned([300, 4000, 17])
+    expected = wrapper.run(q, batch.cache)
+    wrapper.plan(batch.kv_indptr.cuda(), batch.kv_indices.cuda(), batch.kv_last_page_len.cuda(), HQ, HKV, D, PAGE,
+                 q_data_type=torch.bfloat16)
+    assert torch.equal(wrapper.run(q, batch.cache), expected)
