@@ -72,7 +72,7 @@ def _explicit_logits(q, k, scale):
     return torch.einsum("qhd,khd->hqk", q.to(F64), kk) * scale
 
 
-def _close(a, b, atol=ATOL, rtol=RTOL):
+def assert_close_f64(a, b, atol=ATOL, rtol=RTOL):
     torch.testing.assert_close(a.to(F64), b.to(F64), atol=atol, rtol=rtol)
 
 
@@ -86,14 +86,14 @@ def test_plain_matches_sdpa(qo_len, kv_len):
     o, lse = ref.single_attention(q, k, v)
     assert o.dtype == torch.float32 and lse.dtype == torch.float32
     assert o.shape == (qo_len, 4, 24) and lse.shape == (qo_len, 4)
-    _close(o, _sdpa(q, k, v))
+    assert_close_f64(o, _sdpa(q, k, v))
 
 
 def test_sm_scale_is_used():
     g = _gen(1)
     q, k, v = _randn(g, 6, 2, 8), _randn(g, 10, 2, 8), _randn(g, 10, 2, 8)
     o, _ = ref.single_attention(q, k, v, sm_scale=0.37)
-    _close(o, _sdpa(q, k, v, scale=0.37))
+    assert_close_f64(o, _sdpa(q, k, v, scale=0.37))
     o_default, _ = ref.single_attention(q, k, v)
     assert not torch.allclose(o, o_default, atol=1e-3)
 
@@ -103,9 +103,9 @@ def test_causal_bottom_right_matches_sdpa(qo_len, kv_len):
     g = _gen(200 + qo_len + kv_len)
     q, k, v = _randn(g, qo_len, 3, 16), _randn(g, kv_len, 3, 16), _randn(g, kv_len, 3, 16)
     o, lse = ref.single_attention(q, k, v, causal=True)
-    _close(o, _sdpa(q, k, v, attn_mask=_bottom_right_causal(qo_len, kv_len)))
+    assert_close_f64(o, _sdpa(q, k, v, attn_mask=_bottom_right_causal(qo_len, kv_len)))
     if qo_len == kv_len:
-        _close(o, _sdpa(q, k, v, is_causal=True))
+        assert_close_f64(o, _sdpa(q, k, v, is_causal=True))
     # causal must differ from non-causal when qo_len > 1
     if qo_len > 1:
         o_nc, _ = ref.single_attention(q, k, v)
@@ -119,7 +119,7 @@ def test_causal_more_queries_than_keys_rows_are_empty():
     # query i at position 3 - 6 + i; rows 0..2 see nothing
     assert torch.all(o[:3] == 0) and torch.all(torch.isneginf(lse[:3]))
     assert not torch.isnan(o).any() and not torch.isnan(lse).any()
-    _close(o[3:], _sdpa(q[3:], k, v, attn_mask=_bottom_right_causal(3, 3)))
+    assert_close_f64(o[3:], _sdpa(q[3:], k, v, attn_mask=_bottom_right_causal(3, 3)))
 
 
 def test_empty_kv_gives_zero_and_neg_inf():
@@ -138,7 +138,7 @@ def test_gqa_matches_repeat_interleave_sdpa(h_qo, h_kv):
     group = h_qo // h_kv
     o, _ = ref.single_attention(q, k, v, causal=True)
     kk, vv = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    _close(o, _sdpa(q, kk, vv, attn_mask=_bottom_right_causal(7, 11)))
+    assert_close_f64(o, _sdpa(q, kk, vv, attn_mask=_bottom_right_causal(7, 11)))
     if h_kv > 1:
         # query head h must use kv head h // group, not h % h_kv (the tiled mapping)
         wrong_k, wrong_v = k.repeat(1, group, 1), v.repeat(1, group, 1)
@@ -159,11 +159,11 @@ def test_lse_matches_logsumexp_of_explicit_logits():
     _, lse = ref.single_attention(q, k, v, sm_scale=scale, causal=True)
     logits = _explicit_logits(q, k, scale)
     logits = logits.masked_fill(~_bottom_right_causal(9, 13), float("-inf"))
-    _close(lse, torch.logsumexp(logits, dim=-1).transpose(0, 1))
+    assert_close_f64(lse, torch.logsumexp(logits, dim=-1).transpose(0, 1))
     # natural log, not log2
     _, lse_nc = ref.single_attention(q, k, v, sm_scale=scale)
     direct = torch.log(torch.exp(_explicit_logits(q, k, scale)).sum(-1)).transpose(0, 1)
-    _close(lse_nc, direct)
+    assert_close_f64(lse_nc, direct)
 
 
 # --------------------------------------------------------------------------- #
@@ -180,12 +180,12 @@ def test_soft_cap_direct_formula():
         z = sum(math.exp(c) for c in capped)
         assert abs(float(lse[i, 0]) - math.log(z)) < 1e-6
         expect = sum(math.exp(capped[j]) / z * v[j, 0] for j in range(3))
-        _close(o[i, 0], expect)
+        assert_close_f64(o[i, 0], expect)
     # cap must actually change the result; None and 0 disable it
     o_nocap, _ = ref.single_attention(q, k, v, sm_scale=scale)
     assert not torch.allclose(o, o_nocap, atol=1e-4)
     o_zero, _ = ref.single_attention(q, k, v, sm_scale=scale, logits_soft_cap=0.0)
-    _close(o_zero, o_nocap, atol=0, rtol=0)
+    assert_close_f64(o_zero, o_nocap, atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -199,9 +199,9 @@ def test_window_left_matches_explicit_mask(causal):
     mask = j >= p - w
     if causal:
         mask &= j <= p
-    _close(o, _sdpa(q, k, v, attn_mask=mask))
+    assert_close_f64(o, _sdpa(q, k, v, attn_mask=mask))
     logits = _explicit_logits(q, k, 1 / math.sqrt(8)).masked_fill(~mask, float("-inf"))
-    _close(lse, torch.logsumexp(logits, -1).transpose(0, 1))
+    assert_close_f64(lse, torch.logsumexp(logits, -1).transpose(0, 1))
 
 
 def test_custom_mask_matches_sdpa():
@@ -210,9 +210,9 @@ def test_custom_mask_matches_sdpa():
     mask = torch.rand(5, 9, generator=g) > 0.4
     mask[:, 0] = True  # keep every row non-empty for SDPA
     o, _ = ref.single_attention(q, k, v, custom_mask=mask)
-    _close(o, _sdpa(q, k, v, attn_mask=mask))
+    assert_close_f64(o, _sdpa(q, k, v, attn_mask=mask))
     o_c, _ = ref.single_attention(q, k, v, custom_mask=mask, causal=True)
-    _close(o_c, _sdpa(q, k, v, attn_mask=mask & _bottom_right_causal(5, 9)))
+    assert_close_f64(o_c, _sdpa(q, k, v, attn_mask=mask & _bottom_right_causal(5, 9)))
 
 
 def test_fully_masked_row_custom_mask_no_nan():
@@ -233,9 +233,9 @@ def test_fp8_scales_dequantize():
     o, lse = ref.single_attention(q, k8, v8, k_scale=0.5, v_scale=2.0)
     kd, vd = k8.to(F64) * 0.5, v8.to(F64) * 2.0
     o2, lse2 = ref.single_attention(q, kd, vd)
-    _close(o, o2)
-    _close(lse, lse2)
-    _close(o, _sdpa(q, kd, vd))
+    assert_close_f64(o, o2)
+    assert_close_f64(lse, lse2)
+    assert_close_f64(o, _sdpa(q, kd, vd))
 
 
 # --------------------------------------------------------------------------- #
@@ -258,7 +258,7 @@ def test_rope_position_zero_is_identity():
     x = _randn(g, 5, 3, 16)
     out = ref.apply_rope_llama(x, torch.zeros(5, dtype=torch.int64))
     assert out.dtype == F64
-    _close(out, x, atol=0, rtol=0)
+    assert_close_f64(out, x, atol=0, rtol=0)
 
 
 def test_rope_matches_hf_rotate_half():
@@ -266,9 +266,9 @@ def test_rope_matches_hf_rotate_half():
     x = _randn(g, 6, 2, 32)
     pos = torch.tensor([0, 1, 5, 17, 100, 1023])
     out = ref.apply_rope_llama(x, pos, rope_scale=2.0, rope_theta=5e5)
-    _close(out, _hf_rope(x, pos, 5e5, 2.0), atol=1e-10, rtol=1e-10)
+    assert_close_f64(out, _hf_rope(x, pos, 5e5, 2.0), atol=1e-10, rtol=1e-10)
     # rotation preserves norms and is not the identity
-    _close(out.norm(dim=-1), x.norm(dim=-1), atol=1e-10, rtol=1e-10)
+    assert_close_f64(out.norm(dim=-1), x.norm(dim=-1), atol=1e-10, rtol=1e-10)
     assert not torch.allclose(out[1:], x[1:])
 
 
@@ -279,7 +279,7 @@ def test_rope_relative_property():
     base = (ref.apply_rope_llama(q, pq) * ref.apply_rope_llama(k, pk)).sum(-1)
     for off in (1, 13, 500):
         shifted = (ref.apply_rope_llama(q, pq + off) * ref.apply_rope_llama(k, pk + off)).sum(-1)
-        _close(shifted, base, atol=1e-9, rtol=1e-9)
+        assert_close_f64(shifted, base, atol=1e-9, rtol=1e-9)
     # different relative offset must change the dot product
     other = (ref.apply_rope_llama(q, pq + 1) * ref.apply_rope_llama(k, pk)).sum(-1)
     assert not torch.allclose(other, base, atol=1e-4)
@@ -296,14 +296,14 @@ def test_attention_rope_mode_equals_prerotated_sdpa():
     qr = _hf_rope(q, qpos, 1e3, 1.5)
     kr = _hf_rope(k, torch.arange(kv_len), 1e3, 1.5).repeat_interleave(2, dim=1)
     vv = v.repeat_interleave(2, dim=1)
-    _close(o, _sdpa(qr, kr, vv, attn_mask=_bottom_right_causal(qo_len, kv_len)))
+    assert_close_f64(o, _sdpa(qr, kr, vv, attn_mask=_bottom_right_causal(qo_len, kv_len)))
 
 
 def test_alibi_slopes_8_heads():
     s = ref.alibi_slopes(8)
     assert s.dtype == F64
     expect = torch.tensor([2.0 ** -(i + 1) for i in range(8)], dtype=F64)
-    _close(s, expect, atol=0, rtol=0)
+    assert_close_f64(s, expect, atol=0, rtol=0)
 
 
 def _hf_get_alibi_slopes(n):
@@ -319,7 +319,7 @@ def _hf_get_alibi_slopes(n):
 
 @pytest.mark.parametrize("n", [1, 2, 5, 12, 32, 40])
 def test_alibi_slopes_match_hf(n):
-    _close(ref.alibi_slopes(n), torch.tensor(_hf_get_alibi_slopes(n), dtype=F64),
+    assert_close_f64(ref.alibi_slopes(n), torch.tensor(_hf_get_alibi_slopes(n), dtype=F64),
            atol=1e-15, rtol=1e-12)
 
 
@@ -333,9 +333,9 @@ def test_alibi_attention_matches_explicit_bias():
     j = torch.arange(kv_len)[None, :]
     bias = slopes[:, None, None] * (j - p).to(F64)[None]
     bias = bias.masked_fill(~_bottom_right_causal(qo_len, kv_len), float("-inf"))
-    _close(o, _sdpa(q, k, v, attn_mask=bias))
+    assert_close_f64(o, _sdpa(q, k, v, attn_mask=bias))
     logits = _explicit_logits(q, k, 1 / math.sqrt(8)) + bias
-    _close(lse, torch.logsumexp(logits, -1).transpose(0, 1))
+    assert_close_f64(lse, torch.logsumexp(logits, -1).transpose(0, 1))
 
 
 def test_alibi_then_soft_cap_order():
@@ -362,8 +362,8 @@ def test_merge_state_of_two_kv_halves_equals_full(causal):
     o_a, s_a = ref.single_attention(q, k[:split], v[:split])
     o_b, s_b = ref.single_attention(q, k[split:], v[split:])
     o_m, s_m = ref.merge_state(o_a, s_a, o_b, s_b)
-    _close(o_m, o_full)
-    _close(s_m, lse_full)
+    assert_close_f64(o_m, o_full)
+    assert_close_f64(s_m, lse_full)
     # the halves alone must differ from the full result
     assert not torch.allclose(o_a, o_full, atol=1e-3)
 
@@ -377,8 +377,8 @@ def test_merge_states_three_chunks_equals_full():
     vs = torch.stack([p[0] for p in parts], dim=1)
     ss = torch.stack([p[1] for p in parts], dim=1)
     o_m, s_m = ref.merge_states(vs, ss)
-    _close(o_m, o_full)
-    _close(s_m, lse_full)
+    assert_close_f64(o_m, o_full)
+    assert_close_f64(s_m, lse_full)
 
 
 def test_merge_state_empty_states():
@@ -391,12 +391,12 @@ def test_merge_state_empty_states():
     # one empty side: result equals the other side exactly
     s_b = _randn(g, 3, 2)
     o2, s2 = ref.merge_state(v_a, ninf, v_b, s_b)
-    _close(o2, v_b)
-    _close(s2, s_b)
+    assert_close_f64(o2, v_b)
+    assert_close_f64(s2, s_b)
     # large LSEs do not overflow
     o3, s3 = ref.merge_state(v_a, torch.full((3, 2), 1000.0), v_b, torch.full((3, 2), 1000.0))
-    _close(o3, (v_a + v_b) / 2)
-    _close(s3, torch.full((3, 2), 1000.0 + math.log(2)))
+    assert_close_f64(o3, (v_a + v_b) / 2)
+    assert_close_f64(s3, torch.full((3, 2), 1000.0 + math.log(2)))
 
 
 # --------------------------------------------------------------------------- #
@@ -421,8 +421,8 @@ def test_batch_ragged_matches_per_request_and_flat_mask():
         o_r, lse_r = ref.single_attention(
             q[qs:qe], k[ks:ke], v[ks:ke], custom_mask=masks[r], causal=True, logits_soft_cap=2.0
         )
-        _close(o[qs:qe], o_r, atol=0, rtol=0)
-        _close(lse[qs:qe], lse_r, atol=0, rtol=0)
+        assert_close_f64(o[qs:qe], o_r, atol=0, rtol=0)
+        assert_close_f64(lse[qs:qe], lse_r, atol=0, rtol=0)
     # last request has kv_len 0: zero output, -inf lse
     assert torch.all(o[8:] == 0) and torch.all(torch.isneginf(lse[8:]))
     # request 0 vs SDPA (explicit) to tie to an independent implementation
@@ -433,7 +433,7 @@ def test_batch_ragged_matches_per_request_and_flat_mask():
         logits = 2.0 * torch.tanh(logits / 2.0)
         logits = logits.masked_fill(~m0, float("-inf"))
         p = torch.softmax(logits, -1)
-        _close(o[:3], torch.einsum("hqk,khd->qhd", p, vv))
+        assert_close_f64(o[:3], torch.einsum("hqk,khd->qhd", p, vv))
 
 
 # --------------------------------------------------------------------------- #
@@ -606,14 +606,14 @@ def test_batch_decode_paged_matches_sdpa(fmt, layout, page_size):
             continue
         kk = k_rag[off:off + n].repeat_interleave(2, 1)
         vv = v_rag[off:off + n].repeat_interleave(2, 1)
-        _close(o[r:r + 1], _sdpa(q[r:r + 1], kk, vv))
+        assert_close_f64(o[r:r + 1], _sdpa(q[r:r + 1], kk, vv))
         logits = _explicit_logits(q[r:r + 1], k_rag[off:off + n], 1 / math.sqrt(8))
-        _close(lse[r:r + 1], torch.logsumexp(logits, -1).transpose(0, 1))
+        assert_close_f64(lse[r:r + 1], torch.logsumexp(logits, -1).transpose(0, 1))
         off += n
     # decode query sits at position kv_len-1: window_left=2 sees 3 keys
     o_w, _ = ref.batch_decode_paged(q, cache, indptr, indices, last, kv_layout=layout, window_left=2)
     kk, vv = k_rag[6:9].repeat_interleave(2, 1), v_rag[6:9].repeat_interleave(2, 1)
-    _close(o_w[0:1], _sdpa(q[0:1], kk, vv))
+    assert_close_f64(o_w[0:1], _sdpa(q[0:1], kk, vv))
 
 
 def test_batch_prefill_paged_matches_ragged():
@@ -627,5 +627,5 @@ def test_batch_prefill_paged_matches_ragged():
     kw = dict(causal=True, custom_mask=mask, pos_encoding_mode="ROPE_LLAMA", window_left=6)
     o, lse = ref.batch_prefill_paged(q, cache, qo_indptr, indptr, indices, last, kv_layout="HND", **kw)
     o2, lse2 = ref.batch_ragged_attention(q, k_rag, v_rag, qo_indptr, kv_seq, **kw)
-    _close(o, o2, atol=0, rtol=0)
-    _close(lse, lse2, atol=0, rtol=0)
+    assert_close_f64(o, o2, atol=0, rtol=0)
+    assert_close_f64(lse, lse2, atol=0, rtol=0)
