@@ -275,13 +275,6 @@ class VariantSpec:
             raise ValueError(
                 f"variant is for attention kernels (op 'decode' or 'prefill'); op={self.op.value!r} takes none"
             )
-        if (self.variant is not None and self.target is Target.CUDA and self.op is Op.PREFILL
-                and (self.variant.query_transform or self.variant.key_transform)):
-            raise ValueError(
-                f"variant {self.variant.name!r}: query_transform and key_transform are not implemented on the cuda "
-                "prefill kernel yet (they are on cpu and cuda decode); fold them into the q/k you pass, or use "
-                "logits_transform"
-            )
         if self.group_size is not None and self.group_size < 1:
             raise ValueError(f"group_size={self.group_size} must be >= 1 (num_qo_heads // num_kv_heads)")
 

@@ -95,15 +95,6 @@ def _hooks_and_args(name: str, kv_lens, device: str, gen):
     raise KeyError(name)
 
 
-def _cuda_prefill_supports(variant) -> bool:
-    return variant.query_transform is None and variant.key_transform is None
-
-
-def _skip_unsupported_prefill(name, device):
-    if device == "cuda" and not _cuda_prefill_supports(VARIANTS[name]):
-        pytest.skip("query/key transforms are not implemented on the cuda prefill kernel yet")
-
-
 def _dtype(device: str) -> torch.dtype:
     return torch.float32 if device == "cpu" else torch.bfloat16
 
@@ -134,7 +125,6 @@ def _ragged_kv(batch):
 @pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_prefill_paged_variant_matches_reference(name, device):
-    _skip_unsupported_prefill(name, device)
     gen = torch.Generator().manual_seed(sum(map(ord, name)))
     dtype = _dtype(device)
     batch = random_paged_batch(KV_LENS, HKV, DIM, PAGE, dtype, device=device, generator=gen)
@@ -153,7 +143,6 @@ def test_prefill_paged_variant_matches_reference(name, device):
 @pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_prefill_ragged_variant_matches_reference(name, device):
-    _skip_unsupported_prefill(name, device)
     gen = torch.Generator().manual_seed(7 + sum(map(ord, name)))
     dtype = _dtype(device)
     q = torch.randn(sum(QO_LENS), HQ, DIM, generator=gen).to(dtype).to(device)
@@ -304,13 +293,60 @@ def test_variant_only_on_attention_ops():
         VariantSpec(op="merge", target="cpu", o_dtype="f32", variant=SIGMOID)
 
 
-def test_cuda_prefill_refuses_query_and_key_transforms_until_implemented():
-    with pytest.raises(ValueError, match="not implemented on the cuda prefill kernel"):
-        attention_spec(Op.PREFILL, Target.CUDA, q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16,
-                       o_dtype=torch.bfloat16, head_dim_qk=DIM, head_dim_vo=DIM, num_qo_heads=HQ, num_kv_heads=HKV,
-                       pos_encoding=PosEncoding.NONE, use_sliding_window=False, use_logits_soft_cap=False,
-                       mask_mode=MaskMode.NONE, kv_layout=KVLayout.NHD, kv_storage=KVStorage.PAGED,
-                       variant=QUERY_SCALE)
+QK_BOTH = AttentionVariant(
+    "qkboth", query_transform=QUERY_SCALE.query_transform, key_transform=KEY_RAMP.key_transform,
+    params=QUERY_SCALE.params,
+)
+E4M3 = torch.float8_e4m3fn
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("q_dtype, kv_dtype, rope", [
+    (torch.bfloat16, torch.bfloat16, True), (torch.bfloat16, E4M3, False), (torch.bfloat16, E4M3, True),
+    (torch.float16, torch.float16, True),
+], ids=["bf16-rope", "bf16-e4m3", "bf16-e4m3-rope", "f16-rope"])
+def test_prefill_query_and_key_transforms_run_after_rope_and_fp8_dequant(q_dtype, kv_dtype, rope, device):
+    """Both transforms see RoPE-rotated, unscaled (fp8 k_scale applies to the logit) q/k rows, over
+    several Q tiles and KV blocks (the cuda kernel transforms tiles in shared memory)."""
+    gen = torch.Generator().manual_seed(21)
+    if device == "cpu":
+        q_dtype = torch.float32
+        kv_dtype = torch.float32 if kv_dtype != E4M3 else E4M3
+    qo_lens, kv_lens, dim, k_scale, v_scale = [70, 3, 0], [300, 3, 17], 128, 0.7, 1.3
+    batch = random_paged_batch(kv_lens, HKV, dim, PAGE, kv_dtype, device=device, generator=gen)
+    q = torch.randn(sum(qo_lens), HQ, dim, generator=gen).to(q_dtype).to(device)
+    hooks_q, args = _hooks_and_args("qscale", kv_lens, device, gen)
+    hooks_k, _ = _hooks_and_args("kramp", kv_lens, device, gen)
+    wrapper = jitattn.BatchPrefillWithPagedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8, device=device))
+    wrapper.plan(_indptr(qo_lens), batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len, HQ, HKV, dim, PAGE,
+                 causal=True, pos_encoding_mode="ROPE_LLAMA" if rope else "NONE", q_data_type=q_dtype,
+                 kv_data_type=kv_dtype, variant=QK_BOTH)
+    out, lse = wrapper.run(q, batch.cache, return_lse=True, k_scale=k_scale, v_scale=v_scale, **args)
+
+    k, v = _ragged_kv(batch)
+    q_ref, k_ref = q.cpu().double(), k.cpu().double()
+    if rope:
+        q_pos = torch.cat([torch.arange(kv - qo, kv) for qo, kv in zip(qo_lens, kv_lens)])
+        k_pos = torch.cat([torch.arange(kv) for kv in kv_lens])
+        q_ref, k_ref = reference.apply_rope_llama(q_ref, q_pos), reference.apply_rope_llama(k_ref, k_pos)
+    ref_out, ref_lse = reference.variant_attention(q_ref, k_ref, v.cpu().double(), _indptr(qo_lens),
+                                                   _indptr(kv_lens), causal=True, sm_scale=k_scale / dim ** 0.5,
+                                                   **hooks_q, **hooks_k)
+    _check(out, lse, ref_out * v_scale, ref_lse, q_dtype)
+
+
+def test_bf16_query_and_key_transforms_keep_hi_lo_pairs_on_cuda_prefill():
+    from jitattn.families.prefill import cuda_layout
+
+    def split(variant, q_dtype=torch.bfloat16):
+        spec = attention_spec(Op.PREFILL, Target.CUDA, q_dtype=q_dtype, kv_dtype=q_dtype, o_dtype=q_dtype,
+                              head_dim_qk=DIM, head_dim_vo=DIM, num_qo_heads=HQ, num_kv_heads=HKV,
+                              pos_encoding=PosEncoding.NONE, use_sliding_window=False, use_logits_soft_cap=False,
+                              mask_mode=MaskMode.NONE, kv_layout=KVLayout.NHD, kv_storage=KVStorage.PAGED,
+                              variant=variant)
+        return cuda_layout(spec)["kSplitQK"]
+    assert split(QUERY_SCALE) and split(KEY_RAMP) and split(QK_BOTH)
+    assert not split(SIGMOID) and not split(None) and not split(QK_BOTH, torch.float16)
 
 
 def _planned_ragged(variant):
@@ -375,8 +411,6 @@ def _cuda_specs():
                       use_sliding_window=False, use_logits_soft_cap=False, variant=variant)
         specs.append(attention_spec(Op.DECODE, Target.CUDA, mask_mode=MaskMode.NONE, kv_layout=KVLayout.NHD,
                                     kv_storage=KVStorage.PAGED, **common))
-        if not _cuda_prefill_supports(variant):
-            continue
         specs.append(attention_spec(Op.PREFILL, Target.CUDA, mask_mode=MaskMode.CAUSAL, kv_layout=KVLayout.NHD,
                                     kv_storage=KVStorage.PAGED, **common))
         specs.append(attention_spec(Op.PREFILL, Target.CUDA, mask_mode=MaskMode.NONE, kv_layout=KVLayout.NHD,
@@ -384,6 +418,14 @@ def _cuda_specs():
         if variant.splittable:  # the cascade test's levels: causal (last) and none, paged
             specs.append(attention_spec(Op.PREFILL, Target.CUDA, mask_mode=MaskMode.NONE, kv_layout=KVLayout.NHD,
                                         kv_storage=KVStorage.PAGED, **common))
+    for q_dtype, kv_dtype, pos in [(torch.bfloat16, torch.bfloat16, PosEncoding.ROPE_LLAMA),
+                                   (torch.bfloat16, E4M3, PosEncoding.NONE), (torch.bfloat16, E4M3, PosEncoding.ROPE_LLAMA),
+                                   (torch.float16, torch.float16, PosEncoding.ROPE_LLAMA)]:
+        specs.append(attention_spec(Op.PREFILL, Target.CUDA, q_dtype=q_dtype, kv_dtype=kv_dtype, o_dtype=q_dtype,
+                                    head_dim_qk=128, head_dim_vo=128, num_qo_heads=HQ, num_kv_heads=HKV,
+                                    pos_encoding=pos, use_sliding_window=False, use_logits_soft_cap=False,
+                                    mask_mode=MaskMode.CAUSAL, kv_layout=KVLayout.NHD, kv_storage=KVStorage.PAGED,
+                                    variant=QK_BOTH))
     return list(dict.fromkeys(specs))
 
 

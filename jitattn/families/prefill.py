@@ -21,10 +21,11 @@ cuda kernel shape (sm80+ generic tier: ``mma.sync.m16n8k16``, fp32 accumulate):
 - head_dim is padded to a multiple of 16 inside shared memory only (the
   padded columns are zero-filled by ``cp.async``, never read from memory).
 - fp8 KV lands raw and is converted to the query dtype in shared memory; RoPE
-  rotates Q (once per tile) and each K block in shared memory in fp32. With
-  bf16 and RoPE the rotated values are kept as hi + lo bf16 pairs and q.k is
-  three MMAs (hi.hi + hi.lo + lo.hi): a single bf16 rounding after the
-  rotation costs ~4e-3 in the logits, which the LSE cannot afford.
+  rotates Q (once per tile) and each K block in shared memory in fp32, and a
+  custom variant's query / key transforms run after it, in place, in fp32.
+  With bf16 and RoPE or such a transform the values are kept as hi + lo bf16
+  pairs and q.k is three MMAs (hi.hi + hi.lo + lo.hi): a single bf16 rounding
+  after the rotation costs ~4e-3 in the logits, which the LSE cannot afford.
 - Work mapping, with no host-side work list and no total query count on the
   host: a persistent grid (SMs x resident blocks) walks *virtual tiles*.
   Request r's tiles start at ``base(r) = r + (qo_indptr[r] * group) // cta_q``
@@ -85,7 +86,8 @@ def cuda_layout(spec: VariantSpec, tuning: dict[str, int] | None = None) -> dict
     dqk, dvo, group = spec.head_dim_qk, spec.head_dim_vo, spec.group_size
     kv_fp8 = spec.kv_dtype.is_fp8
     rope = spec.pos_encoding is PosEncoding.ROPE_LLAMA
-    split = rope and spec.q_dtype is DType.BF16
+    qk_transform = spec.variant is not None and bool(spec.variant.query_transform or spec.variant.key_transform)
+    split = (rope or qk_transform) and spec.q_dtype is DType.BF16
     warps = t["warps"]
     threads = 32 * warps
     dqk_pad, dvo_pad = _ceil(dqk, 16), _ceil(dvo, 16)
