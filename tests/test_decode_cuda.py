@@ -21,7 +21,7 @@ import torch
 import jitattn
 from jitattn import reference
 from jitattn.attention.launch import AttentionScalars, launch_attention
-from jitattn.families.decode import split_workspace_bytes
+from jitattn.families.decode import mma_eligible, split_workspace_bytes
 from jitattn.jit import KernelError
 from jitattn.spec import KVLayout, PosEncoding, VariantSpec
 
@@ -55,6 +55,14 @@ KV_TYPES = {
     "bf16_e4m3_hd72_hnd": dspec(q=bf16, kv=e4m3, hd=72, layout="hnd"),  # 72-byte rows: 8-byte copies
     "f16_e5m2_hd256_hnd_g8": dspec(q=f16, kv=e5m2, hd=256, g=8, layout="hnd"),
 }
+# fp8 KV on the tensor-core path (head dims multiples of 32, group <= 16), across its index mappings.
+FP8_MMA = {
+    "e4m3_g1": dspec(kv=e4m3, g=1),
+    "e5m2_bf16_g16_hd64": dspec(kv=e5m2, hd=64, g=16),
+    "e4m3_f16_hd96_g7_hnd": dspec(q=f16, kv=e4m3, hd=96, g=7, layout="hnd"),
+    "e4m3_192x128_g8": dspec(kv=e4m3, hd=192, hdv=128, g=8),
+    "e4m3_alibi_window_cap": dspec(kv=e4m3, g=5, pos="alibi", swa=True, cap=True),
+}
 HND = dspec(layout="hnd")
 ROPE = {"bf16_hd128": dspec(pos="rope"), "f16_hd72_hnd": dspec(q=f16, hd=72, pos="rope", layout="hnd"),
         "e4m3_hd64_g5": dspec(kv=e4m3, hd=64, g=5, pos="rope")}
@@ -65,7 +73,7 @@ COMBO = dspec(pos="rope", swa=True, cap=True)
 COMBO_ALIBI = dspec(q=f16, hd=96, g=5, pos="alibi", swa=True, cap=True, layout="hnd")
 
 GPU_SPECS: list[VariantSpec] = list(dict.fromkeys([
-    BASE, *HEAD_DIMS.values(), *GROUPS.values(), *KV_TYPES.values(), HND, *ROPE.values(), ALIBI, SWA, SOFTCAP,
+    BASE, *HEAD_DIMS.values(), *GROUPS.values(), *KV_TYPES.values(), *FP8_MMA.values(), HND, *ROPE.values(), ALIBI, SWA, SOFTCAP,
     COMBO, COMBO_ALIBI,
 ]))
 
@@ -206,6 +214,16 @@ def test_group_sizes(g):
 def test_kv_dtypes(name):
     spec = KV_TYPES[name]
     check_case(spec, LENS, 2, 16, seed=3, chunks=(0, 40), k_scale=0.6, v_scale=1.7)
+
+
+@pytest.mark.parametrize("name", list(FP8_MMA))
+def test_fp8_kv_on_tensor_cores(name):
+    spec = FP8_MMA[name]
+    assert mma_eligible(spec), "these cases are meant for the tensor-core path"
+    kw = dict(window=45, cap=25.0) if spec.use_sliding_window else {}
+    check_case(spec, LENS, 2 if spec.group_size > 4 else 3, 16, seed=31, chunks=(0, 40), k_scale=0.6, v_scale=1.7,
+               **kw)
+    check_case(spec, [1000, 2], 1, 64, seed=32, chunks=(0, 128), k_scale=1.9, v_scale=0.4, **kw)
 
 
 @pytest.mark.parametrize("layout", ["nhd", "hnd"])

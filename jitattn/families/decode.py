@@ -13,15 +13,20 @@ KV heads of one request are consecutive blocks):
   memory with ``cp.async`` (16-byte copies where a row allows it),
   ``stages`` tiles in flight; the page table of the tile after next is read
   while the current tile is computed.
-- Tensor-core path (``mma_eligible``: f16/bf16 KV, no RoPE, head dims
-  multiples of 16, qk <= 192, vo <= 128, group <= 16): four warps each take
+- Tensor-core path (``mma_eligible``: no RoPE, head dims multiples of 16
+  (32 with fp8 KV), qk <= 192, vo <= 128, group <= 16): four warps each take
   16 tokens per step; S = Q K^T with ``mma.sync.m16n8k16`` (the group's heads
   are the 16 rows, Q from shared memory, K by ``ldmatrix``), fp32 online
   softmax on the accumulators, then O += P V with P as the A operand (V by
   ``ldmatrix.trans``). Shared-memory rows are padded to an odd number of
-  16-byte units so ``ldmatrix`` is bank-conflict free.
-- CUDA-core path (every other variant: fp8 KV, RoPE, head dims with a
-  remainder of 8, large groups, head_dim 256): a thread owns ``vec``
+  16-byte units so ``ldmatrix`` is bank-conflict free. fp8 K/V stay fp8 in
+  shared memory (half the bytes per stage): ``ldmatrix`` moves byte pairs as
+  b16, and each lane converts its fragment to the query dtype in registers,
+  K with the head dimension permuted within 16 dims (Q's fragments are loaded
+  in the same order), V with one byte shuffle, its even and odd dims going
+  to separate output tiles.
+- CUDA-core path (every other variant: RoPE, head dims with a remainder of 8
+  (16 with fp8), large groups, head_dim 256): a thread owns ``vec``
   consecutive elements of the head dimension (``cpt_q``/``cpt_v`` such chunks, ``tx`` threads per row) for
   ``heads_per_thread`` of the group's query heads, so every KV element read
   from shared memory is converted once and used for all those heads; scores
@@ -80,10 +85,11 @@ def _next_pow2(n: int) -> int:
 
 def mma_eligible(spec: VariantSpec) -> bool:
     """Whether ``spec`` can take the tensor-core (mma.sync m16n8k16) path."""
+    dim_unit = 32 if spec.kv_dtype.is_fp8 else 16  # fp8: one ldmatrix covers 32 dims
     return (
         spec.variant is None  # custom snippets run on the CUDA-core path
-        and not spec.kv_dtype.is_fp8 and spec.pos_encoding is not PosEncoding.ROPE_LLAMA
-        and spec.head_dim_qk % 16 == 0 and spec.head_dim_vo % 16 == 0 and spec.group_size <= 16
+        and spec.pos_encoding is not PosEncoding.ROPE_LLAMA
+        and spec.head_dim_qk % dim_unit == 0 and spec.head_dim_vo % dim_unit == 0 and spec.group_size <= 16
         and spec.head_dim_qk <= 192 and spec.head_dim_vo <= 128  # O fragments stay in registers
     )
 
@@ -109,8 +115,9 @@ def _mma_layout(spec: VariantSpec, t: dict[str, int]) -> dict[str, int]:
     """Tensor-core path: 4 warps, each scores 16 tokens per step for all (<= 16) heads with
     mma.sync (Q from shared memory, K/V by ldmatrix), then P.V with the scores as the A operand."""
     dqk, dvo, group = spec.head_dim_qk, spec.head_dim_vo, spec.group_size
+    elem = spec.kv_dtype.itemsize
     nw = 4
-    k_pitch, v_pitch = _pitch(dqk * 2), _pitch(dvo * 2)
+    k_pitch, v_pitch, q_pitch = _pitch(dqk * elem), _pitch(dvo * elem), _pitch(dqk * 2)
     step_tokens = nw * 16
     steps = 1
     while step_tokens * steps * 2 * (k_pitch + v_pitch) <= t["mma_stage_bytes"] and steps < 4:
@@ -120,15 +127,15 @@ def _mma_layout(spec: VariantSpec, t: dict[str, int]) -> dict[str, int]:
     stages = max(2, min(t["max_stages"], t["mma_smem_bytes"] // (k_stage + v_stage)))
     pipe = stages * (k_stage + v_stage)
     table = stages * tile_tokens * 16
-    q_bytes = 16 * k_pitch
+    q_bytes = 16 * q_pitch
     merge = nw * group * (dvo * 4 + 8)
     nt = nw * 32
     return {
         "kMma": 1, "kNW": nw, "kTZ": nw, "kGS": group, "kNT": nt,
-        "kKPitch": k_pitch, "kVPitch": v_pitch, "kQOffset": pipe + table,
+        "kKPitch": k_pitch, "kVPitch": v_pitch, "kQPitch": q_pitch, "kQOffset": pipe + table,
         "kSteps": steps, "kTileTokens": tile_tokens, "kStages": stages,
-        "kLoadBytes": 16, "kCPRK": dqk * 2 // 16, "kCPRV": dvo * 2 // 16,
-        "kLoadsK": -(-(tile_tokens * dqk * 2 // 16) // nt), "kLoadsV": -(-(tile_tokens * dvo * 2 // 16) // nt),
+        "kLoadBytes": 16, "kCPRK": dqk * elem // 16, "kCPRV": dvo * elem // 16,
+        "kLoadsK": -(-(tile_tokens * dqk * elem // 16) // nt), "kLoadsV": -(-(tile_tokens * dvo * elem // 16) // nt),
         "kTabPerThread": -(-tile_tokens // nt),
         "kKStageBytes": k_stage, "kVStageBytes": v_stage, "kPipeBytes": pipe,
         "kSmemBytes": max(pipe + table + q_bytes, merge),
@@ -198,7 +205,7 @@ def _simt_layout(spec: VariantSpec, t: dict[str, int]) -> dict[str, int]:
         "kLoadsK": -(-(tile_tokens * cpr_k) // nt), "kLoadsV": -(-(tile_tokens * cpr_v) // nt),
         "kTabPerThread": -(-tile_tokens // nt),
         "kKStageBytes": k_stage_bytes, "kVStageBytes": v_stage_bytes,
-        "kMma": 0, "kNW": 1, "kKPitch": dqk * elem, "kVPitch": dvo * elem, "kQOffset": 0,
+        "kMma": 0, "kNW": 1, "kKPitch": dqk * elem, "kVPitch": dvo * elem, "kQPitch": 0, "kQOffset": 0,
         "kPipeBytes": pipe_bytes, "kSmemBytes": smem,
         "kHeadMinor": int(bool(t["head_minor"])),
         "kMergeThreads": _MERGE_THREADS, "kMergeLanes": dvo // 4, "kMergeGroups": max(1, _MERGE_THREADS // (dvo // 4)),

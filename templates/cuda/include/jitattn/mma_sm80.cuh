@@ -1,5 +1,5 @@
 // Tensor-core and async-copy primitives of the sm80+ generic tier (mma.sync,
-// ldmatrix, cp.async), used by the cuda prefill kernel.
+// ldmatrix, cp.async, fp8 -> 16-bit operands), used by the cuda prefill and decode kernels.
 //
 // Fragment layouts are PTX's for mma.m16n8k16 with 16-bit A/B and fp32 C/D:
 // a thread (lane) of a warp holds, of C, rows lane/4 and lane/4 + 8 and
@@ -9,6 +9,7 @@
 // (b[0]) and k + 8 (b[1]).
 #pragma once
 #include "jitattn/cuda_common.cuh"
+#include <type_traits>
 
 namespace jitattn {
 namespace mma {
@@ -97,6 +98,33 @@ template <> __device__ __forceinline__ float2 unpack2<__half>(uint32_t w) {
 }
 template <> __device__ __forceinline__ float2 unpack2<__nv_bfloat16>(uint32_t w) {
   return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
+}
+
+// ---- fp8 --------------------------------------------------------------------------
+
+template <typename KV> struct Fp8Kind;
+template <> struct Fp8Kind<__nv_fp8_e4m3> { static constexpr __nv_fp8_interpretation_t value = __NV_E4M3; };
+template <> struct Fp8Kind<__nv_fp8_e5m2> { static constexpr __nv_fp8_interpretation_t value = __NV_E5M2; };
+
+// Two fp8 (the low 16 bits of w) -> two floats; exact.
+template <typename KV>
+__device__ __forceinline__ float2 fp8x2_to_float2(uint32_t w) {
+  const __half2_raw raw = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w & 0xffffu),
+                                                     Fp8Kind<KV>::value);
+  return __half22float2(*reinterpret_cast<const __half2*>(&raw));
+}
+
+// Two fp8 -> one word of two T. Exact: every e4m3 / e5m2 value is an f16 and a bf16.
+template <typename T, typename KV>
+__device__ __forceinline__ uint32_t fp8x2_to_word(uint32_t w) {
+  if constexpr (std::is_same_v<T, __half>) {
+    const __half2_raw raw = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w & 0xffffu),
+                                                       Fp8Kind<KV>::value);
+    return *reinterpret_cast<const uint32_t*>(&raw);
+  } else {
+    const float2 f = fp8x2_to_float2<KV>(w);
+    return pack2<T>(f.x, f.y);
+  }
 }
 
 // 2^x (MUFU.EX2); exp2(-inf) = 0.

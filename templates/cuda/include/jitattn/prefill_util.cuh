@@ -1,5 +1,5 @@
 // Helpers of the cuda prefill kernel (templates/cuda/prefill.cu.jinja): the
-// shared-memory tile layout, fp8 -> 16-bit conversion, RoPE angles, ALiBi slopes.
+// shared-memory tile layout, RoPE angles, ALiBi slopes.
 #pragma once
 #include "jitattn/cuda_common.cuh"
 #include "jitattn/mma_sm80.cuh"
@@ -30,33 +30,6 @@ __device__ __forceinline__ int chunk_index(int row, int chunk) {
 template <int ROW_CHUNKS, bool SWIZZLE>
 __device__ __forceinline__ int elem_index(int row, int col) {
   return chunk_index<ROW_CHUNKS, SWIZZLE>(row, col >> 3) * 8 + (col & 7);
-}
-
-// ---- fp8 --------------------------------------------------------------------------
-
-template <typename KV> struct Fp8Kind;
-template <> struct Fp8Kind<__nv_fp8_e4m3> { static constexpr __nv_fp8_interpretation_t value = __NV_E4M3; };
-template <> struct Fp8Kind<__nv_fp8_e5m2> { static constexpr __nv_fp8_interpretation_t value = __NV_E5M2; };
-
-// Two fp8 (the low 16 bits of w) -> two floats; exact.
-template <typename KV>
-__device__ __forceinline__ float2 fp8x2_to_float2(uint32_t w) {
-  const __half2_raw raw = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w & 0xffffu),
-                                                     Fp8Kind<KV>::value);
-  return __half22float2(*reinterpret_cast<const __half2*>(&raw));
-}
-
-// Two fp8 -> one word of two T. Exact: every e4m3 / e5m2 value is an f16 and a bf16.
-template <typename T, typename KV>
-__device__ __forceinline__ uint32_t fp8x2_to_word(uint32_t w) {
-  if constexpr (std::is_same_v<T, __half>) {
-    const __half2_raw raw = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w & 0xffffu),
-                                                       Fp8Kind<KV>::value);
-    return *reinterpret_cast<const uint32_t*>(&raw);
-  } else {
-    const float2 f = fp8x2_to_float2<KV>(w);
-    return mma::pack2<T>(f.x, f.y);
-  }
 }
 
 // ---- RoPE -------------------------------------------------------------------------
