@@ -163,9 +163,10 @@ def main_cases(ceiling: float, quick: bool = False) -> list[str]:
 SWEEP = [
     {},
     {"mma": 0},
-    {"mma_smem_bytes": 80 << 10},
-    {"mma_smem_bytes": 150 << 10},
-    {"mma_stage_bytes": 80 << 10, "mma_smem_bytes": 140 << 10},
+    {"mma_blocks_per_sm": 2},
+    {"mma_blocks_per_sm": 4},
+    {"max_stages": 2},
+    {"max_stages": 8},
     {"head_minor": 0},
 ]
 

@@ -15,16 +15,17 @@ KV heads of one request are consecutive blocks):
   while the current tile is computed.
 - Tensor-core path (``mma_eligible``: no RoPE, head dims multiples of 16
   (32 with fp8 KV), qk <= 192, vo <= 128, group <= 16): four warps each take
-  16 tokens per step; S = Q K^T with ``mma.sync.m16n8k16`` (the group's heads
-  are the 16 rows, Q from shared memory, K by ``ldmatrix``), fp32 online
-  softmax on the accumulators, then O += P V with P as the A operand (V by
-  ``ldmatrix.trans``). Shared-memory rows are padded to an odd number of
-  16-byte units so ``ldmatrix`` is bank-conflict free. fp8 K/V stay fp8 in
-  shared memory (half the bytes per stage): ``ldmatrix`` moves byte pairs as
-  b16, and each lane converts its fragment to the query dtype in registers,
-  K with the head dimension permuted within 16 dims (Q's fragments are loaded
-  in the same order), V with one byte shuffle, its even and odd dims going
-  to separate output tiles.
+  16 tokens per step, the tokens as the M dimension of ``mma.sync.m16n8k16``
+  and the group's heads as N (one n8 tile up to 8 heads, two up to 16, so
+  GQA wastes at most half a tile): S^T = K Q^T (K by ``ldmatrix``, Q^T held
+  in registers), fp32 online softmax per head, P^T by ``movmatrix`` as the B
+  operand of O^T += V^T P^T (V^T by ``ldmatrix.trans``). Shared-memory rows
+  are padded to an odd number of 16-byte units so ``ldmatrix`` is
+  bank-conflict free. fp8 K/V stay fp8 in shared memory (half the bytes per
+  stage): ``ldmatrix`` moves byte pairs as b16 and each lane converts its
+  fragment to the query dtype in registers, K with the head dimension
+  permuted within 16 dims (Q^T is loaded in the same order), V with one
+  byte shuffle that sends even and odd dims to the two row halves of a tile.
 - CUDA-core path (every other variant: RoPE, head dims with a remainder of 8
   (16 with fp8), large groups, head_dim 256): a thread owns ``vec``
   consecutive elements of the head dimension (``cpt_q``/``cpt_v`` such chunks, ``tx`` threads per row) for
@@ -69,8 +70,8 @@ TUNING: dict[str, int] = {
     "max_stages": 4,
     "head_minor": 1,           # consecutive blocks take the KV heads of one request (DRAM locality in NHD)
     "mma": 1,                  # tensor-core path where the variant allows it (see mma_eligible)
-    "mma_stage_bytes": 32 << 10,
-    "mma_smem_bytes": 112 << 10,
+    "mma_blocks_per_sm": 3,    # resident blocks the tensor-core path is sized for (shared memory, registers)
+    "smem_per_sm": 227 << 10,  # usable shared memory per SM (H100/H200: 227 KiB; A100: 163 KiB)
 }
 
 _MERGE_THREADS = 128
@@ -113,32 +114,36 @@ def cuda_layout(spec: VariantSpec, tuning: dict[str, int] | None = None) -> dict
 
 def _mma_layout(spec: VariantSpec, t: dict[str, int]) -> dict[str, int]:
     """Tensor-core path: 4 warps, each scores 16 tokens per step for all (<= 16) heads with
-    mma.sync (Q from shared memory, K/V by ldmatrix), then P.V with the scores as the A operand."""
+    mma.sync (tokens as M, heads as N), then O^T += V^T P^T; see the module docstring.
+
+    Sized for ``mma_blocks_per_sm`` resident blocks (two with 16-head groups, whose fragments
+    need more registers), fewer when not even two stages fit; registers are capped to match."""
     dqk, dvo, group = spec.head_dim_qk, spec.head_dim_vo, spec.group_size
     elem = spec.kv_dtype.itemsize
     nw = 4
+    head_tiles = -(-group // 8)
     k_pitch, v_pitch, q_pitch = _pitch(dqk * elem), _pitch(dvo * elem), _pitch(dqk * 2)
-    step_tokens = nw * 16
-    steps = 1
-    while step_tokens * steps * 2 * (k_pitch + v_pitch) <= t["mma_stage_bytes"] and steps < 4:
-        steps *= 2
-    tile_tokens = step_tokens * steps
+    tile_tokens = nw * 16  # one step per tile: a barrier per 16 tokens of each warp
     k_stage, v_stage = tile_tokens * k_pitch, tile_tokens * v_pitch
-    stages = max(2, min(t["max_stages"], t["mma_smem_bytes"] // (k_stage + v_stage)))
+    stage_bytes = k_stage + v_stage + tile_tokens * 16  # + the stage's row-offset table
+    blocks = t["mma_blocks_per_sm"] if head_tiles == 1 else 2
+    while blocks > 1 and (t["smem_per_sm"] // blocks - 1024) // stage_bytes < 2:
+        blocks -= 1
+    stages = max(2, min(t["max_stages"], (t["smem_per_sm"] // blocks - 1024) // stage_bytes))
     pipe = stages * (k_stage + v_stage)
     table = stages * tile_tokens * 16
-    q_bytes = 16 * q_pitch
+    q_bytes = 16 * q_pitch  # the query rows alias stage 0 until Q^T is in registers
     merge = nw * group * (dvo * 4 + 8)
     nt = nw * 32
     return {
-        "kMma": 1, "kNW": nw, "kTZ": nw, "kGS": group, "kNT": nt,
-        "kKPitch": k_pitch, "kVPitch": v_pitch, "kQPitch": q_pitch, "kQOffset": pipe + table,
-        "kSteps": steps, "kTileTokens": tile_tokens, "kStages": stages,
+        "kMma": 1, "kNW": nw, "kTZ": nw, "kGS": group, "kNT": nt, "kHT": head_tiles, "kMinBlocks": blocks,
+        "kKPitch": k_pitch, "kVPitch": v_pitch, "kQPitch": q_pitch,
+        "kSteps": 1, "kTileTokens": tile_tokens, "kStages": stages,
         "kLoadBytes": 16, "kCPRK": dqk * elem // 16, "kCPRV": dvo * elem // 16,
         "kLoadsK": -(-(tile_tokens * dqk * elem // 16) // nt), "kLoadsV": -(-(tile_tokens * dvo * elem // 16) // nt),
         "kTabPerThread": -(-tile_tokens // nt),
         "kKStageBytes": k_stage, "kVStageBytes": v_stage, "kPipeBytes": pipe,
-        "kSmemBytes": max(pipe + table + q_bytes, merge),
+        "kSmemBytes": max(pipe + table, q_bytes, merge),
     }
 
 
@@ -205,7 +210,7 @@ def _simt_layout(spec: VariantSpec, t: dict[str, int]) -> dict[str, int]:
         "kLoadsK": -(-(tile_tokens * cpr_k) // nt), "kLoadsV": -(-(tile_tokens * cpr_v) // nt),
         "kTabPerThread": -(-tile_tokens // nt),
         "kKStageBytes": k_stage_bytes, "kVStageBytes": v_stage_bytes,
-        "kMma": 0, "kNW": 1, "kKPitch": dqk * elem, "kVPitch": dvo * elem, "kQPitch": 0, "kQOffset": 0,
+        "kMma": 0, "kHT": 1, "kMinBlocks": 1, "kNW": 1, "kKPitch": dqk * elem, "kVPitch": dvo * elem, "kQPitch": 0,
         "kPipeBytes": pipe_bytes, "kSmemBytes": smem,
         "kHeadMinor": int(bool(t["head_minor"])),
         "kMergeThreads": _MERGE_THREADS, "kMergeLanes": dvo // 4, "kMergeGroups": max(1, _MERGE_THREADS // (dvo // 4)),

@@ -56,6 +56,15 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t add
                : "r"(addr));
 }
 
+// Transposes an 8x8 b16 matrix held one word per lane in the fragment layout
+// above (lane l: row l/4, columns 2*(l%4) + {0, 1}): lane l gets column l/4,
+// rows 2*(l%4) + {0, 1}. A C tile packed to 16 bits becomes a B operand this way.
+__device__ __forceinline__ uint32_t transpose8x8(uint32_t w) {
+  uint32_t r;
+  asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(r) : "r"(w));
+  return r;
+}
+
 // ---- mma.sync m16n8k16, fp32 accumulate ------------------------------------------
 
 template <typename T> struct Mma;
