@@ -11,6 +11,7 @@ from .attention.kv import split_paged_kv_cache
 from .attention.options import parse_dtype, parse_kv_layout, parse_pos_encoding, resolve_scalars
 from .attention.specs import attention_spec
 from .jit import load
+from .families.decode import MAX_RESIDENT_BLOCKS, resident_blocks
 from .plan import SplitPlan, check_paged_index, max_decode_chunks, plan_decode_split, split_workspace_bytes
 from .variant import AttentionVariant
 from .spec import KVLayout, KVStorage, MaskMode, Op, Target
@@ -94,6 +95,7 @@ class BatchDecodeWithPagedKVCacheWrapper(BatchWrapperBase):
             split = plan_decode_split(
                 index.kv_lens, num_kv_heads=num_kv_heads, num_sms=workers, page_size=page_size,
                 fixed_split_size=fixed_split_size, disable_split_kv=disable_split_kv,
+                blocks_per_sm=resident_blocks(spec) if self._target is Target.CUDA else 2,
             )
         workspace_bytes = split_workspace_bytes(split.num_chunks, num_qo_heads, head_dim) if split.kv_chunk_size else 0
         check_workspace(self._workspace, workspace_bytes, _WRAPPER)
@@ -138,7 +140,8 @@ class BatchDecodeWithPagedKVCacheWrapper(BatchWrapperBase):
         int_bytes = 2 * (max_batch_size + 1) * 4
         workers = num_sms(self._device.index or 0) if self._target is Target.CUDA else cpu_threads()
         chunks = max_decode_chunks(max_batch_size, max_kv_tokens, num_kv_heads=num_kv_heads, num_sms=workers,
-                                   page_size=page_size, fixed_split_size=fixed_split_size)
+                                   page_size=page_size, fixed_split_size=fixed_split_size,
+                                   blocks_per_sm=MAX_RESIDENT_BLOCKS)
         return split_workspace_bytes(chunks, num_qo_heads, head_dim), int_bytes
 
     def run(

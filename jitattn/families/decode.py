@@ -49,6 +49,7 @@ Workspace layout (split-KV), in the ABI's terms: with
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from ..plan import split_workspace_bytes  # noqa: F401  (the kernel's workspace layout)
@@ -95,6 +96,16 @@ def mma_eligible(spec: VariantSpec) -> bool:
     )
 
 
+MAX_RESIDENT_BLOCKS = 4  # no layout is sized for more resident blocks per SM (bounds split-KV workspaces)
+
+
+@functools.lru_cache(maxsize=256)
+def resident_blocks(spec: VariantSpec) -> int:
+    """Blocks per SM the cuda kernel of ``spec`` is sized for: what the split-KV planner balances over."""
+    layout = cuda_layout(spec)
+    return layout["kMinBlocks"] if layout["kMma"] else 2
+
+
 def _pitch(row_bytes: int) -> int:
     """Shared-memory row pitch: an odd number of 16-byte units, so ldmatrix rows hit distinct banks."""
     units = row_bytes // 16
@@ -129,6 +140,7 @@ def _mma_layout(spec: VariantSpec, t: dict[str, int]) -> dict[str, int]:
     blocks = t["mma_blocks_per_sm"] if head_tiles == 1 else 2
     while blocks > 1 and (t["smem_per_sm"] // blocks - 1024) // stage_bytes < 2:
         blocks -= 1
+    blocks = min(blocks, MAX_RESIDENT_BLOCKS)
     stages = max(2, min(t["max_stages"], (t["smem_per_sm"] // blocks - 1024) // stage_bytes))
     pipe = stages * (k_stage + v_stage)
     table = stages * tile_tokens * 16
