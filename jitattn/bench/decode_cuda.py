@@ -163,7 +163,7 @@ def main_cases(ceiling: float, quick: bool = False) -> list[str]:
 SWEEP = [
     {},
     {"mma": 0},
-    {"mma_blocks_per_sm": 2},
+    {"mma_blocks_per_sm": 3},
     {"mma_blocks_per_sm": 4},
     {"max_stages": 2},
     {"max_stages": 8},
