@@ -91,8 +91,9 @@ def check_paged_index(
     if total_pages > indices_h.numel():
         raise ValueError(f"{names[0]}[-1] = {total_pages} exceeds len({names[1]}) = {indices_h.numel()}")
     used = indices_h[:total_pages]
-    if total_pages and int(used.min()) < 0:
-        raise ValueError(f"{names[1]} has a negative page index ({int(used.min())})")
+    lowest, highest = (int(x) for x in torch.aminmax(used)) if total_pages else (0, -1)  # one pass
+    if lowest < 0:
+        raise ValueError(f"{names[1]} has a negative page index ({lowest})")
     num_pages = (indptr_h[1:] - indptr_h[:-1]).to(torch.int64)
     last = last_h.to(torch.int64)
     has_pages = num_pages > 0
@@ -106,7 +107,7 @@ def check_paged_index(
     kv_lens = torch.where(has_pages, (num_pages - 1) * page_size + last, 0).tolist()
     return PagedIndex(
         indptr=indptr_h, indices=indices_h, last_page_len=last_h, page_size=page_size,
-        kv_lens=tuple(kv_lens), max_page_index=int(used.max()) if total_pages else -1,
+        kv_lens=tuple(kv_lens), max_page_index=highest,
     )
 
 
