@@ -171,12 +171,14 @@ def check(out, lse, ref, dtype, lse_atol=2e-3):
     torch.testing.assert_close(lse[finite], ref_lse[finite], atol=lse_atol, rtol=1e-4)
 
 
-def check_case(spec, lens, hkv, page_size, *, seed, layout=None, fmt="tuple", chunks=(0,), **kw):
-    """Random q and KV for ``spec``; run the kernel (each chunk size) and compare with the reference."""
+def check_case(spec, lens, hkv, page_size, *, seed, layout=None, fmt="tuple", chunks=(0,), q_mult=1.0, **kw):
+    """Random q (times ``q_mult``) and KV for ``spec``; run the kernel (each chunk size) and compare with the
+    reference."""
     gen = torch.Generator().manual_seed(seed)
     layout = layout or spec.kv_layout.value
     kv = Paged(lens, hkv, spec.head_dim_qk, spec.head_dim_vo, page_size, spec.kv_dtype.torch_dtype, layout, fmt, gen)
-    q = torch.randn(len(lens), hkv * spec.group_size, spec.head_dim_qk, generator=gen).to(spec.q_dtype.torch_dtype)
+    q = torch.randn(len(lens), hkv * spec.group_size, spec.head_dim_qk, generator=gen) * q_mult
+    q = q.to(spec.q_dtype.torch_dtype)
     q = q.cuda()
     if spec.kv_dtype.is_fp8:
         kw.setdefault("k_scale", 0.7)
@@ -224,6 +226,15 @@ def test_fp8_kv_on_tensor_cores(name):
     check_case(spec, LENS, 2 if spec.group_size > 4 else 3, 16, seed=31, chunks=(0, 40), k_scale=0.6, v_scale=1.7,
                **kw)
     check_case(spec, [1000, 2], 1, 64, seed=32, chunks=(0, 128), k_scale=1.9, v_scale=0.4, **kw)
+
+
+@pytest.mark.parametrize("q_mult", [3e4, 1e-3])
+def test_fp8_kv_bf16_queries_of_any_scale(q_mult):
+    # with fp8 KV the tensor cores run in f16: bf16 queries past the f16 range (or tiny ones) are
+    # scaled by a power of two first; sm_scale keeps the logits O(1) so the test sees the scaling
+    spec = FP8_MMA["e4m3_g1"]
+    check_case(spec, LENS, 2, 16, seed=33, chunks=(0, 64), sm_scale=1.0 / (q_mult * spec.head_dim_qk ** 0.5),
+               q_mult=q_mult)
 
 
 @pytest.mark.parametrize("layout", ["nhd", "hnd"])
