@@ -23,7 +23,9 @@ KV heads of one request are consecutive blocks):
   are padded to an odd number of 16-byte units so ``ldmatrix`` is
   bank-conflict free. fp8 K/V stay fp8 in shared memory (half the bytes per
   stage): ``ldmatrix`` moves byte pairs as b16 and each lane converts its
-  fragment to the query dtype in registers, K with the head dimension
+  fragment to f16 in registers (the mma runs in f16 whatever the query
+  dtype: one instruction per fp8 pair; bf16 queries are scaled by a power of
+  two into f16 range, the scores scaled back), K with the head dimension
   permuted within 16 dims (Q^T is loaded in the same order), V with one
   byte shuffle that sends even and odd dims to the two row halves of a tile.
 - CUDA-core path (every other variant: RoPE, head dims with a remainder of 8
