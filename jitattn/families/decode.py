@@ -143,9 +143,9 @@ def _mma_layout(spec: VariantSpec, t: dict[str, int]) -> dict[str, int]:
     k_stage, v_stage = tile_tokens * k_pitch, tile_tokens * v_pitch
     stage_bytes = k_stage + v_stage + tile_tokens * 16  # + the stage's row-offset table
     blocks = t["mma_blocks_per_sm_fp8" if spec.kv_dtype.is_fp8 else "mma_blocks_per_sm"] if head_tiles == 1 else 2
+    blocks = min(blocks, MAX_RESIDENT_BLOCKS)
     while blocks > 1 and (t["smem_per_sm"] // blocks - 1024) // stage_bytes < 2:
         blocks -= 1
-    blocks = min(blocks, MAX_RESIDENT_BLOCKS)
     stages = max(2, min(t["max_stages"], (t["smem_per_sm"] // blocks - 1024) // stage_bytes))
     pipe = stages * (k_stage + v_stage)
     table = stages * tile_tokens * 16
