@@ -12,15 +12,24 @@ from .variant import AttentionVariant, VariantParam  # noqa: E402
 from .spec import DType, KVLayout, KVStorage, MaskMode, Op, PosEncoding, Target, VariantSpec  # noqa: E402
 from .jit import build_many, load  # noqa: E402
 from .attention.merge import merge_state, merge_state_in_place, merge_states  # noqa: E402
-from .decode import BatchDecodeWithPagedKVCacheWrapper, single_decode_with_kv_cache  # noqa: E402
+from .decode import (  # noqa: E402
+    BatchDecodeWithPagedKVCacheWrapper, CUDAGraphBatchDecodeWithPagedKVCacheWrapper, fast_decode_plan,
+    single_decode_with_kv_cache,
+)
 from .prefill import (  # noqa: E402
     BatchPrefillWithPagedKVCacheWrapper, BatchPrefillWithRaggedKVCacheWrapper, single_prefill_with_kv_cache,
+    single_prefill_with_kv_cache_return_lse,
 )
-from .cascade import MultiLevelCascadeAttentionWrapper  # noqa: E402
+from .cascade import (  # noqa: E402
+    BatchDecodeWithSharedPrefixPagedKVCacheWrapper, BatchPrefillWithSharedPrefixPagedKVCacheWrapper,
+    MultiLevelCascadeAttentionWrapper,
+)
 from .page import append_paged_kv_cache, get_batch_indices_positions, get_seq_lens  # noqa: E402
 
 __all__ = [
     "AttentionVariant", "VariantParam", "BatchDecodeWithPagedKVCacheWrapper", "BatchPrefillWithPagedKVCacheWrapper",
+    "BatchDecodeWithSharedPrefixPagedKVCacheWrapper", "BatchPrefillWithSharedPrefixPagedKVCacheWrapper",
+    "CUDAGraphBatchDecodeWithPagedKVCacheWrapper", "fast_decode_plan", "single_prefill_with_kv_cache_return_lse",
     "BatchPrefillWithRaggedKVCacheWrapper", "DType", "KVLayout", "KVStorage", "MaskMode",
     "MultiLevelCascadeAttentionWrapper", "Op", "append_paged_kv_cache", "get_batch_indices_positions",
     "get_seq_lens", "PosEncoding", "Target", "VariantSpec", "build_many", "load",

@@ -10,6 +10,8 @@ query sees whole).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .attention.batch import num_sms
@@ -17,11 +19,15 @@ from .attention.checks import cpu_threads
 from .attention.merge import merge_state, merge_state_in_place, merge_states
 from .attention.options import parse_pos_encoding
 from .plan import cascade_level_chunks, check_indptr, check_paged_index, split_level_page_table
-from .prefill import BatchPrefillWithPagedKVCacheWrapper
+from .decode import BatchDecodeWithPagedKVCacheWrapper
+from .prefill import BatchPrefillWithPagedKVCacheWrapper, single_prefill_with_kv_cache
 from .spec import PosEncoding
 from .variant import AttentionVariant
 
-__all__ = ["MultiLevelCascadeAttentionWrapper", "merge_state", "merge_state_in_place", "merge_states"]
+__all__ = [
+    "BatchDecodeWithSharedPrefixPagedKVCacheWrapper", "BatchPrefillWithSharedPrefixPagedKVCacheWrapper",
+    "MultiLevelCascadeAttentionWrapper", "merge_state", "merge_state_in_place", "merge_states",
+]
 
 
 class MultiLevelCascadeAttentionWrapper:
@@ -126,11 +132,15 @@ class MultiLevelCascadeAttentionWrapper:
     def end_forward(self) -> None:
         """No-op kept for older FlashInfer call sites."""
 
+    @property
+    def is_cuda_graph_enabled(self) -> bool:
+        return self._wrappers[0].is_cuda_graph_enabled
+
     def run(
         self, q: torch.Tensor, paged_kv_cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor], *,
-        k_scale: float | None = None, v_scale: float | None = None, **variant_args,
-    ) -> torch.Tensor:
-        """q ``[total_qo, num_qo_heads, head_dim]`` -> attention over every level's KV.
+        k_scale: float | None = None, v_scale: float | None = None, return_lse: bool = False, **variant_args,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """q ``[total_qo, num_qo_heads, head_dim]`` -> attention over every level's KV (and its natural-log lse).
 
         ``variant_args``: the planned custom variant's parameters, by name (the same for every level)."""
         out = lse = None
@@ -147,6 +157,104 @@ class MultiLevelCascadeAttentionWrapper:
                 out, lse = level_out, level_lse
             else:
                 merge_state_in_place(out, lse, level_out, level_lse)
+        return (out, lse) if return_lse else out
+
+    run_return_lse = functools.partialmethod(run, return_lse=True)
+    forward = run
+    forward_return_lse = run_return_lse
+
+
+class BatchDecodeWithSharedPrefixPagedKVCacheWrapper:
+    """Decode over a shared prefix kept in plain tensors plus each request's own paged KV (FlashInfer's older API).
+
+    ``forward`` attends every query to ``k_shared``/``v_shared`` (one single-request prefill
+    over the batch's queries), decodes over the unique pages, and merges the two states by LSE.
+    """
+
+    def __init__(self, float_workspace_buffer: torch.Tensor, kv_layout: str = "NHD") -> None:
+        self._kv_layout = kv_layout
+        self._batch_decode_wrapper = BatchDecodeWithPagedKVCacheWrapper(float_workspace_buffer, kv_layout)
+        self._sm_scale: float | None = None
+
+    def reset_workspace_buffer(self, float_workspace_buffer: torch.Tensor, int_workspace_buffer=None) -> None:
+        self._batch_decode_wrapper.reset_workspace_buffer(float_workspace_buffer, int_workspace_buffer)
+
+    def begin_forward(
+        self, unique_kv_indptr: torch.Tensor, unique_kv_indices: torch.Tensor, unique_kv_last_page_len: torch.Tensor,
+        num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int, data_type: str = "float16",
+    ) -> None:
+        """Plan the unique (paged) part; ``data_type`` is the q and kv dtype."""
+        self._batch_decode_wrapper.plan(
+            unique_kv_indptr, unique_kv_indices, unique_kv_last_page_len, num_qo_heads, num_kv_heads, head_dim,
+            page_size, q_data_type=data_type, kv_data_type=data_type,
+        )
+
+    plan = begin_forward
+
+    def forward(
+        self, q: torch.Tensor, k_shared: torch.Tensor, v_shared: torch.Tensor,
+        unique_kv_cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor:
+        """q ``[batch, H_qo, D]``, k/v_shared ``[shared_len, H_kv, D]`` (NHD) / ``[H_kv, shared_len, D]`` (HND)."""
+        out, lse = single_prefill_with_kv_cache(q, k_shared, v_shared, causal=False, kv_layout=self._kv_layout,
+                                                return_lse=True)
+        unique_out, unique_lse = self._batch_decode_wrapper.run(q, unique_kv_cache, return_lse=True)
+        merge_state_in_place(out, lse, unique_out, unique_lse)
         return out
 
-    forward = run
+    run = forward
+
+    def end_forward(self) -> None:
+        """No-op kept for older FlashInfer call sites."""
+
+
+class BatchPrefillWithSharedPrefixPagedKVCacheWrapper:
+    """Prefill/append over a shared prefix in plain tensors plus each request's own paged KV (FlashInfer's older API).
+
+    The shared prefix precedes every request's own KV, so ``causal`` applies to the unique part only.
+    """
+
+    def __init__(self, float_workspace_buffer: torch.Tensor, kv_layout: str = "NHD") -> None:
+        self._kv_layout = kv_layout
+        self._batch_prefill_wrapper = BatchPrefillWithPagedKVCacheWrapper(float_workspace_buffer, kv_layout)
+        self._plan_args: tuple = ()
+
+    def reset_workspace_buffer(self, float_workspace_buffer: torch.Tensor, int_workspace_buffer=None) -> None:
+        self._batch_prefill_wrapper.reset_workspace_buffer(float_workspace_buffer, int_workspace_buffer)
+
+    def begin_forward(
+        self, qo_indptr: torch.Tensor, paged_kv_indptr: torch.Tensor, paged_kv_indices: torch.Tensor,
+        paged_kv_last_page_len: torch.Tensor, num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
+    ) -> None:
+        """Record the unique part's page table; ``forward`` plans it with the dtypes and options it is given."""
+        self._plan_args = (qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads,
+                           num_kv_heads, head_dim, page_size)
+        self._planned: dict | None = None
+
+    plan = begin_forward
+
+    def forward(
+        self, q: torch.Tensor, k_shared: torch.Tensor, v_shared: torch.Tensor,
+        unique_kv_cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor], causal: bool = False,
+        use_fp16_qk_reduction: bool = False, sm_scale: float | None = None, rope_scale: float | None = None,
+        rope_theta: float | None = None,
+    ) -> torch.Tensor:
+        """q ``[total_qo, H_qo, D]``; k/v_shared ``[shared_len, H_kv, D]`` (NHD) / ``[H_kv, shared_len, D]`` (HND)."""
+        if not self._plan_args:
+            raise RuntimeError("BatchPrefillWithSharedPrefixPagedKVCacheWrapper.forward() called before "
+                               "begin_forward(); call begin_forward() once per batch first")
+        unique_k = unique_kv_cache[0] if isinstance(unique_kv_cache, (tuple, list)) else unique_kv_cache
+        options = dict(causal=causal, sm_scale=sm_scale, q_data_type=q.dtype, kv_data_type=unique_k.dtype)
+        if options != self._planned:  # plan once per batch and option set, as every layer passes the same
+            self._batch_prefill_wrapper.plan(*self._plan_args, **options)
+            self._planned = options
+        out, lse = single_prefill_with_kv_cache(q, k_shared, v_shared, causal=False, kv_layout=self._kv_layout,
+                                                sm_scale=sm_scale, return_lse=True)
+        unique_out, unique_lse = self._batch_prefill_wrapper.run(q, unique_kv_cache, return_lse=True)
+        merge_state_in_place(out, lse, unique_out, unique_lse)
+        return out
+
+    run = forward
+
+    def end_forward(self) -> None:
+        """No-op kept for older FlashInfer call sites."""

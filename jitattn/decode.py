@@ -2,23 +2,35 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .attention.batch import AttentionPlan, check_workspace, log_plan, num_sms, upload_int32
 from .attention.wrapper import BatchWrapperBase
 from .attention.checks import check_tensor, cpu_threads, target_of
 from .attention.kv import split_paged_kv_cache
-from .attention.options import parse_dtype, parse_kv_layout, parse_pos_encoding, resolve_scalars
+from .attention.options import (
+    check_head_dim, parse_kv_layout, parse_pos_encoding, refuse_unsupported, resolve_dtypes, resolve_scalars,
+)
 from .attention.specs import attention_spec
 from .jit import load
 from .families.decode import MAX_RESIDENT_BLOCKS, resident_blocks
-from .plan import SplitPlan, check_paged_index, max_decode_chunks, plan_decode_split, split_workspace_bytes
+from .plan import (
+    PagedIndex, SplitPlan, check_paged_index, max_decode_chunks, plan_decode_split, split_workspace_bytes,
+    to_host_int32,
+)
 from .variant import AttentionVariant
 from .spec import KVLayout, KVStorage, MaskMode, Op, Target
 
-__all__ = ["BatchDecodeWithPagedKVCacheWrapper", "single_decode_with_kv_cache"]
+__all__ = [
+    "BatchDecodeWithPagedKVCacheWrapper", "CUDAGraphBatchDecodeWithPagedKVCacheWrapper", "fast_decode_plan",
+    "single_decode_with_kv_cache",
+]
 
 _WRAPPER = "BatchDecodeWithPagedKVCacheWrapper"
+# plan()'s default q dtype, compared by identity: data_type may fill it, never an explicit q_data_type.
+_DEFAULT_Q_DTYPE = "float16"
 
 
 class BatchDecodeWithPagedKVCacheWrapper(BatchWrapperBase):
@@ -27,6 +39,8 @@ class BatchDecodeWithPagedKVCacheWrapper(BatchWrapperBase):
     ``plan()`` once per batch (it validates the page table on the host,
     chooses the kernel and the split-KV schedule), then ``run()`` once per
     layer. The target follows ``float_workspace_buffer``'s device.
+    ``use_tensor_cores`` is accepted for compatibility: the kernel picks its
+    tensor-core or CUDA-core path itself.
     """
 
     _NAME = _WRAPPER
@@ -35,27 +49,34 @@ class BatchDecodeWithPagedKVCacheWrapper(BatchWrapperBase):
         self, float_workspace_buffer: torch.Tensor, kv_layout: str = "NHD", use_cuda_graph: bool = False,
         use_tensor_cores: bool = False, paged_kv_indptr_buffer: torch.Tensor | None = None,
         paged_kv_indices_buffer: torch.Tensor | None = None,
-        paged_kv_last_page_len_buffer: torch.Tensor | None = None, backend: str = "auto",
+        paged_kv_last_page_len_buffer: torch.Tensor | None = None, backend: str = "auto", jit_args=None,
     ) -> None:
         self._use_tensor_cores = bool(use_tensor_cores)
         super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph, backend, {
             "kv_indptr": paged_kv_indptr_buffer, "kv_indices": paged_kv_indices_buffer,
             "kv_last_page_len": paged_kv_last_page_len_buffer,
         }, {"kv_indptr": "paged_kv_indptr_buffer", "kv_indices": "paged_kv_indices_buffer",
-            "kv_last_page_len": "paged_kv_last_page_len_buffer"})
+            "kv_last_page_len": "paged_kv_last_page_len_buffer"}, jit_args=jit_args)
         # Under CUDA graphs every array a captured launch reads must keep its address across plans.
         self._own_buffers: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
         if self._use_cuda_graph:
             rows = paged_kv_indptr_buffer.numel()
             self._own_buffers = tuple(torch.empty(rows, dtype=torch.int32, device=self._device) for _ in range(2))
+        self._fast_specs: dict[tuple, tuple] = {}  # fast_decode_plan: (options) -> (spec, module)
+        self._fast_ranges: dict[int, torch.Tensor] = {}  # fast_decode_plan: batch size -> arange on the device
+
+    @property
+    def use_tensor_cores(self) -> bool:
+        return self._use_tensor_cores
 
     def plan(
         self, indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tensor, num_qo_heads: int,
         num_kv_heads: int, head_dim: int, page_size: int, pos_encoding_mode: str = "NONE", window_left: int = -1,
-        logits_soft_cap: float | None = None, q_data_type: str | torch.dtype = "float16",
+        logits_soft_cap: float | None = None, q_data_type: str | torch.dtype = _DEFAULT_Q_DTYPE,
         kv_data_type: str | torch.dtype | None = None, data_type: str | torch.dtype | None = None,
         sm_scale: float | None = None, rope_scale: float | None = None, rope_theta: float | None = None,
-        non_blocking: bool = True, fixed_split_size: int | None = None, disable_split_kv: bool = False,
+        non_blocking: bool = True, block_tables: torch.Tensor | None = None, seq_lens: torch.Tensor | None = None,
+        fixed_split_size: int | None = None, disable_split_kv: bool = False,
         variant: AttentionVariant | None = None,
     ) -> None:
         """Plan decode for one batch.
@@ -65,14 +86,17 @@ class BatchDecodeWithPagedKVCacheWrapper(BatchWrapperBase):
         with an output transform is never split over the KV.
 
         Index arrays are int32, on the host (no device sync) or on the device
-        (copied to the host once here). ``data_type`` (deprecated in
-        FlashInfer) sets both q and kv dtypes. ``fixed_split_size`` is in pages.
+        (copied to the host once here). ``data_type`` (deprecated in FlashInfer) fills the
+        q and kv dtypes the caller did not give. ``fixed_split_size`` is in pages.
+        ``block_tables``/``seq_lens`` (FlashInfer's trtllm-gen inputs) are not supported.
         """
-        if data_type is not None:
-            q_data_type = kv_data_type = data_type
-        q_dtype = parse_dtype(q_data_type, "q_data_type")
-        kv_dtype = parse_dtype(kv_data_type, "kv_data_type") if kv_data_type is not None else q_dtype
+        self._plan_call = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
+        refuse_unsupported(f"{_WRAPPER}.plan", block_tables=block_tables, seq_lens=seq_lens)
+        if q_data_type is _DEFAULT_Q_DTYPE and data_type is not None:
+            q_data_type = None  # the default, not the caller's choice: data_type fills it
+        q_dtype, kv_dtype = resolve_dtypes(q_data_type, kv_data_type, data_type)
         pos = parse_pos_encoding(pos_encoding_mode)
+        check_head_dim(head_dim)
         index = check_paged_index(indptr, indices, last_page_len, page_size)
         scalars = resolve_scalars(
             head_dim_qk=head_dim, causal=False, pos_encoding=pos, window_left=window_left,
@@ -86,26 +110,11 @@ class BatchDecodeWithPagedKVCacheWrapper(BatchWrapperBase):
         )
         if variant is not None and not variant.splittable:
             disable_split_kv = True  # partial states of such a variant cannot be merged by LSE
-        if self._use_cuda_graph:
-            # Under CUDA graphs the grid must not depend on lengths: no split.
-            split = SplitPlan(0, tuple(range(index.batch_size + 1)))
-        else:
-            # The cpu target runs the same plan; its "SMs" are the OpenMP threads.
-            workers = num_sms(self._device.index or 0) if self._target is Target.CUDA else cpu_threads()
-            split = plan_decode_split(
-                index.kv_lens, num_kv_heads=num_kv_heads, num_sms=workers, page_size=page_size,
-                fixed_split_size=fixed_split_size, disable_split_kv=disable_split_kv,
-                blocks_per_sm=resident_blocks(spec) if self._target is Target.CUDA else 2,
-            )
+        split = self._split(spec, index.kv_lens, num_kv_heads, page_size, fixed_split_size, disable_split_kv)
         workspace_bytes = split_workspace_bytes(split.num_chunks, num_qo_heads, head_dim) if split.kv_chunk_size else 0
         check_workspace(self._workspace, workspace_bytes, _WRAPPER)
-        if self._use_cuda_graph and self._plan is not None and self._plan.total_qo != index.batch_size:
-            raise ValueError(
-                f"a use_cuda_graph wrapper keeps its batch size ({self._plan.total_qo}); got {index.batch_size}. "
-                "Captured launches have the batch size baked in: use one wrapper per captured batch size"
-            )
+        self._check_graph_batch(index.batch_size)
         module = load(spec)
-        device = self._device
         indptr_buf, indices_buf, last_buf = (self._buffers[r] for r in ("kv_indptr", "kv_indices", "kv_last_page_len"))
         qo_indptr_buf, split_indptr_buf = self._own_buffers
         qo_indptr_dev, indptr_dev, indices_dev, last_dev, split_dev = upload_int32([
@@ -114,18 +123,109 @@ class BatchDecodeWithPagedKVCacheWrapper(BatchWrapperBase):
             ("paged_kv_indices", index.indices, indices_buf),
             ("paged_kv_last_page_len", index.last_page_len, last_buf),
             ("split_indptr", torch.tensor(split.split_indptr, dtype=torch.int32), split_indptr_buf),
-        ], device)
+        ], self._device)
+        self._install(spec, module, scalars, q_dtype, kv_dtype, num_qo_heads, num_kv_heads, head_dim, page_size,
+                      index, split, qo_indptr_dev, indptr_dev, indices_dev, last_dev, split_dev, workspace_bytes)
+
+    begin_forward = plan
+
+    def _split(self, spec, kv_lens: tuple[int, ...], num_kv_heads: int, page_size: int,
+               fixed_split_size: int | None, disable_split_kv: bool) -> SplitPlan:
+        if self._use_cuda_graph:
+            # Under CUDA graphs the grid must not depend on lengths: no split.
+            return SplitPlan(0, tuple(range(len(kv_lens) + 1)))
+        # The cpu target runs the same plan; its "SMs" are the OpenMP threads.
+        workers = num_sms(self._device.index or 0) if self._target is Target.CUDA else cpu_threads()
+        return plan_decode_split(
+            kv_lens, num_kv_heads=num_kv_heads, num_sms=workers, page_size=page_size,
+            fixed_split_size=fixed_split_size, disable_split_kv=disable_split_kv,
+            blocks_per_sm=resident_blocks(spec) if self._target is Target.CUDA else 2,
+        )
+
+    def _check_graph_batch(self, batch_size: int) -> None:
+        if self._use_cuda_graph and self._plan is not None and self._plan.total_qo != batch_size:
+            raise ValueError(
+                f"a use_cuda_graph wrapper keeps its batch size ({self._plan.total_qo}); got {batch_size}. "
+                "Captured launches have the batch size baked in: use one wrapper per captured batch size"
+            )
+
+    def _install(self, spec, module, scalars, q_dtype, kv_dtype, num_qo_heads, num_kv_heads, head_dim, page_size,
+                 index, split, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, split_indptr,
+                 workspace_bytes) -> None:
         self._plan = AttentionPlan(
             spec=spec, module=module, scalars=scalars, q_dtype=q_dtype, kv_dtype=kv_dtype, o_dtype=q_dtype,
             num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim_qk=head_dim, head_dim_vo=head_dim,
             page_size=page_size, kv_layout=self._kv_layout, total_qo=index.batch_size,
-            qo_indptr=qo_indptr_dev, kv_indptr=indptr_dev, kv_indices=indices_dev, kv_last_page_len=last_dev,
-            custom_mask=None, mask_indptr=None, index=index, split=split, split_indptr=split_dev,
+            qo_indptr=qo_indptr, kv_indptr=kv_indptr, kv_indices=kv_indices, kv_last_page_len=kv_last_page_len,
+            custom_mask=None, mask_indptr=None, index=index, split=split, split_indptr=split_indptr,
             use_cuda_graph=self._use_cuda_graph, wrapper=_WRAPPER,
         )
         log_plan(_WRAPPER, self._plan, workspace_bytes)
 
-    begin_forward = plan
+    def _fast_plan(
+        self, indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tensor, num_qo_heads: int,
+        num_kv_heads: int, head_dim: int, page_size: int, pos_encoding_mode, window_left, logits_soft_cap,
+        q_data_type, kv_data_type, data_type, sm_scale, rope_scale, rope_theta, fixed_split_size,
+        disable_split_kv, indptr_host: torch.Tensor | None,
+    ) -> None:
+        """``fast_decode_plan``: no device sync, no page-table validation, device arrays used in place."""
+        q_dtype, kv_dtype = resolve_dtypes(q_data_type, kv_data_type, data_type)
+        pos = parse_pos_encoding(pos_encoding_mode)
+        scalars = resolve_scalars(
+            head_dim_qk=head_dim, causal=False, pos_encoding=pos, window_left=window_left,
+            logits_soft_cap=logits_soft_cap, sm_scale=sm_scale, rope_scale=rope_scale, rope_theta=rope_theta,
+        )
+        key = (q_dtype, kv_dtype, pos, scalars.window_left >= 0, scalars.logits_soft_cap > 0, num_qo_heads,
+               num_kv_heads, head_dim)
+        if key not in self._fast_specs:
+            spec = attention_spec(
+                Op.DECODE, self._target, q_dtype=q_dtype, kv_dtype=kv_dtype, o_dtype=q_dtype, head_dim_qk=head_dim,
+                head_dim_vo=head_dim, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, pos_encoding=pos,
+                use_sliding_window=key[3], use_logits_soft_cap=key[4], mask_mode=MaskMode.NONE,
+                kv_layout=self._kv_layout, kv_storage=KVStorage.PAGED,
+            )
+            self._fast_specs[key] = (spec, load(spec))
+        spec, module = self._fast_specs[key]
+        if indptr_host is None:
+            indptr_host = indptr if indptr.device.type == "cpu" else indptr.to("cpu")  # FlashInfer copies too
+        indptr_host = to_host_int32("global_override_indptr_cpu", indptr_host)
+        batch = indptr_host.numel() - 1
+        if batch < 0 or last_page_len.numel() != batch:
+            raise ValueError(f"indptr describes {batch} requests but last_page_len has {last_page_len.numel()}")
+        self._check_graph_batch(batch)
+        # Without last_page_len on the host every request counts its full last page. Chunks end on
+        # page boundaries, so the chunk counts are the same as with the exact lengths.
+        pages = (indptr_host[1:] - indptr_host[:-1]).to(torch.int64)
+        upper_lens = tuple((pages * page_size).tolist())
+        split = self._split(spec, upper_lens, num_kv_heads, page_size, fixed_split_size, disable_split_kv)
+        workspace_bytes = split_workspace_bytes(split.num_chunks, num_qo_heads, head_dim) if split.kv_chunk_size else 0
+        check_workspace(self._workspace, workspace_bytes, _WRAPPER)
+        device = self._device
+        if self._use_cuda_graph:
+            arrays = []
+            for role, src in (("kv_indptr", indptr), ("kv_indices", indices), ("kv_last_page_len", last_page_len)):
+                buffer = self._buffers[role]
+                if src.numel() > buffer.numel():
+                    raise ValueError(f"{role} has {src.numel()} entries; its CUDA-graph buffer holds {buffer.numel()}")
+                buffer[: src.numel()].copy_(src, non_blocking=True)
+                arrays.append(buffer)
+            qo_indptr = split_indptr = self._own_buffers[0]
+            if self._plan is None:
+                qo_indptr.copy_(torch.arange(qo_indptr.numel(), dtype=torch.int32))
+        else:
+            arrays = [t if t.device == device else t.to(device, non_blocking=True)
+                      for t in (indptr, indices, last_page_len)]
+            if batch not in self._fast_ranges:
+                self._fast_ranges[batch] = torch.arange(batch + 1, dtype=torch.int32, device=device)
+            qo_indptr = self._fast_ranges[batch]
+            split_indptr = qo_indptr
+            if split.kv_chunk_size:
+                split_indptr = torch.tensor(split.split_indptr, dtype=torch.int32).to(device, non_blocking=True)
+        # The page table is trusted here (as FlashInfer's fast path does): max_page_index is unknown.
+        index = PagedIndex(indptr=indptr_host, indices=indices, last_page_len=last_page_len, page_size=page_size,
+                           kv_lens=upper_lens, max_page_index=-1)
+        self._install(spec, module, scalars, q_dtype, kv_dtype, num_qo_heads, num_kv_heads, head_dim, page_size,
+                      index, split, qo_indptr, arrays[0], arrays[1], arrays[2], split_indptr, workspace_bytes)
 
     def workspace_size(
         self, max_batch_size: int, max_kv_tokens: int, num_qo_heads: int, num_kv_heads: int, head_dim: int,
@@ -145,16 +245,84 @@ class BatchDecodeWithPagedKVCacheWrapper(BatchWrapperBase):
         return split_workspace_bytes(chunks, num_qo_heads, head_dim), int_bytes
 
     def run(
-        self, q: torch.Tensor, paged_kv_cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor], *,
-        k_scale: float | None = None, v_scale: float | None = None, out: torch.Tensor | None = None,
-        lse: torch.Tensor | None = None, return_lse: bool = False, **variant_args,
+        self, q: torch.Tensor, paged_kv_cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor], *args,
+        q_scale: float | None = None, k_scale: float | None = None, v_scale: float | None = None,
+        out: torch.Tensor | None = None, lse: torch.Tensor | None = None, return_lse: bool = False,
+        enable_pdl: bool | None = None, window_left: int | None = None, **variant_args,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Decode attention: q ``[batch, num_qo_heads, head_dim]`` -> out (and natural-log lse ``[batch, heads]``).
 
-        ``variant_args``: the planned custom variant's parameters, by name.
+        ``q_scale``/``k_scale`` multiply ``sm_scale``, ``v_scale`` the output (fp8 dequantization);
+        ``window_left`` must equal the planned one; ``enable_pdl`` only tunes speed and is ignored.
+        ``args``/``variant_args``: the planned custom variant's parameters, in declaration order / by name.
         """
         k, v = split_paged_kv_cache(paged_kv_cache, self._kv_layout)
-        return self._run(q, k, v, k_scale, v_scale, out, lse, return_lse, variant_args)
+        return self._run(q, k, v, k_scale, v_scale, out, lse, return_lse, variant_args, args, q_scale, window_left)
+
+    run_return_lse = functools.partialmethod(run, return_lse=True)
+
+    def forward(
+        self, q: torch.Tensor, paged_kv_cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+        pos_encoding_mode: str = "NONE", q_scale: float | None = None, k_scale: float | None = None,
+        v_scale: float | None = None, window_left: int = -1, logits_soft_cap: float | None = None,
+        sm_scale: float | None = None, rope_scale: float | None = None, rope_theta: float | None = None,
+    ) -> torch.Tensor:
+        """Older spelling of ``run``: the options given here replace the planned ones (re-planning if needed)."""
+        options = dict(pos_encoding_mode=pos_encoding_mode, window_left=window_left, logits_soft_cap=logits_soft_cap,
+                       sm_scale=sm_scale, rope_scale=rope_scale, rope_theta=rope_theta)
+        return self._forward(options, (q, paged_kv_cache), dict(q_scale=q_scale, k_scale=k_scale, v_scale=v_scale))
+
+    def forward_return_lse(
+        self, q: torch.Tensor, paged_kv_cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+        pos_encoding_mode: str = "NONE", q_scale: float | None = None, k_scale: float | None = None,
+        v_scale: float | None = None, window_left: int = -1, logits_soft_cap: float | None = None,
+        sm_scale: float | None = None, rope_scale: float | None = None, rope_theta: float | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Older spelling of ``run(..., return_lse=True)``, with ``forward``'s options."""
+        options = dict(pos_encoding_mode=pos_encoding_mode, window_left=window_left, logits_soft_cap=logits_soft_cap,
+                       sm_scale=sm_scale, rope_scale=rope_scale, rope_theta=rope_theta)
+        return self._forward(options, (q, paged_kv_cache),
+                             dict(q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, return_lse=True))
+
+
+class CUDAGraphBatchDecodeWithPagedKVCacheWrapper(BatchDecodeWithPagedKVCacheWrapper):
+    """The CUDA-graph decode wrapper under FlashInfer's older name: fixed index buffers, capturable ``run()``."""
+
+    def __init__(
+        self, workspace_buffer: torch.Tensor, indptr_buffer: torch.Tensor, indices_buffer: torch.Tensor,
+        last_page_len_buffer: torch.Tensor, kv_layout: str = "NHD", use_tensor_cores: bool = False,
+    ) -> None:
+        super().__init__(workspace_buffer, kv_layout, use_cuda_graph=True, use_tensor_cores=use_tensor_cores,
+                         paged_kv_indptr_buffer=indptr_buffer, paged_kv_indices_buffer=indices_buffer,
+                         paged_kv_last_page_len_buffer=last_page_len_buffer)
+
+
+def fast_decode_plan(
+    self: BatchDecodeWithPagedKVCacheWrapper, indptr: torch.Tensor, indices: torch.Tensor,
+    last_page_len: torch.Tensor, num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
+    pos_encoding_mode: str = "NONE", window_left: int = -1, logits_soft_cap: float | None = None,
+    q_data_type: str | torch.dtype | None = None, kv_data_type: str | torch.dtype | None = None,
+    data_type: str | torch.dtype | None = None, sm_scale: float | None = None, rope_scale: float | None = None,
+    rope_theta: float | None = None, non_blocking: bool = True, fixed_split_size: int | None = None,
+    disable_split_kv: bool = False, global_override_indptr_cpu: torch.Tensor | None = None,
+) -> None:
+    """``plan()`` for a serving loop that calls it every step (SGLang binds it with ``functools.partial``).
+
+    The page table is not validated or copied to the host: the device arrays are used in place
+    (copied into the fixed buffers of a CUDA-graph wrapper), so the caller must keep them
+    unchanged until the step's ``run()`` calls are done, and their page indices must lie inside
+    the KV cache. Only ``indptr`` is read on the host, from ``global_override_indptr_cpu`` when
+    given (no device sync); otherwise it is copied once. Compiled kernels are looked up once
+    per option set. Everything else is as ``plan()``.
+    """
+    if not isinstance(self, BatchDecodeWithPagedKVCacheWrapper):
+        raise TypeError(f"fast_decode_plan needs a BatchDecodeWithPagedKVCacheWrapper; got {type(self).__name__}")
+    self._plan_call = {}  # forward() re-plans through plan(), which needs the full arguments
+    self._fast_plan(
+        indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size, pos_encoding_mode,
+        window_left, logits_soft_cap, q_data_type, kv_data_type, data_type, sm_scale, rope_scale, rope_theta,
+        fixed_split_size, disable_split_kv, global_override_indptr_cpu,
+    )
 
 
 def single_decode_with_kv_cache(
@@ -186,9 +354,22 @@ def single_decode_with_kv_cache(
         q_data_type=q.dtype, kv_data_type=k.dtype, sm_scale=sm_scale, rope_scale=rope_scale,
         rope_theta=rope_theta,
     )
-    # The whole sequence is one page of page_size kv_len.
-    result = wrapper.run(q.unsqueeze(0), (k.unsqueeze(0), v.unsqueeze(0)), k_scale=k_scale, v_scale=v_scale,
+    # The whole sequence is one page of page_size kv_len (an empty one: a page table with no page).
+    result = wrapper.run(q.unsqueeze(0), single_request_pages(k, v, layout), k_scale=k_scale, v_scale=v_scale,
                          return_lse=return_lse)
     if return_lse:
         return result[0][0], result[1][0]
     return result[0]
+
+
+def single_request_pages(k: torch.Tensor, v: torch.Tensor, layout: KVLayout) -> tuple[torch.Tensor, torch.Tensor]:
+    """One request's k/v ``[kv_len, H, D]`` (NHD) / ``[H, kv_len, D]`` (HND) as a cache of one page.
+
+    With kv_len 0 the cache is one unreferenced page of one token, so its page size matches
+    the plan's (the kernels read no key of it).
+    """
+    token_dim = 0 if layout is KVLayout.NHD else 1
+    if k.shape[token_dim] == 0:
+        k = k.new_zeros(k.shape[:token_dim] + (1,) + k.shape[token_dim + 1:])
+        v = v.new_zeros(v.shape[:token_dim] + (1,) + v.shape[token_dim + 1:])
+    return k.unsqueeze(0), v.unsqueeze(0)

@@ -36,6 +36,9 @@ def to_host_int32(name: str, tensor: torch.Tensor, ndim: int = 1) -> torch.Tenso
         raise TypeError(f"{name} has dtype {tensor.dtype}; index arrays must be int32 (use .int())")
     if tensor.dim() != ndim:
         raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(tensor.shape)}")
+    if tensor.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{name} is on the {tensor.device} device, which holds no data; pass index arrays "
+                         "on the host (fast path) or on the CUDA device")
     return tensor.detach().to("cpu").contiguous()
 
 
@@ -45,7 +48,7 @@ def to_host_int32_many(names: tuple[str, ...], tensors: tuple[torch.Tensor, ...]
     Serving engines pass page tables on the device: one device->host transfer (one
     synchronisation) per ``plan()`` instead of one per array.
     """
-    on_device = [t for t in tensors if isinstance(t, torch.Tensor) and t.device.type != "cpu"]
+    on_device = [t for t in tensors if isinstance(t, torch.Tensor) and t.device.type == "cuda"]
     if len(on_device) > 1 and len({t.device for t in on_device}) == 1 and all(
         t.dtype == torch.int32 and t.dim() == 1 for t in tensors
     ):
@@ -279,3 +282,45 @@ def split_level_page_table(
     indices = torch.cat(new_indices) if new_indices else torch.zeros(0, dtype=i32)
     return (torch.tensor(new_qo, dtype=i32), torch.tensor(new_kv, dtype=i32), indices.to(i32),
             torch.tensor(new_last, dtype=i32))
+
+
+def multi_item_mask(
+    qo_lens: list[int], kv_lens: list[int], prefix_len: torch.Tensor, token_pos_in_items: torch.Tensor,
+    token_pos_in_items_len: int,
+) -> torch.Tensor:
+    """FlashInfer's multi-item scoring as a flattened bool custom mask (True = attend).
+
+    A request's sequence is a shared prefix of ``prefix_len[r]`` tokens followed by items,
+    each item a delimiter and its tokens; ``token_pos_in_items`` gives every token after the
+    prefix its position in its item (0 for a delimiter), request r's values starting at
+    ``r * token_pos_in_items_len``. The query at sequence position p (bottom-right aligned)
+    sees key j when ``j <= p`` and: p is in the prefix, or j is in the prefix, or j lies in
+    p's own item (``p - pos < j``). A delimiter after the prefix so sees only the prefix, and
+    no item sees an earlier one.
+    """
+    prefix = prefix_len.detach().to("cpu").to(torch.int64).reshape(-1)
+    positions = token_pos_in_items.detach().to("cpu").to(torch.int64).reshape(-1)
+    if prefix.numel() != len(qo_lens):
+        raise ValueError(f"prefix_len_ptr has {prefix.numel()} entries; expected one per request ({len(qo_lens)})")
+    stride = int(token_pos_in_items_len)
+    if len(qo_lens) > 1 and stride <= 0:
+        raise ValueError("token_pos_in_items_len must give each request's (zero-padded) length of "
+                         "token_pos_in_items_ptr when the batch has more than one request")
+    masks = []
+    for r, (q, k) in enumerate(zip(qo_lens, kv_lens)):
+        p_len = int(prefix[r])
+        pos_q = torch.arange(q, dtype=torch.int64) + (k - q)  # sequence position of each query
+        j = torch.arange(k, dtype=torch.int64)
+        offset = torch.clamp(pos_q - p_len, min=0) + r * stride
+        if (pos_q >= p_len).any() and int(offset[pos_q >= p_len].max()) >= positions.numel():
+            raise ValueError(
+                f"request {r}: token_pos_in_items_ptr has {positions.numel()} entries, but the request's tokens after "
+                f"its prefix need index {int(offset.max())} (r * token_pos_in_items_len + position - prefix_len)"
+            )
+        in_item = torch.where(pos_q >= p_len, positions[torch.clamp(offset, max=max(positions.numel() - 1, 0))]
+                              if positions.numel() else torch.zeros_like(pos_q), 0)
+        causal = j[None, :] <= pos_q[:, None]
+        same_item = (pos_q[:, None] - in_item[:, None]) < j[None, :]
+        visible = causal & ((pos_q[:, None] < p_len) | (j[None, :] < p_len) | same_item)
+        masks.append(visible.reshape(-1))
+    return torch.cat(masks) if masks else torch.zeros(0, dtype=torch.bool)

@@ -2,22 +2,33 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .attention.batch import AttentionPlan, log_plan, upload
 from .attention.wrapper import BatchWrapperBase
 from .attention.checks import check_tensor, target_of
 from .attention.kv import split_paged_kv_cache
-from .attention.options import parse_dtype, parse_kv_layout, parse_pos_encoding, resolve_scalars
+from .attention.options import (
+    check_head_dim, fp8_scale, parse_dtype, parse_kv_layout, parse_pos_encoding, refuse_unsupported, resolve_scalars,
+)
 from .attention.specs import attention_spec
 from .jit import load
-from .plan import PagedIndex, SplitPlan, check_indptr, check_paged_index, packed_mask_indptr, segment_packbits
+from .plan import (
+    PagedIndex, SplitPlan, check_indptr, check_paged_index, multi_item_mask, packed_mask_indptr, segment_packbits,
+)
 from .variant import AttentionVariant
 from .spec import KVLayout, KVStorage, MaskMode, Op, Target
 
 __all__ = [
     "BatchPrefillWithPagedKVCacheWrapper", "BatchPrefillWithRaggedKVCacheWrapper", "single_prefill_with_kv_cache",
+    "single_prefill_with_kv_cache_return_lse",
 ]
+
+# The FlashInfer options forward() may change, with their plan() defaults.
+_FORWARD_OPTIONS = ("causal", "pos_encoding_mode", "use_fp16_qk_reduction", "window_left", "logits_soft_cap",
+                    "sm_scale", "rope_scale", "rope_theta")
 
 
 def _plan_prefill(
@@ -27,9 +38,15 @@ def _plan_prefill(
     packed_custom_mask: torch.Tensor | None, causal: bool, pos_encoding_mode, sm_scale, window_left,
     logits_soft_cap, rope_scale, rope_theta, q_data_type, kv_data_type, o_data_type=None,
     buffers: dict[str, torch.Tensor | None], use_cuda_graph: bool = False, variant: AttentionVariant | None = None,
+    multi_item: dict | None = None,
 ) -> AttentionPlan:
-    """Validate and upload one prefill batch (shared by the paged and ragged wrappers)."""
-    head_dim_vo = head_dim_qk if head_dim_vo is None else head_dim_vo
+    """Validate and upload one prefill batch (shared by the paged and ragged wrappers).
+
+    ``multi_item``: FlashInfer's multi-item scoring arguments (``prefix_len_ptr``,
+    ``token_pos_in_items_ptr``, ``token_pos_in_items_len``), turned into the equivalent custom mask.
+    """
+    check_head_dim(head_dim_qk, "head_dim_qk")
+    head_dim_vo = head_dim_qk if head_dim_vo is None else check_head_dim(head_dim_vo, "head_dim_vo")
     q_dtype = parse_dtype(q_data_type, "q_data_type")
     kv_dtype = parse_dtype(kv_data_type, "kv_data_type") if kv_data_type is not None else q_dtype
     o_dtype = parse_dtype(o_data_type, "o_data_type") if o_data_type is not None else q_dtype
@@ -38,6 +55,13 @@ def _plan_prefill(
     qo_lens = (qo_host[1:] - qo_host[:-1]).tolist()
     if len(qo_lens) != len(kv_lens):
         raise ValueError(f"qo_indptr describes {len(qo_lens)} requests but the kv index describes {len(kv_lens)}")
+    if multi_item is not None and multi_item.get("prefix_len_ptr") is not None:
+        if custom_mask is not None or packed_custom_mask is not None:
+            raise ValueError("multi-item scoring (prefix_len_ptr) builds its own mask; do not pass custom_mask too")
+        custom_mask = multi_item_mask(qo_lens, kv_lens, multi_item["prefix_len_ptr"],
+                                      multi_item["token_pos_in_items_ptr"], multi_item["token_pos_in_items_len"])
+    elif multi_item is not None and multi_item.get("token_pos_in_items_ptr") is not None:
+        raise ValueError("token_pos_in_items_ptr needs prefix_len_ptr (multi-item scoring takes both)")
     for r, (q, k) in enumerate(zip(qo_lens, kv_lens)):
         if causal and custom_mask is None and packed_custom_mask is None and q > k:
             raise ValueError(
@@ -114,14 +138,14 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapperBase):
         qo_indptr_buf: torch.Tensor | None = None, paged_kv_indptr_buf: torch.Tensor | None = None,
         paged_kv_indices_buf: torch.Tensor | None = None, paged_kv_last_page_len_buf: torch.Tensor | None = None,
         custom_mask_buf: torch.Tensor | None = None, mask_indptr_buf: torch.Tensor | None = None,
-        backend: str = "auto",
+        backend: str = "auto", jit_args=None, jit_kwargs=None,
     ) -> None:
         super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph, backend, {
             "qo_indptr": qo_indptr_buf, "kv_indptr": paged_kv_indptr_buf, "kv_indices": paged_kv_indices_buf,
             "kv_last_page_len": paged_kv_last_page_len_buf, "custom_mask": custom_mask_buf,
             "mask_indptr": mask_indptr_buf,
         }, {"qo_indptr": "qo_indptr_buf", "kv_indptr": "paged_kv_indptr_buf", "kv_indices": "paged_kv_indices_buf",
-            "kv_last_page_len": "paged_kv_last_page_len_buf"})
+            "kv_last_page_len": "paged_kv_last_page_len_buf"}, jit_args=jit_args, jit_kwargs=jit_kwargs)
 
     def plan(
         self, qo_indptr: torch.Tensor, paged_kv_indptr: torch.Tensor, paged_kv_indices: torch.Tensor,
@@ -131,18 +155,30 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapperBase):
         use_fp16_qk_reduction: bool = False, sm_scale: float | None = None, window_left: int = -1,
         logits_soft_cap: float | None = None, rope_scale: float | None = None, rope_theta: float | None = None,
         q_data_type: str | torch.dtype = "float16", kv_data_type: str | torch.dtype | None = None,
-        o_data_type: str | torch.dtype | None = None, non_blocking: bool = True,
-        prefix_len_ptr=None, token_pos_in_items_ptr=None, token_pos_in_items_len: int = 0,
-        max_item_len_ptr=None, seq_lens=None, seq_lens_q=None, block_tables=None, max_token_per_sequence=None,
-        max_sequence_kv=None, variant: AttentionVariant | None = None,
+        non_blocking: bool = True, prefix_len_ptr: torch.Tensor | None = None,
+        token_pos_in_items_ptr: torch.Tensor | None = None, token_pos_in_items_len: int = 0,
+        max_item_len_ptr: torch.Tensor | None = None, seq_lens: torch.Tensor | None = None,
+        seq_lens_q: torch.Tensor | None = None, block_tables: torch.Tensor | None = None,
+        max_token_per_sequence: int | None = None, max_sequence_kv: int | None = None,
+        fixed_split_size: int | None = None, disable_split_kv: bool = False,
+        o_data_type: str | torch.dtype | None = None, variant: AttentionVariant | None = None,
     ) -> None:
         """Plan one batch. ``custom_mask`` (bool, flattened per request) overrides ``causal``.
 
-        ``variant`` (a ``jitattn.AttentionVariant``) selects a custom variant; its extra
-        parameters are then passed to ``run(..., name=value)``.
-
-        Causal is bottom-right: query i of a request with qo_len q and kv_len k sees kv positions <= k - q + i.
+        Causal is bottom-right: query i of a request with qo_len q and kv_len k sees kv positions
+        <= k - q + i. ``prefix_len_ptr``/``token_pos_in_items_ptr``/``token_pos_in_items_len``:
+        FlashInfer's multi-item scoring (each item sees the shared prefix and itself, causally;
+        ``max_item_len_ptr`` is a speed hint and not needed). ``seq_lens``, ``seq_lens_q``,
+        ``block_tables``, ``max_token_per_sequence``, ``max_sequence_kv`` (trtllm-gen inputs) are
+        not supported. Prefill never splits the KV, so ``fixed_split_size``/``disable_split_kv``
+        change nothing; ``use_fp16_qk_reduction`` and ``non_blocking`` only tune speed.
+        ``o_data_type`` (a jitattn extension) sets the output dtype; ``variant`` a custom variant,
+        whose parameters then go to ``run(..., name=value)``.
         """
+        self._plan_call = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
+        refuse_unsupported(f"{self._NAME}.plan", seq_lens=seq_lens, seq_lens_q=seq_lens_q, block_tables=block_tables,
+                           max_token_per_sequence=max_token_per_sequence, max_sequence_kv=max_sequence_kv)
+        check_fixed_split_size(fixed_split_size)
         index = check_paged_index(paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, page_size,
                                   names=("paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len"))
         self._plan = _plan_prefill(
@@ -153,25 +189,56 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapperBase):
             sm_scale=sm_scale, window_left=window_left, logits_soft_cap=logits_soft_cap, rope_scale=rope_scale,
             rope_theta=rope_theta, q_data_type=q_data_type, kv_data_type=kv_data_type, o_data_type=o_data_type,
             buffers=self._buffers, use_cuda_graph=self._use_cuda_graph, variant=variant,
+            multi_item=dict(prefix_len_ptr=prefix_len_ptr, token_pos_in_items_ptr=token_pos_in_items_ptr,
+                            token_pos_in_items_len=token_pos_in_items_len),
         )
 
     begin_forward = plan
 
     def run(
-        self, q: torch.Tensor, paged_kv_cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor], *,
+        self, q: torch.Tensor, paged_kv_cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor], *args,
         k_scale: float | None = None, v_scale: float | None = None, out: torch.Tensor | None = None,
-        lse: torch.Tensor | None = None, return_lse: bool = False, **variant_args,
+        lse: torch.Tensor | None = None, return_lse: bool = False, enable_pdl: bool | None = None,
+        window_left: int | None = None, q_scale: float | None = None, **variant_args,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """q ``[total_qo, num_qo_heads, head_dim_qk]`` -> out ``[total_qo, num_qo_heads, head_dim_vo]`` (and lse).
 
-        ``variant_args``: the planned custom variant's parameters, by name."""
+        ``k_scale``/``v_scale``: fp8 dequantization; ``window_left`` must equal the planned one;
+        ``enable_pdl`` only tunes speed. ``args``/``variant_args``: the planned custom variant's
+        parameters, in declaration order / by name."""
         k, v = split_paged_kv_cache(paged_kv_cache, self._kv_layout)
-        return self._run(q, k, v, k_scale, v_scale, out, lse, return_lse, variant_args)
+        return self._run(q, k, v, k_scale, v_scale, out, lse, return_lse, variant_args, args, q_scale, window_left)
 
+    run_return_lse = functools.partialmethod(run, return_lse=True)
+
+    def forward(
+        self, q: torch.Tensor, paged_kv_cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+        causal: bool = False, pos_encoding_mode: str = "NONE", use_fp16_qk_reduction: bool = False,
+        k_scale: float | None = None, v_scale: float | None = None, window_left: int = -1,
+        logits_soft_cap: float | None = None, sm_scale: float | None = None, rope_scale: float | None = None,
+        rope_theta: float | None = None,
+    ) -> torch.Tensor:
+        """Older spelling of ``run``: the options given here replace the planned ones (re-planning if needed)."""
+        options = _forward_options(locals())
+        return self._forward(options, (q, paged_kv_cache), dict(k_scale=k_scale, v_scale=v_scale))
+
+    def forward_return_lse(
+        self, q: torch.Tensor, paged_kv_cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+        causal: bool = False, pos_encoding_mode: str = "NONE", use_fp16_qk_reduction: bool = False,
+        k_scale: float | None = None, v_scale: float | None = None, window_left: int = -1,
+        logits_soft_cap: float | None = None, sm_scale: float | None = None, rope_scale: float | None = None,
+        rope_theta: float | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Older spelling of ``run(..., return_lse=True)``, with ``forward``'s options."""
+        options = _forward_options(locals())
+        return self._forward(options, (q, paged_kv_cache), dict(k_scale=k_scale, v_scale=v_scale, return_lse=True))
 
 
 class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapperBase):
-    """Batched prefill attention: ragged queries over ragged (contiguous per request) K/V."""
+    """Batched prefill attention: ragged queries over ragged (contiguous per request) K/V.
+
+    k/v are ``[total_kv, H_kv, D]`` (NHD) or ``[H_kv, total_kv, D]`` (HND), used as strided views.
+    """
 
     _NAME = "BatchPrefillWithRaggedKVCacheWrapper"
 
@@ -179,14 +246,14 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapperBase):
         self, float_workspace_buffer: torch.Tensor, kv_layout: str = "NHD", use_cuda_graph: bool = False,
         qo_indptr_buf: torch.Tensor | None = None, kv_indptr_buf: torch.Tensor | None = None,
         custom_mask_buf: torch.Tensor | None = None, mask_indptr_buf: torch.Tensor | None = None,
-        backend: str = "auto",
+        backend: str = "auto", jit_args=None, jit_kwargs=None,
     ) -> None:
-        if parse_kv_layout(kv_layout) is not KVLayout.NHD:
-            raise ValueError("BatchPrefillWithRaggedKVCacheWrapper supports kv_layout='NHD' only ([tokens, heads, dim])")
         super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph, backend, {
             "qo_indptr": qo_indptr_buf, "kv_indptr": kv_indptr_buf, "custom_mask": custom_mask_buf,
             "mask_indptr": mask_indptr_buf,
-        }, {"qo_indptr": "qo_indptr_buf", "kv_indptr": "kv_indptr_buf"})
+        }, {"qo_indptr": "qo_indptr_buf", "kv_indptr": "kv_indptr_buf"}, jit_args=jit_args, jit_kwargs=jit_kwargs)
+        self._ragged_layout = self._kv_layout
+        self._kv_layout = KVLayout.NHD  # HND k/v are passed to the kernel as [tokens, heads, dim] views
 
     def plan(
         self, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, num_qo_heads: int, num_kv_heads: int,
@@ -195,12 +262,17 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapperBase):
         use_fp16_qk_reduction: bool = False, window_left: int = -1, logits_soft_cap: float | None = None,
         sm_scale: float | None = None, rope_scale: float | None = None, rope_theta: float | None = None,
         q_data_type: str | torch.dtype = "float16", kv_data_type: str | torch.dtype | None = None,
-        o_data_type: str | torch.dtype | None = None, non_blocking: bool = True,
+        non_blocking: bool = True, prefix_len_ptr: torch.Tensor | None = None,
+        token_pos_in_items_ptr: torch.Tensor | None = None, token_pos_in_items_len: int = 0,
+        max_item_len_ptr: torch.Tensor | None = None, fixed_split_size: int | None = None,
+        disable_split_kv: bool = False, o_data_type: str | torch.dtype | None = None,
         variant: AttentionVariant | None = None,
     ) -> None:
         """Plan one batch; request r's keys are rows ``kv_indptr[r]:kv_indptr[r+1]`` of k/v.
 
-        ``variant``: a custom variant, as in the paged wrapper's ``plan``."""
+        Options as in the paged wrapper's ``plan`` (multi-item scoring included)."""
+        self._plan_call = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
+        check_fixed_split_size(fixed_split_size)
         kv_host = check_indptr("kv_indptr", kv_indptr)
         self._plan = _plan_prefill(
             self._NAME, self._target, self._device, self._kv_layout, qo_indptr=qo_indptr, kv_indptr_host=kv_host,
@@ -210,30 +282,87 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapperBase):
             sm_scale=sm_scale, window_left=window_left, logits_soft_cap=logits_soft_cap, rope_scale=rope_scale,
             rope_theta=rope_theta, q_data_type=q_data_type, kv_data_type=kv_data_type, o_data_type=o_data_type,
             buffers=self._buffers, use_cuda_graph=self._use_cuda_graph, variant=variant,
+            multi_item=dict(prefix_len_ptr=prefix_len_ptr, token_pos_in_items_ptr=token_pos_in_items_ptr,
+                            token_pos_in_items_len=token_pos_in_items_len),
         )
 
     begin_forward = plan
 
     def run(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, k_scale: float | None = None,
-        v_scale: float | None = None, out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
-        return_lse: bool = False, **variant_args,
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args, out: torch.Tensor | None = None,
+        lse: torch.Tensor | None = None, return_lse: bool = False, enable_pdl: bool | None = None,
+        k_scale: float | None = None, v_scale: float | None = None, q_scale: float | None = None,
+        window_left: int | None = None, **variant_args,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """q ``[total_qo, H_qo, D_qk]``, k ``[total_kv, H_kv, D_qk]``, v ``[total_kv, H_kv, D_vo]`` -> out (and lse).
+        """q ``[total_qo, H_qo, D_qk]``, k ``[total_kv, H_kv, D_qk]``, v ``[total_kv, H_kv, D_vo]`` (NHD; HND:
+        ``[H_kv, total_kv, D]``) -> out (and lse). ``k_scale``/``v_scale`` (jitattn extensions): fp8
+        dequantization. ``args``/``variant_args``: the planned custom variant's parameters."""
+        if self._ragged_layout is KVLayout.HND:
+            for name, t in (("k", k), ("v", v)):
+                check_tensor(name, t, ndim=3)
+            k, v = k.transpose(0, 1), v.transpose(0, 1)
+        return self._run(q, k, v, k_scale, v_scale, out, lse, return_lse, variant_args, args, q_scale, window_left)
 
-        ``variant_args``: the planned custom variant's parameters, by name."""
-        return self._run(q, k, v, k_scale, v_scale, out, lse, return_lse, variant_args)
+    run_return_lse = functools.partialmethod(run, return_lse=True)
 
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
+        pos_encoding_mode: str = "NONE", use_fp16_qk_reduction: bool = False, window_left: int = -1,
+        logits_soft_cap: float | None = None, sm_scale: float | None = None, rope_scale: float | None = None,
+        rope_theta: float | None = None,
+    ) -> torch.Tensor:
+        """Older spelling of ``run``: the options given here replace the planned ones (re-planning if needed)."""
+        options = _forward_options(locals())
+        return self._forward(options, (q, k, v), {})
+
+    def forward_return_lse(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
+        pos_encoding_mode: str = "NONE", use_fp16_qk_reduction: bool = False, window_left: int = -1,
+        logits_soft_cap: float | None = None, sm_scale: float | None = None, rope_scale: float | None = None,
+        rope_theta: float | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Older spelling of ``run(..., return_lse=True)``, with ``forward``'s options."""
+        options = _forward_options(locals())
+        return self._forward(options, (q, k, v), dict(return_lse=True))
+
+
+def _forward_options(arguments: dict) -> dict:
+    """The plan-time options among a ``forward()`` call's arguments."""
+    return {name: arguments[name] for name in _FORWARD_OPTIONS if name in arguments}
+
+
+def check_fixed_split_size(fixed_split_size: int | None) -> None:
+    if fixed_split_size is not None and (not isinstance(fixed_split_size, int) or fixed_split_size < 1):
+        raise ValueError(f"fixed_split_size={fixed_split_size!r} must be None or a positive int (pages per chunk)")
+
+
+def _per_tensor_scale(value, name: str) -> float | None:
+    """FlashInfer's scale_q/scale_k/scale_v: one value per tensor (per-head scales are not supported)."""
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor) and value.numel() != 1:
+        raise NotImplementedError(f"{name} with {value.numel()} values (per-head scales) is not supported; "
+                                  "pass one per-tensor scale")
+    return fp8_scale(value, name)
 
 
 def single_prefill_with_kv_cache(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, custom_mask: torch.Tensor | None = None,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale_q: torch.Tensor | float | None = None,
+    scale_k: torch.Tensor | float | None = None, scale_v: torch.Tensor | float | None = None,
+    o_dtype: torch.dtype | None = None, custom_mask: torch.Tensor | None = None,
     packed_custom_mask: torch.Tensor | None = None, causal: bool = False, kv_layout: str = "NHD",
     pos_encoding_mode: str = "NONE", use_fp16_qk_reduction: bool = False, sm_scale: float | None = None,
     window_left: int = -1, logits_soft_cap: float | None = None, rope_scale: float | None = None,
-    rope_theta: float | None = None, return_lse: bool = False,
+    rope_theta: float | None = None, backend: str = "auto", return_lse: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Attention of q ``[qo_len, H_qo, D_qk]`` over k/v ``[kv_len, H_kv, D]`` (NHD) or ``[H_kv, kv_len, D]`` (HND)."""
+    """Attention of q ``[qo_len, H_qo, D_qk]`` over k/v ``[kv_len, H_kv, D]`` (NHD) or ``[H_kv, kv_len, D]`` (HND).
+
+    ``scale_q``/``scale_k``/``scale_v``: per-tensor dequantization scales (``scale_q`` and
+    ``scale_k`` multiply ``sm_scale``, ``scale_v`` the output); ``o_dtype`` the output dtype
+    (default q's); ``backend`` is accepted for compatibility ("auto", "fa2", "fa3" pick the same kernel).
+    """
+    from .decode import single_request_pages
+
     layout = parse_kv_layout(kv_layout)
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(name, t, ndim=3)
@@ -241,7 +370,8 @@ def single_prefill_with_kv_cache(
     kv_len, num_kv_heads = (k.shape[0], k.shape[1]) if layout is KVLayout.NHD else (k.shape[1], k.shape[0])
     if custom_mask is not None and custom_mask.dim() == 2:
         custom_mask = custom_mask.reshape(-1)
-    wrapper = BatchPrefillWithPagedKVCacheWrapper(torch.empty(0, dtype=torch.uint8, device=q.device), kv_layout)
+    wrapper = BatchPrefillWithPagedKVCacheWrapper(torch.empty(0, dtype=torch.uint8, device=q.device), kv_layout,
+                                                  backend=backend)
     pages = 1 if kv_len > 0 else 0
     # The whole sequence is one page of page_size kv_len.
     wrapper.plan(
@@ -250,6 +380,11 @@ def single_prefill_with_kv_cache(
         num_kv_heads, q.shape[2], max(kv_len, 1), head_dim_vo=v.shape[2], custom_mask=custom_mask,
         packed_custom_mask=packed_custom_mask, causal=causal, pos_encoding_mode=pos_encoding_mode,
         sm_scale=sm_scale, window_left=window_left, logits_soft_cap=logits_soft_cap, rope_scale=rope_scale,
-        rope_theta=rope_theta, q_data_type=q.dtype, kv_data_type=k.dtype,
+        rope_theta=rope_theta, q_data_type=q.dtype, kv_data_type=k.dtype, o_data_type=o_dtype,
     )
-    return wrapper.run(q, (k.unsqueeze(0), v.unsqueeze(0)), return_lse=return_lse)
+    return wrapper.run(q, single_request_pages(k, v, layout), q_scale=_per_tensor_scale(scale_q, "scale_q"),
+                       k_scale=_per_tensor_scale(scale_k, "scale_k"), v_scale=_per_tensor_scale(scale_v, "scale_v"),
+                       return_lse=return_lse)
+
+
+single_prefill_with_kv_cache_return_lse = functools.partial(single_prefill_with_kv_cache, return_lse=True)

@@ -16,7 +16,7 @@ import torch
 from ..jit import Module
 from ..log import get_logger
 from ..plan import PagedIndex, SplitPlan, check_page_pool, split_workspace_bytes
-from ..spec import KVLayout, Target, VariantSpec
+from ..spec import KVLayout, Op, Target, VariantSpec
 from .checks import check_tensor, target_of
 from .kv import check_kv_pair
 from .launch import AttentionScalars, PreparedAttention
@@ -164,6 +164,7 @@ def run_plan_or_compiled(
     key: int, plan: AttentionPlan | None, wrapper: str, workspace: torch.Tensor, q: torch.Tensor,
     k: torch.Tensor, v: torch.Tensor, *, k_scale: float, v_scale: float,
     out: torch.Tensor | None, lse: torch.Tensor | None, return_lse: bool, variant_args: dict | None = None,
+    q_scale: float = 1.0,
 ):
     """``run_plan`` eagerly; under torch.compile one opaque custom op that finds the plan at run time."""
     if torch.compiler.is_compiling():
@@ -177,17 +178,21 @@ def run_plan_or_compiled(
         from .compiled import run_compiled
 
         return run_compiled(key, q, k, v, head_dim_vo=plan.head_dim_vo, out_dtype=plan.o_dtype, k_scale=k_scale,
-                            v_scale=v_scale, out=out, lse=lse, return_lse=return_lse)
+                            v_scale=v_scale, q_scale=q_scale, out=out, lse=lse, return_lse=return_lse)
     return run_plan(plan, wrapper, workspace, q, k, v, k_scale=k_scale, v_scale=v_scale, out=out, lse=lse,
-                    return_lse=return_lse, variant_args=variant_args)
+                    return_lse=return_lse, variant_args=variant_args, q_scale=q_scale)
 
 
 def run_plan(
     plan: AttentionPlan | None, wrapper: str, workspace: torch.Tensor, q: torch.Tensor,
     k: torch.Tensor, v: torch.Tensor, *, k_scale: float, v_scale: float,
     out: torch.Tensor | None, lse: torch.Tensor | None, return_lse: bool, variant_args: dict | None = None,
+    q_scale: float = 1.0,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Check q/k/v/out/lse (and a variant's extra arguments) against ``plan`` and launch; returns out or (out, lse)."""
+    """Check q/k/v/out/lse (and a variant's extra arguments) against ``plan`` and launch; returns out or (out, lse).
+
+    ``q_scale`` (FlashInfer's query dequantization scale) multiplies ``sm_scale`` for this call.
+    """
     if plan is None:
         raise RuntimeError(f"{wrapper}.run() called before plan(); call plan() once per batch first")
     if plan.variant_args is not None:
@@ -228,7 +233,11 @@ def run_plan(
                 if t.shape[1:] != (plan.num_kv_heads, dim) or t.shape[0] < plan.total_kv:
                     raise ValueError(f"{name} has shape {tuple(t.shape)}; the plan expects "
                                      f"[>= {plan.total_kv}, {plan.num_kv_heads}, {dim}]")
+        if q.is_cuda:
+            check_kv_alignment(plan, k, v)
         plan.checked_signature = signature
+    elif q.is_cuda and (k.data_ptr() | v.data_ptr()) % kv_alignment(plan)[0]:
+        check_kv_alignment(plan, k, v)
     o_shape = (plan.total_qo, plan.num_qo_heads, plan.head_dim_vo)
     if out is None:
         out = torch.empty(o_shape, dtype=plan.o_dtype, device=q.device)
@@ -245,5 +254,31 @@ def run_plan(
     if plan.split.kv_chunk_size:
         check_workspace(workspace, split_workspace_bytes(plan.split.num_chunks, plan.num_qo_heads, plan.head_dim_vo),
                         wrapper)
-    plan.launch(q, k, v, out, lse, k_scale, v_scale, workspace)
+    if plan.total_qo:  # an empty batch has nothing to launch (and no storage to point at)
+        plan.launch(q, k, v, out, lse, k_scale, v_scale, workspace, q_scale)
     return (out, lse) if return_lse else out
+
+
+def kv_alignment(plan: AttentionPlan) -> tuple[int, int]:
+    """(pointer, stride) alignment in bytes the cuda kernels read k/v rows with (vector loads)."""
+    elem = torch.empty(0, dtype=plan.kv_dtype).element_size()
+    if plan.spec.op is Op.DECODE:
+        dims_bytes = (plan.head_dim_qk * elem, plan.head_dim_vo * elem)
+        load = 16 if all(b % 16 == 0 for b in dims_bytes) else 8
+        return load, load
+    return (8 if elem == 1 else 16), 8 * elem
+
+
+def check_kv_alignment(plan: AttentionPlan, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Refuse k/v views whose rows do not start on the kernels' vector-load boundary, naming the fix."""
+    pointer_bytes, stride_bytes = kv_alignment(plan)
+    for name, t in (("k", k), ("v", v)):
+        strides = [s * t.element_size() for s in t.stride()[:-1]]
+        if t.data_ptr() % pointer_bytes or any(s % stride_bytes for s in strides):
+            raise ValueError(
+                f"{name} (dtype {str(t.dtype).removeprefix('torch.')}, strides {tuple(t.stride())} elements, "
+                f"pointer offset {t.data_ptr() % pointer_bytes} bytes) is not aligned: the cuda kernels read each "
+                f"row as {stride_bytes}-byte vectors, so the pointer must be a multiple of {pointer_bytes} bytes "
+                f"and every stride but the last a multiple of {stride_bytes} bytes; pass {name}.contiguous() "
+                "(or allocate the cache with padded rows)"
+            )

@@ -29,10 +29,6 @@ class AttentionScalars:
     rope_theta: float
 
 
-def _ptr(tensor: torch.Tensor | None) -> int | None:
-    return tensor.data_ptr() if tensor is not None else None
-
-
 def kv_strides(cache: torch.Tensor, paged: bool, kv_layout: KVLayout) -> tuple[int, int, int]:
     """(stride_page, stride_token, stride_head) in elements of a k or v tensor."""
     strides = cache.stride()
@@ -58,6 +54,14 @@ class PreparedAttention:
     ) -> None:
         self.module = module
         self.paged = kv_indices is not None
+        self.sm_scale = scalars.sm_scale
+        # Empty index arrays have no storage; their pointer must still be non-null.
+        self._placeholder = torch.empty(4, dtype=torch.int32, device=qo_indptr.device)
+        self.placeholder = self._placeholder.data_ptr()
+
+        def _ptr(tensor: torch.Tensor | None) -> int | None:
+            return None if tensor is None else (tensor.data_ptr() or self.placeholder)
+
         self.kv_layout = kv_layout
         # The variant's struct pointer is a field only of modules built with a variant.
         variant_field = {"variant_params": variant_params} if module.spec.variant is not None else {}
@@ -81,14 +85,18 @@ class PreparedAttention:
 
     def __call__(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor | None,
-        k_scale: float = 1.0, v_scale: float = 1.0, workspace: torch.Tensor | None = None,
+        k_scale: float = 1.0, v_scale: float = 1.0, workspace: torch.Tensor | None = None, q_scale: float = 1.0,
     ) -> None:
         if q.is_cuda and q.device.index != torch.cuda.current_device():
             # The module launches on (and reads attributes of) the current device.
             with torch.cuda.device(q.device):
-                return self(q, k, v, o, lse, k_scale, v_scale, workspace)
+                return self(q, k, v, o, lse, k_scale, v_scale, workspace, q_scale)
         p = self.params
-        p.q, p.k, p.v, p.o = q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr()
+        # An empty KV pool has no storage (null pointer); the kernels then read no key, but
+        # check for non-null pointers, so they get a valid address instead.
+        p.q, p.o = q.data_ptr(), o.data_ptr()
+        p.k, p.v = k.data_ptr() or self.placeholder, v.data_ptr() or self.placeholder
+        p.sm_scale = self.sm_scale * q_scale
         p.q_stride_n, p.q_stride_h = q.stride()[:2]
         p.k_stride_page, p.k_stride_n, p.k_stride_h = kv_strides(k, self.paged, self.kv_layout)
         p.v_stride_page, p.v_stride_n, p.v_stride_h = kv_strides(v, self.paged, self.kv_layout)

@@ -32,6 +32,44 @@ def parse_dtype(value: str | torch.dtype, name: str) -> torch.dtype:
     return DType.parse(value, name).torch_dtype
 
 
+def resolve_dtypes(
+    q_data_type: str | torch.dtype | None, kv_data_type: str | torch.dtype | None,
+    data_type: str | torch.dtype | None = None,
+) -> tuple[torch.dtype, torch.dtype]:
+    """(q dtype, kv dtype) as FlashInfer resolves them.
+
+    ``data_type`` (FlashInfer's older single dtype) fills only what the caller did not give:
+    an explicit ``q_data_type`` or ``kv_data_type`` always wins; q defaults to float16 and kv
+    to the q dtype.
+    """
+    if data_type is not None:
+        q_data_type = data_type if q_data_type is None else q_data_type
+        kv_data_type = data_type if kv_data_type is None else kv_data_type
+    q_dtype = parse_dtype("float16" if q_data_type is None else q_data_type, "q_data_type")
+    kv_dtype = parse_dtype(kv_data_type, "kv_data_type") if kv_data_type is not None else q_dtype
+    return q_dtype, kv_dtype
+
+
+def refuse_unsupported(what: str, **arguments: object) -> None:
+    """Raise NotImplementedError naming each FlashInfer argument that was given but is not implemented.
+
+    An argument that would change results is never accepted and ignored.
+    """
+    given = [name for name, value in arguments.items() if value is not None]
+    if given:
+        raise NotImplementedError(
+            f"{what}: {', '.join(given)} {'is' if len(given) == 1 else 'are'} not supported by jitattn; "
+            "describe the batch with the page table arguments (indptr / indices / last_page_len) instead"
+        )
+
+
+def check_head_dim(head_dim: object, name: str = "head_dim") -> int:
+    if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 1:
+        raise ValueError(f"{name}={head_dim!r} must be a positive int (a multiple of 8 from 32 to 256, "
+                         "or 192/128, 576/512)")
+    return head_dim
+
+
 def parse_kv_layout(value: str | KVLayout) -> KVLayout:
     return KVLayout.parse(value, "kv_layout")
 
@@ -41,6 +79,7 @@ def resolve_scalars(
     logits_soft_cap: float | None, sm_scale: float | None, rope_scale: float | None, rope_theta: float | None,
 ) -> AttentionScalars:
     """Validate run-time scalars and apply FlashInfer's defaults."""
+    check_head_dim(head_dim_qk, "head_dim_qk")
     window_left = -1 if window_left is None else int(window_left)
     if window_left < -1:
         raise ValueError(f"window_left={window_left} must be -1 (no window) or >= 0")

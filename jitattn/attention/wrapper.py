@@ -1,8 +1,10 @@
 """What every batch wrapper (decode, paged prefill, ragged prefill) shares.
 
 Construction (target from the workspace, layout, backend, CUDA-graph buffers),
-workspace replacement, the eager/compiled run dispatch and FlashInfer's older
-method spellings. Each wrapper adds its own ``plan()`` and ``run()``.
+workspace replacement, the eager/compiled run dispatch, the run-time options
+FlashInfer's ``run()`` takes (``q_scale``, ``window_left``, positional custom
+variant arguments) and its older ``forward`` spellings. Each wrapper adds its
+own ``plan()`` and ``run()``.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import torch
 from .batch import AttentionPlan, run_plan, run_plan_or_compiled, workspace_target
 from .checks import target_of
 from .compiled import register_wrapper
-from .options import fp8_scale, parse_kv_layout
+from .options import fp8_scale, parse_kv_layout, refuse_unsupported
 
 # The index arrays a captured launch reads, which CUDA-graph mode needs in fixed caller buffers.
 _GRAPH_ROLES = ("qo_indptr", "kv_indptr", "kv_indices", "kv_last_page_len")
@@ -23,14 +25,16 @@ class BatchWrapperBase:
 
     def __init__(
         self, float_workspace_buffer: torch.Tensor, kv_layout: str, use_cuda_graph: bool, backend: str,
-        buffers: dict[str, torch.Tensor | None], buffer_args: dict[str, str],
+        buffers: dict[str, torch.Tensor | None], buffer_args: dict[str, str], jit_args=None, jit_kwargs=None,
     ) -> None:
         """``buffers``: the caller's fixed index buffers by role; ``buffer_args``: the argument naming each."""
+        refuse_unsupported(f"{self._NAME}()", jit_args=jit_args, jit_kwargs=jit_kwargs)
         self._target, self._device = workspace_target(float_workspace_buffer, self._NAME)
         self._workspace = float_workspace_buffer
         self._kv_layout = parse_kv_layout(kv_layout)
         if backend not in ("auto", "fa2", "fa3"):
-            raise ValueError(f"backend={backend!r} is not supported; use 'auto'")
+            raise ValueError(f"backend={backend!r} is not supported; use 'auto' (or 'fa2'/'fa3', which pick the same "
+                             "kernels)")
         self._use_cuda_graph = bool(use_cuda_graph)
         missing = [buffer_args[role] for role in _GRAPH_ROLES if role in buffer_args and buffers.get(role) is None]
         if self._use_cuda_graph and missing:
@@ -38,6 +42,7 @@ class BatchWrapperBase:
                              "(sized for the largest batch)")
         self._buffers = buffers
         self._plan: AttentionPlan | None = None
+        self._plan_call: dict = {}  # the keyword arguments of the last plan(), for forward()'s re-plan
         self._op_key = register_wrapper(self)
 
     @property
@@ -45,30 +50,60 @@ class BatchWrapperBase:
         return self._use_cuda_graph
 
     def reset_workspace_buffer(self, float_workspace_buffer: torch.Tensor, int_workspace_buffer=None) -> None:
+        """Use another float workspace (on the same device); the int workspace is not needed (plan metadata
+        lives in the wrapper's own buffers)."""
         target_of(self._NAME, (float_workspace_buffer, self._workspace))
         self._workspace = float_workspace_buffer
 
     def end_forward(self) -> None:
         """No-op kept for older FlashInfer call sites."""
 
-    def forward(self, *args, **kwargs) -> torch.Tensor:
-        """Older spelling of ``run`` (plan-time options passed again here are ignored)."""
-        return self.run(*args, **_run_kwargs(kwargs))
+    def _forward(self, options: dict, run_args: tuple, run_kwargs: dict):
+        """FlashInfer's older ``forward``: its plan-time options replace the planned ones.
 
-    def forward_return_lse(self, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-        """Older spelling of ``run(..., return_lse=True)``."""
-        return self.run(*args, return_lse=True, **_run_kwargs(kwargs))
+        When they differ from what ``plan()`` was given, the batch is planned again with them
+        (the kernel may change: RoPE, a window or a soft cap are compiled in), so an option is
+        never accepted and ignored.
+        """
+        if self._plan is None:
+            raise RuntimeError(f"{self._NAME}.forward() called before plan(); call plan() (or begin_forward()) first")
+        changed = {name: value for name, value in options.items() if self._plan_call.get(name) != value}
+        if changed:
+            self.plan(**{**self._plan_call, **changed})
+        return self.run(*run_args, **run_kwargs)
 
-    def _run(self, q, k, v, k_scale, v_scale, out, lse, return_lse, variant_args=None):
+    def _run(self, q, k, v, k_scale, v_scale, out, lse, return_lse, variant_args, variant_positional=(),
+             q_scale=None, window_left=None):
+        plan = self._plan
+        if window_left is not None and plan is not None and int(window_left) != plan.scalars.window_left:
+            raise ValueError(
+                f"{self._NAME}.run(window_left={window_left}) differs from the planned window_left="
+                f"{plan.scalars.window_left}; the window is part of the plan: pass it to plan()"
+            )
+        if variant_positional:
+            variant_args = _positional_variant_args(self._NAME, plan, variant_positional, variant_args)
         return run_plan_or_compiled(
-            self._op_key, self._plan, self._NAME, self._workspace, q, k, v, k_scale=fp8_scale(k_scale, "k_scale"),
+            self._op_key, plan, self._NAME, self._workspace, q, k, v, k_scale=fp8_scale(k_scale, "k_scale"),
             v_scale=fp8_scale(v_scale, "v_scale"), out=out, lse=lse, return_lse=return_lse, variant_args=variant_args,
+            q_scale=fp8_scale(q_scale, "q_scale"),
         )
 
-    def _run_eager(self, q, k, v, *, k_scale, v_scale, out, lse, return_lse):
+    def _run_eager(self, q, k, v, *, k_scale, v_scale, out, lse, return_lse, q_scale=1.0):
         return run_plan(self._plan, self._NAME, self._workspace, q, k, v, k_scale=k_scale, v_scale=v_scale,
-                        out=out, lse=lse, return_lse=return_lse)
+                        out=out, lse=lse, return_lse=return_lse, q_scale=q_scale)
 
 
-def _run_kwargs(kwargs: dict) -> dict:
-    return {k: kwargs[k] for k in ("k_scale", "v_scale", "out", "lse") if k in kwargs}
+def _positional_variant_args(wrapper: str, plan: AttentionPlan | None, values: tuple, named: dict) -> dict:
+    """FlashInfer passes a custom variant's extra tensors positionally after the KV: map them to names."""
+    variant = plan.spec.variant if plan is not None else None
+    if variant is None:
+        raise TypeError(f"{wrapper}.run() got {len(values)} extra positional argument(s); they are the parameters "
+                        "of a custom variant, and this plan has none (plan(..., variant=...))")
+    names = [p.name for p in variant.params]
+    if len(values) > len(names):
+        raise TypeError(f"{wrapper}.run() got {len(values)} positional variant arguments; variant {variant.name!r} "
+                        f"declares {len(names)} ({', '.join(names) or 'none'})")
+    both = sorted(set(names[: len(values)]) & set(named))
+    if both:
+        raise TypeError(f"{wrapper}.run() got variant argument(s) {both} both by position and by name")
+    return {**dict(zip(names, values)), **named}
