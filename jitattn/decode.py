@@ -11,7 +11,8 @@ from .attention.wrapper import BatchWrapperBase
 from .attention.checks import check_tensor, cpu_threads, target_of
 from .attention.kv import split_paged_kv_cache
 from .attention.options import (
-    check_head_dim, parse_kv_layout, parse_pos_encoding, refuse_unsupported, resolve_dtypes, resolve_scalars,
+    PAGE_TABLE_HINT, check_head_dim, parse_kv_layout, parse_pos_encoding, refuse_unsupported, resolve_dtypes,
+    resolve_scalars,
 )
 from .attention.specs import attention_spec
 from .jit import load
@@ -91,7 +92,7 @@ class BatchDecodeWithPagedKVCacheWrapper(BatchWrapperBase):
         ``block_tables``/``seq_lens`` (FlashInfer's trtllm-gen inputs) are not supported.
         """
         self._plan_call = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
-        refuse_unsupported(f"{_WRAPPER}.plan", block_tables=block_tables, seq_lens=seq_lens)
+        refuse_unsupported(f"{_WRAPPER}.plan", PAGE_TABLE_HINT, block_tables=block_tables, seq_lens=seq_lens)
         if q_data_type is _DEFAULT_Q_DTYPE and data_type is not None:
             q_data_type = None  # the default, not the caller's choice: data_type fills it
         q_dtype, kv_dtype = resolve_dtypes(q_data_type, kv_data_type, data_type)
@@ -248,14 +249,20 @@ class BatchDecodeWithPagedKVCacheWrapper(BatchWrapperBase):
         self, q: torch.Tensor, paged_kv_cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor], *args,
         q_scale: float | None = None, k_scale: float | None = None, v_scale: float | None = None,
         out: torch.Tensor | None = None, lse: torch.Tensor | None = None, return_lse: bool = False,
-        enable_pdl: bool | None = None, window_left: int | None = None, **variant_args,
+        enable_pdl: bool | None = None, window_left: int | None = None, sinks: torch.Tensor | None = None,
+        q_len_per_req: int = 1, **variant_args,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Decode attention: q ``[batch, num_qo_heads, head_dim]`` -> out (and natural-log lse ``[batch, heads]``).
 
         ``q_scale``/``k_scale`` multiply ``sm_scale``, ``v_scale`` the output (fp8 dequantization);
         ``window_left`` must equal the planned one; ``enable_pdl`` only tunes speed and is ignored.
+        ``sinks`` and ``q_len_per_req`` other than 1 (trtllm-gen) are not supported yet.
         ``args``/``variant_args``: the planned custom variant's parameters, in declaration order / by name.
         """
+        if sinks is not None or q_len_per_req != 1:
+            refuse_unsupported(f"{_WRAPPER}.run", "attention sinks and several queries per request (q_len_per_req) "
+                               "are not implemented yet", sinks=sinks,
+                               q_len_per_req=None if q_len_per_req == 1 else q_len_per_req)
         k, v = split_paged_kv_cache(paged_kv_cache, self._kv_layout)
         return self._run(q, k, v, k_scale, v_scale, out, lse, return_lse, variant_args, args, q_scale, window_left)
 

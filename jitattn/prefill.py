@@ -11,7 +11,8 @@ from .attention.wrapper import BatchWrapperBase
 from .attention.checks import check_tensor, target_of
 from .attention.kv import split_paged_kv_cache
 from .attention.options import (
-    check_head_dim, fp8_scale, parse_dtype, parse_kv_layout, parse_pos_encoding, refuse_unsupported, resolve_scalars,
+    PAGE_TABLE_HINT, check_head_dim, fp8_scale, parse_dtype, parse_kv_layout, parse_pos_encoding, refuse_unsupported,
+    resolve_scalars,
 )
 from .attention.specs import attention_spec
 from .jit import load
@@ -176,7 +177,8 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapperBase):
         whose parameters then go to ``run(..., name=value)``.
         """
         self._plan_call = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
-        refuse_unsupported(f"{self._NAME}.plan", seq_lens=seq_lens, seq_lens_q=seq_lens_q, block_tables=block_tables,
+        refuse_unsupported(f"{self._NAME}.plan", PAGE_TABLE_HINT, seq_lens=seq_lens, seq_lens_q=seq_lens_q,
+                           block_tables=block_tables,
                            max_token_per_sequence=max_token_per_sequence, max_sequence_kv=max_sequence_kv)
         check_fixed_split_size(fixed_split_size)
         index = check_paged_index(paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, page_size,
@@ -197,15 +199,18 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapperBase):
 
     def run(
         self, q: torch.Tensor, paged_kv_cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor], *args,
-        k_scale: float | None = None, v_scale: float | None = None, out: torch.Tensor | None = None,
-        lse: torch.Tensor | None = None, return_lse: bool = False, enable_pdl: bool | None = None,
-        window_left: int | None = None, q_scale: float | None = None, **variant_args,
+        q_scale: float | None = None, k_scale: float | None = None, v_scale: float | None = None,
+        out: torch.Tensor | None = None, lse: torch.Tensor | None = None, return_lse: bool = False,
+        enable_pdl: bool | None = None, window_left: int | None = None, sinks: torch.Tensor | None = None,
+        **variant_args,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """q ``[total_qo, num_qo_heads, head_dim_qk]`` -> out ``[total_qo, num_qo_heads, head_dim_vo]`` (and lse).
 
-        ``k_scale``/``v_scale``: fp8 dequantization; ``window_left`` must equal the planned one;
-        ``enable_pdl`` only tunes speed. ``args``/``variant_args``: the planned custom variant's
-        parameters, in declaration order / by name."""
+        ``q_scale``/``k_scale``/``v_scale``: dequantization; ``window_left`` must equal the planned
+        one; ``enable_pdl`` only tunes speed; ``sinks`` is not supported yet.
+        ``args``/``variant_args``: the planned custom variant's parameters, in declaration order / by name."""
+        if sinks is not None:
+            refuse_unsupported(f"{self._NAME}.run", "attention sinks are not implemented yet", sinks=sinks)
         k, v = split_paged_kv_cache(paged_kv_cache, self._kv_layout)
         return self._run(q, k, v, k_scale, v_scale, out, lse, return_lse, variant_args, args, q_scale, window_left)
 

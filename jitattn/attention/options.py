@@ -50,7 +50,7 @@ def resolve_dtypes(
     return q_dtype, kv_dtype
 
 
-def refuse_unsupported(what: str, **arguments: object) -> None:
+def refuse_unsupported(what: str, hint: str = "leave it unset", **arguments: object) -> None:
     """Raise NotImplementedError naming each FlashInfer argument that was given but is not implemented.
 
     An argument that would change results is never accepted and ignored.
@@ -58,8 +58,7 @@ def refuse_unsupported(what: str, **arguments: object) -> None:
     given = [name for name, value in arguments.items() if value is not None]
     if given:
         raise NotImplementedError(
-            f"{what}: {', '.join(given)} {'is' if len(given) == 1 else 'are'} not supported by jitattn; "
-            "describe the batch with the page table arguments (indptr / indices / last_page_len) instead"
+            f"{what}: {', '.join(given)} {'is' if len(given) == 1 else 'are'} not supported by jitattn; {hint}"
         )
 
 
@@ -110,3 +109,8 @@ def fp8_scale(value: float | torch.Tensor | None, name: str) -> float:
             raise ValueError(f"{name} on {value.device} would need a device sync; pass a Python float")
         value = value.item()
     return float(value)
+
+
+# The hint for FlashInfer's trtllm-gen page-table inputs (block_tables, seq_lens, ...).
+PAGE_TABLE_HINT = ("describe the batch with the page table arguments (indptr / indices / last_page_len) instead "
+                   "of trtllm-gen's block_tables / seq_lens")
