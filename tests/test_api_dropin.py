@@ -1,0 +1,451 @@
+"""FlashInfer drop-in behaviour: the calls serving engines make, the older spellings, and the empty edges.
+
+Every test runs on the cpu target and (marked ``gpu``) on cuda, against ``jitattn.reference``
+with fresh random inputs; outputs the kernels must write are poisoned first.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+import jitattn
+from jitattn import reference
+
+from attention_cases import assert_close_lse, assert_close_out, devices, random_paged_batch
+
+PAGE = 16
+HQ, HKV, D = 8, 2, 64
+
+
+def _workspace(device: str) -> torch.Tensor:
+    return torch.empty(16 << 20, dtype=torch.uint8, device=device)
+
+
+def _dtype(device: str) -> torch.dtype:
+    return torch.float32 if device == "cpu" else torch.float16
+
+
+def _decode_reference(q, batch, **options):
+    return reference.batch_decode_paged(q.cpu(), _cpu(batch.cache), batch.kv_indptr, batch.kv_indices,
+                                        batch.kv_last_page_len, **options)
+
+
+def _cpu(cache):
+    return tuple(t.cpu() for t in cache) if isinstance(cache, tuple) else cache.cpu()
+
+
+# ---- fast_decode_plan -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("kv_lens,fixed_split_size", [
+    ([33, 1, 200, 64], None), ([700, 5, 0, 1000], 2), ([4000], None), ([0, 0], None),
+], ids=["mixed", "split2", "long", "empty"])
+@pytest.mark.parametrize("host_indptr", [True, False], ids=["override_cpu", "device_indptr"])
+def test_fast_decode_plan_matches_plan(device: str, kv_lens: list[int], fixed_split_size: int | None,
+                                       host_indptr: bool) -> None:
+    gen = torch.Generator().manual_seed(3)
+    dtype = _dtype(device)
+    batch = random_paged_batch(kv_lens, HKV, D, PAGE, dtype, device=device, generator=gen)
+    q = torch.randn(len(kv_lens), HQ, D, generator=gen).to(dtype).to(device)
+    tables = [t.to(device) for t in (batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len)]
+    wrapper = jitattn.BatchDecodeWithPagedKVCacheWrapper(_workspace(device))
+    plan = functools.partial(jitattn.fast_decode_plan, wrapper)  # as SGLang binds it
+    plan(*tables, HQ, HKV, D, PAGE, q_data_type=dtype, fixed_split_size=fixed_split_size,
+         global_override_indptr_cpu=batch.kv_indptr if host_indptr else None)
+    out, lse = wrapper.run(q, batch.cache, out=torch.full_like(q, float("nan")), return_lse=True)
+    ref_out, ref_lse = _decode_reference(q, batch)
+    assert_close_out(out, ref_out, dtype)
+    assert_close_lse(lse, ref_lse)
+    if fixed_split_size is not None:
+        assert wrapper._plan.split.kv_chunk_size == fixed_split_size * PAGE
+
+
+@pytest.mark.parametrize("device", devices())
+def test_fast_decode_plan_on_a_graph_wrapper_refills_its_buffers(device: str) -> None:
+    gen = torch.Generator().manual_seed(4)
+    dtype = _dtype(device)
+    buffers = [torch.empty(n, dtype=torch.int32, device=device) for n in (5, 64, 4)]
+    wrapper = jitattn.CUDAGraphBatchDecodeWithPagedKVCacheWrapper(_workspace(device), *buffers)
+    assert wrapper.is_cuda_graph_enabled
+    for step, kv_lens in enumerate(([40, 3, 17, 90], [41, 4, 18, 91], [200, 1, 1, 33])):
+        batch = random_paged_batch(kv_lens, HKV, D, PAGE, dtype, device=device, generator=gen)
+        q = torch.randn(4, HQ, D, generator=gen).to(dtype).to(device)
+        jitattn.decode.fast_decode_plan(wrapper, batch.kv_indptr.to(device), batch.kv_indices.to(device),
+                                        batch.kv_last_page_len.to(device), HQ, HKV, D, PAGE, q_data_type=dtype,
+                                        global_override_indptr_cpu=batch.kv_indptr)
+        assert wrapper._plan.kv_indices.data_ptr() == buffers[1].data_ptr(), "graph mode reads the fixed buffers"
+        out = wrapper.run(q, batch.cache)
+        assert_close_out(out, _decode_reference(q, batch)[0], dtype)
+    with pytest.raises(ValueError, match="batch size"):
+        jitattn.fast_decode_plan(wrapper, batch.kv_indptr[:3], batch.kv_indices, batch.kv_last_page_len[:2],
+                                 HQ, HKV, D, PAGE, q_data_type=dtype)
+
+
+# ---- run_return_lse, forward, run() options -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", devices())
+def test_forward_options_replace_the_planned_ones(device: str) -> None:
+    gen = torch.Generator().manual_seed(5)
+    dtype = _dtype(device)
+    batch = random_paged_batch([50, 7, 130], HKV, D, PAGE, dtype, device=device, generator=gen)
+    q = (3 * torch.randn(3, HQ, D, generator=gen)).to(dtype).to(device)
+    wrapper = jitattn.BatchDecodeWithPagedKVCacheWrapper(_workspace(device))
+    wrapper.begin_forward(batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len, HQ, HKV, D, PAGE,
+                          q_data_type=dtype)
+    plain = wrapper.forward(q, batch.cache)
+    assert_close_out(plain, _decode_reference(q, batch)[0], dtype)
+    capped, capped_lse = wrapper.forward_return_lse(q, batch.cache, logits_soft_cap=5.0, sm_scale=0.3, window_left=20)
+    ref_out, ref_lse = _decode_reference(q, batch, logits_soft_cap=5.0, sm_scale=0.3, window_left=20)
+    assert_close_out(capped, ref_out, dtype)
+    assert_close_lse(capped_lse, ref_lse)
+    assert wrapper._plan.scalars.logits_soft_cap == 5.0
+    out, lse = wrapper.run_return_lse(q, batch.cache)
+    assert_close_lse(lse, ref_lse)
+    with pytest.raises(ValueError, match="window_left"):
+        wrapper.run(q, batch.cache, window_left=100)
+
+
+@pytest.mark.parametrize("device", devices())
+def test_run_q_scale_multiplies_sm_scale(device: str) -> None:
+    gen = torch.Generator().manual_seed(6)
+    dtype = _dtype(device)
+    batch = random_paged_batch([70, 9], HKV, D, PAGE, dtype, device=device, generator=gen)
+    q = torch.randn(2, HQ, D, generator=gen).to(dtype).to(device)
+    wrapper = jitattn.BatchDecodeWithPagedKVCacheWrapper(_workspace(device))
+    wrapper.plan(batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len, HQ, HKV, D, PAGE, q_data_type=dtype)
+    out = wrapper.run(q, batch.cache, q_scale=2.5, enable_pdl=True)
+    assert_close_out(out, _decode_reference(q, batch, sm_scale=2.5 / D ** 0.5)[0], dtype)
+    assert_close_out(wrapper.run(q, batch.cache), _decode_reference(q, batch)[0], dtype)  # not sticky
+
+
+@pytest.mark.parametrize("device", devices())
+def test_prefill_wrappers_run_return_lse_and_forward(device: str) -> None:
+    gen = torch.Generator().manual_seed(7)
+    dtype = _dtype(device)
+    qo_lens, kv_lens = [3, 1, 6], [20, 33, 6]
+    qo_indptr = torch.tensor([0, 3, 4, 10], dtype=torch.int32)
+    batch = random_paged_batch(kv_lens, HKV, D, PAGE, dtype, device=device, generator=gen)
+    q = torch.randn(10, HQ, D, generator=gen).to(dtype).to(device)
+    paged = jitattn.prefill.BatchPrefillWithPagedKVCacheWrapper(_workspace(device))
+    paged.plan(qo_indptr, batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len, HQ, HKV, D, PAGE,
+               q_data_type=dtype)
+    ref_out, ref_lse = reference.batch_prefill_paged(q.cpu(), _cpu(batch.cache), qo_indptr, batch.kv_indptr,
+                                                     batch.kv_indices, batch.kv_last_page_len)
+    out, lse = paged.run_return_lse(q, batch.cache)
+    assert_close_out(out, ref_out, dtype)
+    assert_close_lse(lse, ref_lse)
+    causal_out = paged.forward(q, batch.cache, causal=True)
+    ref_causal = reference.batch_prefill_paged(q.cpu(), _cpu(batch.cache), qo_indptr, batch.kv_indptr,
+                                               batch.kv_indices, batch.kv_last_page_len, causal=True)[0]
+    assert_close_out(causal_out, ref_causal, dtype)
+
+    k, v, kv_indptr = reference.paged_kv_to_ragged(_cpu(batch.cache), batch.kv_indptr, batch.kv_indices,
+                                                   batch.kv_last_page_len)
+    ragged = jitattn.prefill.BatchPrefillWithRaggedKVCacheWrapper(_workspace(device))
+    ragged.plan(qo_indptr, kv_indptr.int(), HQ, HKV, D, q_data_type=dtype, causal=True)
+    k, v = k.to(dtype).to(device), v.to(dtype).to(device)
+    out, lse = ragged.forward_return_lse(q, k, v, causal=True)
+    assert_close_out(out, ref_causal, dtype)
+    assert_close_out(ragged.run_return_lse(q, k, v)[0], ref_causal, dtype)
+
+
+@pytest.mark.parametrize("device", devices())
+def test_ragged_kv_in_hnd_layout_equals_nhd(device: str) -> None:
+    gen = torch.Generator().manual_seed(8)
+    dtype = _dtype(device)
+    qo_indptr = torch.tensor([0, 4, 9], dtype=torch.int32)
+    kv_indptr = torch.tensor([0, 30, 41], dtype=torch.int32)
+    q = torch.randn(9, HQ, D, generator=gen).to(dtype).to(device)
+    k = torch.randn(41, HKV, D, generator=gen).to(dtype).to(device)
+    v = torch.randn(41, HKV, D, generator=gen).to(dtype).to(device)
+    wrapper = jitattn.BatchPrefillWithRaggedKVCacheWrapper(_workspace(device), kv_layout="HND")
+    wrapper.plan(qo_indptr, kv_indptr, HQ, HKV, D, causal=True, q_data_type=dtype)
+    out = wrapper.run(q, k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous())
+    ref = reference.batch_ragged_attention(q.cpu(), k.cpu(), v.cpu(), qo_indptr, kv_indptr, causal=True)[0]
+    assert_close_out(out, ref, dtype)
+
+
+# ---- shared-prefix wrappers (FlashInfer's older cascade API) ------------------------------------------------
+
+
+@pytest.mark.parametrize("device", devices())
+def test_shared_prefix_decode_and_prefill_wrappers(device: str) -> None:
+    gen = torch.Generator().manual_seed(9)
+    dtype = _dtype(device)
+    shared_len, unique = 45, [10, 3, 28]
+    k_shared = torch.randn(shared_len, HKV, D, generator=gen).to(dtype).to(device)
+    v_shared = torch.randn(shared_len, HKV, D, generator=gen).to(dtype).to(device)
+    batch = random_paged_batch(unique, HKV, D, PAGE, dtype, device=device, generator=gen)
+    k_u, v_u, u_indptr = reference.paged_kv_to_ragged(_cpu(batch.cache), batch.kv_indptr, batch.kv_indices,
+                                                      batch.kv_last_page_len)
+
+    def full_kv(r: int) -> tuple[torch.Tensor, torch.Tensor]:
+        lo, hi = int(u_indptr[r]), int(u_indptr[r + 1])
+        return torch.cat([k_shared.cpu(), k_u[lo:hi]]), torch.cat([v_shared.cpu(), v_u[lo:hi]])
+
+    decode = jitattn.BatchDecodeWithSharedPrefixPagedKVCacheWrapper(_workspace(device))
+    decode.begin_forward(batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len, HQ, HKV, D, PAGE,
+                         data_type=dtype)
+    q = torch.randn(3, HQ, D, generator=gen).to(dtype).to(device)
+    out = decode.forward(q, k_shared, v_shared, batch.cache)
+    for r in range(3):
+        k, v = full_kv(r)
+        assert_close_out(out[r:r + 1], reference.single_attention(q[r:r + 1].cpu(), k, v)[0], dtype)
+
+    qo_lens = [2, 3, 1]
+    qo_indptr = torch.tensor([0, 2, 5, 6], dtype=torch.int32)
+    prefill = jitattn.BatchPrefillWithSharedPrefixPagedKVCacheWrapper(_workspace(device))
+    prefill.begin_forward(qo_indptr, batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len, HQ, HKV, D, PAGE)
+    q = torch.randn(6, HQ, D, generator=gen).to(dtype).to(device)
+    out = prefill.forward(q, k_shared, v_shared, batch.cache, causal=True)
+    for r in range(3):
+        k, v = full_kv(r)
+        lo, hi = int(qo_indptr[r]), int(qo_indptr[r + 1])
+        assert_close_out(out[lo:hi], reference.single_attention(q[lo:hi].cpu(), k, v, causal=True)[0], dtype)
+
+
+# ---- semantics ---------------------------------------------------------------------------------------------
+
+
+def test_data_type_fills_only_what_the_caller_did_not_give() -> None:
+    from jitattn.attention.options import resolve_dtypes
+
+    assert resolve_dtypes(None, None, torch.bfloat16) == (torch.bfloat16, torch.bfloat16)
+    assert resolve_dtypes(torch.float16, None, torch.float8_e4m3fn) == (torch.float16, torch.float8_e4m3fn)
+    assert resolve_dtypes(None, torch.float16, torch.bfloat16) == (torch.bfloat16, torch.float16)
+    assert resolve_dtypes(None, None, None) == (torch.float16, torch.float16)
+    batch = random_paged_batch([20], HKV, D, PAGE, torch.float32)
+    wrapper = jitattn.BatchDecodeWithPagedKVCacheWrapper(_workspace("cpu"))
+    wrapper.plan(batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len, HQ, HKV, D, PAGE,
+                 data_type=torch.float8_e4m3fn, q_data_type=torch.float32)
+    assert (wrapper._plan.q_dtype, wrapper._plan.kv_dtype) == (torch.float32, torch.float8_e4m3fn)
+    wrapper.plan(batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len, HQ, HKV, D, PAGE, data_type="float32")
+    assert (wrapper._plan.q_dtype, wrapper._plan.kv_dtype) == (torch.float32, torch.float32)
+
+
+@pytest.mark.parametrize("device", devices())
+def test_custom_mask_overrides_causal_even_when_qo_len_exceeds_kv_len(device: str) -> None:
+    gen = torch.Generator().manual_seed(10)
+    dtype = _dtype(device)
+    q = torch.randn(7, HQ, D, generator=gen).to(dtype).to(device)
+    k = torch.randn(4, HKV, D, generator=gen).to(dtype).to(device)
+    v = torch.randn(4, HKV, D, generator=gen).to(dtype).to(device)
+    mask = torch.rand(7, 4, generator=gen) > 0.4
+    mask[:, 0] = True
+    out = jitattn.single_prefill_with_kv_cache(q, k, v, custom_mask=mask.to(device), causal=True)
+    ref = reference.single_attention(q.cpu(), k.cpu(), v.cpu(), custom_mask=mask)[0]
+    assert_close_out(out, ref, dtype)
+
+
+def _multi_item_reference(q, k, v, prefix_len: int, item_lens: list[int]) -> torch.Tensor:
+    """Each token after the prefix attends to the prefix and causally to its own item (delimiter first).
+
+    Built per item from plain causal attention over [prefix, item], independent of the mask rule.
+    """
+    outs = [reference.single_attention(q[:prefix_len], k[:prefix_len], v[:prefix_len], causal=True)[0]]
+    start = prefix_len
+    for n in item_lens:
+        # the delimiter (position 0 in its item) sees only the prefix; item tokens see the prefix and
+        # the item's tokens from the first one after the delimiter up to themselves
+        outs.append(reference.single_attention(q[start:start + 1], k[:prefix_len], v[:prefix_len])[0])
+        if n:
+            kk = torch.cat([k[:prefix_len], k[start + 1:start + 1 + n]])
+            vv = torch.cat([v[:prefix_len], v[start + 1:start + 1 + n]])
+            outs.append(reference.single_attention(q[start + 1:start + 1 + n], kk, vv, causal=True)[0])
+        start += 1 + n
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("device", devices())
+def test_multi_item_scoring_attends_prefix_and_own_item(device: str) -> None:
+    gen = torch.Generator().manual_seed(12)
+    dtype = _dtype(device)
+    requests = [(9, [3, 2, 4]), (5, [6, 1])]  # (prefix_len, item lengths); a delimiter precedes each item
+    seq_lens = [p + sum(n + 1 for n in items) for p, items in requests]
+    pad = max(s - p for s, (p, _) in zip(seq_lens, requests)) + 2
+    positions = torch.zeros(len(requests) * pad, dtype=torch.int64)
+    for r, (p, items) in enumerate(requests):
+        pos = [t for n in items for t in range(n + 1)]
+        positions[r * pad: r * pad + len(pos)] = torch.tensor(pos)
+    batch = random_paged_batch(seq_lens, HKV, D, PAGE, dtype, device=device, generator=gen)
+    qo_indptr = torch.tensor([0, seq_lens[0], sum(seq_lens)], dtype=torch.int32)
+    q = torch.randn(sum(seq_lens), HQ, D, generator=gen).to(dtype).to(device)
+    wrapper = jitattn.BatchPrefillWithPagedKVCacheWrapper(_workspace(device))
+    wrapper.plan(qo_indptr, batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len, HQ, HKV, D, PAGE,
+                 causal=True, q_data_type=dtype, prefix_len_ptr=torch.tensor([p for p, _ in requests]).to(device),
+                 token_pos_in_items_ptr=positions.to(torch.int16).to(device), token_pos_in_items_len=pad,
+                 max_item_len_ptr=torch.tensor([4, 6], dtype=torch.int16))
+    out = wrapper.run(q, batch.cache)
+    k, v, kv_indptr = reference.paged_kv_to_ragged(_cpu(batch.cache), batch.kv_indptr, batch.kv_indices,
+                                                   batch.kv_last_page_len)
+    for r, (p, items) in enumerate(requests):
+        lo, hi = int(qo_indptr[r]), int(qo_indptr[r + 1])
+        klo, khi = int(kv_indptr[r]), int(kv_indptr[r + 1])
+        ref = _multi_item_reference(q[lo:hi].cpu(), k[klo:khi], v[klo:khi], p, items)
+        assert_close_out(out[lo:hi], ref, dtype)
+
+
+@pytest.mark.parametrize("call", [
+    lambda w, b: w.plan(b.kv_indptr, b.kv_indices, b.kv_last_page_len, HQ, HKV, D, PAGE, q_data_type="float32",
+                        block_tables=torch.zeros(1, 2, dtype=torch.int32)),
+    lambda w, b: w.plan(b.kv_indptr, b.kv_indices, b.kv_last_page_len, HQ, HKV, D, PAGE, q_data_type="float32",
+                        seq_lens=torch.tensor([20])),
+], ids=["block_tables", "seq_lens"])
+def test_unimplemented_decode_arguments_are_refused_by_name(call) -> None:
+    batch = random_paged_batch([20], HKV, D, PAGE, torch.float32)
+    with pytest.raises(NotImplementedError, match="block_tables|seq_lens"):
+        call(jitattn.BatchDecodeWithPagedKVCacheWrapper(_workspace("cpu")), batch)
+
+
+@pytest.mark.parametrize("argument", ["seq_lens", "seq_lens_q", "block_tables", "max_token_per_sequence",
+                                      "max_sequence_kv"])
+def test_unimplemented_prefill_arguments_are_refused_by_name(argument: str) -> None:
+    batch = random_paged_batch([20], HKV, D, PAGE, torch.float32)
+    wrapper = jitattn.BatchPrefillWithPagedKVCacheWrapper(_workspace("cpu"))
+    with pytest.raises(NotImplementedError, match=argument):
+        wrapper.plan(torch.tensor([0, 2], dtype=torch.int32), batch.kv_indptr, batch.kv_indices,
+                     batch.kv_last_page_len, HQ, HKV, D, PAGE, q_data_type="float32", **{argument: 4})
+
+
+def test_unimplemented_run_and_constructor_arguments_are_refused_by_name() -> None:
+    batch = random_paged_batch([20], HKV, D, PAGE, torch.float32)
+    wrapper = jitattn.BatchDecodeWithPagedKVCacheWrapper(_workspace("cpu"))
+    wrapper.plan(batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len, HQ, HKV, D, PAGE, q_data_type="float32")
+    q = torch.randn(1, HQ, D)
+    with pytest.raises(NotImplementedError, match="sinks"):
+        wrapper.run(q, batch.cache, sinks=torch.zeros(HQ))
+    with pytest.raises(NotImplementedError, match="q_len_per_req"):
+        wrapper.run(q, batch.cache, q_len_per_req=2)
+    with pytest.raises(NotImplementedError, match="jit_args"):
+        jitattn.BatchDecodeWithPagedKVCacheWrapper(_workspace("cpu"), jit_args=["x"])
+    with pytest.raises(NotImplementedError, match="jit_kwargs"):
+        jitattn.BatchPrefillWithRaggedKVCacheWrapper(_workspace("cpu"), jit_kwargs={"x": 1})
+    with pytest.raises(NotImplementedError, match="per-head"):
+        jitattn.single_prefill_with_kv_cache(torch.randn(2, HQ, D), torch.randn(5, HKV, D), torch.randn(5, HKV, D),
+                                             scale_q=torch.ones(HQ))
+
+
+@pytest.mark.parametrize("device", devices())
+def test_single_prefill_scales_and_output_dtype(device: str) -> None:
+    gen = torch.Generator().manual_seed(13)
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    q = torch.randn(5, HQ, D, generator=gen).to(dtype).to(device)
+    k = torch.randn(12, HKV, D, generator=gen).to(dtype).to(device)
+    v = torch.randn(12, HKV, D, generator=gen).to(dtype).to(device)
+    out, lse = jitattn.single_prefill_with_kv_cache_return_lse(
+        q, k, v, scale_q=torch.tensor([0.5]), scale_k=2.0, scale_v=3.0, o_dtype=torch.float32, causal=True,
+        backend="fa3")
+    ref_out, ref_lse = reference.single_attention(q.cpu(), k.cpu(), v.cpu(), causal=True, sm_scale=1.0 / D ** 0.5,
+                                                  v_scale=3.0)
+    assert out.dtype == torch.float32
+    assert_close_out(out, ref_out, torch.bfloat16 if device != "cpu" else torch.float32)
+    assert_close_lse(lse, ref_lse)
+
+
+# ---- edges: empty batches, empty pools, empty levels, kv_len 0, bad arguments -----------------------------
+
+
+def _expect_empty(out: torch.Tensor, lse: torch.Tensor) -> None:
+    assert torch.equal(out.float().cpu(), torch.zeros(out.shape)), "a request with no key must give 0"
+    assert torch.isneginf(lse.cpu()).all(), "a request with no key must give lse -inf"
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("case", ["no_requests", "all_kv_len_0", "pool_of_0_pages"])
+def test_empty_decode_and_prefill_batches(device: str, case: str) -> None:
+    dtype = _dtype(device)
+    batch_size = 0 if case == "no_requests" else 3
+    indptr = torch.zeros(batch_size + 1, dtype=torch.int32)
+    indices = torch.zeros(0, dtype=torch.int32)
+    last = torch.zeros(batch_size, dtype=torch.int32)
+    pages = 0 if case == "pool_of_0_pages" else 4
+    cache = torch.randn(pages, 2, PAGE, HKV, D).to(dtype).to(device)
+    q = torch.randn(batch_size, HQ, D).to(dtype).to(device)
+
+    decode = jitattn.BatchDecodeWithPagedKVCacheWrapper(_workspace(device))
+    decode.plan(indptr, indices, last, HQ, HKV, D, PAGE, q_data_type=dtype)
+    out, lse = decode.run(q, cache, out=torch.full_like(q, float("nan")), return_lse=True)
+    assert out.shape == (batch_size, HQ, D)
+    _expect_empty(out, lse)
+
+    prefill = jitattn.BatchPrefillWithPagedKVCacheWrapper(_workspace(device))
+    qo_indptr = torch.arange(batch_size + 1, dtype=torch.int32) * 2
+    prefill.plan(qo_indptr, indptr, indices, last, HQ, HKV, D, PAGE, q_data_type=dtype, causal=False)
+    q2 = torch.randn(2 * batch_size, HQ, D).to(dtype).to(device)
+    out, lse = prefill.run(q2, cache, out=torch.full_like(q2, float("nan")), return_lse=True)
+    _expect_empty(out, lse)
+
+
+@pytest.mark.parametrize("device", devices())
+def test_single_request_functions_with_kv_len_0(device: str) -> None:
+    dtype = _dtype(device)
+    k = torch.zeros(0, HKV, D, dtype=dtype, device=device)
+    out, lse = jitattn.single_decode_with_kv_cache(torch.randn(HQ, D).to(dtype).to(device), k, k, return_lse=True)
+    _expect_empty(out, lse)
+    out, lse = jitattn.single_prefill_with_kv_cache(torch.randn(3, HQ, D).to(dtype).to(device), k, k,
+                                                    return_lse=True)
+    _expect_empty(out, lse)
+    k_hnd = torch.zeros(HKV, 0, D, dtype=dtype, device=device)
+    out, lse = jitattn.single_decode_with_kv_cache(torch.randn(HQ, D).to(dtype).to(device), k_hnd, k_hnd,
+                                                   kv_layout="HND", return_lse=True)
+    _expect_empty(out, lse)
+
+
+@pytest.mark.parametrize("device", devices())
+def test_cascade_level_whose_nodes_are_all_empty(device: str) -> None:
+    gen = torch.Generator().manual_seed(14)
+    dtype = _dtype(device)
+    batch = random_paged_batch([30, 12], HKV, D, PAGE, dtype, device=device, generator=gen)
+    q = torch.randn(2, HQ, D, generator=gen).to(dtype).to(device)
+    empty_level = (torch.tensor([0, 0], dtype=torch.int32), torch.zeros(0, dtype=torch.int32),
+                   torch.zeros(1, dtype=torch.int32))
+    wrapper = jitattn.MultiLevelCascadeAttentionWrapper(2, _workspace(device))
+    wrapper.plan([torch.tensor([0, 2], dtype=torch.int32), torch.tensor([0, 1, 2], dtype=torch.int32)],
+                 [empty_level[0], batch.kv_indptr], [empty_level[1], batch.kv_indices],
+                 [empty_level[2], batch.kv_last_page_len], HQ, HKV, D, PAGE, q_data_type=dtype)
+    out, lse = wrapper.run_return_lse(q, batch.cache)
+    ref_out, ref_lse = _decode_reference(q, batch)
+    assert_close_out(out, ref_out, dtype)
+    assert_close_lse(lse, ref_lse)
+    # every level empty: 0 and -inf
+    wrapper.plan([torch.tensor([0, 2], dtype=torch.int32)] * 2, [empty_level[0]] * 2, [empty_level[1]] * 2,
+                 [empty_level[2]] * 2, HQ, HKV, D, PAGE, q_data_type=dtype)
+    _expect_empty(*wrapper.run_return_lse(q, batch.cache))
+
+
+def test_bad_head_dim_and_meta_indices_are_value_errors() -> None:
+    batch = random_paged_batch([20], HKV, D, PAGE, torch.float32)
+    wrapper = jitattn.BatchDecodeWithPagedKVCacheWrapper(_workspace("cpu"))
+    for head_dim in (0, -8, 64.0):
+        with pytest.raises(ValueError, match="head_dim"):
+            wrapper.plan(batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len, HQ, HKV, head_dim, PAGE,
+                         q_data_type="float32")
+    with pytest.raises(ValueError, match="head_dim_qk"):
+        jitattn.BatchPrefillWithRaggedKVCacheWrapper(_workspace("cpu")).plan(
+            torch.tensor([0, 1], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32), HQ, HKV, 0)
+    with pytest.raises(ValueError, match="meta"):
+        wrapper.plan(batch.kv_indptr.to("meta"), batch.kv_indices, batch.kv_last_page_len, HQ, HKV, D, PAGE,
+                     q_data_type="float32")
+
+
+@pytest.mark.gpu
+def test_misaligned_fp8_kv_views_are_refused_naming_the_fix() -> None:
+    gen = torch.Generator().manual_seed(15)
+    pool = torch.randn(6, 2, PAGE, HKV, D + 4, generator=gen).to(torch.float8_e4m3fn).cuda()
+    k, v = pool[:, 0, :, :, :D], pool[:, 1, :, :, :D]  # rows of D + 4 bytes: not 16-byte aligned
+    indptr, indices, last = (torch.tensor([0, 2], dtype=torch.int32), torch.tensor([1, 4], dtype=torch.int32),
+                             torch.tensor([5], dtype=torch.int32))
+    wrapper = jitattn.BatchDecodeWithPagedKVCacheWrapper(_workspace("cuda"))
+    wrapper.plan(indptr, indices, last, HQ, HKV, D, PAGE, q_data_type=torch.float16,
+                 kv_data_type=torch.float8_e4m3fn)
+    q = torch.randn(1, HQ, D, dtype=torch.float16, device="cuda")
+    with pytest.raises(ValueError, match=r"contiguous\(\)"):
+        wrapper.run(q, (k, v))
+    out = wrapper.run(q, (k.contiguous(), v.contiguous()))
+    ref = reference.batch_decode_paged(q.cpu(), (k.cpu(), v.cpu()), indptr, indices, last)[0]
+    assert_close_out(out, ref, torch.float16)
