@@ -53,8 +53,10 @@ class AttentionPlan:
     checked_signature: tuple | None = None  # q/k/v shapes, strides and dtypes that passed the checks
     variant_args: VariantArgs | None = None  # the variant's struct (spec.variant only), filled per run()
     wrapper: str = ""
+    kv_pointer_alignment: int = 16  # bytes; set from kv_alignment()
 
     def __post_init__(self) -> None:
+        self.kv_pointer_alignment = kv_alignment(self)[0]
         if self.spec.variant is not None:
             self.variant_args = VariantArgs(self.spec.variant, self.wrapper or "wrapper")
         self.launch = PreparedAttention(
@@ -236,7 +238,7 @@ def run_plan(
         if q.is_cuda:
             check_kv_alignment(plan, k, v)
         plan.checked_signature = signature
-    elif q.is_cuda and (k.data_ptr() | v.data_ptr()) % kv_alignment(plan)[0]:
+    elif q.is_cuda and (k.data_ptr() | v.data_ptr()) % plan.kv_pointer_alignment:
         check_kv_alignment(plan, k, v)
     o_shape = (plan.total_qo, plan.num_qo_heads, plan.head_dim_vo)
     if out is None:
@@ -261,7 +263,7 @@ def run_plan(
 
 def kv_alignment(plan: AttentionPlan) -> tuple[int, int]:
     """(pointer, stride) alignment in bytes the cuda kernels read k/v rows with (vector loads)."""
-    elem = torch.empty(0, dtype=plan.kv_dtype).element_size()
+    elem = plan.kv_dtype.itemsize
     if plan.spec.op is Op.DECODE:
         dims_bytes = (plan.head_dim_qk * elem, plan.head_dim_vo * elem)
         load = 16 if all(b % 16 == 0 for b in dims_bytes) else 8
