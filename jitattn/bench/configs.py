@@ -237,7 +237,7 @@ class Jit:
     """Host-side costs: import, cold build / warm load, run() overhead, plan() time."""
 
     name: str
-    what: str  # "import" | "build" | "run_overhead" | "plan"
+    what: str  # "import" | "build" | "run_overhead" | "plan" | "fast_plan"
     rows: tuple[str, ...] = ()  # the row names it produces (default: its own name)
     batch: int = 1
     kv_len: int = 16
@@ -253,7 +253,7 @@ class Jit:
 
     def params(self) -> dict:
         out = {"what": self.what}
-        if self.what in ("run_overhead", "plan"):
+        if self.what in ("run_overhead", "plan", "fast_plan"):
             out.update(batch=self.batch, kv_len=self.kv_len, heads_qo=32, heads_kv=8, head_dim=128, page_size=16)
         return out
 
@@ -347,6 +347,7 @@ JIT: list[Jit] = [
                                     "jit/warm_load_prefill")),
     Jit("jit/run_overhead_decode", "run_overhead", batch=1, kv_len=16),
     Jit("jit/plan_decode_b256", "plan", batch=256, kv_len=4096),
+    Jit("jit/fast_plan_decode_b256", "fast_plan", batch=256, kv_len=4096),
 ]
 
 ALL_CASES: list[Case] = [*DECODE, *PREFILL, *CASCADE, *VARIANTS, *MLA_CASES, *JIT]

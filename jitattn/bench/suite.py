@@ -655,17 +655,23 @@ def run_jit(case: Jit, ctx: Context) -> list[dict]:
                         + ("" if ctx.cuda else "; includes the tiny cpu kernel itself"))
         row["timing"] = t.to_dict()
         return [row]
-    # plan(): host index tensors, batch 256
+    # plan(): host index tensors, batch 256; fast_plan: fast_decode_plan with device index tensors and a
+    # host copy of indptr, as SGLang calls it every step
     import jitattn
 
     workspace = torch.empty(128 << 20, dtype=torch.uint8, device=ctx.device)
     wrapper = jitattn.BatchDecodeWithPagedKVCacheWrapper(workspace, kv_layout="NHD")
     needed = decode.batch * ((max(decode.kv_lens) + decode.page_size - 1) // decode.page_size)
     t = random_page_table(decode.kv_lens, decode.page_size, pool_pages(needed), torch.Generator().manual_seed(0))
+    on_device = [x.to(ctx.device) for x in (t.indptr, t.indices, t.last)]
 
     def plan():
-        wrapper.plan(t.indptr, t.indices, t.last, decode.num_qo_heads, decode.num_kv_heads, decode.head_dim,
-                     decode.page_size, **_plan_kwargs(decode))
+        if case.what == "fast_plan":
+            jitattn.fast_decode_plan(wrapper, *on_device, decode.num_qo_heads, decode.num_kv_heads, decode.head_dim,
+                                     decode.page_size, global_override_indptr_cpu=t.indptr, **_plan_kwargs(decode))
+        else:
+            wrapper.plan(t.indptr, t.indices, t.last, decode.num_qo_heads, decode.num_kv_heads, decode.head_dim,
+                         decode.page_size, **_plan_kwargs(decode))
 
     for _ in range(3):
         plan()
@@ -677,7 +683,9 @@ def run_jit(case: Jit, ctx: Context) -> list[dict]:
         times.append(time.perf_counter() - t0)
     times.sort()
     row = _host_row(case, case.name, times[len(times) // 2],
-                    f"wrapper.plan() with host int32 index tensors ({int(t.indptr[-1])} pages), median of {len(times)}")
+                    ("fast_decode_plan() with device index tensors and global_override_indptr_cpu"
+                     if case.what == "fast_plan" else "wrapper.plan() with host int32 index tensors")
+                    + f" ({int(t.indptr[-1])} pages), median of {len(times)}")
     return [row]
 
 
