@@ -449,3 +449,14 @@ def test_misaligned_fp8_kv_views_are_refused_naming_the_fix() -> None:
     out = wrapper.run(q, (k.contiguous(), v.contiguous()))
     ref = reference.batch_decode_paged(q.cpu(), (k.cpu(), v.cpu()), indptr, indices, last)[0]
     assert_close_out(out, ref, torch.float16)
+
+
+def test_forward_after_fast_decode_plan_with_other_options_is_refused() -> None:
+    batch = random_paged_batch([20, 5], HKV, D, PAGE, torch.float32)
+    wrapper = jitattn.BatchDecodeWithPagedKVCacheWrapper(_workspace("cpu"))
+    jitattn.fast_decode_plan(wrapper, batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len, HQ, HKV, D, PAGE,
+                             q_data_type="float32")
+    q = torch.randn(2, HQ, D)
+    assert_close_out(wrapper.forward(q, batch.cache), _decode_reference(q, batch)[0], torch.float32)
+    with pytest.raises(ValueError, match="fast_decode_plan"):
+        wrapper.forward(q, batch.cache, logits_soft_cap=10.0)

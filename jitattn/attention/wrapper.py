@@ -68,6 +68,11 @@ class BatchWrapperBase:
         if self._plan is None:
             raise RuntimeError(f"{self._NAME}.forward() called before plan(); call plan() (or begin_forward()) first")
         changed = {name: value for name, value in options.items() if self._plan_call.get(name) != value}
+        if changed and not self._plan_call:  # planned by fast_decode_plan, whose arrays are not kept
+            raise ValueError(
+                f"{self._NAME}.forward({', '.join(f'{k}={v!r}' for k, v in changed.items())}) differs from the last "
+                "fast_decode_plan(); pass these options to fast_decode_plan and call run()"
+            )
         if changed:
             self.plan(**{**self._plan_call, **changed})
         return self.run(*run_args, **run_kwargs)
