@@ -324,7 +324,10 @@ def fast_decode_plan(
     """
     if not isinstance(self, BatchDecodeWithPagedKVCacheWrapper):
         raise TypeError(f"fast_decode_plan needs a BatchDecodeWithPagedKVCacheWrapper; got {type(self).__name__}")
-    self._plan_call = {}  # forward() re-plans through plan(), which needs the full arguments
+    # forward() compares its options with these; it cannot re-plan (the arrays are used in place, not kept)
+    self._plan_call = dict(fast_decode_plan=True, pos_encoding_mode=pos_encoding_mode, window_left=window_left,
+                           logits_soft_cap=logits_soft_cap, sm_scale=sm_scale, rope_scale=rope_scale,
+                           rope_theta=rope_theta)
     self._fast_plan(
         indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size, pos_encoding_mode,
         window_left, logits_soft_cap, q_data_type, kv_data_type, data_type, sm_scale, rope_scale, rope_theta,

@@ -68,7 +68,7 @@ class BatchWrapperBase:
         if self._plan is None:
             raise RuntimeError(f"{self._NAME}.forward() called before plan(); call plan() (or begin_forward()) first")
         changed = {name: value for name, value in options.items() if self._plan_call.get(name) != value}
-        if changed and not self._plan_call:  # planned by fast_decode_plan, whose arrays are not kept
+        if changed and self._plan_call.get("fast_decode_plan"):  # its arrays are not kept: no re-plan
             raise ValueError(
                 f"{self._NAME}.forward({', '.join(f'{k}={v!r}' for k, v in changed.items())}) differs from the last "
                 "fast_decode_plan(); pass these options to fast_decode_plan and call run()"
