@@ -338,12 +338,20 @@ def test_append_nothing_is_a_no_op(device):
 
 @pytest.mark.gpu
 def test_append_runs_on_the_current_stream():
+    """The keys are written on a side stream after a long GPU sleep, then appended there: an append
+    launched on any other stream runs before they are ready and copies the stale values."""
     case = Case(page_size=16, cache_dtype=torch.bfloat16, salt=21).to("cuda")
     want = case.expected()
     bi, pos = case.indices()
+    real_key, real_value = case.key.clone(), case.value.clone()
+    case.key.fill_(7.0)
+    case.value.fill_(7.0)
+    torch.cuda.synchronize()
     stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time before the keys are ready
+        case.key.copy_(real_key)
+        case.value.copy_(real_value)
         _append(case, bi=bi, pos=pos)
     stream.synchronize()
     case.check(want, "side stream")
