@@ -12,7 +12,8 @@ from unittest import mock
 import pytest
 import torch
 
-from jitattn.bench import configs, report, suite
+from jitattn.bench import configs, inputs, report, suite
+from jitattn.bench import rows as bench_rows
 from jitattn.bench.__main__ import main
 
 # decode bytes = 2 * tokens read * H_kv * D * bytes/elem (K and V) + q bytes + o bytes (B * H_q * D * 2 each, bf16)
@@ -174,12 +175,12 @@ def test_select() -> None:
 
 def test_rate_and_fraction() -> None:
     ceilings = {"read_stream": {"gbps": 4000.0}, "gemm": {"tflops": 800.0}}
-    rate, unit, ceiling, fraction = suite.rate_of("bandwidth", 2_000_000_000, None, 1000.0, ceilings)
+    rate, unit, ceiling, fraction = bench_rows.rate_of("bandwidth", 2_000_000_000, None, 1000.0, ceilings)
     assert (rate, unit, ceiling) == (2000.0, "GB/s", "read_stream") and fraction == pytest.approx(0.5)
-    rate, unit, ceiling, fraction = suite.rate_of("compute", None, 400 * 10**9, 1000.0, ceilings)
+    rate, unit, ceiling, fraction = bench_rows.rate_of("compute", None, 400 * 10**9, 1000.0, ceilings)
     assert (unit, ceiling) == ("TFLOP/s", "gemm") and rate == pytest.approx(400.0) and fraction == pytest.approx(0.5)
-    assert suite.rel_err([torch.tensor([1.0, float("nan")])], [torch.tensor([1.0, 1.0])]) == math.inf
-    assert suite.rel_err([torch.tensor([1.1, 2.0])], [torch.tensor([1.0, 2.0])]) == pytest.approx(0.05)
+    assert bench_rows.rel_err([torch.tensor([1.0, float("nan")])], [torch.tensor([1.0, 1.0])]) == math.inf
+    assert bench_rows.rel_err([torch.tensor([1.1, 2.0])], [torch.tensor([1.0, 2.0])]) == pytest.approx(0.05)
 
 
 ROW_KEYS = {"name", "suite", "kind", "status", "params", "time_us", "timing", "bytes", "flops", "rate", "rate_unit",
@@ -190,7 +191,7 @@ def test_quick_cpu_run_writes_valid_json(tmp_path, capsys) -> None:
     path = tmp_path / "bench.json"
     assert main(["--quick", "--target", "cpu", "--json", str(path), "--measure-s", "0.05"]) == 0
     doc = json.loads(path.read_text())  # strict JSON: NaN/inf are written as null
-    assert doc["schema"] == suite.SCHEMA and doc["target"] == "cpu"
+    assert doc["schema"] == bench_rows.SCHEMA and doc["target"] == "cpu"
     assert "cpu target at small sizes" in doc["note"]
     for key in ("created", "args", "environment", "method", "prebuild", "ceilings", "rows", "elapsed_s"):
         assert key in doc
@@ -228,7 +229,7 @@ def test_quick_cpu_run_writes_valid_json(tmp_path, capsys) -> None:
 
 
 def test_a_failing_case_is_a_row_error_and_the_suite_goes_on(tmp_path, monkeypatch) -> None:
-    real = suite.make_attn_data
+    real = inputs.make_attn_data
 
     def broken(case, device):
         if case.name == "decode/llama8b_b64_s2048":

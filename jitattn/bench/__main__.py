@@ -9,7 +9,7 @@ Examples::
     python -m jitattn.bench --list
 
 Without a CUDA device the cpu target runs at small sizes (the JSON says so).
-How numbers are produced: ``jitattn/bench/suite.py`` and ``docs/benchmarks/README.md``.
+How numbers are produced: ``jitattn/bench/suite.py`` (with ``rows``, ``inputs``, ``sdpa``, ``host``) and ``docs/benchmarks/README.md``.
 """
 
 from __future__ import annotations

@@ -1,0 +1,115 @@
+"""Benchmark rows: the run context, the row record, rates against the ceilings, the error metric."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .configs import Case
+from .timing import Timer
+
+
+SCHEMA = "jitattn-bench/1"
+REF_REQUESTS = 2
+REF_QUERIES = 128
+TORCH_DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32,
+                "e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+
+
+class BudgetExceeded(Exception):
+    pass
+
+
+@dataclass
+class Context:
+    device: torch.device
+    timer: Timer
+    ceilings: dict
+    measure_s: float
+    case_budget_s: float
+    deadline: float  # time.monotonic() after which no new case starts
+    quick: bool = False
+    failed_specs: dict = field(default_factory=dict)  # VariantSpec -> error text
+    plain_rows: dict = field(default_factory=dict)  # name -> row, for the variants
+    case_deadline: float = math.inf
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    @property
+    def target(self) -> str:
+        return "cuda" if self.cuda else "cpu"
+
+    def time_left(self) -> float:
+        return self.case_deadline - time.monotonic()
+
+    def check_budget(self, stage: str) -> None:
+        if self.time_left() <= 0:
+            raise BudgetExceeded(f"case time budget ({self.case_budget_s:.0f} s) used up before {stage}")
+
+    def sync(self) -> None:
+        self.timer.sync()
+
+
+# --------------------------------------------------------------------------- #
+# Rows
+# --------------------------------------------------------------------------- #
+def new_row(case: Case, name: str | None = None) -> dict:
+    return {
+        "name": name or case.name, "suite": case.suite, "kind": case.kind, "status": "ok",
+        "params": case.params(), "time_us": None, "timing": None,
+        "bytes": getattr(case, "bytes", None), "flops": getattr(case, "flops", None),
+        "rate": None, "rate_unit": None, "ceiling": None, "fraction": None,
+        "sdpa": None, "sdpa_na": None, "baseline": None, "max_rel_err": None,
+        "note": getattr(case, "note", "") or "", "error": None, "seconds": None,
+    }
+
+
+def rate_of(kind: str, nbytes: int | None, flops: int | None, time_us: float, ceilings: dict) -> tuple:
+    """(rate, unit, ceiling name, fraction) of a bandwidth or compute row."""
+    if kind == "bandwidth" and nbytes:
+        rate = nbytes / (time_us * 1e-6) / 1e9
+        ceiling = ceilings.get("read_stream", {}).get("gbps")
+        return rate, "GB/s", "read_stream", (rate / ceiling if ceiling else None)
+    if kind == "compute" and flops:
+        rate = flops / (time_us * 1e-6) / 1e12
+        ceiling = ceilings.get("gemm", {}).get("tflops")
+        return rate, "TFLOP/s", "gemm", (rate / ceiling if ceiling else None)
+    return None, None, None, None
+
+
+def set_time(row: dict, timing, ctx: Context) -> None:
+    row["time_us"] = timing.median_us
+    row["timing"] = timing.to_dict()
+    row["rate"], row["rate_unit"], row["ceiling"], row["fraction"] = rate_of(
+        row["kind"], row["bytes"], row["flops"], timing.median_us, ctx.ceilings)
+
+
+def first_line(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}".strip()
+    return text.splitlines()[0][:300] if text else type(exc).__name__
+
+
+def rel_err(got: list[torch.Tensor], ref: list[torch.Tensor]) -> float:
+    """max |got - ref| / max |ref| over the slices (inf when got has NaN/inf)."""
+    num, den = 0.0, 0.0
+    for g, r in zip(got, ref):
+        g64, r64 = g.to(torch.float64), r.to(device=g.device, dtype=torch.float64)
+        if not bool(torch.isfinite(g64).all()):
+            return math.inf
+        num = max(num, float((g64 - r64).abs().max()))
+        den = max(den, float(r64.abs().max()))
+    return num / den if den > 0 else num
+
+
+def cuda_ok() -> bool:
+    try:
+        torch.cuda.synchronize()
+        torch.ones(1, device="cuda").add_(1).item()
+        return True
+    except Exception:
+        return False
