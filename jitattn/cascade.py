@@ -14,8 +14,7 @@ import functools
 
 import torch
 
-from .attention.batch import num_sms
-from .attention.checks import cpu_threads
+from .attention.builder import num_workers
 from .attention.merge import merge_state, merge_state_in_place, merge_states
 from .attention.options import parse_pos_encoding
 from .plan import cascade_level_chunks, check_indptr, check_paged_index, split_level_page_table
@@ -43,6 +42,7 @@ class MultiLevelCascadeAttentionWrapper:
         if not isinstance(num_levels, int) or num_levels < 1:
             raise ValueError(f"num_levels={num_levels!r} must be a positive int")
         self._num_levels = num_levels
+        self._device = float_workspace_buffer.device
 
         def buf(arr, i):
             return arr[i] if arr is not None else None
@@ -109,8 +109,7 @@ class MultiLevelCascadeAttentionWrapper:
             if not level_causal and variant is None and not wrapper.is_cuda_graph_enabled:
                 index = check_paged_index(*tables[1:], page_size, names=(
                     "paged_kv_indptr_arr[i]", "paged_kv_indices_arr[i]", "paged_kv_last_page_len[i]"))
-                workers = num_sms(wrapper._device.index or 0) if wrapper._device.type == "cuda" else cpu_threads()
-                chunks = cascade_level_chunks(index.kv_lens, num_kv_heads=num_kv_heads, num_sms=workers,
+                chunks = cascade_level_chunks(index.kv_lens, num_kv_heads=num_kv_heads, num_sms=num_workers(self._device),
                                               page_size=page_size, fixed_split_size=fixed_split_size)
                 if chunks > 1:
                     tables = split_level_page_table(check_indptr("qo_indptr_arr[i]", tables[0]), index, chunks)

@@ -6,15 +6,12 @@ import functools
 
 import torch
 
-from .attention.batch import AttentionPlan, check_workspace, log_plan, num_sms, upload_int32
+from .attention.batch import check_workspace
+from .attention.builder import HostIndex, attention_options, build_plan, kernel_spec, make_plan, num_workers
 from .attention.wrapper import BatchWrapperBase
-from .attention.checks import check_tensor, cpu_threads, target_of
+from .attention.checks import check_tensor, target_of
 from .attention.kv import split_paged_kv_cache
-from .attention.options import (
-    PAGE_TABLE_HINT, check_head_dim, parse_kv_layout, parse_pos_encoding, refuse_unsupported, resolve_dtypes,
-    resolve_scalars,
-)
-from .attention.specs import attention_spec
+from .attention.options import PAGE_TABLE_HINT, parse_kv_layout, refuse_unsupported
 from .jit import load
 from .families.decode import MAX_RESIDENT_BLOCKS, resident_blocks
 from .plan import (
@@ -22,7 +19,7 @@ from .plan import (
     to_host_int32,
 )
 from .variant import AttentionVariant
-from .spec import KVLayout, KVStorage, MaskMode, Op, Target
+from .spec import KVLayout, KVStorage, Op, Target
 
 __all__ = [
     "BatchDecodeWithPagedKVCacheWrapper", "CUDAGraphBatchDecodeWithPagedKVCacheWrapper", "fast_decode_plan",
@@ -95,38 +92,26 @@ class BatchDecodeWithPagedKVCacheWrapper(BatchWrapperBase):
         refuse_unsupported(f"{_WRAPPER}.plan", PAGE_TABLE_HINT, block_tables=block_tables, seq_lens=seq_lens)
         if q_data_type is _DEFAULT_Q_DTYPE and data_type is not None:
             q_data_type = None  # the default, not the caller's choice: data_type fills it
-        q_dtype, kv_dtype = resolve_dtypes(q_data_type, kv_data_type, data_type)
-        pos = parse_pos_encoding(pos_encoding_mode)
-        check_head_dim(head_dim)
+        options = attention_options(
+            Op.DECODE, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim_qk=head_dim,
+            q_data_type=q_data_type, kv_data_type=kv_data_type, data_type=data_type,
+            pos_encoding_mode=pos_encoding_mode, window_left=window_left, logits_soft_cap=logits_soft_cap,
+            sm_scale=sm_scale, rope_scale=rope_scale, rope_theta=rope_theta, variant=variant,
+        )
         index = check_paged_index(indptr, indices, last_page_len, page_size)
-        scalars = resolve_scalars(
-            head_dim_qk=head_dim, causal=False, pos_encoding=pos, window_left=window_left,
-            logits_soft_cap=logits_soft_cap, sm_scale=sm_scale, rope_scale=rope_scale, rope_theta=rope_theta,
-        )
-        spec = attention_spec(
-            Op.DECODE, self._target, q_dtype=q_dtype, kv_dtype=kv_dtype, o_dtype=q_dtype, head_dim_qk=head_dim,
-            head_dim_vo=head_dim, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, pos_encoding=pos,
-            use_sliding_window=scalars.window_left >= 0, use_logits_soft_cap=scalars.logits_soft_cap > 0,
-            mask_mode=MaskMode.NONE, kv_layout=self._kv_layout, kv_storage=KVStorage.PAGED, variant=variant,
-        )
+        spec = kernel_spec(options, self._target, self._kv_layout, KVStorage.PAGED)
         if variant is not None and not variant.splittable:
             disable_split_kv = True  # partial states of such a variant cannot be merged by LSE
         split = self._split(spec, index.kv_lens, num_kv_heads, page_size, fixed_split_size, disable_split_kv)
         workspace_bytes = split_workspace_bytes(split.num_chunks, num_qo_heads, head_dim) if split.kv_chunk_size else 0
         check_workspace(self._workspace, workspace_bytes, _WRAPPER)
         self._check_graph_batch(index.batch_size)
-        module = load(spec)
-        indptr_buf, indices_buf, last_buf = (self._buffers[r] for r in ("kv_indptr", "kv_indices", "kv_last_page_len"))
+        qo_indptr = torch.arange(index.batch_size + 1, dtype=torch.int32)
         qo_indptr_buf, split_indptr_buf = self._own_buffers
-        qo_indptr_dev, indptr_dev, indices_dev, last_dev, split_dev = upload_int32([
-            ("qo_indptr", torch.arange(index.batch_size + 1, dtype=torch.int32), qo_indptr_buf),
-            ("paged_kv_indptr", index.indptr, indptr_buf),
-            ("paged_kv_indices", index.indices, indices_buf),
-            ("paged_kv_last_page_len", index.last_page_len, last_buf),
-            ("split_indptr", torch.tensor(split.split_indptr, dtype=torch.int32), split_indptr_buf),
-        ], self._device)
-        self._install(spec, module, scalars, q_dtype, kv_dtype, num_qo_heads, num_kv_heads, head_dim, page_size,
-                      index, split, qo_indptr_dev, indptr_dev, indices_dev, last_dev, split_dev, workspace_bytes)
+        buffers = {**self._buffers, "qo_indptr": qo_indptr_buf, "split_indptr": split_indptr_buf}
+        self._plan = build_plan(_WRAPPER, self._target, self._device, self._kv_layout, options,
+                                HostIndex(qo_indptr, index.indptr, index), split, buffers, self._use_cuda_graph,
+                                workspace_bytes)
 
     begin_forward = plan
 
@@ -136,9 +121,8 @@ class BatchDecodeWithPagedKVCacheWrapper(BatchWrapperBase):
             # Under CUDA graphs the grid must not depend on lengths: no split.
             return SplitPlan(0, tuple(range(len(kv_lens) + 1)))
         # The cpu target runs the same plan; its "SMs" are the OpenMP threads.
-        workers = num_sms(self._device.index or 0) if self._target is Target.CUDA else cpu_threads()
         return plan_decode_split(
-            kv_lens, num_kv_heads=num_kv_heads, num_sms=workers, page_size=page_size,
+            kv_lens, num_kv_heads=num_kv_heads, num_sms=num_workers(self._device), page_size=page_size,
             fixed_split_size=fixed_split_size, disable_split_kv=disable_split_kv,
             blocks_per_sm=resident_blocks(spec) if self._target is Target.CUDA else 2,
         )
@@ -150,19 +134,6 @@ class BatchDecodeWithPagedKVCacheWrapper(BatchWrapperBase):
                 "Captured launches have the batch size baked in: use one wrapper per captured batch size"
             )
 
-    def _install(self, spec, module, scalars, q_dtype, kv_dtype, num_qo_heads, num_kv_heads, head_dim, page_size,
-                 index, split, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, split_indptr,
-                 workspace_bytes) -> None:
-        self._plan = AttentionPlan(
-            spec=spec, module=module, scalars=scalars, q_dtype=q_dtype, kv_dtype=kv_dtype, o_dtype=q_dtype,
-            num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim_qk=head_dim, head_dim_vo=head_dim,
-            page_size=page_size, kv_layout=self._kv_layout, total_qo=index.batch_size,
-            qo_indptr=qo_indptr, kv_indptr=kv_indptr, kv_indices=kv_indices, kv_last_page_len=kv_last_page_len,
-            custom_mask=None, mask_indptr=None, index=index, split=split, split_indptr=split_indptr,
-            use_cuda_graph=self._use_cuda_graph, wrapper=_WRAPPER,
-        )
-        log_plan(_WRAPPER, self._plan, workspace_bytes)
-
     def _fast_plan(
         self, indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tensor, num_qo_heads: int,
         num_kv_heads: int, head_dim: int, page_size: int, pos_encoding_mode, window_left, logits_soft_cap,
@@ -170,21 +141,16 @@ class BatchDecodeWithPagedKVCacheWrapper(BatchWrapperBase):
         disable_split_kv, indptr_host: torch.Tensor | None,
     ) -> None:
         """``fast_decode_plan``: no device sync, no page-table validation, device arrays used in place."""
-        q_dtype, kv_dtype = resolve_dtypes(q_data_type, kv_data_type, data_type)
-        pos = parse_pos_encoding(pos_encoding_mode)
-        scalars = resolve_scalars(
-            head_dim_qk=head_dim, causal=False, pos_encoding=pos, window_left=window_left,
-            logits_soft_cap=logits_soft_cap, sm_scale=sm_scale, rope_scale=rope_scale, rope_theta=rope_theta,
+        options = attention_options(
+            Op.DECODE, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim_qk=head_dim,
+            q_data_type=q_data_type, kv_data_type=kv_data_type, data_type=data_type,
+            pos_encoding_mode=pos_encoding_mode, window_left=window_left, logits_soft_cap=logits_soft_cap,
+            sm_scale=sm_scale, rope_scale=rope_scale, rope_theta=rope_theta,
         )
-        key = (q_dtype, kv_dtype, pos, scalars.window_left >= 0, scalars.logits_soft_cap > 0, num_qo_heads,
-               num_kv_heads, head_dim)
+        key = (options.q_dtype, options.kv_dtype, options.pos_encoding, options.scalars.window_left >= 0,
+               options.scalars.logits_soft_cap > 0, num_qo_heads, num_kv_heads, head_dim)
         if key not in self._fast_specs:
-            spec = attention_spec(
-                Op.DECODE, self._target, q_dtype=q_dtype, kv_dtype=kv_dtype, o_dtype=q_dtype, head_dim_qk=head_dim,
-                head_dim_vo=head_dim, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, pos_encoding=pos,
-                use_sliding_window=key[3], use_logits_soft_cap=key[4], mask_mode=MaskMode.NONE,
-                kv_layout=self._kv_layout, kv_storage=KVStorage.PAGED,
-            )
+            spec = kernel_spec(options, self._target, self._kv_layout, KVStorage.PAGED)
             self._fast_specs[key] = (spec, load(spec))
         spec, module = self._fast_specs[key]
         if indptr_host is None:
@@ -225,8 +191,12 @@ class BatchDecodeWithPagedKVCacheWrapper(BatchWrapperBase):
         # The page table is trusted here (as FlashInfer's fast path does): max_page_index is unknown.
         index = PagedIndex(indptr=indptr_host, indices=indices, last_page_len=last_page_len, page_size=page_size,
                            kv_lens=upper_lens, max_page_index=-1)
-        self._install(spec, module, scalars, q_dtype, kv_dtype, num_qo_heads, num_kv_heads, head_dim, page_size,
-                      index, split, qo_indptr, arrays[0], arrays[1], arrays[2], split_indptr, workspace_bytes)
+        self._plan = make_plan(
+            _WRAPPER, spec, module, options, self._kv_layout, qo_indptr=qo_indptr, kv_indptr=arrays[0],
+            kv_indices=arrays[1], kv_last_page_len=arrays[2], custom_mask=None, mask_indptr=None, index=index,
+            total_qo=batch, total_kv=None, split=split, split_indptr=split_indptr,
+            use_cuda_graph=self._use_cuda_graph, workspace_bytes=workspace_bytes,
+        )
 
     def workspace_size(
         self, max_batch_size: int, max_kv_tokens: int, num_qo_heads: int, num_kv_heads: int, head_dim: int,
@@ -239,8 +209,8 @@ class BatchDecodeWithPagedKVCacheWrapper(BatchWrapperBase):
         wrapper keeps in its own buffers (never in the shared float workspace).
         """
         int_bytes = 2 * (max_batch_size + 1) * 4
-        workers = num_sms(self._device.index or 0) if self._target is Target.CUDA else cpu_threads()
-        chunks = max_decode_chunks(max_batch_size, max_kv_tokens, num_kv_heads=num_kv_heads, num_sms=workers,
+        chunks = max_decode_chunks(max_batch_size, max_kv_tokens, num_kv_heads=num_kv_heads,
+                                   num_sms=num_workers(self._device),
                                    page_size=page_size, fixed_split_size=fixed_split_size,
                                    blocks_per_sm=MAX_RESIDENT_BLOCKS)
         return split_workspace_bytes(chunks, num_qo_heads, head_dim), int_bytes

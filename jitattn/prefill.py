@@ -6,21 +6,17 @@ import functools
 
 import torch
 
-from .attention.batch import AttentionPlan, log_plan, upload
+from .attention.batch import AttentionPlan
+from .attention.builder import HostIndex, attention_options, build_plan
 from .attention.wrapper import BatchWrapperBase
 from .attention.checks import check_tensor, target_of
 from .attention.kv import split_paged_kv_cache
-from .attention.options import (
-    PAGE_TABLE_HINT, check_head_dim, fp8_scale, parse_dtype, parse_kv_layout, parse_pos_encoding, refuse_unsupported,
-    resolve_scalars,
-)
-from .attention.specs import attention_spec
-from .jit import load
+from .attention.options import PAGE_TABLE_HINT, fp8_scale, parse_kv_layout, refuse_unsupported
 from .plan import (
     PagedIndex, SplitPlan, check_indptr, check_paged_index, multi_item_mask, packed_mask_indptr, segment_packbits,
 )
 from .variant import AttentionVariant
-from .spec import KVLayout, KVStorage, MaskMode, Op, Target
+from .spec import KVLayout, MaskMode, Op, Target
 
 __all__ = [
     "BatchPrefillWithPagedKVCacheWrapper", "BatchPrefillWithRaggedKVCacheWrapper", "single_prefill_with_kv_cache",
@@ -46,12 +42,6 @@ def _plan_prefill(
     ``multi_item``: FlashInfer's multi-item scoring arguments (``prefix_len_ptr``,
     ``token_pos_in_items_ptr``, ``token_pos_in_items_len``), turned into the equivalent custom mask.
     """
-    check_head_dim(head_dim_qk, "head_dim_qk")
-    head_dim_vo = head_dim_qk if head_dim_vo is None else check_head_dim(head_dim_vo, "head_dim_vo")
-    q_dtype = parse_dtype(q_data_type, "q_data_type")
-    kv_dtype = parse_dtype(kv_data_type, "kv_data_type") if kv_data_type is not None else q_dtype
-    o_dtype = parse_dtype(o_data_type, "o_data_type") if o_data_type is not None else q_dtype
-    pos = parse_pos_encoding(pos_encoding_mode)
     qo_host = check_indptr("qo_indptr", qo_indptr)
     qo_lens = (qo_host[1:] - qo_host[:-1]).tolist()
     if len(qo_lens) != len(kv_lens):
@@ -82,35 +72,16 @@ def _plan_prefill(
             )
         mask_host = packed_custom_mask.detach().to("cpu")
     mask_mode = MaskMode.CUSTOM if mask_host is not None else (MaskMode.CAUSAL if causal else MaskMode.NONE)
-    scalars = resolve_scalars(
-        head_dim_qk=head_dim_qk, causal=mask_mode is MaskMode.CAUSAL, pos_encoding=pos, window_left=window_left,
+    options = attention_options(
+        Op.PREFILL, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim_qk=head_dim_qk,
+        head_dim_vo=head_dim_vo, q_data_type=q_data_type, kv_data_type=kv_data_type, o_data_type=o_data_type,
+        pos_encoding_mode=pos_encoding_mode, mask_mode=mask_mode, window_left=window_left,
         logits_soft_cap=logits_soft_cap, sm_scale=sm_scale, rope_scale=rope_scale, rope_theta=rope_theta,
-    )
-    spec = attention_spec(
-        Op.PREFILL, target, q_dtype=q_dtype, kv_dtype=kv_dtype, o_dtype=o_dtype, head_dim_qk=head_dim_qk,
-        head_dim_vo=head_dim_vo, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, pos_encoding=pos,
-        use_sliding_window=scalars.window_left >= 0, use_logits_soft_cap=scalars.logits_soft_cap > 0,
-        mask_mode=mask_mode, kv_layout=kv_layout, kv_storage=KVStorage.PAGED if index else KVStorage.RAGGED,
         variant=variant,
     )
-    module = load(spec)
-    plan = AttentionPlan(
-        spec=spec, module=module, scalars=scalars, q_dtype=q_dtype, kv_dtype=kv_dtype, o_dtype=o_dtype,
-        num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo,
-        page_size=index.page_size if index else None, kv_layout=kv_layout, total_qo=int(qo_host[-1]),
-        qo_indptr=upload(qo_host, device, buffers.get("qo_indptr"), "qo_indptr"),
-        kv_indptr=upload(kv_indptr_host, device, buffers.get("kv_indptr"), "kv_indptr"),
-        kv_indices=upload(index.indices, device, buffers.get("kv_indices"), "kv_indices") if index else None,
-        kv_last_page_len=upload(index.last_page_len, device, buffers.get("kv_last_page_len"), "kv_last_page_len")
-        if index else None,
-        custom_mask=upload(mask_host, device, buffers.get("custom_mask"), "custom_mask") if mask_host is not None else None,
-        mask_indptr=upload(mask_indptr_host, device, buffers.get("mask_indptr"), "mask_indptr")
-        if mask_indptr_host is not None else None,
-        index=index, split=SplitPlan(0, tuple(range(len(kv_lens) + 1))), split_indptr=None,
-        total_kv=None if index else int(kv_indptr_host[-1]), use_cuda_graph=use_cuda_graph, wrapper=wrapper,
-    )
-    log_plan(wrapper, plan, 0)
-    return plan
+    host = HostIndex(qo_host, kv_indptr_host, index, mask_host, mask_indptr_host)
+    return build_plan(wrapper, target, device, kv_layout, options, host, SplitPlan(0, tuple(range(len(kv_lens) + 1))),
+                      buffers, use_cuda_graph)
 
 
 class _PrefillWrapperBase(BatchWrapperBase):

@@ -1,0 +1,143 @@
+"""Building an attention plan: options -> run-time scalars -> spec -> kernel -> one upload -> ``AttentionPlan``.
+
+Decode, paged and ragged prefill (and cascade, through the prefill wrapper) all plan here. The
+wrappers validate their own page tables and masks into a ``HostIndex`` and choose the split;
+everything after that is the same for every op.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..jit import Module, load
+from ..plan import PagedIndex, SplitPlan
+from ..spec import KVLayout, KVStorage, MaskMode, Op, PosEncoding, Target, VariantSpec
+from ..variant import AttentionVariant
+from .batch import AttentionPlan, log_plan, num_sms, upload, upload_int32
+from .checks import cpu_threads
+from .launch import AttentionScalars
+from .options import check_head_dim, parse_dtype, parse_pos_encoding, resolve_dtypes, resolve_scalars
+from .specs import attention_spec
+
+
+@dataclass(frozen=True)
+class AttentionOptions:
+    """What one plan computes, with every FlashInfer default applied."""
+
+    op: Op
+    q_dtype: torch.dtype
+    kv_dtype: torch.dtype
+    o_dtype: torch.dtype
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim_qk: int
+    head_dim_vo: int
+    pos_encoding: PosEncoding
+    mask_mode: MaskMode
+    scalars: AttentionScalars
+    variant: AttentionVariant | None = None
+
+
+def attention_options(
+    op: Op, *, num_qo_heads: int, num_kv_heads: int, head_dim_qk: int, head_dim_vo: int | None = None,
+    q_data_type, kv_data_type, data_type=None, o_data_type=None, pos_encoding_mode="NONE",
+    mask_mode: MaskMode = MaskMode.NONE, window_left: int | None = -1, logits_soft_cap: float | None = None,
+    sm_scale: float | None = None, rope_scale: float | None = None, rope_theta: float | None = None,
+    variant: AttentionVariant | None = None,
+) -> AttentionOptions:
+    """Parse and default one plan's options (FlashInfer spellings accepted); raises naming a bad one."""
+    check_head_dim(head_dim_qk, "head_dim_qk" if op is Op.PREFILL else "head_dim")
+    head_dim_vo = head_dim_qk if head_dim_vo is None else check_head_dim(head_dim_vo, "head_dim_vo")
+    q_dtype, kv_dtype = resolve_dtypes(q_data_type, kv_data_type, data_type)
+    o_dtype = parse_dtype(o_data_type, "o_data_type") if o_data_type is not None else q_dtype
+    pos = parse_pos_encoding(pos_encoding_mode)
+    scalars = resolve_scalars(
+        head_dim_qk=head_dim_qk, causal=mask_mode is MaskMode.CAUSAL, pos_encoding=pos, window_left=window_left,
+        logits_soft_cap=logits_soft_cap, sm_scale=sm_scale, rope_scale=rope_scale, rope_theta=rope_theta,
+    )
+    return AttentionOptions(op, q_dtype, kv_dtype, o_dtype, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo,
+                            pos, mask_mode, scalars, variant)
+
+
+def kernel_spec(options: AttentionOptions, target: Target, kv_layout: KVLayout, storage: KVStorage) -> VariantSpec:
+    """The spec of the kernel that runs ``options`` (the one function the wrappers and the CLI share)."""
+    return attention_spec(
+        options.op, target, q_dtype=options.q_dtype, kv_dtype=options.kv_dtype, o_dtype=options.o_dtype,
+        head_dim_qk=options.head_dim_qk, head_dim_vo=options.head_dim_vo, num_qo_heads=options.num_qo_heads,
+        num_kv_heads=options.num_kv_heads, pos_encoding=options.pos_encoding,
+        use_sliding_window=options.scalars.window_left >= 0, use_logits_soft_cap=options.scalars.logits_soft_cap > 0,
+        mask_mode=options.mask_mode, kv_layout=kv_layout, kv_storage=storage, variant=options.variant,
+    )
+
+
+@dataclass(frozen=True)
+class HostIndex:
+    """One batch's validated index arrays, on the host."""
+
+    qo_indptr: torch.Tensor  # int32 [batch + 1]
+    kv_indptr: torch.Tensor  # int32 [batch + 1]: pages (paged) or rows of k/v (ragged)
+    paged: PagedIndex | None  # None: ragged KV
+    mask: torch.Tensor | None = None  # bit-packed uint8 custom mask
+    mask_indptr: torch.Tensor | None = None  # int32 byte offsets per request
+
+    @property
+    def batch_size(self) -> int:
+        return self.qo_indptr.numel() - 1
+
+
+def make_plan(
+    wrapper: str, spec: VariantSpec, module: Module, options: AttentionOptions, kv_layout: KVLayout, *,
+    qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor | None,
+    kv_last_page_len: torch.Tensor | None, custom_mask: torch.Tensor | None, mask_indptr: torch.Tensor | None,
+    index: PagedIndex | None, total_qo: int, total_kv: int | None, split: SplitPlan,
+    split_indptr: torch.Tensor | None, use_cuda_graph: bool, workspace_bytes: int = 0,
+) -> AttentionPlan:
+    """An ``AttentionPlan`` over index arrays already on the device (its launch struct filled once)."""
+    plan = AttentionPlan(
+        spec=spec, module=module, scalars=options.scalars, q_dtype=options.q_dtype, kv_dtype=options.kv_dtype,
+        o_dtype=options.o_dtype, num_qo_heads=options.num_qo_heads, num_kv_heads=options.num_kv_heads,
+        head_dim_qk=options.head_dim_qk, head_dim_vo=options.head_dim_vo,
+        page_size=index.page_size if index is not None else None, kv_layout=kv_layout, total_qo=total_qo,
+        qo_indptr=qo_indptr, kv_indptr=kv_indptr, kv_indices=kv_indices, kv_last_page_len=kv_last_page_len,
+        custom_mask=custom_mask, mask_indptr=mask_indptr, index=index, split=split, split_indptr=split_indptr,
+        total_kv=total_kv, use_cuda_graph=use_cuda_graph, wrapper=wrapper,
+    )
+    log_plan(wrapper, plan, workspace_bytes)
+    return plan
+
+
+def build_plan(
+    wrapper: str, target: Target, device: torch.device, kv_layout: KVLayout, options: AttentionOptions,
+    host: HostIndex, split: SplitPlan, buffers: dict[str, torch.Tensor | None], use_cuda_graph: bool,
+    workspace_bytes: int = 0,
+) -> AttentionPlan:
+    """Load the kernel for ``options`` and upload ``host``'s arrays (one copy, or into the fixed buffers)."""
+    storage = KVStorage.PAGED if host.paged is not None else KVStorage.RAGGED
+    spec = kernel_spec(options, target, kv_layout, storage)
+    module = load(spec)
+    paged = host.paged
+    arrays = [("qo_indptr", host.qo_indptr), ("kv_indptr", host.kv_indptr)]
+    if paged is not None:
+        arrays += [("kv_indices", paged.indices), ("kv_last_page_len", paged.last_page_len)]
+    if host.mask_indptr is not None:
+        arrays.append(("mask_indptr", host.mask_indptr))
+    if split.kv_chunk_size or buffers.get("split_indptr") is not None:
+        arrays.append(("split_indptr", torch.tensor(split.split_indptr, dtype=torch.int32)))
+    on_device = dict(zip((name for name, _ in arrays), upload_int32(
+        [(name, array, buffers.get(name)) for name, array in arrays], device)))
+    mask = upload(host.mask, device, buffers.get("custom_mask"), "custom_mask") if host.mask is not None else None
+    return make_plan(
+        wrapper, spec, module, options, kv_layout, qo_indptr=on_device["qo_indptr"],
+        kv_indptr=on_device["kv_indptr"], kv_indices=on_device.get("kv_indices"),
+        kv_last_page_len=on_device.get("kv_last_page_len"), custom_mask=mask, mask_indptr=on_device.get("mask_indptr"),
+        index=paged, total_qo=int(host.qo_indptr[-1]), total_kv=None if paged is not None else int(host.kv_indptr[-1]),
+        split=split, split_indptr=on_device.get("split_indptr"), use_cuda_graph=use_cuda_graph,
+        workspace_bytes=workspace_bytes,
+    )
+
+
+def num_workers(device: torch.device) -> int:
+    """The parallel workers a schedule spreads over: the SMs of a CUDA device, the OpenMP threads on the cpu."""
+    return num_sms(device.index or 0) if device.type == "cuda" else cpu_threads()
