@@ -109,7 +109,8 @@ class MultiLevelCascadeAttentionWrapper:
             if not level_causal and variant is None and not wrapper.is_cuda_graph_enabled:
                 index = check_paged_index(*tables[1:], page_size, names=(
                     "paged_kv_indptr_arr[i]", "paged_kv_indices_arr[i]", "paged_kv_last_page_len[i]"))
-                chunks = cascade_level_chunks(index.kv_lens, num_kv_heads=num_kv_heads, num_sms=num_workers(self._device),
+                chunks = cascade_level_chunks(index.kv_lens, num_kv_heads=num_kv_heads,
+                                              num_sms=num_workers(self._device),
                                               page_size=page_size, fixed_split_size=fixed_split_size)
                 if chunks > 1:
                     tables = split_level_page_table(check_indptr("qo_indptr_arr[i]", tables[0]), index, chunks)

@@ -28,7 +28,8 @@ class BatchWrapperBase:
         buffers: dict[str, torch.Tensor | None], buffer_args: dict[str, str], jit_args=None, jit_kwargs=None,
     ) -> None:
         """``buffers``: the caller's fixed index buffers by role; ``buffer_args``: the argument naming each."""
-        refuse_unsupported(f"{self._NAME}()", "custom kernels are given as plan(..., variant=jitattn.AttentionVariant(...))", jit_args=jit_args, jit_kwargs=jit_kwargs)
+        refuse_unsupported(f"{self._NAME}()", "custom kernels are given as plan(..., variant=jitattn.AttentionVariant(...))",
+                           jit_args=jit_args, jit_kwargs=jit_kwargs)
         self._target, self._device = workspace_target(float_workspace_buffer, self._NAME)
         self._workspace = float_workspace_buffer
         self._kv_layout = parse_kv_layout(kv_layout)
