@@ -100,26 +100,26 @@ class MultiLevelCascadeAttentionWrapper:
         if len(totals) != 1:
             raise ValueError(f"every level's qo_indptr must end at the same token count; got {sorted(totals)}")
         self._level_chunks = []
+        names = ("paged_kv_indptr_arr[i]", "paged_kv_indices_arr[i]", "paged_kv_last_page_len[i]")
         for level, wrapper in enumerate(self._wrappers):
             level_causal = causal if level == self._num_levels - 1 else False
-            tables = (qo_indptr_arr[level], paged_kv_indptr_arr[level], paged_kv_indices_arr[level],
-                      paged_kv_last_page_len[level])
+            qo_indptr = qo_indptr_arr[level]
+            index = check_paged_index(paged_kv_indptr_arr[level], paged_kv_indices_arr[level],
+                                      paged_kv_last_page_len[level], page_size, names=names)
             chunks = 1
             # Splitting shifts positions inside a chunk: only for plain, non-causal, non-graph levels.
             if not level_causal and variant is None and not wrapper.is_cuda_graph_enabled:
-                index = check_paged_index(*tables[1:], page_size, names=(
-                    "paged_kv_indptr_arr[i]", "paged_kv_indices_arr[i]", "paged_kv_last_page_len[i]"))
                 chunks = cascade_level_chunks(index.kv_lens, num_kv_heads=num_kv_heads,
                                               num_sms=num_workers(self._device),
                                               page_size=page_size, fixed_split_size=fixed_split_size)
                 if chunks > 1:
-                    tables = split_level_page_table(check_indptr("qo_indptr_arr[i]", tables[0]), index, chunks)
+                    qo_indptr, index = split_level_page_table(check_indptr("qo_indptr_arr[i]", qo_indptr), index,
+                                                              chunks)
             self._level_chunks.append(chunks)
-            wrapper.plan(
-                *tables, num_qo_heads, num_kv_heads, head_dim, page_size,
-                causal=level_causal,
-                use_fp16_qk_reduction=use_fp16_qk_reduction, sm_scale=sm_scale, logits_soft_cap=logits_soft_cap,
-                q_data_type=q_data_type, kv_data_type=kv_data_type, variant=variant,
+            # The level's checked page table is handed on, not checked again.
+            wrapper._plan_index(
+                qo_indptr, index, num_qo_heads, num_kv_heads, head_dim, causal=level_causal, sm_scale=sm_scale,
+                logits_soft_cap=logits_soft_cap, q_data_type=q_data_type, kv_data_type=kv_data_type, variant=variant,
             )
 
     begin_forward = plan

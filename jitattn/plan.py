@@ -63,51 +63,84 @@ def joined_to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def check_indptr(name: str, indptr: torch.Tensor) -> torch.Tensor:
+    """A host copy of an int32 indptr: at least one entry, starting at 0, non-decreasing."""
     host = to_host_int32(name, indptr)
+    _check_indptr_values(name, host)
+    return host
+
+
+def _check_indptr_values(name: str, host: torch.Tensor) -> None:
     if host.numel() < 1:
         raise ValueError(f"{name} must have batch_size + 1 >= 1 entries")
     if host[0].item() != 0:
         raise ValueError(f"{name}[0] must be 0, got {host[0].item()}")
     if host.numel() > 1 and bool((host[1:] < host[:-1]).any()):
-        raise ValueError(f"{name} must be non-decreasing")
-    return host
+        r = int((host[1:] < host[:-1]).nonzero()[0])
+        raise ValueError(f"{name} must be non-decreasing; {name}[{r + 1}] < {name}[{r}]")
+
+
+def check_page_table(
+    indptr: torch.Tensor | None, indices: torch.Tensor | None, last_page_len: torch.Tensor | None, page_size: int,
+    *, num_pages: int | None = None, names: tuple[str, str, str] = ("indptr", "indices", "last_page_len"),
+) -> int:
+    """The page-table rules, checked on the arrays given (host int32 tensors; None: not known here).
+
+    One rule set for attention plans, appends and cascade levels: ``indptr`` starts at 0 and
+    never decreases; its last entry is at most ``len(indices)``; the referenced page indices
+    are ``>= 0`` (and ``< num_pages`` when the pool size is given); ``last_page_len`` has one
+    entry per request and lies in ``[1, page_size]`` for a request with pages (it is not read
+    for a request without). Returns the highest referenced page (-1 when none or unknown).
+    """
+    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
+        raise ValueError(f"page_size={page_size!r} must be a positive int")
+    highest = -1
+    if indptr is not None:
+        _check_indptr_values(names[0], indptr)
+        batch = indptr.numel() - 1
+        if last_page_len is not None and last_page_len.numel() != batch:
+            raise ValueError(f"{names[2]} has {last_page_len.numel()} entries; expected batch_size = {batch} "
+                             f"(len({names[0]}) - 1)")
+        total_pages = int(indptr[-1])
+        if indices is not None:
+            if total_pages > indices.numel():
+                raise ValueError(f"{names[0]}[-1] = {total_pages} exceeds len({names[1]}) = {indices.numel()}")
+            used = indices[:total_pages]
+            lowest, highest = (int(x) for x in torch.aminmax(used)) if total_pages else (0, -1)  # one pass
+            if lowest < 0:
+                i = int((used < 0).nonzero()[0])
+                raise ValueError(f"{names[1]}[{i}] = {int(used[i])} is a negative page index")
+            if num_pages is not None and highest >= num_pages:
+                i = int((used >= num_pages).nonzero()[0])
+                raise IndexError(f"{names[1]}[{i}] = {int(used[i])} references a page past the end of the kv cache "
+                                 f"(it has {num_pages} pages)")
+        if last_page_len is not None and batch:
+            pages = (indptr[1:] - indptr[:-1]).to(torch.int64)
+            last = last_page_len.to(torch.int64)
+            bad = (pages > 0) & ((last < 1) | (last > page_size))
+            if bool(bad.any()):
+                r = int(bad.nonzero()[0])
+                raise ValueError(
+                    f"{names[2]}[{r}] = {int(last[r])} is out of range: a request with pages needs 1 <= "
+                    f"last_page_len <= page_size ({page_size})"
+                )
+    return highest
 
 
 def check_paged_index(
     indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tensor, page_size: int,
     *, names: tuple[str, str, str] = ("indptr", "indices", "last_page_len"),
 ) -> PagedIndex:
-    """Validate a page table and compute each request's KV length.
+    """Validate a page table (``check_page_table``'s rules) and compute each request's KV length.
 
-    kv_len = (num_pages - 1) * page_size + last_page_len, and 0 for a request
-    with no pages. last_page_len must lie in [1, page_size] for a request
-    with pages.
+    kv_len = (num_pages - 1) * page_size + last_page_len, and 0 for a request with no pages.
+    The arrays may be on the host or the device (copied to the host once).
     """
-    if not isinstance(page_size, int) or page_size < 1:
+    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
         raise ValueError(f"page_size={page_size!r} must be a positive int")
     indptr_h, indices_h, last_h = to_host_int32_many(names, (indptr, indices, last_page_len))
-    indptr_h = check_indptr(names[0], indptr_h)
-    batch = indptr_h.numel() - 1
-    if last_h.numel() != batch:
-        raise ValueError(f"{names[2]} has {last_h.numel()} entries; expected batch_size = {batch} (len({names[0]}) - 1)")
-    total_pages = int(indptr_h[-1])
-    if total_pages > indices_h.numel():
-        raise ValueError(f"{names[0]}[-1] = {total_pages} exceeds len({names[1]}) = {indices_h.numel()}")
-    used = indices_h[:total_pages]
-    lowest, highest = (int(x) for x in torch.aminmax(used)) if total_pages else (0, -1)  # one pass
-    if lowest < 0:
-        raise ValueError(f"{names[1]} has a negative page index ({lowest})")
+    highest = check_page_table(indptr_h, indices_h, last_h, page_size, names=names)
     num_pages = (indptr_h[1:] - indptr_h[:-1]).to(torch.int64)
-    last = last_h.to(torch.int64)
-    has_pages = num_pages > 0
-    bad = has_pages & ((last < 1) | (last > page_size))
-    if bool(bad.any()):
-        r = int(bad.nonzero()[0])
-        raise ValueError(
-            f"{names[2]}[{r}] = {int(last[r])} is out of range: a request with pages needs 1 <= last_page_len <= "
-            f"page_size ({page_size})"
-        )
-    kv_lens = torch.where(has_pages, (num_pages - 1) * page_size + last, 0).tolist()
+    kv_lens = torch.where(num_pages > 0, (num_pages - 1) * page_size + last_h.to(torch.int64), 0).tolist()
     return PagedIndex(
         indptr=indptr_h, indices=indices_h, last_page_len=last_h, page_size=page_size,
         kv_lens=tuple(kv_lens), max_page_index=highest,
@@ -251,9 +284,7 @@ def cascade_level_chunks(
     return max(1, min(wanted, limit, longest_pages))
 
 
-def split_level_page_table(
-    qo_indptr: torch.Tensor, index: PagedIndex, num_chunks: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def split_level_page_table(qo_indptr: torch.Tensor, index: PagedIndex, num_chunks: int) -> tuple[torch.Tensor, PagedIndex]:
     """The page table of a level whose nodes are each cut into ``num_chunks`` chunks.
 
     The expanded batch is chunk-major: request ``c * nodes + r`` is chunk c of
@@ -261,14 +292,15 @@ def split_level_page_table(
     queries repeated ``num_chunks`` times, so the partial outputs reshape to
     ``[num_chunks, total_q, ...]`` for an LSE merge. Chunk boundaries fall on
     pages; a chunk past a node's last page is empty (kv_len 0).
-    Returns (qo_indptr, kv_indptr, kv_indices, kv_last_page_len), int32, host.
+    Returns (qo_indptr, the chunks' page table), host int32; the table is derived from a checked
+    one, so it is not checked again.
     """
     total_q = int(qo_indptr[-1])
     pages = (index.indptr[1:] - index.indptr[:-1]).tolist()
     starts = index.indptr[:-1].tolist()
     lasts = index.last_page_len.tolist()
     qo_starts = qo_indptr[:-1].tolist()
-    new_qo, new_kv, new_last, new_indices = [], [0], [], []
+    new_qo, new_kv, new_last, new_indices, kv_lens = [], [0], [], [], []
     for c in range(num_chunks):
         for r, num_pages in enumerate(pages):
             per_chunk = math.ceil(num_pages / num_chunks) if num_pages else 0
@@ -276,12 +308,16 @@ def split_level_page_table(
             new_qo.append(c * total_q + qo_starts[r])
             new_indices.append(index.indices[starts[r] + first: starts[r] + end])
             new_kv.append(new_kv[-1] + end - first)
-            new_last.append(0 if end == first else (lasts[r] if end == num_pages else index.page_size))
+            last = 0 if end == first else (lasts[r] if end == num_pages else index.page_size)
+            new_last.append(last)
+            kv_lens.append((end - first - 1) * index.page_size + last if end > first else 0)
     new_qo.append(num_chunks * total_q)
     i32 = torch.int32
-    indices = torch.cat(new_indices) if new_indices else torch.zeros(0, dtype=i32)
-    return (torch.tensor(new_qo, dtype=i32), torch.tensor(new_kv, dtype=i32), indices.to(i32),
-            torch.tensor(new_last, dtype=i32))
+    indices = torch.cat(new_indices).to(i32) if new_indices else torch.zeros(0, dtype=i32)
+    chunked = PagedIndex(indptr=torch.tensor(new_kv, dtype=i32), indices=indices,
+                         last_page_len=torch.tensor(new_last, dtype=i32), page_size=index.page_size,
+                         kv_lens=tuple(kv_lens), max_page_index=index.max_page_index)
+    return torch.tensor(new_qo, dtype=i32), chunked
 
 
 def multi_item_mask(

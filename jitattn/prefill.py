@@ -31,11 +31,12 @@ _FORWARD_OPTIONS = ("causal", "pos_encoding_mode", "use_fp16_qk_reduction", "win
 def _plan_prefill(
     wrapper: str, target: Target, device: torch.device, kv_layout: KVLayout, *, qo_indptr: torch.Tensor,
     kv_indptr_host: torch.Tensor, index: PagedIndex | None, kv_lens: list[int], num_qo_heads: int,
-    num_kv_heads: int, head_dim_qk: int, head_dim_vo: int | None, custom_mask: torch.Tensor | None,
-    packed_custom_mask: torch.Tensor | None, causal: bool, pos_encoding_mode, sm_scale, window_left,
-    logits_soft_cap, rope_scale, rope_theta, q_data_type, kv_data_type, o_data_type=None,
-    buffers: dict[str, torch.Tensor | None], use_cuda_graph: bool = False, variant: AttentionVariant | None = None,
-    multi_item: dict | None = None,
+    num_kv_heads: int, head_dim_qk: int, head_dim_vo: int | None = None, custom_mask: torch.Tensor | None = None,
+    packed_custom_mask: torch.Tensor | None = None, causal: bool = False, pos_encoding_mode="NONE",
+    sm_scale: float | None = None, window_left: int = -1, logits_soft_cap: float | None = None,
+    rope_scale: float | None = None, rope_theta: float | None = None, q_data_type="float16", kv_data_type=None,
+    o_data_type=None, buffers: dict[str, torch.Tensor | None], use_cuda_graph: bool = False,
+    variant: AttentionVariant | None = None, multi_item: dict | None = None,
 ) -> AttentionPlan:
     """Validate and upload one prefill batch (shared by the paged and ragged wrappers).
 
@@ -154,16 +155,24 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapperBase):
         check_fixed_split_size(fixed_split_size)
         index = check_paged_index(paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, page_size,
                                   names=("paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len"))
+        self._plan_index(
+            qo_indptr, index, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo=head_dim_vo,
+            custom_mask=custom_mask, packed_custom_mask=packed_custom_mask, causal=causal,
+            pos_encoding_mode=pos_encoding_mode, sm_scale=sm_scale, window_left=window_left,
+            logits_soft_cap=logits_soft_cap, rope_scale=rope_scale, rope_theta=rope_theta, q_data_type=q_data_type,
+            kv_data_type=kv_data_type, o_data_type=o_data_type, variant=variant,
+            multi_item=dict(prefix_len_ptr=prefix_len_ptr, token_pos_in_items_ptr=token_pos_in_items_ptr,
+                            token_pos_in_items_len=token_pos_in_items_len),
+        )
+
+    def _plan_index(self, qo_indptr: torch.Tensor, index: PagedIndex, num_qo_heads: int, num_kv_heads: int,
+                    head_dim_qk: int, **options) -> None:
+        """Plan over a page table that is already checked (``plan()``, or a cascade level)."""
         self._plan = _plan_prefill(
             self._NAME, self._target, self._device, self._kv_layout, qo_indptr=qo_indptr,
             kv_indptr_host=index.indptr, index=index, kv_lens=list(index.kv_lens), num_qo_heads=num_qo_heads,
-            num_kv_heads=num_kv_heads, head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo, custom_mask=custom_mask,
-            packed_custom_mask=packed_custom_mask, causal=causal, pos_encoding_mode=pos_encoding_mode,
-            sm_scale=sm_scale, window_left=window_left, logits_soft_cap=logits_soft_cap, rope_scale=rope_scale,
-            rope_theta=rope_theta, q_data_type=q_data_type, kv_data_type=kv_data_type, o_data_type=o_data_type,
-            buffers=self._buffers, use_cuda_graph=self._use_cuda_graph, variant=variant,
-            multi_item=dict(prefix_len_ptr=prefix_len_ptr, token_pos_in_items_ptr=token_pos_in_items_ptr,
-                            token_pos_in_items_len=token_pos_in_items_len),
+            num_kv_heads=num_kv_heads, head_dim_qk=head_dim_qk, buffers=self._buffers,
+            use_cuda_graph=self._use_cuda_graph, **options,
         )
 
     begin_forward = plan

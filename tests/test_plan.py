@@ -106,7 +106,8 @@ def test_split_level_page_table_is_chunk_major_on_page_boundaries() -> None:
     from jitattn.plan import cascade_level_chunks, split_level_page_table
 
     index = check_paged_index(_i32([0, 5, 7]), _i32([10, 11, 12, 13, 14, 20, 21]), _i32([3, 16]), 16)
-    qo, kv, indices, last = split_level_page_table(_i32([0, 2, 3]), index, 3)
+    qo, chunked = split_level_page_table(_i32([0, 2, 3]), index, 3)
+    kv, indices, last = chunked.indptr, chunked.indices, chunked.last_page_len
     assert qo.tolist() == [0, 2, 3, 5, 6, 8, 9]  # chunk c's queries are rows c * 3 + ...
     assert kv.tolist() == [0, 2, 3, 5, 6, 7, 7]
     assert indices.tolist() == [10, 11, 20, 12, 13, 21, 14]

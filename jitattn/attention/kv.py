@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from ..spec import KVLayout
+from .checks import check_tensor
 
 
 def split_paged_kv_cache(
@@ -28,8 +29,11 @@ def split_paged_kv_cache(
                 "or pass a (k, v) tuple"
             )
         return paged_kv_cache.unbind(1)
-    if not isinstance(paged_kv_cache, (tuple, list)) or len(paged_kv_cache) != 2:
-        raise TypeError("paged_kv_cache must be a 5-D tensor or a (k_cache, v_cache) tuple")
+    if not isinstance(paged_kv_cache, (tuple, list)):
+        raise TypeError(f"paged_kv_cache must be a 5-D tensor or a (k_cache, v_cache) tuple, got "
+                        f"{type(paged_kv_cache).__name__}")
+    if len(paged_kv_cache) != 2:
+        raise ValueError(f"paged_kv_cache as a tuple must be (k_cache, v_cache); got {len(paged_kv_cache)} items")
     k, v = paged_kv_cache
     if not isinstance(k, torch.Tensor) or not isinstance(v, torch.Tensor):
         raise TypeError("paged_kv_cache tuple must hold two tensors (k_cache, v_cache)")
@@ -42,6 +46,32 @@ def split_paged_kv_cache(
         dim = 1 if kv_layout is KVLayout.NHD else 2
         return k.unsqueeze(dim), v.unsqueeze(dim)
     return k, v
+
+
+def kv_strides(cache: torch.Tensor, paged: bool, kv_layout: KVLayout) -> tuple[int, int, int]:
+    """(stride_page, stride_token, stride_head) in elements of a k or v tensor (ragged: stride_page 0)."""
+    strides = cache.stride()
+    if not paged:  # [tokens, heads, dim]
+        return 0, strides[0], strides[1]
+    if kv_layout is KVLayout.NHD:  # [pages, page_size, heads, dim]
+        return strides[0], strides[1], strides[2]
+    return strides[0], strides[2], strides[1]  # HND: [pages, heads, page_size, dim]
+
+
+def check_kv_tensors(k: torch.Tensor, v: torch.Tensor, dtypes: tuple[torch.dtype, ...]) -> None:
+    """k and v views of one cache: the same shape, dtype and device, a supported dtype, rows contiguous."""
+    if tuple(k.shape) != tuple(v.shape):
+        raise ValueError(f"paged_kv_cache: k_cache {tuple(k.shape)} and v_cache {tuple(v.shape)} differ in shape")
+    if k.dtype != v.dtype:
+        raise TypeError(f"paged_kv_cache: k_cache is {_name(k.dtype)} but v_cache is {_name(v.dtype)}")
+    if k.device != v.device:
+        raise ValueError(f"paged_kv_cache: k_cache is on {k.device} but v_cache is on {v.device}")
+    for name, t in (("k_cache", k), ("v_cache", v)):
+        check_tensor(f"paged_kv_cache ({name})", t, dtypes=dtypes)
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def cache_geometry(k: torch.Tensor, kv_layout: KVLayout) -> tuple[int, int, int, int]:

@@ -14,6 +14,7 @@ from ..families.attention import POS_ENCODING_CODES
 from ..jit import Module
 from ..spec import KVLayout, PosEncoding
 from .checks import cpu_threads, stream_handle
+from .kv import kv_strides
 
 
 @dataclass(frozen=True)
@@ -27,16 +28,6 @@ class AttentionScalars:
     logits_soft_cap: float  # <= 0: off
     rope_scale: float
     rope_theta: float
-
-
-def kv_strides(cache: torch.Tensor, paged: bool, kv_layout: KVLayout) -> tuple[int, int, int]:
-    """(stride_page, stride_token, stride_head) in elements of a k or v tensor."""
-    strides = cache.stride()
-    if not paged:  # [tokens, heads, dim]
-        return 0, strides[0], strides[1]
-    if kv_layout is KVLayout.NHD:  # [pages, page_size, heads, dim]
-        return strides[0], strides[1], strides[2]
-    return strides[0], strides[2], strides[1]  # HND: [pages, heads, page_size, dim]
 
 
 class PreparedAttention:

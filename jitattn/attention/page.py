@@ -22,8 +22,10 @@ import torch
 
 from ..families.append import SRC_BF16, SRC_F16, SRC_F32, SRC_SAME
 from ..jit import load
+from ..plan import check_page_table
 from ..spec import KVLayout, Op, Target, VariantSpec
 from .checks import check_tensor, cpu_threads, stream_handle, target_of
+from .kv import cache_geometry, check_kv_tensors, kv_strides, split_paged_kv_cache
 
 __all__ = ["append_paged_kv_cache", "get_batch_indices_positions", "get_seq_lens"]
 
@@ -38,60 +40,16 @@ def _name(dtype: torch.dtype) -> str:
 
 
 class _CacheView:
-    """The k and v tensors of a paged cache and their (page, slot, head) strides in elements."""
+    """A paged cache as the append kernel sees it: k/v views, geometry, (page, slot, head) strides."""
 
     def __init__(self, paged_kv_cache: PagedKVCache, layout: KVLayout) -> None:
-        if isinstance(paged_kv_cache, torch.Tensor):
-            if paged_kv_cache.dim() != 5 or paged_kv_cache.shape[1] != 2:
-                raise ValueError(
-                    "paged_kv_cache as one tensor must be [pages, 2, page_size, num_kv_heads, head_dim] (NHD) or "
-                    f"[pages, 2, num_kv_heads, page_size, head_dim] (HND); got shape {tuple(paged_kv_cache.shape)}"
-                )
-            k, v = paged_kv_cache[:, 0], paged_kv_cache[:, 1]
-        elif isinstance(paged_kv_cache, (tuple, list)):
-            if len(paged_kv_cache) != 2:
-                raise ValueError(
-                    f"paged_kv_cache as a tuple must be (k_cache, v_cache); got {len(paged_kv_cache)} items"
-                )
-            k, v = paged_kv_cache
-            for name, t in (("k_cache", k), ("v_cache", v)):
-                if not isinstance(t, torch.Tensor):
-                    raise TypeError(f"paged_kv_cache: {name} must be a torch.Tensor, got {type(t).__name__}")
-            if k.dim() != v.dim() or k.dim() not in (3, 4):
-                raise ValueError(
-                    "paged_kv_cache as a tuple must hold two 4-D tensors [pages, page_size, num_kv_heads, head_dim] "
-                    "(NHD) / [pages, num_kv_heads, page_size, head_dim] (HND), or two 3-D tensors "
-                    f"[tokens, num_kv_heads, head_dim] (page_size 1); got shapes {tuple(k.shape)} and {tuple(v.shape)}"
-                )
-        else:
-            raise TypeError(
-                "paged_kv_cache must be a 5-D tensor or a (k_cache, v_cache) tuple, "
-                f"got {type(paged_kv_cache).__name__}"
-            )
-        if tuple(k.shape) != tuple(v.shape):
-            raise ValueError(f"paged_kv_cache: k_cache {tuple(k.shape)} and v_cache {tuple(v.shape)} differ in shape")
-        if k.dtype != v.dtype:
-            raise TypeError(f"paged_kv_cache: k_cache is {_name(k.dtype)} but v_cache is {_name(v.dtype)}")
-        if k.device != v.device:
-            raise ValueError(f"paged_kv_cache: k_cache is on {k.device} but v_cache is on {v.device}")
-        for name, t in (("k_cache", k), ("v_cache", v)):
-            check_tensor(f"paged_kv_cache ({name})", t, dtypes=_CACHE_DTYPES)
-        self.k, self.v = k, v
-        if k.dim() == 3:  # [tokens, heads, dim]: page_size 1, a page is a token
-            self.num_pages, self.num_heads, self.head_dim = k.shape
-            self.page_size = 1
-            self.k_strides = (k.stride(0), 0, k.stride(1))
-            self.v_strides = (v.stride(0), 0, v.stride(1))
-        elif layout is KVLayout.NHD:  # [pages, page_size, heads, dim]
-            self.num_pages, self.page_size, self.num_heads, self.head_dim = k.shape
-            self.k_strides = (k.stride(0), k.stride(1), k.stride(2))
-            self.v_strides = (v.stride(0), v.stride(1), v.stride(2))
-        else:  # HND: [pages, heads, page_size, dim]
-            self.num_pages, self.num_heads, self.page_size, self.head_dim = k.shape
-            self.k_strides = (k.stride(0), k.stride(2), k.stride(1))
-            self.v_strides = (v.stride(0), v.stride(2), v.stride(1))
+        self.k, self.v = split_paged_kv_cache(paged_kv_cache, layout)
+        check_kv_tensors(self.k, self.v, _CACHE_DTYPES)
+        self.num_pages, self.page_size, self.num_heads, self.head_dim = cache_geometry(self.k, layout)
         if self.page_size < 1:
             raise ValueError(f"paged_kv_cache has page_size {self.page_size}; it must be at least 1")
+        self.k_strides = kv_strides(self.k, True, layout)
+        self.v_strides = kv_strides(self.v, True, layout)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -120,35 +78,15 @@ def _validate_host_indices(
     batch_indices: torch.Tensor, positions: torch.Tensor, kv_indices: torch.Tensor, kv_indptr: torch.Tensor,
     kv_last_page_len: torch.Tensor, num_pages: int, page_size: int,
 ) -> None:
-    """Range checks on whichever index arrays are on the host (no device sync is ever needed)."""
+    """Range checks on whichever index arrays are on the host (no device sync is ever needed).
+
+    The page table follows ``plan.check_page_table``'s rules, the same as attention plans'.
+    """
     batch_size = kv_indptr.shape[0] - 1
     host = lambda t: t.device.type == "cpu"  # noqa: E731
-    if host(kv_indptr) and batch_size > 0:
-        indptr = kv_indptr.to(torch.int64)
-        if int(indptr[0]) < 0:
-            raise ValueError(f"kv_indptr[0]={int(indptr[0])} must be >= 0")
-        steps = indptr[1:] - indptr[:-1]
-        if bool((steps < 0).any()):
-            r = int(torch.nonzero(steps < 0)[0])
-            raise ValueError(f"kv_indptr must be non-decreasing; kv_indptr[{r + 1}] < kv_indptr[{r}]")
-        if int(indptr[-1]) > kv_indices.shape[0]:
-            raise ValueError(
-                f"kv_indptr[-1]={int(indptr[-1])} exceeds len(kv_indices)={kv_indices.shape[0]}"
-            )
-        if host(kv_indices):
-            used = kv_indices[int(indptr[0]):int(indptr[-1])].to(torch.int64)
-            bad = (used < 0) | (used >= num_pages)
-            if bool(bad.any()):
-                i = int(torch.nonzero(bad)[0]) + int(indptr[0])
-                raise IndexError(
-                    f"kv_indices[{i}]={int(kv_indices[i])} is not a page of the cache (it has {num_pages} pages)"
-                )
-    if host(kv_last_page_len) and kv_last_page_len.numel():
-        last = kv_last_page_len.to(torch.int64)
-        bad = (last < 0) | (last > page_size)
-        if bool(bad.any()):
-            r = int(torch.nonzero(bad)[0])
-            raise ValueError(f"kv_last_page_len[{r}]={int(last[r])} is outside [0, page_size={page_size}]")
+    check_page_table(kv_indptr if host(kv_indptr) else None, kv_indices if host(kv_indices) else None,
+                     kv_last_page_len if host(kv_last_page_len) else None, page_size, num_pages=num_pages,
+                     names=("kv_indptr", "kv_indices", "kv_last_page_len"))
     if host(batch_indices) and batch_indices.numel():
         bi = batch_indices.to(torch.int64)
         bad = (bi < 0) | (bi >= batch_size)
