@@ -28,7 +28,8 @@ For one request with ``qo_len`` queries and ``kv_len`` keys:
   from ``causal`` alone, so a non-causal windowed query also sees every key to
   its right; ``custom_mask`` (True = attend) is ANDed in as well;
 * masked logits are ``-inf``; a query whose keys are all masked (or
-  ``kv_len == 0``) yields output 0 and LSE ``-inf`` -- never NaN.
+  ``kv_len == 0``) yields output 0 and LSE ``-inf`` -- never NaN.  A NaN
+  query that sees a key yields a NaN output row and a NaN LSE.
 """
 
 from __future__ import annotations
@@ -715,7 +716,8 @@ def merge_states(v: Tensor, s: Tensor) -> Tuple[Tensor, Tensor]:
         ``(v, s)`` float32 ``[seq, H, D]`` and ``[seq, H]`` with
         ``v = sum_i e^{s_i} v_i / sum_i e^{s_i}`` and ``s = log sum_i e^{s_i}``,
         computed with max subtraction.  If every state is ``-inf`` (or
-        ``num_states == 0``) the result is ``v = 0``, ``s = -inf``.
+        ``num_states == 0``) the result is ``v = 0``, ``s = -inf``; a NaN
+        LSE makes the result NaN (it is not an empty state).
     """
     if v.dim() != 4 or s.dim() != 3 or tuple(v.shape[:3]) != tuple(s.shape):
         raise ValueError(f"bad shapes v={tuple(v.shape)} s={tuple(s.shape)}")
@@ -733,7 +735,7 @@ def merge_states(v: Tensor, s: Tensor) -> Tuple[Tensor, Tensor]:
     total = w.sum(dim=1)  # [seq, H]
     contrib = torch.where(w[..., None] > 0, w[..., None] * vd, torch.zeros_like(vd))
     num = contrib.sum(dim=1)  # [seq, H, D]
-    has = total > 0
+    has = total != 0  # NaN (a NaN state) is not empty: it propagates
     safe_total = torch.where(has, total, torch.ones_like(total))
     v_out = torch.where(has[..., None], num / safe_total[..., None], torch.zeros_like(num))
     s_out = torch.where(
