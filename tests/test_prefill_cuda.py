@@ -302,3 +302,24 @@ def test_hd224_fp8_rope_softcap_hnd_f32_output() -> None:
 
 GPU_SPECS.append(_spec(224, 224, 8, 2, bf16, e4m3, MaskMode.CAUSAL, "ROPE_LLAMA", -1, KVStorage.PAGED, "HND",
                        soft_cap=True, o_dtype=f32))
+
+
+def test_hd200_bf16_rope_custom_mask_narrow_kv_blocks() -> None:
+    """A custom mask over blocks of 16 keys (hd 200, padded to 208 in shared memory), empty rows included."""
+    gen = torch.Generator().manual_seed(15)
+    qo_lens, kv_lens, hq, hkv, d = [37, 64], [101, 64], 4, 2, 200
+    masks = [torch.rand(qn, kn, generator=gen) > 0.6 for qn, kn in zip(qo_lens, kv_lens)]
+    masks[0][7] = False
+    flat = torch.cat([m.reshape(-1) for m in masks])
+    q = torch.randn(sum(qo_lens), hq, d, generator=gen).to(bf16).cuda()
+    k = torch.randn(sum(kv_lens), hkv, d, generator=gen).to(bf16).cuda()
+    v = torch.randn(sum(kv_lens), hkv, d, generator=gen).to(bf16).cuda()
+    _, out, lse = _ragged_run(q, k, v, qo_lens, kv_lens, custom_mask=flat.cuda(), pos_encoding_mode="ROPE_LLAMA")
+    ref_o, ref_lse = reference.batch_ragged_attention(q, k, v, _indptr(qo_lens), _indptr(kv_lens), custom_mask=flat,
+                                                      pos_encoding_mode="ROPE_LLAMA")
+    assert_close_out(out, ref_o, bf16)
+    assert_close_lse(lse, ref_lse)
+    assert torch.isinf(lse[7]).all() and (out[7] == 0).all()
+
+
+GPU_SPECS.append(_spec(200, 200, 4, 2, bf16, bf16, MaskMode.CUSTOM, "ROPE_LLAMA", -1, KVStorage.RAGGED))
