@@ -202,6 +202,30 @@ def test_prefill_nan_query(case_id: str, device: str) -> None:
     _check(out, lse, ref_o, ref_lse, dt, nan_rows, empty_rows)
 
 
+@pytest.mark.parametrize("device", devices())
+def test_prefill_nan_key_reaches_only_the_rows_that_see_it(device: str) -> None:
+    """NaN in K still propagates (to the rows whose mask lets them see that key, and no others)."""
+    d, hq, hkv, dt, causal, pos, window, custom, storage = PREFILL["ragged_causal"]
+    g = _gen(77)
+    kv_lens = _kv_lens(causal)
+    q = torch.randn(sum(QO_LENS), hq, d, generator=g).to(dt).to(device)
+    k = torch.randn(sum(kv_lens), hkv, d, generator=g).to(dt)
+    v = torch.randn(sum(kv_lens), hkv, d, generator=g).to(dt).to(device)
+    k[70, 0, 3] = float("nan")  # request 0, key 70, kv head 0: queries at positions >= 70 see it
+    k = k.to(device)
+    wrapper = jitattn.BatchPrefillWithRaggedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8, device=device))
+    wrapper.plan(_indptr(QO_LENS), _indptr(kv_lens), hq, hkv, d, causal=True, q_data_type=dt)
+    out = _poisoned((sum(QO_LENS), hq, d), dt, device)
+    lse = _poisoned((sum(QO_LENS), hq), torch.float32, device)
+    wrapper.run(q, k, v, out=out, lse=lse)
+    ref_o, ref_lse = reference.batch_ragged_attention(q, k, v, _indptr(QO_LENS), _indptr(kv_lens), causal=True)
+    group = hq // hkv
+    first_seeing = 70 - (kv_lens[0] - QO_LENS[0])  # query index of position 70
+    nan_rows = [(t, h) for t in range(first_seeing, QO_LENS[0]) for h in range(group)]
+    _check(out, lse, ref_o, ref_lse, dt, nan_rows, [])
+    assert torch.isfinite(out[:first_seeing].float()).all(), "rows that cannot see the NaN key stay finite"
+
+
 # -- merges ------------------------------------------------------------------------------------------
 GPU_SPECS.append(VariantSpec("merge", "cuda", o_dtype="bf16"))
 
