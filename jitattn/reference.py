@@ -28,7 +28,8 @@ For one request with ``qo_len`` queries and ``kv_len`` keys:
   from ``causal`` alone, so a non-causal windowed query also sees every key to
   its right; ``custom_mask`` (True = attend) is ANDed in as well;
 * masked logits are ``-inf``; a query whose keys are all masked (or
-  ``kv_len == 0``) yields output 0 and LSE ``-inf`` -- never NaN.
+  ``kv_len == 0``) yields output 0 and LSE ``-inf`` -- never NaN.  A NaN
+  query that sees a key yields a NaN output row and a NaN LSE.
 """
 
 from __future__ import annotations
@@ -628,7 +629,8 @@ def append_paged_kv_cache(
     Token ``t`` (``append_key[t]``: ``[H_kv, D]``) belongs to request
     ``r = batch_indices[t]`` at position ``pos = positions[t]`` and is written
     to page ``kv_indices[kv_indptr[r] + pos // page_size]``, slot
-    ``pos % page_size``.  Values are cast to the cache dtype.  The cache
+    ``pos % page_size``.  Values are cast to the cache dtype (fp8 saturates
+    to its largest finite value, see ``_to_cache_dtype``).  The cache
     formats are those of :func:`paged_kv_to_ragged`.  ``kv_last_page_len``
     describes the cache *after* the append (FlashInfer semantics); a position
     at or beyond the resulting sequence length raises ``IndexError``.
@@ -654,8 +656,17 @@ def append_paged_kv_cache(
         slots.append(p % page_size)
     page_t = torch.tensor(pages, dtype=torch.int64, device=k_pages.device)
     slot_t = torch.tensor(slots, dtype=torch.int64, device=k_pages.device)
-    k_pages[page_t, slot_t] = append_key.to(device=k_pages.device, dtype=k_pages.dtype)
-    v_pages[page_t, slot_t] = append_value.to(device=v_pages.device, dtype=v_pages.dtype)
+    k_pages[page_t, slot_t] = _to_cache_dtype(append_key.to(k_pages.device), k_pages.dtype)
+    v_pages[page_t, slot_t] = _to_cache_dtype(append_value.to(v_pages.device), v_pages.dtype)
+
+
+def _to_cache_dtype(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """``x.to(dtype)``, except that fp8 saturates: values beyond the range (inf too) become the
+    largest finite value of their sign (e4m3 +-448, e5m2 +-57344); NaN stays NaN."""
+    if x.dtype == dtype or dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return x.to(dtype)
+    fmax = torch.finfo(dtype).max
+    return x.float().clamp(-fmax, fmax).to(dtype)  # clamp keeps NaN
 
 
 def get_batch_indices_positions(
@@ -705,7 +716,8 @@ def merge_states(v: Tensor, s: Tensor) -> Tuple[Tensor, Tensor]:
         ``(v, s)`` float32 ``[seq, H, D]`` and ``[seq, H]`` with
         ``v = sum_i e^{s_i} v_i / sum_i e^{s_i}`` and ``s = log sum_i e^{s_i}``,
         computed with max subtraction.  If every state is ``-inf`` (or
-        ``num_states == 0``) the result is ``v = 0``, ``s = -inf``.
+        ``num_states == 0``) the result is ``v = 0``, ``s = -inf``; a NaN
+        LSE makes the result NaN (it is not an empty state).
     """
     if v.dim() != 4 or s.dim() != 3 or tuple(v.shape[:3]) != tuple(s.shape):
         raise ValueError(f"bad shapes v={tuple(v.shape)} s={tuple(s.shape)}")
@@ -723,7 +735,7 @@ def merge_states(v: Tensor, s: Tensor) -> Tuple[Tensor, Tensor]:
     total = w.sum(dim=1)  # [seq, H]
     contrib = torch.where(w[..., None] > 0, w[..., None] * vd, torch.zeros_like(vd))
     num = contrib.sum(dim=1)  # [seq, H, D]
-    has = total > 0
+    has = total != 0  # NaN (a NaN state) is not empty: it propagates
     safe_total = torch.where(has, total, torch.ones_like(total))
     v_out = torch.where(has[..., None], num / safe_total[..., None], torch.zeros_like(num))
     s_out = torch.where(

@@ -213,12 +213,24 @@ def test_append_host_and_device_index_arrays(device):
     case.check(want, "host index arrays")
 
 
+def _append_rows(x: torch.Tensor, dtype: torch.dtype, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Appends the rows of x ``[tokens, 1, dim]`` (and NaN values) into fresh 3-D caches of dtype."""
+    nnz, _, dim = x.shape
+    k = torch.zeros((nnz, 1, dim), dtype=dtype, device=device)  # 3-D caches: page_size 1
+    v = torch.zeros((nnz, 1, dim), dtype=dtype, device=device)
+    arange = torch.arange(nnz, dtype=torch.int32)
+    page.append_paged_kv_cache(x.to(device), torch.full_like(x, math.nan).to(device), arange,
+                               torch.zeros(nnz, dtype=torch.int32), (k, v), arange,
+                               torch.arange(nnz + 1, dtype=torch.int32), torch.ones(nnz, dtype=torch.int32))
+    return k.cpu(), v.cpu()
+
+
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
 @pytest.mark.parametrize("device", DEVICES)
 def test_fp8_rounding_matches_torch(device, dtype):
     """Every fp8 value, the midpoints between neighbours (ties to even), values just off them,
-    tiny subnormals, out-of-range values, inf and NaN: bit-identical to torch's .to() (e4m3
-    saturation as in current torch)."""
+    tiny subnormals: bit-identical to torch's .to(); out of range values and inf saturate to the
+    largest finite value (where torch's e5m2 gives inf); NaN stays NaN."""
     finite = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype).float()
     finite = torch.unique(finite[torch.isfinite(finite)])  # sorted, +-0 merged
     mids = (finite[1:] + finite[:-1]) / 2
@@ -229,32 +241,48 @@ def test_fp8_rounding_matches_torch(device, dtype):
                    special])
     n, dim = x.numel(), 8
     x = torch.cat([x, torch.ones((-n) % dim)]).reshape(-1, 1, dim)  # [tokens, 1 head, dim]
-    nnz = x.shape[0]
-    k = torch.zeros((nnz, 1, dim), dtype=dtype, device=device)  # 3-D caches: page_size 1
-    v = torch.zeros((nnz, 1, dim), dtype=dtype, device=device)
-    arange = torch.arange(nnz, dtype=torch.int32)
-    page.append_paged_kv_cache(x.to(device), torch.full_like(x, math.nan).to(device), arange,
-                               torch.zeros(nnz, dtype=torch.int32), (k, v), arange,
-                               torch.arange(nnz + 1, dtype=torch.int32), torch.ones(nnz, dtype=torch.int32))
-    got_bits = k.cpu().reshape(-1)[:n].view(torch.uint8)
+    k, v = _append_rows(x, dtype, device)
+    got_bits = k.reshape(-1)[:n].view(torch.uint8)
     want_bits = x.reshape(-1)[:n].to(dtype).view(torch.uint8)
-    # torch before ~2.12 turned e4m3 values beyond 464 (and inf) into NaN; newer torch saturates
-    # them to +-448 as jitattn does (checked explicitly below), so compare with torch up to 464.
-    compared = x.reshape(-1)[:n].abs() <= 464 if dtype == torch.float8_e4m3fn else torch.ones(n, dtype=torch.bool)
+    # In range, torch's .to() is the rule (older torch turned e4m3 values beyond 464 into NaN and
+    # torch's e5m2 overflows to inf: out of range is checked explicitly below).
+    compared = x.reshape(-1)[:n].abs() <= fmax
     bad = ((got_bits != want_bits) & compared).nonzero().reshape(-1)
     assert bad.numel() == 0, (
         f"{bad.numel()} conversions differ from torch, e.g. {x.reshape(-1)[bad[0]].item()!r} -> "
         f"0x{int(got_bits[bad[0]]):02x}, torch 0x{int(want_bits[bad[0]]):02x}"
     )
     assert torch.isnan(v.float()).all()
-    # Out of range (the last 9 specials): e4m3 saturates to +-448 (inf too); e5m2 overflows to inf
-    # from 1.07 * 57344 = 61358.08 < 61440 (the tie) on.
-    out_of_range = k.cpu().reshape(-1)[n - 9:n].float().tolist()
-    if dtype == torch.float8_e4m3fn:
-        assert out_of_range == [448.0, 448.0, 448.0, -448.0, 448.0, 448.0, -448.0, 448.0, -448.0]
-    else:
-        assert out_of_range == [57344.0, 57344.0] + [math.inf, -math.inf, math.inf, math.inf, -math.inf,
-                                                     math.inf, -math.inf]
+    # Out of range (the last 9 specials, inf included): the largest finite value of the sign.
+    out_of_range = k.reshape(-1)[n - 9:n].float().tolist()
+    assert out_of_range == [fmax, fmax, fmax, -fmax, fmax, fmax, -fmax, fmax, -fmax]
+
+
+@pytest.mark.parametrize("src_dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["f32", "f16", "bf16"])
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_fp8_saturates_from_every_source_dtype(device, dtype, src_dtype):
+    """Fresh random values of every magnitude up to the source's range, inf and NaN, appended from
+    each source dtype: the cache holds the reference's saturating conversion, bit for bit."""
+    g = _gen(31)
+    src_max = torch.finfo(src_dtype).max
+    scale = torch.exp2(torch.randint(-20, int(math.log2(src_max)), (255, 1, 8), generator=g).float())
+    x = torch.randn((255, 1, 8), generator=g) * scale
+    x = x.clamp(-src_max, src_max)
+    x = torch.cat([x, torch.tensor([math.inf, -math.inf, math.nan, src_max, -src_max, 1e4, -1e4, 6e4]).reshape(1, 1, 8)])
+    x = x.to(src_dtype)
+    k, _ = _append_rows(x, dtype, device)
+    want = ref._to_cache_dtype(x, dtype)
+    got_bits, want_bits = k.view(torch.uint8), want.view(torch.uint8)
+    nan = torch.isnan(want.float())
+    assert torch.isnan(k.float()[nan]).all(), "NaN must stay NaN"
+    bad = ((got_bits != want_bits) & ~nan).nonzero()
+    assert bad.numel() == 0, (
+        f"seed {SEED}: {bad.shape[0]} conversions differ, e.g. {x[tuple(bad[0])].item()!r} -> "
+        f"{k[tuple(bad[0])].float().item()!r}, want {want[tuple(bad[0])].float().item()!r}"
+    )
+    fmax = torch.finfo(dtype).max
+    assert k.float()[-1, 0, :2].tolist() == [fmax, -fmax], "inf saturates"
 
 
 # --------------------------------------------------------------------------- #

@@ -259,3 +259,67 @@ if __name__ == "__main__":
         out, lse = w.run(q, batch.cache, return_lse=True)
         torch.cuda.synchronize()
         print(dtype, kvd, d, pos, "ok", bool(torch.isfinite(out).all()))
+
+
+# Tiles that were refused for shared memory before the layout learnt narrower KV blocks
+# (kCtaKV 16): head_dim 256 with bf16 hi + lo pairs, and head_dim 224 with fp8 staging.
+def test_hd256_bf16_rope_window_f32_output() -> None:
+    gen = torch.Generator().manual_seed(13)
+    qo_lens, kv_lens, hq, hkv, d = [77, 1, 130], [300, 17, 130], 8, 2, 256
+    q = torch.randn(sum(qo_lens), hq, d, generator=gen).to(bf16).cuda()
+    k = torch.randn(sum(kv_lens), hkv, d, generator=gen).to(bf16).cuda()
+    v = torch.randn(sum(kv_lens), hkv, d, generator=gen).to(bf16).cuda()
+    _, out, lse = _ragged_run(q, k, v, qo_lens, kv_lens, causal=True, pos_encoding_mode="ROPE_LLAMA", window_left=45,
+                              o_data_type=f32)
+    ref_o, ref_lse = reference.batch_ragged_attention(q, k, v, _indptr(qo_lens), _indptr(kv_lens), causal=True,
+                                                      pos_encoding_mode="ROPE_LLAMA", window_left=45)
+    assert_close_out(out, ref_o, bf16)
+    assert_close_lse(lse, ref_lse)
+
+
+GPU_SPECS.append(_spec(256, 256, 8, 2, bf16, bf16, MaskMode.CAUSAL, "ROPE_LLAMA", 45, KVStorage.RAGGED, o_dtype=f32))
+
+
+def test_hd224_fp8_rope_softcap_hnd_f32_output() -> None:
+    gen = torch.Generator().manual_seed(14)
+    qo_lens, kv_lens, page, hq, hkv, d = [50, 3, 100], [211, 3, 100], 16, 8, 2, 224
+    batch = random_paged_batch(kv_lens, hkv, d, page, e4m3, "HND", "5d", "cuda", generator=gen)
+    q = torch.randn(sum(qo_lens), hq, d, generator=gen).to(bf16).cuda()
+    wrapper = jitattn.BatchPrefillWithPagedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8, device="cuda"), "HND")
+    wrapper.plan(_indptr(qo_lens), batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len, hq, hkv, d, page,
+                 causal=True, pos_encoding_mode="ROPE_LLAMA", logits_soft_cap=30.0, q_data_type=bf16,
+                 kv_data_type=e4m3, o_data_type=f32)
+    out = torch.full((sum(qo_lens), hq, d), float("nan"), dtype=f32, device="cuda")
+    lse = torch.full((sum(qo_lens), hq), float("nan"), device="cuda")
+    wrapper.run(q, batch.cache, out=out, lse=lse, k_scale=0.8, v_scale=1.2)
+    ref_o, ref_lse = reference.batch_prefill_paged(q, batch.cache, _indptr(qo_lens), batch.kv_indptr, batch.kv_indices,
+                                                   batch.kv_last_page_len, kv_layout="HND", causal=True,
+                                                   pos_encoding_mode="ROPE_LLAMA", logits_soft_cap=30.0,
+                                                   k_scale=0.8, v_scale=1.2)
+    assert_close_out(out, ref_o, bf16)
+    assert_close_lse(lse, ref_lse)
+
+
+GPU_SPECS.append(_spec(224, 224, 8, 2, bf16, e4m3, MaskMode.CAUSAL, "ROPE_LLAMA", -1, KVStorage.PAGED, "HND",
+                       soft_cap=True, o_dtype=f32))
+
+
+def test_hd200_bf16_rope_custom_mask_narrow_kv_blocks() -> None:
+    """A custom mask over blocks of 16 keys (hd 200, padded to 208 in shared memory), empty rows included."""
+    gen = torch.Generator().manual_seed(15)
+    qo_lens, kv_lens, hq, hkv, d = [37, 64], [101, 64], 4, 2, 200
+    masks = [torch.rand(qn, kn, generator=gen) > 0.6 for qn, kn in zip(qo_lens, kv_lens)]
+    masks[0][7] = False
+    flat = torch.cat([m.reshape(-1) for m in masks])
+    q = torch.randn(sum(qo_lens), hq, d, generator=gen).to(bf16).cuda()
+    k = torch.randn(sum(kv_lens), hkv, d, generator=gen).to(bf16).cuda()
+    v = torch.randn(sum(kv_lens), hkv, d, generator=gen).to(bf16).cuda()
+    _, out, lse = _ragged_run(q, k, v, qo_lens, kv_lens, custom_mask=flat.cuda(), pos_encoding_mode="ROPE_LLAMA")
+    ref_o, ref_lse = reference.batch_ragged_attention(q, k, v, _indptr(qo_lens), _indptr(kv_lens), custom_mask=flat,
+                                                      pos_encoding_mode="ROPE_LLAMA")
+    assert_close_out(out, ref_o, bf16)
+    assert_close_lse(lse, ref_lse)
+    assert torch.isinf(lse[7]).all() and (out[7] == 0).all()
+
+
+GPU_SPECS.append(_spec(200, 200, 4, 2, bf16, bf16, MaskMode.CUSTOM, "ROPE_LLAMA", -1, KVStorage.RAGGED))

@@ -150,8 +150,10 @@ def append_paged_kv_cache(
             (``kv_last_page_len`` is only checked, the write does not need it).
         kv_layout: ``"NHD"`` or ``"HND"``.
 
-    Values are rounded to the cache dtype as torch's ``.to()`` does (round to nearest even;
-    fp8 e4m3 saturates to +-448, fp8 e5m2 overflows to inf). Index arrays may live on the host or
+    Values are rounded to the cache dtype as torch's ``.to()`` does (round to nearest even). An fp8
+    cache saturates: a value beyond its range, inf included, is stored as the largest finite value of
+    that sign (e4m3 +-448, e5m2 +-57344; torch's ``.to(float8_e5m2)`` would give inf), the same on the
+    cpu and cuda targets; NaN stays NaN. Index arrays may live on the host or
     on the cache's device; host-side ones are range-checked before the launch (a position beyond the
     request's pages raises ``IndexError``). On a CUDA device the kernel runs on the current stream;
     out-of-range entries of device-side index arrays are skipped, never written out of bounds.

@@ -6,8 +6,9 @@ source (append_key/value) dtype is a run-time switch, ``src_dtype``:
 - ``SRC_SAME`` (0): the source has the cache's dtype; elements are copied bit for bit.
 - ``SRC_F32`` (1), ``SRC_F16`` (2), ``SRC_BF16`` (3): each element goes through
   float and is rounded to the cache dtype with round-to-nearest-even, as
-  torch's ``.to()`` does (fp8 e4m3 saturates to +-448 and maps inf to +-448;
-  fp8 e5m2 overflows to inf; NaN stays NaN).
+  torch's ``.to()`` does in range; fp8 beyond its range (inf too) saturates to
+  the largest finite value (e4m3 +-448, e5m2 +-57344), on both targets; NaN
+  stays NaN.
 
 Token t (``append_key[t]``: ``[num_heads, head_dim]``) belongs to request
 ``r = batch_indices[t]`` at position ``pos = positions[t]`` and is written to

@@ -12,7 +12,9 @@ cuda kernel shape (sm80+ generic tier: ``mma.sync.m16n8k16``, fp32 accumulate):
   one request and one KV head; row = (query token, head in the GQA group), so
   row ``rho`` of a request is token ``rho // group``, query head
   ``kv_head * group + rho % group``. Each warp owns ``16 * mma_q`` rows.
-- KV is walked in blocks of ``cta_kv`` tokens through a ``stages``-deep
+- KV is walked in blocks of ``cta_kv`` tokens (64, else 32, else 16: the widest whose
+  shared memory fits two resident blocks per SM; failing that, one block per SM
+  under the opt-in limit) through a ``stages``-deep
   ``cp.async`` pipeline into XOR-swizzled (or odd-padded) shared memory; the
   row offsets of each block (page-table lookups for paged KV) are fetched one
   iteration ahead into a small table. ``ldmatrix`` feeds the tensor cores;
@@ -45,7 +47,7 @@ cuda kernel shape (sm80+ generic tier: ``mma.sync.m16n8k16``, fp32 accumulate):
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from ..spec import DType, KVStorage, MaskMode, PosEncoding, Target, VariantSpec
 from .attention import context as _attention_context
@@ -78,6 +80,24 @@ def _row_chunks(dim_pad: int) -> tuple[int, bool]:
     return (chunks + 1 if chunks % 2 == 0 else chunks), False
 
 
+_CTA_KV_CHOICES = (64, 32, 16)  # KV tokens per block, widest first (16: the smallest, one k16 step of P.V)
+
+
+def _smem_budget(smem_per_sm: int, blocks_per_sm: int) -> int:
+    return smem_per_sm // blocks_per_sm - 1024  # the runtime reserves 1 KiB per block
+
+
+def _fit(smem_for: Callable[[int], dict[str, int]], smem_per_sm: int,
+         blocks_per_sm: int) -> tuple[int, int, dict[str, int] | None]:
+    """(resident blocks, cta_kv, smem offsets) of the first fitting choice; offsets None if none fits."""
+    for blocks in sorted({blocks_per_sm, 1}, reverse=True):
+        for cta_kv in _CTA_KV_CHOICES:
+            smem = smem_for(cta_kv)
+            if smem["Total"] <= _smem_budget(smem_per_sm, blocks):
+                return blocks, cta_kv, smem
+    return 1, _CTA_KV_CHOICES[-1], None
+
+
 def cuda_layout(spec: VariantSpec, tuning: dict[str, int] | None = None) -> dict[str, int]:
     """Every derived constant of the cuda prefill kernel for ``spec`` (plain ints)."""
     t = dict(TUNING)
@@ -96,7 +116,6 @@ def cuda_layout(spec: VariantSpec, tuning: dict[str, int] | None = None) -> dict
     mma_q = 2 if max(dqk_pad, dvo_pad) <= t["mma_q_max_dim"] else 1
     cta_q = warps * 16 * mma_q
     stages = t["stages"]
-    budget = t["smem_per_sm"] // t["blocks_per_sm"] - 1024  # the runtime reserves 1 KiB per block
 
     def smem_for(cta_kv: int) -> dict[str, int]:
         sizes = {
@@ -119,13 +138,14 @@ def cuda_layout(spec: VariantSpec, tuning: dict[str, int] | None = None) -> dict
         offsets["Total"] = at
         return offsets
 
-    cta_kv = 64
-    smem = smem_for(cta_kv)
-    if smem["Total"] > budget:
-        cta_kv = 32
-        smem = smem_for(cta_kv)
-    if smem["Total"] > budget:
-        raise ValueError(f"{spec.uri}: the prefill tile needs {smem['Total']} B of shared memory, over {budget}")
+    # The widest KV block that fits the resident-block target; the largest tiles (head_dim 256,
+    # bf16 hi + lo pairs, fp8 staging) take narrower blocks first, keeping two blocks per SM to
+    # hide each other's softmax, then one block per SM (the launch raises the opt-in limit).
+    blocks_per_sm, cta_kv, smem = _fit(smem_for, t["smem_per_sm"], t["blocks_per_sm"])
+    if smem is None:
+        need = smem_for(_CTA_KV_CHOICES[-1])["Total"]
+        raise ValueError(f"{spec.uri}: the prefill tile needs {need} B of shared memory, over "
+                         f"{_smem_budget(t['smem_per_sm'], 1)}")
 
     kv_bytes = spec.kv_dtype.itemsize
     load_bytes = 8 if kv_fp8 else 16       # one cp.async: 8 elements
@@ -133,7 +153,7 @@ def cuda_layout(spec: VariantSpec, tuning: dict[str, int] | None = None) -> dict
     v_load_chunks = dvo // 8 if kv_fp8 else dvo_pad // 8
     q_load_chunks = dqk_pad // 8
     layout = {
-        "kThreads": threads, "kWarps": warps, "kMinBlocks": t["blocks_per_sm"],
+        "kThreads": threads, "kWarps": warps, "kMinBlocks": blocks_per_sm,
         "kMmaQ": mma_q, "kCtaQ": cta_q, "kCtaKV": cta_kv, "kStages": stages, "kGroup": group,
         "kDQK": dqk, "kDVO": dvo, "kDQKPad": dqk_pad, "kDVOPad": dvo_pad,
         "kQKRowChunks": qk_rc, "kVORowChunks": vo_rc,

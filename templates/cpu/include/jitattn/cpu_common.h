@@ -16,6 +16,10 @@ struct e4m3_t { uint8_t bits; };
 struct e5m2_t { uint8_t bits; };
 
 inline float bits_to_float(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+
+// max that propagates NaN (std::max and fmaxf drop it): softmax maxima use it so that a NaN
+// logit (a NaN query) makes its row NaN instead of looking like a row with no visible key.
+inline float fmax_nan(float a, float b) { return (b > a || b != b) ? b : a; }
 inline uint32_t float_to_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
 
 inline float to_float(float x) { return x; }

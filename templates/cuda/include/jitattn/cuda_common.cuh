@@ -11,6 +11,19 @@
 
 namespace jitattn {
 
+// max that propagates NaN (fmaxf drops it): softmax maxima use it so that a NaN logit (a NaN
+// query) makes its row NaN instead of looking like a row with no visible key. On sm_80+ it is
+// PTX max.NaN.f32, one max instruction like fmaxf: no extra work per score.
+__device__ __forceinline__ float fmax_nan(float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  float r;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+#else
+  return (a != a || b != b) ? a + b : fmaxf(a, b);
+#endif
+}
+
 __device__ __forceinline__ float to_float(float x) { return x; }
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
 __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
