@@ -10,7 +10,6 @@ from .attention.batch import check_workspace
 from .attention.builder import HostIndex, attention_options, build_plan, kernel_spec, make_plan, num_workers
 from .attention.wrapper import BatchWrapperBase
 from .attention.checks import check_tensor, target_of
-from .attention.kv import split_paged_kv_cache
 from .attention.options import PAGE_TABLE_HINT, parse_kv_layout, refuse_unsupported
 from .jit import load
 from .families.decode import MAX_RESIDENT_BLOCKS, resident_blocks
@@ -233,8 +232,8 @@ class BatchDecodeWithPagedKVCacheWrapper(BatchWrapperBase):
             refuse_unsupported(f"{_WRAPPER}.run", "attention sinks and several queries per request (q_len_per_req) "
                                "are not implemented yet", sinks=sinks,
                                q_len_per_req=None if q_len_per_req == 1 else q_len_per_req)
-        k, v = split_paged_kv_cache(paged_kv_cache, self._kv_layout)
-        return self._run(q, k, v, k_scale, v_scale, out, lse, return_lse, variant_args, args, q_scale, window_left)
+        return self._run(q, paged_kv_cache, k_scale, v_scale, out, lse, return_lse, variant_args, args, q_scale,
+                         window_left)
 
     run_return_lse = functools.partialmethod(run, return_lse=True)
 

@@ -10,7 +10,6 @@ from .attention.batch import AttentionPlan
 from .attention.builder import HostIndex, attention_options, build_plan
 from .attention.wrapper import BatchWrapperBase
 from .attention.checks import check_tensor, target_of
-from .attention.kv import split_paged_kv_cache
 from .attention.options import PAGE_TABLE_HINT, fp8_scale, parse_kv_layout, refuse_unsupported
 from .plan import (
     PagedIndex, SplitPlan, check_indptr, check_paged_index, multi_item_mask, packed_mask_indptr, segment_packbits,
@@ -191,8 +190,8 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapperBase):
         ``args``/``variant_args``: the planned custom variant's parameters, in declaration order / by name."""
         if sinks is not None:
             refuse_unsupported(f"{self._NAME}.run", "attention sinks are not implemented yet", sinks=sinks)
-        k, v = split_paged_kv_cache(paged_kv_cache, self._kv_layout)
-        return self._run(q, k, v, k_scale, v_scale, out, lse, return_lse, variant_args, args, q_scale, window_left)
+        return self._run(q, paged_kv_cache, k_scale, v_scale, out, lse, return_lse, variant_args, args, q_scale,
+                         window_left)
 
     run_return_lse = functools.partialmethod(run, return_lse=True)
 
@@ -286,7 +285,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapperBase):
             for name, t in (("k", k), ("v", v)):
                 check_tensor(name, t, ndim=3)
             k, v = k.transpose(0, 1), v.transpose(0, 1)
-        return self._run(q, k, v, k_scale, v_scale, out, lse, return_lse, variant_args, args, q_scale, window_left)
+        return self._run(q, (k, v), k_scale, v_scale, out, lse, return_lse, variant_args, args, q_scale, window_left)
 
     run_return_lse = functools.partialmethod(run, return_lse=True)
 

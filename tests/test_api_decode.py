@@ -101,15 +101,17 @@ def test_decode_q_from_fused_qkv_is_used_without_copy(device: str) -> None:
     wrapper = jitattn.BatchDecodeWithPagedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8, device=device))
     wrapper.plan(batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len, 8, 2, 128, 16, q_data_type=bf16)
     launched = []
-    launch = wrapper._plan.launch.__call__
+    prepared = wrapper._plan.launch
+    real_launch = prepared.launch
 
-    def spy(q_seen, *args, **kwargs):  # what the kernel is handed: pointer and strides
-        launched.append((q_seen.data_ptr(), q_seen.stride()))
-        return launch(q_seen, *args, **kwargs)
+    def spy(device_index, q_pointer, *args):  # what the kernel is handed
+        launched.append(q_pointer)
+        return real_launch(device_index, q_pointer, *args)
 
-    wrapper._plan.launch = spy
+    prepared.launch = spy
     out = wrapper.run(q, batch.cache)
-    assert launched == [(q.data_ptr(), q.stride())], "q must reach the kernel as the caller's strided view, uncopied"
+    assert launched == [q.data_ptr()], "q must reach the kernel as the caller's tensor, uncopied"
+    assert (prepared.params.q_stride_n, prepared.params.q_stride_h) == q.stride()[:2], "with q's own strides"
     ref_o, _ = reference.batch_decode_paged(q, batch.cache, batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len)
     assert_close_out(out, ref_o, bf16)
 

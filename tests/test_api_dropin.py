@@ -460,3 +460,49 @@ def test_forward_after_fast_decode_plan_with_other_options_is_refused() -> None:
     assert_close_out(wrapper.forward(q, batch.cache), _decode_reference(q, batch)[0], torch.float32)
     with pytest.raises(ValueError, match="fast_decode_plan"):
         wrapper.forward(q, batch.cache, logits_soft_cap=10.0)
+
+
+# ---- run(): checks once per signature, pointers every call ---------------------------------------------------
+
+
+@pytest.mark.parametrize("device", devices())
+def test_repeated_runs_follow_each_calls_tensors(device: str) -> None:
+    """Same-signature calls skip the checks but must use each call's own cache, q, out and lse."""
+    gen = torch.Generator().manual_seed(16)
+    dtype = _dtype(device)
+    batches = [random_paged_batch([40, 9, 70], HKV, D, PAGE, dtype, device=device, generator=gen) for _ in range(2)]
+    b2 = batches[1]
+    b2.kv_indptr, b2.kv_indices, b2.kv_last_page_len = (batches[0].kv_indptr, batches[0].kv_indices,
+                                                        batches[0].kv_last_page_len)
+    wrapper = jitattn.BatchDecodeWithPagedKVCacheWrapper(_workspace(device))
+    b0 = batches[0]
+    wrapper.plan(b0.kv_indptr, b0.kv_indices, b0.kv_last_page_len, HQ, HKV, D, PAGE, q_data_type=dtype)
+    wide = torch.full((3, HQ, 2 * D), float("nan"), dtype=dtype, device=device)
+    for step in range(3):
+        for batch in batches:
+            q = torch.randn(3, HQ, D, generator=gen).to(dtype).to(device)
+            ref_out, ref_lse = _decode_reference(q, batch)
+            out, lse = wrapper.run(q, batch.cache, return_lse=True)  # fresh outputs
+            assert_close_out(out, ref_out, dtype)
+            assert_close_lse(lse, ref_lse)
+            k, v = batch.cache[:, 0], batch.cache[:, 1]
+            view = wide[..., D:] if step % 2 else wide[..., :D]  # a strided out, then another one
+            result = wrapper.run(q, (k, v), out=view)
+            assert result.data_ptr() == view.data_ptr()
+            assert_close_out(view, ref_out, dtype)
+    with pytest.raises(ValueError, match="out has shape"):
+        wrapper.run(q, b0.cache, out=torch.empty(3, HQ, D + 8, dtype=dtype, device=device))
+    with pytest.raises(TypeError, match="kv cache dtype"):
+        wrapper.run(q, b0.cache.to(torch.bfloat16 if dtype != torch.bfloat16 else torch.float16))
+
+
+def test_a_replaced_workspace_is_checked_again_before_the_next_run() -> None:
+    batch = random_paged_batch([3000, 2500], HKV, D, PAGE, torch.float32)
+    wrapper = jitattn.BatchDecodeWithPagedKVCacheWrapper(_workspace("cpu"))
+    wrapper.plan(batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len, HQ, HKV, D, PAGE, q_data_type="float32",
+                 fixed_split_size=4)
+    q = torch.randn(2, HQ, D)
+    wrapper.run(q, batch.cache)
+    wrapper.reset_workspace_buffer(torch.empty(64, dtype=torch.uint8), None)
+    with pytest.raises(ValueError, match="bytes of float workspace"):
+        wrapper.run(q, batch.cache)

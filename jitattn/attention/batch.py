@@ -18,7 +18,7 @@ from ..log import get_logger
 from ..plan import PagedIndex, SplitPlan, check_page_pool, split_workspace_bytes
 from ..spec import KVLayout, Op, Target, VariantSpec
 from .checks import check_tensor, target_of
-from .kv import check_kv_pair
+from .kv import check_kv_pair, split_paged_kv_cache
 from .launch import AttentionScalars, PreparedAttention
 from .variant_args import VariantArgs
 
@@ -50,7 +50,10 @@ class AttentionPlan:
     total_kv: int | None = None  # ragged: rows of k/v the plan covers
     use_cuda_graph: bool = False  # index tensors live in fixed caller buffers
     launch: PreparedAttention | None = None  # the params struct, filled once here
-    checked_signature: tuple | None = None  # q/k/v shapes, strides and dtypes that passed the checks
+    checked_signature: tuple | None = None  # q/kv shapes, strides, dtypes, devices that passed the checks
+    checked_outputs: tuple | None = None  # the same for out/lse
+    checked_workspace: torch.Tensor | None = None  # the workspace that passed the size check
+    kv_offsets: tuple[int, int] | None = None  # k/v pointers relative to a one-tensor cache's
     variant_args: VariantArgs | None = None  # the variant's struct (spec.variant only), filled per run()
     wrapper: str = ""
     kv_pointer_alignment: int = 16  # bytes; set from kv_alignment()
@@ -164,9 +167,8 @@ def workspace_target(workspace: torch.Tensor, wrapper: str) -> tuple[Target, tor
 
 def run_plan_or_compiled(
     key: int, plan: AttentionPlan | None, wrapper: str, workspace: torch.Tensor, q: torch.Tensor,
-    k: torch.Tensor, v: torch.Tensor, *, k_scale: float, v_scale: float,
-    out: torch.Tensor | None, lse: torch.Tensor | None, return_lse: bool, variant_args: dict | None = None,
-    q_scale: float = 1.0,
+    kv, *, k_scale: float, v_scale: float, out: torch.Tensor | None, lse: torch.Tensor | None, return_lse: bool,
+    variant_args: dict | None = None, q_scale: float = 1.0,
 ):
     """``run_plan`` eagerly; under torch.compile one opaque custom op that finds the plan at run time."""
     if torch.compiler.is_compiling():
@@ -179,21 +181,39 @@ def run_plan_or_compiled(
             raise RuntimeError(f"{wrapper}.run() called before plan(); call plan() once per batch first")
         from .compiled import run_compiled
 
+        k, v = split_paged_kv_cache(kv, plan.kv_layout) if plan.page_size is not None else kv
         return run_compiled(key, q, k, v, head_dim_vo=plan.head_dim_vo, out_dtype=plan.o_dtype, k_scale=k_scale,
                             v_scale=v_scale, q_scale=q_scale, out=out, lse=lse, return_lse=return_lse)
-    return run_plan(plan, wrapper, workspace, q, k, v, k_scale=k_scale, v_scale=v_scale, out=out, lse=lse,
+    return run_plan(plan, wrapper, workspace, q, kv, k_scale=k_scale, v_scale=v_scale, out=out, lse=lse,
                     return_lse=return_lse, variant_args=variant_args, q_scale=q_scale)
 
 
-def run_plan(
-    plan: AttentionPlan | None, wrapper: str, workspace: torch.Tensor, q: torch.Tensor,
-    k: torch.Tensor, v: torch.Tensor, *, k_scale: float, v_scale: float,
-    out: torch.Tensor | None, lse: torch.Tensor | None, return_lse: bool, variant_args: dict | None = None,
-    q_scale: float = 1.0,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Check q/k/v/out/lse (and a variant's extra arguments) against ``plan`` and launch; returns out or (out, lse).
+def _kv_signature(kv) -> tuple | None:
+    """What the k/v checks depend on: shapes, strides, dtypes, devices (None: not tensors at all)."""
+    if isinstance(kv, torch.Tensor):
+        return kv.shape, kv.stride(), kv.dtype, kv.get_device()
+    try:
+        k, v = kv
+        return k.shape, k.stride(), k.dtype, k.get_device(), v.shape, v.stride(), v.dtype, v.get_device()
+    except (TypeError, ValueError, AttributeError):
+        return None
 
-    ``q_scale`` (FlashInfer's query dequantization scale) multiplies ``sm_scale`` for this call.
+
+def _output_signature(t: torch.Tensor | None) -> tuple | None:
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.get_device())
+
+
+def run_plan(
+    plan: AttentionPlan | None, wrapper: str, workspace: torch.Tensor, q: torch.Tensor, kv, *,
+    k_scale: float, v_scale: float, out: torch.Tensor | None, lse: torch.Tensor | None, return_lse: bool,
+    variant_args: dict | None = None, q_scale: float = 1.0,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Check q/kv/out/lse (and a variant's extra arguments) against ``plan`` and launch; returns out or (out, lse).
+
+    ``kv`` is the paged cache as the caller gave it (paged plans) or the ``(k, v)`` pair (ragged).
+    The checks depend only on the tensors' shapes, strides, dtypes and devices: a call with the
+    signature of the previous one (every layer of a step) sets pointers and launches. ``q_scale``
+    (FlashInfer's query dequantization scale) multiplies ``sm_scale`` for this call.
     """
     if plan is None:
         raise RuntimeError(f"{wrapper}.run() called before plan(); call plan() once per batch first")
@@ -204,61 +224,89 @@ def run_plan(
             f"{wrapper}.run() got unexpected keyword argument(s) {sorted(variant_args)}; extra arguments are the "
             "parameters of a custom variant, and this plan has none (plan(..., variant=...))"
         )
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{wrapper}.run(): {name} must be a torch.Tensor, got {type(t).__name__}")
-    device = q.device
-    if any(t is not None and t.device != device for t in (workspace, k, v, out, lse)):
-        target_of(wrapper, (workspace, q, k, v, out, lse))  # raises, naming the devices
-    if q.is_cuda and not plan.use_cuda_graph and torch.cuda.is_current_stream_capturing():
+    if not isinstance(q, torch.Tensor):
+        raise TypeError(f"{wrapper}.run(): q must be a torch.Tensor, got {type(q).__name__}")
+    launch = plan.launch
+    signature = (q.shape, q.stride(), q.dtype, q.get_device(), _kv_signature(kv))
+    if signature != plan.checked_signature:
+        k, v = _check_inputs(plan, wrapper, workspace, q, kv)
+        launch.set_layout(q, k, v)
+        plan.kv_offsets = ((k.data_ptr() - kv.data_ptr(), v.data_ptr() - kv.data_ptr())
+                           if isinstance(kv, torch.Tensor) else None)
+        plan.checked_signature = signature
+    device_index = signature[3]
+    if device_index >= 0 and not plan.use_cuda_graph and torch.cuda.is_current_stream_capturing():
         raise RuntimeError(
             f"{wrapper}.run() is being captured into a CUDA graph, but the wrapper was built without "
             "use_cuda_graph=True: its plan lives in buffers a later plan() replaces, so replays would read "
             "stale or freed memory. Construct it with use_cuda_graph=True and fixed index buffers"
         )
-    # The shape/stride/dtype checks depend only on this signature: repeated calls with
-    # same-shaped tensors (every layer of a step) check once.
-    signature = (q.shape, q.stride(), q.dtype, k.shape, k.stride(), k.dtype, v.shape, v.stride(), v.dtype)
-    if signature != plan.checked_signature:
-        check_tensor("q", q, ndim=3, dtypes=(plan.q_dtype,))
-        if tuple(q.shape) != (plan.total_qo, plan.num_qo_heads, plan.head_dim_qk):
-            raise ValueError(
-                f"q has shape {tuple(q.shape)}; the plan expects {(plan.total_qo, plan.num_qo_heads, plan.head_dim_qk)}"
-            )
-        if plan.page_size is not None:
-            pages = check_kv_pair(k, v, plan.kv_layout, num_kv_heads=plan.num_kv_heads, head_dim_qk=plan.head_dim_qk,
-                                  head_dim_vo=plan.head_dim_vo, page_size=plan.page_size, dtype=plan.kv_dtype)
-            check_page_pool(plan.index, pages)
-        else:
-            for name, t, dim in (("k", k, plan.head_dim_qk), ("v", v, plan.head_dim_vo)):
-                check_tensor(name, t, ndim=3, dtypes=(plan.kv_dtype,))
-                if t.shape[1:] != (plan.num_kv_heads, dim) or t.shape[0] < plan.total_kv:
-                    raise ValueError(f"{name} has shape {tuple(t.shape)}; the plan expects "
-                                     f"[>= {plan.total_kv}, {plan.num_kv_heads}, {dim}]")
-        if q.is_cuda:
-            check_kv_alignment(plan, k, v)
-        plan.checked_signature = signature
-    elif q.is_cuda and (k.data_ptr() | v.data_ptr()) % plan.kv_pointer_alignment:
-        check_kv_alignment(plan, k, v)
-    o_shape = (plan.total_qo, plan.num_qo_heads, plan.head_dim_vo)
-    if out is None:
-        out = torch.empty(o_shape, dtype=plan.o_dtype, device=q.device)
+    if plan.kv_offsets is not None:
+        base = kv.data_ptr()
+        k_ptr, v_ptr = base + plan.kv_offsets[0], base + plan.kv_offsets[1]
     else:
-        check_tensor("out", out, ndim=3, dtypes=(plan.o_dtype,))
-        if tuple(out.shape) != o_shape:
-            raise ValueError(f"out has shape {tuple(out.shape)}; expected {o_shape}")
+        k_ptr, v_ptr = kv[0].data_ptr(), kv[1].data_ptr()
+    if device_index >= 0 and (k_ptr | v_ptr) % plan.kv_pointer_alignment:
+        k, v = split_paged_kv_cache(kv, plan.kv_layout) if plan.page_size is not None else kv
+        check_kv_alignment(plan, k, v)
+    if out is None:
+        out = torch.empty((plan.total_qo, plan.num_qo_heads, plan.head_dim_vo), dtype=plan.o_dtype, device=q.device)
+    if lse is None and return_lse:
+        lse = torch.empty((plan.total_qo, plan.num_qo_heads), dtype=torch.float32, device=q.device)
+    outputs = (_output_signature(out), _output_signature(lse))
+    if outputs != plan.checked_outputs:
+        _check_outputs(plan, wrapper, q, out, lse)
+        launch.set_outputs(out, lse)
+        plan.checked_outputs = outputs
+    if plan.split.kv_chunk_size and workspace is not plan.checked_workspace:
+        target_of(wrapper, (workspace, q))
+        check_workspace(workspace, split_workspace_bytes(plan.split.num_chunks, plan.num_qo_heads, plan.head_dim_vo),
+                        wrapper)
+        plan.checked_workspace = workspace
+    if plan.total_qo:  # an empty batch has nothing to launch (and no storage to point at)
+        launch.launch(device_index, q.data_ptr(), k_ptr, v_ptr, out.data_ptr(),
+                      lse.data_ptr() if lse is not None else None, k_scale, v_scale, q_scale, workspace)
+    return (out, lse) if return_lse else out
+
+
+def _check_inputs(plan: AttentionPlan, wrapper: str, workspace: torch.Tensor, q: torch.Tensor, kv):
+    """Every check of q and the KV against the plan; returns the (k, v) views."""
+    k, v = split_paged_kv_cache(kv, plan.kv_layout) if plan.page_size is not None else kv
+    for name, t in (("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{wrapper}.run(): {name} must be a torch.Tensor, got {type(t).__name__}")
+    target_of(wrapper, (workspace, q, k, v))  # raises when they are on different devices
+    check_tensor("q", q, ndim=3, dtypes=(plan.q_dtype,))
+    if tuple(q.shape) != (plan.total_qo, plan.num_qo_heads, plan.head_dim_qk):
+        raise ValueError(
+            f"q has shape {tuple(q.shape)}; the plan expects {(plan.total_qo, plan.num_qo_heads, plan.head_dim_qk)}"
+        )
+    if plan.page_size is not None:
+        pages = check_kv_pair(k, v, plan.kv_layout, num_kv_heads=plan.num_kv_heads, head_dim_qk=plan.head_dim_qk,
+                              head_dim_vo=plan.head_dim_vo, page_size=plan.page_size, dtype=plan.kv_dtype)
+        check_page_pool(plan.index, pages)
+    else:
+        for name, t, dim in (("k", k, plan.head_dim_qk), ("v", v, plan.head_dim_vo)):
+            check_tensor(name, t, ndim=3, dtypes=(plan.kv_dtype,))
+            if t.shape[1:] != (plan.num_kv_heads, dim) or t.shape[0] < plan.total_kv:
+                raise ValueError(f"{name} has shape {tuple(t.shape)}; the plan expects "
+                                 f"[>= {plan.total_kv}, {plan.num_kv_heads}, {dim}]")
+    if q.is_cuda:
+        check_kv_alignment(plan, k, v)
+    return k, v
+
+
+def _check_outputs(plan: AttentionPlan, wrapper: str, q: torch.Tensor, out: torch.Tensor,
+                   lse: torch.Tensor | None) -> None:
+    o_shape = (plan.total_qo, plan.num_qo_heads, plan.head_dim_vo)
+    target_of(wrapper, (q, out, lse))
+    check_tensor("out", out, ndim=3, dtypes=(plan.o_dtype,))
+    if tuple(out.shape) != o_shape:
+        raise ValueError(f"out has shape {tuple(out.shape)}; expected {o_shape}")
     if lse is not None:
         check_tensor("lse", lse, ndim=2, dtypes=(torch.float32,), last_dim_contiguous=False)
         if tuple(lse.shape) != o_shape[:2]:
             raise ValueError(f"lse has shape {tuple(lse.shape)}; expected {o_shape[:2]}")
-    elif return_lse:
-        lse = torch.empty(o_shape[:2], dtype=torch.float32, device=q.device)
-    if plan.split.kv_chunk_size:
-        check_workspace(workspace, split_workspace_bytes(plan.split.num_chunks, plan.num_qo_heads, plan.head_dim_vo),
-                        wrapper)
-    if plan.total_qo:  # an empty batch has nothing to launch (and no storage to point at)
-        plan.launch(q, k, v, out, lse, k_scale, v_scale, workspace, q_scale)
-    return (out, lse) if return_lse else out
 
 
 def kv_alignment(plan: AttentionPlan) -> tuple[int, int]:

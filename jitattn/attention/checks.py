@@ -41,6 +41,13 @@ def stream_handle(device: torch.device) -> int | None:
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
+def raw_stream(device_index: int) -> int:
+    """The current stream of CUDA device ``device_index``, as a raw handle."""
+    if _raw_stream is not None:
+        return _raw_stream(device_index)
+    return torch.cuda.current_stream(device_index).cuda_stream
+
+
 def cpu_threads() -> int:
     """OpenMP threads for a cpu-target launch: follows torch.get_num_threads()."""
     return max(1, torch.get_num_threads())

@@ -13,7 +13,7 @@ import torch
 from ..families.attention import POS_ENCODING_CODES
 from ..jit import Module
 from ..spec import KVLayout, PosEncoding
-from .checks import cpu_threads, stream_handle
+from .checks import cpu_threads, raw_stream
 from .kv import kv_strides
 
 
@@ -71,38 +71,56 @@ class PreparedAttention:
             rope_rcp_scale=1.0 / scalars.rope_scale, rope_rcp_theta=1.0 / scalars.rope_theta,
             k_scale=1.0, v_scale=1.0, workspace=None, workspace_bytes=0,
             split_indptr=_ptr(split_indptr) if kv_chunk_size else None, kv_chunk_size=kv_chunk_size,
-            num_threads=cpu_threads(),
+            num_threads=1,
         )
+        self.split = bool(kv_chunk_size)
+        self.call = module.bind("attention", self.params)
+
+    def set_layout(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Strides of q and the k/v views (once per tensor signature; ``launch`` then sets pointers only)."""
+        p = self.params
+        p.q_stride_n, p.q_stride_h = q.stride()[:2]
+        p.k_stride_page, p.k_stride_n, p.k_stride_h = kv_strides(k, self.paged, self.kv_layout)
+        p.v_stride_page, p.v_stride_n, p.v_stride_h = kv_strides(v, self.paged, self.kv_layout)
+
+    def set_outputs(self, o: torch.Tensor, lse: torch.Tensor | None) -> None:
+        """Strides of o and lse (once per output signature)."""
+        p = self.params
+        p.o_stride_n, p.o_stride_h = o.stride()[:2]
+        p.lse_stride_n, p.lse_stride_h = lse.stride() if lse is not None else (0, 0)
+
+    def launch(
+        self, device_index: int, q: int, k: int, v: int, o: int, lse: int | None, k_scale: float, v_scale: float,
+        q_scale: float, workspace: torch.Tensor | None,
+    ) -> None:
+        """One launch with these pointers (strides as last set); ``device_index`` -1 is the cpu."""
+        if device_index >= 0 and device_index != torch.cuda.current_device():
+            # The module launches on (and reads attributes of) the current device.
+            with torch.cuda.device(device_index):
+                return self.launch(device_index, q, k, v, o, lse, k_scale, v_scale, q_scale, workspace)
+        p = self.params
+        # An empty KV pool has no storage (null pointer); the kernels then read no key, but
+        # check for non-null pointers, so they get a valid address instead.
+        p.q, p.k, p.v, p.o, p.lse = q, k or self.placeholder, v or self.placeholder, o, lse
+        p.sm_scale = self.sm_scale * q_scale
+        p.k_scale, p.v_scale = k_scale, v_scale
+        if workspace is not None and self.split:
+            p.workspace, p.workspace_bytes = workspace.data_ptr(), workspace.numel() * workspace.element_size()
+        if device_index < 0:
+            p.num_threads = cpu_threads()
+            self.call(None)
+        else:
+            self.call(raw_stream(device_index))
 
     def __call__(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor | None,
         k_scale: float = 1.0, v_scale: float = 1.0, workspace: torch.Tensor | None = None, q_scale: float = 1.0,
     ) -> None:
-        if q.is_cuda and q.device.index != torch.cuda.current_device():
-            # The module launches on (and reads attributes of) the current device.
-            with torch.cuda.device(q.device):
-                return self(q, k, v, o, lse, k_scale, v_scale, workspace, q_scale)
-        p = self.params
-        # An empty KV pool has no storage (null pointer); the kernels then read no key, but
-        # check for non-null pointers, so they get a valid address instead.
-        p.q, p.o = q.data_ptr(), o.data_ptr()
-        p.k, p.v = k.data_ptr() or self.placeholder, v.data_ptr() or self.placeholder
-        p.sm_scale = self.sm_scale * q_scale
-        p.q_stride_n, p.q_stride_h = q.stride()[:2]
-        p.k_stride_page, p.k_stride_n, p.k_stride_h = kv_strides(k, self.paged, self.kv_layout)
-        p.v_stride_page, p.v_stride_n, p.v_stride_h = kv_strides(v, self.paged, self.kv_layout)
-        p.o_stride_n, p.o_stride_h = o.stride()[:2]
-        if lse is not None:
-            p.lse, (p.lse_stride_n, p.lse_stride_h) = lse.data_ptr(), lse.stride()
-        else:
-            p.lse, p.lse_stride_n, p.lse_stride_h = None, 0, 0
-        p.k_scale, p.v_scale = k_scale, v_scale
-        if workspace is not None and p.kv_chunk_size:
-            p.workspace, p.workspace_bytes = workspace.data_ptr(), workspace.numel() * workspace.element_size()
-        else:
-            p.workspace, p.workspace_bytes = None, 0
-        p.num_threads = cpu_threads() if not q.is_cuda else 1
-        self.module.call("attention", p, stream_handle(q.device))
+        """Set every stride and launch (one-off launches; wrappers cache the strides per signature)."""
+        self.set_layout(q, k, v)
+        self.set_outputs(o, lse)
+        self.launch(q.get_device(), q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(),
+                    lse.data_ptr() if lse is not None else None, k_scale, v_scale, q_scale, workspace)
 
 
 def launch_attention(

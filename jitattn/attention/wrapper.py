@@ -78,10 +78,11 @@ class BatchWrapperBase:
             self.plan(**{**self._plan_call, **changed})
         return self.run(*run_args, **run_kwargs)
 
-    def _run(self, q, k, v, k_scale, v_scale, out, lse, return_lse, variant_args, variant_positional=(),
+    def _run(self, q, kv, k_scale, v_scale, out, lse, return_lse, variant_args, variant_positional=(),
              q_scale=None, window_left=None):
+        """``kv``: the paged cache as given (paged plans) or the ``(k, v)`` pair (ragged)."""
         plan = self._plan
-        if window_left is not None and plan is not None and int(window_left) != plan.scalars.window_left:
+        if window_left is not None and plan is not None and int(window_left) != plan.scalars.window_left:  # rare
             raise ValueError(
                 f"{self._NAME}.run(window_left={window_left}) differs from the planned window_left="
                 f"{plan.scalars.window_left}; the window is part of the plan: pass it to plan()"
@@ -89,13 +90,15 @@ class BatchWrapperBase:
         if variant_positional:
             variant_args = _positional_variant_args(self._NAME, plan, variant_positional, variant_args)
         return run_plan_or_compiled(
-            self._op_key, plan, self._NAME, self._workspace, q, k, v, k_scale=fp8_scale(k_scale, "k_scale"),
-            v_scale=fp8_scale(v_scale, "v_scale"), out=out, lse=lse, return_lse=return_lse, variant_args=variant_args,
-            q_scale=fp8_scale(q_scale, "q_scale"),
+            self._op_key, plan, self._NAME, self._workspace, q, kv,
+            k_scale=1.0 if k_scale is None else fp8_scale(k_scale, "k_scale"),
+            v_scale=1.0 if v_scale is None else fp8_scale(v_scale, "v_scale"), out=out, lse=lse,
+            return_lse=return_lse, variant_args=variant_args,
+            q_scale=1.0 if q_scale is None else fp8_scale(q_scale, "q_scale"),
         )
 
     def _run_eager(self, q, k, v, *, k_scale, v_scale, out, lse, return_lse, q_scale=1.0):
-        return run_plan(self._plan, self._NAME, self._workspace, q, k, v, k_scale=k_scale, v_scale=v_scale,
+        return run_plan(self._plan, self._NAME, self._workspace, q, (k, v), k_scale=k_scale, v_scale=v_scale,
                         out=out, lse=lse, return_lse=return_lse, q_scale=q_scale)
 
 

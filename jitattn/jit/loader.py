@@ -49,6 +49,17 @@ class Module:
             message = self._err.value.decode(errors="replace") or f"error code {rc}"
             raise KernelError(f"{self.spec.kernel_name} ({entry}): {message}")
 
+    def bind(self, entry: str, params: ctypes.Structure):
+        """``call(entry, params, stream)`` as a function of the stream alone (for the per-layer hot path)."""
+        function = self._functions[entry][0]
+        reference, err, name = ctypes.byref(params), self._err, f"{self.spec.kernel_name} ({entry})"
+
+        def call(stream: int | None) -> None:
+            if function(reference, stream, err, _ERR_LEN):
+                raise KernelError(f"{name}: {err.value.decode(errors='replace') or 'launch failed'}")
+
+        return call
+
     def launch(self, entry: str, stream: int | None = None, **values: int | float | None) -> None:
         """Fill the params struct from ``values`` (every field, no more) and call ``entry``."""
         self.call(entry, self.params(entry, **values), stream)
