@@ -13,14 +13,14 @@ from __future__ import annotations
 import torch
 
 from ..jit import load
-from ..spec import Op, VariantSpec
+from .specs import merge_spec
 from .checks import check_shape, check_tensor, cpu_threads, stream_handle, target_of
 
 _VALUE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def _module(value_dtype: torch.dtype, target):
-    return load(VariantSpec(op=Op.MERGE, target=target, o_dtype=value_dtype))
+    return load(merge_spec(target, value_dtype))
 
 
 def _check_pair(v_a, s_a, v_b, s_b) -> None:

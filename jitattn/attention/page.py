@@ -23,8 +23,9 @@ import torch
 from ..families.append import SRC_BF16, SRC_F16, SRC_F32, SRC_SAME
 from ..jit import load
 from ..plan import check_page_table
-from ..spec import KVLayout, Op, Target, VariantSpec
+from ..spec import KVLayout, Target
 from .checks import check_tensor, cpu_threads, stream_handle, target_of
+from .specs import append_spec
 from .kv import cache_geometry, check_kv_tensors, kv_strides, split_paged_kv_cache
 
 __all__ = ["append_paged_kv_cache", "get_batch_indices_positions", "get_seq_lens"]
@@ -207,7 +208,7 @@ def append_paged_kv_cache(
     if nnz == 0 or cache.num_heads == 0 or cache.head_dim == 0:
         return
     src_code = SRC_SAME if append_key.dtype == cache.dtype else _SRC_CODES[append_key.dtype]
-    module = load(VariantSpec(op=Op.APPEND, target=target, kv_dtype=cache.dtype))
+    module = load(append_spec(target, cache.dtype))
     to_dev = {name: _to_device(t, device) for name, t in index_arrays.items() if name != "kv_last_page_len"}
     params = dict(
         append_key=append_key.data_ptr(), append_value=append_value.data_ptr(),
