@@ -2,10 +2,11 @@
 
 Level i has its own page table and ``qo_indptr``: a level's "request" is a
 node of the prefix tree, whose queries are all the query tokens below that
-node and whose KV is the node's own pages. Each level runs once; the levels'
-states are merged with ``merge_state_in_place`` (natural-log LSE). Causal
-masking applies to the last level only (the earlier levels are prefixes every
-query sees whole).
+node and whose KV is the node's own pages. Each level runs once (a shared
+level with few nodes as several KV chunks in one launch), writing its state
+into one buffer; one ``merge_states`` over every level's (and chunk's) state
+per query gives the output (natural-log LSE). Causal masking applies to the
+last level only (the earlier levels are prefixes every query sees whole).
 """
 
 from __future__ import annotations
@@ -143,20 +144,28 @@ class MultiLevelCascadeAttentionWrapper:
         """q ``[total_qo, num_qo_heads, head_dim]`` -> attention over every level's KV (and its natural-log lse).
 
         ``variant_args``: the planned custom variant's parameters, by name (the same for every level)."""
-        out = lse = None
+        if not getattr(self, "_level_chunks", None):
+            raise RuntimeError("MultiLevelCascadeAttentionWrapper.run() called before plan(); call plan() first")
+        # Every level (each chunk of a split one) writes its state into one chunk-major buffer;
+        # one merge of all the states per query then gives the result.
+        total_q, num_heads = q.shape[0], q.shape[1]
+        num_states = sum(self._level_chunks)
+        plan = self._wrappers[-1]._plan
+        head_dim_vo, o_dtype = (plan.head_dim_vo, plan.o_dtype) if plan is not None else (q.shape[2], q.dtype)
+        states = torch.empty((num_states * total_q, num_heads, head_dim_vo), dtype=o_dtype, device=q.device)
+        states_lse = torch.empty((num_states * total_q, num_heads), dtype=torch.float32, device=q.device)
+        row = 0
         for wrapper, chunks in zip(self._wrappers, self._level_chunks):
-            if chunks == 1:
-                level_out, level_lse = wrapper.run(q, paged_kv_cache, k_scale=k_scale, v_scale=v_scale,
-                                                   return_lse=True, **variant_args)
-            else:  # every chunk sees all the level's queries; merge the chunks' states per query
-                parts, parts_lse = wrapper.run(q.repeat(chunks, 1, 1), paged_kv_cache, k_scale=k_scale,
-                                               v_scale=v_scale, return_lse=True)
-                level_out, level_lse = merge_states(parts.view(chunks, *q.shape[:2], -1).transpose(0, 1),
-                                                    parts_lse.view(chunks, *q.shape[:2]).transpose(0, 1))
-            if out is None:
-                out, lse = level_out, level_lse
-            else:
-                merge_state_in_place(out, lse, level_out, level_lse)
+            rows = chunks * total_q
+            # every chunk of a split level sees all the level's queries
+            wrapper.run(q if chunks == 1 else q.repeat(chunks, 1, 1), paged_kv_cache, k_scale=k_scale,
+                        v_scale=v_scale, out=states[row: row + rows], lse=states_lse[row: row + rows],
+                        **variant_args)
+            row += rows
+        if num_states == 1:
+            return (states, states_lse) if return_lse else states
+        out, lse = merge_states(states.view(num_states, total_q, num_heads, head_dim_vo).transpose(0, 1),
+                                states_lse.view(num_states, total_q, num_heads).transpose(0, 1))
         return (out, lse) if return_lse else out
 
     run_return_lse = functools.partialmethod(run, return_lse=True)
