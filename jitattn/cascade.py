@@ -18,7 +18,8 @@ import torch
 from .attention.builder import num_workers
 from .attention.merge import merge_state, merge_state_in_place, merge_states
 from .attention.options import parse_pos_encoding
-from .plan import cascade_level_chunks, check_indptr, check_paged_index, split_level_page_table
+from .kv_split import cascade_level_chunks, split_level_page_table
+from .page_table import check_indptr, check_paged_index
 from .decode import BatchDecodeWithPagedKVCacheWrapper
 from .prefill import BatchPrefillWithPagedKVCacheWrapper, single_prefill_with_kv_cache
 from .spec import PosEncoding

@@ -13,10 +13,8 @@ from .attention.checks import check_tensor, target_of
 from .attention.options import PAGE_TABLE_HINT, parse_kv_layout, refuse_unsupported
 from .jit import load
 from .families.decode import MAX_RESIDENT_BLOCKS, resident_blocks
-from .plan import (
-    PagedIndex, SplitPlan, check_paged_index, max_decode_chunks, plan_decode_split, split_workspace_bytes,
-    to_host_int32,
-)
+from .page_table import PagedIndex, check_paged_index, to_host_int32
+from .kv_split import KVSplit, decode_kv_split, max_decode_chunks, split_workspace_bytes
 from .variant import AttentionVariant
 from .spec import KVLayout, KVStorage, Op, Target
 
@@ -115,12 +113,12 @@ class BatchDecodeWithPagedKVCacheWrapper(BatchWrapperBase):
     begin_forward = plan
 
     def _split(self, spec, kv_lens: tuple[int, ...], num_kv_heads: int, page_size: int,
-               fixed_split_size: int | None, disable_split_kv: bool) -> SplitPlan:
+               fixed_split_size: int | None, disable_split_kv: bool) -> KVSplit:
         if self._use_cuda_graph:
             # Under CUDA graphs the grid must not depend on lengths: no split.
-            return SplitPlan(0, tuple(range(len(kv_lens) + 1)))
+            return KVSplit(0, tuple(range(len(kv_lens) + 1)))
         # The cpu target runs the same plan; its "SMs" are the OpenMP threads.
-        return plan_decode_split(
+        return decode_kv_split(
             kv_lens, num_kv_heads=num_kv_heads, num_sms=num_workers(self._device), page_size=page_size,
             fixed_split_size=fixed_split_size, disable_split_kv=disable_split_kv,
             blocks_per_sm=resident_blocks(spec) if self._target is Target.CUDA else 2,

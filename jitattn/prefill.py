@@ -11,9 +11,9 @@ from .attention.builder import HostIndex, attention_options, build_plan
 from .attention.wrapper import BatchWrapperBase
 from .attention.checks import check_tensor, target_of
 from .attention.options import PAGE_TABLE_HINT, fp8_scale, parse_kv_layout, refuse_unsupported
-from .plan import (
-    PagedIndex, SplitPlan, check_indptr, check_paged_index, multi_item_mask, packed_mask_indptr, segment_packbits,
-)
+from .page_table import PagedIndex, check_indptr, check_paged_index
+from .kv_split import KVSplit
+from .masks import multi_item_mask, packed_mask_indptr, segment_packbits
 from .variant import AttentionVariant
 from .spec import KVLayout, MaskMode, Op, Target
 
@@ -80,7 +80,7 @@ def _plan_prefill(
         variant=variant,
     )
     host = HostIndex(qo_host, kv_indptr_host, index, mask_host, mask_indptr_host)
-    return build_plan(wrapper, target, device, kv_layout, options, host, SplitPlan(0, tuple(range(len(kv_lens) + 1))),
+    return build_plan(wrapper, target, device, kv_layout, options, host, KVSplit(0, tuple(range(len(kv_lens) + 1))),
                       buffers, use_cuda_graph)
 
 

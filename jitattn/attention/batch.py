@@ -15,7 +15,8 @@ import torch
 
 from ..jit import Module
 from ..log import get_logger
-from ..plan import PagedIndex, SplitPlan, check_page_pool, split_workspace_bytes
+from ..page_table import PagedIndex, check_page_pool
+from ..kv_split import KVSplit, split_workspace_bytes
 from ..spec import KVLayout, Op, Target, VariantSpec
 from .checks import check_tensor, target_of
 from .kv import check_kv_pair, split_paged_kv_cache
@@ -45,7 +46,7 @@ class AttentionPlan:
     custom_mask: torch.Tensor | None
     mask_indptr: torch.Tensor | None
     index: PagedIndex | None
-    split: SplitPlan
+    split: KVSplit
     split_indptr: torch.Tensor | None
     total_kv: int | None = None  # ragged: rows of k/v the plan covers
     use_cuda_graph: bool = False  # index tensors live in fixed caller buffers

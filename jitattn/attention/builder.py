@@ -12,7 +12,8 @@ from dataclasses import dataclass
 import torch
 
 from ..jit import Module, load
-from ..plan import PagedIndex, SplitPlan
+from ..page_table import PagedIndex
+from ..kv_split import KVSplit
 from ..spec import KVLayout, KVStorage, MaskMode, Op, PosEncoding, Target, VariantSpec
 from ..variant import AttentionVariant
 from .batch import AttentionPlan, log_plan, num_sms, upload, upload_int32
@@ -91,7 +92,7 @@ def make_plan(
     wrapper: str, spec: VariantSpec, module: Module, options: AttentionOptions, kv_layout: KVLayout, *,
     qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor | None,
     kv_last_page_len: torch.Tensor | None, custom_mask: torch.Tensor | None, mask_indptr: torch.Tensor | None,
-    index: PagedIndex | None, total_qo: int, total_kv: int | None, split: SplitPlan,
+    index: PagedIndex | None, total_qo: int, total_kv: int | None, split: KVSplit,
     split_indptr: torch.Tensor | None, use_cuda_graph: bool, workspace_bytes: int = 0,
 ) -> AttentionPlan:
     """An ``AttentionPlan`` over index arrays already on the device (its launch struct filled once)."""
@@ -110,7 +111,7 @@ def make_plan(
 
 def build_plan(
     wrapper: str, target: Target, device: torch.device, kv_layout: KVLayout, options: AttentionOptions,
-    host: HostIndex, split: SplitPlan, buffers: dict[str, torch.Tensor | None], use_cuda_graph: bool,
+    host: HostIndex, split: KVSplit, buffers: dict[str, torch.Tensor | None], use_cuda_graph: bool,
     workspace_bytes: int = 0,
 ) -> AttentionPlan:
     """Load the kernel for ``options`` and upload ``host``'s arrays (one copy, or into the fixed buffers)."""

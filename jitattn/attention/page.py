@@ -22,7 +22,7 @@ import torch
 
 from ..families.append import SRC_BF16, SRC_F16, SRC_F32, SRC_SAME
 from ..jit import load
-from ..plan import check_page_table
+from ..page_table import check_page_table
 from ..spec import KVLayout, Target
 from .checks import check_tensor, cpu_threads, stream_handle, target_of
 from .specs import append_spec

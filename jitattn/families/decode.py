@@ -54,7 +54,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from ..plan import split_workspace_bytes  # noqa: F401  (the kernel's workspace layout)
+from ..kv_split import split_workspace_bytes  # noqa: F401  (the kernel's workspace layout)
 from ..spec import DType, PosEncoding, Target, VariantSpec
 from . import c_type
 from .attention import context as _attention_context

@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from jitattn import reference
-from jitattn.plan import check_paged_index, max_decode_chunks, plan_decode_split, segment_packbits, split_workspace_bytes
+from jitattn.page_table import check_paged_index
+from jitattn.kv_split import decode_kv_split, max_decode_chunks, split_workspace_bytes
+from jitattn.masks import segment_packbits
 
 
 def _i32(values):
@@ -39,20 +41,20 @@ def test_bad_page_tables(indptr, indices, last, match) -> None:
 
 
 def test_no_split_when_the_batch_fills_the_gpu() -> None:
-    plan = plan_decode_split((2048,) * 64, num_kv_heads=8, num_sms=132, page_size=16)
+    plan = decode_kv_split((2048,) * 64, num_kv_heads=8, num_sms=132, page_size=16)
     assert plan.kv_chunk_size == 0 and plan.num_chunks == 64
 
 
 def test_no_split_when_the_longest_request_is_near_the_balanced_chunk() -> None:
     # 32 x 4096 x 8 heads over 2 x 132 blocks: balanced chunk 3984, so a split would add 112-token tails
-    assert plan_decode_split((4096,) * 32, num_kv_heads=8, num_sms=132, page_size=16).kv_chunk_size == 0
+    assert decode_kv_split((4096,) * 32, num_kv_heads=8, num_sms=132, page_size=16).kv_chunk_size == 0
     # a third of that batch is split: 32 x 4096 over 3 x 132 blocks gives 2656-token chunks
-    assert plan_decode_split((4096,) * 32, num_kv_heads=8, num_sms=132, page_size=16,
+    assert decode_kv_split((4096,) * 32, num_kv_heads=8, num_sms=132, page_size=16,
                              blocks_per_sm=3).kv_chunk_size == 2656
 
 
 def test_single_long_request_is_split_to_fill_the_gpu() -> None:
-    plan = plan_decode_split((32768,), num_kv_heads=8, num_sms=132, page_size=16)
+    plan = decode_kv_split((32768,), num_kv_heads=8, num_sms=132, page_size=16)
     assert plan.kv_chunk_size > 0 and plan.kv_chunk_size % 16 == 0
     assert plan.num_chunks * 8 >= 132, "every SM should get work"
     assert plan.split_indptr == (0, math.ceil(32768 / plan.kv_chunk_size))
@@ -60,7 +62,7 @@ def test_single_long_request_is_split_to_fill_the_gpu() -> None:
 
 def test_skewed_batch_cuts_the_long_request_most() -> None:
     lens = (32768,) + (512,) * 63
-    plan = plan_decode_split(lens, num_kv_heads=8, num_sms=132, page_size=16)
+    plan = decode_kv_split(lens, num_kv_heads=8, num_sms=132, page_size=16)
     chunks = [b - a for a, b in zip(plan.split_indptr, plan.split_indptr[1:])]
     assert chunks[0] >= 8, "the 32k request must be spread over many SMs"
     assert max(chunks[1:]) == 1, "short requests stay whole"
@@ -68,14 +70,14 @@ def test_skewed_batch_cuts_the_long_request_most() -> None:
 
 
 def test_fixed_split_size_is_in_pages_and_independent_of_the_batch() -> None:
-    alone = plan_decode_split((1000,), num_kv_heads=8, num_sms=132, page_size=16, fixed_split_size=8)
-    crowd = plan_decode_split((1000,) + (7,) * 200, num_kv_heads=8, num_sms=132, page_size=16, fixed_split_size=8)
+    alone = decode_kv_split((1000,), num_kv_heads=8, num_sms=132, page_size=16, fixed_split_size=8)
+    crowd = decode_kv_split((1000,) + (7,) * 200, num_kv_heads=8, num_sms=132, page_size=16, fixed_split_size=8)
     assert alone.kv_chunk_size == crowd.kv_chunk_size == 128
     assert alone.split_indptr[1] == crowd.split_indptr[1] == 8
 
 
 def test_disable_split_kv() -> None:
-    plan = plan_decode_split((32768,), num_kv_heads=8, num_sms=132, page_size=16, disable_split_kv=True)
+    plan = decode_kv_split((32768,), num_kv_heads=8, num_sms=132, page_size=16, disable_split_kv=True)
     assert plan.kv_chunk_size == 0 and plan.split_indptr == (0, 1)
 
 
@@ -98,12 +100,12 @@ def test_segment_packbits_matches_reference_packing() -> None:
 @pytest.mark.parametrize("fixed", [None, 4])
 def test_max_decode_chunks_bounds_every_plan(lens, fixed) -> None:
     kw = dict(num_kv_heads=8, num_sms=132, page_size=16)
-    plan = plan_decode_split(lens, fixed_split_size=fixed, **kw)
+    plan = decode_kv_split(lens, fixed_split_size=fixed, **kw)
     assert plan.num_chunks <= max_decode_chunks(len(lens), sum(lens), fixed_split_size=fixed, **kw)
 
 
 def test_split_level_page_table_is_chunk_major_on_page_boundaries() -> None:
-    from jitattn.plan import cascade_level_chunks, split_level_page_table
+    from jitattn.kv_split import cascade_level_chunks, split_level_page_table
 
     index = check_paged_index(_i32([0, 5, 7]), _i32([10, 11, 12, 13, 14, 20, 21]), _i32([3, 16]), 16)
     qo, chunked = split_level_page_table(_i32([0, 2, 3]), index, 3)
@@ -118,7 +120,7 @@ def test_split_level_page_table_is_chunk_major_on_page_boundaries() -> None:
 
 
 def test_index_arrays_come_to_the_host_through_one_joined_copy() -> None:
-    from jitattn.plan import joined_to_host, to_host_int32_many
+    from jitattn.page_table import joined_to_host, to_host_int32_many
 
     tensors = [torch.tensor(x, dtype=torch.int32) for x in ([0, 2, 3], [], [5, 1, 4], [7, 16])]
     assert [h.tolist() for h in joined_to_host(tensors)] == [t.tolist() for t in tensors]

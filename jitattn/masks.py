@@ -1,0 +1,84 @@
+"""Custom masks on the host: FlashInfer's flattened boolean masks bit-packed per request, and
+multi-item scoring turned into the equivalent mask."""
+
+from __future__ import annotations
+
+
+import torch
+
+
+def packed_mask_indptr(qo_lens: list[int], kv_lens: list[int]) -> torch.Tensor:
+    """Byte offset of each request's bit-packed qo_len x kv_len mask (each starts on a byte)."""
+    sizes = [(q * k + 7) // 8 for q, k in zip(qo_lens, kv_lens)]
+    out = [0]
+    for size in sizes:
+        out.append(out[-1] + size)
+    return torch.tensor(out, dtype=torch.int32)
+
+
+def segment_packbits(custom_mask: torch.Tensor, qo_lens: list[int], kv_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pack FlashInfer's flattened boolean mask per request, bit i of a request at byte i//8, bit i%8.
+
+    Returns (packed uint8, mask_indptr int32 in bytes).
+    """
+    mask = custom_mask.detach().to("cpu").reshape(-1)
+    if mask.dtype != torch.bool:
+        raise TypeError(f"custom_mask has dtype {mask.dtype}; pass a bool mask (or packed_custom_mask as uint8)")
+    expected = sum(q * k for q, k in zip(qo_lens, kv_lens))
+    if mask.numel() != expected:
+        raise ValueError(
+            f"custom_mask has {mask.numel()} elements; the requests' qo_len*kv_len sum to {expected} "
+            "(flattened row-major per request, concatenated)"
+        )
+    weights = torch.tensor([1 << i for i in range(8)], dtype=torch.uint8)
+    chunks, offset = [], 0
+    for q, k in zip(qo_lens, kv_lens):
+        bits = mask[offset: offset + q * k]
+        offset += q * k
+        padded = torch.zeros((bits.numel() + 7) // 8 * 8, dtype=torch.uint8)
+        padded[: bits.numel()] = bits.to(torch.uint8)
+        chunks.append((padded.view(-1, 8) * weights).sum(dim=1, dtype=torch.uint8) if padded.numel() else padded)
+    packed = torch.cat(chunks) if chunks else torch.zeros(0, dtype=torch.uint8)
+    return packed, packed_mask_indptr(qo_lens, kv_lens)
+
+
+def multi_item_mask(
+    qo_lens: list[int], kv_lens: list[int], prefix_len: torch.Tensor, token_pos_in_items: torch.Tensor,
+    token_pos_in_items_len: int,
+) -> torch.Tensor:
+    """FlashInfer's multi-item scoring as a flattened bool custom mask (True = attend).
+
+    A request's sequence is a shared prefix of ``prefix_len[r]`` tokens followed by items,
+    each item a delimiter and its tokens; ``token_pos_in_items`` gives every token after the
+    prefix its position in its item (0 for a delimiter), request r's values starting at
+    ``r * token_pos_in_items_len``. The query at sequence position p (bottom-right aligned)
+    sees key j when ``j <= p`` and: p is in the prefix, or j is in the prefix, or j lies in
+    p's own item (``p - pos < j``). A delimiter after the prefix so sees only the prefix, and
+    no item sees an earlier one.
+    """
+    prefix = prefix_len.detach().to("cpu").to(torch.int64).reshape(-1)
+    positions = token_pos_in_items.detach().to("cpu").to(torch.int64).reshape(-1)
+    if prefix.numel() != len(qo_lens):
+        raise ValueError(f"prefix_len_ptr has {prefix.numel()} entries; expected one per request ({len(qo_lens)})")
+    stride = int(token_pos_in_items_len)
+    if len(qo_lens) > 1 and stride <= 0:
+        raise ValueError("token_pos_in_items_len must give each request's (zero-padded) length of "
+                         "token_pos_in_items_ptr when the batch has more than one request")
+    masks = []
+    for r, (q, k) in enumerate(zip(qo_lens, kv_lens)):
+        p_len = int(prefix[r])
+        pos_q = torch.arange(q, dtype=torch.int64) + (k - q)  # sequence position of each query
+        j = torch.arange(k, dtype=torch.int64)
+        offset = torch.clamp(pos_q - p_len, min=0) + r * stride
+        if (pos_q >= p_len).any() and int(offset[pos_q >= p_len].max()) >= positions.numel():
+            raise ValueError(
+                f"request {r}: token_pos_in_items_ptr has {positions.numel()} entries, but the request's tokens after "
+                f"its prefix need index {int(offset.max())} (r * token_pos_in_items_len + position - prefix_len)"
+            )
+        in_item = torch.where(pos_q >= p_len, positions[torch.clamp(offset, max=max(positions.numel() - 1, 0))]
+                              if positions.numel() else torch.zeros_like(pos_q), 0)
+        causal = j[None, :] <= pos_q[:, None]
+        same_item = (pos_q[:, None] - in_item[:, None]) < j[None, :]
+        visible = causal & ((pos_q[:, None] < p_len) | (j[None, :] < p_len) | same_item)
+        masks.append(visible.reshape(-1))
+    return torch.cat(masks) if masks else torch.zeros(0, dtype=torch.bool)

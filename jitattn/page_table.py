@@ -1,0 +1,164 @@
+"""Page tables on the host: one rule set for every op, each request's KV length, the pool bound.
+
+Pure functions over host tensors (device arrays are copied to the host once, in one transfer),
+unit-tested on their own; ``plan()`` calls them once per batch, ``append_paged_kv_cache`` on the
+arrays it holds on the host.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class PagedIndex:
+    """A validated page table, on the host."""
+
+    indptr: torch.Tensor  # int32 [batch + 1]
+    indices: torch.Tensor  # int32 [>= indptr[-1]]
+    last_page_len: torch.Tensor  # int32 [batch]
+    page_size: int
+    kv_lens: tuple[int, ...]
+    max_page_index: int  # -1 when no page is referenced
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.kv_lens)
+
+
+def to_host_int32(name: str, tensor: torch.Tensor, ndim: int = 1) -> torch.Tensor:
+    """A host copy of an int32 index tensor (one device->host copy if it is on a GPU)."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of int32, got {type(tensor).__name__}")
+    if tensor.dtype != torch.int32:
+        raise TypeError(f"{name} has dtype {tensor.dtype}; index arrays must be int32 (use .int())")
+    if tensor.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(tensor.shape)}")
+    if tensor.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{name} is on the {tensor.device} device, which holds no data; pass index arrays "
+                         "on the host (fast path) or on the CUDA device")
+    return tensor.detach().to("cpu").contiguous()
+
+
+def to_host_int32_many(names: tuple[str, ...], tensors: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+    """Host copies of several 1-D int32 index tensors; those on one GPU come back in a single copy.
+
+    Serving engines pass page tables on the device: one device->host transfer (one
+    synchronisation) per ``plan()`` instead of one per array.
+    """
+    on_device = [t for t in tensors if isinstance(t, torch.Tensor) and t.device.type == "cuda"]
+    if len(on_device) > 1 and len({t.device for t in on_device}) == 1 and all(
+        t.dtype == torch.int32 and t.dim() == 1 for t in tensors
+    ):
+        return joined_to_host([t.detach().to(on_device[0].device) for t in tensors])
+    return [to_host_int32(name, t) for name, t in zip(names, tensors)]
+
+
+def joined_to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Host copies of same-device 1-D tensors through one concatenated transfer."""
+    joined = torch.cat(tensors).to("cpu")
+    return [part.contiguous() for part in joined.split([t.numel() for t in tensors])]
+
+
+def check_indptr(name: str, indptr: torch.Tensor) -> torch.Tensor:
+    """A host copy of an int32 indptr: at least one entry, starting at 0, non-decreasing."""
+    host = to_host_int32(name, indptr)
+    _check_indptr_values(name, host)
+    return host
+
+
+def _check_indptr_values(name: str, host) -> None:
+    """``host``: a 1-D int32 host tensor or numpy array."""
+    host = host.numpy() if isinstance(host, torch.Tensor) else host
+    if host.size < 1:
+        raise ValueError(f"{name} must have batch_size + 1 >= 1 entries")
+    if host[0] != 0:
+        raise ValueError(f"{name}[0] must be 0, got {int(host[0])}")
+    steps = np.diff(host)
+    if steps.size and steps.min() < 0:
+        r = int(np.flatnonzero(steps < 0)[0])
+        raise ValueError(f"{name} must be non-decreasing; {name}[{r + 1}] < {name}[{r}]")
+
+
+def check_page_table(
+    indptr: torch.Tensor | None, indices: torch.Tensor | None, last_page_len: torch.Tensor | None, page_size: int,
+    *, num_pages: int | None = None, names: tuple[str, str, str] = ("indptr", "indices", "last_page_len"),
+) -> int:
+    """The page-table rules, checked on the arrays given (host int32 tensors; None: not known here).
+
+    One rule set for attention plans, appends and cascade levels: ``indptr`` starts at 0 and
+    never decreases; its last entry is at most ``len(indices)``; the referenced page indices
+    are ``>= 0`` (and ``< num_pages`` when the pool size is given); ``last_page_len`` has one
+    entry per request and lies in ``[1, page_size]`` for a request with pages (it is not read
+    for a request without). Returns the highest referenced page (-1 when none or unknown).
+    """
+    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
+        raise ValueError(f"page_size={page_size!r} must be a positive int")
+    highest = -1
+    if indptr is None:
+        return highest
+    # numpy views of the host tensors: reductions over a 64k-page table take ~10 us there, while
+    # torch's parallel int reductions cost 100s of us on some hosts.
+    indptr_np = indptr.numpy()
+    _check_indptr_values(names[0], indptr_np)
+    batch = indptr_np.size - 1
+    if last_page_len is not None and last_page_len.numel() != batch:
+        raise ValueError(f"{names[2]} has {last_page_len.numel()} entries; expected batch_size = {batch} "
+                         f"(len({names[0]}) - 1)")
+    total_pages = int(indptr_np[-1])
+    if indices is not None:
+        if total_pages > indices.numel():
+            raise ValueError(f"{names[0]}[-1] = {total_pages} exceeds len({names[1]}) = {indices.numel()}")
+        used = indices.numpy()[:total_pages]
+        lowest, highest = (int(used.min()), int(used.max())) if total_pages else (0, -1)
+        if lowest < 0:
+            i = int(np.flatnonzero(used < 0)[0])
+            raise ValueError(f"{names[1]}[{i}] = {int(used[i])} is a negative page index")
+        if num_pages is not None and highest >= num_pages:
+            i = int(np.flatnonzero(used >= num_pages)[0])
+            raise IndexError(f"{names[1]}[{i}] = {int(used[i])} references a page past the end of the kv cache "
+                             f"(it has {num_pages} pages)")
+    if last_page_len is not None and batch:
+        pages = np.diff(indptr_np)
+        last = last_page_len.numpy()
+        bad = (pages > 0) & ((last < 1) | (last > page_size))
+        if bad.any():
+            r = int(np.flatnonzero(bad)[0])
+            raise ValueError(
+                f"{names[2]}[{r}] = {int(last[r])} is out of range: a request with pages needs 1 <= "
+                f"last_page_len <= page_size ({page_size})"
+            )
+    return highest
+
+
+def check_paged_index(
+    indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tensor, page_size: int,
+    *, names: tuple[str, str, str] = ("indptr", "indices", "last_page_len"),
+) -> PagedIndex:
+    """Validate a page table (``check_page_table``'s rules) and compute each request's KV length.
+
+    kv_len = (num_pages - 1) * page_size + last_page_len, and 0 for a request with no pages.
+    The arrays may be on the host or the device (copied to the host once).
+    """
+    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
+        raise ValueError(f"page_size={page_size!r} must be a positive int")
+    indptr_h, indices_h, last_h = to_host_int32_many(names, (indptr, indices, last_page_len))
+    highest = check_page_table(indptr_h, indices_h, last_h, page_size, names=names)
+    num_pages = np.diff(indptr_h.numpy()).astype(np.int64)
+    kv_lens = np.where(num_pages > 0, (num_pages - 1) * page_size + last_h.numpy(), 0).tolist()
+    return PagedIndex(
+        indptr=indptr_h, indices=indices_h, last_page_len=last_h, page_size=page_size,
+        kv_lens=tuple(kv_lens), max_page_index=highest,
+    )
+
+
+def check_page_pool(index: PagedIndex, num_pages_in_cache: int, indices_name: str = "indices") -> None:
+    """Refuse page indices past the end of the KV pool."""
+    if index.max_page_index >= num_pages_in_cache:
+        raise ValueError(
+            f"{indices_name} references page {index.max_page_index} but the kv cache has only "
+            f"{num_pages_in_cache} pages"
+        )
