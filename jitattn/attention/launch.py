@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..families.attention import POS_ENCODING_CODES
+from ..abi import POS_ENCODING_CODES
 from ..jit import Module
 from ..spec import KVLayout, PosEncoding
 from .checks import cpu_threads, raw_stream

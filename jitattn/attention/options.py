@@ -11,10 +11,12 @@ import math
 
 import torch
 
+from ..abi import POS_ENCODING_CODES
 from ..spec import DType, KVLayout, PosEncoding
 from .launch import AttentionScalars
 
-_POS_CODES = {0: PosEncoding.NONE, 1: PosEncoding.ROPE_LLAMA, 2: PosEncoding.ALIBI}
+# FlashInfer's integer spellings are the ABI codes.
+_POS_CODES = {POS_ENCODING_CODES[p.value]: p for p in (PosEncoding.NONE, PosEncoding.ROPE_LLAMA, PosEncoding.ALIBI)}
 
 
 def parse_pos_encoding(value: str | int | PosEncoding) -> PosEncoding:

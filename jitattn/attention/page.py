@@ -20,7 +20,7 @@ from typing import Sequence, Union
 
 import torch
 
-from ..families.append import SRC_BF16, SRC_F16, SRC_F32, SRC_SAME
+from ..abi import APPEND_SOURCE_CODES
 from ..jit import load
 from ..page_table import check_page_table
 from ..spec import KVLayout, Target
@@ -33,7 +33,8 @@ __all__ = ["append_paged_kv_cache", "get_batch_indices_positions", "get_seq_lens
 PagedKVCache = Union[torch.Tensor, Sequence[torch.Tensor]]
 
 _CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)
-_SRC_CODES = {torch.float32: SRC_F32, torch.float16: SRC_F16, torch.bfloat16: SRC_BF16}
+_SRC_CODES = {torch.float32: APPEND_SOURCE_CODES["f32"], torch.float16: APPEND_SOURCE_CODES["f16"],
+              torch.bfloat16: APPEND_SOURCE_CODES["bf16"]}
 
 
 def _name(dtype: torch.dtype) -> str:
@@ -207,7 +208,7 @@ def append_paged_kv_cache(
                            cache.num_pages, cache.page_size)
     if nnz == 0 or cache.num_heads == 0 or cache.head_dim == 0:
         return
-    src_code = SRC_SAME if append_key.dtype == cache.dtype else _SRC_CODES[append_key.dtype]
+    src_code = APPEND_SOURCE_CODES["same"] if append_key.dtype == cache.dtype else _SRC_CODES[append_key.dtype]
     module = load(append_spec(target, cache.dtype))
     to_dev = {name: _to_device(t, device) for name, t in index_arrays.items() if name != "kv_last_page_len"}
     params = dict(

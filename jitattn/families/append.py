@@ -3,8 +3,8 @@
 One module per cache dtype (``kv_dtype``, the only compile-time axis). The
 source (append_key/value) dtype is a run-time switch, ``src_dtype``:
 
-- ``SRC_SAME`` (0): the source has the cache's dtype; elements are copied bit for bit.
-- ``SRC_F32`` (1), ``SRC_F16`` (2), ``SRC_BF16`` (3): each element goes through
+- ``same`` (``abi.APPEND_SOURCE_CODES``): the source has the cache's dtype; elements are copied bit for bit.
+- ``f32``, ``f16``, ``bf16``: each element goes through
   float and is rounded to the cache dtype with round-to-nearest-even, as
   torch's ``.to()`` does in range; fp8 beyond its range (inf too) saturates to
   the largest finite value (e4m3 +-448, e5m2 +-57344), on both targets; NaN
@@ -27,13 +27,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..abi import Entry, fields
+from ..abi import APPEND_SOURCE_CODES, Entry, fields
 from ..spec import VariantSpec
 from . import c_type
 
 TEMPLATES = {"cpu": "cpu/append.cpp.jinja", "cuda": "cuda/append.cu.jinja"}
 
-SRC_SAME, SRC_F32, SRC_F16, SRC_BF16 = 0, 1, 2, 3
 
 APPEND = Entry("append", fields(
     "append_key:ptr append_value:ptr batch_indices:ptr positions:ptr "
@@ -52,5 +51,5 @@ def entries(spec: VariantSpec) -> tuple[Entry, ...]:
 def context(spec: VariantSpec) -> dict[str, Any]:
     return {
         "kv_ctype": c_type(spec.kv_dtype, spec.target),
-        "src_codes": {"same": SRC_SAME, "f32": SRC_F32, "f16": SRC_F16, "bf16": SRC_BF16},
+        "src_codes": APPEND_SOURCE_CODES,
     }

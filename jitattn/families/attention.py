@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..abi import Entry, Field, fields
+from ..abi import POS_ENCODING_CODES, Entry, Field, fields
 from ..spec import VariantSpec
 from . import c_type
 from .variant import context as variant_context
@@ -56,7 +56,6 @@ ATTENTION = Entry("attention", fields(
 
 ATTENTION_WITH_VARIANT = Entry("attention", ATTENTION.fields + (Field("variant_params", "ptr"),))
 
-POS_ENCODING_CODES = {"none": 0, "rope": 1, "alibi": 2}
 
 
 def entries(spec: VariantSpec) -> tuple[Entry, ...]:
@@ -69,4 +68,5 @@ def context(spec: VariantSpec) -> dict[str, Any]:
         "q_ctype": c_type(spec.q_dtype, spec.target),
         "kv_ctype": c_type(spec.kv_dtype, spec.target),
         "o_ctype": c_type(spec.o_dtype, spec.target),
+        "pos_codes": POS_ENCODING_CODES,
     }
