@@ -108,6 +108,21 @@ def cmd_verify(args: argparse.Namespace) -> int:
 # -- maintain ----------------------------------------------------------------------------
 
 
+def _not_writable(exc: OSError, base, progress: str) -> int:
+    """Report a removal that the filesystem refused (a read-only cache) and return the exit code."""
+    import errno
+
+    path = exc.filename or base
+    if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        print(f"jitattn-cache: cannot change {path}: {exc.strerror}. The cache at {base.parent} is read-only for "
+              f"you, so nothing can be removed from it ({progress}). Run this as the user who owns it, make it "
+              "writable, or point JITATTN_CACHE_DIR at your own cache (a shared read-only cache belongs in "
+              "JITATTN_CACHE_PATH)", file=sys.stderr)
+    else:
+        print(f"jitattn-cache: cannot change {path}: {exc.strerror or exc} ({progress})", file=sys.stderr)
+    return EXIT_FAILED
+
+
 def cmd_clear(args: argparse.Namespace) -> int:
     """Remove every entry (and kept failed builds) of the writable cache, each under its lock."""
     from jitattn.jit.cache import remove_entry
@@ -116,12 +131,16 @@ def cmd_clear(args: argparse.Namespace) -> int:
 
     base = writable_base()
     removed, busy = 0, []
-    for e in entries(include_readonly=False):
-        if remove_entry(e.base, e.path):
-            removed += 1
-        else:
-            busy.append(e.name)
-    shutil.rmtree(base / "failed", ignore_errors=True)
+    try:
+        for e in entries(include_readonly=False):
+            if remove_entry(e.base, e.path):
+                removed += 1
+            else:
+                busy.append(e.name)
+        if (base / "failed").exists():
+            shutil.rmtree(base / "failed")
+    except OSError as exc:
+        return _not_writable(exc, base, f"removed {removed} entries before that")
     print(f"cleared {base}: removed {removed} entries")
     for name in busy:
         print(f"  kept {name}: a build of it is running (its lock is held)", file=sys.stderr)
@@ -161,10 +180,15 @@ def cmd_prune(args: argparse.Namespace) -> int:
         if args.dry_run:
             print(f"would remove {e.uri} ({human_size(sizes[e.name])}, {age})")
             freed += sizes[e.name]
-        elif remove_entry(e.base, e.path):
-            print(f"removed {e.uri} ({human_size(sizes[e.name])}, {age})")
-            freed += sizes[e.name]
         else:
+            try:
+                gone = remove_entry(e.base, e.path)
+            except OSError as exc:
+                return _not_writable(exc, e.base, f"removed {human_size(freed)} before that")
+            if gone:
+                print(f"removed {e.uri} ({human_size(sizes[e.name])}, {age})")
+                freed += sizes[e.name]
+                continue
             busy.append(e)
             print(f"kept {e.uri}: a build of it is running (its lock is held)", file=sys.stderr)
     removed = len(doomed) - len(busy)

@@ -176,8 +176,10 @@ def find_entry(plan: BuildPlan) -> Path | None:
         entry_dir = base / plan.name
         if not (entry_dir / MANIFEST).exists():
             continue
-        # Whoever can write a directory on the way can swap entries in and out of it.
-        trust.require_trusted(base.parent, entry_dir, action="load a kernel from")
+        # Whoever can write a directory on the way can swap entries in and out of it; the writable
+        # cache's locks/ and tmp/ are held to the same rule as on the build path.
+        extra = (base / "locks", base / "tmp") if base == layers()[-1] else ()
+        trust.require_trusted(base.parent, entry_dir, *extra, action="load a kernel from")
         problem = entry_problem(entry_dir, plan.key)
         if problem is None:
             trust.require_trusted(base.parent, entry_dir / LIBRARY_NAME, action="load a kernel from")
@@ -316,7 +318,8 @@ def _build_in_temp(base: Path, plan: BuildPlan, jobs: int) -> Path:
                 raise write_error(OSError(28, "No space left on device", str(work_dir)),
                                   f"the compiler's output for {plan.spec.uri}", work_dir) from None
             kept = _keep_failed(base, plan, work_dir)
-            raise BuildError(explain_build_error(plan.spec, str(exc).replace(str(work_dir), str(kept)))) from None
+            raise BuildError(explain_build_error(plan.spec, str(exc).replace(str(work_dir), str(kept)),
+                                                 plan.sources.get("variant.h"))) from None
         try:
             check_library(work_dir / LIBRARY_NAME, plan.spec.uri, plan.entries)
         except (OSError, RuntimeError, AttributeError) as exc:
