@@ -260,9 +260,9 @@ def write_error(exc: OSError, what: str, where: Path) -> CacheError:
         probe = probe.parent
     try:
         free = shutil.disk_usage(probe).free
-        free_text = f"{free / (1 << 20):.1f} MiB free on that filesystem"
+        free_text = (f"{free / (1 << 20):.1f} MiB" if free >= 1 << 20 else f"{free // 1024} KiB") + \
+            " free on that filesystem"
     except OSError:
-        free = None
         free_text = "free space unknown"
     reason = exc.strerror or str(exc)
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
