@@ -93,11 +93,48 @@ def cancel_builds() -> int:
     with _running_lock:
         procs = list(_running)
     for proc in procs:
+        _kill_tree(proc.pid)
+    return len(procs)
+
+
+def _process_groups_below(pid: int) -> set[int]:
+    """Process groups of ``pid``'s descendants (Linux /proc; empty elsewhere).
+
+    ninja starts each command in a process group of its own (so a terminal's
+    Ctrl-C reaches ninja alone); killing ninja's group would leave the compilers
+    running, so their groups are killed too.
+    """
+    children: dict[int, list[tuple[int, int]]] = {}
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return set()
+    for name in names:
+        if not name.isdigit():
+            continue
         try:
-            os.killpg(proc.pid, signal.SIGKILL)
+            with open(f"/proc/{name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        children.setdefault(int(fields[1]), []).append((int(name), int(fields[2])))
+    groups, pending = set(), [pid]
+    while pending:
+        for child, group in children.get(pending.pop(), []):
+            groups.add(group)
+            pending.append(child)
+    return groups
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL ninja (``pid``, leader of its own session) and every compiler it started."""
+    groups = _process_groups_below(pid) | {pid}
+    groups.discard(os.getpgrp())  # never our own group
+    for group in groups:
+        try:
+            os.killpg(group, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
-    return len(procs)
 
 
 def reset_cancel() -> None:
@@ -135,10 +172,10 @@ def run_ninja(work_dir: Path, jobs: int, source_path: Path) -> None:
             _running.add(proc)
         try:
             if _cancelled.is_set():  # cancelled between the check above and the start
-                os.killpg(proc.pid, signal.SIGKILL)
+                _kill_tree(proc.pid)
             returncode = proc.wait()
         except BaseException:
-            os.killpg(proc.pid, signal.SIGKILL)
+            _kill_tree(proc.pid)
             proc.wait()
             raise
         finally:
