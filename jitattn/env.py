@@ -30,6 +30,8 @@ KNOBS: tuple[Knob, ...] = (
     Knob("JITATTN_NVCC", "path to nvcc (else CUDA_HOME/CUDA_PATH/bin/nvcc, else PATH)", "search"),
     Knob("JITATTN_CXX", "host C++ compiler for the cpu target (also CXX)", "c++"),
     Knob("CUDA_HOME", "CUDA toolkit root (also CUDA_PATH)", "search"),
+    Knob("JITATTN_TEST_CACHE_DIR", "the test suite's shared cache (tests/conftest.py; .ci/run sets it after warming)",
+         "unset: each test run builds into a temp dir it removes"),
 )
 
 

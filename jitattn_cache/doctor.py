@@ -69,6 +69,8 @@ def _effective_default(name: str) -> str:
             return "(unset: the jitattn logger has no handler)"
         if name == "CUDA_HOME":
             return "(unset)"
+        if name == "JITATTN_TEST_CACHE_DIR":
+            return "(unset: each test run builds into a temp dir it removes)"
     except Exception as exc:  # noqa: BLE001 - show-config must always print
         return f"(error: {exc})"
     return ""
