@@ -474,6 +474,7 @@ def publish_entry(base: Path, staged: Path, timeout: float | None = None) -> str
     lock = entry_lock(base, staged.name)
     lock.acquire(timeout=-1 if timeout is None else timeout)
     try:
+        trust.require_trusted(base.parent, base / "locks", base / "tmp", staged, action="publish into")
         if entry_dir.exists() and entry_problem(entry_dir) is None:
             shutil.rmtree(staged, ignore_errors=True)
             return "present"
