@@ -318,8 +318,11 @@ def _build_in_temp(base: Path, plan: BuildPlan, jobs: int) -> Path:
                 raise write_error(OSError(28, "No space left on device", str(work_dir)),
                                   f"the compiler's output for {plan.spec.uri}", work_dir) from None
             kept = _keep_failed(base, plan, work_dir)
-            raise BuildError(explain_build_error(plan.spec, str(exc).replace(str(work_dir), str(kept)),
-                                                 plan.sources.get("variant.h"))) from None
+            if isinstance(kept, Path):
+                text = str(exc).replace(str(work_dir), str(kept))
+            else:  # the files named in the message are removed with the temp dir: say so
+                text = f"{exc}\n(the failed build could not be kept for inspection: {kept}; it was removed)"
+            raise BuildError(explain_build_error(plan.spec, text, plan.sources.get("variant.h"))) from None
         try:
             check_library(work_dir / LIBRARY_NAME, plan.spec.uri, plan.entries)
         except (OSError, RuntimeError, AttributeError) as exc:
@@ -349,11 +352,11 @@ def _drop_shared_write_bits(work_dir: Path) -> None:
             os.chmod(path, mode & ~(stat.S_IWGRP | stat.S_IWOTH))
 
 
-def _keep_failed(base: Path, plan: BuildPlan, work_dir: Path) -> Path:
-    """Move a failed build where the user can read it; returns its new path.
+def _keep_failed(base: Path, plan: BuildPlan, work_dir: Path) -> Path | str:
+    """Move a failed build where the user can read it; returns its new path, or why it could not.
 
     A rename, not a copy: it needs no disk space, and the full compiler log
-    (``build.log``) goes with it. If it cannot be kept, the temp dir is named.
+    (``build.log``) goes with it.
     """
     failed = base / "failed" / plan.name
     try:
@@ -361,8 +364,8 @@ def _keep_failed(base: Path, plan: BuildPlan, work_dir: Path) -> Path:
         shutil.rmtree(failed, ignore_errors=True)
         _point_build_file_at(work_dir, failed)
         os.replace(work_dir, failed)
-    except OSError:
-        return work_dir
+    except OSError as exc:
+        return exc.strerror or str(exc)
     return failed
 
 
