@@ -85,8 +85,9 @@ class BuildCancelled(BuildError):
 def cancel_builds() -> int:
     """Stop every compile this process is running, now, and refuse new ones; returns how many were stopped.
 
-    Each ninja runs in its own process group, so the compilers it started are
-    killed with it. Builds raise ``BuildCancelled`` and publish nothing.
+    Each ninja runs in a session of its own and starts every command in a
+    process group of its own; ninja and each of those groups get SIGKILL, so no
+    compiler outlives the call. Builds raise ``BuildCancelled`` and publish nothing.
     ``reset_cancel()`` allows builds again.
     """
     _cancelled.set()
