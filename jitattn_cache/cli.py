@@ -12,6 +12,7 @@ import datetime
 import json
 import shutil
 import sys
+from pathlib import Path
 
 from .selection import UsageError, add_selection_args
 
@@ -108,7 +109,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 # -- maintain ----------------------------------------------------------------------------
 
 
-def _not_writable(exc: OSError, base, progress: str) -> int:
+def _not_writable(exc: OSError, base: Path, progress: str) -> int:
     """Report a removal that the filesystem refused (a read-only cache) and return the exit code."""
     import errno
 
