@@ -286,7 +286,7 @@ def _stale_note(manifest: dict) -> str | None:
 
 def _prepare_destination(to: str | None) -> Path:
     """The schema dir to import into, with locks/ and tmp/."""
-    from jitattn.jit.cache import SCHEMA, _unsafe_reason, writable_root
+    from jitattn.jit.cache import SCHEMA, writable_root
 
     if to is None:
         return writable_root()
@@ -298,11 +298,13 @@ def _prepare_destination(to: str | None) -> Path:
             sub.mkdir(mode=0o755, exist_ok=True)
     except OSError as exc:
         raise UsageError(f"--to {to}: cannot create it: {exc.strerror}") from None
-    for path in (root, base):
-        reason = _unsafe_reason(path)
-        if reason is not None:
-            raise UsageError(f"--to {to}: {reason}; jitattn refuses to load kernels from such a layer. "
-                             f"Fix it (chmod go-w {path}) or choose another directory")
+    from jitattn.jit.trust import chain_violations
+
+    found = chain_violations(root, base / "locks", base / "tmp")
+    if found:
+        details = "; ".join(f"{v.reason} (fix: {v.fix})" for v in found)
+        raise UsageError(f"--to {to}: {details}; jitattn refuses to load kernels from such a layer. "
+                         "Fix it or choose another directory")
     return base
 
 

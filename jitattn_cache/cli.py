@@ -12,6 +12,7 @@ import datetime
 import json
 import shutil
 import sys
+from pathlib import Path
 
 from .selection import UsageError, add_selection_args
 
@@ -67,21 +68,23 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    """Re-checksum every entry of every layer; --fix removes bad ones from the writable cache."""
-    from jitattn.jit.cache import LIBRARY_NAME, _unsafe_reason, foreign_entry_problem, remove_entry
+    """Re-checksum every entry of every layer and check the trust rule; --fix removes bad entries
+    from the writable cache (permission problems are reported with their fix, never changed)."""
+    from jitattn.jit.cache import foreign_entry_problem, layers, remove_entry
 
-    from .store import entries
+    from .store import cache_violations, entries
 
     rows = entries()
+    unsafe = []
+    for base in layers():
+        if base.parent.exists():
+            mine = [e.path for e in rows if e.base == base]
+            unsafe += cache_violations(base, mine, writable=base == layers()[-1])
+    for v in unsafe:
+        print(f"UNSAFE {v.path}: {v.reason}\n  fix: {v.fix}")
     bad = unfixed = 0
     for e in rows:
         problem = foreign_entry_problem(e.path)
-        if problem is None:
-            for path in (e.path, e.path / LIBRARY_NAME):
-                reason = _unsafe_reason(path) if path.exists() else None
-                if reason:
-                    problem = f"unsafe: {reason}"
-                    break
         if problem is None:
             continue
         bad += 1
@@ -97,11 +100,28 @@ def cmd_verify(args: argparse.Namespace) -> int:
             unfixed += 1
             print("  not removed: its lock is held (a build of it is running); try again")
     print(f"verify: {len(rows)} entries, {len(rows) - bad} ok, {bad} bad"
-          + (f", {bad - unfixed} removed" if args.fix else (" (--fix removes them)" if bad else "")))
-    return EXIT_FAILED if unfixed else EXIT_OK
+          + (f", {bad - unfixed} removed" if args.fix else (" (--fix removes them)" if bad else ""))
+          + (f"; {len(unsafe)} unsafe path(s): jitattn refuses to build in or load from them until fixed"
+             if unsafe else ""))
+    return EXIT_FAILED if unfixed or unsafe else EXIT_OK
 
 
 # -- maintain ----------------------------------------------------------------------------
+
+
+def _not_writable(exc: OSError, base: Path, progress: str) -> int:
+    """Report a removal that the filesystem refused (a read-only cache) and return the exit code."""
+    import errno
+
+    path = exc.filename or base
+    if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        print(f"jitattn-cache: cannot change {path}: {exc.strerror}. The cache at {base.parent} is read-only for "
+              f"you, so nothing can be removed from it ({progress}). Run this as the user who owns it, make it "
+              "writable, or point JITATTN_CACHE_DIR at your own cache (a shared read-only cache belongs in "
+              "JITATTN_CACHE_PATH)", file=sys.stderr)
+    else:
+        print(f"jitattn-cache: cannot change {path}: {exc.strerror or exc} ({progress})", file=sys.stderr)
+    return EXIT_FAILED
 
 
 def cmd_clear(args: argparse.Namespace) -> int:
@@ -112,12 +132,16 @@ def cmd_clear(args: argparse.Namespace) -> int:
 
     base = writable_base()
     removed, busy = 0, []
-    for e in entries(include_readonly=False):
-        if remove_entry(e.base, e.path):
-            removed += 1
-        else:
-            busy.append(e.name)
-    shutil.rmtree(base / "failed", ignore_errors=True)
+    try:
+        for e in entries(include_readonly=False):
+            if remove_entry(e.base, e.path):
+                removed += 1
+            else:
+                busy.append(e.name)
+        if (base / "failed").exists():
+            shutil.rmtree(base / "failed")
+    except OSError as exc:
+        return _not_writable(exc, base, f"removed {removed} entries before that")
     print(f"cleared {base}: removed {removed} entries")
     for name in busy:
         print(f"  kept {name}: a build of it is running (its lock is held)", file=sys.stderr)
@@ -157,10 +181,15 @@ def cmd_prune(args: argparse.Namespace) -> int:
         if args.dry_run:
             print(f"would remove {e.uri} ({human_size(sizes[e.name])}, {age})")
             freed += sizes[e.name]
-        elif remove_entry(e.base, e.path):
-            print(f"removed {e.uri} ({human_size(sizes[e.name])}, {age})")
-            freed += sizes[e.name]
         else:
+            try:
+                gone = remove_entry(e.base, e.path)
+            except OSError as exc:
+                return _not_writable(exc, e.base, f"removed {human_size(freed)} before that")
+            if gone:
+                print(f"removed {e.uri} ({human_size(sizes[e.name])}, {age})")
+                freed += sizes[e.name]
+                continue
             busy.append(e)
             print(f"kept {e.uri}: a build of it is running (its lock is held)", file=sys.stderr)
     removed = len(doomed) - len(busy)
@@ -217,6 +246,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="jitattn-cache", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    from jitattn import __version__
+
+    parser.add_argument("--version", action="version", version=f"jitattn-cache (jitattn) {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     warm = sub.add_parser("warm", help="pre-build every kernel a model (or spec) needs",
@@ -229,7 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
     warm.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     warm.set_defaults(func=_warm)
 
-    ls = sub.add_parser("ls", help="list cache entries (uri, target, arch, size, build time, layer)")
+    ls = sub.add_parser("ls", aliases=["list"], help="list cache entries (uri, target, arch, size, build time, layer)")
     ls.add_argument("--json", action="store_true", help="machine-readable output")
     ls.set_defaults(func=cmd_ls)
 

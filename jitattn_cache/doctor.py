@@ -63,12 +63,14 @@ def _effective_default(name: str) -> str:
                 return "c++  (not found)"
         if name == "JITATTN_CACHE_PATH":
             return "(none)"
-        if name == "JITATTN_ASSERT_NO_COMPILE":
+        if name in ("JITATTN_ASSERT_NO_COMPILE", "JITATTN_DEBUG"):
             return "0"
         if name == "JITATTN_LOG_LEVEL":
             return "(unset: the jitattn logger has no handler)"
         if name == "CUDA_HOME":
             return "(unset)"
+        if name == "JITATTN_TEST_CACHE_DIR":
+            return "(unset: each test run builds into a temp dir it removes)"
     except Exception as exc:  # noqa: BLE001 - show-config must always print
         return f"(error: {exc})"
     return ""
@@ -99,11 +101,24 @@ def config_rows() -> list[tuple[str, str, str]]:
 
 
 def cmd_show_config(args: argparse.Namespace) -> int:
+    """Print every setting; an invalid one is flagged with what to set (exit 1)."""
+    from jitattn import env
+
+    problems = env.problems()
     rows = config_rows()
     width = max(len(r[0]) for r in rows) + 2
     for name, value, source in rows:
-        print(f"{name:{width}s} {value}   [{source}]")
-    return EXIT_OK
+        read_from = source.removeprefix("env ").strip() if source.startswith("env ") else name
+        problem = problems.get(read_from) or problems.get(name)
+        flag = f"   INVALID: {problem}" if problem else ""
+        print(f"{name:{width}s} {value}   [{source}]{flag}")
+    shown = {r[0] for r in rows} | {r[2].removeprefix("env ") for r in rows}
+    for name, problem in problems.items():  # e.g. MAX_JOBS=abc while JITATTN_MAX_JOBS wins
+        if name not in shown:
+            print(f"{name:{width}s} {os.environ.get(name)}   [env, not read]   INVALID: {problem}")
+    if problems:
+        print(f"show-config: {len(problems)} invalid setting(s): fix or unset them", file=sys.stderr)
+    return EXIT_FAILED if problems else EXIT_OK
 
 
 # -- doctor --------------------------------------------------------------------------
@@ -129,10 +144,9 @@ def _release(version: str) -> tuple[int, int] | None:
 def _check_config(out: list[Check]) -> None:
     from jitattn import env
 
-    try:
-        env.max_jobs_override()
-    except ValueError as exc:
-        out.append(Check("jobs", "FAIL", str(exc), "set JITATTN_MAX_JOBS (or MAX_JOBS) to a positive integer"))
+    for name, problem in env.problems().items():
+        out.append(Check("config", "FAIL", f"invalid setting: {problem}",
+                         f"fix {name} (`jitattn-cache show-config` shows every setting) or unset it"))
     for name, value, source in config_rows():
         if source.startswith("env (unknown"):
             out.append(Check("config", "warn", f"{name}={value} is not a jitattn setting",
@@ -291,9 +305,16 @@ def _nearest_existing(path: Path) -> Path:
     return path
 
 
+def _failed_dir_violations(base: Path) -> list:
+    from jitattn.jit.trust import chain_violations
+
+    failed = base / "failed"
+    return [v for v in chain_violations(base.parent, failed) if v.path == failed]
+
+
 def _check_cache_dir(out: list[Check]) -> None:
     from jitattn import env
-    from jitattn.jit.cache import SCHEMA, _unsafe_reason
+    from jitattn.jit.cache import SCHEMA
 
     root = env.cache_dir()
     where = "JITATTN_CACHE_DIR" if os.environ.get("JITATTN_CACHE_DIR") else "the default location"
@@ -303,10 +324,14 @@ def _check_cache_dir(out: list[Check]) -> None:
             out.append(Check("cache dir", "FAIL", f"{root} ({where}) is not a writable directory",
                              f"fix its permissions (chmod u+rwx {root}) or set JITATTN_CACHE_DIR elsewhere"))
             return
-        reason = _unsafe_reason(root)
-        if reason is not None:
-            out.append(Check("cache dir", "FAIL", f"unsafe: {reason}; jitattn refuses to use it",
-                             f"chmod go-w {root} (or set JITATTN_CACHE_DIR to a private directory)"))
+        from .store import cache_violations
+
+        unsafe = cache_violations(root / SCHEMA, [e.path for e in entries() if e.writable], writable=True)
+        unsafe += _failed_dir_violations(root / SCHEMA)
+        for v in unsafe:
+            out.append(Check("cache dir", "FAIL", f"unsafe: {v.reason}; jitattn refuses to build in or load from "
+                             "this cache", v.fix))
+        if unsafe:
             return
         n = sum(1 for e in entries() if e.writable)
         size = sum(e.size for e in entries() if e.writable)
@@ -330,7 +355,7 @@ def _check_cache_dir(out: list[Check]) -> None:
 
 def _check_layers(out: list[Check]) -> None:
     from jitattn import env
-    from jitattn.jit.cache import LIBRARY_NAME, SCHEMA, _unsafe_reason, entry_dirs, foreign_entry_problem
+    from jitattn.jit.cache import SCHEMA, entry_dirs, foreign_entry_problem
 
     for layer in env.cache_path():
         base = layer / SCHEMA
@@ -338,24 +363,17 @@ def _check_layers(out: list[Check]) -> None:
             out.append(Check("read-only layer", "warn", f"{layer} (JITATTN_CACHE_PATH) has no {SCHEMA}/ folder: "
                              "nothing is loaded from it", "point JITATTN_CACHE_PATH at the folder holding v1/"))
             continue
-        unsafe = []
-        for path in (layer, base):
-            reason = _unsafe_reason(path)
-            if reason:
-                unsafe.append(reason)
-        bad = 0
+        from .store import cache_violations
+
         dirs = entry_dirs(base)
-        for entry in dirs:
-            for path in (entry, entry / LIBRARY_NAME):
-                if path.exists():
-                    reason = _unsafe_reason(path)
-                    if reason:
-                        unsafe.append(reason)
-            bad += foreign_entry_problem(entry) is not None
+        violations = cache_violations(base, dirs, writable=False)
+        unsafe = [str(v) for v in violations]
+        bad = sum(foreign_entry_problem(entry) is not None for entry in dirs)
         if unsafe:
             shown = "; ".join(unsafe[:3]) + (f"; and {len(unsafe) - 3} more" if len(unsafe) > 3 else "")
+            fixes = "; ".join(dict.fromkeys(v.fix for v in violations))
             out.append(Check("read-only layer", "FAIL", f"{layer}: unsafe: {shown}; loads from it are refused",
-                             f"chmod -R go-w {layer} and make it owned by you or root"))
+                             f"{fixes} (or at once: chmod -R go-w {layer}, and make it owned by you or root)"))
         elif bad:
             out.append(Check("read-only layer", "FAIL", f"{layer}: {bad} of {len(dirs)} entries fail their checksum",
                              "re-create the bundle (`jitattn-cache export`) and import it again; "

@@ -19,7 +19,8 @@ def add_selection_args(parser: argparse.ArgumentParser, *, default_dtype: str = 
     group.add_argument("--config", action="append", metavar="CONFIG_JSON",
                        help="path to a Hugging Face config.json on disk")
     group.add_argument("--spec", action="append", metavar="TEXT",
-                       help="one spec: a uri (merge_cuda_bf16) or key=value,... (op=merge,target=cpu,o_dtype=bf16)")
+                       help="one spec: a uri (merge_cuda_bf16), key=value,... (op=merge,target=cpu,o_dtype=bf16), "
+                            "@spec.json or inline JSON (VariantSpec.to_dict(); carries a custom variant)")
     opts = parser.add_argument_group("how (for --preset / --config)")
     opts.add_argument("--target", choices=["cuda", "cpu"],
                       help="default: cuda when a GPU is visible or --arch is given, else cpu")
@@ -78,6 +79,24 @@ def check_arch(arch: str | None, needed: bool) -> tuple[str, ...]:
         raise UsageError(f"{where}: {exc}") from None
 
 
+def _spec_from_text(text: str):
+    """``--spec`` text: inline JSON (``{...}``, what the library prints for custom variants) or
+    anything ``parse_spec_text`` reads (a uri, ``key=value,...``, ``@spec.json``)."""
+    import json
+
+    from jitattn.spec import VariantSpec, parse_spec_text
+
+    if text.lstrip().startswith("{"):
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"not valid JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise ValueError("must be one JSON object (the spec's fields)")
+        return VariantSpec.from_dict(data)
+    return parse_spec_text(text)
+
+
 def resolve_specs(args: argparse.Namespace) -> list:
     """The unique specs ``args`` select, in order; UsageError for anything unparseable.
 
@@ -123,7 +142,7 @@ def resolve_specs(args: argparse.Namespace) -> list:
             raise UsageError(f"{what}: {exc}") from None
     for text in args.spec or []:
         try:
-            specs.append(parse_spec_text(text))
+            specs.append(_spec_from_text(text))
         except (ValueError, TypeError, KeyError, IndexError) as exc:
             raise UsageError(f"--spec {text!r}: {exc}") from None
     if not specs:

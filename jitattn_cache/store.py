@@ -88,6 +88,18 @@ def entries(include_readonly: bool = True) -> list[CacheEntry]:
     return found
 
 
+def cache_violations(base: Path, entry_paths: list[Path], writable: bool) -> list:
+    """Trust-rule violations of one layer (schema dir ``base``): its root, the schema dir, (for the
+    writable cache) locks/ and tmp/, then each entry dir and library, each path once."""
+    from jitattn.jit.cache import LIBRARY_NAME
+    from jitattn.jit.trust import chain_violations
+
+    leaves = [base] + ([base / "locks", base / "tmp"] if writable else [])
+    for path in entry_paths:
+        leaves += [path, path / LIBRARY_NAME]
+    return chain_violations(base.parent, *leaves)
+
+
 def human_size(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(n) < 1024 or unit == "GiB":

@@ -66,8 +66,10 @@ def _short_error(error: str | None, lines: int = 12) -> str:
 def build_with_progress(specs: list, jobs: int, quiet: bool = False):
     """(results in spec order, interrupted) after building ``specs`` on ``jobs`` threads."""
     import jitattn.jit as jit
+    from jitattn.jit.build import reset_cancel
     from tqdm import tqdm
 
+    reset_cancel()
     stop = threading.Event()
     running: dict = {}  # spec -> start time, in start order
     lock = threading.Lock()
@@ -118,18 +120,25 @@ def build_with_progress(specs: list, jobs: int, quiet: bool = False):
     except KeyboardInterrupt:
         interrupted = True
         stop.set()
+        from jitattn.jit.build import cancel_builds
+
+        stopped = cancel_builds()  # kills the compilers now; their builds publish nothing
         pool.shutdown(wait=False, cancel_futures=True)
-        with lock:
-            n = len(running)
-        print(f"\njitattn-cache: interrupted; stopping {n} running build(s) (nothing half-built is published)",
-              file=sys.stderr)
+        print(f"\njitattn-cache: interrupted; stopped {stopped} running compile(s) (nothing half-built is "
+              "published)", file=sys.stderr)
+        # The workers notice within a fraction of a second (their compiler is gone, lock waits poll);
+        # collect what finished, but never wait long: the point of Ctrl-C is to stop.
+        deadline = time.monotonic() + 0.8
         try:
             for future in futures:
-                if not future.cancelled():
-                    try:
-                        result = future.result()
-                    except Exception:  # noqa: BLE001 - it was interrupted; the cache is what matters
-                        continue
+                left = deadline - time.monotonic()
+                if future.cancelled() or left <= 0:
+                    continue
+                try:
+                    result = future.result(timeout=left)
+                except Exception:  # noqa: BLE001 - it was interrupted; the cache is what matters
+                    continue
+                if result is not None and result.status != "failed":
                     results[futures[future]] = result
         except KeyboardInterrupt:
             pass
@@ -173,14 +182,17 @@ def cmd_warm(args: argparse.Namespace) -> int:
     elapsed = time.perf_counter() - started
     done = [r for r in results if r is not None]
     built = [r for r in done if r.status == "built"]
+    by_other = [r for r in done if r.status == "built-by-other"]
     cached = [r for r in done if r.status == "cached"]
     failed = [r for r in done if r.status == "failed"]
     if interrupted:
-        print(f"jitattn-cache warm: interrupted after {elapsed:.1f} s: {len(built)} built, {len(cached)} already "
-              f"cached, {len(specs) - len(built) - len(cached)} not built. The cache is consistent; run the same "
-              "command again to finish.", file=sys.stderr)
+        missing = len(specs) - len(built) - len(by_other) - len(cached)
+        print(f"jitattn-cache warm: interrupted after {elapsed:.1f} s: {len(built)} built, {len(by_other)} built by "
+              f"another process, {len(cached)} already cached, {missing} not built. The cache is consistent; run "
+              "the same command again to finish.", file=sys.stderr)
         return EXIT_INTERRUPTED
-    print(f"jitattn-cache warm: {len(built)} built, {len(cached)} already cached, {len(failed)} failed "
+    other = f", {len(by_other)} built by another process meanwhile" if by_other else ""
+    print(f"jitattn-cache warm: {len(built)} built{other}, {len(cached)} already cached, {len(failed)} failed "
           f"({len(specs)} specs, target {_targets(specs)}, -j {jobs}, {elapsed:.1f} s)")
     if failed:
         print(f"\n{len(failed)} build(s) failed:", file=sys.stderr)

@@ -1,7 +1,10 @@
 """Shared test setup.
 
-- The whole session uses one private cache dir (unless JITATTN_CACHE_DIR is
-  set), so tests share builds and never touch the user's cache.
+- The whole session shares one cache dir: ``JITATTN_TEST_CACHE_DIR`` when set
+  (reuse a cache warmed beforehand: ``.ci/run`` sets it after
+  ``jitattn-cache warm``), else ``JITATTN_CACHE_DIR`` when set, else a private
+  temp dir that is removed when the session ends. Tests that count builds or
+  break things take the ``fresh_cache`` fixture: an empty cache of their own.
 - ``@pytest.mark.gpu`` tests are skipped without CUDA.
 - The terminal summary reports how many cold builds this process ran.
 """
@@ -9,15 +12,34 @@
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 
 import pytest
 import torch
 
 
+TEST_CACHE_VAR = "JITATTN_TEST_CACHE_DIR"
+_created_cache: str | None = None  # the temp cache this session made (removed at the end)
+
+
 def pytest_configure(config: pytest.Config) -> None:
-    if not os.environ.get("JITATTN_CACHE_DIR"):
-        os.environ["JITATTN_CACHE_DIR"] = tempfile.mkdtemp(prefix="jitattn-test-cache-")
+    global _created_cache
+    reuse = os.environ.get(TEST_CACHE_VAR)
+    if reuse:
+        os.environ["JITATTN_CACHE_DIR"] = reuse
+    elif not os.environ.get("JITATTN_CACHE_DIR"):
+        _created_cache = tempfile.mkdtemp(prefix="jitattn-test-cache-")
+        os.environ["JITATTN_CACHE_DIR"] = _created_cache
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    global _created_cache
+    if _created_cache is not None:
+        shutil.rmtree(_created_cache, ignore_errors=True)
+        if os.environ.get("JITATTN_CACHE_DIR") == _created_cache:
+            del os.environ["JITATTN_CACHE_DIR"]
+        _created_cache = None
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -63,9 +85,11 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
     import jitattn.jit
 
+    cache = os.environ.get("JITATTN_CACHE_DIR")
+    how = ("reused from " + TEST_CACHE_VAR if os.environ.get(TEST_CACHE_VAR)
+           else "a temp dir, removed at exit" if cache == _created_cache else "JITATTN_CACHE_DIR")
     terminalreporter.write_line(
-        f"jitattn: {jitattn.jit.compile_count()} cold builds in this test process "
-        f"(cache: {os.environ.get('JITATTN_CACHE_DIR')})"
+        f"jitattn: {jitattn.jit.compile_count()} cold builds in this test process (cache: {cache}; {how})"
     )
 
 

@@ -45,8 +45,103 @@ def params_entry(variant: AttentionVariant) -> Entry:
     return Entry("variant", param_fields(variant))
 
 
-def header(spec: VariantSpec) -> str:
-    """The text of ``variant.h`` for ``spec`` (which has a variant)."""
+FAULT_SYMBOL = "jitattn_variant_debug_fault"
+
+
+def _debug_support(spec: VariantSpec) -> list[str]:
+    """JITATTN_DEBUG=1: the fault record, the checked accessor and the host function that reads the record.
+
+    An out-of-bounds read (or a read through an omitted optional tensor) records
+    the first fault -- hook, parameter, index, size -- and yields 0 instead of
+    touching memory; after each launch the loader calls ``jitattn_variant_debug_fault``
+    and raises KernelError with that report. One translation unit includes this
+    header, so the definitions below are not duplicated.
+    """
+    variant = spec.variant
+    cuda = spec.target is Target.CUDA
+    hooks = ", ".join(f'"{h}"' for h in HOOKS)
+    params = ", ".join(f'"{p.name}"' for p in variant.params) or '""'
+    space = "__device__ " if cuda else ""
+    lines = [
+        "// JITATTN_DEBUG=1: tensor parameters are bounds-checked accessors (jitattn.families.variant).",
+        "#include <stdio.h>",
+        "struct JitattnFault { int set; int hook; int param; long long index; long long size; };",
+        f"static {space}JitattnFault jitattn_fault;",
+        f"static const char* const jitattn_fault_hooks[] = {{{hooks}}};",
+        f"static const char* const jitattn_fault_params[] = {{{params}}};",
+        "JITATTN_VARIANT_FN void jitattn_report_fault(int hook, int param, long long index, long long size) {",
+    ]
+    if cuda:
+        lines += [
+            "  if (atomicCAS(&jitattn_fault.set, 0, 1) == 0) {",
+            "    jitattn_fault.hook = hook; jitattn_fault.param = param;",
+            "    jitattn_fault.index = index; jitattn_fault.size = size;",
+            "    __threadfence();",
+            "  }",
+        ]
+    else:
+        lines += [
+            "  int expected = 0;",
+            "  if (__atomic_compare_exchange_n(&jitattn_fault.set, &expected, 1, false, __ATOMIC_ACQ_REL,",
+            "                                  __ATOMIC_ACQUIRE)) {",
+            "    jitattn_fault.hook = hook; jitattn_fault.param = param;",
+            "    jitattn_fault.index = index; jitattn_fault.size = size;",
+            "  }",
+        ]
+    lines += [
+        "}",
+        "template <typename T>",
+        "struct JitattnChecked {",
+        "  const T* ptr; int64_t size; int hook; int param;",
+        "  JITATTN_VARIANT_FN T operator[](int64_t i) const {",
+        "    if (ptr == nullptr || i < 0 || i >= size) { jitattn_report_fault(hook, param, i, size); return T(); }",
+        "    return ptr[i];",
+        "  }",
+        "  JITATTN_VARIANT_FN T operator*() const { return (*this)[0]; }",
+        "  JITATTN_VARIANT_FN explicit operator bool() const { return ptr != nullptr; }",
+        "  JITATTN_VARIANT_FN bool operator==(decltype(nullptr)) const { return ptr == nullptr; }",
+        "  JITATTN_VARIANT_FN bool operator!=(decltype(nullptr)) const { return ptr != nullptr; }",
+        "};",
+        f'extern "C" __attribute__((visibility("default"))) int {FAULT_SYMBOL}(char* err, int err_len) {{',
+        "  JitattnFault fault;",
+    ]
+    if cuda:
+        lines += [
+            "  if (cudaMemcpyFromSymbol(&fault, jitattn_fault, sizeof(fault)) != cudaSuccess) return 0;",
+            "  if (!fault.set) return 0;",
+            "  const JitattnFault cleared = {0, 0, 0, 0, 0};",
+            "  cudaMemcpyToSymbol(jitattn_fault, &cleared, sizeof(cleared));",
+        ]
+    else:
+        lines += [
+            "  fault = jitattn_fault;",
+            "  if (!fault.set) return 0;",
+            "  jitattn_fault = JitattnFault{0, 0, 0, 0, 0};",
+        ]
+    lines += [
+        "  const char* param = jitattn_fault_params[fault.param];",
+        "  if (fault.size == 0)",
+        f'    snprintf(err, err_len, "variant {variant.name!r}: %s read %s[%lld], but %s is empty or was omitted "',
+        '             "(an optional tensor not passed to run()); the output of this launch is not meaningful",',
+        "             jitattn_fault_hooks[fault.hook], param, fault.index, param);",
+        "  else",
+        f'    snprintf(err, err_len, "variant {variant.name!r}: %s read %s[%lld] out of bounds (%s has %lld "',
+        '             "elements, valid indices 0..%lld); the read returned 0 and the output of this launch is not "',
+        '             "meaningful", jitattn_fault_hooks[fault.hook], param, fault.index, param, fault.size,',
+        "             fault.size - 1);",
+        "  return 1;",
+        "}",
+        "",
+    ]
+    return lines
+
+
+def header(spec: VariantSpec, debug: bool = False) -> str:
+    """The text of ``variant.h`` for ``spec`` (which has a variant).
+
+    ``debug`` (JITATTN_DEBUG=1) binds each tensor parameter as a bounds-checked
+    accessor instead of a raw pointer; without it the text is what it always was.
+    """
     variant = spec.variant
     entry = params_entry(variant)
     lines = [
@@ -59,17 +154,28 @@ def header(spec: VariantSpec) -> str:
     ]
     lines += [f"  {_KINDS[f.kind][0]} {f.name};" for f in entry.fields]
     lines += ["};", "", f"#define JITATTN_VARIANT_FN {_QUALIFIER[spec.target]}", ""]
-    # Locals each function binds: typed tensor pointers, sizes, scalars.
-    bindings = []
-    for param in variant.params:
-        if param.rank == 0:
-            bindings.append(f"  [[maybe_unused]] const {param.c_type} {param.name} = vp.{param.name};")
-        else:
-            bindings.append(f"  [[maybe_unused]] const {param.c_type}* const {param.name} = "
-                            f"static_cast<const {param.c_type}*>(vp.{param.name});")
-            bindings += [f"  [[maybe_unused]] const int64_t {param.name}_size{d} = vp.{param.name}_size{d};"
-                         for d in range(param.rank)]
-    for hook in HOOKS:
+    if debug:
+        lines += _debug_support(spec)
+
+    def bindings(hook_id: int) -> list[str]:
+        # Locals each function binds: typed tensor pointers (or checked accessors), sizes, scalars.
+        out = []
+        for param_id, param in enumerate(variant.params):
+            if param.rank == 0:
+                out.append(f"  [[maybe_unused]] const {param.c_type} {param.name} = vp.{param.name};")
+            elif debug:
+                size = " * ".join(f"vp.{param.name}_size{d}" for d in range(param.rank))
+                out.append(f"  [[maybe_unused]] const JitattnChecked<{param.c_type}> {param.name}{{"
+                           f"static_cast<const {param.c_type}*>(vp.{param.name}), {size}, {hook_id}, {param_id}}};")
+            else:
+                out.append(f"  [[maybe_unused]] const {param.c_type}* const {param.name} = "
+                           f"static_cast<const {param.c_type}*>(vp.{param.name});")
+            if param.rank:
+                out += [f"  [[maybe_unused]] const int64_t {param.name}_size{d} = vp.{param.name}_size{d};"
+                        for d in range(param.rank)]
+        return out
+
+    for hook_id, hook in enumerate(HOOKS):
         text = getattr(variant, hook)
         if text is None:
             continue
@@ -77,7 +183,7 @@ def header(spec: VariantSpec) -> str:
         args = [f"const {entry.struct_name}& vp", f"[[maybe_unused]] float {value}"]
         args += [f"[[maybe_unused]] int64_t {name}" for name in indices]
         lines.append(f"JITATTN_VARIANT_FN {ret} variant_{hook}({', '.join(args)}) {{")
-        lines += bindings
+        lines += bindings(hook_id)
         lines.append(f"  return static_cast<{ret}>(")
         lines.append(f'#line 1 "{hook}"')
         lines += text.splitlines()
@@ -86,6 +192,25 @@ def header(spec: VariantSpec) -> str:
         lines.append("}")
         lines.append("")
     return "\n".join(lines) + "\n"
+
+
+def snippet_ends(header_text: str) -> dict[int, str]:
+    """{line of variant.h: hook} for the lines that close a snippet's expression (``  );`` and ``}``).
+
+    A snippet that ends too early (``logits * (2.0f +``) makes the compiler
+    report the closing line; this maps it back to the hook.
+    """
+    ends: dict[int, str] = {}
+    hook = None
+    for number, line in enumerate(header_text.splitlines(), start=1):
+        match = re.match(r"^JITATTN_VARIANT_FN \w+ variant_(\w+)\(", line)
+        if match:
+            hook = match.group(1)
+        elif hook is not None and line in ("  );", "}"):
+            ends[number] = hook
+            if line == "}":
+                hook = None
+    return ends
 
 
 def context(spec: VariantSpec) -> dict[str, Any]:
@@ -106,43 +231,76 @@ _LOCATION = re.compile(
     r"^(?P<hook>" + "|".join(HOOKS) + r")(?::(?P<line>\d+)(?::(?P<col>\d+))?|\((?P<nline>\d+)\))"
     r":?\s*(?P<message>.*)$"
 )
+# A diagnostic at the line that closes a snippet's expression (gcc/clang "variant.h:17:3: ...", nvcc
+# "variant.h(17): ...").
+_HEADER_LOCATION = re.compile(
+    r"^(?:.*/)?" + re.escape(HEADER_NAME) + r"(?::(?P<line>\d+)(?::(?P<col>\d+))?|\((?P<nline>\d+)\))"
+    r":?\s*(?P<message>.*)$"
+)
+DEBUG_HINT = ("a snippet that compiles but crashes the process (an index out of bounds) can be run with "
+              "JITATTN_DEBUG=1: parameter reads are then bounds-checked and reported with the hook, the parameter "
+              "and the index")
 
 
-def explain_build_error(spec: VariantSpec, message: str) -> str:
+def _clean(message: str) -> str:
+    # gcc quotes with typographic quotes; keep the report plain ASCII.
+    return message.strip().replace("\u2018", "'").replace("\u2019", "'")
+
+
+def explain_build_error(spec: VariantSpec, message: str, header_text: str | None = None) -> str:
     """A compiler failure of ``spec``'s build, led by the snippet lines it points into.
 
+    Each diagnostic inside a snippet (or at the end of one: an unfinished
+    expression is reported where the snippet's expression is closed) becomes
+    "hook, line N[, column C]: message" with the snippet's line and a caret.
     Returns ``message`` unchanged when no diagnostic names a snippet (the
     failure is then in jitattn's own code, and the full output is what helps).
+    ``header_text``: the ``variant.h`` that was compiled (default: the non-debug one).
     """
     variant = spec.variant
     if variant is None:
         return message
+    ends = snippet_ends(header_text or header(spec)) if HEADER_NAME in message else {}
     found: list[str] = []
     for raw in message.splitlines():
-        match = _LOCATION.match(raw.strip())
-        if not match:
-            continue
-        hook = match["hook"]
-        line_no = int(match["line"] or match["nline"])
+        text = raw.strip()
+        match = _LOCATION.match(text)
+        at_end = False
+        if match:
+            hook = match["hook"]
+            line_no = int(match["line"] or match["nline"])
+            col = int(match["col"]) if match["col"] else None
+        else:
+            match = _HEADER_LOCATION.match(text)
+            if not match or int(match["line"] or match["nline"]) not in ends:
+                continue
+            hook = ends[int(match["line"] or match["nline"])]
+            line_no = len((getattr(variant, hook) or "").splitlines()) or 1
+            col, at_end = None, True
+        if match["message"].strip().startswith("note"):
+            continue  # notes repeat a location without news
         snippet_lines = (getattr(variant, hook) or "").splitlines()
         code = snippet_lines[line_no - 1] if 0 < line_no <= len(snippet_lines) else ""
+        if at_end:
+            col = len(code) + 1
         pointer = ""
-        if match["col"] and code:
-            pointer = "\n      " + " " * (int(match["col"]) - 1) + "^"
-        item = (f"  {hook}, line {line_no}: {match['message'].strip()}\n"
+        if col and code:
+            pointer = "\n      " + " " * (col - 1) + "^"
+        note = " (at the end of the snippet: the expression is unfinished)" if at_end else ""
+        item = (f"  {hook}, line {line_no}: {_clean(match['message'])}{note}\n"
                 f"    | {code}{pointer}")
         if item not in found:
             found.append(item)
     if not found:
-        return message
+        return message + "\n(" + DEBUG_HINT + ")" if "compile failed" in message else message
     return (
         f"variant {variant.name!r} does not compile for target {spec.target.value!r}:\n" + "\n".join(found)
-        + "\n(snippets are C++ expressions over the variables documented in jitattn.variant)\n"
+        + "\n(snippets are C++ expressions over the variables documented in jitattn.variant; " + DEBUG_HINT + ")\n"
         + _source_note(message)
     )
 
 
 def _source_note(message: str) -> str:
-    """The BuildError's last line, which names the kept build directory (the full output is there)."""
-    last = message.strip().splitlines()[-1] if message.strip() else ""
-    return last if last.startswith("(rendered source") else ""
+    """The BuildError's closing lines, which name the full log and the kept build directory."""
+    notes = [line for line in message.strip().splitlines() if line.startswith(("(full log", "(rendered source"))]
+    return "\n".join(notes)

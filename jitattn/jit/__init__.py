@@ -16,7 +16,7 @@ from typing import Callable, Iterable
 from .. import env
 from ..spec import VariantSpec
 from .build import compile_count
-from .cache import BuildPlan, build_entry, find_entry, plan_build
+from .cache import BuildPlan, build_entry, build_or_find_entry, find_entry, plan_build
 from .errors import BuildError, CacheError, CompileDisabledError, JitError, KernelError
 from .loader import Module
 from .render import render
@@ -24,7 +24,7 @@ from .toolchain import ToolchainError, default_jobs
 
 __all__ = [
     "BuildError", "BuildResult", "CacheError", "CompileDisabledError", "JitError", "KernelError", "Module",
-    "ToolchainError", "build_many", "compile_count", "load", "render",
+    "ToolchainError", "build_many", "compile_count", "load", "render", "warm_command",
 ]
 
 _registry: dict[VariantSpec, Module] = {}
@@ -32,22 +32,46 @@ _registry_lock = threading.Lock()  # guards _spec_locks; never held during a bui
 _spec_locks: dict[VariantSpec, threading.Lock] = {}
 
 
+def warm_command(spec: VariantSpec) -> str:
+    """A ``jitattn-cache warm`` command line that builds exactly ``spec`` (safe to paste into a shell).
+
+    A spec whose uri the CLI can parse back is named by its uri; one with a
+    custom variant (its uri holds only a hash of the snippets) by its JSON form.
+    """
+    import json
+    import shlex
+
+    from ..spec import parse_spec_text
+
+    try:
+        if parse_spec_text(spec.uri) == spec:
+            return f"jitattn-cache warm --spec {shlex.quote(spec.uri)}"
+    except (ValueError, TypeError, KeyError, IndexError):
+        pass
+    text = json.dumps(spec.to_dict(), sort_keys=True, separators=(",", ":"))
+    return f"jitattn-cache warm --spec {shlex.quote(text)}"
+
+
 def _refuse_compile_if_asked(spec: VariantSpec) -> None:
     if env.assert_no_compile():
         raise CompileDisabledError(
             f"{spec.uri} is not in the cache and JITATTN_ASSERT_NO_COMPILE=1 forbids compiling it; "
-            f"pre-build it (jitattn-cache warm --spec '{spec.uri}') or unset JITATTN_ASSERT_NO_COMPILE"
+            f"pre-build it ({warm_command(spec)}) or unset JITATTN_ASSERT_NO_COMPILE"
         )
 
 
 def _ensure_built(plan: BuildPlan, jobs: int) -> tuple[str, float]:
-    """('cached' | 'built', seconds) after making sure ``plan`` has an entry."""
+    """(status, seconds) after making sure ``plan`` has an entry.
+
+    status: 'cached' (there before), 'built' (this process compiled it) or
+    'built-by-other' (another process published it while this one waited for its lock).
+    """
     if find_entry(plan) is not None:
         return "cached", 0.0
     _refuse_compile_if_asked(plan.spec)
     started = time.perf_counter()
-    build_entry(plan, jobs=jobs)
-    return "built", time.perf_counter() - started
+    _, built = build_or_find_entry(plan, jobs=jobs)
+    return ("built" if built else "built-by-other"), time.perf_counter() - started
 
 
 def load(spec: VariantSpec) -> Module:
@@ -77,7 +101,7 @@ def load(spec: VariantSpec) -> Module:
 @dataclass(frozen=True)
 class BuildResult:
     spec: VariantSpec
-    status: str  # "cached", "built" or "failed"
+    status: str  # "cached", "built", "built-by-other" (published by another process meanwhile) or "failed"
     seconds: float
     error: str | None = None
 

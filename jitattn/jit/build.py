@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import threading
 from pathlib import Path
@@ -71,19 +72,123 @@ def write_ninja(
     return path
 
 
+BUILD_LOG = "build.log"
+_cancelled = threading.Event()
+_running: set[subprocess.Popen] = set()
+_running_lock = threading.Lock()
+
+
+class BuildCancelled(BuildError):
+    """The build was stopped by ``cancel_builds()`` (Ctrl-C in ``jitattn-cache warm``); nothing was published."""
+
+
+def cancel_builds() -> int:
+    """Stop every compile this process is running, now, and refuse new ones; returns how many were stopped.
+
+    Each ninja runs in a session of its own and starts every command in a
+    process group of its own; ninja and each of those groups get SIGKILL, so no
+    compiler outlives the call. Builds raise ``BuildCancelled`` and publish nothing.
+    ``reset_cancel()`` allows builds again.
+    """
+    _cancelled.set()
+    with _running_lock:
+        procs = list(_running)
+    for proc in procs:
+        _kill_tree(proc.pid)
+    return len(procs)
+
+
+def _process_groups_below(pid: int) -> set[int]:
+    """Process groups of ``pid``'s descendants (Linux /proc; empty elsewhere).
+
+    ninja starts each command in a process group of its own (so a terminal's
+    Ctrl-C reaches ninja alone); killing ninja's group would leave the compilers
+    running, so their groups are killed too.
+    """
+    children: dict[int, list[tuple[int, int]]] = {}
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return set()
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        children.setdefault(int(fields[1]), []).append((int(name), int(fields[2])))
+    groups, pending = set(), [pid]
+    while pending:
+        for child, group in children.get(pending.pop(), []):
+            groups.add(group)
+            pending.append(child)
+    return groups
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL ninja (``pid``, leader of its own session) and every compiler it started."""
+    groups = _process_groups_below(pid) | {pid}
+    groups.discard(os.getpgrp())  # never our own group
+    for group in groups:
+        try:
+            os.killpg(group, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def reset_cancel() -> None:
+    """Allow builds again after ``cancel_builds()``."""
+    _cancelled.clear()
+
+
+def build_cancelled() -> bool:
+    return _cancelled.is_set()
+
+
+def raise_if_cancelled(what: str) -> None:
+    if _cancelled.is_set():
+        raise BuildCancelled(f"{what}: build cancelled (interrupted); nothing was published")
+
+
 def run_ninja(work_dir: Path, jobs: int, source_path: Path) -> None:
-    """Run ninja in ``work_dir``; on failure raise BuildError with the compiler's message."""
+    """Run ninja in ``work_dir``; on failure raise BuildError with the compiler's message.
+
+    The full output is kept in ``work_dir/build.log``; the message names it.
+    """
     global _compile_count
+    raise_if_cancelled(str(source_path))
     with _count_lock:
         _compile_count += 1
     env = dict(os.environ)
     env.pop("MAKEFLAGS", None)
-    proc = subprocess.run(
-        [_ninja(), "-C", str(work_dir), "-j", str(max(1, jobs))],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-    )
-    if proc.returncode != 0:
-        output = proc.stdout.strip()
-        if len(output) > 20000:
-            output = output[:4000] + "\n...\n" + output[-16000:]
-        raise BuildError(f"compile failed for {source_path}:\n{output}\n(rendered source: {source_path})")
+    log_path = work_dir / BUILD_LOG
+    with open(log_path, "w+") as log:
+        proc = subprocess.Popen(
+            [_ninja(), "-C", str(work_dir), "-j", str(max(1, jobs))],
+            stdout=log, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True,
+        )
+        with _running_lock:
+            _running.add(proc)
+        try:
+            if _cancelled.is_set():  # cancelled between the check above and the start
+                _kill_tree(proc.pid)
+            returncode = proc.wait()
+        except BaseException:
+            _kill_tree(proc.pid)
+            proc.wait()
+            raise
+        finally:
+            with _running_lock:
+                _running.discard(proc)
+        if _cancelled.is_set():
+            raise BuildCancelled(f"{source_path}: build cancelled (interrupted); nothing was published")
+        if returncode == 0:
+            return
+        log.seek(0)
+        output = log.read().strip()
+    if len(output) > 20000:
+        output = output[:4000] + "\n...\n" + output[-16000:]
+    raise BuildError(f"compile failed for {source_path}:\n{output}\n(full log: {log_path})\n"
+                     f"(rendered source: {source_path})")

@@ -35,7 +35,8 @@ from ..families import family
 from ..log import get_logger
 from ..spec import Target, VariantSpec
 from . import toolchain as tc
-from .build import LIBRARY_NAME, run_ninja, write_ninja
+from . import trust
+from .build import LIBRARY_NAME, build_cancelled, raise_if_cancelled, run_ninja, write_ninja
 from .errors import BuildError, CacheError
 from .loader import check_library
 from ..families.variant import explain_build_error
@@ -100,30 +101,22 @@ def plan_build(spec: VariantSpec) -> BuildPlan:
 
 
 def _unsafe_reason(path: Path) -> str | None:
-    """Why loading code from ``path`` would be unsafe, or None."""
-    st = path.stat()
-    if st.st_uid not in (os.getuid(), 0):
-        return f"{path} is owned by uid {st.st_uid}, not by you or root"
-    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        return f"{path} is writable by other users (mode {stat.filemode(st.st_mode)})"
-    return None
-
-
-def _check_safe(path: Path, what: str) -> None:
-    reason = _unsafe_reason(path)
-    if reason is not None:
-        raise CacheError(
-            f"refusing to load kernels from {what}: {reason}; loading a library from it would run code "
-            f"others can change. Fix the permissions (chmod go-w) or remove it"
-        )
+    """Why loading code from ``path`` would be unsafe (with the fix), or None."""
+    found = trust.violations(path, follow_links=True)
+    return "; ".join(str(v) for v in found) if found else None
 
 
 def writable_root() -> Path:
-    """The writable cache root's schema dir, created private (0700) if missing."""
+    """The writable cache root's schema dir, created private (0700) if missing.
+
+    Raises CacheError when it cannot be created, is not writable, or breaks the
+    trust rule anywhere from the root to ``locks/`` and ``tmp/`` (checked before
+    every build and every write).
+    """
     root = env.cache_dir()
+    base = root / SCHEMA
     try:
         root.mkdir(mode=0o700, parents=True, exist_ok=True)
-        base = root / SCHEMA
         for sub in (base, base / "locks", base / "tmp"):
             sub.mkdir(mode=0o700, exist_ok=True)
     except OSError as exc:
@@ -133,7 +126,7 @@ def writable_root() -> Path:
         ) from None
     if not os.access(root, os.W_OK | os.X_OK) or not os.access(base, os.W_OK | os.X_OK):
         raise CacheError(f"the jitattn cache at {root} is not writable; set JITATTN_CACHE_DIR to a writable directory")
-    _check_safe(root, "cache root (JITATTN_CACHE_DIR)")
+    trust.require_trusted(root, base / "locks", base / "tmp", action="build in")
     return base
 
 
@@ -183,13 +176,13 @@ def find_entry(plan: BuildPlan) -> Path | None:
         entry_dir = base / plan.name
         if not (entry_dir / MANIFEST).exists():
             continue
-        _check_safe(base.parent, "cache layer")
-        # Whoever can write the schema dir can swap entries in and out of it.
-        _check_safe(base, "cache layer")
-        _check_safe(entry_dir, "cache entry")
+        # Whoever can write a directory on the way can swap entries in and out of it; the writable
+        # cache's locks/ and tmp/ are held to the same rule as on the build path.
+        extra = (base / "locks", base / "tmp") if base == layers()[-1] else ()
+        trust.require_trusted(base.parent, entry_dir, *extra, action="load a kernel from")
         problem = entry_problem(entry_dir, plan.key)
         if problem is None:
-            _check_safe(entry_dir / LIBRARY_NAME, "cache entry library")
+            trust.require_trusted(base.parent, entry_dir / LIBRARY_NAME, action="load a kernel from")
             return entry_dir
         log.warning("ignoring cache entry %s: %s", entry_dir, problem)
     return None
@@ -204,7 +197,13 @@ def build_entry(plan: BuildPlan, jobs: int = 1) -> Path:
     Exactly one process builds a given key at a time; the others wait on the
     lock, then find the published entry.
     """
+    return build_or_find_entry(plan, jobs)[0]
+
+
+def build_or_find_entry(plan: BuildPlan, jobs: int = 1) -> tuple[Path, bool]:
+    """(entry dir, True if this call built it) -- False: another process published it while we waited."""
     base = writable_root()
+    root = base.parent
     entry_dir = base / plan.name
     lock = filelock.FileLock(str(base / "locks" / (plan.name + ".lock")))
     log = get_logger()
@@ -212,25 +211,76 @@ def build_entry(plan: BuildPlan, jobs: int = 1) -> Path:
         lock.acquire(timeout=2)
     except filelock.Timeout:
         log.info("waiting for another process building %s", plan.spec.uri)
-        lock.acquire()
+        while True:  # poll so that a cancelled build (Ctrl-C in `jitattn-cache warm`) stops waiting
+            raise_if_cancelled(plan.spec.uri)
+            try:
+                lock.acquire(timeout=0.2)
+                break
+            except filelock.Timeout:
+                continue
     try:
         if (entry_dir / MANIFEST).exists() and entry_problem(entry_dir, plan.key) is None:
-            return entry_dir
+            trust.require_trusted(root, entry_dir / LIBRARY_NAME, action="load a kernel from")
+            _forget_failure(base, plan.name)
+            return entry_dir, False
         _remove_stale_temps(base, plan.name)
         started = time.perf_counter()
         work_dir = _build_in_temp(base, plan, jobs)
-        seconds = time.perf_counter() - started
-        _write_manifest(work_dir, plan, seconds)
-        _point_build_file_at(work_dir, entry_dir)
-        if entry_dir.exists():  # a corrupted or stale entry: move it out of the way first
-            trash = base / "tmp" / f"{plan.name}.trash-{uuid.uuid4().hex[:8]}"
-            os.replace(entry_dir, trash)
-            shutil.rmtree(trash, ignore_errors=True)
-        os.replace(work_dir, entry_dir)
+        try:
+            seconds = time.perf_counter() - started
+            _write_manifest(work_dir, plan, seconds)
+            _point_build_file_at(work_dir, entry_dir)
+            raise_if_cancelled(plan.spec.uri)
+            # The last check before the rename: nobody else can have changed the path in the meantime.
+            trust.require_trusted(root, work_dir, entry_dir.parent, action="publish into")
+            if entry_dir.exists():  # a corrupted or stale entry: move it out of the way first
+                trash = base / "tmp" / f"{plan.name}.trash-{uuid.uuid4().hex[:8]}"
+                os.replace(entry_dir, trash)
+                shutil.rmtree(trash, ignore_errors=True)
+            os.replace(work_dir, entry_dir)
+        except OSError as exc:
+            raise write_error(exc, f"the cache entry of {plan.spec.uri}", work_dir) from None
+        finally:
+            if work_dir.exists():  # not published: leave no partial entry behind
+                shutil.rmtree(work_dir, ignore_errors=True)
+        _forget_failure(base, plan.name)
         log.info("built %s in %.1f s -> %s", plan.spec.uri, seconds, entry_dir)
-        return entry_dir
+        return entry_dir, True
     finally:
         lock.release()
+
+
+def write_error(exc: OSError, what: str, where: Path) -> CacheError:
+    """One readable CacheError for a failed write: what, where, the free space and what to do."""
+    import errno
+
+    target = Path(getattr(exc, "filename", None) or where)
+    probe = target
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        free = shutil.disk_usage(probe).free
+        free_text = (f"{free / (1 << 20):.1f} MiB" if free >= 1 << 20 else f"{free // 1024} KiB") + \
+            " free on that filesystem"
+    except OSError:
+        free_text = "free space unknown"
+    reason = exc.strerror or str(exc)
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        advice = ("free some space (`jitattn-cache prune --max-size 1G` removes old kernels) or set "
+                  "JITATTN_CACHE_DIR to a disk with room")
+    elif exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        advice = "the cache is not writable there: fix its permissions or set JITATTN_CACHE_DIR to a writable directory"
+    else:
+        advice = "check the disk, then try again (or set JITATTN_CACHE_DIR to another directory)"
+    return CacheError(
+        f"could not write {what} to {target}: {reason} ({free_text}). Nothing was published and the cache is "
+        f"still usable; {advice}"
+    )
+
+
+def _forget_failure(base: Path, name: str) -> None:
+    # Once the entry exists, a failure kept from an earlier attempt only misleads.
+    shutil.rmtree(base / "failed" / name, ignore_errors=True)
 
 
 def _remove_stale_temps(base: Path, name: str) -> None:
@@ -241,33 +291,51 @@ def _remove_stale_temps(base: Path, name: str) -> None:
 
 def _build_in_temp(base: Path, plan: BuildPlan, jobs: int) -> Path:
     toolchain = tc.probe(plan.spec.target)
-    work_dir = Path(tempfile.mkdtemp(prefix=plan.name + ".", dir=base / "tmp"))
+    raise_if_cancelled(plan.spec.uri)
     try:
-        (work_dir / "sources").mkdir()
-        (work_dir / "obj").mkdir()
-        for name, text in plan.sources.items():
-            (work_dir / "sources" / name).write_text(text)
-        main_sources = [n for n in plan.sources if not n.endswith(".h")]
-        write_ninja(work_dir, main_sources, plan.spec.target, toolchain, plan.cflags, plan.ldflags,
-                    include_dir(plan.spec.target.value))
+        work_dir = Path(tempfile.mkdtemp(prefix=plan.name + ".", dir=base / "tmp"))
+    except OSError as exc:
+        raise write_error(exc, f"the build directory of {plan.spec.uri}", base / "tmp") from None
+    done = False
+    try:
+        trust.require_trusted(base.parent, work_dir, action="build in")
+        try:
+            (work_dir / "sources").mkdir()
+            (work_dir / "obj").mkdir()
+            for name, text in plan.sources.items():
+                (work_dir / "sources" / name).write_text(text)
+            main_sources = [n for n in plan.sources if not n.endswith(".h")]
+            write_ninja(work_dir, main_sources, plan.spec.target, toolchain, plan.cflags, plan.ldflags,
+                        include_dir(plan.spec.target.value))
+        except OSError as exc:
+            raise write_error(exc, f"the sources of {plan.spec.uri}", work_dir) from None
         try:
             run_ninja(work_dir, jobs, work_dir / "sources" / main_sources[0])
         except BuildError as exc:
+            if build_cancelled():
+                raise
+            if "No space left on device" in str(exc):
+                raise write_error(OSError(28, "No space left on device", str(work_dir)),
+                                  f"the compiler's output for {plan.spec.uri}", work_dir) from None
             kept = _keep_failed(base, plan, work_dir)
-            raise BuildError(explain_build_error(plan.spec, str(exc).replace(str(work_dir), str(kept)))) from None
+            if isinstance(kept, Path):
+                text = str(exc).replace(str(work_dir), str(kept))
+            else:  # the files named in the message are removed with the temp dir: say so
+                text = f"{exc}\n(the failed build could not be kept for inspection: {kept}; it was removed)"
+            raise BuildError(explain_build_error(plan.spec, text, plan.sources.get("variant.h"))) from None
         try:
             check_library(work_dir / LIBRARY_NAME, plan.spec.uri, plan.entries)
         except (OSError, RuntimeError, AttributeError) as exc:
             raise BuildError(f"{plan.spec.uri}: the built library does not load or lacks a symbol: {exc}") from None
         shutil.rmtree(work_dir / "obj", ignore_errors=True)
         _drop_shared_write_bits(work_dir)
+        done = True
         return work_dir
     except OSError as exc:
-        shutil.rmtree(work_dir, ignore_errors=True)
-        raise CacheError(f"building {plan.spec.uri} in {work_dir} failed: {exc} (is the disk full?)") from None
-    except BaseException:
-        shutil.rmtree(work_dir, ignore_errors=True)
-        raise
+        raise write_error(exc, f"the build of {plan.spec.uri}", work_dir) from None
+    finally:
+        if not done:  # failed, cancelled or interrupted: nothing of it stays in tmp/
+            shutil.rmtree(work_dir, ignore_errors=True)
 
 
 def _point_build_file_at(work_dir: Path, final_dir: Path) -> None:
@@ -284,13 +352,20 @@ def _drop_shared_write_bits(work_dir: Path) -> None:
             os.chmod(path, mode & ~(stat.S_IWGRP | stat.S_IWOTH))
 
 
-def _keep_failed(base: Path, plan: BuildPlan, work_dir: Path) -> Path:
-    """Move a failed build where the user can read it; returns its new path."""
+def _keep_failed(base: Path, plan: BuildPlan, work_dir: Path) -> Path | str:
+    """Move a failed build where the user can read it; returns its new path, or why it could not.
+
+    A rename, not a copy: it needs no disk space, and the full compiler log
+    (``build.log``) goes with it.
+    """
     failed = base / "failed" / plan.name
-    failed.parent.mkdir(mode=0o700, exist_ok=True)
-    shutil.rmtree(failed, ignore_errors=True)
-    _point_build_file_at(work_dir, failed)
-    shutil.copytree(work_dir, failed)
+    try:
+        failed.parent.mkdir(mode=0o700, exist_ok=True)
+        shutil.rmtree(failed, ignore_errors=True)
+        _point_build_file_at(work_dir, failed)
+        os.replace(work_dir, failed)
+    except OSError as exc:
+        return exc.strerror or str(exc)
     return failed
 
 
@@ -402,6 +477,7 @@ def publish_entry(base: Path, staged: Path, timeout: float | None = None) -> str
     lock = entry_lock(base, staged.name)
     lock.acquire(timeout=-1 if timeout is None else timeout)
     try:
+        trust.require_trusted(base.parent, base / "locks", base / "tmp", staged, action="publish into")
         if entry_dir.exists() and entry_problem(entry_dir) is None:
             shutil.rmtree(staged, ignore_errors=True)
             return "present"

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from ..abi import ABI_VERSION, Entry, ctypes_struct
 from ..spec import VariantSpec
+from ..families.variant import FAULT_SYMBOL
 from .errors import KernelError
 
 _ERR_LEN = 1024
@@ -28,6 +29,13 @@ class Module:
             function.restype = ctypes.c_int
             self._functions[entry.name] = (function, struct, frozenset(f.name for f in entry.fields))
         self._err = ctypes.create_string_buffer(_ERR_LEN)  # written only when a launch fails
+        # A JITATTN_DEBUG=1 build of a custom variant records out-of-bounds parameter reads; read it after each call.
+        try:
+            self._fault = getattr(self._lib, FAULT_SYMBOL)
+            self._fault.argtypes = [ctypes.c_char_p, ctypes.c_int]
+            self._fault.restype = ctypes.c_int
+        except AttributeError:
+            self._fault = None
 
     @property
     def entry_names(self) -> tuple[str, ...]:
@@ -45,6 +53,9 @@ class Module:
         """Call ``entry`` with a filled params struct; a non-zero return raises KernelError."""
         function = self._functions[entry][0]
         rc = function(ctypes.byref(params), stream, self._err, _ERR_LEN)
+        if rc == 0 and self._fault is not None and self._fault(self._err, _ERR_LEN):
+            raise KernelError(f"{self.spec.kernel_name} ({entry}): {self._err.value.decode(errors='replace')} "
+                              "(reported by the JITATTN_DEBUG=1 bounds checks)")
         if rc != 0:
             message = self._err.value.decode(errors="replace") or f"error code {rc}"
             raise KernelError(f"{self.spec.kernel_name} ({entry}): {message}")

@@ -1,4 +1,4 @@
-"""spec -> {filename: source text}. Pure: no I/O besides reading templates."""
+"""spec -> {filename: source text}. Pure: no I/O besides reading templates (and JITATTN_DEBUG)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from pathlib import Path
 
 import jinja2
 
+from .. import env
 from ..abi import ABI_VERSION, c_header
 from ..families import family
 from ..families import variant as variant_source
@@ -53,7 +54,8 @@ def render(spec: VariantSpec) -> dict[str, str]:
         "kernel" + _SOURCE_SUFFIX[spec.target]: template.render(context),
     }
     if spec.variant is not None:
-        sources[variant_source.HEADER_NAME] = variant_source.header(spec)
+        # JITATTN_DEBUG changes only this header's text, so a debug build has its own cache key.
+        sources[variant_source.HEADER_NAME] = variant_source.header(spec, debug=env.debug())
     return sources
 
 

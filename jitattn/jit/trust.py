@@ -1,0 +1,102 @@
+"""The cache's one trust rule, and the fix for each violation.
+
+A directory or library jitattn builds in, writes to or loads from must be
+owned by you (or root, for images baked by root) and not writable by group or
+others: whoever can write a directory on the way from the cache root to a
+library can swap the library (and its manifest) for their own code. The rule
+is applied to every directory from the cache root down to the entry, and to
+the private temp dir a build runs in, before a build starts, before a file is
+written and before a library is loaded. ``doctor`` and ``verify`` report the
+same violations with the ``chmod``/``chown`` that fixes each.
+"""
+
+from __future__ import annotations
+
+import os
+import pwd
+import shlex
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import CacheError
+
+
+@dataclass(frozen=True)
+class Violation:
+    """One path that breaks the trust rule: why, and the shell command that fixes it."""
+
+    path: Path
+    reason: str
+    fix: str
+
+    def __str__(self) -> str:
+        return f"{self.reason} (fix: {self.fix})"
+
+
+def _user_name() -> str:
+    try:
+        return pwd.getpwuid(os.getuid()).pw_name
+    except KeyError:
+        return str(os.getuid())
+
+
+def violations(path: Path, follow_links: bool = False) -> list[Violation]:
+    """What is wrong with ``path`` under the trust rule (empty when it is fine or missing).
+
+    ``follow_links``: judge what a symbolic link points to (the cache root may be one) instead of
+    refusing the link.
+    """
+    try:
+        st = path.stat() if follow_links else path.lstat()
+    except FileNotFoundError:
+        return []
+    quoted = shlex.quote(str(path))
+    found = []
+    if stat.S_ISLNK(st.st_mode):
+        return [Violation(path, f"{path} is a symbolic link (a cache path must be the real directory or file)",
+                          f"rm {quoted} (and point JITATTN_CACHE_DIR at the real directory)")]
+    if st.st_uid not in (os.getuid(), 0):
+        found.append(Violation(path, f"{path} is owned by uid {st.st_uid}, not by you (uid {os.getuid()}) or root",
+                               f"chown {shlex.quote(_user_name())} {quoted}"))
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        found.append(Violation(path, f"{path} is writable by other users (mode {stat.filemode(st.st_mode)})",
+                               f"chmod go-w {quoted}"))
+    return found
+
+
+def chain(root: Path, leaf: Path) -> list[Path]:
+    """``root`` and every path below it down to ``leaf`` (which must be inside ``root``)."""
+    rel = leaf.relative_to(root)
+    paths = [root]
+    for part in rel.parts:
+        paths.append(paths[-1] / part)
+    return paths
+
+
+def chain_violations(root: Path, *leaves: Path) -> list[Violation]:
+    """Every violation on the paths from ``root`` down to each of ``leaves``, each path once."""
+    seen: set[Path] = set()
+    found: list[Violation] = []
+    for leaf in leaves or (root,):
+        for path in chain(root, leaf):
+            if path not in seen:
+                seen.add(path)
+                found += violations(path, follow_links=path == root)
+    return found
+
+
+def require_trusted(root: Path, *leaves: Path, action: str) -> None:
+    """Raise CacheError naming each violation on the way from ``root`` to ``leaves`` and its fix.
+
+    ``action`` says what was about to happen ("build in", "load a kernel from", ...).
+    """
+    found = chain_violations(root, *leaves)
+    if not found:
+        return
+    lines = "\n".join(f"  - {v.reason}\n    fix: {v.fix}" for v in found)
+    raise CacheError(
+        f"refusing to {action} the jitattn cache at {root}: whoever can write a directory on the way to a "
+        f"library can replace it with their own code, and\n{lines}\n"
+        "Run the fix commands (or `jitattn-cache doctor`), or set JITATTN_CACHE_DIR to a private directory"
+    )

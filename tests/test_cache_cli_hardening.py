@@ -1,0 +1,143 @@
+"""`jitattn-cache` behaviours a user leans on: honest counts under concurrency, a Ctrl-C that stops
+at once, --version, the `list` alias, and invalid settings flagged where they are shown."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import jitattn
+from jitattn.jit.cache import SCHEMA, entry_dirs
+from jitattn_cache.cli import main
+
+from helpers.procs import child_env
+
+SPECS = ["merge_cpu_bf16", "append_cpu_bf16"]
+
+
+def _cli(capsys, *argv: str) -> tuple[int, str, str]:
+    capsys.readouterr()
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def _gated_compiler(tmp_path: Path) -> tuple[Path, Path, Path]:
+    """A c++ wrapper whose compile steps record their pid in ``started/`` and wait for ``go`` (60 s at most)."""
+    gxx = shutil.which("g++") or shutil.which("c++")
+    started, go = tmp_path / "started", tmp_path / "go"
+    started.mkdir()
+    wrapper = tmp_path / "gated-c++"
+    wrapper.write_text(
+        "#!/bin/sh\n"
+        f'case " $* " in *" -c "*) touch "{started}/$$"; i=0; '
+        f'while [ ! -e "{go}" ] && [ $i -lt 600 ]; do sleep 0.1; i=$((i+1)); done ;; esac\n'
+        f'exec "{gxx}" "$@"\n'
+    )
+    wrapper.chmod(0o755)
+    return wrapper, started, go
+
+
+def _warm(argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "jitattn_cache", "warm", "-q", *argv], env=env,
+                            stdout=subprocess.PIPE, stderr=open(log, "w"), text=True, start_new_session=True)
+
+
+def _wait_for(condition, what: str, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def test_concurrent_warms_report_built_by_me_versus_built_by_another_process(fresh_cache, tmp_path):
+    wrapper, started, go = _gated_compiler(tmp_path)
+    env = child_env(JITATTN_CXX=str(wrapper), JITATTN_LOG_LEVEL="info")
+    builder = _warm(["--spec", SPECS[0]], env, tmp_path / "builder.log")
+    _wait_for(lambda: any(started.iterdir()), "the first warm to reach its compiler")
+    waiters = [_warm(["--spec", SPECS[0]], env, tmp_path / f"waiter{i}.log") for i in range(3)]
+    _wait_for(lambda: all("waiting for another process" in (tmp_path / f"waiter{i}.log").read_text()
+                          for i in range(3)), "the other warms to wait for the build lock")
+    go.touch()
+    outputs = [p.communicate(timeout=120)[0] for p in [builder, *waiters]]
+    assert [p.returncode for p in [builder, *waiters]] == [0] * 4, outputs
+    assert "1 built, 0 already cached" in outputs[0] and "another process" not in outputs[0]
+    for out in outputs[1:]:
+        assert "0 built, 1 built by another process meanwhile, 0 already cached, 0 failed" in out, out
+    assert len(list(started.iterdir())) == 1, "exactly one compile"
+
+
+def test_sigint_to_warm_stops_the_compilers_and_exits_within_a_second(fresh_cache, tmp_path):
+    wrapper, started, go = _gated_compiler(tmp_path)
+    env = child_env(JITATTN_CXX=str(wrapper))
+    proc = _warm(["-j", "2", *[a for s in SPECS for a in ("--spec", s)]], env, tmp_path / "warm.log")
+    try:
+        _wait_for(lambda: len(list(started.iterdir())) == 2, "two compiles to be running")
+        compilers = [int(p.name) for p in started.iterdir()]
+        sent = time.monotonic()
+        os.kill(proc.pid, signal.SIGINT)  # the warm process only, not its process group
+        proc.communicate(timeout=30)
+        seconds = time.monotonic() - sent
+    finally:
+        go.touch()  # never leave a wrapper waiting if the test fails
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    err = (tmp_path / "warm.log").read_text()
+    assert proc.returncode == 130, err
+    print(f"warm stopped {seconds:.2f} s after SIGINT")
+    assert seconds < 1.5, f"warm took {seconds:.1f} s to stop after SIGINT"
+    assert "stopped 2 running compile(s)" in err
+    for pid in compilers:
+        try:
+            state = Path(f"/proc/{pid}/status").read_text()
+        except FileNotFoundError:
+            continue
+        assert "State:\tZ" in state, f"compiler {pid} still runs after the interrupt"
+    time.sleep(0.5)  # had the builds gone on, their compiler would have published by now
+    assert entry_dirs(fresh_cache / SCHEMA) == [], "an interrupted build was published"
+    assert list((fresh_cache / SCHEMA / "tmp").iterdir()) == []
+    failed = fresh_cache / SCHEMA / "failed"
+    assert not failed.exists() or not any(failed.iterdir())
+
+
+def test_version_and_the_list_alias(fresh_cache, capsys):
+    rc, out, _ = _cli(capsys, "--version")
+    assert rc == 0 and out.strip() == f"jitattn-cache (jitattn) {jitattn.__version__}"
+    rc, out, _ = _cli(capsys, "warm", "-q", "--spec", SPECS[0])
+    assert rc == 0
+    rc, listed, _ = _cli(capsys, "list")
+    rc2, ls, _ = _cli(capsys, "ls")
+    assert rc == rc2 == 0 and listed == ls and SPECS[0] in listed and "1 entries" in listed
+
+
+@pytest.mark.parametrize("name, value, wrong", [
+    ("MAX_JOBS", "abc", "is not a positive integer"),
+    ("JITATTN_MAX_JOBS", "0", "is not a positive integer"),
+    ("JITATTN_CUDA_ARCH_LIST", "9.0a;sm90", "'sm90' is not an arch"),
+    ("JITATTN_LOG_LEVEL", "verbose", "is not a level jitattn knows"),
+    ("JITATTN_ASSERT_NO_COMPILE", "maybe", "is neither on nor off"),
+    ("JITATTN_DEBUG", "2", "is neither on nor off"),
+])
+def test_show_config_and_doctor_flag_an_invalid_setting(name, value, wrong, fresh_cache, monkeypatch, capsys):
+    for other in ("MAX_JOBS", "JITATTN_MAX_JOBS", "JITATTN_CUDA_ARCH_LIST", "TORCH_CUDA_ARCH_LIST",
+                  "JITATTN_LOG_LEVEL", "JITATTN_ASSERT_NO_COMPILE", "JITATTN_DEBUG", "JITATTN_NVCC"):
+        monkeypatch.delenv(other, raising=False)
+    rc, out, _ = _cli(capsys, "show-config")
+    assert rc == 0 and "INVALID" not in out
+    monkeypatch.setenv(name, value)
+    rc, out, err = _cli(capsys, "show-config")
+    assert rc == 1
+    flagged = [line for line in out.splitlines() if "INVALID" in line]
+    assert len(flagged) == 1 and f"{name}={value!r}" in flagged[0] and wrong in flagged[0], out
+    assert "1 invalid setting" in err
+    rc, out, _ = _cli(capsys, "doctor")
+    assert rc == 1
+    line = next(line for line in out.splitlines() if "invalid setting" in line)
+    assert "FAIL" in line and f"{name}={value!r}" in line and wrong in line

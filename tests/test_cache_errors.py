@@ -1,0 +1,251 @@
+"""Every failure of the cache says what went wrong, where, and what to do -- and leaves it usable.
+
+Disk-full and read-only cases run on a real small tmpfs when this process may
+mount one (root in a container); the same paths are also driven by injected
+``OSError`` so they are tested everywhere.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import importlib
+import os
+import re
+import shlex
+import subprocess
+from pathlib import Path
+
+import pytest
+
+import jitattn
+import jitattn.jit
+from jitattn import AttentionVariant, VariantParam
+from jitattn.jit import BuildError, CacheError, CompileDisabledError, build_many, compile_count
+from jitattn.jit.cache import SCHEMA, find_entry, plan_build
+from jitattn.spec import VariantSpec
+from jitattn_cache.cli import main
+
+cache_module = importlib.import_module("jitattn.jit.cache")
+
+SPEC = VariantSpec("merge", "cpu", o_dtype="f16")
+
+
+def _cli(capsys, *argv: str) -> tuple[int, str, str]:
+    capsys.readouterr()
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def _entry(root: Path, spec: VariantSpec = SPEC) -> Path:
+    return root / SCHEMA / plan_build(spec).name
+
+
+def _leftovers(root: Path) -> list[str]:
+    tmp = root / SCHEMA / "tmp"
+    return sorted(p.name for p in tmp.iterdir()) if tmp.is_dir() else []
+
+
+def _failed(root: Path) -> list[str]:
+    failed = root / SCHEMA / "failed"
+    return sorted(p.name for p in failed.iterdir()) if failed.is_dir() else []
+
+
+@contextlib.contextmanager
+def _tmpfs(path: Path, size: str):
+    path.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(path)],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({proc.stderr.strip()}); the injected-error tests cover this")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def _assert_one_readable_write_error(message: str, where: Path) -> None:
+    assert message.startswith("could not write"), message
+    assert str(where) in message
+    assert "free on that filesystem" in message
+    assert "prune" in message and "JITATTN_CACHE_DIR" in message
+    assert "Nothing was published" in message
+    assert "shutil.Error" not in message and "[Errno" not in message
+    assert len(message.splitlines()) == 1
+
+
+# -- disk full ---------------------------------------------------------------------------------
+
+
+def test_a_full_disk_during_the_build_is_one_cache_error_and_leaves_nothing(tmp_path, monkeypatch):
+    with _tmpfs(tmp_path / "small", "16k") as mount:
+        root = mount / "cache"
+        monkeypatch.setenv("JITATTN_CACHE_DIR", str(root))
+        jitattn.jit._registry.clear()
+        with pytest.raises(CacheError) as info:
+            jitattn.load(SPEC)
+        message = str(info.value)
+        _assert_one_readable_write_error(message, root / SCHEMA / "tmp")
+        assert "No space left on device" in message
+        assert not _entry(root).exists()
+        assert _leftovers(root) == [] and _failed(root) == []
+        assert find_entry(plan_build(SPEC)) is None
+
+
+def _enospc(path) -> OSError:
+    return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+
+@pytest.mark.parametrize("point", ["sources", "manifest", "publish"])
+def test_a_write_failure_at_each_step_is_one_cache_error_and_the_cache_stays_usable(point, fresh_cache,
+                                                                                      monkeypatch):
+    entry = _entry(fresh_cache)
+    if point == "sources":
+        def fail(work_dir, *args, **kwargs):
+            raise _enospc(work_dir / "build.ninja")
+
+        monkeypatch.setattr(cache_module, "write_ninja", fail)
+    elif point == "manifest":
+        def fail(work_dir, *args, **kwargs):
+            raise _enospc(work_dir / "manifest.json.partial")
+
+        monkeypatch.setattr(cache_module, "_write_manifest", fail)
+    else:
+        real_replace = os.replace
+
+        def fail(src, dst, *args, **kwargs):
+            if Path(dst) == entry:
+                raise _enospc(dst)
+            return real_replace(src, dst, *args, **kwargs)
+
+        monkeypatch.setattr(os, "replace", fail)
+    with pytest.raises(CacheError) as info:
+        jitattn.load(SPEC)
+    message = str(info.value)
+    _assert_one_readable_write_error(message, fresh_cache / SCHEMA)
+    assert SPEC.uri in message
+    assert not entry.exists(), "no partial entry"
+    assert _leftovers(fresh_cache) == [] and _failed(fresh_cache) == []
+    monkeypatch.undo()
+    monkeypatch.setenv("JITATTN_CACHE_DIR", str(fresh_cache))
+    jitattn.load(SPEC)  # the next attempt builds normally
+    assert (entry / "manifest.json").is_file()
+
+
+def test_a_kept_failed_build_is_dropped_once_the_entry_exists(fresh_cache, monkeypatch):
+    real_run_ninja = cache_module.run_ninja
+
+    def fails_once(work_dir, jobs, source_path):
+        raise BuildError(f"compile failed for {source_path}:\nthe test's compiler failure\n"
+                         f"(rendered source: {source_path})")
+
+    monkeypatch.setattr(cache_module, "run_ninja", fails_once)
+    with pytest.raises(BuildError) as info:
+        jitattn.load(SPEC)
+    name = plan_build(SPEC).name
+    assert _failed(fresh_cache) == [name]
+    assert str(fresh_cache / SCHEMA / "failed" / name) in str(info.value)
+    monkeypatch.setattr(cache_module, "run_ninja", real_run_ninja)
+    jitattn.load(SPEC)
+    assert _failed(fresh_cache) == [], "a stale failure copy survived the successful build"
+    # Also when the entry was published by someone else: the copy goes as soon as we see the entry.
+    (fresh_cache / SCHEMA / "failed" / name).mkdir(parents=True)
+    entry = _entry(fresh_cache)
+    _, built = cache_module.build_or_find_entry(plan_build(SPEC))
+    assert not built and _failed(fresh_cache) == [] and entry.is_dir()
+
+
+# -- compile errors in snippets -------------------------------------------------------------------
+
+
+def _cpu_spec(variant: AttentionVariant) -> VariantSpec:
+    return VariantSpec(op="prefill", target="cpu", q_dtype="f32", kv_dtype="f32", o_dtype="f32", variant=variant)
+
+
+@pytest.mark.parametrize("snippet, line, shown", [
+    ("logits * (2.0f +", 1, "logits * (2.0f +"),
+    ("logits *\n  (2.0f +\n  1.0f", 3, "  1.0f"),
+])
+def test_an_unfinished_snippet_is_reported_at_its_hook_and_line_with_the_full_log(snippet, line, shown,
+                                                                                   fresh_cache):
+    variant = AttentionVariant("unfinished", logits_transform=snippet)
+    with pytest.raises(BuildError) as info:
+        jitattn.load(_cpu_spec(variant))
+    message = str(info.value)
+    assert "variant 'unfinished' does not compile" in message
+    assert f"logits_transform, line {line}: " in message
+    assert f"    | {shown}\n" in message
+    caret = message.split(f"    | {shown}\n", 1)[1].splitlines()[0]
+    assert caret.index("^") == len("    | ") + len(shown), "the caret points just past the snippet's end"
+    assert "variant.h:" not in message, "a diagnostic was left pointing into the generated header"
+    assert "JITATTN_DEBUG=1" in message
+    log = Path(re.search(r"\(full log: (\S+)\)", message).group(1))
+    assert log.is_file() and "error" in log.read_text()
+    assert len(message.splitlines()) < 20
+
+
+# -- read-only caches -----------------------------------------------------------------------------
+
+
+def _assert_read_only_message(err: str, root: Path) -> None:
+    assert "read-only" in err and str(root) in err
+    assert "Errno" not in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("command", [("clear",), ("prune", "--max-size", "0")])
+def test_clear_and_prune_on_a_read_only_filesystem_name_the_path(command, tmp_path, monkeypatch, capsys):
+    with _tmpfs(tmp_path / "ro", "4m") as mount:
+        root = mount / "cache"
+        monkeypatch.setenv("JITATTN_CACHE_DIR", str(root))
+        [result] = build_many([SPEC])
+        assert result.status == "built", result.error
+        jitattn.jit._registry.clear()
+        subprocess.run(["mount", "-o", "remount,ro", str(mount)], check=True)
+        rc, out, err = _cli(capsys, *command)
+        assert rc == 1
+        _assert_read_only_message(err, root)
+        assert _entry(root).is_dir()
+
+
+@pytest.mark.parametrize("command", [("clear",), ("prune", "--max-size", "0")])
+@pytest.mark.parametrize("code", [errno.EACCES, errno.EROFS])
+def test_clear_and_prune_refused_by_permissions_name_the_path(command, code, fresh_cache, monkeypatch, capsys):
+    [result] = build_many([SPEC])
+    assert result.status == "built"
+
+    def refuse(src, dst, *args, **kwargs):
+        raise OSError(code, os.strerror(code), str(src))
+
+    monkeypatch.setattr(os, "replace", refuse)
+    rc, out, err = _cli(capsys, *command)
+    assert rc == 1
+    _assert_read_only_message(err, fresh_cache)
+    assert str(_entry(fresh_cache)) in err
+
+
+# -- printed commands work when pasted ------------------------------------------------------------
+
+DOC_MASK = AttentionVariant(
+    "docmask", logits_mask="doc_ids[kv_idx] == doc_ids[kv_len - qo_len + q_idx] && scale > 0.5f",
+    params=(VariantParam("doc_ids", "i32", rank=1), VariantParam("scale", "f32")),
+)
+
+
+@pytest.mark.parametrize("spec", [SPEC, _cpu_spec(DOC_MASK)], ids=["plain", "custom-variant"])
+def test_the_compile_disabled_hint_is_a_command_that_works(spec, fresh_cache, monkeypatch, capsys):
+    monkeypatch.setenv("JITATTN_ASSERT_NO_COMPILE", "1")
+    with pytest.raises(CompileDisabledError) as info:
+        jitattn.load(spec)
+    match = re.search(r"pre-build it \((jitattn-cache warm .+)\) or unset", str(info.value))
+    assert match, str(info.value)
+    argv = shlex.split(match.group(1))  # what a shell makes of the pasted text
+    assert argv[0] == "jitattn-cache"
+    monkeypatch.delenv("JITATTN_ASSERT_NO_COMPILE")
+    rc, out, err = _cli(capsys, *argv[1:], "-q")
+    assert rc == 0, err
+    assert "1 built" in out
+    monkeypatch.setenv("JITATTN_ASSERT_NO_COMPILE", "1")
+    before = compile_count()
+    jitattn.load(spec)  # warm now, with compiles forbidden
+    assert compile_count() == before

@@ -1,0 +1,160 @@
+"""The cache's one trust rule (jitattn.jit.trust), on every path that builds, writes or loads.
+
+Every directory from the cache root down to an entry (and locks/, tmp/, the
+private build dir) must be owned by the user (or root) and not writable by
+group or others. The same rule refuses a cold build, a warm load in a new
+process, and is what ``doctor`` and ``verify`` report, each violation with the
+command that fixes it.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import stat
+import subprocess
+from pathlib import Path
+
+import pytest
+
+import jitattn
+from jitattn.jit import CacheError, build_many, compile_count
+from jitattn.jit import trust
+from jitattn.jit.cache import SCHEMA, plan_build
+from jitattn.spec import VariantSpec
+from jitattn_cache.cli import main
+
+from helpers.procs import child_env, load_command
+
+SPEC = VariantSpec("merge", "cpu", o_dtype="bf16")
+# Paths under the cache root that the rule covers, relative to it.
+PLACES = ["", SCHEMA, f"{SCHEMA}/tmp", f"{SCHEMA}/locks"]
+
+
+def _cli(capsys, *argv: str) -> tuple[int, str, str]:
+    capsys.readouterr()
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def _make_world_writable(path: Path) -> None:
+    path.chmod(stat.S_IMODE(path.stat().st_mode) | stat.S_IWOTH)
+
+
+def _run_fix(message: str, path: Path) -> None:
+    """Run the fix command the message gives for ``path`` (it must work when pasted)."""
+    commands = [line.split("fix:", 1)[1].strip() for line in message.splitlines() if "fix:" in line]
+    matching = [c for c in commands if shlex.split(c)[-1] == str(path)]
+    assert matching, f"no fix command for {path} in:\n{message}"
+    subprocess.run(matching[0], shell=True, check=True)
+
+
+@pytest.mark.parametrize("place", PLACES, ids=["root", "schema", "tmp", "locks"])
+def test_a_world_writable_dir_is_refused_before_a_cold_build(place, fresh_cache):
+    plan_build(SPEC)  # renders; creates nothing
+    (fresh_cache / SCHEMA / "tmp").mkdir(parents=True)
+    (fresh_cache / SCHEMA / "locks").mkdir()
+    target = fresh_cache / place
+    _make_world_writable(target)
+    before = compile_count()
+    with pytest.raises(CacheError) as info:
+        jitattn.load(SPEC)
+    message = str(info.value)
+    assert f"{target} is writable by other users" in message
+    assert f"chmod go-w {target}" in message
+    assert compile_count() == before, "nothing may be compiled into an untrusted cache"
+    assert not (fresh_cache / SCHEMA / plan_build(SPEC).name).exists()
+    _run_fix(message, target)
+    jitattn.load(SPEC)  # the printed fix is enough
+
+
+@pytest.mark.parametrize("place", PLACES, ids=["root", "schema", "tmp", "locks"])
+def test_a_world_writable_dir_is_refused_on_the_load_path_too(place, fresh_cache):
+    [result] = build_many([SPEC])
+    assert result.status == "built", result.error
+    target = fresh_cache / place
+    _make_world_writable(target)
+    proc = subprocess.run(load_command(SPEC), env=child_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0, "a new process loaded a kernel from an untrusted cache"
+    assert f"{target} is writable by other users" in proc.stderr and f"chmod go-w {target}" in proc.stderr
+
+
+def test_an_entry_dir_owned_by_another_user_is_refused_with_the_chown(fresh_cache):
+    if os.geteuid() != 0:
+        pytest.skip("giving a directory to another user needs root")
+    [result] = build_many([SPEC])
+    entry = fresh_cache / SCHEMA / plan_build(SPEC).name
+    os.chown(entry, 4321, 4321)
+    jitattn.jit._registry.clear()
+    with pytest.raises(CacheError) as info:
+        jitattn.load(SPEC)
+    assert f"{entry} is owned by uid 4321" in str(info.value)
+    _run_fix(str(info.value), entry)
+    jitattn.load(SPEC)
+
+
+def test_the_private_build_dir_is_checked_before_anything_is_written_into_it(fresh_cache, monkeypatch):
+    import tempfile
+
+    real_mkdtemp = tempfile.mkdtemp
+    made = []
+
+    def permissive_mkdtemp(*args, **kwargs):
+        path = real_mkdtemp(*args, **kwargs)
+        os.chmod(path, 0o777)  # as if another user had been able to prepare it
+        made.append(Path(path))
+        return path
+
+    monkeypatch.setattr(tempfile, "mkdtemp", permissive_mkdtemp)
+    with pytest.raises(CacheError) as info:
+        jitattn.load(SPEC)
+    assert made and f"{made[0]} is writable by other users" in str(info.value)
+    assert not made[0].exists(), "the refused build dir is removed"
+    assert not (fresh_cache / SCHEMA / plan_build(SPEC).name).exists()
+
+
+@pytest.mark.parametrize("place", [SCHEMA, f"{SCHEMA}/tmp"], ids=["schema", "tmp"])
+def test_doctor_and_verify_report_each_violation_with_its_fix(place, fresh_cache, monkeypatch, capsys):
+    for name in ("JITATTN_MAX_JOBS", "MAX_JOBS", "JITATTN_CUDA_ARCH_LIST", "JITATTN_NVCC"):
+        monkeypatch.delenv(name, raising=False)
+    [result] = build_many([SPEC])
+    assert result.status == "built"
+    rc, out, _ = _cli(capsys, "verify")
+    assert rc == 0 and "UNSAFE" not in out
+    target = fresh_cache / place
+    entry = fresh_cache / SCHEMA / plan_build(SPEC).name
+    _make_world_writable(target)
+    _make_world_writable(entry)
+    rc, out, _ = _cli(capsys, "verify")
+    assert rc == 1
+    for path in (target, entry):
+        assert f"UNSAFE {path}: {path} is writable by other users" in out
+        assert f"fix: chmod go-w {path}" in out
+    assert "2 unsafe path(s)" in out
+    rc, out, _ = _cli(capsys, "doctor")
+    assert rc == 1
+    lines = [line for line in out.splitlines() if "unsafe:" in line]
+    assert any(str(target) in line for line in lines) and any(str(entry) in line for line in lines), out
+    assert f"fix: chmod go-w {target}" in out and f"fix: chmod go-w {entry}" in out
+    for path in (target, entry):
+        _run_fix(out, path)
+    rc, out, _ = _cli(capsys, "verify")
+    assert rc == 0 and "UNSAFE" not in out
+
+
+def test_violations_lists_owner_and_mode_problems_of_each_path_once(tmp_path):
+    root = tmp_path / "root"
+    leaf = root / "a" / "b"
+    leaf.mkdir(parents=True, mode=0o700)
+    root.chmod(0o700)
+    (root / "a").chmod(0o700)
+    assert trust.chain_violations(root, leaf, root / "a") == []
+    (root / "a").chmod(0o775)
+    found = trust.chain_violations(root, leaf, root / "a")
+    assert [v.path for v in found] == [root / "a"]
+    assert found[0].fix == f"chmod go-w {root / 'a'}"
+    link = root / "link"
+    link.symlink_to(leaf)
+    assert "symbolic link" in trust.violations(link)[0].reason
+    assert trust.violations(link, follow_links=True) == []
