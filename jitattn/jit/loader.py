@@ -65,9 +65,14 @@ class Module:
         function = self._functions[entry][0]
         reference, err, name = ctypes.byref(params), self._err, f"{self.spec.kernel_name} ({entry})"
 
+        fault = self._fault
+
         def call(stream: int | None) -> None:
             if function(reference, stream, err, _ERR_LEN):
                 raise KernelError(f"{name}: {err.value.decode(errors='replace') or 'launch failed'}")
+            if fault is not None and fault(err, _ERR_LEN):
+                raise KernelError(f"{name}: {err.value.decode(errors='replace')} "
+                                  "(reported by the JITATTN_DEBUG=1 bounds checks)")
 
         return call
 
