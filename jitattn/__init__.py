@@ -6,7 +6,7 @@ compiles nothing; all of that happens on first use of a kernel.
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
+from .version import __version__  # noqa: E402,F401
 
 from .variant import AttentionVariant, VariantParam  # noqa: E402
 from .spec import DType, KVLayout, KVStorage, MaskMode, Op, PosEncoding, Target, VariantSpec  # noqa: E402

@@ -48,7 +48,8 @@ def _write_mode(path: Path) -> str:
 def _selected_entries(args: argparse.Namespace) -> tuple[list[Path], list[str]]:
     """(entry dirs to export, problems) for the selection in ``args`` (default: every entry)."""
     from jitattn.jit import JitError, ToolchainError
-    from jitattn.jit.cache import find_entry, foreign_entry_problem, plan_build
+    from jitattn.jit.cache import find_entry, foreign_entry_problem
+    from jitattn.jit.key import build_inputs
 
     chosen: list[Path] = []
     problems: list[str] = []
@@ -56,7 +57,7 @@ def _selected_entries(args: argparse.Namespace) -> tuple[list[Path], list[str]]:
         with arch_env(args.arch):
             for spec in resolve_specs(args):
                 try:
-                    entry = find_entry(plan_build(spec))
+                    entry = find_entry(build_inputs(spec))
                 except (NotImplementedError, ValueError, ToolchainError, JitError) as exc:
                     problems.append(f"{spec.uri}: {str(exc).splitlines()[0]}")
                     continue
@@ -99,7 +100,7 @@ def _add(tar: tarfile.TarFile, arcname: str, path: Path | None, *, mode: int) ->
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from jitattn.jit.cache import SCHEMA
+    from jitattn.jit.key import SCHEMA
 
     out = Path(args.file)
     if not out.parent.is_dir():
@@ -158,7 +159,8 @@ class UnsafeArchive(Exception):
 
 
 def _member_problem(member: tarfile.TarInfo, name: str) -> str | None:
-    from jitattn.jit.cache import ENTRY_NAME_RE, SCHEMA
+    from jitattn.jit.cache import ENTRY_NAME_RE
+    from jitattn.jit.key import SCHEMA
 
     if not (member.isreg() or member.isdir()):
         kind = ("a symlink" if member.issym() else "a hard link" if member.islnk() else
@@ -269,13 +271,13 @@ def compat_problem(manifest: dict, cuda_archs: tuple[tuple[str, ...] | None, str
 
 def _stale_note(manifest: dict) -> str | None:
     """A note when this jitattn install would compute another key for the entry's spec (never used here)."""
-    from jitattn.jit.cache import plan_build
+    from jitattn.jit.key import build_inputs
     from jitattn.spec import VariantSpec
 
     try:
         spec = VariantSpec.from_dict(manifest["spec"])
         with arch_env(";".join(manifest.get("archs") or ()) or None):
-            key = plan_build(spec).key
+            key = build_inputs(spec).key
     except Exception:  # noqa: BLE001 - a note only
         return None
     if key != manifest.get("key"):
@@ -286,7 +288,8 @@ def _stale_note(manifest: dict) -> str | None:
 
 def _prepare_destination(to: str | None) -> Path:
     """The schema dir to import into, with locks/ and tmp/."""
-    from jitattn.jit.cache import SCHEMA, writable_root
+    from jitattn.jit.key import SCHEMA
+    from jitattn.jit.cache import writable_root
 
     if to is None:
         return writable_root()
@@ -363,7 +366,8 @@ def cmd_import(args: argparse.Namespace) -> int:
 
 
 def _publish_staged(archive: Path, staging: Path, base: Path, args: argparse.Namespace) -> int:
-    from jitattn.jit.cache import SCHEMA, foreign_entry_problem, publish_entry, read_manifest
+    from jitattn.jit.key import SCHEMA
+    from jitattn.jit.cache import foreign_entry_problem, publish_entry, read_manifest
 
     staged = sorted(p for p in (staging / SCHEMA).iterdir()) if (staging / SCHEMA).is_dir() else []
     if not staged:

@@ -253,11 +253,11 @@ def _check_host_compiler(out: list[Check]) -> None:
 
 
 def _check_ninja(out: list[Check]) -> None:
-    from jitattn.jit.build import _ninja
+    from jitattn.jit.build import ninja_path
     from jitattn.jit.errors import BuildError
 
     try:
-        out.append(Check("ninja", "ok", _ninja()))
+        out.append(Check("ninja", "ok", ninja_path()))
     except BuildError as exc:
         out.append(Check("ninja", "FAIL", str(exc), "pip install ninja"))
 
@@ -314,7 +314,7 @@ def _failed_dir_violations(base: Path) -> list:
 
 def _check_cache_dir(out: list[Check]) -> None:
     from jitattn import env
-    from jitattn.jit.cache import SCHEMA
+    from jitattn.jit.key import SCHEMA
 
     root = env.cache_dir()
     where = "JITATTN_CACHE_DIR" if os.environ.get("JITATTN_CACHE_DIR") else "the default location"
@@ -355,7 +355,8 @@ def _check_cache_dir(out: list[Check]) -> None:
 
 def _check_layers(out: list[Check]) -> None:
     from jitattn import env
-    from jitattn.jit.cache import SCHEMA, entry_dirs, foreign_entry_problem
+    from jitattn.jit.key import SCHEMA
+    from jitattn.jit.cache import entry_dirs, foreign_entry_problem
 
     for layer in env.cache_path():
         base = layer / SCHEMA

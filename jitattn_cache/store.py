@@ -68,7 +68,7 @@ def parse_time(value: str | None) -> datetime.datetime | None:
 
 def writable_base() -> Path:
     from jitattn import env
-    from jitattn.jit.cache import SCHEMA
+    from jitattn.jit.key import SCHEMA
 
     return env.cache_dir() / SCHEMA
 
@@ -91,7 +91,7 @@ def entries(include_readonly: bool = True) -> list[CacheEntry]:
 def cache_violations(base: Path, entry_paths: list[Path], writable: bool) -> list:
     """Trust-rule violations of one layer (schema dir ``base``): its root, the schema dir, (for the
     writable cache) locks/ and tmp/, then each entry dir and library, each path once."""
-    from jitattn.jit.cache import LIBRARY_NAME
+    from jitattn.jit.build import LIBRARY_NAME
     from jitattn.jit.trust import chain_violations
 
     leaves = [base] + ([base / "locks", base / "tmp"] if writable else [])

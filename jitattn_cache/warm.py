@@ -25,10 +25,11 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 def _status(spec) -> tuple[str, str]:
     """('cached' | 'cold' | 'unavailable', detail) without building anything."""
     from jitattn.jit import JitError, ToolchainError
-    from jitattn.jit.cache import find_entry, plan_build
+    from jitattn.jit.cache import find_entry
+    from jitattn.jit.key import build_inputs
 
     try:
-        plan = plan_build(spec)
+        plan = build_inputs(spec)
     except (NotImplementedError, ValueError, ToolchainError, JitError) as exc:
         return "unavailable", str(exc).splitlines()[0]
     try:
@@ -151,14 +152,14 @@ def _forget_interrupted_failures(results: list) -> None:
     """Builds killed by Ctrl-C are kept under failed/ like real compile errors; drop those copies."""
     import shutil
 
-    from jitattn.jit.cache import plan_build
+    from jitattn.jit.key import build_inputs
 
     from .store import writable_base
 
     for r in results:
         if r is not None and r.status == "failed":
             try:
-                shutil.rmtree(writable_base() / "failed" / plan_build(r.spec).name, ignore_errors=True)
+                shutil.rmtree(writable_base() / "failed" / build_inputs(r.spec).name, ignore_errors=True)
             except Exception:  # noqa: BLE001 - best effort
                 pass
 

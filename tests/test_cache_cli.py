@@ -29,7 +29,8 @@ import torch
 
 import jitattn.jit
 from jitattn.attention.specs import model_specs
-from jitattn.jit.cache import SCHEMA, entry_dirs, entry_lock, plan_build, read_manifest, remove_entry
+from jitattn.jit.key import SCHEMA, build_inputs
+from jitattn.jit.cache import entry_dirs, entry_lock, read_manifest, remove_entry
 from jitattn.spec import Target, VariantSpec, parse_spec_text
 from jitattn_cache.cli import main
 from jitattn_cache.presets import PRESETS, ModelShape, from_hf_config
@@ -168,15 +169,15 @@ def test_failed_build_exits_1_with_the_reason(fresh_cache, monkeypatch, capsys) 
 
 def test_a_spec_without_a_kernel_template_is_listed_then_fails_with_the_reason(fresh_cache, monkeypatch,
                                                                                 capsys) -> None:
-    real = plan_build
+    real = build_inputs
 
     def no_template(spec):
         if spec.op.value == "decode":
             raise NotImplementedError(f"{spec.uri}: op 'decode' has no kernel template for target 'cpu'")
         return real(spec)
 
-    monkeypatch.setattr("jitattn.jit.cache.plan_build", no_template)
-    monkeypatch.setattr("jitattn.jit.plan_build", no_template)
+    monkeypatch.setattr("jitattn.jit.key.build_inputs", no_template)
+    monkeypatch.setattr("jitattn.jit.build_inputs", no_template)
     rc, out, _ = run_cli(capsys, "warm", "--spec", "decode_cpu_f16", "--spec", "merge_cpu_f32", "--dry-run")
     assert rc == 0
     assert out.splitlines()[0].split()[:2] == ["decode_cpu_f16", "unavailable"] and "no kernel template" in out

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 import jitattn
-from jitattn.jit.cache import SCHEMA, entry_dirs
+from jitattn.jit.key import SCHEMA
+from jitattn.jit.cache import entry_dirs
 from jitattn_cache.cli import main
 
 from helpers.procs import child_env

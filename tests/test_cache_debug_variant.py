@@ -21,7 +21,7 @@ import jitattn
 import jitattn.jit
 from jitattn import AttentionVariant, VariantParam
 from jitattn.jit import KernelError, build_many
-from jitattn.jit.cache import plan_build
+from jitattn.jit.key import build_inputs
 from jitattn.jit.render import render
 from jitattn.spec import VariantSpec
 
@@ -60,20 +60,20 @@ def _ragged(variant: AttentionVariant, qo_len: int = 3, kv_len: int = 5):
 def test_debug_mode_is_part_of_the_key_and_leaves_the_normal_render_alone(monkeypatch):
     spec = _spec(DOC_MASK)
     monkeypatch.delenv("JITATTN_DEBUG", raising=False)
-    normal_sources, normal_key = render(spec), plan_build(spec).key
+    normal_sources, normal_key = render(spec), build_inputs(spec).key
     monkeypatch.setenv("JITATTN_DEBUG", "0")
-    assert render(spec) == normal_sources and plan_build(spec).key == normal_key
+    assert render(spec) == normal_sources and build_inputs(spec).key == normal_key
     monkeypatch.setenv("JITATTN_DEBUG", "1")
     debug_sources = render(spec)
     assert "JitattnChecked" in debug_sources["variant.h"] and "JitattnChecked" not in normal_sources["variant.h"]
     assert {n: t for n, t in debug_sources.items() if n != "variant.h"} == \
         {n: t for n, t in normal_sources.items() if n != "variant.h"}
-    assert plan_build(spec).key != normal_key, "a debug build must not share the fast build's entry"
+    assert build_inputs(spec).key != normal_key, "a debug build must not share the fast build's entry"
     plain = VariantSpec("merge", "cpu", o_dtype="f32")  # no variant: nothing to check, nothing changes
     monkeypatch.delenv("JITATTN_DEBUG")
-    plain_key = plan_build(plain).key
+    plain_key = build_inputs(plain).key
     monkeypatch.setenv("JITATTN_DEBUG", "1")
-    assert plan_build(plain).key == plain_key
+    assert build_inputs(plain).key == plain_key
 
 
 def test_an_out_of_bounds_read_is_reported_with_hook_parameter_and_index(debug, monkeypatch):
@@ -163,7 +163,7 @@ def test_the_cuda_debug_render_compiles_for_sm90a(op, debug, monkeypatch):
         mask_mode=MaskMode.NONE if op == "decode" else MaskMode.CAUSAL, kv_layout=KVLayout.NHD,
         kv_storage=KVStorage.PAGED, variant=variant,
     )
-    plan = plan_build(spec)
+    plan = build_inputs(spec)
     assert "__device__ JitattnFault" in plan.sources["variant.h"]
     assert "-gencode=arch=compute_90a,code=sm_90a" in plan.cflags
     [result] = build_many([spec])

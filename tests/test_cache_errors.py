@@ -22,11 +22,12 @@ import jitattn
 import jitattn.jit
 from jitattn import AttentionVariant, VariantParam
 from jitattn.jit import BuildError, CacheError, CompileDisabledError, build_many, compile_count
-from jitattn.jit.cache import SCHEMA, find_entry, plan_build
+from jitattn.jit.key import SCHEMA, build_inputs
+from jitattn.jit.cache import find_entry
 from jitattn.spec import VariantSpec
 from jitattn_cache.cli import main
 
-cache_module = importlib.import_module("jitattn.jit.cache")
+cache_module = importlib.import_module("jitattn.jit.build_and_publish")  # the build sequence under test
 
 SPEC = VariantSpec("merge", "cpu", o_dtype="f16")
 
@@ -39,7 +40,7 @@ def _cli(capsys, *argv: str) -> tuple[int, str, str]:
 
 
 def _entry(root: Path, spec: VariantSpec = SPEC) -> Path:
-    return root / SCHEMA / plan_build(spec).name
+    return root / SCHEMA / build_inputs(spec).name
 
 
 def _leftovers(root: Path) -> list[str]:
@@ -90,7 +91,7 @@ def test_a_full_disk_during_the_build_is_one_cache_error_and_leaves_nothing(tmp_
         assert "No space left on device" in message
         assert not _entry(root).exists()
         assert _leftovers(root) == [] and _failed(root) == []
-        assert find_entry(plan_build(SPEC)) is None
+        assert find_entry(build_inputs(SPEC)) is None
 
 
 def _enospc(path) -> OSError:
@@ -143,7 +144,7 @@ def test_a_kept_failed_build_is_dropped_once_the_entry_exists(fresh_cache, monke
     monkeypatch.setattr(cache_module, "run_ninja", fails_once)
     with pytest.raises(BuildError) as info:
         jitattn.load(SPEC)
-    name = plan_build(SPEC).name
+    name = build_inputs(SPEC).name
     assert _failed(fresh_cache) == [name]
     assert str(fresh_cache / SCHEMA / "failed" / name) in str(info.value)
     monkeypatch.setattr(cache_module, "run_ninja", real_run_ninja)
@@ -152,7 +153,7 @@ def test_a_kept_failed_build_is_dropped_once_the_entry_exists(fresh_cache, monke
     # Also when the entry was published by someone else: the copy goes as soon as we see the entry.
     (fresh_cache / SCHEMA / "failed" / name).mkdir(parents=True)
     entry = _entry(fresh_cache)
-    _, built = cache_module.build_or_find_entry(plan_build(SPEC))
+    _, built = cache_module.build_or_find_entry(build_inputs(SPEC))
     assert not built and _failed(fresh_cache) == [] and entry.is_dir()
 
 

@@ -21,10 +21,10 @@ from pathlib import Path
 
 import pytest
 
-import jitattn.jit.cache as cache
+import jitattn.jit.key as key_module
 import jitattn.jit.templates as templates
 import jitattn.jit.toolchain as tc
-from jitattn.jit.cache import compute_key, plan_build
+from jitattn.jit.key import build_inputs, compute_key
 from jitattn.spec import Target, VariantSpec
 
 from helpers.procs import child_env, parse_report
@@ -62,7 +62,7 @@ def _copy_templates(dest: Path) -> Path:
 
 
 def _key(spec: VariantSpec) -> str:
-    return plan_build(spec).key
+    return build_inputs(spec).key
 
 
 def _append(path: Path, text: str) -> None:
@@ -74,8 +74,8 @@ def _append(path: Path, text: str) -> None:
 @pytest.mark.parametrize("which", ["cpu", "cuda"])
 def test_key_is_stable_across_calls(which):
     spec = SPECS[which]
-    first = plan_build(spec)
-    second = plan_build(spec)
+    first = build_inputs(spec)
+    second = build_inputs(spec)
     assert first.key == second.key
     assert len(first.key) == 64 and int(first.key, 16) >= 0
     assert first.name == f"{spec.uri}-{first.key[:16]}"
@@ -83,7 +83,7 @@ def test_key_is_stable_across_calls(which):
 
 
 def test_key_does_not_depend_on_dict_insertion_order():
-    plan = plan_build(CPU)
+    plan = build_inputs(CPU)
     reversed_sources = dict(reversed(list(plan.sources.items())))
     assert list(reversed_sources) != list(plan.sources)
     assert compute_key(CPU, reversed_sources, plan.headers, plan.cflags, plan.ldflags, plan.archs) == plan.key
@@ -91,9 +91,9 @@ def test_key_does_not_depend_on_dict_insertion_order():
 
 _KEYS_IN_CHILD = """
 import json, sys
-from jitattn.jit.cache import plan_build
+from jitattn.jit.key import build_inputs
 from jitattn.spec import VariantSpec
-print(json.dumps({"keys": [plan_build(VariantSpec.from_dict(d)).key for d in json.loads(sys.argv[1])]}))
+print(json.dumps({"keys": [build_inputs(VariantSpec.from_dict(d)).key for d in json.loads(sys.argv[1])]}))
 """
 
 
@@ -163,11 +163,11 @@ def _arch_list(value):
 
 
 def _schema(mp, root):
-    mp.setattr(cache, "SCHEMA", "v999")
+    mp.setattr(key_module, "SCHEMA", "v999")
 
 
 def _abi(mp, root):
-    mp.setattr(cache, "ABI_VERSION", cache.ABI_VERSION + 1)
+    mp.setattr(key_module, "ABI_VERSION", key_module.ABI_VERSION + 1)
 
 
 _nested_setup, _nested_edit = _nested_header(relative=False)
@@ -221,7 +221,7 @@ def test_key_changes_with_a_spec_field(spec, other):
 
 
 def test_spec_field_reaches_the_key_even_with_identical_sources():
-    plan = plan_build(CPU)
+    plan = build_inputs(CPU)
     other = CPU.replace(o_dtype="f16")
     assert compute_key(other, plan.sources, plan.headers, plan.cflags, plan.ldflags, plan.archs) != plan.key
 
@@ -340,7 +340,7 @@ def test_reinstalled_copy_of_the_templates_elsewhere_keeps_the_key(which, tmp_pa
         root.parent.mkdir(parents=True)
         shutil.copytree(REAL_TEMPLATES, root, copy_function=shutil.copy)  # copy: fresh mtimes
         _use_templates(monkeypatch, root)
-        plan = plan_build(SPECS[which])
+        plan = build_inputs(SPECS[which])
         assert all(str(tmp_path) not in text for text in plan.sources.values())
         keys.append(plan.key)
     assert keys == [original, original]
@@ -364,5 +364,5 @@ def test_nested_headers_are_part_of_the_plan(tmp_path, monkeypatch):
     root = _copy_templates(tmp_path / "templates")
     _use_templates(monkeypatch, root)
     _nested_rel_setup(monkeypatch, root)
-    plan = plan_build(CPU)
+    plan = build_inputs(CPU)
     assert set(plan.headers) == {"jitattn/cpu_common.h", "jitattn/extra.h"}

@@ -31,20 +31,21 @@ import jitattn
 import jitattn.jit
 from jitattn import reference
 from jitattn.jit import BuildError, CacheError, CompileDisabledError, build_many, compile_count
-from jitattn.jit.cache import SCHEMA, entry_problem, find_entry, plan_build
+from jitattn.jit.key import SCHEMA, build_inputs
+from jitattn.jit.cache import entry_problem, find_entry
 from jitattn.jit.toolchain import probe
 from jitattn.spec import Target, VariantSpec
 
 from helpers.procs import child_env, load_at_once, load_command, run_load
 
-cache_module = importlib.import_module("jitattn.jit.cache")
+key_module = importlib.import_module("jitattn.jit.key")  # where the sources are rendered for a build
 
 SPEC = VariantSpec("merge", "cpu", o_dtype="f32")
 NO_COMPILER = dict(JITATTN_CXX="/nonexistent/bin/c++", JITATTN_NVCC="/nonexistent/bin/nvcc")
 
 
 def _entry(root: Path, spec: VariantSpec = SPEC) -> Path:
-    return root / SCHEMA / plan_build(spec).name
+    return root / SCHEMA / build_inputs(spec).name
 
 
 def _sha256(path: Path) -> str:
@@ -52,7 +53,7 @@ def _sha256(path: Path) -> str:
 
 
 def _leftovers(root: Path, spec: VariantSpec = SPEC) -> list[Path]:
-    return sorted((root / SCHEMA / "tmp").glob(plan_build(spec).name + ".*"))
+    return sorted((root / SCHEMA / "tmp").glob(build_inputs(spec).name + ".*"))
 
 
 def _published(root: Path) -> list[str]:
@@ -91,7 +92,7 @@ def test_cold_load_builds_publishes_and_runs_correctly(fresh_cache):
     assert jitattn.load(SPEC) is module  # a second call is a registry hit
     assert set(module.entry_names) == {"merge_state", "merge_states"}
 
-    plan = plan_build(SPEC)
+    plan = build_inputs(SPEC)
     entry = fresh_cache / "v1" / f"{SPEC.uri}-{plan.key[:16]}"
     assert module.path == entry / "lib.so"
     assert {"build.ninja", "lib.so", "manifest.json", "sources"} <= {p.name for p in entry.iterdir()}
@@ -192,7 +193,7 @@ def test_a_builder_killed_mid_build_leaves_nothing_that_loads(fresh_cache, tmp_p
         builder.communicate()
     assert builder.returncode == -signal.SIGKILL
 
-    plan = plan_build(SPEC)
+    plan = build_inputs(SPEC)
     entry = _entry(fresh_cache)
     assert not (entry / "manifest.json").exists()
     assert find_entry(plan) is None
@@ -209,7 +210,7 @@ def test_a_builder_killed_mid_build_leaves_nothing_that_loads(fresh_cache, tmp_p
 def test_a_corrupted_library_is_detected_by_checksum_and_rebuilt_in_a_new_process(fresh_cache, caplog):
     [result] = build_many([SPEC])
     assert result.status == "built"
-    plan = plan_build(SPEC)
+    plan = build_inputs(SPEC)
     library = _entry(fresh_cache) / "lib.so"
     data = bytearray(library.read_bytes())
     middle = len(data) // 2
@@ -254,7 +255,7 @@ def test_a_damaged_entry_is_not_loaded_and_is_rebuilt(damage, fresh_cache):
     assert build_many([SPEC])[0].status == "built"
     entry = _entry(fresh_cache)
     damage(entry)
-    plan = plan_build(SPEC)
+    plan = build_inputs(SPEC)
     assert find_entry(plan) is None
     before = compile_count()
     [result] = build_many([SPEC])
@@ -292,13 +293,13 @@ def test_an_unwritable_cache_dir_gives_a_cache_error_naming_jitattn_cache_dir(la
 
 
 def test_a_compile_error_shows_the_compiler_message_and_the_rendered_source(fresh_cache, monkeypatch):
-    real_render = cache_module.render
+    real_render = key_module.render
 
     def broken_render(spec):
         return {name: text + ("\n#error boom from the test\n" if name.endswith(".cpp") else "")
                 for name, text in real_render(spec).items()}
 
-    monkeypatch.setattr(cache_module, "render", broken_render)
+    monkeypatch.setattr(key_module, "render", broken_render)
     with pytest.raises(BuildError) as info:
         jitattn.load(SPEC)
     message = str(info.value)
@@ -309,7 +310,7 @@ def test_a_compile_error_shows_the_compiler_message_and_the_rendered_source(fres
     assert source.is_file(), f"{source} named in the error does not exist"
     assert "#error boom from the test" in source.read_text()
     assert f"{source}:" in message  # the compiler's file:line points at the file that exists
-    plan = plan_build(SPEC)
+    plan = build_inputs(SPEC)
     assert find_entry(plan) is None
     assert _published(fresh_cache) == []
     assert _leftovers(fresh_cache) == []
@@ -363,7 +364,7 @@ def test_a_damaged_layer_entry_is_rebuilt_in_the_writable_root_and_the_layer_lef
     monkeypatch.setenv("JITATTN_CACHE_PATH", str(layer))
     [result] = build_many([SPEC])
     assert result.status == "built", result.error
-    assert entry_problem(_entry(fresh_cache), plan_build(SPEC).key) is None
+    assert entry_problem(_entry(fresh_cache), build_inputs(SPEC).key) is None
     assert _snapshot(layer) == before
     assert jitattn.load(SPEC).path == _entry(fresh_cache) / "lib.so"
 
@@ -415,7 +416,7 @@ def test_build_many_builds_each_cold_spec_once_then_reports_cached(fresh_cache):
     assert compile_count() == before + 3
     assert sorted(r.spec.uri for r in finished) == sorted(s.uri for s in specs)
     for spec in specs:
-        assert entry_problem(_entry(fresh_cache, spec), plan_build(spec).key) is None
+        assert entry_problem(_entry(fresh_cache, spec), build_inputs(spec).key) is None
     again = build_many(specs, jobs=2)
     assert [r.status for r in again] == ["cached"] * 3
     assert compile_count() == before + 3

@@ -20,7 +20,7 @@ import pytest
 import jitattn
 from jitattn.jit import CacheError, build_many, compile_count
 from jitattn.jit import trust
-from jitattn.jit.cache import SCHEMA, plan_build
+from jitattn.jit.key import SCHEMA, build_inputs
 from jitattn.spec import VariantSpec
 from jitattn_cache.cli import main
 
@@ -52,7 +52,7 @@ def _run_fix(message: str, path: Path) -> None:
 
 @pytest.mark.parametrize("place", PLACES, ids=["root", "schema", "tmp", "locks"])
 def test_a_world_writable_dir_is_refused_before_a_cold_build(place, fresh_cache):
-    plan_build(SPEC)  # renders; creates nothing
+    build_inputs(SPEC)  # renders; creates nothing
     (fresh_cache / SCHEMA / "tmp").mkdir(parents=True)
     (fresh_cache / SCHEMA / "locks").mkdir()
     target = fresh_cache / place
@@ -64,7 +64,7 @@ def test_a_world_writable_dir_is_refused_before_a_cold_build(place, fresh_cache)
     assert f"{target} is writable by other users" in message
     assert f"chmod go-w {target}" in message
     assert compile_count() == before, "nothing may be compiled into an untrusted cache"
-    assert not (fresh_cache / SCHEMA / plan_build(SPEC).name).exists()
+    assert not (fresh_cache / SCHEMA / build_inputs(SPEC).name).exists()
     _run_fix(message, target)
     jitattn.load(SPEC)  # the printed fix is enough
 
@@ -84,7 +84,7 @@ def test_an_entry_dir_owned_by_another_user_is_refused_with_the_chown(fresh_cach
     if os.geteuid() != 0:
         pytest.skip("giving a directory to another user needs root")
     [result] = build_many([SPEC])
-    entry = fresh_cache / SCHEMA / plan_build(SPEC).name
+    entry = fresh_cache / SCHEMA / build_inputs(SPEC).name
     os.chown(entry, 4321, 4321)
     jitattn.jit._registry.clear()
     with pytest.raises(CacheError) as info:
@@ -111,7 +111,7 @@ def test_the_private_build_dir_is_checked_before_anything_is_written_into_it(fre
         jitattn.load(SPEC)
     assert made and f"{made[0]} is writable by other users" in str(info.value)
     assert not made[0].exists(), "the refused build dir is removed"
-    assert not (fresh_cache / SCHEMA / plan_build(SPEC).name).exists()
+    assert not (fresh_cache / SCHEMA / build_inputs(SPEC).name).exists()
 
 
 @pytest.mark.parametrize("place", [SCHEMA, f"{SCHEMA}/tmp"], ids=["schema", "tmp"])
@@ -123,7 +123,7 @@ def test_doctor_and_verify_report_each_violation_with_its_fix(place, fresh_cache
     rc, out, _ = _cli(capsys, "verify")
     assert rc == 0 and "UNSAFE" not in out
     target = fresh_cache / place
-    entry = fresh_cache / SCHEMA / plan_build(SPEC).name
+    entry = fresh_cache / SCHEMA / build_inputs(SPEC).name
     _make_world_writable(target)
     _make_world_writable(entry)
     rc, out, _ = _cli(capsys, "verify")

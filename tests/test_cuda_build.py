@@ -17,7 +17,7 @@ import pytest
 import jitattn
 import jitattn.jit
 from jitattn.jit import Module, compile_count, render
-from jitattn.jit.cache import plan_build
+from jitattn.jit.key import build_inputs
 from jitattn.spec import VariantSpec
 
 from helpers.procs import child_env, run_load
@@ -37,7 +37,7 @@ def test_cuda_merge_renders_for_the_named_arch(hopper_arch):
     sources = render(SPEC)
     assert set(sources) == {"params.h", "kernel.cu"}
     assert f"{SPEC.kernel_name}_pair" in sources["kernel.cu"]
-    plan = plan_build(SPEC)
+    plan = build_inputs(SPEC)
     assert plan.archs == ("9.0a",)
     assert "-gencode=arch=compute_90a,code=sm_90a" in plan.cflags
 

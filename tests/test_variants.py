@@ -12,7 +12,7 @@ import jitattn
 from jitattn import AttentionVariant, VariantParam, reference
 from jitattn.attention.specs import attention_spec
 from jitattn.jit import BuildError, compile_count
-from jitattn.jit.cache import plan_build
+from jitattn.jit.key import build_inputs
 from jitattn.spec import KVLayout, KVStorage, MaskMode, Op, PosEncoding, Target, VariantSpec, parse_spec_text
 
 from attention_cases import devices, random_paged_batch
@@ -229,9 +229,9 @@ def test_editing_a_snippet_changes_the_key_and_rebuilds(fresh_cache):
     edited = AttentionVariant("posbias", logits_transform="logits + slope * float(kv_idx - q_idx)",
                               params=POS_BIAS.params)
     a, b = _cpu_spec(POS_BIAS), _cpu_spec(edited)
-    assert a.uri != b.uri and plan_build(a).key != plan_build(b).key
+    assert a.uri != b.uri and build_inputs(a).key != build_inputs(b).key
     same = AttentionVariant.from_dict(json.loads(json.dumps(POS_BIAS.to_dict())))
-    assert plan_build(_cpu_spec(same)).key == plan_build(a).key
+    assert build_inputs(_cpu_spec(same)).key == build_inputs(a).key
     before = compile_count()
     jitattn.load(a)
     jitattn.load(b)

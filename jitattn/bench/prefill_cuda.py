@@ -29,7 +29,9 @@ import jitattn
 from jitattn.attention.launch import AttentionScalars, launch_attention
 from jitattn.families import prefill as prefill_family
 from jitattn.jit import Module
-from jitattn.jit.cache import build_entry, find_entry, plan_build
+from jitattn.jit.build_and_publish import build_entry
+from jitattn.jit.cache import find_entry
+from jitattn.jit.key import build_inputs
 from jitattn.spec import KVLayout, KVStorage, MaskMode, Op, PosEncoding, Target, VariantSpec
 
 from .ceilings import gemm_tflops as _gemm
@@ -53,7 +55,7 @@ def module_with(spec: VariantSpec, tuning: dict[str, int]) -> Module:
     saved = dict(prefill_family.TUNING)
     prefill_family.TUNING.update(tuning)
     try:
-        plan = plan_build(spec)
+        plan = build_inputs(spec)
     finally:
         prefill_family.TUNING.clear()
         prefill_family.TUNING.update(saved)

@@ -2,7 +2,8 @@
 entries (the binary interface) and the context dict the template receives.
 
 A family module defines ``TEMPLATES`` ({target: template path}),
-``entries(spec)`` and ``context(spec)``. Templates get nothing else: every
+``entries(spec)`` and ``context(spec)``, and optionally
+``explain_build_error(spec, message, sources)`` (``jit`` applies it to a failed compile). Templates get nothing else: every
 derived value is computed here in Python.
 """
 

@@ -39,7 +39,9 @@ from typing import Any
 from ..abi import POS_ENCODING_CODES, Entry, Field, fields
 from ..spec import VariantSpec
 from . import c_type
+from .variant import HEADER_NAME
 from .variant import context as variant_context
+from .variant import explain_build_error as _explain_variant_error
 
 ATTENTION = Entry("attention", fields(
     "q:ptr k:ptr v:ptr o:ptr lse:ptr "
@@ -70,3 +72,8 @@ def context(spec: VariantSpec) -> dict[str, Any]:
         "o_ctype": c_type(spec.o_dtype, spec.target),
         "pos_codes": POS_ENCODING_CODES,
     }
+
+
+def explain_build_error(spec: VariantSpec, message: str, sources: dict[str, str]) -> str:
+    """A failed build of ``spec`` explained in its custom variant's terms (the family hook ``jit`` applies)."""
+    return _explain_variant_error(spec, message, sources.get(HEADER_NAME))

@@ -58,7 +58,7 @@ from ..kv_split import split_workspace_bytes  # noqa: F401  (the kernel's worksp
 from ..spec import DType, PosEncoding, Target, VariantSpec
 from . import c_type
 from .attention import context as _attention_context
-from .attention import entries  # noqa: F401  (the family interface)
+from .attention import entries, explain_build_error  # noqa: F401  (the family interface)
 
 TEMPLATES = {"cpu": "cpu/attention.cpp.jinja", "cuda": "cuda/decode.cu.jinja"}
 

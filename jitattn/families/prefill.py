@@ -51,7 +51,7 @@ from typing import Any, Callable
 
 from ..spec import DType, KVStorage, MaskMode, PosEncoding, Target, VariantSpec
 from .attention import context as _attention_context
-from .attention import entries  # noqa: F401  (the family interface)
+from .attention import entries, explain_build_error  # noqa: F401  (the family interface)
 
 TEMPLATES = {"cpu": "cpu/attention.cpp.jinja", "cuda": "cuda/prefill.cu.jinja"}
 

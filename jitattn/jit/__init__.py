@@ -16,7 +16,9 @@ from typing import Callable, Iterable
 from .. import env
 from ..spec import VariantSpec
 from .build import compile_count
-from .cache import BuildPlan, build_entry, build_or_find_entry, find_entry, plan_build
+from .build_and_publish import build_entry, build_or_find_entry
+from .cache import find_entry
+from .key import BuildInputs, build_inputs
 from .errors import BuildError, CacheError, CompileDisabledError, JitError, KernelError
 from .loader import Module
 from .render import render
@@ -60,7 +62,7 @@ def _refuse_compile_if_asked(spec: VariantSpec) -> None:
         )
 
 
-def _ensure_built(plan: BuildPlan, jobs: int) -> tuple[str, float]:
+def _ensure_built(plan: BuildInputs, jobs: int) -> tuple[str, float]:
     """(status, seconds) after making sure ``plan`` has an entry.
 
     status: 'cached' (there before), 'built' (this process compiled it) or
@@ -88,7 +90,7 @@ def load(spec: VariantSpec) -> Module:
     with spec_lock:  # one thread builds a given spec; loads of other specs proceed
         module = _registry.get(spec)
         if module is None:
-            plan = plan_build(spec)
+            plan = build_inputs(spec)
             entry_dir = find_entry(plan)
             if entry_dir is None:
                 _refuse_compile_if_asked(spec)
@@ -125,7 +127,7 @@ def build_many(
     def one(spec: VariantSpec) -> BuildResult:
         started = time.perf_counter()
         try:
-            status, _ = _ensure_built(plan_build(spec), jobs=1)
+            status, _ = _ensure_built(build_inputs(spec), jobs=1)
             return BuildResult(spec, status, time.perf_counter() - started)
         except (JitError, ToolchainError, ValueError, NotImplementedError, OSError) as exc:
             return BuildResult(spec, "failed", time.perf_counter() - started, str(exc))

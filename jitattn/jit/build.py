@@ -23,7 +23,7 @@ def compile_count() -> int:
     return _compile_count
 
 
-def _ninja() -> str:
+def ninja_path() -> str:
     try:
         import ninja  # the PyPI package ships a binary
 
@@ -166,7 +166,7 @@ def run_ninja(work_dir: Path, jobs: int, source_path: Path) -> None:
     log_path = work_dir / BUILD_LOG
     with open(log_path, "w+") as log:
         proc = subprocess.Popen(
-            [_ninja(), "-C", str(work_dir), "-j", str(max(1, jobs))],
+            [ninja_path(), "-C", str(work_dir), "-j", str(max(1, jobs))],
             stdout=log, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True,
         )
         with _running_lock:
