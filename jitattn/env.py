@@ -1,38 +1,22 @@
-"""Every environment knob jitattn reads, in one typed place.
+"""Every environment knob jitattn reads, declared once: name, aliases, kind, default, doc.
 
-Values are read when used, never at import, so a test or a server can change
-them between calls. ``describe()`` lists each knob, its value and where that
-value came from (the ``jitattn-cache show-config`` command prints it).
+Values are read when used, never at import, so a test or a server can change them between
+calls. ``KNOBS`` is what ``jitattn-cache show-config`` and ``doctor`` list and check; the
+accessors below are what the library calls. A knob's aliases are read, in order, when the knob
+itself is unset (``MAX_JOBS`` for ``JITATTN_MAX_JOBS``, ...).
 """
 
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
-
-@dataclass(frozen=True)
-class Knob:
-    name: str
-    doc: str
-    default: str
-
-
-KNOBS: tuple[Knob, ...] = (
-    Knob("JITATTN_CACHE_DIR", "writable cache root", "platformdirs.user_cache_dir('jitattn')"),
-    Knob("JITATTN_CACHE_PATH", "read-only cache layers searched first (os.pathsep list)", ""),
-    Knob("JITATTN_MAX_JOBS", "parallel compile jobs (also MAX_JOBS)", "min(CPUs, free memory / 2 GiB)"),
-    Knob("JITATTN_CUDA_ARCH_LIST", "CUDA archs to build, e.g. '8.0;9.0a' (also TORCH_CUDA_ARCH_LIST)", "the visible GPU"),
-    Knob("JITATTN_ASSERT_NO_COMPILE", "1: any compile is an error (prove a cache is warm)", "0"),
-    Knob("JITATTN_LOG_LEVEL", "info|debug: log to stderr (plans, cold builds)", "unset (no handler)"),
-    Knob("JITATTN_DEBUG", "1: custom-variant parameters are bounds-checked (a separate cache entry)", "0"),
-    Knob("JITATTN_NVCC", "path to nvcc (else CUDA_HOME/CUDA_PATH/bin/nvcc, else PATH)", "search"),
-    Knob("JITATTN_CXX", "host C++ compiler for the cpu target (also CXX)", "c++"),
-    Knob("CUDA_HOME", "CUDA toolkit root (also CUDA_PATH)", "search"),
-    Knob("JITATTN_TEST_CACHE_DIR", "the test suite's shared cache (tests/conftest.py; .ci/run sets it after warming)",
-         "unset: each test run builds into a temp dir it removes"),
-)
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+LOG_LEVELS = ("info", "debug")
+_ARCH = re.compile(r"^\d+\.\d+[af]?(\+PTX)?$")
 
 
 def _get(name: str) -> str | None:
@@ -40,9 +24,80 @@ def _get(name: str) -> str | None:
     return value if value not in (None, "") else None
 
 
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("0", "false", "no", "off")
-LOG_LEVELS = ("info", "debug")
+@dataclass(frozen=True)
+class Knob:
+    """One setting: ``kind`` says how its value is read and checked."""
+
+    name: str
+    kind: str  # "path" | "paths" | "jobs" | "flag" | "log_level" | "archs" | "executable" | "command"
+    default: str  # what applies when unset, as show-config describes it
+    doc: str
+    aliases: tuple[str, ...] = ()
+
+    def setting(self) -> tuple[str | None, str | None]:
+        """(value, the variable that set it): the knob itself, else its first set alias; (None, None) if unset."""
+        for variable in (self.name, *self.aliases):
+            value = _get(variable)
+            if value is not None:
+                return value, variable
+        return None, None
+
+    def value(self) -> str | None:
+        return self.setting()[0]
+
+    def problem(self) -> str | None:
+        """What is wrong with the value in effect, and what to set; None when it is fine or unset."""
+        raw, variable = self.setting()
+        if raw is None:
+            return None
+        shown = f"{variable}={raw!r}"
+        if self.kind == "jobs":
+            try:
+                ok = int(raw) >= 1
+            except ValueError:
+                ok = False
+            return None if ok else f"{shown} is not a positive integer; set it to a job count such as 4, or unset it"
+        if self.kind == "flag":
+            if raw.strip().lower() in _TRUE + _FALSE:
+                return None
+            return f"{shown} is neither on nor off; set it to 1 or 0"
+        if self.kind == "log_level":
+            if raw.lower() in LOG_LEVELS:
+                return None
+            return f"{shown} is not a level jitattn knows; set it to {' or '.join(LOG_LEVELS)}, or unset it"
+        if self.kind == "archs":
+            bad = [a for a in re.split(r"[;\s,]+", raw.strip()) if a and not _ARCH.match(a)]
+            if not bad:
+                return None
+            return f"{shown}: {', '.join(map(repr, bad))} is not an arch; use e.g. '8.0;9.0a' or '9.0a+PTX'"
+        if self.kind == "executable":
+            if os.path.isfile(raw) and os.access(raw, os.X_OK):
+                return None
+            return f"{shown} is not an executable file; point it at nvcc or unset it"
+        if self.kind == "path":
+            path = Path(raw).expanduser()
+            if path.exists() and not path.is_dir():
+                return f"{shown} is not a directory; point it at one (or a new path)"
+        return None
+
+
+CACHE_DIR = Knob("JITATTN_CACHE_DIR", "path", "platformdirs.user_cache_dir('jitattn')", "writable cache root")
+CACHE_PATH = Knob("JITATTN_CACHE_PATH", "paths", "", "read-only cache layers searched first (os.pathsep list)")
+MAX_JOBS = Knob("JITATTN_MAX_JOBS", "jobs", "min(CPUs, free memory / 2 GiB)", "parallel compile jobs",
+                aliases=("MAX_JOBS",))
+CUDA_ARCH_LIST = Knob("JITATTN_CUDA_ARCH_LIST", "archs", "the visible GPU", "CUDA archs to build, e.g. '8.0;9.0a'",
+                      aliases=("TORCH_CUDA_ARCH_LIST",))
+ASSERT_NO_COMPILE = Knob("JITATTN_ASSERT_NO_COMPILE", "flag", "0", "1: any compile is an error (prove a cache is warm)")
+LOG_LEVEL = Knob("JITATTN_LOG_LEVEL", "log_level", "unset (no handler)", "info|debug: log to stderr (plans, cold builds)")
+DEBUG = Knob("JITATTN_DEBUG", "flag", "0", "1: custom-variant parameters are bounds-checked (a separate cache entry)")
+NVCC = Knob("JITATTN_NVCC", "executable", "search", "path to nvcc (else CUDA_HOME/CUDA_PATH/bin/nvcc, else PATH)")
+CXX = Knob("JITATTN_CXX", "command", "c++", "host C++ compiler for the cpu target", aliases=("CXX",))
+CUDA_HOME = Knob("CUDA_HOME", "path", "search", "CUDA toolkit root", aliases=("CUDA_PATH",))
+TEST_CACHE_DIR = Knob("JITATTN_TEST_CACHE_DIR", "path", "unset: each test run builds into a temp dir it removes",
+                      "the test suite's shared cache (tests/conftest.py; .ci/run sets it after warming)")
+
+KNOBS: tuple[Knob, ...] = (CACHE_DIR, CACHE_PATH, MAX_JOBS, CUDA_ARCH_LIST, ASSERT_NO_COMPILE, LOG_LEVEL, DEBUG,
+                           NVCC, CXX, CUDA_HOME, TEST_CACHE_DIR)
 
 
 def _truthy(value: str | None) -> bool:
@@ -51,7 +106,7 @@ def _truthy(value: str | None) -> bool:
 
 def cache_dir() -> Path:
     """The writable cache root."""
-    explicit = _get("JITATTN_CACHE_DIR")
+    explicit = CACHE_DIR.value()
     if explicit is not None:
         return Path(explicit).expanduser()
     import platformdirs
@@ -61,7 +116,7 @@ def cache_dir() -> Path:
 
 def cache_path() -> list[Path]:
     """Read-only cache layers, searched before the writable root."""
-    raw = _get("JITATTN_CACHE_PATH")
+    raw = CACHE_PATH.value()
     if raw is None:
         return []
     return [Path(p).expanduser() for p in raw.split(os.pathsep) if p]
@@ -69,26 +124,20 @@ def cache_path() -> list[Path]:
 
 def max_jobs_override() -> int | None:
     """A user-set job count (JITATTN_MAX_JOBS wins over MAX_JOBS), or None."""
-    for name in ("JITATTN_MAX_JOBS", "MAX_JOBS"):
-        raw = _get(name)
-        if raw is not None:
-            try:
-                value = int(raw)
-            except ValueError:
-                raise ValueError(f"{name}={raw!r} is not an integer; set it to a job count such as 4") from None
-            if value < 1:
-                raise ValueError(f"{name}={raw!r} must be at least 1")
-            return value
-    return None
+    problem = MAX_JOBS.problem()
+    if problem is not None:
+        raise ValueError(problem)
+    raw = MAX_JOBS.value()
+    return int(raw) if raw is not None else None
 
 
 def cuda_arch_list() -> str | None:
     """The arch list the user asked for, e.g. '8.0;9.0a', or None for the visible GPU."""
-    return _get("JITATTN_CUDA_ARCH_LIST") or _get("TORCH_CUDA_ARCH_LIST")
+    return CUDA_ARCH_LIST.value()
 
 
 def assert_no_compile() -> bool:
-    return _truthy(_get("JITATTN_ASSERT_NO_COMPILE"))
+    return _truthy(ASSERT_NO_COMPILE.value())
 
 
 def debug() -> bool:
@@ -97,76 +146,43 @@ def debug() -> bool:
     The checks are in the rendered source, so a debug build is its own cache
     entry (its key differs) and never replaces the fast one.
     """
-    return _truthy(_get("JITATTN_DEBUG"))
+    return _truthy(DEBUG.value())
 
 
 def log_level() -> str | None:
-    raw = _get("JITATTN_LOG_LEVEL")
+    raw = LOG_LEVEL.value()
     return raw.lower() if raw else None
 
 
 def nvcc_override() -> str | None:
-    return _get("JITATTN_NVCC")
+    return NVCC.value()
 
 
 def cuda_home() -> str | None:
-    return _get("CUDA_HOME") or _get("CUDA_PATH")
+    return CUDA_HOME.value()
 
 
 def cxx() -> str:
-    return _get("JITATTN_CXX") or _get("CXX") or "c++"
+    return CXX.value() or "c++"
 
 
 def problems() -> dict[str, str]:
-    """{variable: what is wrong with its value and what to set} for every invalid setting."""
+    """{variable: what is wrong with its value and what to set} for every invalid setting in effect."""
     found: dict[str, str] = {}
-    for name in ("JITATTN_MAX_JOBS", "MAX_JOBS"):
-        raw = _get(name)
-        if raw is None:
-            continue
-        try:
-            ok = int(raw) >= 1
-        except ValueError:
-            ok = False
-        if not ok:
-            found[name] = f"{name}={raw!r} is not a positive integer; set it to a job count such as 4, or unset it"
-    for name in ("JITATTN_ASSERT_NO_COMPILE", "JITATTN_DEBUG"):
-        raw = _get(name)
-        if raw is not None and raw.strip().lower() not in _TRUE + _FALSE:
-            found[name] = f"{name}={raw!r} is neither on nor off; set it to 1 or 0"
-    raw = _get("JITATTN_LOG_LEVEL")
-    if raw is not None and raw.lower() not in LOG_LEVELS:
-        found["JITATTN_LOG_LEVEL"] = (f"JITATTN_LOG_LEVEL={raw!r} is not a level jitattn knows; set it to "
-                                      f"{' or '.join(LOG_LEVELS)}, or unset it")
-    for name in ("JITATTN_CUDA_ARCH_LIST", "TORCH_CUDA_ARCH_LIST"):
-        raw = _get(name)
-        if raw is None:
-            continue
-        import re
-
-        bad = [a for a in re.split(r"[;\s,]+", raw.strip()) if a and not re.match(r"^\d+\.\d+[af]?(\+PTX)?$", a)]
-        if bad:
-            found[name] = (f"{name}={raw!r}: {', '.join(map(repr, bad))} is not an arch; use e.g. '8.0;9.0a' "
-                           "or '9.0a+PTX'")
-        if name == "JITATTN_CUDA_ARCH_LIST":
-            break  # it wins over TORCH_CUDA_ARCH_LIST, which is then not read
-    raw = _get("JITATTN_NVCC")
-    if raw is not None and not (os.path.isfile(raw) and os.access(raw, os.X_OK)):
-        found["JITATTN_NVCC"] = f"JITATTN_NVCC={raw!r} is not an executable file; point it at nvcc or unset it"
-    raw = _get("JITATTN_CACHE_DIR")
-    if raw is not None and Path(raw).expanduser().exists() and not Path(raw).expanduser().is_dir():
-        found["JITATTN_CACHE_DIR"] = f"JITATTN_CACHE_DIR={raw!r} is not a directory; point it at one (or a new path)"
+    for knob in KNOBS:
+        problem = knob.problem()
+        if problem is not None:
+            found[knob.setting()[1]] = problem
     return found
 
 
 def describe() -> list[tuple[str, str, str]]:
-    """(name, value, source) for every knob: 'env' when set, else 'default'."""
+    """(name, value, source) for every knob: 'env' or 'env <ALIAS>' when set, else 'default'."""
     rows = []
     for knob in KNOBS:
-        value = _get(knob.name)
-        rows.append((knob.name, value if value is not None else knob.default, "env" if value is not None else "default"))
-    for alias in ("MAX_JOBS", "TORCH_CUDA_ARCH_LIST", "CUDA_PATH", "CXX"):
-        value = _get(alias)
-        if value is not None:
-            rows.append((alias, value, "env"))
+        value, variable = knob.setting()
+        if value is None:
+            rows.append((knob.name, knob.default, "default"))
+        else:
+            rows.append((knob.name, value, "env" if variable == knob.name else f"env {variable}"))
     return rows

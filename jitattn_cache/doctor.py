@@ -20,20 +20,6 @@ MIN_FREE_BYTES = 1 << 30
 
 # -- show-config -----------------------------------------------------------------
 
-# knob -> aliases read when it is unset (in the order jitattn.env reads them)
-_ALIASES = {
-    "JITATTN_MAX_JOBS": ("MAX_JOBS",),
-    "JITATTN_CUDA_ARCH_LIST": ("TORCH_CUDA_ARCH_LIST",),
-    "JITATTN_CXX": ("CXX",),
-    "CUDA_HOME": ("CUDA_PATH",),
-}
-
-
-def _set(name: str) -> str | None:
-    value = os.environ.get(name)
-    return value if value else None
-
-
 def _effective_default(name: str) -> str:
     """What jitattn uses for ``name`` when nothing is set (computed, never fails)."""
     from jitattn import env
@@ -83,16 +69,12 @@ def config_rows() -> list[tuple[str, str, str]]:
     rows = []
     known = set()
     for knob in env.KNOBS:
-        known.add(knob.name)
-        value, source = _set(knob.name), "env"
-        if value is None:
-            for alias in _ALIASES.get(knob.name, ()):
-                known.add(alias)
-                if _set(alias) is not None:
-                    value, source = _set(alias), f"env {alias}"
-                    break
+        known.update((knob.name, *knob.aliases))
+        value, variable = knob.setting()
         if value is None:
             value, source = _effective_default(knob.name), "default"
+        else:
+            source = "env" if variable == knob.name else f"env {variable}"
         rows.append((knob.name, value, source))
     for name in sorted(os.environ):
         if name.startswith("JITATTN_") and name not in known:
