@@ -97,3 +97,26 @@ def ctypes_struct(entry: Entry) -> type[ctypes.Structure]:
         (ctypes.Structure,),
         {"_fields_": [(f.name, _KINDS[f.kind][1]) for f in entry.fields]},
     )
+
+
+# The symbol a JITATTN_DEBUG=1 build of a custom variant exports: it reports the first out-of-bounds
+# parameter read of the last launch (``int f(char* err, int err_len)``, non-zero when one happened).
+VARIANT_FAULT_SYMBOL = "jitattn_variant_debug_fault"
+_VARIANT_SCALAR_KINDS = {"f32": "f32", "i32": "i32", "i64": "i64"}
+
+
+def variant_params_entry(variant) -> Entry:
+    """A custom variant's ``VariantParams`` struct (``variant``: a ``jitattn.AttentionVariant``).
+
+    Per tensor parameter a pointer and ``<name>_size<d>`` for each dimension; per scalar its value.
+    """
+    out: list[Field] = []
+    for param in variant.params:
+        if param.rank == 0:
+            out.append(Field(param.name, _VARIANT_SCALAR_KINDS[param.dtype]))
+        else:
+            out.append(Field(param.name, "ptr"))
+            out += [Field(f"{param.name}_size{d}", "i64") for d in range(param.rank)]
+    if not out:  # C++ allows an empty struct, ctypes pads it the same way; keep one field for clarity
+        out.append(Field("unused", "i64"))
+    return Entry("variant", tuple(out))

@@ -11,10 +11,9 @@ from .attention.builder import HostIndex, attention_options, build_plan, kernel_
 from .attention.wrapper import BatchWrapperBase
 from .attention.checks import check_tensor, target_of
 from .attention.options import PAGE_TABLE_HINT, parse_kv_layout, refuse_unsupported
-from .jit import load
-from .families.decode import MAX_RESIDENT_BLOCKS, resident_blocks
+from .jit import load, resident_blocks
 from .page_table import PagedIndex, check_paged_index, to_host_int32
-from .kv_split import KVSplit, decode_kv_split, max_decode_chunks, split_workspace_bytes
+from .kv_split import MAX_RESIDENT_BLOCKS, KVSplit, decode_kv_split, max_decode_chunks, split_workspace_bytes
 from .variant import AttentionVariant
 from .spec import KVLayout, KVStorage, Op, Target
 

@@ -14,6 +14,10 @@ import torch
 
 from .page_table import PagedIndex
 
+# No cuda decode layout is sized for more resident blocks per SM than this: it bounds the split a
+# plan can choose, so workspace_size() can size the split-KV workspace without knowing the kernel.
+MAX_RESIDENT_BLOCKS = 4
+
 
 @dataclass(frozen=True)
 class KVSplit:

@@ -104,7 +104,7 @@ def resolve_specs(args: argparse.Namespace) -> list:
     """
     import torch
 
-    from jitattn.attention.specs import model_specs
+    from jitattn import model_specs
     from jitattn.spec import DType, Target, parse_spec_text
 
     from .presets import PRESETS, from_hf_config

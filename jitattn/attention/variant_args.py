@@ -12,8 +12,7 @@ import ctypes
 
 import torch
 
-from ..abi import ctypes_struct
-from ..families.variant import params_entry
+from ..abi import ctypes_struct, variant_params_entry
 from ..variant import TENSOR_DTYPES, AttentionVariant
 
 _INT_RANGE = {"i32": (-(2**31), 2**31 - 1), "i64": (-(2**63), 2**63 - 1)}
@@ -25,7 +24,7 @@ class VariantArgs:
     def __init__(self, variant: AttentionVariant, wrapper: str) -> None:
         self.variant = variant
         self.wrapper = wrapper
-        self.struct = ctypes_struct(params_entry(variant))()
+        self.struct = ctypes_struct(variant_params_entry(variant))()
         self._declared = {p.name: p for p in variant.params}
 
     @property

@@ -54,7 +54,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from ..kv_split import split_workspace_bytes  # noqa: F401  (the kernel's workspace layout)
+from ..kv_split import MAX_RESIDENT_BLOCKS, split_workspace_bytes  # noqa: F401  (the planner's bound, the workspace layout)
 from ..spec import DType, PosEncoding, Target, VariantSpec
 from . import c_type
 from .attention import context as _attention_context
@@ -99,7 +99,6 @@ def mma_eligible(spec: VariantSpec) -> bool:
     )
 
 
-MAX_RESIDENT_BLOCKS = 4  # no layout is sized for more resident blocks per SM (bounds split-KV workspaces)
 
 
 @functools.lru_cache(maxsize=256)

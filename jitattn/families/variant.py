@@ -2,7 +2,7 @@
 
 ``variant.h`` (a rendered source of every module whose spec has a variant) holds
 
-- ``struct VariantParams``, generated from ``param_fields`` (tensor: a pointer and
+- ``struct VariantParams``, generated from ``abi.variant_params_entry`` (tensor: a pointer and
   its sizes; scalar: its value) by ``jitattn.abi`` -- the same list gives the
   ctypes mirror the launch fills;
 - ``variant_<hook>(vp, value, index variables...)`` for each snippet of the
@@ -18,34 +18,19 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from ..abi import _KINDS, Entry, Field
+from ..abi import _KINDS, VARIANT_FAULT_SYMBOL, Entry, variant_params_entry
 from ..spec import Target, VariantSpec
 from ..variant import HOOK_SIGNATURES, HOOKS, AttentionVariant
 
 HEADER_NAME = "variant.h"
-_SCALAR_KINDS = {"f32": "f32", "i32": "i32", "i64": "i64"}
 _QUALIFIER = {Target.CPU: "inline", Target.CUDA: "__device__ __forceinline__"}
 
 
-def param_fields(variant: AttentionVariant) -> tuple[Field, ...]:
-    """The VariantParams struct's fields: per tensor a pointer and ``<name>_size<d>``; per scalar its value."""
-    out: list[Field] = []
-    for param in variant.params:
-        if param.rank == 0:
-            out.append(Field(param.name, _SCALAR_KINDS[param.dtype]))
-        else:
-            out.append(Field(param.name, "ptr"))
-            out += [Field(f"{param.name}_size{d}", "i64") for d in range(param.rank)]
-    if not out:  # C++ allows an empty struct, ctypes pads it the same way; keep one field for clarity
-        out.append(Field("unused", "i64"))
-    return tuple(out)
-
-
 def params_entry(variant: AttentionVariant) -> Entry:
-    return Entry("variant", param_fields(variant))
+    return variant_params_entry(variant)
 
 
-FAULT_SYMBOL = "jitattn_variant_debug_fault"
+FAULT_SYMBOL = VARIANT_FAULT_SYMBOL
 
 
 def _debug_support(spec: VariantSpec) -> list[str]:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable
 
 from .. import env
+from ..families import family
 from ..spec import VariantSpec
 from .build import compile_count
 from .build_and_publish import build_entry, build_or_find_entry
@@ -26,12 +27,18 @@ from .toolchain import ToolchainError, default_jobs
 
 __all__ = [
     "BuildError", "BuildResult", "CacheError", "CompileDisabledError", "JitError", "KernelError", "Module",
-    "ToolchainError", "build_many", "compile_count", "load", "render", "warm_command",
+    "ToolchainError", "build_many", "compile_count", "load", "render", "resident_blocks", "warm_command",
 ]
 
 _registry: dict[VariantSpec, Module] = {}
 _registry_lock = threading.Lock()  # guards _spec_locks; never held during a build
 _spec_locks: dict[VariantSpec, threading.Lock] = {}
+
+
+def resident_blocks(spec: VariantSpec) -> int:
+    """Blocks per SM the cuda kernel of ``spec`` is sized for (what split-KV planning balances over); 2 by default."""
+    facts = getattr(family(spec.op), "resident_blocks", None)
+    return facts(spec) if facts is not None else 2
 
 
 def warm_command(spec: VariantSpec) -> str:

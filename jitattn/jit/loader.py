@@ -6,9 +6,8 @@ import ctypes
 import os
 from pathlib import Path
 
-from ..abi import ABI_VERSION, Entry, ctypes_struct
+from ..abi import ABI_VERSION, VARIANT_FAULT_SYMBOL, Entry, ctypes_struct
 from ..spec import VariantSpec
-from ..families.variant import FAULT_SYMBOL
 from .errors import KernelError
 
 _ERR_LEN = 1024
@@ -31,7 +30,7 @@ class Module:
         self._err = ctypes.create_string_buffer(_ERR_LEN)  # written only when a launch fails
         # A JITATTN_DEBUG=1 build of a custom variant records out-of-bounds parameter reads; read it after each call.
         try:
-            self._fault = getattr(self._lib, FAULT_SYMBOL)
+            self._fault = getattr(self._lib, VARIANT_FAULT_SYMBOL)
             self._fault.argtypes = [ctypes.c_char_p, ctypes.c_int]
             self._fault.restype = ctypes.c_int
         except AttributeError:
