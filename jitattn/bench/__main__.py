@@ -40,6 +40,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--deadline", type=float, default=0.0,
                     help="seconds for the whole run; cases after it are listed as skipped (default 210, --quick 100)")
     ap.add_argument("--list", action="store_true", help="list the cases and exit")
+    ap.add_argument("--peer", action="append", choices=("flashinfer",), default=[],
+                    help="also time a peer library on the same data (skipped per row when it is not installed)")
     ap.add_argument("--ceilings-json", default=None, help=argparse.SUPPRESS)  # a resumed child reuses the ceilings
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     opts = ap.parse_args(argv)

@@ -25,7 +25,7 @@ def random_tensor(shape, dtype: torch.dtype, device: torch.device, gen: torch.Ge
     return torch.randn(shape, dtype=dtype, device=device, generator=gen)
 
 
-def _indptr(lens: list[int]) -> torch.Tensor:
+def indptr_of(lens: list[int]) -> torch.Tensor:
     out = [0]
     for n in lens:
         out.append(out[-1] + n)
@@ -48,7 +48,7 @@ def random_page_table(kv_lens, page_size: int, pool: int, gen: torch.Generator) 
     needed = sum(pages_per)
     order = torch.randperm(pool, generator=gen)[:needed].to(torch.int32)
     last = torch.tensor([(n - 1) % page_size + 1 for n in kv_lens], dtype=torch.int32)
-    return PageTable(_indptr(pages_per), order, last, page_size)
+    return PageTable(indptr_of(pages_per), order, last, page_size)
 
 
 def pool_pages(needed: int) -> int:
@@ -69,11 +69,11 @@ class AttnData:
 
     @property
     def qo_offsets(self) -> list[int]:
-        return _indptr(list(self.case.queries)).tolist()
+        return indptr_of(list(self.case.queries)).tolist()
 
     @property
     def kv_offsets(self) -> list[int]:
-        return _indptr(list(self.case.kv_lens)).tolist()
+        return indptr_of(list(self.case.kv_lens)).tolist()
 
     def request_kv(self, r: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Request r's keys and values, contiguous ``[kv_len, H_kv, D]``."""
@@ -139,7 +139,7 @@ def jitattn_fn(data: AttnData, device: torch.device) -> Callable[[], object]:
         wrapper.plan(t.indptr, t.indices, t.last, case.num_qo_heads, case.num_kv_heads, case.head_dim,
                      case.page_size, **plan_kwargs(case))
         return lambda: wrapper.run(data.q, data.cache, out=data.out)
-    qo_indptr = _indptr(list(case.queries))
+    qo_indptr = indptr_of(list(case.queries))
     mask = dict(custom_mask=data.custom_mask) if data.custom_mask is not None else {}
     if case.storage == "paged":
         wrapper = jitattn.BatchPrefillWithPagedKVCacheWrapper(workspace, kv_layout="NHD")
@@ -148,7 +148,7 @@ def jitattn_fn(data: AttnData, device: torch.device) -> Callable[[], object]:
                      case.page_size, causal=case.causal, **mask, **plan_kwargs(case))
         return lambda: wrapper.run(data.q, data.cache, out=data.out)
     wrapper = jitattn.BatchPrefillWithRaggedKVCacheWrapper(workspace, kv_layout="NHD")
-    wrapper.plan(qo_indptr, _indptr(list(case.kv_lens)), case.num_qo_heads, case.num_kv_heads, case.head_dim,
+    wrapper.plan(qo_indptr, indptr_of(list(case.kv_lens)), case.num_qo_heads, case.num_kv_heads, case.head_dim,
                  causal=case.causal, **mask, **plan_kwargs(case))
     return lambda: wrapper.run(data.q, data.k, data.v, out=data.out)
 

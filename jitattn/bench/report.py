@@ -66,14 +66,14 @@ def ceilings_line(ceilings: dict | None) -> str:
 
 
 def _sdpa_cells(row: dict) -> list[tuple[str, str]]:
-    """(SDPA cell, speedup cell) lines for a row."""
-    if row.get("sdpa_na"):
-        return [("n/a", "")]
-    sdpa = row.get("sdpa")
-    if not sdpa:
-        return [("-", "")]
+    """(SDPA or peer cell, speedup cell) lines for a row: SDPA's backends, then the peers'."""
     cells = []
-    for name, res in sdpa.items():
+    sdpa = row.get("sdpa")
+    if row.get("sdpa_na"):
+        cells.append(("n/a", ""))
+    elif not sdpa:
+        cells.append(("-", ""))
+    for name, res in list((sdpa or {}).items()) + list((row.get("peers") or {}).items()):
         if "n/a" in res:
             cells.append((f"{name}: n/a", ""))
         elif "error" in res:
@@ -105,6 +105,11 @@ def _notes(row: dict) -> str:
             parts.append(f"SDPA {name}: {res['n/a']}")
         elif res.get("note"):
             parts.append(f"SDPA {name}: {res['note'][:60]}")
+    for name, res in (row.get("peers") or {}).items():
+        if "error" in res or "n/a" in res:
+            parts.append(f"{name}: {(res.get('error') or res.get('n/a'))[:90]}")
+        elif (res.get("max_rel_err_vs_jitattn") or 0) > 0.05:
+            parts.append(f"{name} differs from jitattn by {res['max_rel_err_vs_jitattn']:.2g}")
     if row.get("note"):
         parts.append(row["note"])
     return "; ".join(parts)

@@ -35,6 +35,7 @@ class Context:
     failed_specs: dict = field(default_factory=dict)  # VariantSpec -> error text
     plain_rows: dict = field(default_factory=dict)  # name -> row, for the variants
     case_deadline: float = math.inf
+    peers: tuple[str, ...] = ()  # peer libraries timed beside jitattn (--peer)
 
     @property
     def cuda(self) -> bool:

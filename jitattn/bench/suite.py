@@ -50,6 +50,7 @@ from .inputs import (
 )
 from .sdpa import run_sdpa, sdpa_groups, sdpa_unsupported
 from .host import run_jit
+from .peers import run_flashinfer
 
 
 # --------------------------------------------------------------------------- #
@@ -89,6 +90,8 @@ def run_attn(case: Attn, ctx: Context) -> list[dict]:
             del fn
             row["sdpa"] = run_sdpa(case, groups, ctx, row["time_us"])
             del groups
+        if "flashinfer" in ctx.peers:
+            row["peers"] = {"flashinfer": run_flashinfer(case, data, ctx, row["time_us"])}
     except BudgetExceeded as exc:
         row["note"] = _join(row["note"], str(exc))
     if case.suite == "variants" and not case.plain:
@@ -324,7 +327,10 @@ def run(opts) -> dict:
             "timing": ("median of CUDA-event-timed calls after warm-up; before each call a read-only pass over "
                        "4x L2 evicts L2 (every call reads its KV from DRAM) and hides host launch overhead"
                        if target == "cuda" else "median of time.perf_counter()-timed calls after warm-up"),
-            "speedup": "SDPA time / jitattn time (> 1: jitattn is faster)",
+            "speedup": "SDPA (or peer) time / jitattn time (> 1: jitattn is faster)",
+            "peers": ("FlashInfer through its public wrappers, planned once on the same data, timed as jitattn"
+                      if "flashinfer" in (getattr(opts, "peer", None) or ()) else "none (--peer flashinfer adds it)"),
+            "host": "jit/* rows: host time per call from time.perf_counter() around calls without a device sync",
             "max_rel_err": "max|o - ref| / max|ref| vs jitattn.reference in float64, first 2 requests "
                            "(prefill: their last 128 queries)",
             "fraction": "bandwidth rows: rate / read_stream ceiling; compute rows: rate / gemm ceiling",
@@ -357,7 +363,7 @@ def run(opts) -> dict:
     log(report.ceilings_line(doc["ceilings"]))
     ctx = Context(device=device, timer=timer, ceilings=doc["ceilings"], measure_s=measure_s,
                   case_budget_s=opts.case_budget, deadline=t_start + deadline_s, quick=opts.quick,
-                  failed_specs=ctx_failed)
+                  failed_specs=ctx_failed, peers=tuple(getattr(opts, "peer", None) or ()))
     remaining: list[Case] = []
     for i, case in enumerate(cases):
         if time.monotonic() > ctx.deadline:

@@ -1,0 +1,91 @@
+"""Peer libraries on the same data as a jitattn case (``--peer flashinfer``; skipped when not importable).
+
+FlashInfer runs through its own public wrappers, planned once with the same page table, dtypes and
+options, timed like jitattn (``Timer.measure``: median after warm-up, L2 flushed between calls).
+Its output is compared with jitattn's (``max_rel_err_vs_jitattn``), so a wrong peer result shows.
+FlashInfer JIT-compiles each variant on first use (seconds per variant), outside the timing.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import tempfile
+
+import torch
+
+from .configs import Attn
+from .inputs import AttnData, indptr_of, plan_kwargs
+from .rows import BudgetExceeded, Context, cuda_ok, first_line, rate_of, rel_err
+
+PEERS = ("flashinfer",)
+
+
+def available(peer: str) -> bool:
+    return importlib.util.find_spec(peer) is not None
+
+
+def flashinfer_unsupported(case: Attn, ctx: Context) -> str | None:
+    if not ctx.cuda:
+        return "FlashInfer needs CUDA"
+    if not available("flashinfer"):
+        return "flashinfer is not installed"
+    if case.custom_mask:
+        return "custom mask: compared with the plain kernel"
+    if case.dtype != "bf16" and case.dtype != "f16":
+        return f"FlashInfer takes no {case.dtype} queries"
+    return None
+
+
+def _flashinfer_call(data: AttnData, workspace: torch.Tensor):
+    """Plan FlashInfer's wrapper for the case once; the returned callable runs one step into a fresh output."""
+    import flashinfer
+
+    case = data.case
+    options = plan_kwargs(case)
+    out = torch.empty_like(data.out)
+    if case.op == "decode":
+        wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=True)
+        t = data.table
+        wrapper.plan(t.indptr.cuda(), t.indices.cuda(), t.last.cuda(), case.num_qo_heads, case.num_kv_heads,
+                     case.head_dim, case.page_size, **options)
+        return lambda: wrapper.run(data.q, data.cache, out=out), out
+    qo_indptr = indptr_of(list(case.queries)).cuda()
+    if case.storage == "paged":
+        wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
+        t = data.table
+        wrapper.plan(qo_indptr, t.indptr.cuda(), t.indices.cuda(), t.last.cuda(), case.num_qo_heads,
+                     case.num_kv_heads, case.head_dim, case.page_size, causal=case.causal, **options)
+        return lambda: wrapper.run(data.q, data.cache, out=out), out
+    wrapper = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(workspace, "NHD")
+    wrapper.plan(qo_indptr, indptr_of(list(case.kv_lens)).cuda(), case.num_qo_heads, case.num_kv_heads,
+                 case.head_dim, causal=case.causal, **options)
+    return lambda: wrapper.run(data.q, data.k, data.v, out=out), out
+
+
+def run_flashinfer(case: Attn, data: AttnData, ctx: Context, jit_time_us: float | None) -> dict:
+    """{time_us, rate, fraction, speedup (FlashInfer time / jitattn time), max_rel_err_vs_jitattn} | {n/a} | {error}."""
+    why = flashinfer_unsupported(case, ctx)
+    if why is not None:
+        return {"n/a": why}
+    os.environ.setdefault("FLASHINFER_WORKSPACE_BASE", os.path.join(tempfile.gettempdir(), "flashinfer-bench"))
+    try:
+        ctx.check_budget("FlashInfer")
+        workspace = torch.empty(256 << 20, dtype=torch.uint8, device=ctx.device)
+        fn, out = _flashinfer_call(data, workspace)
+        fn()
+        ctx.sync()
+        err = rel_err([out], [data.out])
+        timing = ctx.timer.measure(fn, ctx.measure_s)
+        rate, unit, _, fraction = rate_of(case.kind, case.bytes, case.flops, timing.median_us, ctx.ceilings)
+        return {
+            "time_us": timing.median_us, "timing": timing.to_dict(), "rate": rate, "rate_unit": unit,
+            "fraction": fraction, "max_rel_err_vs_jitattn": err,
+            "speedup": (timing.median_us / jit_time_us) if jit_time_us else None,
+        }
+    except BudgetExceeded as exc:
+        return {"error": str(exc)}
+    except Exception as exc:
+        if ctx.cuda and not cuda_ok():
+            raise
+        return {"error": first_line(exc)}
