@@ -272,7 +272,7 @@ def test_fp8_saturates_from_every_source_dtype(device, dtype, src_dtype):
     x = torch.cat([x, torch.tensor([math.inf, -math.inf, math.nan, src_max, -src_max, 1e4, -1e4, 6e4]).reshape(1, 1, 8)])
     x = x.to(src_dtype)
     k, _ = _append_rows(x, dtype, device)
-    want = ref._to_cache_dtype(x, dtype)
+    want = ref.to_cache_dtype(x, dtype)
     got_bits, want_bits = k.view(torch.uint8), want.view(torch.uint8)
     nan = torch.isnan(want.float())
     assert torch.isnan(k.float()[nan]).all(), "NaN must stay NaN"

@@ -34,6 +34,10 @@ def flashinfer_unsupported(case: Attn, ctx: Context) -> str | None:
         return "custom mask: compared with the plain kernel"
     if case.dtype != "bf16" and case.dtype != "f16":
         return f"FlashInfer takes no {case.dtype} queries"
+    if case.head_dim not in (64, 128, 256):
+        # 0.5.3 on the H200: wrong output at head_dim 96, and an illegal memory access on the
+        # tensor-core decode path (which leaves the CUDA context unusable for the rest of the run)
+        return f"FlashInfer 0.5.3 is not correct at head_dim {case.head_dim}"
     return None
 
 
@@ -85,7 +89,5 @@ def run_flashinfer(case: Attn, data: AttnData, ctx: Context, jit_time_us: float 
         }
     except BudgetExceeded as exc:
         return {"error": str(exc)}
-    except Exception as exc:
-        if ctx.cuda and not cuda_ok():
-            raise
-        return {"error": first_line(exc)}
+    except Exception as exc:  # the row keeps jitattn's numbers; a broken context is noticed after the case
+        return {"error": first_line(exc) + ("" if not ctx.cuda or cuda_ok() else " (the CUDA context is unusable)")}

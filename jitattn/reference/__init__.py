@@ -37,7 +37,10 @@ from __future__ import annotations
 from .common import PagedKVCache
 from .attention import alibi_slopes, apply_rope_llama, batch_ragged_attention, single_attention
 from .masks import pack_custom_mask, unpack_custom_mask
-from .paged import append_paged_kv_cache, batch_decode_paged, batch_prefill_paged, get_batch_indices_positions, get_seq_lens, paged_kv_to_ragged
+from .paged import (
+    append_paged_kv_cache, batch_decode_paged, batch_prefill_paged, get_batch_indices_positions, get_seq_lens,
+    paged_kv_to_ragged, to_cache_dtype,
+)
 from .merge import merge_state, merge_states
 from .variant import variant_attention
 
@@ -56,6 +59,7 @@ __all__ = [
     "append_paged_kv_cache",
     "get_batch_indices_positions",
     "get_seq_lens",
+    "to_cache_dtype",
     "variant_attention",
     "PagedKVCache",
 ]

@@ -226,7 +226,7 @@ def append_paged_kv_cache(
     ``r = batch_indices[t]`` at position ``pos = positions[t]`` and is written
     to page ``kv_indices[kv_indptr[r] + pos // page_size]``, slot
     ``pos % page_size``.  Values are cast to the cache dtype (fp8 saturates
-    to its largest finite value, see ``_to_cache_dtype``).  The cache
+    to its largest finite value, see ``to_cache_dtype``).  The cache
     formats are those of :func:`paged_kv_to_ragged`.  ``kv_last_page_len``
     describes the cache *after* the append (FlashInfer semantics); a position
     at or beyond the resulting sequence length raises ``IndexError``.
@@ -252,11 +252,11 @@ def append_paged_kv_cache(
         slots.append(p % page_size)
     page_t = torch.tensor(pages, dtype=torch.int64, device=k_pages.device)
     slot_t = torch.tensor(slots, dtype=torch.int64, device=k_pages.device)
-    k_pages[page_t, slot_t] = _to_cache_dtype(append_key.to(k_pages.device), k_pages.dtype)
-    v_pages[page_t, slot_t] = _to_cache_dtype(append_value.to(v_pages.device), v_pages.dtype)
+    k_pages[page_t, slot_t] = to_cache_dtype(append_key.to(k_pages.device), k_pages.dtype)
+    v_pages[page_t, slot_t] = to_cache_dtype(append_value.to(v_pages.device), v_pages.dtype)
 
 
-def _to_cache_dtype(x: Tensor, dtype: torch.dtype) -> Tensor:
+def to_cache_dtype(x: Tensor, dtype: torch.dtype) -> Tensor:
     """``x.to(dtype)``, except that fp8 saturates: values beyond the range (inf too) become the
     largest finite value of their sign (e4m3 +-448, e5m2 +-57344); NaN stays NaN."""
     if x.dtype == dtype or dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
