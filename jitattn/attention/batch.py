@@ -18,7 +18,7 @@ from ..log import get_logger
 from ..page_table import PagedIndex, check_page_pool
 from ..kv_split import KVSplit, split_workspace_bytes
 from ..spec import KVLayout, Op, Target, VariantSpec
-from .checks import check_tensor, target_of
+from .checks import check_tensor, stream_capturing, target_of
 from .kv import check_kv_pair, split_paged_kv_cache
 from .launch import AttentionScalars, PreparedAttention
 from .variant_args import VariantArgs
@@ -236,7 +236,7 @@ def run_plan(
                            if isinstance(kv, torch.Tensor) else None)
         plan.checked_signature = signature
     device_index = signature[3]
-    if device_index >= 0 and not plan.use_cuda_graph and torch.cuda.is_current_stream_capturing():
+    if device_index >= 0 and not plan.use_cuda_graph and stream_capturing():
         raise RuntimeError(
             f"{wrapper}.run() is being captured into a CUDA graph, but the wrapper was built without "
             "use_cuda_graph=True: its plan lives in buffers a later plan() replaces, so replays would read "

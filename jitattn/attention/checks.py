@@ -41,6 +41,20 @@ def stream_handle(device: torch.device) -> int | None:
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
+_get_device = getattr(torch._C, "_cuda_getDevice", None)
+_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None)
+
+
+def current_cuda_device() -> int:
+    """The current CUDA device index (the C call itself: the hot path runs only after CUDA is initialised)."""
+    return _get_device() if _get_device is not None else torch.cuda.current_device()
+
+
+def stream_capturing() -> bool:
+    """Whether a CUDA graph is being captured on the current stream."""
+    return bool(_capturing()) if _capturing is not None else torch.cuda.is_current_stream_capturing()
+
+
 def raw_stream(device_index: int) -> int:
     """The current stream of CUDA device ``device_index``, as a raw handle."""
     if _raw_stream is not None:

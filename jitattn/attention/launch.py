@@ -13,7 +13,7 @@ import torch
 from ..abi import POS_ENCODING_CODES
 from ..jit import Module
 from ..spec import KVLayout, PosEncoding
-from .checks import cpu_threads, raw_stream
+from .checks import cpu_threads, current_cuda_device, raw_stream
 from .kv import kv_strides
 
 
@@ -94,7 +94,7 @@ class PreparedAttention:
         q_scale: float, workspace: torch.Tensor | None,
     ) -> None:
         """One launch with these pointers (strides as last set); ``device_index`` -1 is the cpu."""
-        if device_index >= 0 and device_index != torch.cuda.current_device():
+        if device_index >= 0 and device_index != current_cuda_device():
             # The module launches on (and reads attributes of) the current device.
             with torch.cuda.device(device_index):
                 return self.launch(device_index, q, k, v, o, lse, k_scale, v_scale, q_scale, workspace)
