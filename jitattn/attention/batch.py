@@ -20,7 +20,8 @@ from ..kv_split import KVSplit, split_workspace_bytes
 from ..spec import KVLayout, Op, Target, VariantSpec
 from .checks import check_tensor, stream_capturing, target_of
 from .kv import check_kv_pair, split_paged_kv_cache
-from .launch import AttentionScalars, PreparedAttention
+from .launch import PreparedAttention
+from .options import AttentionOptions
 from .variant_args import VariantArgs
 
 
@@ -28,14 +29,7 @@ from .variant_args import VariantArgs
 class AttentionPlan:
     spec: VariantSpec
     module: Module
-    scalars: AttentionScalars
-    q_dtype: torch.dtype
-    kv_dtype: torch.dtype
-    o_dtype: torch.dtype
-    num_qo_heads: int
-    num_kv_heads: int
-    head_dim_qk: int
-    head_dim_vo: int
+    options: AttentionOptions  # dtypes, heads, head dims, run-time scalars
     page_size: int | None  # None: ragged KV
     kv_layout: KVLayout
     total_qo: int  # rows of q the plan covers
@@ -58,6 +52,16 @@ class AttentionPlan:
     variant_args: VariantArgs | None = None  # the variant's struct (spec.variant only), filled per run()
     wrapper: str = ""
     kv_pointer_alignment: int = 16  # bytes; set from kv_alignment()
+
+    # The options the run path reads, as attributes of the plan.
+    scalars = property(lambda self: self.options.scalars)
+    q_dtype = property(lambda self: self.options.q_dtype)
+    kv_dtype = property(lambda self: self.options.kv_dtype)
+    o_dtype = property(lambda self: self.options.o_dtype)
+    num_qo_heads = property(lambda self: self.options.num_qo_heads)
+    num_kv_heads = property(lambda self: self.options.num_kv_heads)
+    head_dim_qk = property(lambda self: self.options.head_dim_qk)
+    head_dim_vo = property(lambda self: self.options.head_dim_vo)
 
     def __post_init__(self) -> None:
         self.kv_pointer_alignment = kv_alignment(self)[0]

@@ -14,31 +14,14 @@ import torch
 from ..jit import Module, load
 from ..page_table import PagedIndex
 from ..kv_split import KVSplit
-from ..spec import KVLayout, KVStorage, MaskMode, Op, PosEncoding, Target, VariantSpec
+from ..spec import KVLayout, KVStorage, MaskMode, Op, Target, VariantSpec
 from ..variant import AttentionVariant
 from .batch import AttentionPlan, log_plan, num_sms, upload, upload_int32
 from .checks import cpu_threads
-from .launch import AttentionScalars
-from .options import check_head_dim, parse_dtype, parse_pos_encoding, resolve_dtypes, resolve_scalars
+from .options import (
+    AttentionOptions, check_head_dim, parse_dtype, parse_pos_encoding, resolve_dtypes, resolve_scalars,
+)
 from .specs import attention_spec
-
-
-@dataclass(frozen=True)
-class AttentionOptions:
-    """What one plan computes, with every FlashInfer default applied."""
-
-    op: Op
-    q_dtype: torch.dtype
-    kv_dtype: torch.dtype
-    o_dtype: torch.dtype
-    num_qo_heads: int
-    num_kv_heads: int
-    head_dim_qk: int
-    head_dim_vo: int
-    pos_encoding: PosEncoding
-    mask_mode: MaskMode
-    scalars: AttentionScalars
-    variant: AttentionVariant | None = None
 
 
 def attention_options(
@@ -97,9 +80,7 @@ def make_plan(
 ) -> AttentionPlan:
     """An ``AttentionPlan`` over index arrays already on the device (its launch struct filled once)."""
     plan = AttentionPlan(
-        spec=spec, module=module, scalars=options.scalars, q_dtype=options.q_dtype, kv_dtype=options.kv_dtype,
-        o_dtype=options.o_dtype, num_qo_heads=options.num_qo_heads, num_kv_heads=options.num_kv_heads,
-        head_dim_qk=options.head_dim_qk, head_dim_vo=options.head_dim_vo,
+        spec=spec, module=module, options=options,
         page_size=index.page_size if index is not None else None, kv_layout=kv_layout, total_qo=total_qo,
         qo_indptr=qo_indptr, kv_indptr=kv_indptr, kv_indices=kv_indices, kv_last_page_len=kv_last_page_len,
         custom_mask=custom_mask, mask_indptr=mask_indptr, index=index, split=split, split_indptr=split_indptr,

@@ -8,12 +8,32 @@ an ``AttentionScalars`` with every default applied.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
 from ..abi import POS_ENCODING_CODES
-from ..spec import DType, KVLayout, PosEncoding
+from ..spec import DType, KVLayout, MaskMode, Op, PosEncoding
+from ..variant import AttentionVariant
 from .launch import AttentionScalars
+
+@dataclass(frozen=True)
+class AttentionOptions:
+    """What one plan computes, with every FlashInfer default applied."""
+
+    op: Op
+    q_dtype: torch.dtype
+    kv_dtype: torch.dtype
+    o_dtype: torch.dtype
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim_qk: int
+    head_dim_vo: int
+    pos_encoding: PosEncoding
+    mask_mode: MaskMode
+    scalars: AttentionScalars
+    variant: AttentionVariant | None = None
+
 
 # FlashInfer's integer spellings are the ABI codes.
 _POS_CODES = {POS_ENCODING_CODES[p.value]: p for p in (PosEncoding.NONE, PosEncoding.ROPE_LLAMA, PosEncoding.ALIBI)}
