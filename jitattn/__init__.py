@@ -25,10 +25,13 @@ from .cascade import (  # noqa: E402
     BatchDecodeWithSharedPrefixPagedKVCacheWrapper, BatchPrefillWithSharedPrefixPagedKVCacheWrapper,
     MultiLevelCascadeAttentionWrapper,
 )
-from .page import append_paged_kv_cache, get_batch_indices_positions, get_seq_lens  # noqa: E402
+from .page import (  # noqa: E402
+    append_paged_kv_cache, append_paged_mla_kv_cache, get_batch_indices_positions, get_seq_lens,
+)
+from .mla import BatchMLAPagedAttentionWrapper  # noqa: E402
 
 __all__ = [
-    "AttentionVariant", "VariantParam", "BatchDecodeWithPagedKVCacheWrapper", "BatchPrefillWithPagedKVCacheWrapper",
+    "AttentionVariant", "VariantParam", "BatchMLAPagedAttentionWrapper", "append_paged_mla_kv_cache", "BatchDecodeWithPagedKVCacheWrapper", "BatchPrefillWithPagedKVCacheWrapper",
     "BatchDecodeWithSharedPrefixPagedKVCacheWrapper", "BatchPrefillWithSharedPrefixPagedKVCacheWrapper",
     "CUDAGraphBatchDecodeWithPagedKVCacheWrapper", "fast_decode_plan", "single_prefill_with_kv_cache_return_lse",
     "BatchPrefillWithRaggedKVCacheWrapper", "DType", "KVLayout", "KVStorage", "MaskMode",

@@ -7,6 +7,8 @@ See :mod:`jitattn.attention.page` for the cache formats and semantics.
 
 from __future__ import annotations
 
-from .attention.page import append_paged_kv_cache, get_batch_indices_positions, get_seq_lens
+from .attention.page import (
+    append_paged_kv_cache, append_paged_mla_kv_cache, get_batch_indices_positions, get_seq_lens,
+)
 
-__all__ = ["append_paged_kv_cache", "get_batch_indices_positions", "get_seq_lens"]
+__all__ = ["append_paged_kv_cache", "append_paged_mla_kv_cache", "get_batch_indices_positions", "get_seq_lens"]

@@ -1,7 +1,7 @@
 """Every public attention function and wrapper method takes FlashInfer 0.5.3's parameters: names, order, defaults.
 
 The reference lists below were read off FlashInfer 0.5.3's Python sources (its ``decode``,
-``prefill``, ``cascade`` and ``page`` modules; ``self`` dropped, ``*args`` kept). The rule a
+``prefill``, ``cascade``, ``page`` and ``mla`` modules; ``self`` dropped, ``*args`` kept). The rule a
 drop-in replacement must follow, checked with ``inspect.signature``:
 
 - every FlashInfer parameter exists, of the same kind (positional vs keyword-only);
@@ -18,6 +18,24 @@ import inspect
 import pytest
 
 FLASHINFER_0_5_3 = {
+    'mla.BatchMLAPagedAttentionWrapper.__init__': [
+        ('float_workspace_buffer', None), ('use_cuda_graph', 'False'), ('qo_indptr', 'None'), ('kv_indptr', 'None'),
+        ('kv_indices', 'None'), ('kv_len_arr', 'None'), ('backend', "'auto'")
+    ],
+    'mla.BatchMLAPagedAttentionWrapper.plan': [
+        ('qo_indptr', None), ('kv_indptr', None), ('kv_indices', None), ('kv_len_arr', None), ('num_heads', None),
+        ('head_dim_ckv', None), ('head_dim_kpe', None), ('page_size', None), ('causal', None), ('sm_scale', None),
+        ('q_data_type', None), ('kv_data_type', None), ('use_profiler', 'False')
+    ],
+    'mla.BatchMLAPagedAttentionWrapper.run': [
+        ('q_nope', None), ('q_pe', None), ('ckv_cache', None), ('kpe_cache', None), ('out', 'None'), ('lse', 'None'),
+        ('return_lse', 'False'), ('profiler_buffer', 'None'), ('kv_len', 'None'), ('page_table', 'None'),
+        ('return_lse_base_on_e', 'False')
+    ],
+    'page.append_paged_mla_kv_cache': [
+        ('append_ckv', None), ('append_kpe', None), ('batch_indices', None), ('positions', None), ('ckv_cache', None),
+        ('kpe_cache', None), ('kv_indices', None), ('kv_indptr', None), ('kv_last_page_len', None)
+    ],
     'decode.single_decode_with_kv_cache': [
         ('q', None), ('k', None), ('v', None), ('kv_layout', "'NHD'"), ('pos_encoding_mode', "'NONE'"),
         ('use_tensor_cores', 'False'), ('q_scale', 'None'), ('k_scale', 'None'), ('v_scale', 'None'),

@@ -28,7 +28,7 @@ from .checks import check_tensor, cpu_threads, stream_handle, target_of
 from .specs import append_spec
 from .kv import cache_geometry, check_kv_tensors, kv_strides, split_paged_kv_cache
 
-__all__ = ["append_paged_kv_cache", "get_batch_indices_positions", "get_seq_lens"]
+__all__ = ["append_paged_kv_cache", "append_paged_mla_kv_cache", "get_batch_indices_positions", "get_seq_lens"]
 
 PagedKVCache = Union[torch.Tensor, Sequence[torch.Tensor]]
 
@@ -311,3 +311,28 @@ def get_seq_lens(kv_indptr: torch.Tensor, kv_last_page_len: torch.Tensor, page_s
     last = kv_last_page_len[:batch_size].to(device=device, dtype=torch.int64, non_blocking=True)
     lens = (num_pages - 1) * page_size + last
     return torch.where(num_pages > 0, lens, torch.zeros_like(lens)).to(torch.int32)
+
+
+def append_paged_mla_kv_cache(
+    append_ckv: torch.Tensor,
+    append_kpe: torch.Tensor,
+    batch_indices: torch.Tensor,
+    positions: torch.Tensor,
+    ckv_cache: torch.Tensor,
+    kpe_cache: torch.Tensor,
+    kv_indices: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_last_page_len: torch.Tensor,
+) -> None:
+    """Write new tokens' compressed KV ``[nnz, ckv]`` and rope keys ``[nnz, kpe]`` into an MLA latent cache.
+
+    ``ckv_cache`` ``[pages, page_size, ckv]`` and ``kpe_cache`` ``[pages, page_size, kpe]`` (they may be
+    slices of one buffer); everything else as in :func:`append_paged_kv_cache`, with the same checks
+    and rounding rules.
+    """
+    for name, src, cache in (("append_ckv", append_ckv, ckv_cache), ("append_kpe", append_kpe, kpe_cache)):
+        check_tensor(name, src, ndim=2)
+        check_tensor(name.replace("append_", "") + "_cache", cache, ndim=3)
+        rows, views = src.unsqueeze(1), cache.unsqueeze(2)  # one latent head
+        append_paged_kv_cache(rows, rows, batch_indices, positions, (views, views), kv_indices, kv_indptr,
+                              kv_last_page_len, kv_layout="NHD")

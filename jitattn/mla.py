@@ -1,0 +1,133 @@
+"""Multi-head latent attention (DeepSeek-style MLA) over a paged latent cache, FlashInfer-compatible.
+
+With weight absorption every query head attends over one latent head per token: keys are the
+compressed KV ``ckv`` (512 wide) joined with the rope part ``kpe`` (64), values are ``ckv``. That
+is attention with head_dim_qk = ckv + kpe, head_dim_vo = ckv and a single KV head, which the
+paged prefill kernels compute (decode is a prefill with one query per request; speculative
+multi-token decode and chunked prefill are more queries per request, ``causal`` bottom-right).
+
+Keys need ``ckv`` and ``kpe`` side by side: pass them as slices of one ``[pages, page_size,
+ckv + kpe]`` buffer (``ckv = buf[..., :512]``, ``kpe = buf[..., 512:]``) and nothing is copied;
+separate tensors are joined into a temporary key cache on every ``run()`` (correct, slower).
+This is the correctness tier: a dedicated MLA kernel is future work (issue 18).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .attention.checks import check_tensor
+from .attention.options import refuse_unsupported
+from .page_table import to_host_int32
+from .prefill import BatchPrefillWithPagedKVCacheWrapper
+
+__all__ = ["BatchMLAPagedAttentionWrapper"]
+
+_NAME = "BatchMLAPagedAttentionWrapper"
+
+
+class BatchMLAPagedAttentionWrapper:
+    """MLA attention: queries ``q_nope`` ``[tokens, heads, ckv]`` and ``q_pe`` ``[tokens, heads, kpe]`` over a
+    paged latent cache ``ckv_cache`` ``[pages, page_size, ckv]``, ``kpe_cache`` ``[pages, page_size, kpe]``.
+
+    ``plan()`` once per batch (``kv_len_arr`` gives each request's KV length; ``kv_indptr`` /
+    ``kv_indices`` its pages), ``run()`` once per layer. The LSE is the natural log, as everywhere
+    in jitattn (``return_lse_base_on_e`` is accepted and changes nothing).
+    """
+
+    def __init__(
+        self, float_workspace_buffer: torch.Tensor, use_cuda_graph: bool = False,
+        qo_indptr: torch.Tensor | None = None, kv_indptr: torch.Tensor | None = None,
+        kv_indices: torch.Tensor | None = None, kv_len_arr: torch.Tensor | None = None, backend: str = "auto",
+    ) -> None:
+        if use_cuda_graph:
+            for name, buffer in (("qo_indptr", qo_indptr), ("kv_indptr", kv_indptr), ("kv_indices", kv_indices),
+                                 ("kv_len_arr", kv_len_arr)):
+                if buffer is None:
+                    raise ValueError(f"use_cuda_graph=True needs the fixed buffer {name} (sized for the largest batch)")
+        # The last-page lengths the kernels read are derived from kv_len_arr: a buffer of the same size.
+        last_page_buffer = torch.empty_like(kv_len_arr) if use_cuda_graph else None
+        self._inner = BatchPrefillWithPagedKVCacheWrapper(
+            float_workspace_buffer, "NHD", use_cuda_graph=use_cuda_graph, qo_indptr_buf=qo_indptr,
+            paged_kv_indptr_buf=kv_indptr, paged_kv_indices_buf=kv_indices,
+            paged_kv_last_page_len_buf=last_page_buffer, backend=backend,
+        )
+        self._dims: tuple[int, int] | None = None
+
+    @property
+    def is_cuda_graph_enabled(self) -> bool:
+        return self._inner.is_cuda_graph_enabled
+
+    def plan(
+        self, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_len_arr: torch.Tensor,
+        num_heads: int, head_dim_ckv: int, head_dim_kpe: int, page_size: int, causal: bool, sm_scale: float,
+        q_data_type: str | torch.dtype, kv_data_type: str | torch.dtype, use_profiler: bool = False,
+    ) -> None:
+        """Plan one batch. ``sm_scale`` is required (MLA scales by the pre-absorption head dim, e.g. 1/sqrt(192))."""
+        refuse_unsupported(f"{_NAME}.plan", "leave use_profiler off", use_profiler=use_profiler or None)
+        indptr = to_host_int32("kv_indptr", kv_indptr)
+        lens = to_host_int32("kv_len_arr", kv_len_arr).to(torch.int64)
+        if lens.numel() != indptr.numel() - 1:
+            raise ValueError(f"kv_len_arr has {lens.numel()} entries; expected batch_size = {indptr.numel() - 1}")
+        if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
+            raise ValueError(f"page_size={page_size!r} must be a positive int")
+        pages = (indptr[1:] - indptr[:-1]).to(torch.int64)
+        needed = (lens + page_size - 1) // page_size
+        bad = (lens < 0) | (needed != pages)
+        if bool(bad.any()):
+            r = int(bad.nonzero()[0])
+            raise ValueError(f"request {r}: kv_len_arr[{r}] = {int(lens[r])} needs {int(needed[r])} pages of "
+                             f"{page_size}, but kv_indptr gives it {int(pages[r])}")
+        last_page_len = torch.where(pages > 0, lens - (pages - 1) * page_size, 0).to(torch.int32)
+        self._dims = (head_dim_ckv, head_dim_kpe)
+        self._inner.plan(
+            qo_indptr, indptr, kv_indices, last_page_len, num_heads, 1, head_dim_ckv + head_dim_kpe, page_size,
+            head_dim_vo=head_dim_ckv, causal=causal, sm_scale=sm_scale, q_data_type=q_data_type,
+            kv_data_type=kv_data_type,
+        )
+
+    def run(
+        self, q_nope: torch.Tensor, q_pe: torch.Tensor, ckv_cache: torch.Tensor, kpe_cache: torch.Tensor,
+        out: torch.Tensor | None = None, lse: torch.Tensor | None = None, return_lse: bool = False,
+        profiler_buffer: torch.Tensor | None = None, kv_len: torch.Tensor | None = None,
+        page_table: torch.Tensor | None = None, return_lse_base_on_e: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """-> out ``[tokens, heads, ckv]`` (and the natural-log lse ``[tokens, heads]``)."""
+        if profiler_buffer is not None or kv_len is not None or page_table is not None:
+            refuse_unsupported(f"{_NAME}.run", "the batch is described by plan()", profiler_buffer=profiler_buffer,
+                               kv_len=kv_len, page_table=page_table)
+        if self._dims is None:
+            raise RuntimeError(f"{_NAME}.run() called before plan(); call plan() once per batch first")
+        ckv_dim, kpe_dim = self._dims
+        for name, t, dim in (("q_nope", q_nope, ckv_dim), ("q_pe", q_pe, kpe_dim)):
+            check_tensor(name, t, ndim=3)
+            if t.shape[-1] != dim:
+                raise ValueError(f"{name} has head dim {t.shape[-1]}; the plan has {dim}")
+        for name, t, dim in (("ckv_cache", ckv_cache, ckv_dim), ("kpe_cache", kpe_cache, kpe_dim)):
+            check_tensor(name, t, ndim=3)
+            if t.shape[-1] != dim:
+                raise ValueError(f"{name} has shape {tuple(t.shape)}; expected [pages, page_size, {dim}]")
+        q = torch.cat([q_nope, q_pe], dim=-1)
+        keys = latent_keys(ckv_cache, kpe_cache)
+        return self._inner.run(q, (keys.unsqueeze(2), ckv_cache.unsqueeze(2)), out=out, lse=lse,
+                               return_lse=return_lse)
+
+    run_return_lse = functools.partialmethod(run, return_lse=True)
+
+
+def latent_keys(ckv_cache: torch.Tensor, kpe_cache: torch.Tensor) -> torch.Tensor:
+    """``[pages, page_size, ckv + kpe]`` keys: a view when ``kpe`` follows ``ckv`` in one buffer, else a copy."""
+    if ckv_cache.shape[:2] != kpe_cache.shape[:2]:
+        raise ValueError(f"ckv_cache {tuple(ckv_cache.shape)} and kpe_cache {tuple(kpe_cache.shape)} must have the same "
+                         "[pages, page_size]")
+    if ckv_cache.dtype != kpe_cache.dtype or ckv_cache.device != kpe_cache.device:
+        raise TypeError("ckv_cache and kpe_cache must have the same dtype and device")
+    width = ckv_cache.shape[-1] + kpe_cache.shape[-1]
+    adjacent = (ckv_cache.stride() == kpe_cache.stride() and ckv_cache.stride(-1) == 1
+                and kpe_cache.data_ptr() == ckv_cache.data_ptr() + ckv_cache.shape[-1] * ckv_cache.element_size()
+                and ckv_cache.stride(1) >= width)
+    if adjacent:
+        return ckv_cache.as_strided(ckv_cache.shape[:2] + (width,), ckv_cache.stride())
+    return torch.cat([ckv_cache, kpe_cache], dim=-1)
