@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Union
 
 DTYPE_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "e4m3": 1, "e5m2": 1}
@@ -200,7 +200,7 @@ class Cascade:
 
 @dataclass(frozen=True)
 class MLA:
-    """Multi-head latent attention decode (DeepSeek): not implemented yet, listed with its formulas."""
+    """Multi-head latent attention decode (DeepSeek), through ``BatchMLAPagedAttentionWrapper``."""
 
     name: str
     batch: int
@@ -229,7 +229,9 @@ class MLA:
                 "kpe": self.kpe_dim, "page_size": self.page_size, "dtype": self.dtype}
 
     def small(self) -> "MLA":
-        return self
+        """The cpu target's size: a few requests of a few hundred tokens, 16 heads."""
+        return replace(self, batch=max(1, self.batch // 32), kv_len=max(64, self.kv_len // CPU_SCALE),
+                       num_heads=min(self.num_heads, 16))
 
 
 @dataclass(frozen=True)
