@@ -20,6 +20,20 @@ CKV, KPE = 512, 64
 SM_SCALE = 1.0 / math.sqrt(192)
 
 
+def _gpu_specs() -> list:
+    from jitattn.attention.specs import attention_spec
+    from jitattn.spec import KVLayout, KVStorage, MaskMode, Op, PosEncoding, Target
+
+    return [attention_spec(Op.PREFILL, Target.CUDA, q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16,
+                           o_dtype=torch.bfloat16, head_dim_qk=CKV + KPE, head_dim_vo=CKV, num_qo_heads=heads,
+                           num_kv_heads=1, pos_encoding=PosEncoding.NONE, use_sliding_window=False,
+                           use_logits_soft_cap=False, mask_mode=mask, kv_layout=KVLayout.NHD, kv_storage=KVStorage.PAGED)
+            for heads in (16, 64, 128) for mask in (MaskMode.NONE, MaskMode.CAUSAL)]
+
+
+GPU_SPECS = _gpu_specs()
+
+
 def _latent_cache(kv_lens: list[int], page_size: int, dtype: torch.dtype, device: str, gen: torch.Generator,
                   joined: bool):
     """(ckv_cache, kpe_cache, kv_indptr, kv_indices, kv_len_arr): pages handed out in random order."""
