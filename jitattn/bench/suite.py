@@ -195,12 +195,13 @@ def run_mla(case: MLA, ctx: Context) -> list[dict]:
 
     row = new_row(case)
     dtype = TORCH_DTYPES[case.dtype]
-    gen = torch.Generator().manual_seed(seed_of(case.name))
+    gen = torch.Generator(device=ctx.device).manual_seed(seed_of(case.name))  # tensors on the device
+    gen_host = torch.Generator().manual_seed(seed_of(case.name))  # the page order
     pages_per = (case.kv_len + case.page_size - 1) // case.page_size
     pool = case.batch * pages_per + 1
     buffer = random_tensor((pool, case.page_size, case.ckv_dim + case.kpe_dim), dtype, ctx.device, gen)
     ckv, kpe = buffer[..., :case.ckv_dim], buffer[..., case.ckv_dim:]
-    indices = torch.randperm(pool, generator=gen)[: case.batch * pages_per].to(torch.int32)
+    indices = torch.randperm(pool, generator=gen_host)[: case.batch * pages_per].to(torch.int32)
     indptr = (torch.arange(case.batch + 1) * pages_per).to(torch.int32)
     lens = torch.full((case.batch,), case.kv_len, dtype=torch.int32)
     q_nope = random_tensor((case.batch, case.num_heads, case.ckv_dim), dtype, ctx.device, gen)
