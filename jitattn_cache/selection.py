@@ -105,7 +105,7 @@ def resolve_specs(args: argparse.Namespace) -> list:
     import torch
 
     from jitattn import model_specs
-    from jitattn.spec import DType, Target, parse_spec_text
+    from jitattn.spec import DType, Target
 
     from .presets import PRESETS, from_hf_config
 
