@@ -139,3 +139,85 @@ def test_device_index_tensors_plan_like_host_ones() -> None:
     wrapper.plan(batch.kv_indptr.cuda(), batch.kv_indices.cuda(), batch.kv_last_page_len.cuda(), HQ, HKV, D, PAGE,
                  q_data_type=torch.bfloat16)
     assert torch.equal(wrapper.run(q, batch.cache), expected)
+
+
+def test_fast_decode_plan_between_graph_replays() -> None:
+    """SGLang's loop: capture once, then fast_decode_plan (device arrays, host indptr) before each replay."""
+    gen = torch.Generator().manual_seed(8)
+    batch_size, max_pages = 6, 6 * 48
+    pool = torch.randn(max_pages, 2, PAGE, HKV, D, generator=gen).to(torch.bfloat16).cuda()
+    buffers = [torch.empty(n, dtype=torch.int32, device="cuda") for n in (batch_size + 1, max_pages, batch_size)]
+    wrapper = jitattn.CUDAGraphBatchDecodeWithPagedKVCacheWrapper(
+        torch.empty(64 << 20, dtype=torch.uint8, device="cuda"), *buffers)
+    q = torch.randn(batch_size, HQ, D, generator=gen).to(torch.bfloat16).cuda()
+    out = torch.empty(batch_size, HQ, D, dtype=torch.bfloat16, device="cuda")
+
+    def random_table():
+        lens = torch.randint(1, 48 * PAGE, (batch_size,), generator=gen).tolist()
+        pages = [(n + PAGE - 1) // PAGE for n in lens]
+        indptr = torch.tensor([0] + torch.tensor(pages).cumsum(0).tolist(), dtype=torch.int32)
+        indices = torch.randperm(max_pages, generator=gen)[: sum(pages)].to(torch.int32)
+        last = torch.tensor([(n - 1) % PAGE + 1 for n in lens], dtype=torch.int32)
+        return indptr, indices, last
+
+    table = random_table()
+    jitattn.fast_decode_plan(wrapper, *(t.cuda() for t in table), HQ, HKV, D, PAGE, q_data_type=torch.bfloat16,
+                             global_override_indptr_cpu=table[0])
+    wrapper.run(q, pool, out=out)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        wrapper.run(q, pool, out=out)
+    for _ in range(10):
+        table = random_table()
+        jitattn.fast_decode_plan(wrapper, *(t.cuda() for t in table), HQ, HKV, D, PAGE,
+                                 q_data_type=torch.bfloat16, global_override_indptr_cpu=table[0])
+        out.fill_(float("nan"))
+        graph.replay()
+        expected, _ = reference.batch_decode_paged(q, pool, *table)
+        assert_close_out(out, expected, torch.bfloat16)
+
+
+def test_cascade_run_is_capturable_and_replays_after_replanning() -> None:
+    gen = torch.Generator().manual_seed(9)
+    batch_size, pool_pages = 4, 96
+    pool = torch.randn(pool_pages, 2, PAGE, HKV, D, generator=gen).to(torch.bfloat16).cuda()
+    sizes = [(2, 8), (batch_size + 1, 64)]  # (indptr entries, page capacity) per level: shared, unique
+    bufs = [[torch.empty(n, dtype=torch.int32, device="cuda") for _ in range(2)] for n, _ in sizes]
+    wrapper = jitattn.MultiLevelCascadeAttentionWrapper(
+        2, torch.empty(64 << 20, dtype=torch.uint8, device="cuda"), use_cuda_graph=True,
+        qo_indptr_buf_arr=[b[0] for b in bufs], paged_kv_indptr_buf_arr=[b[1] for b in bufs],
+        paged_kv_indices_buf_arr=[torch.empty(c, dtype=torch.int32, device="cuda") for _, c in sizes],
+        paged_kv_last_page_len_buf_arr=[torch.empty(n - 1, dtype=torch.int32, device="cuda") for n, _ in sizes])
+    q = torch.randn(batch_size, HQ, D, generator=gen).to(torch.bfloat16).cuda()
+
+    def plan():
+        order = torch.randperm(pool_pages, generator=gen).to(torch.int32)
+        shared_pages = int(torch.randint(1, 8, (1,), generator=gen))
+        unique = torch.randint(1, 10, (batch_size,), generator=gen)
+        u_indptr = torch.tensor([0] + unique.cumsum(0).tolist(), dtype=torch.int32)
+        levels = [
+            (torch.tensor([0, batch_size], dtype=torch.int32), torch.tensor([0, shared_pages], dtype=torch.int32),
+             order[:shared_pages], torch.tensor([PAGE], dtype=torch.int32)),
+            (torch.arange(batch_size + 1, dtype=torch.int32), u_indptr,
+             order[shared_pages: shared_pages + int(u_indptr[-1])],
+             torch.randint(1, PAGE + 1, (batch_size,), generator=gen).to(torch.int32)),
+        ]
+        wrapper.plan(*[[lv[i] for lv in levels] for i in range(4)], HQ, HKV, D, PAGE, q_data_type=torch.bfloat16)
+        return levels
+
+    levels = plan()
+    wrapper.run(q, pool)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = wrapper.run(q, pool)
+    for _ in range(8):
+        levels = plan()
+        out.fill_(float("nan"))
+        graph.replay()
+        shared, unique = levels
+        indptr = torch.tensor([0] + [int(shared[1][1]) + int(unique[1][r + 1] - unique[1][r])
+                                     for r in range(batch_size)], dtype=torch.int32).cumsum(0).to(torch.int32)
+        indices = torch.cat([torch.cat([shared[2], unique[2][int(unique[1][r]): int(unique[1][r + 1])]])
+                             for r in range(batch_size)])
+        expected, _ = reference.batch_decode_paged(q, pool, indptr, indices, unique[3])
+        assert_close_out(out, expected, torch.bfloat16)
