@@ -75,6 +75,8 @@ class AttentionPlan:
             scalars=self.scalars, split_indptr=self.split_indptr if self.split.kv_chunk_size else None,
             kv_chunk_size=self.split.kv_chunk_size,
             variant_params=self.variant_args.address if self.variant_args is not None else None,
+            split_workspace_bytes=split_workspace_bytes(self.split.num_chunks, self.num_qo_heads, self.head_dim_vo)
+            if self.split.kv_chunk_size else 0,
         )
 
 

@@ -42,7 +42,11 @@ class PreparedAttention:
         kv_layout: KVLayout, custom_mask: torch.Tensor | None, mask_indptr: torch.Tensor | None,
         num_qo_heads: int, num_kv_heads: int, head_dim_qk: int, head_dim_vo: int, scalars: AttentionScalars,
         split_indptr: torch.Tensor | None = None, kv_chunk_size: int = 0, variant_params: int | None = None,
+        split_workspace_bytes: int = 0,
     ) -> None:
+        """``split_workspace_bytes``: what the plan's chunks occupy of the workspace (0: all of it). The cuda
+        decode launch sizes its grid by the chunks the workspace holds, so passing exactly that many launches
+        no block without a chunk."""
         self.module = module
         self.paged = kv_indices is not None
         self.sm_scale = scalars.sm_scale
@@ -74,6 +78,7 @@ class PreparedAttention:
             num_threads=1,
         )
         self.split = bool(kv_chunk_size)
+        self.split_workspace_bytes = split_workspace_bytes
         self.call = module.bind("attention", self.params)
 
     def set_layout(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -105,7 +110,9 @@ class PreparedAttention:
         p.sm_scale = self.sm_scale * q_scale
         p.k_scale, p.v_scale = k_scale, v_scale
         if workspace is not None and self.split:
-            p.workspace, p.workspace_bytes = workspace.data_ptr(), workspace.numel() * workspace.element_size()
+            have = workspace.numel() * workspace.element_size()
+            p.workspace = workspace.data_ptr()
+            p.workspace_bytes = min(have, self.split_workspace_bytes) if self.split_workspace_bytes else have
         if device_index < 0:
             p.num_threads = cpu_threads()
             self.call(None)
