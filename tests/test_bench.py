@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+import time
 import types
 from unittest import mock
 
@@ -341,3 +342,10 @@ def test_timer_event_path_with_fake_cuda_events(monkeypatch) -> None:
     assert 900 < timing.median_us < 20_000 and 3 <= timing.iters <= 20
     assert timer.scrub_passes(lambda: _time.sleep(0.001)) >= 1 and timer._scrub_us is not None
     assert len(calls) >= timing.iters + 3
+
+
+def test_plain_launch_time_is_wall_time_per_back_to_back_call() -> None:
+    from jitattn.bench.timing import Timer
+
+    timer = Timer(torch.device("cpu"))
+    assert 900 <= timer.plain_launch_us(lambda: time.sleep(0.001), calls=5, rounds=3) < 20000

@@ -88,6 +88,8 @@ def _notes(row: dict) -> str:
     parts = []
     if row.get("error"):
         parts.append(("SKIPPED: " if row.get("status") == "skipped" else "ERROR: ") + row["error"])
+    if row.get("plain_launch_us"):  # first: the notes column is cut, and this is what an eager loop pays
+        parts.append(f"plain launches {fmt_time(row['plain_launch_us'])}/call")
     base = row.get("baseline")
     if base:
         if "error" in base:
@@ -154,7 +156,9 @@ def summary(doc: dict) -> str:
     head = (f"jitattn bench ({doc['target']}, {env.get('device')}, torch {env.get('torch')}, "
             f"git {env.get('git', '?')}): {counts['ok']} ok, {counts['error']} errors, {counts['skipped']} skipped "
             f"in {doc.get('elapsed_s', 0):.0f} s")
-    return head + "\n" + ceilings_line(doc.get("ceilings")) + "\n" + doc["note"]
+    timing = (doc.get("method") or {}).get("timing")
+    return head + "\n" + ceilings_line(doc.get("ceilings")) + "\n" + doc["note"] + (
+        f"\ntiming: {timing}" if timing else "")
 
 
 def _clean(value):

@@ -83,9 +83,12 @@ def rate_of(kind: str, nbytes: int | None, flops: int | None, time_us: float, ce
     return None, None, None, None
 
 
-def set_time(row: dict, timing, ctx: Context) -> None:
+def set_time(row: dict, timing, ctx: Context, fn=None) -> None:
+    """Record ``timing`` (device time, launches hidden) and, on cuda, ``fn``'s plain-launch time beside it."""
     row["time_us"] = timing.median_us
     row["timing"] = timing.to_dict()
+    if fn is not None and ctx.cuda:
+        row["plain_launch_us"] = ctx.timer.plain_launch_us(fn)
     row["rate"], row["rate_unit"], row["ceiling"], row["fraction"] = rate_of(
         row["kind"], row["bytes"], row["flops"], timing.median_us, ctx.ceilings)
 

@@ -77,7 +77,7 @@ def run_attn(case: Attn, ctx: Context) -> list[dict]:
         ctx.sync()
         row["max_rel_err"] = reference_error(data)
         ctx.check_budget("timing")
-        set_time(row, ctx.timer.measure(fn, ctx.measure_s), ctx)
+        set_time(row, ctx.timer.measure(fn, ctx.measure_s), ctx, fn)
         if case.plain:
             row["baseline"] = _baseline(row, ctx.plain_rows.get(case.plain), case.plain)
         if not case.sdpa:
@@ -167,9 +167,9 @@ def run_cascade(case: Cascade, ctx: Context) -> list[dict]:
         flat_row["max_rel_err"] = rel_err([flat_data.out[:REF_REQUESTS]],
                                           [torch.cat(ref)] if ref else [])
         ctx.check_budget("timing")
-        set_time(row, ctx.timer.measure(fn, ctx.measure_s), ctx)
+        set_time(row, ctx.timer.measure(fn, ctx.measure_s), ctx, fn)
         ctx.check_budget("flat decode")
-        set_time(flat_row, ctx.timer.measure(flat_fn, ctx.measure_s), ctx)
+        set_time(flat_row, ctx.timer.measure(flat_fn, ctx.measure_s), ctx, flat_fn)
         flat_row["sdpa_na"] = "see the cascade row"
         row["baseline"] = {"name": flat_row["name"], "time_us": flat_row["time_us"],
                            "speedup": flat_row["time_us"] / row["time_us"],
@@ -225,7 +225,7 @@ def run_mla(case: MLA, ctx: Context) -> list[dict]:
         ref, _ = reference.single_attention(q, keys, values, sm_scale=scale)
         row["max_rel_err"] = rel_err([out[:1]], [ref])
         ctx.check_budget("timing")
-        set_time(row, ctx.timer.measure(fn, ctx.measure_s), ctx)
+        set_time(row, ctx.timer.measure(fn, ctx.measure_s), ctx, fn)
         row["sdpa_na"] = "MLA: compared with the targets (FlashInfer 524 TFLOP/s at 128 heads)"
         row["note"] = _join(row["note"], "correctness tier: the paged prefill kernel at head dims 576/512")
     except BudgetExceeded as exc:
@@ -365,8 +365,13 @@ def run(opts) -> dict:
                  "case_budget_s": opts.case_budget, "deadline_s": deadline_s},
         "environment": environment(device),
         "method": {
-            "timing": ("median of CUDA-event-timed calls after warm-up; before each call a read-only pass over "
-                       "4x L2 evicts L2 (every call reads its KV from DRAM) and hides host launch overhead"
+            "timing": ("time_us: median of CUDA-event-timed calls after warm-up (events, not do_bench); before "
+                       "each call read-only passes over 4x L2 evict L2 (every call reads its KV from DRAM) and keep "
+                       "the GPU busy while the host enqueues the call, so host launch cost is hidden as under a "
+                       "CUDA-graph replay (no graph is captured); plain_launch_us: wall time per call of 50 "
+                       "back-to-back eager launches synchronised at the end (L2 warm, host cost included: what a "
+                       "loop without graphs sees); index arrays are planned from the host (plan()), the "
+                       "jit/fast_plan row from device arrays"
                        if target == "cuda" else "median of time.perf_counter()-timed calls after warm-up"),
             "speedup": "SDPA (or peer) time / jitattn time (> 1: jitattn is faster)",
             "peers": ("FlashInfer through its public wrappers, planned once on the same data, timed as jitattn"

@@ -8,8 +8,10 @@ before each call read-only passes over a buffer four times the L2 size
 from DRAM, as a layer does in a real model -- and keep the GPU busy while
 the host enqueues the call: enough passes to outlast the call's host-side
 work (measured once per callable), so all of its launches are queued before
-the start event and run back to back. The result is device time; host
-overhead is measured separately (``host_us``). A read (not a write) is used
+the start event and run back to back. The result is device time, as a
+CUDA-graph replay would see it; ``plain_launch_us`` measures the same call
+launched eagerly back to back (host cost included), and host overhead alone
+is ``host_us``. A read (not a write) is used
 so that no dirty lines are written back during the timed call. On the cpu
 target each call is timed with ``time.perf_counter``.
 
@@ -119,6 +121,24 @@ class Timer:
             ends[i].record()
         self.sync()
         return _summary([s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends)])
+
+    def plain_launch_us(self, fn: Callable[[], object], calls: int = 50, rounds: int = 5) -> float:
+        """Wall time per call of ``calls`` back-to-back calls, synchronised only at the end (median of rounds).
+
+        No scrub and no CUDA graph: the per-call cost of a serving loop that launches eagerly, host
+        work included (the larger of host and device time per call; L2 stays warm between calls).
+        """
+        for _ in range(3):
+            fn()
+        self.sync()
+        samples = []
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            self.sync()
+            samples.append((time.perf_counter() - t0) / calls * 1e6)
+        return statistics.median(samples)
 
     def host_us(self, fn: Callable[[], object], budget_s: float = 0.3, max_iters: int = 5000) -> Timing:
         """Host (wall) time per call without synchronising in between: the call's host-side cost."""
