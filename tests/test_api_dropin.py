@@ -383,17 +383,23 @@ def test_empty_decode_and_prefill_batches(device: str, case: str) -> None:
 
 @pytest.mark.parametrize("device", devices())
 def test_single_request_functions_with_kv_len_0(device: str) -> None:
+    """No key: every query row gets output 0 and LSE -inf (poisoned outputs would show as NaN)."""
     dtype = _dtype(device)
-    k = torch.zeros(0, HKV, D, dtype=dtype, device=device)
-    out, lse = jitattn.single_decode_with_kv_cache(torch.randn(HQ, D).to(dtype).to(device), k, k, return_lse=True)
-    _expect_empty(out, lse)
-    out, lse = jitattn.single_prefill_with_kv_cache(torch.randn(3, HQ, D).to(dtype).to(device), k, k,
-                                                    return_lse=True)
-    _expect_empty(out, lse)
-    k_hnd = torch.zeros(HKV, 0, D, dtype=dtype, device=device)
-    out, lse = jitattn.single_decode_with_kv_cache(torch.randn(HQ, D).to(dtype).to(device), k_hnd, k_hnd,
-                                                   kv_layout="HND", return_lse=True)
-    _expect_empty(out, lse)
+    empty_nhd = torch.zeros(0, HKV, D, dtype=dtype, device=device)
+    empty_hnd = torch.zeros(HKV, 0, D, dtype=dtype, device=device)
+    calls = {
+        "decode NHD": lambda: jitattn.single_decode_with_kv_cache(
+            torch.randn(HQ, D).to(dtype).to(device), empty_nhd, empty_nhd, return_lse=True),
+        "decode HND": lambda: jitattn.single_decode_with_kv_cache(
+            torch.randn(HQ, D).to(dtype).to(device), empty_hnd, empty_hnd, kv_layout="HND", return_lse=True),
+        "prefill NHD": lambda: jitattn.single_prefill_with_kv_cache(
+            torch.randn(3, HQ, D).to(dtype).to(device), empty_nhd, empty_nhd, return_lse=True),
+    }
+    for what, call in calls.items():
+        out, lse = call()
+        assert out.shape[-2:] == (HQ, D) and lse.shape == out.shape[:-1], what
+        assert torch.equal(out.float().cpu(), torch.zeros(out.shape)), f"{what}: a request with no key must give 0"
+        assert torch.isneginf(lse.cpu()).all(), f"{what}: a request with no key must give lse -inf"
 
 
 @pytest.mark.parametrize("device", devices())

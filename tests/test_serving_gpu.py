@@ -35,6 +35,16 @@ def _planned(kv_lens, **wrapper_kw):
     return wrapper, batch, q
 
 
+def _random_page_table(gen: torch.Generator, batch_size: int, max_pages: int, max_len: int):
+    """(indptr, indices, last_page_len) on the host: random lengths in [1, max_len), pages in random order."""
+    lens = torch.randint(1, max_len, (batch_size,), generator=gen).tolist()
+    pages = [(n + PAGE - 1) // PAGE for n in lens]
+    indptr = torch.tensor([0] + torch.tensor(pages).cumsum(0).tolist(), dtype=torch.int32)
+    indices = torch.randperm(max_pages, generator=gen)[: sum(pages)].to(torch.int32)
+    last = torch.tensor([(n - 1) % PAGE + 1 for n in lens], dtype=torch.int32)
+    return indptr, indices, last
+
+
 def test_run_does_not_synchronise() -> None:
     wrapper, batch, q = _planned([300, 4000, 17])
     out = torch.empty(3, HQ, D, dtype=torch.bfloat16, device="cuda")
@@ -87,12 +97,7 @@ def test_cuda_graph_replays_after_replanning() -> None:
     out = torch.empty(batch_size, HQ, D, dtype=torch.bfloat16, device="cuda")
 
     def random_table():
-        lens = torch.randint(1, 64 * PAGE, (batch_size,), generator=gen).tolist()
-        pages = [(n + PAGE - 1) // PAGE for n in lens]
-        indptr = torch.tensor([0] + torch.tensor(pages).cumsum(0).tolist(), dtype=torch.int32)
-        indices = torch.randperm(max_pages, generator=gen)[: sum(pages)].to(torch.int32)
-        last = torch.tensor([(n - 1) % PAGE + 1 for n in lens], dtype=torch.int32)
-        return indptr, indices, last
+        return _random_page_table(gen, batch_size, max_pages, max_len=64 * PAGE)
 
     table = random_table()
     wrapper.plan(*table, HQ, HKV, D, PAGE, q_data_type=torch.bfloat16)
@@ -153,12 +158,7 @@ def test_fast_decode_plan_between_graph_replays() -> None:
     out = torch.empty(batch_size, HQ, D, dtype=torch.bfloat16, device="cuda")
 
     def random_table():
-        lens = torch.randint(1, 48 * PAGE, (batch_size,), generator=gen).tolist()
-        pages = [(n + PAGE - 1) // PAGE for n in lens]
-        indptr = torch.tensor([0] + torch.tensor(pages).cumsum(0).tolist(), dtype=torch.int32)
-        indices = torch.randperm(max_pages, generator=gen)[: sum(pages)].to(torch.int32)
-        last = torch.tensor([(n - 1) % PAGE + 1 for n in lens], dtype=torch.int32)
-        return indptr, indices, last
+        return _random_page_table(gen, batch_size, max_pages, max_len=48 * PAGE)
 
     table = random_table()
     jitattn.fast_decode_plan(wrapper, *(t.cuda() for t in table), HQ, HKV, D, PAGE, q_data_type=torch.bfloat16,
