@@ -45,6 +45,7 @@ class MultiLevelCascadeAttentionWrapper:
             raise ValueError(f"num_levels={num_levels!r} must be a positive int")
         self._num_levels = num_levels
         self._device = float_workspace_buffer.device
+        self._level_chunks: list[int] = []  # KV chunks per level of the last plan (empty: not planned)
 
         def buf(arr, i):
             return arr[i] if arr is not None else None
@@ -145,7 +146,7 @@ class MultiLevelCascadeAttentionWrapper:
         """q ``[total_qo, num_qo_heads, head_dim]`` -> attention over every level's KV (and its natural-log lse).
 
         ``variant_args``: the planned custom variant's parameters, by name (the same for every level)."""
-        if not getattr(self, "_level_chunks", None):
+        if not self._level_chunks:
             raise RuntimeError("MultiLevelCascadeAttentionWrapper.run() called before plan(); call plan() first")
         # Every level (each chunk of a split one) writes its state into one chunk-major buffer;
         # one merge of all the states per query then gives the result.
@@ -184,7 +185,6 @@ class BatchDecodeWithSharedPrefixPagedKVCacheWrapper:
     def __init__(self, float_workspace_buffer: torch.Tensor, kv_layout: str = "NHD") -> None:
         self._kv_layout = kv_layout
         self._batch_decode_wrapper = BatchDecodeWithPagedKVCacheWrapper(float_workspace_buffer, kv_layout)
-        self._sm_scale: float | None = None
 
     def reset_workspace_buffer(self, float_workspace_buffer: torch.Tensor, int_workspace_buffer=None) -> None:
         self._batch_decode_wrapper.reset_workspace_buffer(float_workspace_buffer, int_workspace_buffer)
@@ -228,6 +228,7 @@ class BatchPrefillWithSharedPrefixPagedKVCacheWrapper:
         self._kv_layout = kv_layout
         self._batch_prefill_wrapper = BatchPrefillWithPagedKVCacheWrapper(float_workspace_buffer, kv_layout)
         self._plan_args: tuple = ()
+        self._planned: dict | None = None  # the options the unique part was last planned with
 
     def reset_workspace_buffer(self, float_workspace_buffer: torch.Tensor, int_workspace_buffer=None) -> None:
         self._batch_prefill_wrapper.reset_workspace_buffer(float_workspace_buffer, int_workspace_buffer)
@@ -239,7 +240,7 @@ class BatchPrefillWithSharedPrefixPagedKVCacheWrapper:
         """Record the unique part's page table; ``forward`` plans it with the dtypes and options it is given."""
         self._plan_args = (qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads,
                            num_kv_heads, head_dim, page_size)
-        self._planned: dict | None = None
+        self._planned = None
 
     plan = begin_forward
 

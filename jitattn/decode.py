@@ -107,7 +107,7 @@ class BatchDecodeWithPagedKVCacheWrapper(BatchWrapperBase):
         buffers = {**self._buffers, "qo_indptr": qo_indptr_buf, "split_indptr": split_indptr_buf}
         self._plan = build_plan(_WRAPPER, self._target, self._device, self._kv_layout, options,
                                 HostIndex(qo_indptr, index.indptr, index), split, buffers, self._use_cuda_graph,
-                                workspace_bytes)
+                                workspace_bytes, spec=spec)
 
     begin_forward = plan
 

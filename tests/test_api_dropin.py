@@ -127,7 +127,7 @@ def test_run_q_scale_multiplies_sm_scale(device: str) -> None:
 def test_prefill_wrappers_run_return_lse_and_forward(device: str) -> None:
     gen = torch.Generator().manual_seed(7)
     dtype = _dtype(device)
-    qo_lens, kv_lens = [3, 1, 6], [20, 33, 6]
+    kv_lens = [20, 33, 6]
     qo_indptr = torch.tensor([0, 3, 4, 10], dtype=torch.int32)
     batch = random_paged_batch(kv_lens, HKV, D, PAGE, dtype, device=device, generator=gen)
     q = torch.randn(10, HQ, D, generator=gen).to(dtype).to(device)
@@ -197,7 +197,6 @@ def test_shared_prefix_decode_and_prefill_wrappers(device: str) -> None:
         k, v = full_kv(r)
         assert_close_out(out[r:r + 1], reference.single_attention(q[r:r + 1].cpu(), k, v)[0], dtype)
 
-    qo_lens = [2, 3, 1]
     qo_indptr = torch.tensor([0, 2, 5, 6], dtype=torch.int32)
     prefill = jitattn.BatchPrefillWithSharedPrefixPagedKVCacheWrapper(_workspace(device))
     prefill.begin_forward(qo_indptr, batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len, HQ, HKV, D, PAGE)

@@ -93,11 +93,14 @@ def make_plan(
 def build_plan(
     wrapper: str, target: Target, device: torch.device, kv_layout: KVLayout, options: AttentionOptions,
     host: HostIndex, split: KVSplit, buffers: dict[str, torch.Tensor | None], use_cuda_graph: bool,
-    workspace_bytes: int = 0,
+    workspace_bytes: int = 0, spec: VariantSpec | None = None,
 ) -> AttentionPlan:
-    """Load the kernel for ``options`` and upload ``host``'s arrays (one copy, or into the fixed buffers)."""
-    storage = KVStorage.PAGED if host.paged is not None else KVStorage.RAGGED
-    spec = kernel_spec(options, target, kv_layout, storage)
+    """Load the kernel for ``options`` and upload ``host``'s arrays (one copy, or into the fixed buffers).
+
+    ``spec``: the kernel's spec when the caller already computed it (decode does, to size its split)."""
+    if spec is None:
+        storage = KVStorage.PAGED if host.paged is not None else KVStorage.RAGGED
+        spec = kernel_spec(options, target, kv_layout, storage)
     module = load(spec)
     paged = host.paged
     arrays = [("qo_indptr", host.qo_indptr), ("kv_indptr", host.kv_indptr)]
