@@ -56,6 +56,7 @@ class BatchDecodeWithPagedKVCacheWrapper(BatchWrapperBase):
         if self._use_cuda_graph:
             rows = paged_kv_indptr_buffer.numel()
             self._own_buffers = tuple(torch.empty(rows, dtype=torch.int32, device=self._device) for _ in range(2))
+        self._split_counters: torch.Tensor | None = None  # split-KV chunk counters, zero between launches
         self._fast_specs: dict[tuple, tuple] = {}  # fast_decode_plan: (options) -> (spec, module)
         self._fast_ranges: dict[int, torch.Tensor] = {}  # fast_decode_plan: batch size -> arange on the device
 
@@ -107,7 +108,8 @@ class BatchDecodeWithPagedKVCacheWrapper(BatchWrapperBase):
         buffers = {**self._buffers, "qo_indptr": qo_indptr_buf, "split_indptr": split_indptr_buf}
         self._plan = build_plan(_WRAPPER, self._target, self._device, self._kv_layout, options,
                                 HostIndex(qo_indptr, index.indptr, index), split, buffers, self._use_cuda_graph,
-                                workspace_bytes, spec=spec)
+                                workspace_bytes, spec=spec,
+                                split_counters=self._counters(split, index.batch_size, num_kv_heads))
 
     begin_forward = plan
 
@@ -122,6 +124,15 @@ class BatchDecodeWithPagedKVCacheWrapper(BatchWrapperBase):
             fixed_split_size=fixed_split_size, disable_split_kv=disable_split_kv,
             blocks_per_sm=resident_blocks(spec) if self._target is Target.CUDA else 2,
         )
+
+    def _counters(self, split: KVSplit, batch: int, num_kv_heads: int) -> torch.Tensor | None:
+        """This wrapper's split-KV counters (grown, never shrunk; each launch leaves them zero)."""
+        if not split.kv_chunk_size or self._target is not Target.CUDA:
+            return None
+        if self._split_counters is None or self._split_counters.numel() < batch * num_kv_heads:
+            self._split_counters = torch.zeros(max(256, 2 * batch * num_kv_heads), dtype=torch.int32,
+                                               device=self._device)
+        return self._split_counters
 
     def _check_graph_batch(self, batch_size: int) -> None:
         if self._use_cuda_graph and self._plan is not None and self._plan.total_qo != batch_size:
@@ -192,6 +203,7 @@ class BatchDecodeWithPagedKVCacheWrapper(BatchWrapperBase):
             kv_indices=arrays[1], kv_last_page_len=arrays[2], custom_mask=None, mask_indptr=None, index=index,
             total_qo=batch, total_kv=None, split=split, split_indptr=split_indptr,
             use_cuda_graph=self._use_cuda_graph, workspace_bytes=workspace_bytes,
+            split_counters=self._counters(split, batch, num_kv_heads),
         )
 
     def workspace_size(

@@ -4,10 +4,9 @@ Every test draws fresh random inputs (never zeros) and poisons the outputs
 with NaN before the launch, so an unwritten element fails. ``GPU_SPECS`` lists
 every spec these tests load, for the parallel pre-build.
 
-The split-KV plan used here (``split_plan``) is the formula the planner is
-meant to adopt: request r gets ``ceil(kv_len[r] / kv_chunk_size)`` chunks
-(0 for an empty request), ``split_indptr`` is their exclusive prefix sum, and
-the workspace needs ``4 * num_qo_heads * (head_dim_vo + 1) * split_indptr[batch]``
+The split-KV plan used here (``split_plan``) is the planner's formula: request r
+gets ``max(1, ceil(kv_len[r] / kv_chunk_size))`` chunks, ``split_indptr`` is
+their exclusive prefix sum, and the workspace needs ``4 * num_qo_heads * (head_dim_vo + 1) * split_indptr[batch]``
 bytes (``jitattn.families.decode.split_workspace_bytes``).
 """
 
@@ -64,17 +63,20 @@ FP8_MMA = {
     "e4m3_alibi_window_cap": dspec(kv=e4m3, g=5, pos="alibi", swa=True, cap=True),
 }
 HND = dspec(layout="hnd")
+# RoPE on the tensor-core path (head dims multiples of 32, 16-bit KV) and on the CUDA-core path (the others).
 ROPE = {"bf16_hd128": dspec(pos="rope"), "f16_hd72_hnd": dspec(q=f16, hd=72, pos="rope", layout="hnd"),
-        "e4m3_hd64_g5": dspec(kv=e4m3, hd=64, g=5, pos="rope")}
+        "e4m3_hd64_g5": dspec(kv=e4m3, hd=64, g=5, pos="rope"), "bf16_hd256_g2": dspec(hd=256, g=2, pos="rope"),
+        "f16_hd64_g16": dspec(q=f16, hd=64, g=16, pos="rope"), "bf16_hd96_g1_hnd": dspec(hd=96, g=1, pos="rope", layout="hnd")}
 ALIBI = dspec(g=7, pos="alibi")
 SWA = dspec(swa=True)
 SOFTCAP = dspec(cap=True)
+SOFTCAP_HD256 = dspec(hd=256, g=2, cap=True)  # gemma-2
 COMBO = dspec(pos="rope", swa=True, cap=True)
 COMBO_ALIBI = dspec(q=f16, hd=96, g=5, pos="alibi", swa=True, cap=True, layout="hnd")
 
 GPU_SPECS: list[VariantSpec] = list(dict.fromkeys([
     BASE, *HEAD_DIMS.values(), *GROUPS.values(), *KV_TYPES.values(), *FP8_MMA.values(), HND, *ROPE.values(), ALIBI, SWA, SOFTCAP,
-    COMBO, COMBO_ALIBI,
+    SOFTCAP_HD256, COMBO, COMBO_ALIBI,
 ]))
 
 
@@ -111,7 +113,7 @@ class Paged:
 
 def split_plan(kv_lens, chunk, num_qo_heads, head_dim_vo, device="cuda"):
     """(split_indptr int32 [batch + 1], workspace uint8) for kv_chunk_size ``chunk``."""
-    counts = [-(-n // chunk) for n in kv_lens]
+    counts = [max(1, -(-n // chunk)) for n in kv_lens]  # the ABI: every request has a chunk (an empty one too)
     indptr = [0]
     for c in counts:
         indptr.append(indptr[-1] + c)
@@ -249,6 +251,45 @@ def test_rope(name):
     spec = ROPE[name]
     check_case(spec, LENS, 2, 16, seed=5, chunks=(0, 64))
     check_case(spec, [700, 3], 2, 64, seed=6, rope_scale=2.5, rope_theta=5e5, chunks=(0, 128))
+
+
+def test_rope_paths():
+    # which path each RoPE case takes is part of what the cases are for
+    assert [name for name, spec in ROPE.items() if mma_eligible(spec)] == ["bf16_hd128", "f16_hd64_g16", "bf16_hd96_g1_hnd"]
+
+
+def test_rope_long_positions():
+    # K rotated at positions up to 20k (angles far past 2 pi), split and not
+    check_case(ROPE["bf16_hd128"], [20000, 4100, 1], 1, 16, seed=17, chunks=(0, 1024, 4096), rope_theta=5e5)
+
+
+def test_softcap_head_dim_256():
+    check_case(SOFTCAP_HD256, LENS, 4, 16, seed=18, cap=30.0, chunks=(0, 64))
+    check_case(SOFTCAP_HD256, [3000, 2], 2, 16, seed=19, cap=50.0, window=1000, chunks=(0, 256))
+
+
+def test_split_counters_reset_between_launches():
+    # the chunk counters the last block of each request resets: the same split plan launched again and
+    # again (with a new query each time) must merge right every time
+    spec = GROUPS[8]
+    gen = torch.Generator().manual_seed(20)
+    kv = Paged([900, 1, 0, 513], 2, 128, 128, 16, bf16, gen=gen)
+    split_indptr, workspace = split_plan(kv.lens, 128, 16, 128)
+    counters = torch.zeros(4 * 2, dtype=torch.int32, device="cuda")
+    module = jitattn.load(spec)
+    scalars = AttentionScalars(False, PosEncoding.NONE, -1, 1.0 / math.sqrt(128), 0.0, 1.0, 1e4)
+    for _ in range(3):
+        q = torch.randn(4, 16, 128, generator=gen).to(bf16).cuda()
+        o = torch.full((4, 16, 128), float("nan"), dtype=bf16, device="cuda")
+        lse = torch.full((4, 16), float("nan"), device="cuda")
+        launch_attention(
+            module, q=q, k=kv.k, v=kv.v, o=o, lse=lse, qo_indptr=torch.arange(5, dtype=torch.int32, device="cuda"),
+            kv_indptr=kv.kv_indptr, kv_indices=kv.kv_indices, kv_last_page_len=kv.kv_last_page_len, page_size=16,
+            kv_layout=KVLayout.NHD, custom_mask=None, mask_indptr=None, num_kv_heads=2, scalars=scalars,
+            workspace=workspace, split_indptr=split_indptr, kv_chunk_size=128, split_counters=counters,
+        )
+        check(o, lse, ref_decode(spec, q, kv), bf16)
+        assert torch.all(counters == 0), "the merging blocks leave the counters zeroed"
 
 
 def test_alibi():

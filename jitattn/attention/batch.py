@@ -52,6 +52,7 @@ class AttentionPlan:
     variant_args: VariantArgs | None = None  # the variant's struct (spec.variant only), filled per run()
     wrapper: str = ""
     kv_pointer_alignment: int = 16  # bytes; set from kv_alignment()
+    split_counters: torch.Tensor | None = None  # the wrapper's zeroed split-KV chunk counters (None: the plan's own)
 
     # The options the run path reads, as attributes of the plan.
     scalars = property(lambda self: self.options.scalars)
@@ -77,6 +78,7 @@ class AttentionPlan:
             variant_params=self.variant_args.address if self.variant_args is not None else None,
             split_workspace_bytes=split_workspace_bytes(self.split.num_chunks, self.num_qo_heads, self.head_dim_vo)
             if self.split.kv_chunk_size else 0,
+            split_counters=self.split_counters,
         )
 
 

@@ -77,9 +77,11 @@ def make_plan(
     kv_last_page_len: torch.Tensor | None, custom_mask: torch.Tensor | None, mask_indptr: torch.Tensor | None,
     index: PagedIndex | None, total_qo: int, total_kv: int | None, split: KVSplit,
     split_indptr: torch.Tensor | None, use_cuda_graph: bool, workspace_bytes: int = 0,
+    split_counters: torch.Tensor | None = None,
 ) -> AttentionPlan:
     """An ``AttentionPlan`` over index arrays already on the device (its launch struct filled once)."""
     plan = AttentionPlan(
+        split_counters=split_counters,
         spec=spec, module=module, options=options,
         page_size=index.page_size if index is not None else None, kv_layout=kv_layout, total_qo=total_qo,
         qo_indptr=qo_indptr, kv_indptr=kv_indptr, kv_indices=kv_indices, kv_last_page_len=kv_last_page_len,
@@ -93,7 +95,7 @@ def make_plan(
 def build_plan(
     wrapper: str, target: Target, device: torch.device, kv_layout: KVLayout, options: AttentionOptions,
     host: HostIndex, split: KVSplit, buffers: dict[str, torch.Tensor | None], use_cuda_graph: bool,
-    workspace_bytes: int = 0, spec: VariantSpec | None = None,
+    workspace_bytes: int = 0, spec: VariantSpec | None = None, split_counters: torch.Tensor | None = None,
 ) -> AttentionPlan:
     """Load the kernel for ``options`` and upload ``host``'s arrays (one copy, or into the fixed buffers).
 
@@ -119,7 +121,7 @@ def build_plan(
         kv_last_page_len=on_device.get("kv_last_page_len"), custom_mask=mask, mask_indptr=on_device.get("mask_indptr"),
         index=paged, total_qo=int(host.qo_indptr[-1]), total_kv=None if paged is not None else int(host.kv_indptr[-1]),
         split=split, split_indptr=on_device.get("split_indptr"), use_cuda_graph=use_cuda_graph,
-        workspace_bytes=workspace_bytes,
+        workspace_bytes=workspace_bytes, split_counters=split_counters,
     )
 
 

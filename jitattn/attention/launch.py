@@ -42,11 +42,13 @@ class PreparedAttention:
         kv_layout: KVLayout, custom_mask: torch.Tensor | None, mask_indptr: torch.Tensor | None,
         num_qo_heads: int, num_kv_heads: int, head_dim_qk: int, head_dim_vo: int, scalars: AttentionScalars,
         split_indptr: torch.Tensor | None = None, kv_chunk_size: int = 0, variant_params: int | None = None,
-        split_workspace_bytes: int = 0,
+        split_workspace_bytes: int = 0, split_counters: torch.Tensor | None = None,
     ) -> None:
         """``split_workspace_bytes``: what the plan's chunks occupy of the workspace (0: all of it). The cuda
         decode launch sizes its grid by the chunks the workspace holds, so passing exactly that many launches
-        no block without a chunk."""
+        no block without a chunk. ``split_counters``: a zeroed int32 buffer of at least ``batch *
+        num_kv_heads`` entries that the split-KV kernel counts finished chunks in (and leaves zeroed);
+        allocated here when a split plan gives none."""
         self.module = module
         self.paged = kv_indices is not None
         self.sm_scale = scalars.sm_scale
@@ -58,6 +60,10 @@ class PreparedAttention:
             return None if tensor is None else (tensor.data_ptr() or self.placeholder)
 
         self.kv_layout = kv_layout
+        batch = qo_indptr.shape[0] - 1
+        if kv_chunk_size and qo_indptr.is_cuda and (split_counters is None or split_counters.numel() < batch * num_kv_heads):
+            split_counters = torch.zeros(max(1, batch * num_kv_heads), dtype=torch.int32, device=qo_indptr.device)
+        self._split_counters = split_counters if kv_chunk_size else None  # kept alive with the plan
         # The variant's struct pointer is a field only of modules built with a variant.
         variant_field = {"variant_params": variant_params} if module.spec.variant is not None else {}
         self.params = module.params(
@@ -65,7 +71,7 @@ class PreparedAttention:
             q=None, k=None, v=None, o=None, lse=None,
             qo_indptr=_ptr(qo_indptr), kv_indptr=_ptr(kv_indptr), kv_indices=_ptr(kv_indices),
             kv_last_page_len=_ptr(kv_last_page_len), custom_mask=_ptr(custom_mask), mask_indptr=_ptr(mask_indptr),
-            batch_size=qo_indptr.shape[0] - 1, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
+            batch_size=batch, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
             head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo, page_size=page_size if self.paged else 1,
             q_stride_n=0, q_stride_h=0, k_stride_page=0, k_stride_n=0, k_stride_h=0,
             v_stride_page=0, v_stride_n=0, v_stride_h=0, o_stride_n=0, o_stride_h=0, lse_stride_n=0, lse_stride_h=0,
@@ -75,7 +81,7 @@ class PreparedAttention:
             rope_rcp_scale=1.0 / scalars.rope_scale, rope_rcp_theta=1.0 / scalars.rope_theta,
             k_scale=1.0, v_scale=1.0, workspace=None, workspace_bytes=0,
             split_indptr=_ptr(split_indptr) if kv_chunk_size else None, kv_chunk_size=kv_chunk_size,
-            num_threads=1,
+            split_counters=_ptr(self._split_counters), num_threads=1,
         )
         self.split = bool(kv_chunk_size)
         self.split_workspace_bytes = split_workspace_bytes
@@ -137,17 +143,19 @@ def launch_attention(
     kv_layout: KVLayout, custom_mask: torch.Tensor | None, mask_indptr: torch.Tensor | None,
     num_kv_heads: int, scalars: AttentionScalars, k_scale: float = 1.0, v_scale: float = 1.0,
     workspace: torch.Tensor | None = None, split_indptr: torch.Tensor | None = None, kv_chunk_size: int = 0,
+    split_counters: torch.Tensor | None = None,
 ) -> None:
     """Launch ``module``'s attention entry on q's device and current stream (prepare + call in one).
 
     ``kv_indices is None`` means ragged KV (k/v ``[tokens, heads, dim]``);
-    otherwise k/v are 4-D paged tensors in ``kv_layout``.
+    otherwise k/v are 4-D paged tensors in ``kv_layout``. ``split_counters``: see ``PreparedAttention``
+    (pass one buffer to calls repeated in a loop; without it each split call allocates its own).
     """
     prepared = PreparedAttention(
         module, qo_indptr=qo_indptr, kv_indptr=kv_indptr, kv_indices=kv_indices, kv_last_page_len=kv_last_page_len,
         page_size=page_size, kv_layout=kv_layout, custom_mask=custom_mask, mask_indptr=mask_indptr,
         num_qo_heads=q.shape[1], num_kv_heads=num_kv_heads, head_dim_qk=q.shape[2], head_dim_vo=o.shape[2],
         scalars=scalars, split_indptr=split_indptr if kv_chunk_size else None,
-        kv_chunk_size=kv_chunk_size if split_indptr is not None else 0,
+        kv_chunk_size=kv_chunk_size if split_indptr is not None else 0, split_counters=split_counters,
     )
     prepared(q, k, v, o, lse, k_scale, v_scale, workspace)

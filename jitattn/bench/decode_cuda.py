@@ -81,8 +81,9 @@ class Problem:
             use_logits_soft_cap=False, kv_layout=self.layout, kv_storage="paged",
         )
         module = jitattn.load(spec)
-        workspace = split_indptr = None
+        workspace = split_indptr = counters = None
         if chunk:
+            counters = torch.zeros(self.batch * H_KV, dtype=torch.int32, device="cuda")
             n = -(-self.kv_len // chunk)
             split_indptr = torch.arange(0, self.batch * n + 1, n, dtype=torch.int32, device="cuda")
             workspace = torch.empty(split_workspace_bytes(self.batch * n, H_QO, D), dtype=torch.uint8, device="cuda")
@@ -95,6 +96,7 @@ class Problem:
                 kv_indptr=self.kv_indptr, kv_indices=self.kv_indices, kv_last_page_len=self.kv_last_page_len,
                 page_size=PAGE, kv_layout=KVLayout.parse(self.layout, "kv_layout"), custom_mask=None, mask_indptr=None, num_kv_heads=H_KV,
                 scalars=scalars, workspace=workspace, split_indptr=split_indptr, kv_chunk_size=chunk,
+                split_counters=counters,
             )
 
         return fn

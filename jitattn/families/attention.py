@@ -28,8 +28,12 @@ variant keep the struct without it, byte for byte.
 Split-KV (used by kernels that support it; the cpu kernel ignores it): when
 ``kv_chunk_size`` > 0, request r's KV is cut into chunks of that many tokens;
 ``split_indptr[r]`` (int32, batch+1 entries) is the index of r's first chunk
-among all chunks, and ``workspace`` (``workspace_bytes`` long, from the
-plan) holds each chunk's partial output and LSE before they are merged.
+among all chunks (every request has at least one, an empty request too: its
+chunk writes o = 0 and lse = -inf), and ``workspace`` (``workspace_bytes`` long, from the
+plan) holds each chunk's partial output and LSE before they are merged;
+``split_counters`` (int32, ``batch_size * num_kv_heads``, zero before the
+first launch) counts the finished chunks of each (request, KV head), and the
+kernel leaves it zero again.
 """
 
 from __future__ import annotations
@@ -52,7 +56,7 @@ ATTENTION = Entry("attention", fields(
     "o_stride_n:i64 o_stride_h:i64 lse_stride_n:i64 lse_stride_h:i64 "
     "kv_paged:i32 causal:i32 pos_encoding:i32 window_left:i32 "
     "sm_scale:f32 logits_soft_cap:f32 rope_rcp_scale:f32 rope_rcp_theta:f32 k_scale:f32 v_scale:f32 "
-    "workspace:ptr workspace_bytes:i64 split_indptr:ptr kv_chunk_size:i64 "
+    "workspace:ptr workspace_bytes:i64 split_indptr:ptr kv_chunk_size:i64 split_counters:ptr "
     "num_threads:i32"
 ))
 

@@ -13,8 +13,10 @@ KV heads of one request are consecutive blocks):
   memory with ``cp.async`` (16-byte copies where a row allows it),
   ``stages`` tiles in flight; the page table of the tile after next is read
   while the current tile is computed.
-- Tensor-core path (``mma_eligible``: no RoPE, head dims multiples of 16
-  (32 with fp8 KV), qk <= 192, vo <= 128, group <= 16): four warps each take
+- Tensor-core path (``mma_eligible``: head dims multiples of 16 (32 with
+  fp8 KV or RoPE), no RoPE with fp8 KV, qk <= 192, vo <= 128, group <= 16;
+  RoPE rotates each K fragment in registers between ``ldmatrix`` and the mma,
+  the dims i and i + D/2 of a pair being the same register of two fragments): four warps each take
   16 tokens per step, the tokens as the M dimension of ``mma.sync.m16n8k16``
   and the group's heads as N (one n8 tile up to 8 heads, two up to 16, so
   GQA wastes at most half a tile): S^T = K Q^T (K by ``ldmatrix``, Q^T held
@@ -28,7 +30,7 @@ KV heads of one request are consecutive blocks):
   two into f16 range, the scores scaled back), K with the head dimension
   permuted within 16 dims (Q^T is loaded in the same order), V with one
   byte shuffle that sends even and odd dims to the two row halves of a tile.
-- CUDA-core path (every other variant: RoPE, head dims with a remainder of 8
+- CUDA-core path (every other variant: RoPE with fp8 KV, head dims with a remainder of 8
   (16 with fp8), large groups, head_dim 256): a thread owns ``vec``
   consecutive elements of the head dimension (``cpt_q``/``cpt_v`` such chunks, ``tx`` threads per row) for
   ``heads_per_thread`` of the group's query heads, so every KV element read
@@ -39,7 +41,9 @@ KV heads of one request are consecutive blocks):
   online-softmax state; they are merged through shared memory at the end.
 - Split-KV (``kv_chunk_size > 0`` at run time): a block per (chunk, KV head)
   writes a partial output and natural-log LSE to the workspace (or the final
-  output when its request has one chunk); a second kernel merges the chunks.
+  output when its request has one chunk); the block that finishes a request's
+  last chunk (an atomic count per (request, KV head) in ``split_counters``,
+  reset by that block) merges the chunks, so there is no second kernel.
 
 Workspace layout (split-KV), in the ABI's terms: with
 ``row_bytes = 4 * num_qo_heads * (head_dim_vo + 1)`` the workspace holds
@@ -78,9 +82,6 @@ TUNING: dict[str, int] = {
     "smem_per_sm": 227 << 10,  # usable shared memory per SM (H100/H200: 227 KiB; A100: 163 KiB)
 }
 
-_MERGE_THREADS = 128
-
-
 def _next_pow2(n: int) -> int:
     p = 1
     while p < n:
@@ -93,9 +94,12 @@ def mma_eligible(spec: VariantSpec) -> bool:
     dim_unit = 32 if spec.kv_dtype.is_fp8 else 16  # fp8: one ldmatrix covers 32 dims
     return (
         spec.variant is None  # custom snippets run on the CUDA-core path
-        and spec.pos_encoding is not PosEncoding.ROPE_LLAMA
+        # RoPE rotates K fragments in registers: each rotation pair must sit in two whole fragments
+        and (spec.pos_encoding is not PosEncoding.ROPE_LLAMA or (not spec.kv_dtype.is_fp8 and spec.head_dim_qk % 32 == 0))
         and spec.head_dim_qk % dim_unit == 0 and spec.head_dim_vo % dim_unit == 0 and spec.group_size <= 16
-        and spec.head_dim_qk <= 192 and spec.head_dim_vo <= 128  # O fragments stay in registers
+        # Q^T and O^T fragments stay in registers. Head dim 256 fits one head tile in 255 registers with
+        # one block per SM, but ran slower than the CUDA-core path (H200, gemma-2 b64 x 4096: 645 vs 603 us)
+        and spec.head_dim_qk <= 192 and spec.head_dim_vo <= 128
     )
 
 
@@ -229,7 +233,6 @@ def _simt_layout(spec: VariantSpec, t: dict[str, int]) -> dict[str, int]:
         "kMma": 0, "kHT": 1, "kMinBlocks": 1, "kNW": 1, "kKPitch": dqk * elem, "kVPitch": dvo * elem, "kQPitch": 0,
         "kPipeBytes": pipe_bytes, "kSmemBytes": smem,
         "kHeadMinor": int(bool(t["head_minor"])),
-        "kMergeThreads": _MERGE_THREADS, "kMergeLanes": dvo // 4, "kMergeGroups": max(1, _MERGE_THREADS // (dvo // 4)),
     }
 
 
