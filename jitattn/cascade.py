@@ -15,12 +15,14 @@ import functools
 
 import torch
 
+from .attention.batch import share_queries
 from .attention.builder import num_workers
-from .attention.merge import merge_state, merge_state_in_place, merge_states
+from .attention.merge import PreparedMerge, merge_state, merge_state_in_place, merge_states
 from .attention.options import parse_pos_encoding
 from .kv_split import cascade_level_chunks, split_level_page_table
 from .page_table import check_indptr, check_paged_index
 from .decode import BatchDecodeWithPagedKVCacheWrapper
+from .families.prefill import query_tile_rows
 from .prefill import BatchPrefillWithPagedKVCacheWrapper, single_prefill_with_kv_cache
 from .spec import PosEncoding
 from .variant import AttentionVariant
@@ -46,6 +48,7 @@ class MultiLevelCascadeAttentionWrapper:
         self._num_levels = num_levels
         self._device = float_workspace_buffer.device
         self._level_chunks: list[int] = []  # KV chunks per level of the last plan (empty: not planned)
+        self._states: _LevelStates | None = None  # the plan's state buffers (None: one state, written as out)
 
         def buf(arr, i):
             return arr[i] if arr is not None else None
@@ -102,6 +105,9 @@ class MultiLevelCascadeAttentionWrapper:
         totals = {int(qo[-1]) for qo in qo_indptr_arr}
         if len(totals) != 1:
             raise ValueError(f"every level's qo_indptr must end at the same token count; got {sorted(totals)}")
+        (total_q,) = totals
+        group = num_qo_heads // max(1, num_kv_heads)
+        tile_rows = query_tile_rows(head_dim, head_dim)
         self._level_chunks = []
         names = ("paged_kv_indptr_arr[i]", "paged_kv_indices_arr[i]", "paged_kv_last_page_len[i]")
         for level, wrapper in enumerate(self._wrappers):
@@ -112,18 +118,26 @@ class MultiLevelCascadeAttentionWrapper:
             chunks = 1
             # Splitting shifts positions inside a chunk: only for plain, non-causal, non-graph levels.
             if not level_causal and variant is None and not wrapper.is_cuda_graph_enabled:
+                qo_host = check_indptr("qo_indptr_arr[i]", qo_indptr)
+                qo_lens = (qo_host[1:] - qo_host[:-1]).tolist()
                 chunks = cascade_level_chunks(index.kv_lens, num_kv_heads=num_kv_heads,
                                               num_sms=num_workers(self._device),
-                                              page_size=page_size, fixed_split_size=fixed_split_size)
+                                              page_size=page_size, fixed_split_size=fixed_split_size,
+                                              query_tiles=sum(-(-n * group // tile_rows) for n in qo_lens))
                 if chunks > 1:
-                    qo_indptr, index = split_level_page_table(check_indptr("qo_indptr_arr[i]", qo_indptr), index,
-                                                              chunks)
+                    qo_indptr, index = split_level_page_table(qo_host, index, chunks)
             self._level_chunks.append(chunks)
             # The level's checked page table is handed on, not checked again.
             wrapper._plan_index(
                 qo_indptr, index, num_qo_heads, num_kv_heads, head_dim, causal=level_causal, sm_scale=sm_scale,
                 logits_soft_cap=logits_soft_cap, q_data_type=q_data_type, kv_data_type=kv_data_type, variant=variant,
             )
+            if chunks > 1:  # every chunk reads the level's queries in place
+                share_queries(wrapper._plan, total_q)
+
+        plan = self._wrappers[-1]._plan
+        self._states = _LevelStates(self._level_chunks, total_q, num_qo_heads, plan.head_dim_vo, plan.o_dtype,
+                                    self._device) if sum(self._level_chunks) > 1 else None
 
     begin_forward = plan
 
@@ -148,31 +162,46 @@ class MultiLevelCascadeAttentionWrapper:
         ``variant_args``: the planned custom variant's parameters, by name (the same for every level)."""
         if not self._level_chunks:
             raise RuntimeError("MultiLevelCascadeAttentionWrapper.run() called before plan(); call plan() first")
-        # Every level (each chunk of a split one) writes its state into one chunk-major buffer;
+        states = self._states
+        if states is None:  # one level, not split: its state is the result
+            return self._wrappers[0].run(q, paged_kv_cache, k_scale=k_scale, v_scale=v_scale, return_lse=return_lse,
+                                         **variant_args)
+        # Every level (each chunk of a split one) writes its state into the plan's chunk-major buffer;
         # one merge of all the states per query then gives the result.
-        total_q, num_heads = q.shape[0], q.shape[1]
-        num_states = sum(self._level_chunks)
-        plan = self._wrappers[-1]._plan
-        head_dim_vo, o_dtype = (plan.head_dim_vo, plan.o_dtype) if plan is not None else (q.shape[2], q.dtype)
-        states = torch.empty((num_states * total_q, num_heads, head_dim_vo), dtype=o_dtype, device=q.device)
-        states_lse = torch.empty((num_states * total_q, num_heads), dtype=torch.float32, device=q.device)
-        row = 0
-        for wrapper, chunks in zip(self._wrappers, self._level_chunks):
-            rows = chunks * total_q
-            # every chunk of a split level sees all the level's queries
-            wrapper.run(q if chunks == 1 else q.repeat(chunks, 1, 1), paged_kv_cache, k_scale=k_scale,
-                        v_scale=v_scale, out=states[row: row + rows], lse=states_lse[row: row + rows],
-                        **variant_args)
-            row += rows
-        if num_states == 1:
-            return (states, states_lse) if return_lse else states
-        out, lse = merge_states(states.view(num_states, total_q, num_heads, head_dim_vo).transpose(0, 1),
-                                states_lse.view(num_states, total_q, num_heads).transpose(0, 1))
+        for wrapper, (out, lse) in zip(self._wrappers, states.levels):
+            wrapper.run(q, paged_kv_cache, k_scale=k_scale, v_scale=v_scale, out=out, lse=lse, **variant_args)
+        if torch.compiler.is_compiling():
+            out, lse = merge_states(states.v, states.s)
+        else:
+            out, lse = states.merge(states.v, states.s)
         return (out, lse) if return_lse else out
 
     run_return_lse = functools.partialmethod(run, return_lse=True)
     forward = run
     forward_return_lse = run_return_lse
+
+
+class _LevelStates:
+    """The attention states of one cascade plan's levels, allocated once per plan and reused by every run().
+
+    ``levels``: per level the (out, lse) rows its chunks write; ``v``/``s``: all of them as the
+    ``[total_q, num_states, ...]`` views ``merge_states`` reads. Runs are ordered on a stream, so one
+    buffer serves every call (like the workspace, a plan must not run on two streams at once)."""
+
+    def __init__(self, level_chunks: list[int], total_q: int, num_heads: int, head_dim_vo: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        num_states = sum(level_chunks)
+        values = torch.empty((num_states * total_q, num_heads, head_dim_vo), dtype=dtype, device=device)
+        lses = torch.empty((num_states * total_q, num_heads), dtype=torch.float32, device=device)
+        self.levels: list[tuple[torch.Tensor, torch.Tensor]] = []
+        row = 0
+        for chunks in level_chunks:
+            rows = chunks * total_q
+            self.levels.append((values[row: row + rows], lses[row: row + rows]))
+            row += rows
+        self.v = values.view(num_states, total_q, num_heads, head_dim_vo).transpose(0, 1)
+        self.s = lses.view(num_states, total_q, num_heads).transpose(0, 1)
+        self.merge = PreparedMerge(self.v, self.s)
 
 
 class BatchDecodeWithSharedPrefixPagedKVCacheWrapper:

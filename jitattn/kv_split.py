@@ -92,12 +92,15 @@ def split_workspace_bytes(num_chunks: int, num_qo_heads: int, head_dim_vo: int) 
 def cascade_level_chunks(
     kv_lens: tuple[int, ...], *, num_kv_heads: int, num_sms: int, page_size: int,
     fixed_split_size: int | None = None, min_chunk_tokens: int = 256, blocks_per_sm: int = 2,
+    query_tiles: int | None = None,
 ) -> int:
     """How many chunks to cut each node's KV of one shared cascade level into (1 = no split).
 
     A shared level has few nodes (often one) whose KV is long: without a split
-    it keeps only ``nodes * num_kv_heads`` blocks busy. ``fixed_split_size``
-    caps a chunk at that many pages.
+    it keeps only ``query_tiles * num_kv_heads`` blocks busy (``query_tiles``: the
+    thread blocks' query tiles over all nodes, one per node by default). Every
+    chunk adds a state to merge per query, so the split stops once the blocks fill
+    the device. ``fixed_split_size`` caps a chunk at that many pages.
     """
     if not kv_lens or max(kv_lens) == 0:
         return 1
@@ -106,7 +109,7 @@ def cascade_level_chunks(
         if fixed_split_size < 1:
             raise ValueError(f"fixed_split_size={fixed_split_size} must be >= 1 (pages per chunk)")
         return max(1, math.ceil(longest_pages / fixed_split_size))
-    blocks = len(kv_lens) * num_kv_heads
+    blocks = (query_tiles or len(kv_lens)) * num_kv_heads
     wanted = math.ceil(blocks_per_sm * num_sms / blocks)
     limit = max(1, max(kv_lens) // min_chunk_tokens)
     return max(1, min(wanted, limit, longest_pages))
@@ -116,9 +119,9 @@ def split_level_page_table(qo_indptr: torch.Tensor, index: PagedIndex, num_chunk
     """The page table of a level whose nodes are each cut into ``num_chunks`` chunks.
 
     The expanded batch is chunk-major: request ``c * nodes + r`` is chunk c of
-    node r, and its queries are rows ``c * total_q + qo_indptr[r] ...`` of the
-    queries repeated ``num_chunks`` times, so the partial outputs reshape to
-    ``[num_chunks, total_q, ...]`` for an LSE merge. Chunk boundaries fall on
+    node r, and its rows are ``c * total_q + qo_indptr[r] ...``: its queries are
+    those rows modulo ``total_q`` (``attention.batch.share_queries``), and the
+    partial outputs reshape to ``[num_chunks, total_q, ...]`` for an LSE merge. Chunk boundaries fall on
     pages; a chunk past a node's last page is empty (kv_len 0).
     Returns (qo_indptr, the chunks' page table), host int32; the table is derived from a checked
     one, so it is not checked again.

@@ -60,14 +60,16 @@ def _check(out, lse, ref_o, ref_lse, dtype, nan_rows, empty_rows) -> None:
 
 
 # -- decode ------------------------------------------------------------------------------------------
-# (head_dim, qo_heads, kv_heads, q dtype, kv dtype, pos, split): on cuda the first two take the
-# tensor-core path (fp8 KV included), RoPE the CUDA-core path; split cuts every request into chunks.
+# (head_dim, qo_heads, kv_heads, q dtype, kv dtype, pos, split): on cuda the cases named tensor_cores
+# take the tensor-core path (fp8 KV and RoPE included), the cuda_cores ones the CUDA-core path (RoPE
+# with fp8 KV, a head dim not a multiple of 32 with RoPE); split cuts every request into chunks.
 DECODE = {
     "tensor_cores": (128, 8, 2, bf16, bf16, "NONE", False),
     "tensor_cores_fp8": (64, 8, 2, bf16, e4m3, "NONE", False),
-    "cuda_cores_rope": (128, 8, 2, f16, f16, "ROPE_LLAMA", False),
+    "tensor_cores_rope": (128, 8, 2, f16, f16, "ROPE_LLAMA", False),
+    "cuda_cores_rope_fp8": (64, 8, 2, bf16, e4m3, "ROPE_LLAMA", False),
     "split_kv": (128, 8, 2, bf16, bf16, "NONE", True),
-    "split_kv_cuda_cores_rope": (64, 4, 1, bf16, bf16, "ROPE_LLAMA", True),
+    "split_kv_cuda_cores_rope": (72, 4, 1, bf16, bf16, "ROPE_LLAMA", True),
 }
 KV_LENS = [1, 70, 0, 300, 33]
 PAGE = 16
@@ -88,7 +90,7 @@ GPU_SPECS = list(dict.fromkeys(_decode_spec(c, Target.CUDA) for c in DECODE.valu
 
 def test_decode_cases_take_the_paths_they_name() -> None:
     for case_id, case in DECODE.items():
-        assert mma_eligible(_decode_spec(case, Target.CUDA)) == (case[5] == "NONE"), case_id
+        assert mma_eligible(_decode_spec(case, Target.CUDA)) == ("cuda_cores" not in case_id), case_id
 
 
 @pytest.mark.parametrize("device", devices())

@@ -115,6 +115,8 @@ def test_split_level_page_table_is_chunk_major_on_page_boundaries() -> None:
     assert indices.tolist() == [10, 11, 20, 12, 13, 21, 14]
     assert last.tolist() == [16, 16, 16, 16, 3, 0]  # node 1's third chunk is empty
     assert cascade_level_chunks((32768,), num_kv_heads=8, num_sms=132, page_size=16) == 33
+    # 128 queries of a 4-head group in 128-row tiles: 4 blocks per KV head already, so 9 chunks fill the device
+    assert cascade_level_chunks((8192,), num_kv_heads=8, num_sms=132, page_size=16, query_tiles=4) == 9
     assert cascade_level_chunks((100,) * 64, num_kv_heads=8, num_sms=132, page_size=16) == 1
     assert cascade_level_chunks((67, 32), num_kv_heads=8, num_sms=132, page_size=16, fixed_split_size=2) == 3
 

@@ -53,6 +53,7 @@ class AttentionPlan:
     wrapper: str = ""
     kv_pointer_alignment: int = 16  # bytes; set from kv_alignment()
     split_counters: torch.Tensor | None = None  # the wrapper's zeroed split-KV chunk counters (None: the plan's own)
+    q_rows: int = 0  # rows of q the plan reads: total_qo, or fewer when rows repeat (share_queries)
 
     # The options the run path reads, as attributes of the plan.
     scalars = property(lambda self: self.options.scalars)
@@ -65,6 +66,7 @@ class AttentionPlan:
     head_dim_vo = property(lambda self: self.options.head_dim_vo)
 
     def __post_init__(self) -> None:
+        self.q_rows = self.q_rows or self.total_qo
         self.kv_pointer_alignment = kv_alignment(self)[0]
         if self.spec.variant is not None:
             self.variant_args = VariantArgs(self.spec.variant, self.wrapper or "wrapper")
@@ -80,6 +82,18 @@ class AttentionPlan:
             if self.split.kv_chunk_size else 0,
             split_counters=self.split_counters,
         )
+
+
+def share_queries(plan: AttentionPlan, q_rows: int) -> None:
+    """Make ``plan`` read query row ``t % q_rows`` for output row t (q then has ``q_rows`` rows).
+
+    A cascade level cut into chunks is one batch whose chunks all attend with the same queries:
+    this lets them read those queries in place instead of a repeated copy."""
+    if plan.total_qo % max(1, q_rows):
+        raise ValueError(f"total_qo={plan.total_qo} is not a multiple of q_rows={q_rows}")
+    plan.q_rows = q_rows
+    plan.launch.params.q_row_period = q_rows
+    plan.checked_signature = None
 
 
 def upload(host: torch.Tensor, device: torch.device, buffer: torch.Tensor | None = None, name: str = "") -> torch.Tensor:
@@ -287,9 +301,9 @@ def _check_inputs(plan: AttentionPlan, wrapper: str, workspace: torch.Tensor, q:
             raise TypeError(f"{wrapper}.run(): {name} must be a torch.Tensor, got {type(t).__name__}")
     target_of(wrapper, (workspace, q, k, v))  # raises when they are on different devices
     check_tensor("q", q, ndim=3, dtypes=(plan.q_dtype,))
-    if tuple(q.shape) != (plan.total_qo, plan.num_qo_heads, plan.head_dim_qk):
+    if tuple(q.shape) != (plan.q_rows, plan.num_qo_heads, plan.head_dim_qk):
         raise ValueError(
-            f"q has shape {tuple(q.shape)}; the plan expects {(plan.total_qo, plan.num_qo_heads, plan.head_dim_qk)}"
+            f"q has shape {tuple(q.shape)}; the plan expects {(plan.q_rows, plan.num_qo_heads, plan.head_dim_qk)}"
         )
     if plan.page_size is not None:
         pages = check_kv_pair(k, v, plan.kv_layout, num_kv_heads=plan.num_kv_heads, head_dim_qk=plan.head_dim_qk,

@@ -81,8 +81,9 @@ class PreparedAttention:
             rope_rcp_scale=1.0 / scalars.rope_scale, rope_rcp_theta=1.0 / scalars.rope_theta,
             k_scale=1.0, v_scale=1.0, workspace=None, workspace_bytes=0,
             split_indptr=_ptr(split_indptr) if kv_chunk_size else None, kv_chunk_size=kv_chunk_size,
-            split_counters=_ptr(self._split_counters), num_threads=1,
+            split_counters=_ptr(self._split_counters), q_row_period=0, num_threads=1,
         )
+        self._scales = (1.0, 1.0, 1.0)  # (q_scale, k_scale, v_scale) the struct holds
         self.split = bool(kv_chunk_size)
         self.split_workspace_bytes = split_workspace_bytes
         self.call = module.bind("attention", self.params)
@@ -113,8 +114,10 @@ class PreparedAttention:
         # An empty KV pool has no storage (null pointer); the kernels then read no key, but
         # check for non-null pointers, so they get a valid address instead.
         p.q, p.k, p.v, p.o, p.lse = q, k or self.placeholder, v or self.placeholder, o, lse
-        p.sm_scale = self.sm_scale * q_scale
-        p.k_scale, p.v_scale = k_scale, v_scale
+        if (q_scale, k_scale, v_scale) != self._scales:  # usually the same every call: skip the struct writes
+            p.sm_scale = self.sm_scale * q_scale
+            p.k_scale, p.v_scale = k_scale, v_scale
+            self._scales = (q_scale, k_scale, v_scale)
         if workspace is not None and self.split:
             have = workspace.numel() * workspace.element_size()
             p.workspace = workspace.data_ptr()

@@ -82,23 +82,17 @@ def _merge_state_in_place_eager(
 _prepared = threading.local()
 
 
-def _merge_states_eager(v: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Eager implementation (see the public function of the same name)."""
-    signature = (v.shape, v.stride(), v.dtype, v.device, s.shape, s.stride(), s.dtype, s.device)
-    cache = getattr(_prepared, "merges", None)
-    if cache is None:
-        cache = _prepared.merges = {}
-    prepared = cache.get(signature)
-    if prepared is not None and prepared[3] is not _module(v.dtype, Target.CUDA if v.is_cuda else Target.CPU):
-        prepared = None  # the module was reloaded (another cache root)
-    if prepared is None:
+class PreparedMerge:
+    """``merge_states`` for one input signature, its params struct filled once; each call sets the pointers."""
+
+    def __init__(self, v: torch.Tensor, s: torch.Tensor) -> None:
         check_tensor("v", v, ndim=4, dtypes=_VALUE_DTYPES)
         check_tensor("s", s, ndim=3, dtypes=(torch.float32,), last_dim_contiguous=False)
         check_shape("s", s, tuple(v.shape[:3]))
-        target, device = target_of("merge_states", (v, s))
+        target, self.device = target_of("merge_states", (v, s))
         seq_len, num_states, num_heads, head_dim = v.shape
-        module = _module(v.dtype, target)
-        params = module.params(
+        self.module = _module(v.dtype, target)
+        self.params = self.module.params(
             "merge_states", v=None, s=None, v_out=None, s_out=None,
             seq_len=seq_len, num_states=num_states, num_heads=num_heads, head_dim=head_dim,
             v_stride_n=v.stride(0), v_stride_k=v.stride(1), v_stride_h=v.stride(2),
@@ -106,21 +100,38 @@ def _merge_states_eager(v: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor,
             v_out_stride_n=num_heads * head_dim, v_out_stride_h=head_dim, s_out_stride_n=num_heads, s_out_stride_h=1,
             num_threads=cpu_threads(),
         )
-        prepared = (params, module.bind("merge_states", params), device, module)
+        self.call = self.module.bind("merge_states", self.params)
+        self.out_shape, self.lse_shape, self.dtype = (seq_len, num_heads, head_dim), (seq_len, num_heads), v.dtype
+
+    def __call__(self, v: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Merge ``v``/``s`` (of the signature this was prepared for) into new tensors."""
+        v_out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
+        s_out = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
+        p = self.params
+        p.v, p.s, p.v_out, p.s_out = v.data_ptr(), s.data_ptr(), v_out.data_ptr(), s_out.data_ptr()
+        if self.device.type == "cuda":
+            self.call(stream_handle(self.device))
+        else:
+            p.num_threads = cpu_threads()
+            self.call(None)
+        return v_out, s_out
+
+
+def _merge_states_eager(v: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eager implementation (see the public function of the same name)."""
+    signature = (v.shape, v.stride(), v.dtype, v.device, s.shape, s.stride(), s.dtype, s.device)
+    cache = getattr(_prepared, "merges", None)
+    if cache is None:
+        cache = _prepared.merges = {}
+    prepared = cache.get(signature)
+    if prepared is not None and prepared.module is not _module(v.dtype, Target.CUDA if v.is_cuda else Target.CPU):
+        prepared = None  # the module was reloaded (another cache root)
+    if prepared is None:
+        prepared = PreparedMerge(v, s)
         if len(cache) > 256:
             cache.clear()
         cache[signature] = prepared
-    params, call, device, _ = prepared
-    seq_len, _, num_heads, head_dim = v.shape
-    v_out = torch.empty((seq_len, num_heads, head_dim), dtype=v.dtype, device=v.device)
-    s_out = torch.empty((seq_len, num_heads), dtype=torch.float32, device=v.device)
-    params.v, params.s, params.v_out, params.s_out = v.data_ptr(), s.data_ptr(), v_out.data_ptr(), s_out.data_ptr()
-    if device.type == "cuda":
-        call(stream_handle(device))
-    else:
-        params.num_threads = cpu_threads()
-        call(None)
-    return v_out, s_out
+    return prepared(v, s)
 
 
 # torch.compile: the same functions as opaque custom ops (fake implementations give shapes only).

@@ -89,13 +89,16 @@ class BatchWrapperBase:
             )
         if variant_positional:
             variant_args = _positional_variant_args(self._NAME, plan, variant_positional, variant_args)
-        return run_plan_or_compiled(
-            self._op_key, plan, self._NAME, self._workspace, q, kv,
-            k_scale=1.0 if k_scale is None else fp8_scale(k_scale, "k_scale"),
-            v_scale=1.0 if v_scale is None else fp8_scale(v_scale, "v_scale"), out=out, lse=lse,
-            return_lse=return_lse, variant_args=variant_args,
-            q_scale=1.0 if q_scale is None else fp8_scale(q_scale, "q_scale"),
-        )
+        k_scale = 1.0 if k_scale is None else fp8_scale(k_scale, "k_scale")
+        v_scale = 1.0 if v_scale is None else fp8_scale(v_scale, "v_scale")
+        q_scale = 1.0 if q_scale is None else fp8_scale(q_scale, "q_scale")
+        if torch.compiler.is_compiling():
+            return run_plan_or_compiled(
+                self._op_key, plan, self._NAME, self._workspace, q, kv, k_scale=k_scale, v_scale=v_scale, out=out,
+                lse=lse, return_lse=return_lse, variant_args=variant_args, q_scale=q_scale,
+            )
+        return run_plan(plan, self._NAME, self._workspace, q, kv, k_scale=k_scale, v_scale=v_scale, out=out, lse=lse,
+                        return_lse=return_lse, variant_args=variant_args, q_scale=q_scale)
 
     def _run_eager(self, q, k, v, *, k_scale, v_scale, out, lse, return_lse, q_scale=1.0):
         return run_plan(self._plan, self._NAME, self._workspace, q, (k, v), k_scale=k_scale, v_scale=v_scale,

@@ -13,6 +13,9 @@ One launch computes attention for a batch of requests. Request r has queries
 - lse: ``[tokens, heads]`` float32, natural log; ``lse`` may be null.
 
 Query i of a request with qo_len q and kv_len k sits at position k - q + i.
+``q_row_period`` > 0 (prefill): the query of output row t is q row
+``t % q_row_period`` (a cascade level cut into chunks reads its queries once
+per chunk without copies); 0: row t.
 ``pos_encoding``: 0 none, 1 rope (llama rotate-half), 2 alibi.
 ``causal``: bottom-right. ``window_left`` < 0 disables the window.
 ``logits_soft_cap`` <= 0 disables the cap. ``custom_mask``: per-request
@@ -56,7 +59,7 @@ ATTENTION = Entry("attention", fields(
     "o_stride_n:i64 o_stride_h:i64 lse_stride_n:i64 lse_stride_h:i64 "
     "kv_paged:i32 causal:i32 pos_encoding:i32 window_left:i32 "
     "sm_scale:f32 logits_soft_cap:f32 rope_rcp_scale:f32 rope_rcp_theta:f32 k_scale:f32 v_scale:f32 "
-    "workspace:ptr workspace_bytes:i64 split_indptr:ptr kv_chunk_size:i64 split_counters:ptr "
+    "workspace:ptr workspace_bytes:i64 split_indptr:ptr kv_chunk_size:i64 split_counters:ptr q_row_period:i64 "
     "num_threads:i32"
 ))
 

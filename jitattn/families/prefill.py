@@ -98,6 +98,13 @@ def _fit(smem_for: Callable[[int], dict[str, int]], smem_per_sm: int,
     return 1, _CTA_KV_CHOICES[-1], None
 
 
+def query_tile_rows(head_dim_qk: int, head_dim_vo: int, tuning: dict[str, int] | None = None) -> int:
+    """Query rows (token, head-in-group pairs) one cuda thread block owns: ``cta_q``."""
+    t = {**TUNING, **(tuning or {})}
+    mma_q = 2 if max(_ceil(head_dim_qk, 16), _ceil(head_dim_vo, 16)) <= t["mma_q_max_dim"] else 1
+    return t["warps"] * 16 * mma_q
+
+
 def cuda_layout(spec: VariantSpec, tuning: dict[str, int] | None = None) -> dict[str, int]:
     """Every derived constant of the cuda prefill kernel for ``spec`` (plain ints)."""
     t = dict(TUNING)
@@ -113,8 +120,8 @@ def cuda_layout(spec: VariantSpec, tuning: dict[str, int] | None = None) -> dict
     dqk_pad, dvo_pad = _ceil(dqk, 16), _ceil(dvo, 16)
     qk_rc, qk_sw = _row_chunks(dqk_pad)
     vo_rc, vo_sw = _row_chunks(dvo_pad)
-    mma_q = 2 if max(dqk_pad, dvo_pad) <= t["mma_q_max_dim"] else 1
-    cta_q = warps * 16 * mma_q
+    cta_q = query_tile_rows(dqk, dvo, t)
+    mma_q = cta_q // (warps * 16)
     stages = t["stages"]
 
     def smem_for(cta_kv: int) -> dict[str, int]:
