@@ -81,7 +81,8 @@ class BatchDecodeWithPagedKVCacheWrapper(BatchWrapperBase):
         with an output transform is never split over the KV.
 
         Index arrays are int32, on the host (no device sync) or on the device
-        (copied to the host once here). ``data_type`` (deprecated in FlashInfer) fills the
+        (copied to the host once here). The plan's arrays go to the device on the current
+        stream without waiting (FlashInfer's ``non_blocking=True``): run on that stream. ``data_type`` (deprecated in FlashInfer) fills the
         q and kv dtypes the caller did not give. ``fixed_split_size`` is in pages.
         ``block_tables``/``seq_lens`` (FlashInfer's trtllm-gen inputs) are not supported.
         """

@@ -8,7 +8,6 @@ against it and launches. ``run_plan`` never synchronises the device.
 from __future__ import annotations
 
 import functools
-import threading
 from dataclasses import dataclass
 
 import torch
@@ -113,21 +112,15 @@ def upload(host: torch.Tensor, device: torch.device, buffer: torch.Tensor | None
     return buffer
 
 
-_STAGING = threading.local()
+def _staging(n: int) -> torch.Tensor:
+    """A page-locked int32 staging buffer of ``n`` entries from torch's caching host allocator.
 
-
-def _pinned_staging(n: int) -> torch.Tensor:
-    """This thread's reusable page-locked int32 staging buffer, at least ``n`` long.
-
-    A fresh pageable buffer per plan costs page faults and a bounce copy (hundreds of µs for
-    a 64k-page table on some hosts); a pinned one is copied by DMA and reused.
+    A pageable buffer costs page faults and a bounce copy (hundreds of µs for a 64k-page table
+    on some hosts); a pinned one is copied by DMA. Copied with ``non_blocking=True`` and then
+    dropped, the allocator reuses the block only once that copy is done, so ``plan()`` never
+    waits for the GPU (the host can plan the next step while this one runs).
     """
-    buf = getattr(_STAGING, "buffer", None)
-    if buf is None or buf.numel() < n:
-        size = max(n, 2 * buf.numel() if buf is not None else 0, 1 << 12)
-        buf = torch.empty(size, dtype=torch.int32, pin_memory=True)
-        _STAGING.buffer = buf
-    return buf[:n]
+    return torch.empty(n, dtype=torch.int32, pin_memory=True)
 
 
 def upload_int32(
@@ -150,11 +143,11 @@ def upload_int32(
         for _, host in packed:
             offsets.append(total)
             total += (host.numel() + 3) // 4 * 4
-        staging = _pinned_staging(total)
+        staging = _staging(total)
         staging_np = staging.numpy()  # numpy slice copies: a memcpy each, without torch's per-op overhead
         for offset, (_, host) in zip(offsets, packed):
             staging_np[offset: offset + host.numel()] = host.numpy()
-        on_device = staging.to(device)  # synchronous: the buffer is free again on return
+        on_device = staging.to(device, non_blocking=True)
         for offset, (i, host) in zip(offsets, packed):
             out[i] = on_device[offset: offset + host.numel()]
     return out

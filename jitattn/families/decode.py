@@ -79,6 +79,7 @@ TUNING: dict[str, int] = {
     "mma": 1,                  # tensor-core path where the variant allows it (see mma_eligible)
     "mma_blocks_per_sm": 2,    # resident blocks the tensor-core path is sized for (shared memory, registers)
     "mma_blocks_per_sm_fp8": 3,  # ... with fp8 KV (half the bytes per stage: more blocks keep as many in flight)
+    "mma_steps": 1,            # 16-token steps per warp per pipeline stage on the tensor-core path
     "smem_per_sm": 227 << 10,  # usable shared memory per SM (H100/H200: 227 KiB; A100: 163 KiB)
 }
 
@@ -142,7 +143,8 @@ def _mma_layout(spec: VariantSpec, t: dict[str, int]) -> dict[str, int]:
     nw = 4
     head_tiles = -(-group // 8)
     k_pitch, v_pitch, q_pitch = _pitch(dqk * elem), _pitch(dvo * elem), _pitch(dqk * 2)
-    tile_tokens = nw * 16  # one step per tile: a barrier per 16 tokens of each warp
+    steps = t["mma_steps"]
+    tile_tokens = nw * 16 * steps  # a barrier per stage: per `steps` 16-token steps of each warp
     k_stage, v_stage = tile_tokens * k_pitch, tile_tokens * v_pitch
     stage_bytes = k_stage + v_stage + tile_tokens * 16  # + the stage's row-offset table
     blocks = t["mma_blocks_per_sm_fp8" if spec.kv_dtype.is_fp8 else "mma_blocks_per_sm"] if head_tiles == 1 else 2
@@ -158,7 +160,7 @@ def _mma_layout(spec: VariantSpec, t: dict[str, int]) -> dict[str, int]:
     return {
         "kMma": 1, "kNW": nw, "kTZ": nw, "kGS": group, "kNT": nt, "kHT": head_tiles, "kMinBlocks": blocks,
         "kKPitch": k_pitch, "kVPitch": v_pitch, "kQPitch": q_pitch,
-        "kSteps": 1, "kTileTokens": tile_tokens, "kStages": stages,
+        "kSteps": steps, "kTileTokens": tile_tokens, "kStages": stages,
         "kLoadBytes": 16, "kCPRK": dqk * elem // 16, "kCPRV": dvo * elem // 16,
         "kLoadsK": -(-(tile_tokens * dqk * elem // 16) // nt), "kLoadsV": -(-(tile_tokens * dvo * elem // 16) // nt),
         "kTabPerThread": -(-tile_tokens // nt),
