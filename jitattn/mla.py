@@ -71,6 +71,8 @@ class BatchMLAPagedAttentionWrapper:
         # The last-page lengths the kernels read are derived from kv_len_arr: a buffer of the same size.
         last_page_buffer = torch.empty_like(kv_len_arr) if use_cuda_graph else None
         self._kv_len_arr_buf = kv_len_arr if use_cuda_graph else None
+        self._graph_buffers = (dict(qo_indptr=qo_indptr, kv_indptr=kv_indptr, kv_indices=kv_indices,
+                                    kv_len_arr=kv_len_arr) if use_cuda_graph else {})
         self._inner = _LatentPrefill(
             float_workspace_buffer, "NHD", use_cuda_graph=use_cuda_graph, qo_indptr_buf=qo_indptr,
             paged_kv_indptr_buf=kv_indptr, paged_kv_indices_buf=kv_indices,
@@ -106,9 +108,13 @@ class BatchMLAPagedAttentionWrapper:
             raise ValueError(f"request {r}: kv_len_arr[{r}] = {int(lens[r])} needs {int(needed[r])} pages of "
                              f"{page_size}, but kv_indptr gives it {int(pages[r])}")
         last_page_len = torch.where(pages > 0, lens - (pages - 1) * page_size, 0).to(torch.int32)
-        if self._kv_len_arr_buf is not None and self._kv_len_arr_buf.numel() < lens.numel():
-            raise ValueError(f"kv_len_arr buffer holds {self._kv_len_arr_buf.numel()} entries but this batch has "
-                             f"{lens.numel()} requests; allocate the fixed buffers for the largest batch")
+        # Checked before anything is written, so a batch too large leaves the buffers (and the last plan) intact.
+        needed = dict(qo_indptr=qo_indptr.numel(), kv_indptr=indptr.numel(), kv_indices=kv_indices.numel(),
+                      kv_len_arr=lens.numel())
+        for name, buffer in self._graph_buffers.items():
+            if buffer.numel() < needed[name]:
+                raise ValueError(f"{name} buffer holds {buffer.numel()} entries but this batch needs {needed[name]}; "
+                                 "allocate the fixed buffers for the largest batch")
         self._inner.plan(
             qo_indptr, indptr, kv_indices, last_page_len, num_heads, 1, head_dim_ckv + head_dim_kpe, page_size,
             head_dim_vo=head_dim_ckv, causal=causal, sm_scale=sm_scale, q_data_type=q_data_type,

@@ -339,13 +339,16 @@ def test_mla_graph_mode_buffer_rules() -> None:
         wrapper.plan(_indptr([1] * len(kv_lens)), indptr, indices, lens, 16, CKV, KPE, 16, False, SM_SCALE,
                      torch.float32, torch.float32)
 
-    with pytest.raises(ValueError, match="kv_indices buffer .* cannot hold 10"):
-        plan([100, 40])  # 7 + 3 pages, the buffer holds 8
-    with pytest.raises(ValueError, match="kv_len_arr buffer holds 2 entries but this batch has 3"):
-        plan([5, 5, 5])
     plan([30, 7])
     assert buffers["kv_len_arr"].tolist() == [30, 7], "plan() copies kv_len_arr into its fixed buffer"
     assert buffers["kv_indptr"].tolist() == [0, 2, 3]
+    planned = {name: b.clone() for name, b in buffers.items()}
+    with pytest.raises(ValueError, match="kv_indices buffer holds 8 entries but this batch needs 10"):
+        plan([100, 40])  # 7 + 3 pages
+    with pytest.raises(ValueError, match="qo_indptr buffer holds 3 entries but this batch needs 4"):
+        plan([5, 5, 5])
+    for name, b in buffers.items():
+        assert torch.equal(b, planned[name]), f"a refused plan wrote into the {name} buffer"
 
 
 def test_mla_graph_mode_replans_into_the_same_buffers() -> None:
