@@ -173,7 +173,8 @@ def test_a_warmed_mla_cache_serves_every_mla_path_with_zero_compiles(kv_dtype, m
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kv_dtype", ["bfloat16", "float8_e4m3fn"])
-def test_a_warmed_mla_cache_serves_every_mla_path_with_zero_compiles_on_cuda(kv_dtype, monkeypatch, fresh_cache,
+def test_a_warmed_mla_cache_serves_every_mla_path_with_zero_compiles_on_cuda(monkeypatch, fresh_cache,
                                                                              capsys) -> None:
-    _warm_then_run_with_zero_compiles(monkeypatch, capsys, "cuda", "cuda", kv_dtype)
+    """One dtype on the GPU (it builds the preset's six cuda specs in a fresh cache); that the lists match the
+    wrappers' requests for both dtypes is checked without a GPU above."""
+    _warm_then_run_with_zero_compiles(monkeypatch, capsys, "cuda", "cuda", "bfloat16")
