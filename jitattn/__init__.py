@@ -11,7 +11,7 @@ from .version import __version__  # noqa: E402,F401
 from .variant import AttentionVariant, VariantParam  # noqa: E402
 from .spec import DType, KVLayout, KVStorage, MaskMode, Op, PosEncoding, Target, VariantSpec  # noqa: E402
 from .jit import build_many, load  # noqa: E402
-from .attention.specs import model_specs  # noqa: E402
+from .attention.specs import mla_model_specs, model_specs  # noqa: E402
 from .attention.merge import merge_state, merge_state_in_place, merge_states  # noqa: E402
 from .decode import (  # noqa: E402
     BatchDecodeWithPagedKVCacheWrapper, CUDAGraphBatchDecodeWithPagedKVCacheWrapper, fast_decode_plan,
@@ -36,7 +36,7 @@ __all__ = [
     "CUDAGraphBatchDecodeWithPagedKVCacheWrapper", "fast_decode_plan", "single_prefill_with_kv_cache_return_lse",
     "BatchPrefillWithRaggedKVCacheWrapper", "DType", "KVLayout", "KVStorage", "MaskMode",
     "MultiLevelCascadeAttentionWrapper", "Op", "append_paged_kv_cache", "get_batch_indices_positions",
-    "get_seq_lens", "model_specs", "PosEncoding", "Target", "VariantSpec", "build_many", "load",
+    "get_seq_lens", "mla_model_specs", "model_specs", "PosEncoding", "Target", "VariantSpec", "build_many", "load",
     "merge_state", "merge_state_in_place", "merge_states", "single_decode_with_kv_cache",
     "single_prefill_with_kv_cache",
 ]

@@ -9,6 +9,15 @@ multi-token decode and chunked prefill are more queries per request, ``causal`` 
 Keys need ``ckv`` and ``kpe`` side by side: pass them as slices of one ``[pages, page_size,
 ckv + kpe]`` buffer (``ckv = buf[..., :512]``, ``kpe = buf[..., 512:]``) and nothing is copied;
 separate tensors are joined into a temporary key cache on every ``run()`` (correct, slower).
+An fp8 (e4m3/e5m2) latent cache is dequantized with per-tensor ``k_scale`` (keys: ckv and kpe,
+which must share one scale) and ``v_scale`` (values, i.e. ckv again), keyword-only jitattn
+extensions of ``run()`` as on the other wrappers (FlashInfer 0.5.3's MLA takes none).
+
+CUDA graphs: ``use_cuda_graph=True`` with the fixed ``qo_indptr``, ``kv_indptr``, ``kv_indices`` and
+``kv_len_arr`` buffers (FlashInfer's), sized for the largest batch; every ``plan()`` refills them (the
+last-page lengths the kernels read live in a buffer of ``kv_len_arr``'s size the wrapper owns), so a
+captured ``run()`` replays the latest plan of the same batch size and total query count.
+
 This is the correctness tier: a dedicated MLA kernel is future work (issue 18).
 """
 
@@ -26,6 +35,12 @@ from .prefill import BatchPrefillWithPagedKVCacheWrapper
 __all__ = ["BatchMLAPagedAttentionWrapper"]
 
 _NAME = "BatchMLAPagedAttentionWrapper"
+
+
+class _LatentPrefill(BatchPrefillWithPagedKVCacheWrapper):
+    """The paged prefill wrapper the MLA wrapper plans and runs on; its errors name the MLA wrapper."""
+
+    _NAME = _NAME
 
 
 class BatchMLAPagedAttentionWrapper:
@@ -47,14 +62,24 @@ class BatchMLAPagedAttentionWrapper:
                                  ("kv_len_arr", kv_len_arr)):
                 if buffer is None:
                     raise ValueError(f"use_cuda_graph=True needs the fixed buffer {name} (sized for the largest batch)")
+                if not isinstance(buffer, torch.Tensor) or buffer.dim() != 1 or buffer.dtype != torch.int32:
+                    raise ValueError(f"{name} buffer must be a 1-D int32 tensor (sized for the largest batch); got "
+                                     f"{_describe(buffer)}")
+                if isinstance(float_workspace_buffer, torch.Tensor) and buffer.device != float_workspace_buffer.device:
+                    raise ValueError(f"{name} buffer is on {buffer.device} but float_workspace_buffer is on "
+                                     f"{float_workspace_buffer.device}; allocate the fixed buffers on the same device")
         # The last-page lengths the kernels read are derived from kv_len_arr: a buffer of the same size.
         last_page_buffer = torch.empty_like(kv_len_arr) if use_cuda_graph else None
-        self._inner = BatchPrefillWithPagedKVCacheWrapper(
+        self._kv_len_arr_buf = kv_len_arr if use_cuda_graph else None
+        self._graph_buffers = (dict(qo_indptr=qo_indptr, kv_indptr=kv_indptr, kv_indices=kv_indices,
+                                    kv_len_arr=kv_len_arr) if use_cuda_graph else {})
+        self._inner = _LatentPrefill(
             float_workspace_buffer, "NHD", use_cuda_graph=use_cuda_graph, qo_indptr_buf=qo_indptr,
             paged_kv_indptr_buf=kv_indptr, paged_kv_indices_buf=kv_indices,
             paged_kv_last_page_len_buf=last_page_buffer, backend=backend,
         )
-        self._dims: tuple[int, int] | None = None
+        self._dims: tuple[int, int] | None = None  # (head_dim_ckv, head_dim_kpe) of the plan
+        self._rows: tuple[int, int] = (0, 0)  # (total query tokens, num_heads) of the plan
 
     @property
     def is_cuda_graph_enabled(self) -> bool:
@@ -67,7 +92,9 @@ class BatchMLAPagedAttentionWrapper:
     ) -> None:
         """Plan one batch. ``sm_scale`` is required (MLA scales by the pre-absorption head dim, e.g. 1/sqrt(192))."""
         refuse_unsupported(f"{_NAME}.plan", "leave use_profiler off", use_profiler=use_profiler or None)
+        qo_indptr = to_host_int32("qo_indptr", qo_indptr)
         indptr = to_host_int32("kv_indptr", kv_indptr)
+        kv_indices = to_host_int32("kv_indices", kv_indices)
         lens = to_host_int32("kv_len_arr", kv_len_arr).to(torch.int64)
         if lens.numel() != indptr.numel() - 1:
             raise ValueError(f"kv_len_arr has {lens.numel()} entries; expected batch_size = {indptr.numel() - 1}")
@@ -81,20 +108,36 @@ class BatchMLAPagedAttentionWrapper:
             raise ValueError(f"request {r}: kv_len_arr[{r}] = {int(lens[r])} needs {int(needed[r])} pages of "
                              f"{page_size}, but kv_indptr gives it {int(pages[r])}")
         last_page_len = torch.where(pages > 0, lens - (pages - 1) * page_size, 0).to(torch.int32)
-        self._dims = (head_dim_ckv, head_dim_kpe)
+        # Checked before anything is written, so a batch too large leaves the buffers (and the last plan) intact.
+        needed = dict(qo_indptr=qo_indptr.numel(), kv_indptr=indptr.numel(), kv_indices=kv_indices.numel(),
+                      kv_len_arr=lens.numel())
+        for name, buffer in self._graph_buffers.items():
+            if buffer.numel() < needed[name]:
+                raise ValueError(f"{name} buffer holds {buffer.numel()} entries but this batch needs {needed[name]}; "
+                                 "allocate the fixed buffers for the largest batch")
         self._inner.plan(
             qo_indptr, indptr, kv_indices, last_page_len, num_heads, 1, head_dim_ckv + head_dim_kpe, page_size,
             head_dim_vo=head_dim_ckv, causal=causal, sm_scale=sm_scale, q_data_type=q_data_type,
             kv_data_type=kv_data_type,
         )
+        if self._kv_len_arr_buf is not None:  # FlashInfer keeps the lengths in the caller's buffer too
+            self._kv_len_arr_buf[: lens.numel()].copy_(lens.to(torch.int32))
+        self._dims = (head_dim_ckv, head_dim_kpe)
+        self._rows = (int(qo_indptr[-1]), num_heads)
 
     def run(
         self, q_nope: torch.Tensor, q_pe: torch.Tensor, ckv_cache: torch.Tensor, kpe_cache: torch.Tensor,
         out: torch.Tensor | None = None, lse: torch.Tensor | None = None, return_lse: bool = False,
         profiler_buffer: torch.Tensor | None = None, kv_len: torch.Tensor | None = None,
-        page_table: torch.Tensor | None = None, return_lse_base_on_e: bool = False,
+        page_table: torch.Tensor | None = None, return_lse_base_on_e: bool = False, *,
+        k_scale: float | torch.Tensor | None = None, v_scale: float | torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """-> out ``[tokens, heads, ckv]`` (and the natural-log lse ``[tokens, heads]``)."""
+        """-> out ``[tokens, heads, ckv]`` (and the natural-log lse ``[tokens, heads]``).
+
+        ``k_scale``/``v_scale`` (jitattn extensions, keyword-only): per-tensor dequantization scales of an
+        fp8 latent cache (a float or a one-element cpu tensor); ``k_scale`` multiplies the logits (ckv and
+        kpe share it), ``v_scale`` the output. Default 1.
+        """
         if profiler_buffer is not None or kv_len is not None or page_table is not None:
             refuse_unsupported(f"{_NAME}.run", "the batch is described by plan()", profiler_buffer=profiler_buffer,
                                kv_len=kv_len, page_table=page_table)
@@ -105,16 +148,25 @@ class BatchMLAPagedAttentionWrapper:
             check_tensor(name, t, ndim=3)
             if t.shape[-1] != dim:
                 raise ValueError(f"{name} has head dim {t.shape[-1]}; the plan has {dim}")
+            if tuple(t.shape[:2]) != self._rows:
+                raise ValueError(f"{name} has shape {tuple(t.shape)}; the plan has {self._rows[0]} query tokens "
+                                 f"(qo_indptr[-1]) and num_heads={self._rows[1]}: expected {self._rows + (dim,)}")
         for name, t, dim in (("ckv_cache", ckv_cache, ckv_dim), ("kpe_cache", kpe_cache, kpe_dim)):
             check_tensor(name, t, ndim=3)
             if t.shape[-1] != dim:
                 raise ValueError(f"{name} has shape {tuple(t.shape)}; expected [pages, page_size, {dim}]")
         q = torch.cat([q_nope, q_pe], dim=-1)
         keys = latent_keys(ckv_cache, kpe_cache)
-        return self._inner.run(q, (keys.unsqueeze(2), ckv_cache.unsqueeze(2)), out=out, lse=lse,
-                               return_lse=return_lse)
+        return self._inner.run(q, (keys.unsqueeze(2), ckv_cache.unsqueeze(2)), k_scale=k_scale, v_scale=v_scale,
+                               out=out, lse=lse, return_lse=return_lse)
 
     run_return_lse = functools.partialmethod(run, return_lse=True)
+
+
+def _describe(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"{tuple(value.shape)} {str(value.dtype).removeprefix('torch.')} on {value.device}"
+    return type(value).__name__
 
 
 def latent_keys(ckv_cache: torch.Tensor, kpe_cache: torch.Tensor) -> torch.Tensor:

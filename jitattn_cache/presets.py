@@ -2,7 +2,9 @@
 
 A ``ModelShape`` is what ``jitattn.attention.specs.model_specs`` needs to list
 every kernel a model's decode, prefill (paged and ragged), cascade, merge and
-append paths request; ``warm`` and ``export`` expand shapes with it.
+append paths request; an ``MLAShape`` (DeepSeek-style latent attention) is what
+``jitattn.attention.specs.mla_model_specs`` needs. ``warm`` and ``export`` expand
+shapes with them.
 """
 
 from __future__ import annotations
@@ -51,14 +53,41 @@ class ModelShape:
         return ", ".join(parts)
 
 
-PRESETS: dict[str, ModelShape] = {
+@dataclass(frozen=True)
+class MLAShape:
+    """DeepSeek-style multi-head latent attention (the names of its Hugging Face config)."""
+
+    num_heads: int
+    kv_lora_rank: int  # the compressed latent (ckv) width
+    qk_rope_head_dim: int  # the rope part (kpe)
+    qk_nope_head_dim: int
+    v_head_dim: int
+
+    def with_tensor_parallel(self, tp: int) -> "MLAShape":
+        """One rank of a ``tp``-way tensor-parallel model: the query heads split, the one latent head replicated."""
+        if tp < 1:
+            raise ValueError(f"--tp {tp} must be at least 1")
+        if self.num_heads % tp != 0:
+            raise ValueError(f"--tp {tp} must divide num_attention_heads={self.num_heads}")
+        return replace(self, num_heads=self.num_heads // tp)
+
+    def describe(self) -> str:
+        return (f"MLA: {self.num_heads} heads, kv_lora_rank {self.kv_lora_rank}, qk_rope {self.qk_rope_head_dim}, "
+                f"qk_nope {self.qk_nope_head_dim}, v_head_dim {self.v_head_dim}")
+
+
+PRESETS: dict[str, ModelShape | MLAShape] = {
     "llama-3-8b": ModelShape(32, 8, 128),
     "llama-3-70b": ModelShape(64, 8, 128),
     "mistral-7b": ModelShape(32, 8, 128, sliding_window=True, full_attention_too=False),
     "qwen2.5-7b": ModelShape(28, 4, 128),
     "gemma-2-9b": ModelShape(16, 8, 256, sliding_window=True, full_attention_too=True, logits_soft_cap=True),
     "phi-3-mini": ModelShape(32, 32, 96),
+    "deepseek-v3": MLAShape(128, 512, 64, 128, 128),
+    "deepseek-v2-lite": MLAShape(16, 512, 64, 128, 128),
 }
+
+_MLA_FIELDS = ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
 
 
 def _positive_int(config: dict, name: str, path: str | Path) -> int:
@@ -68,10 +97,12 @@ def _positive_int(config: dict, name: str, path: str | Path) -> int:
     return value
 
 
-def from_hf_config(path: str | Path) -> ModelShape:
+def from_hf_config(path: str | Path) -> ModelShape | MLAShape:
     """Read the attention shape from a Hugging Face ``config.json`` on disk.
 
-    Uses num_attention_heads, num_key_value_heads (default: MHA), head_dim
+    A config with ``kv_lora_rank`` (DeepSeek-V2/V3 style) is MLA: num_attention_heads,
+    kv_lora_rank, qk_rope_head_dim, qk_nope_head_dim and v_head_dim give an ``MLAShape``.
+    Otherwise it uses num_attention_heads, num_key_value_heads (default: MHA), head_dim
     (else hidden_size / num_attention_heads), sliding_window (with
     use_sliding_window, and gemma-style alternation via layer_types,
     sliding_window_pattern or model_type gemma*) and attn_logit_softcapping.
@@ -90,6 +121,11 @@ def from_hf_config(path: str | Path) -> ModelShape:
     if "num_attention_heads" not in config:
         raise ValueError(f"{path}: no num_attention_heads; is this a transformer config.json?")
     heads = _positive_int(config, "num_attention_heads", path)
+    if config.get("kv_lora_rank") is not None:
+        missing = [name for name in _MLA_FIELDS if config.get(name) is None]
+        if missing:
+            raise ValueError(f"{path}: an MLA config (kv_lora_rank is set) needs {', '.join(missing)} too")
+        return MLAShape(heads, *(_positive_int(config, name, path) for name in _MLA_FIELDS))
     kv_heads = _positive_int(config, "num_key_value_heads", path) if config.get("num_key_value_heads") else heads
     if config.get("head_dim"):
         head_dim = _positive_int(config, "head_dim", path)

@@ -15,7 +15,8 @@ class UsageError(Exception):
 def add_selection_args(parser: argparse.ArgumentParser, *, default_dtype: str = "bfloat16") -> None:
     group = parser.add_argument_group("what to build (repeatable; combined)")
     group.add_argument("--preset", action="append", metavar="NAME",
-                       help="model preset (see `jitattn-cache presets`): llama-3-8b, mistral-7b, gemma-2-9b, ...")
+                       help="model preset (see `jitattn-cache presets`): llama-3-8b, mistral-7b, gemma-2-9b, "
+                            "deepseek-v3, ...")
     group.add_argument("--config", action="append", metavar="CONFIG_JSON",
                        help="path to a Hugging Face config.json on disk")
     group.add_argument("--spec", action="append", metavar="TEXT",
@@ -104,10 +105,10 @@ def resolve_specs(args: argparse.Namespace) -> list:
     """
     import torch
 
-    from jitattn import model_specs
+    from jitattn import mla_model_specs, model_specs
     from jitattn.spec import DType, Target
 
-    from .presets import PRESETS, from_hf_config
+    from .presets import PRESETS, MLAShape, from_hf_config
 
     args.target = args.target or default_target(args.arch)
     target = Target.parse(args.target, "--target")
@@ -133,6 +134,13 @@ def resolve_specs(args: argparse.Namespace) -> list:
     for what, shape in shapes:
         try:
             shape = shape.with_tensor_parallel(args.tp)
+            if isinstance(shape, MLAShape):
+                specs += mla_model_specs(
+                    target, num_heads=shape.num_heads, kv_lora_rank=shape.kv_lora_rank,
+                    qk_rope_head_dim=shape.qk_rope_head_dim, qk_nope_head_dim=shape.qk_nope_head_dim,
+                    v_head_dim=shape.v_head_dim, dtype=dtype, kv_dtype=kv_dtype,
+                )
+                continue
             specs += model_specs(
                 target, num_qo_heads=shape.num_qo_heads, num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
                 dtype=dtype, kv_dtype=kv_dtype, sliding_window=shape.sliding_window,

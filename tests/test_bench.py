@@ -59,6 +59,7 @@ MLA_FLOPS_BYTES = {
     "mla/b64_s4096_p64": (2 * 64 * 128 * 4096 * (576 + 512), 64 * 4096 * 576 * 2),
     "mla/b128_s8192_p64": (2 * 128 * 128 * 8192 * (576 + 512), 128 * 8192 * 576 * 2),
     "mla/h16_b128_s4096_p64": (2 * 128 * 16 * 4096 * (576 + 512), 128 * 4096 * 576 * 2),
+    "mla/h16_b128_s4096_p64_fp8": (2 * 128 * 16 * 4096 * (576 + 512), 128 * 4096 * 576 * 1),  # e4m3 latent cache
 }
 
 
@@ -245,7 +246,17 @@ def test_a_failing_case_is_a_row_error_and_the_suite_goes_on(tmp_path, monkeypat
     assert "boom" in rows["decode/llama8b_b64_s2048"]["error"]
     assert rows["decode/llama8b_b1_s32768"]["status"] == "ok"
     assert rows["decode/llama8b_b1_s32768"]["fraction"] is None  # no ceilings given
-    assert len([r for r in rows if r.startswith("mla/")]) == 3
+    assert len([r for r in rows if r.startswith("mla/")]) == 4
+    for name in ("mla/h16_b128_s4096_p64", "mla/h16_b128_s4096_p64_fp8", "mla/b64_s4096_p64"):
+        row = rows[name]
+        assert row["status"] == "ok" and row["max_rel_err"] < 0.05, name
+        seconds = row["time_us"] * 1e-6
+        assert row["tflops"] == pytest.approx(row["flops"] / seconds / 1e12)  # both columns on every MLA row
+        assert row["tb_per_s"] == pytest.approx(row["bytes"] / seconds / 1e12)
+    assert rows["mla/b64_s4096_p64"]["rate_unit"] == "TFLOP/s" and rows["mla/h16_b128_s4096_p64"]["rate_unit"] == "GB/s"
+    fp8 = rows["mla/h16_b128_s4096_p64_fp8"]
+    assert fp8["params"]["kv_dtype"] == "e4m3" and fp8["bytes"] * 2 == rows["mla/h16_b128_s4096_p64"]["bytes"]
+    assert fp8["baseline"]["name"] == "mla/h16_b128_s4096_p64" and fp8["baseline"]["speed_ratio"] > 0
 
 
 def test_case_budget_and_deadline(tmp_path) -> None:
@@ -349,3 +360,21 @@ def test_plain_launch_time_is_wall_time_per_back_to_back_call() -> None:
 
     timer = Timer(torch.device("cpu"))
     assert 900 <= timer.plain_launch_us(lambda: time.sleep(0.001), calls=5, rounds=3) < 20000
+
+
+def test_mla_rows_take_the_flashinfer_peer(tmp_path, monkeypatch) -> None:
+    """--peer flashinfer reaches the MLA rows (n/a with the reason where it cannot run: here, no CUDA)."""
+    path = tmp_path / "bench.json"
+    assert main(["--target", "cpu", "--only", "mla/h16_b128_s4096_p64", "--json", str(path), "--measure-s", "0.02",
+                 "--ceilings-json", "{}", "--peer", "flashinfer"]) == 0
+    row = json.loads(path.read_text())["rows"][0]
+    assert row["status"] == "ok" and row["peers"]["flashinfer"] == {"n/a": "FlashInfer needs CUDA"}
+    from jitattn.bench import peers
+
+    class _Cuda:
+        cuda = True
+
+    monkeypatch.setattr(peers, "available", lambda name: True)
+    assert peers.flashinfer_mla_unsupported(configs.BY_NAME["mla/h16_b128_s4096_p64"], _Cuda()) is None
+    assert "no fp8 dequantization scales" in peers.flashinfer_mla_unsupported(
+        configs.BY_NAME["mla/h16_b128_s4096_p64_fp8"], _Cuda())

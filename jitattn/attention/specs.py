@@ -85,3 +85,35 @@ def model_specs(
     specs.append(merge_spec(target, dtype))
     specs.append(append_spec(target, kv_dtype))
     return list(dict.fromkeys(specs))
+
+
+def mla_model_specs(
+    target: Target, *, num_heads: int, kv_lora_rank: int, qk_rope_head_dim: int, qk_nope_head_dim: int,
+    v_head_dim: int, dtype: torch.dtype, kv_dtype: torch.dtype,
+) -> list[VariantSpec]:
+    """Every spec a DeepSeek-style MLA model's attention paths request.
+
+    - ``BatchMLAPagedAttentionWrapper`` (absorbed: decode, speculative decode, chunked prefill): the paged
+      prefill kernel with head dims ``kv_lora_rank + qk_rope_head_dim`` / ``kv_lora_rank``, one latent kv
+      head, the latent cache in ``kv_dtype``, without and with the causal mask;
+    - non-absorbed prefill through the ragged wrapper: head dims ``qk_nope_head_dim + qk_rope_head_dim`` /
+      ``v_head_dim``, ``num_kv_heads == num_heads``, k/v in ``dtype`` (the up-projection's output), causal
+      for the new tokens and without a mask for earlier chunks, whose states are merged;
+    - the merge (``dtype``) and ``append_paged_mla_kv_cache`` (``kv_dtype``).
+    """
+    common = dict(q_dtype=dtype, o_dtype=dtype, pos_encoding=PosEncoding.NONE, use_sliding_window=False,
+                  use_logits_soft_cap=False, kv_layout=KVLayout.NHD)
+    specs: list[VariantSpec] = []
+    for mask in (MaskMode.NONE, MaskMode.CAUSAL):
+        specs.append(attention_spec(
+            Op.PREFILL, target, kv_dtype=kv_dtype, head_dim_qk=kv_lora_rank + qk_rope_head_dim,
+            head_dim_vo=kv_lora_rank, num_qo_heads=num_heads, num_kv_heads=1, mask_mode=mask,
+            kv_storage=KVStorage.PAGED, **common))
+    for mask in (MaskMode.CAUSAL, MaskMode.NONE):
+        specs.append(attention_spec(
+            Op.PREFILL, target, kv_dtype=dtype, head_dim_qk=qk_nope_head_dim + qk_rope_head_dim,
+            head_dim_vo=v_head_dim, num_qo_heads=num_heads, num_kv_heads=num_heads, mask_mode=mask,
+            kv_storage=KVStorage.RAGGED, **common))
+    specs.append(merge_spec(target, dtype))
+    specs.append(append_spec(target, kv_dtype))
+    return list(dict.fromkeys(specs))

@@ -7,7 +7,7 @@ or compute, by the formulas of issue 7 (tested in ``tests/test_bench.py``):
   where a sliding window ``window_left = w`` reads ``min(kv_len, w + 1)`` tokens;
 - prefill FLOPs = 4 * (unmasked (query, key) pairs, bottom-right causal) * H_q * D;
 - cascade bytes = the shared prefix's KV once + each request's own KV (+ q and o);
-- MLA FLOPs = 2 * B * H * L * (576 + 512); MLA bytes = B * L * 576 * bytes/elem.
+- MLA FLOPs = 2 * B * H * L * (576 + 512); MLA bytes = B * L * 576 * bytes/elem (of the latent cache).
 
 Names are ``suite/name``. ``small()`` shrinks a case for the cpu target (same
 name, same shape of the problem, ~1/16 of the tokens); ``QUICK`` lists the
@@ -200,7 +200,12 @@ class Cascade:
 
 @dataclass(frozen=True)
 class MLA:
-    """Multi-head latent attention decode (DeepSeek), through ``BatchMLAPagedAttentionWrapper``."""
+    """Multi-head latent attention decode (DeepSeek), through ``BatchMLAPagedAttentionWrapper``.
+
+    Every row reports both TFLOP/s and TB/s (``tflops``, ``tb_per_s``); its ``kind`` picks the headline
+    rate: compute for 128 heads (FLOP-bound), bandwidth for 16 (the latent cache read bounds it).
+    ``kv_dtype``: the latent cache's dtype (default: ``dtype``, the queries' and output's).
+    """
 
     name: str
     batch: int
@@ -210,11 +215,18 @@ class MLA:
     ckv_dim: int = 512
     kpe_dim: int = 64
     dtype: str = "bf16"
-    kind: str = "bandwidth"
+    kv_dtype: str | None = None
+    kind: str = "compute"
+    note: str = ""
+    twin: str | None = None  # a row this one reports its speed against (the fp8 row: its bf16 twin)
 
     @property
     def suite(self) -> str:
         return "mla"
+
+    @property
+    def cache_dtype(self) -> str:
+        return self.kv_dtype or self.dtype
 
     @property
     def flops(self) -> int:
@@ -222,11 +234,11 @@ class MLA:
 
     @property
     def bytes(self) -> int:
-        return self.batch * self.kv_len * (self.ckv_dim + self.kpe_dim) * DTYPE_BYTES[self.dtype]
+        return self.batch * self.kv_len * (self.ckv_dim + self.kpe_dim) * DTYPE_BYTES[self.cache_dtype]
 
     def params(self) -> dict:
         return {"batch": self.batch, "kv_len": self.kv_len, "heads": self.num_heads, "ckv": self.ckv_dim,
-                "kpe": self.kpe_dim, "page_size": self.page_size, "dtype": self.dtype}
+                "kpe": self.kpe_dim, "page_size": self.page_size, "dtype": self.dtype, "kv_dtype": self.cache_dtype}
 
     def small(self) -> "MLA":
         """The cpu target's size: a few requests of a few hundred tokens, 16 heads."""
@@ -337,10 +349,15 @@ VARIANTS: list[Attn] = [
              note="custom mask with the causal pattern"),
 ]
 
+# Issue 18's numbers: FlashInfer 0.5.3 on the H200 and the targets jitattn aims for.
 MLA_CASES: list[MLA] = [
-    MLA("mla/b64_s4096_p64", 64, 4096),
-    MLA("mla/b128_s8192_p64", 128, 8192),
-    MLA("mla/h16_b128_s4096_p64", 128, 4096, num_heads=16),
+    MLA("mla/b64_s4096_p64", 64, 4096, note="FlashInfer 0.5.3: 524 TFLOP/s; target >= 620 TFLOP/s"),
+    MLA("mla/b128_s8192_p64", 128, 8192, note="FlashInfer 0.5.3: 525 TFLOP/s; target >= 620 TFLOP/s"),
+    MLA("mla/h16_b128_s4096_p64", 128, 4096, num_heads=16, kind="bandwidth",
+        note="FlashInfer 0.5.3: 3.83 TB/s; target >= 4.2 TB/s"),
+    MLA("mla/h16_b128_s4096_p64_fp8", 128, 4096, num_heads=16, kv_dtype="e4m3", kind="bandwidth",
+        note="e4m3 latent cache (k_scale/v_scale); target >= 1.7x the speed of its bf16 twin",
+        twin="mla/h16_b128_s4096_p64"),
 ]
 
 JIT: list[Jit] = [

@@ -8,7 +8,7 @@ from typing import Callable
 
 import torch
 
-from .configs import Attn, Cascade, Case, Jit
+from .configs import MLA, Attn, Cascade, Case, Jit
 from .rows import REF_QUERIES, REF_REQUESTS, TORCH_DTYPES, rel_err
 
 
@@ -200,6 +200,12 @@ def specs_of(case: Case, target: str) -> list:
         return [attn(level), attn(case.flat()), merge_spec(tgt, TORCH_DTYPES[case.dtype])]
     if isinstance(case, Jit) and case.what in ("run_overhead", "plan"):
         return [attn(jit_decode_case(case))]
+    if isinstance(case, MLA):  # the MLA wrapper's decode: the paged prefill kernel, one latent kv head
+        return [attention_spec(
+            Op.PREFILL, tgt, q_dtype=TORCH_DTYPES[case.dtype], kv_dtype=TORCH_DTYPES[case.cache_dtype],
+            o_dtype=TORCH_DTYPES[case.dtype], head_dim_qk=case.ckv_dim + case.kpe_dim, head_dim_vo=case.ckv_dim,
+            num_qo_heads=case.num_heads, num_kv_heads=1, pos_encoding=PosEncoding.NONE, use_sliding_window=False,
+            use_logits_soft_cap=False, mask_mode=MaskMode.NONE, kv_layout=KVLayout.NHD, kv_storage=KVStorage.PAGED)]
     return []
 
 

@@ -3,18 +3,20 @@
 FlashInfer runs through its own public wrappers, planned once with the same page table, dtypes and
 options, timed like jitattn (``Timer.measure``: median after warm-up, L2 flushed between calls).
 Its output is compared with jitattn's (``max_rel_err_vs_jitattn``), so a wrong peer result shows.
+MLA rows use FlashInfer's ``BatchMLAPagedAttentionWrapper`` (``run_flashinfer_mla``).
 FlashInfer JIT-compiles each variant on first use (seconds per variant), outside the timing.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 import tempfile
 
 import torch
 
-from .configs import Attn
+from .configs import MLA, Attn
 from .inputs import AttnData, indptr_of, plan_kwargs
 from .rows import BudgetExceeded, Context, cuda_ok, first_line, rate_of, rel_err
 
@@ -91,3 +93,53 @@ def run_flashinfer(case: Attn, data: AttnData, ctx: Context, jit_time_us: float 
         return {"error": str(exc)}
     except Exception as exc:  # the row keeps jitattn's numbers; a broken context is noticed after the case
         return {"error": first_line(exc) + ("" if not ctx.cuda or cuda_ok() else " (the CUDA context is unusable)")}
+
+
+def flashinfer_mla_unsupported(case: MLA, ctx: Context) -> str | None:
+    if not ctx.cuda:
+        return "FlashInfer needs CUDA"
+    if not available("flashinfer"):
+        return "flashinfer is not installed"
+    if case.cache_dtype != case.dtype:
+        return "FlashInfer 0.5.3's BatchMLAPagedAttentionWrapper takes no fp8 dequantization scales"
+    return None
+
+
+def run_flashinfer_mla(case: MLA, tensors: tuple, jit_out: torch.Tensor, ctx: Context,
+                       jit_time_us: float | None) -> dict:
+    """FlashInfer's ``BatchMLAPagedAttentionWrapper`` on jitattn's data (``tensors``: qo_indptr, kv_indptr,
+    kv_indices, kv_len_arr on the host, then q_nope, q_pe, ckv, kpe); result shaped as ``run_flashinfer``'s."""
+    why = flashinfer_mla_unsupported(case, ctx)
+    if why is not None:
+        return {"n/a": why}
+    os.environ.setdefault("FLASHINFER_WORKSPACE_BASE", os.path.join(tempfile.gettempdir(), "flashinfer-bench"))
+    try:
+        import flashinfer
+
+        ctx.check_budget("FlashInfer")
+        qo_indptr, kv_indptr, kv_indices, kv_lens, q_nope, q_pe, ckv, kpe = tensors
+        wrapper = flashinfer.mla.BatchMLAPagedAttentionWrapper(
+            torch.empty(256 << 20, dtype=torch.uint8, device=ctx.device))
+        wrapper.plan(qo_indptr.cuda(), kv_indptr.cuda(), kv_indices.cuda(), kv_lens.cuda(), case.num_heads,
+                     case.ckv_dim, case.kpe_dim, case.page_size, False, 1.0 / math.sqrt(192), q_nope.dtype, ckv.dtype)
+        out = torch.empty_like(jit_out)
+
+        def fn():
+            return wrapper.run(q_nope, q_pe, ckv, kpe, out=out)
+
+        fn()
+        ctx.sync()
+        err = rel_err([out], [jit_out])
+        timing = ctx.timer.measure(fn, ctx.measure_s)
+        rate, unit, _, fraction = rate_of(case.kind, case.bytes, case.flops, timing.median_us, ctx.ceilings)
+        seconds = timing.median_us * 1e-6
+        return {
+            "time_us": timing.median_us, "timing": timing.to_dict(), "rate": rate, "rate_unit": unit,
+            "fraction": fraction, "max_rel_err_vs_jitattn": err,
+            "tflops": case.flops / seconds / 1e12, "tb_per_s": case.bytes / seconds / 1e12,
+            "speedup": (timing.median_us / jit_time_us) if jit_time_us else None,
+        }
+    except BudgetExceeded as exc:
+        return {"error": str(exc)}
+    except Exception as exc:  # the row keeps jitattn's numbers
+        return {"error": first_line(exc) + ("" if cuda_ok() else " (the CUDA context is unusable)")}

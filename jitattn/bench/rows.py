@@ -33,7 +33,7 @@ class Context:
     deadline: float  # time.monotonic() after which no new case starts
     quick: bool = False
     failed_specs: dict = field(default_factory=dict)  # VariantSpec -> error text
-    plain_rows: dict = field(default_factory=dict)  # name -> row, for the variants
+    plain_rows: dict = field(default_factory=dict)  # name -> row: the variants' plain rows, the MLA twins
     case_deadline: float = math.inf
     peers: tuple[str, ...] = ()  # peer libraries timed beside jitattn (--peer)
 

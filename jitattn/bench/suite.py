@@ -50,7 +50,7 @@ from .inputs import (
 )
 from .sdpa import run_sdpa, sdpa_groups, sdpa_unsupported
 from .host import run_jit
-from .peers import run_flashinfer
+from .peers import run_flashinfer, run_flashinfer_mla
 
 
 # --------------------------------------------------------------------------- #
@@ -187,19 +187,23 @@ def run_cascade(case: Cascade, ctx: Context) -> list[dict]:
 def run_mla(case: MLA, ctx: Context) -> list[dict]:
     """MLA decode through BatchMLAPagedAttentionWrapper (the correctness tier on the paged prefill kernels).
 
-    The latent cache is one ``[pages, page_size, ckv + kpe]`` buffer (ckv/kpe as slices: no copy); the
-    error is checked on the first request against ``jitattn.reference``.
+    The latent cache is one ``[pages, page_size, ckv + kpe]`` buffer (ckv/kpe as slices: no copy); an fp8
+    cache is read with per-tensor ``k_scale``/``v_scale``. The error is checked on the first request against
+    ``jitattn.reference``. Every row carries ``tflops`` and ``tb_per_s`` (the headline rate is the case's
+    kind); ``--peer flashinfer`` adds FlashInfer's MLA wrapper on the same data.
     """
     import jitattn
     from jitattn import reference
 
     row = new_row(case)
-    dtype = TORCH_DTYPES[case.dtype]
+    dtype, kv_dtype = TORCH_DTYPES[case.dtype], TORCH_DTYPES[case.cache_dtype]
+    fp8 = kv_dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    k_scale, v_scale = (0.5, 1.5) if fp8 else (None, None)
     gen = torch.Generator(device=ctx.device).manual_seed(seed_of(case.name))  # tensors on the device
     gen_host = torch.Generator().manual_seed(seed_of(case.name))  # the page order
     pages_per = (case.kv_len + case.page_size - 1) // case.page_size
     pool = case.batch * pages_per + 1
-    buffer = random_tensor((pool, case.page_size, case.ckv_dim + case.kpe_dim), dtype, ctx.device, gen)
+    buffer = random_tensor((pool, case.page_size, case.ckv_dim + case.kpe_dim), kv_dtype, ctx.device, gen)
     ckv, kpe = buffer[..., :case.ckv_dim], buffer[..., case.ckv_dim:]
     indices = torch.randperm(pool, generator=gen_host)[: case.batch * pages_per].to(torch.int32)
     indptr = (torch.arange(case.batch + 1) * pages_per).to(torch.int32)
@@ -209,27 +213,46 @@ def run_mla(case: MLA, ctx: Context) -> list[dict]:
     out = torch.full((case.batch, case.num_heads, case.ckv_dim), float("nan"), dtype=dtype, device=ctx.device)
     wrapper = jitattn.BatchMLAPagedAttentionWrapper(torch.empty(128 << 20, dtype=torch.uint8, device=ctx.device))
     scale = 1.0 / math.sqrt(192)
-    wrapper.plan(torch.arange(case.batch + 1, dtype=torch.int32), indptr, indices, lens, case.num_heads, case.ckv_dim,
-                 case.kpe_dim, case.page_size, False, scale, dtype, dtype)
+    qo_indptr = torch.arange(case.batch + 1, dtype=torch.int32)
+    wrapper.plan(qo_indptr, indptr, indices, lens, case.num_heads, case.ckv_dim, case.kpe_dim, case.page_size, False,
+                 scale, dtype, kv_dtype)
 
     def fn():
-        return wrapper.run(q_nope, q_pe, ckv, kpe, out=out)
+        return wrapper.run(q_nope, q_pe, ckv, kpe, out=out, k_scale=k_scale, v_scale=v_scale)
 
     try:
         fn()
         ctx.sync()
         pages = indices[:pages_per].long().to(ctx.device)
-        keys = buffer[pages].reshape(-1, case.ckv_dim + case.kpe_dim)[: case.kv_len].unsqueeze(1)
+        # gathered as bytes (indexing is defined for every dtype that way), then widened exactly
+        first = buffer.view(torch.uint8)[pages].view(kv_dtype) if fp8 else buffer[pages]
+        keys = first.float().reshape(-1, case.ckv_dim + case.kpe_dim)[: case.kv_len].unsqueeze(1)
         values = keys[..., : case.ckv_dim]
         q = torch.cat([q_nope[:1], q_pe[:1]], dim=-1)
-        ref, _ = reference.single_attention(q, keys, values, sm_scale=scale)
+        ref, _ = reference.single_attention(q, keys, values, sm_scale=scale, k_scale=k_scale, v_scale=v_scale)
         row["max_rel_err"] = rel_err([out[:1]], [ref])
         ctx.check_budget("timing")
         set_time(row, ctx.timer.measure(fn, ctx.measure_s), ctx, fn)
-        row["sdpa_na"] = "MLA: compared with the targets (FlashInfer 524 TFLOP/s at 128 heads)"
-        row["note"] = _join(row["note"], "correctness tier: the paged prefill kernel at head dims 576/512")
+        seconds = row["time_us"] * 1e-6
+        row["tflops"], row["tb_per_s"] = case.flops / seconds / 1e12, case.bytes / seconds / 1e12
+        row["sdpa_na"] = "MLA"  # compared with FlashInfer's numbers and the targets (the note)
+        row["note"] = _join(_join(f"{row['tflops']:.4g} TFLOP/s, {row['tb_per_s']:.3g} TB/s", row["note"]),
+                            "correctness tier: the paged prefill kernel at head dims 576/512")
+        twin = ctx.plain_rows.get(case.twin) if case.twin else None
+        if case.twin:
+            if twin is None or twin.get("time_us") is None:
+                row["baseline"] = {"name": case.twin, "error": "the twin row did not run"}
+            else:
+                ratio = twin["time_us"] / row["time_us"]
+                row["baseline"] = {"name": case.twin, "time_us": twin["time_us"], "speed_ratio": ratio,
+                                   "what": "the twin's time / this row's time (> 1: this row is faster)"}
+                row["note"] = _join(row["note"], f"{ratio:.2f}x the speed of {case.twin}")
+        if "flashinfer" in ctx.peers:
+            tensors = (qo_indptr, indptr, indices, lens, q_nope, q_pe, ckv, kpe)
+            row["peers"] = {"flashinfer": run_flashinfer_mla(case, tensors, out, ctx, row["time_us"])}
     except BudgetExceeded as exc:
         row["note"] = _join(row["note"], str(exc))
+    ctx.plain_rows[case.name] = row  # an fp8 row compares itself with its bf16 twin
     return [row]
 
 
