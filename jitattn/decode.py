@@ -27,6 +27,12 @@ _WRAPPER = "BatchDecodeWithPagedKVCacheWrapper"
 _DEFAULT_Q_DTYPE = "float16"
 
 
+@functools.lru_cache(maxsize=64)
+def _host_range(n: int) -> torch.Tensor:
+    """0..n-1 as a host int32 tensor (decode's qo_indptr; plans only read it)."""
+    return torch.arange(n, dtype=torch.int32)
+
+
 class BatchDecodeWithPagedKVCacheWrapper(BatchWrapperBase):
     """Batched decode (one query token per request) over a paged KV cache.
 
@@ -104,7 +110,7 @@ class BatchDecodeWithPagedKVCacheWrapper(BatchWrapperBase):
         workspace_bytes = split_workspace_bytes(split.num_chunks, num_qo_heads, head_dim) if split.kv_chunk_size else 0
         check_workspace(self._workspace, workspace_bytes, _WRAPPER)
         self._check_graph_batch(index.batch_size)
-        qo_indptr = torch.arange(index.batch_size + 1, dtype=torch.int32)
+        qo_indptr = _host_range(index.batch_size + 1)
         qo_indptr_buf, split_indptr_buf = self._own_buffers
         buffers = {**self._buffers, "qo_indptr": qo_indptr_buf, "split_indptr": split_indptr_buf}
         self._plan = build_plan(_WRAPPER, self._target, self._device, self._kv_layout, options,

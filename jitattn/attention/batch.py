@@ -8,6 +8,7 @@ against it and launches. ``run_plan`` never synchronises the device.
 from __future__ import annotations
 
 import functools
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -169,7 +170,10 @@ def check_workspace(workspace: torch.Tensor, needed: int, wrapper: str) -> None:
 
 
 def log_plan(wrapper: str, plan: AttentionPlan, workspace_bytes: int) -> None:
-    get_logger().info(
+    logger = get_logger()
+    if not logger.isEnabledFor(logging.INFO):  # the kernel name is built on demand: skip it when unlogged
+        return
+    logger.info(
         "%s.plan: kernel %s, batch %d, splits %d (chunk %d tokens), workspace %d bytes",
         wrapper, plan.spec.kernel_name, plan.qo_indptr.numel() - 1, plan.split.num_chunks,
         plan.split.kv_chunk_size, workspace_bytes,

@@ -30,6 +30,17 @@ class AttentionScalars:
     rope_theta: float
 
 
+_PLACEHOLDERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _placeholder(device: torch.device) -> int:
+    """A small never-written buffer on ``device``: the address of every empty array (kernels read none of it)."""
+    buffer = _PLACEHOLDERS.get(device)
+    if buffer is None:
+        buffer = _PLACEHOLDERS[device] = torch.zeros(4, dtype=torch.int32, device=device)
+    return buffer.data_ptr()
+
+
 class PreparedAttention:
     """An attention launch whose plan-time fields are filled once; each call sets the tensors.
 
@@ -53,8 +64,7 @@ class PreparedAttention:
         self.paged = kv_indices is not None
         self.sm_scale = scalars.sm_scale
         # Empty index arrays have no storage; their pointer must still be non-null.
-        self._placeholder = torch.empty(4, dtype=torch.int32, device=qo_indptr.device)
-        self.placeholder = self._placeholder.data_ptr()
+        self.placeholder = _placeholder(qo_indptr.device)
 
         def _ptr(tensor: torch.Tensor | None) -> int | None:
             return None if tensor is None else (tensor.data_ptr() or self.placeholder)

@@ -23,7 +23,23 @@ def attention_spec(
     pos_encoding: PosEncoding, use_sliding_window: bool, use_logits_soft_cap: bool,
     mask_mode: MaskMode, kv_layout: KVLayout, kv_storage: KVStorage, variant: AttentionVariant | None = None,
 ) -> VariantSpec:
-    """The spec of a decode or prefill kernel for these shapes and options (and custom variant, if any)."""
+    """The spec of a decode or prefill kernel for these shapes and options (and custom variant, if any).
+
+    Cached (a plan per step asks for the same few specs; building one validates it, ~25 us)."""
+    if variant is not None and not isinstance(variant, AttentionVariant):
+        raise TypeError(f"variant must be a jitattn.AttentionVariant or None; got {type(variant).__name__}")
+    return _attention_spec(op, target, q_dtype, kv_dtype, o_dtype, head_dim_qk, head_dim_vo, num_qo_heads,
+                           num_kv_heads, pos_encoding, bool(use_sliding_window), bool(use_logits_soft_cap), mask_mode,
+                           kv_layout, kv_storage, variant)
+
+
+@functools.lru_cache(maxsize=512)
+def _attention_spec(
+    op: Op, target: Target, q_dtype: torch.dtype, kv_dtype: torch.dtype, o_dtype: torch.dtype, head_dim_qk: int,
+    head_dim_vo: int, num_qo_heads: int, num_kv_heads: int, pos_encoding: PosEncoding, use_sliding_window: bool,
+    use_logits_soft_cap: bool, mask_mode: MaskMode, kv_layout: KVLayout, kv_storage: KVStorage,
+    variant: AttentionVariant | None,
+) -> VariantSpec:
     if variant is not None and not isinstance(variant, AttentionVariant):
         raise TypeError(f"variant must be a jitattn.AttentionVariant or None; got {type(variant).__name__}")
     if num_kv_heads < 1 or num_qo_heads < 1 or num_qo_heads % num_kv_heads != 0:
