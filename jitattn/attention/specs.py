@@ -46,9 +46,11 @@ def attention_spec(
 
 
 @functools.cache
-def merge_spec(target: Target, dtype: torch.dtype) -> VariantSpec:
-    """The merge kernels' spec (cached: building a spec validates it, ~25 us, and merges run per layer)."""
-    return VariantSpec(op=Op.MERGE, target=target, o_dtype=dtype)
+def merge_spec(target: Target, dtype: torch.dtype, use_sinks: bool = False) -> VariantSpec:
+    """The merge kernels' spec (cached: building a spec validates it, ~25 us, and merges run per layer).
+
+    ``use_sinks``: the build whose ``merge_states`` applies attention sinks (a cascade's final merge)."""
+    return VariantSpec(op=Op.MERGE, target=target, o_dtype=dtype, use_sinks=use_sinks)
 
 
 @functools.cache

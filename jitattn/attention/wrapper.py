@@ -79,8 +79,9 @@ class BatchWrapperBase:
         return self.run(*run_args, **run_kwargs)
 
     def _run(self, q, kv, k_scale, v_scale, out, lse, return_lse, variant_args, variant_positional=(),
-             q_scale=None, window_left=None):
-        """``kv``: the paged cache as given (paged plans) or the ``(k, v)`` pair (ragged)."""
+             q_scale=None, window_left=None, sinks=None):
+        """``kv``: the paged cache as given (paged plans) or the ``(k, v)`` pair (ragged); ``sinks``: float32
+        ``[num_qo_heads]`` attention sinks (None: none)."""
         plan = self._plan
         if window_left is not None and plan is not None and int(window_left) != plan.scalars.window_left:  # rare
             raise ValueError(
@@ -94,7 +95,7 @@ class BatchWrapperBase:
             k_scale=1.0 if k_scale is None else fp8_scale(k_scale, "k_scale"),
             v_scale=1.0 if v_scale is None else fp8_scale(v_scale, "v_scale"), out=out, lse=lse,
             return_lse=return_lse, variant_args=variant_args,
-            q_scale=1.0 if q_scale is None else fp8_scale(q_scale, "q_scale"),
+            q_scale=1.0 if q_scale is None else fp8_scale(q_scale, "q_scale"), sinks=sinks,
         )
 
     def _run_eager(self, q, k, v, *, k_scale, v_scale, out, lse, return_lse, q_scale=1.0):
