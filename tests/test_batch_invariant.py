@@ -288,3 +288,36 @@ def test_decode_under_cuda_graphs_is_bitwise_the_same_as_alone(with_sinks: bool)
         torch.cuda.synchronize()
         assert torch.equal(out[position], alone_out), f"trial {trial}: the replayed output differs from alone"
         assert torch.equal(lse[position], alone_lse), f"trial {trial}: the replayed lse differs from alone"
+
+
+# -- the schedules themselves (pure) ---------------------------------------------------------------
+
+def test_batch_invariant_schedules_cut_each_request_by_its_own_length() -> None:
+    from jitattn.kv_split import decode_kv_split, split_level_page_table
+    from jitattn.page_table import check_paged_index
+
+    chunk = BATCH_INVARIANT_CHUNK_TOKENS
+    for lens in ([5000], [5000, 1], [1, 5000, 20000, 0], [5000] * 7):
+        split = decode_kv_split(tuple(lens), num_kv_heads=8, num_sms=132, page_size=PAGE, batch_invariant=True)
+        assert split.kv_chunk_size == chunk
+        r = lens.index(5000)
+        assert split.split_indptr[r + 1] - split.split_indptr[r] == 5, "5000 tokens are 5 chunks of 1024, always"
+    assert decode_kv_split((0, 0), num_kv_heads=8, num_sms=132, page_size=PAGE, batch_invariant=True).kv_chunk_size, \
+        "even a batch with nothing to cut is a split plan (the captured launch must not change kind)"
+    assert decode_kv_split((64,), num_kv_heads=1, num_sms=1, page_size=16, fixed_split_size=2,
+                           batch_invariant=True).split_indptr == (0, 2)
+    # A cascade level: the first node's chunks are the same pages whatever the second node's length.
+    pages_per_chunk = chunk // PAGE
+    cuts = []
+    for other in (16, 40 * PAGE, 200 * PAGE):
+        lens = [150 * PAGE + 3, other]
+        pages = [(n + PAGE - 1) // PAGE for n in lens]
+        indptr = torch.tensor([0, pages[0], pages[0] + pages[1]], dtype=torch.int32)
+        index = check_paged_index(indptr, torch.arange(sum(pages), dtype=torch.int32),
+                                  torch.tensor([(n - 1) % PAGE + 1 for n in lens], dtype=torch.int32), PAGE)
+        num_chunks = -(-max(pages) // pages_per_chunk)
+        _, table = split_level_page_table(torch.tensor([0, 1, 2], dtype=torch.int32), index, num_chunks,
+                                          pages_per_chunk)
+        first = [table.kv_lens[c * 2] for c in range(num_chunks)]
+        cuts.append([n for n in first if n])
+    assert cuts[0] == cuts[1] == cuts[2] == [1024, 1024, 150 * PAGE + 3 - 2048]
