@@ -36,6 +36,10 @@ def _spec(op: Op, dtype: torch.dtype, storage: KVStorage, mask: MaskMode | None,
 
 GPU_SPECS = (
     [_spec(Op.DECODE, dt, KVStorage.PAGED, None, s) for dt in (f16, bf16) for s in (False, True)]
+    + [attention_spec(Op.DECODE, Target.CUDA, q_dtype=bf16, kv_dtype=bf16, o_dtype=bf16, head_dim_qk=72,
+                      head_dim_vo=72, num_qo_heads=6, num_kv_heads=2, pos_encoding=PosEncoding.NONE,
+                      use_sliding_window=False, use_logits_soft_cap=False, mask_mode=None, kv_layout=KVLayout.NHD,
+                      kv_storage=KVStorage.PAGED).replace(use_sinks=s) for s in (False, True)]
     + [_spec(Op.PREFILL, f16, st, m, s) for st in (KVStorage.PAGED, KVStorage.RAGGED)
        for m in (MaskMode.CAUSAL, MaskMode.NONE) for s in (False, True)]
     + [merge_spec(Target.CUDA, f16), merge_spec(Target.CUDA, f16, True)]
@@ -45,8 +49,9 @@ GPU_SPECS = (
 class Pool:
     """A paged KV pool whose pages are handed out in random order."""
 
-    def __init__(self, num_pages: int, dtype: torch.dtype, device: str, rng: random.Random):
-        self.cache = torch.randn(num_pages, 2, PAGE, HKV, D).to(dtype).to(device)
+    def __init__(self, num_pages: int, dtype: torch.dtype, device: str, rng: random.Random, hkv: int = HKV,
+                 d: int = D):
+        self.cache = torch.randn(num_pages, 2, PAGE, hkv, d).to(dtype).to(device)
         self.free = list(range(num_pages))
         rng.shuffle(self.free)
 
@@ -73,31 +78,39 @@ def _decode(device: str, dtype: torch.dtype, target_q: torch.Tensor, target_kv: 
     members = list(companions)
     position = rng.randrange(len(members) + 1) if position is None else position
     members.insert(position, (target_q, target_kv))
-    pool = Pool(sum((kv.shape[1] + PAGE - 1) // PAGE for _, kv in members) + 7, dtype, device, rng)
+    hq, (hkv, d) = target_q.shape[0], target_kv.shape[2:]
+    pool = Pool(sum((kv.shape[1] + PAGE - 1) // PAGE for _, kv in members) + 7, dtype, device, rng, hkv, d)
     pages = [pool.place(kv) for _, kv in members]
     lens = [kv.shape[1] for _, kv in members]
     indptr, indices, last = _page_table(pages, lens)
     q = torch.stack([m[0] for m in members])
     wrapper = jitattn.BatchDecodeWithPagedKVCacheWrapper(torch.empty(64 << 20, dtype=torch.uint8, device=device))
-    wrapper.plan(indptr, indices, last, HQ, HKV, D, PAGE, q_data_type=dtype, batch_invariant=True)
+    wrapper.plan(indptr, indices, last, hq, hkv, d, PAGE, q_data_type=dtype, batch_invariant=True)
     out, lse = wrapper.run(q, pool.cache, return_lse=True, sinks=sinks)
     return out[position], lse[position], wrapper._plan.split
 
 
-def _random_kv(n: int, dtype: torch.dtype, device: str, gen: torch.Generator) -> torch.Tensor:
-    return torch.randn(2, n, HKV, D, generator=gen).to(dtype).to(device)
+def _random_kv(n: int, dtype: torch.dtype, device: str, gen: torch.Generator, hkv: int = HKV,
+               d: int = D) -> torch.Tensor:
+    return torch.randn(2, n, hkv, d, generator=gen).to(dtype).to(device)
+
+
+# (q heads, kv heads, head dim, dtype): the tensor-core decode path, and the CUDA-core one (head dim 72)
+DECODE_SHAPES = {"g4_d64_f16": (HQ, HKV, D, f16), "g3_d72_bf16": (6, 2, 72, bf16)}
 
 
 @pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("shape", list(DECODE_SHAPES))
 @pytest.mark.parametrize("with_sinks", [False, True], ids=["plain", "sinks"])
 @pytest.mark.parametrize("target_len", [1, 700, 2 * BATCH_INVARIANT_CHUNK_TOKENS + 333])
-def test_decode_request_is_bitwise_the_same_in_any_batch(device: str, with_sinks: bool, target_len: int) -> None:
-    dtype = f16
+def test_decode_request_is_bitwise_the_same_in_any_batch(device: str, shape: str, with_sinks: bool,
+                                                         target_len: int) -> None:
+    hq, hkv, d, dtype = DECODE_SHAPES[shape]
     rng = random.Random(target_len)
     gen = torch.Generator().manual_seed(target_len)
-    target_q = torch.randn(HQ, D, generator=gen).to(dtype).to(device)
-    target_kv = _random_kv(target_len, dtype, device, gen)
-    sinks = (torch.randn(HQ, generator=gen) * 2).to(device) if with_sinks else None
+    target_q = torch.randn(hq, d, generator=gen).to(dtype).to(device)
+    target_kv = _random_kv(target_len, dtype, device, gen, hkv, d)
+    sinks = (torch.randn(hq, generator=gen) * 2).to(device) if with_sinks else None
     alone_out, alone_lse, split = _decode(device, dtype, target_q, target_kv, [], rng, sinks)
     if target_len > BATCH_INVARIANT_CHUNK_TOKENS:
         assert split.num_chunks > 1, "the long target must be split (the split path is what is tested)"
@@ -105,7 +118,8 @@ def test_decode_request_is_bitwise_the_same_in_any_batch(device: str, with_sinks
         companions = []
         for _ in range(rng.choice([1, 2, 5, 17])):
             n = rng.choice([0, 1, rng.randrange(1, 300), rng.randrange(300, 5000)])
-            companions.append((torch.randn(HQ, D, generator=gen).to(dtype).to(device), _random_kv(n, dtype, device, gen)))
+            companions.append((torch.randn(hq, d, generator=gen).to(dtype).to(device),
+                               _random_kv(n, dtype, device, gen, hkv, d)))
         out, lse, _ = _decode(device, dtype, target_q, target_kv, companions, rng, sinks)
         assert torch.equal(out, alone_out), f"trial {trial}: the output changed with the batch"
         assert torch.equal(lse, alone_lse), f"trial {trial}: the lse changed with the batch"
