@@ -147,7 +147,7 @@ class BatchDecodeWithPagedKVCacheWrapper(BatchWrapperBase):
         self, indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tensor, num_qo_heads: int,
         num_kv_heads: int, head_dim: int, page_size: int, pos_encoding_mode, window_left, logits_soft_cap,
         q_data_type, kv_data_type, data_type, sm_scale, rope_scale, rope_theta, fixed_split_size,
-        disable_split_kv, indptr_host: torch.Tensor | None,
+        disable_split_kv, indptr_host: torch.Tensor | None, batch_invariant: bool = False,
     ) -> None:
         """``fast_decode_plan``: no device sync, no page-table validation, device arrays used in place."""
         options = attention_options(
@@ -174,7 +174,7 @@ class BatchDecodeWithPagedKVCacheWrapper(BatchWrapperBase):
         pages = (indptr_host[1:] - indptr_host[:-1]).to(torch.int64)
         upper_lens = tuple((pages * page_size).tolist())
         split = self._split(spec, upper_lens, num_kv_heads, page_size, fixed_split_size, disable_split_kv,
-                            resolve_batch_invariant(None))
+                            batch_invariant)
         workspace_bytes = split_workspace_bytes(split.num_chunks, num_qo_heads, head_dim) if split.kv_chunk_size else 0
         check_workspace(self._workspace, workspace_bytes, _WRAPPER)
         device = self._device
@@ -300,9 +300,12 @@ def fast_decode_plan(
     q_data_type: str | torch.dtype | None = None, kv_data_type: str | torch.dtype | None = None,
     data_type: str | torch.dtype | None = None, sm_scale: float | None = None, rope_scale: float | None = None,
     rope_theta: float | None = None, non_blocking: bool = True, fixed_split_size: int | None = None,
-    disable_split_kv: bool = False, global_override_indptr_cpu: torch.Tensor | None = None,
+    disable_split_kv: bool = False, global_override_indptr_cpu: torch.Tensor | None = None, *,
+    batch_invariant: bool | None = None,
 ) -> None:
     """``plan()`` for a serving loop that calls it every step (SGLang binds it with ``functools.partial``).
+
+    ``batch_invariant`` (default ``JITATTN_BATCH_INVARIANT``): as ``plan()``'s.
 
     The page table is not validated or copied to the host: the device arrays are used in place
     (copied into the fixed buffers of a CUDA-graph wrapper), so the caller must keep them
@@ -320,7 +323,7 @@ def fast_decode_plan(
     self._fast_plan(
         indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size, pos_encoding_mode,
         window_left, logits_soft_cap, q_data_type, kv_data_type, data_type, sm_scale, rope_scale, rope_theta,
-        fixed_split_size, disable_split_kv, global_override_indptr_cpu,
+        fixed_split_size, disable_split_kv, global_override_indptr_cpu, resolve_batch_invariant(batch_invariant),
     )
 
 

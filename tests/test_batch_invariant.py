@@ -202,29 +202,38 @@ def test_prefill_request_is_bitwise_the_same_in_any_batch(device: str, paged: bo
 
 # -- cascade ---------------------------------------------------------------------------------------
 
-def _cascade(device: str, target, others, rng, sinks: torch.Tensor | None):
-    """Two levels: each request's prefix node (a shared level: non-causal, split by chunks), then its own
-    KV (causal). ``target``/``others``: (q [n, HQ, D], prefix kv [2, p, HKV, D], own kv [2, m, HKV, D]);
-    returns the target's output rows. Another request's longer prefix changes how many chunks the level
-    has, never how the target's prefix is cut.
+def _cascade(device: str, prefix, target, sharers, others, rng, sinks: torch.Tensor | None):
+    """Two levels: prefix nodes (a shared level: non-causal, split by chunks), then each request's own KV
+    (causal). The target and ``sharers`` are under node ``prefix`` (kv [2, p, HKV, D]), each of ``others``
+    under its own node; requests are (q [n, HQ, D], own kv [2, m, HKV, D]), others (q, prefix kv, own kv).
+    Returns the target's output rows and the level's chunk counts. Another node's longer prefix changes how
+    many chunks the level has, never how the target's prefix is cut; sharers change the target's row in
+    its node's query tiles.
     """
-    members = list(others)
-    position = rng.randrange(len(members) + 1)
-    members.insert(position, target)
+    node = list(sharers)
+    position = rng.randrange(len(node) + 1)
+    node.insert(position, target)
+    nodes = [(prefix, node)] + [(kv, [(q, own)]) for q, kv, own in others]
+    rng.shuffle(nodes)
     dtype = target[0].dtype
-    prefix_lens = [m[1].shape[1] for m in members]
-    own_lens = [m[2].shape[1] for m in members]
+    members = [m for _, reqs in nodes for m in reqs]
+    prefix_lens = [kv.shape[1] for kv, _ in nodes]
+    own_lens = [own.shape[1] for _, own in members]
     pool = Pool(sum((n + PAGE - 1) // PAGE for n in prefix_lens + own_lens) + 3, dtype, device, rng)
-    prefix_table = _page_table([pool.place(m[1]) for m in members], prefix_lens)
-    own_table = _page_table([pool.place(m[2]) for m in members], own_lens)
-    qo = torch.tensor([0] + torch.tensor([m[0].shape[0] for m in members]).cumsum(0).tolist(), dtype=torch.int32)
+    prefix_table = _page_table([pool.place(kv) for kv, _ in nodes], prefix_lens)
+    own_table = _page_table([pool.place(own) for _, own in members], own_lens)
+    qo_lens = [q.shape[0] for q, _ in members]
+    qo = torch.tensor([0] + torch.tensor(qo_lens).cumsum(0).tolist(), dtype=torch.int32)
+    node_q = [sum(q.shape[0] for q, _ in reqs) for _, reqs in nodes]
+    node_qo = torch.tensor([0] + torch.tensor(node_q).cumsum(0).tolist(), dtype=torch.int32)
     q = torch.cat([m[0] for m in members])
     wrapper = jitattn.MultiLevelCascadeAttentionWrapper(2, torch.empty(1 << 20, dtype=torch.uint8, device=device))
-    wrapper.plan([qo, qo], [prefix_table[0], own_table[0]], [prefix_table[1], own_table[1]],
+    wrapper.plan([node_qo, qo], [prefix_table[0], own_table[0]], [prefix_table[1], own_table[1]],
                  [prefix_table[2], own_table[2]], HQ, HKV, D, PAGE, causal=True, q_data_type=dtype,
                  batch_invariant=True)
     out, lse = wrapper.run(q, pool.cache, return_lse=True, sinks=sinks)
-    rows = slice(int(qo[position]), int(qo[position + 1]))
+    index = next(i for i, m in enumerate(members) if m is target)
+    rows = slice(int(qo[index]), int(qo[index + 1]))
     return out[rows], lse[rows], wrapper._level_chunks
 
 
@@ -234,20 +243,25 @@ def test_cascade_request_is_bitwise_the_same_in_any_batch(device: str, with_sink
     dtype = f16
     rng = random.Random(5 + int(with_sinks))
     gen = torch.Generator().manual_seed(9)
-    target = (torch.randn(3, HQ, D, generator=gen).to(dtype).to(device),
-              _random_kv(BATCH_INVARIANT_CHUNK_TOKENS + 100, dtype, device, gen), _random_kv(40, dtype, device, gen))
+
+    def request(n: int):
+        return (torch.randn(n, HQ, D, generator=gen).to(dtype).to(device),
+                _random_kv(n + rng.randrange(0, 300), dtype, device, gen))
+
+    prefix = _random_kv(BATCH_INVARIANT_CHUNK_TOKENS + 100, dtype, device, gen)
+    target = request(3)
     sinks = (torch.randn(HQ, generator=gen) * 2).to(device) if with_sinks else None
-    alone = _cascade(device, target, [], rng, sinks)
+    alone = _cascade(device, prefix, target, [], [], rng, sinks)
     assert alone[2][0] == 2, "the target's prefix is cut into two chunks"
     chunk_counts = set()
     for trial in range(TRIALS // 2):
-        others = []
-        for _ in range(rng.choice([1, 4, 9])):
-            n = rng.randrange(1, 6)
-            others.append((torch.randn(n, HQ, D, generator=gen).to(dtype).to(device),
-                           _random_kv(rng.choice([0, 5, rng.randrange(1, 4000)]), dtype, device, gen),
-                           _random_kv(n + rng.randrange(0, 300), dtype, device, gen)))
-        out, lse, chunks = _cascade(device, target, others, rng, sinks)
+        sharers = [request(rng.randrange(1, 6)) for _ in range(rng.choice([0, 1, 3, 7]))]
+        prefix_lens = [rng.choice([0, 5, rng.randrange(1, 4000)]) for _ in range(rng.choice([1, 4, 9]))]
+        if trial % 2:
+            prefix_lens[0] = 3500  # longer than the target's prefix: more chunks in the level
+        others = [(q, _random_kv(n, dtype, device, gen), own)
+                  for n, (q, own) in zip(prefix_lens, [request(rng.randrange(1, 6)) for _ in prefix_lens])]
+        out, lse, chunks = _cascade(device, prefix, target, sharers, others, rng, sinks)
         chunk_counts.add(chunks[0])
         assert torch.equal(out, alone[0]), f"trial {trial}: the output changed with the batch"
         assert torch.equal(lse, alone[1]), f"trial {trial}: the lse changed with the batch"
@@ -335,3 +349,22 @@ def test_batch_invariant_schedules_cut_each_request_by_its_own_length() -> None:
         first = [table.kv_lens[c * 2] for c in range(num_chunks)]
         cuts.append([n for n in first if n])
     assert cuts[0] == cuts[1] == cuts[2] == [1024, 1024, 150 * PAGE + 3 - 2048]
+
+
+@pytest.mark.parametrize("device", devices())
+def test_fast_decode_plan_batch_invariant_gives_the_plan_bits(device: str) -> None:
+    """fast_decode_plan(batch_invariant=True) cuts like plan() (chunks end on pages), so the bits are the same."""
+    rng = random.Random(3)
+    gen = torch.Generator().manual_seed(3)
+    lens = [2 * BATCH_INVARIANT_CHUNK_TOKENS + 5, 1, 0, 900]
+    kvs = [_random_kv(n, f16, device, gen) for n in lens]
+    pool = Pool(sum((n + PAGE - 1) // PAGE for n in lens) + 2, f16, device, rng)
+    indptr, indices, last = _page_table([pool.place(kv) for kv in kvs], lens)
+    q = torch.randn(len(lens), HQ, D, generator=gen).to(f16).to(device)
+    wrapper = jitattn.BatchDecodeWithPagedKVCacheWrapper(torch.empty(16 << 20, dtype=torch.uint8, device=device))
+    wrapper.plan(indptr, indices, last, HQ, HKV, D, PAGE, q_data_type=f16, batch_invariant=True)
+    planned = wrapper.run(q, pool.cache)
+    jitattn.fast_decode_plan(wrapper, indptr.to(device), indices.to(device), last.to(device), HQ, HKV, D, PAGE,
+                             q_data_type=f16, global_override_indptr_cpu=indptr, batch_invariant=True)
+    assert wrapper._plan.split.num_chunks == 3 + 1 + 1 + 1
+    assert torch.equal(wrapper.run(q, pool.cache), planned)
