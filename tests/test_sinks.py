@@ -332,3 +332,18 @@ def test_sink_spec_names_and_keys() -> None:
     assert parse_spec_text("op=merge,target=cpu,o_dtype=f16,use_sinks=1").use_sinks
     with pytest.raises(ValueError, match="use_sinks is for attention and merge"):
         VariantSpec(op="append", target="cpu", kv_dtype="f16", use_sinks=True)
+
+
+def test_after_a_run_with_sinks_later_plans_prepare_the_sink_launch() -> None:
+    """So that a run() captured into a CUDA graph after a re-plan loads nothing (the first run is eager)."""
+    gen = torch.Generator().manual_seed(4)
+    batch = random_paged_batch([5, 30], 2, 64, PAGE, f16, generator=gen)
+    q = torch.randn(2, 8, 64, generator=gen).to(f16)
+    wrapper = jitattn.BatchDecodeWithPagedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8))
+    args = (batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len, 8, 2, 64, PAGE)
+    wrapper.plan(*args, q_data_type=f16)
+    assert wrapper._plan.sink_launch is None, "no sink build is loaded before sinks are asked for"
+    first = wrapper.run(q, batch.cache, sinks=torch.ones(8))
+    wrapper.plan(*args, q_data_type=f16)
+    assert wrapper._plan.sink_launch is not None
+    assert torch.equal(wrapper.run(q, batch.cache, sinks=torch.ones(8)), first)

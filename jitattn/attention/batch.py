@@ -98,7 +98,7 @@ class AttentionPlan:
                     f"{self.wrapper}.run(sinks=...) with a custom variant is not supported; add the sink to the "
                     "variant (a tensor parameter) or plan without the variant"
                 )
-            self.sink_launch = self._prepare(load(self.spec.replace(use_sinks=True)))
+            self.sink_launch = self._prepare(load(_sink_twin(self.spec)))
             self.checked_signature = self.checked_outputs = None  # the twin's strides are set by the next checks
         return self.sink_launch
 
@@ -107,6 +107,11 @@ class AttentionPlan:
         if self.sink_launch is None or self.sink_launch is self.launch:
             return (self.launch,)
         return (self.launch, self.sink_launch)
+
+
+@functools.lru_cache(maxsize=256)  # every plan() of a serving loop asks for the same twin; validation is not free
+def _sink_twin(spec: VariantSpec) -> VariantSpec:
+    return spec.replace(use_sinks=True)
 
 
 def upload(host: torch.Tensor, device: torch.device, buffer: torch.Tensor | None = None, name: str = "") -> torch.Tensor:

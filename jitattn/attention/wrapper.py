@@ -42,9 +42,22 @@ class BatchWrapperBase:
             raise ValueError(f"use_cuda_graph=True needs the fixed index buffers {', '.join(missing)} "
                              "(sized for the largest batch)")
         self._buffers = buffers
+        self._uses_sinks = False  # a run() passed sinks: later plans prepare the sink launch up front
         self._plan: AttentionPlan | None = None
         self._plan_call: dict = {}  # the keyword arguments of the last plan(), for forward()'s re-plan
         self._op_key = register_wrapper(self)
+
+    @property
+    def _plan(self) -> AttentionPlan | None:
+        return self._current_plan
+
+    @_plan.setter
+    def _plan(self, plan: AttentionPlan | None) -> None:
+        # Once run() has seen sinks, every new plan loads its sink launch here, in plan(): a run()
+        # being captured into a CUDA graph then only reads the prepared struct.
+        if plan is not None and self._uses_sinks:
+            plan.sink_launch_ready()
+        self._current_plan = plan
 
     @property
     def is_cuda_graph_enabled(self) -> bool:
@@ -83,6 +96,8 @@ class BatchWrapperBase:
         """``kv``: the paged cache as given (paged plans) or the ``(k, v)`` pair (ragged); ``sinks``: float32
         ``[num_qo_heads]`` attention sinks (None: none)."""
         plan = self._plan
+        if sinks is not None:
+            self._uses_sinks = True
         if window_left is not None and plan is not None and int(window_left) != plan.scalars.window_left:  # rare
             raise ValueError(
                 f"{self._NAME}.run(window_left={window_left}) differs from the planned window_left="
