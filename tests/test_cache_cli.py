@@ -226,11 +226,23 @@ def test_hf_config_variants(tmp_path) -> None:
     assert shape({"text_config": {"num_attention_heads": 8, "head_dim": 64}}) == ModelShape(8, 8, 64)
     assert shape({"num_attention_heads": 8, "head_dim": 64, "sliding_window": 512,
                   "layer_types": ["sliding_attention", "full_attention"]}).full_attention_too
+    gpt_oss = shape({"model_type": "gpt_oss", "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64,
+                     "sliding_window": 128, "layer_types": ["sliding_attention", "full_attention"]})
+    assert gpt_oss == PRESETS["gpt-oss"] and gpt_oss.attention_sinks
     for bad, message in [({"hidden_size": 4096}, "no num_attention_heads"),
                          ({"num_attention_heads": 32}, "neither head_dim nor hidden_size"),
                          ({"num_attention_heads": 32, "num_key_value_heads": 5, "head_dim": 64}, "not a multiple")]:
         with pytest.raises(ValueError, match=message):
             shape(bad)
+
+
+def test_gpt_oss_preset_warms_the_sink_builds_beside_the_plain_ones(fresh_cache, capsys) -> None:
+    rc, out, err = run_cli(capsys, "warm", "--preset", "gpt-oss", "--arch", "9.0a", "--dry-run")
+    assert rc == 0, err
+    uris = {line.split()[0] for line in out.splitlines()[:-1]}
+    sinks = {u for u in uris if u.endswith("_sink")}
+    assert sinks and {u.removesuffix("_sink") for u in sinks} <= uris
+    assert "decode_paged_cuda_bf16_hd64_g8_swa_nhd_sink" in sinks and "merge_cuda_bf16_sink" in sinks
 
 
 def test_tp_splits_heads(fresh_cache, capsys) -> None:
