@@ -61,8 +61,6 @@ PRESETS: dict[str, ModelShape] = {
     "qwen2.5-7b": ModelShape(28, 4, 128),
     "gemma-2-9b": ModelShape(16, 8, 256, sliding_window=True, full_attention_too=True, logits_soft_cap=True),
     "phi-3-mini": ModelShape(32, 32, 96),
-    # gpt-oss-20b / -120b: 64 q heads, 8 kv heads, head_dim 64, 128-token windows alternating with full layers
-    "gpt-oss": ModelShape(64, 8, 64, sliding_window=True, full_attention_too=True, attention_sinks=True),
 }
 
 
