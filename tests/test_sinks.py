@@ -320,6 +320,13 @@ def test_sinks_with_a_custom_variant_are_refused() -> None:
     with pytest.raises(ValueError, match="use_sinks with a custom variant"):
         VariantSpec(op="decode", target="cpu", q_dtype="f16", kv_dtype="f16", o_dtype="f16", variant=variant,
                     use_sinks=True)
+    gen = torch.Generator().manual_seed(6)
+    batch = random_paged_batch([5, 30], 2, 64, PAGE, f16, generator=gen)
+    wrapper = jitattn.BatchDecodeWithPagedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8))
+    wrapper.plan(batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len, 8, 2, 64, PAGE, q_data_type=f16,
+                 variant=variant)
+    with pytest.raises(ValueError, match="sinks=.*custom variant"):
+        wrapper.run(torch.randn(2, 8, 64).to(f16), batch.cache, sinks=torch.zeros(8))
 
 
 def test_sink_spec_names_and_keys() -> None:
