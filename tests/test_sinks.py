@@ -61,8 +61,11 @@ GPU_SPECS = (
        for s in (KVStorage.PAGED, KVStorage.RAGGED)]
     + [_sink_spec(Op.PREFILL, (64, 8, 2, f16, -1, None, "NONE"), KVStorage.PAGED, m)
        for m in (MaskMode.NONE, MaskMode.CAUSAL)]
+    + [_sink_spec(Op.DECODE, (64, 8, 2, f16, 100, None, "NONE"), KVStorage.PAGED, MaskMode.NONE),  # single decode
+       _sink_spec(Op.PREFILL, (64, 8, 2, f16, 10, None, "NONE"), KVStorage.PAGED, MaskMode.CAUSAL)]  # single prefill
     + [merge_spec(Target.CUDA, f16, True), merge_spec(Target.CUDA, bf16, True)]
 )
+GPU_SPECS += [spec.replace(use_sinks=False) for spec in GPU_SPECS]  # the plain twins the tests also run
 
 
 def _sinks(num_heads: int, gen: torch.Generator, device: str) -> torch.Tensor:
