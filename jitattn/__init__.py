@@ -29,9 +29,10 @@ from .page import (  # noqa: E402
     append_paged_kv_cache, append_paged_mla_kv_cache, get_batch_indices_positions, get_seq_lens,
 )
 from .mla import BatchMLAPagedAttentionWrapper  # noqa: E402
+from .attention_sink import BatchAttentionWithAttentionSinkWrapper  # noqa: E402
 
 __all__ = [
-    "AttentionVariant", "VariantParam", "BatchMLAPagedAttentionWrapper", "append_paged_mla_kv_cache", "BatchDecodeWithPagedKVCacheWrapper", "BatchPrefillWithPagedKVCacheWrapper",
+    "AttentionVariant", "VariantParam", "BatchMLAPagedAttentionWrapper", "BatchAttentionWithAttentionSinkWrapper", "append_paged_mla_kv_cache", "BatchDecodeWithPagedKVCacheWrapper", "BatchPrefillWithPagedKVCacheWrapper",
     "BatchDecodeWithSharedPrefixPagedKVCacheWrapper", "BatchPrefillWithSharedPrefixPagedKVCacheWrapper",
     "CUDAGraphBatchDecodeWithPagedKVCacheWrapper", "fast_decode_plan", "single_prefill_with_kv_cache_return_lse",
     "BatchPrefillWithRaggedKVCacheWrapper", "DType", "KVLayout", "KVStorage", "MaskMode",

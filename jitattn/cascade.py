@@ -17,9 +17,9 @@ import torch
 
 from .attention.batch import share_queries
 from .attention.builder import num_workers
-from .attention.merge import PreparedMerge, merge_state, merge_state_in_place, merge_states
-from .attention.options import parse_pos_encoding
-from .kv_split import cascade_level_chunks, split_level_page_table
+from .attention.merge import PreparedMerge, merge_state, merge_state_in_place, merge_states, merge_states_with_sinks
+from .attention.options import parse_pos_encoding, resolve_batch_invariant
+from .kv_split import batch_invariant_chunk, cascade_level_chunks, split_level_page_table
 from .page_table import check_indptr, check_paged_index
 from .decode import BatchDecodeWithPagedKVCacheWrapper
 from .families.prefill import query_tile_rows
@@ -49,6 +49,7 @@ class MultiLevelCascadeAttentionWrapper:
         self._device = float_workspace_buffer.device
         self._level_chunks: list[int] = []  # KV chunks per level of the last plan (empty: not planned)
         self._states: _LevelStates | None = None  # the plan's state buffers (None: one state, written as out)
+        self._batch_invariant = False  # the last plan's mode
 
         def buf(arr, i):
             return arr[i] if arr is not None else None
@@ -75,13 +76,19 @@ class MultiLevelCascadeAttentionWrapper:
         window_left: int = -1, logits_soft_cap: float | None = None, rope_scale: float | None = None,
         rope_theta: float | None = None, q_data_type: str | torch.dtype = "float16",
         kv_data_type: str | torch.dtype | None = None, variant: AttentionVariant | None = None,
-        fixed_split_size: int | None = None,
+        fixed_split_size: int | None = None, *, batch_invariant: bool | None = None,
     ) -> None:
         """Plan every level: ``*_arr[i]`` is level i's index array (one entry per level).
 
         A shared (non-causal) level whose few nodes cannot fill the device is cut into
         chunks of its nodes' KV that run in parallel and are merged by LSE;
         ``fixed_split_size`` (a jitattn extension) caps a chunk at that many pages.
+
+        ``batch_invariant`` (default ``JITATTN_BATCH_INVARIANT``): a shared level's nodes are cut into
+        chunks of a fixed length (``fixed_split_size`` pages, else 1024 tokens rounded up to pages), the
+        same whatever the other nodes, and every query merges its states in one fixed order (level by
+        level, chunk by chunk; a chunk past a node's end is an empty state, which adds exact zeros), so a
+        query's output is bitwise the same in any batch.
 
         ``variant``: a custom variant run at every level (its ``q_idx``/``kv_idx`` are relative to
         the level's node); the levels are merged by LSE, so it must use softmax and have no output
@@ -108,6 +115,7 @@ class MultiLevelCascadeAttentionWrapper:
         (total_q,) = totals
         group = num_qo_heads // max(1, num_kv_heads)
         tile_rows = query_tile_rows(head_dim, head_dim)
+        self._batch_invariant = resolve_batch_invariant(batch_invariant)
         self._level_chunks = []
         names = ("paged_kv_indptr_arr[i]", "paged_kv_indices_arr[i]", "paged_kv_last_page_len[i]")
         for level, wrapper in enumerate(self._wrappers):
@@ -123,9 +131,12 @@ class MultiLevelCascadeAttentionWrapper:
                 chunks = cascade_level_chunks(index.kv_lens, num_kv_heads=num_kv_heads,
                                               num_sms=num_workers(self._device),
                                               page_size=page_size, fixed_split_size=fixed_split_size,
-                                              query_tiles=sum(-(-n * group // tile_rows) for n in qo_lens))
+                                              query_tiles=sum(-(-n * group // tile_rows) for n in qo_lens),
+                                              batch_invariant=self._batch_invariant)
                 if chunks > 1:
-                    qo_indptr, index = split_level_page_table(qo_host, index, chunks)
+                    pages_per_chunk = (batch_invariant_chunk(page_size, fixed_split_size) // page_size
+                                       if self._batch_invariant else None)
+                    qo_indptr, index = split_level_page_table(qo_host, index, chunks, pages_per_chunk)
             self._level_chunks.append(chunks)
             # The level's checked page table is handed on, not checked again.
             wrapper._plan_index(
@@ -137,7 +148,7 @@ class MultiLevelCascadeAttentionWrapper:
 
         plan = self._wrappers[-1]._plan
         self._states = _LevelStates(self._level_chunks, total_q, num_qo_heads, plan.head_dim_vo, plan.o_dtype,
-                                    self._device) if sum(self._level_chunks) > 1 else None
+                                    self._device) if sum(self._level_chunks) > 1 or self._batch_invariant else None
 
     begin_forward = plan
 
@@ -155,22 +166,29 @@ class MultiLevelCascadeAttentionWrapper:
 
     def run(
         self, q: torch.Tensor, paged_kv_cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor], *,
-        k_scale: float | None = None, v_scale: float | None = None, return_lse: bool = False, **variant_args,
+        k_scale: float | None = None, v_scale: float | None = None, return_lse: bool = False,
+        sinks: torch.Tensor | None = None, **variant_args,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """q ``[total_qo, num_qo_heads, head_dim]`` -> attention over every level's KV (and its natural-log lse).
 
+        ``sinks`` (a jitattn extension): float32 ``[num_qo_heads]`` attention sinks, applied once to the
+        final output (the levels and chunks merge without them; the lse returned is the keys' alone).
         ``variant_args``: the planned custom variant's parameters, by name (the same for every level)."""
         if not self._level_chunks:
             raise RuntimeError("MultiLevelCascadeAttentionWrapper.run() called before plan(); call plan() first")
         states = self._states
-        if states is None:  # one level, not split: its state is the result
+        if states is None:  # one state and no batch-invariant mode: the level's launch writes the output
             return self._wrappers[0].run(q, paged_kv_cache, k_scale=k_scale, v_scale=v_scale, return_lse=return_lse,
-                                         **variant_args)
+                                         sinks=sinks, **variant_args)
         # Every level (each chunk of a split one) writes its state into the plan's chunk-major buffer;
-        # one merge of all the states per query then gives the result.
+        # one merge of all the states per query then gives the result (sinks applied there, once).
+        # Batch-invariant mode always merges, so a query whose batch has one state gets the bits it
+        # gets among more (empty extra states add exact zeros to the merge).
         for wrapper, (out, lse) in zip(self._wrappers, states.levels):
             wrapper.run(q, paged_kv_cache, k_scale=k_scale, v_scale=v_scale, out=out, lse=lse, **variant_args)
-        if torch.compiler.is_compiling():
+        if sinks is not None:
+            out, lse = merge_states_with_sinks(states.v, states.s, sinks)
+        elif torch.compiler.is_compiling():
             out, lse = merge_states(states.v, states.s)
         else:
             out, lse = states.merge(states.v, states.s)
@@ -220,12 +238,14 @@ class BatchDecodeWithSharedPrefixPagedKVCacheWrapper:
 
     def begin_forward(
         self, unique_kv_indptr: torch.Tensor, unique_kv_indices: torch.Tensor, unique_kv_last_page_len: torch.Tensor,
-        num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int, data_type: str = "float16",
+        num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int, data_type: str = "float16", *,
+        batch_invariant: bool | None = None,
     ) -> None:
-        """Plan the unique (paged) part; ``data_type`` is the q and kv dtype."""
+        """Plan the unique (paged) part; ``data_type`` is the q and kv dtype. ``batch_invariant``: as the
+        decode wrapper's (the shared part is one prefill, merged with the unique part in a fixed order)."""
         self._batch_decode_wrapper.plan(
             unique_kv_indptr, unique_kv_indices, unique_kv_last_page_len, num_qo_heads, num_kv_heads, head_dim,
-            page_size, q_data_type=data_type, kv_data_type=data_type,
+            page_size, q_data_type=data_type, kv_data_type=data_type, batch_invariant=batch_invariant,
         )
 
     plan = begin_forward
@@ -265,8 +285,12 @@ class BatchPrefillWithSharedPrefixPagedKVCacheWrapper:
     def begin_forward(
         self, qo_indptr: torch.Tensor, paged_kv_indptr: torch.Tensor, paged_kv_indices: torch.Tensor,
         paged_kv_last_page_len: torch.Tensor, num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
+        *, batch_invariant: bool | None = None,
     ) -> None:
-        """Record the unique part's page table; ``forward`` plans it with the dtypes and options it is given."""
+        """Record the unique part's page table; ``forward`` plans it with the dtypes and options it is given.
+
+        ``batch_invariant`` is accepted and changes nothing (prefill never splits the KV)."""
+        resolve_batch_invariant(batch_invariant)
         self._plan_args = (qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads,
                            num_kv_heads, head_dim, page_size)
         self._planned = None

@@ -10,7 +10,7 @@ from .attention.batch import check_workspace
 from .attention.builder import HostIndex, attention_options, build_plan, kernel_spec, make_plan, num_workers
 from .attention.wrapper import BatchWrapperBase
 from .attention.checks import check_tensor, target_of
-from .attention.options import PAGE_TABLE_HINT, parse_kv_layout, refuse_unsupported
+from .attention.options import PAGE_TABLE_HINT, parse_kv_layout, refuse_unsupported, resolve_batch_invariant
 from .jit import load, resident_blocks
 from .page_table import PagedIndex, check_paged_index, to_host_int32
 from .kv_split import MAX_RESIDENT_BLOCKS, KVSplit, decode_kv_split, max_decode_chunks, split_workspace_bytes
@@ -78,13 +78,18 @@ class BatchDecodeWithPagedKVCacheWrapper(BatchWrapperBase):
         sm_scale: float | None = None, rope_scale: float | None = None, rope_theta: float | None = None,
         non_blocking: bool = True, block_tables: torch.Tensor | None = None, seq_lens: torch.Tensor | None = None,
         fixed_split_size: int | None = None, disable_split_kv: bool = False,
-        variant: AttentionVariant | None = None,
+        variant: AttentionVariant | None = None, *, batch_invariant: bool | None = None,
     ) -> None:
         """Plan decode for one batch.
 
         ``variant`` (a ``jitattn.AttentionVariant``) selects a custom variant; its extra
         parameters are then passed to ``run(..., name=value)``. A variant without softmax or
         with an output transform is never split over the KV.
+
+        ``batch_invariant`` (default: ``JITATTN_BATCH_INVARIANT``): each request's KV is cut into
+        chunks of a fixed length (``fixed_split_size`` pages, else 1024 tokens rounded up to pages)
+        whatever the rest of the batch, merged in chunk order, so its output is bitwise the same in
+        any batch (CUDA graphs included: the split plan is then capturable).
 
         Index arrays are int32, on the host (no device sync) or on the device
         (copied to the host once here). The plan's arrays go to the device on the current
@@ -106,7 +111,9 @@ class BatchDecodeWithPagedKVCacheWrapper(BatchWrapperBase):
         spec = kernel_spec(options, self._target, self._kv_layout, KVStorage.PAGED)
         if variant is not None and not variant.splittable:
             disable_split_kv = True  # partial states of such a variant cannot be merged by LSE
-        split = self._split(spec, index.kv_lens, num_kv_heads, page_size, fixed_split_size, disable_split_kv)
+        batch_invariant = resolve_batch_invariant(batch_invariant)
+        split = self._split(spec, index.kv_lens, num_kv_heads, page_size, fixed_split_size, disable_split_kv,
+                            batch_invariant)
         workspace_bytes = split_workspace_bytes(split.num_chunks, num_qo_heads, head_dim) if split.kv_chunk_size else 0
         check_workspace(self._workspace, workspace_bytes, _WRAPPER)
         self._check_graph_batch(index.batch_size)
@@ -121,7 +128,13 @@ class BatchDecodeWithPagedKVCacheWrapper(BatchWrapperBase):
     begin_forward = plan
 
     def _split(self, spec, kv_lens: tuple[int, ...], num_kv_heads: int, page_size: int,
-               fixed_split_size: int | None, disable_split_kv: bool) -> KVSplit:
+               fixed_split_size: int | None, disable_split_kv: bool, batch_invariant: bool = False) -> KVSplit:
+        if batch_invariant:
+            # The chunk length is a constant, so the launch (kv_chunk_size, grid, the whole workspace) is
+            # the same for every batch of a size: capturable under CUDA graphs too.
+            return decode_kv_split(kv_lens, num_kv_heads=num_kv_heads, num_sms=1, page_size=page_size,
+                                   fixed_split_size=fixed_split_size, disable_split_kv=disable_split_kv,
+                                   batch_invariant=True)
         if self._use_cuda_graph:
             # Under CUDA graphs the grid must not depend on lengths: no split.
             return KVSplit(0, tuple(range(len(kv_lens) + 1)))
@@ -152,7 +165,7 @@ class BatchDecodeWithPagedKVCacheWrapper(BatchWrapperBase):
         self, indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tensor, num_qo_heads: int,
         num_kv_heads: int, head_dim: int, page_size: int, pos_encoding_mode, window_left, logits_soft_cap,
         q_data_type, kv_data_type, data_type, sm_scale, rope_scale, rope_theta, fixed_split_size,
-        disable_split_kv, indptr_host: torch.Tensor | None,
+        disable_split_kv, indptr_host: torch.Tensor | None, batch_invariant: bool = False,
     ) -> None:
         """``fast_decode_plan``: no device sync, no page-table validation, device arrays used in place."""
         options = attention_options(
@@ -178,7 +191,8 @@ class BatchDecodeWithPagedKVCacheWrapper(BatchWrapperBase):
         # page boundaries, so the chunk counts are the same as with the exact lengths.
         pages = (indptr_host[1:] - indptr_host[:-1]).to(torch.int64)
         upper_lens = tuple((pages * page_size).tolist())
-        split = self._split(spec, upper_lens, num_kv_heads, page_size, fixed_split_size, disable_split_kv)
+        split = self._split(spec, upper_lens, num_kv_heads, page_size, fixed_split_size, disable_split_kv,
+                            batch_invariant)
         workspace_bytes = split_workspace_bytes(split.num_chunks, num_qo_heads, head_dim) if split.kv_chunk_size else 0
         check_workspace(self._workspace, workspace_bytes, _WRAPPER)
         device = self._device
@@ -193,6 +207,9 @@ class BatchDecodeWithPagedKVCacheWrapper(BatchWrapperBase):
             qo_indptr = split_indptr = self._own_buffers[0]
             if self._plan is None:
                 qo_indptr.copy_(torch.arange(qo_indptr.numel(), dtype=torch.int32))
+            if split.kv_chunk_size:  # batch-invariant: a split plan whose chunk offsets keep their address
+                split_indptr = self._own_buffers[1]
+                split_indptr[: batch + 1].copy_(torch.tensor(split.split_indptr, dtype=torch.int32))
         else:
             arrays = [t if t.device == device else t.to(device, non_blocking=True)
                       for t in (indptr, indices, last_page_len)]
@@ -215,9 +232,11 @@ class BatchDecodeWithPagedKVCacheWrapper(BatchWrapperBase):
 
     def workspace_size(
         self, max_batch_size: int, max_kv_tokens: int, num_qo_heads: int, num_kv_heads: int, head_dim: int,
-        page_size: int, fixed_split_size: int | None = None,
+        page_size: int, fixed_split_size: int | None = None, *, batch_invariant: bool | None = None,
     ) -> tuple[int, int]:
         """(float_bytes, int_bytes) that any plan within these limits needs on this wrapper's device.
+
+        ``batch_invariant``: the bound for plans made with it (default ``JITATTN_BATCH_INVARIANT``).
 
         float_bytes is what ``float_workspace_buffer`` must hold (split-KV partial outputs:
         ``chunks * num_qo_heads * (head_dim + 1) * 4``); int_bytes is the plan metadata this
@@ -227,7 +246,8 @@ class BatchDecodeWithPagedKVCacheWrapper(BatchWrapperBase):
         chunks = max_decode_chunks(max_batch_size, max_kv_tokens, num_kv_heads=num_kv_heads,
                                    num_sms=num_workers(self._device),
                                    page_size=page_size, fixed_split_size=fixed_split_size,
-                                   blocks_per_sm=MAX_RESIDENT_BLOCKS)
+                                   blocks_per_sm=MAX_RESIDENT_BLOCKS,
+                                   batch_invariant=resolve_batch_invariant(batch_invariant))
         return split_workspace_bytes(chunks, num_qo_heads, head_dim), int_bytes
 
     def run(
@@ -241,15 +261,18 @@ class BatchDecodeWithPagedKVCacheWrapper(BatchWrapperBase):
 
         ``q_scale``/``k_scale`` multiply ``sm_scale``, ``v_scale`` the output (fp8 dequantization);
         ``window_left`` must equal the planned one; ``enable_pdl`` only tunes speed and is ignored.
-        ``sinks`` and ``q_len_per_req`` other than 1 (trtllm-gen) are not supported yet.
+        ``sinks``: float32 ``[num_qo_heads]`` attention sinks (gpt-oss), natural-log logits on the scale of
+        the scaled (and soft-capped) logits: the output of head h is ``o * e^lse / (e^lse + e^sinks[h])``
+        and the returned lse is that of the keys alone. The plan needs nothing: the first run with sinks
+        after a ``plan()`` loads the sink build of the planned kernel (a cache lookup once built).
+        ``q_len_per_req`` other than 1 (trtllm-gen) is not supported yet.
         ``args``/``variant_args``: the planned custom variant's parameters, in declaration order / by name.
         """
-        if sinks is not None or q_len_per_req != 1:
-            refuse_unsupported(f"{_WRAPPER}.run", "attention sinks and several queries per request (q_len_per_req) "
-                               "are not implemented yet", sinks=sinks,
-                               q_len_per_req=None if q_len_per_req == 1 else q_len_per_req)
+        if q_len_per_req != 1:
+            refuse_unsupported(f"{_WRAPPER}.run", "several queries per request (q_len_per_req) are not implemented "
+                               "yet", q_len_per_req=q_len_per_req)
         return self._run(q, paged_kv_cache, k_scale, v_scale, out, lse, return_lse, variant_args, args, q_scale,
-                         window_left)
+                         window_left, sinks)
 
     run_return_lse = functools.partialmethod(run, return_lse=True)
 
@@ -296,9 +319,12 @@ def fast_decode_plan(
     q_data_type: str | torch.dtype | None = None, kv_data_type: str | torch.dtype | None = None,
     data_type: str | torch.dtype | None = None, sm_scale: float | None = None, rope_scale: float | None = None,
     rope_theta: float | None = None, non_blocking: bool = True, fixed_split_size: int | None = None,
-    disable_split_kv: bool = False, global_override_indptr_cpu: torch.Tensor | None = None,
+    disable_split_kv: bool = False, global_override_indptr_cpu: torch.Tensor | None = None, *,
+    batch_invariant: bool | None = None,
 ) -> None:
     """``plan()`` for a serving loop that calls it every step (SGLang binds it with ``functools.partial``).
+
+    ``batch_invariant`` (default ``JITATTN_BATCH_INVARIANT``): as ``plan()``'s.
 
     The page table is not validated or copied to the host: the device arrays are used in place
     (copied into the fixed buffers of a CUDA-graph wrapper), so the caller must keep them
@@ -316,7 +342,7 @@ def fast_decode_plan(
     self._fast_plan(
         indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size, pos_encoding_mode,
         window_left, logits_soft_cap, q_data_type, kv_data_type, data_type, sm_scale, rope_scale, rope_theta,
-        fixed_split_size, disable_split_kv, global_override_indptr_cpu,
+        fixed_split_size, disable_split_kv, global_override_indptr_cpu, resolve_batch_invariant(batch_invariant),
     )
 
 
@@ -325,9 +351,12 @@ def single_decode_with_kv_cache(
     use_tensor_cores: bool = False, q_scale: float | None = None, k_scale: float | None = None,
     v_scale: float | None = None, window_left: int = -1, logits_soft_cap: float | None = None,
     sm_scale: float | None = None, rope_scale: float | None = None, rope_theta: float | None = None,
-    return_lse: bool = False,
+    return_lse: bool = False, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Decode one query ``[num_qo_heads, head_dim]`` against k/v ``[kv_len, H_kv, D]`` (NHD) or ``[H_kv, kv_len, D]`` (HND)."""
+    """Decode one query ``[num_qo_heads, head_dim]`` against k/v ``[kv_len, H_kv, D]`` (NHD) or ``[H_kv, kv_len, D]`` (HND).
+
+    ``sinks`` (a jitattn extension): float32 ``[num_qo_heads]`` attention sinks, as in
+    ``BatchDecodeWithPagedKVCacheWrapper.run`` (the lse returned is the keys' alone)."""
     layout = parse_kv_layout(kv_layout)
     check_tensor("q", q, ndim=2)
     check_tensor("k", k, ndim=3)
@@ -351,7 +380,7 @@ def single_decode_with_kv_cache(
     )
     # The whole sequence is one page of page_size kv_len (an empty one: a page table with no page).
     result = wrapper.run(q.unsqueeze(0), single_request_pages(k, v, layout), k_scale=k_scale, v_scale=v_scale,
-                         return_lse=return_lse)
+                         return_lse=return_lse, sinks=sinks)
     if return_lse:
         return result[0][0], result[1][0]
     return result[0]

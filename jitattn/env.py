@@ -93,11 +93,13 @@ DEBUG = Knob("JITATTN_DEBUG", "flag", "0", "1: custom-variant parameters are bou
 NVCC = Knob("JITATTN_NVCC", "executable", "search", "path to nvcc (else CUDA_HOME/CUDA_PATH/bin/nvcc, else PATH)")
 CXX = Knob("JITATTN_CXX", "command", "c++", "host C++ compiler for the cpu target", aliases=("CXX",))
 CUDA_HOME = Knob("CUDA_HOME", "path", "search", "CUDA toolkit root", aliases=("CUDA_PATH",))
+BATCH_INVARIANT = Knob("JITATTN_BATCH_INVARIANT", "flag", "0",
+                       "1: plan() defaults to batch_invariant=True (each request's bits independent of the batch)")
 TEST_CACHE_DIR = Knob("JITATTN_TEST_CACHE_DIR", "path", "unset: each test run builds into a temp dir it removes",
                       "the test suite's shared cache (tests/conftest.py; .ci/run sets it after warming)")
 
 KNOBS: tuple[Knob, ...] = (CACHE_DIR, CACHE_PATH, MAX_JOBS, CUDA_ARCH_LIST, ASSERT_NO_COMPILE, LOG_LEVEL, DEBUG,
-                           NVCC, CXX, CUDA_HOME, TEST_CACHE_DIR)
+                           NVCC, CXX, CUDA_HOME, BATCH_INVARIANT, TEST_CACHE_DIR)
 
 
 def _truthy(value: str | None) -> bool:
@@ -147,6 +149,17 @@ def debug() -> bool:
     entry (its key differs) and never replaces the fast one.
     """
     return _truthy(DEBUG.value())
+
+
+def batch_invariant() -> bool:
+    """JITATTN_BATCH_INVARIANT=1: the default of every wrapper's ``plan(batch_invariant=None)``.
+
+    An invalid value is an error rather than a silent "off" (a deployment asking for
+    deterministic inference must get it or be told)."""
+    problem = BATCH_INVARIANT.problem()
+    if problem is not None:
+        raise ValueError(problem)
+    return _truthy(BATCH_INVARIANT.value())
 
 
 def log_level() -> str | None:

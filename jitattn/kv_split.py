@@ -18,6 +18,20 @@ from .page_table import PagedIndex
 # plan can choose, so workspace_size() can size the split-KV workspace without knowing the kernel.
 MAX_RESIDENT_BLOCKS = 4
 
+# Batch-invariant mode: every request's KV is cut into chunks of this many tokens (rounded up to whole
+# pages), whatever else is in the batch, so its partial states and their merge order are its own.
+BATCH_INVARIANT_CHUNK_TOKENS = 1024
+
+
+def batch_invariant_chunk(page_size: int, fixed_split_size: int | None = None) -> int:
+    """Tokens per chunk in batch-invariant mode: ``fixed_split_size`` pages when given, else
+    ``BATCH_INVARIANT_CHUNK_TOKENS`` rounded up to whole pages."""
+    if fixed_split_size is not None:
+        if fixed_split_size < 1:
+            raise ValueError(f"fixed_split_size={fixed_split_size} must be >= 1 (pages per chunk)")
+        return fixed_split_size * page_size
+    return math.ceil(BATCH_INVARIANT_CHUNK_TOKENS / page_size) * page_size
+
 
 @dataclass(frozen=True)
 class KVSplit:
@@ -34,7 +48,7 @@ class KVSplit:
 def decode_kv_split(
     kv_lens: tuple[int, ...], *, num_kv_heads: int, num_sms: int, page_size: int,
     fixed_split_size: int | None = None, disable_split_kv: bool = False, min_chunk_tokens: int = 256,
-    blocks_per_sm: int = 2,
+    blocks_per_sm: int = 2, batch_invariant: bool = False,
 ) -> KVSplit:
     """Choose the split-KV chunk size for a decode batch.
 
@@ -49,10 +63,23 @@ def decode_kv_split(
     end on page boundaries. ``fixed_split_size`` (in pages) forces the chunk
     length, which makes every request's result independent of the rest of the
     batch.
+
+    ``batch_invariant``: the chunk is ``batch_invariant_chunk`` (a constant, or ``fixed_split_size``
+    pages) and the plan is a split plan even when no request is long enough to be cut (a request of
+    one chunk is written directly, as unsplit), so a request's chunks, and the bits of its result,
+    never depend on the other requests; ``disable_split_kv`` (every request whole) is invariant too.
     """
     batch = len(kv_lens)
     no_split = KVSplit(0, tuple(range(batch + 1)))
-    if disable_split_kv or batch == 0 or max(kv_lens) == 0:
+    if disable_split_kv:
+        return no_split
+    if batch_invariant:
+        chunk = batch_invariant_chunk(page_size, fixed_split_size)
+        indptr = [0]
+        for kv_len in kv_lens:
+            indptr.append(indptr[-1] + max(1, math.ceil(kv_len / chunk)))
+        return KVSplit(chunk, tuple(indptr))
+    if batch == 0 or max(kv_lens) == 0:
         return no_split
     if fixed_split_size is not None:
         if fixed_split_size < 1:
@@ -72,9 +99,12 @@ def decode_kv_split(
 def max_decode_chunks(
     max_batch: int, max_kv_tokens: int, *, num_kv_heads: int, num_sms: int, page_size: int,
     fixed_split_size: int | None = None, min_chunk_tokens: int = 256, blocks_per_sm: int = 2,
+    batch_invariant: bool = False,
 ) -> int:
     """An upper bound on ``decode_kv_split(...).num_chunks`` over every batch within the limits."""
-    if fixed_split_size is not None:
+    if batch_invariant:
+        chunk = batch_invariant_chunk(page_size, fixed_split_size)
+    elif fixed_split_size is not None:
         chunk = fixed_split_size * page_size
     else:
         # chunk >= total * H / (blocks_per_sm * SMs), so sum(ceil(len / chunk)) <= blocks_per_sm * SMs / H + batch
@@ -92,7 +122,7 @@ def split_workspace_bytes(num_chunks: int, num_qo_heads: int, head_dim_vo: int) 
 def cascade_level_chunks(
     kv_lens: tuple[int, ...], *, num_kv_heads: int, num_sms: int, page_size: int,
     fixed_split_size: int | None = None, min_chunk_tokens: int = 256, blocks_per_sm: int = 2,
-    query_tiles: int | None = None,
+    query_tiles: int | None = None, batch_invariant: bool = False,
 ) -> int:
     """How many chunks to cut each node's KV of one shared cascade level into (1 = no split).
 
@@ -101,10 +131,15 @@ def cascade_level_chunks(
     thread blocks' query tiles over all nodes, one per node by default). Every
     chunk adds a state to merge per query, so the split stops once the blocks fill
     the device. ``fixed_split_size`` caps a chunk at that many pages.
+    ``batch_invariant``: enough chunks of ``batch_invariant_chunk`` tokens for the
+    longest node (cut with ``split_level_page_table(..., pages_per_chunk=...)``, so
+    each node's chunks are its own).
     """
     if not kv_lens or max(kv_lens) == 0:
         return 1
     longest_pages = max((n + page_size - 1) // page_size for n in kv_lens)
+    if batch_invariant:
+        return max(1, math.ceil(longest_pages / (batch_invariant_chunk(page_size, fixed_split_size) // page_size)))
     if fixed_split_size is not None:
         if fixed_split_size < 1:
             raise ValueError(f"fixed_split_size={fixed_split_size} must be >= 1 (pages per chunk)")
@@ -115,8 +150,13 @@ def cascade_level_chunks(
     return max(1, min(wanted, limit, longest_pages))
 
 
-def split_level_page_table(qo_indptr: torch.Tensor, index: PagedIndex, num_chunks: int) -> tuple[torch.Tensor, PagedIndex]:
+def split_level_page_table(qo_indptr: torch.Tensor, index: PagedIndex, num_chunks: int,
+                           pages_per_chunk: int | None = None) -> tuple[torch.Tensor, PagedIndex]:
     """The page table of a level whose nodes are each cut into ``num_chunks`` chunks.
+
+    ``pages_per_chunk`` (batch-invariant mode): every chunk but a node's last is that many pages, so a
+    node's cut does not depend on the other nodes (its chunks past its end are empty); by default a
+    node's pages are shared out evenly over the ``num_chunks`` chunks.
 
     The expanded batch is chunk-major: request ``c * nodes + r`` is chunk c of
     node r, and its rows are ``c * total_q + qo_indptr[r] ...``: its queries are
@@ -134,7 +174,7 @@ def split_level_page_table(qo_indptr: torch.Tensor, index: PagedIndex, num_chunk
     new_qo, new_kv, new_last, new_indices, kv_lens = [], [0], [], [], []
     for c in range(num_chunks):
         for r, num_pages in enumerate(pages):
-            per_chunk = math.ceil(num_pages / num_chunks) if num_pages else 0
+            per_chunk = pages_per_chunk or (math.ceil(num_pages / num_chunks) if num_pages else 0)
             first, end = min(c * per_chunk, num_pages), min((c + 1) * per_chunk, num_pages)
             new_qo.append(c * total_q + qo_starts[r])
             new_indices.append(index.indices[starts[r] + first: starts[r] + end])

@@ -28,7 +28,7 @@ import functools
 import torch
 
 from .attention.checks import check_tensor
-from .attention.options import refuse_unsupported
+from .attention.options import refuse_unsupported, resolve_batch_invariant
 from .page_table import to_host_int32
 from .prefill import BatchPrefillWithPagedKVCacheWrapper
 
@@ -88,9 +88,14 @@ class BatchMLAPagedAttentionWrapper:
     def plan(
         self, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_len_arr: torch.Tensor,
         num_heads: int, head_dim_ckv: int, head_dim_kpe: int, page_size: int, causal: bool, sm_scale: float,
-        q_data_type: str | torch.dtype, kv_data_type: str | torch.dtype, use_profiler: bool = False,
+        q_data_type: str | torch.dtype, kv_data_type: str | torch.dtype, use_profiler: bool = False, *,
+        batch_invariant: bool | None = None,
     ) -> None:
-        """Plan one batch. ``sm_scale`` is required (MLA scales by the pre-absorption head dim, e.g. 1/sqrt(192))."""
+        """Plan one batch. ``sm_scale`` is required (MLA scales by the pre-absorption head dim, e.g. 1/sqrt(192)).
+
+        ``batch_invariant`` (default ``JITATTN_BATCH_INVARIANT``) changes nothing: MLA runs on the prefill
+        kernels, which never split the KV."""
+        resolve_batch_invariant(batch_invariant)
         refuse_unsupported(f"{_NAME}.plan", "leave use_profiler off", use_profiler=use_profiler or None)
         qo_indptr = to_host_int32("qo_indptr", qo_indptr)
         indptr = to_host_int32("kv_indptr", kv_indptr)

@@ -10,7 +10,7 @@ from .attention.batch import AttentionPlan
 from .attention.builder import HostIndex, attention_options, build_plan
 from .attention.wrapper import BatchWrapperBase
 from .attention.checks import check_tensor, target_of
-from .attention.options import PAGE_TABLE_HINT, fp8_scale, parse_kv_layout, refuse_unsupported
+from .attention.options import PAGE_TABLE_HINT, fp8_scale, parse_kv_layout, refuse_unsupported, resolve_batch_invariant
 from .page_table import PagedIndex, check_indptr, check_paged_index
 from .kv_split import KVSplit
 from .masks import multi_item_mask, packed_mask_indptr, segment_packbits
@@ -133,7 +133,8 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapperBase):
         seq_lens_q: torch.Tensor | None = None, block_tables: torch.Tensor | None = None,
         max_token_per_sequence: int | None = None, max_sequence_kv: int | None = None,
         fixed_split_size: int | None = None, disable_split_kv: bool = False,
-        o_data_type: str | torch.dtype | None = None, variant: AttentionVariant | None = None,
+        o_data_type: str | torch.dtype | None = None, variant: AttentionVariant | None = None, *,
+        batch_invariant: bool | None = None,
     ) -> None:
         """Plan one batch. ``custom_mask`` (bool, flattened per request) overrides ``causal``.
 
@@ -145,9 +146,12 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapperBase):
         not supported. Prefill never splits the KV, so ``fixed_split_size``/``disable_split_kv``
         change nothing; ``use_fp16_qk_reduction`` and ``non_blocking`` only tune speed.
         ``o_data_type`` (a jitattn extension) sets the output dtype; ``variant`` a custom variant,
-        whose parameters then go to ``run(..., name=value)``.
+        whose parameters then go to ``run(..., name=value)``. ``batch_invariant`` (default
+        ``JITATTN_BATCH_INVARIANT``) is accepted and changes nothing: prefill never splits the KV, and
+        each tile of a request's queries reduces its keys in one fixed order whatever the batch.
         """
         self._plan_call = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
+        resolve_batch_invariant(batch_invariant)  # validated; prefill is batch-invariant by construction
         refuse_unsupported(f"{self._NAME}.plan", PAGE_TABLE_HINT, seq_lens=seq_lens, seq_lens_q=seq_lens_q,
                            block_tables=block_tables,
                            max_token_per_sequence=max_token_per_sequence, max_sequence_kv=max_sequence_kv)
@@ -186,12 +190,11 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapperBase):
         """q ``[total_qo, num_qo_heads, head_dim_qk]`` -> out ``[total_qo, num_qo_heads, head_dim_vo]`` (and lse).
 
         ``q_scale``/``k_scale``/``v_scale``: dequantization; ``window_left`` must equal the planned
-        one; ``enable_pdl`` only tunes speed; ``sinks`` is not supported yet.
+        one; ``enable_pdl`` only tunes speed. ``sinks``: float32 ``[num_qo_heads]`` attention sinks, as
+        in ``BatchDecodeWithPagedKVCacheWrapper.run`` (the lse returned is the keys' alone).
         ``args``/``variant_args``: the planned custom variant's parameters, in declaration order / by name."""
-        if sinks is not None:
-            refuse_unsupported(f"{self._NAME}.run", "attention sinks are not implemented yet", sinks=sinks)
         return self._run(q, paged_kv_cache, k_scale, v_scale, out, lse, return_lse, variant_args, args, q_scale,
-                         window_left)
+                         window_left, sinks)
 
     run_return_lse = functools.partialmethod(run, return_lse=True)
 
@@ -250,12 +253,13 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapperBase):
         token_pos_in_items_ptr: torch.Tensor | None = None, token_pos_in_items_len: int = 0,
         max_item_len_ptr: torch.Tensor | None = None, fixed_split_size: int | None = None,
         disable_split_kv: bool = False, o_data_type: str | torch.dtype | None = None,
-        variant: AttentionVariant | None = None,
+        variant: AttentionVariant | None = None, *, batch_invariant: bool | None = None,
     ) -> None:
         """Plan one batch; request r's keys are rows ``kv_indptr[r]:kv_indptr[r+1]`` of k/v.
 
-        Options as in the paged wrapper's ``plan`` (multi-item scoring included)."""
+        Options as in the paged wrapper's ``plan`` (multi-item scoring and ``batch_invariant`` included)."""
         self._plan_call = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
+        resolve_batch_invariant(batch_invariant)  # validated; prefill is batch-invariant by construction
         check_fixed_split_size(fixed_split_size)
         kv_host = check_indptr("kv_indptr", kv_indptr)
         self._plan = _plan_prefill(
@@ -276,16 +280,18 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapperBase):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args, out: torch.Tensor | None = None,
         lse: torch.Tensor | None = None, return_lse: bool = False, enable_pdl: bool | None = None,
         k_scale: float | None = None, v_scale: float | None = None, q_scale: float | None = None,
-        window_left: int | None = None, **variant_args,
+        window_left: int | None = None, sinks: torch.Tensor | None = None, **variant_args,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """q ``[total_qo, H_qo, D_qk]``, k ``[total_kv, H_kv, D_qk]``, v ``[total_kv, H_kv, D_vo]`` (NHD; HND:
         ``[H_kv, total_kv, D]``) -> out (and lse). ``k_scale``/``v_scale`` (jitattn extensions): fp8
-        dequantization. ``args``/``variant_args``: the planned custom variant's parameters."""
+        dequantization. ``sinks`` (a jitattn extension): float32 ``[num_qo_heads]`` attention sinks, as in
+        the paged wrapper. ``args``/``variant_args``: the planned custom variant's parameters."""
         if self._ragged_layout is KVLayout.HND:
             for name, t in (("k", k), ("v", v)):
                 check_tensor(name, t, ndim=3)
             k, v = k.transpose(0, 1), v.transpose(0, 1)
-        return self._run(q, (k, v), k_scale, v_scale, out, lse, return_lse, variant_args, args, q_scale, window_left)
+        return self._run(q, (k, v), k_scale, v_scale, out, lse, return_lse, variant_args, args, q_scale, window_left,
+                         sinks)
 
     run_return_lse = functools.partialmethod(run, return_lse=True)
 
@@ -338,12 +344,15 @@ def single_prefill_with_kv_cache(
     pos_encoding_mode: str = "NONE", use_fp16_qk_reduction: bool = False, sm_scale: float | None = None,
     window_left: int = -1, logits_soft_cap: float | None = None, rope_scale: float | None = None,
     rope_theta: float | None = None, backend: str = "auto", return_lse: bool = False,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of q ``[qo_len, H_qo, D_qk]`` over k/v ``[kv_len, H_kv, D]`` (NHD) or ``[H_kv, kv_len, D]`` (HND).
 
     ``scale_q``/``scale_k``/``scale_v``: per-tensor dequantization scales (``scale_q`` and
     ``scale_k`` multiply ``sm_scale``, ``scale_v`` the output); ``o_dtype`` the output dtype
     (default q's); ``backend`` is accepted for compatibility ("auto", "fa2", "fa3" pick the same kernel).
+    ``sinks`` (a jitattn extension): float32 ``[num_qo_heads]`` attention sinks, as in
+    ``BatchPrefillWithPagedKVCacheWrapper.run`` (the lse returned is the keys' alone).
     """
     from .decode import single_request_pages
 
@@ -368,7 +377,7 @@ def single_prefill_with_kv_cache(
     )
     return wrapper.run(q, single_request_pages(k, v, layout), q_scale=_per_tensor_scale(scale_q, "scale_q"),
                        k_scale=_per_tensor_scale(scale_k, "scale_k"), v_scale=_per_tensor_scale(scale_v, "scale_v"),
-                       return_lse=return_lse)
+                       return_lse=return_lse, sinks=sinks)
 
 
 single_prefill_with_kv_cache_return_lse = functools.partial(single_prefill_with_kv_cache, return_lse=True)

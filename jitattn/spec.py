@@ -10,7 +10,7 @@ URI grammar (documented in README.md; ``uri`` is derived, never stored)::
 
     uri   := op ["_" storage] "_" target "_" dtype ["_kv" kvdtype] ["_o" odtype]
              ["_hd" qk ["x" vo]] ["_g" group] ["_" pos] ["_swa"] ["_softcap"]
-             ["_" mask] ["_" layout] ["_v" name "-" hash8]
+             ["_" mask] ["_" layout] ["_sink"] ["_v" name "-" hash8]
     op      := decode | prefill | merge | append
     storage := paged | ragged
     target  := cuda | cpu
@@ -20,6 +20,7 @@ URI grammar (documented in README.md; ``uri`` is derived, never stored)::
     pos     := rope | alibi            (absent: none)
     mask    := causal | custom         (absent: none)
     layout  := nhd | hnd
+    sink    := present when the kernel applies per-head attention sinks (``use_sinks``)
     name, hash8 := a custom variant's name and the first 8 hex digits of the sha256
                of its canonical form (jitattn.variant); "-" becomes "_" in the kernel name
 
@@ -206,6 +207,10 @@ class VariantSpec:
     kv_storage: KVStorage | None = None
     idtype: IndexDType = IndexDType.I32
     variant: AttentionVariant | None = None  # custom snippets (decode/prefill); see jitattn.variant
+    # Attention sinks (decode/prefill/merge, every target): the final output of query head h is scaled by
+    # e^lse / (e^lse + e^sinks[h]); a float32 [num_qo_heads] pointer in the params. Off: the spec, its
+    # sources and its cache key are exactly those of a spec without the field.
+    use_sinks: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.variant, dict):
@@ -224,6 +229,8 @@ class VariantSpec:
             value = getattr(self, name)
             if value is not None and not isinstance(value, bool):
                 raise ValueError(f"{name}={value!r} must be True, False or None")
+        if not isinstance(self.use_sinks, bool):
+            raise ValueError(f"use_sinks={self.use_sinks!r} must be True or False")
         self._validate()
 
     # -- validation ---------------------------------------------------------
@@ -232,7 +239,7 @@ class VariantSpec:
         axes = SPECIALIZED_AXES[(self.op, self.target)]
         for field in dataclasses.fields(self):
             name = field.name
-            if name in ("op", "target", "idtype", "variant"):
+            if name in ("op", "target", "idtype", "variant", "use_sinks"):
                 continue
             value = getattr(self, name)
             if name in axes and value is None:
@@ -274,6 +281,16 @@ class VariantSpec:
         if self.variant is not None and self.op not in (Op.DECODE, Op.PREFILL):
             raise ValueError(
                 f"variant is for attention kernels (op 'decode' or 'prefill'); op={self.op.value!r} takes none"
+            )
+        if self.use_sinks and self.op not in (Op.DECODE, Op.PREFILL, Op.MERGE):
+            raise ValueError(
+                f"use_sinks is for attention and merge kernels (op 'decode', 'prefill' or 'merge'); "
+                f"op={self.op.value!r} takes none"
+            )
+        if self.use_sinks and self.variant is not None:
+            raise ValueError(
+                "use_sinks with a custom variant is not supported; a variant can add the sink itself "
+                "(a tensor parameter and its own normalisation), or drop the variant"
             )
         if self.group_size is not None and self.group_size < 1:
             raise ValueError(f"group_size={self.group_size} must be >= 1 (num_qo_heads // num_kv_heads)")
@@ -320,6 +337,8 @@ class VariantSpec:
             tokens.append(self.mask_mode.value)
         if self.kv_layout is not None:
             tokens.append(self.kv_layout.value)
+        if self.use_sinks:
+            tokens.append("sink")
         if self.variant is not None:  # "v<name>-<hash8>"; a C identifier in the kernel name
             tokens.append(self.variant.token if with_target else self.variant.token.replace("-", "_"))
         return tokens
@@ -327,11 +346,14 @@ class VariantSpec:
     def to_dict(self) -> dict[str, Any]:
         """Canonical JSON-able form (enums as their values); part of the cache key.
 
-        ``variant`` appears only when set, so specs without one keep their keys.
+        ``variant`` and ``use_sinks`` appear only when set, so specs without them keep their keys.
         """
-        data = {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self) if f.name != "variant"}
+        data = {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)
+                if f.name not in ("variant", "use_sinks")}
         if self.variant is not None:
             data["variant"] = self.variant.to_dict()
+        if self.use_sinks:
+            data["use_sinks"] = True
         return data
 
     def canonical_json(self) -> str:
@@ -396,7 +418,7 @@ def parse_spec_text(text: str) -> VariantSpec:
             key, raw = key.strip(), raw.strip()
             if key in ("head_dim_qk", "head_dim_vo", "group_size"):
                 values[key] = int(raw)
-            elif key in ("use_sliding_window", "use_logits_soft_cap"):
+            elif key in ("use_sliding_window", "use_logits_soft_cap", "use_sinks"):
                 values[key] = raw.lower() in ("1", "true", "yes", "on")
             else:
                 values[key] = raw
@@ -451,6 +473,8 @@ def _parse_uri(uri: str) -> VariantSpec:
             values["mask_mode"] = token
         elif token in ("nhd", "hnd"):
             values["kv_layout"] = token
+        elif token == "sink":
+            values["use_sinks"] = True
         else:
             raise ValueError(f"uri {uri!r}: unknown token {token!r} (see the grammar in jitattn.spec)")
     axes = SPECIALIZED_AXES[(values["op"], values["target"])]

@@ -22,6 +22,7 @@ class ModelShape:
     sliding_window: bool = False
     full_attention_too: bool = True  # some layers without the window
     logits_soft_cap: bool = False
+    attention_sinks: bool = False  # gpt-oss: per-head sink logits (the sink builds too)
 
     def with_tensor_parallel(self, tp: int) -> "ModelShape":
         """The shape one rank of a ``tp``-way tensor-parallel model sees.
@@ -50,6 +51,8 @@ class ModelShape:
             parts.append("sliding window" + (" + global layers" if self.full_attention_too else ""))
         if self.logits_soft_cap:
             parts.append("logits soft cap")
+        if self.attention_sinks:
+            parts.append("attention sinks")
         return ", ".join(parts)
 
 
@@ -105,7 +108,8 @@ def from_hf_config(path: str | Path) -> ModelShape | MLAShape:
     Otherwise it uses num_attention_heads, num_key_value_heads (default: MHA), head_dim
     (else hidden_size / num_attention_heads), sliding_window (with
     use_sliding_window, and gemma-style alternation via layer_types,
-    sliding_window_pattern or model_type gemma*) and attn_logit_softcapping.
+    sliding_window_pattern or model_type gemma*) and attn_logit_softcapping; model_type gpt_oss has
+    attention sinks.
     RoPE settings need nothing compiled: jitattn's model specs take positions
     as applied by the serving stack, and rope scalars are run-time arguments.
     """
@@ -152,4 +156,5 @@ def from_hf_config(path: str | Path) -> ModelShape | MLAShape:
         num_qo_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, sliding_window=uses_window,
         full_attention_too=(not uses_window) or alternating,
         logits_soft_cap=bool(config.get("attn_logit_softcapping")),
+        attention_sinks=str(config.get("model_type", "")) == "gpt_oss",
     )

@@ -145,6 +145,7 @@ def resolve_specs(args: argparse.Namespace) -> list:
                 target, num_qo_heads=shape.num_qo_heads, num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
                 dtype=dtype, kv_dtype=kv_dtype, sliding_window=shape.sliding_window,
                 full_attention_too=shape.full_attention_too, logits_soft_cap=shape.logits_soft_cap,
+                attention_sinks=shape.attention_sinks,
             )
         except ValueError as exc:
             raise UsageError(f"{what}: {exc}") from None

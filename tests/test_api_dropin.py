@@ -312,12 +312,11 @@ def test_unimplemented_prefill_arguments_are_refused_by_name(argument: str) -> N
 
 
 def test_unimplemented_run_and_constructor_arguments_are_refused_by_name() -> None:
+    # (sinks are implemented: tests/test_sinks.py)
     batch = random_paged_batch([20], HKV, D, PAGE, torch.float32)
     wrapper = jitattn.BatchDecodeWithPagedKVCacheWrapper(_workspace("cpu"))
     wrapper.plan(batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len, HQ, HKV, D, PAGE, q_data_type="float32")
     q = torch.randn(1, HQ, D)
-    with pytest.raises(NotImplementedError, match="sinks"):
-        wrapper.run(q, batch.cache, sinks=torch.zeros(HQ))
     with pytest.raises(NotImplementedError, match="q_len_per_req"):
         wrapper.run(q, batch.cache, q_len_per_req=2)
     with pytest.raises(NotImplementedError, match="jit_args"):

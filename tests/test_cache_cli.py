@@ -226,11 +226,28 @@ def test_hf_config_variants(tmp_path) -> None:
     assert shape({"text_config": {"num_attention_heads": 8, "head_dim": 64}}) == ModelShape(8, 8, 64)
     assert shape({"num_attention_heads": 8, "head_dim": 64, "sliding_window": 512,
                   "layer_types": ["sliding_attention", "full_attention"]}).full_attention_too
+    gpt_oss = shape(GPT_OSS_CONFIG)
+    assert gpt_oss == ModelShape(64, 8, 64, sliding_window=True, full_attention_too=True, attention_sinks=True)
     for bad, message in [({"hidden_size": 4096}, "no num_attention_heads"),
                          ({"num_attention_heads": 32}, "neither head_dim nor hidden_size"),
                          ({"num_attention_heads": 32, "num_key_value_heads": 5, "head_dim": 64}, "not a multiple")]:
         with pytest.raises(ValueError, match=message):
             shape(bad)
+
+
+GPT_OSS_CONFIG = {"model_type": "gpt_oss", "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64,
+                  "sliding_window": 128, "layer_types": ["sliding_attention", "full_attention"]}
+
+
+def test_gpt_oss_config_warms_the_sink_builds_beside_the_plain_ones(fresh_cache, capsys, tmp_path) -> None:
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(GPT_OSS_CONFIG))
+    rc, out, err = run_cli(capsys, "warm", "--config", str(config), "--arch", "9.0a", "--dry-run")
+    assert rc == 0, err
+    uris = {line.split()[0] for line in out.splitlines()[:-1]}
+    sinks = {u for u in uris if u.endswith("_sink")}
+    assert sinks and {u.removesuffix("_sink") for u in sinks} <= uris
+    assert "decode_paged_cuda_bf16_hd64_g8_swa_nhd_sink" in sinks and "merge_cuda_bf16_sink" in sinks
 
 
 def test_tp_splits_heads(fresh_cache, capsys) -> None:

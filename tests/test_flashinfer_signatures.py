@@ -1,7 +1,8 @@
 """Every public attention function and wrapper method takes FlashInfer 0.5.3's parameters: names, order, defaults.
 
 The reference lists below were read off FlashInfer 0.5.3's Python sources (its ``decode``,
-``prefill``, ``cascade``, ``page`` and ``mla`` modules; ``self`` dropped, ``*args`` kept). The rule a
+``prefill``, ``cascade``, ``page``, ``mla`` and ``attention`` modules; the attention-sink wrapper's
+``plan``/``run`` are the paged prefill wrapper's, which it inherits; ``self`` dropped, ``*args`` kept). The rule a
 drop-in replacement must follow, checked with ``inspect.signature``:
 
 - every FlashInfer parameter exists, of the same kind (positional vs keyword-only);
@@ -16,6 +17,7 @@ import importlib
 import inspect
 
 import pytest
+import torch  # noqa: F401  (FlashInfer defaults such as torch.bfloat16 are evaluated below)
 
 FLASHINFER_0_5_3 = {
     'mla.BatchMLAPagedAttentionWrapper.__init__': [
@@ -209,6 +211,29 @@ FLASHINFER_0_5_3 = {
     ],
     'cascade.BatchPrefillWithSharedPrefixPagedKVCacheWrapper.reset_workspace_buffer': [
         ('float_workspace_buffer', None), ('int_workspace_buffer', None)
+    ],
+    'attention.BatchAttentionWithAttentionSinkWrapper.__init__': [
+        ('float_workspace_buffer', None), ('kv_layout', "'NHD'"), ('use_cuda_graph', 'False'), ('qo_indptr_buf',
+        'None'), ('paged_kv_indptr_buf', 'None'), ('paged_kv_indices_buf', 'None'), ('paged_kv_last_page_len_buf',
+        'None'), ('custom_mask_buf', 'None'), ('mask_indptr_buf', 'None'), ('backend', "'auto'"),
+        ('pos_encoding_mode', "'NONE'"), ('use_fp16_qk_reduction', 'False'), ('q_data_type', 'torch.bfloat16'),
+        ('kv_data_type', 'torch.bfloat16'), ('head_dim_qk', '128'), ('head_dim_vo', '128'), ('window_left', '-1')
+    ],
+    'attention.BatchAttentionWithAttentionSinkWrapper.plan': [
+        ('qo_indptr', None), ('paged_kv_indptr', None), ('paged_kv_indices', None), ('paged_kv_last_page_len',
+        None), ('num_qo_heads', None), ('num_kv_heads', None), ('head_dim_qk', None), ('page_size', None),
+        ('head_dim_vo', 'None'), ('custom_mask', 'None'), ('packed_custom_mask', 'None'), ('causal', 'False'),
+        ('pos_encoding_mode', "'NONE'"), ('use_fp16_qk_reduction', 'False'), ('sm_scale', 'None'), ('window_left',
+        '-1'), ('logits_soft_cap', 'None'), ('rope_scale', 'None'), ('rope_theta', 'None'), ('q_data_type',
+        "'float16'"), ('kv_data_type', 'None'), ('non_blocking', 'True'), ('prefix_len_ptr', 'None'),
+        ('token_pos_in_items_ptr', 'None'), ('token_pos_in_items_len', '0'), ('max_item_len_ptr', 'None'),
+        ('seq_lens', 'None'), ('seq_lens_q', 'None'), ('block_tables', 'None'), ('max_token_per_sequence', 'None'),
+        ('max_sequence_kv', 'None'), ('fixed_split_size', 'None'), ('disable_split_kv', 'False')
+    ],
+    'attention.BatchAttentionWithAttentionSinkWrapper.run': [
+        ('q', None), ('paged_kv_cache', None), ('*args', None), ('q_scale', 'None'), ('k_scale', 'None'),
+        ('v_scale', 'None'), ('out', 'None'), ('lse', 'None'), ('return_lse', 'False'), ('enable_pdl', 'None'),
+        ('window_left', 'None'), ('sinks', 'None')
     ],
     'page.append_paged_kv_cache': [
         ('append_key', None), ('append_value', None), ('batch_indices', None), ('positions', None),

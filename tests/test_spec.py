@@ -237,8 +237,8 @@ def test_to_dict_from_dict_round_trip(base, changes):
     assert VariantSpec.from_dict(data) == spec
     # The dict is plain JSON (enums as their values), and survives a JSON trip too.
     assert VariantSpec.from_dict(json.loads(json.dumps(data))) == spec
-    # ``variant`` appears only when set, so specs without one keep their cache keys.
-    assert set(data) == {f.name for f in dataclasses.fields(VariantSpec)} - {"variant"}
+    # ``variant`` and ``use_sinks`` appear only when set, so specs without them keep their cache keys.
+    assert set(data) == {f.name for f in dataclasses.fields(VariantSpec)} - {"variant", "use_sinks"}
     assert spec.canonical_json() == VariantSpec.from_dict(data).canonical_json()
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..jit import Module
+from ..jit import Module, load
 from ..log import get_logger
 from ..page_table import PagedIndex, check_page_pool
 from ..kv_split import KVSplit, split_workspace_bytes
@@ -54,6 +54,9 @@ class AttentionPlan:
     kv_pointer_alignment: int = 16  # bytes; set from kv_alignment()
     split_counters: torch.Tensor | None = None  # the wrapper's zeroed split-KV chunk counters (None: the plan's own)
     q_rows: int = 0  # rows of q the plan reads: total_qo, or fewer when rows repeat (share_queries)
+    # The use_sinks twin of ``launch`` (same plan, the kernel built with use_sinks): made by the first
+    # run() with sinks (``sink_launch_ready``), or at plan time when the plan asks for it.
+    sink_launch: PreparedAttention | None = None
 
     # The options the run path reads, as attributes of the plan.
     scalars = property(lambda self: self.options.scalars)
@@ -70,18 +73,49 @@ class AttentionPlan:
         self.kv_pointer_alignment = kv_alignment(self)[0]
         if self.spec.variant is not None:
             self.variant_args = VariantArgs(self.spec.variant, self.wrapper or "wrapper")
-        self.launch = PreparedAttention(
-            self.module, qo_indptr=self.qo_indptr, kv_indptr=self.kv_indptr, kv_indices=self.kv_indices,
+        self.launch = self._prepare(self.module)
+        if self.spec.use_sinks:
+            self.sink_launch = self.launch
+
+    def _prepare(self, module: Module) -> PreparedAttention:
+        return PreparedAttention(
+            module, qo_indptr=self.qo_indptr, kv_indptr=self.kv_indptr, kv_indices=self.kv_indices,
             kv_last_page_len=self.kv_last_page_len, page_size=self.page_size or 1, kv_layout=self.kv_layout,
             custom_mask=self.custom_mask, mask_indptr=self.mask_indptr, num_qo_heads=self.num_qo_heads,
             num_kv_heads=self.num_kv_heads, head_dim_qk=self.head_dim_qk, head_dim_vo=self.head_dim_vo,
             scalars=self.scalars, split_indptr=self.split_indptr if self.split.kv_chunk_size else None,
             kv_chunk_size=self.split.kv_chunk_size,
             variant_params=self.variant_args.address if self.variant_args is not None else None,
+            # A captured split launch (batch-invariant decode under CUDA graphs) must size its grid by the
+            # whole workspace: the chunk count of a later plan may differ from the captured one's.
             split_workspace_bytes=split_workspace_bytes(self.split.num_chunks, self.num_qo_heads, self.head_dim_vo)
-            if self.split.kv_chunk_size else 0,
+            if self.split.kv_chunk_size and not self.use_cuda_graph else 0,
             split_counters=self.split_counters,
         )
+
+    def sink_launch_ready(self) -> PreparedAttention:
+        """The launch of this plan's kernel built with ``use_sinks`` (loaded once per plan, a cache hit after
+        the first build)."""
+        if self.sink_launch is None:
+            if self.spec.variant is not None:
+                raise ValueError(
+                    f"{self.wrapper}.run(sinks=...) with a custom variant is not supported; add the sink to the "
+                    "variant (a tensor parameter) or plan without the variant"
+                )
+            self.sink_launch = self._prepare(load(_sink_twin(self.spec)))
+            self.checked_signature = self.checked_outputs = None  # the twin's strides are set by the next checks
+        return self.sink_launch
+
+    def launches(self) -> tuple[PreparedAttention, ...]:
+        """Every prepared launch of this plan (strides are set on all of them together)."""
+        if self.sink_launch is None or self.sink_launch is self.launch:
+            return (self.launch,)
+        return (self.launch, self.sink_launch)
+
+
+@functools.lru_cache(maxsize=256)  # every plan() of a serving loop asks for the same twin; validation is not free
+def _sink_twin(spec: VariantSpec) -> VariantSpec:
+    return spec.replace(use_sinks=True)
 
 
 def share_queries(plan: AttentionPlan, q_rows: int) -> None:
@@ -189,10 +223,15 @@ def workspace_target(workspace: torch.Tensor, wrapper: str) -> tuple[Target, tor
 def run_plan_or_compiled(
     key: int, plan: AttentionPlan | None, wrapper: str, workspace: torch.Tensor, q: torch.Tensor,
     kv, *, k_scale: float, v_scale: float, out: torch.Tensor | None, lse: torch.Tensor | None, return_lse: bool,
-    variant_args: dict | None = None, q_scale: float = 1.0,
+    variant_args: dict | None = None, q_scale: float = 1.0, sinks: torch.Tensor | None = None,
 ):
     """``run_plan`` eagerly; under torch.compile one opaque custom op that finds the plan at run time."""
     if torch.compiler.is_compiling():
+        if sinks is not None:
+            raise NotImplementedError(
+                f"{wrapper}.run(sinks=...) is not supported under torch.compile yet; call it outside the compiled "
+                "region (torch.compiler.disable)"
+            )
         if plan is not None and plan.spec.variant is not None:
             raise NotImplementedError(
                 f"{wrapper}.run() with a custom variant is not supported under torch.compile yet; call it "
@@ -206,7 +245,23 @@ def run_plan_or_compiled(
         return run_compiled(key, q, k, v, head_dim_vo=plan.head_dim_vo, out_dtype=plan.o_dtype, k_scale=k_scale,
                             v_scale=v_scale, q_scale=q_scale, out=out, lse=lse, return_lse=return_lse)
     return run_plan(plan, wrapper, workspace, q, kv, k_scale=k_scale, v_scale=v_scale, out=out, lse=lse,
-                    return_lse=return_lse, variant_args=variant_args, q_scale=q_scale)
+                    return_lse=return_lse, variant_args=variant_args, q_scale=q_scale, sinks=sinks)
+
+
+def check_sinks(wrapper: str, sinks: torch.Tensor, num_qo_heads: int, device: torch.device) -> None:
+    """Refuse a ``sinks`` argument that is not a contiguous float32 ``[num_qo_heads]`` tensor on ``device``."""
+    if not isinstance(sinks, torch.Tensor):
+        raise TypeError(f"{wrapper}: sinks must be a torch.Tensor (float32 [num_qo_heads]), got {type(sinks).__name__}")
+    if sinks.dtype is not torch.float32:
+        raise ValueError(f"{wrapper}: sinks has dtype {str(sinks.dtype).removeprefix('torch.')}; it must be float32 "
+                         "(one natural-log sink logit per query head): pass sinks.float()")
+    if tuple(sinks.shape) != (num_qo_heads,):
+        raise ValueError(f"{wrapper}: sinks has shape {tuple(sinks.shape)}; it must be [num_qo_heads] = "
+                         f"[{num_qo_heads}] (one sink logit per query head)")
+    if sinks.device != device:
+        raise ValueError(f"{wrapper}: sinks is on {sinks.device} but q is on {device}; move it with sinks.to(q.device)")
+    if num_qo_heads > 1 and sinks.stride(0) != 1:
+        raise ValueError(f"{wrapper}: sinks must be contiguous; pass sinks.contiguous()")
 
 
 def _kv_signature(kv) -> tuple | None:
@@ -227,9 +282,12 @@ def _output_signature(t: torch.Tensor | None) -> tuple | None:
 def run_plan(
     plan: AttentionPlan | None, wrapper: str, workspace: torch.Tensor, q: torch.Tensor, kv, *,
     k_scale: float, v_scale: float, out: torch.Tensor | None, lse: torch.Tensor | None, return_lse: bool,
-    variant_args: dict | None = None, q_scale: float = 1.0,
+    variant_args: dict | None = None, q_scale: float = 1.0, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Check q/kv/out/lse (and a variant's extra arguments) against ``plan`` and launch; returns out or (out, lse).
+
+    ``sinks`` (float32 ``[num_qo_heads]``) runs the plan's kernel built with attention sinks: the output
+    of head h is scaled by ``1 / (1 + exp(sinks[h] - lse))``, the returned lse is the keys' alone.
 
     ``kv`` is the paged cache as the caller gave it (paged plans) or the ``(k, v)`` pair (ragged).
     The checks depend only on the tensors' shapes, strides, dtypes and devices: a call with the
@@ -247,11 +305,18 @@ def run_plan(
         )
     if not isinstance(q, torch.Tensor):
         raise TypeError(f"{wrapper}.run(): q must be a torch.Tensor, got {type(q).__name__}")
-    launch = plan.launch
+    if sinks is not None:
+        check_sinks(f"{wrapper}.run()", sinks, plan.num_qo_heads, q.device)
+        launch = plan.sink_launch_ready()
+    elif plan.spec.use_sinks:
+        raise ValueError(f"{wrapper}.run(): this plan applies attention sinks; pass sinks (float32 [num_qo_heads])")
+    else:
+        launch = plan.launch
     signature = (q.shape, q.stride(), q.dtype, q.get_device(), _kv_signature(kv))
     if signature != plan.checked_signature:
         k, v = _check_inputs(plan, wrapper, workspace, q, kv)
-        launch.set_layout(q, k, v)
+        for prepared in plan.launches():
+            prepared.set_layout(q, k, v)
         plan.kv_offsets = ((k.data_ptr() - kv.data_ptr(), v.data_ptr() - kv.data_ptr())
                            if isinstance(kv, torch.Tensor) else None)
         plan.checked_signature = signature
@@ -277,7 +342,8 @@ def run_plan(
     outputs = (_output_signature(out), _output_signature(lse))
     if outputs != plan.checked_outputs:
         _check_outputs(plan, wrapper, q, out, lse)
-        launch.set_outputs(out, lse)
+        for prepared in plan.launches():
+            prepared.set_outputs(out, lse)
         plan.checked_outputs = outputs
     if plan.split.kv_chunk_size and workspace is not plan.checked_workspace:
         target_of(wrapper, (workspace, q))
@@ -286,7 +352,8 @@ def run_plan(
         plan.checked_workspace = workspace
     if plan.total_qo:  # an empty batch has nothing to launch (and no storage to point at)
         launch.launch(device_index, q.data_ptr(), k_ptr, v_ptr, out.data_ptr(),
-                      lse.data_ptr() if lse is not None else None, k_scale, v_scale, q_scale, workspace)
+                      lse.data_ptr() if lse is not None else None, k_scale, v_scale, q_scale, workspace,
+                      sinks.data_ptr() if sinks is not None else None)
     return (out, lse) if return_lse else out
 
 

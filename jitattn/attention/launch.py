@@ -74,8 +74,12 @@ class PreparedAttention:
         if kv_chunk_size and qo_indptr.is_cuda and (split_counters is None or split_counters.numel() < batch * num_kv_heads):
             split_counters = torch.zeros(max(1, batch * num_kv_heads), dtype=torch.int32, device=qo_indptr.device)
         self._split_counters = split_counters if kv_chunk_size else None  # kept alive with the plan
-        # The variant's struct pointer is a field only of modules built with a variant.
+        # The variant's struct pointer is a field only of modules built with a variant; the sinks
+        # pointer only of modules built with use_sinks.
         variant_field = {"variant_params": variant_params} if module.spec.variant is not None else {}
+        self.has_sinks = module.spec.use_sinks
+        if self.has_sinks:
+            variant_field["sinks"] = None
         self.params = module.params(
             "attention", **variant_field,
             q=None, k=None, v=None, o=None, lse=None,
@@ -113,14 +117,18 @@ class PreparedAttention:
 
     def launch(
         self, device_index: int, q: int, k: int, v: int, o: int, lse: int | None, k_scale: float, v_scale: float,
-        q_scale: float, workspace: torch.Tensor | None,
+        q_scale: float, workspace: torch.Tensor | None, sinks: int | None = None,
     ) -> None:
-        """One launch with these pointers (strides as last set); ``device_index`` -1 is the cpu."""
+        """One launch with these pointers (strides as last set); ``device_index`` -1 is the cpu.
+
+        ``sinks``: the float32 ``[num_qo_heads]`` sink logits (modules built with ``use_sinks`` only)."""
         if device_index >= 0 and device_index != current_cuda_device():
             # The module launches on (and reads attributes of) the current device.
             with torch.cuda.device(device_index):
-                return self.launch(device_index, q, k, v, o, lse, k_scale, v_scale, q_scale, workspace)
+                return self.launch(device_index, q, k, v, o, lse, k_scale, v_scale, q_scale, workspace, sinks)
         p = self.params
+        if self.has_sinks:
+            p.sinks = sinks
         # An empty KV pool has no storage (null pointer); the kernels then read no key, but
         # check for non-null pointers, so they get a valid address instead.
         p.q, p.k, p.v, p.o, p.lse = q, k or self.placeholder, v or self.placeholder, o, lse
@@ -141,12 +149,14 @@ class PreparedAttention:
     def __call__(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor | None,
         k_scale: float = 1.0, v_scale: float = 1.0, workspace: torch.Tensor | None = None, q_scale: float = 1.0,
+        sinks: torch.Tensor | None = None,
     ) -> None:
         """Set every stride and launch (one-off launches; wrappers cache the strides per signature)."""
         self.set_layout(q, k, v)
         self.set_outputs(o, lse)
         self.launch(q.get_device(), q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(),
-                    lse.data_ptr() if lse is not None else None, k_scale, v_scale, q_scale, workspace)
+                    lse.data_ptr() if lse is not None else None, k_scale, v_scale, q_scale, workspace,
+                    sinks.data_ptr() if sinks is not None else None)
 
 
 def launch_attention(
@@ -157,6 +167,7 @@ def launch_attention(
     num_kv_heads: int, scalars: AttentionScalars, k_scale: float = 1.0, v_scale: float = 1.0,
     workspace: torch.Tensor | None = None, split_indptr: torch.Tensor | None = None, kv_chunk_size: int = 0,
     split_counters: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """Launch ``module``'s attention entry on q's device and current stream (prepare + call in one).
 
@@ -171,4 +182,4 @@ def launch_attention(
         scalars=scalars, split_indptr=split_indptr if kv_chunk_size else None,
         kv_chunk_size=kv_chunk_size if split_indptr is not None else 0, split_counters=split_counters,
     )
-    prepared(q, k, v, o, lse, k_scale, v_scale, workspace)
+    prepared(q, k, v, o, lse, k_scale, v_scale, workspace, sinks=sinks)

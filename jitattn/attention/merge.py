@@ -22,8 +22,8 @@ from .checks import check_shape, check_tensor, cpu_threads, stream_handle, targe
 _VALUE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def _module(value_dtype: torch.dtype, target):
-    return load(merge_spec(target, value_dtype))
+def _module(value_dtype: torch.dtype, target, use_sinks: bool = False):
+    return load(merge_spec(target, value_dtype, use_sinks))
 
 
 def _check_pair(v_a, s_a, v_b, s_b) -> None:
@@ -132,6 +132,34 @@ def _merge_states_eager(v: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor,
             cache.clear()
         cache[signature] = prepared
     return prepared(v, s)
+
+
+def merge_states_with_sinks(v: torch.Tensor, s: torch.Tensor, sinks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``merge_states``, then attention sinks applied once to the merged output (eager only).
+
+    ``sinks``: float32 ``[num_heads]`` natural-log sink logits. The merged output of head h is scaled by
+    ``1 / (1 + exp(sinks[h] - lse))`` (0 where no state saw a key); the LSE returned is the states'.
+    The final merge of a cascade whose model has sinks (the levels merge without them).
+    """
+    check_tensor("v", v, ndim=4, dtypes=_VALUE_DTYPES)
+    check_tensor("s", s, ndim=3, dtypes=(torch.float32,), last_dim_contiguous=False)
+    check_shape("s", s, tuple(v.shape[:3]))
+    target, device = target_of("merge_states", (v, s, sinks))
+    from .batch import check_sinks
+
+    check_sinks("merge_states_with_sinks", sinks, v.shape[2], v.device)
+    seq_len, num_states, num_heads, head_dim = v.shape
+    v_out = torch.empty((seq_len, num_heads, head_dim), dtype=v.dtype, device=v.device)
+    s_out = torch.empty((seq_len, num_heads), dtype=torch.float32, device=v.device)
+    _module(v.dtype, target, use_sinks=True).launch(
+        "merge_states", stream_handle(device), v=v.data_ptr(), s=s.data_ptr(), v_out=v_out.data_ptr(),
+        s_out=s_out.data_ptr(), seq_len=seq_len, num_states=num_states, num_heads=num_heads, head_dim=head_dim,
+        v_stride_n=v.stride(0), v_stride_k=v.stride(1), v_stride_h=v.stride(2),
+        s_stride_n=s.stride(0), s_stride_k=s.stride(1), s_stride_h=s.stride(2),
+        v_out_stride_n=num_heads * head_dim, v_out_stride_h=head_dim, s_out_stride_n=num_heads, s_out_stride_h=1,
+        num_threads=cpu_threads(), sinks=sinks.data_ptr(),
+    )
+    return v_out, s_out
 
 
 # torch.compile: the same functions as opaque custom ops (fake implementations give shapes only).

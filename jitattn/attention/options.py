@@ -133,6 +133,17 @@ def fp8_scale(value: float | torch.Tensor | None, name: str) -> float:
     return float(value)
 
 
+def resolve_batch_invariant(value: bool | None) -> bool:
+    """A plan's ``batch_invariant`` argument: True/False, or None for the ``JITATTN_BATCH_INVARIANT`` knob."""
+    if value is None:
+        from .. import env
+
+        return env.batch_invariant()
+    if not isinstance(value, bool):
+        raise TypeError(f"batch_invariant={value!r} must be True, False or None (None: JITATTN_BATCH_INVARIANT)")
+    return value
+
+
 # The hint for FlashInfer's trtllm-gen page-table inputs (block_tables, seq_lens, ...).
 PAGE_TABLE_HINT = ("describe the batch with the page table arguments (indptr / indices / last_page_len) instead "
                    "of trtllm-gen's block_tables / seq_lens")

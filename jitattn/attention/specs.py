@@ -62,9 +62,11 @@ def _attention_spec(
 
 
 @functools.cache
-def merge_spec(target: Target, dtype: torch.dtype) -> VariantSpec:
-    """The merge kernels' spec (cached: building a spec validates it, ~25 us, and merges run per layer)."""
-    return VariantSpec(op=Op.MERGE, target=target, o_dtype=dtype)
+def merge_spec(target: Target, dtype: torch.dtype, use_sinks: bool = False) -> VariantSpec:
+    """The merge kernels' spec (cached: building a spec validates it, ~25 us, and merges run per layer).
+
+    ``use_sinks``: the build whose ``merge_states`` applies attention sinks (a cascade's final merge)."""
+    return VariantSpec(op=Op.MERGE, target=target, o_dtype=dtype, use_sinks=use_sinks)
 
 
 @functools.cache
@@ -76,12 +78,14 @@ def append_spec(target: Target, kv_dtype: torch.dtype) -> VariantSpec:
 def model_specs(
     target: Target, *, num_qo_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
     kv_dtype: torch.dtype, sliding_window: bool = False, full_attention_too: bool = True,
-    logits_soft_cap: bool = False, kv_layout: KVLayout = KVLayout.NHD,
+    logits_soft_cap: bool = False, kv_layout: KVLayout = KVLayout.NHD, attention_sinks: bool = False,
 ) -> list[VariantSpec]:
     """Every spec a model's decode, prefill (paged and ragged), cascade, merge and append paths request.
 
     ``sliding_window`` adds the windowed variants; ``full_attention_too``
     keeps the unwindowed ones (models that alternate layers need both).
+    ``attention_sinks`` (gpt-oss) adds the sink build of each attention and merge spec (``plan()``
+    loads the plain one, the first ``run(sinks=...)`` its sink twin: both are needed).
     """
     windows = [True] if sliding_window and not full_attention_too else ([False, True] if sliding_window else [False])
     common = dict(
@@ -99,6 +103,8 @@ def model_specs(
                 specs.append(attention_spec(Op.PREFILL, target, use_sliding_window=window, mask_mode=mask,
                                             kv_storage=storage, **common))
     specs.append(merge_spec(target, dtype))
+    if attention_sinks:
+        specs += [spec.replace(use_sinks=True) for spec in specs]
     specs.append(append_spec(target, kv_dtype))
     return list(dict.fromkeys(specs))
 

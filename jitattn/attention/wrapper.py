@@ -42,9 +42,22 @@ class BatchWrapperBase:
             raise ValueError(f"use_cuda_graph=True needs the fixed index buffers {', '.join(missing)} "
                              "(sized for the largest batch)")
         self._buffers = buffers
+        self._uses_sinks = False  # a run() passed sinks: later plans prepare the sink launch up front
         self._plan: AttentionPlan | None = None
         self._plan_call: dict = {}  # the keyword arguments of the last plan(), for forward()'s re-plan
         self._op_key = register_wrapper(self)
+
+    @property
+    def _plan(self) -> AttentionPlan | None:
+        return self._current_plan
+
+    @_plan.setter
+    def _plan(self, plan: AttentionPlan | None) -> None:
+        # Once run() has seen sinks, every new plan loads its sink launch here, in plan(): a run()
+        # being captured into a CUDA graph then only reads the prepared struct.
+        if plan is not None and self._uses_sinks:
+            plan.sink_launch_ready()
+        self._current_plan = plan
 
     @property
     def is_cuda_graph_enabled(self) -> bool:
@@ -79,9 +92,12 @@ class BatchWrapperBase:
         return self.run(*run_args, **run_kwargs)
 
     def _run(self, q, kv, k_scale, v_scale, out, lse, return_lse, variant_args, variant_positional=(),
-             q_scale=None, window_left=None):
-        """``kv``: the paged cache as given (paged plans) or the ``(k, v)`` pair (ragged)."""
+             q_scale=None, window_left=None, sinks=None):
+        """``kv``: the paged cache as given (paged plans) or the ``(k, v)`` pair (ragged); ``sinks``: float32
+        ``[num_qo_heads]`` attention sinks (None: none)."""
         plan = self._plan
+        if sinks is not None:
+            self._uses_sinks = True
         if window_left is not None and plan is not None and int(window_left) != plan.scalars.window_left:  # rare
             raise ValueError(
                 f"{self._NAME}.run(window_left={window_left}) differs from the planned window_left="
@@ -95,10 +111,10 @@ class BatchWrapperBase:
         if torch.compiler.is_compiling():
             return run_plan_or_compiled(
                 self._op_key, plan, self._NAME, self._workspace, q, kv, k_scale=k_scale, v_scale=v_scale, out=out,
-                lse=lse, return_lse=return_lse, variant_args=variant_args, q_scale=q_scale,
+                lse=lse, return_lse=return_lse, variant_args=variant_args, q_scale=q_scale, sinks=sinks,
             )
         return run_plan(plan, self._NAME, self._workspace, q, kv, k_scale=k_scale, v_scale=v_scale, out=out, lse=lse,
-                        return_lse=return_lse, variant_args=variant_args, q_scale=q_scale)
+                        return_lse=return_lse, variant_args=variant_args, q_scale=q_scale, sinks=sinks)
 
     def _run_eager(self, q, k, v, *, k_scale, v_scale, out, lse, return_lse, q_scale=1.0):
         return run_plan(self._plan, self._NAME, self._workspace, q, (k, v), k_scale=k_scale, v_scale=v_scale,

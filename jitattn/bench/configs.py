@@ -81,9 +81,11 @@ class Attn:
     window_left: int = -1
     logits_soft_cap: float = 0.0
     pos_encoding: str = "NONE"  # "NONE" | "ROPE_LLAMA" | "ALIBI"
-    plain: str | None = None  # variants: the plain case it is compared with
+    plain: str | None = None  # the plain case it is compared with (variants; sink and batch-invariant twins)
     sdpa: bool = True  # compare with torch SDPA
     note: str = ""
+    sinks: bool = False  # run(sinks=...): per-head attention sinks (the sink build of the kernel)
+    batch_invariant: bool = False  # plan(batch_invariant=True): fixed split-KV chunks
 
     @property
     def suite(self) -> str:
@@ -138,7 +140,7 @@ class Attn:
             out["qo_len"] = qlens[0] if len(qlens) == 1 else {"min": qlens[0], "max": qlens[-1], "total": sum(self.qo_lens)}
             out["causal"] = self.causal
         for key, default in (("custom_mask", False), ("window_left", -1), ("logits_soft_cap", 0.0),
-                             ("pos_encoding", "NONE")):
+                             ("pos_encoding", "NONE"), ("sinks", False), ("batch_invariant", False)):
             if getattr(self, key) != default:
                 out[key] = getattr(self, key)
         return out
@@ -292,29 +294,52 @@ def varlen_lengths(n: int = 16, lo: int = 128, hi: int = 8192, seed: int = 0) ->
 
 _VARLEN = varlen_lengths()
 
+
+def _twin(plain: Attn, suffix: str, **kw) -> Attn:
+    """``plain`` with sinks or in batch-invariant mode, reported beside it (its rate / the plain rate)."""
+    return dataclasses.replace(plain, name=plain.name + "_" + suffix, plain=plain.name, sdpa=False, **kw)
+
+
+def _with_twins(plain: Attn, sinks: bool = True, batch_invariant: bool = True) -> list[Attn]:
+    """``plain``, then its attention-sink twin (issue 21: within 3%) and batch-invariant twin (within 10%)."""
+    out = [plain]
+    if sinks:
+        out.append(_twin(plain, "sinks", sinks=True, note="attention sinks (gpt-oss); compared with " + plain.name))
+    if batch_invariant:
+        out.append(_twin(plain, "batchinv", batch_invariant=True,
+                         note="plan(batch_invariant=True); compared with " + plain.name))
+    return out
+
 DECODE: list[Attn] = [
-    _decode("llama8b_b64_s2048", 64, 2048),
-    _decode("llama8b_b256_s4096", 256, 4096),
-    _decode("llama8b_b1_s32768", 1, 32768),
+    *_with_twins(_decode("llama8b_b64_s2048", 64, 2048)),
+    *_with_twins(_decode("llama8b_b256_s4096", 256, 4096)),
+    *_with_twins(_decode("llama8b_b1_s32768", 1, 32768), sinks=False),
     _decode("mha_b64_s2048_d128", 64, 2048, num_kv_heads=32),
     _decode("gemma2_softcap_b64_s4096_d256", 64, 4096, num_qo_heads=16, head_dim=256, logits_soft_cap=50.0),
     _decode("mistral_window4096_b32_s16384", 32, 16384, window_left=4095,
             note="SDPA over the window's 4096 keys"),
     _decode("phi3_d96_b64_s4096", 64, 4096, num_kv_heads=32, head_dim=96),
-    Attn("decode/skewed_b64", "decode", (32768,) + (512,) * 63, note="SDPA: one call per distinct length"),
+    *_with_twins(Attn("decode/skewed_b64", "decode", (32768,) + (512,) * 63, note="SDPA: one call per distinct length"),
+                 sinks=False),
+    # gpt-oss-120b's attention: 64 query heads, 8 KV heads, head_dim 64, alternating 128-token windows
+    *_with_twins(_decode("gptoss_window128_b64_s8192", 64, 8192, num_qo_heads=64, head_dim=64, window_left=127,
+                         note="SDPA over the window's 128 keys"), batch_invariant=False),
+    *_with_twins(_decode("gptoss_b64_s8192", 64, 8192, num_qo_heads=64, head_dim=64)),
     _decode("fp8kv_b256_s4096", 256, 4096, kv_dtype="e4m3"),
     _decode("llama8b_b64_s2048_page1", 64, 2048, page_size=1),
     _decode("llama8b_b64_s2048_rope", 64, 2048, pos_encoding="ROPE_LLAMA"),
 ]
 
 PREFILL: list[Attn] = [
-    _prefill("llama8b_causal_b8_s4096", 8, 4096),
+    *_with_twins(_prefill("llama8b_causal_b8_s4096", 8, 4096)),
+    *_with_twins(_prefill("gptoss_causal_b8_s4096", 8, 4096, num_qo_heads=64, head_dim=64), batch_invariant=False),
     _prefill("d64_causal_b16_s2048", 16, 2048, head_dim=64),
     _prefill("d256_causal_b4_s4096", 4, 4096, num_qo_heads=16, head_dim=256),
     _prefill("llama8b_noncausal_b8_s4096", 8, 4096, causal=False),
     _prefill("llama8b_causal_paged_b8_s4096", 8, 4096, storage="paged"),
-    Attn("prefill/llama8b_causal_varlen", "prefill", _VARLEN, qo_lens=_VARLEN, causal=True, storage="ragged",
-         note="16 lengths uniform in 128..8192 (seed 0); SDPA: one call per request"),
+    *_with_twins(Attn("prefill/llama8b_causal_varlen", "prefill", _VARLEN, qo_lens=_VARLEN, causal=True,
+                      storage="ragged", note="16 lengths uniform in 128..8192 (seed 0); SDPA: one call per request"),
+                 sinks=False),
 ]
 
 CASCADE: list[Cascade] = [

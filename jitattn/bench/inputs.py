@@ -66,6 +66,7 @@ class AttnData:
     k: torch.Tensor | None = None  # ragged: [tokens, H_kv, D]
     v: torch.Tensor | None = None
     custom_mask: torch.Tensor | None = None  # flat bool (host)
+    sinks: torch.Tensor | None = None  # float32 [H_qo] (case.sinks)
 
     @property
     def qo_offsets(self) -> list[int]:
@@ -113,13 +114,15 @@ def make_attn_data(case: Attn, device: torch.device) -> AttnData:
     if case.custom_mask:
         data.custom_mask = torch.cat([causal_mask_rows(q_, k_).reshape(-1)
                                       for q_, k_ in zip(case.queries, case.kv_lens)])
+    if case.sinks:  # around the logits' scale, so the sink matters (~log of the keys' mass)
+        data.sinks = (torch.randn(case.num_qo_heads, generator=gen_host) + 4.0).to(device)
     return data
 
 
 def plan_kwargs(case: Attn) -> dict:
     return dict(pos_encoding_mode=case.pos_encoding, window_left=case.window_left,
                 logits_soft_cap=case.logits_soft_cap or None, q_data_type=TORCH_DTYPES[case.dtype],
-                kv_data_type=TORCH_DTYPES[case.kv_dtype])
+                kv_data_type=TORCH_DTYPES[case.kv_dtype], batch_invariant=case.batch_invariant)
 
 
 def jitattn_fn(data: AttnData, device: torch.device) -> Callable[[], object]:
@@ -131,14 +134,14 @@ def jitattn_fn(data: AttnData, device: torch.device) -> Callable[[], object]:
     if case.op == "decode":
         wrapper = jitattn.BatchDecodeWithPagedKVCacheWrapper(workspace, kv_layout="NHD")
         need = wrapper.workspace_size(case.batch, max(case.kv_lens), case.num_qo_heads, case.num_kv_heads,
-                                      case.head_dim, case.page_size)[0]
+                                      case.head_dim, case.page_size, batch_invariant=case.batch_invariant)[0]
         if need > workspace.numel():
             workspace = torch.empty(need, dtype=torch.uint8, device=device)
             wrapper.reset_workspace_buffer(workspace)
         t = data.table
         wrapper.plan(t.indptr, t.indices, t.last, case.num_qo_heads, case.num_kv_heads, case.head_dim,
                      case.page_size, **plan_kwargs(case))
-        return lambda: wrapper.run(data.q, data.cache, out=data.out)
+        return lambda: wrapper.run(data.q, data.cache, out=data.out, sinks=data.sinks)
     qo_indptr = indptr_of(list(case.queries))
     mask = dict(custom_mask=data.custom_mask) if data.custom_mask is not None else {}
     if case.storage == "paged":
@@ -146,11 +149,11 @@ def jitattn_fn(data: AttnData, device: torch.device) -> Callable[[], object]:
         t = data.table
         wrapper.plan(qo_indptr, t.indptr, t.indices, t.last, case.num_qo_heads, case.num_kv_heads, case.head_dim,
                      case.page_size, causal=case.causal, **mask, **plan_kwargs(case))
-        return lambda: wrapper.run(data.q, data.cache, out=data.out)
+        return lambda: wrapper.run(data.q, data.cache, out=data.out, sinks=data.sinks)
     wrapper = jitattn.BatchPrefillWithRaggedKVCacheWrapper(workspace, kv_layout="NHD")
     wrapper.plan(qo_indptr, indptr_of(list(case.kv_lens)), case.num_qo_heads, case.num_kv_heads, case.head_dim,
                  causal=case.causal, **mask, **plan_kwargs(case))
-    return lambda: wrapper.run(data.q, data.k, data.v, out=data.out)
+    return lambda: wrapper.run(data.q, data.k, data.v, out=data.out, sinks=data.sinks)
 
 
 def reference_error(data: AttnData) -> float:
@@ -166,9 +169,11 @@ def reference_error(data: AttnData) -> float:
         m = min(REF_QUERIES, qo_len)
         first = qo_off[r + 1] - m
         mask = causal_mask_rows(qo_len, kv_len, qo_len - m).to(data.q.device) if case.custom_mask else None
-        o, _ = reference.single_attention(
+        o, lse = reference.single_attention(
             data.q[first:qo_off[r + 1]], k, v, causal=case.causal, window_left=case.window_left,
             logits_soft_cap=case.logits_soft_cap or None, pos_encoding_mode=case.pos_encoding, custom_mask=mask)
+        if data.sinks is not None:
+            o = reference.apply_sinks(o, lse, data.sinks)
         got.append(data.out[first:qo_off[r + 1]])
         ref.append(o)
     return rel_err(got, ref)
@@ -189,7 +194,8 @@ def specs_of(case: Case, target: str) -> list:
             head_dim_vo=c.head_dim, num_qo_heads=c.num_qo_heads, num_kv_heads=c.num_kv_heads,
             pos_encoding=PosEncoding.parse(c.pos_encoding, "pos_encoding"), use_sliding_window=c.window_left >= 0,
             use_logits_soft_cap=c.logits_soft_cap > 0, mask_mode=mask if c.op == "prefill" else MaskMode.NONE,
-            kv_layout=KVLayout.NHD, kv_storage=KVStorage.PAGED if c.storage == "paged" else KVStorage.RAGGED)
+            kv_layout=KVLayout.NHD, kv_storage=KVStorage.PAGED if c.storage == "paged" else KVStorage.RAGGED,
+        ).replace(use_sinks=c.sinks)
 
     if isinstance(case, Attn):
         return [attn(case)]

@@ -34,6 +34,10 @@ def flashinfer_unsupported(case: Attn, ctx: Context) -> str | None:
         return "flashinfer is not installed"
     if case.custom_mask:
         return "custom mask: compared with the plain kernel"
+    if case.sinks:
+        return "FlashInfer 0.5.3 has sinks only as a sm80 prefill variant or trtllm-gen: compared with the plain kernel"
+    if case.batch_invariant:
+        return "batch-invariant mode: compared with the plain kernel"
     if case.dtype != "bf16" and case.dtype != "f16":
         return f"FlashInfer takes no {case.dtype} queries"
     if case.head_dim not in (64, 128, 256):

@@ -94,7 +94,7 @@ def run_attn(case: Attn, ctx: Context) -> list[dict]:
             row["peers"] = {"flashinfer": run_flashinfer(case, data, ctx, row["time_us"])}
     except BudgetExceeded as exc:
         row["note"] = _join(row["note"], str(exc))
-    if case.suite == "variants" and not case.plain:
+    if not case.plain:  # a case others are compared with (variants, sink and batch-invariant twins)
         ctx.plain_rows[case.name] = row
     return [row]
 
@@ -286,7 +286,7 @@ def run_case(case: Case, ctx: Context) -> list[dict]:
             row["error"] = first_line(exc)
             row["traceback"] = traceback.format_exc(limit=6)
             rows.append(row)
-        if isinstance(case, Attn) and case.suite == "variants" and not case.plain:
+        if isinstance(case, Attn) and not case.plain:
             ctx.plain_rows[case.name] = rows[0]
     finally:
         ctx.case_deadline = math.inf

@@ -28,6 +28,12 @@ last field ``variant_params``, a pointer to the variant's ``VariantParams``
 (generated in ``variant.h`` by ``jitattn.families.variant``); specs without a
 variant keep the struct without it, byte for byte.
 
+Attention sinks (``spec.use_sinks``): the struct gains a last field ``sinks``, a
+float32 ``[num_qo_heads]`` pointer (natural-log sink logit per query head, on the
+scale of the logits after sm_scale and the soft cap). Partial states (split-KV
+chunks) and the returned LSE are those of the keys alone; only the final output
+is scaled by ``1 / (1 + exp(sinks[h] - lse))`` (0 when no key is visible).
+
 Split-KV (used by kernels that support it; the cpu kernel ignores it): when
 ``kv_chunk_size`` > 0, request r's KV is cut into chunks of that many tokens;
 ``split_indptr[r]`` (int32, batch+1 entries) is the index of r's first chunk
@@ -64,10 +70,12 @@ ATTENTION = Entry("attention", fields(
 ))
 
 ATTENTION_WITH_VARIANT = Entry("attention", ATTENTION.fields + (Field("variant_params", "ptr"),))
-
+ATTENTION_WITH_SINKS = Entry("attention", ATTENTION.fields + (Field("sinks", "ptr"),))
 
 
 def entries(spec: VariantSpec) -> tuple[Entry, ...]:
+    if spec.use_sinks:  # a spec never has both (spec validation)
+        return (ATTENTION_WITH_SINKS,)
     return (ATTENTION_WITH_VARIANT if spec.variant is not None else ATTENTION,)
 
 
@@ -78,6 +86,7 @@ def context(spec: VariantSpec) -> dict[str, Any]:
         "kv_ctype": c_type(spec.kv_dtype, spec.target),
         "o_ctype": c_type(spec.o_dtype, spec.target),
         "pos_codes": POS_ENCODING_CODES,
+        "use_sinks": spec.use_sinks,
     }
 
 

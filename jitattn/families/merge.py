@@ -2,14 +2,17 @@
 
 States are (v [rows, H, D], s [rows, H]) with s the natural-log LSE (fp32).
 The head dimension and all strides are run-time arguments; only the value
-dtype is compiled in.
+dtype is compiled in. A ``use_sinks`` merge module (the final merge of a cascade
+whose model has attention sinks) adds a ``sinks`` pointer (float32
+``[num_heads]``) to ``merge_states``: its merged output is scaled by
+``1 / (1 + exp(sinks[h] - lse))``, its LSE stays that of the states.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from ..abi import Entry, fields
+from ..abi import Entry, Field, fields
 from ..spec import VariantSpec
 from . import c_type
 
@@ -33,9 +36,12 @@ MERGE_STATES = Entry("merge_states", fields(
 ))
 
 
+MERGE_STATES_WITH_SINKS = Entry("merge_states", MERGE_STATES.fields + (Field("sinks", "ptr"),))
+
+
 def entries(spec: VariantSpec) -> tuple[Entry, ...]:
-    return (MERGE_STATE, MERGE_STATES)
+    return (MERGE_STATE, MERGE_STATES_WITH_SINKS if spec.use_sinks else MERGE_STATES)
 
 
 def context(spec: VariantSpec) -> dict[str, Any]:
-    return {"v_ctype": c_type(spec.o_dtype, spec.target)}
+    return {"v_ctype": c_type(spec.o_dtype, spec.target), "use_sinks": spec.use_sinks}

@@ -29,7 +29,9 @@ For one request with ``qo_len`` queries and ``kv_len`` keys:
   its right; ``custom_mask`` (True = attend) is ANDed in as well;
 * masked logits are ``-inf``; a query whose keys are all masked (or
   ``kv_len == 0``) yields output 0 and LSE ``-inf`` -- never NaN.  A NaN
-  query that sees a key yields a NaN output row and a NaN LSE.
+  query that sees a key yields a NaN output row and a NaN LSE;
+* attention sinks (``apply_sinks``) scale the keys' output by
+  ``e^lse / (e^lse + e^sink[h])``; the LSE stays that of the keys.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from .paged import (
 )
 from .merge import merge_state, merge_states
 from .variant import variant_attention
+from .sinks import apply_sinks
 
 __all__ = [
     "alibi_slopes",
@@ -61,5 +64,6 @@ __all__ = [
     "get_seq_lens",
     "to_cache_dtype",
     "variant_attention",
+    "apply_sinks",
     "PagedKVCache",
 ]
