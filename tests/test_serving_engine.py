@@ -79,6 +79,14 @@ def test_prefix_pages_are_shared_not_copied(model, shared_workload) -> None:
     assert engine.pool.num_used == engine.radix.num_cached_pages
 
 
+def test_requests_arriving_together_wait_for_the_shared_prefix(model, shared_workload) -> None:
+    prompts, expected = shared_workload
+    engine = Engine(model, num_pages=64, page_size=PAGE)
+    requests = _serve(engine, prompts, first_alone=False)
+    assert [r.output for r in requests] == expected
+    assert [r.num_shared_pages for r in requests] == [0] + [4] * (len(prompts) - 1)
+
+
 def test_cascade_and_flat_decode_give_the_same_tokens(model) -> None:
     prompts = _prompts(5, 50, [4, 9, 25, 2]) + _prompts(6, 20, [11, 3])  # two prefix groups
     outputs = {}

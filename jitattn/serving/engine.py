@@ -4,7 +4,7 @@ Each :meth:`Engine.step` does, in order:
 
 1. **admit** requests that have arrived (rank 0 decides under tensor parallelism, so every rank
    admits the same ones): match the prompt in the radix tree (shared pages, referenced not
-   copied) and take the request's own pages for its whole life up front, evicting LRU cached
+   copied; a request waits while one being prefilled will cache more of its prefix) and take the request's own pages for its whole life up front, evicting LRU cached
    prefixes when the pool is full, so a running request never runs out of pages;
 2. **prefill** up to ``prefill_chunk_tokens`` prompt tokens over the admitted requests, oldest
    first (a long prompt takes several steps), then cache the prompt's completed pages in the
@@ -171,7 +171,10 @@ class Engine:
                 return
             request = self.waiting[0]
             ps = self.pool.page_size
-            shared = self.radix.match(request.prompt, max_pages=(len(request.prompt) - 1) // ps)
+            max_shared = (len(request.prompt) - 1) // ps
+            shared = self.radix.match(request.prompt, max_pages=max_shared)
+            if any(self._common_pages(r.prompt, request.prompt, max_shared) > len(shared) for r in self.prefilling):
+                return  # a request being prefilled will cache more of this prompt: share it, do not recompute it
             # KV the request will ever hold: the prompt and every output but the last (never fed)
             own = self._pages_for(len(request.prompt) + request.max_new_tokens - 1) - len(shared)
             self.pool.incref(shared)
@@ -189,6 +192,13 @@ class Engine:
             request.num_computed = len(shared) * ps
             self.stats.reused_prompt_tokens += request.num_computed
             self.prefilling.append(request)
+
+    def _common_pages(self, a: list[int], b: list[int], limit: int) -> int:
+        """Whole pages of tokens that ``a`` and ``b`` start with in common (at most ``limit``)."""
+        ps, n = self.pool.page_size, 0
+        while n < limit and a[n * ps: (n + 1) * ps] == b[n * ps: (n + 1) * ps] and len(a) >= (n + 1) * ps:
+            n += 1
+        return n
 
     def _alloc(self, count: int) -> list[int] | None:
         pages = self.pool.alloc(count)
