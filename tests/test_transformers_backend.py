@@ -1,0 +1,98 @@
+"""jitattn as a transformers attention backend: greedy generation identical to eager (float32, cpu target).
+
+Skipped when transformers is not installed (``pip install -e .[transformers]``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import jitattn.integrations.transformers  # noqa: E402,F401  (registers "jitattn")
+from jitattn.integrations.transformers import NAME  # noqa: E402
+
+# Tiny random configs, one per attention feature the backend must carry.
+CONFIGS = {
+    "llama": lambda: transformers.LlamaConfig(
+        vocab_size=128, hidden_size=128, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2),
+    "mistral-sliding-window": lambda: transformers.MistralConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, sliding_window=7),
+    "gemma2-softcap": lambda: transformers.Gemma2Config(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, sliding_window=7, attn_logit_softcapping=5.0,
+        final_logit_softcapping=30.0, query_pre_attn_scalar=24),
+    "qwen2-gqa7": lambda: transformers.Qwen2Config(
+        vocab_size=128, hidden_size=14 * 64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=14,
+        num_key_value_heads=2),
+    "phi3-hd96": lambda: transformers.Phi3Config(
+        vocab_size=128, hidden_size=2 * 96, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+}
+
+
+def _model(name: str, implementation: str):
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(CONFIGS[name](), attn_implementation=implementation,
+                                                          dtype=torch.float32)
+    with torch.no_grad():  # random init is tiny; larger weights make the attention patterns sharp
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, p.shape[1] ** -0.5)
+    return model.eval()
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def models(request):
+    return request.param, _model(request.param, "eager"), _model(request.param, NAME)
+
+
+def _generate(model, ids, mask=None, new_tokens=8):
+    return model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False, min_new_tokens=new_tokens,
+                          pad_token_id=0)
+
+
+def test_greedy_generation_is_identical_to_eager(models) -> None:
+    name, eager, ours = models
+    assert ours.config._attn_implementation == NAME
+    ids = torch.randint(3, 128, (2, 20), generator=torch.Generator().manual_seed(1))  # longer than the windows
+    expected = _generate(eager, ids)
+    assert torch.equal(_generate(ours, ids), expected)
+
+
+def test_left_padded_batch_matches_eager(models) -> None:
+    name, eager, ours = models
+    ids = torch.randint(3, 128, (3, 16), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0  # left padding: the backend must get (and apply) the padding mask
+    mask[2, :9] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+    assert torch.equal(_generate(ours, ids, mask, 8), _generate(eager, ids, mask, 8))
+
+
+def test_forward_logits_match_eager(models) -> None:
+    name, eager, ours = models
+    ids = torch.randint(3, 128, (2, 24), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids).logits, eager(ids).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_unregistered_mask_would_drop_the_window() -> None:
+    """Why the mask registration matters: without it a windowed model's logits change."""
+    from transformers.masking_utils import AttentionMaskInterface
+
+    eager, ours = _model("mistral-sliding-window", "eager"), _model("mistral-sliding-window", NAME)
+    ids = torch.randint(3, 128, (1, 24), generator=torch.Generator().manual_seed(4))
+    saved = AttentionMaskInterface._global_mapping.pop(NAME)
+    try:
+        with torch.no_grad():
+            dropped = ours(ids).logits
+    finally:
+        AttentionMaskInterface._global_mapping[NAME] = saved
+    with torch.no_grad():
+        expected = eager(ids).logits
+        torch.testing.assert_close(ours(ids).logits, expected, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(dropped, expected, rtol=1e-3, atol=1e-3)
