@@ -96,3 +96,27 @@ def test_unregistered_mask_would_drop_the_window() -> None:
         expected = eager(ids).logits
         torch.testing.assert_close(ours(ids).logits, expected, rtol=1e-4, atol=1e-4)
     assert not torch.allclose(dropped, expected, rtol=1e-3, atol=1e-3)
+
+
+def test_serving_engine_loads_a_transformers_llama_checkpoint(tmp_path) -> None:
+    """The engine's Llama decoder, loaded from ``save_pretrained`` output, generates what transformers does."""
+    from jitattn.serving import Engine, LlamaModel, preset
+
+    tiny = preset("tiny")
+    config = transformers.LlamaConfig(
+        vocab_size=tiny.vocab_size, hidden_size=tiny.hidden_size, intermediate_size=tiny.intermediate_size,
+        num_hidden_layers=tiny.num_hidden_layers, num_attention_heads=tiny.num_attention_heads,
+        num_key_value_heads=tiny.num_key_value_heads, head_dim=tiny.head_dim, rms_norm_eps=tiny.rms_norm_eps,
+        rope_theta=tiny.rope_theta)
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0, p.shape[-1] ** -0.5) if p.dim() == 2 else p.uniform_(0.9, 1.1)
+    hf.save_pretrained(tmp_path)
+    prompts = torch.randint(0, tiny.vocab_size, (3, 21), generator=torch.Generator().manual_seed(6))
+    expected = hf.generate(prompts, max_new_tokens=6, do_sample=False, min_new_tokens=6)[:, 21:].tolist()
+    engine = Engine(LlamaModel.from_checkpoint(tmp_path), num_pages=32, page_size=8)
+    requests = [engine.add_request(p, 6) for p in prompts.tolist()]
+    engine.run()
+    assert [r.output for r in requests] == expected

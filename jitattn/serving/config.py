@@ -66,12 +66,17 @@ class ModelConfig:
         if missing:
             raise ValueError(f"{path}: missing {', '.join(missing)}; is this a Llama config.json?")
         heads = data["num_attention_heads"]
+        rope = data.get("rope_parameters") or data.get("rope_scaling") or {}  # transformers 5 / 4 spellings
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise ValueError(f"{path}: rope_type {rope_type!r} is not supported by this small engine (plain RoPE only)")
+        theta = rope.get("rope_theta", data.get("rope_theta", 10000.0))
         return cls(
             vocab_size=data["vocab_size"], hidden_size=data["hidden_size"],
             intermediate_size=data["intermediate_size"], num_hidden_layers=data["num_hidden_layers"],
             num_attention_heads=heads, num_key_value_heads=data.get("num_key_value_heads") or heads,
             head_dim=data.get("head_dim") or data["hidden_size"] // heads,
-            rope_theta=float(data.get("rope_theta", 10000.0)), rms_norm_eps=float(data.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(theta), rms_norm_eps=float(data.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(data.get("tie_word_embeddings", False)),
         )
 
