@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from dataclasses import asdict
 from pathlib import Path
 
@@ -17,7 +15,6 @@ import torch
 import torch.multiprocessing as mp
 
 from helpers import tp_worker
-from helpers.procs import child_env
 from jitattn.attention.specs import merge_spec
 from jitattn.serving import Engine, LlamaModel, head_shard, preset
 from jitattn.spec import Target
@@ -77,16 +74,17 @@ def test_ranks_racing_for_one_cold_spec_build_it_once(fresh_cache, tmp_path) -> 
     assert len(list(fresh_cache.rglob("lib.so"))) == 1
 
 
-def test_warm_tp2_prebuilds_exactly_what_the_ranks_load(tmp_path) -> None:
+def test_warm_tp2_prebuilds_exactly_what_the_ranks_load(tmp_path, capsys) -> None:
+    from jitattn_cache.cli import main as jitattn_cache
+
     config_dir = tmp_path / "model"
     CONFIG.save(config_dir)
-    warm = [sys.executable, "-m", "jitattn_cache", "warm", "--config", str(config_dir / "config.json"), "--tp", "2",
-            "--target", "cpu", "--dtype", "float32", "-q"]
-    proc = subprocess.run(warm, env=child_env(), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    listed = subprocess.run(warm[:-1] + ["--dry-run"], env=child_env(), capture_output=True, text=True, timeout=120)
-    rows = [line.split() for line in listed.stdout.splitlines() if line.split()[1:2] in (["cached"], ["cold"])]
-    assert rows and all(status == "cached" for _, status, *_ in rows), listed.stdout
+    warm = ["warm", "--config", str(config_dir / "config.json"), "--tp", "2", "--target", "cpu", "--dtype", "float32"]
+    assert jitattn_cache(warm + ["-q"]) == 0
+    capsys.readouterr()
+    assert jitattn_cache(warm + ["--dry-run"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.split()[1:2] in (["cached"], ["cold"])]
+    assert rows and all(status == "cached" for _, status, *_ in rows), rows
     # every rank loads from the warmed cache only: compiling would raise
     ranks = _spawn(tp_worker.serve, 2, tmp_path, _env(JITATTN_ASSERT_NO_COMPILE="1"), asdict(CONFIG), _prompts(),
                    NEW_TOKENS)
