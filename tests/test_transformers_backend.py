@@ -120,3 +120,39 @@ def test_serving_engine_loads_a_transformers_llama_checkpoint(tmp_path) -> None:
     requests = [engine.add_request(p, 6) for p in prompts.tolist()]
     engine.run()
     assert [r.output for r in requests] == expected
+
+
+# --- on the GPU ---------------------------------------------------------------------------------
+
+def _gpu_specs():
+    from jitattn.attention.specs import attention_spec
+    from jitattn.spec import KVLayout, KVStorage, MaskMode, Op, PosEncoding, Target
+
+    return [attention_spec(Op.PREFILL, Target.CUDA, q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16,
+                           o_dtype=torch.bfloat16, head_dim_qk=128, head_dim_vo=128, num_qo_heads=16, num_kv_heads=4,
+                           pos_encoding=PosEncoding.NONE, use_sliding_window=False, use_logits_soft_cap=False,
+                           mask_mode=mask, kv_layout=KVLayout.NHD, kv_storage=KVStorage.RAGGED)
+            for mask in (MaskMode.CAUSAL, MaskMode.NONE)]
+
+
+GPU_SPECS = _gpu_specs()  # causal prefill (the prompt), no mask (each generated token)
+
+
+@pytest.mark.gpu
+def test_bf16_llama_logits_and_generation_on_the_gpu() -> None:
+    config = transformers.LlamaConfig(vocab_size=1024, hidden_size=2048, intermediate_size=4096, num_hidden_layers=4,
+                                      num_attention_heads=16, num_key_value_heads=4)
+    models = {}
+    for implementation in ("eager", NAME):
+        torch.manual_seed(0)
+        models[implementation] = transformers.AutoModelForCausalLM.from_config(
+            config, attn_implementation=implementation, dtype=torch.bfloat16).cuda().eval()
+    ids = torch.randint(0, 1024, (4, 300), generator=torch.Generator().manual_seed(7)).cuda()
+    with torch.no_grad():
+        expected, got = models["eager"](ids).logits.float(), models[NAME](ids).logits.float()
+    relative = float((got - expected).norm() / expected.norm())
+    print(f"\nbf16 llama logits vs eager: relative error {relative:.2e}")
+    assert relative < 2e-2
+    out = {name: m.generate(ids[:, :64], max_new_tokens=16, do_sample=False, min_new_tokens=16) for name, m in models.items()}
+    agree = float((out[NAME] == out["eager"]).float().mean())
+    assert agree > 0.9, f"only {agree:.0%} of the bf16 greedy tokens agree with eager"
