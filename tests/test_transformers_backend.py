@@ -145,14 +145,21 @@ def test_bf16_llama_logits_and_generation_on_the_gpu() -> None:
     models = {}
     for implementation in ("eager", NAME):
         torch.manual_seed(0)
-        models[implementation] = transformers.AutoModelForCausalLM.from_config(
-            config, attn_implementation=implementation, dtype=torch.bfloat16).cuda().eval()
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=implementation,
+                                                              dtype=torch.float32)
+        with torch.no_grad():  # sharper logits than the default init: fewer near-ties for bf16 to flip
+            for p in model.parameters():
+                if p.dim() == 2:
+                    p.normal_(0, p.shape[1] ** -0.5)
+        models[implementation] = model.to(device="cuda", dtype=torch.bfloat16).eval()
     ids = torch.randint(0, 1024, (4, 300), generator=torch.Generator().manual_seed(7)).cuda()
     with torch.no_grad():
         expected, got = models["eager"](ids).logits.float(), models[NAME](ids).logits.float()
     relative = float((got - expected).norm() / expected.norm())
     print(f"\nbf16 llama logits vs eager: relative error {relative:.2e}")
     assert relative < 2e-2
-    out = {name: m.generate(ids[:, :64], max_new_tokens=16, do_sample=False, min_new_tokens=16) for name, m in models.items()}
+    out = {name: m.generate(ids[:, :64], max_new_tokens=16, do_sample=False, min_new_tokens=16)[:, 64:]
+           for name, m in models.items()}
     agree = float((out[NAME] == out["eager"]).float().mean())
-    assert agree > 0.9, f"only {agree:.0%} of the bf16 greedy tokens agree with eager"
+    print(f"bf16 greedy tokens agreeing with eager: {agree:.0%}")
+    assert agree > 0.75, f"only {agree:.0%} of the bf16 greedy tokens agree with eager"
