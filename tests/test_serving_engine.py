@@ -88,7 +88,8 @@ def test_requests_arriving_together_wait_for_the_shared_prefix(model, shared_wor
 
 
 def test_cascade_and_flat_decode_give_the_same_tokens(model) -> None:
-    prompts = _prompts(5, 50, [4, 9, 25, 2]) + _prompts(6, 20, [11, 3])  # two prefix groups
+    # two prefix groups and a request sharing nothing (a cascade node without shared pages)
+    prompts = _prompts(5, 50, [4, 9, 25, 2]) + _prompts(6, 20, [11, 3]) + _prompts(8, 0, [13])
     outputs = {}
     for cascade in (True, False):
         engine = Engine(model, num_pages=96, page_size=PAGE, cascade=cascade)
@@ -98,6 +99,7 @@ def test_cascade_and_flat_decode_give_the_same_tokens(model) -> None:
         requests += [engine.add_request(p, NEW_TOKENS) for p in prompts[1:4] + prompts[5:]]
         engine.run()
         outputs[cascade] = {r.rid: r.output for r in requests}
+        assert sorted(r.num_shared_pages for r in requests) == [0, 0, 0, 2, 6, 6, 6]
         assert (engine.stats.cascade_steps > 0) == cascade
     assert outputs[True] == outputs[False]
 
