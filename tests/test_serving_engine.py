@@ -125,6 +125,17 @@ def test_a_request_larger_than_the_pool_is_refused_clearly(model) -> None:
         engine.step()
 
 
+def test_bad_requests_are_refused_clearly(model) -> None:
+    engine = Engine(model, num_pages=8, page_size=PAGE, max_seq_len=64)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.add_request([CONFIG.vocab_size], 2)
+    with pytest.raises(ValueError, match="exceeds max_seq_len=64"):
+        engine.add_request([1] * 60, 5)
+    engine.add_request([1, 2], 2, arrival=1.0)
+    with pytest.raises(ValueError, match="arrival order"):
+        engine.add_request([1, 2], 2, arrival=0.5)
+
+
 def test_teacher_forced_logits_match_the_reference(model, shared_workload) -> None:
     prompts, _ = shared_workload
     forced = [list(range(10, 10 + NEW_TOKENS))] * len(prompts)

@@ -76,7 +76,14 @@ class EngineStats:
 
 
 class Engine:
-    """A continuous-batching engine over one model shard (see the module docstring)."""
+    """A continuous-batching engine over one model shard (see the module docstring).
+
+    ``num_pages`` pages of ``page_size`` tokens form the KV pool (per layer); at most
+    ``max_batch_size`` requests are admitted at once; a prefill step computes at most
+    ``prefill_chunk_tokens`` prompt tokens; ``cascade`` turns cascade decode on; ``cuda_graphs``
+    replays captured flat decode steps (cuda only); ``clock`` gives the time in seconds
+    (default: since the engine was made) that request arrivals are compared with.
+    """
 
     def __init__(self, model: LlamaModel, *, num_pages: int, page_size: int = 16, max_batch_size: int = 64,
                  prefill_chunk_tokens: int = 512, cascade: bool = True, cuda_graphs: bool = False,
@@ -118,6 +125,9 @@ class Engine:
                              f"max_seq_len={self.max_seq_len}")
         if forced_tokens is not None and len(forced_tokens) < max_new_tokens - 1:
             raise ValueError("forced_tokens needs max_new_tokens - 1 tokens (the last output is never fed)")
+        if self.waiting and arrival < self.waiting[-1].arrival:
+            raise ValueError(f"arrival={arrival} is before the last queued request's ({self.waiting[-1].arrival}); "
+                             "add requests in arrival order")
         bad = [t for t in prompt if not 0 <= t < self.model.config.vocab_size]
         if bad:
             raise ValueError(f"token {bad[0]} is outside the vocabulary [0, {self.model.config.vocab_size})")
