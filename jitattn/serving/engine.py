@@ -4,8 +4,9 @@ Each :meth:`Engine.step` does, in order:
 
 1. **admit** requests that have arrived (rank 0 decides under tensor parallelism, so every rank
    admits the same ones): match the prompt in the radix tree (shared pages, referenced not
-   copied; a request waits while one being prefilled will cache more of its prefix) and take the request's own pages for its whole life up front, evicting LRU cached
-   prefixes when the pool is full, so a running request never runs out of pages;
+   copied; a request waits while one being prefilled will cache more of its prefix) and take
+   the request's own pages for its whole life up front, evicting LRU cached prefixes when the
+   pool is full, so a running request never runs out of pages;
 2. **prefill** up to ``prefill_chunk_tokens`` prompt tokens over the admitted requests, oldest
    first (a long prompt takes several steps), then cache the prompt's completed pages in the
    radix tree; a request whose prompt is done gets its first token (greedy);
@@ -99,7 +100,8 @@ class Engine:
         self.radix = RadixCache(self.pool)
         self.planner = AttentionPlanner(self.pool, model.num_q_heads, model.num_kv_heads, c.head_dim, model.dtype,
                                         model.device, cascade=cascade)
-        self.max_batch_size, self.prefill_chunk_tokens, self.max_seq_len = max_batch_size, prefill_chunk_tokens, max_seq_len
+        self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
+        self.prefill_chunk_tokens = prefill_chunk_tokens
         self.cuda_graphs = cuda_graphs
         self._graphs: dict[int, DecodeGraph] = {}
         self._buckets = bucket_sizes(max_batch_size)

@@ -63,7 +63,8 @@ class RadixCache:
                 break
             same = 0  # whole pages of child that match
             for i in range(len(child.pages)):
-                if len(pages) + i >= limit or tuple(tokens[at + i * ps: at + (i + 1) * ps]) != child.key[i * ps: (i + 1) * ps]:
+                page_tokens = tuple(tokens[at + i * ps: at + (i + 1) * ps])
+                if len(pages) + i >= limit or page_tokens != child.key[i * ps: (i + 1) * ps]:
                     break
                 same += 1
             if same < len(child.pages):
