@@ -54,3 +54,33 @@ def race_load(rank: int, world: int, init_file: str, env: dict[str, str], spec: 
     jitattn.jit.load(VariantSpec.from_dict(spec))
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(dict(compiles=jitattn.jit.compile_count())))
     dist.destroy_process_group()
+
+
+def serve_teacher_forced(rank: int, world: int, init_file: str, env: dict[str, str], config: dict,
+                         prompts: list[list[int]], forced: list[list[int]], new_tokens: int, out_dir: str) -> None:
+    """On GPU ``rank`` (NCCL): serve ``prompts`` with teacher forcing; rank 0 saves the logits and its timing."""
+    os.environ.update(env)
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    import jitattn.jit
+    from jitattn.serving import Engine, LlamaModel, ModelConfig, TPGroup
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    model = LlamaModel.random(ModelConfig(**config), seed=0, dtype=torch.bfloat16, device=f"cuda:{rank}",
+                              group=TPGroup(rank, world))
+    engine = Engine(model, num_pages=64 * 12 + 64, page_size=16)
+    requests = [engine.add_request(p, new_tokens, forced_tokens=f, keep_logits=True) for p, f in zip(prompts, forced)]
+    started = time.perf_counter()
+    engine.run()
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - started
+    compiles = torch.tensor([jitattn.jit.compile_count()], device=f"cuda:{rank}")
+    dist.all_reduce(compiles)
+    if rank == 0:
+        torch.save(dict(logits=[torch.stack(r.logits) for r in requests], seconds=seconds,
+                        tokens=engine.stats.generated_tokens, compiles=int(compiles)), Path(out_dir, "rank0.pt"))
+    dist.destroy_process_group()
