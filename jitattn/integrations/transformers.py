@@ -88,8 +88,12 @@ def jitattn_mask(*args, **kwargs) -> torch.Tensor | None:
 
 def register() -> None:
     """Register ``"jitattn"`` with ``AttentionInterface`` and ``AttentionMaskInterface`` (idempotent)."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
+    try:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface
+    except ImportError as exc:
+        raise ImportError(f"jitattn.integrations.transformers needs transformers 5.x ({exc}); install it with "
+                          "python3 -m pip install 'jitattn[transformers]'") from None
 
     AttentionInterface.register(NAME, jitattn_attention_forward)
     AttentionMaskInterface.register(NAME, jitattn_mask)

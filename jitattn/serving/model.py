@@ -163,8 +163,8 @@ class LlamaModel:
     @classmethod
     def random(cls, config: ModelConfig, seed: int = 0, **kwargs) -> "LlamaModel":
         """A model with :func:`random_weights` drawn on its device (the same on every rank for one seed)."""
-        weights = random_weights(config, seed, device=kwargs.get("device", "cpu"))
-        return cls(config, weights, **kwargs)
+        device, dtype = kwargs.get("device", "cpu"), kwargs.get("dtype", torch.float32)
+        return cls(config, random_weights(config, seed, device=device, dtype=dtype), **kwargs)
 
     @classmethod
     def from_checkpoint(cls, directory: str | Path, **kwargs) -> "LlamaModel":
