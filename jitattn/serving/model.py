@@ -47,7 +47,7 @@ def random_weights(config: ModelConfig, seed: int = 0, device: str | torch.devic
                    dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """Seeded random weights, scaled so activations stay O(1) at any depth.
 
-    Drawn in float32 on ``device`` (the same values on every rank for one seed and device; draw
+    Drawn in float32 on ``device`` (the same values on every rank for one seed and device type; draw
     Llama-3-8B-sized weights on the GPU: the host takes minutes), then cast to ``dtype``.
     """
     gen = torch.Generator(device=device).manual_seed(seed)
