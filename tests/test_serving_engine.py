@@ -155,6 +155,36 @@ def test_checkpoint_directory_round_trip(model, tmp_path) -> None:
     assert reference_generate(loaded, prompt, 4)[0] == reference_generate(model, prompt, 4)[0]
 
 
+def test_graph_bucket_step_gives_the_eager_step_logits(model, monkeypatch) -> None:
+    """The CUDA-graph decode step's data flow on the cpu target: fixed buffers planned by a
+    ``use_cuda_graph=True`` wrapper, rows padded to the bucket with the scratch page. Capture is
+    replaced by a stand-in whose replay re-runs the recorded forward (no CUDA here)."""
+    import contextlib
+
+    from jitattn.serving.graphs import DecodeGraph
+
+    class ReplayByRerun:
+        owner: DecodeGraph
+
+        def replay(self) -> None:
+            self.owner.logits.copy_(self.owner._forward())
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", ReplayByRerun)
+    monkeypatch.setattr(torch.cuda, "graph", lambda graph, pool=None: contextlib.nullcontext())
+    engine = Engine(model, num_pages=64, page_size=PAGE, cascade=False)
+    for prompt in _prompts(11, 0, [5, 17, 30]):
+        engine.add_request(prompt, 8)
+    while engine.waiting or engine.prefilling:
+        engine.step()
+    graph = DecodeGraph(model, engine.pool, engine.planner.workspace, 4, 8)
+    ReplayByRerun.owner = graph
+    for batch in (engine.running, engine.running[:2]):  # 1 and 2 padded rows, one captured bucket
+        seqs = [SeqView(tuple(r.pages[: -(-len(r.fed_tokens) // PAGE)]), len(r.fed_tokens), 1) for r in batch]
+        ids = [r.fed_tokens[-1] for r in batch]
+        expected = engine._decode_logits(seqs, ids)
+        torch.testing.assert_close(graph.run(seqs, ids), expected, rtol=0, atol=0)
+
+
 # --- the parts on their own -------------------------------------------------------------------
 
 def test_pool_refcounts_and_double_release() -> None:
