@@ -9,6 +9,8 @@ own ``plan()`` and ``run()``.
 
 from __future__ import annotations
 
+import struct
+
 import torch
 
 from .batch import AttentionPlan, run_plan, run_plan_or_compiled, workspace_target
@@ -81,7 +83,9 @@ class BatchWrapperBase:
         """
         if self._plan is None:
             raise RuntimeError(f"{self._NAME}.forward() called before plan(); call plan() (or begin_forward()) first")
-        changed = {name: value for name, value in options.items() if self._plan_call.get(name) != value}
+        head_dim = self._plan.head_dim_qk
+        changed = {name: value for name, value in options.items()
+                   if _as_planned(name, self._plan_call.get(name), head_dim) != _as_planned(name, value, head_dim)}
         if changed and self._plan_call.get("fast_decode_plan"):  # its arrays are not kept: no re-plan
             raise ValueError(
                 f"{self._NAME}.forward({', '.join(f'{k}={v!r}' for k, v in changed.items())}) differs from the last "
@@ -119,6 +123,23 @@ class BatchWrapperBase:
     def _run_eager(self, q, k, v, *, k_scale, v_scale, out, lse, return_lse, q_scale=1.0):
         return run_plan(self._plan, self._NAME, self._workspace, q, (k, v), k_scale=k_scale, v_scale=v_scale,
                         out=out, lse=lse, return_lse=return_lse, q_scale=q_scale)
+
+
+# FlashInfer's defaults of the options forward() may repeat (None means the default).
+_OPTION_DEFAULTS = {"logits_soft_cap": 0.0, "window_left": -1, "rope_scale": 1.0, "rope_theta": 1e4}
+
+
+def _as_planned(name: str, value, head_dim: int):
+    """An option as the kernel sees it: None resolved to FlashInfer's default, floats rounded to float32.
+
+    ``forward(sm_scale=head_dim ** -0.5, logits_soft_cap=0.0)`` after a plan without them (SGLang's
+    call) is the same plan, although ``head_dim ** -0.5 != 1 / sqrt(head_dim)`` in float64 for some head dims.
+    """
+    if value is None:
+        value = head_dim ** -0.5 if name == "sm_scale" else _OPTION_DEFAULTS.get(name)
+    if isinstance(value, float):
+        return struct.unpack("f", struct.pack("f", value))[0]
+    return value
 
 
 def _positional_variant_args(wrapper: str, plan: AttentionPlan | None, values: tuple, named: dict) -> dict:

@@ -1,0 +1,158 @@
+"""Serve a synthetic workload with jitattn's serving engine and print what a serving engineer measures.
+
+Requests arrive as a Poisson process, all starting with one shared system prompt followed by a
+prompt of their own; the engine prefills them in chunks, shares the system prompt's KV pages
+through its radix tree, and decodes the running batch with cascade (or flat) attention. It
+prints output tokens/s, time to first token (TTFT), time per output token (TPOT) and the KV
+memory that sharing saved.
+
+    python3 examples/serve.py                                    # tiny random model, cpu, seconds
+    python3 examples/serve.py --device cuda --model llama-3-8b-shapes --graphs --num-requests 64
+    torchrun --nproc-per-node 2 examples/serve.py --tp 2         # tensor parallel (gloo on cpu, nccl on cuda)
+    python3 examples/serve.py --model /path/to/hf-llama-checkpoint
+
+Before serving a new model, pre-build its kernels so no rank compiles at start-up:
+``jitattn-cache warm --config <model>/config.json --tp N --dtype bfloat16`` (``--target cpu
+--dtype float32`` for the cpu runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="auto", help="cpu, cuda or auto (cuda when visible)")
+    p.add_argument("--model", default="tiny", help="tiny, small, llama-3-8b-shapes, or a checkpoint directory")
+    p.add_argument("--layers", type=int, help="override the preset's layer count")
+    p.add_argument("--dtype", help="float32 (default on cpu) or bfloat16 (default on cuda)")
+    p.add_argument("--num-requests", type=int, default=16)
+    p.add_argument("--rate", type=float, default=0.0, help="arrivals per second (0: all at once)")
+    p.add_argument("--system-prompt-len", type=int, default=64, help="tokens every prompt starts with")
+    p.add_argument("--prompt-len", type=int, default=24, help="mean own prompt tokens per request")
+    p.add_argument("--output-len", type=int, default=16, help="mean output tokens per request")
+    p.add_argument("--cascade", action=argparse.BooleanOptionalAction, default=True,
+                   help="cascade attention for requests sharing prefix pages (default on)")
+    p.add_argument("--graphs", action="store_true", help="replay CUDA graphs of the flat decode step (cuda)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (launch with torchrun)")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--num-pages", type=int, help="KV pool pages (default: room for every request at once)")
+    p.add_argument("--max-batch-size", type=int, default=64)
+    p.add_argument("--chunk", type=int, default=512, help="prefill tokens per step")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    return p.parse_args(argv)
+
+
+def setup_parallel(args: argparse.Namespace, device: str):
+    """The engine's TP group; under torchrun, the default process group (gloo on cpu, nccl on cuda)."""
+    from jitattn.serving import TPGroup
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.tp != world:
+        sys.exit(f"--tp {args.tp} needs {args.tp} processes; launch with torchrun --nproc-per-node {args.tp} "
+                 f"(this is {world})")
+    if args.tp == 1:
+        return TPGroup(), device
+    import torch.distributed as dist
+
+    if device == "cuda":
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        device = f"cuda:{local}"
+    dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+    return TPGroup(dist.get_rank(), dist.get_world_size()), device
+
+
+def workload(args: argparse.Namespace, vocab: int) -> list[tuple[float, list[int], int]]:
+    """(arrival s, prompt, output tokens) per request: the same on every rank (seeded)."""
+    gen = torch.Generator().manual_seed(args.seed)
+    system = torch.randint(0, vocab, (args.system_prompt_len,), generator=gen).tolist()
+    requests, arrival = [], 0.0
+    for _ in range(args.num_requests):
+        if args.rate > 0:
+            arrival += float(torch.empty(1).exponential_(args.rate, generator=gen))
+        own = max(1, int(torch.randint(args.prompt_len // 2, args.prompt_len * 3 // 2 + 1, (1,), generator=gen)))
+        out = max(1, int(torch.randint(args.output_len // 2, args.output_len * 3 // 2 + 1, (1,), generator=gen)))
+        requests.append((arrival, system + torch.randint(0, vocab, (own,), generator=gen).tolist(), out))
+    return requests
+
+
+def main(argv: list[str] | None = None) -> dict:
+    from tqdm import tqdm
+
+    from jitattn.serving import Engine, LlamaModel, load_checkpoint, preset
+
+    args = parse_args(argv)
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    group, device = setup_parallel(args, device)
+    dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.startswith("cuda") else torch.float32)
+    if Path(args.model).is_dir():
+        config, weights = load_checkpoint(args.model)
+        model = LlamaModel(config, weights, dtype=dtype, device=device, group=group)
+    else:
+        config = preset(args.model)
+        if args.layers:
+            config = config.with_layers(args.layers)
+        model = LlamaModel.random(config, seed=args.seed, dtype=dtype, device=device, group=group)
+    work = workload(args, config.vocab_size)
+    longest = max(len(p) + n for _, p, n in work)
+    pages_per_request = -(-longest // args.page_size)
+    num_pages = args.num_pages or pages_per_request * min(args.num_requests, args.max_batch_size) + 2
+    engine = Engine(model, num_pages=num_pages, page_size=args.page_size, max_batch_size=args.max_batch_size,
+                    prefill_chunk_tokens=args.chunk, cascade=args.cascade, cuda_graphs=args.graphs,
+                    max_seq_len=longest + 1)
+    requests = [engine.add_request(prompt, n, arrival) for arrival, prompt, n in work]
+    leader = group.rank == 0
+    bar = tqdm(total=len(requests), unit="req", desc="serving", disable=not leader, file=sys.stderr)
+    started = time.perf_counter()
+    engine.run(on_finish=lambda _: bar.update(1))
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - started
+    bar.close()
+    ttft = [r.first_token_time - r.arrival for r in requests]
+    tpot = [(r.finish_time - r.first_token_time) / (len(r.output) - 1) for r in requests if len(r.output) > 1]
+    s = engine.stats
+    results = {
+        "model": args.model, "layers": config.num_hidden_layers, "device": device, "dtype": str(dtype).split(".")[-1],
+        "tp": group.size, "cascade": args.cascade, "graphs": args.graphs, "requests": len(requests),
+        "wall_s": wall, "output_tokens_per_s": s.generated_tokens / wall,
+        "ttft_mean_ms": 1e3 * statistics.mean(ttft), "ttft_p99_ms": 1e3 * sorted(ttft)[int(0.99 * (len(ttft) - 1))],
+        "tpot_mean_ms": 1e3 * statistics.mean(tpot) if tpot else None,
+        "prompt_tokens_reused": s.reused_prompt_tokens, "prompt_tokens_computed": s.prefill_tokens,
+        "kv_bytes_saved_peak": s.peak_bytes_saved, "kv_pages_saved_peak": s.peak_pages_saved,
+        "kv_bytes_per_page": engine.pool.bytes_per_page, "decode_steps": s.decode_steps,
+        "cascade_steps": s.cascade_steps, "graph_steps": s.graph_steps, "evicted_pages": s.evicted_pages,
+    }
+    if leader:
+        print(f"{len(requests)} requests on {device} (tp {group.size}, cascade {'on' if args.cascade else 'off'}, "
+              f"graphs {'on' if args.graphs else 'off'}), {config.num_hidden_layers} layers, {results['dtype']}")
+        print(f"  output tokens/s   {results['output_tokens_per_s']:.1f} ({s.generated_tokens} tokens in {wall:.2f} s)")
+        print(f"  TTFT              mean {results['ttft_mean_ms']:.1f} ms, p99 {results['ttft_p99_ms']:.1f} ms")
+        if tpot:
+            print(f"  TPOT              mean {results['tpot_mean_ms']:.2f} ms")
+        print(f"  prefix sharing    {s.reused_prompt_tokens} prompt tokens reused, {s.prefill_tokens} computed; "
+              f"KV saved at peak {s.peak_bytes_saved / 2**20:.2f} MiB ({s.peak_pages_saved} pages"
+              + (" per rank" if group.size > 1 else "") + ")")
+        print(f"  decode steps      {s.decode_steps} ({s.cascade_steps} cascade, {s.graph_steps} graph replays)")
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+    if group.size > 1:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,102 @@
+"""jitattn as a Hugging Face transformers attention backend.
+
+Importing this module registers ``"jitattn"`` with transformers' ``AttentionInterface`` (the
+attention function) and ``AttentionMaskInterface`` (the mask builder), so that::
+
+    import jitattn.integrations.transformers  # noqa: F401  (registers "jitattn")
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="jitattn")
+
+runs every attention layer, in ``forward`` and ``generate``, on jitattn's ragged prefill kernel.
+The mask registration matters: transformers builds no mask at all for an implementation it does
+not know, which would silently drop causal masking, sliding windows and padding. The mask
+builder is transformers' boolean ``sdpa_mask``; when it skips the mask (a plain causal pattern
+with no padding) the kernel's own causal mask is used, and otherwise the boolean mask goes to
+the kernel as a custom mask (sliding windows and padding included). ``scaling`` and Gemma-2's
+``softcap`` map to ``sm_scale`` and ``logits_soft_cap``; GQA needs no key repetition.
+
+Each layer's call plans and runs one ragged batch (every sequence of the batch a request). The
+integration registers on import; :func:`register` is idempotent and may be called again.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import jitattn
+
+NAME = "jitattn"
+_WORKSPACE_BYTES = 16 << 20
+_wrappers: dict[torch.device, jitattn.BatchPrefillWithRaggedKVCacheWrapper] = {}
+
+
+def _wrapper(device: torch.device) -> jitattn.BatchPrefillWithRaggedKVCacheWrapper:
+    if device not in _wrappers:
+        workspace = torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        _wrappers[device] = jitattn.BatchPrefillWithRaggedKVCacheWrapper(workspace)
+    return _wrappers[device]
+
+
+def jitattn_attention_forward(
+    module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+    attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+    softcap: float | None = None, is_causal: bool | None = None, **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function contract: q ``[B, H, T, D]``, k/v ``[B, H_kv, S, D]`` -> (``[B, T, H, D_v]``, None).
+
+    ``attention_mask`` is the boolean ``[B, 1, T, S]`` mask of :func:`jitattn_mask` (True: attend)
+    or None for a plain causal pattern. Attention weights are never materialised (None).
+    """
+    if dropout and module.training:
+        raise ValueError("jitattn attention has no dropout; use attn_implementation='eager' for training with dropout")
+    if kwargs.get("position_bias") is not None:
+        raise ValueError("jitattn attention does not take a position_bias; use attn_implementation='eager'")
+    batch, heads, q_len, head_dim = query.shape
+    kv_heads, kv_len = key.shape[1], key.shape[2]
+    causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    custom_mask = None
+    if attention_mask is None:
+        causal = causal and q_len > 1  # a single query sees every key (bottom-right alignment)
+        if causal and kv_len > q_len:
+            # transformers skips the mask for a prefill into an empty static cache: upper-left causal, i.e.
+            # only the first q_len keys exist yet (sdpa slices the same way)
+            key, value, kv_len = key[:, :, :q_len], value[:, :, :q_len], q_len
+    else:
+        if attention_mask.dtype != torch.bool:
+            raise TypeError(f"the jitattn backend takes boolean masks (True: attend) from its registered mask "
+                            f"builder; got a {attention_mask.dtype} mask. Build the model with "
+                            f"attn_implementation='{NAME}' after importing jitattn.integrations.transformers")
+        custom_mask = attention_mask.expand(batch, 1, q_len, kv_len)[:, 0].reshape(-1).cpu()
+        causal = False  # the mask holds the causal pattern
+    q = query.transpose(1, 2).reshape(batch * q_len, heads, head_dim)
+    k = key.transpose(1, 2).reshape(batch * kv_len, kv_heads, head_dim)
+    v = value.transpose(1, 2).reshape(batch * kv_len, kv_heads, value.shape[-1])
+    wrapper = _wrapper(query.device)
+    wrapper.plan(torch.arange(batch + 1, dtype=torch.int32) * q_len, torch.arange(batch + 1, dtype=torch.int32) * kv_len,
+                 heads, kv_heads, head_dim, head_dim_vo=value.shape[-1], custom_mask=custom_mask, causal=causal,
+                 sm_scale=scaling, logits_soft_cap=softcap or None, q_data_type=query.dtype, kv_data_type=key.dtype)
+    out = wrapper.run(q, k, v)
+    return out.view(batch, q_len, heads, value.shape[-1]), None
+
+
+def jitattn_mask(*args, **kwargs) -> torch.Tensor | None:
+    """transformers' mask-builder contract: the boolean mask of ``sdpa_mask`` (None when plain causal suffices)."""
+    from transformers.masking_utils import sdpa_mask
+
+    kwargs.pop("dtype", None)  # eager's additive masks want it; boolean masks do not
+    return sdpa_mask(*args, **kwargs)
+
+
+def register() -> None:
+    """Register ``"jitattn"`` with ``AttentionInterface`` and ``AttentionMaskInterface`` (idempotent)."""
+    try:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface
+    except ImportError as exc:
+        raise ImportError(f"jitattn.integrations.transformers needs transformers 5.x ({exc}); install it with "
+                          "python3 -m pip install 'jitattn[transformers]'") from None
+
+    AttentionInterface.register(NAME, jitattn_attention_forward)
+    AttentionMaskInterface.register(NAME, jitattn_mask)
+
+
+register()

@@ -1,0 +1,136 @@
+"""One step's attention: page tables in, a planned wrapper and the per-layer callback out.
+
+Every step plans once (host index arrays, no device sync) and every layer of the model then
+calls the same :class:`StepAttention`: append the layer's new k/v to its cache
+(``append_paged_kv_cache``), run the planned wrapper. Prefill chunks run on the paged prefill
+wrapper (causal). Decode runs on ``MultiLevelCascadeAttentionWrapper`` when some requests share
+prefix pages (level 0: each group's shared pages once, level 1: each request's own), and on
+the flat ``BatchDecodeWithPagedKVCacheWrapper`` otherwise. The three wrappers share one float
+workspace, as serving engines do.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+import jitattn
+
+from .kv_pool import KVPool
+
+
+@dataclass(frozen=True)
+class SeqView:
+    """A request as one step sees it: its pages, its KV length after the step, the tokens it appends."""
+
+    pages: tuple[int, ...]  # exactly ceil(kv_len / page_size) pages
+    kv_len: int
+    new_tokens: int
+
+
+def _indptr(counts: list[int]) -> torch.Tensor:
+    out = torch.zeros(len(counts) + 1, dtype=torch.int32)
+    if counts:
+        out[1:] = torch.tensor(counts, dtype=torch.int64).cumsum(0)
+    return out
+
+
+def page_table(seqs: list[SeqView], page_size: int, skip_pages: list[int] | None = None):
+    """(indptr, indices, last_page_len) host int32 tensors; ``skip_pages[i]`` leading pages of seq i left out."""
+    skip = skip_pages or [0] * len(seqs)
+    rows = [s.pages[k:] for s, k in zip(seqs, skip)]
+    indices = torch.tensor([p for r in rows for p in r], dtype=torch.int32)
+    last = torch.tensor([(s.kv_len - 1) % page_size + 1 for s in seqs], dtype=torch.int32)
+    return _indptr([len(r) for r in rows]), indices, last
+
+
+def prefix_groups(seqs: list[SeqView]) -> list[tuple[int, int]]:
+    """(size, shared pages) of each run of consecutive seqs that start with the same pages.
+
+    A group's shared pages are its members' longest common page prefix, never a member's last
+    page (that one still receives tokens); a seq alone is a group sharing nothing.
+    """
+    groups, i = [], 0
+    while i < len(seqs):
+        j = i + 1
+        while j < len(seqs) and seqs[j].pages[:1] == seqs[i].pages[:1]:
+            j += 1
+        common = 0
+        if j - i > 1:
+            limit = min(len(s.pages) for s in seqs[i:j]) - 1
+            while common < limit and all(s.pages[common] == seqs[i].pages[common] for s in seqs[i + 1:j]):
+                common += 1
+        groups.append((j - i, common))
+        i = j
+    return groups
+
+
+class StepAttention:
+    """The attention callback of one step: append this layer's k/v, run the planned wrapper."""
+
+    def __init__(self, pool: KVPool, wrapper, seqs: list[SeqView], device: torch.device) -> None:
+        ps = pool.page_size
+        indptr, indices, last = page_table(seqs, ps)
+        batch = torch.cat([torch.full((s.new_tokens,), r, dtype=torch.int32) for r, s in enumerate(seqs)])
+        positions = torch.cat([torch.arange(s.kv_len - s.new_tokens, s.kv_len, dtype=torch.int32) for s in seqs])
+        # moved to the device once per step, not once per layer
+        self._append_index = [t.to(device) for t in (batch, positions, indices, indptr, last)]
+        self.pool, self.wrapper = pool, wrapper
+        self.kind = type(wrapper).__name__
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        cache = self.pool.caches[layer]
+        batch, positions, indices, indptr, last = self._append_index
+        jitattn.append_paged_kv_cache(k, v, batch, positions, cache, indices, indptr, last)
+        return self.wrapper.run(q, cache)
+
+
+class AttentionPlanner:
+    """The wrappers of one engine (one shared float workspace) and the plan of each step."""
+
+    def __init__(self, pool: KVPool, num_q_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device, cascade: bool = True, workspace_bytes: int | None = None) -> None:
+        self.pool, self.dtype, self.device, self.use_cascade = pool, dtype, torch.device(device), cascade
+        self.heads = (num_q_heads, num_kv_heads, head_dim)
+        if workspace_bytes is None:
+            workspace_bytes = (256 << 20) if self.device.type == "cuda" else (32 << 20)
+        self.workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=self.device)
+        self.prefill = jitattn.BatchPrefillWithPagedKVCacheWrapper(self.workspace)
+        self.decode = jitattn.BatchDecodeWithPagedKVCacheWrapper(self.workspace)
+        self.cascade = jitattn.MultiLevelCascadeAttentionWrapper(2, self.workspace)
+
+    def prefill_step(self, seqs: list[SeqView]) -> StepAttention:
+        """Chunked prefill: each seq's ``new_tokens`` queries attend causally to its whole KV."""
+        ps = self.pool.page_size
+        self.prefill.plan(_indptr([s.new_tokens for s in seqs]), *page_table(seqs, ps), *self.heads, ps,
+                          causal=True, q_data_type=self.dtype, kv_data_type=self.dtype)
+        return StepAttention(self.pool, self.prefill, seqs, self.device)
+
+    def cascade_groups(self, seqs: list[SeqView]) -> list[tuple[int, int]] | None:
+        """The prefix groups of a decode batch when cascade is on and some group shares pages, else None."""
+        groups = prefix_groups(seqs) if self.use_cascade else []
+        return groups if any(size > 1 and common > 0 for size, common in groups) else None
+
+    def decode_step(self, seqs: list[SeqView]) -> StepAttention:
+        """One token per seq; cascade when consecutive seqs share prefix pages (see :func:`prefix_groups`)."""
+        ps = self.pool.page_size
+        groups = self.cascade_groups(seqs)
+        if groups is None:
+            self.decode.plan(*page_table(seqs, ps), *self.heads, ps, q_data_type=self.dtype, kv_data_type=self.dtype)
+            return StepAttention(self.pool, self.decode, seqs, self.device)
+        shared_rows, own_skip, first = [], [], 0
+        for size, common in groups:
+            shared_rows.append(seqs[first].pages[:common])
+            own_skip += [common] * size
+            first += size
+        shared_indptr = _indptr([len(r) for r in shared_rows])
+        shared_indices = torch.tensor([p for r in shared_rows for p in r], dtype=torch.int32)
+        shared_last = torch.full((len(groups),), ps, dtype=torch.int32)  # shared pages are always full
+        own_indptr, own_indices, own_last = page_table(seqs, ps, own_skip)
+        self.cascade.plan(
+            [_indptr([size for size, _ in groups]), _indptr([1] * len(seqs))], [shared_indptr, own_indptr],
+            [shared_indices, own_indices], [shared_last, own_last], *self.heads, ps, causal=False,
+            q_data_type=self.dtype, kv_data_type=self.dtype,
+        )
+        return StepAttention(self.pool, self.cascade, seqs, self.device)

@@ -1,0 +1,100 @@
+"""Model configurations of the serving engine's Llama-architecture decoder."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The shapes of a Llama-architecture decoder (Hugging Face ``LlamaConfig`` names where they exist)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rope_theta: float = 500000.0
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "head_dim"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"ModelConfig.{name}={value!r} must be a positive int")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_attention_heads={self.num_attention_heads} must be a multiple of "
+                             f"num_key_value_heads={self.num_key_value_heads} (GQA)")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even (RoPE rotates pairs)")
+
+    @property
+    def group_size(self) -> int:
+        return self.num_attention_heads // self.num_key_value_heads
+
+    def with_layers(self, num_hidden_layers: int) -> "ModelConfig":
+        return replace(self, num_hidden_layers=num_hidden_layers)
+
+    def to_hf_dict(self) -> dict:
+        """A Hugging Face ``config.json`` of this model (``jitattn-cache warm --config`` reads it)."""
+        return {"model_type": "llama", "architectures": ["LlamaForCausalLM"], **asdict(self)}
+
+    def save(self, directory: str | Path) -> Path:
+        path = Path(directory) / "config.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_hf_dict(), indent=2) + "\n")
+        return path
+
+    @classmethod
+    def from_hf_config(cls, path: str | Path) -> "ModelConfig":
+        """Read a Hugging Face Llama ``config.json`` (a file or the directory holding it)."""
+        path = Path(path)
+        if path.is_dir():
+            path = path / "config.json"
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise ValueError(f"{path} does not exist; expected a Hugging Face config.json") from None
+        missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                               "num_attention_heads") if k not in data]
+        if missing:
+            raise ValueError(f"{path}: missing {', '.join(missing)}; is this a Llama config.json?")
+        heads = data["num_attention_heads"]
+        rope = data.get("rope_parameters") or data.get("rope_scaling") or {}  # transformers 5 / 4 spellings
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise ValueError(f"{path}: rope_type {rope_type!r} is not supported by this small engine (plain RoPE only)")
+        theta = rope.get("rope_theta", data.get("rope_theta", 10000.0))
+        return cls(
+            vocab_size=data["vocab_size"], hidden_size=data["hidden_size"],
+            intermediate_size=data["intermediate_size"], num_hidden_layers=data["num_hidden_layers"],
+            num_attention_heads=heads, num_key_value_heads=data.get("num_key_value_heads") or heads,
+            head_dim=data.get("head_dim") or data["hidden_size"] // heads,
+            rope_theta=float(theta), rms_norm_eps=float(data.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(data.get("tie_word_embeddings", False)),
+        )
+
+
+PRESETS: dict[str, ModelConfig] = {
+    # Runs on the cpu target in seconds; 4 q heads over 2 kv heads so that TP 2 and TP 4 both split it.
+    "tiny": ModelConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=32),
+    "small": ModelConfig(vocab_size=4096, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
+                         num_attention_heads=16, num_key_value_heads=4, head_dim=64),
+    # Llama-3-8B's shapes (random weights unless a checkpoint is given).
+    "llama-3-8b-shapes": ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                                     num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                                     head_dim=128, rope_theta=500000.0),
+}
+
+
+def preset(name: str) -> ModelConfig:
+    if name not in PRESETS:
+        raise ValueError(f"unknown model {name!r}; choose one of {', '.join(PRESETS)} or give a checkpoint directory")
+    return PRESETS[name]

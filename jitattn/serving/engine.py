@@ -1,0 +1,306 @@
+"""The scheduler: admit arriving requests, prefill them in chunks, decode the running batch.
+
+Each :meth:`Engine.step` does, in order:
+
+1. **admit** requests that have arrived (rank 0 decides under tensor parallelism, so every rank
+   admits the same ones): match the prompt in the radix tree (shared pages, referenced not
+   copied; a request waits while one being prefilled will cache more of its prefix) and take
+   the request's own pages for its whole life up front, evicting LRU cached prefixes when the
+   pool is full, so a running request never runs out of pages;
+2. **prefill** up to ``prefill_chunk_tokens`` prompt tokens over the admitted requests, oldest
+   first (a long prompt takes several steps), then cache the prompt's completed pages in the
+   radix tree; a request whose prompt is done gets its first token (greedy);
+3. **decode** one token for every running request, ordered so that requests sharing prefix pages
+   sit together (cascade attention groups them), with one plan for every layer; on cuda a flat
+   step may replay a captured CUDA graph of its batch-size bucket.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from .attention import AttentionPlanner, SeqView
+from .graphs import DecodeGraph, bucket_sizes
+from .kv_pool import KVPool
+from .model import LlamaModel
+from .radix import RadixCache
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation request and its progress (times in seconds of the engine's clock)."""
+
+    rid: int
+    prompt: list[int]
+    max_new_tokens: int
+    arrival: float = 0.0
+    forced_tokens: list[int] | None = None  # teacher forcing: fed instead of the greedy tokens
+    keep_logits: bool = False
+    output: list[int] = field(default_factory=list)  # greedy tokens
+    logits: list[torch.Tensor] = field(default_factory=list)  # float32 on the host, when keep_logits
+    pages: list[int] = field(default_factory=list)
+    num_shared_pages: int = 0  # leading pages found in the radix tree at admission
+    num_computed: int = 0  # prompt tokens whose KV is in the pool
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    @property
+    def fed_tokens(self) -> list[int]:
+        """Prompt plus the tokens fed back so far (the greedy ones, or the forced ones)."""
+        fed = self.output if self.forced_tokens is None else self.forced_tokens[: len(self.output)]
+        return self.prompt + fed
+
+    @property
+    def done(self) -> bool:
+        return len(self.output) >= self.max_new_tokens
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    prefill_steps: int = 0
+    decode_steps: int = 0
+    cascade_steps: int = 0
+    graph_steps: int = 0
+    prefill_tokens: int = 0  # prompt tokens computed
+    reused_prompt_tokens: int = 0  # prompt tokens found in the radix tree (not computed)
+    generated_tokens: int = 0
+    evicted_pages: int = 0
+    peak_pages_saved: int = 0  # max over decode steps of (pages the batch references - distinct pages)
+    peak_bytes_saved: int = 0
+
+
+class Engine:
+    """A continuous-batching engine over one model shard (see the module docstring).
+
+    ``num_pages`` pages of ``page_size`` tokens form the KV pool (per layer); at most
+    ``max_batch_size`` requests are admitted at once; a prefill step computes at most
+    ``prefill_chunk_tokens`` prompt tokens; ``cascade`` turns cascade decode on; ``cuda_graphs``
+    replays captured flat decode steps (cuda only); ``clock`` gives the time in seconds
+    (default: since the engine was made) that request arrivals are compared with.
+    """
+
+    def __init__(self, model: LlamaModel, *, num_pages: int, page_size: int = 16, max_batch_size: int = 64,
+                 prefill_chunk_tokens: int = 512, cascade: bool = True, cuda_graphs: bool = False,
+                 max_seq_len: int = 4096, clock: Callable[[], float] | None = None) -> None:
+        if prefill_chunk_tokens < 1 or max_batch_size < 1:
+            raise ValueError("prefill_chunk_tokens and max_batch_size must be positive")
+        if cuda_graphs and model.device.type != "cuda":
+            raise ValueError("cuda_graphs=True needs a model on a CUDA device")
+        c = model.config
+        self.model, self.group = model, model.group
+        self.pool = KVPool(c.num_hidden_layers, num_pages, page_size, model.num_kv_heads, c.head_dim, model.dtype,
+                           model.device)
+        self.radix = RadixCache(self.pool)
+        self.planner = AttentionPlanner(self.pool, model.num_q_heads, model.num_kv_heads, c.head_dim, model.dtype,
+                                        model.device, cascade=cascade)
+        self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
+        self.prefill_chunk_tokens = prefill_chunk_tokens
+        self.cuda_graphs = cuda_graphs
+        self._graphs: dict[int, DecodeGraph] = {}
+        self._buckets = bucket_sizes(max_batch_size)
+        self._graph_pool = torch.cuda.graph_pool_handle() if cuda_graphs else None
+        started = time.perf_counter()
+        self.clock = clock or (lambda: time.perf_counter() - started)
+        self.waiting: deque[Request] = deque()
+        self.prefilling: list[Request] = []
+        self.running: list[Request] = []
+        self.finished: list[Request] = []
+        self.stats = EngineStats()
+        self._next_rid = 0
+
+    # --- requests ---------------------------------------------------------------------------
+
+    def add_request(self, prompt: list[int], max_new_tokens: int, arrival: float = 0.0,
+                    forced_tokens: list[int] | None = None, keep_logits: bool = False) -> Request:
+        """Queue a request (``arrival`` in the engine clock's seconds; requests must arrive in order)."""
+        if not prompt or max_new_tokens < 1:
+            raise ValueError("a request needs a non-empty prompt and max_new_tokens >= 1")
+        if len(prompt) + max_new_tokens > self.max_seq_len:
+            raise ValueError(f"prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) exceeds "
+                             f"max_seq_len={self.max_seq_len}")
+        if forced_tokens is not None and len(forced_tokens) < max_new_tokens - 1:
+            raise ValueError("forced_tokens needs max_new_tokens - 1 tokens (the last output is never fed)")
+        if self.waiting and arrival < self.waiting[-1].arrival:
+            raise ValueError(f"arrival={arrival} is before the last queued request's ({self.waiting[-1].arrival}); "
+                             "add requests in arrival order")
+        bad = [t for t in prompt if not 0 <= t < self.model.config.vocab_size]
+        if bad:
+            raise ValueError(f"token {bad[0]} is outside the vocabulary [0, {self.model.config.vocab_size})")
+        request = Request(self._next_rid, list(prompt), max_new_tokens, arrival, forced_tokens, keep_logits)
+        self._next_rid += 1
+        self.waiting.append(request)
+        return request
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.prefilling or self.running)
+
+    def run(self, on_finish: Callable[[Request], None] | None = None) -> list[Request]:
+        """Step until every queued request has finished; returns them in finishing order."""
+        while self.has_work:
+            for request in self.step():
+                if on_finish is not None:
+                    on_finish(request)
+        return self.finished
+
+    # --- one step ---------------------------------------------------------------------------
+
+    def step(self) -> list[Request]:
+        """Admit, prefill one chunk budget, decode one token for the running batch; returns requests finished now."""
+        self.stats.steps += 1
+        self._admit()
+        done = self._prefill()
+        done += self._decode()
+        for request in done:
+            request.finish_time = self.clock()
+            self.pool.decref(request.pages)
+            request.pages = []
+        self.finished += done
+        if not done and not self.prefilling and not self.running and self.waiting:
+            wait = self.waiting[0].arrival - self.clock()
+            if wait > 0:
+                time.sleep(min(wait, 0.05))  # nothing to do before the next arrival
+        return done
+
+    def _pages_for(self, tokens: int) -> int:
+        return -(-tokens // self.pool.page_size)
+
+    def _admit(self) -> None:
+        now = self.clock()
+        arrived = 0
+        while arrived < len(self.waiting) and self.waiting[arrived].arrival <= now:
+            arrived += 1
+        arrived = self.group.broadcast(arrived)  # every rank admits what rank 0 saw arrive
+        for _ in range(arrived):
+            if len(self.prefilling) + len(self.running) >= self.max_batch_size:
+                return
+            request = self.waiting[0]
+            ps = self.pool.page_size
+            max_shared = (len(request.prompt) - 1) // ps
+            shared = self.radix.match(request.prompt, max_pages=max_shared)
+            if any(self._common_pages(r.prompt, request.prompt, max_shared) > len(shared) for r in self.prefilling):
+                return  # a request being prefilled will cache more of this prompt: share it, do not recompute it
+            # KV the request will ever hold: the prompt and every output but the last (never fed)
+            own = self._pages_for(len(request.prompt) + request.max_new_tokens - 1) - len(shared)
+            self.pool.incref(shared)
+            pages = self._alloc(own)
+            if pages is None:
+                self.pool.decref(shared)
+                if not self.prefilling and not self.running:
+                    raise RuntimeError(
+                        f"request {request.rid} needs {own} free KV pages and the pool has {self.pool.num_free} "
+                        f"(of {self.pool.num_pages}) after evicting every idle cached prefix; give the engine "
+                        "more num_pages or shorter requests")
+                return  # wait for running requests to finish
+            self.waiting.popleft()
+            request.pages, request.num_shared_pages = shared + pages, len(shared)
+            request.num_computed = len(shared) * ps
+            self.stats.reused_prompt_tokens += request.num_computed
+            self.prefilling.append(request)
+
+    def _common_pages(self, a: list[int], b: list[int], limit: int) -> int:
+        """Whole pages of tokens that ``a`` and ``b`` start with in common (at most ``limit``)."""
+        ps, n = self.pool.page_size, 0
+        while n < limit and a[n * ps: (n + 1) * ps] == b[n * ps: (n + 1) * ps] and len(a) >= (n + 1) * ps:
+            n += 1
+        return n
+
+    def _alloc(self, count: int) -> list[int] | None:
+        pages = self.pool.alloc(count)
+        if pages is None:
+            self.stats.evicted_pages += self.radix.evict(count - self.pool.num_free)
+            pages = self.pool.alloc(count)
+        return pages
+
+    def _prefill(self) -> list[Request]:
+        budget, chunk = self.prefill_chunk_tokens, []
+        for request in self.prefilling:
+            if budget == 0:
+                break
+            n = min(len(request.prompt) - request.num_computed, budget)
+            chunk.append((request, n))
+            budget -= n
+        if not chunk:
+            return []
+        seqs, ids, positions = [], [], []
+        for request, n in chunk:
+            start, end = request.num_computed, request.num_computed + n
+            seqs.append(SeqView(tuple(request.pages[: self._pages_for(end)]), end, n))
+            ids += request.prompt[start:end]
+            positions += range(start, end)
+        attention = self.planner.prefill_step(seqs)
+        dev = self.model.device
+        with torch.no_grad():
+            hidden = self.model.forward(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), attention)
+            last_rows = torch.tensor(list(itertools.accumulate(n for _, n in chunk)), device=dev) - 1
+            logits = self.model.logits(hidden[last_rows])
+        self.stats.prefill_steps += 1
+        self.stats.prefill_tokens += len(ids)
+        done = []
+        for i, (request, n) in enumerate(chunk):
+            request.num_computed += n
+            full = request.num_computed // self.pool.page_size
+            self.radix.insert(request.prompt, request.pages[:full])
+            if request.num_computed == len(request.prompt):
+                self.prefilling.remove(request)
+                request.first_token_time = self.clock()
+                self._emit(request, logits[i])
+                (done if request.done else self.running).append(request)
+        return done
+
+    def _emit(self, request: Request, logits: torch.Tensor) -> None:
+        request.output.append(int(logits.argmax()))
+        if request.keep_logits:
+            request.logits.append(logits.float().cpu())
+        self.stats.generated_tokens += 1
+
+    def _decode(self) -> list[Request]:
+        if not self.running:
+            return []
+        # requests that share prefix pages next to each other: cascade attention groups them
+        batch = sorted(self.running, key=lambda r: tuple(r.pages[: r.num_shared_pages or 1]))
+        seqs, ids = [], []
+        for request in batch:
+            fed = request.fed_tokens
+            seqs.append(SeqView(tuple(request.pages[: self._pages_for(len(fed))]), len(fed), 1))
+            ids.append(fed[-1])
+        referenced = sum(len(s.pages) for s in seqs)
+        saved = referenced - len({p for s in seqs for p in s.pages})
+        if saved > self.stats.peak_pages_saved:
+            self.stats.peak_pages_saved = saved
+            self.stats.peak_bytes_saved = saved * self.pool.bytes_per_page
+        logits = self._decode_logits(seqs, ids)
+        self.stats.decode_steps += 1
+        done = []
+        for i, request in enumerate(batch):
+            self._emit(request, logits[i])
+            if request.done:
+                self.running.remove(request)
+                done.append(request)
+        return done
+
+    def _decode_logits(self, seqs: list[SeqView], ids: list[int]) -> torch.Tensor:
+        dev = self.model.device
+        with torch.no_grad():
+            cascade = self.planner.cascade_groups(seqs) is not None
+            if self.cuda_graphs and not cascade:
+                self.stats.graph_steps += 1
+                return self._graph(len(seqs)).run(seqs, ids)
+            self.stats.cascade_steps += cascade
+            attention = self.planner.decode_step(seqs)
+            positions = torch.tensor([s.kv_len - 1 for s in seqs], device=dev)
+            return self.model.logits(self.model.forward(torch.tensor(ids, device=dev), positions, attention))
+
+    def _graph(self, batch_size: int) -> DecodeGraph:
+        bucket = next(b for b in self._buckets if b >= batch_size)
+        if bucket not in self._graphs:
+            self._graphs[bucket] = DecodeGraph(self.model, self.pool, self.planner.workspace, bucket,
+                                               self._pages_for(self.max_seq_len), self._graph_pool)
+        return self._graphs[bucket]

@@ -1,0 +1,78 @@
+"""CUDA-graph capture of the flat decode step, one graph per batch-size bucket.
+
+A bucket's graph replays the whole model forward for ``bucket`` requests: embedding, every
+layer's append + decode attention + MLP, and the lm head. Everything it reads lives in fixed
+buffers: token ids, positions, append indices, and the page table of a ``use_cuda_graph=True``
+decode wrapper, which ``plan()`` refills before each replay. A batch smaller than its bucket is
+padded with rows that point at the pool's scratch page (one token, written and read there only).
+Cascade steps are not captured (their level count and node count vary); they run eagerly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import jitattn
+
+from .attention import SeqView, page_table
+from .kv_pool import KVPool
+from .model import LlamaModel
+
+
+def bucket_sizes(max_batch_size: int) -> list[int]:
+    """1, 2, 4, 8, then multiples of 8 up to ``max_batch_size`` (inclusive)."""
+    sizes = [b for b in (1, 2, 4) if b < max_batch_size] + list(range(8, max_batch_size + 1, 8))
+    if not sizes or sizes[-1] != max_batch_size:
+        sizes.append(max_batch_size)
+    return sorted(set(sizes))
+
+
+class DecodeGraph:
+    """The captured decode step of one bucket (see the module docstring)."""
+
+    def __init__(self, model: LlamaModel, pool: KVPool, workspace: torch.Tensor, bucket: int, max_pages_per_seq: int,
+                 memory_pool=None) -> None:
+        dev = model.device
+        self.model, self.pool, self.bucket = model, pool, bucket
+        self.input_ids = torch.zeros(bucket, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(bucket, dtype=torch.long, device=dev)
+        self.batch_indices = torch.arange(bucket, dtype=torch.int32, device=dev)
+        self.append_positions = torch.zeros(bucket, dtype=torch.int32, device=dev)
+        self.indptr = torch.zeros(bucket + 1, dtype=torch.int32, device=dev)
+        self.indices = torch.zeros(bucket * max_pages_per_seq, dtype=torch.int32, device=dev)
+        self.last_page_len = torch.ones(bucket, dtype=torch.int32, device=dev)
+        self.wrapper = jitattn.BatchDecodeWithPagedKVCacheWrapper(
+            workspace, use_cuda_graph=True, paged_kv_indptr_buffer=self.indptr, paged_kv_indices_buffer=self.indices,
+            paged_kv_last_page_len_buffer=self.last_page_len)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.memory_pool = memory_pool
+        self.logits: torch.Tensor | None = None
+
+    def _attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        cache = self.pool.caches[layer]
+        jitattn.append_paged_kv_cache(k, v, self.batch_indices, self.append_positions, cache, self.indices,
+                                      self.indptr, self.last_page_len)
+        return self.wrapper.run(q, cache)
+
+    def _forward(self) -> torch.Tensor:
+        return self.model.logits(self.model.forward(self.input_ids, self.positions, self._attention))
+
+    def run(self, seqs: list[SeqView], input_ids: list[int]) -> torch.Tensor:
+        """Logits ``[len(seqs), vocab]`` of one decode step (captured on the bucket's first use)."""
+        n = len(seqs)
+        pad = [SeqView((KVPool.SCRATCH_PAGE,), 1, 1)] * (self.bucket - n)
+        rows = list(seqs) + pad
+        c = self.model.config
+        self.wrapper.plan(*page_table(rows, self.pool.page_size), self.model.num_q_heads, self.model.num_kv_heads,
+                          c.head_dim, self.pool.page_size, q_data_type=self.model.dtype, kv_data_type=self.model.dtype)
+        self.input_ids.copy_(torch.tensor(input_ids + [0] * (self.bucket - n)), non_blocking=True)
+        positions = torch.tensor([s.kv_len - 1 for s in rows])
+        self.positions.copy_(positions, non_blocking=True)
+        self.append_positions.copy_(positions.to(torch.int32), non_blocking=True)
+        if self.graph is None:
+            self.logits = self._forward()  # warm-up outside the capture (loads kernels, same writes)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph, pool=self.memory_pool):
+                self.logits = self._forward()
+        self.graph.replay()
+        return self.logits[:n]

@@ -1,0 +1,197 @@
+"""A Llama-architecture decoder (RMSNorm, RoPE, GQA, SwiGLU) whose attention is a callback.
+
+The model knows nothing about caches: ``forward(input_ids, positions, attention)`` computes
+q/k/v per layer, applies RoPE in torch, and calls ``attention(layer, q, k, v)`` for the output
+of that layer's attention (``[tokens, heads, head_dim]``). The serving engine passes a callback
+that appends k/v to its paged pool and runs a planned jitattn wrapper; the reference passes one
+that keeps plain per-request tensors and uses torch attention. Weights use Hugging Face Llama
+names and come from a seed (random) or a checkpoint directory; a tensor-parallel rank keeps
+only its shard (see :mod:`jitattn.serving.parallel`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from .config import ModelConfig
+from .parallel import TPGroup, column_range, head_shard
+
+AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def hf_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every weight of the model by its Hugging Face Llama name, with its full (unsharded) shape."""
+    h, d = config.hidden_size, config.head_dim
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config.vocab_size, h), "model.norm.weight": (h,)}
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        shapes.update({
+            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (config.num_attention_heads * d, h),
+            p + "self_attn.k_proj.weight": (config.num_key_value_heads * d, h),
+            p + "self_attn.v_proj.weight": (config.num_key_value_heads * d, h),
+            p + "self_attn.o_proj.weight": (h, config.num_attention_heads * d),
+            p + "mlp.gate_proj.weight": (config.intermediate_size, h),
+            p + "mlp.up_proj.weight": (config.intermediate_size, h),
+            p + "mlp.down_proj.weight": (h, config.intermediate_size),
+        })
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (config.vocab_size, h)
+    return shapes
+
+
+def random_weights(config: ModelConfig, seed: int = 0, device: str | torch.device = "cpu",
+                   dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """Seeded random weights, scaled so activations stay O(1) at any depth.
+
+    Drawn in float32 on ``device`` (the same values on every rank for one seed and device type; draw
+    Llama-3-8B-sized weights on the GPU: the host takes minutes), then cast to ``dtype``.
+    """
+    gen = torch.Generator(device=device).manual_seed(seed)
+    weights = {}
+    for name, shape in hf_weight_shapes(config).items():
+        w = torch.randn(shape, generator=gen, device=device)
+        if name.endswith("norm.weight"):
+            w = 1.0 + 0.1 * w
+        elif name != "model.embed_tokens.weight":
+            w = w * shape[1] ** -0.5
+        weights[name] = w.to(dtype)
+    return weights
+
+
+def load_checkpoint(directory: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """(config, weights) of a Hugging Face Llama checkpoint directory.
+
+    Reads ``config.json`` and every ``*.safetensors`` file (needs the ``safetensors`` package), else
+    ``pytorch_model*.bin``. Only the Llama names of :func:`hf_weight_shapes` are kept.
+    """
+    directory = Path(directory)
+    config = ModelConfig.from_hf_config(directory)
+    weights: dict[str, torch.Tensor] = {}
+    tensors = sorted(directory.glob("*.safetensors"))
+    if tensors:
+        try:
+            from safetensors.torch import load_file
+        except ImportError:
+            raise ImportError(f"{directory} holds .safetensors files; install the safetensors package "
+                              "(python3 -m pip install safetensors)") from None
+        for path in tensors:
+            weights.update(load_file(str(path)))
+    else:
+        bins = sorted(directory.glob("pytorch_model*.bin"))
+        if not bins:
+            raise ValueError(f"{directory} has neither *.safetensors nor pytorch_model*.bin files")
+        for path in bins:
+            weights.update(torch.load(path, map_location="cpu", weights_only=True))
+    expected = hf_weight_shapes(config)
+    missing = [n for n in expected if n not in weights]
+    if missing:
+        raise ValueError(f"{directory}: {len(missing)} weights missing, e.g. {missing[0]}")
+    for name, shape in expected.items():
+        if tuple(weights[name].shape) != shape:
+            raise ValueError(f"{directory}: {name} has shape {tuple(weights[name].shape)}; config.json says {shape}")
+    return config, {n: weights[n] for n in expected}
+
+
+def save_checkpoint(config: ModelConfig, weights: dict[str, torch.Tensor], directory: str | Path) -> None:
+    """Write ``config.json`` and ``pytorch_model.bin`` (Hugging Face Llama names)."""
+    directory = Path(directory)
+    config.save(directory)
+    torch.save({n: t.contiguous() for n, t in weights.items()}, directory / "pytorch_model.bin")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Llama's RMSNorm: normalised in float32, scaled, cast back."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+    """(cos, sin) ``[tokens, head_dim]`` of Hugging Face Llama's (non-interleaved) rotary embedding."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim))
+    angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``[tokens, heads, head_dim]`` by (cos, sin) ``[tokens, head_dim]``."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+class LlamaModel:
+    """One tensor-parallel rank's shard of a Llama decoder (the whole model when tp is 1)."""
+
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], *, dtype: torch.dtype = torch.float32,
+                 device: str | torch.device = "cpu", group: TPGroup | None = None) -> None:
+        self.config = config
+        self.group = group or TPGroup()
+        self.dtype, self.device = dtype, torch.device(device)
+        shard = head_shard(config.num_attention_heads, config.num_key_value_heads, self.group.rank, self.group.size)
+        self.num_q_heads, self.num_kv_heads = shard.num_q, shard.num_kv
+        d = config.head_dim
+        q_rows = slice(shard.q_start * d, (shard.q_start + shard.num_q) * d)
+        kv_rows = slice(shard.kv_start * d, (shard.kv_start + shard.num_kv) * d)
+        mlp_lo, mlp_hi = column_range(config.intermediate_size, self.group.rank, self.group.size)
+
+        def put(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device=self.device, dtype=dtype).contiguous()
+
+        self.embed = put(weights["model.embed_tokens.weight"])
+        self.norm = put(weights["model.norm.weight"])
+        self.lm_head = self.embed if config.tie_word_embeddings else put(weights["lm_head.weight"])
+        self.layers = []
+        for i in range(config.num_hidden_layers):
+            p = f"model.layers.{i}."
+            w = lambda name: weights[p + name]  # noqa: E731
+            self.layers.append(dict(
+                input_norm=put(w("input_layernorm.weight")), post_norm=put(w("post_attention_layernorm.weight")),
+                # q, k and v of this rank's heads as one fused projection
+                qkv=put(torch.cat([w("self_attn.q_proj.weight")[q_rows], w("self_attn.k_proj.weight")[kv_rows],
+                                   w("self_attn.v_proj.weight")[kv_rows]])),
+                o=put(w("self_attn.o_proj.weight")[:, q_rows]),
+                gate_up=put(torch.cat([w("mlp.gate_proj.weight")[mlp_lo:mlp_hi], w("mlp.up_proj.weight")[mlp_lo:mlp_hi]])),
+                down=put(w("mlp.down_proj.weight")[:, mlp_lo:mlp_hi]),
+            ))
+
+    @classmethod
+    def random(cls, config: ModelConfig, seed: int = 0, **kwargs) -> "LlamaModel":
+        """A model with :func:`random_weights` drawn on its device (the same on every rank for one seed)."""
+        device, dtype = kwargs.get("device", "cpu"), kwargs.get("dtype", torch.float32)
+        return cls(config, random_weights(config, seed, device=device, dtype=dtype), **kwargs)
+
+    @classmethod
+    def from_checkpoint(cls, directory: str | Path, **kwargs) -> "LlamaModel":
+        config, weights = load_checkpoint(directory)
+        return cls(config, weights, **kwargs)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionFn) -> torch.Tensor:
+        """Hidden states ``[tokens, hidden]`` after the final norm; ``attention(layer, q, k, v)`` gives each
+        layer's attention output ``[tokens, num_q_heads, head_dim]`` (RoPE already applied to q and k)."""
+        c = self.config
+        d, hq, hkv = c.head_dim, self.num_q_heads, self.num_kv_heads
+        x = self.embed[input_ids]
+        cos, sin = rope_cos_sin(positions, d, c.rope_theta, self.dtype)
+        tokens = input_ids.shape[0]
+        for i, layer in enumerate(self.layers):
+            h = rms_norm(x, layer["input_norm"], c.rms_norm_eps)
+            qkv = h @ layer["qkv"].t()
+            q = apply_rope(qkv[:, : hq * d].view(tokens, hq, d), cos, sin)
+            k = apply_rope(qkv[:, hq * d: (hq + hkv) * d].view(tokens, hkv, d), cos, sin)
+            v = qkv[:, (hq + hkv) * d:].view(tokens, hkv, d)
+            o = attention(i, q, k, v).reshape(tokens, hq * d)
+            x = x + self.group.all_reduce(o @ layer["o"].t())
+            h = rms_norm(x, layer["post_norm"], c.rms_norm_eps)
+            gate, up = (h @ layer["gate_up"].t()).chunk(2, dim=-1)
+            x = x + self.group.all_reduce((torch.nn.functional.silu(gate) * up) @ layer["down"].t())
+        return rms_norm(x, self.norm, c.rms_norm_eps)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits ``[tokens, vocab]`` (the lm head is replicated on every rank)."""
+        return (hidden @ self.lm_head.t()).float()

@@ -1,0 +1,137 @@
+"""A radix tree over token prefixes whose nodes own whole KV pages, shared copy-free.
+
+A node's key is a run of tokens whose length is a multiple of ``page_size``, and it holds
+the pages with those tokens' KV (one reference each, taken on insert). A request whose prompt
+starts with a cached prefix takes references to those pages and appends after them: nothing
+is copied. Only whole pages are shared, so the new tokens of a request always go to pages of
+its own. When the pool runs out, :meth:`RadixCache.evict` drops least-recently-used leaves
+whose pages nobody else holds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .kv_pool import KVPool
+
+
+@dataclass(eq=False)
+class RadixNode:
+    key: tuple[int, ...]  # tokens, len(key) == len(pages) * page_size
+    pages: list[int]
+    parent: "RadixNode | None"
+    children: dict[tuple[int, ...], "RadixNode"] = field(default_factory=dict)  # by the first page's tokens
+    last_used: int = 0
+
+
+class RadixCache:
+    """Token prefix -> KV pages, with copy-free sharing and LRU eviction (see the module docstring)."""
+
+    def __init__(self, pool: KVPool) -> None:
+        self.pool = pool
+        self.page_size = pool.page_size
+        self.root = RadixNode((), [], None)
+        self._clock = 0
+
+    def _tick(self, node: RadixNode) -> None:
+        self._clock += 1
+        while node is not None:
+            node.last_used = self._clock
+            node = node.parent
+
+    def _split(self, node: RadixNode, pages: int) -> RadixNode:
+        """Cut ``node`` after its first ``pages`` pages; returns the new upper part."""
+        cut = pages * self.page_size
+        upper = RadixNode(node.key[:cut], node.pages[:pages], node.parent, last_used=node.last_used)
+        node.parent.children[node.key[: self.page_size]] = upper
+        node.key, node.pages, node.parent = node.key[cut:], node.pages[pages:], upper
+        upper.children[node.key[: self.page_size]] = node
+        return upper
+
+    def match(self, tokens: list[int] | tuple[int, ...], max_pages: int | None = None) -> list[int]:
+        """Pages of the longest cached page-aligned prefix of ``tokens`` (at most ``max_pages``).
+
+        Marks the path as just used. The caller takes its own references (``pool.incref``).
+        """
+        ps = self.page_size
+        limit = len(tokens) // ps if max_pages is None else min(max_pages, len(tokens) // ps)
+        node, pages = self.root, []
+        while len(pages) < limit:
+            at = len(pages) * ps
+            child = node.children.get(tuple(tokens[at: at + ps]))
+            if child is None:
+                break
+            same = 0  # whole pages of child that match
+            for i in range(len(child.pages)):
+                page_tokens = tuple(tokens[at + i * ps: at + (i + 1) * ps])
+                if len(pages) + i >= limit or page_tokens != child.key[i * ps: (i + 1) * ps]:
+                    break
+                same += 1
+            if same < len(child.pages):
+                child = self._split(child, same)
+            pages += child.pages
+            node = child
+        self._tick(node)
+        return pages
+
+    def insert(self, tokens: list[int] | tuple[int, ...], pages: list[int]) -> int:
+        """Cache ``pages`` as the KV of ``tokens[: len(pages) * page_size]``; returns how many pages were new.
+
+        Pages already cached for the same tokens are kept (the caller's duplicates are not taken);
+        the tree takes one reference to each page it adds.
+        """
+        ps = self.page_size
+        tokens = tuple(tokens[: len(pages) * ps])
+        if len(tokens) != len(pages) * ps:
+            raise ValueError(f"{len(pages)} pages need {len(pages) * ps} tokens; got {len(tokens)}")
+        node, done = self.root, 0
+        while done < len(pages):
+            at = done * ps
+            child = node.children.get(tokens[at: at + ps])
+            if child is None:
+                new = RadixNode(tokens[at:], list(pages[done:]), node)
+                node.children[tokens[at: at + ps]] = new
+                self.pool.incref(new.pages)
+                self._tick(new)
+                return len(new.pages)
+            same = 0
+            while same < len(child.pages) and done + same < len(pages) and \
+                    tokens[at + same * ps: at + (same + 1) * ps] == child.key[same * ps: (same + 1) * ps]:
+                same += 1
+            if same < len(child.pages):
+                child = self._split(child, same)
+            done += same
+            node = child
+        self._tick(node)
+        return 0
+
+    def _leaves(self) -> list[RadixNode]:
+        leaves, stack = [], [self.root]
+        while stack:
+            node = stack.pop()
+            if node.children:
+                stack.extend(node.children.values())
+            elif node is not self.root:
+                leaves.append(node)
+        return leaves
+
+    def evict(self, num_pages: int) -> int:
+        """Free at least ``num_pages`` pages if possible by dropping LRU leaves no request holds; returns pages freed."""
+        freed = 0
+        while freed < num_pages:
+            idle = [n for n in self._leaves() if all(self.pool.refcount(p) == 1 for p in n.pages)]
+            if not idle:
+                break
+            victim = min(idle, key=lambda n: n.last_used)
+            del victim.parent.children[victim.key[: self.page_size]]
+            freed += self.pool.decref(victim.pages)
+        return freed
+
+    @property
+    def num_cached_pages(self) -> int:
+        total, stack = 0, [self.root]
+        while stack:
+            node = stack.pop()
+            total += len(node.pages)
+            stack.extend(node.children.values())
+        return total

@@ -1,0 +1,224 @@
+"""The serving engine on the cpu target in float32: exact greedy tokens, prefix sharing, eviction, cascade."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from jitattn.serving import (
+    Engine, KVPool, LlamaModel, RadixCache, preset, random_weights, reference_generate, save_checkpoint,
+)
+from jitattn.serving.attention import SeqView, prefix_groups
+
+CONFIG = preset("tiny")
+PAGE = 8
+NEW_TOKENS = 6
+
+
+@pytest.fixture(scope="module")
+def model() -> LlamaModel:
+    return LlamaModel.random(CONFIG, seed=0)
+
+
+def _prompts(seed: int, system_len: int, suffix_lens: list[int]) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    system = torch.randint(0, CONFIG.vocab_size, (system_len,), generator=gen).tolist()
+    return [system + torch.randint(0, CONFIG.vocab_size, (n,), generator=gen).tolist() for n in suffix_lens]
+
+
+@pytest.fixture(scope="module")
+def shared_workload(model):
+    """Prompts sharing a 37-token system prompt (4 whole pages of 8) and their reference tokens."""
+    prompts = _prompts(1, 37, [3, 17, 1, 30, 9, 12])
+    return prompts, [reference_generate(model, p, NEW_TOKENS)[0] for p in prompts]
+
+
+def _serve(engine: Engine, prompts: list[list[int]], new_tokens: int = NEW_TOKENS, first_alone: bool = True):
+    """The first request alone until its prompt is cached, then the rest at once; returns the requests."""
+    requests = [engine.add_request(prompts[0], new_tokens)]
+    if first_alone:
+        while engine.prefilling or engine.waiting:
+            engine.step()
+    requests += [engine.add_request(p, new_tokens) for p in prompts[1:]]
+    engine.run()
+    return requests
+
+
+@pytest.mark.parametrize("cascade", [True, False], ids=["cascade", "flat"])
+@pytest.mark.parametrize("chunk", [16, 512], ids=["chunked", "whole-prompt"])
+def test_greedy_tokens_equal_the_per_request_reference(model, shared_workload, cascade, chunk) -> None:
+    prompts, expected = shared_workload
+    engine = Engine(model, num_pages=64, page_size=PAGE, prefill_chunk_tokens=chunk, cascade=cascade)
+    requests = _serve(engine, prompts)
+    assert [r.output for r in requests] == expected
+    assert engine.stats.decode_steps > 0
+    assert (engine.stats.cascade_steps > 0) == cascade
+    if chunk == 16:
+        assert engine.stats.prefill_steps > len(prompts)  # prompts really took several chunks
+
+
+def test_prefix_pages_are_shared_not_copied(model, shared_workload) -> None:
+    prompts, expected = shared_workload
+    engine = Engine(model, num_pages=64, page_size=PAGE, prefill_chunk_tokens=64)
+    first = engine.add_request(prompts[0], NEW_TOKENS)
+    engine.step()
+    others = [engine.add_request(p, NEW_TOKENS) for p in prompts[1:]]
+    engine.step()  # admits the others: each finds the system prompt's 4 pages in the radix tree
+    shared = first.pages[:4]
+    for r in others:
+        assert r.num_shared_pages == 4 and r.pages[:4] == shared
+    # held by the first request, the tree and every other request
+    assert all(engine.pool.refcount(p) == 2 + len(others) for p in shared)
+    engine.run()
+    assert [r.output for r in [first] + others] == expected
+    assert engine.stats.reused_prompt_tokens == 4 * PAGE * len(others)
+    assert engine.stats.peak_pages_saved >= 4 * len(others)
+    assert engine.stats.peak_bytes_saved == engine.stats.peak_pages_saved * engine.pool.bytes_per_page > 0
+    # finished requests let go; the tree alone still holds the cached prompt pages
+    assert all(engine.pool.refcount(p) == 1 for p in shared)
+    assert engine.pool.num_used == engine.radix.num_cached_pages
+
+
+def test_requests_arriving_together_wait_for_the_shared_prefix(model, shared_workload) -> None:
+    prompts, expected = shared_workload
+    engine = Engine(model, num_pages=64, page_size=PAGE)
+    requests = _serve(engine, prompts, first_alone=False)
+    assert [r.output for r in requests] == expected
+    assert [r.num_shared_pages for r in requests] == [0] + [4] * (len(prompts) - 1)
+
+
+def test_cascade_and_flat_decode_give_the_same_tokens(model) -> None:
+    # two prefix groups and a request sharing nothing (a cascade node without shared pages)
+    prompts = _prompts(5, 50, [4, 9, 25, 2]) + _prompts(6, 20, [11, 3]) + _prompts(8, 0, [13])
+    outputs = {}
+    for cascade in (True, False):
+        engine = Engine(model, num_pages=96, page_size=PAGE, cascade=cascade)
+        requests = [engine.add_request(prompts[0], NEW_TOKENS), engine.add_request(prompts[4], NEW_TOKENS)]
+        while engine.waiting or engine.prefilling:
+            engine.step()
+        requests += [engine.add_request(p, NEW_TOKENS) for p in prompts[1:4] + prompts[5:]]
+        engine.run()
+        outputs[cascade] = {r.rid: r.output for r in requests}
+        assert sorted(r.num_shared_pages for r in requests) == [0, 0, 0, 2, 6, 6, 6]
+        assert (engine.stats.cascade_steps > 0) == cascade
+    assert outputs[True] == outputs[False]
+
+
+def test_eviction_frees_lru_prefixes_when_the_pool_is_full(model) -> None:
+    # 9 usable pages; each request needs 3 (a 20-token prompt + 5 outputs) and leaves 2 cached
+    prompts = _prompts(7, 0, [20] * 6)
+    engine = Engine(model, num_pages=10, page_size=PAGE, max_batch_size=2)
+    requests = [engine.add_request(p, 5) for p in prompts]
+    engine.run()
+    assert [r.output for r in requests] == [reference_generate(model, p, 5)[0] for p in prompts]
+    assert engine.stats.evicted_pages > 0
+    assert engine.radix.num_cached_pages <= engine.pool.num_pages - 1
+    # the oldest prompts were evicted first, the newest is still cached
+    assert engine.radix.match(prompts[0]) == []
+    assert len(engine.radix.match(prompts[-1])) == 2
+
+
+def test_a_request_larger_than_the_pool_is_refused_clearly(model) -> None:
+    engine = Engine(model, num_pages=3, page_size=PAGE)
+    engine.add_request(list(range(40)), 4)
+    with pytest.raises(RuntimeError, match="needs 6 free KV pages"):
+        engine.step()
+
+
+def test_bad_requests_are_refused_clearly(model) -> None:
+    engine = Engine(model, num_pages=8, page_size=PAGE, max_seq_len=64)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.add_request([CONFIG.vocab_size], 2)
+    with pytest.raises(ValueError, match="exceeds max_seq_len=64"):
+        engine.add_request([1] * 60, 5)
+    engine.add_request([1, 2], 2, arrival=1.0)
+    with pytest.raises(ValueError, match="arrival order"):
+        engine.add_request([1, 2], 2, arrival=0.5)
+
+
+def test_teacher_forced_logits_match_the_reference(model, shared_workload) -> None:
+    prompts, _ = shared_workload
+    forced = [list(range(10, 10 + NEW_TOKENS))] * len(prompts)
+    engine = Engine(model, num_pages=64, page_size=PAGE, prefill_chunk_tokens=24)
+    requests = [engine.add_request(p, NEW_TOKENS, forced_tokens=f, keep_logits=True) for p, f in zip(prompts, forced)]
+    engine.run()
+    for r, p, f in zip(requests, prompts, forced):
+        tokens, logits = reference_generate(model, p, NEW_TOKENS, forced_tokens=f)
+        assert r.output == tokens
+        torch.testing.assert_close(torch.stack(r.logits), torch.stack(logits), rtol=1e-4, atol=1e-4)
+
+
+def test_checkpoint_directory_round_trip(model, tmp_path) -> None:
+    save_checkpoint(CONFIG, random_weights(CONFIG, seed=0), tmp_path)  # the fixture model's weights
+    loaded = LlamaModel.from_checkpoint(tmp_path)
+    prompt = _prompts(9, 0, [13])[0]
+    assert reference_generate(loaded, prompt, 4)[0] == reference_generate(model, prompt, 4)[0]
+
+
+def test_graph_bucket_step_gives_the_eager_step_logits(model, monkeypatch) -> None:
+    """The CUDA-graph decode step's data flow on the cpu target: fixed buffers planned by a
+    ``use_cuda_graph=True`` wrapper, rows padded to the bucket with the scratch page. Capture is
+    replaced by a stand-in whose replay re-runs the recorded forward (no CUDA here)."""
+    import contextlib
+
+    from jitattn.serving.graphs import DecodeGraph
+
+    class ReplayByRerun:
+        owner: DecodeGraph
+
+        def replay(self) -> None:
+            self.owner.logits.copy_(self.owner._forward())
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", ReplayByRerun)
+    monkeypatch.setattr(torch.cuda, "graph", lambda graph, pool=None: contextlib.nullcontext())
+    engine = Engine(model, num_pages=64, page_size=PAGE, cascade=False)
+    for prompt in _prompts(11, 0, [5, 17, 30]):
+        engine.add_request(prompt, 8)
+    while engine.waiting or engine.prefilling:
+        engine.step()
+    graph = DecodeGraph(model, engine.pool, engine.planner.workspace, 4, 8)
+    ReplayByRerun.owner = graph
+    for batch in (engine.running, engine.running[:2]):  # 1 and 2 padded rows, one captured bucket
+        seqs = [SeqView(tuple(r.pages[: -(-len(r.fed_tokens) // PAGE)]), len(r.fed_tokens), 1) for r in batch]
+        ids = [r.fed_tokens[-1] for r in batch]
+        expected = engine._decode_logits(seqs, ids)
+        torch.testing.assert_close(graph.run(seqs, ids), expected, rtol=0, atol=0)
+
+
+# --- the parts on their own -------------------------------------------------------------------
+
+def test_pool_refcounts_and_double_release() -> None:
+    pool = KVPool(1, 5, 4, 1, 8, torch.float32, "cpu")
+    pages = pool.alloc(3)
+    assert KVPool.SCRATCH_PAGE not in pages and pool.num_free == 1
+    assert pool.alloc(2) is None and pool.num_free == 1  # nothing taken on failure
+    pool.incref(pages[:1])
+    assert pool.decref(pages) == 2 and pool.decref(pages[:1]) == 1
+    with pytest.raises(RuntimeError, match="already free"):
+        pool.decref(pages[:1])
+
+
+def test_radix_tree_splits_shares_and_evicts_lru() -> None:
+    pool = KVPool(1, 16, 2, 1, 8, torch.float32, "cpu")
+    tree = RadixCache(pool)
+    a = pool.alloc(3)
+    assert tree.insert([1, 2, 3, 4, 5, 6], a) == 3
+    assert tree.match([1, 2, 3, 4, 9, 9, 9]) == a[:2]  # splits the node after 2 pages
+    b = pool.alloc(2)
+    assert tree.insert([1, 2, 3, 4, 7, 8, 9, 9], a[:2] + b) == 2  # shares the first two pages
+    assert tree.match([1, 2, 3, 4, 7, 8, 9, 9, 0]) == a[:2] + b
+    assert tree.match([1, 2, 3, 4, 5, 6], max_pages=1) == a[:1]
+    pool.decref(a + b)  # the inserting requests let go: only the tree holds them
+    tree.match([1, 2, 3, 4, 7, 8])  # the b branch is now the more recent one
+    assert tree.evict(1) == 1 and tree.match([1, 2, 3, 4, 5, 6]) == a[:2]  # the LRU leaf (a[2]) went first
+    held = tree.match([1, 2, 3, 4, 7, 8, 9, 9])
+    pool.incref(held)  # a request holds the b branch: it cannot be evicted
+    assert tree.evict(10) == 0
+    pool.decref(held)
+    assert tree.evict(10) == 4 and tree.num_cached_pages == 0 and pool.num_free == 15
+
+
+def test_prefix_groups_never_share_a_last_page() -> None:
+    seqs = [SeqView((1, 2, 3), 20, 1), SeqView((1, 2, 4), 19, 1), SeqView((1, 2), 9, 1), SeqView((5,), 2, 1)]
+    assert prefix_groups(seqs) == [(3, 1), (1, 0)]
+    assert prefix_groups(seqs[:2]) == [(2, 2)]

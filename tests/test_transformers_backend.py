@@ -1,0 +1,165 @@
+"""jitattn as a transformers attention backend: greedy generation identical to eager (float32, cpu target).
+
+Skipped when transformers is not installed (``pip install -e .[transformers]``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import jitattn.integrations.transformers  # noqa: E402,F401  (registers "jitattn")
+from jitattn.integrations.transformers import NAME  # noqa: E402
+
+# Tiny random configs, one per attention feature the backend must carry.
+CONFIGS = {
+    "llama": lambda: transformers.LlamaConfig(
+        vocab_size=128, hidden_size=128, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2),
+    "mistral-sliding-window": lambda: transformers.MistralConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, sliding_window=7),
+    "gemma2-softcap": lambda: transformers.Gemma2Config(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, sliding_window=7, attn_logit_softcapping=5.0,
+        final_logit_softcapping=30.0, query_pre_attn_scalar=24),
+    "qwen2-gqa7": lambda: transformers.Qwen2Config(
+        vocab_size=128, hidden_size=14 * 64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=14,
+        num_key_value_heads=2),
+    "phi3-hd96": lambda: transformers.Phi3Config(
+        vocab_size=128, hidden_size=2 * 96, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+}
+
+
+def _model(name: str, implementation: str):
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(CONFIGS[name](), attn_implementation=implementation,
+                                                          dtype=torch.float32)
+    with torch.no_grad():  # random init is tiny; larger weights make the attention patterns sharp
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, p.shape[1] ** -0.5)
+    return model.eval()
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def models(request):
+    return request.param, _model(request.param, "eager"), _model(request.param, NAME)
+
+
+def _generate(model, ids, mask=None, new_tokens=8):
+    return model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False, min_new_tokens=new_tokens,
+                          pad_token_id=0)
+
+
+def test_greedy_generation_is_identical_to_eager(models) -> None:
+    name, eager, ours = models
+    assert ours.config._attn_implementation == NAME
+    ids = torch.randint(3, 128, (2, 20), generator=torch.Generator().manual_seed(1))  # longer than the windows
+    expected = _generate(eager, ids)
+    assert torch.equal(_generate(ours, ids), expected)
+
+
+def test_left_padded_batch_matches_eager(models) -> None:
+    name, eager, ours = models
+    ids = torch.randint(3, 128, (3, 16), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0  # left padding: the backend must get (and apply) the padding mask
+    mask[2, :9] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+    assert torch.equal(_generate(ours, ids, mask, 8), _generate(eager, ids, mask, 8))
+
+
+def test_forward_logits_match_eager(models) -> None:
+    name, eager, ours = models
+    ids = torch.randint(3, 128, (2, 24), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids).logits, eager(ids).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_unregistered_mask_would_drop_the_window() -> None:
+    """Why the mask registration matters: without it a windowed model's logits change."""
+    from transformers.masking_utils import AttentionMaskInterface
+
+    eager, ours = _model("mistral-sliding-window", "eager"), _model("mistral-sliding-window", NAME)
+    ids = torch.randint(3, 128, (1, 24), generator=torch.Generator().manual_seed(4))
+    saved = AttentionMaskInterface._global_mapping.pop(NAME)
+    try:
+        with torch.no_grad():
+            dropped = ours(ids).logits
+    finally:
+        AttentionMaskInterface._global_mapping[NAME] = saved
+    with torch.no_grad():
+        expected = eager(ids).logits
+        torch.testing.assert_close(ours(ids).logits, expected, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(dropped, expected, rtol=1e-3, atol=1e-3)
+
+
+def test_serving_engine_loads_a_transformers_llama_checkpoint(tmp_path) -> None:
+    """The engine's Llama decoder, loaded from ``save_pretrained`` output, generates what transformers does."""
+    from jitattn.serving import Engine, LlamaModel, preset
+
+    tiny = preset("tiny")
+    config = transformers.LlamaConfig(
+        vocab_size=tiny.vocab_size, hidden_size=tiny.hidden_size, intermediate_size=tiny.intermediate_size,
+        num_hidden_layers=tiny.num_hidden_layers, num_attention_heads=tiny.num_attention_heads,
+        num_key_value_heads=tiny.num_key_value_heads, head_dim=tiny.head_dim, rms_norm_eps=tiny.rms_norm_eps,
+        rope_theta=tiny.rope_theta)
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0, p.shape[-1] ** -0.5) if p.dim() == 2 else p.uniform_(0.9, 1.1)
+    hf.save_pretrained(tmp_path)
+    prompts = torch.randint(0, tiny.vocab_size, (3, 21), generator=torch.Generator().manual_seed(6))
+    expected = hf.generate(prompts, max_new_tokens=6, do_sample=False, min_new_tokens=6)[:, 21:].tolist()
+    engine = Engine(LlamaModel.from_checkpoint(tmp_path), num_pages=32, page_size=8)
+    requests = [engine.add_request(p, 6) for p in prompts.tolist()]
+    engine.run()
+    assert [r.output for r in requests] == expected
+
+
+# --- on the GPU ---------------------------------------------------------------------------------
+
+def _gpu_specs():
+    from jitattn.attention.specs import attention_spec
+    from jitattn.spec import KVLayout, KVStorage, MaskMode, Op, PosEncoding, Target
+
+    return [attention_spec(Op.PREFILL, Target.CUDA, q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16,
+                           o_dtype=torch.bfloat16, head_dim_qk=128, head_dim_vo=128, num_qo_heads=16, num_kv_heads=4,
+                           pos_encoding=PosEncoding.NONE, use_sliding_window=False, use_logits_soft_cap=False,
+                           mask_mode=mask, kv_layout=KVLayout.NHD, kv_storage=KVStorage.RAGGED)
+            for mask in (MaskMode.CAUSAL, MaskMode.NONE)]
+
+
+GPU_SPECS = _gpu_specs()  # causal prefill (the prompt), no mask (each generated token)
+
+
+@pytest.mark.gpu
+def test_bf16_llama_logits_and_generation_on_the_gpu() -> None:
+    config = transformers.LlamaConfig(vocab_size=1024, hidden_size=2048, intermediate_size=4096, num_hidden_layers=4,
+                                      num_attention_heads=16, num_key_value_heads=4)
+    models = {}
+    for implementation in ("eager", NAME):
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=implementation,
+                                                              dtype=torch.float32)
+        with torch.no_grad():  # sharper logits than the default init: fewer near-ties for bf16 to flip
+            for p in model.parameters():
+                if p.dim() == 2:
+                    p.normal_(0, p.shape[1] ** -0.5)
+        models[implementation] = model.to(device="cuda", dtype=torch.bfloat16).eval()
+    ids = torch.randint(0, 1024, (4, 300), generator=torch.Generator().manual_seed(7)).cuda()
+    with torch.no_grad():
+        expected, got = models["eager"](ids).logits.float(), models[NAME](ids).logits.float()
+    relative = float((got - expected).norm() / expected.norm())
+    print(f"\nbf16 llama logits vs eager: relative error {relative:.2e}")
+    assert relative < 2e-2
+    out = {name: m.generate(ids[:, :64], max_new_tokens=16, do_sample=False, min_new_tokens=16)[:, 64:]
+           for name, m in models.items()}
+    agree = float((out[NAME] == out["eager"]).float().mean())
+    print(f"bf16 greedy tokens agreeing with eager: {agree:.0%}")
+    assert agree > 0.75, f"only {agree:.0%} of the bf16 greedy tokens agree with eager"
