@@ -95,9 +95,13 @@ __device__ __forceinline__ void reg_dealloc() {
   asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(REGS));
 }
 
-// Named barrier among `threads` threads (a multiple of 32), id 1..15 (0 is __syncthreads).
+// Named barrier among `threads` threads (a multiple of 32), id 1..15 (0 is __syncthreads):
+// named_barrier waits for all of them; named_barrier_arrive counts this warp in without waiting.
 __device__ __forceinline__ void named_barrier(int id, int threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
 __device__ __forceinline__ float ex2(float x) {
