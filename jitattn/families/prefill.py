@@ -56,8 +56,10 @@ rendered source, hence in the cache key.
 - A block: warpgroup 0 produces (one thread issues the TMA loads; its registers given back
   with setmaxnreg), warpgroups 1 and 2 consume 64 query rows each. A tile is 128 query tokens
   of one query head (GQA heads are not packed into the rows: the group's K/V blocks are
-  re-read from L2). KV blocks of ``kBN`` tokens (128, or 64 for head_dim 256) go through a
-  2-stage pipeline; each 64-column slice of a row is one 128-byte-swizzled TMA box.
+  re-read from L2). KV blocks of ``kBN`` tokens (192 / 176 / 64 for head_dim 64 / 128 / 256)
+  go through a 2-stage pipeline; each 64-column slice of a row is one 128-byte-swizzled TMA box.
+  The consumers overlap block j's S GEMM with block j-1's P.V and take turns issuing GEMMs
+  (ping-pong), so one warpgroup's softmax runs under the other's GEMMs.
 - Work mapping: the sm80 tier's virtual tiles (``base(r) = r + qo_indptr[r] // 128``), items
   (virtual tile, query head), a persistent grid of one block per SM taking items in a static
   snake order (producer and consumers walk the same sequence).
@@ -228,7 +230,7 @@ def context(spec: VariantSpec) -> dict[str, Any]:
 
 # ---- the Hopper (sm_90a) tier ------------------------------------------------------------
 
-SM90_KV_BLOCK = {64: 128, 128: 128, 256: 64}  # head_dim -> KV tokens per pipeline stage
+SM90_KV_BLOCK = {64: 192, 128: 176, 256: 64}  # head_dim -> KV tokens per stage (dev/NOTES_sm90.md: measured)
 _SM90_ARCH = re.compile(r"^9\.0a(\+PTX)?$")
 
 
