@@ -29,6 +29,8 @@ CASES = {
     "d64_g8_bf16_full": (64, 8, 1, bf16, False, [130, 2], [257, 1000]),
     "d256_g2_bf16_causal": (256, 8, 4, bf16, True, [300, 70], [300, 200]),
     "d256_mha_f16_full": (256, 2, 2, f16, False, [129], [191]),
+    "d128_g3_f16_causal_unpacked": (128, 6, 2, f16, True, [300, 5], [310, 900]),  # 3 does not divide 128
+    "d128_g4_bf16_causal_short_queries": (128, 8, 2, bf16, True, [16, 3, 16, 1], [4096, 100, 16, 1]),
 }
 
 
@@ -117,12 +119,16 @@ def test_sm90_nan_past_the_keys_never_reaches_the_output():
         assert_close_out(out[:qo_lens[0]], ref_o[:qo_lens[0]], dtype)
 
 
-def test_sm90_strided_q_and_head_major_kv():
+@pytest.mark.parametrize("q_head_major", [False, True])
+def test_sm90_strided_q_and_head_major_kv(q_head_major):
     d, hq, hkv, dtype = 64, 8, 2, f16
     qo_lens, kv_lens = [200, 33], [333, 40]
     gen = torch.Generator().manual_seed(5)
-    q_big = torch.randn(sum(qo_lens), hq, d + 64, generator=gen).to(dtype).cuda()
-    q = q_big[:, :, 32:32 + d]                     # token stride hq * (d + 64), head stride d + 64
+    if q_head_major:  # the GQA-packed Q box then lands head-major in shared memory
+        q = torch.randn(hq, sum(qo_lens), d, generator=gen).to(dtype).cuda().transpose(0, 1)
+    else:
+        q_big = torch.randn(sum(qo_lens), hq, d + 64, generator=gen).to(dtype).cuda()
+        q = q_big[:, :, 32:32 + d]                 # token stride hq * (d + 64), head stride d + 64
     k = torch.randn(hkv, sum(kv_lens), d, generator=gen).to(dtype).cuda().transpose(0, 1)  # head-major view
     v = torch.randn(hkv, sum(kv_lens), d, generator=gen).to(dtype).cuda().transpose(0, 1)
     assert k.stride(1) > k.stride(0)

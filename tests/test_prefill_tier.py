@@ -112,6 +112,14 @@ def test_sm90_layout_fits_and_aligns(case_id):
     assert 128 * layout["kProducerRegs"] + 256 * layout["kConsumerRegs"] <= 65536
 
 
+def test_gqa_packing_choice():
+    assert prefill.sm90_pack(_spec(d=128, hq=32, hkv=8)) == 4     # the group of a KV head fills the rows
+    assert prefill.sm90_pack(_spec(d=256, hq=16, hkv=2)) == 8
+    assert prefill.sm90_pack(_spec(d=128, hq=6, hkv=2)) == 1      # 3 does not divide the 128-row tile
+    assert prefill.sm90_pack(_spec(d=64, hq=32, hkv=8)) == 1      # measured slower packed at head_dim 64
+    assert prefill.sm90_layout(_spec(d=128, hq=32, hkv=8))["kPackG"] == 4
+
+
 def test_render_follows_the_arch_list(tier_env):
     spec = SUPPORTED["d128_bf16_causal"]
     tier_env.setenv("JITATTN_CUDA_ARCH_LIST", "9.0a")

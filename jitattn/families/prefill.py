@@ -54,15 +54,17 @@ supports even with an unknown arch list (an error with a non-Hopper one). The ti
 rendered source, hence in the cache key.
 
 - A block: warpgroup 0 produces (one thread issues the TMA loads; its registers given back
-  with setmaxnreg), warpgroups 1 and 2 consume 64 query rows each. A tile is 128 query tokens
-  of one query head (GQA heads are not packed into the rows: the group's K/V blocks are
-  re-read from L2). KV blocks of ``kBN`` tokens (192 / 176 / 64 for head_dim 64 / 128 / 256)
-  go through a 2-stage pipeline; each 64-column slice of a row is one 128-byte-swizzled TMA box.
-  The consumers overlap block j's S GEMM with block j-1's P.V and take turns issuing GEMMs
+  with setmaxnreg), warpgroups 1 and 2 consume 64 query rows each. A tile is 128 rows: the GQA
+  group of one KV head packed into the rows (row = (token, head in group), ``128 // group``
+  tokens; one Q TMA box of 64 columns x group heads x tokens) when the group divides 128 and
+  head_dim >= 128, else 128 tokens of one query head (``sm90_pack`` has the measurements).
+- KV blocks of ``kBN`` tokens (192 / 176 / 64 for head_dim 64 / 128 / 256) go through a
+  2-stage pipeline; each 64-column slice of a row is one 128-byte-swizzled TMA box. The
+  consumers overlap block j's S GEMM with block j-1's P.V and take turns issuing GEMMs
   (ping-pong), so one warpgroup's softmax runs under the other's GEMMs.
-- Work mapping: the sm80 tier's virtual tiles (``base(r) = r + qo_indptr[r] // 128``), items
-  (virtual tile, query head), a persistent grid of one block per SM taking items in a static
-  snake order (producer and consumers walk the same sequence).
+- Work mapping: the sm80 tier's virtual tiles (``base(r) = r + qo_indptr[r] * pack // 128``),
+  items (virtual tile, kv head; query head when unpacked), a persistent grid of one block per
+  SM taking items in a static snake order (producer and consumers walk the same sequence).
 - The tensor maps' token extent is the allocation holding q / k / v (``cuMemGetAddressRange``):
   a tile reaching past the last request reads memory that exists; its rows are masked, and V
   rows past a request's keys are zeroed in shared memory (P is 0 there; 0 * NaN is not).
@@ -275,6 +277,14 @@ def tier(spec: VariantSpec, archs: tuple[str, ...] | None) -> str:
     return "sm90" if archs is not None and _hopper_only(archs) else "sm80"
 
 
+def sm90_pack(spec: VariantSpec) -> int:
+    """Query heads packed into a tile's rows: the whole GQA group when it divides the 128-row tile
+    and head_dim >= 128, else 1. Measured on the H200 (dev/bench_run5.txt, TFLOP/s packed vs not):
+    d128 causal b8x4096 586 vs 540, ragged 587 vs 532, 16 queries x 4096 keys 170 vs 78; d256 573
+    vs 570; but d64 causal b16x2048 289 vs 330, so head_dim 64 stays unpacked."""
+    return spec.group_size if 128 % spec.group_size == 0 and spec.head_dim_qk >= 128 else 1
+
+
 def sm90_layout(spec: VariantSpec) -> dict[str, int]:
     """Every derived constant of the sm90 prefill kernel for ``spec`` (plain ints)."""
     reason = sm90_unsupported(spec)
@@ -293,6 +303,7 @@ def sm90_layout(spec: VariantSpec) -> dict[str, int]:
     return {
         "kThreads": 384, "kProducerRegs": 24, "kConsumerRegs": 240,
         "kBM": bm, "kBN": bn, "kD": dim, "kStages": stages, "kChunks": chunks, "kGroup": spec.group_size,
+        "kPackG": sm90_pack(spec),
         "kQChunkBytes": q_chunk, "kKVChunkBytes": kv_chunk, "kQBytes": q_bytes, "kKVBytes": kv_bytes,
         "kOffQ": 0, "kOffK": off_k, "kOffV": off_v, "kOffBar": off_bar, "kSmemBytes": smem,
     }
