@@ -16,6 +16,7 @@ from pathlib import Path
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 LOG_LEVELS = ("info", "debug")
+PREFILL_TIERS = ("auto", "sm80", "sm90")
 _ARCH = re.compile(r"^\d+\.\d+[af]?(\+PTX)?$")
 
 
@@ -29,7 +30,7 @@ class Knob:
     """One setting: ``kind`` says how its value is read and checked."""
 
     name: str
-    kind: str  # "path" | "paths" | "jobs" | "flag" | "log_level" | "archs" | "executable" | "command"
+    kind: str  # "path" | "paths" | "jobs" | "flag" | "log_level" | "archs" | "executable" | "command" | "tier"
     default: str  # what applies when unset, as show-config describes it
     doc: str
     aliases: tuple[str, ...] = ()
@@ -65,6 +66,10 @@ class Knob:
             if raw.lower() in LOG_LEVELS:
                 return None
             return f"{shown} is not a level jitattn knows; set it to {' or '.join(LOG_LEVELS)}, or unset it"
+        if self.kind == "tier":
+            if raw.strip().lower() in PREFILL_TIERS:
+                return None
+            return f"{shown} is not a prefill tier; set it to {', '.join(PREFILL_TIERS)}, or unset it"
         if self.kind == "archs":
             bad = [a for a in re.split(r"[;\s,]+", raw.strip()) if a and not _ARCH.match(a)]
             if not bad:
@@ -95,11 +100,13 @@ CXX = Knob("JITATTN_CXX", "command", "c++", "host C++ compiler for the cpu targe
 CUDA_HOME = Knob("CUDA_HOME", "path", "search", "CUDA toolkit root", aliases=("CUDA_PATH",))
 BATCH_INVARIANT = Knob("JITATTN_BATCH_INVARIANT", "flag", "0",
                        "1: plan() defaults to batch_invariant=True (each request's bits independent of the batch)")
+PREFILL_TIER = Knob("JITATTN_PREFILL_TIER", "tier", "auto",
+                    "cuda prefill kernel tier: auto (sm90 on a 9.0a-only arch list where the spec allows), sm80, sm90")
 TEST_CACHE_DIR = Knob("JITATTN_TEST_CACHE_DIR", "path", "unset: each test run builds into a temp dir it removes",
                       "the test suite's shared cache (tests/conftest.py; .ci/run sets it after warming)")
 
 KNOBS: tuple[Knob, ...] = (CACHE_DIR, CACHE_PATH, MAX_JOBS, CUDA_ARCH_LIST, ASSERT_NO_COMPILE, LOG_LEVEL, DEBUG,
-                           NVCC, CXX, CUDA_HOME, BATCH_INVARIANT, TEST_CACHE_DIR)
+                           NVCC, CXX, CUDA_HOME, BATCH_INVARIANT, PREFILL_TIER, TEST_CACHE_DIR)
 
 
 def _truthy(value: str | None) -> bool:
@@ -165,6 +172,15 @@ def batch_invariant() -> bool:
 def log_level() -> str | None:
     raw = LOG_LEVEL.value()
     return raw.lower() if raw else None
+
+
+def prefill_tier() -> str:
+    """JITATTN_PREFILL_TIER: 'auto' (the default), 'sm80' or 'sm90'; a bad value is an error."""
+    problem = PREFILL_TIER.problem()
+    if problem is not None:
+        raise ValueError(problem)
+    raw = PREFILL_TIER.value()
+    return raw.strip().lower() if raw is not None else "auto"
 
 
 def nvcc_override() -> str | None:

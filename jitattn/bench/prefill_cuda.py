@@ -13,14 +13,16 @@ all query heads if a backend refuses it, which the table says). The bf16 GEMM
 ceiling is an 8192^3 ``torch.matmul`` measured in the same run. Times are the
 median of ``--iters`` launches timed with CUDA events after warm-up.
 
-``--tunings`` also times other layouts of the jitattn kernel (overrides of
-``jitattn.families.prefill.TUNING``; each is its own cache entry).
+``--tunings`` also times other layouts of the jitattn sm80-tier kernel (overrides of
+``jitattn.families.prefill.TUNING``; each is its own cache entry); the wrapper row runs the tier
+``JITATTN_PREFILL_TIER`` selects (sm90 on Hopper for this spec by default).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 from typing import Callable
 
 import torch
@@ -51,14 +53,21 @@ def _median_ms(fn: Callable[[], object], iters: int, warmup: int = 5) -> float:
 
 
 def module_with(spec: VariantSpec, tuning: dict[str, int]) -> Module:
-    """The module of ``spec`` rendered with ``tuning`` over the default layout (built if cold)."""
+    """The sm80-tier module of ``spec`` rendered with ``tuning`` over the default layout (built if
+    cold; the tunings are of that tier, so it is pinned even where the sm90 tier would be chosen)."""
     saved = dict(prefill_family.TUNING)
+    saved_tier = os.environ.get("JITATTN_PREFILL_TIER")
     prefill_family.TUNING.update(tuning)
+    os.environ["JITATTN_PREFILL_TIER"] = "sm80"
     try:
         plan = build_inputs(spec)
     finally:
         prefill_family.TUNING.clear()
         prefill_family.TUNING.update(saved)
+        if saved_tier is None:
+            del os.environ["JITATTN_PREFILL_TIER"]
+        else:
+            os.environ["JITATTN_PREFILL_TIER"] = saved_tier
     entry = find_entry(plan) or build_entry(plan, jobs=4)
     return Module(spec, entry / "lib.so", plan.entries)
 

@@ -3,7 +3,9 @@ entries (the binary interface) and the context dict the template receives.
 
 A family module defines ``TEMPLATES`` ({target: template path}),
 ``entries(spec)`` and ``context(spec)``, and optionally
-``explain_build_error(spec, message, sources)`` (``jit`` applies it to a failed compile). Templates get nothing else: every
+``explain_build_error(spec, message, sources)`` (``jit`` applies it to a failed compile) and
+``select(spec, archs) -> (template path, context)`` (a family with kernel tiers: ``archs`` is the
+cuda arch list the build targets, None when unknown; render uses it instead of ``TEMPLATES``). Templates get nothing else: every
 derived value is computed here in Python.
 """
 

@@ -43,17 +43,46 @@ cuda kernel shape (sm80+ generic tier: ``mma.sync.m16n8k16``, fp32 accumulate):
   or on the per-thread default stream, blocks take a static snake order.
   The grid size does not depend on the batch, so a captured launch replays
   correctly after a re-plan.
+
+Hopper tier (``templates/cuda/prefill_sm90.cu.jinja``, sm_90a: TMA, mbarriers, wgmma,
+warp specialisation; layout from ``sm90_layout``). ``select`` picks it when the arch list is
+9.0a only and ``sm90_unsupported(spec)`` is None (ragged KV, one 16-bit dtype for q, kv and
+o, head_dim_qk == head_dim_vo in 64/128/256, no positional encoding, window, soft cap,
+custom mask or variant); every other spec keeps the sm80 tier. ``JITATTN_PREFILL_TIER``
+forces a tier: ``sm80`` always the generic one; ``sm90`` the Hopper one for every spec it
+supports even with an unknown arch list (an error with a non-Hopper one). The tier is in the
+rendered source, hence in the cache key.
+
+- A block: warpgroup 0 produces (one thread issues the TMA loads; its registers given back
+  with setmaxnreg), warpgroups 1 and 2 consume 64 query rows each. A tile is 128 rows: the GQA
+  group of one KV head packed into the rows (row = (token, head in group), ``128 // group``
+  tokens; one Q TMA box of 64 columns x group heads x tokens) when the group divides 128 and
+  head_dim >= 128, else 128 tokens of one query head (``sm90_pack`` has the measurements).
+- KV blocks of ``kBN`` tokens (192 / 176 / 64 for head_dim 64 / 128 / 256) go through a
+  2-stage pipeline; each 64-column slice of a row is one 128-byte-swizzled TMA box. The
+  consumers overlap block j's S GEMM with block j-1's P.V and take turns issuing GEMMs
+  (ping-pong), so one warpgroup's softmax runs under the other's GEMMs.
+- Work mapping: the sm80 tier's virtual tiles (``base(r) = r + qo_indptr[r] * pack // 128``),
+  items (virtual tile, kv head; query head when unpacked), a persistent grid of one block per
+  SM taking items in a static snake order (producer and consumers walk the same sequence).
+- The tensor maps' token extent is the allocation holding q / k / v (``cuMemGetAddressRange``):
+  a tile reaching past the last request reads memory that exists; its rows are masked, and V
+  rows past a request's keys are zeroed in shared memory (P is 0 there; 0 * NaN is not).
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable
 
+import re
+
+from .. import env
 from ..spec import DType, KVStorage, MaskMode, PosEncoding, Target, VariantSpec
 from .attention import context as _attention_context
 from .attention import entries, explain_build_error  # noqa: F401  (the family interface)
 
 TEMPLATES = {"cpu": "cpu/attention.cpp.jinja", "cuda": "cuda/prefill.cu.jinja"}
+TEMPLATE_SM90 = "cuda/prefill_sm90.cu.jinja"
 
 # Tuning knobs of the cuda layout. The benchmark may override entries (it
 # renders distinct sources, hence distinct cache entries); nothing else should.
@@ -206,3 +235,97 @@ def context(spec: VariantSpec) -> dict[str, Any]:
     if spec.target is Target.CUDA:
         ctx.update(_cuda_context(spec))
     return ctx
+
+
+# ---- the Hopper (sm_90a) tier ------------------------------------------------------------
+
+SM90_KV_BLOCK = {64: 192, 128: 176, 256: 64}  # head_dim -> KV tokens per stage (dev/NOTES_sm90.md: measured)
+_SM90_ARCH = re.compile(r"^9\.0a(\+PTX)?$")
+
+
+def sm90_unsupported(spec: VariantSpec) -> str | None:
+    """Why the sm90 tier cannot run ``spec`` (None when it can)."""
+    if spec.target is not Target.CUDA:
+        return "it is a cuda kernel"
+    if spec.q_dtype not in (DType.F16, DType.BF16) or spec.kv_dtype != spec.q_dtype or spec.o_dtype != spec.q_dtype:
+        return "it takes one 16-bit dtype (f16 or bf16) for q, kv and o"
+    if spec.head_dim_qk != spec.head_dim_vo or spec.head_dim_qk not in SM90_KV_BLOCK:
+        return f"it takes head_dim_qk == head_dim_vo in {sorted(SM90_KV_BLOCK)}"
+    if spec.kv_storage is not KVStorage.RAGGED:
+        return "it takes ragged KV (paged KV is not in this tier yet)"
+    if spec.pos_encoding is not PosEncoding.NONE or spec.use_sliding_window or spec.use_logits_soft_cap:
+        return "it has no positional encoding, sliding window or soft cap yet"
+    if spec.mask_mode not in (MaskMode.NONE, MaskMode.CAUSAL) or spec.variant is not None:
+        return "it has no custom mask or custom variant yet"
+    return None
+
+
+def _hopper_only(archs: tuple[str, ...]) -> bool:
+    return bool(archs) and all(_SM90_ARCH.match(a) for a in archs)
+
+
+def tier(spec: VariantSpec, archs: tuple[str, ...] | None) -> str:
+    """The cuda prefill tier for ``spec`` built for ``archs`` (None: unknown): ``"sm90"`` or ``"sm80"``.
+
+    ``JITATTN_PREFILL_TIER``: ``auto`` (default) takes sm90 when every arch is 9.0a and the spec
+    is supported; ``sm80`` always the generic tier; ``sm90`` the Hopper tier for every supported
+    spec, also when the arch list is unknown (a ``ValueError`` when it names another arch).
+    """
+    choice = env.prefill_tier()
+    if choice == "sm80" or spec.target is not Target.CUDA:
+        return "sm80"
+    if choice == "sm90" and archs is not None and not _hopper_only(archs):
+        raise ValueError(f"JITATTN_PREFILL_TIER=sm90 needs a 9.0a-only CUDA arch list, not {';'.join(archs)!r}: "
+                         "set JITATTN_CUDA_ARCH_LIST=9.0a (H100/H200) or JITATTN_PREFILL_TIER=auto")
+    if sm90_unsupported(spec) is not None:
+        return "sm80"
+    if choice == "sm90":
+        return "sm90"
+    return "sm90" if archs is not None and _hopper_only(archs) else "sm80"
+
+
+def sm90_pack(spec: VariantSpec) -> int:
+    """Query heads packed into a tile's rows: the whole GQA group when it divides the 128-row tile
+    and head_dim >= 128, else 1. Measured on the H200 (dev/bench_run5.txt, TFLOP/s packed vs not):
+    d128 causal b8x4096 586 vs 540, ragged 587 vs 532, 16 queries x 4096 keys 170 vs 78; d256 573
+    vs 570; but d64 causal b16x2048 289 vs 330, so head_dim 64 stays unpacked."""
+    return spec.group_size if 128 % spec.group_size == 0 and spec.head_dim_qk >= 128 else 1
+
+
+def sm90_layout(spec: VariantSpec) -> dict[str, int]:
+    """Every derived constant of the sm90 prefill kernel for ``spec`` (plain ints)."""
+    reason = sm90_unsupported(spec)
+    if reason is not None:
+        raise ValueError(f"{spec.uri}: the sm90 prefill tier cannot run this spec: {reason}")
+    dim = spec.head_dim_qk
+    bm, bn, stages = 128, SM90_KV_BLOCK[dim], 2
+    chunks = dim // 64                       # 64-column (128-byte) TMA boxes per row
+    q_chunk, kv_chunk = bm * 128, bn * 128   # bytes of one box
+    q_bytes, kv_bytes = chunks * q_chunk, chunks * kv_chunk
+    off_k = q_bytes
+    off_v = off_k + stages * kv_bytes
+    off_bar = off_v + stages * kv_bytes
+    barriers = 2 + 4 * stages                # q full/empty; k, v full/empty per stage
+    smem = off_bar + _ceil(8 * barriers, 16) + 1024  # + slack to align the base to 1 KiB (swizzle atoms)
+    return {
+        "kThreads": 384, "kProducerRegs": 24, "kConsumerRegs": 240,
+        "kBM": bm, "kBN": bn, "kD": dim, "kStages": stages, "kChunks": chunks, "kGroup": spec.group_size,
+        "kPackG": sm90_pack(spec),
+        "kQChunkBytes": q_chunk, "kKVChunkBytes": kv_chunk, "kQBytes": q_bytes, "kKVBytes": kv_bytes,
+        "kOffQ": 0, "kOffK": off_k, "kOffV": off_v, "kOffBar": off_bar, "kSmemBytes": smem,
+    }
+
+
+def _sm90_context(spec: VariantSpec) -> dict[str, Any]:
+    layout = sm90_layout(spec)
+    constants = [("int", name, str(value)) for name, value in layout.items()]
+    constants.append(("bool", "kCausal", "true" if spec.mask_mode is MaskMode.CAUSAL else "false"))
+    constants.append(("float", "kLog2e", repr(_LOG2E) + "f"))
+    return {**_attention_context(spec), "constants": constants, "smem_bytes": layout["kSmemBytes"]}
+
+
+def select(spec: VariantSpec, archs: tuple[str, ...] | None) -> tuple[str, dict[str, Any]]:
+    """(template path, context) of ``spec``'s module for a build targeting ``archs`` (the family hook)."""
+    if spec.target is Target.CUDA and tier(spec, archs) == "sm90":
+        return TEMPLATE_SM90, _sm90_context(spec)
+    return TEMPLATES[spec.target.value], context(spec)

@@ -1,4 +1,5 @@
-"""spec -> {filename: source text}. Pure: no I/O besides reading templates (and JITATTN_DEBUG)."""
+"""spec -> {filename: source text}. Pure: no I/O besides reading templates, JITATTN_DEBUG and, for a family
+with kernel tiers (prefill), the cuda arch list and JITATTN_PREFILL_TIER."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from ..families import family
 from ..families import variant as variant_source
 from ..spec import Target, VariantSpec
 from .templates import include_dir, template_root
+from .toolchain import ToolchainError, cuda_arch_list
 
 _SOURCE_SUFFIX = {Target.CUDA: ".cu", Target.CPU: ".cpp"}
 _INCLUDE_RE = re.compile(r'^\s*#\s*include\s*([<"])([^>"]+)[>"]', re.MULTILINE)
@@ -31,19 +33,34 @@ def _environment(root: Path) -> jinja2.Environment:
     )
 
 
+def _archs(spec: VariantSpec) -> tuple[str, ...] | None:
+    """The arch list a cuda build of ``spec`` targets; None when it cannot be known here (no GPU, no list)."""
+    if spec.target is not Target.CUDA:
+        return ()
+    try:
+        return cuda_arch_list()
+    except ToolchainError:
+        return None
+
+
 def render(spec: VariantSpec) -> dict[str, str]:
     """Render every source file of ``spec``'s module: ``{"params.h": ..., "kernel.cu": ...}``."""
     fam = family(spec.op)
     entries = fam.entries(spec)
+    select = getattr(fam, "select", None)  # families with tiers pick their template from the spec and the archs
+    if select is not None:
+        template_name, fam_context = select(spec, _archs(spec))
+    else:
+        template_name, fam_context = fam.TEMPLATES[spec.target.value], fam.context(spec)
     context = {
         "uri": spec.uri,
         "kernel_name": spec.kernel_name,
         "abi_version": ABI_VERSION,
         "entries": {e.name: e for e in entries},
-        **fam.context(spec),
+        **fam_context,
     }
     try:
-        template = _environment(template_root()).get_template(fam.TEMPLATES[spec.target.value])
+        template = _environment(template_root()).get_template(template_name)
     except jinja2.TemplateNotFound:
         raise NotImplementedError(
             f"{spec.uri}: op {spec.op.value!r} has no kernel template for target {spec.target.value!r} "

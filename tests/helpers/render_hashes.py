@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -63,7 +64,17 @@ def render_hash(spec) -> str:
 
 
 def current_hashes() -> dict[str, str]:
-    return {spec.canonical_json(): render_hash(spec) for spec in existing_specs()}
+    """The hashes of the generic kernels: the cuda prefill tier is pinned to sm80 (the sm90 tier is
+    chosen by the arch list, so it is not part of this record)."""
+    saved = os.environ.get("JITATTN_PREFILL_TIER")
+    os.environ["JITATTN_PREFILL_TIER"] = "sm80"
+    try:
+        return {spec.canonical_json(): render_hash(spec) for spec in existing_specs()}
+    finally:
+        if saved is None:
+            del os.environ["JITATTN_PREFILL_TIER"]
+        else:
+            os.environ["JITATTN_PREFILL_TIER"] = saved
 
 
 if __name__ == "__main__":

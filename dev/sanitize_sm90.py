@@ -1,0 +1,29 @@
+"""A few small launches of the sm90 prefill tier for compute-sanitizer (memcheck / racecheck):
+
+    python3 dev/sanitize_sm90.py            # builds the specs (once)
+    JITATTN_ASSERT_NO_COMPILE=1 compute-sanitizer --tool memcheck python3 dev/sanitize_sm90.py
+"""
+
+from __future__ import annotations
+
+import torch
+
+import jitattn
+
+CASES = [  # head_dim, hq, hkv, dtype, causal, qo_lens, kv_lens
+    (64, 4, 2, torch.float16, True, [70, 1, 0, 200], [90, 5, 3, 200]),
+    (128, 8, 2, torch.bfloat16, False, [130, 7], [77, 300]),
+    (256, 4, 4, torch.bfloat16, True, [65], [129]),
+]
+
+for d, hq, hkv, dtype, causal, qo_lens, kv_lens in CASES:
+    g = torch.Generator().manual_seed(d)
+    q = torch.randn(sum(qo_lens), hq, d, generator=g).to(dtype).cuda()
+    k = torch.randn(sum(kv_lens), hkv, d, generator=g).to(dtype).cuda()
+    v = torch.randn(sum(kv_lens), hkv, d, generator=g).to(dtype).cuda()
+    indptr = lambda lens: torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)  # noqa: E731
+    w = jitattn.BatchPrefillWithRaggedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8, device="cuda"))
+    w.plan(indptr(qo_lens), indptr(kv_lens), hq, hkv, d, causal=causal, q_data_type=dtype)
+    out, lse = w.run(q, k, v, return_lse=True)
+    torch.cuda.synchronize()
+    print(d, dtype, causal, "finite:", bool(torch.isfinite(out).all()))

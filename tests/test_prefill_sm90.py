@@ -1,0 +1,152 @@
+"""GPU checks of the sm90 (Hopper) cuda prefill tier beyond the shared prefill tests: many tiles and
+KV blocks per request, GQA, rows that see no key, NaN in memory a tile reads past a request's keys
+(the next request's V, the allocation's tail), strided q and head-major k/v views, and agreement
+with the sm80 tier on the same inputs. Skipped on GPUs other than sm_90."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import jitattn
+import jitattn.jit
+from jitattn import reference
+from jitattn.attention.specs import attention_spec
+from jitattn.jit import render
+from jitattn.spec import KVLayout, KVStorage, MaskMode, Op, PosEncoding, Target
+
+from attention_cases import assert_close_lse, assert_close_out
+
+pytestmark = pytest.mark.gpu
+
+bf16, f16 = torch.bfloat16, torch.float16
+
+# (head_dim, qo heads, kv heads, dtype, causal, qo_lens, kv_lens)
+CASES = {
+    "d128_g4_bf16_causal_tiles": (128, 16, 4, bf16, True, [1000, 1, 129, 0, 300, 64], [1000, 700, 129, 5, 401, 64]),
+    "d128_g4_bf16_full": (128, 16, 4, bf16, False, [513, 7, 256], [77, 1300, 0]),
+    "d64_mha_f16_causal": (64, 4, 4, f16, True, [700, 33], [900, 33]),
+    "d64_g8_bf16_full": (64, 8, 1, bf16, False, [130, 2], [257, 1000]),
+    "d256_g2_bf16_causal": (256, 8, 4, bf16, True, [300, 70], [300, 200]),
+    "d256_mha_f16_full": (256, 2, 2, f16, False, [129], [191]),
+    "d128_g3_f16_causal_unpacked": (128, 6, 2, f16, True, [300, 5], [310, 900]),  # 3 does not divide 128
+    "d128_g4_bf16_causal_short_queries": (128, 8, 2, bf16, True, [16, 3, 16, 1], [4096, 100, 16, 1]),
+}
+
+
+def _spec(d, hq, hkv, dtype, causal):
+    return attention_spec(
+        Op.PREFILL, Target.CUDA, q_dtype=dtype, kv_dtype=dtype, o_dtype=dtype, head_dim_qk=d, head_dim_vo=d,
+        num_qo_heads=hq, num_kv_heads=hkv, pos_encoding=PosEncoding.NONE, use_sliding_window=False,
+        use_logits_soft_cap=False, mask_mode=MaskMode.CAUSAL if causal else MaskMode.NONE, kv_layout=KVLayout.NHD,
+        kv_storage=KVStorage.RAGGED,
+    )
+
+
+GPU_SPECS = [_spec(*c[:5]) for c in CASES.values()]
+
+
+@pytest.fixture(autouse=True)
+def _hopper():
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the sm90 prefill tier needs an sm_90 GPU")
+
+
+@pytest.fixture
+def fresh_registry():
+    """Modules loaded after a JITATTN_PREFILL_TIER change (the registry keeps one module per spec)."""
+    saved = dict(jitattn.jit._registry)
+    jitattn.jit._registry.clear()
+    yield
+    jitattn.jit._registry.clear()
+    jitattn.jit._registry.update(saved)
+
+
+def _indptr(lens):
+    return torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+
+
+def _run(q, k, v, qo_lens, kv_lens, causal):
+    hq, d = q.shape[1], q.shape[2]
+    wrapper = jitattn.BatchPrefillWithRaggedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8, device="cuda"))
+    wrapper.plan(_indptr(qo_lens), _indptr(kv_lens), hq, k.shape[1], d, causal=causal, q_data_type=q.dtype,
+                 kv_data_type=k.dtype)
+    out = torch.full((q.shape[0], hq, d), float("nan"), dtype=q.dtype, device="cuda")
+    lse = torch.full((q.shape[0], hq), float("nan"), device="cuda")
+    wrapper.run(q, k, v, out=out, lse=lse)
+    return out, lse
+
+
+def _inputs(case_id, d, hq, hkv, dtype, qo_lens, kv_lens):
+    gen = torch.Generator().manual_seed(sum(map(ord, case_id)))
+    q = torch.randn(sum(qo_lens), hq, d, generator=gen).to(dtype).cuda()
+    k = torch.randn(sum(kv_lens), hkv, d, generator=gen).to(dtype).cuda()
+    v = torch.randn(sum(kv_lens), hkv, d, generator=gen).to(dtype).cuda()
+    return q, k, v
+
+
+@pytest.mark.parametrize("case_id", list(CASES))
+def test_sm90_tier_matches_reference(case_id):
+    d, hq, hkv, dtype, causal, qo_lens, kv_lens = CASES[case_id]
+    assert "sm90 tier" in render(_spec(d, hq, hkv, dtype, causal))["kernel.cu"]
+    q, k, v = _inputs(case_id, d, hq, hkv, dtype, qo_lens, kv_lens)
+    out, lse = _run(q, k, v, qo_lens, kv_lens, causal)
+    ref_o, ref_lse = reference.batch_ragged_attention(q, k, v, _indptr(qo_lens), _indptr(kv_lens), causal=causal)
+    assert_close_out(out, ref_o, dtype)
+    assert_close_lse(lse, ref_lse)
+
+
+def test_sm90_nan_past_the_keys_never_reaches_the_output():
+    """A block reaching past a request's keys reads the next request's rows and, for the last
+    request, the allocation's tail: NaN there must not leak (V rows are zeroed, scores masked)."""
+    d, hq, hkv, dtype = 128, 8, 2, bf16
+    qo_lens, kv_lens = [50, 70], [60, 90]
+    gen = torch.Generator().manual_seed(17)
+    q = torch.randn(sum(qo_lens), hq, d, generator=gen).to(dtype).cuda()
+    n = sum(kv_lens)
+    k_buf = torch.full((n + 300, hkv, d), float("nan"), dtype=dtype, device="cuda")
+    v_buf = torch.full((n + 300, hkv, d), float("nan"), dtype=dtype, device="cuda")
+    k_buf[:n] = torch.randn(n, hkv, d, generator=gen).to(dtype).cuda()
+    v_buf[:n] = torch.randn(n, hkv, d, generator=gen).to(dtype).cuda()
+    k_buf[kv_lens[0]:kv_lens[0] + 5] = float("nan")  # request 1's first keys and values: only it sees them
+    v_buf[kv_lens[0]:kv_lens[0] + 5] = float("nan")
+    k, v = k_buf[:n], v_buf[:n]
+    for causal in (True, False):
+        out, lse = _run(q, k, v, qo_lens, kv_lens, causal)
+        ref_o, ref_lse = reference.batch_ragged_attention(q, k, v, _indptr(qo_lens), _indptr(kv_lens), causal=causal)
+        assert torch.isfinite(out[:qo_lens[0]].float()).all() and torch.isfinite(lse[:qo_lens[0]]).all()
+        assert torch.equal(torch.isnan(out), torch.isnan(ref_o))
+        assert_close_out(out[:qo_lens[0]], ref_o[:qo_lens[0]], dtype)
+
+
+@pytest.mark.parametrize("q_head_major", [False, True])
+def test_sm90_strided_q_and_head_major_kv(q_head_major):
+    d, hq, hkv, dtype = 64, 8, 2, f16
+    qo_lens, kv_lens = [200, 33], [333, 40]
+    gen = torch.Generator().manual_seed(5)
+    if q_head_major:  # the GQA-packed Q box then lands head-major in shared memory
+        q = torch.randn(hq, sum(qo_lens), d, generator=gen).to(dtype).cuda().transpose(0, 1)
+    else:
+        q_big = torch.randn(sum(qo_lens), hq, d + 64, generator=gen).to(dtype).cuda()
+        q = q_big[:, :, 32:32 + d]                 # token stride hq * (d + 64), head stride d + 64
+    k = torch.randn(hkv, sum(kv_lens), d, generator=gen).to(dtype).cuda().transpose(0, 1)  # head-major view
+    v = torch.randn(hkv, sum(kv_lens), d, generator=gen).to(dtype).cuda().transpose(0, 1)
+    assert k.stride(1) > k.stride(0)
+    out, lse = _run(q, k, v, qo_lens, kv_lens, True)
+    ref_o, ref_lse = reference.batch_ragged_attention(q, k, v, _indptr(qo_lens), _indptr(kv_lens), causal=True)
+    assert_close_out(out, ref_o, dtype)
+    assert_close_lse(lse, ref_lse)
+
+
+def test_sm90_and_sm80_tiers_agree(monkeypatch, fresh_registry):
+    d, hq, hkv, dtype, causal, qo_lens, kv_lens = CASES["d128_g4_bf16_causal_tiles"]
+    q, k, v = _inputs("agree", d, hq, hkv, dtype, qo_lens, kv_lens)
+    results = {}
+    for tier in ("sm90", "sm80"):
+        monkeypatch.setenv("JITATTN_PREFILL_TIER", tier)
+        jitattn.jit._registry.clear()
+        spec = _spec(d, hq, hkv, dtype, causal)
+        assert ("sm90 tier" in render(spec)["kernel.cu"]) == (tier == "sm90")
+        results[tier] = _run(q, k, v, qo_lens, kv_lens, causal)
+    assert_close_out(results["sm90"][0], results["sm80"][0].float(), dtype)
+    assert_close_lse(results["sm90"][1], results["sm80"][1])

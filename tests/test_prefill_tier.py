@@ -1,0 +1,152 @@
+"""The cuda prefill tiers on the host: which specs the sm90 (Hopper) tier takes, how the arch list
+and JITATTN_PREFILL_TIER choose between it and the sm80 tier, its shared-memory layout, and that
+its source renders (and, with nvcc, compiles) for sm_90a without a GPU."""
+
+from __future__ import annotations
+
+import shutil
+import time
+
+import pytest
+import torch
+
+import jitattn
+from jitattn import env
+from jitattn.attention.specs import attention_spec
+from jitattn.families import prefill
+from jitattn.jit import render
+from jitattn.spec import KVLayout, KVStorage, MaskMode, Op, PosEncoding, Target, VariantSpec
+from jitattn.variant import AttentionVariant
+
+bf16, f16, f32 = torch.bfloat16, torch.float16, torch.float32
+
+
+def _spec(d=128, dtype=bf16, kv_dtype=None, o_dtype=None, dvo=None, causal=True, storage=KVStorage.RAGGED,
+          pos=PosEncoding.NONE, window=False, soft_cap=False, mask=None, hq=32, hkv=8, variant=None):
+    return attention_spec(
+        Op.PREFILL, Target.CUDA, q_dtype=dtype, kv_dtype=kv_dtype or dtype, o_dtype=o_dtype or dtype, head_dim_qk=d,
+        head_dim_vo=dvo or d, num_qo_heads=hq, num_kv_heads=hkv, pos_encoding=pos, use_sliding_window=window,
+        use_logits_soft_cap=soft_cap, mask_mode=mask or (MaskMode.CAUSAL if causal else MaskMode.NONE),
+        kv_layout=KVLayout.NHD, kv_storage=storage, variant=variant,
+    )
+
+
+SUPPORTED = {
+    "d128_bf16_causal": _spec(),
+    "d128_bf16_full": _spec(causal=False),
+    "d64_f16_mha": _spec(d=64, dtype=f16, hq=4, hkv=4),
+    "d256_bf16_g8": _spec(d=256, hq=16, hkv=2),
+}
+UNSUPPORTED = {
+    "paged": _spec(storage=KVStorage.PAGED),
+    "rope": _spec(pos=PosEncoding.ROPE_LLAMA),
+    "alibi": _spec(pos=PosEncoding.ALIBI),
+    "window": _spec(window=True),
+    "soft_cap": _spec(soft_cap=True),
+    "custom_mask": _spec(mask=MaskMode.CUSTOM),
+    "fp8_kv": _spec(kv_dtype=torch.float8_e4m3fn),
+    "f32_out": _spec(o_dtype=f32),
+    "d96": _spec(d=96),
+    "dqk_ne_dvo": _spec(d=192, dvo=128),
+    "variant": _spec(variant=AttentionVariant("plain", logits_transform="logits")),
+}
+
+
+@pytest.fixture
+def tier_env(monkeypatch):
+    monkeypatch.delenv("JITATTN_PREFILL_TIER", raising=False)
+    monkeypatch.delenv("TORCH_CUDA_ARCH_LIST", raising=False)
+    return monkeypatch
+
+
+@pytest.mark.parametrize("case_id", list(SUPPORTED))
+def test_supported_specs_take_sm90_on_hopper_only(case_id, tier_env):
+    spec = SUPPORTED[case_id]
+    assert prefill.sm90_unsupported(spec) is None
+    assert prefill.tier(spec, ("9.0a",)) == "sm90"
+    assert prefill.tier(spec, ("9.0a+PTX",)) == "sm90"
+    for archs in (("8.0",), ("9.0",), ("8.0", "9.0a"), ("10.0a",), (), None):
+        assert prefill.tier(spec, archs) == "sm80", archs
+
+
+@pytest.mark.parametrize("case_id", list(UNSUPPORTED))
+def test_unsupported_specs_keep_sm80(case_id, tier_env):
+    spec = UNSUPPORTED[case_id]
+    assert isinstance(prefill.sm90_unsupported(spec), str)
+    assert prefill.tier(spec, ("9.0a",)) == "sm80"
+    tier_env.setenv("JITATTN_PREFILL_TIER", "sm90")
+    assert prefill.tier(spec, ("9.0a",)) == "sm80"  # forcing sm90 keeps the specs it cannot run on sm80
+    with pytest.raises(ValueError, match="sm90 prefill tier cannot run"):
+        prefill.sm90_layout(spec)
+
+
+def test_the_knob_forces_a_tier(tier_env):
+    spec = SUPPORTED["d128_bf16_causal"]
+    tier_env.setenv("JITATTN_PREFILL_TIER", "sm80")
+    assert prefill.tier(spec, ("9.0a",)) == "sm80"
+    tier_env.setenv("JITATTN_PREFILL_TIER", "SM90")
+    assert prefill.tier(spec, None) == "sm90"  # an unknown arch list (no GPU here) is taken at its word
+    assert prefill.tier(spec, ("9.0a",)) == "sm90"
+    with pytest.raises(ValueError, match="9.0a-only CUDA arch list"):
+        prefill.tier(spec, ("8.0",))
+    tier_env.setenv("JITATTN_PREFILL_TIER", "hopper")
+    assert "JITATTN_PREFILL_TIER" in env.problems()
+    with pytest.raises(ValueError, match="not a prefill tier"):
+        prefill.tier(spec, ("9.0a",))
+    tier_env.setenv("JITATTN_PREFILL_TIER", "auto")
+    assert "JITATTN_PREFILL_TIER" not in env.problems()
+    assert any(row[0] == "JITATTN_PREFILL_TIER" for row in env.describe())
+
+
+@pytest.mark.parametrize("case_id", list(SUPPORTED))
+def test_sm90_layout_fits_and_aligns(case_id):
+    spec = SUPPORTED[case_id]
+    layout = prefill.sm90_layout(spec)
+    assert layout["kSmemBytes"] <= 227 << 10
+    for name in ("kOffK", "kOffV", "kOffBar"):
+        assert layout[name] % 1024 == 0, name  # 128-byte swizzle atoms start on 1 KiB
+    assert layout["kD"] == spec.head_dim_qk and layout["kChunks"] * 64 == layout["kD"]
+    assert layout["kBN"] == prefill.SM90_KV_BLOCK[spec.head_dim_qk] and layout["kGroup"] == spec.group_size
+    assert layout["kOffV"] - layout["kOffK"] == layout["kStages"] * layout["kKVBytes"]
+    # Registers: producer and two consumer warpgroups within the SM's 64 Ki.
+    assert 128 * layout["kProducerRegs"] + 256 * layout["kConsumerRegs"] <= 65536
+
+
+def test_gqa_packing_choice():
+    assert prefill.sm90_pack(_spec(d=128, hq=32, hkv=8)) == 4     # the group of a KV head fills the rows
+    assert prefill.sm90_pack(_spec(d=256, hq=16, hkv=2)) == 8
+    assert prefill.sm90_pack(_spec(d=128, hq=6, hkv=2)) == 1      # 3 does not divide the 128-row tile
+    assert prefill.sm90_pack(_spec(d=64, hq=32, hkv=8)) == 1      # measured slower packed at head_dim 64
+    assert prefill.sm90_layout(_spec(d=128, hq=32, hkv=8))["kPackG"] == 4
+
+
+def test_render_follows_the_arch_list(tier_env):
+    spec = SUPPORTED["d128_bf16_causal"]
+    tier_env.setenv("JITATTN_CUDA_ARCH_LIST", "9.0a")
+    hopper = render(spec)["kernel.cu"]
+    assert "sm90 tier" in hopper and "wgmma::mma_ss" in hopper
+    tier_env.setenv("JITATTN_CUDA_ARCH_LIST", "8.0")
+    generic = render(spec)["kernel.cu"]
+    assert "sm90 tier" not in generic and "sm80+ generic tier" in generic
+    tier_env.setenv("JITATTN_CUDA_ARCH_LIST", "9.0a")
+    tier_env.setenv("JITATTN_PREFILL_TIER", "sm80")
+    assert render(spec)["kernel.cu"] == generic
+    tier_env.setenv("JITATTN_PREFILL_TIER", "sm90")
+    tier_env.setenv("JITATTN_CUDA_ARCH_LIST", "8.0;9.0a")
+    with pytest.raises(ValueError, match="9.0a-only"):
+        render(spec)
+    # Other families and the cpu target are untouched by the knob.
+    cpu = VariantSpec(op="prefill", target="cpu", q_dtype="bf16", kv_dtype="bf16", o_dtype="bf16")
+    assert "sm90 tier" not in render(cpu)["kernel.cpp"]
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+def test_sm90_tier_compiles_for_sm90a_without_a_gpu(tier_env, fresh_cache):
+    spec = SUPPORTED["d64_f16_mha"]
+    tier_env.setenv("JITATTN_CUDA_ARCH_LIST", "9.0a")
+    started = time.perf_counter()
+    module = jitattn.load(spec)
+    seconds = time.perf_counter() - started
+    print(f"\ncold nvcc build + load of {spec.uri} (sm90 tier, sm_90a): {seconds:.2f} s")
+    assert set(module.entry_names) == {"attention"}
+    assert "sm90 tier" in (module.path.parent / "sources" / "kernel.cu").read_text()
