@@ -257,6 +257,8 @@ def sm90_unsupported(spec: VariantSpec) -> str | None:
         return "it has no positional encoding, sliding window or soft cap yet"
     if spec.mask_mode not in (MaskMode.NONE, MaskMode.CAUSAL) or spec.variant is not None:
         return "it has no custom mask or custom variant yet"
+    if spec.use_sinks:
+        return "it has no attention sinks yet"
     return None
 
 
