@@ -19,8 +19,8 @@ from .attention.batch import share_queries
 from .attention.builder import num_workers
 from .attention.merge import PreparedMerge, merge_state, merge_state_in_place, merge_states, merge_states_with_sinks
 from .attention.options import parse_pos_encoding, resolve_batch_invariant
-from .kv_split import batch_invariant_chunk, cascade_level_chunks, split_level_page_table
-from .page_table import check_indptr, check_paged_index
+from .kv_split import batch_invariant_chunk, cascade_level_chunks, concat_level_tables, split_level_page_table
+from .page_table import PagedIndex, check_indptr, check_paged_index
 from .decode import BatchDecodeWithPagedKVCacheWrapper
 from .families.prefill import query_tile_rows
 from .prefill import BatchPrefillWithPagedKVCacheWrapper, single_prefill_with_kv_cache
@@ -48,6 +48,7 @@ class MultiLevelCascadeAttentionWrapper:
         self._num_levels = num_levels
         self._device = float_workspace_buffer.device
         self._level_chunks: list[int] = []  # KV chunks per level of the last plan (empty: not planned)
+        self._launches: list[tuple[BatchPrefillWithPagedKVCacheWrapper, int]] = []  # (wrapper, states it writes)
         self._states: _LevelStates | None = None  # the plan's state buffers (None: one state, written as out)
         self._batch_invariant = False  # the last plan's mode
 
@@ -118,16 +119,19 @@ class MultiLevelCascadeAttentionWrapper:
         self._batch_invariant = resolve_batch_invariant(batch_invariant)
         self._level_chunks = []
         names = ("paged_kv_indptr_arr[i]", "paged_kv_indices_arr[i]", "paged_kv_last_page_len[i]")
-        for level, wrapper in enumerate(self._wrappers):
+        graphs = self._wrappers[0].is_cuda_graph_enabled
+        tables: list[tuple[torch.Tensor, PagedIndex, bool]] = []  # per level: (qo_indptr, page table, causal)
+        for level in range(self._num_levels):
             level_causal = causal if level == self._num_levels - 1 else False
-            qo_indptr = qo_indptr_arr[level]
+            qo_host = check_indptr("qo_indptr_arr[i]", qo_indptr_arr[level])
             index = check_paged_index(paged_kv_indptr_arr[level], paged_kv_indices_arr[level],
                                       paged_kv_last_page_len[level], page_size, names=names)
+            qo_lens = (qo_host[1:] - qo_host[:-1]).tolist()
+            if level_causal and max(qo_lens, default=0) <= 1:
+                level_causal = False  # one query per request sees every key: causal or not, the same
             chunks = 1
             # Splitting shifts positions inside a chunk: only for plain, non-causal, non-graph levels.
-            if not level_causal and variant is None and not wrapper.is_cuda_graph_enabled:
-                qo_host = check_indptr("qo_indptr_arr[i]", qo_indptr)
-                qo_lens = (qo_host[1:] - qo_host[:-1]).tolist()
+            if not level_causal and variant is None and not graphs:
                 chunks = cascade_level_chunks(index.kv_lens, num_kv_heads=num_kv_heads,
                                               num_sms=num_workers(self._device),
                                               page_size=page_size, fixed_split_size=fixed_split_size,
@@ -136,19 +140,31 @@ class MultiLevelCascadeAttentionWrapper:
                 if chunks > 1:
                     pages_per_chunk = (batch_invariant_chunk(page_size, fixed_split_size) // page_size
                                        if self._batch_invariant else None)
-                    qo_indptr, index = split_level_page_table(qo_host, index, chunks, pages_per_chunk)
+                    qo_host, index = split_level_page_table(qo_host, index, chunks, pages_per_chunk)
             self._level_chunks.append(chunks)
+            tables.append((qo_host, index, level_causal))
+        options = dict(sm_scale=sm_scale, logits_soft_cap=logits_soft_cap, q_data_type=q_data_type,
+                       kv_data_type=kv_data_type, variant=variant)
+        # Without graphs (their buffers are per level) and with every level non-causal, all the levels
+        # are one batch: one launch computes every state (the level page tables one after another).
+        if self._num_levels > 1 and not graphs and not any(level_causal for _, _, level_causal in tables):
+            qo_all, index_all = concat_level_tables([(qo, index) for qo, index, _ in tables])
+            launch_levels = [(self._wrappers[0], qo_all, index_all, False, sum(self._level_chunks))]
+        else:
+            launch_levels = [(wrapper, qo, index, level_causal, chunks) for wrapper, (qo, index, level_causal), chunks
+                             in zip(self._wrappers, tables, self._level_chunks)]
+        self._launches = []
+        for wrapper, qo, index, level_causal, states in launch_levels:
             # The level's checked page table is handed on, not checked again.
-            wrapper._plan_index(
-                qo_indptr, index, num_qo_heads, num_kv_heads, head_dim, causal=level_causal, sm_scale=sm_scale,
-                logits_soft_cap=logits_soft_cap, q_data_type=q_data_type, kv_data_type=kv_data_type, variant=variant,
-            )
-            if chunks > 1:  # every chunk reads the level's queries in place
+            wrapper._plan_index(qo, index, num_qo_heads, num_kv_heads, head_dim, causal=level_causal, **options)
+            if states > 1:  # every chunk (and level) reads the queries in place
                 share_queries(wrapper._plan, total_q)
+            self._launches.append((wrapper, states))
 
-        plan = self._wrappers[-1]._plan
-        self._states = _LevelStates(self._level_chunks, total_q, num_qo_heads, plan.head_dim_vo, plan.o_dtype,
-                                    self._device) if sum(self._level_chunks) > 1 or self._batch_invariant else None
+        plan = self._launches[-1][0]._plan
+        multi = sum(self._level_chunks) > 1 or self._batch_invariant
+        self._states = _LevelStates([states for _, states in self._launches], total_q, num_qo_heads,
+                                    plan.head_dim_vo, plan.o_dtype, self._device) if multi else None
 
     begin_forward = plan
 
@@ -184,7 +200,7 @@ class MultiLevelCascadeAttentionWrapper:
         # one merge of all the states per query then gives the result (sinks applied there, once).
         # Batch-invariant mode always merges, so a query whose batch has one state gets the bits it
         # gets among more (empty extra states add exact zeros to the merge).
-        for wrapper, (out, lse) in zip(self._wrappers, states.levels):
+        for (wrapper, _), (out, lse) in zip(self._launches, states.levels):
             wrapper.run(q, paged_kv_cache, k_scale=k_scale, v_scale=v_scale, out=out, lse=lse, **variant_args)
         if sinks is not None:
             out, lse = merge_states_with_sinks(states.v, states.s, sinks)
@@ -202,18 +218,18 @@ class MultiLevelCascadeAttentionWrapper:
 class _LevelStates:
     """The attention states of one cascade plan's levels, allocated once per plan and reused by every run().
 
-    ``levels``: per level the (out, lse) rows its chunks write; ``v``/``s``: all of them as the
+    ``levels``: per launch (a level, or every level in one) the (out, lse) rows it writes; ``v``/``s``: all of them as the
     ``[total_q, num_states, ...]`` views ``merge_states`` reads. Runs are ordered on a stream, so one
     buffer serves every call (like the workspace, a plan must not run on two streams at once)."""
 
-    def __init__(self, level_chunks: list[int], total_q: int, num_heads: int, head_dim_vo: int,
+    def __init__(self, launch_states: list[int], total_q: int, num_heads: int, head_dim_vo: int,
                  dtype: torch.dtype, device: torch.device) -> None:
-        num_states = sum(level_chunks)
+        num_states = sum(launch_states)
         values = torch.empty((num_states * total_q, num_heads, head_dim_vo), dtype=dtype, device=device)
         lses = torch.empty((num_states * total_q, num_heads), dtype=torch.float32, device=device)
         self.levels: list[tuple[torch.Tensor, torch.Tensor]] = []
         row = 0
-        for chunks in level_chunks:
+        for chunks in launch_states:
             rows = chunks * total_q
             self.levels.append((values[row: row + rows], lses[row: row + rows]))
             row += rows

@@ -189,3 +189,29 @@ def split_level_page_table(qo_indptr: torch.Tensor, index: PagedIndex, num_chunk
                          last_page_len=torch.tensor(new_last, dtype=i32), page_size=index.page_size,
                          kv_lens=tuple(kv_lens), max_page_index=index.max_page_index)
     return torch.tensor(new_qo, dtype=i32), chunked
+
+
+def concat_level_tables(levels: list[tuple[torch.Tensor, PagedIndex]]) -> tuple[torch.Tensor, PagedIndex]:
+    """The cascade levels' (qo_indptr, page table) pairs as one batch, level after level.
+
+    Level L's rows follow the rows of the levels before it (its requests' queries are then those rows
+    modulo ``total_q``, see ``split_level_page_table``), so one launch computes every level's states
+    into one chunk-major buffer. The tables are derived from checked ones: not checked again.
+    """
+    start = torch.zeros(1, dtype=torch.int32)
+    qo_parts, kv_parts, indices, lasts, kv_lens = [start], [start], [], [], []
+    row = page = 0
+    for qo_indptr, index in levels:
+        qo_parts.append(qo_indptr[1:].to(torch.int32) + row)
+        kv_parts.append(index.indptr[1:].to(torch.int32) + page)
+        used = int(index.indptr[-1])
+        indices.append(index.indices[:used])
+        lasts.append(index.last_page_len)
+        kv_lens.extend(index.kv_lens)
+        row += int(qo_indptr[-1])
+        page += used
+    first = levels[0][1]
+    table = PagedIndex(indptr=torch.cat(kv_parts), indices=torch.cat(indices).to(torch.int32),
+                       last_page_len=torch.cat(lasts).to(torch.int32), page_size=first.page_size,
+                       kv_lens=tuple(kv_lens), max_page_index=max(index.max_page_index for _, index in levels))
+    return torch.cat(qo_parts), table

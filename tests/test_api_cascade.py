@@ -51,6 +51,9 @@ def test_three_level_cascade_equals_flat_attention(device: str, qo_lens: list[in
         assert wrapper._level_chunks[0] > 1, "the shared prefix level (3 pages) must be split"
     if causal:
         assert wrapper._level_chunks[2] == 1, "a causal level is never split"
+    # Non-causal levels (decode: one query per request is non-causal too) run as one launch; a causal
+    # level with several queries per request keeps its own.
+    assert len(wrapper._launches) == (3 if causal else 1)
     out = wrapper.run(q, cache)
 
     # Reference: each request's KV is its prefix, its node's KV and its own tail, concatenated.

@@ -121,6 +121,21 @@ def test_split_level_page_table_is_chunk_major_on_page_boundaries() -> None:
     assert cascade_level_chunks((67, 32), num_kv_heads=8, num_sms=132, page_size=16, fixed_split_size=2) == 3
 
 
+def test_concat_level_tables_puts_the_levels_one_after_another() -> None:
+    from jitattn.kv_split import concat_level_tables, split_level_page_table
+
+    shared = check_paged_index(_i32([0, 3]), _i32([7, 8, 9]), _i32([4]), 16)
+    qo_shared, shared_chunks = split_level_page_table(_i32([0, 3]), shared, 2)  # 2 chunks, 3 queries
+    unique = check_paged_index(_i32([0, 1, 1, 3]), _i32([1, 2, 3, 42]), _i32([5, 0, 16]), 16)  # 42: a stale tail
+    qo, table = concat_level_tables([(qo_shared, shared_chunks), (_i32([0, 1, 2, 3]), unique)])
+    assert qo.tolist() == [0, 3, 6, 7, 8, 9]  # the unique level's rows follow the two chunks' (rows % 3 = queries)
+    assert table.indptr.tolist() == [0, 2, 3, 4, 4, 6]
+    assert table.indices.tolist() == [7, 8, 9, 1, 2, 3]  # only the used part of each level's indices
+    assert table.last_page_len.tolist() == [16, 4, 5, 0, 16]
+    assert table.kv_lens == shared_chunks.kv_lens + unique.kv_lens == (32, 4, 5, 0, 32)
+    assert table.max_page_index == 9
+
+
 def test_index_arrays_come_to_the_host_through_one_joined_copy() -> None:
     from jitattn.page_table import joined_to_host, to_host_int32_many
 
