@@ -120,8 +120,9 @@ def check_page_table(
         if total_pages > indices.numel():
             raise ValueError(f"{names[0]}[-1] = {total_pages} exceeds len({names[1]}) = {indices.numel()}")
         used = indices.numpy()[:total_pages]
-        lowest, highest = (int(used.min()), int(used.max())) if total_pages else (0, -1)
-        if lowest < 0:
+        # One pass for both bounds: as unsigned, a negative index is larger than every valid one.
+        highest = int(used.view(np.uint32).max()) if total_pages else -1
+        if highest > np.iinfo(np.int32).max:
             i = int(np.flatnonzero(used < 0)[0])
             raise ValueError(f"{names[1]}[{i}] = {int(used[i])} is a negative page index")
         if num_pages is not None and highest >= num_pages:
