@@ -127,8 +127,11 @@ class MultiLevelCascadeAttentionWrapper:
             index = check_paged_index(paged_kv_indptr_arr[level], paged_kv_indices_arr[level],
                                       paged_kv_last_page_len[level], page_size, names=names)
             qo_lens = (qo_host[1:] - qo_host[:-1]).tolist()
-            if level_causal and max(qo_lens, default=0) <= 1:
-                level_causal = False  # one query per request sees every key: causal or not, the same
+            if level_causal and max(qo_lens, default=0) <= 1 and not graphs and not self._batch_invariant:
+                # One query per request sees every key: causal or not, the same. Not under graphs (the
+                # captured kernel must not change with the batch) nor batch-invariant mode (whether a
+                # request's level may split must not depend on its companions' query counts).
+                level_causal = False
             chunks = 1
             # Splitting shifts positions inside a chunk: only for plain, non-causal, non-graph levels.
             if not level_causal and variant is None and not graphs:
@@ -163,8 +166,14 @@ class MultiLevelCascadeAttentionWrapper:
 
         plan = self._launches[-1][0]._plan
         multi = sum(self._level_chunks) > 1 or self._batch_invariant
-        self._states = _LevelStates([states for _, states in self._launches], total_q, num_qo_heads,
-                                    plan.head_dim_vo, plan.o_dtype, self._device) if multi else None
+        layout = ([states for _, states in self._launches], total_q, num_qo_heads, plan.head_dim_vo, plan.o_dtype,
+                  self._device)
+        if not multi:
+            self._states = None
+        elif self._states is None or self._states.layout != layout:
+            # Kept while the layout holds: a run() captured into a CUDA graph writes and merges these
+            # buffers, and FlashInfer's protocol re-plans before every replay.
+            self._states = _LevelStates(*layout)
 
     begin_forward = plan
 
@@ -224,6 +233,7 @@ class _LevelStates:
 
     def __init__(self, launch_states: list[int], total_q: int, num_heads: int, head_dim_vo: int,
                  dtype: torch.dtype, device: torch.device) -> None:
+        self.layout = (launch_states, total_q, num_heads, head_dim_vo, dtype, device)
         num_states = sum(launch_states)
         values = torch.empty((num_states * total_q, num_heads, head_dim_vo), dtype=dtype, device=device)
         lses = torch.empty((num_states * total_q, num_heads), dtype=torch.float32, device=device)

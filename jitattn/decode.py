@@ -204,9 +204,10 @@ class BatchDecodeWithPagedKVCacheWrapper(BatchWrapperBase):
                     raise ValueError(f"{role} has {src.numel()} entries; its CUDA-graph buffer holds {buffer.numel()}")
                 buffer[: src.numel()].copy_(src, non_blocking=True)
                 arrays.append(buffer)
-            qo_indptr = split_indptr = self._own_buffers[0]
+            own = self._own_buffers[0]
             if self._plan is None:
-                qo_indptr.copy_(torch.arange(qo_indptr.numel(), dtype=torch.int32))
+                own.copy_(torch.arange(own.numel(), dtype=torch.int32))
+            qo_indptr = split_indptr = own[: batch + 1]  # the batch's part (it sizes the launch)
             if split.kv_chunk_size:  # batch-invariant: a split plan whose chunk offsets keep their address
                 split_indptr = self._own_buffers[1]
                 split_indptr[: batch + 1].copy_(torch.tensor(split.split_indptr, dtype=torch.int32))

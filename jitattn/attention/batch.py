@@ -78,7 +78,7 @@ class AttentionPlan:
             self.sink_launch = self.launch
 
     def _prepare(self, module: Module) -> PreparedAttention:
-        return PreparedAttention(
+        prepared = PreparedAttention(
             module, qo_indptr=self.qo_indptr, kv_indptr=self.kv_indptr, kv_indices=self.kv_indices,
             kv_last_page_len=self.kv_last_page_len, page_size=self.page_size or 1, kv_layout=self.kv_layout,
             custom_mask=self.custom_mask, mask_indptr=self.mask_indptr, num_qo_heads=self.num_qo_heads,
@@ -92,6 +92,8 @@ class AttentionPlan:
             if self.split.kv_chunk_size and not self.use_cuda_graph else 0,
             split_counters=self.split_counters,
         )
+        prepared.params.q_row_period = self.q_rows if self.q_rows != self.total_qo else 0
+        return prepared
 
     def sink_launch_ready(self) -> PreparedAttention:
         """The launch of this plan's kernel built with ``use_sinks`` (loaded once per plan, a cache hit after
@@ -126,7 +128,8 @@ def share_queries(plan: AttentionPlan, q_rows: int) -> None:
     if plan.total_qo % max(1, q_rows):
         raise ValueError(f"total_qo={plan.total_qo} is not a multiple of q_rows={q_rows}")
     plan.q_rows = q_rows
-    plan.launch.params.q_row_period = q_rows
+    for launch in plan.launches():
+        launch.params.q_row_period = q_rows
     plan.checked_signature = None
 
 
@@ -144,7 +147,7 @@ def upload(host: torch.Tensor, device: torch.device, buffer: torch.Tensor | None
             f"{host.numel()} x {host.dtype} on {device}; allocate it for the largest batch"
         )
     buffer[: host.numel()].copy_(host, non_blocking=False)
-    return buffer
+    return buffer[: host.numel()]  # the same address; its length is the batch's (qo_indptr sizes the launch)
 
 
 def _staging(n: int) -> torch.Tensor:

@@ -57,7 +57,7 @@ class BatchWrapperBase:
     def _plan(self, plan: AttentionPlan | None) -> None:
         # Once run() has seen sinks, every new plan loads its sink launch here, in plan(): a run()
         # being captured into a CUDA graph then only reads the prepared struct.
-        if plan is not None and self._uses_sinks:
+        if plan is not None and self._uses_sinks and plan.spec.variant is None:  # a variant takes no sinks
             plan.sink_launch_ready()
         self._current_plan = plan
 
