@@ -246,7 +246,8 @@ def run_plan_or_compiled(
 
         k, v = split_paged_kv_cache(kv, plan.kv_layout) if plan.page_size is not None else kv
         return run_compiled(key, q, k, v, head_dim_vo=plan.head_dim_vo, out_dtype=plan.o_dtype, k_scale=k_scale,
-                            v_scale=v_scale, q_scale=q_scale, out=out, lse=lse, return_lse=return_lse)
+                            v_scale=v_scale, q_scale=q_scale, out=out, lse=lse, return_lse=return_lse,
+                            q_repeat=plan.total_qo // plan.q_rows if plan.q_rows else 1)
     return run_plan(plan, wrapper, workspace, q, kv, k_scale=k_scale, v_scale=v_scale, out=out, lse=lse,
                     return_lse=return_lse, variant_args=variant_args, q_scale=q_scale, sinks=sinks)
 

@@ -27,8 +27,9 @@ def register_wrapper(wrapper: object) -> int:
 @torch.library.custom_op("jitattn::wrapper_run", mutates_args=())
 def wrapper_run(
     key: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dim_vo: int, out_dtype: torch.dtype,
-    k_scale: float, v_scale: float, q_scale: float,
+    k_scale: float, v_scale: float, q_scale: float, q_repeat: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``q_repeat``: output rows per q row (a plan whose rows share queries, e.g. a split cascade level)."""
     wrapper = _wrappers[key]()
     if wrapper is None:
         raise RuntimeError("jitattn: the wrapper this compiled graph calls no longer exists")
@@ -37,20 +38,20 @@ def wrapper_run(
 
 
 @wrapper_run.register_fake
-def _wrapper_run_fake(key, q, k, v, head_dim_vo, out_dtype, k_scale, v_scale, q_scale):
-    out = q.new_empty((q.shape[0], q.shape[1], head_dim_vo), dtype=out_dtype)
-    lse = q.new_empty((q.shape[0], q.shape[1]), dtype=torch.float32)
+def _wrapper_run_fake(key, q, k, v, head_dim_vo, out_dtype, k_scale, v_scale, q_scale, q_repeat):
+    out = q.new_empty((q.shape[0] * q_repeat, q.shape[1], head_dim_vo), dtype=out_dtype)
+    lse = q.new_empty((q.shape[0] * q_repeat, q.shape[1]), dtype=torch.float32)
     return out, lse
 
 
 def run_compiled(
     key: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, head_dim_vo: int, out_dtype: torch.dtype,
     k_scale: float, v_scale: float, out: torch.Tensor | None, lse: torch.Tensor | None, return_lse: bool,
-    q_scale: float = 1.0,
+    q_scale: float = 1.0, q_repeat: int = 1,
 ):
     """The compiled path of a wrapper's run(): one custom op, results copied into out/lse if given."""
     result, result_lse = torch.ops.jitattn.wrapper_run(key, q, k, v, head_dim_vo, out_dtype, k_scale, v_scale,
-                                                       q_scale)
+                                                       q_scale, q_repeat)
     if out is not None:
         out.copy_(result)
         result = out
