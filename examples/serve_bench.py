@@ -17,6 +17,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import serve  # noqa: E402
 
 
+def _ms(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.2f}"  # no request produced a second token: no TPOT
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="markdown file to write")
@@ -25,7 +29,9 @@ def main() -> None:
     variants = [("--cascade",), ("--no-cascade",)]
     if on_cuda:
         variants += [("--cascade", "--graphs"), ("--no-cascade", "--graphs")]
-    serve.main(rest + ["--num-requests", "4"])  # warm-up: kernels loaded, nothing recorded
+    warm = serve.main(rest + ["--num-requests", "4"])  # warm-up: kernels loaded, nothing recorded
+    if warm["device"].startswith("cuda") and not on_cuda:  # --device auto found a GPU: time the graphs too
+        variants += [("--cascade", "--graphs"), ("--no-cascade", "--graphs")]
     rows = [serve.main(rest + list(flags)) for flags in variants]
     first = rows[0]
     lines = [
@@ -41,7 +47,7 @@ def main() -> None:
     for r in rows:
         lines.append(
             f"| {'on' if r['cascade'] else 'off'} | {'on' if r['graphs'] else 'off'} | {r['output_tokens_per_s']:.1f} "
-            f"| {r['ttft_mean_ms']:.1f} | {r['ttft_p99_ms']:.1f} | {r['tpot_mean_ms']:.2f} "
+            f"| {r['ttft_mean_ms']:.1f} | {r['ttft_p99_ms']:.1f} | {_ms(r['tpot_mean_ms'])} "
             f"| {r['decode_steps']} ({r['cascade_steps']} / {r['graph_steps']}) | {r['prompt_tokens_reused']} "
             f"| {r['kv_bytes_saved_peak'] / 2**20:.1f} MiB |")
     Path(args.out).write_text("\n".join(lines) + "\n")

@@ -226,8 +226,15 @@ class VLLMStyleBackend:
         kv_cache_permute = self.kv_caches[layer].permute(*self.stride_order)  # back to the physical layout
         n = self.num_decode_tokens
         if self.has_prefill:
+            # vLLM asserts FlashInfer's private plan attributes before every run()
+            assert self.prefill_wrapper._window_left == -1
+            assert self.prefill_wrapper._logits_soft_cap == 0.0
+            assert self.prefill_wrapper._sm_scale == self.scale
             self.prefill_wrapper.run(q[n:], kv_cache_permute, k_scale=1.0, v_scale=1.0, out=output[n:])
         if n:
+            assert self.decode_wrapper._window_left == -1
+            assert self.decode_wrapper._logits_soft_cap == 0.0
+            assert self.decode_wrapper._sm_scale == self.scale
             self.decode_wrapper.run(q[:n], kv_cache_permute, k_scale=1.0, v_scale=1.0, out=output[:n])
         return output
 

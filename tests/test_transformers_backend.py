@@ -122,6 +122,50 @@ def test_serving_engine_loads_a_transformers_llama_checkpoint(tmp_path) -> None:
     assert [r.output for r in requests] == expected
 
 
+def test_gpt_oss_attention_sinks_match_eager() -> None:
+    """gpt-oss passes its sinks as ``s_aux``: they must reach the kernels (windowed and full layers)."""
+    config = transformers.GptOssConfig(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_local_experts=4,
+                                       num_experts_per_tok=2, sliding_window=8,
+                                       layer_types=["sliding_attention", "full_attention"])
+    ids = torch.randint(0, 128, (1, 16), generator=torch.Generator().manual_seed(1))
+    logits = {}
+    for implementation in ("eager", NAME):
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=implementation,
+                                                              dtype=torch.float32).eval()
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("sinks"):
+                    param.normal_(0, 2.0)  # large enough that dropping them moves the logits by ~0.3
+            logits[implementation] = model(ids).logits
+    torch.testing.assert_close(logits[NAME], logits["eager"], rtol=1e-4, atol=1e-4)
+
+
+def test_training_with_gradients_is_refused() -> None:
+    model = _model("llama", NAME)
+    ids = torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(2))
+    with pytest.raises(RuntimeError, match="inference-only"):
+        model(ids, labels=ids).loss.backward()
+
+
+def test_serving_engine_refuses_checkpoints_it_would_compute_wrong(tmp_path) -> None:
+    from jitattn.serving import LlamaModel, preset
+
+    tiny = preset("tiny")
+    shapes = dict(vocab_size=tiny.vocab_size, hidden_size=tiny.hidden_size, intermediate_size=tiny.intermediate_size,
+                  num_hidden_layers=tiny.num_hidden_layers, num_attention_heads=tiny.num_attention_heads,
+                  num_key_value_heads=tiny.num_key_value_heads, head_dim=tiny.head_dim)
+    cases = {"attention_bias": transformers.LlamaConfig(attention_bias=True, **shapes),
+             "mlp_bias": transformers.LlamaConfig(mlp_bias=True, **shapes),
+             "model_type": transformers.Qwen2Config(**shapes)}
+    for match, config in cases.items():
+        directory = tmp_path / match
+        transformers.AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+        with pytest.raises(ValueError, match=match):
+            LlamaModel.from_checkpoint(directory)
+
+
 # --- on the GPU ---------------------------------------------------------------------------------
 
 def _gpu_specs():

@@ -65,6 +65,21 @@ class BatchWrapperBase:
     def is_cuda_graph_enabled(self) -> bool:
         return self._use_cuda_graph
 
+    # FlashInfer's private plan attributes that serving backends read back (vLLM asserts them before
+    # every run()): the planned values as FlashInfer keeps them (soft cap None -> 0.0, the rest raw).
+    @property
+    def _window_left(self) -> int:
+        return self._plan_call.get("window_left", -1)
+
+    @property
+    def _logits_soft_cap(self) -> float:
+        cap = self._plan_call.get("logits_soft_cap")
+        return 0.0 if cap is None else cap
+
+    @property
+    def _sm_scale(self) -> float | None:
+        return self._plan_call.get("sm_scale")
+
     def reset_workspace_buffer(self, float_workspace_buffer: torch.Tensor, int_workspace_buffer=None) -> None:
         """Use another float workspace (on the same device); the int workspace is not needed (plan metadata
         lives in the wrapper's own buffers)."""

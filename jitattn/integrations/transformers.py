@@ -50,6 +50,12 @@ def jitattn_attention_forward(
         raise ValueError("jitattn attention has no dropout; use attn_implementation='eager' for training with dropout")
     if kwargs.get("position_bias") is not None:
         raise ValueError("jitattn attention does not take a position_bias; use attn_implementation='eager'")
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
+        raise RuntimeError("the jitattn backend is inference-only (its kernels have no backward); run under "
+                           "torch.no_grad()/torch.inference_mode(), or use attn_implementation='eager' to train")
+    sinks = kwargs.get("s_aux")  # gpt-oss attention sinks: one logit per query head, after the scaling
+    if sinks is not None:
+        sinks = sinks.detach().to(device=query.device, dtype=torch.float32).contiguous()
     batch, heads, q_len, head_dim = query.shape
     kv_heads, kv_len = key.shape[1], key.shape[2]
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
@@ -74,7 +80,7 @@ def jitattn_attention_forward(
     wrapper.plan(torch.arange(batch + 1, dtype=torch.int32) * q_len, torch.arange(batch + 1, dtype=torch.int32) * kv_len,
                  heads, kv_heads, head_dim, head_dim_vo=value.shape[-1], custom_mask=custom_mask, causal=causal,
                  sm_scale=scaling, logits_soft_cap=softcap or None, q_data_type=query.dtype, kv_data_type=key.dtype)
-    out = wrapper.run(q, k, v)
+    out = wrapper.run(q, k, v, sinks=sinks)
     return out.view(batch, q_len, heads, value.shape[-1]), None
 
 

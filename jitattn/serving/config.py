@@ -65,6 +65,18 @@ class ModelConfig:
                                "num_attention_heads") if k not in data]
         if missing:
             raise ValueError(f"{path}: missing {', '.join(missing)}; is this a Llama config.json?")
+        # What this small engine computes is a Llama block: refuse what would silently differ from it.
+        model_type = data.get("model_type", "llama")
+        if model_type not in ("llama", "mistral"):
+            raise ValueError(f"{path}: model_type {model_type!r}; this engine runs Llama-architecture models "
+                             "(llama, mistral) only")
+        for flag in ("attention_bias", "mlp_bias"):
+            if data.get(flag):
+                raise ValueError(f"{path}: {flag}=true is not supported (the engine's projections have no bias)")
+        if data.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"{path}: hidden_act {data['hidden_act']!r}; the engine's MLP is SwiGLU (silu)")
+        if model_type == "mistral" and data.get("sliding_window"):
+            raise ValueError(f"{path}: sliding_window={data['sliding_window']} is not supported by this engine")
         heads = data["num_attention_heads"]
         rope = data.get("rope_parameters") or data.get("rope_scaling") or {}  # transformers 5 / 4 spellings
         rope_type = rope.get("rope_type", rope.get("type", "default"))

@@ -90,6 +90,13 @@ def load_checkpoint(directory: str | Path) -> tuple[ModelConfig, dict[str, torch
     missing = [n for n in expected if n not in weights]
     if missing:
         raise ValueError(f"{directory}: {len(missing)} weights missing, e.g. {missing[0]}")
+    # Weights the Llama block has no use for (biases, another architecture's parts) would be dropped
+    # silently and change the tokens: refuse them (a tied lm_head copy and rotary buffers are fine).
+    unused = [n for n in weights if n not in expected and not n.endswith("rotary_emb.inv_freq")
+              and not (n == "lm_head.weight" and config.tie_word_embeddings)]
+    if unused:
+        raise ValueError(f"{directory}: {len(unused)} weights this Llama engine does not use, e.g. {unused[0]}; "
+                         "is this a Llama checkpoint (no biases)?")
     for name, shape in expected.items():
         if tuple(weights[name].shape) != shape:
             raise ValueError(f"{directory}: {name} has shape {tuple(weights[name].shape)}; config.json says {shape}")
