@@ -8,11 +8,8 @@ import os
 import re
 import subprocess
 import sys
-import textwrap
 import tomllib
 from pathlib import Path
-
-import pytest
 
 from jitattn.jit import build_many
 from jitattn.spec import VariantSpec
