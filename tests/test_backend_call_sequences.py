@@ -140,10 +140,12 @@ class SGLangStyleBackend:
 
 @pytest.mark.parametrize("fast_plan", [False, True], ids=["begin_forward", "fast_decode_plan"])
 def test_sglang_call_sequence(flashinfer, fast_plan, device="cpu") -> None:
-    _sglang_steps(flashinfer, fast_plan, device)
+    # 3 + 4 + 4 + 4 requests over the four rounds, every layer compared with torch attention
+    assert _sglang_steps(flashinfer, fast_plan, device) == 15 * LAYERS
 
 
-def _sglang_steps(flashinfer, fast_plan: bool, device) -> None:
+def _sglang_steps(flashinfer, fast_plan: bool, device) -> int:
+    """Drive the SGLang-style backend; every output is compared with torch attention. Returns the comparisons."""
     gen = torch.Generator().manual_seed(0)
     backend = SGLangStyleBackend(flashinfer, 512, device, fast_plan)
     history = History(4)
@@ -152,6 +154,7 @@ def _sglang_steps(flashinfer, fast_plan: bool, device) -> None:
     # tokens per request and round (0: not in the batch): an extend without any prefix, an extend on cached
     # prefixes (chunked prefill / radix hits) where request 3 arrives with none (its paged part is empty), decodes
     rounds = [("extend", [9, 1, 30, 0]), ("extend", [5, 12, 1, 7]), ("decode", [1] * 4), ("decode", [1] * 4)]
+    compared = 0
     for kind, all_lens in rounds:
         batch = [r for r in range(4) if all_lens[r]]
         lens = [all_lens[r] for r in batch]
@@ -170,9 +173,11 @@ def _sglang_steps(flashinfer, fast_plan: bool, device) -> None:
                 history.add(layer, r, k[start:start + n], v[start:start + n])
                 torch.testing.assert_close(out[start:start + n].cpu().float(), history.attend(layer, r, q[start:start + n]),
                                            rtol=1e-4, atol=1e-4)
+                compared += 1
                 start += n
         for r in batch:
             slots[r] += new_slots[r]
+    return compared
 
 
 # --- vLLM -----------------------------------------------------------------------------------------
@@ -241,10 +246,12 @@ class VLLMStyleBackend:
 
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 def test_vllm_call_sequence(flashinfer, layout, device="cpu") -> None:
-    _vllm_steps(flashinfer, layout, device)
+    # 1 + 4 + 4 + 4 requests over the four steps, every layer compared with torch attention
+    assert _vllm_steps(flashinfer, layout, device) == 13 * LAYERS
 
 
-def _vllm_steps(flashinfer, layout: str, device) -> None:
+def _vllm_steps(flashinfer, layout: str, device) -> int:
+    """Drive the vLLM-style backend; every output is compared with torch attention. Returns the comparisons."""
     gen = torch.Generator().manual_seed(1)
     block_size, num_blocks = 16, 64
     backend = VLLMStyleBackend(flashinfer, num_blocks, block_size, layout, device)
@@ -254,6 +261,7 @@ def _vllm_steps(flashinfer, layout: str, device) -> None:
     seq_lens = [0, 0, 0, 0]
     # (requests that decode, then the prefill chunks of the others): chunked prefill beside running decodes
     steps = [[0, 0, 0, 0, 20], [1, 1, 17, 5, 3], [1, 1, 1, 40, 1], [1, 1, 1, 1, 1]]
+    compared = 0
     for step in steps:
         query_lens = step[:4]
         order = sorted(range(4), key=lambda r: (query_lens[r] != 1, r))  # decodes first
@@ -276,9 +284,11 @@ def _vllm_steps(flashinfer, layout: str, device) -> None:
                 history.add(layer, r, k[start:start + n], v[start:start + n])
                 torch.testing.assert_close(output[start:start + n].cpu().float(),
                                            history.attend(layer, r, q[start:start + n]), rtol=1e-4, atol=1e-4)
+                compared += 1
                 start += n
         for r in order:
             seq_lens[r] += lens[r]
+    return compared
 
 
 # --- a wrapper bug the SGLang sequence found ------------------------------------------------------
