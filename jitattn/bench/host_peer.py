@@ -69,6 +69,12 @@ def _plans(lib, ws):
     return plan, fast
 
 
+METHOD = ("host wall time per call (time.perf_counter), median of rounds of back-to-back eager calls with no "
+          "device sync inside a round (no CUDA graph; tiny GPU work, so the figure is the Python + launch cost); "
+          "run(): 4 requests of one page (decode and prefill with out= given), index arrays planned from the device; plan(): index arrays on the host; fast_decode_plan(): "
+          "index arrays on the device with global_override_indptr_cpu on the host")
+
+
 def main() -> int:
     libs = ["jitattn"] + (["flashinfer"] if importlib.util.find_spec("flashinfer") else [])
     ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
@@ -89,9 +95,10 @@ def main() -> int:
         values = [results[n][row] for n in libs]
         ratio = f"   {values[0] / values[1]:.2f}x" if len(values) > 1 else ""
         print(f"{row:<34s}" + "".join(f"{v:12.1f}" for v in values) + ratio)
+    print(f"timing: {METHOD}")
     if len(sys.argv) > 1:
         with open(sys.argv[1], "w") as f:
-            json.dump(results, f, indent=1)
+            json.dump({"method": METHOD, **results}, f, indent=1)
     return 0
 
 
