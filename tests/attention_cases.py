@@ -56,6 +56,20 @@ def random_paged_batch(
     return PagedBatch(cache, indptr, order, last, list(kv_lens))
 
 
+def cascade_level(nodes_kv_lens: list[int], page_pool: list[int],
+                  page_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Page table (indptr, indices, last_page_len) of one cascade level: each node takes fresh pages from
+    ``page_pool`` (popped from its end)."""
+    indptr, indices, last = [0], [], []
+    for n in nodes_kv_lens:
+        pages = (n + page_size - 1) // page_size
+        indices += [page_pool.pop() for _ in range(pages)]
+        indptr.append(len(indices))
+        last.append((n - 1) % page_size + 1 if n else 0)
+    return (torch.tensor(indptr, dtype=torch.int32), torch.tensor(indices, dtype=torch.int32),
+            torch.tensor(last, dtype=torch.int32))
+
+
 def tolerance(dtype: torch.dtype) -> float:
     """Absolute tolerance for outputs of magnitude ~1 stored in ``dtype``."""
     return {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 2e-2}[dtype]

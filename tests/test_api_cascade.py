@@ -8,21 +8,9 @@ import torch
 import jitattn
 from jitattn import reference
 
-from attention_cases import assert_close_out, devices
+from attention_cases import assert_close_out, cascade_level, devices
 
 PAGE = 16
-
-
-def _level(nodes_kv_lens: list[int], page_pool: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Page table for one level: each node takes fresh pages from ``page_pool``."""
-    indptr, indices, last = [0], [], []
-    for n in nodes_kv_lens:
-        pages = (n + PAGE - 1) // PAGE
-        indices += [page_pool.pop() for _ in range(pages)]
-        indptr.append(len(indices))
-        last.append((n - 1) % PAGE + 1 if n else 0)
-    return (torch.tensor(indptr, dtype=torch.int32), torch.tensor(indices, dtype=torch.int32),
-            torch.tensor(last, dtype=torch.int32))
 
 
 @pytest.mark.parametrize("device", devices())
@@ -36,7 +24,7 @@ def test_three_level_cascade_equals_flat_attention(device: str, qo_lens: list[in
     node_of = [0, 0, 1, 1]
     pool = torch.randperm(64, generator=gen).tolist()
     cache = torch.randn(64, 2, PAGE, hkv, d, generator=gen).to(dtype).to(device)
-    levels = [_level(shared, pool), _level(nodes, pool), _level(unique, pool)]
+    levels = [cascade_level(level, pool, PAGE) for level in (shared, nodes, unique)]
     total_q = sum(qo_lens)
     qo_cum = torch.tensor([0] + torch.tensor(qo_lens).cumsum(0).tolist(), dtype=torch.int32)
     node_q = [sum(q for q, n in zip(qo_lens, node_of) if n == i) for i in range(2)]

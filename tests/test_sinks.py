@@ -18,7 +18,7 @@ from jitattn import reference
 from jitattn.attention.specs import attention_spec, merge_spec
 from jitattn.spec import KVLayout, KVStorage, MaskMode, Op, PosEncoding, Target, VariantSpec, parse_spec_text
 
-from attention_cases import assert_close_lse, assert_close_out, devices, random_paged_batch
+from attention_cases import assert_close_lse, assert_close_out, cascade_level, devices, random_paged_batch
 
 bf16, f16, f32 = torch.bfloat16, torch.float16, torch.float32
 PAGE = 16
@@ -238,17 +238,6 @@ def test_single_prefill_and_sink_wrapper(device: str) -> None:
 
 # -- cascade ---------------------------------------------------------------------------------------
 
-def _level(nodes_kv_lens: list[int], page_pool: list[int]):
-    indptr, indices, last = [0], [], []
-    for n in nodes_kv_lens:
-        pages = (n + PAGE - 1) // PAGE
-        indices += [page_pool.pop() for _ in range(pages)]
-        indptr.append(len(indices))
-        last.append((n - 1) % PAGE + 1 if n else 0)
-    return (torch.tensor(indptr, dtype=torch.int32), torch.tensor(indices, dtype=torch.int32),
-            torch.tensor(last, dtype=torch.int32))
-
-
 @pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("num_levels", [1, 2, 3])
 @pytest.mark.parametrize("fixed_split_size", [None, 1])
@@ -260,7 +249,7 @@ def test_cascade_with_sinks_matches_flat_reference(device: str, num_levels: int,
     qo_lens, node_of = [2, 1, 3, 2], [0, 0, 1, 1]
     pool = torch.randperm(64, generator=gen).tolist()
     cache = torch.randn(64, 2, PAGE, hkv, d, generator=gen).to(dtype).to(device)
-    all_levels = [_level([37], pool), _level([20, 16], pool), _level([5, 3, 9, 4], pool)]
+    all_levels = [cascade_level(nodes, pool, PAGE) for nodes in ([37], [20, 16], [5, 3, 9, 4])]
     total_q = sum(qo_lens)
     qo_cum = torch.tensor([0] + torch.tensor(qo_lens).cumsum(0).tolist(), dtype=torch.int32)
     node_q = [sum(q for q, n in zip(qo_lens, node_of) if n == i) for i in range(2)]
