@@ -225,11 +225,13 @@ class MultiLevelCascadeAttentionWrapper:
 
 
 class _LevelStates:
-    """The attention states of one cascade plan's levels, allocated once per plan and reused by every run().
+    """The attention states of a cascade plan's levels: reused by every run(), and by later plans of the
+    same ``layout`` (a graph captured around run() keeps their addresses).
 
-    ``levels``: per launch (a level, or every level in one) the (out, lse) rows it writes; ``v``/``s``: all of them as the
-    ``[total_q, num_states, ...]`` views ``merge_states`` reads. Runs are ordered on a stream, so one
-    buffer serves every call (like the workspace, a plan must not run on two streams at once)."""
+    ``levels``: per launch (a level, or every level in one) the (out, lse) rows it writes; ``v``/``s``:
+    all of them as the ``[total_q, num_states, ...]`` views ``merge_states`` reads. Runs are ordered on
+    a stream, so one buffer serves every call (like the workspace, a plan must not run on two streams
+    at once)."""
 
     def __init__(self, launch_states: list[int], total_q: int, num_heads: int, head_dim_vo: int,
                  dtype: torch.dtype, device: torch.device) -> None:

@@ -71,7 +71,8 @@ class PreparedAttention:
 
         self.kv_layout = kv_layout
         batch = qo_indptr.shape[0] - 1
-        if kv_chunk_size and qo_indptr.is_cuda and (split_counters is None or split_counters.numel() < batch * num_kv_heads):
+        too_small = split_counters is None or split_counters.numel() < batch * num_kv_heads
+        if kv_chunk_size and qo_indptr.is_cuda and too_small:
             split_counters = torch.zeros(max(1, batch * num_kv_heads), dtype=torch.int32, device=qo_indptr.device)
         self._split_counters = split_counters if kv_chunk_size else None  # kept alive with the plan
         # The variant's struct pointer is a field only of modules built with a variant; the sinks

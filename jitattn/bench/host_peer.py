@@ -71,8 +71,9 @@ def _plans(lib, ws):
 
 METHOD = ("host wall time per call (time.perf_counter), median of rounds of back-to-back eager calls with no "
           "device sync inside a round (no CUDA graph; tiny GPU work, so the figure is the Python + launch cost); "
-          "run(): 4 requests of one page (decode and prefill with out= given), index arrays planned from the device; plan(): index arrays on the host; fast_decode_plan(): "
-          "index arrays on the device with global_override_indptr_cpu on the host")
+          "run(): 4 requests of one page (decode and prefill with out= given), index arrays planned from the "
+          "device; plan(): index arrays on the host; fast_decode_plan(): index arrays on the device with "
+          "global_override_indptr_cpu on the host")
 
 
 def main() -> int:
