@@ -222,3 +222,11 @@ def test_prefix_groups_never_share_a_last_page() -> None:
     seqs = [SeqView((1, 2, 3), 20, 1), SeqView((1, 2, 4), 19, 1), SeqView((1, 2), 9, 1), SeqView((5,), 2, 1)]
     assert prefix_groups(seqs) == [(3, 1), (1, 0)]
     assert prefix_groups(seqs[:2]) == [(2, 2)]
+
+
+def test_prefix_groups_take_the_shortest_agreement_of_any_member() -> None:
+    # the middle member leaves the common prefix first; the last agrees with the first further on
+    seqs = [SeqView((1, 2, 3, 4, 5), 80, 1), SeqView((1, 2, 9, 4, 5, 6), 90, 1), SeqView((1, 2, 3, 4, 7), 75, 1)]
+    assert prefix_groups(seqs) == [(3, 2)]
+    assert prefix_groups([seqs[0], seqs[2]]) == [(2, 4)]
+    assert prefix_groups([SeqView((1, 8), 20, 1), SeqView((1, 9), 20, 1)]) == [(2, 1)]

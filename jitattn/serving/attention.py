@@ -11,6 +11,8 @@ workspace, as serving engines do.
 
 from __future__ import annotations
 
+import array
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +31,12 @@ class SeqView:
     new_tokens: int
 
 
+def _int32(values) -> torch.Tensor:
+    """A host int32 tensor of an iterable of ints (through array.array: no per-element Python objects kept)."""
+    packed = array.array("i", values)
+    return torch.frombuffer(packed, dtype=torch.int32) if packed else torch.zeros(0, dtype=torch.int32)
+
+
 def _indptr(counts: list[int]) -> torch.Tensor:
     out = torch.zeros(len(counts) + 1, dtype=torch.int32)
     if counts:
@@ -40,7 +48,7 @@ def page_table(seqs: list[SeqView], page_size: int, skip_pages: list[int] | None
     """(indptr, indices, last_page_len) host int32 tensors; ``skip_pages[i]`` leading pages of seq i left out."""
     skip = skip_pages or [0] * len(seqs)
     rows = [s.pages[k:] for s, k in zip(seqs, skip)]
-    indices = torch.tensor([p for r in rows for p in r], dtype=torch.int32)
+    indices = _int32(itertools.chain.from_iterable(rows))
     last = torch.tensor([(s.kv_len - 1) % page_size + 1 for s in seqs], dtype=torch.int32)
     return _indptr([len(r) for r in rows]), indices, last
 
@@ -58,9 +66,11 @@ def prefix_groups(seqs: list[SeqView]) -> list[tuple[int, int]]:
             j += 1
         common = 0
         if j - i > 1:
-            limit = min(len(s.pages) for s in seqs[i:j]) - 1
-            while common < limit and all(s.pages[common] == seqs[i].pages[common] for s in seqs[i + 1:j]):
-                common += 1
+            first = seqs[i].pages
+            common = min(len(s.pages) for s in seqs[i:j]) - 1
+            for s in seqs[i + 1:j]:  # one tuple-slice comparison per member while they agree
+                if s.pages[:common] != first[:common]:
+                    common = next(c for c in range(common) if s.pages[c] != first[c])
         groups.append((j - i, common))
         i = j
     return groups
@@ -72,8 +82,12 @@ class StepAttention:
     def __init__(self, pool: KVPool, wrapper, seqs: list[SeqView], device: torch.device) -> None:
         ps = pool.page_size
         indptr, indices, last = page_table(seqs, ps)
-        batch = torch.cat([torch.full((s.new_tokens,), r, dtype=torch.int32) for r, s in enumerate(seqs)])
-        positions = torch.cat([torch.arange(s.kv_len - s.new_tokens, s.kv_len, dtype=torch.int32) for s in seqs])
+        new_tokens = torch.tensor([s.new_tokens for s in seqs], dtype=torch.int32)
+        batch = torch.repeat_interleave(torch.arange(len(seqs), dtype=torch.int32), new_tokens)
+        # position of each new token: its seq's kv_len - new_tokens + (index within the seq's new tokens)
+        starts = torch.tensor([s.kv_len - s.new_tokens for s in seqs], dtype=torch.int32)
+        first = torch.repeat_interleave(_indptr(new_tokens.tolist())[:-1], new_tokens)
+        positions = torch.repeat_interleave(starts, new_tokens) + torch.arange(len(batch), dtype=torch.int32) - first
         # moved to the device once per step, not once per layer
         self._append_index = [t.to(device) for t in (batch, positions, indices, indptr, last)]
         self.pool, self.wrapper = pool, wrapper
@@ -112,10 +126,13 @@ class AttentionPlanner:
         groups = prefix_groups(seqs) if self.use_cascade else []
         return groups if any(size > 1 and common > 0 for size, common in groups) else None
 
-    def decode_step(self, seqs: list[SeqView]) -> StepAttention:
-        """One token per seq; cascade when consecutive seqs share prefix pages (see :func:`prefix_groups`)."""
+    def decode_step(self, seqs: list[SeqView], groups: list[tuple[int, int]] | None | str = "find") -> StepAttention:
+        """One token per seq; cascade when consecutive seqs share prefix pages (see :func:`prefix_groups`).
+
+        ``groups``: :meth:`cascade_groups` of ``seqs`` when the caller has it already (None: flat)."""
         ps = self.pool.page_size
-        groups = self.cascade_groups(seqs)
+        if groups == "find":
+            groups = self.cascade_groups(seqs)
         if groups is None:
             self.decode.plan(*page_table(seqs, ps), *self.heads, ps, q_data_type=self.dtype, kv_data_type=self.dtype)
             return StepAttention(self.pool, self.decode, seqs, self.device)
@@ -125,7 +142,7 @@ class AttentionPlanner:
             own_skip += [common] * size
             first += size
         shared_indptr = _indptr([len(r) for r in shared_rows])
-        shared_indices = torch.tensor([p for r in shared_rows for p in r], dtype=torch.int32)
+        shared_indices = _int32(itertools.chain.from_iterable(shared_rows))
         shared_last = torch.full((len(groups),), ps, dtype=torch.int32)  # shared pages are always full
         own_indptr, own_indices, own_last = page_table(seqs, ps, own_skip)
         self.cascade.plan(

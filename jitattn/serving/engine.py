@@ -289,12 +289,12 @@ class Engine:
     def _decode_logits(self, seqs: list[SeqView], ids: list[int]) -> torch.Tensor:
         dev = self.model.device
         with torch.no_grad():
-            cascade = self.planner.cascade_groups(seqs) is not None
-            if self.cuda_graphs and not cascade:
+            groups = self.planner.cascade_groups(seqs)
+            if self.cuda_graphs and groups is None:
                 self.stats.graph_steps += 1
                 return self._graph(len(seqs)).run(seqs, ids)
-            self.stats.cascade_steps += cascade
-            attention = self.planner.decode_step(seqs)
+            self.stats.cascade_steps += groups is not None
+            attention = self.planner.decode_step(seqs, groups)
             positions = torch.tensor([s.kv_len - 1 for s in seqs], device=dev)
             return self.model.logits(self.model.forward(torch.tensor(ids, device=dev), positions, attention))
 
