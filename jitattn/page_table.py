@@ -40,6 +40,8 @@ def to_host_int32(name: str, tensor: torch.Tensor, ndim: int = 1) -> torch.Tenso
     if tensor.device.type not in ("cpu", "cuda"):
         raise ValueError(f"{name} is on the {tensor.device} device, which holds no data; pass index arrays "
                          "on the host (fast path) or on the CUDA device")
+    if tensor.device.type == "cpu":
+        return tensor if tensor.is_contiguous() and not tensor.requires_grad else tensor.detach().contiguous()
     return tensor.detach().to("cpu").contiguous()
 
 
