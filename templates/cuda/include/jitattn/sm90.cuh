@@ -62,6 +62,31 @@ __device__ __forceinline__ void tma_load_3d(void* dst, const CUtensorMap* map, u
       : "memory");
 }
 
+// ---- cp.async gathers (paged KV, repeated query rows) -----------------------------------
+
+// 16 bytes global -> shared; when !valid nothing is read and the 16 bytes are zero-filled.
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0) : "memory");
+}
+
+// One arrival on `bar` (counted among its expected arrivals) once every cp.async this thread
+// has issued so far has landed.
+__device__ __forceinline__ void cp_async_mbar_arrive(uint64_t* bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_addr(bar)) : "memory");
+}
+
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+
+// Orders this thread's view of shared memory written through the generic proxy (stores,
+// cp.async) before its later async-proxy reads (wgmma operands).
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+
+// Byte offset of 16-byte piece `piece` (0..7) of row `row` of a 128-byte-swizzled tile of
+// 128-byte rows whose base is 1 KiB aligned: where a SWIZZLE_128B TMA box puts it.
+__device__ __forceinline__ uint32_t sw128_offset(int row, int piece) {
+  return uint32_t(row) * 128u + (uint32_t(piece ^ (row & 7)) << 4);
+}
+
 // ---- wgmma ----------------------------------------------------------------------------
 
 // Descriptor of a 128-byte-swizzled operand in shared memory (swizzle atoms 1024-byte aligned).
