@@ -170,7 +170,8 @@ PAGED_CASES = {
 
 
 def _paged_spec(d, hq, hkv, dtype, causal, layout):
-    return _spec(d, hq, hkv, dtype, causal).replace(kv_storage=KVStorage.PAGED, kv_layout=KVLayout.parse(layout, "layout"))
+    return _spec(d, hq, hkv, dtype, causal).replace(kv_storage=KVStorage.PAGED,
+                                                    kv_layout=KVLayout.parse(layout, "layout"))
 
 
 GPU_SPECS += [_paged_spec(*c[:5], c[6]) for c in PAGED_CASES.values()]
@@ -198,7 +199,8 @@ def _poisoned_paged_batch(case_id, d, hkv, dtype, page, layout, fmt, kv_lens):
 
 
 def _paged_wrapper(qo_lens, batch, layout, page, hq, hkv, d, dtype, causal):
-    wrapper = jitattn.BatchPrefillWithPagedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8, device="cuda"), layout)
+    workspace = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")
+    wrapper = jitattn.BatchPrefillWithPagedKVCacheWrapper(workspace, layout)
     wrapper.plan(_indptr(qo_lens), batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len, hq, hkv, d, page,
                  causal=causal, q_data_type=dtype, kv_data_type=dtype)
     return wrapper
@@ -273,10 +275,13 @@ def test_sm90_shared_query_rows(case_id):
         k = torch.randn(sum(kv_lens), hkv, d, generator=gen).to(dtype).cuda()
         v = torch.randn(sum(kv_lens), hkv, d, generator=gen).to(dtype).cuda()
         wrapper = jitattn.BatchPrefillWithRaggedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8, device="cuda"))
-        wrapper.plan(_indptr(qo_lens), _indptr(kv_lens), hq, hkv, d, causal=causal, q_data_type=dtype, kv_data_type=dtype)
+        wrapper.plan(_indptr(qo_lens), _indptr(kv_lens), hq, hkv, d, causal=causal, q_data_type=dtype,
+                     kv_data_type=dtype)
         kv_args = (k, v)
-        ref_o, ref_lse = reference.batch_ragged_attention(q_full, k, v, _indptr(qo_lens), _indptr(kv_lens), causal=causal)
-    spec = _paged_spec(d, hq, hkv, dtype, causal, layout) if storage is KVStorage.PAGED else _spec(d, hq, hkv, dtype, causal)
+        ref_o, ref_lse = reference.batch_ragged_attention(q_full, k, v, _indptr(qo_lens), _indptr(kv_lens),
+                                                          causal=causal)
+    paged = storage is KVStorage.PAGED
+    spec = _paged_spec(d, hq, hkv, dtype, causal, layout) if paged else _spec(d, hq, hkv, dtype, causal)
     assert "sm90 tier" in render(spec)["kernel.cu"]
     share_queries(wrapper._plan, q_rows)
     out = torch.full((q_full.shape[0], hq, d), float("nan"), dtype=dtype, device="cuda")

@@ -22,7 +22,8 @@ bf16, f16, f32 = torch.bfloat16, torch.float16, torch.float32
 
 
 def _spec(d=128, dtype=bf16, kv_dtype=None, o_dtype=None, dvo=None, causal=True, storage=KVStorage.RAGGED,
-          pos=PosEncoding.NONE, window=False, soft_cap=False, mask=None, hq=32, hkv=8, variant=None, layout=KVLayout.NHD):
+          pos=PosEncoding.NONE, window=False, soft_cap=False, mask=None, hq=32, hkv=8, variant=None,
+          layout=KVLayout.NHD):
     return attention_spec(
         Op.PREFILL, Target.CUDA, q_dtype=dtype, kv_dtype=kv_dtype or dtype, o_dtype=o_dtype or dtype, head_dim_qk=d,
         head_dim_vo=dvo or d, num_qo_heads=hq, num_kv_heads=hkv, pos_encoding=pos, use_sliding_window=window,
@@ -159,3 +160,23 @@ def test_sm90_tier_compiles_for_sm90a_without_a_gpu(case_id, tier_env, fresh_cac
     print(f"\ncold nvcc build + load of {spec.uri} (sm90 tier, sm_90a): {seconds:.2f} s")
     assert set(module.entry_names) == {"attention"}
     assert "sm90 tier" in (module.path.parent / "sources" / "kernel.cu").read_text()
+
+
+def test_sm90_gather_knobs(monkeypatch):
+    """SM90_TUNING (the experiments of dev/bench_paged_sm90.py): the defaults are the tested kernel,
+    paged_kv_block applies to paged specs only, and bad values are refused."""
+    paged, ragged = SUPPORTED["paged_d128_bf16_causal"], SUPPORTED["d128_bf16_causal"]
+    layout = prefill.sm90_layout(paged)
+    assert (layout["kGatherSync"], layout["kGatherL2"]) == (0, 0)
+    assert layout["kBN"] == prefill.SM90_KV_BLOCK[128]
+    monkeypatch.setitem(prefill.SM90_TUNING, "paged_kv_block", 128)
+    assert prefill.sm90_layout(paged)["kBN"] == 128
+    assert prefill.sm90_layout(ragged)["kBN"] == prefill.SM90_KV_BLOCK[128]
+    monkeypatch.setitem(prefill.SM90_TUNING, "gather_sync", 2)
+    monkeypatch.setitem(prefill.SM90_TUNING, "gather_l2", 256)
+    assert (prefill.sm90_layout(paged)["kGatherSync"], prefill.sm90_layout(paged)["kGatherL2"]) == (2, 256)
+    for key, bad in (("gather_sync", 3), ("gather_l2", 32), ("paged_kv_block", 100)):
+        monkeypatch.setitem(prefill.SM90_TUNING, key, bad)
+        with pytest.raises(ValueError, match="SM90_TUNING"):
+            prefill.sm90_layout(paged)
+        monkeypatch.setitem(prefill.SM90_TUNING, key, {"gather_sync": 0, "gather_l2": 0, "paged_kv_block": 0}[key])

@@ -245,6 +245,14 @@ def context(spec: VariantSpec) -> dict[str, Any]:
 # ---- the Hopper (sm_90a) tier ------------------------------------------------------------
 
 SM90_KV_BLOCK = {64: 192, 128: 176, 256: 64}  # head_dim -> KV tokens per stage (dev/NOTES_sm90.md: measured)
+
+# Knobs of the sm90 tier's cp.async gathers (paged KV, repeated query rows), for experiments
+# (dev/bench_paged_sm90.py renders other values: distinct sources, distinct cache entries).
+# gather_sync: how gathered stages reach the consumers (0 consumer-side proxy fence, the tested
+# default; 1 writer-side fence after cp.async.wait_group; 2 no fence: see the template);
+# gather_l2: cp.async L2 prefetch hint in bytes (0 none, 64, 128, 256);
+# paged_kv_block: KV tokens per stage for paged KV (0: SM90_KV_BLOCK's).
+SM90_TUNING: dict[str, int] = {"gather_sync": 0, "gather_l2": 0, "paged_kv_block": 0}
 _SM90_ARCH = re.compile(r"^9\.0a(\+PTX)?$")
 
 
@@ -303,7 +311,14 @@ def sm90_layout(spec: VariantSpec) -> dict[str, int]:
     if reason is not None:
         raise ValueError(f"{spec.uri}: the sm90 prefill tier cannot run this spec: {reason}")
     dim = spec.head_dim_qk
-    bm, bn, stages = 128, SM90_KV_BLOCK[dim], 2
+    paged = spec.kv_storage is KVStorage.PAGED
+    tuning = SM90_TUNING
+    if tuning["gather_sync"] not in (0, 1, 2) or tuning["gather_l2"] not in (0, 64, 128, 256):
+        raise ValueError(f"SM90_TUNING={tuning}: gather_sync takes 0, 1 or 2 and gather_l2 0, 64, 128 or 256")
+    bm, stages = 128, 2
+    bn = tuning["paged_kv_block"] if paged and tuning["paged_kv_block"] else SM90_KV_BLOCK[dim]
+    if bn not in (64, 80, 96, 128, 176, 192, 256):  # the wgmma N of wgmma_sm90.cuh
+        raise ValueError(f"SM90_TUNING paged_kv_block={bn}: take one of 64, 80, 96, 128, 176, 192, 256")
     chunks = dim // 64                       # 64-column (128-byte) TMA boxes per row
     q_chunk, kv_chunk = bm * 128, bn * 128   # bytes of one box
     q_bytes, kv_bytes = chunks * q_chunk, chunks * kv_chunk
@@ -311,16 +326,18 @@ def sm90_layout(spec: VariantSpec) -> dict[str, int]:
     off_v = off_k + stages * kv_bytes
     off_bar = off_v + stages * kv_bytes
     barriers = 3 + 4 * stages                # q full (TMA), full (gathered), empty; k, v full/empty per stage
-    paged = spec.kv_storage is KVStorage.PAGED
     off_tab = off_bar + _ceil(8 * barriers, 16)
     tab_bytes = 2 * bn * 16 if paged else 0  # paged: two tables (block parity) of (k, v) int64 row offsets
     smem = off_tab + tab_bytes + 1024        # + slack to align the base to 1 KiB (swizzle atoms)
+    if smem > 227 << 10:
+        raise ValueError(f"{spec.uri}: the sm90 tile needs {smem} B of shared memory, over 227 KiB (KV block {bn})")
     return {
         "kThreads": 384, "kProducerRegs": 24, "kConsumerRegs": 240,
         "kBM": bm, "kBN": bn, "kD": dim, "kStages": stages, "kChunks": chunks, "kGroup": spec.group_size,
         "kPackG": sm90_pack(spec),
         "kQChunkBytes": q_chunk, "kKVChunkBytes": kv_chunk, "kQBytes": q_bytes, "kKVBytes": kv_bytes,
         "kOffQ": 0, "kOffK": off_k, "kOffV": off_v, "kOffBar": off_bar, "kOffTab": off_tab, "kSmemBytes": smem,
+        "kGatherSync": tuning["gather_sync"], "kGatherL2": tuning["gather_l2"],
     }
 
 
