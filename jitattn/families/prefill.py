@@ -249,7 +249,8 @@ SM90_KV_BLOCK = {64: 192, 128: 176, 256: 64}  # head_dim -> KV tokens per stage 
 # Knobs of the sm90 tier's cp.async gathers (paged KV, repeated query rows), for experiments
 # (dev/bench_paged_sm90.py renders other values: distinct sources, distinct cache entries).
 # gather_sync: how gathered stages reach the consumers (0 consumer-side proxy fence, the tested
-# default; 1 writer-side fence after cp.async.wait_group; 2 no fence: see the template);
+# default; 1 writer-side fence after cp.async.wait_group; 2 no fence; 3 the consumers' acquire-only
+# proxy fence, which ptxas turns into no instruction on sm_90a: see the template);
 # gather_l2: cp.async L2 prefetch hint in bytes (0 none, 64, 128, 256);
 # paged_kv_block: KV tokens per stage for paged KV (0: SM90_KV_BLOCK's).
 SM90_TUNING: dict[str, int] = {"gather_sync": 0, "gather_l2": 0, "paged_kv_block": 0}
@@ -313,8 +314,8 @@ def sm90_layout(spec: VariantSpec) -> dict[str, int]:
     dim = spec.head_dim_qk
     paged = spec.kv_storage is KVStorage.PAGED
     tuning = SM90_TUNING
-    if tuning["gather_sync"] not in (0, 1, 2) or tuning["gather_l2"] not in (0, 64, 128, 256):
-        raise ValueError(f"SM90_TUNING={tuning}: gather_sync takes 0, 1 or 2 and gather_l2 0, 64, 128 or 256")
+    if tuning["gather_sync"] not in (0, 1, 2, 3) or tuning["gather_l2"] not in (0, 64, 128, 256):
+        raise ValueError(f"SM90_TUNING={tuning}: gather_sync takes 0 to 3 and gather_l2 0, 64, 128 or 256")
     bm, stages = 128, 2
     bn = tuning["paged_kv_block"] if paged and tuning["paged_kv_block"] else SM90_KV_BLOCK[dim]
     if bn not in (64, 80, 96, 128, 176, 192, 256):  # the wgmma N of wgmma_sm90.cuh

@@ -101,6 +101,13 @@ __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wai
 // cp.async) before its later async-proxy reads (wgmma operands).
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 
+// The acquire half of that ordering only, after an mbarrier wait (PTX ISA 8.6): generic-proxy
+// writes released through the barrier become visible to this thread's async-proxy reads. On
+// sm_90a ptxas emits no instruction for it (seen with nvcc 13).
+__device__ __forceinline__ void fence_proxy_async_acquire() {
+  asm volatile("fence.proxy.async::generic.acquire.sync_restrict::shared::cluster.cluster;" ::: "memory");
+}
+
 // Byte offset of 16-byte piece `piece` (0..7) of row `row` of a 128-byte-swizzled tile of
 // 128-byte rows whose base is 1 KiB aligned: where a SWIZZLE_128B TMA box puts it.
 __device__ __forceinline__ uint32_t sw128_offset(int row, int piece) {
