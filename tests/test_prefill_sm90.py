@@ -15,7 +15,7 @@ from jitattn.attention.specs import attention_spec
 from jitattn.jit import render
 from jitattn.spec import KVLayout, KVStorage, MaskMode, Op, PosEncoding, Target
 
-from attention_cases import assert_close_lse, assert_close_out
+from attention_cases import assert_close_lse, assert_close_out, random_paged_batch
 
 pytestmark = pytest.mark.gpu
 
@@ -150,3 +150,142 @@ def test_sm90_and_sm80_tiers_agree(monkeypatch, fresh_registry):
         results[tier] = _run(q, k, v, qo_lens, kv_lens, causal)
     assert_close_out(results["sm90"][0], results["sm80"][0].float(), dtype)
     assert_close_lse(results["sm90"][1], results["sm80"][1])
+
+
+# ---- paged KV (cp.async gathers) and repeated query rows (q_row_period) ----------------------
+
+# (head_dim, qo heads, kv heads, dtype, causal, page_size, layout, cache format, qo_lens, kv_lens)
+PAGED_CASES = {
+    "d128_g4_bf16_causal_p16_nhd": (128, 16, 4, bf16, True, 16, "NHD", "5d", [1000, 1, 129, 0, 300, 64],
+                                    [1000, 700, 129, 5, 401, 64]),
+    "d128_g4_bf16_full_p1_hnd_tuple": (128, 8, 2, bf16, False, 1, "HND", "tuple4", [513, 7, 256], [77, 1300, 0]),
+    "d64_mha_f16_causal_p64_hnd": (64, 4, 4, f16, True, 64, "HND", "5d", [700, 33, 5], [900, 33, 200]),
+    "d64_g8_bf16_full_p16_tuple": (64, 8, 1, bf16, False, 16, "NHD", "tuple4", [130, 2], [257, 1000]),
+    "d256_g2_bf16_causal_p16_hnd": (256, 8, 4, bf16, True, 16, "HND", "5d", [300, 70], [300, 200]),
+    "d256_mha_f16_full_p64": (256, 2, 2, f16, False, 64, "NHD", "5d", [129], [191]),
+    "d128_g3_f16_causal_p16_unpacked": (128, 6, 2, f16, True, 16, "NHD", "5d", [300, 5], [310, 900]),
+    "d128_g4_bf16_causal_p64_short_queries": (128, 8, 2, bf16, True, 64, "NHD", "5d", [16, 3, 16, 1],
+                                              [4096, 100, 16, 1]),
+}
+
+
+def _paged_spec(d, hq, hkv, dtype, causal, layout):
+    return _spec(d, hq, hkv, dtype, causal).replace(kv_storage=KVStorage.PAGED,
+                                                    kv_layout=KVLayout.parse(layout, "layout"))
+
+
+GPU_SPECS += [_paged_spec(*c[:5], c[6]) for c in PAGED_CASES.values()]
+
+
+def _poisoned_paged_batch(case_id, d, hkv, dtype, page, layout, fmt, kv_lens):
+    """A random paged batch whose unreferenced pages and slots past each last page's length are NaN."""
+    gen = torch.Generator().manual_seed(sum(map(ord, case_id)) + 1)
+    batch = random_paged_batch(kv_lens, hkv, d, page, dtype, layout, fmt, "cuda", generator=gen, spare_pages=5)
+    used = set(batch.kv_indices.tolist())
+    caches = batch.cache if isinstance(batch.cache, tuple) else (batch.cache,)
+    slot_dim = {("5d", "NHD"): 2, ("5d", "HND"): 3, ("tuple4", "NHD"): 1, ("tuple4", "HND"): 2}[fmt, layout]
+    for cache in caches:
+        for page_id in range(cache.shape[0]):
+            if page_id not in used:
+                cache[page_id] = float("nan")
+        for r, n in enumerate(kv_lens):
+            if n == 0:
+                continue
+            last_page = int(batch.kv_indices[int(batch.kv_indptr[r + 1]) - 1])
+            tail = cache[last_page].narrow(slot_dim - 1, int(batch.kv_last_page_len[r]),
+                                           page - int(batch.kv_last_page_len[r]))
+            tail.fill_(float("nan"))
+    return batch
+
+
+def _paged_wrapper(qo_lens, batch, layout, page, hq, hkv, d, dtype, causal):
+    workspace = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")
+    wrapper = jitattn.BatchPrefillWithPagedKVCacheWrapper(workspace, layout)
+    wrapper.plan(_indptr(qo_lens), batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len, hq, hkv, d, page,
+                 causal=causal, q_data_type=dtype, kv_data_type=dtype)
+    return wrapper
+
+
+@pytest.mark.parametrize("case_id", list(PAGED_CASES))
+def test_sm90_paged_matches_reference(case_id):
+    d, hq, hkv, dtype, causal, page, layout, fmt, qo_lens, kv_lens = PAGED_CASES[case_id]
+    assert "sm90 tier" in render(_paged_spec(d, hq, hkv, dtype, causal, layout))["kernel.cu"]
+    batch = _poisoned_paged_batch(case_id, d, hkv, dtype, page, layout, fmt, kv_lens)
+    gen = torch.Generator().manual_seed(sum(map(ord, case_id)))
+    q = torch.randn(sum(qo_lens), hq, d, generator=gen).to(dtype).cuda()
+    wrapper = _paged_wrapper(qo_lens, batch, layout, page, hq, hkv, d, dtype, causal)
+    out = torch.full((q.shape[0], hq, d), float("nan"), dtype=dtype, device="cuda")
+    lse = torch.full((q.shape[0], hq), float("nan"), device="cuda")
+    wrapper.run(q, batch.cache, out=out, lse=lse)
+    ref_o, ref_lse = reference.batch_prefill_paged(q, batch.cache, _indptr(qo_lens), batch.kv_indptr, batch.kv_indices,
+                                                   batch.kv_last_page_len, kv_layout=layout, causal=causal)
+    assert_close_out(out, ref_o, dtype)
+    assert_close_lse(lse, ref_lse)
+
+
+def test_sm90_and_sm80_tiers_agree_paged(monkeypatch, fresh_registry):
+    case_id = "d128_g4_bf16_causal_p16_nhd"
+    d, hq, hkv, dtype, causal, page, layout, fmt, qo_lens, kv_lens = PAGED_CASES[case_id]
+    batch = _poisoned_paged_batch(case_id, d, hkv, dtype, page, layout, fmt, kv_lens)
+    q = torch.randn(sum(qo_lens), hq, d, generator=torch.Generator().manual_seed(3)).to(dtype).cuda()
+    results = {}
+    for tier in ("sm90", "sm80"):
+        monkeypatch.setenv("JITATTN_PREFILL_TIER", tier)
+        jitattn.jit._registry.clear()
+        assert ("sm90 tier" in render(_paged_spec(d, hq, hkv, dtype, causal, layout))["kernel.cu"]) == (tier == "sm90")
+        wrapper = _paged_wrapper(qo_lens, batch, layout, page, hq, hkv, d, dtype, causal)
+        results[tier] = wrapper.run(q, batch.cache, return_lse=True)
+    assert_close_out(results["sm90"][0], results["sm80"][0].float(), dtype)
+    assert_close_lse(results["sm90"][1], results["sm80"][1])
+
+
+# (head_dim, qo heads, kv heads, dtype, causal, storage, layout, q head-major): query rows shared by 3
+# chunks; the specs are those of the cases above.
+SHARED_Q_CASES = {
+    "d128_g4_bf16_paged_hnd_full": (128, 16, 4, bf16, False, KVStorage.PAGED, "HND", False),
+    "d128_g4_bf16_paged_causal_q_head_major": (128, 8, 2, bf16, True, KVStorage.PAGED, "NHD", True),
+    "d64_mha_f16_paged_hnd_causal_q_head_major": (64, 4, 4, f16, True, KVStorage.PAGED, "HND", True),
+    "d256_g2_bf16_ragged_causal": (256, 8, 4, bf16, True, KVStorage.RAGGED, "NHD", False),
+}
+
+
+@pytest.mark.parametrize("case_id", list(SHARED_Q_CASES))
+def test_sm90_shared_query_rows(case_id):
+    """q_row_period (a cascade level cut into chunks): output row t reads q row t % q_rows."""
+    from jitattn.attention.batch import share_queries
+
+    d, hq, hkv, dtype, causal, storage, layout, q_head_major = SHARED_Q_CASES[case_id]
+    q_rows, page = 150, 16
+    kv_lens = [500, 150, 177] if causal else [500, 37, 0]  # bottom-right causal: kv_len >= qo_len
+    qo_lens = [q_rows] * len(kv_lens)
+    gen = torch.Generator().manual_seed(sum(map(ord, case_id)))
+    if q_head_major:
+        q = torch.randn(hq, q_rows, d, generator=gen).to(dtype).cuda().transpose(0, 1)
+    else:
+        q = torch.randn(q_rows, hq, d, generator=gen).to(dtype).cuda()
+    q_full = q.repeat(len(kv_lens), 1, 1)
+    if storage is KVStorage.PAGED:
+        batch = _poisoned_paged_batch(case_id, d, hkv, dtype, page, layout, "5d", kv_lens)
+        wrapper = _paged_wrapper(qo_lens, batch, layout, page, hq, hkv, d, dtype, causal)
+        kv_args = (batch.cache,)
+        ref_o, ref_lse = reference.batch_prefill_paged(q_full, batch.cache, _indptr(qo_lens), batch.kv_indptr,
+                                                       batch.kv_indices, batch.kv_last_page_len, kv_layout=layout,
+                                                       causal=causal)
+    else:
+        k = torch.randn(sum(kv_lens), hkv, d, generator=gen).to(dtype).cuda()
+        v = torch.randn(sum(kv_lens), hkv, d, generator=gen).to(dtype).cuda()
+        wrapper = jitattn.BatchPrefillWithRaggedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8, device="cuda"))
+        wrapper.plan(_indptr(qo_lens), _indptr(kv_lens), hq, hkv, d, causal=causal, q_data_type=dtype,
+                     kv_data_type=dtype)
+        kv_args = (k, v)
+        ref_o, ref_lse = reference.batch_ragged_attention(q_full, k, v, _indptr(qo_lens), _indptr(kv_lens),
+                                                          causal=causal)
+    paged = storage is KVStorage.PAGED
+    spec = _paged_spec(d, hq, hkv, dtype, causal, layout) if paged else _spec(d, hq, hkv, dtype, causal)
+    assert "sm90 tier" in render(spec)["kernel.cu"]
+    share_queries(wrapper._plan, q_rows)
+    out = torch.full((q_full.shape[0], hq, d), float("nan"), dtype=dtype, device="cuda")
+    lse = torch.full((q_full.shape[0], hq), float("nan"), device="cuda")
+    wrapper.run(q, *kv_args, out=out, lse=lse)
+    assert_close_out(out, ref_o, dtype)
+    assert_close_lse(lse, ref_lse)

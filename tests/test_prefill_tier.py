@@ -22,12 +22,13 @@ bf16, f16, f32 = torch.bfloat16, torch.float16, torch.float32
 
 
 def _spec(d=128, dtype=bf16, kv_dtype=None, o_dtype=None, dvo=None, causal=True, storage=KVStorage.RAGGED,
-          pos=PosEncoding.NONE, window=False, soft_cap=False, mask=None, hq=32, hkv=8, variant=None):
+          pos=PosEncoding.NONE, window=False, soft_cap=False, mask=None, hq=32, hkv=8, variant=None,
+          layout=KVLayout.NHD):
     return attention_spec(
         Op.PREFILL, Target.CUDA, q_dtype=dtype, kv_dtype=kv_dtype or dtype, o_dtype=o_dtype or dtype, head_dim_qk=d,
         head_dim_vo=dvo or d, num_qo_heads=hq, num_kv_heads=hkv, pos_encoding=pos, use_sliding_window=window,
         use_logits_soft_cap=soft_cap, mask_mode=mask or (MaskMode.CAUSAL if causal else MaskMode.NONE),
-        kv_layout=KVLayout.NHD, kv_storage=storage, variant=variant,
+        kv_layout=layout, kv_storage=storage, variant=variant,
     )
 
 
@@ -36,9 +37,13 @@ SUPPORTED = {
     "d128_bf16_full": _spec(causal=False),
     "d64_f16_mha": _spec(d=64, dtype=f16, hq=4, hkv=4),
     "d256_bf16_g8": _spec(d=256, hq=16, hkv=2),
+    "paged_d128_bf16_causal": _spec(storage=KVStorage.PAGED),
+    "paged_d64_f16_hnd": _spec(d=64, dtype=f16, causal=False, storage=KVStorage.PAGED, layout=KVLayout.HND),
+    "paged_d256_bf16_g8": _spec(d=256, hq=16, hkv=2, storage=KVStorage.PAGED),
 }
 UNSUPPORTED = {
-    "paged": _spec(storage=KVStorage.PAGED),
+    "paged_rope": _spec(storage=KVStorage.PAGED, pos=PosEncoding.ROPE_LLAMA),
+    "paged_fp8_kv": _spec(storage=KVStorage.PAGED, kv_dtype=torch.float8_e4m3fn),
     "rope": _spec(pos=PosEncoding.ROPE_LLAMA),
     "alibi": _spec(pos=PosEncoding.ALIBI),
     "window": _spec(window=True),
@@ -108,6 +113,10 @@ def test_sm90_layout_fits_and_aligns(case_id):
     assert layout["kD"] == spec.head_dim_qk and layout["kChunks"] * 64 == layout["kD"]
     assert layout["kBN"] == prefill.SM90_KV_BLOCK[spec.head_dim_qk] and layout["kGroup"] == spec.group_size
     assert layout["kOffV"] - layout["kOffK"] == layout["kStages"] * layout["kKVBytes"]
+    # Barriers (q full TMA / gathered, q empty; k, v full / empty per stage), then the paged row tables.
+    assert layout["kOffTab"] - layout["kOffBar"] >= 8 * (3 + 4 * layout["kStages"]) and layout["kOffTab"] % 16 == 0
+    tables = 2 * layout["kBN"] * 16 if spec.kv_storage is KVStorage.PAGED else 0
+    assert layout["kSmemBytes"] == layout["kOffTab"] + tables + 1024
     # Registers: producer and two consumer warpgroups within the SM's 64 Ki.
     assert 128 * layout["kProducerRegs"] + 256 * layout["kConsumerRegs"] <= 65536
 
@@ -141,8 +150,9 @@ def test_render_follows_the_arch_list(tier_env):
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
-def test_sm90_tier_compiles_for_sm90a_without_a_gpu(tier_env, fresh_cache):
-    spec = SUPPORTED["d64_f16_mha"]
+@pytest.mark.parametrize("case_id", ["d64_f16_mha", "paged_d128_bf16_causal"])
+def test_sm90_tier_compiles_for_sm90a_without_a_gpu(case_id, tier_env, fresh_cache):
+    spec = SUPPORTED[case_id]
     tier_env.setenv("JITATTN_CUDA_ARCH_LIST", "9.0a")
     started = time.perf_counter()
     module = jitattn.load(spec)
@@ -150,3 +160,23 @@ def test_sm90_tier_compiles_for_sm90a_without_a_gpu(tier_env, fresh_cache):
     print(f"\ncold nvcc build + load of {spec.uri} (sm90 tier, sm_90a): {seconds:.2f} s")
     assert set(module.entry_names) == {"attention"}
     assert "sm90 tier" in (module.path.parent / "sources" / "kernel.cu").read_text()
+
+
+def test_sm90_gather_knobs(monkeypatch):
+    """SM90_TUNING (the experiments of dev/bench_paged_sm90.py): the defaults are the tested kernel,
+    paged_kv_block applies to paged specs only, and bad values are refused."""
+    paged, ragged = SUPPORTED["paged_d128_bf16_causal"], SUPPORTED["d128_bf16_causal"]
+    layout = prefill.sm90_layout(paged)
+    assert (layout["kGatherSync"], layout["kGatherL2"]) == (0, 0)
+    assert layout["kBN"] == prefill.SM90_KV_BLOCK[128]
+    monkeypatch.setitem(prefill.SM90_TUNING, "paged_kv_block", 128)
+    assert prefill.sm90_layout(paged)["kBN"] == 128
+    assert prefill.sm90_layout(ragged)["kBN"] == prefill.SM90_KV_BLOCK[128]
+    monkeypatch.setitem(prefill.SM90_TUNING, "gather_sync", 2)
+    monkeypatch.setitem(prefill.SM90_TUNING, "gather_l2", 256)
+    assert (prefill.sm90_layout(paged)["kGatherSync"], prefill.sm90_layout(paged)["kGatherL2"]) == (2, 256)
+    for key, bad in (("gather_sync", 4), ("gather_l2", 32), ("paged_kv_block", 100)):
+        monkeypatch.setitem(prefill.SM90_TUNING, key, bad)
+        with pytest.raises(ValueError, match="SM90_TUNING"):
+            prefill.sm90_layout(paged)
+        monkeypatch.setitem(prefill.SM90_TUNING, key, {"gather_sync": 0, "gather_l2": 0, "paged_kv_block": 0}[key])

@@ -46,8 +46,8 @@ cuda kernel shape (sm80+ generic tier: ``mma.sync.m16n8k16``, fp32 accumulate):
 
 Hopper tier (``templates/cuda/prefill_sm90.cu.jinja``, sm_90a: TMA, mbarriers, wgmma,
 warp specialisation; layout from ``sm90_layout``). ``select`` picks it when the arch list is
-9.0a only and ``sm90_unsupported(spec)`` is None (ragged KV, one 16-bit dtype for q, kv and
-o, head_dim_qk == head_dim_vo in 64/128/256, no positional encoding, window, soft cap,
+9.0a only and ``sm90_unsupported(spec)`` is None (ragged or paged KV, one 16-bit dtype for q,
+kv and o, head_dim_qk == head_dim_vo in 64/128/256, no positional encoding, window, soft cap,
 custom mask or variant); every other spec keeps the sm80 tier. ``JITATTN_PREFILL_TIER``
 forces a tier: ``sm80`` always the generic one; ``sm90`` the Hopper one for every spec it
 supports even with an unknown arch list (an error with a non-Hopper one). The tier is in the
@@ -59,7 +59,12 @@ rendered source, hence in the cache key.
   tokens; one Q TMA box of 64 columns x group heads x tokens) when the group divides 128 and
   head_dim >= 128, else 128 tokens of one query head (``sm90_pack`` has the measurements).
 - KV blocks of ``kBN`` tokens (192 / 176 / 64 for head_dim 64 / 128 / 256) go through a
-  2-stage pipeline; each 64-column slice of a row is one 128-byte-swizzled TMA box. The
+  2-stage pipeline; each 64-column slice of a row is one 128-byte-swizzled TMA box (ragged KV).
+  Paged KV: the whole producer warpgroup gathers each block with ``cp.async`` -- a table of the
+  block's row offsets from the page table (``kOffTab``, two by block parity), then every 16-byte
+  piece into the same swizzled layout, rows past the request zero-filled -- completing on the
+  stage's full barrier (one arrival per producer thread). ``q_row_period`` > 0 (the cascade's
+  chunked shared levels) gathers the tile's query rows the same way instead of one Q TMA box. The
   consumers overlap block j's S GEMM with block j-1's P.V and take turns issuing GEMMs
   (ping-pong), so one warpgroup's softmax runs under the other's GEMMs.
 - Work mapping: the sm80 tier's virtual tiles (``base(r) = r + qo_indptr[r] * pack // 128``),
@@ -240,6 +245,15 @@ def context(spec: VariantSpec) -> dict[str, Any]:
 # ---- the Hopper (sm_90a) tier ------------------------------------------------------------
 
 SM90_KV_BLOCK = {64: 192, 128: 176, 256: 64}  # head_dim -> KV tokens per stage (dev/NOTES_sm90.md: measured)
+
+# Knobs of the sm90 tier's cp.async gathers (paged KV, repeated query rows), for experiments
+# (dev/bench_paged_sm90.py renders other values: distinct sources, distinct cache entries).
+# gather_sync: how gathered stages reach the consumers (0 consumer-side proxy fence, the tested
+# default; 1 writer-side fence after cp.async.wait_group; 2 no fence; 3 the consumers' acquire-only
+# proxy fence, which ptxas turns into no instruction on sm_90a: see the template);
+# gather_l2: cp.async L2 prefetch hint in bytes (0 none, 64, 128, 256);
+# paged_kv_block: KV tokens per stage for paged KV (0: SM90_KV_BLOCK's).
+SM90_TUNING: dict[str, int] = {"gather_sync": 0, "gather_l2": 0, "paged_kv_block": 0}
 _SM90_ARCH = re.compile(r"^9\.0a(\+PTX)?$")
 
 
@@ -251,8 +265,6 @@ def sm90_unsupported(spec: VariantSpec) -> str | None:
         return "it takes one 16-bit dtype (f16 or bf16) for q, kv and o"
     if spec.head_dim_qk != spec.head_dim_vo or spec.head_dim_qk not in SM90_KV_BLOCK:
         return f"it takes head_dim_qk == head_dim_vo in {sorted(SM90_KV_BLOCK)}"
-    if spec.kv_storage is not KVStorage.RAGGED:
-        return "it takes ragged KV (paged KV is not in this tier yet)"
     if spec.pos_encoding is not PosEncoding.NONE or spec.use_sliding_window or spec.use_logits_soft_cap:
         return "it has no positional encoding, sliding window or soft cap yet"
     if spec.mask_mode not in (MaskMode.NONE, MaskMode.CAUSAL) or spec.variant is not None:
@@ -300,21 +312,33 @@ def sm90_layout(spec: VariantSpec) -> dict[str, int]:
     if reason is not None:
         raise ValueError(f"{spec.uri}: the sm90 prefill tier cannot run this spec: {reason}")
     dim = spec.head_dim_qk
-    bm, bn, stages = 128, SM90_KV_BLOCK[dim], 2
+    paged = spec.kv_storage is KVStorage.PAGED
+    tuning = SM90_TUNING
+    if tuning["gather_sync"] not in (0, 1, 2, 3) or tuning["gather_l2"] not in (0, 64, 128, 256):
+        raise ValueError(f"SM90_TUNING={tuning}: gather_sync takes 0 to 3 and gather_l2 0, 64, 128 or 256")
+    bm, stages = 128, 2
+    bn = tuning["paged_kv_block"] if paged and tuning["paged_kv_block"] else SM90_KV_BLOCK[dim]
+    if bn not in (64, 80, 96, 128, 176, 192, 256):  # the wgmma N of wgmma_sm90.cuh
+        raise ValueError(f"SM90_TUNING paged_kv_block={bn}: take one of 64, 80, 96, 128, 176, 192, 256")
     chunks = dim // 64                       # 64-column (128-byte) TMA boxes per row
     q_chunk, kv_chunk = bm * 128, bn * 128   # bytes of one box
     q_bytes, kv_bytes = chunks * q_chunk, chunks * kv_chunk
     off_k = q_bytes
     off_v = off_k + stages * kv_bytes
     off_bar = off_v + stages * kv_bytes
-    barriers = 2 + 4 * stages                # q full/empty; k, v full/empty per stage
-    smem = off_bar + _ceil(8 * barriers, 16) + 1024  # + slack to align the base to 1 KiB (swizzle atoms)
+    barriers = 3 + 4 * stages                # q full (TMA), full (gathered), empty; k, v full/empty per stage
+    off_tab = off_bar + _ceil(8 * barriers, 16)
+    tab_bytes = 2 * bn * 16 if paged else 0  # paged: two tables (block parity) of (k, v) int64 row offsets
+    smem = off_tab + tab_bytes + 1024        # + slack to align the base to 1 KiB (swizzle atoms)
+    if smem > 227 << 10:
+        raise ValueError(f"{spec.uri}: the sm90 tile needs {smem} B of shared memory, over 227 KiB (KV block {bn})")
     return {
         "kThreads": 384, "kProducerRegs": 24, "kConsumerRegs": 240,
         "kBM": bm, "kBN": bn, "kD": dim, "kStages": stages, "kChunks": chunks, "kGroup": spec.group_size,
         "kPackG": sm90_pack(spec),
         "kQChunkBytes": q_chunk, "kKVChunkBytes": kv_chunk, "kQBytes": q_bytes, "kKVBytes": kv_bytes,
-        "kOffQ": 0, "kOffK": off_k, "kOffV": off_v, "kOffBar": off_bar, "kSmemBytes": smem,
+        "kOffQ": 0, "kOffK": off_k, "kOffV": off_v, "kOffBar": off_bar, "kOffTab": off_tab, "kSmemBytes": smem,
+        "kGatherSync": tuning["gather_sync"], "kGatherL2": tuning["gather_l2"],
     }
 
 
@@ -322,6 +346,7 @@ def _sm90_context(spec: VariantSpec) -> dict[str, Any]:
     layout = sm90_layout(spec)
     constants = [("int", name, str(value)) for name, value in layout.items()]
     constants.append(("bool", "kCausal", "true" if spec.mask_mode is MaskMode.CAUSAL else "false"))
+    constants.append(("bool", "kPaged", "true" if spec.kv_storage is KVStorage.PAGED else "false"))
     constants.append(("float", "kLog2e", repr(_LOG2E) + "f"))
     return {**_attention_context(spec), "constants": constants, "smem_bytes": layout["kSmemBytes"]}
 

@@ -62,6 +62,58 @@ __device__ __forceinline__ void tma_load_3d(void* dst, const CUtensorMap* map, u
       : "memory");
 }
 
+// ---- cp.async gathers (paged KV, repeated query rows) -----------------------------------
+
+// 16 bytes global -> shared; when !valid nothing is read and the 16 bytes are zero-filled.
+// L2_PREFETCH (0, 64, 128, 256): the L2 prefetch size hint of the load.
+template <int L2_PREFETCH = 0>
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
+  if constexpr (L2_PREFETCH == 0)
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0) : "memory");
+  else if constexpr (L2_PREFETCH == 64)
+    asm volatile("cp.async.cg.shared.global.L2::64B [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
+                 : "memory");
+  else if constexpr (L2_PREFETCH == 128)
+    asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
+                 : "memory");
+  else
+    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
+                 : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+
+// Waits until at most N of this thread's committed cp.async groups are still in flight.
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+// One arrival on `bar` (counted among its expected arrivals) once every cp.async this thread
+// has issued so far has landed.
+__device__ __forceinline__ void cp_async_mbar_arrive(uint64_t* bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_addr(bar)) : "memory");
+}
+
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+
+// Orders this thread's view of shared memory written through the generic proxy (stores,
+// cp.async) before its later async-proxy reads (wgmma operands).
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+
+// The acquire half of that ordering only, after an mbarrier wait (PTX ISA 8.6): generic-proxy
+// writes released through the barrier become visible to this thread's async-proxy reads. On
+// sm_90a ptxas emits no instruction for it (seen with nvcc 13).
+__device__ __forceinline__ void fence_proxy_async_acquire() {
+  asm volatile("fence.proxy.async::generic.acquire.sync_restrict::shared::cluster.cluster;" ::: "memory");
+}
+
+// Byte offset of 16-byte piece `piece` (0..7) of row `row` of a 128-byte-swizzled tile of
+// 128-byte rows whose base is 1 KiB aligned: where a SWIZZLE_128B TMA box puts it.
+__device__ __forceinline__ uint32_t sw128_offset(int row, int piece) {
+  return uint32_t(row) * 128u + (uint32_t(piece ^ (row & 7)) << 4);
+}
+
 // ---- wgmma ----------------------------------------------------------------------------
 
 // Descriptor of a 128-byte-swizzled operand in shared memory (swizzle atoms 1024-byte aligned).
