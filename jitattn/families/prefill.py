@@ -79,6 +79,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import json
+import os
 import re
 
 from .. import env
@@ -254,6 +256,26 @@ SM90_KV_BLOCK = {64: 192, 128: 176, 256: 64}  # head_dim -> KV tokens per stage 
 # gather_l2: cp.async L2 prefetch hint in bytes (0 none, 64, 128, 256);
 # paged_kv_block: KV tokens per stage for paged KV (0: SM90_KV_BLOCK's).
 SM90_TUNING: dict[str, int] = {"gather_sync": 0, "gather_l2": 0, "paged_kv_block": 0}
+
+
+def _sm90_tuning_override() -> None:
+    """``JITATTN_DEV_SM90_TUNING`` (development only, e.g. '{"gather_sync": 1}'): overrides of
+    ``SM90_TUNING`` that every process of a run (the test suite's parallel pre-build too) renders
+    with; each tuning is its own source, so its own cache entry."""
+    raw = os.environ.get("JITATTN_DEV_SM90_TUNING", "").strip()
+    if not raw:
+        return
+    try:
+        override = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"JITATTN_DEV_SM90_TUNING={raw!r} is not JSON ({e}); e.g. '{{\"gather_sync\": 1}}'") from e
+    if not isinstance(override, dict) or not set(override) <= set(SM90_TUNING) or \
+            not all(isinstance(v, int) for v in override.values()):
+        raise ValueError(f"JITATTN_DEV_SM90_TUNING={raw!r}: an object of int values with keys in {sorted(SM90_TUNING)}")
+    SM90_TUNING.update(override)
+
+
+_sm90_tuning_override()
 _SM90_ARCH = re.compile(r"^9\.0a(\+PTX)?$")
 
 
