@@ -4,7 +4,8 @@ Run on an H100/H200: ``python3 dev/mla_tuning.py [load_threads ...]`` (default 1
 distinct sources (its own cache entry). Shapes: the benchmark's mla/* cases (bf16, page 64) and two small
 batches that split. Timing: CUDA events around 20 back-to-back run() calls after 3 warm-ups, median of 5
 such groups; TFLOP/s = 2 * B * H * L * (576 + 512) / t, TB/s = B * L * 576 * 2 B / t. Each shape is checked
-against the prefill kernels' output (JITATTN_MLA_KERNEL=prefill) on the same inputs.
+against the prefill kernels' output (JITATTN_MLA_KERNEL=prefill) on the same inputs; fp8 rows count 1 byte
+per latent element.
 """
 
 from __future__ import annotations
@@ -21,20 +22,23 @@ import jitattn.jit as jit
 from jitattn.families import mla as family
 from jitattn.mla_kernel import kernel_spec
 
-SHAPES = [  # (name, batch, kv_len, heads)
-    ("b64_s4096_h128", 64, 4096, 128),
-    ("b128_s8192_h128", 128, 8192, 128),
-    ("h16_b128_s4096", 128, 4096, 16),
-    ("b4_s8192_h128 (split)", 4, 8192, 128),
-    ("b8_s16384_h16 (split)", 8, 16384, 16),
+E4M3 = torch.float8_e4m3fn
+SHAPES = [  # (name, batch, kv_len, heads, latent cache dtype)
+    ("b64_s4096_h128", 64, 4096, 128, torch.bfloat16),
+    ("b128_s8192_h128", 128, 8192, 128, torch.bfloat16),
+    ("h16_b128_s4096", 128, 4096, 16, torch.bfloat16),
+    ("h16_b128_s4096_fp8", 128, 4096, 16, E4M3),
+    ("b64_s4096_h128_fp8", 64, 4096, 128, E4M3),
+    ("b4_s8192_h128 (split)", 4, 8192, 128, torch.bfloat16),
+    ("b8_s16384_h16 (split)", 8, 16384, 16, torch.bfloat16),
 ]
 
 
-def _inputs(batch: int, kv_len: int, heads: int, page: int = 64):
+def _inputs(batch: int, kv_len: int, heads: int, kv_dtype: torch.dtype, page: int = 64):
     gen = torch.Generator(device="cuda").manual_seed(batch * 7 + kv_len + heads)
     pages_per = kv_len // page
     pool = batch * pages_per + 1
-    buffer = torch.randn(pool, page, 576, generator=gen, device="cuda").to(torch.bfloat16)
+    buffer = torch.randn(pool, page, 576, generator=gen, device="cuda").to(kv_dtype)
     indices = torch.randperm(pool, device="cpu")[: batch * pages_per].to(torch.int32)
     indptr = (torch.arange(batch + 1) * pages_per).to(torch.int32)
     lens = torch.full((batch,), kv_len, dtype=torch.int32)
@@ -60,24 +64,23 @@ def _time(fn) -> float:
 
 def main(choices: list[int]) -> None:
     workspace = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
-    for name, batch, kv_len, heads in SHAPES:
-        buffer, indices, indptr, lens, q_nope, q_pe = _inputs(batch, kv_len, heads)
+    for name, batch, kv_len, heads, kv_dtype in SHAPES:
+        buffer, indices, indptr, lens, q_nope, q_pe = _inputs(batch, kv_len, heads, kv_dtype)
         ckv, kpe = buffer[..., :512], buffer[..., 512:]
         qo = torch.arange(batch + 1, dtype=torch.int32)
-        args = (qo, indptr, indices, lens, heads, 512, 64, 64, False, 1 / math.sqrt(192), torch.bfloat16,
-                torch.bfloat16)
+        args = (qo, indptr, indices, lens, heads, 512, 64, 64, False, 1 / math.sqrt(192), torch.bfloat16, kv_dtype)
         os.environ["JITATTN_MLA_KERNEL"] = "prefill"
         ref = jitattn.BatchMLAPagedAttentionWrapper(workspace)
         ref.plan(*args)
         expected = ref.run(q_nope, q_pe, ckv, kpe).float()
         t_ref = _time(lambda: ref.run(q_nope, q_pe, ckv, kpe))
         flops = 2 * batch * heads * kv_len * (576 + 512)
-        nbytes = batch * kv_len * 576 * 2
+        nbytes = batch * kv_len * 576 * kv_dtype.itemsize
         print(f"{name:24s} prefill kernels  {t_ref:9.1f} us {flops / t_ref / 1e6:7.1f} TFLOP/s "
               f"{nbytes / t_ref / 1e6:6.2f} TB/s", flush=True)
         for choice in choices:
             family.TUNING["load_threads"] = choice
-            jit._registry.pop(kernel_spec(torch.bfloat16), None)  # the same spec renders other sources now
+            jit._registry.pop(kernel_spec(torch.bfloat16, kv_dtype), None)  # the same spec renders other sources now
             os.environ["JITATTN_MLA_KERNEL"] = "sm90"
             w = jitattn.BatchMLAPagedAttentionWrapper(workspace)
             w.plan(*args)

@@ -18,10 +18,10 @@ CUDA graphs: ``use_cuda_graph=True`` with the fixed ``qo_indptr``, ``kv_indptr``
 last-page lengths the kernels read live in a buffer of ``kv_len_arr``'s size the wrapper owns), so a
 captured ``run()`` replays the latest plan of the same batch size and total query count.
 
-Kernels: on an H100/H200 (a 9.0a arch list) a plan with a 16-bit latent cache of ckv 512 / kpe 64 and no
-CUDA graph runs the dedicated MLA kernel (``jitattn.mla_kernel``: the heads of a request packed into the
+Kernels: on an H100/H200 (a 9.0a arch list) a plan with a 16-bit or fp8 latent cache of ckv 512 / kpe 64 and
+no CUDA graph runs the dedicated MLA kernel (``jitattn.mla_kernel``: the heads of a request packed into the
 rows of one wgmma tile, the latent KV tile loaded once for all of them, split-KV for small batches);
-everything else -- the cpu target, other GPUs, an fp8 cache, CUDA-graph plans -- runs the paged prefill
+everything else -- the cpu target, other GPUs, CUDA-graph plans -- runs the paged prefill
 kernels. ``JITATTN_MLA_KERNEL=prefill`` forces the prefill kernels (``sm90``: the MLA kernel or an error).
 """
 
@@ -215,7 +215,7 @@ class BatchMLAPagedAttentionWrapper:
         self._highest_page = check_page_table(indptr, kv_indices, last_page_len, page_size,
                                               names=("kv_indptr", "kv_indices", "kv_len_arr"))
         self._kernel = KernelPlan(workspace, qo_indptr, indptr, kv_indices, lens.to(torch.int32), num_heads,
-                                  page_size, bool(causal), float(sm_scale), q_dtype)
+                                  page_size, bool(causal), float(sm_scale), q_dtype, kv_dtype)
         work = self._kernel.work
         logger.debug("%s.plan: the sm90 MLA kernel, %d items on %d blocks, %d merges (chunks of %d KV blocks)",
                      _NAME, work.num_items, work.grid, work.num_merges, work.chunk_blocks)

@@ -1,7 +1,7 @@
 """The dedicated MLA kernel behind ``BatchMLAPagedAttentionWrapper``: choosing it, planning it, launching it.
 
 ``select_kernel`` decides from the plan's arguments, the device and the arch list the JIT builds for:
-``"sm90"`` (``jitattn/families/mla.py``: H100/H200, 16-bit latent cache, ckv 512 / kpe 64, any head
+``"sm90"`` (``jitattn/families/mla.py``: H100/H200, a 16-bit or fp8 latent cache, ckv 512 / kpe 64, any head
 count and query count per request, causal or not) or ``"prefill"`` (the paged prefill kernels at head
 dims 576/512: every other case, the cpu target included). ``JITATTN_MLA_KERNEL`` forces a choice.
 
@@ -40,8 +40,10 @@ def unsupported_reason(device: torch.device, q_dtype: torch.dtype, kv_dtype: tor
     if archs is None or not archs or not all(_HOPPER.match(a) for a in archs):
         shown = ";".join(archs) if archs else "unknown"
         return f"it is built for 9.0a only, and the arch list is {shown!r} (JITATTN_CUDA_ARCH_LIST)"
-    if q_dtype not in (torch.float16, torch.bfloat16) or kv_dtype != q_dtype:
-        return "it takes a 16-bit (f16/bf16) latent cache of the queries' dtype (an fp8 cache runs on the prefill kernels)"
+    if q_dtype not in (torch.float16, torch.bfloat16):
+        return "it takes f16 or bf16 queries"
+    if kv_dtype != q_dtype and kv_dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return "it takes a latent cache of the queries' dtype or fp8 (e4m3 / e5m2)"
     if (head_dim_ckv, head_dim_kpe) != (family.CKV_DIM, family.KPE_DIM):
         return f"it takes head_dim_ckv={family.CKV_DIM}, head_dim_kpe={family.KPE_DIM}"
     if use_cuda_graph:
@@ -80,9 +82,9 @@ def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def kernel_spec(dtype: torch.dtype) -> VariantSpec:
-    """The spec of the sm90 MLA kernel for queries / latent cache / output of ``dtype``."""
-    return mla_kernel_spec(dtype)
+def kernel_spec(dtype: torch.dtype, kv_dtype: torch.dtype | None = None) -> VariantSpec:
+    """The spec of the sm90 MLA kernel for queries / output of ``dtype`` and a latent cache of ``kv_dtype``."""
+    return mla_kernel_spec(dtype, kv_dtype)
 
 
 class KernelPlan:
@@ -90,7 +92,7 @@ class KernelPlan:
 
     def __init__(self, workspace: torch.Tensor, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor,
                  kv_indices: torch.Tensor, kv_lens: torch.Tensor, num_heads: int, page_size: int, causal: bool,
-                 sm_scale: float, dtype: torch.dtype) -> None:
+                 sm_scale: float, dtype: torch.dtype, kv_dtype: torch.dtype) -> None:
         """Host int32 ``qo_indptr``, ``kv_indptr``, ``kv_indices``, ``kv_lens`` (already checked)."""
         from .jit import load
 
@@ -99,8 +101,8 @@ class KernelPlan:
         capacity = workspace.numel() * workspace.element_size() // workspace_row_bytes(family.CKV_DIM)
         qo_lens = (qo_indptr[1:] - qo_indptr[:-1]).tolist()
         self.work: MLAWork = plan_work(qo_lens, kv_lens.tolist(), num_heads, causal, _num_sms(index), capacity)
-        self.module = load(kernel_spec(dtype))
-        self.dtype = dtype
+        self.module = load(kernel_spec(dtype, kv_dtype))
+        self.dtype, self.kv_dtype = dtype, kv_dtype
         self.device_index = index
         # One upload: items, merges and the index arrays, as views of one device buffer.
         parts = [self.work.items.reshape(-1), self.work.merges.reshape(-1), qo_indptr, kv_indptr, kv_lens, kv_indices]
@@ -134,14 +136,17 @@ class KernelPlan:
         for name, t, what in (("q_nope", q_nope, "q_data_type"), ("q_pe", q_pe, "q_data_type"),
                               ("ckv_cache", ckv, "kv_data_type"), ("kpe_cache", kpe, "kv_data_type"),
                               ("out", out, "q_data_type")):
-            if t.dtype != self.dtype:
+            want = self.kv_dtype if what == "kv_data_type" else self.dtype
+            if t.dtype != want:
                 raise TypeError(f"{name} is {str(t.dtype).removeprefix('torch.')}; the plan's {what} is "
-                                f"{str(self.dtype).removeprefix('torch.')}")
+                                f"{str(want).removeprefix('torch.')}")
             if t.get_device() != self.device_index:
                 raise ValueError(f"{name} is on {t.device}; the plan is for cuda:{self.device_index}")
         if stream_capturing():
             raise RuntimeError("BatchMLAPagedAttentionWrapper.run() is being captured into a CUDA graph, but the "
                                "wrapper was built without use_cuda_graph=True; build it with the fixed buffers")
+        if self.work.num_items == 0:
+            return  # no query rows: nothing to write
         p = self.params
         p.q_nope, p.q_pe, p.ckv, p.kpe = q_nope.data_ptr(), q_pe.data_ptr(), ckv.data_ptr(), kpe.data_ptr()
         p.q_nope_stride_n, p.q_nope_stride_h = q_nope.stride()[:2]

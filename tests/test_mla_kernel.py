@@ -25,7 +25,8 @@ from test_mla import CKV, KPE, SM_SCALE, _indptr, _latent_cache, _queries, _refe
 
 from attention_cases import assert_close_lse, assert_close_out
 
-GPU_SPECS = [kernel_spec(torch.bfloat16), kernel_spec(torch.float16)]
+GPU_SPECS = [kernel_spec(torch.bfloat16), kernel_spec(torch.float16), kernel_spec(torch.bfloat16, torch.float8_e4m3fn),
+             kernel_spec(torch.float16, torch.float8_e5m2)]
 ROWS, BLOCK = family.ROWS, family.KV_BLOCK
 
 
@@ -126,14 +127,16 @@ _OK = dict(device=torch.device("cuda", 0), q_dtype=torch.bfloat16, kv_dtype=torc
     (dict(capability=(8, 0)), "sm_80"),
     (dict(archs=("8.0", "9.0a")), "9.0a only"),
     (dict(archs=None), "9.0a only"),
-    (dict(kv_dtype=torch.float8_e4m3fn), "16-bit"),
-    (dict(q_dtype=torch.float32, kv_dtype=torch.float32), "16-bit"),
+    (dict(kv_dtype=torch.float16), "queries' dtype or fp8"),
+    (dict(q_dtype=torch.float32, kv_dtype=torch.float32), "f16 or bf16 queries"),
     (dict(head_dim_ckv=256), "head_dim_ckv=512"),
     (dict(use_cuda_graph=True), "CUDA-graph"),
 ])
 def test_unsupported_plans_say_why(change: dict, why: str) -> None:
     assert unsupported_reason(**_OK) is None
     assert unsupported_reason(**(_OK | dict(q_dtype=torch.float16, kv_dtype=torch.float16))) is None
+    for fp8 in (torch.float8_e4m3fn, torch.float8_e5m2):
+        assert unsupported_reason(**(_OK | dict(kv_dtype=fp8))) is None
     assert why in unsupported_reason(**(_OK | change))
 
 
@@ -188,8 +191,16 @@ def test_the_template_renders_the_layout() -> None:
     assert "using q_t = __half;" in kernel and f"{spec.kernel_name}_merge" in kernel
     assert "struct MlaParams" in sources["params.h"]
     with pytest.raises(ValueError, match="16-bit"):
-        family.layout(VariantSpec(op="mla", target="cuda", q_dtype="bf16", kv_dtype="e4m3", o_dtype="bf16",
+        family.layout(VariantSpec(op="mla", target="cuda", q_dtype="bf16", kv_dtype="bf16", o_dtype="f32",
                                   head_dim_qk=576, head_dim_vo=512))
+    fp8 = kernel_spec(torch.bfloat16, torch.float8_e4m3fn)
+    assert fp8.uri == "mla_cuda_bf16_kve4m3_hd576x512"
+    fp8_layout = family.layout(fp8)
+    assert fp8_layout["kRawBytes"] == 64 * 576 and fp8_layout["kOffP"] == 2 * lay["kTileBytes"] + 2 * 64 * 576
+    assert fp8_layout["kSmemBytes"] <= 227 << 10 and lay["kRawBytes"] == 0
+    fp8_kernel = render(fp8)["kernel.cu"]
+    assert "constexpr bool kKVFp8 = true;" in fp8_kernel and "kFp8Kind = __NV_E4M3;" in fp8_kernel
+    assert "kFp8Kind = __NV_E5M2;" in render(kernel_spec(torch.float16, torch.float8_e5m2))["kernel.cu"]
 
 
 # -- gpu: the kernel against the reference ---------------------------------------------------------------
@@ -202,15 +213,17 @@ _CASES = {  # (kv_lens, qo_lens, causal)
 }
 
 
-def _run_case(kv_lens, qo_lens, causal, heads, page_size, dtype, seed, joined=True):
+def _run_case(kv_lens, qo_lens, causal, heads, page_size, dtype, seed, joined=True, kv_dtype=None, scales=(None, None)):
     gen = torch.Generator().manual_seed(seed)
-    ckv, kpe, indptr, indices, lens = _latent_cache(kv_lens, page_size, dtype, "cuda", gen, joined=joined)
+    kv_dtype = kv_dtype or dtype
+    ckv, kpe, indptr, indices, lens = _latent_cache(kv_lens, page_size, kv_dtype, "cuda", gen, joined=joined)
     q_nope, q_pe = _queries(qo_lens, heads, dtype, "cuda", gen)
     wrapper = jitattn.BatchMLAPagedAttentionWrapper(torch.empty(64 << 20, dtype=torch.uint8, device="cuda"))
-    wrapper.plan(_indptr(qo_lens), indptr, indices, lens, heads, CKV, KPE, page_size, causal, SM_SCALE, dtype, dtype)
+    wrapper.plan(_indptr(qo_lens), indptr, indices, lens, heads, CKV, KPE, page_size, causal, SM_SCALE, dtype,
+                 kv_dtype)
     out = torch.full((sum(qo_lens), heads, CKV), float("nan"), dtype=dtype, device="cuda")
     lse = torch.full((sum(qo_lens), heads), float("nan"), dtype=torch.float32, device="cuda")
-    wrapper.run(q_nope, q_pe, ckv, kpe, out=out, lse=lse)
+    wrapper.run(q_nope, q_pe, ckv, kpe, out=out, lse=lse, k_scale=scales[0], v_scale=scales[1])
     torch.cuda.synchronize()
     return wrapper, out, lse, (q_nope, q_pe, ckv, kpe, indptr, indices)
 
@@ -277,3 +290,35 @@ def test_sm90_kernel_reads_strided_queries_and_writes_strided_outputs(monkeypatc
     assert_close_out(out, ref_out, torch.bfloat16)
     assert_close_lse(lse, ref_lse)
     assert torch.isnan(wide[..., CKV:].float()).all(), "nothing written past out's columns"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", [16, 128])
+@pytest.mark.parametrize("page_size", [1, 64])
+@pytest.mark.parametrize("case", ["decode", "speculative", "chunked_prefill", "long_split"])
+def test_sm90_kernel_fp8_cache_matches_the_fp8_reference(monkeypatch: pytest.MonkeyPatch, heads: int, page_size: int,
+                                                         case: str) -> None:
+    """An e4m3 latent cache with k_scale / v_scale: converted in shared memory, exact against the reference that
+    dequantizes the same fp8 values."""
+    monkeypatch.setenv("JITATTN_MLA_KERNEL", "sm90")
+    kv_lens, qo_lens, causal = _CASES[case]
+    k_scale, v_scale = 0.3, 1.7
+    wrapper, out, lse, (q_nope, q_pe, ckv, kpe, indptr, indices) = _run_case(
+        kv_lens, qo_lens, causal, heads, page_size, torch.bfloat16, heads + page_size, kv_dtype=torch.float8_e4m3fn,
+        scales=(k_scale, v_scale))
+    assert wrapper.kernel == "sm90"
+    ref_out, ref_lse = _reference(q_nope, q_pe, ckv, kpe, indptr, indices, qo_lens, kv_lens, causal, k_scale, v_scale)
+    assert_close_out(out / v_scale, ref_out / v_scale, torch.bfloat16)
+    assert_close_lse(lse, ref_lse)
+
+
+@pytest.mark.gpu
+def test_sm90_kernel_e5m2_cache_with_f16_queries(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("JITATTN_MLA_KERNEL", "sm90")
+    kv_lens, qo_lens, causal = _CASES["long_split"]
+    wrapper, out, lse, (q_nope, q_pe, ckv, kpe, indptr, indices) = _run_case(
+        kv_lens, qo_lens, causal, 64, 16, torch.float16, 3, joined=False, kv_dtype=torch.float8_e5m2, scales=(0.5, 2.0))
+    assert wrapper.kernel == "sm90" and wrapper._kernel.work.num_merges > 0
+    ref_out, ref_lse = _reference(q_nope, q_pe, ckv, kpe, indptr, indices, qo_lens, kv_lens, causal, 0.5, 2.0)
+    assert_close_out(out / 2.0, ref_out / 2.0, torch.float16)
+    assert_close_lse(lse, ref_lse)

@@ -122,7 +122,7 @@ def mla_model_specs(
       ``v_head_dim``, ``num_kv_heads == num_heads``, k/v in ``dtype`` (the up-projection's output), causal
       for the new tokens and without a mask for earlier chunks, whose states are merged;
     - the merge (``dtype``) and ``append_paged_mla_kv_cache`` (``kv_dtype``);
-    - on a 9.0a-only arch list with a 16-bit latent cache of ckv 512 / kpe 64: the dedicated MLA kernel
+    - on a 9.0a-only arch list with a 16-bit or fp8 latent cache of ckv 512 / kpe 64: the dedicated MLA kernel
       (``mla_kernel_spec``), which the MLA wrapper plans there instead of the paged prefill kernels.
     """
     common = dict(q_dtype=dtype, o_dtype=dtype, pos_encoding=PosEncoding.NONE, use_sliding_window=False,
@@ -141,19 +141,23 @@ def mla_model_specs(
     specs.append(merge_spec(target, dtype))
     specs.append(append_spec(target, kv_dtype))
     if (target is Target.CUDA and _hopper_arch_list() and dtype in (torch.float16, torch.bfloat16)
-            and kv_dtype == dtype and (kv_lora_rank, qk_rope_head_dim) == (MLA_CKV_DIM, MLA_KPE_DIM)):
-        specs.append(mla_kernel_spec(dtype))  # what the MLA wrapper plans on an H100/H200 (jitattn.mla_kernel)
+            and (kv_dtype == dtype or kv_dtype in MLA_FP8_CACHE)
+            and (kv_lora_rank, qk_rope_head_dim) == (MLA_CKV_DIM, MLA_KPE_DIM)):
+        specs.append(mla_kernel_spec(dtype, kv_dtype))  # what the MLA wrapper plans on an H100/H200
     return list(dict.fromkeys(specs))
 
 
 MLA_CKV_DIM, MLA_KPE_DIM = 512, 64  # the dedicated MLA kernel's latent widths (jitattn.families.mla)
+MLA_FP8_CACHE = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
-@functools.lru_cache(maxsize=8)
-def mla_kernel_spec(dtype: torch.dtype) -> VariantSpec:
-    """The spec of the dedicated sm90 MLA kernel for queries / latent cache / output of ``dtype`` (f16/bf16)."""
+@functools.lru_cache(maxsize=16)
+def mla_kernel_spec(dtype: torch.dtype, kv_dtype: torch.dtype | None = None) -> VariantSpec:
+    """The spec of the dedicated sm90 MLA kernel: queries / output of ``dtype`` (f16/bf16), a latent cache of
+    ``kv_dtype`` (default ``dtype``; or fp8 e4m3 / e5m2)."""
     d = DType.parse(dtype, "q_data_type")
-    return VariantSpec(op=Op.MLA, target=Target.CUDA, q_dtype=d, kv_dtype=d, o_dtype=d,
+    kv = DType.parse(kv_dtype if kv_dtype is not None else dtype, "kv_data_type")
+    return VariantSpec(op=Op.MLA, target=Target.CUDA, q_dtype=d, kv_dtype=kv, o_dtype=d,
                        head_dim_qk=MLA_CKV_DIM + MLA_KPE_DIM, head_dim_vo=MLA_CKV_DIM)
 
 

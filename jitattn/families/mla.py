@@ -20,7 +20,8 @@ Params (``MLA``; strides in elements, index arrays int32 on the device):
   ``[workspace_rows, 512]`` at byte 0 of ``workspace`` and its natural-log LSE ``[workspace_rows]``
   after it; ``merges``: ``num_merges`` entries of 4 int32 (request, first row, chunks, first partial
   row; chunk c of tile row x is partial row first + 64 c + x) merged by a second kernel of the same call.
-- ``k_scale`` multiplies the logits, ``v_scale`` the output (1 for a 16-bit cache).
+- ``k_scale`` multiplies the logits, ``v_scale`` the output (1 for a 16-bit cache): an fp8 (e4m3 / e5m2)
+  cache is staged raw and converted exactly to the queries' dtype in shared memory, per block.
 """
 
 from __future__ import annotations
@@ -61,8 +62,10 @@ def unsupported(spec: VariantSpec) -> str | None:
     """Why the MLA kernel cannot run ``spec`` (None when it can)."""
     if spec.target is not Target.CUDA:
         return "it is a cuda (sm_90a) kernel"
-    if spec.q_dtype not in (DType.F16, DType.BF16) or spec.kv_dtype is not spec.q_dtype or spec.o_dtype is not spec.q_dtype:
-        return "it takes one 16-bit dtype (f16 or bf16) for the queries, the latent cache and the output"
+    if spec.q_dtype not in (DType.F16, DType.BF16) or spec.o_dtype is not spec.q_dtype:
+        return "it takes one 16-bit dtype (f16 or bf16) for the queries and the output"
+    if spec.kv_dtype is not spec.q_dtype and not spec.kv_dtype.is_fp8:
+        return "it takes a latent cache of the queries' dtype or fp8 (e4m3 / e5m2)"
     if (spec.head_dim_qk, spec.head_dim_vo) != (CKV_DIM + KPE_DIM, CKV_DIM):
         return f"it takes head_dim_ckv={CKV_DIM}, head_dim_kpe={KPE_DIM}"
     return None
@@ -76,8 +79,12 @@ def layout(spec: VariantSpec) -> dict[str, int]:
     chunks = (CKV_DIM + KPE_DIM) // 64       # 128-byte swizzle boxes per row
     chunk_bytes = KV_BLOCK * 128             # one box of 64 rows (tokens or query rows)
     tile_bytes = chunks * chunk_bytes        # Q tile or one KV stage (ROWS == KV_BLOCK)
+    fp8 = spec.kv_dtype.is_fp8
+    raw_row = (CKV_DIM + KPE_DIM) if fp8 else 0  # fp8: row-major staging of the raw block, two stages
+    raw_bytes = KV_BLOCK * raw_row
     off_kv = tile_bytes
-    off_p = off_kv + 2 * tile_bytes
+    off_raw = off_kv + tile_bytes if fp8 else 0
+    off_p = off_kv + tile_bytes + 2 * raw_bytes if fp8 else off_kv + 2 * tile_bytes
     p_bytes = (KV_BLOCK // 16) * 4 * 128 * 4  # P words of warpgroup 0: [k16 steps][4][128 threads]
     off_alpha = off_p + p_bytes
     smem = off_alpha + 128 * 8 + 1024        # + slack to align the base to 1 KiB (swizzle atoms)
@@ -88,6 +95,7 @@ def layout(spec: VariantSpec) -> dict[str, int]:
         "kChunks": chunks, "kChunkBytes": chunk_bytes, "kTileBytes": tile_bytes,
         "kOffQ": 0, "kOffKV": off_kv, "kOffP": off_p, "kOffAlpha": off_alpha, "kOffStat": 0, "kSmemBytes": smem,
         "kLoadThreads": TUNING["load_threads"],
+        "kRawRowBytes": raw_row, "kRawBytes": raw_bytes, "kOffRaw": off_raw,
     }
 
 
@@ -98,6 +106,8 @@ def entries(spec: VariantSpec) -> tuple[Entry, ...]:
 def context(spec: VariantSpec) -> dict[str, Any]:
     constants = [("int", name, str(value)) for name, value in layout(spec).items()]
     constants.append(("float", "kLog2e", repr(_LOG2E) + "f"))
+    constants.append(("bool", "kKVFp8", "true" if spec.kv_dtype.is_fp8 else "false"))
+    constants.append(("__nv_fp8_interpretation_t", "kFp8Kind", "__NV_E5M2" if spec.kv_dtype is DType.E5M2 else "__NV_E4M3"))
     return {
         "q_ctype": c_type(spec.q_dtype, spec.target),
         "kv_ctype": c_type(spec.kv_dtype, spec.target),
