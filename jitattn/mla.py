@@ -108,9 +108,10 @@ class BatchMLAPagedAttentionWrapper:
     ) -> None:
         """Plan one batch. ``sm_scale`` is required (MLA scales by the pre-absorption head dim, e.g. 1/sqrt(192)).
 
-        ``batch_invariant`` (default ``JITATTN_BATCH_INVARIANT``) changes nothing: MLA runs on the prefill
-        kernels, which never split the KV."""
-        resolve_batch_invariant(batch_invariant)
+        ``batch_invariant`` (default ``JITATTN_BATCH_INVARIANT``): the sm90 MLA kernel then never splits a
+        request's KV (its split depends on the batch), so each request's bits are those it gets alone; the
+        prefill kernels never split it anyway."""
+        invariant = resolve_batch_invariant(batch_invariant)
         refuse_unsupported(f"{_NAME}.plan", "leave use_profiler off", use_profiler=use_profiler or None)
         qo_indptr = to_host_int32("qo_indptr", qo_indptr)
         indptr = to_host_int32("kv_indptr", kv_indptr)
@@ -137,7 +138,8 @@ class BatchMLAPagedAttentionWrapper:
                                  "allocate the fixed buffers for the largest batch")
         self._kernel = None
         if self._sm90_plan(qo_indptr, indptr, kv_indices, lens, last_page_len, num_heads, head_dim_ckv,
-                           head_dim_kpe, page_size, causal, sm_scale, q_data_type, kv_data_type) is None:
+                           head_dim_kpe, page_size, causal, sm_scale, q_data_type, kv_data_type,
+                           split=not invariant) is None:
             self._inner.plan(
                 qo_indptr, indptr, kv_indices, last_page_len, num_heads, 1, head_dim_ckv + head_dim_kpe, page_size,
                 head_dim_vo=head_dim_ckv, causal=causal, sm_scale=sm_scale, q_data_type=q_data_type,
@@ -189,7 +191,7 @@ class BatchMLAPagedAttentionWrapper:
 
     def _sm90_plan(self, qo_indptr: torch.Tensor, indptr: torch.Tensor, kv_indices: torch.Tensor, lens: torch.Tensor,
                    last_page_len: torch.Tensor, num_heads: int, head_dim_ckv: int, head_dim_kpe: int, page_size: int,
-                   causal: bool, sm_scale: float, q_data_type, kv_data_type) -> KernelPlan | None:
+                   causal: bool, sm_scale: float, q_data_type, kv_data_type, split: bool) -> KernelPlan | None:
         """Plans the batch on the sm90 MLA kernel when it can run it (else None: the prefill kernels)."""
         workspace = self._workspace
         if not isinstance(workspace, torch.Tensor):
@@ -215,7 +217,7 @@ class BatchMLAPagedAttentionWrapper:
         self._highest_page = check_page_table(indptr, kv_indices, last_page_len, page_size,
                                               names=("kv_indptr", "kv_indices", "kv_len_arr"))
         self._kernel = KernelPlan(workspace, qo_indptr, indptr, kv_indices, lens.to(torch.int32), num_heads,
-                                  page_size, bool(causal), float(sm_scale), q_dtype, kv_dtype)
+                                  page_size, bool(causal), float(sm_scale), q_dtype, kv_dtype, split=split)
         work = self._kernel.work
         logger.debug("%s.plan: the sm90 MLA kernel, %d items on %d blocks, %d merges (chunks of %d KV blocks)",
                      _NAME, work.num_items, work.grid, work.num_merges, work.chunk_blocks)

@@ -92,15 +92,17 @@ class KernelPlan:
 
     def __init__(self, workspace: torch.Tensor, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor,
                  kv_indices: torch.Tensor, kv_lens: torch.Tensor, num_heads: int, page_size: int, causal: bool,
-                 sm_scale: float, dtype: torch.dtype, kv_dtype: torch.dtype) -> None:
-        """Host int32 ``qo_indptr``, ``kv_indptr``, ``kv_indices``, ``kv_lens`` (already checked)."""
+                 sm_scale: float, dtype: torch.dtype, kv_dtype: torch.dtype, split: bool = True) -> None:
+        """Host int32 ``qo_indptr``, ``kv_indptr``, ``kv_indices``, ``kv_lens`` (already checked); ``split=False``:
+        no split-KV (batch-invariant plans)."""
         from .jit import load
 
         device = workspace.device
         index = device.index if device.index is not None else torch.cuda.current_device()
         capacity = workspace.numel() * workspace.element_size() // workspace_row_bytes(family.CKV_DIM)
         qo_lens = (qo_indptr[1:] - qo_indptr[:-1]).tolist()
-        self.work: MLAWork = plan_work(qo_lens, kv_lens.tolist(), num_heads, causal, _num_sms(index), capacity)
+        self.work: MLAWork = plan_work(qo_lens, kv_lens.tolist(), num_heads, causal, _num_sms(index), capacity,
+                                       split=split)
         self.module = load(kernel_spec(dtype, kv_dtype))
         self.dtype, self.kv_dtype = dtype, kv_dtype
         self.device_index = index

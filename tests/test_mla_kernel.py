@@ -322,3 +322,27 @@ def test_sm90_kernel_e5m2_cache_with_f16_queries(monkeypatch: pytest.MonkeyPatch
     ref_out, ref_lse = _reference(q_nope, q_pe, ckv, kpe, indptr, indices, qo_lens, kv_lens, causal, 0.5, 2.0)
     assert_close_out(out / 2.0, ref_out / 2.0, torch.float16)
     assert_close_lse(lse, ref_lse)
+
+
+@pytest.mark.gpu
+def test_batch_invariant_plans_do_not_split_and_keep_each_requests_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """batch_invariant=True: a long request alone (which would split) and inside a large batch gives the same bits."""
+    monkeypatch.setenv("JITATTN_MLA_KERNEL", "sm90")
+    gen = torch.Generator().manual_seed(17)
+    kv_lens = [3000] + [300] * 199
+    ckv, kpe, indptr, indices, lens = _latent_cache(kv_lens, 16, torch.bfloat16, "cuda", gen, joined=True)
+    q_nope, q_pe = _queries([1] * 200, 16, torch.bfloat16, "cuda", gen)
+    workspace = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+    outs = []
+    for batch in (1, 200):
+        wrapper = jitattn.BatchMLAPagedAttentionWrapper(workspace)
+        wrapper.plan(_indptr([1] * batch), indptr[: batch + 1], indices, lens[:batch], 16, CKV, KPE, 16, False,
+                     SM_SCALE, torch.bfloat16, torch.bfloat16, batch_invariant=True)
+        assert wrapper.kernel == "sm90" and wrapper._kernel.work.num_merges == 0
+        out, lse = wrapper.run(q_nope[:batch], q_pe[:batch], ckv, kpe, return_lse=True)
+        outs.append((out[:1].clone(), lse[:1].clone()))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    split = jitattn.BatchMLAPagedAttentionWrapper(workspace)
+    split.plan(_indptr([1]), indptr[:2], indices, lens[:1], 16, CKV, KPE, 16, False, SM_SCALE, torch.bfloat16,
+               torch.bfloat16)
+    assert split._kernel.work.num_merges > 0, "without batch_invariant the lone long request splits"
