@@ -17,6 +17,7 @@ _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 LOG_LEVELS = ("info", "debug")
 PREFILL_TIERS = ("auto", "sm80", "sm90")
+MLA_KERNELS = ("auto", "sm90", "prefill")
 _ARCH = re.compile(r"^\d+\.\d+[af]?(\+PTX)?$")
 
 
@@ -30,7 +31,7 @@ class Knob:
     """One setting: ``kind`` says how its value is read and checked."""
 
     name: str
-    kind: str  # "path" | "paths" | "jobs" | "flag" | "log_level" | "archs" | "executable" | "command" | "tier"
+    kind: str  # "path" | "paths" | "jobs" | "flag" | "log_level" | "archs" | "executable" | "command" | "tier" | "mla"
     default: str  # what applies when unset, as show-config describes it
     doc: str
     aliases: tuple[str, ...] = ()
@@ -70,6 +71,10 @@ class Knob:
             if raw.strip().lower() in PREFILL_TIERS:
                 return None
             return f"{shown} is not a prefill tier; set it to {', '.join(PREFILL_TIERS)}, or unset it"
+        if self.kind == "mla":
+            if raw.strip().lower() in MLA_KERNELS:
+                return None
+            return f"{shown} is not an MLA kernel choice; set it to {', '.join(MLA_KERNELS)}, or unset it"
         if self.kind == "archs":
             bad = [a for a in re.split(r"[;\s,]+", raw.strip()) if a and not _ARCH.match(a)]
             if not bad:
@@ -102,11 +107,15 @@ BATCH_INVARIANT = Knob("JITATTN_BATCH_INVARIANT", "flag", "0",
                        "1: plan() defaults to batch_invariant=True (each request's bits independent of the batch)")
 PREFILL_TIER = Knob("JITATTN_PREFILL_TIER", "tier", "auto",
                     "cuda prefill kernel tier: auto (sm90 on a 9.0a-only arch list where the spec allows), sm80, sm90")
+MLA_KERNEL = Knob("JITATTN_MLA_KERNEL", "mla", "auto",
+                  "BatchMLAPagedAttentionWrapper's kernel: auto (the sm90 MLA kernel on an H100/H200 for the plans it "
+                  "supports, else the paged prefill kernels), sm90 (an error where it cannot run), prefill")
 TEST_CACHE_DIR = Knob("JITATTN_TEST_CACHE_DIR", "path", "unset: each test run builds into a temp dir it removes",
                       "the test suite's shared cache (tests/conftest.py; .ci/run sets it after warming)")
 
 KNOBS: tuple[Knob, ...] = (CACHE_DIR, CACHE_PATH, MAX_JOBS, CUDA_ARCH_LIST, ASSERT_NO_COMPILE, LOG_LEVEL, DEBUG,
-                           NVCC, CXX, CUDA_HOME, BATCH_INVARIANT, PREFILL_TIER, TEST_CACHE_DIR)
+                           NVCC, CXX, CUDA_HOME, BATCH_INVARIANT, PREFILL_TIER, MLA_KERNEL,
+                           TEST_CACHE_DIR)
 
 
 def _truthy(value: str | None) -> bool:
@@ -215,3 +224,12 @@ def describe() -> list[tuple[str, str, str]]:
         else:
             rows.append((knob.name, value, "env" if variable == knob.name else f"env {variable}"))
     return rows
+
+
+def mla_kernel() -> str:
+    """JITATTN_MLA_KERNEL: 'auto' (the default), 'sm90' or 'prefill'; a bad value is an error."""
+    problem = MLA_KERNEL.problem()
+    if problem is not None:
+        raise ValueError(problem)
+    raw = MLA_KERNEL.value()
+    return raw.strip().lower() if raw else "auto"

@@ -18,7 +18,11 @@ CUDA graphs: ``use_cuda_graph=True`` with the fixed ``qo_indptr``, ``kv_indptr``
 last-page lengths the kernels read live in a buffer of ``kv_len_arr``'s size the wrapper owns), so a
 captured ``run()`` replays the latest plan of the same batch size and total query count.
 
-This is the correctness tier: a dedicated MLA kernel is future work (issue 18).
+Kernels: on an H100/H200 (a 9.0a arch list) a plan with a 16-bit or fp8 latent cache of ckv 512 / kpe 64 and
+no CUDA graph runs the dedicated MLA kernel (``jitattn.mla_kernel``: the heads of a request packed into the
+rows of one wgmma tile, the latent KV tile loaded once for all of them, split-KV for small batches);
+everything else -- the cpu target, other GPUs, CUDA-graph plans -- runs the paged prefill
+kernels. ``JITATTN_MLA_KERNEL=prefill`` forces the prefill kernels (``sm90``: the MLA kernel or an error).
 """
 
 from __future__ import annotations
@@ -28,8 +32,10 @@ import functools
 import torch
 
 from .attention.checks import check_tensor
-from .attention.options import refuse_unsupported, resolve_batch_invariant
-from .page_table import to_host_int32
+from .attention.options import fp8_scale, parse_dtype, refuse_unsupported, resolve_batch_invariant
+from .log import logger
+from .mla_kernel import KernelPlan, device_facts, select_kernel, unsupported_reason
+from .page_table import check_indptr, check_page_table, to_host_int32
 from .prefill import BatchPrefillWithPagedKVCacheWrapper
 
 __all__ = ["BatchMLAPagedAttentionWrapper"]
@@ -78,8 +84,17 @@ class BatchMLAPagedAttentionWrapper:
             paged_kv_indptr_buf=kv_indptr, paged_kv_indices_buf=kv_indices,
             paged_kv_last_page_len_buf=last_page_buffer, backend=backend,
         )
+        self._workspace = float_workspace_buffer
+        self._use_cuda_graph = use_cuda_graph
         self._dims: tuple[int, int] | None = None  # (head_dim_ckv, head_dim_kpe) of the plan
         self._rows: tuple[int, int] = (0, 0)  # (total query tokens, num_heads) of the plan
+        self._kernel: KernelPlan | None = None  # the sm90 MLA kernel's plan, None: the prefill kernels'
+        self._highest_page = -1  # the highest page the sm90 plan reads (checked against the cache at run)
+
+    @property
+    def kernel(self) -> str:
+        """The kernel the last plan runs on: ``"sm90"`` (the dedicated MLA kernel) or ``"prefill"``."""
+        return "sm90" if self._kernel is not None else "prefill"
 
     @property
     def is_cuda_graph_enabled(self) -> bool:
@@ -93,9 +108,10 @@ class BatchMLAPagedAttentionWrapper:
     ) -> None:
         """Plan one batch. ``sm_scale`` is required (MLA scales by the pre-absorption head dim, e.g. 1/sqrt(192)).
 
-        ``batch_invariant`` (default ``JITATTN_BATCH_INVARIANT``) changes nothing: MLA runs on the prefill
-        kernels, which never split the KV."""
-        resolve_batch_invariant(batch_invariant)
+        ``batch_invariant`` (default ``JITATTN_BATCH_INVARIANT``): the sm90 MLA kernel then never splits a
+        request's KV (its split depends on the batch), so each request's bits are those it gets alone; the
+        prefill kernels never split it anyway."""
+        invariant = resolve_batch_invariant(batch_invariant)
         refuse_unsupported(f"{_NAME}.plan", "leave use_profiler off", use_profiler=use_profiler or None)
         qo_indptr = to_host_int32("qo_indptr", qo_indptr)
         indptr = to_host_int32("kv_indptr", kv_indptr)
@@ -120,11 +136,15 @@ class BatchMLAPagedAttentionWrapper:
             if buffer.numel() < needed[name]:
                 raise ValueError(f"{name} buffer holds {buffer.numel()} entries but this batch needs {needed[name]}; "
                                  "allocate the fixed buffers for the largest batch")
-        self._inner.plan(
-            qo_indptr, indptr, kv_indices, last_page_len, num_heads, 1, head_dim_ckv + head_dim_kpe, page_size,
-            head_dim_vo=head_dim_ckv, causal=causal, sm_scale=sm_scale, q_data_type=q_data_type,
-            kv_data_type=kv_data_type,
-        )
+        self._kernel = None
+        if self._sm90_plan(qo_indptr, indptr, kv_indices, lens, last_page_len, num_heads, head_dim_ckv,
+                           head_dim_kpe, page_size, causal, sm_scale, q_data_type, kv_data_type,
+                           split=not invariant) is None:
+            self._inner.plan(
+                qo_indptr, indptr, kv_indices, last_page_len, num_heads, 1, head_dim_ckv + head_dim_kpe, page_size,
+                head_dim_vo=head_dim_ckv, causal=causal, sm_scale=sm_scale, q_data_type=q_data_type,
+                kv_data_type=kv_data_type,
+            )
         if self._kv_len_arr_buf is not None:  # FlashInfer keeps the lengths in the caller's buffer too
             self._kv_len_arr_buf[: lens.numel()].copy_(lens.to(torch.int32))
         self._dims = (head_dim_ckv, head_dim_kpe)
@@ -160,12 +180,74 @@ class BatchMLAPagedAttentionWrapper:
             check_tensor(name, t, ndim=3)
             if t.shape[-1] != dim:
                 raise ValueError(f"{name} has shape {tuple(t.shape)}; expected [pages, page_size, {dim}]")
+        if self._kernel is not None:
+            return self._run_sm90(q_nope, q_pe, ckv_cache, kpe_cache, out, lse, return_lse, k_scale, v_scale)
         q = torch.cat([q_nope, q_pe], dim=-1)
         keys = latent_keys(ckv_cache, kpe_cache)
         return self._inner.run(q, (keys.unsqueeze(2), ckv_cache.unsqueeze(2)), k_scale=k_scale, v_scale=v_scale,
                                out=out, lse=lse, return_lse=return_lse)
 
     run_return_lse = functools.partialmethod(run, return_lse=True)
+
+    def _sm90_plan(self, qo_indptr: torch.Tensor, indptr: torch.Tensor, kv_indices: torch.Tensor, lens: torch.Tensor,
+                   last_page_len: torch.Tensor, num_heads: int, head_dim_ckv: int, head_dim_kpe: int, page_size: int,
+                   causal: bool, sm_scale: float, q_data_type, kv_data_type, split: bool) -> KernelPlan | None:
+        """Plans the batch on the sm90 MLA kernel when it can run it (else None: the prefill kernels)."""
+        workspace = self._workspace
+        if not isinstance(workspace, torch.Tensor):
+            return None  # the prefill wrapper reports the bad workspace
+        q_dtype = parse_dtype(q_data_type, "q_data_type")
+        kv_dtype = parse_dtype(kv_data_type, "kv_data_type")
+        capability, archs = device_facts(workspace.device)
+        reason = unsupported_reason(workspace.device, q_dtype, kv_dtype, head_dim_ckv, head_dim_kpe,
+                                    self._use_cuda_graph, capability, archs)
+        if select_kernel(reason) != "sm90":
+            logger.debug("%s.plan: the prefill kernels (%s)", _NAME, reason or "JITATTN_MLA_KERNEL=prefill")
+            return None
+        if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
+            raise ValueError(f"num_heads={num_heads!r} must be a positive int")
+        if not isinstance(sm_scale, (int, float)) or isinstance(sm_scale, bool) or not sm_scale > 0:
+            raise ValueError(f"sm_scale={sm_scale!r} must be a positive float (MLA: e.g. 1/sqrt(192))")
+        if isinstance(causal, torch.Tensor) or not isinstance(causal, (bool, int)):
+            raise ValueError(f"causal={causal!r} must be True or False")
+        check_indptr("qo_indptr", qo_indptr)
+        if qo_indptr.numel() != indptr.numel():
+            raise ValueError(f"qo_indptr describes {qo_indptr.numel() - 1} requests but kv_indptr "
+                             f"{indptr.numel() - 1}")
+        self._highest_page = check_page_table(indptr, kv_indices, last_page_len, page_size,
+                                              names=("kv_indptr", "kv_indices", "kv_len_arr"))
+        self._kernel = KernelPlan(workspace, qo_indptr, indptr, kv_indices, lens.to(torch.int32), num_heads,
+                                  page_size, bool(causal), float(sm_scale), q_dtype, kv_dtype, split=split)
+        work = self._kernel.work
+        logger.debug("%s.plan: the sm90 MLA kernel, %d items on %d blocks, %d merges (chunks of %d KV blocks)",
+                     _NAME, work.num_items, work.grid, work.num_merges, work.chunk_blocks)
+        return self._kernel
+
+    def _run_sm90(self, q_nope: torch.Tensor, q_pe: torch.Tensor, ckv_cache: torch.Tensor, kpe_cache: torch.Tensor,
+                  out: torch.Tensor | None, lse: torch.Tensor | None, return_lse: bool, k_scale, v_scale):
+        if ckv_cache.shape[:2] != kpe_cache.shape[:2]:
+            raise ValueError(f"ckv_cache {tuple(ckv_cache.shape)} and kpe_cache {tuple(kpe_cache.shape)} must have the "
+                             "same [pages, page_size]")
+        if ckv_cache.shape[1] != self._kernel.params.page_size:
+            raise ValueError(f"ckv_cache has page_size {ckv_cache.shape[1]}; the plan has {self._kernel.params.page_size}")
+        if self._highest_page >= ckv_cache.shape[0]:
+            raise ValueError(f"kv_indices reference page {self._highest_page} but the cache has {ckv_cache.shape[0]} "
+                             "pages")
+        tokens, heads = self._rows
+        if out is None:
+            out = torch.empty((tokens, heads, self._dims[0]), dtype=q_nope.dtype, device=q_nope.device)
+        else:
+            check_tensor("out", out, ndim=3)
+            if tuple(out.shape) != (tokens, heads, self._dims[0]):
+                raise ValueError(f"out has shape {tuple(out.shape)}; expected {(tokens, heads, self._dims[0])}")
+        if lse is None and return_lse:
+            lse = torch.empty((tokens, heads), dtype=torch.float32, device=q_nope.device)
+        elif lse is not None:
+            if lse.dtype != torch.float32 or tuple(lse.shape) != (tokens, heads) or lse.device != q_nope.device:
+                raise ValueError(f"lse must be float32 {(tokens, heads)} on {q_nope.device}; got {_describe(lse)}")
+        self._kernel.launch(q_nope, q_pe, ckv_cache, kpe_cache, out, lse, fp8_scale(k_scale, "k_scale"),
+                            fp8_scale(v_scale, "v_scale"))
+        return (out, lse) if return_lse else out
 
 
 def _describe(value) -> str:

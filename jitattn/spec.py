@@ -11,7 +11,7 @@ URI grammar (documented in README.md; ``uri`` is derived, never stored)::
     uri   := op ["_" storage] "_" target "_" dtype ["_kv" kvdtype] ["_o" odtype]
              ["_hd" qk ["x" vo]] ["_g" group] ["_" pos] ["_swa"] ["_softcap"]
              ["_" mask] ["_" layout] ["_sink"] ["_v" name "-" hash8]
-    op      := decode | prefill | merge | append
+    op      := decode | prefill | merge | append | mla
     storage := paged | ragged
     target  := cuda | cpu
     dtype   := the q dtype (the o dtype when the op has no q): f32 | f16 | bf16
@@ -67,6 +67,7 @@ class Op(_Choice):
     PREFILL = "prefill"
     MERGE = "merge"
     APPEND = "append"
+    MLA = "mla"  # the dedicated latent-attention kernel (cuda, sm_90a); MLA also runs on the prefill kernels
 
 
 class Target(_Choice):
@@ -169,6 +170,7 @@ SPECIALIZED_AXES: dict[tuple[Op, Target], frozenset[str]] = {
     (Op.DECODE, Target.CPU): frozenset({"q_dtype", "kv_dtype", "o_dtype"}),
     (Op.PREFILL, Target.CUDA): _ATTENTION_CUDA | {"mask_mode"},
     (Op.PREFILL, Target.CPU): frozenset({"q_dtype", "kv_dtype", "o_dtype"}),
+    (Op.MLA, Target.CUDA): frozenset({"q_dtype", "kv_dtype", "o_dtype", "head_dim_qk", "head_dim_vo"}),
 }
 
 SUPPORTED_HEAD_DIMS: tuple[int, ...] = tuple(range(32, 257, 8))
@@ -236,7 +238,7 @@ class VariantSpec:
     # -- validation ---------------------------------------------------------
 
     def _validate(self) -> None:
-        axes = SPECIALIZED_AXES[(self.op, self.target)]
+        axes = _axes(self.op, self.target)
         for field in dataclasses.fields(self):
             name = field.name
             if name in ("op", "target", "idtype", "variant", "use_sinks"):
@@ -371,6 +373,15 @@ class VariantSpec:
         return dataclasses.replace(self, **changes)
 
 
+def _axes(op: Op, target: Target) -> frozenset[str]:
+    axes = SPECIALIZED_AXES.get((op, target))
+    if axes is None:
+        targets = [t.value for (o, t) in SPECIALIZED_AXES if o is op]
+        raise ValueError(f"op={op.value!r} has no kernel for target={target.value!r} (targets: {', '.join(targets)}); "
+                         "on the cpu, MLA runs through BatchMLAPagedAttentionWrapper on the prefill kernels")
+    return axes
+
+
 def check_head_dims(head_dim_qk: int | None, head_dim_vo: int | None) -> None:
     """Raise ValueError unless (head_dim_qk, head_dim_vo) is a supported shape."""
     if head_dim_qk is None or head_dim_vo is None:
@@ -477,7 +488,7 @@ def _parse_uri(uri: str) -> VariantSpec:
             values["use_sinks"] = True
         else:
             raise ValueError(f"uri {uri!r}: unknown token {token!r} (see the grammar in jitattn.spec)")
-    axes = SPECIALIZED_AXES[(values["op"], values["target"])]
+    axes = _axes(values["op"], values["target"])
     if base is not None:
         for name in ("q_dtype", "kv_dtype", "o_dtype"):
             if name in axes:

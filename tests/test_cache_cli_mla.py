@@ -13,7 +13,7 @@ import torch
 import jitattn
 import jitattn.jit
 from jitattn.attention import builder
-from jitattn.attention.specs import append_spec, merge_spec
+from jitattn.attention.specs import append_spec, merge_spec, mla_kernel_spec
 from jitattn.spec import Target
 from jitattn_cache.cli import main
 from jitattn_cache.presets import PRESETS, MLAShape, from_hf_config
@@ -86,6 +86,9 @@ def test_mla_presets_list_exactly_what_the_wrappers_request(preset, kv_dtype, mo
     attention = _cuda_specs_the_wrappers_request(monkeypatch, PRESETS[preset].num_heads, torch.bfloat16, kv)
     expected = [s.uri for s in attention] + [merge_spec(Target.CUDA, torch.bfloat16).uri,
                                              append_spec(Target.CUDA, kv).uri]
+    # on a 9.0a arch list the wrapper plans the latent cache (bf16 or fp8) on the sm90 MLA kernel
+    expected.append(mla_kernel_spec(torch.bfloat16, kv).uri)
+    assert ("mla_cuda_bf16_kve4m3_hd576x512" if kv is e4m3 else "mla_cuda_bf16_hd576x512") in uris
     assert sorted(uris) == sorted(set(expected))
     heads = PRESETS[preset].num_heads
     kve = "_kve4m3" if kv is e4m3 else ""

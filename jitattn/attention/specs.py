@@ -13,7 +13,7 @@ import functools
 import torch
 
 from ..variant import AttentionVariant
-from ..spec import KVLayout, KVStorage, MaskMode, Op, PosEncoding, Target, VariantSpec
+from ..spec import DType, KVLayout, KVStorage, MaskMode, Op, PosEncoding, Target, VariantSpec
 
 
 @functools.lru_cache(maxsize=512)  # plan() asks for the same spec every step; validation is not free
@@ -121,7 +121,9 @@ def mla_model_specs(
     - non-absorbed prefill through the ragged wrapper: head dims ``qk_nope_head_dim + qk_rope_head_dim`` /
       ``v_head_dim``, ``num_kv_heads == num_heads``, k/v in ``dtype`` (the up-projection's output), causal
       for the new tokens and without a mask for earlier chunks, whose states are merged;
-    - the merge (``dtype``) and ``append_paged_mla_kv_cache`` (``kv_dtype``).
+    - the merge (``dtype``) and ``append_paged_mla_kv_cache`` (``kv_dtype``);
+    - on a 9.0a-only arch list with a 16-bit or fp8 latent cache of ckv 512 / kpe 64: the dedicated MLA kernel
+      (``mla_kernel_spec``), which the MLA wrapper plans there instead of the paged prefill kernels.
     """
     common = dict(q_dtype=dtype, o_dtype=dtype, pos_encoding=PosEncoding.NONE, use_sliding_window=False,
                   use_logits_soft_cap=False, kv_layout=KVLayout.NHD)
@@ -138,4 +140,33 @@ def mla_model_specs(
             kv_storage=KVStorage.RAGGED, **common))
     specs.append(merge_spec(target, dtype))
     specs.append(append_spec(target, kv_dtype))
+    if (target is Target.CUDA and _hopper_arch_list() and dtype in (torch.float16, torch.bfloat16)
+            and (kv_dtype == dtype or kv_dtype in MLA_FP8_CACHE)
+            and (kv_lora_rank, qk_rope_head_dim) == (MLA_CKV_DIM, MLA_KPE_DIM)):
+        specs.append(mla_kernel_spec(dtype, kv_dtype))  # what the MLA wrapper plans on an H100/H200
     return list(dict.fromkeys(specs))
+
+
+MLA_CKV_DIM, MLA_KPE_DIM = 512, 64  # the dedicated MLA kernel's latent widths (jitattn.families.mla)
+MLA_FP8_CACHE = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+@functools.lru_cache(maxsize=16)
+def mla_kernel_spec(dtype: torch.dtype, kv_dtype: torch.dtype | None = None) -> VariantSpec:
+    """The spec of the dedicated sm90 MLA kernel: queries / output of ``dtype`` (f16/bf16), a latent cache of
+    ``kv_dtype`` (default ``dtype``; or fp8 e4m3 / e5m2)."""
+    d = DType.parse(dtype, "q_data_type")
+    kv = DType.parse(kv_dtype if kv_dtype is not None else dtype, "kv_data_type")
+    return VariantSpec(op=Op.MLA, target=Target.CUDA, q_dtype=d, kv_dtype=kv, o_dtype=d,
+                       head_dim_qk=MLA_CKV_DIM + MLA_KPE_DIM, head_dim_vo=MLA_CKV_DIM)
+
+
+def _hopper_arch_list() -> bool:
+    """Whether the cuda arch list builds target 9.0a only (where the MLA wrapper picks the sm90 kernel)."""
+    from ..jit.toolchain import ToolchainError, cuda_arch_list
+
+    try:
+        archs = cuda_arch_list()
+    except ToolchainError:
+        return False
+    return bool(archs) and all(a in ("9.0a", "9.0a+PTX") for a in archs)

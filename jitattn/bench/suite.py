@@ -185,7 +185,7 @@ def run_cascade(case: Cascade, ctx: Context) -> list[dict]:
 
 
 def run_mla(case: MLA, ctx: Context) -> list[dict]:
-    """MLA decode through BatchMLAPagedAttentionWrapper (the correctness tier on the paged prefill kernels).
+    """MLA decode through BatchMLAPagedAttentionWrapper (the sm90 MLA kernel on an H100/H200, else the prefill kernels).
 
     The latent cache is one ``[pages, page_size, ckv + kpe]`` buffer (ckv/kpe as slices: no copy); an fp8
     cache is read with per-tensor ``k_scale``/``v_scale``. The error is checked on the first request against
@@ -236,8 +236,9 @@ def run_mla(case: MLA, ctx: Context) -> list[dict]:
         seconds = row["time_us"] * 1e-6
         row["tflops"], row["tb_per_s"] = case.flops / seconds / 1e12, case.bytes / seconds / 1e12
         row["sdpa_na"] = "MLA"  # compared with FlashInfer's numbers and the targets (the note)
-        row["note"] = _join(_join(f"{row['tflops']:.4g} TFLOP/s, {row['tb_per_s']:.3g} TB/s", row["note"]),
-                            "correctness tier: the paged prefill kernel at head dims 576/512")
+        kernel = ("the sm90 MLA kernel" if getattr(wrapper, "kernel", "prefill") == "sm90"
+                  else "the paged prefill kernel at head dims 576/512")
+        row["note"] = _join(_join(f"{row['tflops']:.4g} TFLOP/s, {row['tb_per_s']:.3g} TB/s", row["note"]), kernel)
         twin = ctx.plain_rows.get(case.twin) if case.twin else None
         if case.twin:
             if twin is None or twin.get("time_us") is None:

@@ -37,6 +37,7 @@ _MODULES: dict[Op, str] = {
     Op.DECODE: "decode",
     Op.PREFILL: "prefill",
     Op.APPEND: "append",
+    Op.MLA: "mla",
 }
 
 

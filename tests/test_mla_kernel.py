@@ -1,0 +1,348 @@
+"""The dedicated sm90 MLA kernel (``jitattn.mla_kernel``, ``jitattn.mla_plan``, ``families/mla.py``).
+
+cpu: the work list (tiles, causal block counts, split-KV chunks, workspace fitting, order), the kernel choice
+(device, arch list, dtypes, dims, CUDA graphs, ``JITATTN_MLA_KERNEL``), the ``mla`` op's spec and its template.
+gpu: the kernel against the float reference across heads 16/64/128, page sizes 1/16/64, decode, speculative
+and chunked-prefill query counts, lengths including 0, split and unsplit plans, f16 and bf16, NaN-poisoned
+outputs; the forced fallback gives the prefill kernels' result.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import jitattn
+from jitattn import env
+from jitattn.families import mla as family
+from jitattn.mla_kernel import kernel_spec, select_kernel, unsupported_reason
+from jitattn.mla_plan import MIN_CHUNK_BLOCKS, plan_work
+from jitattn.spec import VariantSpec
+
+from test_mla import CKV, KPE, SM_SCALE, _indptr, _latent_cache, _queries, _reference
+
+from attention_cases import assert_close_lse, assert_close_out
+
+GPU_SPECS = [kernel_spec(torch.bfloat16), kernel_spec(torch.float16), kernel_spec(torch.bfloat16, torch.float8_e4m3fn),
+             kernel_spec(torch.float16, torch.float8_e5m2)]
+ROWS, BLOCK = family.ROWS, family.KV_BLOCK
+
+
+# -- the work list -------------------------------------------------------------------------------------
+def _visible_blocks(qo_len: int, kv_len: int, heads: int, row0: int, causal: bool) -> int:
+    """KV blocks some row of the tile starting at row0 sees (brute force over its rows)."""
+    seen = 0
+    for rho in range(row0, min(row0 + ROWS, qo_len * heads)):
+        token = rho // heads
+        seen = max(seen, max(0, min(kv_len, kv_len - qo_len + token + 1)) if causal else kv_len)
+    return -(-seen // BLOCK)
+
+
+def _check_work(work, qo_lens, kv_lens, heads, causal, sms):
+    """Every row of every request is in exactly one tile; each tile's items cover its visible blocks exactly once."""
+    items = work.items.tolist()
+    assert work.items.shape == (len(items), family.ITEM_INTS) and work.items.dtype == torch.int32
+    assert 1 <= work.grid <= max(1, min(len(items), sms))
+    spans: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
+    for r, row0, begin, end, part, *rest in items:
+        assert rest == [0, 0, 0] and row0 % ROWS == 0 and 0 <= begin <= end
+        spans.setdefault((r, row0), []).append((begin, end, part))
+    expected_tiles = {(r, row0) for r, q in enumerate(qo_lens) for row0 in range(0, q * heads, ROWS)}
+    assert set(spans) == expected_tiles
+    merges = {(m[0], m[1]): m for m in work.merges.tolist()}
+    used_rows: set[int] = set()
+    for (r, row0), parts in spans.items():
+        nblk = _visible_blocks(qo_lens[r], kv_lens[r], heads, row0, causal)
+        parts.sort()
+        assert parts[0][0] == 0 and parts[-1][1] == nblk
+        assert all(a[1] == b[0] for a, b in zip(parts, parts[1:])), "chunks are contiguous and disjoint"
+        if len(parts) == 1:
+            assert parts[0][2] == -1 and (r, row0) not in merges
+            continue
+        _, _, chunks, first = merges[(r, row0)]
+        assert chunks == len(parts)
+        assert [p for _, _, p in parts] == [first + ROWS * c for c in range(chunks)]
+        rows = set(range(first, first + ROWS * chunks))
+        assert not rows & used_rows and max(rows) < work.workspace_rows
+        used_rows |= rows
+    assert len(merges) == sum(len(p) > 1 for p in spans.values())
+    sizes = [end - begin for _, _, begin, end, *_ in items]
+    assert sizes == sorted(sizes, reverse=True), "heaviest items first"
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("heads", [16, 64, 128])
+def test_work_list_covers_every_row_and_visible_block(causal: bool, heads: int) -> None:
+    rng = random.Random(heads * 2 + causal)
+    for trial in range(20):
+        batch = rng.randint(1, 12)
+        qo_lens = [rng.choice([0, 1, 1, 2, 5, 8, 70]) for _ in range(batch)]
+        kv_lens = [max(q, rng.choice([0, 1, 63, 64, 65, 300, 5000])) if causal else rng.choice([0, 1, 64, 900, 5000])
+                   for q in qo_lens]
+        sms = rng.choice([1, 8, 132])
+        work = plan_work(qo_lens, kv_lens, heads, causal, sms, workspace_capacity_rows=1 << 20)
+        _check_work(work, qo_lens, kv_lens, heads, causal, sms)
+
+
+def test_small_batches_split_and_large_ones_do_not() -> None:
+    one = plan_work([1], [8192], 128, False, 132, 1 << 20)  # 2 tiles of 128 blocks on 132 SMs
+    assert one.num_merges == 2 and one.chunk_blocks == MIN_CHUNK_BLOCKS and one.num_items == 64
+    _check_work(one, [1], [8192], 128, False, 132)
+    big = plan_work([1] * 64, [4096] * 64, 128, False, 132, 1 << 20)  # 128 tiles: enough for the SMs
+    assert big.num_merges == 0 and big.workspace_rows == 0 and big.num_items == 128 and big.grid == 128
+    assert big.chunk_blocks == 0
+    unsplit = plan_work([1], [8192], 128, False, 132, 1 << 20, split=False)
+    assert unsplit.num_items == 2 and unsplit.num_merges == 0
+
+
+def test_split_chunks_widen_to_fit_the_workspace() -> None:
+    roomy = plan_work([1], [64 * 400], 16, False, 132, 1 << 20)
+    tight = plan_work([1], [64 * 400], 16, False, 132, 64 * 20)
+    assert roomy.workspace_rows > 64 * 20 >= tight.workspace_rows > 0
+    assert tight.chunk_blocks > roomy.chunk_blocks
+    _check_work(tight, [1], [64 * 400], 16, False, 132)
+    none = plan_work([1], [64 * 400], 16, False, 132, 0)
+    assert none.num_merges == 0 and none.workspace_rows == 0 and none.num_items == 1
+
+
+def test_empty_and_zero_length_requests() -> None:
+    empty = plan_work([], [], 16, False, 132, 1 << 20)
+    assert empty.num_items == 0 and empty.num_merges == 0
+    zero = plan_work([1, 0, 3], [0, 0, 2], 16, True, 132, 1 << 20)
+    _check_work(zero, [1, 0, 3], [0, 0, 2], 16, True, 132)
+    assert sorted(zero.items[:, 3].tolist()) == [0, 1], "kv_len 0 -> a tile of no blocks (o = 0, lse = -inf)"
+    with pytest.raises(ValueError, match="num_heads"):
+        plan_work([1], [1], 0, False, 132, 0)
+
+
+# -- the kernel choice ---------------------------------------------------------------------------------
+_OK = dict(device=torch.device("cuda", 0), q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16, head_dim_ckv=512,
+           head_dim_kpe=64, use_cuda_graph=False, capability=(9, 0), archs=("9.0a",))
+
+
+@pytest.mark.parametrize("change, why", [
+    (dict(device=torch.device("cpu")), "cuda kernel"),
+    (dict(capability=(8, 0)), "sm_80"),
+    (dict(archs=("8.0", "9.0a")), "9.0a only"),
+    (dict(archs=None), "9.0a only"),
+    (dict(kv_dtype=torch.float16), "queries' dtype or fp8"),
+    (dict(q_dtype=torch.float32, kv_dtype=torch.float32), "f16 or bf16 queries"),
+    (dict(head_dim_ckv=256), "head_dim_ckv=512"),
+    (dict(use_cuda_graph=True), "CUDA-graph"),
+])
+def test_unsupported_plans_say_why(change: dict, why: str) -> None:
+    assert unsupported_reason(**_OK) is None
+    assert unsupported_reason(**(_OK | dict(q_dtype=torch.float16, kv_dtype=torch.float16))) is None
+    for fp8 in (torch.float8_e4m3fn, torch.float8_e5m2):
+        assert unsupported_reason(**(_OK | dict(kv_dtype=fp8))) is None
+    assert why in unsupported_reason(**(_OK | change))
+
+
+def test_the_knob_forces_a_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("JITATTN_MLA_KERNEL", raising=False)
+    assert select_kernel(None) == "sm90" and select_kernel("no GPU") == "prefill"
+    monkeypatch.setenv("JITATTN_MLA_KERNEL", "prefill")
+    assert select_kernel(None) == "prefill"
+    monkeypatch.setenv("JITATTN_MLA_KERNEL", "sm90")
+    assert select_kernel(None) == "sm90"
+    with pytest.raises(ValueError, match="JITATTN_MLA_KERNEL=sm90.*no GPU"):
+        select_kernel("no GPU")
+    monkeypatch.setenv("JITATTN_MLA_KERNEL", "fast")
+    with pytest.raises(ValueError, match="not an MLA kernel choice"):
+        env.mla_kernel()
+
+
+def test_cpu_plans_keep_the_prefill_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("JITATTN_MLA_KERNEL", raising=False)
+    gen = torch.Generator().manual_seed(1)
+    ckv, kpe, indptr, indices, lens = _latent_cache([9], 16, torch.float32, "cpu", gen, joined=True)
+    wrapper = jitattn.BatchMLAPagedAttentionWrapper(torch.empty(1 << 20, dtype=torch.uint8))
+    wrapper.plan(_indptr([1]), indptr, indices, lens, 16, CKV, KPE, 16, False, SM_SCALE, torch.float32, torch.float32)
+    assert wrapper.kernel == "prefill"
+    monkeypatch.setenv("JITATTN_MLA_KERNEL", "sm90")
+    with pytest.raises(ValueError, match="cuda kernel"):
+        wrapper.plan(_indptr([1]), indptr, indices, lens, 16, CKV, KPE, 16, False, SM_SCALE, torch.float32,
+                     torch.float32)
+
+
+# -- the op and its template ---------------------------------------------------------------------------
+def test_the_mla_op_is_a_cuda_spec_with_a_readable_uri() -> None:
+    spec = kernel_spec(torch.bfloat16)
+    assert spec.uri == "mla_cuda_bf16_hd576x512" and spec.kernel_name == "jitattn_mla_bf16_hd576x512"
+    assert VariantSpec.from_dict(spec.to_dict()) == spec
+    with pytest.raises(ValueError, match="no kernel for target='cpu'"):
+        VariantSpec(op="mla", target="cpu", q_dtype="f32", kv_dtype="f32", o_dtype="f32")
+    with pytest.raises(ValueError, match="head_dim_qk is required"):
+        VariantSpec(op="mla", target="cuda", q_dtype="bf16", kv_dtype="bf16", o_dtype="bf16")
+
+
+def test_the_template_renders_the_layout() -> None:
+    from jitattn.jit.render import render
+
+    spec = kernel_spec(torch.float16)
+    sources = render(spec)
+    kernel = sources["kernel.cu"]
+    lay = family.layout(spec)
+    assert lay["kSmemBytes"] <= 227 << 10 and lay["kOffP"] == 3 * lay["kTileBytes"]
+    for name, value in lay.items():
+        assert f"constexpr int {name} = {value};" in kernel
+    assert "using q_t = __half;" in kernel and f"{spec.kernel_name}_merge" in kernel
+    assert "struct MlaParams" in sources["params.h"]
+    with pytest.raises(ValueError, match="16-bit"):
+        family.layout(VariantSpec(op="mla", target="cuda", q_dtype="bf16", kv_dtype="bf16", o_dtype="f32",
+                                  head_dim_qk=576, head_dim_vo=512))
+    fp8 = kernel_spec(torch.bfloat16, torch.float8_e4m3fn)
+    assert fp8.uri == "mla_cuda_bf16_kve4m3_hd576x512"
+    fp8_layout = family.layout(fp8)
+    assert fp8_layout["kRawBytes"] == 64 * 576 and fp8_layout["kOffP"] == 2 * lay["kTileBytes"] + 2 * 64 * 576
+    assert fp8_layout["kSmemBytes"] <= 227 << 10 and lay["kRawBytes"] == 0
+    fp8_kernel = render(fp8)["kernel.cu"]
+    assert "constexpr bool kKVFp8 = true;" in fp8_kernel and "kFp8Kind = __NV_E4M3;" in fp8_kernel
+    assert "kFp8Kind = __NV_E5M2;" in render(kernel_spec(torch.float16, torch.float8_e5m2))["kernel.cu"]
+
+
+# -- gpu: the kernel against the reference ---------------------------------------------------------------
+_CASES = {  # (kv_lens, qo_lens, causal)
+    "decode": ([37, 0, 130, 5, 64], [1, 1, 1, 1, 1], False),
+    "speculative": ([37, 9, 130, 8], [2, 8, 4, 3], True),
+    "chunked_prefill": ([37, 9, 130, 5], [20, 9, 64, 5], True),
+    "long_split": ([3000, 0, 777, 64], [1, 1, 2, 1], True),
+    "long_split_noncausal": ([4100, 1], [1, 1], False),
+}
+
+
+def _run_case(kv_lens, qo_lens, causal, heads, page_size, dtype, seed, joined=True, kv_dtype=None, scales=(None, None)):
+    gen = torch.Generator().manual_seed(seed)
+    kv_dtype = kv_dtype or dtype
+    ckv, kpe, indptr, indices, lens = _latent_cache(kv_lens, page_size, kv_dtype, "cuda", gen, joined=joined)
+    q_nope, q_pe = _queries(qo_lens, heads, dtype, "cuda", gen)
+    wrapper = jitattn.BatchMLAPagedAttentionWrapper(torch.empty(64 << 20, dtype=torch.uint8, device="cuda"))
+    wrapper.plan(_indptr(qo_lens), indptr, indices, lens, heads, CKV, KPE, page_size, causal, SM_SCALE, dtype,
+                 kv_dtype)
+    out = torch.full((sum(qo_lens), heads, CKV), float("nan"), dtype=dtype, device="cuda")
+    lse = torch.full((sum(qo_lens), heads), float("nan"), dtype=torch.float32, device="cuda")
+    wrapper.run(q_nope, q_pe, ckv, kpe, out=out, lse=lse, k_scale=scales[0], v_scale=scales[1])
+    torch.cuda.synchronize()
+    return wrapper, out, lse, (q_nope, q_pe, ckv, kpe, indptr, indices)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", [16, 64, 128])
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+@pytest.mark.parametrize("case", list(_CASES))
+def test_sm90_kernel_matches_the_reference(monkeypatch: pytest.MonkeyPatch, heads: int, page_size: int,
+                                           case: str) -> None:
+    monkeypatch.setenv("JITATTN_MLA_KERNEL", "sm90")
+    kv_lens, qo_lens, causal = _CASES[case]
+    wrapper, out, lse, (q_nope, q_pe, ckv, kpe, indptr, indices) = _run_case(
+        kv_lens, qo_lens, causal, heads, page_size, torch.bfloat16, heads + page_size + len(case))
+    assert wrapper.kernel == "sm90"
+    if case.startswith("long_split"):
+        assert wrapper._kernel.work.num_merges > 0, "the case must exercise the split-KV merge"
+    ref_out, ref_lse = _reference(q_nope, q_pe, ckv, kpe, indptr, indices, qo_lens, kv_lens, causal)
+    assert_close_out(out, ref_out, torch.bfloat16)
+    assert_close_lse(lse, ref_lse)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["decode", "speculative", "long_split"])
+def test_sm90_kernel_f16_and_separate_tensors(monkeypatch: pytest.MonkeyPatch, case: str) -> None:
+    """f16, and ckv / kpe as two separate tensors (the kernel reads them through their own pointers)."""
+    monkeypatch.setenv("JITATTN_MLA_KERNEL", "sm90")
+    kv_lens, qo_lens, causal = _CASES[case]
+    wrapper, out, lse, (q_nope, q_pe, ckv, kpe, indptr, indices) = _run_case(
+        kv_lens, qo_lens, causal, 32, 16, torch.float16, 77, joined=False)
+    assert wrapper.kernel == "sm90"
+    ref_out, ref_lse = _reference(q_nope, q_pe, ckv, kpe, indptr, indices, qo_lens, kv_lens, causal)
+    assert_close_out(out, ref_out, torch.float16)
+    assert_close_lse(lse, ref_lse)
+
+
+@pytest.mark.gpu
+def test_forced_fallback_runs_the_prefill_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    kv_lens, qo_lens, causal = _CASES["speculative"]
+    monkeypatch.setenv("JITATTN_MLA_KERNEL", "sm90")
+    fast, out_fast, lse_fast, _ = _run_case(kv_lens, qo_lens, causal, 64, 16, torch.bfloat16, 5)
+    monkeypatch.setenv("JITATTN_MLA_KERNEL", "prefill")
+    slow, out_slow, lse_slow, _ = _run_case(kv_lens, qo_lens, causal, 64, 16, torch.bfloat16, 5)
+    assert (fast.kernel, slow.kernel) == ("sm90", "prefill")
+    torch.testing.assert_close(out_fast.float(), out_slow.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse_fast, lse_slow, atol=2e-3, rtol=1e-4)
+
+
+@pytest.mark.gpu
+def test_sm90_kernel_reads_strided_queries_and_writes_strided_outputs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """q_nope / q_pe as slices of one [tokens, heads, 576] tensor, out a slice of a wider buffer."""
+    monkeypatch.setenv("JITATTN_MLA_KERNEL", "sm90")
+    gen = torch.Generator().manual_seed(9)
+    kv_lens, qo_lens = [200, 65], [3, 1]
+    ckv, kpe, indptr, indices, lens = _latent_cache(kv_lens, 64, torch.bfloat16, "cuda", gen, joined=True)
+    q = torch.randn(4, 16, CKV + KPE, generator=gen).to(torch.bfloat16).cuda()
+    wide = torch.full((4, 16, CKV + 64), float("nan"), dtype=torch.bfloat16, device="cuda")
+    out = wide[..., :CKV]
+    wrapper = jitattn.BatchMLAPagedAttentionWrapper(torch.empty(16 << 20, dtype=torch.uint8, device="cuda"))
+    wrapper.plan(_indptr(qo_lens), indptr, indices, lens, 16, CKV, KPE, 64, True, SM_SCALE, torch.bfloat16,
+                 torch.bfloat16)
+    _, lse = wrapper.run(q[..., :CKV], q[..., CKV:], ckv, kpe, out=out, return_lse=True)
+    ref_out, ref_lse = _reference(q[..., :CKV], q[..., CKV:], ckv, kpe, indptr, indices, qo_lens, kv_lens, True)
+    assert_close_out(out, ref_out, torch.bfloat16)
+    assert_close_lse(lse, ref_lse)
+    assert torch.isnan(wide[..., CKV:].float()).all(), "nothing written past out's columns"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", [16, 128])
+@pytest.mark.parametrize("page_size", [1, 64])
+@pytest.mark.parametrize("case", ["decode", "speculative", "chunked_prefill", "long_split"])
+def test_sm90_kernel_fp8_cache_matches_the_fp8_reference(monkeypatch: pytest.MonkeyPatch, heads: int, page_size: int,
+                                                         case: str) -> None:
+    """An e4m3 latent cache with k_scale / v_scale: converted in shared memory, exact against the reference that
+    dequantizes the same fp8 values."""
+    monkeypatch.setenv("JITATTN_MLA_KERNEL", "sm90")
+    kv_lens, qo_lens, causal = _CASES[case]
+    k_scale, v_scale = 0.3, 1.7
+    wrapper, out, lse, (q_nope, q_pe, ckv, kpe, indptr, indices) = _run_case(
+        kv_lens, qo_lens, causal, heads, page_size, torch.bfloat16, heads + page_size, kv_dtype=torch.float8_e4m3fn,
+        scales=(k_scale, v_scale))
+    assert wrapper.kernel == "sm90"
+    ref_out, ref_lse = _reference(q_nope, q_pe, ckv, kpe, indptr, indices, qo_lens, kv_lens, causal, k_scale, v_scale)
+    assert_close_out(out / v_scale, ref_out / v_scale, torch.bfloat16)
+    assert_close_lse(lse, ref_lse)
+
+
+@pytest.mark.gpu
+def test_sm90_kernel_e5m2_cache_with_f16_queries(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("JITATTN_MLA_KERNEL", "sm90")
+    kv_lens, qo_lens, causal = _CASES["long_split"]
+    wrapper, out, lse, (q_nope, q_pe, ckv, kpe, indptr, indices) = _run_case(
+        kv_lens, qo_lens, causal, 64, 16, torch.float16, 3, joined=False, kv_dtype=torch.float8_e5m2, scales=(0.5, 2.0))
+    assert wrapper.kernel == "sm90" and wrapper._kernel.work.num_merges > 0
+    ref_out, ref_lse = _reference(q_nope, q_pe, ckv, kpe, indptr, indices, qo_lens, kv_lens, causal, 0.5, 2.0)
+    assert_close_out(out / 2.0, ref_out / 2.0, torch.float16)
+    assert_close_lse(lse, ref_lse)
+
+
+@pytest.mark.gpu
+def test_batch_invariant_plans_do_not_split_and_keep_each_requests_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """batch_invariant=True: a long request alone (which would split) and inside a large batch gives the same bits."""
+    monkeypatch.setenv("JITATTN_MLA_KERNEL", "sm90")
+    gen = torch.Generator().manual_seed(17)
+    kv_lens = [3000] + [300] * 199
+    ckv, kpe, indptr, indices, lens = _latent_cache(kv_lens, 16, torch.bfloat16, "cuda", gen, joined=True)
+    q_nope, q_pe = _queries([1] * 200, 16, torch.bfloat16, "cuda", gen)
+    workspace = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+    outs = []
+    for batch in (1, 200):
+        wrapper = jitattn.BatchMLAPagedAttentionWrapper(workspace)
+        wrapper.plan(_indptr([1] * batch), indptr[: batch + 1], indices, lens[:batch], 16, CKV, KPE, 16, False,
+                     SM_SCALE, torch.bfloat16, torch.bfloat16, batch_invariant=True)
+        assert wrapper.kernel == "sm90" and wrapper._kernel.work.num_merges == 0
+        out, lse = wrapper.run(q_nope[:batch], q_pe[:batch], ckv, kpe, return_lse=True)
+        outs.append((out[:1].clone(), lse[:1].clone()))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    split = jitattn.BatchMLAPagedAttentionWrapper(workspace)
+    split.plan(_indptr([1]), indptr[:2], indices, lens[:1], 16, CKV, KPE, 16, False, SM_SCALE, torch.bfloat16,
+               torch.bfloat16)
+    assert split._kernel.work.num_merges > 0, "without batch_invariant the lone long request splits"
