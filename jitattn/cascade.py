@@ -51,6 +51,8 @@ class MultiLevelCascadeAttentionWrapper:
         self._launches: list[tuple[BatchPrefillWithPagedKVCacheWrapper, int]] = []  # (wrapper, states it writes)
         self._states: _LevelStates | None = None  # the plan's state buffers (None: one state, written as out)
         self._batch_invariant = False  # the last plan's mode
+        self._workspace, self._kv_layout = float_workspace_buffer, kv_layout
+        self._decode: BatchDecodeWithPagedKVCacheWrapper | None = None  # a last level of one query per request
 
         def buf(arr, i):
             return arr[i] if arr is not None else None
@@ -66,7 +68,8 @@ class MultiLevelCascadeAttentionWrapper:
         ]
 
     def reset_workspace_buffer(self, float_workspace_buffer: torch.Tensor, int_workspace_buffers=None) -> None:
-        for wrapper in self._wrappers:
+        self._workspace = float_workspace_buffer
+        for wrapper in self._wrappers + ([self._decode] if self._decode is not None else []):
             wrapper.reset_workspace_buffer(float_workspace_buffer)
 
     def plan(
@@ -133,8 +136,17 @@ class MultiLevelCascadeAttentionWrapper:
                 # request's level may split must not depend on its companions' query counts).
                 level_causal = False
             chunks = 1
+            # A last level of one query per request (decode under a shared prefix) runs on the decode
+            # kernel, which splits long KV itself; the earlier levels run on the prefill kernels. In a
+            # prefill's 128-row tiles such a request fills a few rows (H200: b128 over 8k shared + 256
+            # each, its one-launch cascade took 216.8 us on the sm90 tier). Not under graphs (the decode
+            # wrapper's buffers are not the level's) nor in batch-invariant mode (its merge order is the
+            # levels' chunk order).
+            decode_last = (level == self._num_levels - 1 and level > 0 and not level_causal and not graphs
+                           and not self._batch_invariant and variant is None and bool(qo_lens)
+                           and all(n == 1 for n in qo_lens))
             # Splitting shifts positions inside a chunk: only for plain, non-causal, non-graph levels.
-            if not level_causal and variant is None and not graphs:
+            if not level_causal and variant is None and not graphs and not decode_last:
                 chunks = cascade_level_chunks(index.kv_lens, num_kv_heads=num_kv_heads,
                                               num_sms=num_workers(self._device),
                                               page_size=page_size, fixed_split_size=fixed_split_size,
@@ -148,14 +160,17 @@ class MultiLevelCascadeAttentionWrapper:
             tables.append((qo_host, index, level_causal))
         options = dict(sm_scale=sm_scale, logits_soft_cap=logits_soft_cap, q_data_type=q_data_type,
                        kv_data_type=kv_data_type, variant=variant)
+        last_index = tables[-1][1]
+        prefill_tables = tables[:-1] if decode_last else tables
+        prefill_chunks = self._level_chunks[:-1] if decode_last else self._level_chunks
         # Without graphs (their buffers are per level) and with every level non-causal, all the levels
         # are one batch: one launch computes every state (the level page tables one after another).
-        if self._num_levels > 1 and not graphs and not any(level_causal for _, _, level_causal in tables):
-            qo_all, index_all = concat_level_tables([(qo, index) for qo, index, _ in tables])
-            launch_levels = [(self._wrappers[0], qo_all, index_all, False, sum(self._level_chunks))]
+        if len(prefill_tables) > 1 and not graphs and not any(level_causal for _, _, level_causal in prefill_tables):
+            qo_all, index_all = concat_level_tables([(qo, index) for qo, index, _ in prefill_tables])
+            launch_levels = [(self._wrappers[0], qo_all, index_all, False, sum(prefill_chunks))]
         else:
             launch_levels = [(wrapper, qo, index, level_causal, chunks) for wrapper, (qo, index, level_causal), chunks
-                             in zip(self._wrappers, tables, self._level_chunks)]
+                             in zip(self._wrappers, prefill_tables, prefill_chunks)]
         self._launches = []
         for wrapper, qo, index, level_causal, states in launch_levels:
             # The level's checked page table is handed on, not checked again.
@@ -163,6 +178,14 @@ class MultiLevelCascadeAttentionWrapper:
             if states > 1:  # every chunk (and level) reads the queries in place
                 share_queries(wrapper._plan, total_q)
             self._launches.append((wrapper, states))
+        if decode_last:
+            if self._decode is None:
+                self._decode = BatchDecodeWithPagedKVCacheWrapper(self._workspace, self._kv_layout)
+            self._decode.plan(last_index.indptr, last_index.indices, last_index.last_page_len, num_qo_heads,
+                              num_kv_heads, head_dim, page_size, logits_soft_cap=logits_soft_cap,
+                              q_data_type=q_data_type, kv_data_type=kv_data_type, sm_scale=sm_scale,
+                              fixed_split_size=fixed_split_size)
+            self._launches.append((self._decode, 1))
 
         plan = self._launches[-1][0]._plan
         multi = sum(self._level_chunks) > 1 or self._batch_invariant

@@ -39,9 +39,11 @@ def test_three_level_cascade_equals_flat_attention(device: str, qo_lens: list[in
         assert wrapper._level_chunks[0] > 1, "the shared prefix level (3 pages) must be split"
     if causal:
         assert wrapper._level_chunks[2] == 1, "a causal level is never split"
-    # Non-causal levels (decode: one query per request is non-causal too) run as one launch; a causal
-    # level with several queries per request keeps its own.
-    assert len(wrapper._launches) == (3 if causal else 1)
+    # Decode (one query per request): the two shared levels are one prefill launch, the last level
+    # runs on the decode kernel; a causal level with several queries per request keeps its own launch.
+    assert len(wrapper._launches) == (3 if causal else 2)
+    if not causal:
+        assert isinstance(wrapper._launches[-1][0], jitattn.BatchDecodeWithPagedKVCacheWrapper)
     out = wrapper.run(q, cache)
 
     # Reference: each request's KV is its prefix, its node's KV and its own tail, concatenated.
@@ -61,6 +63,39 @@ def test_three_level_cascade_equals_flat_attention(device: str, qo_lens: list[in
     # Each level's output is rounded to fp16 before the merge: allow two roundings.
     assert_close_out(out, torch.cat(expected), torch.bfloat16)
     torch.testing.assert_close(out.float().cpu(), torch.cat(expected).float().cpu(), atol=3e-3, rtol=3e-3)
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("soft_cap,with_sinks", [(None, False), (2.0, True)], ids=["plain", "softcap_sinks"])
+def test_decode_last_level_runs_on_the_decode_kernel(device: str, soft_cap: float | None, with_sinks: bool) -> None:
+    """Two levels, one query per request: the shared prefix on the prefill kernel (split into chunks), each
+    request's own pages on the decode kernel (an empty tail included), merged; equals attention over the
+    concatenated KV, lse too."""
+    gen = torch.Generator().manual_seed(23)
+    hq, hkv, d, dtype = 8, 2, 128, torch.bfloat16
+    shared, unique = [300], [0, 17, 200, 1, 64]
+    pool = torch.randperm(80, generator=gen).tolist()
+    cache = torch.randn(80, 2, PAGE, hkv, d, generator=gen).to(dtype).to(device)
+    levels = [cascade_level(level, pool, PAGE) for level in (shared, unique)]
+    b = len(unique)
+    q = (torch.randn(b, hq, d, generator=gen) * 3).to(dtype).to(device)  # logits of a few units: the cap bites
+    sinks = (torch.randn(hq, generator=gen) * 2).to(device) if with_sinks else None
+    wrapper = jitattn.MultiLevelCascadeAttentionWrapper(2, torch.empty(8 << 20, dtype=torch.uint8, device=device))
+    wrapper.plan([torch.tensor([0, b], dtype=torch.int32), torch.arange(b + 1, dtype=torch.int32)],
+                 [lv[0] for lv in levels], [lv[1] for lv in levels], [lv[2] for lv in levels], hq, hkv, d, PAGE,
+                 q_data_type=dtype, logits_soft_cap=soft_cap, fixed_split_size=4)
+    assert wrapper._level_chunks[0] > 1 and isinstance(wrapper._launches[-1][0], jitattn.BatchDecodeWithPagedKVCacheWrapper)
+    out, lse = wrapper.run(q, cache, return_lse=True, sinks=sinks)
+    ragged = [reference.paged_kv_to_ragged(cache, *lv) for lv in levels]
+    expected_o, expected_lse = [], []
+    for r in range(b):
+        parts = [(k[i[n]:i[n + 1]], v[i[n]:i[n + 1]]) for (k, v, i), n in zip(ragged, (0, r))]
+        o, l = reference.single_attention(q[r:r + 1], torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]),
+                                          logits_soft_cap=soft_cap)
+        expected_o.append(reference.apply_sinks(o, l, sinks) if with_sinks else o)
+        expected_lse.append(l)  # the keys' lse: sinks change the output only
+    assert_close_out(out, torch.cat(expected_o), dtype)
+    torch.testing.assert_close(lse.float().cpu(), torch.cat(expected_lse).float().cpu(), atol=2e-3, rtol=2e-3)
 
 
 def test_cascade_refuses_position_dependent_features() -> None:
