@@ -3,10 +3,12 @@
 Level i has its own page table and ``qo_indptr``: a level's "request" is a
 node of the prefix tree, whose queries are all the query tokens below that
 node and whose KV is the node's own pages. Each level runs once (a shared
-level with few nodes as several KV chunks in one launch), writing its state
-into one buffer; one ``merge_states`` over every level's (and chunk's) state
-per query gives the output (natural-log LSE). Causal masking applies to the
-last level only (the earlier levels are prefixes every query sees whole).
+level with few nodes as several KV chunks), writing its state into one buffer;
+one ``merge_states`` over every level's (and chunk's) state per query gives the
+output (natural-log LSE). Without CUDA graphs the non-causal prefill-kernel
+levels are one launch, and a last level of one query per request (decode under
+a shared prefix) runs on the decode kernel. Causal masking applies to the last
+level only (the earlier levels are prefixes every query sees whole).
 """
 
 from __future__ import annotations
