@@ -132,6 +132,10 @@ class MultiLevelCascadeAttentionWrapper:
             index = check_paged_index(paged_kv_indptr_arr[level], paged_kv_indices_arr[level],
                                       paged_kv_last_page_len[level], page_size, names=names)
             qo_lens = (qo_host[1:] - qo_host[:-1]).tolist()
+            if len(qo_lens) != index.batch_size:
+                raise ValueError(f"level {level}: qo_indptr_arr[{level}] has {len(qo_lens)} nodes but "
+                                 f"paged_kv_indptr_arr[{level}] has {index.batch_size}; a level's arrays describe "
+                                 "the same nodes")
             if level_causal and max(qo_lens, default=0) <= 1 and not graphs and not self._batch_invariant:
                 # One query per request sees every key: causal or not, the same. Not under graphs (the
                 # captured kernel must not change with the batch) nor batch-invariant mode (whether a

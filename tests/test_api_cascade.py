@@ -104,3 +104,13 @@ def test_cascade_refuses_position_dependent_features() -> None:
     with pytest.raises(ValueError, match="RoPE"):
         wrapper.plan([torch.tensor([0, 1], dtype=torch.int32)], [torch.tensor([0, 1], dtype=torch.int32)], [z],
                      [torch.tensor([1], dtype=torch.int32)], 4, 4, 64, 16, pos_encoding_mode="ROPE_LLAMA")
+
+
+def test_cascade_refuses_a_level_whose_arrays_disagree_on_its_nodes() -> None:
+    i32 = dict(dtype=torch.int32)
+    wrapper = jitattn.MultiLevelCascadeAttentionWrapper(2, torch.empty(8 << 20, dtype=torch.uint8))
+    with pytest.raises(ValueError, match=r"level 1: qo_indptr_arr\[1\] has 5 nodes but paged_kv_indptr_arr\[1\] has 4"):
+        wrapper.plan([torch.tensor([0, 5], **i32), torch.arange(6, **i32)],
+                     [torch.tensor([0, 1], **i32), torch.arange(5, **i32)],
+                     [torch.tensor([0], **i32), torch.arange(1, 5, **i32)],
+                     [torch.tensor([16], **i32), torch.full((4,), 3, **i32)], 8, 2, 64, 16, q_data_type=torch.float16)
