@@ -17,7 +17,7 @@ import functools
 
 import torch
 
-from .attention.batch import share_queries
+from .attention.batch import WorkspaceTooSmall, share_queries
 from .attention.builder import num_workers
 from .attention.merge import PreparedMerge, merge_state, merge_state_in_place, merge_states, merge_states_with_sinks
 from .attention.options import parse_pos_encoding, resolve_batch_invariant
@@ -50,7 +50,8 @@ class MultiLevelCascadeAttentionWrapper:
         self._num_levels = num_levels
         self._device = float_workspace_buffer.device
         self._level_chunks: list[int] = []  # KV chunks per level of the last plan (empty: not planned)
-        self._launches: list[tuple[BatchPrefillWithPagedKVCacheWrapper, int]] = []  # (wrapper, states it writes)
+        # (wrapper, states it writes): prefill wrappers, then the decode wrapper of a one-query-per-request last level
+        self._launches: list[tuple[BatchPrefillWithPagedKVCacheWrapper | BatchDecodeWithPagedKVCacheWrapper, int]] = []
         self._states: _LevelStates | None = None  # the plan's state buffers (None: one state, written as out)
         self._batch_invariant = False  # the last plan's mode
         self._workspace, self._kv_layout = float_workspace_buffer, kv_layout
@@ -122,7 +123,8 @@ class MultiLevelCascadeAttentionWrapper:
         group = num_qo_heads // max(1, num_kv_heads)
         tile_rows = query_tile_rows(head_dim, head_dim)
         self._batch_invariant = resolve_batch_invariant(batch_invariant)
-        self._level_chunks = []
+        self._level_chunks = []  # unplanned until every level's plan below has succeeded
+        level_chunks: list[int] = []
         names = ("paged_kv_indptr_arr[i]", "paged_kv_indices_arr[i]", "paged_kv_last_page_len[i]")
         graphs = self._wrappers[0].is_cuda_graph_enabled
         tables: list[tuple[torch.Tensor, PagedIndex, bool]] = []  # per level: (qo_indptr, page table, causal)
@@ -162,13 +164,13 @@ class MultiLevelCascadeAttentionWrapper:
                     pages_per_chunk = (batch_invariant_chunk(page_size, fixed_split_size) // page_size
                                        if self._batch_invariant else None)
                     qo_host, index = split_level_page_table(qo_host, index, chunks, pages_per_chunk)
-            self._level_chunks.append(chunks)
+            level_chunks.append(chunks)
             tables.append((qo_host, index, level_causal))
         options = dict(sm_scale=sm_scale, logits_soft_cap=logits_soft_cap, q_data_type=q_data_type,
                        kv_data_type=kv_data_type, variant=variant)
         last_index = tables[-1][1]
         prefill_tables = tables[:-1] if decode_last else tables
-        prefill_chunks = self._level_chunks[:-1] if decode_last else self._level_chunks
+        prefill_chunks = level_chunks[:-1] if decode_last else level_chunks
         # Without graphs (their buffers are per level) and with every level non-causal, all the levels
         # are one batch: one launch computes every state (the level page tables one after another).
         if len(prefill_tables) > 1 and not graphs and not any(level_causal for _, _, level_causal in prefill_tables):
@@ -177,25 +179,29 @@ class MultiLevelCascadeAttentionWrapper:
         else:
             launch_levels = [(wrapper, qo, index, level_causal, chunks) for wrapper, (qo, index, level_causal), chunks
                              in zip(self._wrappers, prefill_tables, prefill_chunks)]
-        self._launches = []
+        launches: list[tuple[BatchPrefillWithPagedKVCacheWrapper | BatchDecodeWithPagedKVCacheWrapper, int]] = []
         for wrapper, qo, index, level_causal, states in launch_levels:
             # The level's checked page table is handed on, not checked again.
             wrapper._plan_index(qo, index, num_qo_heads, num_kv_heads, head_dim, causal=level_causal, **options)
             if states > 1:  # every chunk (and level) reads the queries in place
                 share_queries(wrapper._plan, total_q)
-            self._launches.append((wrapper, states))
+            launches.append((wrapper, states))
         if decode_last:
             if self._decode is None:
                 self._decode = BatchDecodeWithPagedKVCacheWrapper(self._workspace, self._kv_layout)
-            self._decode.plan(last_index.indptr, last_index.indices, last_index.last_page_len, num_qo_heads,
-                              num_kv_heads, head_dim, page_size, logits_soft_cap=logits_soft_cap,
-                              q_data_type=q_data_type, kv_data_type=kv_data_type, sm_scale=sm_scale,
-                              fixed_split_size=fixed_split_size)
-            self._launches.append((self._decode, 1))
+            decode_args = (last_index.indptr, last_index.indices, last_index.last_page_len, num_qo_heads, num_kv_heads,
+                           head_dim, page_size)
+            decode_options = dict(logits_soft_cap=logits_soft_cap, q_data_type=q_data_type, kv_data_type=kv_data_type,
+                                  sm_scale=sm_scale, fixed_split_size=fixed_split_size, batch_invariant=False)
+            try:
+                self._decode.plan(*decode_args, **decode_options)
+            except WorkspaceTooSmall:  # the level's split-KV partials do not fit: each request in one piece
+                self._decode.plan(*decode_args, **decode_options, disable_split_kv=True)
+            launches.append((self._decode, 1))
 
-        plan = self._launches[-1][0]._plan
-        multi = sum(self._level_chunks) > 1 or self._batch_invariant
-        layout = ([states for _, states in self._launches], total_q, num_qo_heads, plan.head_dim_vo, plan.o_dtype,
+        plan = launches[-1][0]._plan
+        multi = sum(level_chunks) > 1 or self._batch_invariant
+        layout = ([states for _, states in launches], total_q, num_qo_heads, plan.head_dim_vo, plan.o_dtype,
                   self._device)
         if not multi:
             self._states = None
@@ -203,6 +209,7 @@ class MultiLevelCascadeAttentionWrapper:
             # Kept while the layout holds: a run() captured into a CUDA graph writes and merges these
             # buffers, and FlashInfer's protocol re-plans before every replay.
             self._states = _LevelStates(*layout)
+        self._launches, self._level_chunks = launches, level_chunks
 
     begin_forward = plan
 

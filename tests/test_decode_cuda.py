@@ -46,7 +46,7 @@ BASE = dspec()
 HEAD_DIMS = {64: dspec(hd=64), 72: dspec(hd=72), 96: dspec(hd=96), 128: BASE, 256: dspec(hd=256),
              "192x128": dspec(hd=192, hdv=128)}
 GROUPS = {1: dspec(g=1), 4: BASE, 5: dspec(g=5), 7: dspec(g=7), 8: dspec(g=8), 16: dspec(g=16),
-          "mqa32": dspec(g=32)}
+          20: dspec(g=20), "mqa32": dspec(g=32)}  # 20: a block of 80 threads (not whole warps)
 KV_TYPES = {
     "f16": dspec(q=f16),
     "bf16_e4m3": dspec(q=bf16, kv=e4m3),

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 import jitattn
-from jitattn import AttentionVariant
+from jitattn import AttentionVariant, reference
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_batch_invariant import D, HQ, _cascade, _random_kv  # noqa: E402
@@ -94,3 +94,73 @@ def test_graph_decode_with_buffers_larger_than_the_batch_launches_over_the_batch
         plain = jitattn.BatchDecodeWithPagedKVCacheWrapper(torch.empty(1 << 22, dtype=torch.uint8))
         plain.plan(_i32(0, 1, 2), _i32(0, 1), _i32(9, 5), H, HK, DIM, PAGE, q_data_type=torch.float16)
         assert torch.equal(wrapper.run(q, cache), plain.run(q, cache))
+
+
+# -- session 4 review: the decode-kernel last level of a cascade, the staged split-KV merge ---------
+
+def _two_level_decode_case(workspace_bytes: int, unique: list[int]):
+    from attention_cases import cascade_level
+
+    gen = torch.Generator().manual_seed(31)
+    pool = torch.randperm(600, generator=gen).tolist()
+    cache = torch.randn(600, 2, PAGE, HK, DIM, generator=gen).half()
+    levels = [cascade_level(level, pool, PAGE) for level in ([40], unique)]
+    b = len(unique)
+    q = torch.randn(b, H, DIM, generator=gen).half()
+    wrapper = jitattn.MultiLevelCascadeAttentionWrapper(2, torch.empty(workspace_bytes, dtype=torch.uint8))
+    args = ([_i32(0, b), torch.arange(b + 1, dtype=torch.int32)], [lv[0] for lv in levels], [lv[1] for lv in levels],
+            [lv[2] for lv in levels], H, HK, DIM, PAGE)
+    ragged = [reference.paged_kv_to_ragged(cache, *lv) for lv in levels]
+    expected = []
+    for r in range(b):
+        parts = [(k[i[n]:i[n + 1]], v[i[n]:i[n + 1]]) for (k, v, i), n in zip(ragged, (0, r))]
+        o, _ = reference.single_attention(q[r:r + 1], torch.cat([p[0] for p in parts]),
+                                          torch.cat([p[1] for p in parts]))
+        expected.append(o)
+    return wrapper, args, q, cache, torch.cat(expected)
+
+
+def test_cascade_decode_level_whose_split_does_not_fit_the_workspace_runs_whole() -> None:
+    wrapper, args, q, cache, expected = _two_level_decode_case(4096, [64 * PAGE, 60 * PAGE + 3])
+    wrapper.plan(*args, q_data_type=torch.float16, fixed_split_size=4)  # 16 chunks per request would need 66 KB
+    assert isinstance(wrapper._launches[-1][0], jitattn.BatchDecodeWithPagedKVCacheWrapper)
+    torch.testing.assert_close(wrapper.run(q, cache).float(), expected.float(), atol=4e-3, rtol=4e-3)
+
+
+def test_a_failed_cascade_plan_leaves_the_wrapper_unplanned() -> None:
+    wrapper, args, q, cache, _ = _two_level_decode_case(1 << 22, [30, 70])
+    wrapper.plan(*args, q_data_type=torch.float16)
+    wrapper.run(q, cache)
+    bad = list(args)
+    bad[3] = [args[3][0], _i32(3, 99)]  # last_page_len 99 > page_size: refused while planning the last level
+    try:
+        wrapper.plan(*bad, q_data_type=torch.float16)
+    except ValueError:
+        pass
+    else:
+        raise AssertionError("the bad page table was accepted")
+    try:
+        wrapper.run(q, cache)
+    except RuntimeError as e:
+        assert "before plan()" in str(e)
+    else:
+        raise AssertionError("run() after a failed plan() ran the previous plan's launches")
+
+
+def test_staged_split_merge_only_in_blocks_of_whole_warps() -> None:
+    from jitattn.families.decode import cuda_layout
+    from jitattn.spec import VariantSpec
+
+    seen = set()
+    for hd in (64, 96, 128, 256):
+        for g in (1, 2, 4, 5, 7, 8, 17, 20, 25, 32):
+            spec = VariantSpec(op="decode", target="cuda", q_dtype="bf16", kv_dtype="bf16", o_dtype="bf16",
+                               head_dim_qk=hd, head_dim_vo=hd, group_size=g, pos_encoding="none",
+                               use_sliding_window=False, use_logits_soft_cap=False, kv_layout="nhd",
+                               kv_storage="paged")
+            layout = cuda_layout(spec)
+            whole = layout["kNT"] % 32 == 0
+            seen.add(whole)
+            assert (layout["kMergeStageFloats"] > 0) == whole, (hd, g, layout["kNT"])
+            assert layout["kMergeStageFloats"] * 4 + 8 * g <= layout["kSmemBytes"]
+    assert seen == {True, False}, "the sweep must include blocks that are not whole warps"

@@ -196,10 +196,14 @@ def num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+class WorkspaceTooSmall(ValueError):
+    """The float workspace cannot hold a plan's split-KV partial states."""
+
+
 def check_workspace(workspace: torch.Tensor, needed: int, wrapper: str) -> None:
     have = workspace.numel() * workspace.element_size()
     if needed > have:
-        raise ValueError(
+        raise WorkspaceTooSmall(
             f"{wrapper}: this plan needs {needed} bytes of float workspace but the buffer has {have}; "
             f"allocate at least {needed} bytes (see {wrapper}.workspace_size for the worst case), "
             "or plan with disable_split_kv=True"

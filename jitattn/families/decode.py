@@ -166,7 +166,7 @@ def _mma_layout(spec: VariantSpec, t: dict[str, int]) -> dict[str, int]:
         "kTabPerThread": -(-tile_tokens // nt),
         "kKStageBytes": k_stage, "kVStageBytes": v_stage, "kPipeBytes": pipe,
         "kSmemBytes": max(pipe + table, q_bytes, merge),
-        "kMergeStageFloats": _merge_stage_floats(max(pipe + table, q_bytes, merge), group),
+        "kMergeStageFloats": _merge_stage_floats(max(pipe + table, q_bytes, merge), group, nt),
     }
 
 
@@ -234,14 +234,17 @@ def _simt_layout(spec: VariantSpec, t: dict[str, int]) -> dict[str, int]:
         "kTabPerThread": -(-tile_tokens // nt),
         "kKStageBytes": k_stage_bytes, "kVStageBytes": v_stage_bytes,
         "kMma": 0, "kHT": 1, "kMinBlocks": 1, "kNW": 1, "kKPitch": dqk * elem, "kVPitch": dvo * elem, "kQPitch": 0,
-        "kPipeBytes": pipe_bytes, "kSmemBytes": smem, "kMergeStageFloats": _merge_stage_floats(smem, group),
+        "kPipeBytes": pipe_bytes, "kSmemBytes": smem, "kMergeStageFloats": _merge_stage_floats(smem, group, nt),
         "kHeadMinor": int(bool(t["head_minor"])),
     }
 
 
-def _merge_stage_floats(smem_bytes: int, group: int) -> int:
+def _merge_stage_floats(smem_bytes: int, group: int, threads: int) -> int:
     """Split-KV merge weights (one float per chunk and query head) that fit in the block's dynamic
-    shared memory beside each head's (max, sum); a request cut into more chunks merges unstaged."""
+    shared memory beside each head's (max, sum); a request cut into more chunks merges unstaged.
+    0 (never staged) when the block is not whole warps: the staged merge gives each head to a warp."""
+    if threads % 32:
+        return 0
     return smem_bytes // 4 - 2 * group
 
 

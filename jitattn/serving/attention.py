@@ -67,7 +67,7 @@ def prefix_groups(seqs: list[SeqView]) -> list[tuple[int, int]]:
         common = 0
         if j - i > 1:
             first = seqs[i].pages
-            common = min(len(s.pages) for s in seqs[i:j]) - 1
+            common = max(0, min(len(s.pages) for s in seqs[i:j]) - 1)
             for s in seqs[i + 1:j]:  # one tuple-slice comparison per member while they agree
                 if s.pages[:common] != first[:common]:
                     common = next(c for c in range(common) if s.pages[c] != first[c])
