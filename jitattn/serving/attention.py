@@ -31,6 +31,9 @@ class SeqView:
     new_tokens: int
 
 
+_FIND = object()  # decode_step's default: find the prefix groups itself
+
+
 def _int32(values) -> torch.Tensor:
     """A host int32 tensor of an iterable of ints (through array.array: no per-element Python objects kept)."""
     packed = array.array("i", values)
@@ -126,12 +129,12 @@ class AttentionPlanner:
         groups = prefix_groups(seqs) if self.use_cascade else []
         return groups if any(size > 1 and common > 0 for size, common in groups) else None
 
-    def decode_step(self, seqs: list[SeqView], groups: list[tuple[int, int]] | None | str = "find") -> StepAttention:
+    def decode_step(self, seqs: list[SeqView], groups: list[tuple[int, int]] | None | object = _FIND) -> StepAttention:
         """One token per seq; cascade when consecutive seqs share prefix pages (see :func:`prefix_groups`).
 
         ``groups``: :meth:`cascade_groups` of ``seqs`` when the caller has it already (None: flat)."""
         ps = self.pool.page_size
-        if groups == "find":
+        if groups is _FIND:
             groups = self.cascade_groups(seqs)
         if groups is None:
             self.decode.plan(*page_table(seqs, ps), *self.heads, ps, q_data_type=self.dtype, kv_data_type=self.dtype)
