@@ -98,6 +98,32 @@ def test_decode_last_level_runs_on_the_decode_kernel(device: str, soft_cap: floa
     torch.testing.assert_close(lse.float().cpu(), torch.cat(expected_lse).float().cpu(), atol=2e-3, rtol=2e-3)
 
 
+@pytest.mark.parametrize("device", devices())
+def test_decode_last_level_with_an_fp8_cache_and_scales(device: str) -> None:
+    """The decode-kernel last level and the prefill-kernel shared level dequantize with the same k/v scales."""
+    gen = torch.Generator().manual_seed(29)
+    hq, hkv, d, dtype = 8, 2, 128, torch.bfloat16
+    k_scale, v_scale = 0.5, 1.75
+    pool = torch.randperm(40, generator=gen).tolist()
+    cache = torch.randn(40, 2, PAGE, hkv, d, generator=gen).to(torch.float8_e4m3fn).to(device)
+    levels = [cascade_level(level, pool, PAGE) for level in ([100], [33, 0, 70])]
+    q = torch.randn(3, hq, d, generator=gen).to(dtype).to(device)
+    wrapper = jitattn.MultiLevelCascadeAttentionWrapper(2, torch.empty(8 << 20, dtype=torch.uint8, device=device))
+    wrapper.plan([torch.tensor([0, 3], dtype=torch.int32), torch.arange(4, dtype=torch.int32)],
+                 [lv[0] for lv in levels], [lv[1] for lv in levels], [lv[2] for lv in levels], hq, hkv, d, PAGE,
+                 q_data_type=dtype, kv_data_type=torch.float8_e4m3fn)
+    assert isinstance(wrapper._launches[-1][0], jitattn.BatchDecodeWithPagedKVCacheWrapper)
+    out = wrapper.run(q, cache, k_scale=k_scale, v_scale=v_scale)
+    ragged = [reference.paged_kv_to_ragged(cache, *lv) for lv in levels]
+    expected = []
+    for r in range(3):
+        parts = [(k[i[n]:i[n + 1]], v[i[n]:i[n + 1]]) for (k, v, i), n in zip(ragged, (0, r))]
+        o, _ = reference.single_attention(q[r:r + 1], torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]),
+                                          k_scale=k_scale, v_scale=v_scale)
+        expected.append(o)
+    assert_close_out(out, torch.cat(expected), dtype)
+
+
 def test_cascade_refuses_position_dependent_features() -> None:
     wrapper = jitattn.MultiLevelCascadeAttentionWrapper(1, torch.empty(1 << 20, dtype=torch.uint8))
     z = torch.zeros(1, dtype=torch.int32)
