@@ -213,10 +213,22 @@ class MultiLevelCascadeAttentionWrapper:
 
     begin_forward = plan
 
-    def workspace_size(self, *args, **kwargs) -> tuple[int, int]:
-        """(float_bytes, int_bytes) for every level together; arguments as the prefill wrapper's."""
-        sizes = [w.workspace_size(*args, **kwargs) for w in self._wrappers]
-        return max(f for f, _ in sizes), sum(i for _, i in sizes)
+    def workspace_size(
+        self, max_batch_size: int, max_qo_tokens: int, max_kv_tokens: int, num_qo_heads: int, num_kv_heads: int,
+        head_dim_qk: int, page_size: int = 1, head_dim_vo: int | None = None, *, fixed_split_size: int | None = None,
+    ) -> tuple[int, int]:
+        """(float_bytes, int_bytes) for every level together; arguments as the prefill wrapper's, plus the
+        ``fixed_split_size`` a plan passes. A last level of one query per request runs on the decode kernel,
+        whose split-KV partials live in the float workspace (a plan whose split does not fit decodes each
+        request whole instead, correct but slower)."""
+        prefill = [w.workspace_size(max_batch_size, max_qo_tokens, max_kv_tokens, num_qo_heads, num_kv_heads,
+                                    head_dim_qk, page_size, head_dim_vo) for w in self._wrappers]
+        if self._decode is None:
+            self._decode = BatchDecodeWithPagedKVCacheWrapper(self._workspace, self._kv_layout)
+        decode_float, decode_int = self._decode.workspace_size(max_batch_size, max_kv_tokens, num_qo_heads,
+                                                               num_kv_heads, head_dim_qk, page_size, fixed_split_size,
+                                                               batch_invariant=False)
+        return max([decode_float] + [f for f, _ in prefill]), sum(i for _, i in prefill) + decode_int
 
     def end_forward(self) -> None:
         """No-op kept for older FlashInfer call sites."""

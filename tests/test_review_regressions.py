@@ -164,3 +164,15 @@ def test_staged_split_merge_only_in_blocks_of_whole_warps() -> None:
             assert (layout["kMergeStageFloats"] > 0) == whole, (hd, g, layout["kNT"])
             assert layout["kMergeStageFloats"] * 4 + 8 * g <= layout["kSmemBytes"]
     assert seen == {True, False}, "the sweep must include blocks that are not whole warps"
+
+
+def test_cascade_workspace_size_covers_the_decode_level_split() -> None:
+    unique = [64 * PAGE, 60 * PAGE + 3]
+    probe = jitattn.MultiLevelCascadeAttentionWrapper(2, torch.empty(1, dtype=torch.uint8))
+    float_bytes, _ = probe.workspace_size(len(unique), len(unique), 40 + sum(unique), H, HK, DIM, PAGE,
+                                          fixed_split_size=4)
+    assert float_bytes > 4096, "the decode level's split partials need float workspace"
+    wrapper, args, q, cache, expected = _two_level_decode_case(float_bytes, unique)
+    wrapper.plan(*args, q_data_type=torch.float16, fixed_split_size=4)
+    assert wrapper._launches[-1][0]._plan.split.kv_chunk_size > 0, "sized by workspace_size, the level splits"
+    torch.testing.assert_close(wrapper.run(q, cache).float(), expected.float(), atol=4e-3, rtol=4e-3)
