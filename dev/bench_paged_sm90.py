@@ -24,20 +24,7 @@ import jitattn
 import jitattn.jit
 from jitattn.families import prefill
 
-
-def median_ms(fn, iters: int = 20, warmup: int = 3) -> float:
-    """Median milliseconds of ``fn`` over ``iters`` CUDA-event-timed calls after ``warmup`` calls."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+from bench_tier import _time as median_ms  # the same CUDA-event median timer (dev/ is on sys.path when run)
 
 
 def paged_copy(k: torch.Tensor, v: torch.Tensor, batch: int, page: int, layout: str,
