@@ -44,6 +44,11 @@ def main() -> None:
         f"`python3 examples/serve_bench.py {' '.join(rest)}` ({first['requests']} requests; two untimed warm-up runs "
         "of the same workload, cascade on and off).",
         "Tokens/s counts output tokens over the wall time of the whole run (prefill included).",
+        "Timing: host wall clock (time.perf_counter) around the whole run, synchronised at its end; every step "
+        "reads its greedy tokens back to the host (int(argmax)), so host cost is in every figure. Graphs off: "
+        "every step launches eagerly. Graphs on: a flat decode step replays the CUDA graph of its batch-size "
+        "bucket; prefill chunks and cascade decode steps launch eagerly. Each step plans once from host "
+        "page-table arrays.",
         "",
         "| cascade | graphs | output tok/s | TTFT mean ms | TTFT p99 ms | TPOT mean ms | decode steps (cascade / graph) "
         "| prompt tokens reused | KV saved at peak |",
