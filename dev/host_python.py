@@ -5,13 +5,12 @@ over 4 requests of one page, ``plan()`` of 256 x 4096 tokens), on the cpu target
 entry point replaced by one no-op ctypes call: what is left is the Python jitattn runs per call. The cuda
 path differs only in the launch itself (``raw_stream`` + ``cudaLaunchKernel`` instead of the OpenMP call)
 and in ``plan()``'s upload (one pinned copy instead of clones). Run it single-threaded
-(``OMP_NUM_THREADS=1``) on an otherwise idle machine; medians of 7 rounds.
+(``OMP_NUM_THREADS=1``); the minimum of 15 rounds (a shared machine's interference only adds time).
 """
 
 from __future__ import annotations
 
 import ctypes
-import statistics
 import time
 from typing import Callable
 
@@ -23,7 +22,7 @@ import jitattn.jit.loader as loader
 _NOOP = ctypes.pythonapi.Py_IsInitialized  # a ctypes call that does nothing
 
 
-def host_us(fn: Callable[[], object], calls: int = 400, rounds: int = 7) -> float:
+def host_us(fn: Callable[[], object], calls: int = 400, rounds: int = 15) -> float:
     for _ in range(50):
         fn()
     samples = []
@@ -32,7 +31,7 @@ def host_us(fn: Callable[[], object], calls: int = 400, rounds: int = 7) -> floa
         for _ in range(calls):
             fn()
         samples.append((time.perf_counter() - start) / calls * 1e6)
-    return statistics.median(samples)
+    return min(samples)
 
 
 def main() -> None:
