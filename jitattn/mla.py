@@ -94,6 +94,7 @@ class BatchMLAPagedAttentionWrapper:
         self._rows: tuple[int, int] = (0, 0)  # (total query tokens, num_heads) of the plan
         self._kernel: KernelPlan | None = None  # the sm90 MLA kernel's plan, None: the prefill kernels'
         self._highest_page = -1  # the highest page the sm90 plan reads (checked against the cache at run)
+        self._readable_strides: tuple | None = None  # strides of the last tensors the sm90 kernel could read
 
     @property
     def kernel(self) -> str:
@@ -261,7 +262,15 @@ class BatchMLAPagedAttentionWrapper:
         elif lse is not None:
             if lse.dtype != torch.float32 or tuple(lse.shape) != (tokens, heads) or lse.device != q_nope.device:
                 raise ValueError(f"lse must be float32 {(tokens, heads)} on {q_nope.device}; got {_describe(lse)}")
-        problem = layout_problem(q_nope, q_pe, ckv_cache, kpe_cache, out)
+        # The layout rules by strides (the last ones that passed) and pointers: a few attribute reads a call.
+        strides = (q_nope.stride(), q_pe.stride(), ckv_cache.stride(), kpe_cache.stride(), out.stride())
+        pointers = q_nope.data_ptr() | q_pe.data_ptr() | ckv_cache.data_ptr() | kpe_cache.data_ptr()
+        if strides == self._readable_strides and not (pointers & 15 or out.data_ptr() & 3):
+            problem = None
+        else:
+            problem = layout_problem(q_nope, q_pe, ckv_cache, kpe_cache, out)
+            if problem is None:
+                self._readable_strides = strides
         if problem is not None:
             if mla_kernel_choice() == "sm90":
                 raise ValueError(f"JITATTN_MLA_KERNEL=sm90, but the sm90 MLA kernel cannot read these tensors: "

@@ -228,6 +228,10 @@ def test_an_sm90_plan_runs_unreadable_tensors_on_the_prefill_kernels(monkeypatch
     wrapper.run(q_nope, q_pe, ckv, kpe)  # readable: the kernel launches
     assert fakes[-1].launches == 1 and not inner_plans
     ref_out, ref_lse = _reference(q_nope, q_pe, ckv, kpe, indptr, indices, qo_lens, kv_lens, True)
+    offset = torch.empty(q_nope.numel() + 1)[1:].view(q_nope.shape)  # q_nope's strides, rows 4 bytes off 16
+    offset.copy_(q_nope)
+    torch.testing.assert_close(wrapper.run(offset, q_pe, ckv, kpe), ref_out, atol=1e-4, rtol=1e-4)
+    assert fakes[-1].launches == 1 and len(inner_plans) == 1
     wide = torch.randn(sum(qo_lens), heads, CKV + 1, generator=gen)
     shifted = wide[..., 1:]  # rows start 4 bytes in
     shifted.copy_(q_nope)
@@ -237,6 +241,8 @@ def test_an_sm90_plan_runs_unreadable_tensors_on_the_prefill_kernels(monkeypatch
         torch.testing.assert_close(out, ref_out, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-4)
     assert fakes[-1].launches == 1 and len(inner_plans) == 1, "the prefill kernels are planned once per plan()"
+    wrapper.run(q_nope, q_pe, ckv, kpe)  # readable again: the kernel
+    assert fakes[-1].launches == 2
     monkeypatch.setenv("JITATTN_MLA_KERNEL", "sm90")
     with pytest.raises(ValueError, match="JITATTN_MLA_KERNEL=sm90.*q_nope"):
         wrapper.run(shifted, q_pe, ckv, kpe)
