@@ -303,7 +303,8 @@ class Engine:
             groups = self.planner.cascade_groups(seqs)
             chosen = None
             if self.cuda_graphs and groups is not None:
-                chosen = self.decode_paths.choose(self._bucket(len(seqs)))
+                # rank 0's choice under tensor parallelism: every rank runs the same step
+                chosen = self.group.broadcast(self.decode_paths.choose(self._bucket(len(seqs))))
                 if chosen == "graph":
                     groups = None
             if self.cuda_graphs and groups is None:
