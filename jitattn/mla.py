@@ -34,7 +34,7 @@ import functools
 
 import torch
 
-from .attention.checks import check_tensor
+from .attention.checks import check_tensor, stream_capturing
 from .attention.options import fp8_scale, parse_dtype, refuse_unsupported, resolve_batch_invariant
 from .log import logger
 from .env import mla_kernel as mla_kernel_choice
@@ -142,20 +142,21 @@ class BatchMLAPagedAttentionWrapper:
             if buffer.numel() < needed[name]:
                 raise ValueError(f"{name} buffer holds {buffer.numel()} entries but this batch needs {needed[name]}; "
                                  "allocate the fixed buffers for the largest batch")
-        self._kernel = None
+        self._kernel, self._dims, self._prefill_args = None, None, None  # unplanned until this plan succeeds
         prefill_args = dict(
             qo_indptr=qo_indptr, paged_kv_indptr=indptr, paged_kv_indices=kv_indices,
             paged_kv_last_page_len=last_page_len, num_qo_heads=num_heads, num_kv_heads=1,
             head_dim_qk=head_dim_ckv + head_dim_kpe, page_size=page_size, head_dim_vo=head_dim_ckv, causal=causal,
             sm_scale=sm_scale, q_data_type=q_data_type, kv_data_type=kv_data_type,
         )
-        # The sm90 plan keeps these for run(): tensors the kernel cannot read plan the prefill kernels then.
-        self._prefill_args = prefill_args
         if self._sm90_plan(qo_indptr, indptr, kv_indices, lens, last_page_len, num_heads, head_dim_ckv,
                            head_dim_kpe, page_size, causal, sm_scale, q_data_type, kv_data_type,
                            split=not invariant) is None:
             self._inner.plan(**prefill_args)
-            self._prefill_args = None  # planned
+        else:
+            # Kept for run(): tensors the kernel cannot read plan the prefill kernels then, over this batch's
+            # arrays (host copies: the caller's host tensors may hold the next batch by then).
+            self._prefill_args = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in prefill_args.items()}
         if self._kv_len_arr_buf is not None:  # FlashInfer keeps the lengths in the caller's buffer too
             self._kv_len_arr_buf[: lens.numel()].copy_(lens.to(torch.int32))
         self._dims = (head_dim_ckv, head_dim_kpe)
@@ -273,6 +274,10 @@ class BatchMLAPagedAttentionWrapper:
             if problem is None:
                 self._readable_strides = strides
         if problem is not None:
+            if q_nope.is_cuda and stream_capturing():
+                raise RuntimeError(f"{_NAME}.run() is being captured into a CUDA graph, but the sm90 MLA kernel "
+                                   f"cannot read these tensors ({problem}) and the prefill kernels' plan would be made "
+                                   "inside the capture; pass .contiguous() views")
             if mla_kernel_choice() == "sm90":
                 raise ValueError(f"JITATTN_MLA_KERNEL=sm90, but the sm90 MLA kernel cannot read these tensors: "
                                  f"{problem}; pass .contiguous() views or set JITATTN_MLA_KERNEL=auto")
