@@ -200,107 +200,100 @@ class _FakeKernel:
         self.launches += 1
 
 
+class _FakedBatch:
+    """A small latent batch on the cpu and an MLA wrapper whose sm90 plans are faked (``_FakeKernel``; a plan
+    with sm_scale=None is refused as the real one is), so its run() paths can be followed without a GPU."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, seed: int) -> None:
+        self.fakes: list[_FakeKernel] = []
+        self.inner_plans: list[int] = []  # the prefill kernels' plans
+
+        def fake_plan(wrapper, qo_indptr, indptr, kv_indices, lens, last_page_len, num_heads, head_dim_ckv,
+                      head_dim_kpe, page_size, causal, sm_scale, *rest, **kw):
+            if sm_scale is None:
+                raise ValueError("sm_scale=None must be a positive float")
+            wrapper._kernel = _FakeKernel(page_size)
+            self.fakes.append(wrapper._kernel)
+            return wrapper._kernel
+
+        real_inner_plan = jitattn.BatchPrefillWithPagedKVCacheWrapper.plan
+        monkeypatch.delenv("JITATTN_MLA_KERNEL", raising=False)
+        monkeypatch.setattr(BatchMLAPagedAttentionWrapper, "_sm90_plan", fake_plan)
+        monkeypatch.setattr(jitattn.BatchPrefillWithPagedKVCacheWrapper, "plan",
+                            lambda w, *a, **kw: self.inner_plans.append(1) or real_inner_plan(w, *a, **kw))
+        self.gen = torch.Generator().manual_seed(seed)
+        self.kv_lens, self.qo_lens, self.heads = [40, 7], [2, 1], 4
+        self.ckv, self.kpe, self.indptr, self.indices, self.lens = _latent_cache(
+            self.kv_lens, 16, torch.float32, "cpu", self.gen, joined=True)
+        self.q_nope, self.q_pe = _queries(self.qo_lens, self.heads, torch.float32, "cpu", self.gen)
+        self.wrapper = BatchMLAPagedAttentionWrapper(torch.empty(1 << 20, dtype=torch.uint8))
+
+    def plan(self, indptr=None, indices=None, sm_scale: float | None = SM_SCALE) -> None:
+        self.wrapper.plan(_indptr(self.qo_lens), self.indptr if indptr is None else indptr,
+                          self.indices if indices is None else indices, self.lens, self.heads, CKV, KPE, 16, True,
+                          sm_scale, torch.float32, torch.float32)
+
+    def reference(self):
+        return _reference(self.q_nope, self.q_pe, self.ckv, self.kpe, self.indptr, self.indices, self.qo_lens,
+                          self.kv_lens, True)
+
+    def run(self, q_nope: torch.Tensor, **kw):
+        return self.wrapper.run(q_nope, self.q_pe, self.ckv, self.kpe, **kw)
+
+    def off_16_bytes(self) -> torch.Tensor:
+        """q_nope with its own strides, rows 4 bytes off 16: the sm90 kernel cannot read it."""
+        offset = torch.empty(self.q_nope.numel() + 1)[1:].view(self.q_nope.shape)
+        return offset.copy_(self.q_nope)
+
+
 def test_an_sm90_plan_runs_unreadable_tensors_on_the_prefill_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     """The kernel's layout rules fail at run(): auto plans the prefill kernels once and gives their result;
-    JITATTN_MLA_KERNEL=sm90 raises instead. (The sm90 plan is faked: this runs on the cpu.)"""
-    monkeypatch.delenv("JITATTN_MLA_KERNEL", raising=False)
-    fakes: list[_FakeKernel] = []
-
-    def fake_plan(self, qo_indptr, indptr, kv_indices, lens, last_page_len, num_heads, head_dim_ckv, head_dim_kpe,
-                  page_size, *rest, **kw):
-        self._kernel = _FakeKernel(page_size)
-        fakes.append(self._kernel)
-        return self._kernel
-
-    monkeypatch.setattr(BatchMLAPagedAttentionWrapper, "_sm90_plan", fake_plan)
-    inner_plans = []
-    real_inner_plan = jitattn.BatchPrefillWithPagedKVCacheWrapper.plan
-    monkeypatch.setattr(jitattn.BatchPrefillWithPagedKVCacheWrapper, "plan",
-                        lambda self, *a, **kw: inner_plans.append(1) or real_inner_plan(self, *a, **kw))
-    gen = torch.Generator().manual_seed(4)
-    kv_lens, qo_lens, heads = [40, 7], [2, 1], 4
-    ckv, kpe, indptr, indices, lens = _latent_cache(kv_lens, 16, torch.float32, "cpu", gen, joined=True)
-    q_nope, q_pe = _queries(qo_lens, heads, torch.float32, "cpu", gen)
-    wrapper = BatchMLAPagedAttentionWrapper(torch.empty(1 << 20, dtype=torch.uint8))
-    wrapper.plan(_indptr(qo_lens), indptr, indices, lens, heads, CKV, KPE, 16, True, SM_SCALE, torch.float32,
-                 torch.float32)
-    assert wrapper.kernel == "sm90" and not inner_plans
-    wrapper.run(q_nope, q_pe, ckv, kpe)  # readable: the kernel launches
-    assert fakes[-1].launches == 1 and not inner_plans
-    ref_out, ref_lse = _reference(q_nope, q_pe, ckv, kpe, indptr, indices, qo_lens, kv_lens, True)
-    offset = torch.empty(q_nope.numel() + 1)[1:].view(q_nope.shape)  # q_nope's strides, rows 4 bytes off 16
-    offset.copy_(q_nope)
-    torch.testing.assert_close(wrapper.run(offset, q_pe, ckv, kpe), ref_out, atol=1e-4, rtol=1e-4)
-    assert fakes[-1].launches == 1 and len(inner_plans) == 1
-    wide = torch.randn(sum(qo_lens), heads, CKV + 1, generator=gen)
-    shifted = wide[..., 1:]  # rows start 4 bytes in
-    shifted.copy_(q_nope)
+    JITATTN_MLA_KERNEL=sm90 raises instead."""
+    b = _FakedBatch(monkeypatch, 4)
+    b.plan()
+    assert b.wrapper.kernel == "sm90" and not b.inner_plans
+    b.run(b.q_nope)  # readable: the kernel launches
+    assert b.fakes[-1].launches == 1 and not b.inner_plans
+    ref_out, ref_lse = b.reference()
+    torch.testing.assert_close(b.run(b.off_16_bytes()), ref_out, atol=1e-4, rtol=1e-4)  # same strides, pointer off
+    assert b.fakes[-1].launches == 1 and len(b.inner_plans) == 1
+    shifted = torch.randn(sum(b.qo_lens), b.heads, CKV + 1, generator=b.gen)[..., 1:]  # other strides, rows off
+    shifted.copy_(b.q_nope)
     for _ in range(2):
-        out = torch.full((sum(qo_lens), heads, CKV), float("nan"))
-        _, lse = wrapper.run(shifted, q_pe, ckv, kpe, out=out, return_lse=True)
+        out = torch.full((sum(b.qo_lens), b.heads, CKV), float("nan"))
+        _, lse = b.run(shifted, out=out, return_lse=True)
         torch.testing.assert_close(out, ref_out, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-4)
-    assert fakes[-1].launches == 1 and len(inner_plans) == 1, "the prefill kernels are planned once per plan()"
-    wrapper.run(q_nope, q_pe, ckv, kpe)  # readable again: the kernel
-    assert fakes[-1].launches == 2
+    assert b.fakes[-1].launches == 1 and len(b.inner_plans) == 1, "the prefill kernels are planned once per plan()"
+    b.run(b.q_nope)  # readable again: the kernel
+    assert b.fakes[-1].launches == 2
     monkeypatch.setenv("JITATTN_MLA_KERNEL", "sm90")
     with pytest.raises(ValueError, match="JITATTN_MLA_KERNEL=sm90.*q_nope"):
-        wrapper.run(shifted, q_pe, ckv, kpe)
-    wrapper.plan(_indptr(qo_lens), indptr, indices, lens, heads, CKV, KPE, 16, True, SM_SCALE, torch.float32,
-                 torch.float32)
+        b.run(shifted)
+    b.plan()
     monkeypatch.setenv("JITATTN_MLA_KERNEL", "auto")
-    wrapper.run(shifted, q_pe, ckv, kpe)
-    assert len(inner_plans) == 2, "a new plan() plans the fallback again"
-
-
-def _fake_sm90_plans(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every plan is an sm90 plan (a _FakeKernel) unless sm_scale is None, which its checks refuse."""
-    def fake_plan(self, qo_indptr, indptr, kv_indices, lens, last_page_len, num_heads, head_dim_ckv, head_dim_kpe,
-                  page_size, causal, sm_scale, *rest, **kw):
-        if sm_scale is None:
-            raise ValueError("sm_scale=None must be a positive float")
-        self._kernel = _FakeKernel(page_size)
-        return self._kernel
-
-    monkeypatch.setattr(BatchMLAPagedAttentionWrapper, "_sm90_plan", fake_plan)
+    b.run(shifted)
+    assert len(b.inner_plans) == 2, "a new plan() plans the fallback again"
 
 
 def test_the_fallback_plans_this_batchs_arrays_not_the_callers_later_contents(monkeypatch: pytest.MonkeyPatch) -> None:
     """plan() from host arrays the caller refills for its next batch before run(): a run() that falls back to
     the prefill kernels still attends over the planned pages."""
-    monkeypatch.delenv("JITATTN_MLA_KERNEL", raising=False)
-    _fake_sm90_plans(monkeypatch)
-    gen = torch.Generator().manual_seed(4)
-    kv_lens, qo_lens, heads = [40, 7], [2, 1], 4
-    ckv, kpe, indptr, indices, lens = _latent_cache(kv_lens, 16, torch.float32, "cpu", gen, joined=True)
-    q_nope, q_pe = _queries(qo_lens, heads, torch.float32, "cpu", gen)
-    wrapper = BatchMLAPagedAttentionWrapper(torch.empty(1 << 20, dtype=torch.uint8))
-    staged, staged_indptr = indices.clone(), indptr.clone()  # the caller's host staging tensors
-    wrapper.plan(_indptr(qo_lens), staged_indptr, staged, lens, heads, CKV, KPE, 16, True, SM_SCALE, torch.float32,
-                 torch.float32)
-    ref_out, _ = _reference(q_nope, q_pe, ckv, kpe, indptr, indices, qo_lens, kv_lens, True)
+    b = _FakedBatch(monkeypatch, 4)
+    staged, staged_indptr = b.indices.clone(), b.indptr.clone()  # the caller's host staging tensors
+    b.plan(staged_indptr, staged)
     staged.copy_(staged.flip(0))
     staged_indptr.fill_(0)
-    offset = torch.empty(q_nope.numel() + 1)[1:].view(q_nope.shape)  # rows 4 bytes off 16: the prefill kernels
-    offset.copy_(q_nope)
-    torch.testing.assert_close(wrapper.run(offset, q_pe, ckv, kpe), ref_out, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(b.run(b.off_16_bytes()), b.reference()[0], atol=1e-4, rtol=1e-4)
 
 
 def test_a_failed_plan_leaves_nothing_to_run(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("JITATTN_MLA_KERNEL", raising=False)
-    _fake_sm90_plans(monkeypatch)
-    gen = torch.Generator().manual_seed(5)
-    kv_lens, qo_lens, heads = [40, 7], [2, 1], 4
-    ckv, kpe, indptr, indices, lens = _latent_cache(kv_lens, 16, torch.float32, "cpu", gen, joined=True)
-    q_nope, q_pe = _queries(qo_lens, heads, torch.float32, "cpu", gen)
-    wrapper = BatchMLAPagedAttentionWrapper(torch.empty(1 << 20, dtype=torch.uint8))
-    wrapper.plan(_indptr(qo_lens), indptr, indices, lens, heads, CKV, KPE, 16, True, SM_SCALE, torch.float32,
-                 torch.float32)
+    b = _FakedBatch(monkeypatch, 5)
+    b.plan()
     with pytest.raises(ValueError, match="sm_scale"):
-        wrapper.plan(_indptr(qo_lens), indptr, indices, lens, heads, CKV, KPE, 16, True, None, torch.float32,
-                     torch.float32)
+        b.plan(sm_scale=None)
     with pytest.raises(RuntimeError, match="before plan"):
-        wrapper.run(q_nope, q_pe, ckv, kpe)
+        b.run(b.q_nope)
 
 
 # -- the op and its template ---------------------------------------------------------------------------

@@ -33,14 +33,14 @@ def host_us(fn: Callable[[], object], calls: int = 400, rounds: int = 7) -> floa
     return statistics.median(samples)
 
 
-def _tiny(lib, ws):
+def _tiny(lib, ws, device: str = "cuda"):
     """(decode run, prefill run, cascade run) callables of library ``lib`` (jitattn or flashinfer)."""
     b, hq, hkv, d, ps = 4, 32, 8, 128, 16
-    i32 = dict(dtype=torch.int32, device="cuda")
+    i32 = dict(dtype=torch.int32, device=device)
     indptr, indices = torch.arange(b + 1, **i32), torch.arange(b, **i32)
     last, qo = torch.full((b,), ps, **i32), torch.arange(b + 1, **i32)
-    cache = torch.randn(16, 2, ps, hkv, d, dtype=torch.bfloat16, device="cuda")
-    q = torch.randn(b, hq, d, dtype=torch.bfloat16, device="cuda")
+    cache = torch.randn(16, 2, ps, hkv, d, dtype=torch.bfloat16, device=device)
+    q = torch.randn(b, hq, d, dtype=torch.bfloat16, device=device)
     out = torch.empty_like(q)
     extra = dict(use_tensor_cores=True) if lib.__name__ == "flashinfer" else {}
     dec = lib.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", **extra)
@@ -54,12 +54,13 @@ def _tiny(lib, ws):
     return (lambda: dec.run(q, cache, out=out)), (lambda: pre.run(q, cache, out=out)), (lambda: cas.run(q, cache))
 
 
-def _plans(lib, ws):
+def _plans(lib, ws, device: str = "cuda"):
+    """(plan, fast_decode_plan) callables for a batch of 256 x 4096 tokens."""
     b, pages, ps = 256, 256, 16
     indices = torch.randperm(b * pages + 64, dtype=torch.int64)[: b * pages].to(torch.int32)
     indptr = (torch.arange(b + 1) * pages).to(torch.int32)
     last = torch.full((b,), ps, dtype=torch.int32)
-    dev = [t.cuda() for t in (indptr, indices, last)]
+    dev = [t.to(device) for t in (indptr, indices, last)]
     extra = dict(use_tensor_cores=True) if lib.__name__ == "flashinfer" else {}
     dec = lib.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", **extra)
     plan = lambda: dec.plan(indptr, indices, last, 32, 8, 128, ps, q_data_type=torch.bfloat16)  # noqa: E731
