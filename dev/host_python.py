@@ -11,7 +11,6 @@ and in ``plan()``'s upload (one pinned copy instead of clones). Run it single-th
 from __future__ import annotations
 
 import ctypes
-import time
 from typing import Callable
 
 import torch
@@ -19,20 +18,13 @@ import torch
 import jitattn
 import jitattn.jit.loader as loader
 from jitattn.bench.host_peer import _plans, _tiny
+from jitattn.bench.host_peer import host_us as peer_host_us
 
 _NOOP = ctypes.pythonapi.Py_IsInitialized  # a ctypes call that does nothing
 
 
-def host_us(fn: Callable[[], object], calls: int = 400, rounds: int = 15) -> float:
-    for _ in range(50):
-        fn()
-    samples = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        samples.append((time.perf_counter() - start) / calls * 1e6)
-    return min(samples)
+def host_us(fn: Callable[[], object], calls: int = 400) -> float:
+    return peer_host_us(fn, calls, rounds=15, summary=min, sync=lambda: None)
 
 
 def main() -> None:

@@ -19,18 +19,21 @@ from typing import Callable
 import torch
 
 
-def host_us(fn: Callable[[], object], calls: int = 400, rounds: int = 7) -> float:
+def host_us(fn: Callable[[], object], calls: int = 400, rounds: int = 7,
+            summary: Callable[[list[float]], float] = statistics.median,
+            sync: Callable[[], object] = torch.cuda.synchronize) -> float:
+    """µs per call of ``fn``: ``summary`` over ``rounds`` of ``calls`` back-to-back calls, ``sync`` between rounds."""
     for _ in range(50):
         fn()
-    torch.cuda.synchronize()
+    sync()
     samples = []
     for _ in range(rounds):
         start = time.perf_counter()
         for _ in range(calls):
             fn()
         samples.append((time.perf_counter() - start) / calls * 1e6)
-        torch.cuda.synchronize()
-    return statistics.median(samples)
+        sync()
+    return summary(samples)
 
 
 def _tiny(lib, ws, device: str = "cuda"):
