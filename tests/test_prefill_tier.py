@@ -40,6 +40,9 @@ SUPPORTED = {
     "paged_d128_bf16_causal": _spec(storage=KVStorage.PAGED),
     "paged_d64_f16_hnd": _spec(d=64, dtype=f16, causal=False, storage=KVStorage.PAGED, layout=KVLayout.HND),
     "paged_d256_bf16_g8": _spec(d=256, hq=16, hkv=2, storage=KVStorage.PAGED),
+    "d128_bf16_causal_soft_cap": _spec(soft_cap=True),
+    "paged_d64_f16_soft_cap": _spec(d=64, dtype=f16, hq=4, hkv=4, causal=False, soft_cap=True, storage=KVStorage.PAGED),
+    "d256_bf16_soft_cap": _spec(d=256, hq=16, hkv=2, soft_cap=True),
 }
 UNSUPPORTED = {
     "paged_rope": _spec(storage=KVStorage.PAGED, pos=PosEncoding.ROPE_LLAMA),
@@ -47,7 +50,7 @@ UNSUPPORTED = {
     "rope": _spec(pos=PosEncoding.ROPE_LLAMA),
     "alibi": _spec(pos=PosEncoding.ALIBI),
     "window": _spec(window=True),
-    "soft_cap": _spec(soft_cap=True),
+    "rope_soft_cap": _spec(pos=PosEncoding.ROPE_LLAMA, soft_cap=True),
     "custom_mask": _spec(mask=MaskMode.CUSTOM),
     "fp8_kv": _spec(kv_dtype=torch.float8_e4m3fn),
     "f32_out": _spec(o_dtype=f32),

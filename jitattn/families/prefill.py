@@ -254,8 +254,10 @@ SM90_KV_BLOCK = {64: 192, 128: 176, 256: 64}  # head_dim -> KV tokens per stage 
 # default; 1 writer-side fence after cp.async.wait_group; 2 no fence; 3 the consumers' acquire-only
 # proxy fence, which ptxas turns into no instruction on sm_90a: see the template);
 # gather_l2: cp.async L2 prefetch hint in bytes (0 none, 64, 128, 256);
-# paged_kv_block: KV tokens per stage for paged KV (0: SM90_KV_BLOCK's).
-SM90_TUNING: dict[str, int] = {"gather_sync": 0, "gather_l2": 0, "paged_kv_block": 0}
+# paged_kv_block: KV tokens per stage for paged KV (0: SM90_KV_BLOCK's);
+# soft_cap_tanh: the soft cap's tanh (0: 1 - 2 / (1 + e^2x) on ex2 + rcp, absolute error ~3e-7, the
+# default; 1: tanh.approx.f32, one MUFU op instead of two, relative error 2^-11).
+SM90_TUNING: dict[str, int] = {"gather_sync": 0, "gather_l2": 0, "paged_kv_block": 0, "soft_cap_tanh": 0}
 
 
 def _sm90_tuning_override() -> None:
@@ -287,8 +289,8 @@ def sm90_unsupported(spec: VariantSpec) -> str | None:
         return "it takes one 16-bit dtype (f16 or bf16) for q, kv and o"
     if spec.head_dim_qk != spec.head_dim_vo or spec.head_dim_qk not in SM90_KV_BLOCK:
         return f"it takes head_dim_qk == head_dim_vo in {sorted(SM90_KV_BLOCK)}"
-    if spec.pos_encoding is not PosEncoding.NONE or spec.use_sliding_window or spec.use_logits_soft_cap:
-        return "it has no positional encoding, sliding window or soft cap yet"
+    if spec.pos_encoding is not PosEncoding.NONE or spec.use_sliding_window:
+        return "it has no positional encoding (RoPE, ALiBi) or sliding window yet"
     if spec.mask_mode not in (MaskMode.NONE, MaskMode.CAUSAL) or spec.variant is not None:
         return "it has no custom mask or custom variant yet"
     if spec.use_sinks:
@@ -336,8 +338,10 @@ def sm90_layout(spec: VariantSpec) -> dict[str, int]:
     dim = spec.head_dim_qk
     paged = spec.kv_storage is KVStorage.PAGED
     tuning = SM90_TUNING
-    if tuning["gather_sync"] not in (0, 1, 2, 3) or tuning["gather_l2"] not in (0, 64, 128, 256):
-        raise ValueError(f"SM90_TUNING={tuning}: gather_sync takes 0 to 3 and gather_l2 0, 64, 128 or 256")
+    if tuning["gather_sync"] not in (0, 1, 2, 3) or tuning["gather_l2"] not in (0, 64, 128, 256) or \
+            tuning["soft_cap_tanh"] not in (0, 1):
+        raise ValueError(f"SM90_TUNING={tuning}: gather_sync takes 0 to 3, gather_l2 0, 64, 128 or 256 "
+                         "and soft_cap_tanh 0 or 1")
     bm, stages = 128, 2
     bn = tuning["paged_kv_block"] if paged and tuning["paged_kv_block"] else SM90_KV_BLOCK[dim]
     if bn not in (64, 80, 96, 128, 176, 192, 256):  # the wgmma N of wgmma_sm90.cuh
@@ -361,6 +365,7 @@ def sm90_layout(spec: VariantSpec) -> dict[str, int]:
         "kQChunkBytes": q_chunk, "kKVChunkBytes": kv_chunk, "kQBytes": q_bytes, "kKVBytes": kv_bytes,
         "kOffQ": 0, "kOffK": off_k, "kOffV": off_v, "kOffBar": off_bar, "kOffTab": off_tab, "kSmemBytes": smem,
         "kGatherSync": tuning["gather_sync"], "kGatherL2": tuning["gather_l2"],
+        "kSoftCapTanh": tuning["soft_cap_tanh"],
     }
 
 
@@ -369,6 +374,7 @@ def _sm90_context(spec: VariantSpec) -> dict[str, Any]:
     constants = [("int", name, str(value)) for name, value in layout.items()]
     constants.append(("bool", "kCausal", "true" if spec.mask_mode is MaskMode.CAUSAL else "false"))
     constants.append(("bool", "kPaged", "true" if spec.kv_storage is KVStorage.PAGED else "false"))
+    constants.append(("bool", "kSoftCap", "true" if spec.use_logits_soft_cap else "false"))
     constants.append(("float", "kLog2e", repr(_LOG2E) + "f"))
     return {**_attention_context(spec), "constants": constants, "smem_bytes": layout["kSmemBytes"]}
 
