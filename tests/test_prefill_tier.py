@@ -43,13 +43,17 @@ SUPPORTED = {
     "d128_bf16_causal_soft_cap": _spec(soft_cap=True),
     "paged_d64_f16_soft_cap": _spec(d=64, dtype=f16, hq=4, hkv=4, causal=False, soft_cap=True, storage=KVStorage.PAGED),
     "d256_bf16_soft_cap": _spec(d=256, hq=16, hkv=2, soft_cap=True),
+    "d128_bf16_causal_window": _spec(window=True),
+    "paged_d128_bf16_full_window_soft_cap": _spec(causal=False, window=True, soft_cap=True, storage=KVStorage.PAGED),
+    "d64_f16_window": _spec(d=64, dtype=f16, hq=8, hkv=2, window=True),
 }
 UNSUPPORTED = {
     "paged_rope": _spec(storage=KVStorage.PAGED, pos=PosEncoding.ROPE_LLAMA),
     "paged_fp8_kv": _spec(storage=KVStorage.PAGED, kv_dtype=torch.float8_e4m3fn),
     "rope": _spec(pos=PosEncoding.ROPE_LLAMA),
     "alibi": _spec(pos=PosEncoding.ALIBI),
-    "window": _spec(window=True),
+    "alibi_window": _spec(pos=PosEncoding.ALIBI, window=True),
+    "custom_mask_window": _spec(mask=MaskMode.CUSTOM, window=True),
     "rope_soft_cap": _spec(pos=PosEncoding.ROPE_LLAMA, soft_cap=True),
     "custom_mask": _spec(mask=MaskMode.CUSTOM),
     "fp8_kv": _spec(kv_dtype=torch.float8_e4m3fn),

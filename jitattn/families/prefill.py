@@ -289,8 +289,8 @@ def sm90_unsupported(spec: VariantSpec) -> str | None:
         return "it takes one 16-bit dtype (f16 or bf16) for q, kv and o"
     if spec.head_dim_qk != spec.head_dim_vo or spec.head_dim_qk not in SM90_KV_BLOCK:
         return f"it takes head_dim_qk == head_dim_vo in {sorted(SM90_KV_BLOCK)}"
-    if spec.pos_encoding is not PosEncoding.NONE or spec.use_sliding_window:
-        return "it has no positional encoding (RoPE, ALiBi) or sliding window yet"
+    if spec.pos_encoding is not PosEncoding.NONE:
+        return "it has no positional encoding (RoPE, ALiBi) yet"
     if spec.mask_mode not in (MaskMode.NONE, MaskMode.CAUSAL) or spec.variant is not None:
         return "it has no custom mask or custom variant yet"
     if spec.use_sinks:
@@ -374,6 +374,7 @@ def _sm90_context(spec: VariantSpec) -> dict[str, Any]:
     constants = [("int", name, str(value)) for name, value in layout.items()]
     constants.append(("bool", "kCausal", "true" if spec.mask_mode is MaskMode.CAUSAL else "false"))
     constants.append(("bool", "kPaged", "true" if spec.kv_storage is KVStorage.PAGED else "false"))
+    constants.append(("bool", "kSwa", "true" if spec.use_sliding_window else "false"))
     constants.append(("bool", "kSoftCap", "true" if spec.use_logits_soft_cap else "false"))
     constants.append(("float", "kLog2e", repr(_LOG2E) + "f"))
     return {**_attention_context(spec), "constants": constants, "smem_bytes": layout["kSmemBytes"]}
