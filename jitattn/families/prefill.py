@@ -47,8 +47,9 @@ cuda kernel shape (sm80+ generic tier: ``mma.sync.m16n8k16``, fp32 accumulate):
 Hopper tier (``templates/cuda/prefill_sm90.cu.jinja``, sm_90a: TMA, mbarriers, wgmma,
 warp specialisation; layout from ``sm90_layout``). ``select`` picks it when the arch list is
 9.0a only and ``sm90_unsupported(spec)`` is None (ragged or paged KV, one 16-bit dtype for q,
-kv and o, head_dim_qk == head_dim_vo in 64/128/256, no positional encoding, window, soft cap,
-custom mask or variant); every other spec keeps the sm80 tier. ``JITATTN_PREFILL_TIER``
+kv and o, head_dim_qk == head_dim_vo in 64/128/256, causal or not, sliding window and logits soft
+cap allowed; no positional encoding, custom mask, variant or sinks); every other spec keeps the
+sm80 tier. ``JITATTN_PREFILL_TIER``
 forces a tier: ``sm80`` always the generic one; ``sm90`` the Hopper one for every spec it
 supports even with an unknown arch list (an error with a non-Hopper one). The tier is in the
 rendered source, hence in the cache key.
@@ -67,6 +68,16 @@ rendered source, hence in the cache key.
   chunked shared levels) gathers the tile's query rows the same way instead of one Q TMA box. The
   consumers overlap block j's S GEMM with block j-1's P.V and take turns issuing GEMMs
   (ping-pong), so one warpgroup's softmax runs under the other's GEMMs.
+- Soft cap and sliding window, both template constants (``kSoftCap``, ``kSwa``: a spec without
+  them compiles to the same machine code as before they existed). The soft cap turns a block's
+  scores into ``tanh(s * sm_scale / cap)`` before any mask (``1 - 2 / (1 + e^2x)`` on two MUFU ops,
+  ``SM90_TUNING["soft_cap_tanh"]`` = 1 for ``tanh.approx``), and the softmax scale becomes
+  ``cap * log2(e)``, so the max, the exponent and the LSE are those of the plain kernel. Window
+  (``window_left`` = w, the sm80 tier's and the reference's convention): key j is visible to
+  query i of a request when ``j >= kv_len - qo_len + i - w`` (and ``j <= kv_len - qo_len + i``
+  when causal); a tile walks KV blocks from the one holding its first query's window start
+  (``Tile::blk0``: producer and consumers decode the same range, blocks before it are neither
+  loaded nor computed) and masks the blocks starting before its last query's window start.
 - Work mapping: the sm80 tier's virtual tiles (``base(r) = r + qo_indptr[r] * pack // 128``),
   items (virtual tile, kv head; query head when unpacked), a persistent grid of one block per
   SM taking items in a static snake order (producer and consumers walk the same sequence).
