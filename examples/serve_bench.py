@@ -47,8 +47,9 @@ def main() -> None:
         "Timing: host wall clock (time.perf_counter) around the whole run, synchronised at its end; every step "
         "reads its greedy tokens back to the host (int(argmax)), so host cost is in every figure. Graphs off: "
         "every step launches eagerly. Graphs on: a flat decode step replays the CUDA graph of its batch-size "
-        "bucket; prefill chunks and cascade decode steps launch eagerly. Each step plans once from host "
-        "page-table arrays.",
+        "bucket; prefill chunks and cascade decode steps launch eagerly, and with cascade on a step of shared "
+        "prefixes takes whichever path (captured flat, eager cascade) the engine has timed faster for its bucket "
+        "(each is tried after a warm-up step). Each step plans once from host page-table arrays.",
         "",
         "| cascade | graphs | output tok/s | TTFT mean ms | TTFT p99 ms | TPOT mean ms | decode steps (cascade / graph) "
         "| prompt tokens reused | KV saved at peak |",

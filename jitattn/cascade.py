@@ -17,10 +17,10 @@ import functools
 
 import torch
 
-from .attention.batch import WorkspaceTooSmall, share_queries
+from .attention.batch import WorkspaceTooSmall, run_plan, share_queries
 from .attention.builder import num_workers
 from .attention.merge import PreparedMerge, merge_state, merge_state_in_place, merge_states, merge_states_with_sinks
-from .attention.options import parse_pos_encoding, resolve_batch_invariant
+from .attention.options import fp8_scale, parse_pos_encoding, resolve_batch_invariant
 from .kv_split import batch_invariant_chunk, cascade_level_chunks, concat_level_tables, split_level_page_table
 from .page_table import PagedIndex, check_indptr, check_paged_index
 from .decode import BatchDecodeWithPagedKVCacheWrapper
@@ -257,6 +257,16 @@ class MultiLevelCascadeAttentionWrapper:
         # one merge of all the states per query then gives the result (sinks applied there, once).
         # Batch-invariant mode always merges, so a query whose batch has one state gets the bits it
         # gets among more (empty extra states add exact zeros to the merge).
+        if not variant_args and sinks is None and not torch.compiler.is_compiling():
+            # The per-layer path: each level's plan launched as its wrapper's run() would (that adds only
+            # argument defaults here), the merged lse left in a scratch buffer unless asked for.
+            k_scale = 1.0 if k_scale is None else fp8_scale(k_scale, "k_scale")
+            v_scale = 1.0 if v_scale is None else fp8_scale(v_scale, "v_scale")
+            for (wrapper, _), (out, lse) in zip(self._launches, states.levels):
+                run_plan(wrapper._plan, wrapper._NAME, wrapper._workspace, q, paged_kv_cache, k_scale=k_scale,
+                         v_scale=v_scale, out=out, lse=lse, return_lse=False, fixed_outputs=True)
+            out, lse = states.merge(states.v, states.s, return_lse)
+            return (out, lse) if return_lse else out
         for (wrapper, _), (out, lse) in zip(self._launches, states.levels):
             wrapper.run(q, paged_kv_cache, k_scale=k_scale, v_scale=v_scale, out=out, lse=lse, **variant_args)
         if sinks is not None:

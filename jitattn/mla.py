@@ -23,6 +23,9 @@ no CUDA graph runs the dedicated MLA kernel (``jitattn.mla_kernel``: the heads o
 rows of one wgmma tile, the latent KV tile loaded once for all of them, split-KV for small batches);
 everything else -- the cpu target, other GPUs, CUDA-graph plans -- runs the paged prefill
 kernels. ``JITATTN_MLA_KERNEL=prefill`` forces the prefill kernels (``sm90``: the MLA kernel or an error).
+Tensors the MLA kernel cannot read in place (rows not on 16 bytes, e.g. an fp8 cache with 8-byte-aligned rows,
+or ``out`` rows not on 4) make that ``run()`` take the prefill kernels (planned once, at the first such run)
+under ``auto``; ``sm90`` raises instead.
 """
 
 from __future__ import annotations
@@ -34,7 +37,8 @@ import torch
 from .attention.checks import check_tensor
 from .attention.options import fp8_scale, parse_dtype, refuse_unsupported, resolve_batch_invariant
 from .log import logger
-from .mla_kernel import KernelPlan, device_facts, select_kernel, unsupported_reason
+from .env import mla_kernel as mla_kernel_choice
+from .mla_kernel import KernelPlan, device_facts, layout_problem, select_kernel, unsupported_reason
 from .page_table import check_indptr, check_page_table, to_host_int32
 from .prefill import BatchPrefillWithPagedKVCacheWrapper
 
@@ -90,6 +94,8 @@ class BatchMLAPagedAttentionWrapper:
         self._rows: tuple[int, int] = (0, 0)  # (total query tokens, num_heads) of the plan
         self._kernel: KernelPlan | None = None  # the sm90 MLA kernel's plan, None: the prefill kernels'
         self._highest_page = -1  # the highest page the sm90 plan reads (checked against the cache at run)
+        self._readable_strides: tuple | None = None  # strides of the last tensors the sm90 kernel could read
+        self._prefill_args: dict | None = None  # an sm90 plan's arguments for the prefill kernels (run()'s fallback)
 
     @property
     def kernel(self) -> str:
@@ -137,14 +143,19 @@ class BatchMLAPagedAttentionWrapper:
                 raise ValueError(f"{name} buffer holds {buffer.numel()} entries but this batch needs {needed[name]}; "
                                  "allocate the fixed buffers for the largest batch")
         self._kernel = None
+        prefill_args = dict(
+            qo_indptr=qo_indptr, paged_kv_indptr=indptr, paged_kv_indices=kv_indices,
+            paged_kv_last_page_len=last_page_len, num_qo_heads=num_heads, num_kv_heads=1,
+            head_dim_qk=head_dim_ckv + head_dim_kpe, page_size=page_size, head_dim_vo=head_dim_ckv, causal=causal,
+            sm_scale=sm_scale, q_data_type=q_data_type, kv_data_type=kv_data_type,
+        )
+        # The sm90 plan keeps these for run(): tensors the kernel cannot read plan the prefill kernels then.
+        self._prefill_args = prefill_args
         if self._sm90_plan(qo_indptr, indptr, kv_indices, lens, last_page_len, num_heads, head_dim_ckv,
                            head_dim_kpe, page_size, causal, sm_scale, q_data_type, kv_data_type,
                            split=not invariant) is None:
-            self._inner.plan(
-                qo_indptr, indptr, kv_indices, last_page_len, num_heads, 1, head_dim_ckv + head_dim_kpe, page_size,
-                head_dim_vo=head_dim_ckv, causal=causal, sm_scale=sm_scale, q_data_type=q_data_type,
-                kv_data_type=kv_data_type,
-            )
+            self._inner.plan(**prefill_args)
+            self._prefill_args = None  # planned
         if self._kv_len_arr_buf is not None:  # FlashInfer keeps the lengths in the caller's buffer too
             self._kv_len_arr_buf[: lens.numel()].copy_(lens.to(torch.int32))
         self._dims = (head_dim_ckv, head_dim_kpe)
@@ -182,12 +193,19 @@ class BatchMLAPagedAttentionWrapper:
                 raise ValueError(f"{name} has shape {tuple(t.shape)}; expected [pages, page_size, {dim}]")
         if self._kernel is not None:
             return self._run_sm90(q_nope, q_pe, ckv_cache, kpe_cache, out, lse, return_lse, k_scale, v_scale)
+        return self._run_prefill(q_nope, q_pe, ckv_cache, kpe_cache, out, lse, return_lse, k_scale, v_scale)
+
+    run_return_lse = functools.partialmethod(run, return_lse=True)
+
+    def _run_prefill(self, q_nope: torch.Tensor, q_pe: torch.Tensor, ckv_cache: torch.Tensor, kpe_cache: torch.Tensor,
+                     out: torch.Tensor | None, lse: torch.Tensor | None, return_lse: bool, k_scale, v_scale):
+        if self._prefill_args is not None:  # an sm90 plan meeting tensors its kernel cannot read: plan once
+            self._inner.plan(**self._prefill_args)
+            self._prefill_args = None
         q = torch.cat([q_nope, q_pe], dim=-1)
         keys = latent_keys(ckv_cache, kpe_cache)
         return self._inner.run(q, (keys.unsqueeze(2), ckv_cache.unsqueeze(2)), k_scale=k_scale, v_scale=v_scale,
                                out=out, lse=lse, return_lse=return_lse)
-
-    run_return_lse = functools.partialmethod(run, return_lse=True)
 
     def _sm90_plan(self, qo_indptr: torch.Tensor, indptr: torch.Tensor, kv_indices: torch.Tensor, lens: torch.Tensor,
                    last_page_len: torch.Tensor, num_heads: int, head_dim_ckv: int, head_dim_kpe: int, page_size: int,
@@ -245,6 +263,21 @@ class BatchMLAPagedAttentionWrapper:
         elif lse is not None:
             if lse.dtype != torch.float32 or tuple(lse.shape) != (tokens, heads) or lse.device != q_nope.device:
                 raise ValueError(f"lse must be float32 {(tokens, heads)} on {q_nope.device}; got {_describe(lse)}")
+        # The layout rules by strides (the last ones that passed) and pointers: a few attribute reads a call.
+        strides = (q_nope.stride(), q_pe.stride(), ckv_cache.stride(), kpe_cache.stride(), out.stride())
+        pointers = q_nope.data_ptr() | q_pe.data_ptr() | ckv_cache.data_ptr() | kpe_cache.data_ptr()
+        if strides == self._readable_strides and not (pointers & 15 or out.data_ptr() & 3):
+            problem = None
+        else:
+            problem = layout_problem(q_nope, q_pe, ckv_cache, kpe_cache, out)
+            if problem is None:
+                self._readable_strides = strides
+        if problem is not None:
+            if mla_kernel_choice() == "sm90":
+                raise ValueError(f"JITATTN_MLA_KERNEL=sm90, but the sm90 MLA kernel cannot read these tensors: "
+                                 f"{problem}; pass .contiguous() views or set JITATTN_MLA_KERNEL=auto")
+            logger.debug("%s.run: the prefill kernels (%s)", _NAME, problem)
+            return self._run_prefill(q_nope, q_pe, ckv_cache, kpe_cache, out, lse, return_lse, k_scale, v_scale)
         self._kernel.launch(q_nope, q_pe, ckv_cache, kpe_cache, out, lse, fp8_scale(k_scale, "k_scale"),
                             fp8_scale(v_scale, "v_scale"))
         return (out, lse) if return_lse else out

@@ -51,6 +51,20 @@ def unsupported_reason(device: torch.device, q_dtype: torch.dtype, kv_dtype: tor
     return None
 
 
+def layout_problem(q_nope: torch.Tensor, q_pe: torch.Tensor, ckv: torch.Tensor, kpe: torch.Tensor,
+                   out: torch.Tensor) -> str | None:
+    """Why the sm90 MLA kernel cannot read or write these tensors in place (None when it can): the rules of its
+    launch check -- q, ckv and kpe rows start on 16 bytes (16-byte ``cp.async`` pieces), out rows on 4 (pair
+    stores). ``run()`` then takes the prefill kernels, which copy q and the keys and store out element-wise."""
+    for name, t in (("q_nope", q_nope), ("q_pe", q_pe), ("ckv_cache", ckv), ("kpe_cache", kpe), ("out", out)):
+        unit = 4 if name == "out" else 16
+        strides = [s * t.element_size() for s in t.stride()[:-1]]
+        if t.data_ptr() % unit or any(s % unit for s in strides):
+            return (f"{name}'s rows do not start on {unit} bytes (strides {tuple(t.stride())} elements, pointer offset "
+                    f"{t.data_ptr() % unit} bytes)")
+    return None
+
+
 def select_kernel(reason: str | None) -> str:
     """``"sm90"`` or ``"prefill"`` given ``unsupported_reason(...)`` and ``JITATTN_MLA_KERNEL``."""
     choice = env.mla_kernel()

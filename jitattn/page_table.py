@@ -79,8 +79,8 @@ def check_indptr(name: str, indptr: torch.Tensor) -> torch.Tensor:
     return host
 
 
-def _check_indptr_values(name: str, host) -> None:
-    """``host``: a 1-D int32 host tensor or numpy array."""
+def _check_indptr_values(name: str, host) -> np.ndarray:
+    """``host``: a 1-D int32 host tensor or numpy array. Returns its steps (each request's count)."""
     host = host.numpy() if isinstance(host, torch.Tensor) else host
     if host.size < 1:
         raise ValueError(f"{name} must have batch_size + 1 >= 1 entries")
@@ -90,6 +90,7 @@ def _check_indptr_values(name: str, host) -> None:
     if steps.size and steps.min() < 0:
         r = int(np.flatnonzero(steps < 0)[0])
         raise ValueError(f"{name} must be non-decreasing; {name}[{r + 1}] < {name}[{r}]")
+    return steps
 
 
 def check_page_table(
@@ -104,15 +105,21 @@ def check_page_table(
     entry per request and lies in ``[1, page_size]`` for a request with pages (it is not read
     for a request without). Returns the highest referenced page (-1 when none or unknown).
     """
+    return _check_page_table(indptr, indices, last_page_len, page_size, num_pages, names)[0]
+
+
+def _check_page_table(indptr, indices, last_page_len, page_size: int, num_pages: int | None,
+                      names: tuple[str, str, str]) -> tuple[int, np.ndarray | None]:
+    """``check_page_table``, also returning each request's page count (None without ``indptr``)."""
     if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
         raise ValueError(f"page_size={page_size!r} must be a positive int")
     highest = -1
     if indptr is None:
-        return highest
+        return highest, None
     # numpy views of the host tensors: reductions over a 64k-page table take ~10 us there, while
     # torch's parallel int reductions cost 100s of us on some hosts.
     indptr_np = indptr.numpy()
-    _check_indptr_values(names[0], indptr_np)
+    pages = _check_indptr_values(names[0], indptr_np)
     batch = indptr_np.size - 1
     if last_page_len is not None and last_page_len.numel() != batch:
         raise ValueError(f"{names[2]} has {last_page_len.numel()} entries; expected batch_size = {batch} "
@@ -132,7 +139,6 @@ def check_page_table(
             raise IndexError(f"{names[1]}[{i}] = {int(used[i])} references a page past the end of the kv cache "
                              f"(it has {num_pages} pages)")
     if last_page_len is not None and batch:
-        pages = np.diff(indptr_np)
         last = last_page_len.numpy()
         bad = (pages > 0) & ((last < 1) | (last > page_size))
         if bad.any():
@@ -141,7 +147,7 @@ def check_page_table(
                 f"{names[2]}[{r}] = {int(last[r])} is out of range: a request with pages needs 1 <= "
                 f"last_page_len <= page_size ({page_size})"
             )
-    return highest
+    return highest, pages
 
 
 def check_paged_index(
@@ -156,8 +162,8 @@ def check_paged_index(
     if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
         raise ValueError(f"page_size={page_size!r} must be a positive int")
     indptr_h, indices_h, last_h = to_host_int32_many(names, (indptr, indices, last_page_len))
-    highest = check_page_table(indptr_h, indices_h, last_h, page_size, names=names)
-    num_pages = np.diff(indptr_h.numpy()).astype(np.int64)
+    highest, pages = _check_page_table(indptr_h, indices_h, last_h, page_size, None, names)
+    num_pages = pages.astype(np.int64)
     kv_lens = np.where(num_pages > 0, (num_pages - 1) * page_size + last_h.numpy(), 0).tolist()
     return PagedIndex(
         indptr=indptr_h, indices=indices_h, last_page_len=last_h, page_size=page_size,

@@ -140,3 +140,39 @@ def test_cascade_refuses_a_level_whose_arrays_disagree_on_its_nodes() -> None:
                      [torch.tensor([0, 1], **i32), torch.arange(5, **i32)],
                      [torch.tensor([0], **i32), torch.arange(1, 5, **i32)],
                      [torch.tensor([16], **i32), torch.full((4,), 3, **i32)], 8, 2, 64, 16, q_data_type=torch.float16)
+
+
+@pytest.mark.parametrize("device", devices())
+def test_repeated_runs_return_fresh_outputs_and_check_each_query(device: str) -> None:
+    """The per-layer path (checks once per signature, the merged lse in scratch unless asked for): each run()
+    gives a new output of its own q, the lse only when asked, and a q the plan cannot take is still refused."""
+    gen = torch.Generator().manual_seed(31)
+    hq, hkv, d, dtype = 4, 2, 64, torch.float16
+    pool = torch.randperm(30, generator=gen).tolist()
+    cache = torch.randn(30, 2, PAGE, hkv, d, generator=gen).to(dtype).to(device)
+    levels = [cascade_level(level, pool, PAGE) for level in ([70], [5, 20, 0])]
+    wrapper = jitattn.MultiLevelCascadeAttentionWrapper(2, torch.empty(8 << 20, dtype=torch.uint8, device=device))
+    wrapper.plan([torch.tensor([0, 3], dtype=torch.int32), torch.arange(4, dtype=torch.int32)],
+                 [lv[0] for lv in levels], [lv[1] for lv in levels], [lv[2] for lv in levels], hq, hkv, d, PAGE,
+                 q_data_type=dtype, fixed_split_size=2)
+    assert wrapper._states is not None, "the case must merge several states"
+    queries = [torch.randn(3, hq, d, generator=gen).to(dtype).to(device) for _ in range(3)]
+    first = wrapper.run(queries[0], cache)
+    out1, lse1 = wrapper.run(queries[1], cache, return_lse=True)
+    out2, lse2 = wrapper.run(queries[2], cache, return_lse=True)
+    again = wrapper.run(queries[0], cache)
+    assert first.data_ptr() != again.data_ptr() and lse1.data_ptr() != lse2.data_ptr()
+    torch.testing.assert_close(first, again, atol=0, rtol=0)
+    ragged = [reference.paged_kv_to_ragged(cache, *lv) for lv in levels]
+    for q, out, lse in ((queries[0], first, None), (queries[1], out1, lse1), (queries[2], out2, lse2)):
+        for r in range(3):
+            parts = [(k[i[n]:i[n + 1]], v[i[n]:i[n + 1]]) for (k, v, i), n in zip(ragged, (0, r))]
+            o, l = reference.single_attention(q[r:r + 1], torch.cat([p[0] for p in parts]),
+                                              torch.cat([p[1] for p in parts]))
+            assert_close_out(out[r:r + 1], o, dtype)
+            if lse is not None:
+                torch.testing.assert_close(lse[r:r + 1].float().cpu(), l.float().cpu(), atol=2e-3, rtol=2e-3)
+    with pytest.raises(TypeError, match="dtype"):
+        wrapper.run(queries[0].to(torch.bfloat16), cache)
+    with pytest.raises(ValueError, match="shape"):
+        wrapper.run(queries[0][:2], cache)

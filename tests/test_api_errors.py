@@ -154,3 +154,20 @@ def test_checks_run_again_when_the_tensors_change_shape(monkeypatch) -> None:
         wrapper.run(q, batch.cache[: int(batch.kv_indices.max())])
     with pytest.raises(TypeError, match="q must be a torch.Tensor"):
         wrapper.run([1.0], batch.cache)
+
+
+def test_plan_options_are_reused_only_for_equal_arguments_of_equal_types() -> None:
+    """plan() keeps recent parsed options by argument: 0 and False (or 1 and True) stay apart, so a value
+    refused once is refused every time, whatever an earlier plan cached."""
+    from jitattn.attention.builder import attention_options
+    from jitattn.spec import Op
+
+    common = dict(num_qo_heads=8, num_kv_heads=2, head_dim_qk=64, q_data_type=torch.float16, kv_data_type=None)
+    first = attention_options(Op.DECODE, **common, pos_encoding_mode=0)
+    assert attention_options(Op.DECODE, **common, pos_encoding_mode=0) is first
+    for _ in range(2):
+        with pytest.raises(ValueError, match="pos_encoding_mode=False"):
+            attention_options(Op.DECODE, **common, pos_encoding_mode=False)
+    scaled = attention_options(Op.DECODE, **common, sm_scale=0.5)
+    assert scaled.scalars.sm_scale == 0.5 and first.scalars.sm_scale == 64 ** -0.5
+    assert attention_options(Op.PREFILL, **common).op is Op.PREFILL

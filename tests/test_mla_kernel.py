@@ -17,7 +17,8 @@ import torch
 import jitattn
 from jitattn import env
 from jitattn.families import mla as family
-from jitattn.mla_kernel import kernel_spec, select_kernel, unsupported_reason
+from jitattn.mla import BatchMLAPagedAttentionWrapper
+from jitattn.mla_kernel import kernel_spec, layout_problem, select_kernel, unsupported_reason
 from jitattn.mla_plan import MIN_CHUNK_BLOCKS, plan_work
 from jitattn.spec import VariantSpec
 
@@ -165,6 +166,91 @@ def test_cpu_plans_keep_the_prefill_kernels(monkeypatch: pytest.MonkeyPatch) -> 
     with pytest.raises(ValueError, match="cuda kernel"):
         wrapper.plan(_indptr([1]), indptr, indices, lens, 16, CKV, KPE, 16, False, SM_SCALE, torch.float32,
                      torch.float32)
+
+
+def _aligned_tensors(dtype: torch.dtype = torch.bfloat16, kv_dtype: torch.dtype | None = None):
+    """q_nope, q_pe, ckv, kpe, out as the kernel's tests pass them: slices of joined [.., 576] buffers."""
+    q = torch.randn(3, 4, CKV + KPE).to(dtype)
+    cache = torch.randn(5, 16, CKV + KPE).to(kv_dtype or dtype)
+    return q[..., :CKV], q[..., CKV:], cache[..., :CKV], cache[..., CKV:], torch.empty(3, 4, CKV, dtype=dtype)
+
+
+def test_layout_problem_names_the_tensor_the_kernel_cannot_read() -> None:
+    assert layout_problem(*_aligned_tensors()) is None
+    assert layout_problem(*_aligned_tensors(torch.float16, torch.float8_e4m3fn)) is None
+    q_nope, q_pe, ckv, kpe, out = _aligned_tensors()
+    shifted = torch.randn(3, 4, CKV + 1).to(torch.bfloat16)[..., 1:]  # rows start 2 bytes in
+    assert "q_nope" in layout_problem(shifted, q_pe, ckv, kpe, out)
+    odd_rows = torch.randn(3, 4, KPE + 4).to(torch.bfloat16)[..., :KPE]  # row stride 136 bytes
+    assert "q_pe" in layout_problem(q_nope, odd_rows, ckv, kpe, out)
+    fp8 = torch.randn(5, 16, CKV + 8).to(torch.float8_e4m3fn)  # 520-byte rows: 8-byte, not 16-byte, aligned
+    assert "ckv_cache" in layout_problem(q_nope, q_pe, fp8[..., :CKV], kpe, out)
+    odd_out = torch.empty(3 * 4 * CKV + 1, dtype=torch.bfloat16)[1:].view(3, 4, CKV)
+    assert "out" in layout_problem(q_nope, q_pe, ckv, kpe, odd_out)
+
+
+class _FakeKernel:
+    """Stands in for an sm90 ``KernelPlan`` on the cpu: records launches."""
+
+    def __init__(self, page_size: int) -> None:
+        self.params = type("Params", (), {"page_size": page_size})()
+        self.launches = 0
+
+    def launch(self, *args) -> None:
+        self.launches += 1
+
+
+def test_an_sm90_plan_runs_unreadable_tensors_on_the_prefill_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel's layout rules fail at run(): auto plans the prefill kernels once and gives their result;
+    JITATTN_MLA_KERNEL=sm90 raises instead. (The sm90 plan is faked: this runs on the cpu.)"""
+    monkeypatch.delenv("JITATTN_MLA_KERNEL", raising=False)
+    fakes: list[_FakeKernel] = []
+
+    def fake_plan(self, qo_indptr, indptr, kv_indices, lens, last_page_len, num_heads, head_dim_ckv, head_dim_kpe,
+                  page_size, *rest, **kw):
+        self._kernel = _FakeKernel(page_size)
+        fakes.append(self._kernel)
+        return self._kernel
+
+    monkeypatch.setattr(BatchMLAPagedAttentionWrapper, "_sm90_plan", fake_plan)
+    inner_plans = []
+    real_inner_plan = jitattn.BatchPrefillWithPagedKVCacheWrapper.plan
+    monkeypatch.setattr(jitattn.BatchPrefillWithPagedKVCacheWrapper, "plan",
+                        lambda self, *a, **kw: inner_plans.append(1) or real_inner_plan(self, *a, **kw))
+    gen = torch.Generator().manual_seed(4)
+    kv_lens, qo_lens, heads = [40, 7], [2, 1], 4
+    ckv, kpe, indptr, indices, lens = _latent_cache(kv_lens, 16, torch.float32, "cpu", gen, joined=True)
+    q_nope, q_pe = _queries(qo_lens, heads, torch.float32, "cpu", gen)
+    wrapper = BatchMLAPagedAttentionWrapper(torch.empty(1 << 20, dtype=torch.uint8))
+    wrapper.plan(_indptr(qo_lens), indptr, indices, lens, heads, CKV, KPE, 16, True, SM_SCALE, torch.float32,
+                 torch.float32)
+    assert wrapper.kernel == "sm90" and not inner_plans
+    wrapper.run(q_nope, q_pe, ckv, kpe)  # readable: the kernel launches
+    assert fakes[-1].launches == 1 and not inner_plans
+    ref_out, ref_lse = _reference(q_nope, q_pe, ckv, kpe, indptr, indices, qo_lens, kv_lens, True)
+    offset = torch.empty(q_nope.numel() + 1)[1:].view(q_nope.shape)  # q_nope's strides, rows 4 bytes off 16
+    offset.copy_(q_nope)
+    torch.testing.assert_close(wrapper.run(offset, q_pe, ckv, kpe), ref_out, atol=1e-4, rtol=1e-4)
+    assert fakes[-1].launches == 1 and len(inner_plans) == 1
+    wide = torch.randn(sum(qo_lens), heads, CKV + 1, generator=gen)
+    shifted = wide[..., 1:]  # rows start 4 bytes in
+    shifted.copy_(q_nope)
+    for _ in range(2):
+        out = torch.full((sum(qo_lens), heads, CKV), float("nan"))
+        _, lse = wrapper.run(shifted, q_pe, ckv, kpe, out=out, return_lse=True)
+        torch.testing.assert_close(out, ref_out, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-4)
+    assert fakes[-1].launches == 1 and len(inner_plans) == 1, "the prefill kernels are planned once per plan()"
+    wrapper.run(q_nope, q_pe, ckv, kpe)  # readable again: the kernel
+    assert fakes[-1].launches == 2
+    monkeypatch.setenv("JITATTN_MLA_KERNEL", "sm90")
+    with pytest.raises(ValueError, match="JITATTN_MLA_KERNEL=sm90.*q_nope"):
+        wrapper.run(shifted, q_pe, ckv, kpe)
+    wrapper.plan(_indptr(qo_lens), indptr, indices, lens, heads, CKV, KPE, 16, True, SM_SCALE, torch.float32,
+                 torch.float32)
+    monkeypatch.setenv("JITATTN_MLA_KERNEL", "auto")
+    wrapper.run(shifted, q_pe, ckv, kpe)
+    assert len(inner_plans) == 2, "a new plan() plans the fallback again"
 
 
 # -- the op and its template ---------------------------------------------------------------------------
@@ -346,3 +432,30 @@ def test_batch_invariant_plans_do_not_split_and_keep_each_requests_bits(monkeypa
     split.plan(_indptr([1]), indptr[:2], indices, lens[:1], 16, CKV, KPE, 16, False, SM_SCALE, torch.bfloat16,
                torch.bfloat16)
     assert split._kernel.work.num_merges > 0, "without batch_invariant the lone long request splits"
+
+
+@pytest.mark.gpu
+def test_an_fp8_cache_on_8_byte_rows_runs_on_the_prefill_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An e4m3 latent cache with 584-byte rows (8-byte aligned, not the 16 the sm90 kernel's cp.async needs):
+    auto plans the kernel, and run() gives the prefill kernels' exact result instead of an error."""
+    monkeypatch.setenv("JITATTN_MLA_KERNEL", "auto")
+    gen = torch.Generator().manual_seed(21)
+    kv_lens, qo_lens, causal, heads, page_size = [300, 17], [1, 3], True, 16, 16
+    pages = [(n + page_size - 1) // page_size for n in kv_lens]
+    pool = sum(pages) + 1
+    wide = (torch.randn(pool, page_size, CKV + KPE + 8, generator=gen) * 2).to(torch.float8_e4m3fn).cuda()
+    ckv, kpe = wide[..., :CKV], wide[..., CKV:CKV + KPE]
+    indptr, indices = _indptr(pages), torch.randperm(pool, generator=gen)[: sum(pages)].to(torch.int32)
+    q_nope, q_pe = _queries(qo_lens, heads, torch.bfloat16, "cuda", gen)
+    wrapper = jitattn.BatchMLAPagedAttentionWrapper(torch.empty(64 << 20, dtype=torch.uint8, device="cuda"))
+    wrapper.plan(_indptr(qo_lens), indptr, indices, torch.tensor(kv_lens, dtype=torch.int32), heads, CKV, KPE,
+                 page_size, causal, SM_SCALE, torch.bfloat16, torch.float8_e4m3fn)
+    assert wrapper.kernel == "sm90"
+    out = torch.full((sum(qo_lens), heads, CKV), float("nan"), dtype=torch.bfloat16, device="cuda")
+    _, lse = wrapper.run(q_nope, q_pe, ckv, kpe, out=out, return_lse=True, k_scale=0.5, v_scale=1.5)
+    ref_out, ref_lse = _reference(q_nope, q_pe, ckv, kpe, indptr, indices, qo_lens, kv_lens, causal, 0.5, 1.5)
+    assert_close_out(out / 1.5, ref_out / 1.5, torch.bfloat16)
+    assert_close_lse(lse, ref_lse)
+    monkeypatch.setenv("JITATTN_MLA_KERNEL", "sm90")
+    with pytest.raises(ValueError, match="ckv_cache"):
+        wrapper.run(q_nope, q_pe, ckv, kpe, out=out)

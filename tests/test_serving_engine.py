@@ -181,8 +181,79 @@ def test_graph_bucket_step_gives_the_eager_step_logits(model, monkeypatch) -> No
     for batch in (engine.running, engine.running[:2]):  # 1 and 2 padded rows, one captured bucket
         seqs = [SeqView(tuple(r.pages[: -(-len(r.fed_tokens) // PAGE)]), len(r.fed_tokens), 1) for r in batch]
         ids = [r.fed_tokens[-1] for r in batch]
-        expected = engine._decode_logits(seqs, ids)
+        expected, _ = engine._decode_logits(seqs, ids)
         torch.testing.assert_close(graph.run(seqs, ids), expected, rtol=0, atol=0)
+
+
+def _fake_graphs(monkeypatch) -> None:
+    """CUDA-graph capture replaced by a stand-in whose replay re-runs the recorded forward (no CUDA here)."""
+    import contextlib
+
+    from jitattn.serving.graphs import DecodeGraph
+
+    captured: list[DecodeGraph] = []
+    real_init = DecodeGraph.__init__
+
+    def init(self, *args, **kwargs):
+        captured.append(self)
+        real_init(self, *args, **kwargs)
+
+    class ReplayByRerun:
+        def __init__(self) -> None:
+            self.owner = captured[-1]
+
+        def replay(self) -> None:
+            self.owner.logits.copy_(self.owner._forward())
+
+    monkeypatch.setattr(DecodeGraph, "__init__", init)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", ReplayByRerun)
+    monkeypatch.setattr(torch.cuda, "graph", lambda graph, pool=None: contextlib.nullcontext())
+
+
+@pytest.mark.parametrize("graph_ms,cascade_ms", [(20.0, 35.0), (40.0, 5.0)], ids=["graph-faster", "cascade-faster"])
+def test_with_graphs_shared_prefix_steps_take_the_faster_path(model, shared_workload, monkeypatch, graph_ms,
+                                                              cascade_ms) -> None:
+    """cascade=True with CUDA graphs: each step of requests sharing prefix pages takes the path measured
+    faster (here the step times are faked), and the greedy tokens are the reference's either way."""
+    prompts, expected = shared_workload
+    _fake_graphs(monkeypatch)
+    engine = Engine(model, num_pages=64, page_size=PAGE, cascade=True)
+    engine.cuda_graphs = True  # on the cpu target, with capture faked above
+    record = engine.decode_paths.record
+    monkeypatch.setattr(engine.decode_paths, "record", lambda bucket, path, seconds: record(
+        bucket, path, (graph_ms if path == "graph" else cascade_ms) / 1e3))
+    requests = _serve(engine, prompts, new_tokens=12)
+    assert [r.output[:NEW_TOKENS] for r in requests] == expected
+    stats = engine.stats
+    assert stats.graph_steps and stats.cascade_steps, "both paths are tried"
+    faster = "graph" if graph_ms < cascade_ms else "cascade"
+    taken = stats.graph_steps if faster == "graph" else stats.cascade_steps
+    assert taken >= stats.decode_steps - 4, "after one warm-up and one timed step of each, the faster path"
+
+
+def test_decode_path_chooser_measures_each_path_then_keeps_the_faster() -> None:
+    from jitattn.serving.decode_path import DecodePathChooser
+
+    chooser = DecodePathChooser(warmup=1, smoothing=0.5, explore_every=4)
+    taken = []
+    times = {"graph": 0.020, "cascade": 0.010}
+    for _ in range(12):
+        path = chooser.choose(64)
+        taken.append(path)
+        chooser.record(64, path, times[path])
+    assert taken[:4] == ["graph", "graph", "cascade", "cascade"], "a warm-up and a timed step of each"
+    assert chooser.averages(64) == pytest.approx({"graph": 0.020, "cascade": 0.010})
+    assert taken[4:] == ["cascade", "cascade", "cascade", "graph"] * 2, "the slower path once every 4 steps"
+    assert chooser.choose(8) == "graph" and chooser.averages(8) == {}, "buckets are measured apart"
+    times["cascade"] = 0.050  # the shared prefix's advantage is gone: the averages follow
+    for _ in range(6):
+        path = chooser.choose(64)
+        chooser.record(64, path, times[path])
+    assert chooser.choose(64) == "graph"
+    with pytest.raises(ValueError, match="path"):
+        chooser.record(64, "flat", 0.1)
+    with pytest.raises(ValueError, match="smoothing"):
+        DecodePathChooser(smoothing=0.0)
 
 
 # --- the parts on their own -------------------------------------------------------------------

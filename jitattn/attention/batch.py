@@ -291,8 +291,12 @@ def run_plan(
     plan: AttentionPlan | None, wrapper: str, workspace: torch.Tensor, q: torch.Tensor, kv, *,
     k_scale: float, v_scale: float, out: torch.Tensor | None, lse: torch.Tensor | None, return_lse: bool,
     variant_args: dict | None = None, q_scale: float = 1.0, sinks: torch.Tensor | None = None,
+    fixed_outputs: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Check q/kv/out/lse (and a variant's extra arguments) against ``plan`` and launch; returns out or (out, lse).
+
+    ``fixed_outputs``: out/lse are buffers the caller allocated for this plan and never reshapes (a
+    cascade's level states), so once checked they are not looked at again.
 
     ``sinks`` (float32 ``[num_qo_heads]``) runs the plan's kernel built with attention sinks: the output
     of head h is scaled by ``1 / (1 + exp(sinks[h] - lse))``, the returned lse is the keys' alone.
@@ -347,12 +351,13 @@ def run_plan(
         out = torch.empty((plan.total_qo, plan.num_qo_heads, plan.head_dim_vo), dtype=plan.o_dtype, device=q.device)
     if lse is None and return_lse:
         lse = torch.empty((plan.total_qo, plan.num_qo_heads), dtype=torch.float32, device=q.device)
-    outputs = (_output_signature(out), _output_signature(lse))
-    if outputs != plan.checked_outputs:
-        _check_outputs(plan, wrapper, q, out, lse)
-        for prepared in plan.launches():
-            prepared.set_outputs(out, lse)
-        plan.checked_outputs = outputs
+    if not (fixed_outputs and plan.checked_outputs is not None):
+        outputs = (_output_signature(out), _output_signature(lse))
+        if outputs != plan.checked_outputs:
+            _check_outputs(plan, wrapper, q, out, lse)
+            for prepared in plan.launches():
+                prepared.set_outputs(out, lse)
+            plan.checked_outputs = outputs
     if plan.split.kv_chunk_size and workspace is not plan.checked_workspace:
         target_of(wrapper, (workspace, q))
         check_workspace(workspace, split_workspace_bytes(plan.split.num_chunks, plan.num_qo_heads, plan.head_dim_vo),

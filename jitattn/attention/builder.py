@@ -24,6 +24,12 @@ from .options import (
 from .specs import attention_spec
 
 
+# Options of recent plans by their arguments (with their types, so 1, 1.0 and True stay apart): a serving
+# loop plans the same options every step. Only plain values are keys; AttentionOptions is immutable.
+_OPTIONS: dict[tuple, AttentionOptions] = {}
+_PLAIN = (str, int, float, bool, type(None), torch.dtype, Op, MaskMode)
+
+
 def attention_options(
     op: Op, *, num_qo_heads: int, num_kv_heads: int, head_dim_qk: int, head_dim_vo: int | None = None,
     q_data_type, kv_data_type, data_type=None, o_data_type=None, pos_encoding_mode="NONE",
@@ -32,6 +38,25 @@ def attention_options(
     variant: AttentionVariant | None = None,
 ) -> AttentionOptions:
     """Parse and default one plan's options (FlashInfer spellings accepted); raises naming a bad one."""
+    values = (op, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo, q_data_type, kv_data_type, data_type,
+              o_data_type, pos_encoding_mode, mask_mode, window_left, logits_soft_cap, sm_scale, rope_scale,
+              rope_theta)
+    key = tuple((type(v), v) for v in values) if variant is None and all(type(v) in _PLAIN for v in values) else None
+    options = _OPTIONS.get(key) if key is not None else None
+    if options is None:
+        options = _parse_options(op, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo, q_data_type, kv_data_type,
+                                 data_type, o_data_type, pos_encoding_mode, mask_mode, window_left, logits_soft_cap,
+                                 sm_scale, rope_scale, rope_theta, variant)
+        if key is not None:
+            if len(_OPTIONS) >= 256:
+                _OPTIONS.clear()
+            _OPTIONS[key] = options
+    return options
+
+
+def _parse_options(op, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo, q_data_type, kv_data_type, data_type,
+                   o_data_type, pos_encoding_mode, mask_mode, window_left, logits_soft_cap, sm_scale, rope_scale,
+                   rope_theta, variant) -> AttentionOptions:
     check_head_dim(head_dim_qk, "head_dim_qk" if op is Op.PREFILL else "head_dim")
     head_dim_vo = head_dim_qk if head_dim_vo is None else check_head_dim(head_dim_vo, "head_dim_vo")
     q_dtype, kv_dtype = resolve_dtypes(q_data_type, kv_data_type, data_type)

@@ -102,11 +102,20 @@ class PreparedMerge:
         )
         self.call = self.module.bind("merge_states", self.params)
         self.out_shape, self.lse_shape, self.dtype = (seq_len, num_heads, head_dim), (seq_len, num_heads), v.dtype
+        self._scratch_lse: torch.Tensor | None = None  # the merged lse no caller asked for
 
-    def __call__(self, v: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Merge ``v``/``s`` (of the signature this was prepared for) into new tensors."""
+    def __call__(self, v: torch.Tensor, s: torch.Tensor, with_lse: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Merge ``v``/``s`` (of the signature this was prepared for) into new tensors.
+
+        ``with_lse=False``: the merged lse goes to a scratch buffer this object keeps (overwritten by the next
+        call on the stream, like the states themselves) and None is returned for it: one allocation less."""
         v_out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
-        s_out = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
+        if with_lse:
+            s_out = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
+        else:
+            if self._scratch_lse is None:
+                self._scratch_lse = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
+            s_out = self._scratch_lse
         p = self.params
         p.v, p.s, p.v_out, p.s_out = v.data_ptr(), s.data_ptr(), v_out.data_ptr(), s_out.data_ptr()
         if self.device.type == "cuda":
@@ -114,7 +123,7 @@ class PreparedMerge:
         else:
             p.num_threads = cpu_threads()
             self.call(None)
-        return v_out, s_out
+        return v_out, s_out if with_lse else None
 
 
 def _merge_states_eager(v: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

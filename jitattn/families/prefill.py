@@ -64,7 +64,12 @@ rendered source, hence in the cache key.
   Paged KV: the whole producer warpgroup gathers each block with ``cp.async`` -- a table of the
   block's row offsets from the page table (``kOffTab``, two by block parity), then every 16-byte
   piece into the same swizzled layout, rows past the request zero-filled -- completing on the
-  stage's full barrier (one arrival per producer thread). ``q_row_period`` > 0 (the cascade's
+  stage's full barrier (one arrival per producer thread). With ``kPagedTma`` and a page size that is
+  a multiple of 8 dividing the KV block, the launch takes TMA instead: the producer threads read the
+  block's page ids into the table, and one thread loads each page as a box of 64 columns x page_size
+  rows of a 4-d tensor map over the cache (dim, head, slot, page; head and slot swapped for HND),
+  which lands in the same swizzled rows; rows past the keys are masked (K) and zeroed (V) as for
+  ragged KV. ``q_row_period`` > 0 (the cascade's
   chunked shared levels) gathers the tile's query rows the same way instead of one Q TMA box. The
   consumers overlap block j's S GEMM with block j-1's P.V and take turns issuing GEMMs
   (ping-pong), so one warpgroup's softmax runs under the other's GEMMs.
@@ -267,8 +272,11 @@ SM90_KV_BLOCK = {64: 192, 128: 176, 256: 64}  # head_dim -> KV tokens per stage 
 # gather_l2: cp.async L2 prefetch hint in bytes (0 none, 64, 128, 256);
 # paged_kv_block: KV tokens per stage for paged KV (0: SM90_KV_BLOCK's);
 # soft_cap_tanh: the soft cap's tanh (0: 1 - 2 / (1 + e^2x) on ex2 + rcp, absolute error ~3e-7, the
-# default; 1: tanh.approx.f32, one MUFU op instead of two, relative error 2^-11).
-SM90_TUNING: dict[str, int] = {"gather_sync": 0, "gather_l2": 0, "paged_kv_block": 0, "soft_cap_tanh": 0}
+# default; 1: tanh.approx.f32, one MUFU op instead of two, relative error 2^-11);
+# paged_tma: 1 loads paged KV blocks with one TMA box per page (64 columns x page_size rows, a 4-d tensor
+# map over the cache) when page_size is a multiple of 8 dividing the KV block, 0 always gathers.
+SM90_TUNING: dict[str, int] = {"gather_sync": 0, "gather_l2": 0, "paged_kv_block": 0, "soft_cap_tanh": 0,
+                               "paged_tma": 1}
 
 
 def _sm90_tuning_override() -> None:
@@ -350,9 +358,9 @@ def sm90_layout(spec: VariantSpec) -> dict[str, int]:
     paged = spec.kv_storage is KVStorage.PAGED
     tuning = SM90_TUNING
     if tuning["gather_sync"] not in (0, 1, 2, 3) or tuning["gather_l2"] not in (0, 64, 128, 256) or \
-            tuning["soft_cap_tanh"] not in (0, 1):
-        raise ValueError(f"SM90_TUNING={tuning}: gather_sync takes 0 to 3, gather_l2 0, 64, 128 or 256 "
-                         "and soft_cap_tanh 0 or 1")
+            tuning["soft_cap_tanh"] not in (0, 1) or tuning["paged_tma"] not in (0, 1):
+        raise ValueError(f"SM90_TUNING={tuning}: gather_sync takes 0 to 3, gather_l2 0, 64, 128 or 256, "
+                         "soft_cap_tanh 0 or 1 and paged_tma 0 or 1")
     bm, stages = 128, 2
     bn = tuning["paged_kv_block"] if paged and tuning["paged_kv_block"] else SM90_KV_BLOCK[dim]
     if bn not in (64, 80, 96, 128, 176, 192, 256):  # the wgmma N of wgmma_sm90.cuh
@@ -377,6 +385,7 @@ def sm90_layout(spec: VariantSpec) -> dict[str, int]:
         "kOffQ": 0, "kOffK": off_k, "kOffV": off_v, "kOffBar": off_bar, "kOffTab": off_tab, "kSmemBytes": smem,
         "kGatherSync": tuning["gather_sync"], "kGatherL2": tuning["gather_l2"],
         "kSoftCapTanh": tuning["soft_cap_tanh"],
+        "kPagedTma": tuning["paged_tma"] if paged else 0,
     }
 
 

@@ -12,7 +12,9 @@ Each :meth:`Engine.step` does, in order:
    radix tree; a request whose prompt is done gets its first token (greedy);
 3. **decode** one token for every running request, ordered so that requests sharing prefix pages
    sit together (cascade attention groups them), with one plan for every layer; on cuda a flat
-   step may replay a captured CUDA graph of its batch-size bucket.
+   step may replay a captured CUDA graph of its batch-size bucket. With graphs on, a step whose
+   requests share prefix pages takes the faster of the captured flat step and an eager cascade
+   step, as timed per bucket (``decode_path.DecodePathChooser``).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from typing import Callable
 import torch
 
 from .attention import AttentionPlanner, SeqView
+from .decode_path import DecodePathChooser
 from .graphs import DecodeGraph, bucket_sizes
 from .kv_pool import KVPool
 from .model import LlamaModel
@@ -82,7 +85,8 @@ class Engine:
     ``num_pages`` pages of ``page_size`` tokens form the KV pool (per layer); at most
     ``max_batch_size`` requests are admitted at once; a prefill step computes at most
     ``prefill_chunk_tokens`` prompt tokens; ``cascade`` turns cascade decode on; ``cuda_graphs``
-    replays captured flat decode steps (cuda only); ``clock`` gives the time in seconds
+    replays captured flat decode steps (cuda only; with ``cascade`` too, each step of shared prefixes
+    takes the path measured faster for its batch bucket); ``clock`` gives the time in seconds
     (default: since the engine was made) that request arrivals are compared with.
     """
 
@@ -106,6 +110,9 @@ class Engine:
         self._graphs: dict[int, DecodeGraph] = {}
         self._buckets = bucket_sizes(max_batch_size)
         self._graph_pool = torch.cuda.graph_pool_handle() if cuda_graphs else None
+        # With graphs, a step whose requests share prefix pages runs the faster of a captured flat step and
+        # an eager cascade step, as measured (cascade steps are not captured).
+        self.decode_paths = DecodePathChooser()
         started = time.perf_counter()
         self.clock = clock or (lambda: time.perf_counter() - started)
         self.waiting: deque[Request] = deque()
@@ -276,30 +283,43 @@ class Engine:
         if saved > self.stats.peak_pages_saved:
             self.stats.peak_pages_saved = saved
             self.stats.peak_bytes_saved = saved * self.pool.bytes_per_page
-        logits = self._decode_logits(seqs, ids)
+        started = time.perf_counter()
+        logits, chosen = self._decode_logits(seqs, ids)
         self.stats.decode_steps += 1
         done = []
         for i, request in enumerate(batch):
-            self._emit(request, logits[i])
+            self._emit(request, logits[i])  # reads the token back: the step's work is done after this
             if request.done:
                 self.running.remove(request)
                 done.append(request)
+        if chosen is not None:
+            self.decode_paths.record(self._bucket(len(seqs)), chosen, time.perf_counter() - started)
         return done
 
-    def _decode_logits(self, seqs: list[SeqView], ids: list[int]) -> torch.Tensor:
+    def _decode_logits(self, seqs: list[SeqView], ids: list[int]) -> tuple[torch.Tensor, str | None]:
+        """The step's logits, and the path it took when it had a choice (graphs on, prefix pages shared)."""
         dev = self.model.device
         with torch.no_grad():
             groups = self.planner.cascade_groups(seqs)
+            chosen = None
+            if self.cuda_graphs and groups is not None:
+                # rank 0's choice under tensor parallelism: every rank runs the same step
+                chosen = self.group.broadcast(self.decode_paths.choose(self._bucket(len(seqs))))
+                if chosen == "graph":
+                    groups = None
             if self.cuda_graphs and groups is None:
                 self.stats.graph_steps += 1
-                return self._graph(len(seqs)).run(seqs, ids)
+                return self._graph(len(seqs)).run(seqs, ids), chosen
             self.stats.cascade_steps += groups is not None
             attention = self.planner.decode_step(seqs, groups)
             positions = torch.tensor([s.kv_len - 1 for s in seqs], device=dev)
-            return self.model.logits(self.model.forward(torch.tensor(ids, device=dev), positions, attention))
+            return self.model.logits(self.model.forward(torch.tensor(ids, device=dev), positions, attention)), chosen
+
+    def _bucket(self, batch_size: int) -> int:
+        return next(b for b in self._buckets if b >= batch_size)
 
     def _graph(self, batch_size: int) -> DecodeGraph:
-        bucket = next(b for b in self._buckets if b >= batch_size)
+        bucket = self._bucket(batch_size)
         if bucket not in self._graphs:
             self._graphs[bucket] = DecodeGraph(self.model, self.pool, self.planner.workspace, bucket,
                                                self._pages_for(self.max_seq_len), self._graph_pool)
