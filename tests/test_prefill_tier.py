@@ -178,7 +178,7 @@ def test_sm90_gather_knobs(monkeypatch):
     assert layout["kPagedTma"] == 1 and prefill.sm90_layout(ragged)["kPagedTma"] == 0, "paged TMA: paged specs only"
     monkeypatch.setitem(prefill.SM90_TUNING, "paged_tma", 0)
     assert prefill.sm90_layout(paged)["kPagedTma"] == 0
-    for key, bad in (("gather_sync", 4), ("gather_l2", 32), ("paged_kv_block", 100), ("paged_tma", 2)):
+    for key, bad in (("gather_sync", 4), ("gather_l2", 32), ("paged_kv_block", 100), ("paged_tma", 3)):
         monkeypatch.setitem(prefill.SM90_TUNING, key, bad)
         with pytest.raises(ValueError, match="SM90_TUNING"):
             prefill.sm90_layout(paged)

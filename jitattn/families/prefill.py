@@ -261,7 +261,8 @@ SM90_KV_BLOCK = {64: 192, 128: 176, 256: 64}  # head_dim -> KV tokens per stage 
 # gather_l2: cp.async L2 prefetch hint in bytes (0 none, 64, 128, 256);
 # paged_kv_block: KV tokens per stage for paged KV (0: SM90_KV_BLOCK's);
 # paged_tma: 1 loads paged KV blocks with one TMA box per page (64 columns x page_size rows, a 4-d tensor
-# map over the cache) when page_size is a multiple of 8 dividing the KV block, 0 always gathers.
+# map over the cache) when page_size is a multiple of 8 dividing the KV block, 0 always gathers, 2 (tests)
+# as 1 but a launch of such a page size that cannot make the tensor maps is an error instead of gathering.
 SM90_TUNING: dict[str, int] = {"gather_sync": 0, "gather_l2": 0, "paged_kv_block": 0, "paged_tma": 1}
 
 
@@ -344,8 +345,8 @@ def sm90_layout(spec: VariantSpec) -> dict[str, int]:
     paged = spec.kv_storage is KVStorage.PAGED
     tuning = SM90_TUNING
     if tuning["gather_sync"] not in (0, 1, 2, 3) or tuning["gather_l2"] not in (0, 64, 128, 256) or \
-            tuning["paged_tma"] not in (0, 1):
-        raise ValueError(f"SM90_TUNING={tuning}: gather_sync takes 0 to 3, gather_l2 0, 64, 128 or 256, paged_tma 0 or 1")
+            tuning["paged_tma"] not in (0, 1, 2):
+        raise ValueError(f"SM90_TUNING={tuning}: gather_sync takes 0 to 3, gather_l2 0, 64, 128 or 256, paged_tma 0 to 2")
     bm, stages = 128, 2
     bn = tuning["paged_kv_block"] if paged and tuning["paged_kv_block"] else SM90_KV_BLOCK[dim]
     if bn not in (64, 80, 96, 128, 176, 192, 256):  # the wgmma N of wgmma_sm90.cuh
