@@ -210,7 +210,7 @@ def test_sm90_gather_knobs(monkeypatch):
     monkeypatch.setitem(prefill.SM90_TUNING, "paged_tma", 0)
     assert prefill.sm90_layout(paged)["kPagedTma"] == 0
     for key, bad in (("gather_sync", 4), ("gather_l2", 32), ("paged_kv_block", 100), ("soft_cap_tanh", -1),
-                     ("paged_tma", 2)):
+                     ("paged_tma", 3)):
         monkeypatch.setitem(prefill.SM90_TUNING, key, bad)
         with pytest.raises(ValueError, match="SM90_TUNING"):
             prefill.sm90_layout(paged)

@@ -274,7 +274,8 @@ SM90_KV_BLOCK = {64: 192, 128: 176, 256: 64}  # head_dim -> KV tokens per stage 
 # soft_cap_tanh: the soft cap's tanh (0: 1 - 2 / (1 + e^2x) on ex2 + rcp, absolute error ~3e-7, the
 # default; 1: tanh.approx.f32, one MUFU op instead of two, relative error 2^-11);
 # paged_tma: 1 loads paged KV blocks with one TMA box per page (64 columns x page_size rows, a 4-d tensor
-# map over the cache) when page_size is a multiple of 8 dividing the KV block, 0 always gathers.
+# map over the cache) when page_size is a multiple of 8 dividing the KV block, 0 always gathers, 2 (tests)
+# as 1 but a launch of such a page size that cannot make the tensor maps is an error instead of gathering.
 SM90_TUNING: dict[str, int] = {"gather_sync": 0, "gather_l2": 0, "paged_kv_block": 0, "soft_cap_tanh": 0,
                                "paged_tma": 1}
 
@@ -358,9 +359,9 @@ def sm90_layout(spec: VariantSpec) -> dict[str, int]:
     paged = spec.kv_storage is KVStorage.PAGED
     tuning = SM90_TUNING
     if tuning["gather_sync"] not in (0, 1, 2, 3) or tuning["gather_l2"] not in (0, 64, 128, 256) or \
-            tuning["soft_cap_tanh"] not in (0, 1) or tuning["paged_tma"] not in (0, 1):
+            tuning["soft_cap_tanh"] not in (0, 1) or tuning["paged_tma"] not in (0, 1, 2):
         raise ValueError(f"SM90_TUNING={tuning}: gather_sync takes 0 to 3, gather_l2 0, 64, 128 or 256, "
-                         "soft_cap_tanh 0 or 1 and paged_tma 0 or 1")
+                         "soft_cap_tanh 0 or 1 and paged_tma 0 to 2")
     bm, stages = 128, 2
     bn = tuning["paged_kv_block"] if paged and tuning["paged_kv_block"] else SM90_KV_BLOCK[dim]
     if bn not in (64, 80, 96, 128, 176, 192, 256):  # the wgmma N of wgmma_sm90.cuh
