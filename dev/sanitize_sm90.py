@@ -10,23 +10,27 @@ import torch
 
 import jitattn
 
-CASES = [  # head_dim, hq, hkv, dtype, causal, qo_lens, kv_lens
-    (64, 4, 2, torch.float16, True, [70, 1, 0, 200], [90, 5, 3, 200]),
-    (128, 8, 2, torch.bfloat16, False, [130, 7], [77, 300]),
-    (256, 4, 4, torch.bfloat16, True, [65], [129]),
+CASES = [  # head_dim, hq, hkv, dtype, causal, qo_lens, kv_lens, window_left, logits_soft_cap
+    (64, 4, 2, torch.float16, True, [70, 1, 0, 200], [90, 5, 3, 200], -1, None),
+    (128, 8, 2, torch.bfloat16, False, [130, 7], [77, 300], -1, None),
+    (256, 4, 4, torch.bfloat16, True, [65], [129], -1, None),
+    (128, 8, 2, torch.bfloat16, True, [300, 1, 0], [700, 500, 3], 40, 30.0),  # blocks skipped before the window
+    (64, 4, 4, torch.float16, False, [200, 9], [600, 9], 100, None),
+    (256, 8, 4, torch.bfloat16, True, [100], [400], 70, 20.0),
 ]
 
-for d, hq, hkv, dtype, causal, qo_lens, kv_lens in CASES:
+for d, hq, hkv, dtype, causal, qo_lens, kv_lens, window, cap in CASES:
     g = torch.Generator().manual_seed(d)
     q = torch.randn(sum(qo_lens), hq, d, generator=g).to(dtype).cuda()
     k = torch.randn(sum(kv_lens), hkv, d, generator=g).to(dtype).cuda()
     v = torch.randn(sum(kv_lens), hkv, d, generator=g).to(dtype).cuda()
     indptr = lambda lens: torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)  # noqa: E731
     w = jitattn.BatchPrefillWithRaggedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8, device="cuda"))
-    w.plan(indptr(qo_lens), indptr(kv_lens), hq, hkv, d, causal=causal, q_data_type=dtype)
+    w.plan(indptr(qo_lens), indptr(kv_lens), hq, hkv, d, causal=causal, window_left=window, logits_soft_cap=cap,
+           q_data_type=dtype)
     out, lse = w.run(q, k, v, return_lse=True)
     torch.cuda.synchronize()
-    print(d, dtype, causal, "finite:", bool(torch.isfinite(out).all()))
+    print(d, dtype, causal, window, cap, "finite:", bool(torch.isfinite(out).all()))
 
 # Paged KV (cp.async gathers), page sizes 1 / 16, and query rows shared by two chunks (q_row_period).
 from jitattn.attention.batch import share_queries  # noqa: E402

@@ -12,6 +12,7 @@ import jitattn
 import jitattn.jit
 from jitattn import reference
 from jitattn.attention.specs import attention_spec
+from jitattn.families import prefill
 from jitattn.jit import render
 from jitattn.spec import KVLayout, KVStorage, MaskMode, Op, PosEncoding, Target
 
@@ -166,6 +167,8 @@ PAGED_CASES = {
     "d128_g3_f16_causal_p16_unpacked": (128, 6, 2, f16, True, 16, "NHD", "5d", [300, 5], [310, 900]),
     "d128_g4_bf16_causal_p64_short_queries": (128, 8, 2, bf16, True, 64, "NHD", "5d", [16, 3, 16, 1],
                                               [4096, 100, 16, 1]),
+    "d128_g4_bf16_causal_p8_nhd": (128, 8, 2, bf16, True, 8, "NHD", "5d", [300, 9], [700, 9]),  # 22 boxes a stage
+    "d128_g4_f16_full_p16_hnd_tuple": (128, 8, 2, f16, False, 16, "HND", "tuple4", [200, 3], [333, 600]),
 }
 
 
@@ -221,6 +224,26 @@ def test_sm90_paged_matches_reference(case_id):
                                                    batch.kv_last_page_len, kv_layout=layout, causal=causal)
     assert_close_out(out, ref_o, dtype)
     assert_close_lse(lse, ref_lse)
+
+
+# Paged cases whose page size a KV block holds in whole 8-row swizzle atoms: the TMA path (paged_tma).
+TMA_CASES = [c for c, v in PAGED_CASES.items() if v[5] % 8 == 0 and prefill.SM90_KV_BLOCK[v[0]] % v[5] == 0]
+
+
+@pytest.mark.parametrize("case_id", TMA_CASES)
+def test_sm90_paged_tma_gives_the_gathers_bits(case_id, monkeypatch, fresh_registry):
+    """The same batch with paged_tma 2 (TMA demanded: an error where the launch would gather) and 0 (the
+    cp.async gathers): both land the same bytes in the same swizzled stage, so the outputs are bitwise equal."""
+    d, hq, hkv, dtype, causal, page, layout, fmt, qo_lens, kv_lens = PAGED_CASES[case_id]
+    batch = _poisoned_paged_batch(case_id, d, hkv, dtype, page, layout, fmt, kv_lens)
+    q = torch.randn(sum(qo_lens), hq, d, generator=torch.Generator().manual_seed(11)).to(dtype).cuda()
+    results = {}
+    for mode in (2, 0):
+        monkeypatch.setitem(prefill.SM90_TUNING, "paged_tma", mode)
+        jitattn.jit._registry.clear()
+        wrapper = _paged_wrapper(qo_lens, batch, layout, page, hq, hkv, d, dtype, causal)
+        results[mode] = wrapper.run(q, batch.cache, return_lse=True)
+    assert torch.equal(results[2][0], results[0][0]) and torch.equal(results[2][1], results[0][1])
 
 
 def test_sm90_and_sm80_tiers_agree_paged(monkeypatch, fresh_registry):

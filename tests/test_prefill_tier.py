@@ -40,14 +40,21 @@ SUPPORTED = {
     "paged_d128_bf16_causal": _spec(storage=KVStorage.PAGED),
     "paged_d64_f16_hnd": _spec(d=64, dtype=f16, causal=False, storage=KVStorage.PAGED, layout=KVLayout.HND),
     "paged_d256_bf16_g8": _spec(d=256, hq=16, hkv=2, storage=KVStorage.PAGED),
+    "d128_bf16_causal_soft_cap": _spec(soft_cap=True),
+    "paged_d64_f16_soft_cap": _spec(d=64, dtype=f16, hq=4, hkv=4, causal=False, soft_cap=True, storage=KVStorage.PAGED),
+    "d256_bf16_soft_cap": _spec(d=256, hq=16, hkv=2, soft_cap=True),
+    "d128_bf16_causal_window": _spec(window=True),
+    "paged_d128_bf16_full_window_soft_cap": _spec(causal=False, window=True, soft_cap=True, storage=KVStorage.PAGED),
+    "d64_f16_window": _spec(d=64, dtype=f16, hq=8, hkv=2, window=True),
 }
 UNSUPPORTED = {
     "paged_rope": _spec(storage=KVStorage.PAGED, pos=PosEncoding.ROPE_LLAMA),
     "paged_fp8_kv": _spec(storage=KVStorage.PAGED, kv_dtype=torch.float8_e4m3fn),
     "rope": _spec(pos=PosEncoding.ROPE_LLAMA),
     "alibi": _spec(pos=PosEncoding.ALIBI),
-    "window": _spec(window=True),
-    "soft_cap": _spec(soft_cap=True),
+    "alibi_window": _spec(pos=PosEncoding.ALIBI, window=True),
+    "custom_mask_window": _spec(mask=MaskMode.CUSTOM, window=True),
+    "rope_soft_cap": _spec(pos=PosEncoding.ROPE_LLAMA, soft_cap=True),
     "custom_mask": _spec(mask=MaskMode.CUSTOM),
     "fp8_kv": _spec(kv_dtype=torch.float8_e4m3fn),
     "f32_out": _spec(o_dtype=f32),
@@ -149,8 +156,32 @@ def test_render_follows_the_arch_list(tier_env):
     assert "sm90 tier" not in render(cpu)["kernel.cpp"]
 
 
+@pytest.mark.parametrize("case_id", list(SUPPORTED))
+def test_sm90_render_compiles_in_exactly_the_spec_axes(case_id, tier_env):
+    """The soft cap and the window are template constants (a plain spec's kernel compiles them away);
+    the host-side checks refuse run-time scalars the kernel was not compiled for."""
+    spec = SUPPORTED[case_id]
+    tier_env.setenv("JITATTN_CUDA_ARCH_LIST", "9.0a")
+    source = render(spec)["kernel.cu"]
+    assert "sm90 tier" in source
+    assert f"constexpr bool kSoftCap = {'true' if spec.use_logits_soft_cap else 'false'};" in source
+    assert f"constexpr bool kSwa = {'true' if spec.use_sliding_window else 'false'};" in source
+    assert "constexpr int kSoftCapTanh = 0;" in source
+    assert "this kernel is compiled without a sliding window" in source
+
+
+def test_sm90_soft_cap_tanh_knob(monkeypatch):
+    spec = SUPPORTED["d128_bf16_causal_soft_cap"]
+    assert prefill.sm90_layout(spec)["kSoftCapTanh"] == 0
+    monkeypatch.setitem(prefill.SM90_TUNING, "soft_cap_tanh", 1)
+    assert prefill.sm90_layout(spec)["kSoftCapTanh"] == 1
+    monkeypatch.setitem(prefill.SM90_TUNING, "soft_cap_tanh", 2)
+    with pytest.raises(ValueError, match="soft_cap_tanh"):
+        prefill.sm90_layout(spec)
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
-@pytest.mark.parametrize("case_id", ["d64_f16_mha", "paged_d128_bf16_causal"])
+@pytest.mark.parametrize("case_id", ["d64_f16_mha", "paged_d128_bf16_causal", "paged_d128_bf16_full_window_soft_cap"])
 def test_sm90_tier_compiles_for_sm90a_without_a_gpu(case_id, tier_env, fresh_cache):
     spec = SUPPORTED[case_id]
     tier_env.setenv("JITATTN_CUDA_ARCH_LIST", "9.0a")
@@ -175,8 +206,12 @@ def test_sm90_gather_knobs(monkeypatch):
     monkeypatch.setitem(prefill.SM90_TUNING, "gather_sync", 2)
     monkeypatch.setitem(prefill.SM90_TUNING, "gather_l2", 256)
     assert (prefill.sm90_layout(paged)["kGatherSync"], prefill.sm90_layout(paged)["kGatherL2"]) == (2, 256)
-    for key, bad in (("gather_sync", 4), ("gather_l2", 32), ("paged_kv_block", 100)):
+    assert layout["kPagedTma"] == 1 and prefill.sm90_layout(ragged)["kPagedTma"] == 0, "paged TMA: paged specs only"
+    monkeypatch.setitem(prefill.SM90_TUNING, "paged_tma", 0)
+    assert prefill.sm90_layout(paged)["kPagedTma"] == 0
+    for key, bad in (("gather_sync", 4), ("gather_l2", 32), ("paged_kv_block", 100), ("soft_cap_tanh", -1),
+                     ("paged_tma", 3)):
         monkeypatch.setitem(prefill.SM90_TUNING, key, bad)
         with pytest.raises(ValueError, match="SM90_TUNING"):
             prefill.sm90_layout(paged)
-        monkeypatch.setitem(prefill.SM90_TUNING, key, {"gather_sync": 0, "gather_l2": 0, "paged_kv_block": 0}[key])
+        monkeypatch.setitem(prefill.SM90_TUNING, key, 0)

@@ -47,8 +47,9 @@ cuda kernel shape (sm80+ generic tier: ``mma.sync.m16n8k16``, fp32 accumulate):
 Hopper tier (``templates/cuda/prefill_sm90.cu.jinja``, sm_90a: TMA, mbarriers, wgmma,
 warp specialisation; layout from ``sm90_layout``). ``select`` picks it when the arch list is
 9.0a only and ``sm90_unsupported(spec)`` is None (ragged or paged KV, one 16-bit dtype for q,
-kv and o, head_dim_qk == head_dim_vo in 64/128/256, no positional encoding, window, soft cap,
-custom mask or variant); every other spec keeps the sm80 tier. ``JITATTN_PREFILL_TIER``
+kv and o, head_dim_qk == head_dim_vo in 64/128/256, causal or not, sliding window and logits soft
+cap allowed; no positional encoding, custom mask, variant or sinks); every other spec keeps the
+sm80 tier. ``JITATTN_PREFILL_TIER``
 forces a tier: ``sm80`` always the generic one; ``sm90`` the Hopper one for every spec it
 supports even with an unknown arch list (an error with a non-Hopper one). The tier is in the
 rendered source, hence in the cache key.
@@ -63,10 +64,25 @@ rendered source, hence in the cache key.
   Paged KV: the whole producer warpgroup gathers each block with ``cp.async`` -- a table of the
   block's row offsets from the page table (``kOffTab``, two by block parity), then every 16-byte
   piece into the same swizzled layout, rows past the request zero-filled -- completing on the
-  stage's full barrier (one arrival per producer thread). ``q_row_period`` > 0 (the cascade's
+  stage's full barrier (one arrival per producer thread). With ``kPagedTma`` and a page size that is
+  a multiple of 8 dividing the KV block, the launch takes TMA instead: the producer threads read the
+  block's page ids into the table, and one thread loads each page as a box of 64 columns x page_size
+  rows of a 4-d tensor map over the cache (dim, head, slot, page; head and slot swapped for HND),
+  which lands in the same swizzled rows; rows past the keys are masked (K) and zeroed (V) as for
+  ragged KV. ``q_row_period`` > 0 (the cascade's
   chunked shared levels) gathers the tile's query rows the same way instead of one Q TMA box. The
   consumers overlap block j's S GEMM with block j-1's P.V and take turns issuing GEMMs
   (ping-pong), so one warpgroup's softmax runs under the other's GEMMs.
+- Soft cap and sliding window, both template constants (``kSoftCap``, ``kSwa``: a spec without
+  them compiles to the same machine code as before they existed). The soft cap turns a block's
+  scores into ``tanh(s * sm_scale / cap)`` before any mask (``1 - 2 / (1 + e^2x)`` on two MUFU ops,
+  ``SM90_TUNING["soft_cap_tanh"]`` = 1 for ``tanh.approx``), and the softmax scale becomes
+  ``cap * log2(e)``, so the max, the exponent and the LSE are those of the plain kernel. Window
+  (``window_left`` = w, the sm80 tier's and the reference's convention): key j is visible to
+  query i of a request when ``j >= kv_len - qo_len + i - w`` (and ``j <= kv_len - qo_len + i``
+  when causal); a tile walks KV blocks from the one holding its first query's window start
+  (``Tile::blk0``: producer and consumers decode the same range, blocks before it are neither
+  loaded nor computed) and masks the blocks starting before its last query's window start.
 - Work mapping: the sm80 tier's virtual tiles (``base(r) = r + qo_indptr[r] * pack // 128``),
   items (virtual tile, kv head; query head when unpacked), a persistent grid of one block per
   SM taking items in a static snake order (producer and consumers walk the same sequence).
@@ -254,8 +270,14 @@ SM90_KV_BLOCK = {64: 192, 128: 176, 256: 64}  # head_dim -> KV tokens per stage 
 # default; 1 writer-side fence after cp.async.wait_group; 2 no fence; 3 the consumers' acquire-only
 # proxy fence, which ptxas turns into no instruction on sm_90a: see the template);
 # gather_l2: cp.async L2 prefetch hint in bytes (0 none, 64, 128, 256);
-# paged_kv_block: KV tokens per stage for paged KV (0: SM90_KV_BLOCK's).
-SM90_TUNING: dict[str, int] = {"gather_sync": 0, "gather_l2": 0, "paged_kv_block": 0}
+# paged_kv_block: KV tokens per stage for paged KV (0: SM90_KV_BLOCK's);
+# soft_cap_tanh: the soft cap's tanh (0: 1 - 2 / (1 + e^2x) on ex2 + rcp, absolute error ~3e-7, the
+# default; 1: tanh.approx.f32, one MUFU op instead of two, relative error 2^-11);
+# paged_tma: 1 loads paged KV blocks with one TMA box per page (64 columns x page_size rows, a 4-d tensor
+# map over the cache) when page_size is a multiple of 8 dividing the KV block, 0 always gathers, 2 (tests)
+# as 1 but a launch of such a page size that cannot make the tensor maps is an error instead of gathering.
+SM90_TUNING: dict[str, int] = {"gather_sync": 0, "gather_l2": 0, "paged_kv_block": 0, "soft_cap_tanh": 0,
+                               "paged_tma": 1}
 
 
 def _sm90_tuning_override() -> None:
@@ -287,8 +309,8 @@ def sm90_unsupported(spec: VariantSpec) -> str | None:
         return "it takes one 16-bit dtype (f16 or bf16) for q, kv and o"
     if spec.head_dim_qk != spec.head_dim_vo or spec.head_dim_qk not in SM90_KV_BLOCK:
         return f"it takes head_dim_qk == head_dim_vo in {sorted(SM90_KV_BLOCK)}"
-    if spec.pos_encoding is not PosEncoding.NONE or spec.use_sliding_window or spec.use_logits_soft_cap:
-        return "it has no positional encoding, sliding window or soft cap yet"
+    if spec.pos_encoding is not PosEncoding.NONE:
+        return "it has no positional encoding (RoPE, ALiBi) yet"
     if spec.mask_mode not in (MaskMode.NONE, MaskMode.CAUSAL) or spec.variant is not None:
         return "it has no custom mask or custom variant yet"
     if spec.use_sinks:
@@ -336,8 +358,10 @@ def sm90_layout(spec: VariantSpec) -> dict[str, int]:
     dim = spec.head_dim_qk
     paged = spec.kv_storage is KVStorage.PAGED
     tuning = SM90_TUNING
-    if tuning["gather_sync"] not in (0, 1, 2, 3) or tuning["gather_l2"] not in (0, 64, 128, 256):
-        raise ValueError(f"SM90_TUNING={tuning}: gather_sync takes 0 to 3 and gather_l2 0, 64, 128 or 256")
+    if tuning["gather_sync"] not in (0, 1, 2, 3) or tuning["gather_l2"] not in (0, 64, 128, 256) or \
+            tuning["soft_cap_tanh"] not in (0, 1) or tuning["paged_tma"] not in (0, 1, 2):
+        raise ValueError(f"SM90_TUNING={tuning}: gather_sync takes 0 to 3, gather_l2 0, 64, 128 or 256, "
+                         "soft_cap_tanh 0 or 1 and paged_tma 0 to 2")
     bm, stages = 128, 2
     bn = tuning["paged_kv_block"] if paged and tuning["paged_kv_block"] else SM90_KV_BLOCK[dim]
     if bn not in (64, 80, 96, 128, 176, 192, 256):  # the wgmma N of wgmma_sm90.cuh
@@ -361,6 +385,8 @@ def sm90_layout(spec: VariantSpec) -> dict[str, int]:
         "kQChunkBytes": q_chunk, "kKVChunkBytes": kv_chunk, "kQBytes": q_bytes, "kKVBytes": kv_bytes,
         "kOffQ": 0, "kOffK": off_k, "kOffV": off_v, "kOffBar": off_bar, "kOffTab": off_tab, "kSmemBytes": smem,
         "kGatherSync": tuning["gather_sync"], "kGatherL2": tuning["gather_l2"],
+        "kSoftCapTanh": tuning["soft_cap_tanh"],
+        "kPagedTma": tuning["paged_tma"] if paged else 0,
     }
 
 
@@ -369,6 +395,8 @@ def _sm90_context(spec: VariantSpec) -> dict[str, Any]:
     constants = [("int", name, str(value)) for name, value in layout.items()]
     constants.append(("bool", "kCausal", "true" if spec.mask_mode is MaskMode.CAUSAL else "false"))
     constants.append(("bool", "kPaged", "true" if spec.kv_storage is KVStorage.PAGED else "false"))
+    constants.append(("bool", "kSwa", "true" if spec.use_sliding_window else "false"))
+    constants.append(("bool", "kSoftCap", "true" if spec.use_logits_soft_cap else "false"))
     constants.append(("float", "kLog2e", repr(_LOG2E) + "f"))
     return {**_attention_context(spec), "constants": constants, "smem_bytes": layout["kSmemBytes"]}
 

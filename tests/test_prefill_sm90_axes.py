@@ -1,0 +1,287 @@
+"""GPU checks of the sm90 (Hopper) prefill tier's logits soft cap and sliding window: head_dim
+64/128/256, causal or not, ragged and paged KV, GQA packed into the tile rows or not (q token- or
+head-major), soft caps that barely bend the logits and ones that saturate them, windows of 0, below,
+above and exactly a multiple of the KV block, wider than the keys; batches with qo_len < kv_len,
+qo_len > kv_len and empty requests. Outputs are NaN-poisoned; K/V rows in KV blocks that no tile
+may load (wholly before the window of a request's first query) are NaN too, so a block that is
+loaded instead of skipped fails the test. Each case is compared with the float reference; a few also
+with the sm80 tier on the same inputs. The GPU tests skip on GPUs other than sm_90; the check that
+the cases cover what they claim runs anywhere."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+import jitattn
+import jitattn.jit
+from jitattn import reference
+from jitattn.attention.specs import attention_spec
+from jitattn.families import prefill
+from jitattn.jit import render
+from jitattn.spec import KVLayout, KVStorage, MaskMode, Op, PosEncoding, Target
+
+from attention_cases import PagedBatch, assert_close_lse, assert_close_out, random_paged_batch
+
+bf16, f16 = torch.bfloat16, torch.float16
+
+
+@dataclass(frozen=True)
+class Case:
+    d: int
+    hq: int
+    hkv: int
+    dtype: torch.dtype
+    causal: bool
+    window: int                 # window_left; -1: none
+    cap: float | None           # logits_soft_cap; None: none
+    qo_lens: tuple[int, ...]
+    kv_lens: tuple[int, ...]
+    sm_scale: float | None = None
+    paged: bool = False
+    page: int = 16
+    layout: str = "NHD"
+    fmt: str = "5d"             # paged cache format: one 5-d tensor or a (k, v) tuple of 4-d ones
+    q_head_major: bool = False  # q as a [heads, tokens, dim] tensor's transposed view
+
+
+# KV blocks (SM90_KV_BLOCK): 192 tokens at head_dim 64, 176 at 128, 64 at 256.
+CASES = {
+    # ragged
+    "d128_g4_bf16_causal_w40_cap30_batch": Case(128, 16, 4, bf16, True, 40, 30.0, (1000, 1, 129, 0, 300, 64),
+                                                (1000, 700, 129, 5, 401, 64)),
+    "d128_g4_bf16_full_w300": Case(128, 16, 4, bf16, False, 300, None, (513, 7, 256, 40), (77, 1300, 0, 900)),
+    "d128_g3_f16_causal_w352_unpacked": Case(128, 6, 2, f16, True, 352, None, (300, 5), (310, 900)),
+    "d128_g8_bf16_causal_w200_q_head_major": Case(128, 16, 2, bf16, True, 200, None, (333, 20), (1000, 600),
+                                                  q_head_major=True),
+    "d128_g4_bf16_causal_w0_short_queries": Case(128, 8, 2, bf16, True, 0, None, (200, 16, 3), (200, 4096, 100)),
+    "d128_g4_bf16_causal_wide_window_cap30": Case(128, 8, 2, bf16, True, 100000, 30.0, (300, 2), (5000, 9)),
+    "d128_g4_f16_full_cap5_saturated": Case(128, 8, 2, f16, False, -1, 5.0, (257, 64), (700, 64), sm_scale=0.3),
+    "d64_mha_f16_causal_w100_cap5": Case(64, 4, 4, f16, True, 100, 5.0, (700, 33, 0), (900, 33, 10), sm_scale=0.3),
+    "d64_g8_bf16_full_w500_cap50": Case(64, 8, 1, bf16, False, 500, 50.0, (130, 2), (257, 1000)),
+    "d64_g4_bf16_causal_cap30": Case(64, 8, 2, bf16, True, -1, 30.0, (400, 1), (400, 300)),
+    "d256_g2_bf16_causal_w20_cap50": Case(256, 8, 4, bf16, True, 20, 50.0, (300, 70), (300, 200)),
+    "d256_mha_f16_full_w128": Case(256, 2, 2, f16, False, 128, None, (129, 3), (191, 500)),
+    "d256_g8_bf16_causal_w150_head_major": Case(256, 16, 2, bf16, True, 150, None, (160, 7), (500, 160),
+                                                q_head_major=True),
+    # paged
+    "paged_d128_g4_bf16_causal_p16_w40_cap30": Case(128, 16, 4, bf16, True, 40, 30.0, (1000, 1, 129, 0, 300, 64),
+                                                    (1000, 700, 129, 5, 401, 64), paged=True),
+    "paged_d128_g4_bf16_full_p16_w0_cap5": Case(128, 8, 2, bf16, False, 0, 5.0, (100, 5), (333, 40), sm_scale=0.3,
+                                                paged=True, layout="HND"),
+    "paged_d128_g3_f16_causal_p16_w176_unpacked": Case(128, 6, 2, f16, True, 176, None, (300, 5), (310, 900),
+                                                       paged=True, fmt="tuple4"),
+    "paged_d64_mha_f16_full_p1_hnd_w250": Case(64, 4, 4, f16, False, 250, None, (700, 33, 5), (900, 33, 1000),
+                                               paged=True, page=1, layout="HND", fmt="tuple4"),
+    "paged_d64_g8_bf16_causal_p64_cap30": Case(64, 8, 1, bf16, True, -1, 30.0, (130, 2), (257, 1000), paged=True,
+                                               page=64),
+    "paged_d256_g2_bf16_causal_p64_w70_cap20": Case(256, 8, 4, bf16, True, 70, 20.0, (300, 70), (300, 400),
+                                                    paged=True, page=64),
+    "paged_d256_mha_f16_full_p16_w100_head_major": Case(256, 2, 2, f16, False, 100, None, (129, 40), (191, 900),
+                                                        paged=True, q_head_major=True),
+}
+AGREE_WITH_SM80 = ["d128_g4_bf16_causal_w40_cap30_batch", "paged_d128_g4_bf16_causal_p16_w40_cap30",
+                   "d64_mha_f16_causal_w100_cap5", "d256_g2_bf16_causal_w20_cap50"]
+
+
+def _spec(c: Case):
+    return attention_spec(
+        Op.PREFILL, Target.CUDA, q_dtype=c.dtype, kv_dtype=c.dtype, o_dtype=c.dtype, head_dim_qk=c.d, head_dim_vo=c.d,
+        num_qo_heads=c.hq, num_kv_heads=c.hkv, pos_encoding=PosEncoding.NONE, use_sliding_window=c.window >= 0,
+        use_logits_soft_cap=c.cap is not None, mask_mode=MaskMode.CAUSAL if c.causal else MaskMode.NONE,
+        kv_layout=KVLayout.parse(c.layout, "layout"), kv_storage=KVStorage.PAGED if c.paged else KVStorage.RAGGED,
+    )
+
+
+GPU_SPECS = [_spec(c) for c in CASES.values()]
+
+
+@pytest.fixture
+def hopper():
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the sm90 prefill tier needs an sm_90 GPU")
+
+
+@pytest.fixture
+def fresh_registry():
+    """Modules loaded after a JITATTN_PREFILL_TIER change (the registry keeps one module per spec)."""
+    saved = dict(jitattn.jit._registry)
+    jitattn.jit._registry.clear()
+    yield
+    jitattn.jit._registry.clear()
+    jitattn.jit._registry.update(saved)
+
+
+def _indptr(lens) -> torch.Tensor:
+    return torch.tensor([0] + torch.tensor(list(lens)).cumsum(0).tolist(), dtype=torch.int32)
+
+
+def _never_loaded(c: Case, kv_block: int) -> list[int]:
+    """Per request: the keys before its first KV block any tile walks (the block holding the window
+    start of its first query): no tile may load them."""
+    if c.window < 0:
+        return [0] * len(c.kv_lens)
+    return [max(0, kv - qo - c.window) // kv_block * kv_block for qo, kv in zip(c.qo_lens, c.kv_lens)]
+
+
+def _queries(c: Case, gen: torch.Generator) -> torch.Tensor:
+    n = sum(c.qo_lens)
+    if c.q_head_major:  # strides (1 * d, n * d, 1): the packed Q box lands head-major in shared memory
+        return torch.randn(c.hq, n, c.d, generator=gen).to(c.dtype).cuda().transpose(0, 1)
+    return torch.randn(n, c.hq, c.d, generator=gen).to(c.dtype).cuda()
+
+
+def _plan_kw(c: Case) -> dict:
+    return dict(causal=c.causal, window_left=c.window, logits_soft_cap=c.cap, sm_scale=c.sm_scale, q_data_type=c.dtype,
+                kv_data_type=c.dtype)
+
+
+def _ref_kw(c: Case) -> dict:
+    return dict(causal=c.causal, window_left=c.window, logits_soft_cap=c.cap, sm_scale=c.sm_scale)
+
+
+def _run(wrapper, q: torch.Tensor, *kv) -> tuple[torch.Tensor, torch.Tensor]:
+    out = torch.full((q.shape[0], q.shape[1], q.shape[2]), float("nan"), dtype=q.dtype, device="cuda")
+    lse = torch.full((q.shape[0], q.shape[1]), float("nan"), device="cuda")
+    wrapper.run(q, *kv, out=out, lse=lse)
+    return out, lse
+
+
+def _workspace() -> torch.Tensor:
+    return torch.empty(1 << 20, dtype=torch.uint8, device="cuda")
+
+
+# ---- ragged ---------------------------------------------------------------------------------
+
+def _ragged_kv(c: Case, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    n = sum(c.kv_lens)
+    return tuple(torch.randn(n, c.hkv, c.d, generator=gen).to(c.dtype).cuda() for _ in range(2))
+
+
+def _ragged_wrapper(c: Case):
+    wrapper = jitattn.BatchPrefillWithRaggedKVCacheWrapper(_workspace())
+    wrapper.plan(_indptr(c.qo_lens), _indptr(c.kv_lens), c.hq, c.hkv, c.d, **_plan_kw(c))
+    return wrapper
+
+
+def _poison_ragged(c: Case, k: torch.Tensor, v: torch.Tensor, kv_block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    k, v = k.clone(), v.clone()
+    starts = _indptr(c.kv_lens).tolist()
+    for r, n in enumerate(_never_loaded(c, kv_block)):
+        k[starts[r]:starts[r] + n] = float("nan")
+        v[starts[r]:starts[r] + n] = float("nan")
+    return k, v
+
+
+# ---- paged ----------------------------------------------------------------------------------
+
+def _slot_rows(c: Case, batch: PagedBatch, page_id: int, slots: slice) -> list[torch.Tensor]:
+    """Views of K's and V's rows in slots ``slots`` of page ``page_id`` (all heads)."""
+    if c.fmt == "5d":
+        cache = batch.cache
+        return [cache[page_id, :, slots] if c.layout == "NHD" else cache[page_id, :, :, slots]]
+    return [t[page_id, slots] if c.layout == "NHD" else t[page_id, :, slots] for t in batch.cache]
+
+
+def _paged_batch(c: Case, gen: torch.Generator, kv_block: int | None) -> PagedBatch:
+    """A random paged batch; with ``kv_block``: NaN in every unreferenced page, past each last page's
+    length, and in the keys no tile may load."""
+    batch = random_paged_batch(list(c.kv_lens), c.hkv, c.d, c.page, c.dtype, c.layout, c.fmt, "cuda", generator=gen,
+                               spare_pages=5)
+    if kv_block is None:
+        return batch
+    used = set(batch.kv_indices.tolist())
+    pool = (batch.cache if c.fmt == "5d" else batch.cache[0]).shape[0]
+    for page_id in range(pool):
+        if page_id not in used:
+            for rows in _slot_rows(c, batch, page_id, slice(None)):
+                rows.fill_(float("nan"))
+    indptr, indices = batch.kv_indptr.tolist(), batch.kv_indices.tolist()
+    for r, (n, skipped) in enumerate(zip(c.kv_lens, _never_loaded(c, kv_block))):
+        if n == 0:
+            continue
+        last = int(batch.kv_last_page_len[r])
+        for rows in _slot_rows(c, batch, indices[indptr[r + 1] - 1], slice(last, c.page)):
+            rows.fill_(float("nan"))
+        for key in range(skipped):
+            page_id = indices[indptr[r] + key // c.page]
+            for rows in _slot_rows(c, batch, page_id, slice(key % c.page, key % c.page + 1)):
+                rows.fill_(float("nan"))
+    return batch
+
+
+def _paged_wrapper(c: Case, batch: PagedBatch):
+    wrapper = jitattn.BatchPrefillWithPagedKVCacheWrapper(_workspace(), c.layout)
+    wrapper.plan(_indptr(c.qo_lens), batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len, c.hq, c.hkv, c.d,
+                 c.page, **_plan_kw(c))
+    return wrapper
+
+
+def _paged_reference(c: Case, q: torch.Tensor, batch: PagedBatch):
+    return reference.batch_prefill_paged(q, batch.cache, _indptr(c.qo_lens), batch.kv_indptr, batch.kv_indices,
+                                         batch.kv_last_page_len, kv_layout=c.layout, **_ref_kw(c))
+
+
+# ---- the tests ------------------------------------------------------------------------------
+
+def test_the_cases_exercise_what_they_claim():
+    """Every KV block size meets windows below, above and at a multiple of it; some requests have
+    keys no tile loads (the skip is tested), some rows see no key."""
+    for case_id, c in CASES.items():
+        assert prefill.sm90_unsupported(_spec(c)) is None, case_id
+    blocks = {c.d: prefill.sm90_layout(_spec(c))["kBN"] for c in CASES.values()}
+    windows = [(c.window, blocks[c.d]) for c in CASES.values() if c.window >= 0]
+    assert any(w < b for w, b in windows) and any(w > b and w % b for w, b in windows)
+    assert any(w > 0 and w % b == 0 for w, b in windows) and any(w == 0 for w, b in windows)
+    assert sum(any(_never_loaded(c, blocks[c.d])) for c in CASES.values()) >= 8
+    assert all(any(c.paged == paged and c.d == d for c in CASES.values())
+               for d in (64, 128, 256) for paged in (False, True))
+    assert any(prefill.sm90_pack(_spec(c)) > 1 for c in CASES.values())
+    assert any(prefill.sm90_pack(_spec(c)) == 1 and c.hq > c.hkv for c in CASES.values())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case_id", list(CASES))
+def test_sm90_soft_cap_and_window_match_reference(case_id, hopper):
+    c = CASES[case_id]
+    spec = _spec(c)
+    assert "sm90 tier" in render(spec)["kernel.cu"]
+    kv_block = prefill.sm90_layout(spec)["kBN"]
+    seed = sum(map(ord, case_id))
+    q = _queries(c, torch.Generator().manual_seed(seed))
+    if c.paged:
+        clean = _paged_batch(c, torch.Generator().manual_seed(seed + 1), None)
+        poisoned = _paged_batch(c, torch.Generator().manual_seed(seed + 1), kv_block)  # the same values, plus NaN
+        out, lse = _run(_paged_wrapper(c, poisoned), q, poisoned.cache)
+        ref_o, ref_lse = _paged_reference(c, q, clean)
+    else:
+        k, v = _ragged_kv(c, torch.Generator().manual_seed(seed + 1))
+        out, lse = _run(_ragged_wrapper(c), q, *_poison_ragged(c, k, v, kv_block))
+        ref_o, ref_lse = reference.batch_ragged_attention(q, k, v, _indptr(c.qo_lens), _indptr(c.kv_lens), **_ref_kw(c))
+    assert_close_out(out, ref_o, c.dtype)
+    assert_close_lse(lse, ref_lse)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case_id", AGREE_WITH_SM80)
+def test_sm90_and_sm80_tiers_agree_on_soft_cap_and_window(case_id, hopper, monkeypatch, fresh_registry):
+    c = CASES[case_id]
+    seed = sum(map(ord, case_id)) + 7
+    q = _queries(c, torch.Generator().manual_seed(seed))
+    if c.paged:
+        batch = _paged_batch(c, torch.Generator().manual_seed(seed + 1), None)
+    else:
+        k, v = _ragged_kv(c, torch.Generator().manual_seed(seed + 1))
+    results = {}
+    for tier in ("sm90", "sm80"):
+        monkeypatch.setenv("JITATTN_PREFILL_TIER", tier)
+        jitattn.jit._registry.clear()
+        assert ("sm90 tier" in render(_spec(c))["kernel.cu"]) == (tier == "sm90")
+        if c.paged:
+            results[tier] = _run(_paged_wrapper(c, batch), q, batch.cache)
+        else:
+            results[tier] = _run(_ragged_wrapper(c), q, k, v)
+    assert_close_out(results["sm90"][0], results["sm80"][0].float(), c.dtype)
+    assert_close_lse(results["sm90"][1], results["sm80"][1])
