@@ -101,6 +101,7 @@ class BatchMLAPagedAttentionWrapper:
         self._kernel: KernelPlan | None = None  # the sm90 MLA kernel's plan, None: the prefill kernels'
         self._highest_page = -1  # the highest page the sm90 plan reads (checked against the cache at run)
         self._readable_strides: tuple | None = None  # strides of the last tensors the sm90 kernel could read
+        self._prefill_args: dict | None = None  # an sm90 plan's arguments for the prefill kernels (run()'s fallback)
         self._graph_arrays: GraphArrays | None = None  # use_cuda_graph: the sm90 plans' fixed memory (first plan)
         self._graph_kernel: str | None = None  # use_cuda_graph: the kernel of the first plan, which a capture keeps
 
@@ -157,7 +158,7 @@ class BatchMLAPagedAttentionWrapper:
             sm_scale=sm_scale, q_data_type=q_data_type, kv_data_type=kv_data_type,
         )
         # The sm90 plan keeps these for run(): tensors the kernel cannot read plan the prefill kernels then.
-        self._prefill_args: dict | None = prefill_args
+        self._prefill_args = prefill_args
         if self._sm90_plan(qo_indptr, indptr, kv_indices, lens, last_page_len, num_heads, head_dim_ckv,
                            head_dim_kpe, page_size, causal, sm_scale, q_data_type, kv_data_type,
                            split=not invariant) is None:
