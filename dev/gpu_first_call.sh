@@ -20,3 +20,8 @@ echo "t=$(( $(date +%s) - T0 ))"
 timeout 90 python3 -m jitattn.bench --only 'cascade/*,mla/*,decode/llama8b_b1_s32768' --json "$OUT/bench.json" \
   > "$OUT/bench.log" 2>&1
 grep -E "^(decode|cascade|mla)/" "$OUT/bench.log" | cut -c1-150 | sort -u; echo "t=$(( $(date +%s) - T0 ))"
+# Untimed question from session 4: would the sm80 tier run the cascade's shared levels faster than the sm90
+# tier's cp.async gathers (b128 over 8k: 101 of 169 us)? The same rows with the tier forced:
+JITATTN_PREFILL_TIER=sm80 timeout 60 python3 -m jitattn.bench --only 'cascade/*' --json "$OUT/bench_sm80.json" \
+  > "$OUT/bench_sm80.log" 2>&1
+grep -E "^cascade/" "$OUT/bench_sm80.log" | cut -c1-150 | sort -u; echo "t=$(( $(date +%s) - T0 ))"

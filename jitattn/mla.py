@@ -37,7 +37,7 @@ import functools
 
 import torch
 
-from .attention.checks import check_tensor
+from .attention.checks import check_tensor, stream_capturing
 from .attention.options import fp8_scale, parse_dtype, refuse_unsupported, resolve_batch_invariant
 from .log import logger
 from .env import mla_kernel as mla_kernel_choice
@@ -150,24 +150,25 @@ class BatchMLAPagedAttentionWrapper:
             if buffer.numel() < needed[name]:
                 raise ValueError(f"{name} buffer holds {buffer.numel()} entries but this batch needs {needed[name]}; "
                                  "allocate the fixed buffers for the largest batch")
-        self._kernel, self._dims = None, None  # unplanned until this plan has succeeded
+        self._kernel, self._dims, self._prefill_args = None, None, None  # unplanned until this plan succeeds
         prefill_args = dict(
             qo_indptr=qo_indptr, paged_kv_indptr=indptr, paged_kv_indices=kv_indices,
             paged_kv_last_page_len=last_page_len, num_qo_heads=num_heads, num_kv_heads=1,
             head_dim_qk=head_dim_ckv + head_dim_kpe, page_size=page_size, head_dim_vo=head_dim_ckv, causal=causal,
             sm_scale=sm_scale, q_data_type=q_data_type, kv_data_type=kv_data_type,
         )
-        # The sm90 plan keeps these for run(): tensors the kernel cannot read plan the prefill kernels then.
-        self._prefill_args = prefill_args
         if self._sm90_plan(qo_indptr, indptr, kv_indices, lens, last_page_len, num_heads, head_dim_ckv,
                            head_dim_kpe, page_size, causal, sm_scale, q_data_type, kv_data_type,
                            split=not invariant) is None:
             self._inner.plan(**prefill_args)
-            self._prefill_args = None  # planned
+        else:
+            # Kept for run(): tensors the kernel cannot read plan the prefill kernels then, over this batch's
+            # arrays (host copies: the caller's host tensors may hold the next batch by then).
+            self._prefill_args = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in prefill_args.items()}
         if self._use_cuda_graph:  # a captured run() is of one kernel: every later plan must take it too
             kernel = self.kernel
             if self._graph_kernel not in (None, kernel):
-                self._kernel = None
+                self._kernel, self._prefill_args = None, None
                 raise ValueError(f"this plan runs on the {kernel} kernel(s), but the CUDA-graph wrapper's first plan "
                                  f"ran on the {self._graph_kernel} one(s) (JITATTN_MLA_KERNEL changed?); a captured "
                                  "run() keeps its kernel: use a new wrapper")
@@ -301,6 +302,10 @@ class BatchMLAPagedAttentionWrapper:
             if self._use_cuda_graph:
                 raise ValueError(f"the sm90 MLA kernel cannot read these tensors ({problem}), and a CUDA-graph "
                                  "wrapper cannot switch kernels at run(): pass .contiguous() views")
+            if q_nope.is_cuda and stream_capturing():
+                raise RuntimeError(f"{_NAME}.run() is being captured into a CUDA graph, but the sm90 MLA kernel "
+                                   f"cannot read these tensors ({problem}) and the prefill kernels' plan would be made "
+                                   "inside the capture; pass .contiguous() views")
             if mla_kernel_choice() == "sm90":
                 raise ValueError(f"JITATTN_MLA_KERNEL=sm90, but the sm90 MLA kernel cannot read these tensors: "
                                  f"{problem}; pass .contiguous() views or set JITATTN_MLA_KERNEL=auto")

@@ -299,6 +299,56 @@ def test_an_sm90_plan_runs_unreadable_tensors_on_the_prefill_kernels(monkeypatch
     assert len(inner_plans) == 2, "a new plan() plans the fallback again"
 
 
+def _fake_sm90_plans(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every plan is an sm90 plan (a _FakeKernel) unless sm_scale is None, which its checks refuse."""
+    def fake_plan(self, qo_indptr, indptr, kv_indices, lens, last_page_len, num_heads, head_dim_ckv, head_dim_kpe,
+                  page_size, causal, sm_scale, *rest, **kw):
+        if sm_scale is None:
+            raise ValueError("sm_scale=None must be a positive float")
+        self._kernel = _FakeKernel(page_size)
+        return self._kernel
+
+    monkeypatch.setattr(BatchMLAPagedAttentionWrapper, "_sm90_plan", fake_plan)
+
+
+def test_the_fallback_plans_this_batchs_arrays_not_the_callers_later_contents(monkeypatch: pytest.MonkeyPatch) -> None:
+    """plan() from host arrays the caller refills for its next batch before run(): a run() that falls back to
+    the prefill kernels still attends over the planned pages."""
+    monkeypatch.delenv("JITATTN_MLA_KERNEL", raising=False)
+    _fake_sm90_plans(monkeypatch)
+    gen = torch.Generator().manual_seed(4)
+    kv_lens, qo_lens, heads = [40, 7], [2, 1], 4
+    ckv, kpe, indptr, indices, lens = _latent_cache(kv_lens, 16, torch.float32, "cpu", gen, joined=True)
+    q_nope, q_pe = _queries(qo_lens, heads, torch.float32, "cpu", gen)
+    wrapper = BatchMLAPagedAttentionWrapper(torch.empty(1 << 20, dtype=torch.uint8))
+    staged, staged_indptr = indices.clone(), indptr.clone()  # the caller's host staging tensors
+    wrapper.plan(_indptr(qo_lens), staged_indptr, staged, lens, heads, CKV, KPE, 16, True, SM_SCALE, torch.float32,
+                 torch.float32)
+    ref_out, _ = _reference(q_nope, q_pe, ckv, kpe, indptr, indices, qo_lens, kv_lens, True)
+    staged.copy_(staged.flip(0))
+    staged_indptr.fill_(0)
+    offset = torch.empty(q_nope.numel() + 1)[1:].view(q_nope.shape)  # rows 4 bytes off 16: the prefill kernels
+    offset.copy_(q_nope)
+    torch.testing.assert_close(wrapper.run(offset, q_pe, ckv, kpe), ref_out, atol=1e-4, rtol=1e-4)
+
+
+def test_a_failed_plan_leaves_nothing_to_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("JITATTN_MLA_KERNEL", raising=False)
+    _fake_sm90_plans(monkeypatch)
+    gen = torch.Generator().manual_seed(5)
+    kv_lens, qo_lens, heads = [40, 7], [2, 1], 4
+    ckv, kpe, indptr, indices, lens = _latent_cache(kv_lens, 16, torch.float32, "cpu", gen, joined=True)
+    q_nope, q_pe = _queries(qo_lens, heads, torch.float32, "cpu", gen)
+    wrapper = BatchMLAPagedAttentionWrapper(torch.empty(1 << 20, dtype=torch.uint8))
+    wrapper.plan(_indptr(qo_lens), indptr, indices, lens, heads, CKV, KPE, 16, True, SM_SCALE, torch.float32,
+                 torch.float32)
+    with pytest.raises(ValueError, match="sm_scale"):
+        wrapper.plan(_indptr(qo_lens), indptr, indices, lens, heads, CKV, KPE, 16, True, None, torch.float32,
+                     torch.float32)
+    with pytest.raises(RuntimeError, match="before plan"):
+        wrapper.run(q_nope, q_pe, ckv, kpe)
+
+
 # -- the op and its template ---------------------------------------------------------------------------
 def test_the_mla_op_is_a_cuda_spec_with_a_readable_uri() -> None:
     spec = kernel_spec(torch.bfloat16)

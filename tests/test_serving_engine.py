@@ -231,6 +231,24 @@ def test_with_graphs_shared_prefix_steps_take_the_faster_path(model, shared_work
     assert taken >= stats.decode_steps - 4, "after one warm-up and one timed step of each, the faster path"
 
 
+def test_under_tensor_parallelism_every_rank_takes_rank_0s_path(model, shared_workload, monkeypatch) -> None:
+    """The path is rank 0's (broadcast): here a fake group always answers "cascade" although this rank's own
+    timings favour the captured graph, and the steps follow the broadcast."""
+    prompts, expected = shared_workload
+    _fake_graphs(monkeypatch)
+    engine = Engine(model, num_pages=64, page_size=PAGE, cascade=True)
+    engine.cuda_graphs = True
+    record = engine.decode_paths.record
+    monkeypatch.setattr(engine.decode_paths, "record", lambda bucket, path, seconds: record(
+        bucket, path, (0.001 if path == "graph" else 1.0)))
+    broadcasts = []
+    monkeypatch.setattr(engine.group, "broadcast",  # admissions pass through; a path choice is rank 0's "cascade"
+                        lambda obj: (broadcasts.append(obj) or "cascade") if obj in ("graph", "cascade") else obj)
+    requests = _serve(engine, prompts, new_tokens=8)
+    assert [r.output[:NEW_TOKENS] for r in requests] == expected
+    assert broadcasts and engine.stats.cascade_steps == len(broadcasts), "every step with a choice took cascade"
+
+
 def test_decode_path_chooser_measures_each_path_then_keeps_the_faster() -> None:
     from jitattn.serving.decode_path import DecodePathChooser
 
@@ -250,6 +268,10 @@ def test_decode_path_chooser_measures_each_path_then_keeps_the_faster() -> None:
         path = chooser.choose(64)
         chooser.record(64, path, times[path])
     assert chooser.choose(64) == "graph"
+    slow = DecodePathChooser(warmup=0, smoothing=0.5, explore_every=4)
+    for path, seconds in (("graph", 0.020), ("cascade", 0.010), ("cascade", 2.0)):  # a step that waited long
+        slow.record(64, path, seconds)
+    assert slow.averages(64)["cascade"] == pytest.approx(0.02), "an outlier counts 3x the average at most"
     with pytest.raises(ValueError, match="path"):
         chooser.record(64, "flat", 0.1)
     with pytest.raises(ValueError, match="smoothing"):

@@ -11,7 +11,9 @@ thousands of tokens makes the flat step's reads the larger cost. So the engine t
 ``DecodePathChooser`` keeps, per batch-size bucket, a moving average of each path's step time
 (the engine reads every step's tokens back, so a step's wall time is its whole cost), tries each
 path after a warm-up step, then takes the faster, and every ``explore_every`` steps of a bucket
-runs the other path once to follow lengths that grow.
+runs the other path once to follow lengths that grow. A sample counts at most ``outlier`` times
+the path's average (a step that waited for a kernel build must not lock the other path in for
+hundreds of steps); the engine does not record steps that built a kernel at all.
 """
 
 from __future__ import annotations
@@ -36,11 +38,11 @@ class DecodePathChooser:
     path once every that many steps of a bucket.
     """
 
-    def __init__(self, warmup: int = 1, smoothing: float = 0.25, explore_every: int = 32) -> None:
-        if warmup < 0 or not 0.0 < smoothing <= 1.0 or explore_every < 0:
-            raise ValueError(f"warmup={warmup} >= 0, 0 < smoothing={smoothing} <= 1 and explore_every={explore_every} "
-                             ">= 0 are required")
-        self.warmup, self.smoothing, self.explore_every = warmup, smoothing, explore_every
+    def __init__(self, warmup: int = 1, smoothing: float = 0.25, explore_every: int = 32, outlier: float = 3.0) -> None:
+        if warmup < 0 or not 0.0 < smoothing <= 1.0 or explore_every < 0 or not outlier >= 1.0:
+            raise ValueError(f"warmup={warmup} >= 0, 0 < smoothing={smoothing} <= 1, explore_every={explore_every} "
+                             f">= 0 and outlier={outlier} >= 1 are required")
+        self.warmup, self.smoothing, self.explore_every, self.outlier = warmup, smoothing, explore_every, outlier
         self._buckets: dict[int, _Bucket] = {}
 
     def choose(self, bucket: int) -> str:
@@ -64,7 +66,11 @@ class DecodePathChooser:
         if state.seen[path] <= self.warmup:
             return
         previous = state.average.get(path)
-        state.average[path] = seconds if previous is None else previous + self.smoothing * (seconds - previous)
+        if previous is None:
+            state.average[path] = seconds
+        else:
+            seconds = min(seconds, self.outlier * previous)
+            state.average[path] = previous + self.smoothing * (seconds - previous)
 
     def averages(self, bucket: int) -> dict[str, float]:
         """Seconds per step of each measured path of ``bucket`` (empty before any timed step)."""

@@ -27,6 +27,7 @@ from typing import Callable
 
 import torch
 
+from ..jit import compile_count
 from .attention import AttentionPlanner, SeqView
 from .decode_path import DecodePathChooser
 from .graphs import DecodeGraph, bucket_sizes
@@ -283,7 +284,10 @@ class Engine:
         if saved > self.stats.peak_pages_saved:
             self.stats.peak_pages_saved = saved
             self.stats.peak_bytes_saved = saved * self.pool.bytes_per_page
-        started = time.perf_counter()
+        if self.cuda_graphs and self.model.device.type == "cuda":  # the clock starts with the GPU idle (a prefill
+            # chunk's work may still be running)
+            torch.cuda.synchronize(self.model.device)
+        started, builds = time.perf_counter(), compile_count()
         logits, chosen = self._decode_logits(seqs, ids)
         self.stats.decode_steps += 1
         done = []
@@ -292,7 +296,7 @@ class Engine:
             if request.done:
                 self.running.remove(request)
                 done.append(request)
-        if chosen is not None:
+        if chosen is not None and compile_count() == builds:  # a step that built a kernel says nothing of its path
             self.decode_paths.record(self._bucket(len(seqs)), chosen, time.perf_counter() - started)
         return done
 
@@ -303,7 +307,8 @@ class Engine:
             groups = self.planner.cascade_groups(seqs)
             chosen = None
             if self.cuda_graphs and groups is not None:
-                chosen = self.decode_paths.choose(self._bucket(len(seqs)))
+                # rank 0's choice under tensor parallelism: every rank runs the same step
+                chosen = self.group.broadcast(self.decode_paths.choose(self._bucket(len(seqs))))
                 if chosen == "graph":
                     groups = None
             if self.cuda_graphs and groups is None:
