@@ -17,9 +17,11 @@ CUDA graphs: ``use_cuda_graph=True`` with the fixed ``qo_indptr``, ``kv_indptr``
 ``kv_len_arr`` buffers (FlashInfer's), sized for the largest batch; every ``plan()`` refills them (the
 last-page lengths the kernels read live in a buffer of ``kv_len_arr``'s size the wrapper owns), so a
 captured ``run()`` replays the latest plan of the same batch size and total query count. On the sm90 MLA
-kernel the wrapper's first plan also sizes fixed device arrays for the work list (``mla_kernel.GraphArrays``:
-the capacity any lengths of that batch shape can need, padded with items the kernel skips); a later plan of
-another batch size, query count, head count, page size, ``causal`` or ``sm_scale`` is refused.
+kernel the arrays the kernel reads are the wrapper's own instead (only ``kv_len_arr`` is refilled among the
+caller's): the first plan sizes fixed device arrays for the work list and the index arrays
+(``mla_kernel.GraphArrays``: the capacity any lengths of that batch shape can need, padded with items the
+kernel skips), which every plan rewrites on the current stream; a later plan of another batch size, query
+count, head count, page size, ``causal`` or ``sm_scale`` is refused.
 
 Kernels: on an H100/H200 (a 9.0a arch list) a plan with a 16-bit or fp8 latent cache of ckv 512 / kpe 64 runs
 the dedicated MLA kernel (``jitattn.mla_kernel``: the heads of a request packed into the rows of one wgmma
@@ -254,14 +256,15 @@ class BatchMLAPagedAttentionWrapper:
         if self._use_cuda_graph:
             baked = (num_heads, page_size, bool(causal), float(sm_scale), q_dtype, kv_dtype)
             batch, total_q, pages = lens.numel(), int(qo_indptr[-1]), int(indptr[-1])
-            if self._graph_arrays is None:
-                rows = workspace.numel() * workspace.element_size() // workspace_row_bytes(CKV_DIM)
-                self._graph_arrays = GraphArrays(workspace.device, batch, total_q, self._graph_buffers["kv_indices"].numel(),
-                                                 rows, baked, num_sms(workspace.device.index or 0))
             graph = self._graph_arrays
+            if graph is None:  # kept only once this first plan has succeeded (it fixes the wrapper's batch shape)
+                rows = workspace.numel() * workspace.element_size() // workspace_row_bytes(CKV_DIM)
+                graph = GraphArrays(workspace.device, batch, total_q, self._graph_buffers["kv_indices"].numel(), rows,
+                                    baked, num_sms(workspace.device.index or 0))
             graph.refuse(batch, total_q, pages, baked)
         self._kernel = KernelPlan(workspace, qo_indptr, indptr, kv_indices, lens.to(torch.int32), num_heads,
                                   page_size, bool(causal), float(sm_scale), q_dtype, kv_dtype, split=split, graph=graph)
+        self._graph_arrays = graph
         work = self._kernel.work
         logger.debug("%s.plan: the sm90 MLA kernel, %d items on %d blocks, %d merges (chunks of %d KV blocks)",
                      _NAME, work.num_items, work.grid, work.num_merges, work.chunk_blocks)

@@ -222,8 +222,8 @@ class KernelPlan:
                                    "wrapper was built without use_cuda_graph=True; build it with the fixed buffers")
             if self.work.num_items == 0:
                 return  # no query rows: nothing to write
-        elif self.params.num_items == 0:
-            return  # a graph plan of no tiles at all (an empty batch): its capacity is 0 as well
+        elif self.graph.total_q == 0:
+            return  # no query rows in any plan of this wrapper (the shape is fixed): capture and replays launch nothing
         p = self.params
         p.q_nope, p.q_pe, p.ckv, p.kpe = q_nope.data_ptr(), q_pe.data_ptr(), ckv.data_ptr(), kpe.data_ptr()
         p.q_nope_stride_n, p.q_nope_stride_h = q_nope.stride()[:2]

@@ -617,3 +617,33 @@ def test_sm90_kernel_under_cuda_graphs_replays_after_replanning(monkeypatch: pyt
         wrapper.plan(_indptr(qo_lens[:-1]), _indptr([1] * (batch - 1)), torch.zeros(batch, dtype=torch.int32),
                      torch.ones(batch - 1, dtype=torch.int32), heads, CKV, KPE, page_size, causal, SM_SCALE, dtype,
                      dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_lens", [[], [100, 0]], ids=["no_requests", "no_query_tokens"])
+def test_sm90_graph_plans_with_no_query_rows_capture_and_replay(monkeypatch: pytest.MonkeyPatch,
+                                                                kv_lens: list[int]) -> None:
+    """A CUDA-graph wrapper whose batch shape has no query rows: run(), capture and replay launch nothing."""
+    monkeypatch.setenv("JITATTN_MLA_KERNEL", "sm90")
+    batch, heads, page_size = len(kv_lens), 16, 64
+    buffers = dict(qo_indptr=torch.empty(batch + 1, dtype=torch.int32, device="cuda"),
+                   kv_indptr=torch.empty(batch + 1, dtype=torch.int32, device="cuda"),
+                   kv_indices=torch.empty(8, dtype=torch.int32, device="cuda"),
+                   kv_len_arr=torch.empty(max(batch, 1), dtype=torch.int32, device="cuda"))
+    wrapper = jitattn.BatchMLAPagedAttentionWrapper(torch.empty(16 << 20, dtype=torch.uint8, device="cuda"), True,
+                                                    **buffers)
+    pages = [-(-n // page_size) for n in kv_lens]
+    wrapper.plan(_indptr([0] * batch), _indptr(pages), torch.arange(sum(pages), dtype=torch.int32),
+                 torch.tensor(kv_lens, dtype=torch.int32), heads, CKV, KPE, page_size, False, SM_SCALE, torch.bfloat16,
+                 torch.bfloat16)
+    assert wrapper.kernel == "sm90"
+    cache = torch.randn(8, page_size, CKV + KPE, device="cuda").to(torch.bfloat16)
+    q_nope = torch.empty(0, heads, CKV, dtype=torch.bfloat16, device="cuda")
+    q_pe = torch.empty(0, heads, KPE, dtype=torch.bfloat16, device="cuda")
+    out = wrapper.run(q_nope, q_pe, cache[..., :CKV], cache[..., CKV:])
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        wrapper.run(q_nope, q_pe, cache[..., :CKV], cache[..., CKV:], out=out)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert out.shape == (0, heads, CKV)
