@@ -16,16 +16,21 @@ extensions of ``run()`` as on the other wrappers (FlashInfer 0.5.3's MLA takes n
 CUDA graphs: ``use_cuda_graph=True`` with the fixed ``qo_indptr``, ``kv_indptr``, ``kv_indices`` and
 ``kv_len_arr`` buffers (FlashInfer's), sized for the largest batch; every ``plan()`` refills them (the
 last-page lengths the kernels read live in a buffer of ``kv_len_arr``'s size the wrapper owns), so a
-captured ``run()`` replays the latest plan of the same batch size and total query count.
+captured ``run()`` replays the latest plan of the same batch size and total query count. On the sm90 MLA
+kernel the arrays the kernel reads are the wrapper's own instead (only ``kv_len_arr`` is refilled among the
+caller's): the first plan sizes fixed device arrays for the work list and the index arrays
+(``mla_kernel.GraphArrays``: the capacity any lengths of that batch shape can need, padded with items the
+kernel skips), which every plan rewrites on the current stream; a later plan of another batch size, query
+count, head count, page size, ``causal`` or ``sm_scale`` is refused.
 
-Kernels: on an H100/H200 (a 9.0a arch list) a plan with a 16-bit or fp8 latent cache of ckv 512 / kpe 64 and
-no CUDA graph runs the dedicated MLA kernel (``jitattn.mla_kernel``: the heads of a request packed into the
-rows of one wgmma tile, the latent KV tile loaded once for all of them, split-KV for small batches);
-everything else -- the cpu target, other GPUs, CUDA-graph plans -- runs the paged prefill
-kernels. ``JITATTN_MLA_KERNEL=prefill`` forces the prefill kernels (``sm90``: the MLA kernel or an error).
-Tensors the MLA kernel cannot read in place (rows not on 16 bytes, e.g. an fp8 cache with 8-byte-aligned rows,
-or ``out`` rows not on 4) make that ``run()`` take the prefill kernels (planned once, at the first such run)
-under ``auto``; ``sm90`` raises instead.
+Kernels: on an H100/H200 (a 9.0a arch list) a plan with a 16-bit or fp8 latent cache of ckv 512 / kpe 64 runs
+the dedicated MLA kernel (``jitattn.mla_kernel``: the heads of a request packed into the rows of one wgmma
+tile, the latent KV tile loaded once for all of them, split-KV for small batches), CUDA graphs included;
+everything else -- the cpu target, other GPUs -- runs the paged prefill kernels. ``JITATTN_MLA_KERNEL=prefill``
+forces the prefill kernels (``sm90``: the MLA kernel or an error). Tensors the MLA kernel cannot read in
+place (rows not on 16 bytes, e.g. an fp8 cache with 8-byte-aligned rows, or ``out`` rows not on 4) make that
+``run()`` take the prefill kernels (planned once, at the first such run) under ``auto`` without CUDA graphs;
+``sm90`` and CUDA-graph wrappers raise instead.
 """
 
 from __future__ import annotations
@@ -38,7 +43,10 @@ from .attention.checks import check_tensor, stream_capturing
 from .attention.options import fp8_scale, parse_dtype, refuse_unsupported, resolve_batch_invariant
 from .log import logger
 from .env import mla_kernel as mla_kernel_choice
-from .mla_kernel import KernelPlan, device_facts, layout_problem, select_kernel, unsupported_reason
+from .attention.batch import num_sms
+from .families.mla import CKV_DIM
+from .mla_kernel import GraphArrays, KernelPlan, device_facts, layout_problem, select_kernel, unsupported_reason
+from .mla_plan import workspace_row_bytes
 from .page_table import check_indptr, check_page_table, to_host_int32
 from .prefill import BatchPrefillWithPagedKVCacheWrapper
 
@@ -96,6 +104,8 @@ class BatchMLAPagedAttentionWrapper:
         self._highest_page = -1  # the highest page the sm90 plan reads (checked against the cache at run)
         self._readable_strides: tuple | None = None  # strides of the last tensors the sm90 kernel could read
         self._prefill_args: dict | None = None  # an sm90 plan's arguments for the prefill kernels (run()'s fallback)
+        self._graph_arrays: GraphArrays | None = None  # use_cuda_graph: the sm90 plans' fixed memory (first plan)
+        self._graph_kernel: str | None = None  # use_cuda_graph: the kernel of the first plan, which a capture keeps
 
     @property
     def kernel(self) -> str:
@@ -157,6 +167,14 @@ class BatchMLAPagedAttentionWrapper:
             # Kept for run(): tensors the kernel cannot read plan the prefill kernels then, over this batch's
             # arrays (host copies: the caller's host tensors may hold the next batch by then).
             self._prefill_args = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in prefill_args.items()}
+        if self._use_cuda_graph:  # a captured run() is of one kernel: every later plan must take it too
+            kernel = self.kernel
+            if self._graph_kernel not in (None, kernel):
+                self._kernel, self._prefill_args = None, None
+                raise ValueError(f"this plan runs on the {kernel} kernel(s), but the CUDA-graph wrapper's first plan "
+                                 f"ran on the {self._graph_kernel} one(s) (JITATTN_MLA_KERNEL changed?); a captured "
+                                 "run() keeps its kernel: use a new wrapper")
+            self._graph_kernel = kernel
         if self._kv_len_arr_buf is not None:  # FlashInfer keeps the lengths in the caller's buffer too
             self._kv_len_arr_buf[: lens.numel()].copy_(lens.to(torch.int32))
         self._dims = (head_dim_ckv, head_dim_kpe)
@@ -218,8 +236,7 @@ class BatchMLAPagedAttentionWrapper:
         q_dtype = parse_dtype(q_data_type, "q_data_type")
         kv_dtype = parse_dtype(kv_data_type, "kv_data_type")
         capability, archs = device_facts(workspace.device)
-        reason = unsupported_reason(workspace.device, q_dtype, kv_dtype, head_dim_ckv, head_dim_kpe,
-                                    self._use_cuda_graph, capability, archs)
+        reason = unsupported_reason(workspace.device, q_dtype, kv_dtype, head_dim_ckv, head_dim_kpe, capability, archs)
         if select_kernel(reason) != "sm90":
             logger.debug("%s.plan: the prefill kernels (%s)", _NAME, reason or "JITATTN_MLA_KERNEL=prefill")
             return None
@@ -235,8 +252,19 @@ class BatchMLAPagedAttentionWrapper:
                              f"{indptr.numel() - 1}")
         self._highest_page = check_page_table(indptr, kv_indices, last_page_len, page_size,
                                               names=("kv_indptr", "kv_indices", "kv_len_arr"))
+        graph = None
+        if self._use_cuda_graph:
+            baked = (num_heads, page_size, bool(causal), float(sm_scale), q_dtype, kv_dtype)
+            batch, total_q, pages = lens.numel(), int(qo_indptr[-1]), int(indptr[-1])
+            graph = self._graph_arrays
+            if graph is None:  # kept only once this first plan has succeeded (it fixes the wrapper's batch shape)
+                rows = workspace.numel() * workspace.element_size() // workspace_row_bytes(CKV_DIM)
+                graph = GraphArrays(workspace.device, batch, total_q, self._graph_buffers["kv_indices"].numel(), rows,
+                                    baked, num_sms(workspace.device.index or 0))
+            graph.refuse(batch, total_q, pages, baked)
         self._kernel = KernelPlan(workspace, qo_indptr, indptr, kv_indices, lens.to(torch.int32), num_heads,
-                                  page_size, bool(causal), float(sm_scale), q_dtype, kv_dtype, split=split)
+                                  page_size, bool(causal), float(sm_scale), q_dtype, kv_dtype, split=split, graph=graph)
+        self._graph_arrays = graph
         work = self._kernel.work
         logger.debug("%s.plan: the sm90 MLA kernel, %d items on %d blocks, %d merges (chunks of %d KV blocks)",
                      _NAME, work.num_items, work.grid, work.num_merges, work.chunk_blocks)
@@ -274,6 +302,9 @@ class BatchMLAPagedAttentionWrapper:
             if problem is None:
                 self._readable_strides = strides
         if problem is not None:
+            if self._use_cuda_graph:
+                raise ValueError(f"the sm90 MLA kernel cannot read these tensors ({problem}), and a CUDA-graph "
+                                 "wrapper cannot switch kernels at run(): pass .contiguous() views")
             if q_nope.is_cuda and stream_capturing():
                 raise RuntimeError(f"{_NAME}.run() is being captured into a CUDA graph, but the sm90 MLA kernel "
                                    f"cannot read these tensors ({problem}) and the prefill kernels' plan would be made "

@@ -21,14 +21,14 @@ from . import env
 from .attention.checks import raw_stream, stream_capturing
 from .attention.specs import mla_kernel_spec
 from .families import mla as family
-from .mla_plan import MLAWork, plan_work, workspace_row_bytes
+from .mla_plan import MLAWork, graph_item_capacity, padded, plan_work, workspace_row_bytes
 from .spec import VariantSpec
 
 _HOPPER = re.compile(r"^9\.0a(\+PTX)?$")
 
 
 def unsupported_reason(device: torch.device, q_dtype: torch.dtype, kv_dtype: torch.dtype, head_dim_ckv: int,
-                       head_dim_kpe: int, use_cuda_graph: bool, capability: tuple[int, int] | None,
+                       head_dim_kpe: int, capability: tuple[int, int] | None,
                        archs: tuple[str, ...] | None) -> str | None:
     """Why the sm90 MLA kernel cannot run this plan (None when it can). ``capability``: the device's compute
     capability (None off cuda); ``archs``: the arch list the JIT builds for (None: unknown)."""
@@ -46,8 +46,6 @@ def unsupported_reason(device: torch.device, q_dtype: torch.dtype, kv_dtype: tor
         return "it takes a latent cache of the queries' dtype or fp8 (e4m3 / e5m2)"
     if (head_dim_ckv, head_dim_kpe) != (family.CKV_DIM, family.KPE_DIM):
         return f"it takes head_dim_ckv={family.CKV_DIM}, head_dim_kpe={family.KPE_DIM}"
-    if use_cuda_graph:
-        return "CUDA-graph plans (use_cuda_graph=True) are not in it yet"
     return None
 
 
@@ -101,14 +99,60 @@ def kernel_spec(dtype: torch.dtype, kv_dtype: torch.dtype | None = None) -> Vari
     return mla_kernel_spec(dtype, kv_dtype)
 
 
+class GraphArrays:
+    """The fixed device memory and launch shape of a CUDA-graph wrapper's sm90 plans (made by its first plan).
+
+    A captured launch keeps its params: the pointers, the grid, the item and merge counts, the heads, the
+    page size, causal, sm_scale. So every plan of the wrapper writes its work list and index arrays into this
+    one buffer, padded to the capacities of ``graph_item_capacity`` with items and merges of a sentinel
+    request with no query rows (index ``batch``: ``qo_indptr`` repeats its last entry, ``kv_len`` is 0), which
+    the kernel skips; and a plan whose batch size, query count or baked settings differ is refused.
+    """
+
+    def __init__(self, device: torch.device, batch: int, total_q: int, pages: int, workspace_rows: int,
+                 baked: tuple, num_sms: int) -> None:
+        """``pages``: the most page indices a plan may give (the fixed ``kv_indices`` buffer's size);
+        ``workspace_rows``: partial-state rows the workspace holds; ``baked``: the settings in the params."""
+        self.batch, self.total_q, self.pages, self.baked = batch, total_q, pages, baked
+        self.items, self.merges = graph_item_capacity(total_q, batch, baked[0], num_sms)
+        if workspace_rows < 1:
+            self.merges = 0  # nothing can split: no merge launch
+        self.workspace_rows = workspace_rows
+        self.grid = max(1, min(self.items, num_sms))
+        # items, merges, qo_indptr (+ the sentinel), kv_indptr, kv_len (+ the sentinel), kv_indices
+        self.sizes = [self.items * family.ITEM_INTS, self.merges * family.MERGE_INTS, batch + 2, batch + 1, batch + 1,
+                      pages]
+        self.buffer = torch.zeros(sum(_padded_size(n) for n in self.sizes) + 4, dtype=torch.int32, device=device)
+
+    def refuse(self, batch: int, total_q: int, pages: int, baked: tuple) -> None:
+        """Raise naming what differs from the captured launch's plan (nothing: return)."""
+        if (batch, total_q) != (self.batch, self.total_q):
+            raise ValueError(f"this plan has {batch} requests and {total_q} query tokens, but the CUDA-graph wrapper's "
+                             f"sm90 kernel was sized by its first plan for {self.batch} and {self.total_q}: a captured "
+                             "run() keeps them; use one wrapper per captured batch shape")
+        if baked != self.baked:
+            names = ("num_heads", "page_size", "causal", "sm_scale", "q_data_type", "kv_data_type")
+            changed = [f"{n} {a!r} -> {b!r}" for n, a, b in zip(names, self.baked, baked) if a != b]
+            raise ValueError(f"this plan changes {', '.join(changed)} from the CUDA-graph wrapper's first plan; a "
+                             "captured run() keeps them: use one wrapper per setting")
+        if pages > self.pages:
+            raise ValueError(f"this plan references {pages} pages but the fixed kv_indices buffer holds {self.pages}")
+
+
+def _padded_size(n: int) -> int:
+    return n + (-n) % 4  # 16-byte aligned starts (the kernel reads items as int4)
+
+
 class KernelPlan:
     """One batch planned for the sm90 MLA kernel (made by ``plan()``, launched by ``run()``)."""
 
     def __init__(self, workspace: torch.Tensor, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor,
                  kv_indices: torch.Tensor, kv_lens: torch.Tensor, num_heads: int, page_size: int, causal: bool,
-                 sm_scale: float, dtype: torch.dtype, kv_dtype: torch.dtype, split: bool = True) -> None:
+                 sm_scale: float, dtype: torch.dtype, kv_dtype: torch.dtype, split: bool = True,
+                 graph: GraphArrays | None = None) -> None:
         """Host int32 ``qo_indptr``, ``kv_indptr``, ``kv_indices``, ``kv_lens`` (already checked); ``split=False``:
-        no split-KV (batch-invariant plans)."""
+        no split-KV (batch-invariant plans); ``graph``: a CUDA-graph wrapper's fixed arrays (checked against this
+        plan by ``graph.refuse`` first)."""
         from .jit import load
 
         device = workspace.device
@@ -120,29 +164,43 @@ class KernelPlan:
         self.module = load(kernel_spec(dtype, kv_dtype))
         self.dtype, self.kv_dtype = dtype, kv_dtype
         self.device_index = index
+        self.graph = graph
+        batch = int(kv_lens.numel())
+        if graph is None:
+            launched = self.work
+            parts = [launched.items.reshape(-1), launched.merges.reshape(-1), qo_indptr, kv_indptr, kv_lens, kv_indices]
+            sizes = [int(t.numel()) for t in parts]
+        else:  # the same memory and counts every plan; the sentinel request `batch` pads the lists
+            launched = padded(self.work, graph.items, graph.merges, request=batch)
+            parts = [launched.items.reshape(-1), launched.merges.reshape(-1), torch.cat([qo_indptr, qo_indptr[-1:]]),
+                     kv_indptr, torch.cat([kv_lens, torch.zeros(1, dtype=kv_lens.dtype)]), kv_indices]
+            sizes = graph.sizes
         # One upload: items, merges and the index arrays, as views of one device buffer.
-        parts = [self.work.items.reshape(-1), self.work.merges.reshape(-1), qo_indptr, kv_indptr, kv_lens, kv_indices]
-        sizes = [int(t.numel()) for t in parts]
-        pad = [(-s) % 4 for s in sizes]  # 16-byte aligned starts (the kernel reads items as int4)
-        host = torch.cat([torch.cat([t.to(torch.int32), torch.zeros(p, dtype=torch.int32)]) for t, p in zip(parts, pad)]
-                         + [torch.zeros(4, dtype=torch.int32)])  # never empty: every pointer is valid
-        self._device_arrays = host.to(device)
+        host = torch.cat([torch.cat([t.to(torch.int32), torch.zeros(_padded_size(n) - t.numel(), dtype=torch.int32)])
+                          for t, n in zip(parts, sizes)] + [torch.zeros(4, dtype=torch.int32)])  # never empty
+        if graph is None:
+            self._device_arrays = host.to(device)
+        else:
+            graph.buffer.copy_(host, non_blocking=True)  # ordered before any later launch or replay on the stream
+            self._device_arrays = graph.buffer
         base, ptrs = self._device_arrays.data_ptr(), []
         at = 0
-        for s, p in zip(sizes, pad):
+        for n in sizes:
             ptrs.append(base + 4 * at)
-            at += s + p
+            at += _padded_size(n)
         items, merges, qo, kvp, lens, indices = ptrs
         self._workspace = workspace
         self.params = self.module.params(
             "mla", q_nope=None, q_pe=None, ckv=None, kpe=None, o=None, lse=None,
             qo_indptr=qo, kv_indptr=kvp, kv_indices=indices, kv_len=lens, items=items, merges=merges,
-            workspace=workspace.data_ptr(), num_items=self.work.num_items, num_merges=self.work.num_merges,
-            workspace_rows=self.work.workspace_rows, num_heads=num_heads, page_size=page_size,
+            workspace=workspace.data_ptr(), num_items=launched.num_items, num_merges=launched.num_merges,
+            workspace_rows=graph.workspace_rows if graph is not None else launched.workspace_rows,
+            num_heads=num_heads, page_size=page_size,
             q_nope_stride_n=0, q_nope_stride_h=0, q_pe_stride_n=0, q_pe_stride_h=0,
             ckv_stride_page=0, ckv_stride_n=0, kpe_stride_page=0, kpe_stride_n=0,
             o_stride_n=0, o_stride_h=0, lse_stride_n=0, lse_stride_h=0,
-            causal=int(causal), grid=self.work.grid, sm_scale=sm_scale, k_scale=1.0, v_scale=1.0,
+            causal=int(causal), grid=graph.grid if graph is not None else launched.grid, sm_scale=sm_scale,
+            k_scale=1.0, v_scale=1.0,
         )
         self._call = self.module.bind("mla", self.params)
 
@@ -158,11 +216,14 @@ class KernelPlan:
                                 f"{str(want).removeprefix('torch.')}")
             if t.get_device() != self.device_index:
                 raise ValueError(f"{name} is on {t.device}; the plan is for cuda:{self.device_index}")
-        if stream_capturing():
-            raise RuntimeError("BatchMLAPagedAttentionWrapper.run() is being captured into a CUDA graph, but the "
-                               "wrapper was built without use_cuda_graph=True; build it with the fixed buffers")
-        if self.work.num_items == 0:
-            return  # no query rows: nothing to write
+        if self.graph is None:
+            if stream_capturing():
+                raise RuntimeError("BatchMLAPagedAttentionWrapper.run() is being captured into a CUDA graph, but the "
+                                   "wrapper was built without use_cuda_graph=True; build it with the fixed buffers")
+            if self.work.num_items == 0:
+                return  # no query rows: nothing to write
+        elif self.graph.total_q == 0:
+            return  # no query rows in any plan of this wrapper (the shape is fixed): capture and replays launch nothing
         p = self.params
         p.q_nope, p.q_pe, p.ckv, p.kpe = q_nope.data_ptr(), q_pe.data_ptr(), ckv.data_ptr(), kpe.data_ptr()
         p.q_nope_stride_n, p.q_nope_stride_h = q_nope.stride()[:2]

@@ -125,3 +125,28 @@ def _choose_chunk(nblk: np.ndarray, num_sms: int, capacity_rows: int) -> int:
                 best, best_time = chunk, time
         chunk *= 2
     return best
+
+
+def graph_item_capacity(total_q: int, batch: int, num_heads: int, num_sms: int) -> tuple[int, int]:
+    """(items, merges) a work list of ``batch`` requests and ``total_q`` query tokens can need, whatever their
+    lengths: what a CUDA-graph plan sizes its fixed arrays and its captured launch by.
+
+    Tiles: each request's rows round up to whole tiles, so at most ``ceil(total_q * num_heads / 64) + batch``.
+    A split chunk is at least ``ceil(total blocks / num_sms)`` blocks wide (``_choose_chunk``'s smallest
+    candidate), so splitting adds at most ``num_sms`` items; at most one merge per tile."""
+    tiles = -(-total_q * num_heads // ROWS) + batch
+    return tiles + num_sms, max(1, tiles)
+
+
+def padded(work: MLAWork, items: int, merges: int, request: int) -> MLAWork:
+    """``work`` with ``items`` work items and ``merges`` merges: the extra ones are of ``request``, which must be
+    one with no query rows (a CUDA-graph plan appends such a sentinel request), so the kernel skips them."""
+    if work.num_items > items or work.num_merges > merges:
+        raise RuntimeError(f"the work list needs {work.num_items} items and {work.num_merges} merges; the capacity "
+                           f"is {items} and {merges}")
+    extra_items = torch.zeros(items - work.num_items, ITEM_INTS, dtype=torch.int32)
+    extra_items[:, 0], extra_items[:, 4] = request, -1
+    extra_merges = torch.zeros(merges - work.num_merges, MERGE_INTS, dtype=torch.int32)
+    extra_merges[:, 0] = request
+    return MLAWork(torch.cat([work.items, extra_items]), torch.cat([work.merges, extra_merges]), work.workspace_rows,
+                   work.grid, work.chunk_blocks)

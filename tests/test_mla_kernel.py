@@ -18,8 +18,8 @@ import jitattn
 from jitattn import env
 from jitattn.families import mla as family
 from jitattn.mla import BatchMLAPagedAttentionWrapper
-from jitattn.mla_kernel import kernel_spec, layout_problem, select_kernel, unsupported_reason
-from jitattn.mla_plan import MIN_CHUNK_BLOCKS, plan_work
+from jitattn.mla_kernel import GraphArrays, kernel_spec, layout_problem, select_kernel, unsupported_reason
+from jitattn.mla_plan import MIN_CHUNK_BLOCKS, graph_item_capacity, padded, plan_work
 from jitattn.spec import VariantSpec
 
 from test_mla import CKV, KPE, SM_SCALE, _indptr, _latent_cache, _queries, _reference
@@ -118,9 +118,56 @@ def test_empty_and_zero_length_requests() -> None:
         plan_work([1], [1], 0, False, 132, 0)
 
 
+@pytest.mark.parametrize("heads", [16, 128])
+def test_graph_capacity_bounds_every_work_list_of_a_batch_shape(heads: int) -> None:
+    """A CUDA-graph plan sizes its launch once per (batch, query tokens): no lengths may need more items or
+    merges than ``graph_item_capacity`` gives, split or not, causal or not, whatever the workspace."""
+    rng = random.Random(heads)
+    for trial in range(300):
+        batch = rng.randint(1, 16)
+        qo_lens = [rng.choice([1, 1, 2, 5, 8, 40]) for _ in range(batch)]
+        sms = rng.choice([1, 8, 132])
+        items, merges = graph_item_capacity(sum(qo_lens), batch, heads, sms)
+        for _ in range(4):
+            kv_lens = [rng.choice([0, 1, 63, 64, 65, rng.randint(1, 40000)]) + q for q in qo_lens]
+            causal = rng.random() < 0.5
+            work = plan_work(qo_lens, kv_lens, heads, causal, sms, rng.choice([0, 64 * 8, 1 << 20]))
+            assert work.num_items <= items and work.num_merges <= merges, (qo_lens, kv_lens, sms)
+
+
+def test_padded_work_lists_end_in_items_and_merges_of_the_sentinel_request() -> None:
+    work = plan_work([1, 2], [9000, 300], 16, True, 132, 1 << 20)
+    assert work.num_merges > 0, "the case must split"
+    full = padded(work, work.num_items + 5, work.num_merges + 3, request=2)
+    assert torch.equal(full.items[: work.num_items], work.items) and torch.equal(full.merges[: work.num_merges],
+                                                                                 work.merges)
+    assert full.items[work.num_items:].tolist() == [[2, 0, 0, 0, -1, 0, 0, 0]] * 5, "no rows, no blocks, direct"
+    assert full.merges[work.num_merges:].tolist() == [[2, 0, 0, 0]] * 3
+    assert full.workspace_rows == work.workspace_rows
+    with pytest.raises(RuntimeError, match="capacity"):
+        padded(work, work.num_items - 1, work.num_merges, request=2)
+
+
+def test_graph_arrays_refuse_a_plan_the_captured_launch_cannot_replay() -> None:
+    baked = (128, 64, False, 0.07, torch.bfloat16, torch.bfloat16)
+    arrays = GraphArrays(torch.device("cpu"), batch=8, total_q=8, pages=128, workspace_rows=64 * 10, baked=baked,
+                         num_sms=132)
+    assert (arrays.items, arrays.merges) == graph_item_capacity(8, 8, 128, 132) and arrays.grid == 132
+    assert arrays.buffer.numel() >= sum(arrays.sizes) and arrays.sizes[2] == 10, "qo_indptr and the sentinel"
+    arrays.refuse(8, 8, 128, baked)  # the same shape: fine
+    with pytest.raises(ValueError, match="9 requests and 9 query tokens.*8 and 8"):
+        arrays.refuse(9, 9, 10, baked)
+    with pytest.raises(ValueError, match=r"page_size 64 -> 16"):
+        arrays.refuse(8, 8, 10, baked[:1] + (16,) + baked[2:])
+    with pytest.raises(ValueError, match="129 pages"):
+        arrays.refuse(8, 8, 129, baked)
+    no_split = GraphArrays(torch.device("cpu"), 8, 8, 128, 0, baked, 132)
+    assert no_split.merges == 0, "a workspace of no rows never splits: no merge launch"
+
+
 # -- the kernel choice ---------------------------------------------------------------------------------
 _OK = dict(device=torch.device("cuda", 0), q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16, head_dim_ckv=512,
-           head_dim_kpe=64, use_cuda_graph=False, capability=(9, 0), archs=("9.0a",))
+           head_dim_kpe=64, capability=(9, 0), archs=("9.0a",))
 
 
 @pytest.mark.parametrize("change, why", [
@@ -131,7 +178,6 @@ _OK = dict(device=torch.device("cuda", 0), q_dtype=torch.bfloat16, kv_dtype=torc
     (dict(kv_dtype=torch.float16), "queries' dtype or fp8"),
     (dict(q_dtype=torch.float32, kv_dtype=torch.float32), "f16 or bf16 queries"),
     (dict(head_dim_ckv=256), "head_dim_ckv=512"),
-    (dict(use_cuda_graph=True), "CUDA-graph"),
 ])
 def test_unsupported_plans_say_why(change: dict, why: str) -> None:
     assert unsupported_reason(**_OK) is None
@@ -502,3 +548,95 @@ def test_an_fp8_cache_on_8_byte_rows_runs_on_the_prefill_kernels(monkeypatch: py
     monkeypatch.setenv("JITATTN_MLA_KERNEL", "sm90")
     with pytest.raises(ValueError, match="ckv_cache"):
         wrapper.run(q_nope, q_pe, ckv, kpe, out=out)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads,qo_lens,causal,max_len", [
+    (128, [1] * 8, False, 1024),      # decode, enough tiles: no split
+    (16, [1, 1], False, 20000),       # two long requests: split items and their merges
+    (64, [2, 4, 1], True, 3000),      # speculative tokens, causal
+], ids=["decode_h128", "split_h16", "speculative_h64"])
+def test_sm90_kernel_under_cuda_graphs_replays_after_replanning(monkeypatch: pytest.MonkeyPatch, heads: int,
+                                                                qo_lens: list[int], causal: bool, max_len: int) -> None:
+    """A run() captured once on the sm90 kernel replays every later plan of the batch shape (new lengths,
+    pages and splits, lengths 0 included) into the same output and lse: each replay equals the reference."""
+    monkeypatch.setenv("JITATTN_MLA_KERNEL", "sm90")
+    gen = torch.Generator().manual_seed(heads + len(qo_lens))
+    batch, page_size, dtype = len(qo_lens), 64, torch.bfloat16
+    max_pages = batch * (-(-max_len // page_size))
+    buffers = dict(qo_indptr=torch.empty(batch + 1, dtype=torch.int32, device="cuda"),
+                   kv_indptr=torch.empty(batch + 1, dtype=torch.int32, device="cuda"),
+                   kv_indices=torch.empty(max_pages, dtype=torch.int32, device="cuda"),
+                   kv_len_arr=torch.empty(batch, dtype=torch.int32, device="cuda"))
+    wrapper = jitattn.BatchMLAPagedAttentionWrapper(torch.empty(64 << 20, dtype=torch.uint8, device="cuda"), True,
+                                                    **buffers)
+    cache = torch.randn(max_pages, page_size, CKV + KPE, generator=gen).to(dtype).cuda()
+    ckv, kpe = cache[..., :CKV], cache[..., CKV:]
+    q_nope, q_pe = _queries(qo_lens, heads, dtype, "cuda", gen)
+    out = torch.empty(sum(qo_lens), heads, CKV, dtype=dtype, device="cuda")
+    lse = torch.empty(sum(qo_lens), heads, dtype=torch.float32, device="cuda")
+    splits = []
+
+    def plan(kv_lens):
+        pages = [-(-n // page_size) for n in kv_lens]
+        indices = torch.randperm(max_pages, generator=gen)[: sum(pages)].to(torch.int32)
+        indptr = _indptr(pages)
+        wrapper.plan(_indptr(qo_lens), indptr, indices, torch.tensor(kv_lens, dtype=torch.int32), heads, CKV, KPE,
+                     page_size, causal, SM_SCALE, dtype, dtype)
+        assert wrapper.kernel == "sm90"
+        splits.append(wrapper._kernel.work.num_merges)
+        return indptr, indices
+
+    plan([max_len] * batch)
+    wrapper.run(q_nope, q_pe, ckv, kpe, out=out, lse=lse)  # loads the module outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        wrapper.run(q_nope, q_pe, ckv, kpe, out=out, lse=lse)
+    for trial in range(5):
+        kv_lens = [0 if trial == 1 and r == 0 and not causal else  # an empty request too
+                   q + int(torch.randint(0, max_len - q + 1, (1,), generator=gen)) for r, q in enumerate(qo_lens)]
+        indptr, indices = plan(kv_lens)
+        out.fill_(float("nan"))
+        lse.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref_out, ref_lse = _reference(q_nope, q_pe, ckv, kpe, indptr, indices, qo_lens, kv_lens, causal)
+        assert_close_out(out, ref_out, dtype)
+        assert_close_lse(lse, ref_lse)
+    if heads == 16:
+        assert max(splits) > 0, "the case must replay split plans"
+    with pytest.raises(ValueError, match="batch shape"):
+        wrapper.plan(_indptr(qo_lens[:-1]), _indptr([1] * (batch - 1)), torch.zeros(batch, dtype=torch.int32),
+                     torch.ones(batch - 1, dtype=torch.int32), heads, CKV, KPE, page_size, causal, SM_SCALE, dtype,
+                     dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_lens", [[], [100, 0]], ids=["no_requests", "no_query_tokens"])
+def test_sm90_graph_plans_with_no_query_rows_capture_and_replay(monkeypatch: pytest.MonkeyPatch,
+                                                                kv_lens: list[int]) -> None:
+    """A CUDA-graph wrapper whose batch shape has no query rows: run(), capture and replay launch nothing."""
+    monkeypatch.setenv("JITATTN_MLA_KERNEL", "sm90")
+    batch, heads, page_size = len(kv_lens), 16, 64
+    buffers = dict(qo_indptr=torch.empty(batch + 1, dtype=torch.int32, device="cuda"),
+                   kv_indptr=torch.empty(batch + 1, dtype=torch.int32, device="cuda"),
+                   kv_indices=torch.empty(8, dtype=torch.int32, device="cuda"),
+                   kv_len_arr=torch.empty(max(batch, 1), dtype=torch.int32, device="cuda"))
+    wrapper = jitattn.BatchMLAPagedAttentionWrapper(torch.empty(16 << 20, dtype=torch.uint8, device="cuda"), True,
+                                                    **buffers)
+    pages = [-(-n // page_size) for n in kv_lens]
+    wrapper.plan(_indptr([0] * batch), _indptr(pages), torch.arange(sum(pages), dtype=torch.int32),
+                 torch.tensor(kv_lens, dtype=torch.int32), heads, CKV, KPE, page_size, False, SM_SCALE, torch.bfloat16,
+                 torch.bfloat16)
+    assert wrapper.kernel == "sm90"
+    cache = torch.randn(8, page_size, CKV + KPE, device="cuda").to(torch.bfloat16)
+    q_nope = torch.empty(0, heads, CKV, dtype=torch.bfloat16, device="cuda")
+    q_pe = torch.empty(0, heads, KPE, dtype=torch.bfloat16, device="cuda")
+    out = wrapper.run(q_nope, q_pe, cache[..., :CKV], cache[..., CKV:])
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        wrapper.run(q_nope, q_pe, cache[..., :CKV], cache[..., CKV:], out=out)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert out.shape == (0, heads, CKV)
