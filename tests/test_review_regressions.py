@@ -186,3 +186,20 @@ def test_cascade_workspace_size_covers_the_decode_level_split() -> None:
     wrapper.plan(*args, q_data_type=torch.float16, fixed_split_size=4)
     assert wrapper._launches[-1][0]._plan.split.kv_chunk_size > 0, "sized by workspace_size, the level splits"
     torch.testing.assert_close(wrapper.run(q, cache).float(), expected.float(), atol=4e-3, rtol=4e-3)
+
+
+def test_graph_mode_plans_keep_the_buffer_address_of_an_empty_page_table() -> None:
+    """A use_cuda_graph plan of no pages points the launch at its fixed kv_indices buffer all the same: a run()
+    captured then must read the pages later plans write there (an empty view's address is 0)."""
+    bufs = dict(qo_indptr_buf=torch.empty(3, dtype=torch.int32), paged_kv_indptr_buf=torch.empty(3, dtype=torch.int32),
+                paged_kv_indices_buf=torch.empty(16, dtype=torch.int32),
+                paged_kv_last_page_len_buf=torch.empty(2, dtype=torch.int32))
+    wrapper = jitattn.BatchPrefillWithPagedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8), "NHD",
+                                                          use_cuda_graph=True, **bufs)
+    pointers = []
+    for pages in ([0, 0], [2, 1]):
+        indptr = torch.tensor([0, pages[0], sum(pages)], dtype=torch.int32)
+        wrapper.plan(_i32(0, 1, 2), indptr, torch.arange(sum(pages), dtype=torch.int32), _i32(16, 16), H, HK, DIM,
+                     PAGE, q_data_type=torch.float16)
+        pointers.append(wrapper._plan.launch.params.kv_indices)
+    assert pointers == [bufs["paged_kv_indices_buf"].data_ptr()] * 2

@@ -147,7 +147,10 @@ def upload(host: torch.Tensor, device: torch.device, buffer: torch.Tensor | None
             f"{host.numel()} x {host.dtype} on {device}; allocate it for the largest batch"
         )
     buffer[: host.numel()].copy_(host, non_blocking=False)
-    return buffer[: host.numel()]  # the same address; its length is the batch's (qo_indptr sizes the launch)
+    # The same address, its length the batch's (qo_indptr sizes the launch). An empty array (a page table
+    # of no pages) is the buffer's first entry instead, never read: an empty view has no address, and a
+    # launch captured with a stand-in pointer would go on reading it after later plans filled the buffer.
+    return buffer[: max(host.numel(), 1)]
 
 
 def _staging(n: int) -> torch.Tensor:
