@@ -7,8 +7,12 @@ level with few nodes as several KV chunks), writing its state into one buffer;
 one ``merge_states`` over every level's (and chunk's) state per query gives the
 output (natural-log LSE). Without CUDA graphs the non-causal prefill-kernel
 levels are one launch, and a last level of one query per request (decode under
-a shared prefix) runs on the decode kernel. Causal masking applies to the last
-level only (the earlier levels are prefixes every query sees whole).
+a shared prefix) runs on the decode kernel. Under CUDA graphs each level is its
+own launch, a shared level is cut into a chunk count fixed by the batch shape
+(``kv_split.graph_level_chunks``) and the decode-kernel last level stays, on
+wrappers with buffers of their own, so every plan of a shape replays into the
+same memory. Causal masking applies to the last level only (the earlier levels
+are prefixes every query sees whole).
 """
 
 from __future__ import annotations
