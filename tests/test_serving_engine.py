@@ -189,14 +189,17 @@ def _fake_graphs(monkeypatch) -> None:
     """CUDA-graph capture replaced by a stand-in whose replay re-runs the recorded forward (no CUDA here)."""
     import contextlib
 
-    from jitattn.serving.graphs import DecodeGraph
+    from jitattn.serving.graphs import CascadeGraph, DecodeGraph
 
-    captured: list[DecodeGraph] = []
-    real_init = DecodeGraph.__init__
+    captured: list = []  # the graph objects, in the order they capture
 
-    def init(self, *args, **kwargs):
-        captured.append(self)
-        real_init(self, *args, **kwargs)
+    def recording(cls):
+        real_run = cls.run
+
+        def run(self, *args, **kwargs):
+            captured.append(self)
+            return real_run(self, *args, **kwargs)
+        return run
 
     class ReplayByRerun:
         def __init__(self) -> None:
@@ -205,7 +208,8 @@ def _fake_graphs(monkeypatch) -> None:
         def replay(self) -> None:
             self.owner.logits.copy_(self.owner._forward())
 
-    monkeypatch.setattr(DecodeGraph, "__init__", init)
+    for cls in (DecodeGraph, CascadeGraph):
+        monkeypatch.setattr(cls, "run", recording(cls))
     monkeypatch.setattr(torch.cuda, "CUDAGraph", ReplayByRerun)
     monkeypatch.setattr(torch.cuda, "graph", lambda graph, pool=None: contextlib.nullcontext())
 
@@ -276,6 +280,41 @@ def test_decode_path_chooser_measures_each_path_then_keeps_the_faster() -> None:
         chooser.record(64, "flat", 0.1)
     with pytest.raises(ValueError, match="smoothing"):
         DecodePathChooser(smoothing=0.0)
+
+
+def test_cascade_graph_step_gives_the_eager_cascade_logits(model, monkeypatch) -> None:
+    """The captured cascade step's data flow on the cpu target: groups padded to the graph's count, rows padded
+    to the bucket with the scratch page, the cascade wrapper planned into fixed buffers. Capture is replaced by
+    a stand-in whose replay re-runs the recorded forward (no CUDA here)."""
+    import contextlib
+
+    from jitattn.serving.graphs import CascadeGraph
+
+    class ReplayByRerun:
+        owner: CascadeGraph
+
+        def replay(self) -> None:
+            self.owner.logits.copy_(self.owner._forward())
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", ReplayByRerun)
+    monkeypatch.setattr(torch.cuda, "graph", lambda graph, pool=None: contextlib.nullcontext())
+    engine = Engine(model, num_pages=96, page_size=PAGE, cascade=True)
+    for prompt in _prompts(12, 24, [5, 17, 30]) + _prompts(13, 16, [2, 9]):  # two system prompts: two groups
+        engine.add_request(prompt, 8)
+    while engine.waiting or engine.prefilling:
+        engine.step()
+    graph = CascadeGraph(model, engine.pool, engine.planner.workspace, 8, 16, max_groups=3)
+    ReplayByRerun.owner = graph
+    batch = sorted(engine.running, key=lambda r: tuple(r.pages[: r.num_shared_pages or 1]))
+    for rows in (batch, batch[:3]):  # 3 and 5 padded rows of one captured bucket; 2 groups then 1 of 3
+        seqs = [SeqView(tuple(r.pages[: -(-len(r.fed_tokens) // PAGE)]), len(r.fed_tokens), 1) for r in rows]
+        ids = [r.fed_tokens[-1] for r in rows]
+        groups = engine.planner.cascade_groups(seqs)
+        assert groups is not None and 1 <= len(groups) <= 3
+        expected, _ = engine._decode_logits(seqs, ids)  # appends this step's k/v; the graph's appends rewrite them
+        torch.testing.assert_close(graph.run(seqs, ids, groups), expected, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="at most 3"):
+        graph.run(seqs, ids, [(1, 0)] * 4)
 
 
 # --- the parts on their own -------------------------------------------------------------------
