@@ -62,11 +62,13 @@ class MultiLevelCascadeAttentionWrapper:
         self._batch_invariant = False  # the last plan's mode
         self._workspace, self._kv_layout = float_workspace_buffer, kv_layout
         self._decode: BatchDecodeWithPagedKVCacheWrapper | None = None  # a last level of one query per request
-        # Under CUDA graphs: the wrappers (with buffers of their own, sized for the batch shape) of levels cut
-        # into chunks, by level, and of a last level on the decode kernel; kept while the shape holds, so a
-        # captured run() reads the same memory after every plan of that shape.
-        self._graph_levels: dict[int, BatchPrefillWithPagedKVCacheWrapper] = {}
-        self._graph_decode: BatchDecodeWithPagedKVCacheWrapper | None = None
+        # Under CUDA graphs: the wrappers (with buffers of their own, sized for a batch shape) of levels cut
+        # into chunks, by (level, chunk nodes + 1), and of a last level on the decode kernel, by batch size; and
+        # the state buffers by layout. Kept for every shape planned (a few), so a run() captured for one shape
+        # reads the same memory after any later plan of that shape, other shapes planned in between.
+        self._graph_levels: dict[tuple[int, int], BatchPrefillWithPagedKVCacheWrapper] = {}
+        self._graph_decoders: dict[int, BatchDecodeWithPagedKVCacheWrapper] = {}
+        self._graph_states: dict[tuple, _LevelStates] = {}
 
         def buf(arr, i):
             return arr[i] if arr is not None else None
@@ -84,7 +86,8 @@ class MultiLevelCascadeAttentionWrapper:
 
     def reset_workspace_buffer(self, float_workspace_buffer: torch.Tensor, int_workspace_buffers=None) -> None:
         self._workspace = float_workspace_buffer
-        for wrapper in self._wrappers + ([self._decode] if self._decode is not None else []):
+        for wrapper in (self._wrappers + ([self._decode] if self._decode is not None else [])
+                        + list(self._graph_levels.values()) + list(self._graph_decoders.values())):
             wrapper.reset_workspace_buffer(float_workspace_buffer)
 
     def plan(
@@ -101,7 +104,13 @@ class MultiLevelCascadeAttentionWrapper:
 
         A shared (non-causal) level whose few nodes cannot fill the device is cut into
         chunks of its nodes' KV that run in parallel and are merged by LSE;
-        ``fixed_split_size`` (a jitattn extension) caps a chunk at that many pages.
+        ``fixed_split_size`` (a jitattn extension) caps a chunk at that many pages (not under CUDA graphs,
+        where the chunk count follows the batch shape).
+
+        Under CUDA graphs (``use_cuda_graph=True``) the chunked shared levels and a decode-kernel last level
+        run on wrappers with buffers of their own, kept per shape (the caller's level buffers are then not
+        written for them; nothing reads them back); a last level of as many queries as nodes must have one
+        query per node.
 
         ``batch_invariant`` (default ``JITATTN_BATCH_INVARIANT``): a shared level's nodes are cut into
         chunks of a fixed length (``fixed_split_size`` pages, else 1024 tokens rounded up to pages), the
@@ -154,8 +163,18 @@ class MultiLevelCascadeAttentionWrapper:
                 raise ValueError(f"level {level}: qo_indptr_arr[{level}] has {len(qo_lens)} nodes but "
                                  f"paged_kv_indptr_arr[{level}] has {index.batch_size}; a level's arrays describe "
                                  "the same nodes")
-            if level_causal and max(qo_lens, default=0) <= 1 and (graph_fixed or not graphs) and \
-                    not self._batch_invariant:
+            last = level == self._num_levels - 1
+            # Under graphs the last level's kernel follows the shape: one query per node when total_q equals
+            # the node count (then every node must have exactly one), else the prefill kernels.
+            one_each = bool(qo_lens) and all(n == 1 for n in qo_lens)
+            if graph_fixed and last and len(qo_lens) == total_q and not one_each:
+                raise ValueError(f"under CUDA graphs a last level of as many queries as nodes ({total_q}) takes one "
+                                 "query per node (its decode-kernel launch is captured for that shape); got "
+                                 f"{qo_lens[:8]}...: plan other query counts on a wrapper of their own")
+            # graphs: one query per node is a property of the shape (total_q == nodes, both captured)
+            shape_one_each = graph_fixed and len(qo_lens) == total_q and one_each if graphs else one_each
+            relaxable = shape_one_each if graphs else max(qo_lens, default=0) <= 1
+            if level_causal and relaxable and not self._batch_invariant:
                 # One query per request sees every key: causal or not, the same. Under graphs only when
                 # that holds for the shape (one query per request: total_q == nodes, both captured), not in
                 # batch-invariant mode (whether a request's level may split must not depend on its
@@ -168,14 +187,13 @@ class MultiLevelCascadeAttentionWrapper:
             # each, its one-launch cascade took 216.8 us on the sm90 tier). Under graphs on a decode wrapper
             # with buffers of its own (the level's are the caller's); not in batch-invariant mode (its merge
             # order is the levels' chunk order).
-            decode_last = (level == self._num_levels - 1 and level > 0 and not level_causal
-                           and (graph_fixed or not graphs) and not self._batch_invariant and variant is None
-                           and bool(qo_lens) and all(n == 1 for n in qo_lens))
+            decode_last = (last and level > 0 and not level_causal and shape_one_each and not self._batch_invariant
+                           and variant is None)
             # Splitting shifts positions inside a chunk: only for plain, non-causal levels; under graphs into
             # a count fixed by the shape (graph_fixed), on a prefill wrapper with buffers of its own.
             if graph_fixed and not level_causal and not decode_last:
-                chunks = graph_level_chunks(len(qo_lens), total_q, group=group, tile_rows=tile_rows,
-                                            num_kv_heads=num_kv_heads, num_sms=num_workers(self._device))
+                chunks = graph_level_chunks(total_q, group=group, tile_rows=tile_rows, num_kv_heads=num_kv_heads,
+                                            num_sms=num_workers(self._device))
                 if chunks > 1:
                     qo_host, index = split_level_page_table(qo_host, index, chunks)
             elif not level_causal and variant is None and not graphs and not decode_last:
@@ -235,9 +253,13 @@ class MultiLevelCascadeAttentionWrapper:
                   self._device)
         if not multi:
             self._states = None
+        elif graphs:  # one set of state buffers per layout, kept (see _graph_levels)
+            key = (tuple(layout[0]), *layout[1:])
+            if key not in self._graph_states:
+                self._graph_states[key] = _LevelStates(*layout)
+            self._states = self._graph_states[key]
         elif self._states is None or self._states.layout != layout:
-            # Kept while the layout holds: a run() captured into a CUDA graph writes and merges these
-            # buffers, and FlashInfer's protocol re-plans before every replay.
+            # Kept while the layout holds: FlashInfer's protocol re-plans before every run.
             self._states = _LevelStates(*layout)
         self._launches, self._level_chunks = launches, level_chunks
 
@@ -252,30 +274,30 @@ class MultiLevelCascadeAttentionWrapper:
 
     def _graph_level(self, level: int, qo_entries: int) -> BatchPrefillWithPagedKVCacheWrapper:
         """Under graphs, the wrapper of a level cut into chunks: its own buffers for ``qo_entries - 1`` chunk
-        nodes (the caller's are sized for the level's nodes), the same ones while that count holds."""
-        wrapper = self._graph_levels.get(level)
-        if wrapper is None or wrapper._buffers["qo_indptr"].numel() != qo_entries:
+        nodes (the caller's are sized for the level's nodes), the same ones for every plan of that count."""
+        wrapper = self._graph_levels.get((level, qo_entries))
+        if wrapper is None:
             i32 = dict(dtype=torch.int32, device=self._device)
             wrapper = BatchPrefillWithPagedKVCacheWrapper(
                 self._workspace, self._kv_layout, use_cuda_graph=True, qo_indptr_buf=torch.empty(qo_entries, **i32),
                 paged_kv_indptr_buf=torch.empty(qo_entries, **i32),
                 paged_kv_indices_buf=torch.empty(self._pages_capacity(level), **i32),
                 paged_kv_last_page_len_buf=torch.empty(qo_entries - 1, **i32))
-            self._graph_levels[level] = wrapper
+            self._graph_levels[level, qo_entries] = wrapper
         return wrapper
 
     def _graph_decoder(self, batch: int) -> BatchDecodeWithPagedKVCacheWrapper:
         """Under graphs, the decode wrapper of a last level of one query per request (buffers of its own, the
-        same ones while the batch size holds)."""
-        decoder = self._graph_decode
-        if decoder is None or decoder._buffers["kv_last_page_len"].numel() != max(batch, 1):
+        same ones for every plan of that batch size)."""
+        decoder = self._graph_decoders.get(batch)
+        if decoder is None:
             i32 = dict(dtype=torch.int32, device=self._device)
             decoder = BatchDecodeWithPagedKVCacheWrapper(
                 self._workspace, self._kv_layout, use_cuda_graph=True,
                 paged_kv_indptr_buffer=torch.empty(batch + 1, **i32),
                 paged_kv_indices_buffer=torch.empty(self._pages_capacity(self._num_levels - 1), **i32),
                 paged_kv_last_page_len_buffer=torch.empty(max(batch, 1), **i32))
-            self._graph_decode = decoder
+            self._graph_decoders[batch] = decoder
         return decoder
 
     def workspace_size(

@@ -151,8 +151,7 @@ def test_graph_level_chunks_follow_the_batch_shape_only() -> None:
     from jitattn.kv_split import graph_level_chunks
 
     # 64 queries of 4 heads in 128-row tiles: 2 tiles x 8 kv heads = 16 blocks; 2 per SM of 132 -> 17 chunks
-    assert graph_level_chunks(1, 64, group=4, tile_rows=128, num_kv_heads=8, num_sms=132) == 17
-    assert graph_level_chunks(1, 2048, group=4, tile_rows=128, num_kv_heads=8, num_sms=132) == 1, "the tiles fill it"
-    assert graph_level_chunks(200, 200, group=1, tile_rows=128, num_kv_heads=8, num_sms=132) == 1, "a tile per node"
-    assert graph_level_chunks(1, 1, group=1, tile_rows=128, num_kv_heads=1, num_sms=1000) == 32, "capped"
-    assert graph_level_chunks(1, 0, group=4, tile_rows=128, num_kv_heads=8, num_sms=132) == 32, "one tile at least"
+    assert graph_level_chunks(64, group=4, tile_rows=128, num_kv_heads=8, num_sms=132) == 17
+    assert graph_level_chunks(2048, group=4, tile_rows=128, num_kv_heads=8, num_sms=132) == 1, "the tiles fill it"
+    assert graph_level_chunks(1, group=1, tile_rows=128, num_kv_heads=1, num_sms=1000) == 32, "capped"
+    assert graph_level_chunks(0, group=4, tile_rows=128, num_kv_heads=8, num_sms=132) == 32, "one tile at least"

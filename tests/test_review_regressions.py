@@ -2,8 +2,9 @@
 
 - A cascade plan keeps its state buffers while their layout holds (a graph captured around run()
   writes and merges them; FlashInfer's protocol re-plans before every replay).
-- Under CUDA graphs and in batch-invariant mode a causal decode level stays causal: its kernel and
-  its split must not depend on the companions' query counts.
+- Under CUDA graphs a last level's kernel follows the batch shape (one query per node when total_q
+  equals the node count), and in batch-invariant mode a causal decode level stays causal: a kernel
+  and a split must not depend on the companions' query counts.
 - A wrapper that once ran with sinks can still plan a custom variant.
 - A graph-mode decode wrapper whose fixed buffers are larger than the batch launches over the batch.
 """

@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+import jitattn
+
 from jitattn.serving import (
     Engine, KVPool, LlamaModel, RadixCache, preset, random_weights, reference_generate, save_checkpoint,
 )
@@ -221,18 +223,18 @@ def test_with_graphs_shared_prefix_steps_take_the_faster_path(model, shared_work
     faster (here the step times are faked), and the greedy tokens are the reference's either way."""
     prompts, expected = shared_workload
     _fake_graphs(monkeypatch)
+    monkeypatch.setattr(jitattn.cascade, "num_workers", lambda device: 64)  # the captured shared level is chunked
     engine = Engine(model, num_pages=64, page_size=PAGE, cascade=True)
     engine.cuda_graphs = True  # on the cpu target, with capture faked above
-    record = engine.decode_paths.record
-    monkeypatch.setattr(engine.decode_paths, "record", lambda bucket, path, seconds: record(
+    record, taken = engine.decode_paths.record, []
+    monkeypatch.setattr(engine.decode_paths, "record", lambda bucket, path, seconds: taken.append(path) or record(
         bucket, path, (graph_ms if path == "graph" else cascade_ms) / 1e3))
-    requests = _serve(engine, prompts, new_tokens=12)
+    requests = _serve(engine, prompts, new_tokens=16)
     assert [r.output[:NEW_TOKENS] for r in requests] == expected
-    stats = engine.stats
-    assert stats.graph_steps and stats.cascade_steps, "both paths are tried"
+    assert engine._graphs and engine._cascade_graphs, "both paths are captured and replayed"
     faster = "graph" if graph_ms < cascade_ms else "cascade"
-    taken = stats.graph_steps if faster == "graph" else stats.cascade_steps
-    assert taken >= stats.decode_steps - 4, "after one warm-up and one timed step of each, the faster path"
+    assert taken[4:] and all(path == faster for path in taken[4:]), ("after two timed steps of each (the first "
+                                                                     "of each is the warm-up), the faster path", taken)
 
 
 def test_under_tensor_parallelism_every_rank_takes_rank_0s_path(model, shared_workload, monkeypatch) -> None:
@@ -298,6 +300,7 @@ def test_cascade_graph_step_gives_the_eager_cascade_logits(model, monkeypatch) -
 
     monkeypatch.setattr(torch.cuda, "CUDAGraph", ReplayByRerun)
     monkeypatch.setattr(torch.cuda, "graph", lambda graph, pool=None: contextlib.nullcontext())
+    monkeypatch.setattr(jitattn.cascade, "num_workers", lambda device: 64)  # the shared level is chunked
     engine = Engine(model, num_pages=96, page_size=PAGE, cascade=True)
     for prompt in _prompts(12, 24, [5, 17, 30]) + _prompts(13, 16, [2, 9]):  # two system prompts: two groups
         engine.add_request(prompt, 8)
@@ -314,7 +317,15 @@ def test_cascade_graph_step_gives_the_eager_cascade_logits(model, monkeypatch) -
         expected, _ = engine._decode_logits(seqs, ids)  # appends this step's k/v; the graph's appends rewrite them
         torch.testing.assert_close(graph.run(seqs, ids, groups), expected, rtol=1e-4, atol=1e-4)
     with pytest.raises(ValueError, match="at most 3"):
-        graph.run(seqs, ids, [(1, 0)] * 4)
+        graph.run(seqs, ids, [(1, 1)] * 4)  # four nodes that share pages
+
+
+def test_cascade_nodes_merge_runs_of_groups_that_share_nothing() -> None:
+    from jitattn.serving.graphs import cascade_nodes
+
+    assert cascade_nodes([(3, 4), (1, 0), (1, 0), (2, 5), (1, 0)]) == [(3, 4), (2, 0), (2, 5), (1, 0)]
+    assert cascade_nodes([(1, 0)] * 10 + [(4, 2)]) == [(10, 0), (4, 2)]
+    assert cascade_nodes([]) == []
 
 
 # --- the parts on their own -------------------------------------------------------------------

@@ -31,7 +31,7 @@ import torch
 from ..jit import compile_count
 from .attention import AttentionPlanner, SeqView
 from .decode_path import DecodePathChooser
-from .graphs import CascadeGraph, DecodeGraph, bucket_sizes
+from .graphs import CascadeGraph, DecodeGraph, bucket_sizes, cascade_nodes
 from .kv_pool import KVPool
 from .model import LlamaModel
 from .radix import RadixCache
@@ -90,8 +90,9 @@ class Engine:
     ``num_pages`` pages of ``page_size`` tokens form the KV pool (per layer); at most
     ``max_batch_size`` requests are admitted at once; a prefill step computes at most
     ``prefill_chunk_tokens`` prompt tokens; ``cascade`` turns cascade decode on; ``cuda_graphs``
-    replays captured flat decode steps (cuda only; with ``cascade`` too, each step of shared prefixes
-    takes the path measured faster for its batch bucket); ``clock`` gives the time in seconds
+    replays captured decode steps (cuda only): flat ones and, with ``cascade``, cascade ones of at most
+    ``CASCADE_GRAPH_GROUPS`` prefix groups, each step of shared prefixes taking the path measured
+    faster for its batch bucket; ``clock`` gives the time in seconds
     (default: since the engine was made) that request arrivals are compared with.
     """
 
@@ -316,13 +317,19 @@ class Engine:
                 chosen = self.group.broadcast(self.decode_paths.choose(self._bucket(len(seqs))))
                 if chosen == "graph":
                     groups = None
+            bucket = self._bucket(len(seqs))
             if self.cuda_graphs and groups is None:
                 self.stats.graph_steps += 1
+                if bucket not in self._graphs:
+                    chosen = None  # a step that captures says nothing of its path's replays
                 return self._graph(len(seqs)).run(seqs, ids), chosen
             self.stats.cascade_steps += groups is not None
-            if self.cuda_graphs and len(groups) <= CASCADE_GRAPH_GROUPS:  # a captured cascade step
+            if self.cuda_graphs and len(cascade_nodes(groups)) <= CASCADE_GRAPH_GROUPS:  # a captured cascade step
                 self.stats.graph_steps += 1
+                if bucket not in self._cascade_graphs:
+                    chosen = None
                 return self._cascade_graph(len(seqs)).run(seqs, ids, groups), chosen
+            chosen = None  # an eager cascade step (too many groups to capture): not what "cascade" times
             attention = self.planner.decode_step(seqs, groups)
             positions = torch.tensor([s.kv_len - 1 for s in seqs], device=dev)
             return self.model.logits(self.model.forward(torch.tensor(ids, device=dev), positions, attention)), chosen

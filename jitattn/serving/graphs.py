@@ -7,8 +7,9 @@ decode wrapper, which ``plan()`` refills before each replay. A batch smaller tha
 padded with rows that point at the pool's scratch page (one token, written and read there only).
 
 A cascade step is captured the same way (``CascadeGraph``, one per bucket): two levels whose node
-counts are fixed -- level 0 the prefix groups' shared pages, padded to ``max_groups`` groups plus
-one node for the padding rows (empty groups have no queries, the padding node no pages), level 1
+counts are fixed -- level 0 the prefix groups' shared pages (runs of groups sharing nothing as one
+node), padded to ``max_groups`` nodes plus one for the padding rows (empty nodes have no queries, the
+padding node no pages), level 1
 each row's own pages -- so the cascade wrapper's launches keep their shape from step to step. A
 step with more groups than that runs eagerly.
 """
@@ -83,6 +84,18 @@ class DecodeGraph:
         return self.logits[:n]
 
 
+def cascade_nodes(groups: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """(rows, shared pages) of a captured cascade step's level-0 nodes: each group that shares pages, and each
+    run of consecutive groups that share none as one node of no pages (which can hold any contiguous rows)."""
+    nodes: list[tuple[int, int]] = []
+    for size, common in groups:
+        if common == 0 and nodes and nodes[-1][1] == 0:
+            nodes[-1] = (nodes[-1][0] + size, 0)
+        else:
+            nodes.append((size, common))
+    return nodes
+
+
 class CascadeGraph:
     """The captured cascade decode step of one bucket (see the module docstring)."""
 
@@ -122,7 +135,8 @@ class CascadeGraph:
 
     def run(self, seqs: list[SeqView], input_ids: list[int], groups: list[tuple[int, int]]) -> torch.Tensor:
         """Logits ``[len(seqs), vocab]`` of one cascade decode step over ``groups`` (``prefix_groups`` of
-        ``seqs``, at most ``max_groups`` of them); captured on the bucket's first use."""
+        ``seqs``: at most ``max_groups`` ``cascade_nodes``); captured on the bucket's first use."""
+        groups = cascade_nodes(groups)
         if len(groups) > self.max_groups:
             raise ValueError(f"{len(groups)} prefix groups; this graph takes at most {self.max_groups}")
         n, ps = len(seqs), self.pool.page_size
