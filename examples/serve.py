@@ -144,7 +144,8 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"  prefix sharing    {s.reused_prompt_tokens} prompt tokens reused, {s.prefill_tokens} computed; "
               f"KV saved at peak {s.peak_bytes_saved / 2**20:.2f} MiB ({s.peak_pages_saved} pages"
               + (" per rank" if group.size > 1 else "") + ")")
-        print(f"  decode steps      {s.decode_steps} ({s.cascade_steps} cascade, {s.graph_steps} graph replays)")
+        print(f"  decode steps      {s.decode_steps} ({s.cascade_steps} cascade, {s.graph_steps} graph replays; "
+              "a captured cascade step counts in both)")
         if args.json:
             Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
     if group.size > 1:

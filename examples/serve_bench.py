@@ -46,10 +46,11 @@ def main() -> None:
         "Tokens/s counts output tokens over the wall time of the whole run (prefill included).",
         "Timing: host wall clock (time.perf_counter) around the whole run, synchronised at its end; every step "
         "reads its greedy tokens back to the host (int(argmax)), so host cost is in every figure. Graphs off: "
-        "every step launches eagerly. Graphs on: a flat decode step replays the CUDA graph of its batch-size "
-        "bucket; prefill chunks and cascade decode steps launch eagerly, and with cascade on a step of shared "
-        "prefixes takes whichever path (captured flat, eager cascade) the engine has timed faster for its bucket "
-        "(each is tried after a warm-up step). Each step plans once from host page-table arrays.",
+        "every step launches eagerly. Graphs on: a decode step replays the CUDA graph of its batch-size bucket "
+        "(flat, or cascade up to 8 prefix groups; more groups launch eagerly), prefill chunks launch eagerly, and "
+        "with cascade on a step of shared prefixes takes whichever path (flat, cascade) the engine has timed "
+        "faster for its bucket (each is tried after a capture and a warm-up step). Each step plans once from "
+        "host page-table arrays.",
         "",
         "| cascade | graphs | output tok/s | TTFT mean ms | TTFT p99 ms | TPOT mean ms | decode steps (cascade / graph) "
         "| prompt tokens reused | KV saved at peak |",

@@ -7,8 +7,12 @@ level with few nodes as several KV chunks), writing its state into one buffer;
 one ``merge_states`` over every level's (and chunk's) state per query gives the
 output (natural-log LSE). Without CUDA graphs the non-causal prefill-kernel
 levels are one launch, and a last level of one query per request (decode under
-a shared prefix) runs on the decode kernel. Causal masking applies to the last
-level only (the earlier levels are prefixes every query sees whole).
+a shared prefix) runs on the decode kernel. Under CUDA graphs each level is its
+own launch, a shared level is cut into a chunk count fixed by the batch shape
+(``kv_split.graph_level_chunks``) and the decode-kernel last level stays, on
+wrappers with buffers of their own, so every plan of a shape replays into the
+same memory. Causal masking applies to the last level only (the earlier levels
+are prefixes every query sees whole).
 """
 
 from __future__ import annotations
@@ -21,7 +25,9 @@ from .attention.batch import WorkspaceTooSmall, run_plan, share_queries
 from .attention.builder import num_workers
 from .attention.merge import PreparedMerge, merge_state, merge_state_in_place, merge_states, merge_states_with_sinks
 from .attention.options import fp8_scale, parse_pos_encoding, resolve_batch_invariant
-from .kv_split import batch_invariant_chunk, cascade_level_chunks, concat_level_tables, split_level_page_table
+from .kv_split import (
+    batch_invariant_chunk, cascade_level_chunks, concat_level_tables, graph_level_chunks, split_level_page_table,
+)
 from .page_table import PagedIndex, check_indptr, check_paged_index
 from .decode import BatchDecodeWithPagedKVCacheWrapper
 from .families.prefill import query_tile_rows
@@ -56,10 +62,18 @@ class MultiLevelCascadeAttentionWrapper:
         self._batch_invariant = False  # the last plan's mode
         self._workspace, self._kv_layout = float_workspace_buffer, kv_layout
         self._decode: BatchDecodeWithPagedKVCacheWrapper | None = None  # a last level of one query per request
+        # Under CUDA graphs: the wrappers (with buffers of their own, sized for a batch shape) of levels cut
+        # into chunks, by (level, chunk nodes + 1), and of a last level on the decode kernel, by batch size; and
+        # the state buffers by layout. Kept for every shape planned (a few), so a run() captured for one shape
+        # reads the same memory after any later plan of that shape, other shapes planned in between.
+        self._graph_levels: dict[tuple[int, int], BatchPrefillWithPagedKVCacheWrapper] = {}
+        self._graph_decoders: dict[int, BatchDecodeWithPagedKVCacheWrapper] = {}
+        self._graph_states: dict[tuple, _LevelStates] = {}
 
         def buf(arr, i):
             return arr[i] if arr is not None else None
 
+        self._index_capacity = [buf(paged_kv_indices_buf_arr, i) for i in range(num_levels)]  # graph mode: pages
         self._wrappers = [
             BatchPrefillWithPagedKVCacheWrapper(
                 float_workspace_buffer, kv_layout, use_cuda_graph=use_cuda_graph,
@@ -72,7 +86,8 @@ class MultiLevelCascadeAttentionWrapper:
 
     def reset_workspace_buffer(self, float_workspace_buffer: torch.Tensor, int_workspace_buffers=None) -> None:
         self._workspace = float_workspace_buffer
-        for wrapper in self._wrappers + ([self._decode] if self._decode is not None else []):
+        for wrapper in (self._wrappers + ([self._decode] if self._decode is not None else [])
+                        + list(self._graph_levels.values()) + list(self._graph_decoders.values())):
             wrapper.reset_workspace_buffer(float_workspace_buffer)
 
     def plan(
@@ -89,7 +104,13 @@ class MultiLevelCascadeAttentionWrapper:
 
         A shared (non-causal) level whose few nodes cannot fill the device is cut into
         chunks of its nodes' KV that run in parallel and are merged by LSE;
-        ``fixed_split_size`` (a jitattn extension) caps a chunk at that many pages.
+        ``fixed_split_size`` (a jitattn extension) caps a chunk at that many pages (not under CUDA graphs,
+        where the chunk count follows the batch shape).
+
+        Under CUDA graphs (``use_cuda_graph=True``) the chunked shared levels and a decode-kernel last level
+        run on wrappers with buffers of their own, kept per shape (the caller's level buffers are then not
+        written for them; nothing reads them back); a last level of as many queries as nodes must have one
+        query per node.
 
         ``batch_invariant`` (default ``JITATTN_BATCH_INVARIANT``): a shared level's nodes are cut into
         chunks of a fixed length (``fixed_split_size`` pages, else 1024 tokens rounded up to pages), the
@@ -127,6 +148,10 @@ class MultiLevelCascadeAttentionWrapper:
         level_chunks: list[int] = []
         names = ("paged_kv_indptr_arr[i]", "paged_kv_indices_arr[i]", "paged_kv_last_page_len[i]")
         graphs = self._wrappers[0].is_cuda_graph_enabled
+        # Under graphs (not batch-invariant, no variant) a shared level is still cut into chunks and a last
+        # level of one query per request still runs on the decode kernel, with counts that depend on the batch
+        # shape alone (nodes, queries: what a captured launch keeps), not on the lengths.
+        graph_fixed = graphs and not self._batch_invariant and variant is None
         tables: list[tuple[torch.Tensor, PagedIndex, bool]] = []  # per level: (qo_indptr, page table, causal)
         for level in range(self._num_levels):
             level_causal = causal if level == self._num_levels - 1 else False
@@ -138,23 +163,40 @@ class MultiLevelCascadeAttentionWrapper:
                 raise ValueError(f"level {level}: qo_indptr_arr[{level}] has {len(qo_lens)} nodes but "
                                  f"paged_kv_indptr_arr[{level}] has {index.batch_size}; a level's arrays describe "
                                  "the same nodes")
-            if level_causal and max(qo_lens, default=0) <= 1 and not graphs and not self._batch_invariant:
-                # One query per request sees every key: causal or not, the same. Not under graphs (the
-                # captured kernel must not change with the batch) nor batch-invariant mode (whether a
-                # request's level may split must not depend on its companions' query counts).
+            last = level == self._num_levels - 1
+            # Under graphs the last level's kernel follows the shape: one query per node when total_q equals
+            # the node count (then every node must have exactly one), else the prefill kernels.
+            one_each = bool(qo_lens) and all(n == 1 for n in qo_lens)
+            if graph_fixed and last and len(qo_lens) == total_q and not one_each:
+                raise ValueError(f"under CUDA graphs a last level of as many queries as nodes ({total_q}) takes one "
+                                 "query per node (its decode-kernel launch is captured for that shape); got "
+                                 f"{qo_lens[:8]}...: plan other query counts on a wrapper of their own")
+            # graphs: one query per node is a property of the shape (total_q == nodes, both captured)
+            shape_one_each = graph_fixed and len(qo_lens) == total_q and one_each if graphs else one_each
+            relaxable = shape_one_each if graphs else max(qo_lens, default=0) <= 1
+            if level_causal and relaxable and not self._batch_invariant:
+                # One query per request sees every key: causal or not, the same. Under graphs only when
+                # that holds for the shape (one query per request: total_q == nodes, both captured), not in
+                # batch-invariant mode (whether a request's level may split must not depend on its
+                # companions' query counts).
                 level_causal = False
             chunks = 1
             # A last level of one query per request (decode under a shared prefix) runs on the decode
             # kernel, which splits long KV itself; the earlier levels run on the prefill kernels. In a
             # prefill's 128-row tiles such a request fills a few rows (H200: b128 over 8k shared + 256
-            # each, its one-launch cascade took 216.8 us on the sm90 tier). Not under graphs (the decode
-            # wrapper's buffers are not the level's) nor in batch-invariant mode (its merge order is the
-            # levels' chunk order).
-            decode_last = (level == self._num_levels - 1 and level > 0 and not level_causal and not graphs
-                           and not self._batch_invariant and variant is None and bool(qo_lens)
-                           and all(n == 1 for n in qo_lens))
-            # Splitting shifts positions inside a chunk: only for plain, non-causal, non-graph levels.
-            if not level_causal and variant is None and not graphs and not decode_last:
+            # each, its one-launch cascade took 216.8 us on the sm90 tier). Under graphs on a decode wrapper
+            # with buffers of its own (the level's are the caller's); not in batch-invariant mode (its merge
+            # order is the levels' chunk order).
+            decode_last = (last and level > 0 and not level_causal and shape_one_each and not self._batch_invariant
+                           and variant is None)
+            # Splitting shifts positions inside a chunk: only for plain, non-causal levels; under graphs into
+            # a count fixed by the shape (graph_fixed), on a prefill wrapper with buffers of its own.
+            if graph_fixed and not level_causal and not decode_last:
+                chunks = graph_level_chunks(total_q, group=group, tile_rows=tile_rows, num_kv_heads=num_kv_heads,
+                                            num_sms=num_workers(self._device))
+                if chunks > 1:
+                    qo_host, index = split_level_page_table(qo_host, index, chunks)
+            elif not level_causal and variant is None and not graphs and not decode_last:
                 chunks = cascade_level_chunks(index.kv_lens, num_kv_heads=num_kv_heads,
                                               num_sms=num_workers(self._device),
                                               page_size=page_size, fixed_split_size=fixed_split_size,
@@ -177,8 +219,10 @@ class MultiLevelCascadeAttentionWrapper:
             qo_all, index_all = concat_level_tables([(qo, index) for qo, index, _ in prefill_tables])
             launch_levels = [(self._wrappers[0], qo_all, index_all, False, sum(prefill_chunks))]
         else:
-            launch_levels = [(wrapper, qo, index, level_causal, chunks) for wrapper, (qo, index, level_causal), chunks
-                             in zip(self._wrappers, prefill_tables, prefill_chunks)]
+            launch_levels = [(self._graph_level(level, qo.numel()) if graph_fixed and chunks > 1 else wrapper, qo, index,
+                              level_causal, chunks)
+                             for level, (wrapper, (qo, index, level_causal), chunks)
+                             in enumerate(zip(self._wrappers, prefill_tables, prefill_chunks))]
         launches: list[tuple[BatchPrefillWithPagedKVCacheWrapper | BatchDecodeWithPagedKVCacheWrapper, int]] = []
         for wrapper, qo, index, level_causal, states in launch_levels:
             # The level's checked page table is handed on, not checked again.
@@ -187,17 +231,21 @@ class MultiLevelCascadeAttentionWrapper:
                 share_queries(wrapper._plan, total_q)
             launches.append((wrapper, states))
         if decode_last:
-            if self._decode is None:
-                self._decode = BatchDecodeWithPagedKVCacheWrapper(self._workspace, self._kv_layout)
+            if graphs:
+                decoder = self._graph_decoder(last_index.batch_size)
+            else:
+                if self._decode is None:
+                    self._decode = BatchDecodeWithPagedKVCacheWrapper(self._workspace, self._kv_layout)
+                decoder = self._decode
             decode_args = (last_index.indptr, last_index.indices, last_index.last_page_len, num_qo_heads, num_kv_heads,
                            head_dim, page_size)
             decode_options = dict(logits_soft_cap=logits_soft_cap, q_data_type=q_data_type, kv_data_type=kv_data_type,
                                   sm_scale=sm_scale, fixed_split_size=fixed_split_size, batch_invariant=False)
             try:
-                self._decode.plan(*decode_args, **decode_options)
+                decoder.plan(*decode_args, **decode_options)
             except WorkspaceTooSmall:  # the level's split-KV partials do not fit: each request in one piece
-                self._decode.plan(*decode_args, **decode_options, disable_split_kv=True)
-            launches.append((self._decode, 1))
+                decoder.plan(*decode_args, **decode_options, disable_split_kv=True)
+            launches.append((decoder, 1))
 
         plan = launches[-1][0]._plan
         multi = sum(level_chunks) > 1 or self._batch_invariant
@@ -205,13 +253,52 @@ class MultiLevelCascadeAttentionWrapper:
                   self._device)
         if not multi:
             self._states = None
+        elif graphs:  # one set of state buffers per layout, kept (see _graph_levels)
+            key = (tuple(layout[0]), *layout[1:])
+            if key not in self._graph_states:
+                self._graph_states[key] = _LevelStates(*layout)
+            self._states = self._graph_states[key]
         elif self._states is None or self._states.layout != layout:
-            # Kept while the layout holds: a run() captured into a CUDA graph writes and merges these
-            # buffers, and FlashInfer's protocol re-plans before every replay.
+            # Kept while the layout holds: FlashInfer's protocol re-plans before every run.
             self._states = _LevelStates(*layout)
         self._launches, self._level_chunks = launches, level_chunks
 
     begin_forward = plan
+
+    def _pages_capacity(self, level: int) -> int:
+        """The most pages a plan may give ``level`` under graphs: its fixed ``kv_indices`` buffer's size."""
+        buffer = self._index_capacity[level]
+        if buffer is None:
+            raise ValueError(f"use_cuda_graph=True needs paged_kv_indices_buf_arr[{level}] (sized for the largest batch)")
+        return buffer.numel()
+
+    def _graph_level(self, level: int, qo_entries: int) -> BatchPrefillWithPagedKVCacheWrapper:
+        """Under graphs, the wrapper of a level cut into chunks: its own buffers for ``qo_entries - 1`` chunk
+        nodes (the caller's are sized for the level's nodes), the same ones for every plan of that count."""
+        wrapper = self._graph_levels.get((level, qo_entries))
+        if wrapper is None:
+            i32 = dict(dtype=torch.int32, device=self._device)
+            wrapper = BatchPrefillWithPagedKVCacheWrapper(
+                self._workspace, self._kv_layout, use_cuda_graph=True, qo_indptr_buf=torch.empty(qo_entries, **i32),
+                paged_kv_indptr_buf=torch.empty(qo_entries, **i32),
+                paged_kv_indices_buf=torch.empty(self._pages_capacity(level), **i32),
+                paged_kv_last_page_len_buf=torch.empty(qo_entries - 1, **i32))
+            self._graph_levels[level, qo_entries] = wrapper
+        return wrapper
+
+    def _graph_decoder(self, batch: int) -> BatchDecodeWithPagedKVCacheWrapper:
+        """Under graphs, the decode wrapper of a last level of one query per request (buffers of its own, the
+        same ones for every plan of that batch size)."""
+        decoder = self._graph_decoders.get(batch)
+        if decoder is None:
+            i32 = dict(dtype=torch.int32, device=self._device)
+            decoder = BatchDecodeWithPagedKVCacheWrapper(
+                self._workspace, self._kv_layout, use_cuda_graph=True,
+                paged_kv_indptr_buffer=torch.empty(batch + 1, **i32),
+                paged_kv_indices_buffer=torch.empty(self._pages_capacity(self._num_levels - 1), **i32),
+                paged_kv_last_page_len_buffer=torch.empty(max(batch, 1), **i32))
+            self._graph_decoders[batch] = decoder
+        return decoder
 
     def workspace_size(
         self, max_batch_size: int, max_qo_tokens: int, max_kv_tokens: int, num_qo_heads: int, num_kv_heads: int,

@@ -150,6 +150,21 @@ def cascade_level_chunks(
     return max(1, min(wanted, limit, longest_pages))
 
 
+def graph_level_chunks(total_q: int, *, group: int, tile_rows: int, num_kv_heads: int, num_sms: int,
+                       blocks_per_sm: int = 2, max_chunks: int = 32) -> int:
+    """How many chunks to cut each node of a shared cascade level into under CUDA graphs (1 = no split).
+
+    A captured launch keeps its batch size and its state buffers, so the count must not follow the
+    lengths (which change between replays), only the batch shape: enough chunks that the level's
+    query tiles (``total_q`` queries of ``group`` heads in tiles of ``tile_rows`` rows; nodes without
+    queries, as a captured step's padding has, add none) times the KV heads fill ``blocks_per_sm``
+    blocks per SM, at most ``max_chunks`` (each adds a state per query to merge). A chunk past a
+    node's last page is empty: a state that merges as zeros.
+    """
+    tiles = max(1, -(-total_q * group // tile_rows))
+    return max(1, min(max_chunks, -(-blocks_per_sm * num_sms // (tiles * num_kv_heads))))
+
+
 def split_level_page_table(qo_indptr: torch.Tensor, index: PagedIndex, num_chunks: int,
                            pages_per_chunk: int | None = None) -> tuple[torch.Tensor, PagedIndex]:
     """The page table of a level whose nodes are each cut into ``num_chunks`` chunks.

@@ -176,3 +176,53 @@ def test_repeated_runs_return_fresh_outputs_and_check_each_query(device: str) ->
         wrapper.run(queries[0].to(torch.bfloat16), cache)
     with pytest.raises(ValueError, match="shape"):
         wrapper.run(queries[0][:2], cache)
+
+
+def _launch_fingerprint(wrapper: jitattn.MultiLevelCascadeAttentionWrapper) -> tuple:
+    """What a captured run() keeps: every launch's kernel, device arrays and sizes, and the state buffers."""
+    parts = []
+    for level_wrapper, states in wrapper._launches:
+        p = level_wrapper._plan.launch.params
+        parts.append((level_wrapper._plan.module, states, p.qo_indptr, p.kv_indptr, p.kv_indices, p.kv_last_page_len,
+                      p.split_indptr, p.batch_size, p.kv_chunk_size, p.q_row_period, p.causal))
+    return tuple(parts), wrapper._states.v.data_ptr(), wrapper._states.s.data_ptr()
+
+
+@pytest.mark.parametrize("device", devices())
+def test_graph_mode_cascade_replans_a_shape_into_the_same_launches(device: str, monkeypatch) -> None:
+    """use_cuda_graph=True: the shared level is cut into a chunk count fixed by the batch shape and the last
+    level (one query per request) runs on a decode wrapper of its own; every plan of the shape, whatever the
+    lengths (an empty prefix and empty tails included), keeps every launch's memory and sizes -- what a
+    captured run() replays -- and gives plain attention over the concatenated KV."""
+    monkeypatch.setattr(jitattn.cascade, "num_workers", lambda device: 64)  # SMs to fill: the level is split
+    gen = torch.Generator().manual_seed(37)
+    hq, hkv, d, dtype, b = 8, 2, 64, torch.float16, 4
+    i32 = dict(dtype=torch.int32, device=device)
+    bufs = dict(qo_indptr_buf_arr=[torch.empty(2, **i32), torch.empty(b + 1, **i32)],
+                paged_kv_indptr_buf_arr=[torch.empty(2, **i32), torch.empty(b + 1, **i32)],
+                paged_kv_indices_buf_arr=[torch.empty(40, **i32), torch.empty(40, **i32)],
+                paged_kv_last_page_len_buf_arr=[torch.empty(1, **i32), torch.empty(b, **i32)])
+    wrapper = jitattn.MultiLevelCascadeAttentionWrapper(2, torch.empty(8 << 20, dtype=torch.uint8, device=device),
+                                                        use_cuda_graph=True, **bufs)
+    cache = torch.randn(80, 2, PAGE, hkv, d, generator=gen).to(dtype).to(device)
+    q = torch.randn(b, hq, d, generator=gen).to(dtype).to(device)
+    first = None
+    for shared, unique in (([300], [5, 40, 0, 17]), ([0], [1, 2, 3, 100]), ([33], [60, 0, 0, 9]), ([600], [16] * b)):
+        pool = torch.randperm(80, generator=gen).tolist()
+        levels = [cascade_level(level, pool, PAGE) for level in (shared, unique)]
+        wrapper.plan([torch.tensor([0, b], dtype=torch.int32), torch.arange(b + 1, dtype=torch.int32)],
+                     [lv[0] for lv in levels], [lv[1] for lv in levels], [lv[2] for lv in levels], hq, hkv, d, PAGE,
+                     q_data_type=dtype)
+        assert wrapper._level_chunks[0] > 1 and isinstance(wrapper._launches[-1][0],
+                                                           jitattn.BatchDecodeWithPagedKVCacheWrapper)
+        fingerprint = _launch_fingerprint(wrapper)
+        first = first or fingerprint
+        assert fingerprint == first, "a plan of the same shape changed what a captured run() reads"
+        out, lse = wrapper.run(q, cache, return_lse=True)
+        ragged = [reference.paged_kv_to_ragged(cache, *lv) for lv in levels]
+        for r in range(b):
+            parts = [(k[i[n]:i[n + 1]], v[i[n]:i[n + 1]]) for (k, v, i), n in zip(ragged, (0, r))]
+            o, l = reference.single_attention(q[r:r + 1], torch.cat([p[0] for p in parts]),
+                                              torch.cat([p[1] for p in parts]))
+            assert_close_out(out[r:r + 1], o, dtype)
+            torch.testing.assert_close(lse[r:r + 1].float().cpu(), l.float().cpu(), atol=2e-3, rtol=2e-3)

@@ -145,3 +145,13 @@ def test_index_arrays_come_to_the_host_through_one_joined_copy() -> None:
     assert [h.tolist() for h in host] == [[0, 2, 3], [5, 1, 4], [7, 16]]
     with pytest.raises(TypeError, match="b has dtype torch.int64"):
         to_host_int32_many(("a", "b", "c"), (tensors[0], tensors[2].long(), tensors[3]))
+
+
+def test_graph_level_chunks_follow_the_batch_shape_only() -> None:
+    from jitattn.kv_split import graph_level_chunks
+
+    # 64 queries of 4 heads in 128-row tiles: 2 tiles x 8 kv heads = 16 blocks; 2 per SM of 132 -> 17 chunks
+    assert graph_level_chunks(64, group=4, tile_rows=128, num_kv_heads=8, num_sms=132) == 17
+    assert graph_level_chunks(2048, group=4, tile_rows=128, num_kv_heads=8, num_sms=132) == 1, "the tiles fill it"
+    assert graph_level_chunks(1, group=1, tile_rows=128, num_kv_heads=1, num_sms=1000) == 32, "capped"
+    assert graph_level_chunks(0, group=4, tile_rows=128, num_kv_heads=8, num_sms=132) == 32, "one tile at least"

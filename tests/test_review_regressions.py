@@ -2,8 +2,9 @@
 
 - A cascade plan keeps its state buffers while their layout holds (a graph captured around run()
   writes and merges them; FlashInfer's protocol re-plans before every replay).
-- Under CUDA graphs and in batch-invariant mode a causal decode level stays causal: its kernel and
-  its split must not depend on the companions' query counts.
+- Under CUDA graphs a last level's kernel follows the batch shape (one query per node when total_q
+  equals the node count), and in batch-invariant mode a causal decode level stays causal: a kernel
+  and a split must not depend on the companions' query counts.
 - A wrapper that once ran with sinks can still plan a custom variant.
 - A graph-mode decode wrapper whose fixed buffers are larger than the batch launches over the batch.
 """
@@ -52,12 +53,22 @@ def test_cascade_states_keep_their_address_across_plans_of_one_layout() -> None:
     assert len(addresses) == 1
 
 
-def test_graph_cascade_keeps_the_causal_kernel_whatever_the_query_counts() -> None:
+def test_graph_cascade_keeps_its_kernels_for_a_batch_shape() -> None:
+    """Under graphs the last level's kernel follows the batch shape (captured), never the lengths: one query
+    per request (total_q == nodes) runs on the decode kernel in every plan of that shape; a shape with more
+    queries keeps the causal prefill kernel."""
     wrapper = _graph_cascade()
     wrapper.plan(*_levels(_i32(0, 1, 2)), causal=True, q_data_type=torch.float16)  # one query each
-    decode_mode = wrapper._wrappers[1]._plan.options.mask_mode
+    decoder = wrapper._launches[-1][0]
+    assert isinstance(decoder, jitattn.BatchDecodeWithPagedKVCacheWrapper)
+    wrapper.plan(*_levels(_i32(0, 1, 2)), causal=True, q_data_type=torch.float16)
+    assert wrapper._launches[-1][0] is decoder
     wrapper.plan(*_levels(_i32(0, 1, 3)), causal=True, q_data_type=torch.float16)  # two queries in request 1
-    assert decode_mode == wrapper._wrappers[1]._plan.options.mask_mode
+    causal_mode = wrapper._wrappers[1]._plan.options.mask_mode
+    assert wrapper._launches[-1][0] is wrapper._wrappers[1] and causal_mode.value == "causal"
+    wrapper.plan(*_levels(_i32(0, 2, 3)), causal=True, q_data_type=torch.float16)  # the same shape, other counts
+    assert wrapper._launches[-1][0] is wrapper._wrappers[1]
+    assert wrapper._wrappers[1]._plan.options.mask_mode == causal_mode
 
 
 def test_batch_invariant_cascade_decode_request_ignores_a_multi_query_companion() -> None:

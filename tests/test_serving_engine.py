@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+import jitattn
+
 from jitattn.serving import (
     Engine, KVPool, LlamaModel, RadixCache, preset, random_weights, reference_generate, save_checkpoint,
 )
@@ -189,14 +191,17 @@ def _fake_graphs(monkeypatch) -> None:
     """CUDA-graph capture replaced by a stand-in whose replay re-runs the recorded forward (no CUDA here)."""
     import contextlib
 
-    from jitattn.serving.graphs import DecodeGraph
+    from jitattn.serving.graphs import CascadeGraph, DecodeGraph
 
-    captured: list[DecodeGraph] = []
-    real_init = DecodeGraph.__init__
+    captured: list = []  # the graph objects, in the order they capture
 
-    def init(self, *args, **kwargs):
-        captured.append(self)
-        real_init(self, *args, **kwargs)
+    def recording(cls):
+        real_run = cls.run
+
+        def run(self, *args, **kwargs):
+            captured.append(self)
+            return real_run(self, *args, **kwargs)
+        return run
 
     class ReplayByRerun:
         def __init__(self) -> None:
@@ -205,7 +210,8 @@ def _fake_graphs(monkeypatch) -> None:
         def replay(self) -> None:
             self.owner.logits.copy_(self.owner._forward())
 
-    monkeypatch.setattr(DecodeGraph, "__init__", init)
+    for cls in (DecodeGraph, CascadeGraph):
+        monkeypatch.setattr(cls, "run", recording(cls))
     monkeypatch.setattr(torch.cuda, "CUDAGraph", ReplayByRerun)
     monkeypatch.setattr(torch.cuda, "graph", lambda graph, pool=None: contextlib.nullcontext())
 
@@ -217,18 +223,18 @@ def test_with_graphs_shared_prefix_steps_take_the_faster_path(model, shared_work
     faster (here the step times are faked), and the greedy tokens are the reference's either way."""
     prompts, expected = shared_workload
     _fake_graphs(monkeypatch)
+    monkeypatch.setattr(jitattn.cascade, "num_workers", lambda device: 64)  # the captured shared level is chunked
     engine = Engine(model, num_pages=64, page_size=PAGE, cascade=True)
     engine.cuda_graphs = True  # on the cpu target, with capture faked above
-    record = engine.decode_paths.record
-    monkeypatch.setattr(engine.decode_paths, "record", lambda bucket, path, seconds: record(
+    record, taken = engine.decode_paths.record, []
+    monkeypatch.setattr(engine.decode_paths, "record", lambda bucket, path, seconds: taken.append(path) or record(
         bucket, path, (graph_ms if path == "graph" else cascade_ms) / 1e3))
-    requests = _serve(engine, prompts, new_tokens=12)
+    requests = _serve(engine, prompts, new_tokens=16)
     assert [r.output[:NEW_TOKENS] for r in requests] == expected
-    stats = engine.stats
-    assert stats.graph_steps and stats.cascade_steps, "both paths are tried"
+    assert engine._graphs and engine._cascade_graphs, "both paths are captured and replayed"
     faster = "graph" if graph_ms < cascade_ms else "cascade"
-    taken = stats.graph_steps if faster == "graph" else stats.cascade_steps
-    assert taken >= stats.decode_steps - 4, "after one warm-up and one timed step of each, the faster path"
+    assert taken[4:] and all(path == faster for path in taken[4:]), ("after two timed steps of each (the first "
+                                                                     "of each is the warm-up), the faster path", taken)
 
 
 def test_under_tensor_parallelism_every_rank_takes_rank_0s_path(model, shared_workload, monkeypatch) -> None:
@@ -276,6 +282,50 @@ def test_decode_path_chooser_measures_each_path_then_keeps_the_faster() -> None:
         chooser.record(64, "flat", 0.1)
     with pytest.raises(ValueError, match="smoothing"):
         DecodePathChooser(smoothing=0.0)
+
+
+def test_cascade_graph_step_gives_the_eager_cascade_logits(model, monkeypatch) -> None:
+    """The captured cascade step's data flow on the cpu target: groups padded to the graph's count, rows padded
+    to the bucket with the scratch page, the cascade wrapper planned into fixed buffers. Capture is replaced by
+    a stand-in whose replay re-runs the recorded forward (no CUDA here)."""
+    import contextlib
+
+    from jitattn.serving.graphs import CascadeGraph
+
+    class ReplayByRerun:
+        owner: CascadeGraph
+
+        def replay(self) -> None:
+            self.owner.logits.copy_(self.owner._forward())
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", ReplayByRerun)
+    monkeypatch.setattr(torch.cuda, "graph", lambda graph, pool=None: contextlib.nullcontext())
+    monkeypatch.setattr(jitattn.cascade, "num_workers", lambda device: 64)  # the shared level is chunked
+    engine = Engine(model, num_pages=96, page_size=PAGE, cascade=True)
+    for prompt in _prompts(12, 24, [5, 17, 30]) + _prompts(13, 16, [2, 9]):  # two system prompts: two groups
+        engine.add_request(prompt, 8)
+    while engine.waiting or engine.prefilling:
+        engine.step()
+    graph = CascadeGraph(model, engine.pool, engine.planner.workspace, 8, 16, max_groups=3)
+    ReplayByRerun.owner = graph
+    batch = sorted(engine.running, key=lambda r: tuple(r.pages[: r.num_shared_pages or 1]))
+    for rows in (batch, batch[:3]):  # 3 and 5 padded rows of one captured bucket; 2 groups then 1 of 3
+        seqs = [SeqView(tuple(r.pages[: -(-len(r.fed_tokens) // PAGE)]), len(r.fed_tokens), 1) for r in rows]
+        ids = [r.fed_tokens[-1] for r in rows]
+        groups = engine.planner.cascade_groups(seqs)
+        assert groups is not None and 1 <= len(groups) <= 3
+        expected, _ = engine._decode_logits(seqs, ids)  # appends this step's k/v; the graph's appends rewrite them
+        torch.testing.assert_close(graph.run(seqs, ids, groups), expected, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="at most 3"):
+        graph.run(seqs, ids, [(1, 1)] * 4)  # four nodes that share pages
+
+
+def test_cascade_nodes_merge_runs_of_groups_that_share_nothing() -> None:
+    from jitattn.serving.graphs import cascade_nodes
+
+    assert cascade_nodes([(3, 4), (1, 0), (1, 0), (2, 5), (1, 0)]) == [(3, 4), (2, 0), (2, 5), (1, 0)]
+    assert cascade_nodes([(1, 0)] * 10 + [(4, 2)]) == [(10, 0), (4, 2)]
+    assert cascade_nodes([]) == []
 
 
 # --- the parts on their own -------------------------------------------------------------------

@@ -1,12 +1,13 @@
 """Which decode step a CUDA-graph engine runs when requests share prefix pages: measured, per batch bucket.
 
-With CUDA graphs a flat decode step replays a captured graph (little host time, but every request
-reads its shared prefix again), while a cascade step reads the shared prefix once but launches
-eagerly (its level structure changes from step to step, so it is not captured). Which is faster
-depends on the model, the batch and how long the shared prefix is: on the H200 with Llama-3-8B
-shapes, 64 requests over a 2048-token system prompt, the captured flat step took 20.4 ms and the
-eager cascade step 35.6 ms (``docs/benchmarks/serving_h200.md``), while a prefix of tens of
-thousands of tokens makes the flat step's reads the larger cost. So the engine times both.
+With CUDA graphs a flat decode step replays a captured graph (every request reads its shared prefix
+again), while a cascade step reads the shared prefix once but has more launches per layer (a
+chunked shared level, the requests' own pages, the merge) and, with more prefix groups than a
+captured cascade step takes, launches eagerly. Which is faster depends on the model, the batch and
+how long the shared prefix is: on the H200 with Llama-3-8B shapes, 64 requests over a 2048-token
+system prompt, the captured flat step took 20.4 ms and the eager cascade step 35.6 ms
+(``docs/benchmarks/serving_h200.md``), while a prefix of tens of thousands of tokens makes the flat
+step's reads the larger cost. So the engine times both.
 
 ``DecodePathChooser`` keeps, per batch-size bucket, a moving average of each path's step time
 (the engine reads every step's tokens back, so a step's wall time is its whole cost), tries each
@@ -31,7 +32,7 @@ class _Bucket:
 
 
 class DecodePathChooser:
-    """The faster of ``"graph"`` (a captured flat step) and ``"cascade"`` (an eager cascade step) per bucket.
+    """The faster of ``"graph"`` (a captured flat step) and ``"cascade"`` (a cascade step) per bucket.
 
     ``warmup`` steps of each path are not timed (the first captures the graph or loads kernels);
     ``smoothing`` weighs a new sample in the moving average; ``explore_every`` > 0 runs the slower

@@ -12,9 +12,10 @@ Each :meth:`Engine.step` does, in order:
    radix tree; a request whose prompt is done gets its first token (greedy);
 3. **decode** one token for every running request, ordered so that requests sharing prefix pages
    sit together (cascade attention groups them), with one plan for every layer; on cuda a flat
-   step may replay a captured CUDA graph of its batch-size bucket. With graphs on, a step whose
-   requests share prefix pages takes the faster of the captured flat step and an eager cascade
-   step, as timed per bucket (``decode_path.DecodePathChooser``).
+   step may replay a captured CUDA graph of its batch-size bucket, and so may a cascade step of at
+   most ``CASCADE_GRAPH_GROUPS`` prefix groups (``graphs.CascadeGraph``; more groups: eager). With
+   graphs on, a step whose requests share prefix pages takes the faster of the flat step and the
+   cascade step, as timed per bucket (``decode_path.DecodePathChooser``).
 """
 
 from __future__ import annotations
@@ -30,10 +31,13 @@ import torch
 from ..jit import compile_count
 from .attention import AttentionPlanner, SeqView
 from .decode_path import DecodePathChooser
-from .graphs import DecodeGraph, bucket_sizes
+from .graphs import CascadeGraph, DecodeGraph, bucket_sizes, cascade_nodes
 from .kv_pool import KVPool
 from .model import LlamaModel
 from .radix import RadixCache
+
+
+CASCADE_GRAPH_GROUPS = 8  # prefix groups a captured cascade step takes (more: the step runs eagerly)
 
 
 @dataclass(eq=False)
@@ -86,8 +90,9 @@ class Engine:
     ``num_pages`` pages of ``page_size`` tokens form the KV pool (per layer); at most
     ``max_batch_size`` requests are admitted at once; a prefill step computes at most
     ``prefill_chunk_tokens`` prompt tokens; ``cascade`` turns cascade decode on; ``cuda_graphs``
-    replays captured flat decode steps (cuda only; with ``cascade`` too, each step of shared prefixes
-    takes the path measured faster for its batch bucket); ``clock`` gives the time in seconds
+    replays captured decode steps (cuda only): flat ones and, with ``cascade``, cascade ones of at most
+    ``CASCADE_GRAPH_GROUPS`` prefix groups, each step of shared prefixes taking the path measured
+    faster for its batch bucket; ``clock`` gives the time in seconds
     (default: since the engine was made) that request arrivals are compared with.
     """
 
@@ -109,10 +114,11 @@ class Engine:
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.cuda_graphs = cuda_graphs
         self._graphs: dict[int, DecodeGraph] = {}
+        self._cascade_graphs: dict[int, CascadeGraph] = {}
         self._buckets = bucket_sizes(max_batch_size)
         self._graph_pool = torch.cuda.graph_pool_handle() if cuda_graphs else None
-        # With graphs, a step whose requests share prefix pages runs the faster of a captured flat step and
-        # an eager cascade step, as measured (cascade steps are not captured).
+        # With graphs, a step whose requests share prefix pages runs the faster of the flat step and the
+        # cascade step (captured too up to CASCADE_GRAPH_GROUPS groups), as measured.
         self.decode_paths = DecodePathChooser()
         started = time.perf_counter()
         self.clock = clock or (lambda: time.perf_counter() - started)
@@ -311,16 +317,33 @@ class Engine:
                 chosen = self.group.broadcast(self.decode_paths.choose(self._bucket(len(seqs))))
                 if chosen == "graph":
                     groups = None
+            bucket = self._bucket(len(seqs))
             if self.cuda_graphs and groups is None:
                 self.stats.graph_steps += 1
+                if bucket not in self._graphs:
+                    chosen = None  # a step that captures says nothing of its path's replays
                 return self._graph(len(seqs)).run(seqs, ids), chosen
             self.stats.cascade_steps += groups is not None
+            if self.cuda_graphs and len(cascade_nodes(groups)) <= CASCADE_GRAPH_GROUPS:  # a captured cascade step
+                self.stats.graph_steps += 1
+                if bucket not in self._cascade_graphs:
+                    chosen = None
+                return self._cascade_graph(len(seqs)).run(seqs, ids, groups), chosen
+            chosen = None  # an eager cascade step (too many groups to capture): not what "cascade" times
             attention = self.planner.decode_step(seqs, groups)
             positions = torch.tensor([s.kv_len - 1 for s in seqs], device=dev)
             return self.model.logits(self.model.forward(torch.tensor(ids, device=dev), positions, attention)), chosen
 
     def _bucket(self, batch_size: int) -> int:
         return next(b for b in self._buckets if b >= batch_size)
+
+    def _cascade_graph(self, batch_size: int) -> CascadeGraph:
+        bucket = self._bucket(batch_size)
+        if bucket not in self._cascade_graphs:
+            self._cascade_graphs[bucket] = CascadeGraph(self.model, self.pool, self.planner.workspace, bucket,
+                                                        self._pages_for(self.max_seq_len), CASCADE_GRAPH_GROUPS,
+                                                        self._graph_pool)
+        return self._cascade_graphs[bucket]
 
     def _graph(self, batch_size: int) -> DecodeGraph:
         bucket = self._bucket(batch_size)
