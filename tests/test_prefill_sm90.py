@@ -312,3 +312,36 @@ def test_sm90_shared_query_rows(case_id):
     wrapper.run(q, *kv_args, out=out, lse=lse)
     assert_close_out(out, ref_o, dtype)
     assert_close_lse(lse, ref_lse)
+
+
+_EXPANDABLE_CHILD = r"""
+import torch, jitattn
+from jitattn import reference
+gen = torch.Generator().manual_seed(0)
+hq, hkv, d, page, n = 8, 2, 128, 16, 24000  # K/V ~100 MB each: many 20 MB chunks of expandable segments
+q = torch.randn(300, hq, d, generator=gen).to(torch.bfloat16).cuda()
+k = torch.randn(n, hkv, d, generator=gen).to(torch.bfloat16).cuda()
+v = torch.randn(n, hkv, d, generator=gen).to(torch.bfloat16).cuda()
+qo, kv = torch.tensor([0, 150, 300], dtype=torch.int32), torch.tensor([0, 12000, n], dtype=torch.int32)
+w = jitattn.BatchPrefillWithRaggedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8, device="cuda"))
+w.plan(qo, kv, hq, hkv, d, causal=True, q_data_type=torch.bfloat16)
+out = w.run(q, k, v)
+ref, _ = reference.batch_ragged_attention(q, k, v, qo, kv, causal=True)
+err = (out.float() - ref.float()).abs().max().item()
+print("max_err", err)
+assert err < 3e-2, err
+"""
+
+
+def test_sm90_tensor_maps_cover_tensors_under_expandable_segments(tmp_path):
+    """With PyTorch's expandable segments the driver reports one mapped chunk as a pointer's allocation;
+    the tensor maps take the tensors' row counts instead, so keys past the first chunk are read (not zeros)."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "child.py"
+    script.write_text(_EXPANDABLE_CHILD)
+    env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")
+    result = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr

@@ -204,3 +204,19 @@ def test_graph_mode_plans_keep_the_buffer_address_of_an_empty_page_table() -> No
                      PAGE, q_data_type=torch.float16)
         pointers.append(wrapper._plan.launch.params.kv_indices)
     assert pointers == [bufs["paged_kv_indices_buf"].data_ptr()] * 2
+
+
+def test_launches_carry_the_tensors_row_extents() -> None:
+    """q_rows / kv_rows (the sm90 tier's tensor-map extents, instead of the allocation's range, which an
+    allocator mapping memory in chunks reports as one chunk): q's rows and k's rows (pages when paged)."""
+    q = torch.randn(7, H, DIM, dtype=torch.float16)
+    cache = torch.randn(5, 2, PAGE, HK, DIM, dtype=torch.float16)
+    paged = jitattn.BatchPrefillWithPagedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8))
+    paged.plan(_i32(0, 3, 7), _i32(0, 1, 3), _i32(4, 0, 2), _i32(9, 16), H, HK, DIM, PAGE, q_data_type=torch.float16)
+    paged.run(q, cache)
+    assert (paged._plan.launch.params.q_rows, paged._plan.launch.params.kv_rows) == (7, 5)
+    k = torch.randn(HK, 40, DIM, dtype=torch.float16)  # HND: [heads, tokens, dim]
+    ragged = jitattn.BatchPrefillWithRaggedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8), "HND")
+    ragged.plan(_i32(0, 3, 7), _i32(0, 30, 40), H, HK, DIM, q_data_type=torch.float16)
+    ragged.run(q, k, k.clone())
+    assert (ragged._plan.launch.params.q_rows, ragged._plan.launch.params.kv_rows) == (7, 40)

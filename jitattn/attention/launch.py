@@ -96,7 +96,7 @@ class PreparedAttention:
             rope_rcp_scale=1.0 / scalars.rope_scale, rope_rcp_theta=1.0 / scalars.rope_theta,
             k_scale=1.0, v_scale=1.0, workspace=None, workspace_bytes=0,
             split_indptr=_ptr(split_indptr) if kv_chunk_size else None, kv_chunk_size=kv_chunk_size,
-            split_counters=_ptr(self._split_counters), q_row_period=0, num_threads=1,
+            split_counters=_ptr(self._split_counters), q_row_period=0, num_threads=1, q_rows=0, kv_rows=0,
         )
         self._scales = (1.0, 1.0, 1.0)  # (q_scale, k_scale, v_scale) the struct holds
         self.split = bool(kv_chunk_size)
@@ -107,6 +107,7 @@ class PreparedAttention:
         """Strides of q and the k/v views (once per tensor signature; ``launch`` then sets pointers only)."""
         p = self.params
         p.q_stride_n, p.q_stride_h = q.stride()[:2]
+        p.q_rows, p.kv_rows = q.shape[0], k.shape[0]  # the tensors' extents (tokens; pages of a paged cache)
         p.k_stride_page, p.k_stride_n, p.k_stride_h = kv_strides(k, self.paged, self.kv_layout)
         p.v_stride_page, p.v_stride_n, p.v_stride_h = kv_strides(v, self.paged, self.kv_layout)
 

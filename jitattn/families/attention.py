@@ -16,6 +16,9 @@ Query i of a request with qo_len q and kv_len k sits at position k - q + i.
 ``q_row_period`` > 0 (prefill): the query of output row t is q row
 ``t % q_row_period`` (a cascade level cut into chunks reads its queries once
 per chunk without copies); 0: row t.
+``q_rows`` / ``kv_rows``: the rows q has and the rows of k/v (tokens; pages of a paged cache), the
+extent of the sm90 tier's tensor maps (0: unknown, the allocation's range is taken); kernels that
+address rows through the index arrays alone ignore them.
 ``pos_encoding``: 0 none, 1 rope (llama rotate-half), 2 alibi.
 ``causal``: bottom-right. ``window_left`` < 0 disables the window.
 ``logits_soft_cap`` <= 0 disables the cap. ``custom_mask``: per-request
@@ -66,7 +69,7 @@ ATTENTION = Entry("attention", fields(
     "kv_paged:i32 causal:i32 pos_encoding:i32 window_left:i32 "
     "sm_scale:f32 logits_soft_cap:f32 rope_rcp_scale:f32 rope_rcp_theta:f32 k_scale:f32 v_scale:f32 "
     "workspace:ptr workspace_bytes:i64 split_indptr:ptr kv_chunk_size:i64 split_counters:ptr q_row_period:i64 "
-    "num_threads:i32"
+    "num_threads:i32 q_rows:i64 kv_rows:i64"
 ))
 
 ATTENTION_WITH_VARIANT = Entry("attention", ATTENTION.fields + (Field("variant_params", "ptr"),))
