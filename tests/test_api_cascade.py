@@ -226,3 +226,45 @@ def test_graph_mode_cascade_replans_a_shape_into_the_same_launches(device: str, 
                                               torch.cat([p[1] for p in parts]))
             assert_close_out(out[r:r + 1], o, dtype)
             torch.testing.assert_close(lse[r:r + 1].float().cpu(), l.float().cpu(), atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("seed", range(6))
+def test_the_per_layer_path_gives_the_general_paths_bits(device: str, seed: int) -> None:
+    """run()'s per-layer path (levels launched through run_plan, the merged lse in scratch) against the general
+    path (each level wrapper's run(), then merge_states) on random 2- and 3-level trees: bitwise equal."""
+    import random
+
+    from jitattn.attention.merge import merge_states
+
+    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
+    hq, hkv, d, dtype = 8, 2, 64, torch.float16
+    levels_n = rng.choice([2, 3])
+    b = rng.randint(1, 6)
+    qo_lens = [rng.choice([1, 1, 2, 5]) for _ in range(b)]
+    causal = rng.random() < 0.5 and max(qo_lens) > 1
+    pool = torch.randperm(200, generator=gen).tolist()
+    cache = torch.randn(200, 2, PAGE, hkv, d, generator=gen).to(dtype).to(device)
+    if levels_n == 2:
+        trees = [[rng.randint(0, 300)], [n + rng.randint(0, 120) for n in qo_lens]]  # causal: kv_len >= qo_len
+        qo_arr = [torch.tensor([0, sum(qo_lens)], dtype=torch.int32)]
+    else:
+        split = rng.randint(0, b)
+        trees = [[rng.randint(0, 300)], [rng.randint(0, 80), rng.randint(0, 80)],
+                 [n + rng.randint(0, 60) for n in qo_lens]]
+        qo_arr = [torch.tensor([0, sum(qo_lens)], dtype=torch.int32),
+                  torch.tensor([0, sum(qo_lens[:split]), sum(qo_lens)], dtype=torch.int32)]
+    qo_arr.append(torch.tensor([0] + torch.tensor(qo_lens).cumsum(0).tolist(), dtype=torch.int32))
+    levels = [cascade_level(level, pool, PAGE) for level in trees]
+    wrapper = jitattn.MultiLevelCascadeAttentionWrapper(levels_n, torch.empty(8 << 20, dtype=torch.uint8,
+                                                                              device=device))
+    wrapper.plan(qo_arr, [lv[0] for lv in levels], [lv[1] for lv in levels], [lv[2] for lv in levels], hq, hkv, d,
+                 PAGE, causal=causal, q_data_type=dtype, fixed_split_size=rng.choice([None, 2]))
+    q = torch.randn(sum(qo_lens), hq, d, generator=gen).to(dtype).to(device)
+    fast_out, fast_lse = wrapper.run(q, cache, return_lse=True)
+    if wrapper._states is None:  # one state: both paths are the level's own run()
+        return
+    for (level_wrapper, _), (out, lse) in zip(wrapper._launches, wrapper._states.levels):
+        level_wrapper.run(q, cache, out=out, lse=lse)
+    general_out, general_lse = merge_states(wrapper._states.v, wrapper._states.s)
+    assert torch.equal(fast_out, general_out) and torch.equal(fast_lse, general_lse)

@@ -171,3 +171,28 @@ def test_plan_options_are_reused_only_for_equal_arguments_of_equal_types() -> No
     scaled = attention_options(Op.DECODE, **common, sm_scale=0.5)
     assert scaled.scalars.sm_scale == 0.5 and first.scalars.sm_scale == 64 ** -0.5
     assert attention_options(Op.PREFILL, **common).op is Op.PREFILL
+
+
+def test_plan_options_memo_returns_what_parsing_gives() -> None:
+    """On random FlashInfer-style option spellings the memoised options equal a fresh parse, call after call."""
+    import random
+
+    from jitattn.attention.builder import _parse_options, attention_options
+    from jitattn.spec import MaskMode, Op
+
+    rng = random.Random(3)
+    choices = dict(q_data_type=[torch.float16, torch.bfloat16, "float16", "bfloat16", None],
+                   kv_data_type=[None, torch.float16, torch.float8_e4m3fn, "bfloat16"],
+                   pos_encoding_mode=["NONE", 0, "ROPE_LLAMA", 1, "ALIBI"], window_left=[-1, 0, 128, None],
+                   logits_soft_cap=[None, 0.0, 30.0, 50], sm_scale=[None, 0.125, 1, 0.5],
+                   rope_scale=[None, 1.0, 8.0], rope_theta=[None, 1e4, 500000.0])
+    for _ in range(300):
+        kw = {name: rng.choice(values) for name, values in choices.items()}
+        op = rng.choice([Op.DECODE, Op.PREFILL])
+        mask = rng.choice([MaskMode.NONE, MaskMode.CAUSAL])
+        for _ in range(2):  # the second call is a memo hit
+            got = attention_options(op, num_qo_heads=8, num_kv_heads=2, head_dim_qk=64, mask_mode=mask, **kw)
+            expected = _parse_options(op, 8, 2, 64, None, kw["q_data_type"], kw["kv_data_type"], None, None,
+                                      kw["pos_encoding_mode"], mask, kw["window_left"], kw["logits_soft_cap"],
+                                      kw["sm_scale"], kw["rope_scale"], kw["rope_theta"], None)
+            assert got == expected, kw
