@@ -229,7 +229,7 @@ def test_sm90_paged_matches_reference(case_id):
 # Paged cases whose page size a KV block holds in whole 8-row swizzle atoms take the TMA path (paged_tma);
 # three of them (each builds two tunings) against the gathers: NHD 5-d, HND 5-d, HND (k, v) tuple.
 TMA_CASES = ["d128_g4_bf16_causal_p8_nhd", "d64_mha_f16_causal_p64_hnd", "d128_g4_f16_full_p16_hnd_tuple"]
-assert all(PAGED_CASES[c][5] % 8 == 0 and prefill.SM90_KV_BLOCK[PAGED_CASES[c][0]] % PAGED_CASES[c][5] == 0
+assert all(PAGED_CASES[c][5] % 8 == 0 and prefill.SM90_PAGED_KV_BLOCK[PAGED_CASES[c][0]] % PAGED_CASES[c][5] == 0
            for c in TMA_CASES)
 
 

@@ -118,7 +118,8 @@ def test_sm90_layout_fits_and_aligns(case_id):
     for name in ("kOffK", "kOffV", "kOffBar"):
         assert layout[name] % 1024 == 0, name  # 128-byte swizzle atoms start on 1 KiB
     assert layout["kD"] == spec.head_dim_qk and layout["kChunks"] * 64 == layout["kD"]
-    assert layout["kBN"] == prefill.SM90_KV_BLOCK[spec.head_dim_qk] and layout["kGroup"] == spec.group_size
+    blocks = prefill.SM90_PAGED_KV_BLOCK if spec.kv_storage is KVStorage.PAGED else prefill.SM90_KV_BLOCK
+    assert layout["kBN"] == blocks[spec.head_dim_qk] and layout["kGroup"] == spec.group_size
     assert layout["kOffV"] - layout["kOffK"] == layout["kStages"] * layout["kKVBytes"]
     # Barriers (q full TMA / gathered, q empty; k, v full / empty per stage), then the paged row tables.
     assert layout["kOffTab"] - layout["kOffBar"] >= 8 * (3 + 4 * layout["kStages"]) and layout["kOffTab"] % 16 == 0
@@ -199,9 +200,9 @@ def test_sm90_gather_knobs(monkeypatch):
     paged, ragged = SUPPORTED["paged_d128_bf16_causal"], SUPPORTED["d128_bf16_causal"]
     layout = prefill.sm90_layout(paged)
     assert (layout["kGatherSync"], layout["kGatherL2"]) == (0, 0)
-    assert layout["kBN"] == prefill.SM90_KV_BLOCK[128]
-    monkeypatch.setitem(prefill.SM90_TUNING, "paged_kv_block", 128)
-    assert prefill.sm90_layout(paged)["kBN"] == 128
+    assert layout["kBN"] == prefill.SM90_PAGED_KV_BLOCK[128]
+    monkeypatch.setitem(prefill.SM90_TUNING, "paged_kv_block", 176)
+    assert prefill.sm90_layout(paged)["kBN"] == 176
     assert prefill.sm90_layout(ragged)["kBN"] == prefill.SM90_KV_BLOCK[128]
     monkeypatch.setitem(prefill.SM90_TUNING, "gather_sync", 2)
     monkeypatch.setitem(prefill.SM90_TUNING, "gather_l2", 256)

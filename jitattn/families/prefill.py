@@ -59,7 +59,7 @@ rendered source, hence in the cache key.
   group of one KV head packed into the rows (row = (token, head in group), ``128 // group``
   tokens; one Q TMA box of 64 columns x group heads x tokens) when the group divides 128 and
   head_dim >= 128, else 128 tokens of one query head (``sm90_pack`` has the measurements).
-- KV blocks of ``kBN`` tokens (192 / 176 / 64 for head_dim 64 / 128 / 256) go through a
+- KV blocks of ``kBN`` tokens (192 / 176 / 64 for head_dim 64 / 128 / 256; paged 128 at 128) go through a
   2-stage pipeline; each 64-column slice of a row is one 128-byte-swizzled TMA box (ragged KV).
   Paged KV: the whole producer warpgroup gathers each block with ``cp.async`` -- a table of the
   block's row offsets from the page table (``kOffTab``, two by block parity), then every 16-byte
@@ -263,6 +263,9 @@ def context(spec: VariantSpec) -> dict[str, Any]:
 # ---- the Hopper (sm_90a) tier ------------------------------------------------------------
 
 SM90_KV_BLOCK = {64: 192, 128: 176, 256: 64}  # head_dim -> KV tokens per stage (dev/NOTES_sm90.md: measured)
+# Paged KV: a block that pages of 16, 32, 64 and 128 tile whole, so each page is one TMA box (H200,
+# session 5, causal b8 x 4096 d128: page 64 300 -> 520 TFLOP/s, page 16 382 -> 389; 176 kept only 8/16/88).
+SM90_PAGED_KV_BLOCK = {64: 192, 128: 128, 256: 64}
 
 # Knobs of the sm90 tier's cp.async gathers (paged KV, repeated query rows), for experiments
 # (dev/bench_paged_sm90.py renders other values: distinct sources, distinct cache entries).
@@ -270,7 +273,7 @@ SM90_KV_BLOCK = {64: 192, 128: 176, 256: 64}  # head_dim -> KV tokens per stage 
 # default; 1 writer-side fence after cp.async.wait_group; 2 no fence; 3 the consumers' acquire-only
 # proxy fence, which ptxas turns into no instruction on sm_90a: see the template);
 # gather_l2: cp.async L2 prefetch hint in bytes (0 none, 64, 128, 256);
-# paged_kv_block: KV tokens per stage for paged KV (0: SM90_KV_BLOCK's);
+# paged_kv_block: KV tokens per stage for paged KV (0: SM90_PAGED_KV_BLOCK's);
 # soft_cap_tanh: the soft cap's tanh (0: 1 - 2 / (1 + e^2x) on ex2 + rcp, absolute error ~3e-7, the
 # default; 1: tanh.approx.f32, one MUFU op instead of two, relative error 2^-11);
 # paged_tma: 1 loads paged KV blocks with one TMA box per page (64 columns x page_size rows, a 4-d tensor
@@ -363,7 +366,7 @@ def sm90_layout(spec: VariantSpec) -> dict[str, int]:
         raise ValueError(f"SM90_TUNING={tuning}: gather_sync takes 0 to 3, gather_l2 0, 64, 128 or 256, "
                          "soft_cap_tanh 0 or 1 and paged_tma 0 to 2")
     bm, stages = 128, 2
-    bn = tuning["paged_kv_block"] if paged and tuning["paged_kv_block"] else SM90_KV_BLOCK[dim]
+    bn = (tuning["paged_kv_block"] or SM90_PAGED_KV_BLOCK[dim]) if paged else SM90_KV_BLOCK[dim]
     if bn not in (64, 80, 96, 128, 176, 192, 256):  # the wgmma N of wgmma_sm90.cuh
         raise ValueError(f"SM90_TUNING paged_kv_block={bn}: take one of 64, 80, 96, 128, 176, 192, 256")
     chunks = dim // 64                       # 64-column (128-byte) TMA boxes per row
