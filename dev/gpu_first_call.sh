@@ -25,3 +25,7 @@ grep -E "^(decode|cascade|mla)/" "$OUT/bench.log" | cut -c1-150 | sort -u; echo 
 JITATTN_PREFILL_TIER=sm80 timeout 60 python3 -m jitattn.bench --only 'cascade/*' --json "$OUT/bench_sm80.json" \
   > "$OUT/bench_sm80.log" 2>&1
 grep -E "^cascade/" "$OUT/bench_sm80.log" | cut -c1-150 | sort -u; echo "t=$(( $(date +%s) - T0 ))"
+# issue 16's b1 x 32k (<= 40 us) and skewed (<= 70 us) rows against the split-KV chunk length (host-side:
+# plan(fixed_split_size=N), no rebuild), to see whether the planner's choice is the best one:
+timeout 60 python3 dev/sweep_decode_split.py --out "$OUT/decode_split.json" > "$OUT/decode_split.txt" 2>&1
+cat "$OUT/decode_split.txt" | tail -20; echo "t=$(( $(date +%s) - T0 ))"
