@@ -4,7 +4,7 @@
 #   bash dev/gpu_first_call.sh
 # Results under $OUT: pytest.log (the whole GPU suite), bench.json/bench.log (the rows session 5 touched),
 # bench_sm80.*, decode_split.*, host.json/host.log (jitattn.bench.host_peer, with FlashInfer when .whl/peer
-# holds its wheels). Each step has its own timeout; together they fit the 600 s limit of one call.
+# holds its wheels). Each step has its own timeout; the slowest (host_peer) runs last.
 set -u
 pip_target() { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target .pysite "$@"; }
 pip_target .whl/*.whl
