@@ -2,8 +2,9 @@
 # The first H200 call of a session after one without a GPU (2026-12-01, session 5): validates what that
 # session landed untested and re-measures the host rows. One `run` call, ~450 s, carry [".whl"]:
 #   bash dev/gpu_first_call.sh
-# Results under $OUT: pytest.log (the whole GPU suite), host.json/host.log (jitattn.bench.host_peer,
-# with FlashInfer when .whl/peer holds its wheels), bench.json/bench.log (the rows session 5 touched).
+# Results under $OUT: pytest.log (the whole GPU suite), bench.json/bench.log (the rows session 5 touched),
+# bench_sm80.*, decode_split.*, host.json/host.log (jitattn.bench.host_peer, with FlashInfer when .whl/peer
+# holds its wheels). Each step has its own timeout; the slowest (host_peer) runs last.
 set -u
 pip_target() { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target .pysite "$@"; }
 pip_target .whl/*.whl
@@ -15,8 +16,6 @@ T0=$(date +%s)
 # cascade's per-layer path, the fp8 decode-kernel last level.
 timeout 240 python3 -m pytest -m gpu -q -p no:cacheprovider -rf tests > "$OUT/pytest.log" 2>&1
 tail -6 "$OUT/pytest.log"; echo "t=$(( $(date +%s) - T0 ))"
-timeout 150 python3 -m jitattn.bench.host_peer "$OUT/host.json" > "$OUT/host.log" 2>&1; tail -8 "$OUT/host.log"
-echo "t=$(( $(date +%s) - T0 ))"
 timeout 90 python3 -m jitattn.bench --only 'cascade/*,mla/*,decode/llama8b_b1_s32768' --json "$OUT/bench.json" \
   > "$OUT/bench.log" 2>&1
 grep -E "^(decode|cascade|mla)/" "$OUT/bench.log" | cut -c1-150 | sort -u; echo "t=$(( $(date +%s) - T0 ))"
@@ -25,3 +24,10 @@ grep -E "^(decode|cascade|mla)/" "$OUT/bench.log" | cut -c1-150 | sort -u; echo 
 JITATTN_PREFILL_TIER=sm80 timeout 60 python3 -m jitattn.bench --only 'cascade/*' --json "$OUT/bench_sm80.json" \
   > "$OUT/bench_sm80.log" 2>&1
 grep -E "^cascade/" "$OUT/bench_sm80.log" | cut -c1-150 | sort -u; echo "t=$(( $(date +%s) - T0 ))"
+# issue 16's b1 x 32k (<= 40 us) and skewed (<= 70 us) rows against the split-KV chunk length (host-side:
+# plan(fixed_split_size=N), no rebuild), to see whether the planner's choice is the best one:
+timeout 60 python3 dev/sweep_decode_split.py --out "$OUT/decode_split.json" > "$OUT/decode_split.txt" 2>&1
+cat "$OUT/decode_split.txt" | tail -20; echo "t=$(( $(date +%s) - T0 ))"
+# Last (FlashInfer JIT-builds its kernels here: the slowest step; the run limit cuts it, not the others):
+timeout 150 python3 -m jitattn.bench.host_peer "$OUT/host.json" > "$OUT/host.log" 2>&1; tail -8 "$OUT/host.log"
+echo "t=$(( $(date +%s) - T0 ))"

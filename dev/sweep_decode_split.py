@@ -1,0 +1,62 @@
+"""Decode split-KV chunk lengths for the single long request and the skewed batch, one process, no rebuilds:
+
+    python3 dev/sweep_decode_split.py [--out FILE] [--device cpu]
+
+issue 16's rows b1 x 32768 (target <= 40 µs, SDPA 40.6 in session 4) and 1 x 32768 + 63 x 512 (target
+<= 70 µs): llama8b shapes (32 / 8 heads, d128, bf16, page 16, pages in random order). Each row is the
+planner's own choice (``auto``) and then ``plan(fixed_split_size=N)`` for a range of chunk lengths (pages),
+so the best chunk length for these shapes is one GPU call away; the split is host-side (the same kernel:
+nothing is rebuilt). Timing: the suite's ``Timer`` (CUDA events per call, L2 evicted before each, launch
+hidden), median; the suite's rows are ``python3 -m jitattn.bench --only 'decode/*'``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+import jitattn
+from jitattn.bench.timing import Timer
+
+HQ, HKV, D, PAGE = 32, 8, 128, 16
+CASES = {"b1_s32768": [32768], "skewed_1x32768_63x512": [32768] + [512] * 63}
+SPLITS = [None, 8, 16, 24, 32, 48, 64, 96, 128, 256]  # pages per chunk (None: the planner's choice)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--device", default="cuda", help="cuda (the figures), or cpu (a smoke run of the script)")
+    args = ap.parse_args()
+    dev = torch.device(args.device)
+    timer = Timer(dev, scrub_bytes=256 << 20)
+    gen = torch.Generator().manual_seed(0)
+    ws = torch.empty(512 << 20, dtype=torch.uint8, device=dev)
+    results: dict[str, dict[str, float]] = {}
+    for name, lens in CASES.items():
+        pages = [-(-n // PAGE) for n in lens]
+        pool = sum(pages)
+        cache = torch.randn(pool, 2, PAGE, HKV, D, generator=gen).to(torch.bfloat16).to(dev)
+        indices = torch.randperm(pool, generator=gen).to(torch.int32)
+        indptr = torch.tensor([0] + torch.tensor(pages).cumsum(0).tolist(), dtype=torch.int32)
+        last = torch.tensor([(n - 1) % PAGE + 1 for n in lens], dtype=torch.int32)
+        q = torch.randn(len(lens), HQ, D, generator=gen).to(torch.bfloat16).to(dev)
+        out = torch.empty_like(q)
+        wrapper = jitattn.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD")
+        results[name] = {}
+        for split in SPLITS:
+            wrapper.plan(indptr, indices, last, HQ, HKV, D, PAGE, q_data_type=torch.bfloat16, fixed_split_size=split)
+            chunks = wrapper._plan.split.num_chunks if wrapper._plan.split.kv_chunk_size else len(lens)
+            us = timer.measure(lambda: wrapper.run(q, cache, out=out)).median_us
+            key = "auto" if split is None else f"{split} pages"
+            results[name][key] = us
+            print(f"{name:<24s} {key:>10s}  chunks {chunks:5d}  {us:8.1f} us", flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
