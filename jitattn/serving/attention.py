@@ -79,6 +79,22 @@ def prefix_groups(seqs: list[SeqView]) -> list[tuple[int, int]]:
     return groups
 
 
+def cascade_levels(seqs: list[SeqView], groups: list[tuple[int, int]], page_size: int) -> tuple[list, list, list, list]:
+    """The two levels of a cascade decode step as ``MultiLevelCascadeAttentionWrapper.plan``'s four array lists:
+    level 0 each group's shared pages once, level 1 each seq's own pages. ``groups`` ((size, shared pages))
+    cover ``seqs`` in order; a group may be empty (no seqs, no pages)."""
+    shared_rows, own_skip, first = [], [], 0
+    for size, common in groups:
+        shared_rows.append(seqs[first].pages[:common] if common else ())
+        own_skip += [common] * size
+        first += size
+    own_indptr, own_indices, own_last = page_table(seqs, page_size, own_skip)
+    shared_last = torch.full((len(groups),), page_size, dtype=torch.int32)  # shared pages are always full
+    return ([_indptr([size for size, _ in groups]), _indptr([1] * len(seqs))],
+            [_indptr([len(r) for r in shared_rows]), own_indptr],
+            [_int32(itertools.chain.from_iterable(shared_rows)), own_indices], [shared_last, own_last])
+
+
 class StepAttention:
     """The attention callback of one step: append this layer's k/v, run the planned wrapper."""
 
@@ -139,18 +155,6 @@ class AttentionPlanner:
         if groups is None:
             self.decode.plan(*page_table(seqs, ps), *self.heads, ps, q_data_type=self.dtype, kv_data_type=self.dtype)
             return StepAttention(self.pool, self.decode, seqs, self.device)
-        shared_rows, own_skip, first = [], [], 0
-        for size, common in groups:
-            shared_rows.append(seqs[first].pages[:common])
-            own_skip += [common] * size
-            first += size
-        shared_indptr = _indptr([len(r) for r in shared_rows])
-        shared_indices = _int32(itertools.chain.from_iterable(shared_rows))
-        shared_last = torch.full((len(groups),), ps, dtype=torch.int32)  # shared pages are always full
-        own_indptr, own_indices, own_last = page_table(seqs, ps, own_skip)
-        self.cascade.plan(
-            [_indptr([size for size, _ in groups]), _indptr([1] * len(seqs))], [shared_indptr, own_indptr],
-            [shared_indices, own_indices], [shared_last, own_last], *self.heads, ps, causal=False,
-            q_data_type=self.dtype, kv_data_type=self.dtype,
-        )
+        self.cascade.plan(*cascade_levels(seqs, groups, ps), *self.heads, ps, causal=False, q_data_type=self.dtype,
+                          kv_data_type=self.dtype)
         return StepAttention(self.pool, self.cascade, seqs, self.device)

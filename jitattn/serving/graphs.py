@@ -20,7 +20,7 @@ import torch
 
 import jitattn
 
-from .attention import SeqView, _indptr, _int32, page_table
+from .attention import SeqView, cascade_levels, page_table
 from .kv_pool import KVPool
 from .model import LlamaModel
 
@@ -33,23 +33,23 @@ def bucket_sizes(max_batch_size: int) -> list[int]:
     return sorted(set(sizes))
 
 
-class DecodeGraph:
-    """The captured decode step of one bucket (see the module docstring)."""
+class _CapturedStep:
+    """What the captured decode step of one bucket keeps: fixed input buffers, every row's page table (the
+    appends read it), the forward it replays. Subclasses make ``wrapper`` and plan it before ``_replay``."""
 
-    def __init__(self, model: LlamaModel, pool: KVPool, workspace: torch.Tensor, bucket: int, max_pages_per_seq: int,
-                 memory_pool=None) -> None:
+    wrapper: object
+
+    def __init__(self, model: LlamaModel, pool: KVPool, bucket: int, max_pages_per_seq: int, memory_pool) -> None:
         dev = model.device
+        i32 = dict(dtype=torch.int32, device=dev)
         self.model, self.pool, self.bucket = model, pool, bucket
         self.input_ids = torch.zeros(bucket, dtype=torch.long, device=dev)
         self.positions = torch.zeros(bucket, dtype=torch.long, device=dev)
-        self.batch_indices = torch.arange(bucket, dtype=torch.int32, device=dev)
-        self.append_positions = torch.zeros(bucket, dtype=torch.int32, device=dev)
-        self.indptr = torch.zeros(bucket + 1, dtype=torch.int32, device=dev)
-        self.indices = torch.zeros(bucket * max_pages_per_seq, dtype=torch.int32, device=dev)
-        self.last_page_len = torch.ones(bucket, dtype=torch.int32, device=dev)
-        self.wrapper = jitattn.BatchDecodeWithPagedKVCacheWrapper(
-            workspace, use_cuda_graph=True, paged_kv_indptr_buffer=self.indptr, paged_kv_indices_buffer=self.indices,
-            paged_kv_last_page_len_buffer=self.last_page_len)
+        self.batch_indices = torch.arange(bucket, **i32)
+        self.append_positions = torch.zeros(bucket, **i32)
+        self.indptr = torch.zeros(bucket + 1, **i32)
+        self.indices = torch.zeros(bucket * max_pages_per_seq, **i32)
+        self.last_page_len = torch.ones(bucket, **i32)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.memory_pool = memory_pool
         self.logits: torch.Tensor | None = None
@@ -63,14 +63,12 @@ class DecodeGraph:
     def _forward(self) -> torch.Tensor:
         return self.model.logits(self.model.forward(self.input_ids, self.positions, self._attention))
 
-    def run(self, seqs: list[SeqView], input_ids: list[int]) -> torch.Tensor:
-        """Logits ``[len(seqs), vocab]`` of one decode step (captured on the bucket's first use)."""
-        n = len(seqs)
-        pad = [SeqView((KVPool.SCRATCH_PAGE,), 1, 1)] * (self.bucket - n)
-        rows = list(seqs) + pad
-        c = self.model.config
-        self.wrapper.plan(*page_table(rows, self.pool.page_size), self.model.num_q_heads, self.model.num_kv_heads,
-                          c.head_dim, self.pool.page_size, q_data_type=self.model.dtype, kv_data_type=self.model.dtype)
+    def _rows(self, seqs: list[SeqView]) -> list[SeqView]:
+        """``seqs`` padded to the bucket with rows on the scratch page."""
+        return list(seqs) + [SeqView((KVPool.SCRATCH_PAGE,), 1, 1)] * (self.bucket - len(seqs))
+
+    def _replay(self, rows: list[SeqView], input_ids: list[int], n: int) -> torch.Tensor:
+        """Fill the inputs of ``rows`` (planned already), capture on the first use, replay; the first ``n`` logits."""
         self.input_ids.copy_(torch.tensor(input_ids + [0] * (self.bucket - n)), non_blocking=True)
         positions = torch.tensor([s.kv_len - 1 for s in rows])
         self.positions.copy_(positions, non_blocking=True)
@@ -82,6 +80,25 @@ class DecodeGraph:
                 self.logits = self._forward()
         self.graph.replay()
         return self.logits[:n]
+
+
+class DecodeGraph(_CapturedStep):
+    """The captured decode step of one bucket (see the module docstring)."""
+
+    def __init__(self, model: LlamaModel, pool: KVPool, workspace: torch.Tensor, bucket: int, max_pages_per_seq: int,
+                 memory_pool=None) -> None:
+        super().__init__(model, pool, bucket, max_pages_per_seq, memory_pool)
+        self.wrapper = jitattn.BatchDecodeWithPagedKVCacheWrapper(
+            workspace, use_cuda_graph=True, paged_kv_indptr_buffer=self.indptr, paged_kv_indices_buffer=self.indices,
+            paged_kv_last_page_len_buffer=self.last_page_len)
+
+    def run(self, seqs: list[SeqView], input_ids: list[int]) -> torch.Tensor:
+        """Logits ``[len(seqs), vocab]`` of one decode step (captured on the bucket's first use)."""
+        rows = self._rows(seqs)
+        c = self.model.config
+        self.wrapper.plan(*page_table(rows, self.pool.page_size), self.model.num_q_heads, self.model.num_kv_heads,
+                          c.head_dim, self.pool.page_size, q_data_type=self.model.dtype, kv_data_type=self.model.dtype)
+        return self._replay(rows, input_ids, len(seqs))
 
 
 def cascade_nodes(groups: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -96,22 +113,14 @@ def cascade_nodes(groups: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return nodes
 
 
-class CascadeGraph:
+class CascadeGraph(_CapturedStep):
     """The captured cascade decode step of one bucket (see the module docstring)."""
 
     def __init__(self, model: LlamaModel, pool: KVPool, workspace: torch.Tensor, bucket: int, max_pages_per_seq: int,
                  max_groups: int, memory_pool=None) -> None:
-        dev = model.device
-        self.model, self.pool, self.bucket, self.max_groups = model, pool, bucket, max_groups
-        i32 = dict(dtype=torch.int32, device=dev)
-        self.input_ids = torch.zeros(bucket, dtype=torch.long, device=dev)
-        self.positions = torch.zeros(bucket, dtype=torch.long, device=dev)
-        self.batch_indices = torch.arange(bucket, **i32)
-        self.append_positions = torch.zeros(bucket, **i32)
-        # every row's whole page table, for the appends (the cascade's levels are split copies of it)
-        self.indptr = torch.zeros(bucket + 1, **i32)
-        self.indices = torch.zeros(bucket * max_pages_per_seq, **i32)
-        self.last_page_len = torch.ones(bucket, **i32)
+        super().__init__(model, pool, bucket, max_pages_per_seq, memory_pool)
+        self.max_groups = max_groups
+        i32 = dict(dtype=torch.int32, device=model.device)
         nodes = max_groups + 1  # the groups, then the padding rows' node
         level_pages = bucket * max_pages_per_seq
         self.wrapper = jitattn.MultiLevelCascadeAttentionWrapper(
@@ -120,57 +129,23 @@ class CascadeGraph:
             paged_kv_indptr_buf_arr=[torch.zeros(nodes + 1, **i32), torch.zeros(bucket + 1, **i32)],
             paged_kv_indices_buf_arr=[torch.zeros(level_pages, **i32), torch.zeros(level_pages, **i32)],
             paged_kv_last_page_len_buf_arr=[torch.zeros(nodes, **i32), torch.zeros(bucket, **i32)])
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self.memory_pool = memory_pool
-        self.logits: torch.Tensor | None = None
-
-    def _attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        cache = self.pool.caches[layer]
-        jitattn.append_paged_kv_cache(k, v, self.batch_indices, self.append_positions, cache, self.indices,
-                                      self.indptr, self.last_page_len)
-        return self.wrapper.run(q, cache)
-
-    def _forward(self) -> torch.Tensor:
-        return self.model.logits(self.model.forward(self.input_ids, self.positions, self._attention))
 
     def run(self, seqs: list[SeqView], input_ids: list[int], groups: list[tuple[int, int]]) -> torch.Tensor:
         """Logits ``[len(seqs), vocab]`` of one cascade decode step over ``groups`` (``prefix_groups`` of
         ``seqs``: at most ``max_groups`` ``cascade_nodes``); captured on the bucket's first use."""
-        groups = cascade_nodes(groups)
-        if len(groups) > self.max_groups:
-            raise ValueError(f"{len(groups)} prefix groups; this graph takes at most {self.max_groups}")
+        nodes = cascade_nodes(groups)
+        if len(nodes) > self.max_groups:
+            raise ValueError(f"{len(nodes)} prefix groups; this graph takes at most {self.max_groups}")
         n, ps = len(seqs), self.pool.page_size
-        pad = [SeqView((KVPool.SCRATCH_PAGE,), 1, 1)] * (self.bucket - n)
-        rows = list(seqs) + pad
+        rows = self._rows(seqs)
+        # every row's whole page table, for the appends (the cascade's levels are split copies of it)
         full_indptr, full_indices, full_last = page_table(rows, ps)
         self.indptr.copy_(full_indptr, non_blocking=True)
         self.indices[: full_indices.numel()].copy_(full_indices, non_blocking=True)
         self.last_page_len.copy_(full_last, non_blocking=True)
-        shared_rows, own_skip, first = [], [], 0
-        for size, common in groups:
-            shared_rows.append(seqs[first].pages[:common])
-            own_skip += [common] * size
-            first += size
-        empty = self.max_groups - len(groups)
-        sizes = [size for size, _ in groups] + [0] * empty + [self.bucket - n]  # then the padding rows' node
-        shared_rows += [()] * (empty + 1)
-        own_indptr, own_indices, own_last = page_table(rows, ps, own_skip + [0] * (self.bucket - n))
+        # the nodes, empty ones up to max_groups, then the padding rows' node (no pages)
+        padded = nodes + [(0, 0)] * (self.max_groups - len(nodes)) + [(self.bucket - n, 0)]
         c = self.model.config
-        self.wrapper.plan(
-            [_indptr(sizes), _indptr([1] * self.bucket)], [_indptr([len(r) for r in shared_rows]), own_indptr],
-            [_int32(p for r in shared_rows for p in r), own_indices],
-            [torch.full((len(sizes),), ps, dtype=torch.int32), own_last],
-            self.model.num_q_heads, self.model.num_kv_heads, c.head_dim, ps, causal=False,
-            q_data_type=self.model.dtype, kv_data_type=self.model.dtype,
-        )
-        self.input_ids.copy_(torch.tensor(input_ids + [0] * (self.bucket - n)), non_blocking=True)
-        positions = torch.tensor([s.kv_len - 1 for s in rows])
-        self.positions.copy_(positions, non_blocking=True)
-        self.append_positions.copy_(positions.to(torch.int32), non_blocking=True)
-        if self.graph is None:
-            self.logits = self._forward()  # warm-up outside the capture (loads kernels, same writes)
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph, pool=self.memory_pool):
-                self.logits = self._forward()
-        self.graph.replay()
-        return self.logits[:n]
+        self.wrapper.plan(*cascade_levels(rows, padded, ps), self.model.num_q_heads, self.model.num_kv_heads,
+                          c.head_dim, ps, causal=False, q_data_type=self.model.dtype, kv_data_type=self.model.dtype)
+        return self._replay(rows, input_ids, n)
