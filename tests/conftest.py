@@ -94,6 +94,18 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
 
 
 @pytest.fixture
+def fresh_registry():
+    """Modules loaded after a tier or tuning change (the registry keeps one module per spec)."""
+    import jitattn.jit
+
+    saved = dict(jitattn.jit._registry)
+    jitattn.jit._registry.clear()
+    yield
+    jitattn.jit._registry.clear()
+    jitattn.jit._registry.update(saved)
+
+
+@pytest.fixture
 def fresh_cache(tmp_path, monkeypatch):
     """An empty private cache root for tests that count builds or break things."""
     root = tmp_path / "cache"

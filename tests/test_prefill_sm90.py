@@ -53,16 +53,6 @@ def _hopper():
         pytest.skip("the sm90 prefill tier needs an sm_90 GPU")
 
 
-@pytest.fixture
-def fresh_registry():
-    """Modules loaded after a JITATTN_PREFILL_TIER change (the registry keeps one module per spec)."""
-    saved = dict(jitattn.jit._registry)
-    jitattn.jit._registry.clear()
-    yield
-    jitattn.jit._registry.clear()
-    jitattn.jit._registry.update(saved)
-
-
 def _indptr(lens):
     return torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
 
