@@ -1,0 +1,98 @@
+"""One call of a benchmark case inside a CUDA profiler range, for Nsight Compute:
+
+    ncu --profile-from-start off --set full -o OUT/decode_b1 python3 dev/profile_ncu.py decode_b1
+
+Cases (issue 16-18 rows; llama8b shapes 32 / 8 heads d128 bf16 page 16 unless said):
+decode_b1 (1 x 32768), decode_b256 (256 x 4096), sdpa_b1 (PyTorch SDPA on contiguous KV, the row's peer),
+paged16 / paged64 / ragged (sm90 prefill causal b8 x 4096), mla128 (MLA b64 x 4096, 128 heads, page 64).
+Warm-up calls (the JIT build, the plan) run before the range; one call runs inside it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+import torch
+
+import jitattn
+
+HQ, HKV, D = 32, 8, 128
+
+
+def _paged(lens: list[int], page: int, gen: torch.Generator, dev: torch.device):
+    pages = [-(-n // page) for n in lens]
+    pool = sum(pages)
+    cache = torch.randn(pool, 2, page, HKV, D, generator=gen).to(torch.bfloat16).to(dev)
+    indices = torch.randperm(pool, generator=gen).to(torch.int32)
+    indptr = torch.tensor([0] + torch.tensor(pages).cumsum(0).tolist(), dtype=torch.int32)
+    last = torch.tensor([(n - 1) % page + 1 for n in lens], dtype=torch.int32)
+    return cache, indptr, indices, last
+
+
+def case_fn(name: str):
+    dev = torch.device(os.environ.get("PROFILE_DEVICE", "cuda"))  # cpu: a smoke run of the script
+    gen = torch.Generator().manual_seed(0)
+    ws = torch.empty(512 << 20, dtype=torch.uint8, device=dev)
+    if name in ("decode_b1", "decode_b256"):
+        lens = [32768] if name == "decode_b1" else [4096] * 256
+        cache, indptr, indices, last = _paged(lens, 16, gen, dev)
+        q = torch.randn(len(lens), HQ, D, generator=gen).to(torch.bfloat16).to(dev)
+        out = torch.empty_like(q)
+        w = jitattn.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD")
+        w.plan(indptr, indices, last, HQ, HKV, D, 16, q_data_type=torch.bfloat16)
+        return lambda: w.run(q, cache, out=out)
+    if name == "sdpa_b1":
+        q = torch.randn(1, HQ, 1, D, generator=gen).to(torch.bfloat16).to(dev)
+        k = torch.randn(1, HKV, 32768, D, generator=gen).to(torch.bfloat16).to(dev)
+        v = torch.randn(1, HKV, 32768, D, generator=gen).to(torch.bfloat16).to(dev)
+        return lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    if name in ("paged16", "paged64", "ragged"):
+        b, n = 8, 4096
+        q = torch.randn(b * n, HQ, D, generator=gen).to(torch.bfloat16).to(dev)
+        qo = torch.arange(b + 1, dtype=torch.int32) * n
+        out = torch.empty_like(q)
+        if name == "ragged":
+            k = torch.randn(b * n, HKV, D, generator=gen).to(torch.bfloat16).to(dev)
+            v = torch.randn(b * n, HKV, D, generator=gen).to(torch.bfloat16).to(dev)
+            w = jitattn.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD")
+            w.plan(qo, qo, HQ, HKV, D, causal=True, q_data_type=torch.bfloat16)
+            return lambda: w.run(q, k, v, out=out)
+        page = 16 if name == "paged16" else 64
+        cache, indptr, indices, last = _paged([n] * b, page, gen, dev)
+        w = jitattn.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD")
+        w.plan(qo, indptr, indices, last, HQ, HKV, D, page, causal=True, q_data_type=torch.bfloat16)
+        return lambda: w.run(q, cache, out=out)
+    if name == "mla128":
+        b, n, page, heads = 64, 4096, 64, 128
+        per = n // page
+        buf = torch.randn(b * per + 1, page, 576, generator=gen).to(torch.bfloat16).to(dev)
+        indices = torch.randperm(b * per + 1, generator=gen)[: b * per].to(torch.int32)
+        indptr = (torch.arange(b + 1) * per).to(torch.int32)
+        lens = torch.full((b,), n, dtype=torch.int32)
+        q_nope = torch.randn(b, heads, 512, generator=gen).to(torch.bfloat16).to(dev)
+        q_pe = torch.randn(b, heads, 64, generator=gen).to(torch.bfloat16).to(dev)
+        out = torch.empty_like(q_nope)
+        w = jitattn.BatchMLAPagedAttentionWrapper(torch.empty(128 << 20, dtype=torch.uint8, device=dev))
+        w.plan(torch.arange(b + 1, dtype=torch.int32), indptr, indices, lens, heads, 512, 64, page, False,
+               1.0 / math.sqrt(192), torch.bfloat16, torch.bfloat16)
+        return lambda: w.run(q_nope, q_pe, buf[..., :512], buf[..., 512:], out=out)
+    raise SystemExit(f"unknown case {name!r}")
+
+
+def main() -> None:
+    fn = case_fn(sys.argv[1])
+    for _ in range(3):
+        fn()
+    if not torch.cuda.is_available():
+        return
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStart()
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStop()
+
+
+if __name__ == "__main__":
+    main()
