@@ -154,19 +154,22 @@ def _mma_layout(spec: VariantSpec, t: dict[str, int]) -> dict[str, int]:
     stages = max(2, min(t["max_stages"], (t["smem_per_sm"] // blocks - 1024) // stage_bytes))
     pipe = stages * (k_stage + v_stage)
     table = stages * tile_tokens * 16
-    q_bytes = 16 * q_pitch  # the query rows alias stage 0 until Q^T is in registers
+    # The query rows alias the last stage's K tile until Q^T is in registers: the prologue fills the
+    # other stages meanwhile (that stage is first issued after the main loop's first barrier).
+    q_bytes = 16 * q_pitch
+    assert q_bytes <= k_stage, (q_bytes, k_stage)
     merge = nw * group * (dvo * 4 + 8)
     nt = nw * 32
     return {
         "kMma": 1, "kNW": nw, "kTZ": nw, "kGS": group, "kNT": nt, "kHT": head_tiles, "kMinBlocks": blocks,
-        "kKPitch": k_pitch, "kVPitch": v_pitch, "kQPitch": q_pitch,
+        "kKPitch": k_pitch, "kVPitch": v_pitch, "kQPitch": q_pitch, "kQOffset": (stages - 1) * k_stage,
         "kSteps": steps, "kTileTokens": tile_tokens, "kStages": stages,
         "kLoadBytes": 16, "kCPRK": dqk * elem // 16, "kCPRV": dvo * elem // 16,
         "kLoadsK": -(-(tile_tokens * dqk * elem // 16) // nt), "kLoadsV": -(-(tile_tokens * dvo * elem // 16) // nt),
         "kTabPerThread": -(-tile_tokens // nt),
         "kKStageBytes": k_stage, "kVStageBytes": v_stage, "kPipeBytes": pipe,
-        "kSmemBytes": max(pipe + table, q_bytes, merge),
-        "kMergeStageFloats": _merge_stage_floats(max(pipe + table, q_bytes, merge), group, nt),
+        "kSmemBytes": max(pipe + table, merge),
+        "kMergeStageFloats": _merge_stage_floats(max(pipe + table, merge), group, nt),
     }
 
 
@@ -234,6 +237,7 @@ def _simt_layout(spec: VariantSpec, t: dict[str, int]) -> dict[str, int]:
         "kTabPerThread": -(-tile_tokens // nt),
         "kKStageBytes": k_stage_bytes, "kVStageBytes": v_stage_bytes,
         "kMma": 0, "kHT": 1, "kMinBlocks": 1, "kNW": 1, "kKPitch": dqk * elem, "kVPitch": dvo * elem, "kQPitch": 0,
+        "kQOffset": 0,
         "kPipeBytes": pipe_bytes, "kSmemBytes": smem, "kMergeStageFloats": _merge_stage_floats(smem, group, nt),
         "kHeadMinor": int(bool(t["head_minor"])),
     }
