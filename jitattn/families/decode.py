@@ -81,6 +81,9 @@ TUNING: dict[str, int] = {
     "mma_blocks_per_sm_fp8": 3,  # ... with fp8 KV (half the bytes per stage: more blocks keep as many in flight)
     "mma_steps": 1,            # 16-token steps per warp per pipeline stage on the tensor-core path
     "smem_per_sm": 227 << 10,  # usable shared memory per SM (H100/H200: 227 KiB; A100: 163 KiB)
+    # Page ids of a work item kept in shared memory (loaded once at its start, beside the query) when
+    # the item spans at most this many pages; longer items read them from the page table a stage ahead.
+    "page_ids": 1024,
 }
 
 def _next_pow2(n: int) -> int:
@@ -149,11 +152,12 @@ def _mma_layout(spec: VariantSpec, t: dict[str, int]) -> dict[str, int]:
     stage_bytes = k_stage + v_stage + tile_tokens * 16  # + the stage's row-offset table
     blocks = t["mma_blocks_per_sm_fp8" if spec.kv_dtype.is_fp8 else "mma_blocks_per_sm"] if head_tiles == 1 else 2
     blocks = min(blocks, MAX_RESIDENT_BLOCKS)
-    while blocks > 1 and (t["smem_per_sm"] // blocks - 1024) // stage_bytes < 2:
+    ids = t["page_ids"] * 4
+    while blocks > 1 and (t["smem_per_sm"] // blocks - 1024 - ids) // stage_bytes < 2:
         blocks -= 1
-    stages = max(2, min(t["max_stages"], (t["smem_per_sm"] // blocks - 1024) // stage_bytes))
+    stages = max(2, min(t["max_stages"], (t["smem_per_sm"] // blocks - 1024 - ids) // stage_bytes))
     pipe = stages * (k_stage + v_stage)
-    table = stages * tile_tokens * 16
+    table = stages * tile_tokens * 16 + ids
     # The query rows alias the last stage's K tile until Q^T is in registers: the prologue fills the
     # other stages meanwhile (that stage is first issued after the main loop's first barrier).
     q_bytes = 16 * q_pitch
@@ -168,7 +172,7 @@ def _mma_layout(spec: VariantSpec, t: dict[str, int]) -> dict[str, int]:
         "kLoadsK": -(-(tile_tokens * dqk * elem // 16) // nt), "kLoadsV": -(-(tile_tokens * dvo * elem // 16) // nt),
         "kTabPerThread": -(-tile_tokens // nt),
         "kKStageBytes": k_stage, "kVStageBytes": v_stage, "kPipeBytes": pipe,
-        "kSmemBytes": max(pipe + table, merge),
+        "kSmemBytes": max(pipe + table, merge), "kPageIds": t["page_ids"], "kIdsPerThread": -(-t["page_ids"] // nt),
         "kMergeStageFloats": _merge_stage_floats(max(pipe + table, merge), group, nt),
     }
 
@@ -222,7 +226,7 @@ def _simt_layout(spec: VariantSpec, t: dict[str, int]) -> dict[str, int]:
     k_stage_bytes = tile_tokens * dqk * elem
     v_stage_bytes = tile_tokens * dvo * elem
     pipe_bytes = stages * (k_stage_bytes + v_stage_bytes)
-    table_bytes = stages * tile_tokens * 16  # int64 K and V row offsets per stage
+    table_bytes = stages * tile_tokens * 16 + t["page_ids"] * 4  # K and V row addresses per stage; page ids
     merge_bytes = tz * gs * (dvo * 4 + 8)
     smem = max(pipe_bytes + table_bytes, merge_bytes)
     assert k_stage_bytes % 16 == 0 and v_stage_bytes % 16 == 0 and pipe_bytes % 16 == 0
@@ -239,6 +243,7 @@ def _simt_layout(spec: VariantSpec, t: dict[str, int]) -> dict[str, int]:
         "kMma": 0, "kHT": 1, "kMinBlocks": 1, "kNW": 1, "kKPitch": dqk * elem, "kVPitch": dvo * elem, "kQPitch": 0,
         "kQOffset": 0,
         "kPipeBytes": pipe_bytes, "kSmemBytes": smem, "kMergeStageFloats": _merge_stage_floats(smem, group, nt),
+        "kPageIds": t["page_ids"], "kIdsPerThread": -(-t["page_ids"] // nt),
         "kHeadMinor": int(bool(t["head_minor"])),
     }
 

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# Session 6, third GPU call: decode with the row-address table (one shared load per K/V row pair, no offset
-# arithmetic per copy) and the lazy O rescale; sm90 paged prefill with the TMA boxes issued by all 4 producer
-# warps. GPU tests of both, the decode rows beside SDPA, the paged rows, the decode layout sweep, one ncu
-# report of decode b1. Output under $OUT (call3.tgz). carry [".whl"].
+# Session 6's GPU calls after the first (dev/gpu_profile.sh): the GPU tests of the decode and sm90 prefill
+# files, the decode rows beside SDPA and the paged / ragged prefill rows (suite), the paged sm90 bench, the
+# decode split sweep, Nsight Compute source counters of decode b1 and paged page 16. Output: $OUT/calls.tgz.
+# carry [".whl"].
 set -u
 pip_target() { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target .pysite "$@"; }
 pip_target .whl/*.whl
 export PYTHONPATH=$PWD/.pysite:$PWD PYTHONUNBUFFERED=1 JITATTN_CACHE_DIR=/tmp/jc FLASHINFER_WORKSPACE_BASE=/tmp/fi
-OUT=${OUT:-/tmp/out}; R=/tmp/call3; mkdir -p "$OUT" $R
+OUT=${OUT:-/tmp/out}; R=/tmp/calls; mkdir -p "$OUT" $R
 T0=$(date +%s)
 timeout 260 python3 -m pytest -m gpu -q -p no:cacheprovider -rf tests/test_decode_cuda.py tests/test_api_decode.py \
   tests/test_api_cascade.py tests/test_batch_invariant.py tests/test_sinks.py tests/test_nan_query.py \
@@ -17,13 +17,12 @@ timeout 120 python3 -m jitattn.bench --only 'decode/*,prefill/llama8b_causal_pag
   --json $R/bench.json > $R/bench.log 2>&1
 grep -E "^(decode|prefill)/" $R/bench.log | cut -c1-125 | sort -u; echo "t=$(( $(date +%s) - T0 ))"
 JITATTN_PREFILL_TIER=sm90 timeout 80 python3 dev/bench_paged_sm90.py --pages 16,64 --layouts NHD --tunings '[{}]' \
-  > $R/paged.txt 2>&1; tail -6 $R/paged.txt; echo "t=$(( $(date +%s) - T0 ))"
-for t in '{"mma_blocks_per_sm": 3}'; do
-  echo "tuning $t"; timeout 60 python3 -m jitattn.bench.decode_cuda --tuning "$t" 2>&1 | grep -v "^layout" | tail -8
-done; echo "t=$(( $(date +%s) - T0 ))"
+  > $R/paged.txt 2>&1; tail -4 $R/paged.txt; echo "t=$(( $(date +%s) - T0 ))"
 timeout 60 python3 dev/sweep_decode_split.py > $R/split.txt 2>&1; cat $R/split.txt | head -12; echo "t=$(( $(date +%s) - T0 ))"
-timeout 80 ncu --profile-from-start off --set full --import-source no -f -o $R/decode_b1 python3 dev/profile_ncu.py decode_b1 > $R/ncu.log 2>&1
-ncu -i $R/decode_b1.ncu-rep --page details > $R/decode_b1.txt 2>&1
-ncu -i $R/decode_b1.ncu-rep --page source --csv --print-source sass > $R/decode_b1.sass.csv 2>&1
-grep -E "Duration|DRAM Throughput|Executed Ipc A|Registers" $R/decode_b1.txt | head -4
-rm -f $R/*.ncu-rep; tar czf "$OUT/call3.tgz" -C /tmp call3; echo "t=$(( $(date +%s) - T0 ))"
+for c in ${NCU_CASES:-decode_b1 paged16}; do
+  timeout 80 ncu --profile-from-start off --set full --import-source no -f -o $R/$c python3 dev/profile_ncu.py $c > $R/ncu_$c.log 2>&1
+  ncu -i $R/$c.ncu-rep --page details > $R/$c.txt 2>&1
+  ncu -i $R/$c.ncu-rep --page source --csv --print-source sass > $R/$c.sass.csv 2>&1
+  grep -E "Duration|DRAM Throughput|Executed Ipc A" $R/$c.txt | head -3
+done
+rm -f $R/*.ncu-rep; tar czf "$OUT/calls.tgz" -C /tmp calls; echo "t=$(( $(date +%s) - T0 ))"
