@@ -21,14 +21,20 @@ import jitattn
 from jitattn.bench.timing import Timer
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16
-CASES = {"b1_s32768": [32768], "skewed_1x32768_63x512": [32768] + [512] * 63}
+CASES = {"b1_s32768": [32768], "skewed_1x32768_63x512": [32768] + [512] * 63, "b4_s32768": [32768] * 4,
+         "b8_s16384": [16384] * 8, "b16_s4096": [4096] * 16, "b2_s8192": [8192] * 2}
 SPLITS = [None, 8, 16, 24, 32, 48, 64, 96, 128, 256]  # pages per chunk (None: the planner's choice)
+# Session 6's few-request rule (one block per SM) against the split before it (blocks_per_sm 2), per case:
+# "before" is plan(fixed_split_size=) at the chunk the old rule chose (0: no split).
+BEFORE = {"b1_s32768": 63, "skewed_1x32768_63x512": 124, "b4_s32768": 249, "b8_s16384": 249, "b16_s4096": 125,
+          "b2_s8192": 32}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--device", default="cuda", help="cuda (the figures), or cpu (a smoke run of the script)")
+    ap.add_argument("--all", action="store_true", help="every chunk length of SPLITS (else auto and BEFORE's)")
     args = ap.parse_args()
     dev = torch.device(args.device)
     timer = Timer(dev, scrub_bytes=256 << 20)
@@ -46,7 +52,8 @@ def main() -> None:
         out = torch.empty_like(q)
         wrapper = jitattn.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD")
         results[name] = {}
-        for split in SPLITS:
+        splits = SPLITS if args.all else [None, BEFORE[name]]
+        for split in splits:
             wrapper.plan(indptr, indices, last, HQ, HKV, D, PAGE, q_data_type=torch.bfloat16, fixed_split_size=split)
             chunks = wrapper._plan.split.num_chunks if wrapper._plan.split.kv_chunk_size else len(lens)
             us = timer.measure(lambda: wrapper.run(q, cache, out=out)).median_us

@@ -56,8 +56,16 @@ def test_no_split_when_the_longest_request_is_near_the_balanced_chunk() -> None:
 def test_single_long_request_is_split_to_fill_the_gpu() -> None:
     plan = decode_kv_split((32768,), num_kv_heads=8, num_sms=132, page_size=16)
     assert plan.kv_chunk_size > 0 and plan.kv_chunk_size % 16 == 0
-    assert plan.num_chunks * 8 >= 132, "every SM should get work"
+    assert 0.9 * 132 <= plan.num_chunks * 8 <= 132, "one block per SM, in one wave"
     assert plan.split_indptr == (0, math.ceil(32768 / plan.kv_chunk_size))
+
+
+def test_few_requests_take_one_block_per_sm_in_one_wave() -> None:
+    for lens in [(32768,) * 4, (8192, 8192), (100000,), (30000, 777, 5000)]:
+        plan = decode_kv_split(lens, num_kv_heads=8, num_sms=132, page_size=16)
+        assert plan.kv_chunk_size % 16 == 0 and plan.num_chunks * 8 <= 132, (lens, plan)
+    # more request heads than SMs: balanced over the resident blocks as before
+    assert decode_kv_split((32768,) + (512,) * 63, num_kv_heads=8, num_sms=132, page_size=16).num_chunks * 8 > 132
 
 
 def test_skewed_batch_cuts_the_long_request_most() -> None:
