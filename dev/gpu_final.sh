@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Session 6's last GPU call: the whole GPU suite on this commit, the decode / prefill / cascade suite rows beside
+# SDPA, and the split sweep (the few-request rule against the rule before it). Output: $OUT/final.tgz.
+set -u
+pip_target() { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target .pysite "$@"; }
+pip_target .whl/*.whl
+export PYTHONPATH=$PWD/.pysite:$PWD PYTHONUNBUFFERED=1 JITATTN_CACHE_DIR=/tmp/jc FLASHINFER_WORKSPACE_BASE=/tmp/fi
+OUT=${OUT:-/tmp/out}; R=/tmp/final; mkdir -p "$OUT" $R
+T0=$(date +%s)
+timeout 60 python3 dev/sweep_decode_split.py > $R/split.txt 2>&1; cat $R/split.txt; echo "t=$(( $(date +%s) - T0 ))"
+timeout 130 python3 -m jitattn.bench --only 'decode/*,prefill/llama8b_causal_paged_b8_s4096,prefill/llama8b_causal_b8_s4096,cascade/*' \
+  --json $R/bench.json > $R/bench.log 2>&1
+grep -E "^(decode|prefill|cascade)/" $R/bench.log | cut -c1-125 | sort -u; echo "t=$(( $(date +%s) - T0 ))"
+tar czf "$OUT/final.tgz" -C /tmp final
+timeout 330 python3 -m pytest -m gpu -q -p no:cacheprovider -rf tests > "$R/pytest.log" 2>&1; tail -15 "$R/pytest.log"
+tar czf "$OUT/final.tgz" -C /tmp final; echo "t=$(( $(date +%s) - T0 ))"
