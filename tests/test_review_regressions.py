@@ -220,3 +220,20 @@ def test_launches_carry_the_tensors_row_extents() -> None:
     ragged.plan(_i32(0, 3, 7), _i32(0, 30, 40), H, HK, DIM, q_data_type=torch.float16)
     ragged.run(q, k, k.clone())
     assert (ragged._plan.launch.params.q_rows, ragged._plan.launch.params.kv_rows) == (7, 40)
+
+
+def test_decode_layout_page_ids_in_shared_memory() -> None:
+    """The item's page ids take TUNING["page_ids"] ints of shared memory beside the stage tables (0 keeps
+    none: every tile reads the page table), without costing a pipeline stage at the default."""
+    from jitattn.families.decode import cuda_layout
+    from jitattn.spec import VariantSpec
+
+    spec = VariantSpec(op="decode", target="cuda", q_dtype="bf16", kv_dtype="bf16", o_dtype="bf16", head_dim_qk=128,
+                       head_dim_vo=128, group_size=4, pos_encoding="none", use_sliding_window=False,
+                       use_logits_soft_cap=False, kv_layout="nhd", kv_storage="paged")
+    with_ids, without = cuda_layout(spec), cuda_layout(spec, {"page_ids": 0})
+    assert with_ids["kPageIds"] == 1024 and with_ids["kIdsPerThread"] == 1024 // with_ids["kNT"]
+    assert without["kPageIds"] == 0 and without["kIdsPerThread"] == 1  # no zero-length array in the kernel
+    assert with_ids["kStages"] == without["kStages"] == 3
+    assert with_ids["kSmemBytes"] - without["kSmemBytes"] == 1024 * 4
+    assert 2 * (with_ids["kSmemBytes"] + 1024) <= 227 << 10  # still two resident blocks

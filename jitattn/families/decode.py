@@ -172,7 +172,7 @@ def _mma_layout(spec: VariantSpec, t: dict[str, int]) -> dict[str, int]:
         "kLoadsK": -(-(tile_tokens * dqk * elem // 16) // nt), "kLoadsV": -(-(tile_tokens * dvo * elem // 16) // nt),
         "kTabPerThread": -(-tile_tokens // nt),
         "kKStageBytes": k_stage, "kVStageBytes": v_stage, "kPipeBytes": pipe,
-        "kSmemBytes": max(pipe + table, merge), "kPageIds": t["page_ids"], "kIdsPerThread": -(-t["page_ids"] // nt),
+        "kSmemBytes": max(pipe + table, merge), "kPageIds": t["page_ids"], "kIdsPerThread": max(1, -(-t["page_ids"] // nt)),
         "kMergeStageFloats": _merge_stage_floats(max(pipe + table, merge), group, nt),
     }
 
@@ -243,7 +243,7 @@ def _simt_layout(spec: VariantSpec, t: dict[str, int]) -> dict[str, int]:
         "kMma": 0, "kHT": 1, "kMinBlocks": 1, "kNW": 1, "kKPitch": dqk * elem, "kVPitch": dvo * elem, "kQPitch": 0,
         "kQOffset": 0,
         "kPipeBytes": pipe_bytes, "kSmemBytes": smem, "kMergeStageFloats": _merge_stage_floats(smem, group, nt),
-        "kPageIds": t["page_ids"], "kIdsPerThread": -(-t["page_ids"] // nt),
+        "kPageIds": t["page_ids"], "kIdsPerThread": max(1, -(-t["page_ids"] // nt)),
         "kHeadMinor": int(bool(t["head_minor"])),
     }
 
