@@ -4,9 +4,7 @@
 # decode split sweep, Nsight Compute source counters of decode b1 and paged page 16. Output: $OUT/calls.tgz.
 # carry [".whl"].
 set -u
-pip_target() { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target .pysite "$@"; }
-pip_target .whl/*.whl
-export PYTHONPATH=$PWD/.pysite:$PWD PYTHONUNBUFFERED=1 JITATTN_CACHE_DIR=/tmp/jc FLASHINFER_WORKSPACE_BASE=/tmp/fi
+source dev/gpu_env.sh
 OUT=${OUT:-/tmp/out}; R=/tmp/calls; mkdir -p "$OUT" $R
 T0=$(date +%s)
 timeout 260 python3 -m pytest -m gpu -q -p no:cacheprovider -rf tests/test_decode_cuda.py tests/test_api_decode.py \

@@ -2,9 +2,7 @@
 # Session 6's last GPU call: the whole GPU suite on this commit, the decode / prefill / cascade suite rows beside
 # SDPA, and the split sweep (the few-request rule against the rule before it). Output: $OUT/final.tgz.
 set -u
-pip_target() { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target .pysite "$@"; }
-pip_target .whl/*.whl
-export PYTHONPATH=$PWD/.pysite:$PWD PYTHONUNBUFFERED=1 JITATTN_CACHE_DIR=/tmp/jc FLASHINFER_WORKSPACE_BASE=/tmp/fi
+source dev/gpu_env.sh
 OUT=${OUT:-/tmp/out}; R=/tmp/final; mkdir -p "$OUT" $R
 T0=$(date +%s)
 timeout 60 python3 dev/sweep_decode_split.py > $R/split.txt 2>&1; cat $R/split.txt; echo "t=$(( $(date +%s) - T0 ))"

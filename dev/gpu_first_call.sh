@@ -6,10 +6,7 @@
 # bench_sm80.*, decode_split.*, host.json/host.log (jitattn.bench.host_peer, with FlashInfer when .whl/peer
 # holds its wheels). Each step has its own timeout; the slowest (host_peer) runs last.
 set -u
-pip_target() { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target .pysite "$@"; }
-pip_target .whl/*.whl
-ls .whl/peer/*.whl >/dev/null 2>&1 && pip_target .whl/peer/*.whl
-export PYTHONPATH=$PWD/.pysite:$PWD PYTHONUNBUFFERED=1 JITATTN_CACHE_DIR=/tmp/jc FLASHINFER_WORKSPACE_BASE=/tmp/fi
+PEER=1 source dev/gpu_env.sh
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 T0=$(date +%s)
 # The whole suite (155 s in session 4) runs session 5's untested GPU tests: the MLA layout fallback, the

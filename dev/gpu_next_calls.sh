@@ -8,9 +8,7 @@
 # Output under $OUT. If call 1 fails in the paged sm90 tests, JITATTN_DEV_SM90_TUNING='{"paged_tma": 0}'
 # isolates the TMA path; the branches can be tested one by one the same way.
 set -u
-pip_target() { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target .pysite "$@"; }
-pip_target .whl/*.whl
-export PYTHONPATH=$PWD/.pysite:$PWD PYTHONUNBUFFERED=1 JITATTN_CACHE_DIR=/tmp/jc FLASHINFER_WORKSPACE_BASE=/tmp/fi
+source dev/gpu_env.sh
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 T0=$(date +%s)
 case "${1:-1}" in

@@ -3,9 +3,7 @@
 # SDPA's kernels, decode b256, paged vs ragged sm90 prefill, MLA 128 heads), the decode layout sweep, and the
 # sm90 axes tests with the tanh.approx soft cap. Output under $OUT. carry [".whl"].
 set -u
-pip_target() { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target .pysite "$@"; }
-pip_target .whl/*.whl
-export PYTHONPATH=$PWD/.pysite:$PWD PYTHONUNBUFFERED=1 JITATTN_CACHE_DIR=/tmp/jc FLASHINFER_WORKSPACE_BASE=/tmp/fi
+source dev/gpu_env.sh
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 T0=$(date +%s)
 for c in ${CASES:-decode_b1 sdpa_b1 decode_b256 paged16 ragged mla128}; do
