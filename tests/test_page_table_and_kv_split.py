@@ -61,11 +61,30 @@ def test_single_long_request_is_split_to_fill_the_gpu() -> None:
 
 
 def test_few_requests_take_one_block_per_sm_in_one_wave() -> None:
-    for lens in [(32768,) * 4, (8192, 8192), (100000,), (30000, 777, 5000)]:
-        plan = decode_kv_split(lens, num_kv_heads=8, num_sms=132, page_size=16)
-        assert plan.kv_chunk_size % 16 == 0 and plan.num_chunks * 8 <= 132, (lens, plan)
+    kw = dict(num_kv_heads=8, num_sms=132, page_size=16)
+    for lens, chunk in [((32768,) * 4, 8192), ((8192, 8192), 1024), ((16384,) * 8, 8192), ((32768, 0, 0), 2352)]:
+        plan = decode_kv_split(lens, **kw)
+        assert plan.kv_chunk_size == chunk and plan.num_chunks * 8 <= 132, (lens, plan)
+    # 16 x 4096: one block per request head already fills the SMs: no split
+    assert decode_kv_split((4096,) * 16, **kw).kv_chunk_size == 0
     # more request heads than SMs: balanced over the resident blocks as before
-    assert decode_kv_split((32768,) + (512,) * 63, num_kv_heads=8, num_sms=132, page_size=16).num_chunks * 8 > 132
+    assert decode_kv_split((32768,) + (512,) * 63, **kw).num_chunks * 8 > 132
+
+
+@pytest.mark.parametrize("lens", [(32768,) + (512,) * 15, (32768,) * 2 + (4096,) * 14, (8192,) * 8 + (256,) * 8])
+def test_few_requests_of_skewed_lengths_still_cut_the_long_ones(lens) -> None:
+    """One wave of one block per SM would leave the long requests whole here: the resident-blocks rule."""
+    plan = decode_kv_split(lens, num_kv_heads=8, num_sms=132, page_size=16)
+    longest = max(lens)
+    chunks = [b - a for a, b in zip(plan.split_indptr, plan.split_indptr[1:])]
+    assert 0 < plan.kv_chunk_size <= longest // 3 and chunks[0] >= 4, (lens, plan)
+    balanced = math.ceil(sum(lens) * 8 / (2 * 132))  # the resident-blocks rule: 2 blocks on each of 132 SMs
+    assert plan.kv_chunk_size == math.ceil(balanced / 16) * 16
+
+
+def test_one_wave_search_is_fast_on_page_size_one() -> None:
+    plan = decode_kv_split((1 << 20,) + (256,) * 32, num_kv_heads=4, num_sms=132, page_size=1)
+    assert plan.split_indptr[1] - plan.split_indptr[0] > 16  # the 1M-token request is cut
 
 
 def test_skewed_batch_cuts_the_long_request_most() -> None:
