@@ -3,7 +3,8 @@
     ncu --profile-from-start off --set full -o OUT/decode_b1 python3 dev/profile_ncu.py decode_b1
 
 Cases (issue 16-18 rows; llama8b shapes 32 / 8 heads d128 bf16 page 16 unless said):
-decode_b1 (1 x 32768), decode_b256 (256 x 4096), sdpa_b1 (PyTorch SDPA on contiguous KV, the row's peer),
+decode_b1 (1 x 32768), decode_b256 (256 x 4096), sdpa_b1 / sdpa_b256 (PyTorch SDPA on contiguous KV, the rows'
+peer), phi3 (MHA d96 b64 x 4096),
 paged16 / paged64 / ragged (sm90 prefill causal b8 x 4096), mla128 (MLA b64 x 4096, 128 heads, page 64).
 Warm-up calls (the JIT build, the plan) run before the range; one call runs inside it.
 """
@@ -43,11 +44,23 @@ def case_fn(name: str):
         w = jitattn.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD")
         w.plan(indptr, indices, last, HQ, HKV, D, 16, q_data_type=torch.bfloat16)
         return lambda: w.run(q, cache, out=out)
-    if name == "sdpa_b1":
-        q = torch.randn(1, HQ, 1, D, generator=gen).to(torch.bfloat16).to(dev)
-        k = torch.randn(1, HKV, 32768, D, generator=gen).to(torch.bfloat16).to(dev)
-        v = torch.randn(1, HKV, 32768, D, generator=gen).to(torch.bfloat16).to(dev)
+    if name in ("sdpa_b1", "sdpa_b256"):
+        b, n = (1, 32768) if name == "sdpa_b1" else (256, 4096)
+        q = torch.randn(b, HQ, 1, D, generator=gen).to(torch.bfloat16).to(dev)
+        k = torch.randn(b, HKV, n, D, generator=gen).to(torch.bfloat16).to(dev)
+        v = torch.randn(b, HKV, n, D, generator=gen).to(torch.bfloat16).to(dev)
         return lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    if name == "phi3":  # MHA d96, b64 x 4096 (the suite's decode/phi3_d96_b64_s4096)
+        b, n, h, d, page = 64, 4096, 32, 96, 16
+        cache = torch.randn(b * n // page, 2, page, h, d, generator=gen).to(torch.bfloat16).to(dev)
+        indices = torch.randperm(b * n // page, generator=gen).to(torch.int32)
+        indptr = (torch.arange(b + 1) * (n // page)).to(torch.int32)
+        last = torch.full((b,), page, dtype=torch.int32)
+        q = torch.randn(b, h, d, generator=gen).to(torch.bfloat16).to(dev)
+        out = torch.empty_like(q)
+        w = jitattn.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD")
+        w.plan(indptr, indices, last, h, h, d, page, q_data_type=torch.bfloat16)
+        return lambda: w.run(q, cache, out=out)
     if name in ("paged16", "paged64", "ragged"):
         b, n = 8, 4096
         q = torch.randn(b * n, HQ, D, generator=gen).to(torch.bfloat16).to(dev)
