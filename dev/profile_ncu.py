@@ -52,7 +52,7 @@ def case_fn(name: str):
         return lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
     if name == "phi3":  # MHA d96, b64 x 4096 (the suite's decode/phi3_d96_b64_s4096)
         b, n, h, d, page = 64, 4096, 32, 96, 16
-        cache = torch.randn(b * n // page, 2, page, h, d, generator=gen).to(torch.bfloat16).to(dev)
+        cache = torch.randn(b * n // page, 2, page, h, d, dtype=torch.bfloat16, device=dev)  # 3.2 GB: made there
         indices = torch.randperm(b * n // page, generator=gen).to(torch.int32)
         indptr = (torch.arange(b + 1) * (n // page)).to(torch.int32)
         last = torch.full((b,), page, dtype=torch.int32)
