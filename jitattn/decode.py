@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 import torch
 
-from .attention.batch import check_workspace
+from .attention.batch import check_workspace, upload_int32
 from .attention.builder import HostIndex, attention_options, build_plan, kernel_spec, make_plan, num_workers
 from .attention.wrapper import BatchWrapperBase
 from .attention.checks import check_tensor, target_of
+from .attention.launch import PreparedAttention
 from .attention.options import PAGE_TABLE_HINT, parse_kv_layout, refuse_unsupported, resolve_batch_invariant
 from .jit import load, resident_blocks
 from .page_table import PagedIndex, check_paged_index, to_host_int32
@@ -65,6 +67,8 @@ class BatchDecodeWithPagedKVCacheWrapper(BatchWrapperBase):
         self._split_counters: torch.Tensor | None = None  # split-KV chunk counters, zero between launches
         self._fast_specs: dict[tuple, tuple] = {}  # fast_decode_plan: (options) -> (spec, module)
         self._fast_ranges: dict[int, torch.Tensor] = {}  # fast_decode_plan: batch size -> arange on the device
+        # fast_decode_plan: (what its launch struct was filled from, that launch), reused by the next step
+        self._fast_launch: tuple[tuple, PreparedAttention] | None = None
 
     @property
     def use_tensor_cores(self) -> bool:
@@ -189,8 +193,7 @@ class BatchDecodeWithPagedKVCacheWrapper(BatchWrapperBase):
         self._check_graph_batch(batch)
         # Without last_page_len on the host every request counts its full last page. Chunks end on
         # page boundaries, so the chunk counts are the same as with the exact lengths.
-        pages = (indptr_host[1:] - indptr_host[:-1]).to(torch.int64)
-        upper_lens = tuple((pages * page_size).tolist())
+        upper_lens = tuple((np.diff(indptr_host.numpy()).astype(np.int64) * page_size).tolist())
         split = self._split(spec, upper_lens, num_kv_heads, page_size, fixed_split_size, disable_split_kv,
                             batch_invariant)
         workspace_bytes = split_workspace_bytes(split.num_chunks, num_qo_heads, head_dim) if split.kv_chunk_size else 0
@@ -219,17 +222,29 @@ class BatchDecodeWithPagedKVCacheWrapper(BatchWrapperBase):
             qo_indptr = self._fast_ranges[batch]
             split_indptr = qo_indptr
             if split.kv_chunk_size:
-                split_indptr = torch.tensor(split.split_indptr, dtype=torch.int32).to(device, non_blocking=True)
+                split_indptr = upload_int32([("split_indptr", torch.tensor(split.split_indptr, dtype=torch.int32),
+                                              None)], device)[0]
         # The page table is trusted here (as FlashInfer's fast path does): max_page_index is unknown.
         index = PagedIndex(indptr=indptr_host, indices=indices, last_page_len=last_page_len, page_size=page_size,
                            kv_lens=upper_lens, max_page_index=-1)
+        counters = self._counters(split, batch, num_kv_heads)
+        # A serving loop's steps mostly repeat the batch size and the split: the last step's launch struct
+        # is then re-pointed at this step's arrays instead of filled anew (not for a variant: its struct's
+        # address belongs to the plan).
+        launch_key = (spec, options, batch, page_size, split.kv_chunk_size, split.num_chunks, self._use_cuda_graph,
+                      qo_indptr.data_ptr(), counters.data_ptr() if counters is not None else 0)
+        launch = None
+        if spec.variant is None and self._fast_launch is not None and self._fast_launch[0] == launch_key:
+            launch = self._fast_launch[1]
+            launch.point_at(arrays[0], arrays[1], arrays[2], split_indptr)
         self._plan = make_plan(
             _WRAPPER, spec, module, options, self._kv_layout, qo_indptr=qo_indptr, kv_indptr=arrays[0],
             kv_indices=arrays[1], kv_last_page_len=arrays[2], custom_mask=None, mask_indptr=None, index=index,
             total_qo=batch, total_kv=None, split=split, split_indptr=split_indptr,
-            use_cuda_graph=self._use_cuda_graph, workspace_bytes=workspace_bytes,
-            split_counters=self._counters(split, batch, num_kv_heads),
+            use_cuda_graph=self._use_cuda_graph, workspace_bytes=workspace_bytes, split_counters=counters,
+            launch=launch,
         )
+        self._fast_launch = (launch_key, self._plan.launch)
 
     def workspace_size(
         self, max_batch_size: int, max_kv_tokens: int, num_qo_heads: int, num_kv_heads: int, head_dim: int,

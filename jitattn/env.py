@@ -167,15 +167,25 @@ def debug() -> bool:
     return _truthy(DEBUG.value())
 
 
+_batch_invariant_seen: tuple[str | None, bool] | None = None  # (the raw value, what it means)
+
+
 def batch_invariant() -> bool:
     """JITATTN_BATCH_INVARIANT=1: the default of every wrapper's ``plan(batch_invariant=None)``.
 
     An invalid value is an error rather than a silent "off" (a deployment asking for
-    deterministic inference must get it or be told)."""
+    deterministic inference must get it or be told). Read on every call (a serving loop plans
+    every step): the raw value is compared with the last one seen before it is parsed again."""
+    global _batch_invariant_seen
+    raw = os.environ.get(BATCH_INVARIANT.name)
+    if _batch_invariant_seen is not None and _batch_invariant_seen[0] == raw:
+        return _batch_invariant_seen[1]
     problem = BATCH_INVARIANT.problem()
     if problem is not None:
         raise ValueError(problem)
-    return _truthy(BATCH_INVARIANT.value())
+    value = _truthy(BATCH_INVARIANT.value())
+    _batch_invariant_seen = (raw, value)
+    return value
 
 
 def log_level() -> str | None:

@@ -65,6 +65,31 @@ def test_fast_decode_plan_matches_plan(device: str, kv_lens: list[int], fixed_sp
 
 
 @pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("fixed_split_size", [None, 3], ids=["planner", "split3"])
+def test_fast_decode_plan_steps_reuse_the_launch_and_read_each_steps_tables(device: str,
+                                                                             fixed_split_size: int | None) -> None:
+    """A serving loop's steps: the same batch size and split re-point the last step's launch at the new
+    page table (poisoned outputs, each step against the reference); another batch size fills a new one."""
+    gen = torch.Generator().manual_seed(9)
+    dtype = _dtype(device)
+    wrapper = jitattn.BatchDecodeWithPagedKVCacheWrapper(_workspace(device))
+    launches = []
+    for kv_lens in ([90, 3, 40], [91, 4, 41], [92, 5, 42], [92, 5, 42, 7]):
+        batch = random_paged_batch(kv_lens, HKV, D, PAGE, dtype, device=device, generator=gen)
+        q = torch.randn(len(kv_lens), HQ, D, generator=gen).to(dtype).to(device)
+        tables = [t.to(device) for t in (batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len)]
+        jitattn.fast_decode_plan(wrapper, *tables, HQ, HKV, D, PAGE, q_data_type=dtype,
+                                 fixed_split_size=fixed_split_size, global_override_indptr_cpu=batch.kv_indptr)
+        launches.append(wrapper._plan.launch)
+        out, lse = wrapper.run(q, batch.cache, out=torch.full_like(q, float("nan")), return_lse=True)
+        ref_out, ref_lse = _decode_reference(q, batch)
+        assert_close_out(out, ref_out, dtype)
+        assert_close_lse(lse, ref_lse)
+    assert launches[0] is launches[1] is launches[2], "same batch and split: the launch is kept"
+    assert launches[3] is not launches[2], "another batch size: a launch of its own"
+
+
+@pytest.mark.parametrize("device", devices())
 def test_fast_decode_plan_on_a_graph_wrapper_refills_its_buffers(device: str) -> None:
     gen = torch.Generator().manual_seed(4)
     dtype = _dtype(device)

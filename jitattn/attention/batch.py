@@ -44,7 +44,8 @@ class AttentionPlan:
     split_indptr: torch.Tensor | None
     total_kv: int | None = None  # ragged: rows of k/v the plan covers
     use_cuda_graph: bool = False  # index tensors live in fixed caller buffers
-    launch: PreparedAttention | None = None  # the params struct, filled once here
+    # the params struct, filled once here; or given (fast_decode_plan's, re-pointed at this plan's arrays)
+    launch: PreparedAttention | None = None
     checked_signature: tuple | None = None  # q/kv shapes, strides, dtypes, devices that passed the checks
     checked_outputs: tuple | None = None  # the same for out/lse
     checked_workspace: torch.Tensor | None = None  # the workspace that passed the size check
@@ -73,7 +74,8 @@ class AttentionPlan:
         self.kv_pointer_alignment = kv_alignment(self)[0]
         if self.spec.variant is not None:
             self.variant_args = VariantArgs(self.spec.variant, self.wrapper or "wrapper")
-        self.launch = self._prepare(self.module)
+        if self.launch is None:
+            self.launch = self._prepare(self.module)
         if self.spec.use_sinks:
             self.sink_launch = self.launch
 

@@ -18,6 +18,7 @@ from ..spec import KVLayout, KVStorage, MaskMode, Op, Target, VariantSpec
 from ..variant import AttentionVariant
 from .batch import AttentionPlan, log_plan, num_sms, upload, upload_int32
 from .checks import cpu_threads
+from .launch import PreparedAttention
 from .options import (
     AttentionOptions, check_head_dim, parse_dtype, parse_pos_encoding, resolve_dtypes, resolve_scalars,
 )
@@ -102,11 +103,14 @@ def make_plan(
     kv_last_page_len: torch.Tensor | None, custom_mask: torch.Tensor | None, mask_indptr: torch.Tensor | None,
     index: PagedIndex | None, total_qo: int, total_kv: int | None, split: KVSplit,
     split_indptr: torch.Tensor | None, use_cuda_graph: bool, workspace_bytes: int = 0,
-    split_counters: torch.Tensor | None = None,
+    split_counters: torch.Tensor | None = None, launch: PreparedAttention | None = None,
 ) -> AttentionPlan:
-    """An ``AttentionPlan`` over index arrays already on the device (its launch struct filled once)."""
+    """An ``AttentionPlan`` over index arrays already on the device (its launch struct filled once).
+
+    ``launch``: a prepared launch of the same kernel, options, batch, page size and split, already
+    pointed at these arrays (``PreparedAttention.point_at``): used instead of filling a new one."""
     plan = AttentionPlan(
-        split_counters=split_counters,
+        split_counters=split_counters, launch=launch,
         spec=spec, module=module, options=options,
         page_size=index.page_size if index is not None else None, kv_layout=kv_layout, total_qo=total_qo,
         qo_indptr=qo_indptr, kv_indptr=kv_indptr, kv_indices=kv_indices, kv_last_page_len=kv_last_page_len,

@@ -103,6 +103,17 @@ class PreparedAttention:
         self.split_workspace_bytes = split_workspace_bytes
         self.call = module.bind("attention", self.params)
 
+    def point_at(self, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_page_len: torch.Tensor,
+                 split_indptr: torch.Tensor | None) -> None:
+        """Re-point the paged index arrays (and a split plan's chunk offsets) at another plan's, of the
+        same batch, page size and split: ``fast_decode_plan`` keeps its launch across steps this way."""
+        p = self.params
+        p.kv_indptr = kv_indptr.data_ptr() or self.placeholder
+        p.kv_indices = kv_indices.data_ptr() or self.placeholder
+        p.kv_last_page_len = kv_last_page_len.data_ptr() or self.placeholder
+        if self.split:
+            p.split_indptr = split_indptr.data_ptr() or self.placeholder
+
     def set_layout(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Strides of q and the k/v views (once per tensor signature; ``launch`` then sets pointers only)."""
         p = self.params
