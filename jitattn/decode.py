@@ -236,7 +236,10 @@ class BatchDecodeWithPagedKVCacheWrapper(BatchWrapperBase):
         launch = None
         if spec.variant is None and self._fast_launch is not None and self._fast_launch[0] == launch_key:
             launch = self._fast_launch[1]
+            # From here the previous plan's launch reads this step's arrays: no plan until this one is made.
+            self._plan = None
             launch.point_at(arrays[0], arrays[1], arrays[2], split_indptr)
+        self._fast_launch = None
         self._plan = make_plan(
             _WRAPPER, spec, module, options, self._kv_layout, qo_indptr=qo_indptr, kv_indptr=arrays[0],
             kv_indices=arrays[1], kv_last_page_len=arrays[2], custom_mask=None, mask_indptr=None, index=index,
