@@ -75,11 +75,7 @@ def decode_kv_split(
     if disable_split_kv:
         return no_split
     if batch_invariant:
-        chunk = batch_invariant_chunk(page_size, fixed_split_size)
-        indptr = [0]
-        for kv_len in kv_lens:
-            indptr.append(indptr[-1] + max(1, math.ceil(kv_len / chunk)))
-        return KVSplit(chunk, tuple(indptr))
+        return _split_by(kv_lens, batch_invariant_chunk(page_size, fixed_split_size))
     if batch == 0 or max(kv_lens) == 0:
         return no_split
     if fixed_split_size is not None:
@@ -92,9 +88,18 @@ def decode_kv_split(
             chunk = _one_wave_chunk(kv_lens, num_kv_heads, num_sms, page_size, min_chunk_tokens) or chunk
         if 2 * max(kv_lens) < 3 * chunk:
             return no_split
+    return _split_by(kv_lens, chunk)
+
+
+def _chunk_counts(kv_lens: tuple[int, ...], chunk: int) -> list[int]:
+    """Chunks of ``chunk`` tokens per request (an empty request still takes one)."""
+    return [max(1, math.ceil(n / chunk)) for n in kv_lens]
+
+
+def _split_by(kv_lens: tuple[int, ...], chunk: int) -> KVSplit:
     indptr = [0]
-    for kv_len in kv_lens:
-        indptr.append(indptr[-1] + max(1, math.ceil(kv_len / chunk)))
+    for count in _chunk_counts(kv_lens, chunk):
+        indptr.append(indptr[-1] + count)
     return KVSplit(chunk, tuple(indptr))
 
 
@@ -106,8 +111,8 @@ def _balanced_chunk(kv_lens: tuple[int, ...], num_kv_heads: int, slots: int, pag
 
 
 def _blocks(kv_lens: tuple[int, ...], num_kv_heads: int, chunk: int) -> int:
-    """Blocks of a split by ``chunk`` tokens (an empty request still takes one per KV head)."""
-    return sum(max(1, math.ceil(n / chunk)) for n in kv_lens) * num_kv_heads
+    """Blocks of a split by ``chunk`` tokens: each chunk once per KV head."""
+    return sum(_chunk_counts(kv_lens, chunk)) * num_kv_heads
 
 
 def _one_wave_chunk(kv_lens: tuple[int, ...], num_kv_heads: int, num_sms: int, page_size: int,

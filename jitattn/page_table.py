@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+_INT32_MAX = 2**31 - 1  # the largest valid page index (np.iinfo costs microseconds per plan())
+
 
 @dataclass(frozen=True)
 class PagedIndex:
@@ -28,8 +30,6 @@ class PagedIndex:
     def batch_size(self) -> int:
         return len(self.kv_lens)
 
-
-_INT32_MAX = 2**31 - 1  # the largest valid page index (np.iinfo costs microseconds per plan())
 
 def to_host_int32(name: str, tensor: torch.Tensor, ndim: int = 1) -> torch.Tensor:
     """A host copy of an int32 index tensor (one device->host copy if it is on a GPU)."""

@@ -152,7 +152,7 @@ def _mma_layout(spec: VariantSpec, t: dict[str, int]) -> dict[str, int]:
     stage_bytes = k_stage + v_stage + tile_tokens * 16  # + the stage's row-offset table
     blocks = t["mma_blocks_per_sm_fp8" if spec.kv_dtype.is_fp8 else "mma_blocks_per_sm"] if head_tiles == 1 else 2
     blocks = min(blocks, MAX_RESIDENT_BLOCKS)
-    ids = t["page_ids"] * 4
+    ids = _page_id_bytes(t)
     while blocks > 1 and (t["smem_per_sm"] // blocks - 1024 - ids) // stage_bytes < 2:
         blocks -= 1
     stages = max(2, min(t["max_stages"], (t["smem_per_sm"] // blocks - 1024 - ids) // stage_bytes))
@@ -172,7 +172,7 @@ def _mma_layout(spec: VariantSpec, t: dict[str, int]) -> dict[str, int]:
         "kLoadsK": -(-(tile_tokens * dqk * elem // 16) // nt), "kLoadsV": -(-(tile_tokens * dvo * elem // 16) // nt),
         "kTabPerThread": -(-tile_tokens // nt),
         "kKStageBytes": k_stage, "kVStageBytes": v_stage, "kPipeBytes": pipe,
-        "kSmemBytes": max(pipe + table, merge), "kPageIds": t["page_ids"], "kIdsPerThread": max(1, -(-t["page_ids"] // nt)),
+        "kSmemBytes": max(pipe + table, merge), **_page_id_fields(t, nt),
         "kMergeStageFloats": _merge_stage_floats(max(pipe + table, merge), group, nt),
     }
 
@@ -226,7 +226,7 @@ def _simt_layout(spec: VariantSpec, t: dict[str, int]) -> dict[str, int]:
     k_stage_bytes = tile_tokens * dqk * elem
     v_stage_bytes = tile_tokens * dvo * elem
     pipe_bytes = stages * (k_stage_bytes + v_stage_bytes)
-    table_bytes = stages * tile_tokens * 16 + t["page_ids"] * 4  # K and V row addresses per stage; page ids
+    table_bytes = stages * tile_tokens * 16 + _page_id_bytes(t)  # K and V row addresses per stage; page ids
     merge_bytes = tz * gs * (dvo * 4 + 8)
     smem = max(pipe_bytes + table_bytes, merge_bytes)
     assert k_stage_bytes % 16 == 0 and v_stage_bytes % 16 == 0 and pipe_bytes % 16 == 0
@@ -243,9 +243,19 @@ def _simt_layout(spec: VariantSpec, t: dict[str, int]) -> dict[str, int]:
         "kMma": 0, "kHT": 1, "kMinBlocks": 1, "kNW": 1, "kKPitch": dqk * elem, "kVPitch": dvo * elem, "kQPitch": 0,
         "kQOffset": 0,
         "kPipeBytes": pipe_bytes, "kSmemBytes": smem, "kMergeStageFloats": _merge_stage_floats(smem, group, nt),
-        "kPageIds": t["page_ids"], "kIdsPerThread": max(1, -(-t["page_ids"] // nt)),
+        **_page_id_fields(t, nt),
         "kHeadMinor": int(bool(t["head_minor"])),
     }
+
+
+def _page_id_bytes(t: dict[str, int]) -> int:
+    """Shared memory for an item's page ids (``TUNING["page_ids"]`` int32)."""
+    return t["page_ids"] * 4
+
+
+def _page_id_fields(t: dict[str, int], threads: int) -> dict[str, int]:
+    """The page-id constants of either layout (at least one id register per thread: no empty array)."""
+    return {"kPageIds": t["page_ids"], "kIdsPerThread": max(1, -(-t["page_ids"] // threads))}
 
 
 def _merge_stage_floats(smem_bytes: int, group: int, threads: int) -> int:
