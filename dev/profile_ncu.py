@@ -22,7 +22,9 @@ import jitattn
 HQ, HKV, D = 32, 8, 128
 
 
-def _paged(lens: list[int], page: int, gen: torch.Generator, dev: torch.device):
+def paged_batch(lens: list[int], page: int, gen: torch.Generator, dev: torch.device):
+    """A llama8b-shaped paged cache for requests of ``lens`` tokens, its pages in random order:
+    (cache [pages, 2, page, HKV, D], kv_indptr, kv_indices, kv_last_page_len), the tables on the host."""
     pages = [-(-n // page) for n in lens]
     pool = sum(pages)
     cache = torch.randn(pool, 2, page, HKV, D, generator=gen).to(torch.bfloat16).to(dev)
@@ -38,7 +40,7 @@ def case_fn(name: str):
     ws = torch.empty(512 << 20, dtype=torch.uint8, device=dev)
     if name in ("decode_b1", "decode_b256"):
         lens = [32768] if name == "decode_b1" else [4096] * 256
-        cache, indptr, indices, last = _paged(lens, 16, gen, dev)
+        cache, indptr, indices, last = paged_batch(lens, 16, gen, dev)
         q = torch.randn(len(lens), HQ, D, generator=gen).to(torch.bfloat16).to(dev)
         out = torch.empty_like(q)
         w = jitattn.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD")
@@ -73,7 +75,7 @@ def case_fn(name: str):
             w.plan(qo, qo, HQ, HKV, D, causal=True, q_data_type=torch.bfloat16)
             return lambda: w.run(q, k, v, out=out)
         page = 16 if name == "paged16" else 64
-        cache, indptr, indices, last = _paged([n] * b, page, gen, dev)
+        cache, indptr, indices, last = paged_batch([n] * b, page, gen, dev)
         w = jitattn.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD")
         w.plan(qo, indptr, indices, last, HQ, HKV, D, page, causal=True, q_data_type=torch.bfloat16)
         return lambda: w.run(q, cache, out=out)

@@ -20,7 +20,9 @@ import torch
 import jitattn
 from jitattn.bench.timing import Timer
 
-HQ, HKV, D, PAGE = 32, 8, 128, 16
+from profile_ncu import HQ, HKV, D, paged_batch  # the same shapes and cache (dev/ is on sys.path when run)
+
+PAGE = 16
 CASES = {"b1_s32768": [32768], "skewed_1x32768_63x512": [32768] + [512] * 63, "b4_s32768": [32768] * 4,
          "b8_s16384": [16384] * 8, "b16_s4096": [4096] * 16, "b2_s8192": [8192] * 2}
 SPLITS = [None, 8, 16, 24, 32, 48, 64, 96, 128, 256]  # pages per chunk (None: the planner's choice)
@@ -42,12 +44,7 @@ def main() -> None:
     ws = torch.empty(512 << 20, dtype=torch.uint8, device=dev)
     results: dict[str, dict[str, float]] = {}
     for name, lens in CASES.items():
-        pages = [-(-n // PAGE) for n in lens]
-        pool = sum(pages)
-        cache = torch.randn(pool, 2, PAGE, HKV, D, generator=gen).to(torch.bfloat16).to(dev)
-        indices = torch.randperm(pool, generator=gen).to(torch.int32)
-        indptr = torch.tensor([0] + torch.tensor(pages).cumsum(0).tolist(), dtype=torch.int32)
-        last = torch.tensor([(n - 1) % PAGE + 1 for n in lens], dtype=torch.int32)
+        cache, indptr, indices, last = paged_batch(lens, PAGE, gen, dev)
         q = torch.randn(len(lens), HQ, D, generator=gen).to(torch.bfloat16).to(dev)
         out = torch.empty_like(q)
         wrapper = jitattn.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD")
