@@ -22,6 +22,22 @@ __device__ __forceinline__ void cp_async(void* smem, const void* gmem, bool vali
   }
 }
 
+// Copies BYTES (16, 8 or 4) from global to shared memory, or writes zeros there when `zero`: then
+// the source is not read at all (PTX's ignore-src operand), so it may be any address. One predicate
+// instead of cp_async's source size: no size arithmetic per copy.
+template <int BYTES>
+__device__ __forceinline__ void cp_async_or_zero(void* smem, const void* gmem, bool zero) {
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  if constexpr (BYTES == 16) {
+    asm volatile("{\n .reg .pred z;\n setp.ne.b32 z, %2, 0;\n"
+                 " cp.async.cg.shared.global.L2::128B [%0], [%1], 16, z;\n}\n" ::"r"(dst), "l"(gmem), "r"(int(zero)));
+  } else {
+    static_assert(BYTES == 8 || BYTES == 4, "cp.async moves 4, 8 or 16 bytes");
+    asm volatile("{\n .reg .pred z;\n setp.ne.b32 z, %3, 0;\n"
+                 " cp.async.ca.shared.global [%0], [%1], %2, z;\n}\n" ::"r"(dst), "l"(gmem), "n"(BYTES), "r"(int(zero)));
+  }
+}
+
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 
 template <int N>
