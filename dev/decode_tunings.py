@@ -22,9 +22,13 @@ CHILD = ("import json, sys; import jitattn.families.decode as d; d.TUNING.update
 
 def run(tuning: str, only: str) -> dict[str, dict]:
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
-        subprocess.run([sys.executable, "-c", CHILD, tuning, "--only", only, "--measure-s", "0.3", "--json", f.name],
-                       check=False, stdout=subprocess.DEVNULL)
-        return {r["name"]: r for r in json.load(open(f.name))["rows"]}
+        done = subprocess.run([sys.executable, "-c", CHILD, tuning, "--only", only, "--measure-s", "0.3",
+                               "--json", f.name], check=False, stdout=subprocess.DEVNULL)
+        try:
+            return {r["name"]: r for r in json.load(open(f.name))["rows"]}
+        except (json.JSONDecodeError, KeyError):  # the child failed before writing rows: keep the others
+            print(f"tuning {tuning}: no rows (exit {done.returncode})", file=sys.stderr)
+            return {}
 
 
 def main(argv: list[str]) -> None:
@@ -38,10 +42,11 @@ def main(argv: list[str]) -> None:
     for _ in range(2):
         for t in tunings:
             results[t].append(run(t, only))
-    names = list(results[tunings[0]][0])
+    names = list(dict.fromkeys(n for runs in results.values() for r in runs for n in r))
     print(f"{'case':40s} {'sdpa':>8s} " + " ".join(f"{t[:24]:>24s}" for t in tunings))
     for n in names:
-        sdpa = ((results[tunings[0]][0][n].get("sdpa") or {}).get("default") or {}).get("time_us")
+        first = next((r[n] for r in results[tunings[0]] if n in r), {})
+        sdpa = ((first.get("sdpa") or {}).get("default") or {}).get("time_us")
         cells = []
         for t in tunings:
             us = [r[n]["time_us"] for r in results[t] if n in r and r[n].get("time_us")]

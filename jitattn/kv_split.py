@@ -200,7 +200,7 @@ def cascade_chunk_pages(longest_pages: int, chunks: int, page_size: int) -> tupl
     about ``chunks`` chunks of whole ``CHUNK_ALIGN_TOKENS`` blocks (for ``split_level_page_table``'s
     ``pages_per_chunk``). A chunk ending inside a KV block costs a partial block per chunk, and on the
     sm90 tier's static item order the odd lengths also spread the work worse (H200, kernel time of the
-    shared level: b32 over 32k shared, 34 chunks of 62 pages 77.8 us, 32 of 64 pages 61.0; b128 over
+    shared level: b32 over 32k shared, 34 chunks of 61 pages 77.8 us, 32 of 64 pages 61.0; b128 over
     8k, 9 chunks of 57 pages 74.2, 8 of 64 pages 73.4)."""
     per = math.ceil(longest_pages / max(1, chunks))
     if CHUNK_ALIGN_TOKENS % page_size == 0:
@@ -228,9 +228,10 @@ def split_level_page_table(qo_indptr: torch.Tensor, index: PagedIndex, num_chunk
                            pages_per_chunk: int | None = None) -> tuple[torch.Tensor, PagedIndex]:
     """The page table of a level whose nodes are each cut into ``num_chunks`` chunks.
 
-    ``pages_per_chunk`` (batch-invariant mode): every chunk but a node's last is that many pages, so a
-    node's cut does not depend on the other nodes (its chunks past its end are empty); by default a
-    node's pages are shared out evenly over the ``num_chunks`` chunks.
+    ``pages_per_chunk`` (batch-invariant mode, and the planner's whole-KV-block chunks of
+    ``cascade_chunk_pages``): every chunk but a node's last is that many pages, so a node's cut does
+    not depend on the other nodes (its chunks past its end are empty); by default a node's pages are
+    shared out evenly over the ``num_chunks`` chunks.
 
     The expanded batch is chunk-major: request ``c * nodes + r`` is chunk c of
     node r, and its rows are ``c * total_q + qo_indptr[r] ...``: its queries are

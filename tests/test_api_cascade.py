@@ -268,3 +268,46 @@ def test_the_per_layer_path_gives_the_general_paths_bits(device: str, seed: int)
         level_wrapper.run(q, cache, out=out, lse=lse)
     general_out, general_lse = merge_states(wrapper._states.v, wrapper._states.s)
     assert torch.equal(fast_out, general_out) and torch.equal(fast_lse, general_lse)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["decode", "prefill"])
+def test_auto_split_shared_level_in_whole_kv_blocks(causal: bool, monkeypatch) -> None:
+    """The planner's own split of a shared level (nodes of unequal length, one empty) into whole 128-token
+    chunks, on a device of 64 workers so the split happens: the result equals plain attention."""
+    from jitattn.kv_split import cascade_chunk_pages
+
+    monkeypatch.setattr("jitattn.cascade.num_workers", lambda device: 64)
+    gen = torch.Generator().manual_seed(5)
+    hq, hkv, d, dtype = 4, 2, 64, torch.float32
+    shared, node_of = [3000, 0, 700], [0, 0, 1, 2, 2, 2]
+    # causal: a request's new tokens are in its tail (kv_len >= qo_len); decode: one tail is empty
+    tails, qo_lens = ([5, 1, 9, 16, 2, 33], [2, 1, 3, 1, 2, 1]) if causal else ([5, 0, 9, 16, 1, 33], [1] * 6)
+    pool = torch.randperm(512, generator=gen).tolist()
+    cache = torch.randn(512, 2, PAGE, hkv, d, generator=gen).to(dtype)
+    levels = [cascade_level(lens, pool, PAGE) for lens in (shared, tails)]
+    qo_cum = torch.tensor([0] + torch.tensor(qo_lens).cumsum(0).tolist(), dtype=torch.int32)
+    node_q = [sum(q for q, n in zip(qo_lens, node_of) if n == i) for i in range(len(shared))]
+    qo_arr = [torch.tensor([0] + torch.tensor(node_q).cumsum(0).tolist(), dtype=torch.int32), qo_cum]
+    q = torch.randn(int(qo_cum[-1]), hq, d, generator=gen).to(dtype)
+
+    wrapper = jitattn.MultiLevelCascadeAttentionWrapper(2, torch.empty(1 << 20, dtype=torch.uint8))
+    wrapper.plan(qo_arr, [lv[0] for lv in levels], [lv[1] for lv in levels], [lv[2] for lv in levels],
+                 hq, hkv, d, PAGE, causal=causal, q_data_type=dtype)
+    from jitattn.kv_split import cascade_level_chunks
+
+    wanted = cascade_level_chunks(tuple(shared), num_kv_heads=hkv, num_sms=64, page_size=PAGE,
+                                  query_tiles=len(shared))
+    assert wrapper._level_chunks[0] == cascade_chunk_pages(-(-3000 // PAGE), wanted, PAGE)[0] > 1
+    out = wrapper.run(q, cache)
+
+    ragged = [reference.paged_kv_to_ragged(cache, *lv) for lv in levels]
+    expected = []
+    for r in range(len(qo_lens)):
+        parts = []
+        for level, node in ((0, node_of[r]), (1, r)):
+            k, v, indptr = ragged[level]
+            parts.append((k[indptr[node]:indptr[node + 1]], v[indptr[node]:indptr[node + 1]]))
+        k, v = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+        o, _ = reference.single_attention(q[qo_cum[r]:qo_cum[r + 1]], k, v, causal=causal)
+        expected.append(o)
+    torch.testing.assert_close(out, torch.cat(expected), atol=2e-5, rtol=2e-5)

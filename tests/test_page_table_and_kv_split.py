@@ -159,6 +159,13 @@ def test_cascade_chunks_are_whole_kv_blocks() -> None:
     assert cascade_chunk_pages(8, 3, 16) == (1, 8)       # one block's worth: no split left
     assert cascade_chunk_pages(100, 7, 48) == (7, 15)    # 48 does not divide 128: no rounding
     assert cascade_chunk_pages(300, 7, 1) == (3, 128)
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(500):  # every page covered, never more chunks than asked, whole blocks when pages divide 128
+        longest, wanted = (int(x) for x in torch.randint(1, 5000, (2,), generator=gen))
+        page = [1, 2, 8, 16, 48, 64, 128, 256][int(torch.randint(0, 8, (1,), generator=gen))]
+        chunks, per = cascade_chunk_pages(longest, wanted, page)
+        assert 1 <= chunks <= max(1, wanted) and chunks * per >= longest > (chunks - 1) * per
+        assert CHUNK_ALIGN_TOKENS % page or (per * page) % CHUNK_ALIGN_TOKENS == 0
 
 
 def test_concat_level_tables_puts_the_levels_one_after_another() -> None:
