@@ -129,6 +129,79 @@ def test_sm90_strided_q_and_head_major_kv(q_head_major):
     assert_close_lse(lse, ref_lse)
 
 
+# Uneven requests: many more items (tile, head) than SMs, of very different weights, and empty
+# virtual tiles between them.
+WORK_CASE = (128, 16, 4, bf16, True, [3000, 1, 700, 129, 0, 2000, 64, 5], [3000, 900, 700, 4000, 5, 2100, 64, 5])
+
+
+def test_sm90_dynamic_and_static_orders_give_the_same_bits():
+    """Blocks take items from a per-stream counter; on the per-thread default stream (no counter
+    slot) they walk the static order. One block computes a whole tile either way: the same bits."""
+    d, hq, hkv, dtype, causal, qo_lens, kv_lens = WORK_CASE
+    q, k, v = _inputs("orders", d, hq, hkv, dtype, qo_lens, kv_lens)
+    out_dynamic, lse_dynamic = _run(q, k, v, qo_lens, kv_lens, causal)
+    torch.cuda.synchronize()
+    with torch.cuda.stream(torch.cuda.ExternalStream(2)):  # 2 == cudaStreamPerThread
+        out_static, lse_static = _run(q, k, v, qo_lens, kv_lens, causal)
+        torch.cuda.current_stream().synchronize()
+    ref_o, ref_lse = reference.batch_ragged_attention(q, k, v, _indptr(qo_lens), _indptr(kv_lens), causal=causal)
+    assert_close_out(out_dynamic, ref_o, dtype)
+    assert_close_lse(lse_dynamic, ref_lse)
+    assert torch.equal(out_dynamic, out_static) and torch.equal(lse_dynamic, lse_static)
+
+
+def test_sm90_work_counter_starts_from_zero_every_launch():
+    """The last block of a launch resets its counter slot: launches with different item counts back
+    to back on one stream, and alternating with a second stream, each cover every item (a counter left
+    at the previous launch's count would leave the poisoned output in place)."""
+    d, hq, hkv, dtype = 128, 8, 2, bf16
+    shapes = [([2000, 3], [2100, 3]), ([1], [9000]), ([700, 700, 700], [700, 800, 900]), ([1], [9000])]
+    other = torch.cuda.Stream()
+    for i, (qo_lens, kv_lens) in enumerate(shapes * 2):
+        q, k, v = _inputs(f"reset{i}", d, hq, hkv, dtype, qo_lens, kv_lens)
+        torch.cuda.synchronize()
+        with torch.cuda.stream(other if i % 3 == 2 else torch.cuda.current_stream()):
+            out, lse = _run(q, k, v, qo_lens, kv_lens, True)
+        torch.cuda.synchronize()
+        ref_o, ref_lse = reference.batch_ragged_attention(q, k, v, _indptr(qo_lens), _indptr(kv_lens), causal=True)
+        assert_close_out(out, ref_o, dtype)
+        assert_close_lse(lse, ref_lse)
+
+
+def test_sm90_graph_replays_and_eager_launches_interleave():
+    """A launch captured into a CUDA graph takes a counter slot of its own: replays of the graph
+    (after a re-plan to another item count) interleaved with eager launches on the capturing stream
+    are all complete."""
+    d, hq, hkv, dtype = 128, 8, 2, bf16
+    qo_lens, kv_lens = [900, 40], [1000, 3000]
+    q, k, v = _inputs("graph", d, hq, hkv, dtype, qo_lens, kv_lens)
+    bufs = dict(qo_indptr_buf=torch.empty(3, dtype=torch.int32, device="cuda"),
+                kv_indptr_buf=torch.empty(3, dtype=torch.int32, device="cuda"))
+    wrapper = jitattn.BatchPrefillWithRaggedKVCacheWrapper(
+        torch.empty(1 << 20, dtype=torch.uint8, device="cuda"), use_cuda_graph=True, **bufs)
+    wrapper.plan(_indptr(qo_lens), _indptr(kv_lens), hq, hkv, d, causal=True, q_data_type=dtype)
+    out = torch.empty(q.shape[0], hq, d, dtype=dtype, device="cuda")
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        wrapper.run(q, k, v, out=out)  # loads the module outside the capture
+        stream.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            wrapper.run(q, k, v, out=out)
+    qo_lens, kv_lens = [470, 470], [3000, 1000]  # same row count, other tiles
+    wrapper.plan(_indptr(qo_lens), _indptr(kv_lens), hq, hkv, d, causal=True, q_data_type=dtype)
+    ref_o, _ = reference.batch_ragged_attention(q, k, v, _indptr(qo_lens), _indptr(kv_lens), causal=True)
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            out.fill_(float("nan"))
+            graph.replay()
+            stream.synchronize()
+            assert_close_out(out, ref_o, dtype)
+            eager, _ = _run(q, k, v, qo_lens, kv_lens, True)
+            stream.synchronize()
+            assert_close_out(eager, ref_o, dtype)
+
+
 def test_sm90_and_sm80_tiers_agree(monkeypatch, fresh_registry):
     d, hq, hkv, dtype, causal, qo_lens, kv_lens = CASES["d128_g4_bf16_causal_tiles"]
     q, k, v = _inputs("agree", d, hq, hkv, dtype, qo_lens, kv_lens)

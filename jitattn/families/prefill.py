@@ -85,7 +85,13 @@ rendered source, hence in the cache key.
   loaded nor computed) and masks the blocks starting before its last query's window start.
 - Work mapping: the sm80 tier's virtual tiles (``base(r) = r + qo_indptr[r] * pack // 128``),
   items (virtual tile, kv head; query head when unpacked), a persistent grid of one block per
-  SM taking items in a static snake order (producer and consumers walk the same sequence).
+  SM taking items from the same per-stream counter slots as the sm80 tier
+  (``jitattn/work_queue.cuh``): the producer's thread 0 takes an item as soon as the previous
+  one is known and hands it to the block's other threads through a ring of ``kItemRing``
+  shared-memory slots (full / empty mbarriers), so producer and consumers walk the same sequence
+  and a block that finishes early takes the next item (the static snake order, still the
+  fallback without a slot, gave a cascade level cut into one item per SM two items on some
+  blocks and none on others).
 - The tensor maps' token extent is the allocation holding q / k / v (``cuMemGetAddressRange``):
   a tile reaching past the last request reads memory that exists; its rows are masked, and V
   rows past a request's keys are zeroed in shared memory (P is 0 there; 0 * NaN is not).
@@ -375,8 +381,11 @@ def sm90_layout(spec: VariantSpec) -> dict[str, int]:
     off_k = q_bytes
     off_v = off_k + stages * kv_bytes
     off_bar = off_v + stages * kv_bytes
-    barriers = 3 + 4 * stages                # q full (TMA), full (gathered), empty; k, v full/empty per stage
-    off_tab = off_bar + _ceil(8 * barriers, 16)
+    ring = 4                                 # item slots: how far the item taker may run ahead of its readers
+    # q full (TMA), full (gathered), empty; k, v full/empty per stage; item full/empty per ring slot
+    barriers = 3 + 4 * stages + 2 * ring
+    off_items = off_bar + _ceil(8 * barriers, 16)
+    off_tab = off_items + _ceil(8 * ring, 16)
     tab_bytes = 2 * bn * 16 if paged else 0  # paged: two tables (block parity) of (k, v) int64 row offsets
     smem = off_tab + tab_bytes + 1024        # + slack to align the base to 1 KiB (swizzle atoms)
     if smem > 227 << 10:
@@ -386,7 +395,8 @@ def sm90_layout(spec: VariantSpec) -> dict[str, int]:
         "kBM": bm, "kBN": bn, "kD": dim, "kStages": stages, "kChunks": chunks, "kGroup": spec.group_size,
         "kPackG": sm90_pack(spec),
         "kQChunkBytes": q_chunk, "kKVChunkBytes": kv_chunk, "kQBytes": q_bytes, "kKVBytes": kv_bytes,
-        "kOffQ": 0, "kOffK": off_k, "kOffV": off_v, "kOffBar": off_bar, "kOffTab": off_tab, "kSmemBytes": smem,
+        "kOffQ": 0, "kOffK": off_k, "kOffV": off_v, "kOffBar": off_bar, "kOffItems": off_items, "kItemRing": ring,
+        "kOffTab": off_tab, "kSmemBytes": smem,
         "kGatherSync": tuning["gather_sync"], "kGatherL2": tuning["gather_l2"],
         "kSoftCapTanh": tuning["soft_cap_tanh"],
         "kPagedTma": tuning["paged_tma"] if paged else 0,
