@@ -22,7 +22,7 @@ import functools
 import torch
 
 from .attention.batch import WorkspaceTooSmall, run_plan, share_queries
-from .attention.builder import num_workers
+from .attention.builder import attention_options, kernel_spec, num_workers
 from .attention.merge import PreparedMerge, merge_state, merge_state_in_place, merge_states, merge_states_with_sinks
 from .attention.options import fp8_scale, parse_pos_encoding, resolve_batch_invariant
 from .kv_split import (
@@ -32,8 +32,9 @@ from .kv_split import (
 from .page_table import PagedIndex, check_indptr, check_paged_index
 from .decode import BatchDecodeWithPagedKVCacheWrapper
 from .families.prefill import query_tile_rows
+from .jit import resident_blocks
 from .prefill import BatchPrefillWithPagedKVCacheWrapper, single_prefill_with_kv_cache
-from .spec import PosEncoding
+from .spec import KVStorage, Op, PosEncoding
 from .variant import AttentionVariant
 
 __all__ = [
@@ -144,6 +145,13 @@ class MultiLevelCascadeAttentionWrapper:
         (total_q,) = totals
         group = num_qo_heads // max(1, num_kv_heads)
         tile_rows = query_tile_rows(head_dim, head_dim)
+        # A split shared level fills one wave of the prefill kernel's resident blocks (one per SM on the
+        # sm90 tier, whose blocks take items dynamically).
+        prefill = self._wrappers[0]
+        blocks_per_sm = resident_blocks(kernel_spec(
+            attention_options(Op.PREFILL, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim_qk=head_dim,
+                              q_data_type=q_data_type, kv_data_type=kv_data_type, logits_soft_cap=logits_soft_cap),
+            prefill._target, prefill._kv_layout, KVStorage.PAGED))
         self._batch_invariant = resolve_batch_invariant(batch_invariant)
         self._level_chunks = []  # unplanned until every level's plan below has succeeded
         level_chunks: list[int] = []
@@ -194,14 +202,14 @@ class MultiLevelCascadeAttentionWrapper:
             # a count fixed by the shape (graph_fixed), on a prefill wrapper with buffers of its own.
             if graph_fixed and not level_causal and not decode_last:
                 chunks = graph_level_chunks(total_q, group=group, tile_rows=tile_rows, num_kv_heads=num_kv_heads,
-                                            num_sms=num_workers(self._device))
+                                            num_sms=num_workers(self._device), blocks_per_sm=blocks_per_sm)
                 if chunks > 1:
                     qo_host, index = split_level_page_table(qo_host, index, chunks)
             elif not level_causal and variant is None and not graphs and not decode_last:
                 chunks = cascade_level_chunks(index.kv_lens, num_kv_heads=num_kv_heads,
                                               num_sms=num_workers(self._device),
                                               page_size=page_size, fixed_split_size=fixed_split_size,
-                                              query_tiles=sum(-(-n * group // tile_rows) for n in qo_lens),
+                                              blocks_per_sm=blocks_per_sm, query_tiles=sum(-(-n * group // tile_rows) for n in qo_lens),
                                               batch_invariant=self._batch_invariant)
                 pages_per_chunk = None  # fixed_split_size: the nodes' pages shared out evenly
                 if self._batch_invariant:

@@ -169,7 +169,11 @@ def cascade_level_chunks(
     it keeps only ``query_tiles * num_kv_heads`` blocks busy (``query_tiles``: the
     thread blocks' query tiles over all nodes, one per node by default). Every
     chunk adds a state to merge per query, so the split stops once the blocks fill
-    the device. ``fixed_split_size`` caps a chunk at that many pages.
+    the device's ``blocks_per_sm * num_sms`` slots in one wave (the prefill tiers take
+    items dynamically, so a level cut into one item per slot runs in one item's time; a
+    partial second wave costs as long as a whole one: H200, sm90 tier, shared level's
+    kernel time, b128 over 8k shared 51.0 us in 4 chunks vs 56.6 in 8; b32 over 32k
+    55.2 us in 16 vs 65.0 in 32). ``fixed_split_size`` caps a chunk at that many pages.
     ``batch_invariant``: enough chunks of ``batch_invariant_chunk`` tokens for the
     longest node (cut with ``split_level_page_table(..., pages_per_chunk=...)``, so
     each node's chunks are its own).
@@ -184,7 +188,7 @@ def cascade_level_chunks(
             raise ValueError(f"fixed_split_size={fixed_split_size} must be >= 1 (pages per chunk)")
         return max(1, math.ceil(longest_pages / fixed_split_size))
     blocks = (query_tiles or len(kv_lens)) * num_kv_heads
-    wanted = math.ceil(blocks_per_sm * num_sms / blocks)
+    wanted = blocks_per_sm * num_sms // blocks
     limit = max(1, max(kv_lens) // min_chunk_tokens)
     return max(1, min(wanted, limit, longest_pages))
 
@@ -198,10 +202,9 @@ CHUNK_ALIGN_TOKENS = 128
 def cascade_chunk_pages(longest_pages: int, chunks: int, page_size: int) -> tuple[int, int]:
     """(chunks, pages per chunk) for cutting a level whose longest node has ``longest_pages`` pages into
     about ``chunks`` chunks of whole ``CHUNK_ALIGN_TOKENS`` blocks (for ``split_level_page_table``'s
-    ``pages_per_chunk``). A chunk ending inside a KV block costs a partial block per chunk, and on the
-    sm90 tier's static item order the odd lengths also spread the work worse (H200, kernel time of the
-    shared level: b32 over 32k shared, 34 chunks of 61 pages 77.8 us, 32 of 64 pages 61.0; b128 over
-    8k, 9 chunks of 57 pages 74.2, 8 of 64 pages 73.4)."""
+    ``pages_per_chunk``). A chunk ending inside a KV block costs a partial block per chunk (H200, sm90
+    tier, kernel time of the shared level: b32 over 32k shared, 34 chunks of 61 pages 79.4 us, 32 of 64
+    pages 65.0; b128 over 8k, 9 chunks of 57 pages 75.9, 8 of 64 pages 56.6)."""
     per = math.ceil(longest_pages / max(1, chunks))
     if CHUNK_ALIGN_TOKENS % page_size == 0:
         align = CHUNK_ALIGN_TOKENS // page_size
@@ -217,11 +220,11 @@ def graph_level_chunks(total_q: int, *, group: int, tile_rows: int, num_kv_heads
     lengths (which change between replays), only the batch shape: enough chunks that the level's
     query tiles (``total_q`` queries of ``group`` heads in tiles of ``tile_rows`` rows; nodes without
     queries, as a captured step's padding has, add none) times the KV heads fill ``blocks_per_sm``
-    blocks per SM, at most ``max_chunks`` (each adds a state per query to merge). A chunk past a
-    node's last page is empty: a state that merges as zeros.
+    blocks per SM in one wave, at most ``max_chunks`` (each adds a state per query to merge). A
+    chunk past a node's last page is empty: a state that merges as zeros.
     """
     tiles = max(1, -(-total_q * group // tile_rows))
-    return max(1, min(max_chunks, -(-blocks_per_sm * num_sms // (tiles * num_kv_heads))))
+    return max(1, min(max_chunks, blocks_per_sm * num_sms // (tiles * num_kv_heads)))
 
 
 def split_level_page_table(qo_indptr: torch.Tensor, index: PagedIndex, num_chunks: int,

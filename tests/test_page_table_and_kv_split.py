@@ -142,8 +142,12 @@ def test_split_level_page_table_is_chunk_major_on_page_boundaries() -> None:
     assert indices.tolist() == [10, 11, 20, 12, 13, 21, 14]
     assert last.tolist() == [16, 16, 16, 16, 3, 0]  # node 1's third chunk is empty
     assert cascade_level_chunks((32768,), num_kv_heads=8, num_sms=132, page_size=16) == 33
-    # 128 queries of a 4-head group in 128-row tiles: 4 blocks per KV head already, so 9 chunks fill the device
-    assert cascade_level_chunks((8192,), num_kv_heads=8, num_sms=132, page_size=16, query_tiles=4) == 9
+    # 128 queries of a 4-head group in 128-row tiles: 4 blocks per KV head already; 8 chunks fill the 264
+    # slots of two blocks per SM in one wave (9 would leave a second wave of 24 blocks), 4 the sm90 tier's 132
+    assert cascade_level_chunks((8192,), num_kv_heads=8, num_sms=132, page_size=16, query_tiles=4) == 8
+    assert cascade_level_chunks((8192,), num_kv_heads=8, num_sms=132, page_size=16, query_tiles=4,
+                                blocks_per_sm=1) == 4
+    assert cascade_level_chunks((32768,), num_kv_heads=8, num_sms=132, page_size=16, blocks_per_sm=1) == 16
     assert cascade_level_chunks((100,) * 64, num_kv_heads=8, num_sms=132, page_size=16) == 1
     assert cascade_level_chunks((67, 32), num_kv_heads=8, num_sms=132, page_size=16, fixed_split_size=2) == 3
 
@@ -197,8 +201,10 @@ def test_index_arrays_come_to_the_host_through_one_joined_copy() -> None:
 def test_graph_level_chunks_follow_the_batch_shape_only() -> None:
     from jitattn.kv_split import graph_level_chunks
 
-    # 64 queries of 4 heads in 128-row tiles: 2 tiles x 8 kv heads = 16 blocks; 2 per SM of 132 -> 17 chunks
-    assert graph_level_chunks(64, group=4, tile_rows=128, num_kv_heads=8, num_sms=132) == 17
+    # 64 queries of 4 heads in 128-row tiles: 2 tiles x 8 kv heads = 16 blocks; one wave of 2 per SM of 132
+    # -> 16 chunks (8 at one block per SM)
+    assert graph_level_chunks(64, group=4, tile_rows=128, num_kv_heads=8, num_sms=132) == 16
+    assert graph_level_chunks(64, group=4, tile_rows=128, num_kv_heads=8, num_sms=132, blocks_per_sm=1) == 8
     assert graph_level_chunks(2048, group=4, tile_rows=128, num_kv_heads=8, num_sms=132) == 1, "the tiles fill it"
     assert graph_level_chunks(1, group=1, tile_rows=128, num_kv_heads=1, num_sms=1000) == 32, "capped"
     assert graph_level_chunks(0, group=4, tile_rows=128, num_kv_heads=8, num_sms=132) == 32, "one tile at least"
