@@ -101,12 +101,16 @@ __device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4], 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// x rounded to tf32, to nearest with ties away from zero (cvt.rna; truncation would bias every
-// product the same way). ptxas lowers it to an Inf/NaN test and an integer add of half a tf32 ulp
-// (its mask of the low 13 bits is dropped when the word only feeds an mma).
-__device__ __forceinline__ uint32_t tf32_rna(float x) {
+// x rounded to the nearest tf32 (truncation would bias every product the same way): on sm_90+
+// cvt.rn (ties to even), one instruction (F2FP.TF32); before, cvt.rna (ties away from zero), which
+// ptxas lowers to an Inf/NaN test and an integer add of half a tf32 ulp.
+__device__ __forceinline__ uint32_t tf32_round(float x) {
   uint32_t r;
+#if __CUDA_ARCH__ >= 900
+  asm("cvt.rn.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
+#else
   asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
+#endif
   return r;
 }
 
