@@ -67,6 +67,11 @@ HND = dspec(layout="hnd")
 ROPE = {"bf16_hd128": dspec(pos="rope"), "f16_hd72_hnd": dspec(q=f16, hd=72, pos="rope", layout="hnd"),
         "e4m3_hd64_g5": dspec(kv=e4m3, hd=64, g=5, pos="rope"), "bf16_hd256_g2": dspec(hd=256, g=2, pos="rope"),
         "f16_hd64_g16": dspec(q=f16, hd=64, g=16, pos="rope"), "bf16_hd96_g1_hnd": dspec(hd=96, g=1, pos="rope", layout="hnd")}
+# RoPE on the tensor-core path at long positions: the turned K goes to the mma as tf32; head dims, both
+# 16-bit types, one and two head tiles (groups up to 8 and up to 16).
+ROPE_MMA = {"bf16_hd128_g4": ROPE["bf16_hd128"], "f16_hd128_g8": dspec(q=f16, g=8, pos="rope"),
+            "f16_hd64_g16": ROPE["f16_hd64_g16"], "bf16_hd96_g16": dspec(hd=96, g=16, pos="rope"),
+            "f16_hd128_g16": dspec(q=f16, g=16, pos="rope"), "bf16_192x128_g8": dspec(hd=192, hdv=128, g=8, pos="rope")}
 ALIBI = dspec(g=7, pos="alibi")
 SWA = dspec(swa=True)
 SOFTCAP = dspec(cap=True)
@@ -75,7 +80,7 @@ COMBO = dspec(pos="rope", swa=True, cap=True)
 COMBO_ALIBI = dspec(q=f16, hd=96, g=5, pos="alibi", swa=True, cap=True, layout="hnd")
 
 GPU_SPECS: list[VariantSpec] = list(dict.fromkeys([
-    BASE, *HEAD_DIMS.values(), *GROUPS.values(), *KV_TYPES.values(), *FP8_MMA.values(), HND, *ROPE.values(), ALIBI, SWA, SOFTCAP,
+    BASE, *HEAD_DIMS.values(), *GROUPS.values(), *KV_TYPES.values(), *FP8_MMA.values(), HND, *ROPE.values(), *ROPE_MMA.values(), ALIBI, SWA, SOFTCAP,
     SOFTCAP_HD256, COMBO, COMBO_ALIBI,
 ]))
 
@@ -261,6 +266,16 @@ def test_rope_paths():
 def test_rope_long_positions():
     # K rotated at positions up to 20k (angles far past 2 pi), split and not
     check_case(ROPE["bf16_hd128"], [20000, 4100, 1], 1, 16, seed=17, chunks=(0, 1024, 4096), rope_theta=5e5)
+
+
+@pytest.mark.parametrize("name", list(ROPE_MMA))
+def test_rope_tensor_cores_long_positions(name):
+    # positions up to 32k: angles up to ~32k rad at frequency 1 (rope_theta 1e4), ~64k at 2 (rope_scale
+    # 0.5); larger queries (peakier softmax) in the second case leave the LSE less averaging of errors
+    spec = ROPE_MMA[name]
+    assert mma_eligible(spec), "these cases are meant for the tensor-core path"
+    check_case(spec, [32768, 7001, 2], 1, 16, seed=41, chunks=(0, 4096))
+    check_case(spec, [32000, 300], 2, 64, seed=42, chunks=(0, 2048), rope_scale=0.5, rope_theta=5e5, q_mult=2.0)
 
 
 def test_softcap_head_dim_256():

@@ -16,7 +16,8 @@ KV heads of one request are consecutive blocks):
 - Tensor-core path (``mma_eligible``: head dims multiples of 16 (32 with
   fp8 KV or RoPE), no RoPE with fp8 KV, qk <= 192, vo <= 128, group <= 16;
   RoPE rotates each K fragment in registers between ``ldmatrix`` and the mma,
-  the dims i and i + D/2 of a pair being the same register of two fragments): four warps each take
+  the dims i and i + D/2 of a pair being the same register of two fragments, and feeds the turned K
+  as tf32 to ``mma.sync.m16n8k8`` (fp32 Q^T, exact)): four warps each take
   16 tokens per step, the tokens as the M dimension of ``mma.sync.m16n8k16``
   and the group's heads as N (one n8 tile up to 8 heads, two up to 16, so
   GQA wastes at most half a tile): S^T = K Q^T (K by ``ldmatrix``, Q^T held

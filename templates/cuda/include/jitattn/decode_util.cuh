@@ -117,14 +117,16 @@ __device__ __forceinline__ void load_f32(const T* p, float (&out)[N]) {
 
 // ---- misc ------------------------------------------------------------------
 
-// sin and cos of a RoPE angle: reduce to [-pi, pi] (Cody-Waite), then the
-// fast intrinsics, which are accurate there.
-__device__ __forceinline__ void rope_sincos(float angle, float* s, float* c) {
+// A RoPE angle reduced to [-pi, pi] (Cody-Waite: 2 pi in two parts), where the fast intrinsics are
+// accurate.
+__device__ __forceinline__ float rope_reduce(float angle) {
   const float k = rintf(angle * 0.159154943091895336f);
-  float r = fmaf(-k, 6.28318548202514648f, angle);
-  r = fmaf(-k, -1.7484555314695172e-07f, r);
-  __sincosf(r, s, c);
+  const float r = fmaf(-k, 6.28318548202514648f, angle);
+  return fmaf(-k, -1.7484555314695172e-07f, r);
 }
+
+// sin and cos of a RoPE angle: reduced to [-pi, pi], then the fast intrinsics.
+__device__ __forceinline__ void rope_sincos(float angle, float* s, float* c) { __sincosf(rope_reduce(angle), s, c); }
 
 template <int WIDTH>
 __device__ __forceinline__ float lane_sum(float x) {

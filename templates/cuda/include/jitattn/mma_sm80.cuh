@@ -87,6 +87,33 @@ template <> struct Mma<__nv_bfloat16> {
   }
 };
 
+// ---- mma.sync m16n8k8 tf32, fp32 accumulate ------------------------------------------
+//
+// tf32 operands are fp32 words of which the tensor core reads the top 19 bits (sign, 8 exponent, 10
+// mantissa bits). A (16x8, row): a[0] = (row g, k t), a[1] = (row g + 8, k t), a[2] = (row g, k t + 4),
+// a[3] = (row g + 8, k t + 4); B (8x8, col): b0 = (k t, column g), b1 = (k t + 4, column g); C and D as
+// for m16n8k16 above; g = lane/4, t = lane%4.
+
+__device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// x rounded to the nearest tf32 (truncation would bias every product the same way): on sm_90+
+// cvt.rn (ties to even), one instruction (F2FP.TF32); before, cvt.rna (ties away from zero), which
+// ptxas lowers to an Inf/NaN test and an integer add of half a tf32 ulp.
+__device__ __forceinline__ uint32_t tf32_round(float x) {
+  uint32_t r;
+#if __CUDA_ARCH__ >= 900
+  asm("cvt.rn.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
+#else
+  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
+#endif
+  return r;
+}
+
 // ---- packing ------------------------------------------------------------------
 
 // Two floats -> one 32-bit word of two T (lo in the low half), round to nearest.
