@@ -92,6 +92,21 @@ def test_unsupported_specs_keep_sm80(case_id, tier_env):
         prefill.sm90_layout(spec)
 
 
+def test_resident_blocks_follow_the_tier(tier_env):
+    """What a cascade's shared-level split fills: one block per SM on the sm90 tier, the sm80 layout's
+    kMinBlocks otherwise (and without an arch list or GPU, the sm80 figure)."""
+    from jitattn.jit import resident_blocks
+
+    spec = SUPPORTED["paged_d128_bf16_causal"]
+    tier_env.setenv("JITATTN_CUDA_ARCH_LIST", "9.0a")
+    assert resident_blocks(spec) == 1
+    tier_env.setenv("JITATTN_CUDA_ARCH_LIST", "8.0")
+    assert resident_blocks(spec) == prefill.cuda_layout(spec)["kMinBlocks"] >= 1
+    tier_env.setenv("JITATTN_CUDA_ARCH_LIST", "9.0a")
+    tier_env.setenv("JITATTN_PREFILL_TIER", "sm80")
+    assert resident_blocks(spec) == prefill.cuda_layout(spec)["kMinBlocks"]
+
+
 def test_the_knob_forces_a_tier(tier_env):
     spec = SUPPORTED["d128_bf16_causal"]
     tier_env.setenv("JITATTN_PREFILL_TIER", "sm80")

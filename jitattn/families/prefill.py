@@ -351,6 +351,22 @@ def tier(spec: VariantSpec, archs: tuple[str, ...] | None) -> str:
     return "sm90" if archs is not None and _hopper_only(archs) else "sm80"
 
 
+def resident_blocks(spec: VariantSpec) -> int:
+    """Blocks per SM the prefill kernel of ``spec`` keeps resident (what a split over SMs fills): one on
+    the sm90 tier (a persistent grid of one block per SM), the layout's ``kMinBlocks`` on the sm80 tier."""
+    if spec.target is Target.CUDA:
+        from ..jit.toolchain import ToolchainError, cuda_arch_list
+
+        try:
+            archs: tuple[str, ...] | None = cuda_arch_list()
+        except ToolchainError:  # no GPU and no arch list: nothing will launch; the generic tier's figure
+            archs = None
+        if tier(spec, archs) == "sm90":
+            return 1
+        return cuda_layout(spec)["kMinBlocks"]
+    return TUNING["blocks_per_sm"]
+
+
 def sm90_pack(spec: VariantSpec) -> int:
     """Query heads packed into a tile's rows: the whole GQA group when it divides the 128-row tile
     and head_dim >= 128, else 1. Measured on the H200 (dev/bench_run5.txt, TFLOP/s packed vs not):
