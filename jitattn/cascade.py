@@ -7,7 +7,8 @@ level with few nodes as several KV chunks), writing its state into one buffer;
 one ``merge_states`` over every level's (and chunk's) state per query gives the
 output (natural-log LSE). Without CUDA graphs the non-causal prefill-kernel
 levels are one launch, and a last level of one query per request (decode under
-a shared prefix) runs on the decode kernel. Under CUDA graphs each level is its
+a shared prefix) runs on the decode kernel, which on cuda also merges the earlier
+levels' states into its result (no merge kernel). Under CUDA graphs each level is its
 own launch, a shared level is cut into a chunk count fixed by the batch shape
 (``kv_split.graph_level_chunks``) and the decode-kernel last level stays, on
 wrappers with buffers of their own, so every plan of a shape replays into the
@@ -61,6 +62,8 @@ class MultiLevelCascadeAttentionWrapper:
         # (wrapper, states it writes): prefill wrappers, then the decode wrapper of a one-query-per-request last level
         self._launches: list[tuple[BatchPrefillWithPagedKVCacheWrapper | BatchDecodeWithPagedKVCacheWrapper, int]] = []
         self._states: _LevelStates | None = None  # the plan's state buffers (None: one state, written as out)
+        # States the last launch (the cuda decode kernel) merges into its own result (0: a merge kernel does)
+        self._fused_states = 0
         self._batch_invariant = False  # the last plan's mode
         self._workspace, self._kv_layout = float_workspace_buffer, kv_layout
         self._decode: BatchDecodeWithPagedKVCacheWrapper | None = None  # a last level of one query per request
@@ -274,6 +277,15 @@ class MultiLevelCascadeAttentionWrapper:
         elif self._states is None or self._states.layout != layout:
             # Kept while the layout holds: FlashInfer's protocol re-plans before every run.
             self._states = _LevelStates(*layout)
+        # The cuda decode kernel of the last level reads the earlier states and writes the merged output
+        # itself (H200: the merge kernel took 8-10 us of the suite's cascades).
+        self._fused_states = 0
+        decode_plan = launches[-1][0]._plan if decode_last else None
+        if (self._states is not None and decode_plan is not None and not self._batch_invariant and variant is None
+                and decode_plan.launch is not None and self._device.type == "cuda"
+                and self._states.dtype == decode_plan.o_dtype):
+            decode_plan.launch.set_prior(self._states.values, self._states.lses, total_q)
+            self._fused_states = sum(states for _, states in launches[:-1])
         self._launches, self._level_chunks = launches, level_chunks
 
     begin_forward = plan
@@ -362,9 +374,19 @@ class MultiLevelCascadeAttentionWrapper:
             # argument defaults here), the merged lse left in a scratch buffer unless asked for.
             k_scale = 1.0 if k_scale is None else fp8_scale(k_scale, "k_scale")
             v_scale = 1.0 if v_scale is None else fp8_scale(v_scale, "v_scale")
-            for (wrapper, _), (out, lse) in zip(self._launches, states.levels):
+            fused = self._fused_states
+            for (wrapper, _), (out, lse) in zip(self._launches[:-1] if fused else self._launches, states.levels):
                 run_plan(wrapper._plan, wrapper._NAME, wrapper._workspace, q, paged_kv_cache, k_scale=k_scale,
                          v_scale=v_scale, out=out, lse=lse, return_lse=False, fixed_outputs=True)
+            if fused:  # the decode launch merges the states above into its own result as it writes it
+                wrapper = self._launches[-1][0]
+                params = wrapper._plan.launch.params
+                params.prior_states = fused
+                try:
+                    return run_plan(wrapper._plan, wrapper._NAME, wrapper._workspace, q, paged_kv_cache,
+                                    k_scale=k_scale, v_scale=v_scale, out=None, lse=None, return_lse=return_lse)
+                finally:
+                    params.prior_states = 0  # every other launch of the plan (sinks, torch.compile) merges after
             out, lse = states.merge(states.v, states.s, return_lse)
             return (out, lse) if return_lse else out
         for (wrapper, _), (out, lse) in zip(self._launches, states.levels):
@@ -394,9 +416,11 @@ class _LevelStates:
     def __init__(self, launch_states: list[int], total_q: int, num_heads: int, head_dim_vo: int,
                  dtype: torch.dtype, device: torch.device) -> None:
         self.layout = (launch_states, total_q, num_heads, head_dim_vo, dtype, device)
+        self.dtype = dtype
         num_states = sum(launch_states)
         values = torch.empty((num_states * total_q, num_heads, head_dim_vo), dtype=dtype, device=device)
         lses = torch.empty((num_states * total_q, num_heads), dtype=torch.float32, device=device)
+        self.values, self.lses = values, lses  # state s of query row i at row s * total_q + i
         self.levels: list[tuple[torch.Tensor, torch.Tensor]] = []
         row = 0
         for chunks in launch_states:

@@ -184,7 +184,8 @@ def _launch_fingerprint(wrapper: jitattn.MultiLevelCascadeAttentionWrapper) -> t
     for level_wrapper, states in wrapper._launches:
         p = level_wrapper._plan.launch.params
         parts.append((level_wrapper._plan.module, states, p.qo_indptr, p.kv_indptr, p.kv_indices, p.kv_last_page_len,
-                      p.split_indptr, p.batch_size, p.kv_chunk_size, p.q_row_period, p.causal))
+                      p.split_indptr, p.batch_size, p.kv_chunk_size, p.q_row_period, p.causal, p.prior_v, p.prior_lse,
+                      p.prior_rows))
     return tuple(parts), wrapper._states.v.data_ptr(), wrapper._states.s.data_ptr()
 
 
@@ -267,7 +268,104 @@ def test_the_per_layer_path_gives_the_general_paths_bits(device: str, seed: int)
     for (level_wrapper, _), (out, lse) in zip(wrapper._launches, wrapper._states.levels):
         level_wrapper.run(q, cache, out=out, lse=lse)
     general_out, general_lse = merge_states(wrapper._states.v, wrapper._states.s)
-    assert torch.equal(fast_out, general_out) and torch.equal(fast_lse, general_lse)
+    if wrapper._fused_states:  # cuda, decode-kernel last level: it merged the states itself, unrounded
+        assert_close_out(fast_out, general_out, dtype)
+        torch.testing.assert_close(fast_lse, general_lse, atol=1e-4, rtol=1e-5)
+    else:
+        assert torch.equal(fast_out, general_out) and torch.equal(fast_lse, general_lse)
+
+
+def _two_level_expected(q, cache, levels, soft_cap=None):
+    """Per request: attention over the shared node's KV then its own (the reference), out and lse."""
+    ragged = [reference.paged_kv_to_ragged(cache, *lv) for lv in levels]
+    outs, lses = [], []
+    for r in range(q.shape[0]):
+        parts = [(k[i[n]:i[n + 1]], v[i[n]:i[n + 1]]) for (k, v, i), n in zip(ragged, (0, r))]
+        o, l = reference.single_attention(q[r:r + 1], torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]),
+                                          logits_soft_cap=soft_cap)
+        outs.append(o)
+        lses.append(l)
+    return torch.cat(outs), torch.cat(lses)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the in-kernel merge is the cuda decode kernel's")
+@pytest.mark.parametrize("shared,unique,split", [([300], [0, 17, 200, 1, 64], 4), ([0], [5, 0, 40], 2),
+                                                  ([700], [3000, 0, 5000, 2], 8), ([64], [0, 0], None)],
+                         ids=["short_tails", "empty_prefix", "split_tails", "empty_tails"])
+def test_decode_last_level_merges_the_earlier_states_in_kernel(shared, unique, split) -> None:
+    """cuda: the last level's decode kernel merges the shared level's chunk states into its own result (no
+    merge kernel), in its direct write and in its split-KV merge (long tails); poisoned state buffers of
+    its own row prove it writes the output itself. Then a run with sinks takes the merge kernel again, and
+    a run without them fuses again."""
+    gen = torch.Generator().manual_seed(29)
+    hq, hkv, d, dtype = 8, 2, 128, torch.bfloat16
+    pool = torch.randperm(800, generator=gen).tolist()
+    cache = torch.randn(800, 2, PAGE, hkv, d, generator=gen).to(dtype).cuda()
+    levels = [cascade_level(level, pool, PAGE) for level in (shared, unique)]
+    b = len(unique)
+    q = (torch.randn(b, hq, d, generator=gen) * 2).to(dtype).cuda()
+    wrapper = jitattn.MultiLevelCascadeAttentionWrapper(2, torch.empty(64 << 20, dtype=torch.uint8, device="cuda"))
+    wrapper.plan([torch.tensor([0, b], dtype=torch.int32), torch.arange(b + 1, dtype=torch.int32)],
+                 [lv[0] for lv in levels], [lv[1] for lv in levels], [lv[2] for lv in levels], hq, hkv, d, PAGE,
+                 q_data_type=dtype, fixed_split_size=split)
+    assert isinstance(wrapper._launches[-1][0], jitattn.BatchDecodeWithPagedKVCacheWrapper)
+    if wrapper._states is None:
+        pytest.skip("one state: nothing to merge")
+    assert wrapper._fused_states == sum(states for _, states in wrapper._launches[:-1])
+    if split == 8:
+        assert wrapper._launches[-1][0]._plan.split.kv_chunk_size, "the long tails should split"
+    own_out, own_lse = wrapper._states.levels[-1]
+    own_out.fill_(float("nan"))
+    own_lse.fill_(float("nan"))
+    expected_o, expected_lse = _two_level_expected(q, cache, levels)
+    out = wrapper.run(q, cache)
+    assert_close_out(out, expected_o, dtype)
+    out, lse = wrapper.run(q, cache, return_lse=True)
+    assert_close_out(out, expected_o, dtype)
+    torch.testing.assert_close(lse.float().cpu(), expected_lse.float().cpu(), atol=2e-3, rtol=2e-3)
+    sinks = torch.randn(hq, generator=gen).cuda()
+    out = wrapper.run(q, cache, sinks=sinks)
+    assert wrapper._launches[-1][0]._plan.launch.params.prior_states == 0
+    assert_close_out(out, reference.apply_sinks(expected_o, expected_lse, sinks), dtype)
+    out = wrapper.run(q, cache)
+    assert_close_out(out, expected_o, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs")
+def test_fused_cascade_replays_in_a_cuda_graph_after_a_replan() -> None:
+    """use_cuda_graph=True, decode-kernel last level merging the shared level's states: run() captured once,
+    then every plan of the shape (other lengths) replays into the right result."""
+    gen = torch.Generator().manual_seed(41)
+    hq, hkv, d, dtype, b = 8, 2, 128, torch.bfloat16, 4
+    i32 = dict(dtype=torch.int32, device="cuda")
+    bufs = dict(qo_indptr_buf_arr=[torch.empty(2, **i32), torch.empty(b + 1, **i32)],
+                paged_kv_indptr_buf_arr=[torch.empty(2, **i32), torch.empty(b + 1, **i32)],
+                paged_kv_indices_buf_arr=[torch.empty(100, **i32), torch.empty(100, **i32)],
+                paged_kv_last_page_len_buf_arr=[torch.empty(1, **i32), torch.empty(b, **i32)])
+    wrapper = jitattn.MultiLevelCascadeAttentionWrapper(2, torch.empty(64 << 20, dtype=torch.uint8, device="cuda"),
+                                                        use_cuda_graph=True, **bufs)
+    cache = torch.randn(200, 2, PAGE, hkv, d, generator=gen).to(dtype).cuda()
+    q = torch.randn(b, hq, d, generator=gen).to(dtype).cuda()
+    graph, out = None, None
+    for shared, unique in (([900], [5, 40, 0, 17]), ([33], [60, 0, 300, 9]), ([1500], [16] * b)):
+        pool = torch.randperm(200, generator=gen).tolist()
+        levels = [cascade_level(level, pool, PAGE) for level in (shared, unique)]
+        wrapper.plan([torch.tensor([0, b], dtype=torch.int32), torch.arange(b + 1, dtype=torch.int32)],
+                     [lv[0] for lv in levels], [lv[1] for lv in levels], [lv[2] for lv in levels], hq, hkv, d, PAGE,
+                     q_data_type=dtype)
+        if graph is None:
+            assert wrapper._fused_states > 0
+            wrapper.run(q, cache)  # loads the modules outside the capture
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = wrapper.run(q, cache)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_close_out(out, _two_level_expected(q, cache, levels)[0], dtype)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["decode", "prefill"])

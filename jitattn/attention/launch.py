@@ -97,6 +97,7 @@ class PreparedAttention:
             k_scale=1.0, v_scale=1.0, workspace=None, workspace_bytes=0,
             split_indptr=_ptr(split_indptr) if kv_chunk_size else None, kv_chunk_size=kv_chunk_size,
             split_counters=_ptr(self._split_counters), q_row_period=0, num_threads=1, q_rows=0, kv_rows=0,
+            prior_v=None, prior_lse=None, prior_states=0, prior_rows=0,
         )
         self._scales = (1.0, 1.0, 1.0)  # (q_scale, k_scale, v_scale) the struct holds
         self.split = bool(kv_chunk_size)
@@ -113,6 +114,13 @@ class PreparedAttention:
         p.kv_last_page_len = kv_last_page_len.data_ptr() or self.placeholder
         if self.split:
             p.split_indptr = split_indptr.data_ptr() or self.placeholder
+
+    def set_prior(self, values: torch.Tensor, lses: torch.Tensor, rows: int) -> None:
+        """Point the cuda decode kernel's prior states (see ``families.attention``) at ``values``
+        ``[states * rows, heads, head_dim_vo]`` and ``lses`` ``[states * rows, heads]`` (contiguous);
+        a launch merges the first ``params.prior_states`` of them (0, the default: none)."""
+        self.params.prior_v, self.params.prior_lse = values.data_ptr(), lses.data_ptr()
+        self.params.prior_rows = rows
 
     def set_layout(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Strides of q and the k/v views (once per tensor signature; ``launch`` then sets pointers only)."""

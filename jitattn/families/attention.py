@@ -46,6 +46,14 @@ plan) holds each chunk's partial output and LSE before they are merged;
 ``split_counters`` (int32, ``batch_size * num_kv_heads``, zero before the
 first launch) counts the finished chunks of each (request, KV head), and the
 kernel leaves it zero again.
+
+Prior states (the cuda decode kernel only; every other kernel refuses
+``prior_states`` != 0): a cascade's earlier levels, merged by LSE into the
+kernel's result before its one write, so no merge kernel runs after it.
+``prior_v`` (the output dtype, ``[prior_states][prior_rows][num_qo_heads][head_dim_vo]``,
+contiguous) and ``prior_lse`` (float32, ``[prior_states][prior_rows][num_qo_heads]``)
+hold state s of query row i at row ``s * prior_rows + i``; the merged LSE is
+written to ``lse`` (when set). Not with sinks or a custom variant.
 """
 
 from __future__ import annotations
@@ -69,7 +77,8 @@ ATTENTION = Entry("attention", fields(
     "kv_paged:i32 causal:i32 pos_encoding:i32 window_left:i32 "
     "sm_scale:f32 logits_soft_cap:f32 rope_rcp_scale:f32 rope_rcp_theta:f32 k_scale:f32 v_scale:f32 "
     "workspace:ptr workspace_bytes:i64 split_indptr:ptr kv_chunk_size:i64 split_counters:ptr q_row_period:i64 "
-    "num_threads:i32 q_rows:i64 kv_rows:i64"
+    "num_threads:i32 q_rows:i64 kv_rows:i64 "
+    "prior_v:ptr prior_lse:ptr prior_states:i64 prior_rows:i64"
 ))
 
 ATTENTION_WITH_VARIANT = Entry("attention", ATTENTION.fields + (Field("variant_params", "ptr"),))
