@@ -282,8 +282,7 @@ class MultiLevelCascadeAttentionWrapper:
         self._fused_states = 0
         decode_plan = launches[-1][0]._plan if decode_last else None
         if (self._states is not None and decode_plan is not None and not self._batch_invariant and variant is None
-                and decode_plan.launch is not None and self._device.type == "cuda"
-                and self._states.dtype == decode_plan.o_dtype):
+                and decode_plan.launch is not None and self._device.type == "cuda"):  # states: the decode's dtype
             decode_plan.launch.set_prior(self._states.values, self._states.lses, total_q)
             self._fused_states = sum(states for _, states in launches[:-1])
         self._launches, self._level_chunks = launches, level_chunks
@@ -416,7 +415,6 @@ class _LevelStates:
     def __init__(self, launch_states: list[int], total_q: int, num_heads: int, head_dim_vo: int,
                  dtype: torch.dtype, device: torch.device) -> None:
         self.layout = (launch_states, total_q, num_heads, head_dim_vo, dtype, device)
-        self.dtype = dtype
         num_states = sum(launch_states)
         values = torch.empty((num_states * total_q, num_heads, head_dim_vo), dtype=dtype, device=device)
         lses = torch.empty((num_states * total_q, num_heads), dtype=torch.float32, device=device)

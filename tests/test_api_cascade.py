@@ -13,6 +13,20 @@ from attention_cases import assert_close_out, cascade_level, devices
 PAGE = 16
 
 
+def _two_level_expected(q, cache, levels, **options):
+    """Per request r (one query each): the reference over the shared node's KV then r's own, out and lse;
+    ``options``: single_attention's (logits_soft_cap, k_scale, v_scale)."""
+    ragged = [reference.paged_kv_to_ragged(cache, *lv) for lv in levels]
+    outs, lses = [], []
+    for r in range(q.shape[0]):
+        parts = [(k[i[n]:i[n + 1]], v[i[n]:i[n + 1]]) for (k, v, i), n in zip(ragged, (0, r))]
+        o, l = reference.single_attention(q[r:r + 1], torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]),
+                                          **options)
+        outs.append(o)
+        lses.append(l)
+    return torch.cat(outs), torch.cat(lses)
+
+
 @pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("fixed_split_size", [None, 1, 2], ids=["auto", "split1", "split2"])
 @pytest.mark.parametrize("qo_lens,causal", [([1, 1, 1, 1], False), ([2, 1, 3, 2], True)], ids=["decode", "prefill"])
@@ -86,16 +100,11 @@ def test_decode_last_level_runs_on_the_decode_kernel(device: str, soft_cap: floa
                  q_data_type=dtype, logits_soft_cap=soft_cap, fixed_split_size=4)
     assert wrapper._level_chunks[0] > 1 and isinstance(wrapper._launches[-1][0], jitattn.BatchDecodeWithPagedKVCacheWrapper)
     out, lse = wrapper.run(q, cache, return_lse=True, sinks=sinks)
-    ragged = [reference.paged_kv_to_ragged(cache, *lv) for lv in levels]
-    expected_o, expected_lse = [], []
-    for r in range(b):
-        parts = [(k[i[n]:i[n + 1]], v[i[n]:i[n + 1]]) for (k, v, i), n in zip(ragged, (0, r))]
-        o, l = reference.single_attention(q[r:r + 1], torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]),
-                                          logits_soft_cap=soft_cap)
-        expected_o.append(reference.apply_sinks(o, l, sinks) if with_sinks else o)
-        expected_lse.append(l)  # the keys' lse: sinks change the output only
-    assert_close_out(out, torch.cat(expected_o), dtype)
-    torch.testing.assert_close(lse.float().cpu(), torch.cat(expected_lse).float().cpu(), atol=2e-3, rtol=2e-3)
+    expected_o, expected_lse = _two_level_expected(q, cache, levels, logits_soft_cap=soft_cap)
+    if with_sinks:  # the keys' lse stays: sinks change the output only
+        expected_o = reference.apply_sinks(expected_o, expected_lse, sinks)
+    assert_close_out(out, expected_o, dtype)
+    torch.testing.assert_close(lse.float().cpu(), expected_lse.float().cpu(), atol=2e-3, rtol=2e-3)
 
 
 @pytest.mark.parametrize("device", devices())
@@ -114,14 +123,7 @@ def test_decode_last_level_with_an_fp8_cache_and_scales(device: str) -> None:
                  q_data_type=dtype, kv_data_type=torch.float8_e4m3fn)
     assert isinstance(wrapper._launches[-1][0], jitattn.BatchDecodeWithPagedKVCacheWrapper)
     out = wrapper.run(q, cache, k_scale=k_scale, v_scale=v_scale)
-    ragged = [reference.paged_kv_to_ragged(cache, *lv) for lv in levels]
-    expected = []
-    for r in range(3):
-        parts = [(k[i[n]:i[n + 1]], v[i[n]:i[n + 1]]) for (k, v, i), n in zip(ragged, (0, r))]
-        o, _ = reference.single_attention(q[r:r + 1], torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]),
-                                          k_scale=k_scale, v_scale=v_scale)
-        expected.append(o)
-    assert_close_out(out, torch.cat(expected), dtype)
+    assert_close_out(out, _two_level_expected(q, cache, levels, k_scale=k_scale, v_scale=v_scale)[0], dtype)
 
 
 def test_cascade_refuses_position_dependent_features() -> None:
@@ -273,19 +275,6 @@ def test_the_per_layer_path_gives_the_general_paths_bits(device: str, seed: int)
         torch.testing.assert_close(fast_lse, general_lse, atol=1e-4, rtol=1e-5)
     else:
         assert torch.equal(fast_out, general_out) and torch.equal(fast_lse, general_lse)
-
-
-def _two_level_expected(q, cache, levels, soft_cap=None):
-    """Per request: attention over the shared node's KV then its own (the reference), out and lse."""
-    ragged = [reference.paged_kv_to_ragged(cache, *lv) for lv in levels]
-    outs, lses = [], []
-    for r in range(q.shape[0]):
-        parts = [(k[i[n]:i[n + 1]], v[i[n]:i[n + 1]]) for (k, v, i), n in zip(ragged, (0, r))]
-        o, l = reference.single_attention(q[r:r + 1], torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]),
-                                          logits_soft_cap=soft_cap)
-        outs.append(o)
-        lses.append(l)
-    return torch.cat(outs), torch.cat(lses)
 
 
 @pytest.mark.gpu

@@ -472,3 +472,18 @@ def test_rejects_last_page_len_beyond_page_size():
     batch.kv_last_page_len[1] = 17
     with pytest.raises(KernelError, match=r"kv_last_page_len\[1\]=17 is outside \[0, page_size=16\]"):
         _launch_raw(batch, num_kv_heads=2, page_size=16)
+
+
+def test_prior_states_are_refused_outside_the_cuda_decode_kernel() -> None:
+    """The cascade's in-kernel merge (prior_states) is the cuda decode kernel's alone: the cpu kernel
+    refuses a plan that asks for it instead of ignoring it."""
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(3, 4, 64, generator=gen).to(torch.float16)
+    k = torch.randn(5, 2, 64, generator=gen).to(torch.float16)
+    v = torch.randn(5, 2, 64, generator=gen).to(torch.float16)
+    wrapper = jitattn.BatchPrefillWithRaggedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8))
+    wrapper.plan(_indptr([3]), _indptr([5]), 4, 2, 64, causal=True, q_data_type=torch.float16)
+    wrapper.run(q, k, v)  # the plan itself runs
+    wrapper._plan.launch.params.prior_states = 1
+    with pytest.raises(KernelError, match="only the cuda decode kernel merges prior states"):
+        wrapper.run(q, k, v)

@@ -150,6 +150,41 @@ def test_sm90_dynamic_and_static_orders_give_the_same_bits():
     assert torch.equal(out_dynamic, out_static) and torch.equal(lse_dynamic, lse_static)
 
 
+def test_sm90_launches_take_a_work_slot_per_stream():
+    """The dynamic order is the one that runs: a launch on an ordinary stream takes a work slot (>= 0), the
+    same one every time; another stream another slot; the per-thread default stream none (-1: static)."""
+    import ctypes
+
+    module = jitattn.jit.load(_spec(128, 16, 4, bf16, True))
+    slot_of = module._lib.jitattn_work_slot
+    slot_of.argtypes, slot_of.restype = [ctypes.c_void_p], ctypes.c_int
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+    a, b = slot_of(s1.cuda_stream), slot_of(s2.cuda_stream)
+    assert a >= 0 and b >= 0 and a != b
+    assert slot_of(s1.cuda_stream) == a and slot_of(torch.cuda.current_stream().cuda_stream) >= 0
+    assert slot_of(2) == -1  # cudaStreamPerThread
+
+
+def test_sm90_concurrent_streams_keep_their_own_counters():
+    """Launches on two streams with no sync between them overlap on the GPU; each takes its own counter
+    slot, so each covers all of its items (a shared counter would split the items between them)."""
+    d, hq, hkv, dtype = 128, 16, 4, bf16
+    shapes = [([3000, 700], [3000, 4000]), ([2500, 9], [2600, 3000])]
+    inputs = [_inputs(f"concurrent{i}", d, hq, hkv, dtype, *shape) for i, shape in enumerate(shapes)]
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    for _ in range(3):
+        torch.cuda.synchronize()
+        results = []
+        for stream, (q, k, v), (qo_lens, kv_lens) in zip(streams, inputs, shapes):
+            with torch.cuda.stream(stream):
+                results.append(_run(q, k, v, qo_lens, kv_lens, True))
+        torch.cuda.synchronize()
+        for (out, lse), (q, k, v), (qo_lens, kv_lens) in zip(results, inputs, shapes):
+            ref_o, ref_lse = reference.batch_ragged_attention(q, k, v, _indptr(qo_lens), _indptr(kv_lens), causal=True)
+            assert_close_out(out, ref_o, dtype)
+            assert_close_lse(lse, ref_lse)
+
+
 def test_sm90_work_counter_starts_from_zero_every_launch():
     """The last block of a launch resets its counter slot: launches with different item counts back
     to back on one stream, and alternating with a second stream, each cover every item (a counter left
@@ -287,6 +322,27 @@ def test_sm90_paged_matches_reference(case_id):
                                                    batch.kv_last_page_len, kv_layout=layout, causal=causal)
     assert_close_out(out, ref_o, dtype)
     assert_close_lse(lse, ref_lse)
+
+
+@pytest.mark.parametrize("case_id", ["d128_g4_bf16_full_p1_hnd_tuple", "d128_g4_bf16_causal_p16_nhd"],
+                         ids=["gathers", "paged_tma"])
+def test_sm90_paged_dynamic_and_static_orders_give_the_same_bits(case_id):
+    """Paged KV: the whole producer warpgroup reads each item from the ring (gathers, or TMA boxes from
+    every producer warp); the dynamic order gives the static order's bits."""
+    d, hq, hkv, dtype, causal, page, layout, fmt, qo_lens, kv_lens = PAGED_CASES[case_id]
+    batch = _poisoned_paged_batch(case_id, d, hkv, dtype, page, layout, fmt, kv_lens)
+    gen = torch.Generator().manual_seed(sum(map(ord, case_id)) + 1)
+    q = torch.randn(sum(qo_lens), hq, d, generator=gen).to(dtype).cuda()
+    wrapper = _paged_wrapper(qo_lens, batch, layout, page, hq, hkv, d, dtype, causal)
+    dynamic_out, dynamic_lse = wrapper.run(q, batch.cache, return_lse=True)
+    torch.cuda.synchronize()
+    with torch.cuda.stream(torch.cuda.ExternalStream(2)):  # 2 == cudaStreamPerThread: no slot, static order
+        static_out, static_lse = wrapper.run(q, batch.cache, return_lse=True)
+        torch.cuda.current_stream().synchronize()
+    ref_o, ref_lse = reference.batch_prefill_paged(q, batch.cache, _indptr(qo_lens), batch.kv_indptr, batch.kv_indices,
+                                                   batch.kv_last_page_len, kv_layout=layout, causal=causal)
+    assert_close_out(dynamic_out, ref_o, dtype)
+    assert torch.equal(dynamic_out, static_out) and torch.equal(dynamic_lse, static_lse)
 
 
 # Paged cases whose page size a KV block holds in whole 8-row swizzle atoms take the TMA path (paged_tma);

@@ -105,6 +105,13 @@ def test_resident_blocks_follow_the_tier(tier_env):
     tier_env.setenv("JITATTN_CUDA_ARCH_LIST", "9.0a")
     tier_env.setenv("JITATTN_PREFILL_TIER", "sm80")
     assert resident_blocks(spec) == prefill.cuda_layout(spec)["kMinBlocks"]
+    tier_env.delenv("JITATTN_PREFILL_TIER")
+
+    def no_gpu():
+        raise jitattn.jit.ToolchainError("no visible CUDA GPU")
+
+    tier_env.setattr("jitattn.jit.toolchain.cuda_arch_list", no_gpu)
+    assert resident_blocks(spec) == prefill.cuda_layout(spec)["kMinBlocks"]
 
 
 def test_the_knob_forces_a_tier(tier_env):

@@ -101,6 +101,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import functools
 import json
 import os
 import re
@@ -354,17 +355,21 @@ def tier(spec: VariantSpec, archs: tuple[str, ...] | None) -> str:
 def resident_blocks(spec: VariantSpec) -> int:
     """Blocks per SM the prefill kernel of ``spec`` keeps resident (what a split over SMs fills): one on
     the sm90 tier (a persistent grid of one block per SM), the layout's ``kMinBlocks`` on the sm80 tier."""
-    if spec.target is Target.CUDA:
-        from ..jit.toolchain import ToolchainError, cuda_arch_list
+    if spec.target is not Target.CUDA:
+        return TUNING["blocks_per_sm"]
+    from ..jit.toolchain import ToolchainError, cuda_arch_list
 
-        try:
-            archs: tuple[str, ...] | None = cuda_arch_list()
-        except ToolchainError:  # no GPU and no arch list: nothing will launch; the generic tier's figure
-            archs = None
-        if tier(spec, archs) == "sm90":
-            return 1
-        return cuda_layout(spec)["kMinBlocks"]
-    return TUNING["blocks_per_sm"]
+    try:
+        archs: tuple[str, ...] | None = cuda_arch_list()
+    except ToolchainError:  # no GPU and no arch list: nothing will launch; the generic tier's figure
+        archs = None
+    return _resident_blocks(spec, archs, env.prefill_tier())
+
+
+@functools.lru_cache(maxsize=256)
+def _resident_blocks(spec: VariantSpec, archs: tuple[str, ...] | None, choice: str) -> int:
+    """``resident_blocks`` for a given arch list and tier knob (``choice``: part of the key only)."""
+    return 1 if tier(spec, archs) == "sm90" else cuda_layout(spec)["kMinBlocks"]
 
 
 def sm90_pack(spec: VariantSpec) -> int:

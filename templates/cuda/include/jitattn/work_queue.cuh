@@ -43,7 +43,7 @@ inline SlotTable g_slots;
 
 // The slot for a launch on `stream` of `device` (0 <= device < kMaxDevices), or -1.
 inline int slot_for(int device, cudaStream_t stream) {
-  if (stream == cudaStreamPerThread) return -1;
+  if (stream == cudaStreamPerThread || device < 0 || device >= kMaxDevices) return -1;
   cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
   if (cudaStreamIsCapturing(stream, &status) != cudaSuccess) {
     cudaGetLastError();
@@ -66,3 +66,14 @@ inline int slot_for(int device, cudaStream_t stream) {
 
 }  // namespace work
 }  // namespace jitattn
+
+// The work slot launches of this module on `stream` (a cudaStream_t) of the current device take:
+// >= 0, or -1 (the static order). For tests; the first call for a stream claims its slot.
+JITATTN_EXPORT int jitattn_work_slot(void* stream) {
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= jitattn::work::kMaxDevices) {
+    cudaGetLastError();
+    return -1;
+  }
+  return jitattn::work::slot_for(device, static_cast<cudaStream_t>(stream));
+}
