@@ -212,7 +212,8 @@ class MultiLevelCascadeAttentionWrapper:
                 chunks = cascade_level_chunks(index.kv_lens, num_kv_heads=num_kv_heads,
                                               num_sms=num_workers(self._device),
                                               page_size=page_size, fixed_split_size=fixed_split_size,
-                                              blocks_per_sm=blocks_per_sm, query_tiles=sum(-(-n * group // tile_rows) for n in qo_lens),
+                                              blocks_per_sm=blocks_per_sm,
+                                              query_tiles=sum(-(-n * group // tile_rows) for n in qo_lens),
                                               batch_invariant=self._batch_invariant)
                 pages_per_chunk = None  # fixed_split_size: the nodes' pages shared out evenly
                 if self._batch_invariant:

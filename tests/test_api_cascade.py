@@ -20,8 +20,8 @@ def _two_level_expected(q, cache, levels, **options):
     outs, lses = [], []
     for r in range(q.shape[0]):
         parts = [(k[i[n]:i[n + 1]], v[i[n]:i[n + 1]]) for (k, v, i), n in zip(ragged, (0, r))]
-        o, l = reference.single_attention(q[r:r + 1], torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]),
-                                          **options)
+        keys, values = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+        o, l = reference.single_attention(q[r:r + 1], keys, values, **options)
         outs.append(o)
         lses.append(l)
     return torch.cat(outs), torch.cat(lses)

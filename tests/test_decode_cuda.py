@@ -80,7 +80,8 @@ COMBO = dspec(pos="rope", swa=True, cap=True)
 COMBO_ALIBI = dspec(q=f16, hd=96, g=5, pos="alibi", swa=True, cap=True, layout="hnd")
 
 GPU_SPECS: list[VariantSpec] = list(dict.fromkeys([
-    BASE, *HEAD_DIMS.values(), *GROUPS.values(), *KV_TYPES.values(), *FP8_MMA.values(), HND, *ROPE.values(), *ROPE_MMA.values(), ALIBI, SWA, SOFTCAP,
+    BASE, *HEAD_DIMS.values(), *GROUPS.values(), *KV_TYPES.values(), *FP8_MMA.values(), HND, *ROPE.values(),
+    *ROPE_MMA.values(), ALIBI, SWA, SOFTCAP,
     SOFTCAP_HD256, COMBO, COMBO_ALIBI,
 ]))
 
