@@ -4,3 +4,14 @@ pip_target() { python3 -m pip install -q --no-index --no-deps --no-compile --no-
 pip_target .whl/*.whl
 if [ "${PEER:-0}" = 1 ] && ls .whl/peer/*.whl >/dev/null 2>&1; then pip_target .whl/peer/*.whl; fi
 export PYTHONPATH=$PWD/.pysite:$PWD PYTHONUNBUFFERED=1 JITATTN_CACHE_DIR=/tmp/jc FLASHINFER_WORKSPACE_BASE=/tmp/fi
+# One call's bookkeeping: gpu_begin NAME sets $OUT (what comes back), $R (/tmp/NAME, the call's results) and
+# the start time; gpu_time prints the seconds since; gpu_pack NAME tars $R into $OUT/NAME.tgz, then the time.
+gpu_begin() { OUT=${OUT:-/tmp/out}; R=/tmp/$1; mkdir -p "$OUT" "$R"; T0=$(date +%s); }
+gpu_time() { echo "t=$(( $(date +%s) - T0 ))"; }
+gpu_pack() { tar czf "$OUT/$1.tgz" -C /tmp "$1"; gpu_time; }
+# gpu_tests SECONDS PATH...: the GPU tests of PATHs into $R/pytest.log, its summary, the time.
+gpu_tests() { local s=$1; shift; timeout "$s" python3 -m pytest -m gpu -q -p no:cacheprovider -rf "$@" > "$R/pytest.log" 2>&1
+  tail -4 "$R/pytest.log"; gpu_time; }
+# gpu_bench SECONDS ONLY: the suite's rows ONLY into $R/bench.json / bench.log, the rows, the time.
+gpu_bench() { timeout "$1" python3 -m jitattn.bench --only "$2" --json "$R/bench.json" > "$R/bench.log" 2>&1
+  grep -E "^[a-z0-9_]+/" "$R/bench.log" | cut -c1-125 | sort -u; gpu_time; }

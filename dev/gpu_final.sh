@@ -3,12 +3,11 @@
 # SDPA, and the split sweep (the few-request rule against the rule before it). Output: $OUT/final.tgz.
 set -u
 source dev/gpu_env.sh
-OUT=${OUT:-/tmp/out}; R=/tmp/final; mkdir -p "$OUT" $R
-T0=$(date +%s)
-timeout 60 python3 dev/sweep_decode_split.py > $R/split.txt 2>&1; cat $R/split.txt; echo "t=$(( $(date +%s) - T0 ))"
+gpu_begin final
+timeout 60 python3 dev/sweep_decode_split.py > $R/split.txt 2>&1; cat $R/split.txt; gpu_time
 timeout 130 python3 -m jitattn.bench --only 'decode/*,prefill/llama8b_causal_paged_b8_s4096,prefill/llama8b_causal_b8_s4096,cascade/*' \
   --json $R/bench.json > $R/bench.log 2>&1
-grep -E "^(decode|prefill|cascade)/" $R/bench.log | cut -c1-125 | sort -u; echo "t=$(( $(date +%s) - T0 ))"
-tar czf "$OUT/final.tgz" -C /tmp final
+grep -E "^(decode|prefill|cascade)/" $R/bench.log | cut -c1-125 | sort -u; gpu_time
+gpu_pack final
 timeout 330 python3 -m pytest -m gpu -q -p no:cacheprovider -rf tests > "$R/pytest.log" 2>&1; tail -15 "$R/pytest.log"
-tar czf "$OUT/final.tgz" -C /tmp final; echo "t=$(( $(date +%s) - T0 ))"
+gpu_pack final

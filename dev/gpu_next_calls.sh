@@ -10,7 +10,7 @@
 set -u
 source dev/gpu_env.sh
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-T0=$(date +%s)
+T0=$(date +%s)  # gpu_time counts from here
 case "${1:-1}" in
 1)
   timeout 560 python3 -m pytest -m gpu -q -p no:cacheprovider -rf tests > "$OUT/pytest.log" 2>&1
@@ -18,13 +18,13 @@ case "${1:-1}" in
 2)
   JITATTN_PREFILL_TIER=sm90 timeout 120 python3 dev/bench_paged_sm90.py --pages 16,64 --layouts NHD,HND \
     --tunings '[{"paged_tma": 0}, {}, {"paged_kv_block": 128}]' > "$OUT/paged_tma.txt" 2>&1; tail -14 "$OUT/paged_tma.txt"
-  echo "t=$(( $(date +%s) - T0 ))"
+  gpu_time
   JITATTN_PREFILL_TIER=sm90 timeout 90 python3 dev/bench_sm90_axes.py > "$OUT/axes.txt" 2>&1; tail -20 "$OUT/axes.txt"
-  echo "t=$(( $(date +%s) - T0 ))"
+  gpu_time
   timeout 90 python3 -m jitattn.bench --only 'cascade/*,mla/*,prefill/llama8b_causal_paged_b8_s4096' \
     --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1
-  grep -E "^(cascade|mla|prefill)/" "$OUT/bench.log" | cut -c1-150 | sort -u; echo "t=$(( $(date +%s) - T0 ))"
+  grep -E "^(cascade|mla|prefill)/" "$OUT/bench.log" | cut -c1-150 | sort -u; gpu_time
   timeout 110 python3 examples/serve_bench.py --device cuda --model llama-3-8b-shapes --num-requests 64 \
     --system-prompt-len 2048 --output-len 64 --out "$OUT/serving_h200.md" > "$OUT/serve.log" 2>&1
-  tail -8 "$OUT/serving_h200.md"; echo "t=$(( $(date +%s) - T0 ))";;
+  tail -8 "$OUT/serving_h200.md"; gpu_time;;
 esac

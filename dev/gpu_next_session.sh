@@ -8,10 +8,9 @@
 # Output: $OUT/next.tgz (pytest log, ncu details and SASS source counters per case).
 set -u
 PEER=1 source dev/gpu_env.sh
-OUT=${OUT:-/tmp/out}; R=/tmp/next; mkdir -p "$OUT" $R
-T0=$(date +%s)
+gpu_begin next
 timeout 330 python3 -m pytest -m gpu -q -p no:cacheprovider -rf tests > $R/pytest.log 2>&1; tail -4 $R/pytest.log
-echo "t=$(( $(date +%s) - T0 ))"
+gpu_time
 for c in decode_b256 sdpa_b256 phi3; do
   timeout 60 ncu --profile-from-start off --set full --import-source no -f -o $R/$c python3 dev/profile_ncu.py $c > $R/ncu_$c.log 2>&1
   ncu -i $R/$c.ncu-rep --page details > $R/$c.txt 2>&1
@@ -24,4 +23,4 @@ for t in '{}' '{"mma_blocks_per_sm": 3}'; do
   echo "tuning $t"; timeout 60 python3 -m jitattn.bench.decode_cuda --tuning "$t" 2>&1 | grep -E "^layout|jitattn decode" | cut -c1-160
 done > $R/decode_tunings.txt 2>&1; grep -v "^layout" $R/decode_tunings.txt
 timeout 120 python3 -m jitattn.bench.host_peer $R/host.json > $R/host.log 2>&1; tail -8 $R/host.log
-rm -f $R/*.ncu-rep; tar czf "$OUT/next.tgz" -C /tmp next; echo "t=$(( $(date +%s) - T0 ))"
+rm -f $R/*.ncu-rep; gpu_pack next

@@ -4,14 +4,10 @@
 # host table beside FlashInfer. Output: $OUT/s8c.tgz.
 set -u
 PEER=1 source dev/gpu_env.sh
-OUT=${OUT:-/tmp/out}; R=/tmp/s8c; mkdir -p "$OUT" $R
-T0=$(date +%s)
-timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider -rf tests > $R/pytest.log 2>&1; tail -6 $R/pytest.log
-echo "t=$(( $(date +%s) - T0 ))"
-timeout 170 python3 -m jitattn.bench --only 'decode/llama8b_b64_s2048,decode/llama8b_b256_s4096,decode/llama8b_b1_s32768,decode/mha_b64_s2048_d128,decode/phi3_d96_b64_s4096,decode/skewed_b64,decode/fp8kv_b256_s4096,decode/gptoss_b64_s8192,decode/llama8b_b64_s2048_rope,decode/llama8b_b64_s2048_page1,variants/plain_decode_b64_s4096,variants/decode_rope_b64_s4096,prefill/llama8b_causal_b8_s4096,prefill/d64_causal_b16_s2048,prefill/d256_causal_b4_s4096,prefill/llama8b_noncausal_b8_s4096,prefill/llama8b_causal_paged_b8_s4096,prefill/llama8b_causal_varlen,cascade/*' \
-  --json $R/bench.json > $R/bench.log 2>&1
-grep -E "^(decode|cascade|prefill|variants)/" $R/bench.log | cut -c1-125 | sort -u; echo "t=$(( $(date +%s) - T0 ))"
+gpu_begin s8c
+gpu_tests 300 tests
+gpu_bench 170 'decode/llama8b_b64_s2048,decode/llama8b_b256_s4096,decode/llama8b_b1_s32768,decode/mha_b64_s2048_d128,decode/phi3_d96_b64_s4096,decode/skewed_b64,decode/fp8kv_b256_s4096,decode/gptoss_b64_s8192,decode/llama8b_b64_s2048_rope,decode/llama8b_b64_s2048_page1,variants/plain_decode_b64_s4096,variants/decode_rope_b64_s4096,prefill/llama8b_causal_b8_s4096,prefill/d64_causal_b16_s2048,prefill/d256_causal_b4_s4096,prefill/llama8b_noncausal_b8_s4096,prefill/llama8b_causal_paged_b8_s4096,prefill/llama8b_causal_varlen,cascade/*'
 timeout 40 python3 dev/profile_cascade.py > $R/cascade.txt 2>&1; grep -E "^==|jitattn_" $R/cascade.txt | cut -c1-70,180-230
-echo "t=$(( $(date +%s) - T0 ))"
+gpu_time
 timeout 60 python3 -m jitattn.bench.host_peer > $R/host.txt 2>&1; head -8 $R/host.txt
-tar czf "$OUT/s8c.tgz" -C /tmp s8c; echo "t=$(( $(date +%s) - T0 ))"
+gpu_pack s8c

@@ -3,15 +3,10 @@
 # the decode and cascade suite rows, the cascade kernel profile, the host table beside FlashInfer. Output: $OUT/s8d.tgz.
 set -u
 PEER=1 source dev/gpu_env.sh
-OUT=${OUT:-/tmp/out}; R=/tmp/s8d; mkdir -p "$OUT" $R
-T0=$(date +%s)
-timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider -rf tests/test_decode_cuda.py tests/test_api_cascade.py \
-  tests/test_api_decode.py > $R/pytest.log 2>&1; tail -3 $R/pytest.log
-echo "t=$(( $(date +%s) - T0 ))"
-timeout 100 python3 -m jitattn.bench --only 'decode/llama8b_b64_s2048,decode/llama8b_b256_s4096,decode/llama8b_b1_s32768,decode/skewed_b64,decode/llama8b_b64_s2048_rope,cascade/*' \
-  --json $R/bench.json > $R/bench.log 2>&1
-grep -E "^(decode|cascade)/" $R/bench.log | cut -c1-125 | sort -u; echo "t=$(( $(date +%s) - T0 ))"
+gpu_begin s8d
+gpu_tests 150 tests/test_decode_cuda.py tests/test_api_cascade.py tests/test_api_decode.py
+gpu_bench 100 'decode/llama8b_b64_s2048,decode/llama8b_b256_s4096,decode/llama8b_b1_s32768,decode/skewed_b64,decode/llama8b_b64_s2048_rope,cascade/*'
 timeout 30 python3 dev/profile_cascade.py > $R/cascade.txt 2>&1; grep -E "^==|jitattn_" $R/cascade.txt | cut -c1-70,180-230
-echo "t=$(( $(date +%s) - T0 ))"
+gpu_time
 timeout 150 python3 -m jitattn.bench.host_peer $R/host.json > $R/host.log 2>&1; tail -9 $R/host.log
-tar czf "$OUT/s8d.tgz" -C /tmp s8d; echo "t=$(( $(date +%s) - T0 ))"
+gpu_pack s8d
