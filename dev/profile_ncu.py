@@ -5,7 +5,8 @@
 Cases (issue 16-18 rows; llama8b shapes 32 / 8 heads d128 bf16 page 16 unless said):
 decode_b1 (1 x 32768), decode_b256 (256 x 4096), sdpa_b1 / sdpa_b256 (PyTorch SDPA on contiguous KV, the rows'
 peer), phi3 (MHA d96 b64 x 4096),
-paged16 / paged64 / ragged (sm90 prefill causal b8 x 4096), mla128 (MLA b64 x 4096, 128 heads, page 64).
+paged16 / paged64 / ragged (sm90 prefill causal b8 x 4096), mla128 (MLA b64 x 4096, 128 heads, page 64), mla16
+(MLA b128 x 4096, 16 heads, page 64; JITATTN_MLA_KERNEL=sm90-tma / sm90-gather picks the MLA loads).
 Warm-up calls (the JIT build, the plan) run before the range; one call runs inside it.
 """
 
@@ -79,8 +80,8 @@ def case_fn(name: str):
         w = jitattn.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD")
         w.plan(qo, indptr, indices, last, HQ, HKV, D, page, causal=True, q_data_type=torch.bfloat16)
         return lambda: w.run(q, cache, out=out)
-    if name == "mla128":
-        b, n, page, heads = 64, 4096, 64, 128
+    if name in ("mla128", "mla16"):
+        b, n, page, heads = (64, 4096, 64, 128) if name == "mla128" else (128, 4096, 64, 16)
         per = n // page
         buf = torch.randn(b * per + 1, page, 576, generator=gen).to(torch.bfloat16).to(dev)
         indices = torch.randperm(b * per + 1, generator=gen)[: b * per].to(torch.int32)
