@@ -15,5 +15,5 @@ for c in mla128 mla16; do
     echo "$(gpu_time) $n"
   done
 done
-rm -f "$R"/*.ncu-rep.tmp
+rm -f "$R"/*.ncu-rep  # the text pages come back; the reports are too large
 gpu_pack s9b
