@@ -17,8 +17,10 @@ import torch
 import jitattn
 from mla_tuning import _time
 
-SHAPES = [  # (name, batch, kv_len, heads, page size)
+SHAPES = [  # (name, batch, kv_len, heads, page size); "shared": every request reads the same pages (L2-resident KV)
     ("b64_s4096_h128_p64", 64, 4096, 128, 64),
+    ("b64_s4096_h128_p64 shared", 64, 4096, 128, 64),
+    ("h16_b128_s4096_p64 shared", 128, 4096, 16, 64),
     ("b128_s8192_h128_p64", 128, 8192, 128, 64),
     ("h16_b128_s4096_p64", 128, 4096, 16, 64),
     ("b64_s4096_h128_p16", 64, 4096, 128, 16),
@@ -29,12 +31,14 @@ SHAPES = [  # (name, batch, kv_len, heads, page size)
 ]
 
 
-def _inputs(batch: int, kv_len: int, heads: int, page: int):
+def _inputs(batch: int, kv_len: int, heads: int, page: int, shared: bool):
     gen = torch.Generator(device="cuda").manual_seed(batch * 7 + kv_len + heads + page)
     pages_per = -(-kv_len // page)
     pool = batch * pages_per + 1
     buffer = torch.randn(pool, page, 576, generator=gen, device="cuda").to(torch.bfloat16)
     indices = torch.randperm(pool, device="cpu")[: batch * pages_per].to(torch.int32)
+    if shared:
+        indices = indices[:pages_per].repeat(batch)
     indptr = (torch.arange(batch + 1) * pages_per).to(torch.int32)
     lens = torch.full((batch,), kv_len, dtype=torch.int32)
     q_nope = torch.randn(batch, heads, 512, generator=gen, device="cuda").to(torch.bfloat16)
@@ -45,7 +49,7 @@ def _inputs(batch: int, kv_len: int, heads: int, page: int):
 def main() -> None:
     workspace = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
     for name, batch, kv_len, heads, page in SHAPES:
-        buffer, indices, indptr, lens, q_nope, q_pe = _inputs(batch, kv_len, heads, page)
+        buffer, indices, indptr, lens, q_nope, q_pe = _inputs(batch, kv_len, heads, page, name.endswith("shared"))
         ckv, kpe = buffer[..., :512], buffer[..., 512:]
         qo = torch.arange(batch + 1, dtype=torch.int32)
         args = (qo, indptr, indices, lens, heads, 512, 64, page, False, 1 / math.sqrt(192), torch.bfloat16,
