@@ -17,7 +17,7 @@ _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 LOG_LEVELS = ("info", "debug")
 PREFILL_TIERS = ("auto", "sm80", "sm90")
-MLA_KERNELS = ("auto", "sm90", "sm90-tma", "sm90-gather", "prefill")
+MLA_KERNELS = ("auto", "sm90", "prefill")
 _ARCH = re.compile(r"^\d+\.\d+[af]?(\+PTX)?$")
 
 
@@ -109,9 +109,7 @@ PREFILL_TIER = Knob("JITATTN_PREFILL_TIER", "tier", "auto",
                     "cuda prefill kernel tier: auto (sm90 on a 9.0a-only arch list where the spec allows), sm80, sm90")
 MLA_KERNEL = Knob("JITATTN_MLA_KERNEL", "mla", "auto",
                   "BatchMLAPagedAttentionWrapper's kernel: auto (the sm90 MLA kernel on an H100/H200 for the plans it "
-                  "supports, else the paged prefill kernels), sm90 (an error where it cannot run), sm90-tma / "
-                  "sm90-gather (sm90 with its KV loads forced to TMA -- an error where TMA cannot load the cache -- or "
-                  "to cp.async gathers), prefill")
+                  "supports, else the paged prefill kernels), sm90 (an error where it cannot run), prefill")
 TEST_CACHE_DIR = Knob("JITATTN_TEST_CACHE_DIR", "path", "unset: each test run builds into a temp dir it removes",
                       "the test suite's shared cache (tests/conftest.py; .ci/run sets it after warming)")
 
@@ -239,8 +237,7 @@ def describe() -> list[tuple[str, str, str]]:
 
 
 def mla_kernel() -> str:
-    """JITATTN_MLA_KERNEL: 'auto' (the default), 'sm90', 'sm90-tma', 'sm90-gather' or 'prefill'; a bad value is an
-    error."""
+    """JITATTN_MLA_KERNEL: 'auto' (the default), 'sm90' or 'prefill'; a bad value is an error."""
     problem = MLA_KERNEL.problem()
     if problem is not None:
         raise ValueError(problem)

@@ -309,9 +309,9 @@ class BatchMLAPagedAttentionWrapper:
                 raise RuntimeError(f"{_NAME}.run() is being captured into a CUDA graph, but the sm90 MLA kernel "
                                    f"cannot read these tensors ({problem}) and the prefill kernels' plan would be made "
                                    "inside the capture; pass .contiguous() views")
-            if mla_kernel_choice().startswith("sm90"):
-                raise ValueError(f"JITATTN_MLA_KERNEL={mla_kernel_choice()}, but the sm90 MLA kernel cannot read "
-                                 f"these tensors: {problem}; pass .contiguous() views or set JITATTN_MLA_KERNEL=auto")
+            if mla_kernel_choice() == "sm90":
+                raise ValueError(f"JITATTN_MLA_KERNEL=sm90, but the sm90 MLA kernel cannot read these tensors: "
+                                 f"{problem}; pass .contiguous() views or set JITATTN_MLA_KERNEL=auto")
             logger.debug("%s.run: the prefill kernels (%s)", _NAME, problem)
             return self._run_prefill(q_nope, q_pe, ckv_cache, kpe_cache, out, lse, return_lse, k_scale, v_scale)
         self._kernel.launch(q_nope, q_pe, ckv_cache, kpe_cache, out, lse, fp8_scale(k_scale, "k_scale"),

@@ -70,20 +70,10 @@ def select_kernel(reason: str | None) -> str:
         return "prefill"
     if reason is None:
         return "sm90"
-    if choice.startswith("sm90"):
-        raise ValueError(f"JITATTN_MLA_KERNEL={choice}, but the sm90 MLA kernel cannot run this plan: {reason}; "
+    if choice == "sm90":
+        raise ValueError(f"JITATTN_MLA_KERNEL=sm90, but the sm90 MLA kernel cannot run this plan: {reason}; "
                          "set JITATTN_MLA_KERNEL=auto to fall back to the prefill kernels")
     return "prefill"
-
-
-# The sm90 kernel's ``loads`` param by JITATTN_MLA_KERNEL: 0 = TMA where it can load the cache, else cp.async
-# gathers; 1 = gathers; 2 = TMA or an error (families/mla.py).
-_LOADS = {"sm90-gather": 1, "sm90-tma": 2}
-
-
-def sm90_loads() -> int:
-    """The ``loads`` launch param that JITATTN_MLA_KERNEL asks for."""
-    return _LOADS.get(env.mla_kernel(), 0)
 
 
 def device_facts(device: torch.device) -> tuple[tuple[int, int] | None, tuple[str, ...] | None]:
@@ -209,8 +199,8 @@ class KernelPlan:
             q_nope_stride_n=0, q_nope_stride_h=0, q_pe_stride_n=0, q_pe_stride_h=0,
             ckv_stride_page=0, ckv_stride_n=0, kpe_stride_page=0, kpe_stride_n=0,
             o_stride_n=0, o_stride_h=0, lse_stride_n=0, lse_stride_h=0,
-            kv_pages=0, causal=int(causal), grid=graph.grid if graph is not None else launched.grid,
-            loads=sm90_loads(), sm_scale=sm_scale, k_scale=1.0, v_scale=1.0,
+            causal=int(causal), grid=graph.grid if graph is not None else launched.grid, sm_scale=sm_scale,
+            k_scale=1.0, v_scale=1.0,
         )
         self._call = self.module.bind("mla", self.params)
 
@@ -240,7 +230,6 @@ class KernelPlan:
         p.q_pe_stride_n, p.q_pe_stride_h = q_pe.stride()[:2]
         p.ckv_stride_page, p.ckv_stride_n = ckv.stride()[:2]
         p.kpe_stride_page, p.kpe_stride_n = kpe.stride()[:2]
-        p.kv_pages = min(ckv.shape[0], kpe.shape[0])
         p.o = out.data_ptr()
         p.o_stride_n, p.o_stride_h = out.stride()[:2]
         if lse is not None:

@@ -17,9 +17,8 @@ import torch
 import jitattn
 from jitattn import env
 from jitattn.families import mla as family
-from jitattn.jit.errors import KernelError
 from jitattn.mla import BatchMLAPagedAttentionWrapper
-from jitattn.mla_kernel import GraphArrays, kernel_spec, layout_problem, select_kernel, sm90_loads, unsupported_reason
+from jitattn.mla_kernel import GraphArrays, kernel_spec, layout_problem, select_kernel, unsupported_reason
 from jitattn.mla_plan import MIN_CHUNK_BLOCKS, graph_item_capacity, padded, plan_work
 from jitattn.spec import VariantSpec
 
@@ -202,15 +201,6 @@ def test_the_knob_forces_a_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
         env.mla_kernel()
 
 
-@pytest.mark.parametrize("choice, loads", [("auto", 0), ("sm90", 0), ("sm90-gather", 1), ("sm90-tma", 2)])
-def test_the_knob_picks_the_sm90_loads(monkeypatch: pytest.MonkeyPatch, choice: str, loads: int) -> None:
-    monkeypatch.setenv("JITATTN_MLA_KERNEL", choice)
-    assert sm90_loads() == loads and select_kernel(None) == "sm90"
-    if choice.startswith("sm90-"):
-        with pytest.raises(ValueError, match=f"JITATTN_MLA_KERNEL={choice}.*no GPU"):
-            select_kernel("no GPU")
-
-
 def test_cpu_plans_keep_the_prefill_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("JITATTN_MLA_KERNEL", raising=False)
     gen = torch.Generator().manual_seed(1)
@@ -374,9 +364,6 @@ def test_the_template_renders_the_layout() -> None:
     for name, value in lay.items():
         assert f"constexpr int {name} = {value};" in kernel
     assert "using q_t = __half;" in kernel and f"{spec.kernel_name}_merge" in kernel
-    # the TMA kernel: Q, K0, K1, sP0, the row statistics and 18 barriers in the opt-in shared memory; 16-bit only
-    assert f"{spec.kernel_name}_tma(" in kernel and lay["kTmaSmemBytes"] <= 227 << 10
-    assert lay["kTmaOffP0"] == 3 * lay["kTileBytes"] and lay["kTmaOffBars"] % 8 == 0
     assert "struct MlaParams" in sources["params.h"]
     with pytest.raises(ValueError, match="16-bit"):
         family.layout(VariantSpec(op="mla", target="cuda", q_dtype="bf16", kv_dtype="bf16", o_dtype="f32",
@@ -388,7 +375,6 @@ def test_the_template_renders_the_layout() -> None:
     assert fp8_layout["kSmemBytes"] <= 227 << 10 and lay["kRawBytes"] == 0
     fp8_kernel = render(fp8)["kernel.cu"]
     assert "constexpr bool kKVFp8 = true;" in fp8_kernel and "kFp8Kind = __NV_E4M3;" in fp8_kernel
-    assert f"{fp8.kernel_name}_tma(" not in fp8_kernel, "an fp8 cache is converted in shared memory: gathers only"
     assert "kFp8Kind = __NV_E5M2;" in render(kernel_spec(torch.float16, torch.float8_e5m2))["kernel.cu"]
 
 
@@ -433,56 +419,6 @@ def test_sm90_kernel_matches_the_reference(monkeypatch: pytest.MonkeyPatch, head
     ref_out, ref_lse = _reference(q_nope, q_pe, ckv, kpe, indptr, indices, qo_lens, kv_lens, causal)
     assert_close_out(out, ref_out, torch.bfloat16)
     assert_close_lse(lse, ref_lse)
-
-
-def _poison_unowned_slots(ckv: torch.Tensor, kpe: torch.Tensor, indptr: torch.Tensor, indices: torch.Tensor,
-                          kv_lens: list[int]) -> None:
-    """NaN in every cache slot no request owns: spare pages and the slots past each request's length in its last page
-    (TMA loads whole pages: those rows must be masked in S and zeroed in V)."""
-    page_size = ckv.shape[1]
-    owned = torch.zeros(ckv.shape[0], page_size, dtype=torch.bool)
-    for r, n in enumerate(kv_lens):
-        pages = indices[int(indptr[r]): int(indptr[r + 1])].long()
-        owned.view(-1)[(pages[:, None] * page_size + torch.arange(page_size)).reshape(-1)[:n]] = True
-    mask = (~owned).to(ckv.device)
-    ckv[mask] = float("nan")
-    kpe[mask] = float("nan")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("loads", ["sm90-tma", "sm90-gather"])
-@pytest.mark.parametrize("page_size", [8, 16, 32, 64, 128])
-@pytest.mark.parametrize("case", ["decode", "speculative", "chunked_prefill", "long_split", "long_split_noncausal"])
-def test_both_load_paths_match_the_reference_with_nan_in_unowned_slots(monkeypatch: pytest.MonkeyPatch, loads: str,
-                                                                       page_size: int, case: str) -> None:
-    """The TMA kernel (every page size it takes) and the gather kernel, forced, against the reference; every cache
-    slot outside the requests holds NaN, odd and even block counts, a block count of one, lengths 0."""
-    monkeypatch.setenv("JITATTN_MLA_KERNEL", loads)
-    kv_lens, qo_lens, causal = _CASES[case]
-    heads = 128 if case == "decode" else 16
-    gen = torch.Generator().manual_seed(page_size + len(case) + len(loads))
-    ckv, kpe, indptr, indices, lens = _latent_cache(kv_lens, page_size, torch.bfloat16, "cuda", gen, joined=True)
-    _poison_unowned_slots(ckv, kpe, indptr, indices, kv_lens)
-    q_nope, q_pe = _queries(qo_lens, heads, torch.bfloat16, "cuda", gen)
-    wrapper = jitattn.BatchMLAPagedAttentionWrapper(torch.empty(64 << 20, dtype=torch.uint8, device="cuda"))
-    wrapper.plan(_indptr(qo_lens), indptr, indices, lens, heads, CKV, KPE, page_size, causal, SM_SCALE,
-                 torch.bfloat16, torch.bfloat16)
-    assert wrapper.kernel == "sm90"
-    out = torch.full((sum(qo_lens), heads, CKV), float("nan"), dtype=torch.bfloat16, device="cuda")
-    _, lse = wrapper.run(q_nope, q_pe, ckv, kpe, out=out, return_lse=True)
-    torch.cuda.synchronize()
-    ref_out, ref_lse = _reference(q_nope, q_pe, ckv, kpe, indptr, indices, qo_lens, kv_lens, causal)
-    assert_close_out(out, ref_out, torch.bfloat16)
-    assert_close_lse(lse, ref_lse)
-
-
-@pytest.mark.gpu
-def test_forced_tma_refuses_a_cache_it_cannot_load(monkeypatch: pytest.MonkeyPatch) -> None:
-    """JITATTN_MLA_KERNEL=sm90-tma: page size 1 (not whole swizzle atoms) and an fp8 cache are errors that say why."""
-    monkeypatch.setenv("JITATTN_MLA_KERNEL", "sm90-tma")
-    for page_size, kv_dtype in ((1, torch.bfloat16), (16, torch.float8_e4m3fn)):
-        with pytest.raises(KernelError, match="TMA cannot load this cache"):
-            _run_case([40], [1], False, 16, page_size, torch.bfloat16, 3, kv_dtype=kv_dtype)
 
 
 @pytest.mark.gpu

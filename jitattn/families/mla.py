@@ -22,13 +22,6 @@ Params (``MLA``; strides in elements, index arrays int32 on the device):
   row; chunk c of tile row x is partial row first + 64 c + x) merged by a second kernel of the same call.
 - ``k_scale`` multiplies the logits, ``v_scale`` the output (1 for a 16-bit cache): an fp8 (e4m3 / e5m2)
   cache is staged raw and converted exactly to the queries' dtype in shared memory, per block.
-- ``kv_pages``: the pages of the ckv / kpe caches (the TMA tensor maps' extent); ``loads``: 0 = TMA where it
-  can load the cache (a 16-bit cache of page_size 8, 16, 32 or a multiple of 64; the kernel ``<name>_tma``),
-  else cp.async gathers; 1 = gathers always; 2 = TMA or an error.
-
-Two kernels share the work list and the epilogue: ``<name>`` gathers each KV block with cp.async (any page
-size, fp8) and runs S, the softmax and P V of a block one after the other; ``<name>_tma`` (16-bit caches) loads
-KV blocks by TMA in pairs and overlaps one warpgroup's softmax with the other's GEMMs (the template's header).
 """
 
 from __future__ import annotations
@@ -48,7 +41,7 @@ MLA = Entry("mla", fields(
     "q_nope_stride_n:i64 q_nope_stride_h:i64 q_pe_stride_n:i64 q_pe_stride_h:i64 "
     "ckv_stride_page:i64 ckv_stride_n:i64 kpe_stride_page:i64 kpe_stride_n:i64 "
     "o_stride_n:i64 o_stride_h:i64 lse_stride_n:i64 lse_stride_h:i64 "
-    "kv_pages:i64 causal:i32 grid:i32 loads:i32 sm_scale:f32 k_scale:f32 v_scale:f32"
+    "causal:i32 grid:i32 sm_scale:f32 k_scale:f32 v_scale:f32"
 ))
 
 CKV_DIM, KPE_DIM = 512, 64  # the widths the kernel is written for (DeepSeek-V2/V3: kv_lora_rank, qk_rope_head_dim)
@@ -95,22 +88,14 @@ def layout(spec: VariantSpec) -> dict[str, int]:
     p_bytes = (KV_BLOCK // 16) * 4 * 128 * 4  # P words of warpgroup 0: [k16 steps][4][128 threads]
     off_alpha = off_p + p_bytes
     smem = off_alpha + 128 * 8 + 1024        # + slack to align the base to 1 KiB (swizzle atoms)
-    # The TMA kernel: Q, K0, K1 (whole tiles), sP0 (one chunk; sP1 sits in Q's rope chunk), the row statistics
-    # (max, scale0, scale1, the two warpgroups' sums: 5 x 64 floats), 2 x 9 chunk barriers.
-    tma_p0 = 3 * tile_bytes
-    tma_stats = tma_p0 + chunk_bytes
-    tma_bars = tma_stats + 5 * ROWS * 4
-    tma_smem = tma_bars + 2 * chunks * 8 + 1024
-    for need in (smem, tma_smem):
-        if need > _SMEM_LIMIT:
-            raise ValueError(f"{spec.uri}: the MLA tile needs {need} B of shared memory, over {_SMEM_LIMIT}")
+    if smem > _SMEM_LIMIT:
+        raise ValueError(f"{spec.uri}: the MLA tile needs {smem} B of shared memory, over {_SMEM_LIMIT}")
     return {
         "kThreads": 256, "kRows": ROWS, "kBN": KV_BLOCK, "kDC": CKV_DIM, "kDR": KPE_DIM,
         "kChunks": chunks, "kChunkBytes": chunk_bytes, "kTileBytes": tile_bytes,
         "kOffQ": 0, "kOffKV": off_kv, "kOffP": off_p, "kOffAlpha": off_alpha, "kOffStat": 0, "kSmemBytes": smem,
         "kLoadThreads": TUNING["load_threads"],
         "kRawRowBytes": raw_row, "kRawBytes": raw_bytes, "kOffRaw": off_raw,
-        "kTmaOffP0": tma_p0, "kTmaOffStats": tma_stats, "kTmaOffBars": tma_bars, "kTmaSmemBytes": tma_smem,
     }
 
 
@@ -128,5 +113,4 @@ def context(spec: VariantSpec) -> dict[str, Any]:
         "kv_ctype": c_type(spec.kv_dtype, spec.target),
         "o_ctype": c_type(spec.o_dtype, spec.target),
         "constants": constants,
-        "tma_kernel": not spec.kv_dtype.is_fp8,  # the TMA kernel reads a 16-bit cache as it lies
     }
