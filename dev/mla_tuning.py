@@ -1,7 +1,7 @@
 """Times the sm90 MLA kernel (through BatchMLAPagedAttentionWrapper) for tuning choices of jitattn/families/mla.py.
 
-Run on an H100/H200: ``python3 dev/mla_tuning.py [load_threads ...]`` (default 128 256). Each choice renders
-distinct sources (its own cache entry). Shapes: the benchmark's mla/* cases (bf16, page 64) and two small
+Run on an H100/H200: ``python3 dev/mla_tuning.py [choice ...]``, a choice being ``key=value[,key=value]`` of
+``family.TUNING`` (default ``overlap=1 overlap=0``). Each choice renders distinct sources (its own cache entry). Shapes: the benchmark's mla/* cases (bf16, page 64) and two small
 batches that split. Timing: CUDA events around 20 back-to-back run() calls after 3 warm-ups, median of 5
 such groups; TFLOP/s = 2 * B * H * L * (576 + 512) / t, TB/s = B * L * 576 * 2 B / t. Each shape is checked
 against the prefill kernels' output (JITATTN_MLA_KERNEL=prefill) on the same inputs; fp8 rows count 1 byte
@@ -62,7 +62,7 @@ def _time(fn) -> float:
     return statistics.median(groups)
 
 
-def main(choices: list[int]) -> None:
+def main(choices: list[str]) -> None:
     workspace = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
     for name, batch, kv_len, heads, kv_dtype in SHAPES:
         buffer, indices, indptr, lens, q_nope, q_pe = _inputs(batch, kv_len, heads, kv_dtype)
@@ -78,8 +78,11 @@ def main(choices: list[int]) -> None:
         nbytes = batch * kv_len * 576 * kv_dtype.itemsize
         print(f"{name:24s} prefill kernels  {t_ref:9.1f} us {flops / t_ref / 1e6:7.1f} TFLOP/s "
               f"{nbytes / t_ref / 1e6:6.2f} TB/s", flush=True)
+        defaults = dict(family.TUNING)
         for choice in choices:
-            family.TUNING["load_threads"] = choice
+            family.TUNING.clear()
+            family.TUNING.update(defaults)
+            family.TUNING.update({k: int(v) for k, v in (kv.split("=") for kv in choice.split(","))})
             jit._registry.pop(kernel_spec(torch.bfloat16, kv_dtype), None)  # the same spec renders other sources now
             os.environ["JITATTN_MLA_KERNEL"] = "sm90"
             w = jitattn.BatchMLAPagedAttentionWrapper(workspace)
@@ -88,10 +91,10 @@ def main(choices: list[int]) -> None:
             err = ((out - expected).norm() / expected.norm()).item()
             t = _time(lambda: w.run(q_nope, q_pe, ckv, kpe))
             work = w._kernel.work
-            print(f"{name:24s} sm90 load{choice:<4d}   {t:9.1f} us {flops / t / 1e6:7.1f} TFLOP/s "
+            print(f"{name:24s} sm90 {choice:<14s} {t:9.1f} us {flops / t / 1e6:7.1f} TFLOP/s "
                   f"{nbytes / t / 1e6:6.2f} TB/s  rel err vs prefill {err:.2e}  items {work.num_items} "
                   f"merges {work.num_merges}", flush=True)
 
 
 if __name__ == "__main__":
-    main([int(a) for a in sys.argv[1:]] or [128, 256])
+    main(sys.argv[1:] or ["overlap=1", "overlap=0"])
