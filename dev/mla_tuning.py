@@ -1,7 +1,8 @@
 """Times the sm90 MLA kernel (through BatchMLAPagedAttentionWrapper) for tuning choices of jitattn/families/mla.py.
 
 Run on an H100/H200: ``python3 dev/mla_tuning.py [choice ...]``, a choice being ``key=value[,key=value]`` of
-``family.TUNING`` (default ``overlap=1 overlap=0``). Each choice renders distinct sources (its own cache entry). Shapes: the benchmark's mla/* cases (bf16, page 64) and two small
+``family.TUNING`` (default ``overlap=1 overlap=0``). Each choice renders distinct sources (its own cache entry).
+Shapes: the benchmark's mla/* cases (bf16, page 64) and two small
 batches that split. Timing: CUDA events around 20 back-to-back run() calls after 3 warm-ups, median of 5
 such groups; TFLOP/s = 2 * B * H * L * (576 + 512) / t, TB/s = B * L * 576 * 2 B / t. Each shape is checked
 against the prefill kernels' output (JITATTN_MLA_KERNEL=prefill) on the same inputs; fp8 rows count 1 byte
