@@ -1,7 +1,7 @@
 """Times the sm90 MLA kernel (through BatchMLAPagedAttentionWrapper) for tuning choices of jitattn/families/mla.py.
 
 Run on an H100/H200: ``python3 dev/mla_tuning.py [choice ...]``, a choice being ``key=value[,key=value]`` of
-``family.TUNING`` (default ``overlap=1 overlap=0``). Each choice renders distinct sources (its own cache entry).
+``family.TUNING`` (default ``load_threads=128 load_threads=256``). Each choice renders distinct sources (its own cache entry).
 Shapes: the benchmark's mla/* cases (bf16, page 64) and two small
 batches that split. Timing: CUDA events around 20 back-to-back run() calls after 3 warm-ups, median of 5
 such groups; TFLOP/s = 2 * B * H * L * (576 + 512) / t, TB/s = B * L * 576 * 2 B / t. Each shape is checked
@@ -98,4 +98,4 @@ def main(choices: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:] or ["overlap=1", "overlap=0"])
+    main(sys.argv[1:] or ["load_threads=128", "load_threads=256"])

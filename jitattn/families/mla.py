@@ -55,11 +55,6 @@ _SMEM_LIMIT = 227 << 10     # the opt-in shared memory per block on sm_90
 # cache entries); nothing else should.
 TUNING: dict[str, int] = {
     "load_threads": 128,  # threads issuing the KV cp.async gathers: 128 = warpgroup 1 (idle during S), 256 = both
-    # 16-bit cache with load_threads 128: KV through `stages` stages of `sub_block` tokens, S of the next block
-    # computed under the softmax of this one (0: the serial schedule over two 64-token stages)
-    "overlap": 1,
-    "sub_block": 32,
-    "stages": 4,
 }
 
 
@@ -92,28 +87,15 @@ def layout(spec: VariantSpec) -> dict[str, int]:
     off_p = off_kv + tile_bytes + 2 * raw_bytes if fp8 else off_kv + 2 * tile_bytes
     p_bytes = (KV_BLOCK // 16) * 4 * 128 * 4  # P words of warpgroup 0: [k16 steps][4][128 threads]
     off_alpha = off_p + p_bytes
-    # The overlap schedule (16-bit cache, loads by warpgroup 1): Q, then `stages` stages of `sub_block` tokens
-    # (9 boxes of sub_block rows each), then P of one sub-block and the rescale factors.
-    sub, stages = TUNING["sub_block"], TUNING["stages"]
-    overlap = int(bool(TUNING["overlap"]) and not fp8 and TUNING["load_threads"] == 128)
-    sub_chunk = sub * 128
-    sub_tile = chunks * sub_chunk
-    if overlap:
-        off_p = off_kv + stages * sub_tile
-        off_alpha = off_p + (sub // 16) * 4 * 128 * 4
     smem = off_alpha + 128 * 8 + 1024        # + slack to align the base to 1 KiB (swizzle atoms)
     if smem > _SMEM_LIMIT:
         raise ValueError(f"{spec.uri}: the MLA tile needs {smem} B of shared memory, over {_SMEM_LIMIT}")
-    if sub % 16 or KV_BLOCK % sub or stages < 3 or sub_tile % 1024:
-        raise ValueError(f"MLA tuning sub_block={sub}, stages={stages}: need a multiple of 16 dividing {KV_BLOCK} "
-                         "and at least 3 stages")
     return {
         "kThreads": 256, "kRows": ROWS, "kBN": KV_BLOCK, "kDC": CKV_DIM, "kDR": KPE_DIM,
         "kChunks": chunks, "kChunkBytes": chunk_bytes, "kTileBytes": tile_bytes,
         "kOffQ": 0, "kOffKV": off_kv, "kOffP": off_p, "kOffAlpha": off_alpha, "kOffStat": 0, "kSmemBytes": smem,
         "kLoadThreads": TUNING["load_threads"],
         "kRawRowBytes": raw_row, "kRawBytes": raw_bytes, "kOffRaw": off_raw,
-        "kOverlap": overlap, "kSubBN": sub, "kStages": stages, "kSubChunkBytes": sub_chunk, "kSubTileBytes": sub_tile,
     }
 
 
