@@ -184,7 +184,10 @@ def test_graph_bucket_step_gives_the_eager_step_logits(model, monkeypatch) -> No
         seqs = [SeqView(tuple(r.pages[: -(-len(r.fed_tokens) // PAGE)]), len(r.fed_tokens), 1) for r in batch]
         ids = [r.fed_tokens[-1] for r in batch]
         expected, _ = engine._decode_logits(seqs, ids)
-        torch.testing.assert_close(graph.run(seqs, ids), expected, rtol=0, atol=0)
+        # Not bit-exact: the model's CPU GEMMs see 4 padded rows here and 3 or 2 in the eager step, and the BLAS
+        # picks its blocking by shape (last-bit differences on some CPUs). A wrong page or padding row would be
+        # off by O(1), far beyond this tolerance.
+        torch.testing.assert_close(graph.run(seqs, ids), expected, rtol=1e-4, atol=1e-5)
 
 
 def _fake_graphs(monkeypatch) -> None:
