@@ -15,7 +15,9 @@ from .attention.launch import PreparedAttention
 from .attention.options import PAGE_TABLE_HINT, parse_kv_layout, refuse_unsupported, resolve_batch_invariant
 from .jit import load, resident_blocks
 from .page_table import PagedIndex, check_paged_index, to_host_int32
-from .kv_split import MAX_RESIDENT_BLOCKS, KVSplit, decode_kv_split, max_decode_chunks, split_workspace_bytes
+from .kv_split import (
+    MAX_RESIDENT_BLOCKS, KVSplit, decode_kv_split, max_decode_chunks, split_workspace_bytes, unsplit,
+)
 from .variant import AttentionVariant
 from .spec import KVLayout, KVStorage, Op, Target
 
@@ -141,7 +143,7 @@ class BatchDecodeWithPagedKVCacheWrapper(BatchWrapperBase):
                                    batch_invariant=True)
         if self._use_cuda_graph:
             # Under CUDA graphs the grid must not depend on lengths: no split.
-            return KVSplit(0, tuple(range(len(kv_lens) + 1)))
+            return unsplit(len(kv_lens))
         # The cpu target runs the same plan; its "SMs" are the OpenMP threads.
         return decode_kv_split(
             kv_lens, num_kv_heads=num_kv_heads, num_sms=num_workers(self._device), page_size=page_size,
@@ -213,7 +215,7 @@ class BatchDecodeWithPagedKVCacheWrapper(BatchWrapperBase):
             qo_indptr = split_indptr = own[: batch + 1]  # the batch's part (it sizes the launch)
             if split.kv_chunk_size:  # batch-invariant: a split plan whose chunk offsets keep their address
                 split_indptr = self._own_buffers[1]
-                split_indptr[: batch + 1].copy_(torch.tensor(split.split_indptr, dtype=torch.int32))
+                split_indptr[: batch + 1].copy_(split.host_indptr())
         else:
             arrays = [t if t.device == device else t.to(device, non_blocking=True)
                       for t in (indptr, indices, last_page_len)]
@@ -222,8 +224,7 @@ class BatchDecodeWithPagedKVCacheWrapper(BatchWrapperBase):
             qo_indptr = self._fast_ranges[batch]
             split_indptr = qo_indptr
             if split.kv_chunk_size:
-                split_indptr = upload_int32([("split_indptr", torch.tensor(split.split_indptr, dtype=torch.int32),
-                                              None)], device)[0]
+                split_indptr = upload_int32([("split_indptr", split.host_indptr(), None)], device)[0]
         # The page table is trusted here (as FlashInfer's fast path does): max_page_index is unknown.
         index = PagedIndex(indptr=indptr_host, indices=indices, last_page_len=last_page_len, page_size=page_size,
                            kv_lens=upper_lens, max_page_index=-1)

@@ -7,9 +7,12 @@ functions; the wrappers call them once per ``plan()``.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
+from itertools import accumulate
 
+import numpy as np
 import torch
 
 from .page_table import PagedIndex
@@ -44,6 +47,16 @@ class KVSplit:
     def num_chunks(self) -> int:
         return self.split_indptr[-1]
 
+    def host_indptr(self) -> torch.Tensor:
+        """``split_indptr`` as a host int32 tensor (through numpy: a third of ``torch.tensor``'s cost)."""
+        return torch.from_numpy(np.array(self.split_indptr, dtype=np.int32))
+
+
+@functools.lru_cache(maxsize=64)
+def unsplit(batch: int) -> KVSplit:
+    """The plan of ``batch`` requests each in one piece (one immutable value per batch size)."""
+    return KVSplit(0, tuple(range(batch + 1)))
+
 
 def decode_kv_split(
     kv_lens: tuple[int, ...], *, num_kv_heads: int, num_sms: int, page_size: int,
@@ -71,36 +84,33 @@ def decode_kv_split(
     never depend on the other requests; ``disable_split_kv`` (every request whole) is invariant too.
     """
     batch = len(kv_lens)
-    no_split = KVSplit(0, tuple(range(batch + 1)))
     if disable_split_kv:
-        return no_split
+        return unsplit(batch)
     if batch_invariant:
         return _split_by(kv_lens, batch_invariant_chunk(page_size, fixed_split_size))
-    if batch == 0 or max(kv_lens) == 0:
-        return no_split
+    longest = max(kv_lens, default=0)
+    if longest == 0:
+        return unsplit(batch)
     if fixed_split_size is not None:
         if fixed_split_size < 1:
             raise ValueError(f"fixed_split_size={fixed_split_size} must be >= 1 (pages per chunk)")
         chunk = fixed_split_size * page_size
     else:
         chunk = _balanced_chunk(kv_lens, num_kv_heads, blocks_per_sm * num_sms, page_size, min_chunk_tokens)
-        if len(kv_lens) * num_kv_heads <= num_sms:
+        if batch * num_kv_heads <= num_sms:
             chunk = _one_wave_chunk(kv_lens, num_kv_heads, num_sms, page_size, min_chunk_tokens) or chunk
-        if 2 * max(kv_lens) < 3 * chunk:
-            return no_split
+        if 2 * longest < 3 * chunk:
+            return unsplit(batch)
     return _split_by(kv_lens, chunk)
 
 
 def _chunk_counts(kv_lens: tuple[int, ...], chunk: int) -> list[int]:
     """Chunks of ``chunk`` tokens per request (an empty request still takes one)."""
-    return [max(1, math.ceil(n / chunk)) for n in kv_lens]
+    return [(n + chunk - 1) // chunk if n > 0 else 1 for n in kv_lens]  # exact integer ceil, no float
 
 
 def _split_by(kv_lens: tuple[int, ...], chunk: int) -> KVSplit:
-    indptr = [0]
-    for count in _chunk_counts(kv_lens, chunk):
-        indptr.append(indptr[-1] + count)
-    return KVSplit(chunk, tuple(indptr))
+    return KVSplit(chunk, tuple(accumulate(_chunk_counts(kv_lens, chunk), initial=0)))
 
 
 def _balanced_chunk(kv_lens: tuple[int, ...], num_kv_heads: int, slots: int, page_size: int,

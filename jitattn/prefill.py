@@ -12,7 +12,7 @@ from .attention.wrapper import BatchWrapperBase
 from .attention.checks import check_tensor, target_of
 from .attention.options import PAGE_TABLE_HINT, fp8_scale, parse_kv_layout, refuse_unsupported, resolve_batch_invariant
 from .page_table import PagedIndex, check_indptr, check_paged_index
-from .kv_split import KVSplit
+from .kv_split import unsplit
 from .masks import multi_item_mask, packed_mask_indptr, segment_packbits
 from .variant import AttentionVariant
 from .spec import KVLayout, MaskMode, Op, Target
@@ -80,7 +80,7 @@ def _plan_prefill(
         variant=variant,
     )
     host = HostIndex(qo_host, kv_indptr_host, index, mask_host, mask_indptr_host)
-    return build_plan(wrapper, target, device, kv_layout, options, host, KVSplit(0, tuple(range(len(kv_lens) + 1))),
+    return build_plan(wrapper, target, device, kv_layout, options, host, unsplit(len(kv_lens)),
                       buffers, use_cuda_graph)
 
 

@@ -140,7 +140,7 @@ def build_plan(
     if host.mask_indptr is not None:
         arrays.append(("mask_indptr", host.mask_indptr))
     if split.kv_chunk_size or buffers.get("split_indptr") is not None:
-        arrays.append(("split_indptr", torch.tensor(split.split_indptr, dtype=torch.int32)))
+        arrays.append(("split_indptr", split.host_indptr()))
     on_device = dict(zip((name for name, _ in arrays), upload_int32(
         [(name, array, buffers.get(name)) for name, array in arrays], device)))
     mask = upload(host.mask, device, buffers.get("custom_mask"), "custom_mask") if host.mask is not None else None
