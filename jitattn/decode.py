@@ -69,8 +69,8 @@ class BatchDecodeWithPagedKVCacheWrapper(BatchWrapperBase):
         self._split_counters: torch.Tensor | None = None  # split-KV chunk counters, zero between launches
         self._fast_specs: dict[tuple, tuple] = {}  # fast_decode_plan: (options) -> (spec, module)
         self._fast_ranges: dict[int, torch.Tensor] = {}  # fast_decode_plan: batch size -> arange on the device
-        # fast_decode_plan: (what its launch struct was filled from, that launch), reused by the next step
-        self._fast_launch: tuple[tuple, PreparedAttention] | None = None
+        # (what the last plan's launch struct was filled from, that launch): see _launch_to_reuse
+        self._last_launch: tuple[tuple, PreparedAttention] | None = None
 
     @property
     def use_tensor_cores(self) -> bool:
@@ -126,10 +126,14 @@ class BatchDecodeWithPagedKVCacheWrapper(BatchWrapperBase):
         qo_indptr = _host_range(index.batch_size + 1)
         qo_indptr_buf, split_indptr_buf = self._own_buffers
         buffers = {**self._buffers, "qo_indptr": qo_indptr_buf, "split_indptr": split_indptr_buf}
+        counters = self._counters(split, index.batch_size, num_kv_heads)
+        launch_key = (spec, options, index.batch_size, page_size, split.kv_chunk_size, split.num_chunks,
+                      self._use_cuda_graph, counters.data_ptr() if counters is not None else 0)
         self._plan = build_plan(_WRAPPER, self._target, self._device, self._kv_layout, options,
                                 HostIndex(qo_indptr, index.indptr, index), split, buffers, self._use_cuda_graph,
-                                workspace_bytes, spec=spec,
-                                split_counters=self._counters(split, index.batch_size, num_kv_heads))
+                                workspace_bytes, spec=spec, split_counters=counters,
+                                launch=self._launch_to_reuse(launch_key, spec))
+        self._last_launch = (launch_key, self._plan.launch)
 
     begin_forward = plan
 
@@ -150,6 +154,18 @@ class BatchDecodeWithPagedKVCacheWrapper(BatchWrapperBase):
             fixed_split_size=fixed_split_size, disable_split_kv=disable_split_kv,
             blocks_per_sm=resident_blocks(spec) if self._target is Target.CUDA else 2,
         )
+
+    def _launch_to_reuse(self, key: tuple, spec) -> PreparedAttention | None:
+        """The last plan's launch when its struct was filled from ``key`` (kernel, options, batch, page size,
+        split, counters), else None. A serving loop's steps mostly repeat these: pointing that struct at the
+        step's arrays costs less than filling a new one. Not for a variant (its struct's address belongs to
+        the plan). When it returns a launch, no plan is current until the caller has made the new one, so
+        a failure on the way leaves none rather than one whose launch reads another's arrays."""
+        last, self._last_launch = self._last_launch, None
+        if spec.variant is not None or last is None or last[0] != key:
+            return None
+        self._plan = None
+        return last[1]
 
     def _counters(self, split: KVSplit, batch: int, num_kv_heads: int) -> torch.Tensor | None:
         """This wrapper's split-KV counters (grown, never shrunk; each launch leaves them zero)."""
@@ -229,18 +245,11 @@ class BatchDecodeWithPagedKVCacheWrapper(BatchWrapperBase):
         index = PagedIndex(indptr=indptr_host, indices=indices, last_page_len=last_page_len, page_size=page_size,
                            kv_lens=upper_lens, max_page_index=-1)
         counters = self._counters(split, batch, num_kv_heads)
-        # A serving loop's steps mostly repeat the batch size and the split: the last step's launch struct
-        # is then re-pointed at this step's arrays instead of filled anew (not for a variant: its struct's
-        # address belongs to the plan).
         launch_key = (spec, options, batch, page_size, split.kv_chunk_size, split.num_chunks, self._use_cuda_graph,
-                      qo_indptr.data_ptr(), counters.data_ptr() if counters is not None else 0)
-        launch = None
-        if spec.variant is None and self._fast_launch is not None and self._fast_launch[0] == launch_key:
-            launch = self._fast_launch[1]
-            # From here the previous plan's launch reads this step's arrays: no plan until this one is made.
-            self._plan = None
-            launch.point_at(arrays[0], arrays[1], arrays[2], split_indptr)
-        self._fast_launch = None
+                      counters.data_ptr() if counters is not None else 0)
+        launch = self._launch_to_reuse(launch_key, spec)
+        if launch is not None:
+            launch.point_at(qo_indptr, arrays[0], arrays[1], arrays[2], split_indptr)
         self._plan = make_plan(
             _WRAPPER, spec, module, options, self._kv_layout, qo_indptr=qo_indptr, kv_indptr=arrays[0],
             kv_indices=arrays[1], kv_last_page_len=arrays[2], custom_mask=None, mask_indptr=None, index=index,
@@ -248,7 +257,7 @@ class BatchDecodeWithPagedKVCacheWrapper(BatchWrapperBase):
             use_cuda_graph=self._use_cuda_graph, workspace_bytes=workspace_bytes, split_counters=counters,
             launch=launch,
         )
-        self._fast_launch = (launch_key, self._plan.launch)
+        self._last_launch = (launch_key, self._plan.launch)
 
     def workspace_size(
         self, max_batch_size: int, max_kv_tokens: int, num_qo_heads: int, num_kv_heads: int, head_dim: int,

@@ -125,10 +125,14 @@ def build_plan(
     wrapper: str, target: Target, device: torch.device, kv_layout: KVLayout, options: AttentionOptions,
     host: HostIndex, split: KVSplit, buffers: dict[str, torch.Tensor | None], use_cuda_graph: bool,
     workspace_bytes: int = 0, spec: VariantSpec | None = None, split_counters: torch.Tensor | None = None,
+    launch: PreparedAttention | None = None,
 ) -> AttentionPlan:
     """Load the kernel for ``options`` and upload ``host``'s arrays (one copy, or into the fixed buffers).
 
-    ``spec``: the kernel's spec when the caller already computed it (decode does, to size its split)."""
+    ``spec``: the kernel's spec when the caller already computed it (decode does, to size its split).
+    ``launch``: a paged plan's prepared launch of the same kernel, options, batch, page size, split and
+    counters (the previous plan's, which must no longer be in use): pointed at the uploaded arrays and
+    used instead of filling a new one."""
     if spec is None:
         storage = KVStorage.PAGED if host.paged is not None else KVStorage.RAGGED
         spec = kernel_spec(options, target, kv_layout, storage)
@@ -144,13 +148,16 @@ def build_plan(
     on_device = dict(zip((name for name, _ in arrays), upload_int32(
         [(name, array, buffers.get(name)) for name, array in arrays], device)))
     mask = upload(host.mask, device, buffers.get("custom_mask"), "custom_mask") if host.mask is not None else None
+    if launch is not None:
+        launch.point_at(on_device["qo_indptr"], on_device["kv_indptr"], on_device["kv_indices"],
+                        on_device["kv_last_page_len"], on_device.get("split_indptr"))
     return make_plan(
         wrapper, spec, module, options, kv_layout, qo_indptr=on_device["qo_indptr"],
         kv_indptr=on_device["kv_indptr"], kv_indices=on_device.get("kv_indices"),
         kv_last_page_len=on_device.get("kv_last_page_len"), custom_mask=mask, mask_indptr=on_device.get("mask_indptr"),
         index=paged, total_qo=int(host.qo_indptr[-1]), total_kv=None if paged is not None else int(host.kv_indptr[-1]),
         split=split, split_indptr=on_device.get("split_indptr"), use_cuda_graph=use_cuda_graph,
-        workspace_bytes=workspace_bytes, split_counters=split_counters,
+        workspace_bytes=workspace_bytes, split_counters=split_counters, launch=launch,
     )
 
 
