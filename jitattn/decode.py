@@ -9,7 +9,7 @@ import torch
 
 from .attention.batch import check_workspace, upload_int32
 from .attention.builder import HostIndex, attention_options, build_plan, kernel_spec, make_plan, num_workers
-from .attention.wrapper import BatchWrapperBase
+from .attention.wrapper import BatchWrapperBase, plan_arguments
 from .attention.checks import check_tensor, target_of
 from .attention.launch import PreparedAttention
 from .attention.options import PAGE_TABLE_HINT, parse_kv_layout, refuse_unsupported, resolve_batch_invariant
@@ -103,8 +103,9 @@ class BatchDecodeWithPagedKVCacheWrapper(BatchWrapperBase):
         q and kv dtypes the caller did not give. ``fixed_split_size`` is in pages.
         ``block_tables``/``seq_lens`` (FlashInfer's trtllm-gen inputs) are not supported.
         """
-        self._plan_call = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
-        refuse_unsupported(f"{_WRAPPER}.plan", PAGE_TABLE_HINT, block_tables=block_tables, seq_lens=seq_lens)
+        self._plan_call = plan_arguments(locals())
+        if block_tables is not None or seq_lens is not None:
+            refuse_unsupported(f"{_WRAPPER}.plan", PAGE_TABLE_HINT, block_tables=block_tables, seq_lens=seq_lens)
         if q_data_type is _DEFAULT_Q_DTYPE and data_type is not None:
             q_data_type = None  # the default, not the caller's choice: data_type fills it
         options = attention_options(

@@ -28,7 +28,7 @@ from .specs import attention_spec
 # Options of recent plans by their arguments (with their types, so 1, 1.0 and True stay apart): a serving
 # loop plans the same options every step. Only plain values are keys; AttentionOptions is immutable.
 _OPTIONS: dict[tuple, AttentionOptions] = {}
-_PLAIN = (str, int, float, bool, type(None), torch.dtype, Op, MaskMode)
+_PLAIN = frozenset((str, int, float, bool, type(None), torch.dtype, Op, MaskMode))
 
 
 def attention_options(
@@ -42,7 +42,8 @@ def attention_options(
     values = (op, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo, q_data_type, kv_data_type, data_type,
               o_data_type, pos_encoding_mode, mask_mode, window_left, logits_soft_cap, sm_scale, rope_scale,
               rope_theta)
-    key = tuple((type(v), v) for v in values) if variant is None and all(type(v) in _PLAIN for v in values) else None
+    types = tuple(map(type, values))
+    key = (values, types) if variant is None and _PLAIN.issuperset(types) else None
     options = _OPTIONS.get(key) if key is not None else None
     if options is None:
         options = _parse_options(op, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo, q_data_type, kv_data_type,
