@@ -119,7 +119,7 @@ class BatchDecodeWithPagedKVCacheWrapper(BatchWrapperBase):
         if variant is not None and not variant.splittable:
             disable_split_kv = True  # partial states of such a variant cannot be merged by LSE
         batch_invariant = resolve_batch_invariant(batch_invariant)
-        split = self._split(spec, index.kv_lens, num_kv_heads, page_size, fixed_split_size, disable_split_kv,
+        split = self._split(spec, index.kv_len_array, num_kv_heads, page_size, fixed_split_size, disable_split_kv,
                             batch_invariant)
         workspace_bytes = split_workspace_bytes(split.num_chunks, num_qo_heads, head_dim) if split.kv_chunk_size else 0
         check_workspace(self._workspace, workspace_bytes, _WRAPPER)
@@ -138,7 +138,7 @@ class BatchDecodeWithPagedKVCacheWrapper(BatchWrapperBase):
 
     begin_forward = plan
 
-    def _split(self, spec, kv_lens: tuple[int, ...], num_kv_heads: int, page_size: int,
+    def _split(self, spec, kv_lens: np.ndarray, num_kv_heads: int, page_size: int,
                fixed_split_size: int | None, disable_split_kv: bool, batch_invariant: bool = False) -> KVSplit:
         if batch_invariant:
             # The chunk length is a constant, so the launch (kv_chunk_size, grid, the whole workspace) is
@@ -212,7 +212,7 @@ class BatchDecodeWithPagedKVCacheWrapper(BatchWrapperBase):
         self._check_graph_batch(batch)
         # Without last_page_len on the host every request counts its full last page. Chunks end on
         # page boundaries, so the chunk counts are the same as with the exact lengths.
-        upper_lens = tuple((np.diff(indptr_host.numpy()).astype(np.int64) * page_size).tolist())
+        upper_lens = np.diff(indptr_host.numpy()).astype(np.int64) * page_size
         split = self._split(spec, upper_lens, num_kv_heads, page_size, fixed_split_size, disable_split_kv,
                             batch_invariant)
         workspace_bytes = split_workspace_bytes(split.num_chunks, num_qo_heads, head_dim) if split.kv_chunk_size else 0
@@ -244,7 +244,7 @@ class BatchDecodeWithPagedKVCacheWrapper(BatchWrapperBase):
                 split_indptr = upload_int32([("split_indptr", split.host_indptr(), None)], device)[0]
         # The page table is trusted here (as FlashInfer's fast path does): max_page_index is unknown.
         index = PagedIndex(indptr=indptr_host, indices=indices, last_page_len=last_page_len, page_size=page_size,
-                           kv_lens=upper_lens, max_page_index=-1)
+                           kv_len_array=upper_lens, max_page_index=-1)
         counters = self._counters(split, batch, num_kv_heads)
         launch_key = (spec, options, batch, page_size, split.kv_chunk_size, split.num_chunks, self._use_cuda_graph,
                       counters.data_ptr() if counters is not None else 0)

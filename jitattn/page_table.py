@@ -7,6 +7,7 @@ arrays it holds on the host.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,12 +24,17 @@ class PagedIndex:
     indices: torch.Tensor  # int32 [>= indptr[-1]]
     last_page_len: torch.Tensor  # int32 [batch]
     page_size: int
-    kv_lens: tuple[int, ...]
+    kv_len_array: np.ndarray  # int64 [batch]: each request's KV length
     max_page_index: int  # -1 when no page is referenced
+
+    @functools.cached_property
+    def kv_lens(self) -> tuple[int, ...]:
+        """Each request's KV length as Python ints (made on first use; decode's planner reads the array)."""
+        return tuple(self.kv_len_array.tolist())
 
     @property
     def batch_size(self) -> int:
-        return len(self.kv_lens)
+        return len(self.kv_len_array)
 
 
 def to_host_int32(name: str, tensor: torch.Tensor, ndim: int = 1) -> torch.Tensor:
@@ -174,7 +180,7 @@ def check_paged_index(
         kv_lens = np.where(pages > 0, kv_lens, 0)
     return PagedIndex(
         indptr=indptr_h, indices=indices_h, last_page_len=last_h, page_size=page_size,
-        kv_lens=tuple(kv_lens.tolist()), max_page_index=highest,
+        kv_len_array=kv_lens, max_page_index=highest,
     )
 
 
