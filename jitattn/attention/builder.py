@@ -149,6 +149,9 @@ def build_plan(
     on_device = dict(zip((name for name, _ in arrays), upload_int32(
         [(name, array, buffers.get(name)) for name, array in arrays], device)))
     mask = upload(host.mask, device, buffers.get("custom_mask"), "custom_mask") if host.mask is not None else None
+    # Read through numpy (an int32 tensor never requires grad): indexing the tensor costs a few µs more.
+    total_qo = int(host.qo_indptr.numpy()[-1])
+    total_kv = None if paged is not None else int(host.kv_indptr.numpy()[-1])
     if launch is not None:
         launch.point_at(on_device["qo_indptr"], on_device["kv_indptr"], on_device["kv_indices"],
                         on_device["kv_last_page_len"], on_device.get("split_indptr"))
@@ -156,7 +159,7 @@ def build_plan(
         wrapper, spec, module, options, kv_layout, qo_indptr=on_device["qo_indptr"],
         kv_indptr=on_device["kv_indptr"], kv_indices=on_device.get("kv_indices"),
         kv_last_page_len=on_device.get("kv_last_page_len"), custom_mask=mask, mask_indptr=on_device.get("mask_indptr"),
-        index=paged, total_qo=int(host.qo_indptr[-1]), total_kv=None if paged is not None else int(host.kv_indptr[-1]),
+        index=paged, total_qo=total_qo, total_kv=total_kv,
         split=split, split_indptr=on_device.get("split_indptr"), use_cuda_graph=use_cuda_graph,
         workspace_bytes=workspace_bytes, split_counters=split_counters, launch=launch,
     )
