@@ -110,7 +110,7 @@ def decode_kv_split(
     return _split_by(lens, chunk)
 
 
-# Any chunk at least as long as every request cuts each into one piece: a longer one is counted as this
+# A chunk at least as long as every request leaves each in one piece, so a longer one counts as this one
 # (numpy's int64 would overflow on an absurd fixed_split_size).
 _LONGEST_CHUNK = 1 << 62
 
@@ -295,7 +295,7 @@ def concat_level_tables(levels: list[tuple[torch.Tensor, PagedIndex]]) -> tuple[
     into one chunk-major buffer. The tables are derived from checked ones: not checked again.
     """
     start = torch.zeros(1, dtype=torch.int32)
-    qo_parts, kv_parts, indices, lasts, kv_lens = [start], [start], [], [], []
+    qo_parts, kv_parts, indices, lasts, kv_lens = [start], [start], [], [], []  # kv_lens: one array per level
     row = page = 0
     for qo_indptr, index in levels:
         qo_parts.append(qo_indptr[1:].to(torch.int32) + row)
@@ -309,5 +309,6 @@ def concat_level_tables(levels: list[tuple[torch.Tensor, PagedIndex]]) -> tuple[
     first = levels[0][1]
     table = PagedIndex(indptr=torch.cat(kv_parts), indices=torch.cat(indices).to(torch.int32),
                        last_page_len=torch.cat(lasts).to(torch.int32), page_size=first.page_size,
-                       kv_len_array=np.concatenate(kv_lens), max_page_index=max(index.max_page_index for _, index in levels))
+                       kv_len_array=np.concatenate(kv_lens),
+                       max_page_index=max(index.max_page_index for _, index in levels))
     return torch.cat(qo_parts), table
