@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
@@ -42,14 +42,17 @@ class KVSplit:
 
     kv_chunk_size: int  # tokens per chunk; 0 = no split
     split_indptr: tuple[int, ...]  # first chunk index of each request; len batch + 1
+    # split_indptr as int32 when the planner computed it so (host_indptr then converts nothing)
+    indptr_array: np.ndarray | None = field(default=None, compare=False, repr=False)
 
     @property
     def num_chunks(self) -> int:
         return self.split_indptr[-1]
 
     def host_indptr(self) -> torch.Tensor:
-        """``split_indptr`` as a host int32 tensor (through numpy: a third of ``torch.tensor``'s cost)."""
-        return torch.from_numpy(np.array(self.split_indptr, dtype=np.int32))
+        """``split_indptr`` as a host int32 tensor, to be copied (it may share the split's own array)."""
+        array = self.indptr_array if self.indptr_array is not None else np.array(self.split_indptr, dtype=np.int32)
+        return torch.from_numpy(array)
 
 
 @functools.lru_cache(maxsize=64)
@@ -118,7 +121,9 @@ _LONGEST_CHUNK = 1 << 62
 def _split_by(lens: np.ndarray, chunk: int) -> KVSplit:
     """Each request cut into chunks of ``chunk`` tokens (an empty request still takes one)."""
     counts = np.where(lens > 0, (lens - 1) // min(chunk, _LONGEST_CHUNK) + 1, 1)
-    return KVSplit(chunk, (0, *np.cumsum(counts).tolist()))
+    indptr = np.zeros(lens.size + 1, dtype=np.int64)
+    np.cumsum(counts, out=indptr[1:])
+    return KVSplit(chunk, tuple(indptr.tolist()), indptr.astype(np.int32))
 
 
 def _balanced_chunk(total_tokens: int, num_kv_heads: int, slots: int, page_size: int, min_chunk_tokens: int) -> int:
