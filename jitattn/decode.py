@@ -9,13 +9,15 @@ import torch
 
 from .attention.batch import check_workspace, upload_int32
 from .attention.builder import HostIndex, attention_options, build_plan, kernel_spec, make_plan, num_workers
-from .attention.wrapper import BatchWrapperBase
+from .attention.wrapper import BatchWrapperBase, plan_arguments
 from .attention.checks import check_tensor, target_of
 from .attention.launch import PreparedAttention
 from .attention.options import PAGE_TABLE_HINT, parse_kv_layout, refuse_unsupported, resolve_batch_invariant
 from .jit import load, resident_blocks
 from .page_table import PagedIndex, check_paged_index, to_host_int32
-from .kv_split import MAX_RESIDENT_BLOCKS, KVSplit, decode_kv_split, max_decode_chunks, split_workspace_bytes
+from .kv_split import (
+    MAX_RESIDENT_BLOCKS, KVSplit, decode_kv_split, max_decode_chunks, split_workspace_bytes, unsplit,
+)
 from .variant import AttentionVariant
 from .spec import KVLayout, KVStorage, Op, Target
 
@@ -67,8 +69,8 @@ class BatchDecodeWithPagedKVCacheWrapper(BatchWrapperBase):
         self._split_counters: torch.Tensor | None = None  # split-KV chunk counters, zero between launches
         self._fast_specs: dict[tuple, tuple] = {}  # fast_decode_plan: (options) -> (spec, module)
         self._fast_ranges: dict[int, torch.Tensor] = {}  # fast_decode_plan: batch size -> arange on the device
-        # fast_decode_plan: (what its launch struct was filled from, that launch), reused by the next step
-        self._fast_launch: tuple[tuple, PreparedAttention] | None = None
+        # (what the last plan's launch struct was filled from, that launch): see _launch_to_reuse
+        self._last_launch: tuple[tuple, PreparedAttention] | None = None
 
     @property
     def use_tensor_cores(self) -> bool:
@@ -101,8 +103,9 @@ class BatchDecodeWithPagedKVCacheWrapper(BatchWrapperBase):
         q and kv dtypes the caller did not give. ``fixed_split_size`` is in pages.
         ``block_tables``/``seq_lens`` (FlashInfer's trtllm-gen inputs) are not supported.
         """
-        self._plan_call = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
-        refuse_unsupported(f"{_WRAPPER}.plan", PAGE_TABLE_HINT, block_tables=block_tables, seq_lens=seq_lens)
+        self._plan_call = plan_arguments(locals())
+        if block_tables is not None or seq_lens is not None:
+            refuse_unsupported(f"{_WRAPPER}.plan", PAGE_TABLE_HINT, block_tables=block_tables, seq_lens=seq_lens)
         if q_data_type is _DEFAULT_Q_DTYPE and data_type is not None:
             q_data_type = None  # the default, not the caller's choice: data_type fills it
         options = attention_options(
@@ -116,7 +119,7 @@ class BatchDecodeWithPagedKVCacheWrapper(BatchWrapperBase):
         if variant is not None and not variant.splittable:
             disable_split_kv = True  # partial states of such a variant cannot be merged by LSE
         batch_invariant = resolve_batch_invariant(batch_invariant)
-        split = self._split(spec, index.kv_lens, num_kv_heads, page_size, fixed_split_size, disable_split_kv,
+        split = self._split(spec, index.kv_len_array, num_kv_heads, page_size, fixed_split_size, disable_split_kv,
                             batch_invariant)
         workspace_bytes = split_workspace_bytes(split.num_chunks, num_qo_heads, head_dim) if split.kv_chunk_size else 0
         check_workspace(self._workspace, workspace_bytes, _WRAPPER)
@@ -124,14 +127,18 @@ class BatchDecodeWithPagedKVCacheWrapper(BatchWrapperBase):
         qo_indptr = _host_range(index.batch_size + 1)
         qo_indptr_buf, split_indptr_buf = self._own_buffers
         buffers = {**self._buffers, "qo_indptr": qo_indptr_buf, "split_indptr": split_indptr_buf}
+        counters = self._counters(split, index.batch_size, num_kv_heads)
+        launch_key = (spec, options, index.batch_size, page_size, split.kv_chunk_size, split.num_chunks,
+                      self._use_cuda_graph, counters.data_ptr() if counters is not None else 0)
         self._plan = build_plan(_WRAPPER, self._target, self._device, self._kv_layout, options,
                                 HostIndex(qo_indptr, index.indptr, index), split, buffers, self._use_cuda_graph,
-                                workspace_bytes, spec=spec,
-                                split_counters=self._counters(split, index.batch_size, num_kv_heads))
+                                workspace_bytes, spec=spec, split_counters=counters,
+                                launch=self._launch_to_reuse(launch_key, spec))
+        self._last_launch = (launch_key, self._plan.launch)
 
     begin_forward = plan
 
-    def _split(self, spec, kv_lens: tuple[int, ...], num_kv_heads: int, page_size: int,
+    def _split(self, spec, kv_lens: np.ndarray, num_kv_heads: int, page_size: int,
                fixed_split_size: int | None, disable_split_kv: bool, batch_invariant: bool = False) -> KVSplit:
         if batch_invariant:
             # The chunk length is a constant, so the launch (kv_chunk_size, grid, the whole workspace) is
@@ -141,13 +148,25 @@ class BatchDecodeWithPagedKVCacheWrapper(BatchWrapperBase):
                                    batch_invariant=True)
         if self._use_cuda_graph:
             # Under CUDA graphs the grid must not depend on lengths: no split.
-            return KVSplit(0, tuple(range(len(kv_lens) + 1)))
+            return unsplit(len(kv_lens))
         # The cpu target runs the same plan; its "SMs" are the OpenMP threads.
         return decode_kv_split(
             kv_lens, num_kv_heads=num_kv_heads, num_sms=num_workers(self._device), page_size=page_size,
             fixed_split_size=fixed_split_size, disable_split_kv=disable_split_kv,
             blocks_per_sm=resident_blocks(spec) if self._target is Target.CUDA else 2,
         )
+
+    def _launch_to_reuse(self, key: tuple, spec) -> PreparedAttention | None:
+        """The last plan's launch when its struct was filled from ``key`` (kernel, options, batch, page size,
+        split, counters), else None. A serving loop's steps mostly repeat these: pointing that struct at the
+        step's arrays costs less than filling a new one. Not for a variant (its struct's address belongs to
+        the plan). When it returns a launch, no plan is current until the caller has made the new one, so
+        a failure on the way leaves none rather than one whose launch reads another's arrays."""
+        last, self._last_launch = self._last_launch, None
+        if spec.variant is not None or last is None or last[0] != key:
+            return None
+        self._plan = None
+        return last[1]
 
     def _counters(self, split: KVSplit, batch: int, num_kv_heads: int) -> torch.Tensor | None:
         """This wrapper's split-KV counters (grown, never shrunk; each launch leaves them zero)."""
@@ -193,7 +212,7 @@ class BatchDecodeWithPagedKVCacheWrapper(BatchWrapperBase):
         self._check_graph_batch(batch)
         # Without last_page_len on the host every request counts its full last page. Chunks end on
         # page boundaries, so the chunk counts are the same as with the exact lengths.
-        upper_lens = tuple((np.diff(indptr_host.numpy()).astype(np.int64) * page_size).tolist())
+        upper_lens = np.diff(indptr_host.numpy()).astype(np.int64) * page_size
         split = self._split(spec, upper_lens, num_kv_heads, page_size, fixed_split_size, disable_split_kv,
                             batch_invariant)
         workspace_bytes = split_workspace_bytes(split.num_chunks, num_qo_heads, head_dim) if split.kv_chunk_size else 0
@@ -213,7 +232,7 @@ class BatchDecodeWithPagedKVCacheWrapper(BatchWrapperBase):
             qo_indptr = split_indptr = own[: batch + 1]  # the batch's part (it sizes the launch)
             if split.kv_chunk_size:  # batch-invariant: a split plan whose chunk offsets keep their address
                 split_indptr = self._own_buffers[1]
-                split_indptr[: batch + 1].copy_(torch.tensor(split.split_indptr, dtype=torch.int32))
+                split_indptr[: batch + 1].copy_(split.host_indptr())
         else:
             arrays = [t if t.device == device else t.to(device, non_blocking=True)
                       for t in (indptr, indices, last_page_len)]
@@ -222,24 +241,16 @@ class BatchDecodeWithPagedKVCacheWrapper(BatchWrapperBase):
             qo_indptr = self._fast_ranges[batch]
             split_indptr = qo_indptr
             if split.kv_chunk_size:
-                split_indptr = upload_int32([("split_indptr", torch.tensor(split.split_indptr, dtype=torch.int32),
-                                              None)], device)[0]
+                split_indptr = upload_int32([("split_indptr", split.host_indptr(), None)], device)[0]
         # The page table is trusted here (as FlashInfer's fast path does): max_page_index is unknown.
         index = PagedIndex(indptr=indptr_host, indices=indices, last_page_len=last_page_len, page_size=page_size,
-                           kv_lens=upper_lens, max_page_index=-1)
+                           kv_len_array=upper_lens, max_page_index=-1)
         counters = self._counters(split, batch, num_kv_heads)
-        # A serving loop's steps mostly repeat the batch size and the split: the last step's launch struct
-        # is then re-pointed at this step's arrays instead of filled anew (not for a variant: its struct's
-        # address belongs to the plan).
         launch_key = (spec, options, batch, page_size, split.kv_chunk_size, split.num_chunks, self._use_cuda_graph,
-                      qo_indptr.data_ptr(), counters.data_ptr() if counters is not None else 0)
-        launch = None
-        if spec.variant is None and self._fast_launch is not None and self._fast_launch[0] == launch_key:
-            launch = self._fast_launch[1]
-            # From here the previous plan's launch reads this step's arrays: no plan until this one is made.
-            self._plan = None
-            launch.point_at(arrays[0], arrays[1], arrays[2], split_indptr)
-        self._fast_launch = None
+                      counters.data_ptr() if counters is not None else 0)
+        launch = self._launch_to_reuse(launch_key, spec)
+        if launch is not None:
+            launch.point_at(qo_indptr, arrays[0], arrays[1], arrays[2], split_indptr)
         self._plan = make_plan(
             _WRAPPER, spec, module, options, self._kv_layout, qo_indptr=qo_indptr, kv_indptr=arrays[0],
             kv_indices=arrays[1], kv_last_page_len=arrays[2], custom_mask=None, mask_indptr=None, index=index,
@@ -247,7 +258,7 @@ class BatchDecodeWithPagedKVCacheWrapper(BatchWrapperBase):
             use_cuda_graph=self._use_cuda_graph, workspace_bytes=workspace_bytes, split_counters=counters,
             launch=launch,
         )
-        self._fast_launch = (launch_key, self._plan.launch)
+        self._last_launch = (launch_key, self._plan.launch)
 
     def workspace_size(
         self, max_batch_size: int, max_kv_tokens: int, num_qo_heads: int, num_kv_heads: int, head_dim: int,

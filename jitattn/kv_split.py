@@ -7,9 +7,12 @@ functions; the wrappers call them once per ``plan()``.
 
 from __future__ import annotations
 
+import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Sequence
 
+import numpy as np
 import torch
 
 from .page_table import PagedIndex
@@ -39,14 +42,27 @@ class KVSplit:
 
     kv_chunk_size: int  # tokens per chunk; 0 = no split
     split_indptr: tuple[int, ...]  # first chunk index of each request; len batch + 1
+    # split_indptr as int32 when the planner computed it so (host_indptr then converts nothing)
+    indptr_array: np.ndarray | None = field(default=None, compare=False, repr=False)
 
     @property
     def num_chunks(self) -> int:
         return self.split_indptr[-1]
 
+    def host_indptr(self) -> torch.Tensor:
+        """``split_indptr`` as a host int32 tensor, to be copied (it may share the split's own array)."""
+        array = self.indptr_array if self.indptr_array is not None else np.array(self.split_indptr, dtype=np.int32)
+        return torch.from_numpy(array)
+
+
+@functools.lru_cache(maxsize=64)
+def unsplit(batch: int) -> KVSplit:
+    """The plan of ``batch`` requests each in one piece (one immutable value per batch size)."""
+    return KVSplit(0, tuple(range(batch + 1)))
+
 
 def decode_kv_split(
-    kv_lens: tuple[int, ...], *, num_kv_heads: int, num_sms: int, page_size: int,
+    kv_lens: Sequence[int] | np.ndarray, *, num_kv_heads: int, num_sms: int, page_size: int,
     fixed_split_size: int | None = None, disable_split_kv: bool = False, min_chunk_tokens: int = 256,
     blocks_per_sm: int = 2, batch_invariant: bool = False,
 ) -> KVSplit:
@@ -69,60 +85,67 @@ def decode_kv_split(
     pages) and the plan is a split plan even when no request is long enough to be cut (a request of
     one chunk is written directly, as unsplit), so a request's chunks, and the bits of its result,
     never depend on the other requests; ``disable_split_kv`` (every request whole) is invariant too.
+
+    ``kv_lens``: each request's KV length, a sequence of ints or an int64 array (``PagedIndex.kv_len_array``,
+    used without a copy: the per-request counts are numpy operations).
     """
-    batch = len(kv_lens)
-    no_split = KVSplit(0, tuple(range(batch + 1)))
+    lens = np.asarray(kv_lens, dtype=np.int64)
+    batch = lens.size
     if disable_split_kv:
-        return no_split
+        return unsplit(batch)
     if batch_invariant:
-        return _split_by(kv_lens, batch_invariant_chunk(page_size, fixed_split_size))
-    if batch == 0 or max(kv_lens) == 0:
-        return no_split
+        return _split_by(lens, batch_invariant_chunk(page_size, fixed_split_size))
+    longest = int(lens.max()) if batch else 0
+    if longest == 0:
+        return unsplit(batch)
     if fixed_split_size is not None:
         if fixed_split_size < 1:
             raise ValueError(f"fixed_split_size={fixed_split_size} must be >= 1 (pages per chunk)")
         chunk = fixed_split_size * page_size
     else:
-        chunk = _balanced_chunk(kv_lens, num_kv_heads, blocks_per_sm * num_sms, page_size, min_chunk_tokens)
-        if len(kv_lens) * num_kv_heads <= num_sms:
-            chunk = _one_wave_chunk(kv_lens, num_kv_heads, num_sms, page_size, min_chunk_tokens) or chunk
-        if 2 * max(kv_lens) < 3 * chunk:
-            return no_split
-    return _split_by(kv_lens, chunk)
+        total = int(lens.sum())
+        chunk = _balanced_chunk(total, num_kv_heads, blocks_per_sm * num_sms, page_size, min_chunk_tokens)
+        if batch * num_kv_heads <= num_sms:
+            wave = _one_wave_chunk(lens.tolist(), total, num_kv_heads, num_sms, page_size, min_chunk_tokens)
+            chunk = wave or chunk
+        if 2 * longest < 3 * chunk:
+            return unsplit(batch)
+    return _split_by(lens, chunk)
 
 
-def _chunk_counts(kv_lens: tuple[int, ...], chunk: int) -> list[int]:
-    """Chunks of ``chunk`` tokens per request (an empty request still takes one)."""
-    return [max(1, math.ceil(n / chunk)) for n in kv_lens]
+# A chunk at least as long as every request leaves each in one piece, so a longer one counts as this one
+# (numpy's int64 would overflow on an absurd fixed_split_size).
+_LONGEST_CHUNK = 1 << 62
 
 
-def _split_by(kv_lens: tuple[int, ...], chunk: int) -> KVSplit:
-    indptr = [0]
-    for count in _chunk_counts(kv_lens, chunk):
-        indptr.append(indptr[-1] + count)
-    return KVSplit(chunk, tuple(indptr))
+def _split_by(lens: np.ndarray, chunk: int) -> KVSplit:
+    """Each request cut into chunks of ``chunk`` tokens (an empty request still takes one)."""
+    counts = np.where(lens > 0, (lens - 1) // min(chunk, _LONGEST_CHUNK) + 1, 1)
+    indptr = np.zeros(lens.size + 1, dtype=np.int64)
+    np.cumsum(counts, out=indptr[1:])
+    return KVSplit(chunk, tuple(indptr.tolist()), indptr.astype(np.int32))
 
 
-def _balanced_chunk(kv_lens: tuple[int, ...], num_kv_heads: int, slots: int, page_size: int,
-                    min_chunk_tokens: int) -> int:
+def _balanced_chunk(total_tokens: int, num_kv_heads: int, slots: int, page_size: int, min_chunk_tokens: int) -> int:
     """The total KV work over ``slots`` blocks, in whole pages, at least ``min_chunk_tokens``."""
-    balanced = math.ceil(sum(kv_lens) * num_kv_heads / slots)
+    balanced = math.ceil(total_tokens * num_kv_heads / slots)
     return math.ceil(max(min_chunk_tokens, balanced) / page_size) * page_size
 
 
-def _blocks(kv_lens: tuple[int, ...], num_kv_heads: int, chunk: int) -> int:
-    """Blocks of a split by ``chunk`` tokens: each chunk once per KV head."""
-    return sum(_chunk_counts(kv_lens, chunk)) * num_kv_heads
+def _blocks(kv_lens: list[int], num_kv_heads: int, chunk: int) -> int:
+    """Blocks of a split by ``chunk`` tokens (as ``_split_by`` counts chunks), each chunk once per KV head.
+    On a list: the one-wave search below runs it several times on a batch of at most ``num_sms`` requests."""
+    return sum((n - 1) // chunk + 1 if n > 0 else 1 for n in kv_lens) * num_kv_heads
 
 
-def _one_wave_chunk(kv_lens: tuple[int, ...], num_kv_heads: int, num_sms: int, page_size: int,
+def _one_wave_chunk(kv_lens: list[int], total_tokens: int, num_kv_heads: int, num_sms: int, page_size: int,
                     min_chunk_tokens: int) -> int | None:
     """For a batch whose KV heads fit the SMs: the shortest chunk (whole pages) whose blocks fit one
     block per SM, each SM's whole share of the bandwidth to one block (H200, 1 x 32768: 42.9 us in
     128 blocks of 2048 tokens against 47.1 in 264 of 1008; 16 x 4096: 71.6 unsplit against 91.2).
     None when that chunk is over 1.25x the balanced one: a long request among short ones (a skewed
     batch) would stay whole, so it keeps the resident-blocks split."""
-    balanced = _balanced_chunk(kv_lens, num_kv_heads, num_sms, page_size, min_chunk_tokens)
+    balanced = _balanced_chunk(total_tokens, num_kv_heads, num_sms, page_size, min_chunk_tokens)
     lo, hi = balanced // page_size, int(1.25 * balanced) // page_size  # in pages
     if hi < lo or _blocks(kv_lens, num_kv_heads, hi * page_size) > num_sms:
         return None
@@ -265,7 +288,7 @@ def split_level_page_table(qo_indptr: torch.Tensor, index: PagedIndex, num_chunk
     indices = torch.cat(new_indices).to(i32) if new_indices else torch.zeros(0, dtype=i32)
     chunked = PagedIndex(indptr=torch.tensor(new_kv, dtype=i32), indices=indices,
                          last_page_len=torch.tensor(new_last, dtype=i32), page_size=index.page_size,
-                         kv_lens=tuple(kv_lens), max_page_index=index.max_page_index)
+                         kv_len_array=np.array(kv_lens, dtype=np.int64), max_page_index=index.max_page_index)
     return torch.tensor(new_qo, dtype=i32), chunked
 
 
@@ -277,7 +300,7 @@ def concat_level_tables(levels: list[tuple[torch.Tensor, PagedIndex]]) -> tuple[
     into one chunk-major buffer. The tables are derived from checked ones: not checked again.
     """
     start = torch.zeros(1, dtype=torch.int32)
-    qo_parts, kv_parts, indices, lasts, kv_lens = [start], [start], [], [], []
+    qo_parts, kv_parts, indices, lasts, kv_lens = [start], [start], [], [], []  # kv_lens: one array per level
     row = page = 0
     for qo_indptr, index in levels:
         qo_parts.append(qo_indptr[1:].to(torch.int32) + row)
@@ -285,11 +308,12 @@ def concat_level_tables(levels: list[tuple[torch.Tensor, PagedIndex]]) -> tuple[
         used = int(index.indptr[-1])
         indices.append(index.indices[:used])
         lasts.append(index.last_page_len)
-        kv_lens.extend(index.kv_lens)
+        kv_lens.append(index.kv_len_array)
         row += int(qo_indptr[-1])
         page += used
     first = levels[0][1]
     table = PagedIndex(indptr=torch.cat(kv_parts), indices=torch.cat(indices).to(torch.int32),
                        last_page_len=torch.cat(lasts).to(torch.int32), page_size=first.page_size,
-                       kv_lens=tuple(kv_lens), max_page_index=max(index.max_page_index for _, index in levels))
+                       kv_len_array=np.concatenate(kv_lens),
+                       max_page_index=max(index.max_page_index for _, index in levels))
     return torch.cat(qo_parts), table

@@ -8,11 +8,11 @@ import torch
 
 from .attention.batch import AttentionPlan
 from .attention.builder import HostIndex, attention_options, build_plan
-from .attention.wrapper import BatchWrapperBase
+from .attention.wrapper import BatchWrapperBase, plan_arguments
 from .attention.checks import check_tensor, target_of
 from .attention.options import PAGE_TABLE_HINT, fp8_scale, parse_kv_layout, refuse_unsupported, resolve_batch_invariant
 from .page_table import PagedIndex, check_indptr, check_paged_index
-from .kv_split import KVSplit
+from .kv_split import unsplit
 from .masks import multi_item_mask, packed_mask_indptr, segment_packbits
 from .variant import AttentionVariant
 from .spec import KVLayout, MaskMode, Op, Target
@@ -80,7 +80,7 @@ def _plan_prefill(
         variant=variant,
     )
     host = HostIndex(qo_host, kv_indptr_host, index, mask_host, mask_indptr_host)
-    return build_plan(wrapper, target, device, kv_layout, options, host, KVSplit(0, tuple(range(len(kv_lens) + 1))),
+    return build_plan(wrapper, target, device, kv_layout, options, host, unsplit(len(kv_lens)),
                       buffers, use_cuda_graph)
 
 
@@ -150,7 +150,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapperBase):
         ``JITATTN_BATCH_INVARIANT``) is accepted and changes nothing: prefill never splits the KV, and
         each tile of a request's queries reduces its keys in one fixed order whatever the batch.
         """
-        self._plan_call = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
+        self._plan_call = plan_arguments(locals())
         resolve_batch_invariant(batch_invariant)  # validated; prefill is batch-invariant by construction
         refuse_unsupported(f"{self._NAME}.plan", PAGE_TABLE_HINT, seq_lens=seq_lens, seq_lens_q=seq_lens_q,
                            block_tables=block_tables,
@@ -258,7 +258,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapperBase):
         """Plan one batch; request r's keys are rows ``kv_indptr[r]:kv_indptr[r+1]`` of k/v.
 
         Options as in the paged wrapper's ``plan`` (multi-item scoring and ``batch_invariant`` included)."""
-        self._plan_call = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
+        self._plan_call = plan_arguments(locals())
         resolve_batch_invariant(batch_invariant)  # validated; prefill is batch-invariant by construction
         check_fixed_split_size(fixed_split_size)
         kv_host = check_indptr("kv_indptr", kv_indptr)

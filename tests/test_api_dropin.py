@@ -90,6 +90,35 @@ def test_fast_decode_plan_steps_reuse_the_launch_and_read_each_steps_tables(devi
 
 
 @pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("fixed_split_size", [None, 3], ids=["planner", "split3"])
+def test_plan_steps_reuse_the_launch_and_read_each_steps_tables(device: str, fixed_split_size: int | None) -> None:
+    """plan() keeps its launch as fast_decode_plan does: steps of one batch size and split (plan() and
+    fast_decode_plan mixed) re-point it at each step's arrays, with what a cascade set on it cleared."""
+    gen = torch.Generator().manual_seed(11)
+    dtype = _dtype(device)
+    wrapper = jitattn.BatchDecodeWithPagedKVCacheWrapper(_workspace(device))
+    launches = []
+    for step, kv_lens in enumerate(([90, 3, 40], [91, 4, 41], [92, 5, 42], [93, 6, 43], [92, 5, 42, 7])):
+        batch = random_paged_batch(kv_lens, HKV, D, PAGE, dtype, device=device, generator=gen)
+        q = torch.randn(len(kv_lens), HQ, D, generator=gen).to(dtype).to(device)
+        tables = (batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len)
+        if step == 2:
+            jitattn.fast_decode_plan(wrapper, *[t.to(device) for t in tables], HQ, HKV, D, PAGE, q_data_type=dtype,
+                                     fixed_split_size=fixed_split_size, global_override_indptr_cpu=batch.kv_indptr)
+        else:
+            wrapper.plan(*tables, HQ, HKV, D, PAGE, q_data_type=dtype, fixed_split_size=fixed_split_size)
+        launches.append(wrapper._plan.launch)
+        assert launches[-1].params.prior_states == 0 and not launches[-1].params.prior_v
+        out, lse = wrapper.run(q, batch.cache, out=torch.full_like(q, float("nan")), return_lse=True)
+        ref_out, ref_lse = _decode_reference(q, batch)
+        assert_close_out(out, ref_out, dtype)
+        assert_close_lse(lse, ref_lse)
+        launches[-1].params.prior_v, launches[-1].params.prior_states = 64, 1  # stale prior states: not carried over
+    assert launches[0] is launches[1] is launches[2] is launches[3], "same batch and split: the launch is kept"
+    assert launches[4] is not launches[3], "another batch size: a launch of its own"
+
+
+@pytest.mark.parametrize("device", devices())
 def test_fast_decode_plan_on_a_graph_wrapper_refills_its_buffers(device: str) -> None:
     gen = torch.Generator().manual_seed(4)
     dtype = _dtype(device)

@@ -34,6 +34,7 @@ def test_empty_batch_and_empty_requests() -> None:
     ([0, 1], [-1], [3], "negative"),
     ([0, 1], [0], [0], "out of range"),
     ([0, 1], [0], [3, 3], "expected batch_size"),
+    ([0, 2**31 - 1, -2**31, -2**31 + 3], [0], [1, 1, 1], "non-decreasing"),  # an int32 step would wrap around
 ])
 def test_bad_page_tables(indptr, indices, last, match) -> None:
     with pytest.raises(ValueError, match=match):

@@ -419,8 +419,7 @@ def kv_alignment(plan: AttentionPlan) -> tuple[int, int]:
     """(pointer, stride) alignment in bytes the cuda kernels read k/v rows with (vector loads)."""
     elem = plan.kv_dtype.itemsize
     if plan.spec.op is Op.DECODE:
-        dims_bytes = (plan.head_dim_qk * elem, plan.head_dim_vo * elem)
-        load = 16 if all(b % 16 == 0 for b in dims_bytes) else 8
+        load = 16 if (plan.head_dim_qk * elem) % 16 == 0 and (plan.head_dim_vo * elem) % 16 == 0 else 8
         return load, load
     return (8 if elem == 1 else 16), 8 * elem
 

@@ -28,7 +28,7 @@ from .specs import attention_spec
 # Options of recent plans by their arguments (with their types, so 1, 1.0 and True stay apart): a serving
 # loop plans the same options every step. Only plain values are keys; AttentionOptions is immutable.
 _OPTIONS: dict[tuple, AttentionOptions] = {}
-_PLAIN = (str, int, float, bool, type(None), torch.dtype, Op, MaskMode)
+_PLAIN = frozenset((str, int, float, bool, type(None), torch.dtype, Op, MaskMode))
 
 
 def attention_options(
@@ -42,7 +42,8 @@ def attention_options(
     values = (op, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo, q_data_type, kv_data_type, data_type,
               o_data_type, pos_encoding_mode, mask_mode, window_left, logits_soft_cap, sm_scale, rope_scale,
               rope_theta)
-    key = tuple((type(v), v) for v in values) if variant is None and all(type(v) in _PLAIN for v in values) else None
+    types = tuple(map(type, values))
+    key = (values, types) if variant is None and _PLAIN.issuperset(types) else None
     options = _OPTIONS.get(key) if key is not None else None
     if options is None:
         options = _parse_options(op, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo, q_data_type, kv_data_type,
@@ -125,10 +126,14 @@ def build_plan(
     wrapper: str, target: Target, device: torch.device, kv_layout: KVLayout, options: AttentionOptions,
     host: HostIndex, split: KVSplit, buffers: dict[str, torch.Tensor | None], use_cuda_graph: bool,
     workspace_bytes: int = 0, spec: VariantSpec | None = None, split_counters: torch.Tensor | None = None,
+    launch: PreparedAttention | None = None,
 ) -> AttentionPlan:
     """Load the kernel for ``options`` and upload ``host``'s arrays (one copy, or into the fixed buffers).
 
-    ``spec``: the kernel's spec when the caller already computed it (decode does, to size its split)."""
+    ``spec``: the kernel's spec when the caller already computed it (decode does, to size its split).
+    ``launch``: a paged plan's prepared launch of the same kernel, options, batch, page size, split and
+    counters (the previous plan's, which must no longer be in use): pointed at the uploaded arrays and
+    used instead of filling a new one."""
     if spec is None:
         storage = KVStorage.PAGED if host.paged is not None else KVStorage.RAGGED
         spec = kernel_spec(options, target, kv_layout, storage)
@@ -140,17 +145,23 @@ def build_plan(
     if host.mask_indptr is not None:
         arrays.append(("mask_indptr", host.mask_indptr))
     if split.kv_chunk_size or buffers.get("split_indptr") is not None:
-        arrays.append(("split_indptr", torch.tensor(split.split_indptr, dtype=torch.int32)))
+        arrays.append(("split_indptr", split.host_indptr()))
     on_device = dict(zip((name for name, _ in arrays), upload_int32(
         [(name, array, buffers.get(name)) for name, array in arrays], device)))
     mask = upload(host.mask, device, buffers.get("custom_mask"), "custom_mask") if host.mask is not None else None
+    # Read through numpy (an int32 tensor never requires grad): indexing the tensor costs a few µs more.
+    total_qo = int(host.qo_indptr.numpy()[-1])
+    total_kv = None if paged is not None else int(host.kv_indptr.numpy()[-1])
+    if launch is not None:
+        launch.point_at(on_device["qo_indptr"], on_device["kv_indptr"], on_device["kv_indices"],
+                        on_device["kv_last_page_len"], on_device.get("split_indptr"))
     return make_plan(
         wrapper, spec, module, options, kv_layout, qo_indptr=on_device["qo_indptr"],
         kv_indptr=on_device["kv_indptr"], kv_indices=on_device.get("kv_indices"),
         kv_last_page_len=on_device.get("kv_last_page_len"), custom_mask=mask, mask_indptr=on_device.get("mask_indptr"),
-        index=paged, total_qo=int(host.qo_indptr[-1]), total_kv=None if paged is not None else int(host.kv_indptr[-1]),
+        index=paged, total_qo=total_qo, total_kv=total_kv,
         split=split, split_indptr=on_device.get("split_indptr"), use_cuda_graph=use_cuda_graph,
-        workspace_bytes=workspace_bytes, split_counters=split_counters,
+        workspace_bytes=workspace_bytes, split_counters=split_counters, launch=launch,
     )
 
 

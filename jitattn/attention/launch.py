@@ -104,16 +104,21 @@ class PreparedAttention:
         self.split_workspace_bytes = split_workspace_bytes
         self.call = module.bind("attention", self.params)
 
-    def point_at(self, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_page_len: torch.Tensor,
-                 split_indptr: torch.Tensor | None) -> None:
+    def point_at(self, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
+                 kv_last_page_len: torch.Tensor, split_indptr: torch.Tensor | None) -> None:
         """Re-point the paged index arrays (and a split plan's chunk offsets) at another plan's, of the
-        same batch, page size and split: ``fast_decode_plan`` keeps its launch across steps this way."""
+        same kernel, options, batch, page size and split: decode plans keep their launch across steps this
+        way. What runs set on the struct for the plan before (a cascade's prior states, a query period) is
+        cleared, as in a freshly prepared launch; strides and pointers are set again by the next run."""
         p = self.params
+        p.qo_indptr = qo_indptr.data_ptr() or self.placeholder
         p.kv_indptr = kv_indptr.data_ptr() or self.placeholder
         p.kv_indices = kv_indices.data_ptr() or self.placeholder
         p.kv_last_page_len = kv_last_page_len.data_ptr() or self.placeholder
         if self.split:
             p.split_indptr = split_indptr.data_ptr() or self.placeholder
+        p.prior_v = p.prior_lse = None
+        p.prior_states = p.prior_rows = p.q_row_period = 0
 
     def set_prior(self, values: torch.Tensor, lses: torch.Tensor, rows: int) -> None:
         """Point the cuda decode kernel's prior states (see ``families.attention``) at ``values``

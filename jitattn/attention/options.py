@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import env
 from ..abi import POS_ENCODING_CODES
 from ..spec import DType, KVLayout, MaskMode, Op, PosEncoding
 from ..variant import AttentionVariant
@@ -136,8 +137,6 @@ def fp8_scale(value: float | torch.Tensor | None, name: str) -> float:
 def resolve_batch_invariant(value: bool | None) -> bool:
     """A plan's ``batch_invariant`` argument: True/False, or None for the ``JITATTN_BATCH_INVARIANT`` knob."""
     if value is None:
-        from .. import env
-
         return env.batch_invariant()
     if not isinstance(value, bool):
         raise TypeError(f"batch_invariant={value!r} must be True, False or None (None: JITATTN_BATCH_INVARIANT)")

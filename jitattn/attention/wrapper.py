@@ -140,6 +140,14 @@ class BatchWrapperBase:
                         out=out, lse=lse, return_lse=return_lse, q_scale=q_scale)
 
 
+def plan_arguments(plan_locals: dict) -> dict:
+    """A ``plan()``'s arguments from the ``locals()`` it takes first thing (``forward()`` re-plans with them)."""
+    call = dict(plan_locals)
+    del call["self"]
+    call.pop("__class__", None)  # present when the method uses super()
+    return call
+
+
 # FlashInfer's defaults of the options forward() may repeat (None means the default).
 _OPTION_DEFAULTS = {"logits_soft_cap": 0.0, "window_left": -1, "rope_scale": 1.0, "rope_theta": 1e4}
 

@@ -41,11 +41,18 @@ _MODULES: dict[Op, str] = {
 }
 
 
+_LOADED: dict[Op, ModuleType] = {}  # every cuda decode plan asks (resident_blocks): import_module costs ~1 us
+
+
 def family(op: Op) -> ModuleType:
     """The family module for ``op``."""
+    module = _LOADED.get(op)
+    if module is not None:
+        return module
     try:
-        return importlib.import_module(f"{__name__}.{_MODULES[op]}")
+        module = _LOADED[op] = importlib.import_module(f"{__name__}.{_MODULES[op]}")
     except ModuleNotFoundError as exc:
         if exc.name == f"{__name__}.{_MODULES[op]}":
             raise NotImplementedError(f"op {op.value!r} has no kernel family in this build of jitattn") from None
         raise
+    return module
