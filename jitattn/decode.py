@@ -71,6 +71,7 @@ class BatchDecodeWithPagedKVCacheWrapper(BatchWrapperBase):
         self._fast_ranges: dict[int, torch.Tensor] = {}  # fast_decode_plan: batch size -> arange on the device
         # (what the last plan's launch struct was filled from, that launch): see _launch_to_reuse
         self._last_launch: tuple[tuple, PreparedAttention] | None = None
+        self._graph_batch: int | None = None  # use_cuda_graph: its first successful plan's batch size
 
     @property
     def use_tensor_cores(self) -> bool:
@@ -135,6 +136,8 @@ class BatchDecodeWithPagedKVCacheWrapper(BatchWrapperBase):
                                 workspace_bytes, spec=spec, split_counters=counters,
                                 launch=self._launch_to_reuse(launch_key, spec))
         self._last_launch = (launch_key, self._plan.launch)
+        if self._use_cuda_graph:
+            self._graph_batch = index.batch_size
 
     begin_forward = plan
 
@@ -178,9 +181,11 @@ class BatchDecodeWithPagedKVCacheWrapper(BatchWrapperBase):
         return self._split_counters
 
     def _check_graph_batch(self, batch_size: int) -> None:
-        if self._use_cuda_graph and self._plan is not None and self._plan.total_qo != batch_size:
+        """A use_cuda_graph wrapper keeps the batch size of its first successful plan (``_graph_batch``, kept apart
+        from the plan, which a failed plan() drops: a captured launch keeps the size all the same)."""
+        if self._use_cuda_graph and self._graph_batch is not None and self._graph_batch != batch_size:
             raise ValueError(
-                f"a use_cuda_graph wrapper keeps its batch size ({self._plan.total_qo}); got {batch_size}. "
+                f"a use_cuda_graph wrapper keeps its batch size ({self._graph_batch}); got {batch_size}. "
                 "Captured launches have the batch size baked in: use one wrapper per captured batch size"
             )
 
@@ -219,11 +224,14 @@ class BatchDecodeWithPagedKVCacheWrapper(BatchWrapperBase):
         check_workspace(self._workspace, workspace_bytes, _WRAPPER)
         device = self._device
         if self._use_cuda_graph:
+            roles = (("kv_indptr", indptr), ("kv_indices", indices), ("kv_last_page_len", last_page_len))
+            for role, src in roles:  # all checked before any is written: a refused step leaves the last one's arrays
+                if src.numel() > self._buffers[role].numel():
+                    raise ValueError(f"{role} has {src.numel()} entries; its CUDA-graph buffer holds "
+                                     f"{self._buffers[role].numel()}")
             arrays = []
-            for role, src in (("kv_indptr", indptr), ("kv_indices", indices), ("kv_last_page_len", last_page_len)):
+            for role, src in roles:
                 buffer = self._buffers[role]
-                if src.numel() > buffer.numel():
-                    raise ValueError(f"{role} has {src.numel()} entries; its CUDA-graph buffer holds {buffer.numel()}")
                 buffer[: src.numel()].copy_(src, non_blocking=True)
                 arrays.append(buffer)
             own = self._own_buffers[0]
@@ -259,6 +267,8 @@ class BatchDecodeWithPagedKVCacheWrapper(BatchWrapperBase):
             launch=launch,
         )
         self._last_launch = (launch_key, self._plan.launch)
+        if self._use_cuda_graph:
+            self._graph_batch = batch
 
     def workspace_size(
         self, max_batch_size: int, max_kv_tokens: int, num_qo_heads: int, num_kv_heads: int, head_dim: int,

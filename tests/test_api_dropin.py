@@ -118,6 +118,34 @@ def test_plan_steps_reuse_the_launch_and_read_each_steps_tables(device: str, fix
     assert launches[4] is not launches[3], "another batch size: a launch of its own"
 
 
+@pytest.mark.parametrize("fast", [False, True], ids=["plan", "fast_decode_plan"])
+def test_a_refused_graph_step_keeps_the_batch_guard_and_the_last_steps_arrays(fast: bool) -> None:
+    """A use_cuda_graph wrapper's plan refused for a page table its fixed buffers cannot hold writes none of them
+    (the current plan still reads its own tables), and the batch size of the captured launch stays guarded."""
+    i32 = dict(dtype=torch.int32)
+    wrapper = jitattn.BatchDecodeWithPagedKVCacheWrapper(
+        _workspace("cpu"), use_cuda_graph=True, paged_kv_indptr_buffer=torch.zeros(9, **i32),
+        paged_kv_indices_buffer=torch.zeros(8, **i32), paged_kv_last_page_len_buffer=torch.zeros(8, **i32))
+
+    def plan(pages_each: int, batch: int, **options) -> None:
+        indptr = torch.arange(batch + 1, **i32) * pages_each
+        tables = (indptr, torch.arange(batch * pages_each, **i32), torch.full((batch,), 3, **i32))
+        if fast:
+            jitattn.fast_decode_plan(wrapper, *tables, HQ, HKV, D, PAGE, q_data_type=torch.float32,
+                                     global_override_indptr_cpu=indptr, **options)
+        else:
+            wrapper.plan(*tables, HQ, HKV, D, PAGE, q_data_type=torch.float32, **options)
+
+    plan(2, 2)
+    for options in ({}, {"logits_soft_cap": 30.0}):  # the launch reused, and a new one
+        with pytest.raises(ValueError, match="kv_indices"):
+            plan(5, 2, **options)  # 10 pages: the fixed indices buffer holds 8
+        if wrapper._plan is not None:
+            assert wrapper._plan.kv_indptr[:3].tolist() == [0, 2, 4], "the refused step wrote the current plan's arrays"
+        with pytest.raises(ValueError, match="keeps its batch size"):
+            plan(1, 3)
+
+
 @pytest.mark.parametrize("device", devices())
 def test_fast_decode_plan_on_a_graph_wrapper_refills_its_buffers(device: str) -> None:
     gen = torch.Generator().manual_seed(4)

@@ -135,6 +135,15 @@ def share_queries(plan: AttentionPlan, q_rows: int) -> None:
     plan.checked_signature = None
 
 
+def check_fits(host: torch.Tensor, device: torch.device, buffer: torch.Tensor, name: str) -> None:
+    """Raise unless the fixed ``buffer`` can take ``host`` (its dtype, its device, enough entries)."""
+    if buffer.dtype != host.dtype or buffer.device != device or buffer.numel() < host.numel():
+        raise ValueError(
+            f"{name} buffer ({buffer.numel()} x {buffer.dtype} on {buffer.device}) cannot hold "
+            f"{host.numel()} x {host.dtype} on {device}; allocate it for the largest batch"
+        )
+
+
 def upload(host: torch.Tensor, device: torch.device, buffer: torch.Tensor | None = None, name: str = "") -> torch.Tensor:
     """Copy a host tensor to ``device`` (into ``buffer`` when given, as CUDA-graph mode requires).
 
@@ -143,11 +152,7 @@ def upload(host: torch.Tensor, device: torch.device, buffer: torch.Tensor | None
     """
     if buffer is None:
         return host.to(device, non_blocking=False) if device.type != "cpu" else host.clone()
-    if buffer.dtype != host.dtype or buffer.device != device or buffer.numel() < host.numel():
-        raise ValueError(
-            f"{name} buffer ({buffer.numel()} x {buffer.dtype} on {buffer.device}) cannot hold "
-            f"{host.numel()} x {host.dtype} on {device}; allocate it for the largest batch"
-        )
+    check_fits(host, device, buffer, name)
     buffer[: host.numel()].copy_(host, non_blocking=False)
     # The same address, its length the batch's (qo_indptr sizes the launch). An empty array (a page table
     # of no pages) is the buffer's first entry instead, never read: an empty view has no address, and a
@@ -176,6 +181,9 @@ def upload_int32(
     """
     out: list[torch.Tensor | None] = [None] * len(arrays)
     packed: list[tuple[int, torch.Tensor]] = []
+    for name, host, buffer in arrays:  # every fixed buffer checked before any is written: a refused plan leaves
+        if buffer is not None:         # the current plan's arrays as they were
+            check_fits(host, device, buffer, name)
     for i, (name, host, buffer) in enumerate(arrays):
         if buffer is not None or device.type == "cpu":
             out[i] = upload(host, device, buffer, name)
