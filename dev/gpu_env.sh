@@ -15,3 +15,11 @@ gpu_tests() { local s=$1; shift; timeout "$s" python3 -m pytest -m gpu -q -p no:
 # gpu_bench SECONDS ONLY: the suite's rows ONLY into $R/bench.json / bench.log, the rows, the time.
 gpu_bench() { timeout "$1" python3 -m jitattn.bench --only "$2" --json "$R/bench.json" > "$R/bench.log" 2>&1
   grep -E "^[a-z0-9_]+/" "$R/bench.log" | cut -c1-125 | sort -u; gpu_time; }
+# gpu_build_mla: the four MLA kernel specs (bf16, f16, fp8 e4m3 with bf16 q, fp8 e5m2 with f16 q) built in parallel.
+gpu_build_mla() { python3 -c "
+import concurrent.futures as cf, torch, jitattn.jit as jit
+from jitattn.mla_kernel import kernel_spec
+specs = [kernel_spec(torch.bfloat16), kernel_spec(torch.float16), kernel_spec(torch.bfloat16, torch.float8_e4m3fn),
+         kernel_spec(torch.float16, torch.float8_e5m2)]
+with cf.ThreadPoolExecutor(4) as ex: list(ex.map(jit.load, specs))
+" 2>&1 | tail -3; gpu_time; }

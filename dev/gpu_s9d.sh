@@ -5,14 +5,7 @@
 set -u
 source dev/gpu_env.sh
 gpu_begin s9d
-python3 -c "
-import concurrent.futures as cf, torch, jitattn.jit as jit
-from jitattn.mla_kernel import kernel_spec
-specs = [kernel_spec(torch.bfloat16), kernel_spec(torch.float16), kernel_spec(torch.bfloat16, torch.float8_e4m3fn),
-         kernel_spec(torch.float16, torch.float8_e5m2)]
-with cf.ThreadPoolExecutor(4) as ex: list(ex.map(jit.load, specs))
-" 2>&1 | tail -3
-gpu_time
+gpu_build_mla
 gpu_tests 240 --maxfail=10 tests/test_mla_kernel.py tests/test_mla.py
 grep -E "FAILED|Error" "$R/pytest.log" | head -20
 timeout 120 python3 dev/mla_tuning.py 128 2>&1 | tee "$R/tuning.txt"
