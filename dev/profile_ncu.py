@@ -6,7 +6,8 @@ Cases (issue 16-18 rows; llama8b shapes 32 / 8 heads d128 bf16 page 16 unless sa
 decode_b1 (1 x 32768), decode_b256 (256 x 4096), sdpa_b1 / sdpa_b256 (PyTorch SDPA on contiguous KV, the rows'
 peer), phi3 (MHA d96 b64 x 4096),
 paged16 / paged64 / ragged (sm90 prefill causal b8 x 4096), mla128 (MLA b64 x 4096, 128 heads, page 64), mla16
-(MLA b128 x 4096, 16 heads, page 64).
+(MLA b128 x 4096, 16 heads, page 64), flat_shared (decode b128 over 8192 shared + 256 own tokens each: the
+cascade row's flat twin).
 Warm-up calls (the JIT build, the plan) run before the range; one call runs inside it.
 """
 
@@ -46,6 +47,18 @@ def case_fn(name: str):
         out = torch.empty_like(q)
         w = jitattn.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD")
         w.plan(indptr, indices, last, HQ, HKV, D, 16, q_data_type=torch.bfloat16)
+        return lambda: w.run(q, cache, out=out)
+    if name == "flat_shared":
+        b, shared, own, page = 128, 8192, 256, 16
+        cache, _, perm, _ = paged_batch([shared + b * own], page, gen, dev)
+        p_sh, p_own = shared // page, own // page
+        table = torch.cat([perm[:p_sh].unsqueeze(0).expand(b, -1), perm[p_sh:].view(b, p_own)], dim=1)
+        indptr = (torch.arange(b + 1) * (p_sh + p_own)).to(torch.int32)
+        last = torch.full((b,), page, dtype=torch.int32)
+        q = torch.randn(b, HQ, D, generator=gen).to(torch.bfloat16).to(dev)
+        out = torch.empty_like(q)
+        w = jitattn.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD")
+        w.plan(indptr, table.reshape(-1).contiguous(), last, HQ, HKV, D, page, q_data_type=torch.bfloat16)
         return lambda: w.run(q, cache, out=out)
     if name in ("sdpa_b1", "sdpa_b256"):
         b, n = (1, 32768) if name == "sdpa_b1" else (256, 4096)

@@ -1,0 +1,112 @@
+"""Flat paged decode over pages that every request shares, per decode TUNING (issue 16).
+
+Times (Timer.measure: CUDA events, L2 evicted before each call, no graphs, host index arrays) the
+flat decode of the suite's two cascade cases (every request lists the shared pages, then its own),
+an L2-resident case (128 requests on the same 64 pages) and two unshared llama8b rows, once per
+tuning given as JSON on the command line (each in a subprocess: a tuning renders its own source);
+with --peer, FlashInfer's decode on the same tables in the parent process.
+
+    python dev/bench_shared_order.py '{}' '{"head_minor": 0}' --peer
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import torch
+
+CASES = [  # name, batch, shared tokens, own tokens per request
+    ("shared b128 8192+256", 128, 8192, 256),
+    ("shared b32 32768+128", 32, 32768, 128),
+    ("shared-L2 b128 1024+16", 128, 1024, 16),
+    ("unshared b256 x 4096", 256, 0, 4096),
+    ("unshared b64 x 2048", 64, 0, 2048),
+]
+HQ, HKV, D, PAGE = 32, 8, 128, 16
+
+
+def tables(batch: int, shared: int, own: int, gen: torch.Generator):
+    p_shared, p_own = shared // PAGE, (own + PAGE - 1) // PAGE
+    needed = p_shared + batch * p_own
+    pool = needed + needed // 4 + 1
+    order = torch.randperm(pool, generator=gen)[:needed].to(torch.int32)
+    s, u = order[:p_shared], order[p_shared:].view(batch, p_own)
+    indices = torch.cat([s.unsqueeze(0).expand(batch, -1), u], dim=1).reshape(-1).contiguous()
+    per = p_shared + p_own
+    indptr = torch.arange(0, batch * per + 1, per, dtype=torch.int32)
+    last = torch.full((batch,), (own - 1) % PAGE + 1, dtype=torch.int32)
+    return pool, indptr, indices, last
+
+
+def kv_bytes(batch: int, shared: int, own: int) -> int:
+    return 4 * batch * (shared + own) * HKV * D
+
+
+def run_cases(peer: bool) -> list[dict]:
+    from jitattn.bench.timing import Timer
+
+    dev = torch.device("cuda")
+    timer = Timer(dev, scrub_bytes=4 * torch.cuda.get_device_properties(dev).L2_cache_size)
+    rows = []
+    for name, b, shared, own in CASES:
+        gen = torch.Generator().manual_seed(b * 7 + shared)
+        pool, indptr, indices, last = tables(b, shared, own, gen)
+        cache = torch.randn(pool, 2, PAGE, HKV, D, device=dev, dtype=torch.bfloat16)
+        q = torch.randn(b, HQ, D, device=dev, dtype=torch.bfloat16)
+        ws = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
+        if peer:
+            import flashinfer
+
+            w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=True)
+            w.plan(indptr.cuda(), indices.cuda(), last.cuda(), HQ, HKV, D, PAGE, q_data_type=torch.bfloat16)
+        else:
+            import jitattn
+
+            w = jitattn.BatchDecodeWithPagedKVCacheWrapper(ws, kv_layout="NHD")
+            w.plan(indptr, indices, last, HQ, HKV, D, PAGE, q_data_type=torch.bfloat16)
+        out = torch.empty_like(q)
+
+        def fn():
+            return w.run(q, cache, out=out)
+
+        t = timer.measure(fn, 0.4).median_us
+        rows.append({"case": name, "us": t, "TB/s (per-request bytes)": kv_bytes(b, shared, own) / t / 1e6,
+                     "out_sum": float(out.float().sum())})
+        del cache, ws
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> None:
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    if "--child" in sys.argv:
+        from jitattn.families import decode
+
+        decode.TUNING.update(json.loads(args[0]))
+        print(json.dumps(run_cases(peer=False)))
+        return
+    results = {}
+    for tuning in args or ["{}"]:
+        out = subprocess.run([sys.executable, __file__, tuning, "--child"], capture_output=True, text=True)
+        try:
+            results[tuning] = json.loads(out.stdout.strip().splitlines()[-1])
+        except Exception:
+            results[tuning] = out.stderr[-2000:]
+    if "--peer" in sys.argv:
+        try:
+            results["flashinfer"] = run_cases(peer=True)
+        except Exception as exc:
+            results["flashinfer"] = repr(exc)
+    for key, rows in results.items():
+        print(f"== {key}")
+        if isinstance(rows, str):
+            print(rows)
+            continue
+        for r in rows:
+            print(f"  {r['case']:26s} {r['us']:9.1f} us  {r['TB/s (per-request bytes)']:6.2f} TB/s  sum {r['out_sum']:.4g}")
+
+
+if __name__ == "__main__":
+    main()

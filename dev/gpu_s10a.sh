@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Session 10, call 1 (carry [".whl"], PEER=1): flat decode over shared pages by block order (head-minor vs
+# head-major) beside FlashInfer; Nsight Compute of decode b1 x 32k (one-wave split) and of the flat shared
+# row. Output: $OUT/s10a.tgz.
+set -u
+PEER=1 source dev/gpu_env.sh
+gpu_begin s10a
+timeout 300 python3 dev/bench_shared_order.py '{}' '{"head_minor": 0}' --peer > $R/order.log 2>&1; cat $R/order.log; gpu_time
+for c in decode_b1 flat_shared; do
+  timeout 100 ncu --profile-from-start off --set full --import-source no -f -o "$R/ncu_$c" \
+    python3 dev/profile_ncu.py "$c" > "$R/ncu_$c.log" 2>&1
+  ncu -i "$R/ncu_$c.ncu-rep" --page details > "$R/ncu_$c.txt" 2>&1
+  ncu -i "$R/ncu_$c.ncu-rep" --page raw > "$R/ncu_${c}_raw.txt" 2>&1
+  grep -E "Duration|DRAM Throughput|L2 Hit|Compute \(SM\)|Registers Per|Achieved Occ|Grid Size|Issued Ipc|Warp Cycles Per Issued" "$R/ncu_$c.txt" | head -20
+  echo "$(gpu_time) $c"
+done
+rm -f $R/*.ncu-rep
+gpu_pack s10a
