@@ -2,7 +2,7 @@
 
 Times (Timer.measure: CUDA events, L2 evicted before each call, no graphs, host index arrays) the
 flat decode of the suite's two cascade cases (every request lists the shared pages, then its own),
-an L2-resident case (128 requests on the same 64 pages) and two unshared llama8b rows, once per
+an L2-resident case (128 requests on the same 64 pages) and three unshared llama8b rows, once per
 tuning given as JSON on the command line (each in a subprocess: a tuning renders its own source);
 with --peer, FlashInfer's decode on the same tables in the parent process.
 
@@ -23,6 +23,7 @@ CASES = [  # name, batch, shared tokens, own tokens per request
     ("shared-L2 b128 1024+16", 128, 1024, 16),
     ("unshared b256 x 4096", 256, 0, 4096),
     ("unshared b64 x 2048", 64, 0, 2048),
+    ("unshared b1 x 32768", 1, 0, 32768),
 ]
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 

@@ -81,6 +81,7 @@ TUNING: dict[str, int] = {
     "mma_blocks_per_sm": 2,    # resident blocks the tensor-core path is sized for (shared memory, registers)
     "mma_blocks_per_sm_fp8": 3,  # ... with fp8 KV (half the bytes per stage: more blocks keep as many in flight)
     "mma_steps": 1,            # 16-token steps per warp per pipeline stage on the tensor-core path
+    "mma_warps": 4,            # warps per block on the tensor-core path (each takes 16 tokens of a step)
     "smem_per_sm": 227 << 10,  # usable shared memory per SM (H100/H200: 227 KiB; A100: 163 KiB)
     # Page ids of a work item kept in shared memory (loaded once at its start, beside the query) when
     # the item spans at most this many pages; longer items read them from the page table a stage ahead.
@@ -144,7 +145,7 @@ def _mma_layout(spec: VariantSpec, t: dict[str, int]) -> dict[str, int]:
     3); fp8 674 / 605 / 596 us with 2 / 3 / 4 blocks."""
     dqk, dvo, group = spec.head_dim_qk, spec.head_dim_vo, spec.group_size
     elem = spec.kv_dtype.itemsize
-    nw = 4
+    nw = t["mma_warps"]
     head_tiles = -(-group // 8)
     k_pitch, v_pitch, q_pitch = _pitch(dqk * elem), _pitch(dvo * elem), _pitch(dqk * 2)
     steps = t["mma_steps"]
