@@ -139,7 +139,13 @@ def _check_page_table(indptr, indices, last_page_len, page_size: int, num_pages:
             raise ValueError(f"{names[0]}[-1] = {total_pages} exceeds len({names[1]}) = {indices.numel()}")
         used = indices.numpy()[:total_pages]
         # One pass for both bounds: as unsigned, a negative index is larger than every valid one.
-        highest = int(used.view(np.uint32).max()) if total_pages else -1
+        # (an int64 array -- callers pass int32, but not every path converted -- takes the signed pass)
+        if not total_pages:
+            highest = -1
+        elif used.dtype == np.int32:
+            highest = int(used.view(np.uint32).max())
+        else:
+            highest = _INT32_MAX + 1 if int(used.min()) < 0 else min(int(used.max()), _INT32_MAX)
         if highest > _INT32_MAX:
             i = int(np.flatnonzero(used < 0)[0])
             raise ValueError(f"{names[1]}[{i}] = {int(used[i])} is a negative page index")
@@ -151,7 +157,7 @@ def _check_page_table(indptr, indices, last_page_len, page_size: int, num_pages:
         last = last_page_len.numpy()
         # As unsigned, last - 1 < page_size is 1 <= last <= page_size (an int32 is at most _INT32_MAX): one
         # pass when every entry is in range, the usual case; otherwise only requests with pages must be.
-        if (last - 1).view(np.uint32).max() >= min(page_size, _INT32_MAX):
+        if last.dtype != np.int32 or (last - 1).view(np.uint32).max() >= min(page_size, _INT32_MAX):
             bad = (pages > 0) & ((last < 1) | (last > page_size))
             if bad.any():
                 r = int(np.flatnonzero(bad)[0])

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from jitattn import reference
-from jitattn.page_table import check_paged_index
+from jitattn.page_table import check_page_table, check_paged_index
 from jitattn.kv_split import decode_kv_split, max_decode_chunks, split_workspace_bytes
 from jitattn.masks import segment_packbits
 
@@ -39,6 +39,17 @@ def test_empty_batch_and_empty_requests() -> None:
 def test_bad_page_tables(indptr, indices, last, match) -> None:
     with pytest.raises(ValueError, match=match):
         check_paged_index(_i32(indptr), _i32(indices), _i32(last), 16)
+
+
+@pytest.mark.parametrize("indices,last,match", [
+    ([0, 2**32 + 1], [3, 5], "past the end"),  # as uint32 halves: 1 and 1
+    ([0, -2**33], [3, 5], "negative"),
+    ([0, 1], [3, 2**32 + 1], "out of range"),  # last - 1 = 2**32: uint32 halves 0 and 1
+])
+def test_int64_tables_get_the_same_checks(indices, last, match) -> None:
+    """check_page_table's one-pass unsigned bounds assume int32; int64 arrays take the signed checks."""
+    with pytest.raises((ValueError, IndexError), match=match):
+        check_page_table(_i32([0, 1, 2]), torch.tensor(indices), torch.tensor(last), 16, num_pages=10)
 
 
 def test_no_split_when_the_batch_fills_the_gpu() -> None:
