@@ -24,25 +24,34 @@ CASES = [  # name, batch, shared tokens, own tokens per request
     ("unshared b256 x 4096", 256, 0, 4096),
     ("unshared b64 x 2048", 64, 0, 2048),
     ("unshared b1 x 32768", 1, 0, 32768),
+    ("unshared b128 x 256", 128, 0, 256),  # the cascade row's tails, alone
+    ("skewed 1x32768 + 63x512", 64, 0, [32768] + [512] * 63),
 ]
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 
 
-def tables(batch: int, shared: int, own: int, gen: torch.Generator):
-    p_shared, p_own = shared // PAGE, (own + PAGE - 1) // PAGE
-    needed = p_shared + batch * p_own
+def tables(batch: int, shared: int, own, gen: torch.Generator):
+    """Every request lists the shared pages, then its own ``own`` tokens (an int, or one per request)."""
+    own = [own] * batch if isinstance(own, int) else own
+    p_shared, p_own = shared // PAGE, [(n + PAGE - 1) // PAGE for n in own]
+    needed = p_shared + sum(p_own)
     pool = needed + needed // 4 + 1
     order = torch.randperm(pool, generator=gen)[:needed].to(torch.int32)
-    s, u = order[:p_shared], order[p_shared:].view(batch, p_own)
-    indices = torch.cat([s.unsqueeze(0).expand(batch, -1), u], dim=1).reshape(-1).contiguous()
-    per = p_shared + p_own
-    indptr = torch.arange(0, batch * per + 1, per, dtype=torch.int32)
-    last = torch.full((batch,), (own - 1) % PAGE + 1, dtype=torch.int32)
+    s, rest = order[:p_shared], order[p_shared:]
+    rows, at = [], 0
+    for n in p_own:
+        rows.append(torch.cat([s, rest[at:at + n]]))
+        at += n
+    indices = torch.cat(rows).contiguous()
+    counts = torch.tensor([p_shared + n for n in p_own])
+    indptr = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)]).to(torch.int32)
+    last = torch.tensor([(n - 1) % PAGE + 1 for n in own], dtype=torch.int32)
     return pool, indptr, indices, last
 
 
-def kv_bytes(batch: int, shared: int, own: int) -> int:
-    return 4 * batch * (shared + own) * HKV * D
+def kv_bytes(batch: int, shared: int, own) -> int:
+    own = [own] * batch if isinstance(own, int) else own
+    return 4 * (batch * shared + sum(own)) * HKV * D
 
 
 def run_cases(peer: bool) -> list[dict]:

@@ -5,7 +5,7 @@
 set -u
 PEER=1 source dev/gpu_env.sh
 gpu_begin s10a
-timeout 300 python3 dev/bench_shared_order.py '{}' '{"head_minor": 0}' '{"mma_warps": 8, "mma_blocks_per_sm": 1}' --peer > $R/order.log 2>&1; cat $R/order.log; gpu_time
+timeout 300 python3 dev/bench_shared_order.py '{}' '{"head_minor": 0}' '{"mma_warps": 8, "mma_blocks_per_sm": 1}' '{"mma_blocks_per_sm": 3, "page_ids": 256}' --peer > $R/order.log 2>&1; cat $R/order.log; gpu_time
 for c in decode_b1 flat_shared; do
   timeout 100 ncu --profile-from-start off --set full --import-source no -f -o "$R/ncu_$c" \
     python3 dev/profile_ncu.py "$c" > "$R/ncu_$c.log" 2>&1
