@@ -86,6 +86,9 @@ TUNING: dict[str, int] = {
     # Page ids of a work item kept in shared memory (loaded once at its start, beside the query) when
     # the item spans at most this many pages; longer items read them from the page table a stage ahead.
     "page_ids": 1024,
+    # Development only: 1 stamps each block's first work item with %globaltimer at its phases
+    # (``jitattn_decode_trace`` copies them out; dev/trace_decode.py). 0 renders no trace code.
+    "trace": 0,
 }
 
 def _next_pow2(n: int) -> int:
@@ -246,7 +249,7 @@ def _simt_layout(spec: VariantSpec, t: dict[str, int]) -> dict[str, int]:
         "kQOffset": 0,
         "kPipeBytes": pipe_bytes, "kSmemBytes": smem, "kMergeStageFloats": _merge_stage_floats(smem, group, nt),
         **_page_id_fields(t, nt),
-        "kHeadMinor": int(bool(t["head_minor"])),
+        "kHeadMinor": int(bool(t["head_minor"])), "kTrace": int(bool(t["trace"])),
     }
 
 
@@ -285,6 +288,7 @@ def _cuda_context(spec: VariantSpec) -> dict[str, Any]:
     return {
         "constants": constants,
         "smem_bytes": layout["kSmemBytes"],
+        "trace": bool(layout["kTrace"]),
         "kv_elem_ctype": c_type(spec.kv_dtype, Target.CUDA),
     }
 
