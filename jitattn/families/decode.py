@@ -89,6 +89,9 @@ TUNING: dict[str, int] = {
     # Development only: 1 stamps each block's first work item with %globaltimer at its phases
     # (``jitattn_decode_trace`` copies them out; dev/trace_decode.py). 0 renders no trace code.
     "trace": 0,
+    # 1: blocks take work units in a fixed order (block b: units b, b + grid, ...) instead of from the
+    # stream's work counter; the KV heads of one request then run in step on neighbouring blocks.
+    "static_units": 0,
 }
 
 def _next_pow2(n: int) -> int:
@@ -254,6 +257,7 @@ def _simt_layout(spec: VariantSpec, t: dict[str, int]) -> dict[str, int]:
         "kPipeBytes": pipe_bytes, "kSmemBytes": smem, "kMergeStageFloats": _merge_stage_floats(smem, group, nt),
         **_page_id_fields(t, nt),
         "kHeadMinor": int(bool(t["head_minor"])), "kTrace": int(bool(t["trace"])),
+        "kStaticUnits": int(bool(t["static_units"])),
     }
 
 
