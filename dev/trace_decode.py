@@ -7,7 +7,7 @@ planner's one-wave split), tails (128 x 256: the cascade row's per-request level
 (1 x 32768 + 63 x 512), b64 (64 x 2048). For each: the launch's device time by CUDA events (L2 evicted
 before it, as the suite does), then per block the phases of its first item -- prologue (page ids, query,
 row tables), first tile's wait, main loop, result write, split merge -- as quantiles over the blocks, the
-spread of the block starts (launch ramp) and ends (tail), the main loop's bytes per microsecond, and units per block (blocks take units from a work counter).
+spread of the block starts (launch ramp) and ends (tail), and the main loop's bytes per microsecond.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def run_case(name: str, lens: list[int]) -> None:
     mods = [o for o in gc.get_objects() if isinstance(o, Module) and o.spec.op == "decode"]
     lib = mods[-1]._lib
     torch.cuda.synchronize()
-    lib.jitattn_decode_trace_clear()
+    lib.jitattn_decode_trace_clear()  # the last launch below is the one read back
     scrub.sum()
     w.run(q, cache, out=out)
     torch.cuda.synchronize()
@@ -75,13 +75,11 @@ def run_case(name: str, lens: list[int]) -> None:
           f"(last traced launch: first start -> last end {rel[:, 5].max():.1f} us)")
     q_ = lambda x: " / ".join(f"{v:6.2f}" for v in np.quantile(x, [0.1, 0.5, 0.9]))  # noqa: E731
     print(f"  block start           {q_(rel[:, 0])}   (p10 / p50 / p90, us from the first start)")
-    for label, a, b in (("prologue", 0, 1), ("first tile wait", 1, 2), ("main loop", 2, 3), ("write", 3, 4)):
-        print(f"  {label:20s}  {q_(rel[:, b] - rel[:, a])}   (the block's first unit)")
-    print(f"  block end             {q_(rel[:, 5])}   (its last unit)")
-    units = t[:, 6] % 1000
-    tiles = t[:, 6] // 1000
-    per_unit = (rel[:, 5] - rel[:, 0]) / np.maximum(units, 1)
-    print(f"  units per block       {q_(units)};  us per unit {q_(per_unit)}")
+    for label, a, b in (("prologue", 0, 1), ("first tile wait", 1, 2), ("main loop", 2, 3), ("write", 3, 4),
+                        ("merge", 4, 5)):
+        print(f"  {label:20s}  {q_(rel[:, b] - rel[:, a])}")
+    print(f"  block end             {q_(rel[:, 5])}")
+    tiles = t[:, 6]
     loop = rel[:, 3] - rel[:, 2]
     ok = tiles > 0
     if ok.any():

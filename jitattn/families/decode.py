@@ -89,9 +89,6 @@ TUNING: dict[str, int] = {
     # Development only: 1 stamps each block's first work item with %globaltimer at its phases
     # (``jitattn_decode_trace`` copies them out; dev/trace_decode.py). 0 renders no trace code.
     "trace": 0,
-    # 1: blocks take work units in a fixed order (block b: units b, b + grid, ...) instead of from the
-    # stream's work counter; the KV heads of one request then run in step on neighbouring blocks.
-    "static_units": 0,
 }
 
 def _next_pow2(n: int) -> int:
@@ -172,20 +169,16 @@ def _mma_layout(spec: VariantSpec, t: dict[str, int]) -> dict[str, int]:
     assert q_bytes <= k_stage, (q_bytes, k_stage)
     merge = nw * group * (dvo * 4 + 8)
     nt = nw * 32
-    # The next unit's first tiles load while this one's last are computed when the epilogue (the warps'
-    # merge, a split merge's staging) fits the one stage no load is in flight to.
-    lookahead = int(merge <= k_stage + v_stage)
-    smem = max(pipe + table, merge)
     return {
         "kMma": 1, "kNW": nw, "kTZ": nw, "kGS": group, "kNT": nt, "kHT": head_tiles, "kMinBlocks": blocks,
-        "kKPitch": k_pitch, "kVPitch": v_pitch, "kQPitch": q_pitch, "kLookahead": lookahead,
+        "kKPitch": k_pitch, "kVPitch": v_pitch, "kQPitch": q_pitch, "kQOffset": (stages - 1) * k_stage,
         "kSteps": steps, "kTileTokens": tile_tokens, "kStages": stages,
         "kLoadBytes": 16, "kCPRK": dqk * elem // 16, "kCPRV": dvo * elem // 16,
         "kLoadsK": -(-(tile_tokens * dqk * elem // 16) // nt), "kLoadsV": -(-(tile_tokens * dvo * elem // 16) // nt),
         "kTabPerThread": -(-tile_tokens // nt),
-        "kKStageBytes": k_stage, "kVStageBytes": v_stage, "kStageBytes": k_stage + v_stage, "kPipeBytes": pipe,
-        "kSmemBytes": smem, **_page_id_fields(t, nt),
-        "kMergeStageFloats": _merge_stage_floats(k_stage + v_stage if lookahead else smem, group, nt),
+        "kKStageBytes": k_stage, "kVStageBytes": v_stage, "kPipeBytes": pipe,
+        "kSmemBytes": max(pipe + table, merge), **_page_id_fields(t, nt),
+        "kMergeStageFloats": _merge_stage_floats(max(pipe + table, merge), group, nt),
     }
 
 
@@ -253,11 +246,10 @@ def _simt_layout(spec: VariantSpec, t: dict[str, int]) -> dict[str, int]:
         "kTabPerThread": -(-tile_tokens // nt),
         "kKStageBytes": k_stage_bytes, "kVStageBytes": v_stage_bytes,
         "kMma": 0, "kHT": 1, "kMinBlocks": 1, "kNW": 1, "kKPitch": dqk * elem, "kVPitch": dvo * elem, "kQPitch": 0,
-        "kLookahead": 0, "kStageBytes": k_stage_bytes + v_stage_bytes,
+        "kQOffset": 0,
         "kPipeBytes": pipe_bytes, "kSmemBytes": smem, "kMergeStageFloats": _merge_stage_floats(smem, group, nt),
         **_page_id_fields(t, nt),
         "kHeadMinor": int(bool(t["head_minor"])), "kTrace": int(bool(t["trace"])),
-        "kStaticUnits": int(bool(t["static_units"])),
     }
 
 
