@@ -5,7 +5,7 @@
 Cases (issue 16-18 rows; llama8b shapes 32 / 8 heads d128 bf16 page 16 unless said):
 decode_b1 (1 x 32768), decode_b256 (256 x 4096), sdpa_b1 / sdpa_b256 (PyTorch SDPA on contiguous KV, the rows'
 peer), phi3 (MHA d96 b64 x 4096),
-paged16 / paged64 / ragged (sm90 prefill causal b8 x 4096), mla128 (MLA b64 x 4096, 128 heads, page 64), mla16
+paged16 / paged64 / ragged (sm90 prefill causal b8 x 4096), ragged_d64 (causal b16 x 2048, d64), mla128 (MLA b64 x 4096, 128 heads, page 64), mla16
 (MLA b128 x 4096, 16 heads, page 64), flat_shared (decode b128 over 8192 shared + 256 own tokens each: the
 cascade row's flat twin).
 Warm-up calls (the JIT build, the plan) run before the range; one call runs inside it.
@@ -77,6 +77,16 @@ def case_fn(name: str):
         w = jitattn.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD")
         w.plan(indptr, indices, last, h, h, d, page, q_data_type=torch.bfloat16)
         return lambda: w.run(q, cache, out=out)
+    if name == "ragged_d64":  # the suite's prefill/d64_causal_b16_s2048 (32 / 8 heads, d64, causal)
+        b, n, d = 16, 2048, 64
+        q = torch.randn(b * n, HQ, d, generator=gen).to(torch.bfloat16).to(dev)
+        k = torch.randn(b * n, HKV, d, generator=gen).to(torch.bfloat16).to(dev)
+        v = torch.randn(b * n, HKV, d, generator=gen).to(torch.bfloat16).to(dev)
+        qo = torch.arange(b + 1, dtype=torch.int32) * n
+        out = torch.empty_like(q)
+        w = jitattn.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD")
+        w.plan(qo, qo, HQ, HKV, d, causal=True, q_data_type=torch.bfloat16)
+        return lambda: w.run(q, k, v, out=out)
     if name in ("paged16", "paged64", "ragged"):
         b, n = 8, 4096
         q = torch.randn(b * n, HQ, D, generator=gen).to(torch.bfloat16).to(dev)
