@@ -249,7 +249,7 @@ def _simt_layout(spec: VariantSpec, t: dict[str, int]) -> dict[str, int]:
         "kQOffset": 0,
         "kPipeBytes": pipe_bytes, "kSmemBytes": smem, "kMergeStageFloats": _merge_stage_floats(smem, group, nt),
         **_page_id_fields(t, nt),
-        "kHeadMinor": int(bool(t["head_minor"])), "kTrace": int(bool(t["trace"])),
+        "kHeadMinor": int(bool(t["head_minor"])),
     }
 
 
@@ -288,7 +288,7 @@ def _cuda_context(spec: VariantSpec) -> dict[str, Any]:
     return {
         "constants": constants,
         "smem_bytes": layout["kSmemBytes"],
-        "trace": bool(layout["kTrace"]),
+        "trace": bool(TUNING["trace"]),
         "kv_elem_ctype": c_type(spec.kv_dtype, Target.CUDA),
     }
 
