@@ -6,16 +6,8 @@ set -u
 PEER=1 source dev/gpu_env.sh
 gpu_begin s10a
 timeout 300 python3 dev/bench_shared_order.py '{}' '{"head_minor": 0}' '{"mma_warps": 8, "mma_blocks_per_sm": 1}' '{"mma_blocks_per_sm": 3, "page_ids": 256}' --peer > $R/order.log 2>&1; cat $R/order.log; gpu_time
-for c in decode_b1 flat_shared; do
-  timeout 100 ncu --profile-from-start off --set full --import-source no -f -o "$R/ncu_$c" \
-    python3 dev/profile_ncu.py "$c" > "$R/ncu_$c.log" 2>&1
-  ncu -i "$R/ncu_$c.ncu-rep" --page details > "$R/ncu_$c.txt" 2>&1
-  ncu -i "$R/ncu_$c.ncu-rep" --page raw > "$R/ncu_${c}_raw.txt" 2>&1
-  grep -E "Duration|DRAM Throughput|L2 Hit|Compute \(SM\)|Registers Per|Achieved Occ|Grid Size|Issued Ipc|Warp Cycles Per Issued" "$R/ncu_$c.txt" | head -20
-  echo "$(gpu_time) $c"
-done
+gpu_ncu 100 decode_b1 flat_shared
 for t in '{}' '{"mma_warps": 8, "mma_blocks_per_sm": 1}'; do
   echo "tuning $t"; timeout 90 python3 -m jitattn.bench.decode_cuda --ceiling 4268 --tuning "$t" 2>&1 | grep -v "^layout" | tail -9
 done; gpu_time
-rm -f $R/*.ncu-rep
 gpu_pack s10a
