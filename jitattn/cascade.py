@@ -25,7 +25,7 @@ import torch
 from .attention.batch import WorkspaceTooSmall, run_plan, share_queries
 from .attention.builder import attention_options, kernel_spec, num_workers
 from .attention.merge import PreparedMerge, merge_state, merge_state_in_place, merge_states, merge_states_with_sinks
-from .attention.options import fp8_scale, parse_pos_encoding, resolve_batch_invariant
+from .attention.options import fp8_scale, parse_pos_encoding, resolve_batch_invariant, resolve_window_left
 from .kv_split import (
     batch_invariant_chunk, cascade_chunk_pages, cascade_level_chunks, concat_level_tables, graph_level_chunks,
     split_level_page_table,
@@ -129,9 +129,11 @@ class MultiLevelCascadeAttentionWrapper:
         for name, arr in (("qo_indptr_arr", qo_indptr_arr), ("paged_kv_indptr_arr", paged_kv_indptr_arr),
                           ("paged_kv_indices_arr", paged_kv_indices_arr),
                           ("paged_kv_last_page_len", paged_kv_last_page_len)):
+            if not isinstance(arr, (list, tuple)):
+                raise TypeError(f"{name} must be a list with one int32 tensor per level, got {type(arr).__name__}")
             if len(arr) != self._num_levels:
                 raise ValueError(f"{name} has {len(arr)} entries; this wrapper has num_levels={self._num_levels}")
-        if parse_pos_encoding(pos_encoding_mode) is not PosEncoding.NONE or window_left >= 0:
+        if parse_pos_encoding(pos_encoding_mode) is not PosEncoding.NONE or resolve_window_left(window_left) >= 0:
             raise ValueError(
                 "cascade levels see positions relative to their own KV, so in-kernel RoPE/ALiBi and sliding "
                 "windows would be wrong; apply RoPE before writing the cache and use pos_encoding_mode='NONE', "

@@ -211,6 +211,11 @@ class BatchDecodeWithPagedKVCacheWrapper(BatchWrapperBase):
         if indptr_host is None:
             indptr_host = indptr if indptr.device.type == "cpu" else indptr.to("cpu")  # FlashInfer copies too
         indptr_host = to_host_int32("global_override_indptr_cpu", indptr_host)
+        # dtype and rank only (no sync): the kernel reads these buffers as int32
+        for name, array in (("indptr", indptr), ("indices", indices), ("last_page_len", last_page_len)):
+            if not isinstance(array, torch.Tensor) or array.dtype != torch.int32 or array.dim() != 1:
+                got = f"{array.dtype} with {array.dim()} dims" if isinstance(array, torch.Tensor) else type(array).__name__
+                raise TypeError(f"fast_decode_plan: {name} must be a 1-D int32 tensor, got {got} (use .int())")
         batch = indptr_host.numel() - 1
         if batch < 0 or last_page_len.numel() != batch:
             raise ValueError(f"indptr describes {batch} requests but last_page_len has {last_page_len.numel()}")

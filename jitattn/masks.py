@@ -56,8 +56,16 @@ def multi_item_mask(
     p's own item (``p - pos < j``). A delimiter after the prefix so sees only the prefix, and
     no item sees an earlier one.
     """
+    for name, t in (("prefix_len_ptr", prefix_len), ("token_pos_in_items_ptr", token_pos_in_items)):
+        if not isinstance(t, torch.Tensor) or t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+            got = str(t.dtype).removeprefix("torch.") if isinstance(t, torch.Tensor) else type(t).__name__
+            raise TypeError(f"{name} must be an integer tensor, got {got}")
     prefix = prefix_len.detach().to("cpu").to(torch.int64).reshape(-1)
     positions = token_pos_in_items.detach().to("cpu").to(torch.int64).reshape(-1)
+    if prefix.numel() and int(prefix.min()) < 0:
+        raise ValueError(f"prefix_len_ptr has a negative length ({int(prefix.min())})")
+    if positions.numel() and int(positions.min()) < 0:
+        raise ValueError(f"token_pos_in_items_ptr has a negative position ({int(positions.min())})")
     if prefix.numel() != len(qo_lens):
         raise ValueError(f"prefix_len_ptr has {prefix.numel()} entries; expected one per request ({len(qo_lens)})")
     stride = int(token_pos_in_items_len)

@@ -36,6 +36,7 @@ place (rows not on 16 bytes, e.g. an fp8 cache with 8-byte-aligned rows, or ``ou
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
@@ -59,6 +60,16 @@ class _LatentPrefill(BatchPrefillWithPagedKVCacheWrapper):
     """The paged prefill wrapper the MLA wrapper plans and runs on; its errors name the MLA wrapper."""
 
     _NAME = _NAME
+
+
+def _check_plan_scalars(num_heads, head_dim_ckv, head_dim_kpe, sm_scale, causal) -> None:
+    for name, value in (("num_heads", num_heads), ("head_dim_ckv", head_dim_ckv), ("head_dim_kpe", head_dim_kpe)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r} must be a positive int")
+    if not isinstance(sm_scale, (int, float)) or isinstance(sm_scale, bool) or not 0 < sm_scale < math.inf:
+        raise ValueError(f"sm_scale={sm_scale!r} must be a positive finite float (MLA: e.g. 1/sqrt(192))")
+    if isinstance(causal, torch.Tensor) or not isinstance(causal, (bool, int)):
+        raise ValueError(f"causal={causal!r} must be True or False")
 
 
 class BatchMLAPagedAttentionWrapper:
@@ -129,6 +140,11 @@ class BatchMLAPagedAttentionWrapper:
         prefill kernels never split it anyway."""
         invariant = resolve_batch_invariant(batch_invariant)
         refuse_unsupported(f"{_NAME}.plan", "leave use_profiler off", use_profiler=use_profiler or None)
+        try:  # for both kernels (the prefill kernels would take a None sm_scale as 1/sqrt(576))
+            _check_plan_scalars(num_heads, head_dim_ckv, head_dim_kpe, sm_scale, causal)
+        except ValueError:
+            self._kernel, self._dims, self._prefill_args = None, None, None  # refused: nothing left to run
+            raise
         qo_indptr = to_host_int32("qo_indptr", qo_indptr)
         indptr = to_host_int32("kv_indptr", kv_indptr)
         kv_indices = to_host_int32("kv_indices", kv_indices)
@@ -221,6 +237,12 @@ class BatchMLAPagedAttentionWrapper:
         if self._prefill_args is not None:  # an sm90 plan meeting tensors its kernel cannot read: plan once
             self._inner.plan(**self._prefill_args)
             self._prefill_args = None
+        for name, t in (("q_nope", q_nope), ("q_pe", q_pe)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{_NAME}.run(): {name} must be a torch.Tensor, got {type(t).__name__}")
+        if q_nope.dtype != q_pe.dtype:
+            raise TypeError(f"{_NAME}.run(): q_nope is {q_nope.dtype} but q_pe is {q_pe.dtype}; pass both in the "
+                            "planned q_data_type")
         q = torch.cat([q_nope, q_pe], dim=-1)
         keys = latent_keys(ckv_cache, kpe_cache)
         return self._inner.run(q, (keys.unsqueeze(2), ckv_cache.unsqueeze(2)), k_scale=k_scale, v_scale=v_scale,
@@ -240,12 +262,6 @@ class BatchMLAPagedAttentionWrapper:
         if select_kernel(reason) != "sm90":
             logger.debug("%s.plan: the prefill kernels (%s)", _NAME, reason or "JITATTN_MLA_KERNEL=prefill")
             return None
-        if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
-            raise ValueError(f"num_heads={num_heads!r} must be a positive int")
-        if not isinstance(sm_scale, (int, float)) or isinstance(sm_scale, bool) or not sm_scale > 0:
-            raise ValueError(f"sm_scale={sm_scale!r} must be a positive float (MLA: e.g. 1/sqrt(192))")
-        if isinstance(causal, torch.Tensor) or not isinstance(causal, (bool, int)):
-            raise ValueError(f"causal={causal!r} must be True or False")
         check_indptr("qo_indptr", qo_indptr)
         if qo_indptr.numel() != indptr.numel():
             raise ValueError(f"qo_indptr describes {qo_indptr.numel() - 1} requests but kv_indptr "

@@ -117,6 +117,19 @@ def check_page_table(
     return _check_page_table(indptr, indices, last_page_len, page_size, num_pages, names)[0]
 
 
+def _int32_values(name: str, values: np.ndarray) -> np.ndarray:
+    """``values`` as int32 for the one-pass unsigned bounds checks: int32 as is; another integer array
+    (the public callers convert to int32 first; a direct call may not) only when every value fits."""
+    if values.dtype == np.int32:
+        return values
+    if values.dtype.kind not in "iu":
+        raise TypeError(f"{name} has dtype {values.dtype}; index arrays must be int32 (use .int())")
+    if values.size and (int(values.min()) < -_INT32_MAX - 1 or int(values.max()) > _INT32_MAX):
+        i = int(np.flatnonzero((values < -_INT32_MAX - 1) | (values > _INT32_MAX))[0])
+        raise ValueError(f"{name}[{i}] = {int(values[i])} does not fit an int32 index array")
+    return values.astype(np.int32)
+
+
 def _check_page_table(indptr, indices, last_page_len, page_size: int, num_pages: int | None,
                       names: tuple[str, str, str]) -> tuple[int, np.ndarray | None]:
     """``check_page_table``, also returning each request's page count (None without ``indptr``)."""
@@ -137,15 +150,9 @@ def _check_page_table(indptr, indices, last_page_len, page_size: int, num_pages:
     if indices is not None:
         if total_pages > indices.numel():
             raise ValueError(f"{names[0]}[-1] = {total_pages} exceeds len({names[1]}) = {indices.numel()}")
-        used = indices.numpy()[:total_pages]
+        used = _int32_values(names[1], indices.numpy()[:total_pages])
         # One pass for both bounds: as unsigned, a negative index is larger than every valid one.
-        # (an int64 array -- callers pass int32, but not every path converted -- takes the signed pass)
-        if not total_pages:
-            highest = -1
-        elif used.dtype == np.int32:
-            highest = int(used.view(np.uint32).max())
-        else:
-            highest = _INT32_MAX + 1 if int(used.min()) < 0 else min(int(used.max()), _INT32_MAX)
+        highest = int(used.view(np.uint32).max()) if total_pages else -1
         if highest > _INT32_MAX:
             i = int(np.flatnonzero(used < 0)[0])
             raise ValueError(f"{names[1]}[{i}] = {int(used[i])} is a negative page index")
@@ -154,10 +161,10 @@ def _check_page_table(indptr, indices, last_page_len, page_size: int, num_pages:
             raise IndexError(f"{names[1]}[{i}] = {int(used[i])} references a page past the end of the kv cache "
                              f"(it has {num_pages} pages)")
     if last_page_len is not None and batch:
-        last = last_page_len.numpy()
+        last = _int32_values(names[2], last_page_len.numpy())
         # As unsigned, last - 1 < page_size is 1 <= last <= page_size (an int32 is at most _INT32_MAX): one
         # pass when every entry is in range, the usual case; otherwise only requests with pages must be.
-        if last.dtype != np.int32 or (last - 1).view(np.uint32).max() >= min(page_size, _INT32_MAX):
+        if (last - 1).view(np.uint32).max() >= min(page_size, _INT32_MAX):
             bad = (pages > 0) & ((last < 1) | (last > page_size))
             if bad.any():
                 r = int(np.flatnonzero(bad)[0])

@@ -361,7 +361,10 @@ def single_prefill_with_kv_cache(
         check_tensor(name, t, ndim=3)
     target_of("single_prefill_with_kv_cache", (q, k, v))
     kv_len, num_kv_heads = (k.shape[0], k.shape[1]) if layout is KVLayout.NHD else (k.shape[1], k.shape[0])
-    if custom_mask is not None and custom_mask.dim() == 2:
+    if isinstance(custom_mask, torch.Tensor) and custom_mask.dim() == 2:
+        if tuple(custom_mask.shape) != (q.shape[0], kv_len):
+            raise ValueError(f"custom_mask has shape {tuple(custom_mask.shape)}; a 2-D mask must be [qo_len, kv_len] = "
+                             f"{(q.shape[0], kv_len)} (True: the key is visible to the query)")
         custom_mask = custom_mask.reshape(-1)
     wrapper = BatchPrefillWithPagedKVCacheWrapper(torch.empty(0, dtype=torch.uint8, device=q.device), kv_layout,
                                                   backend=backend)

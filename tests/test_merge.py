@@ -209,8 +209,19 @@ BAD_PAIRS = [
 def test_bad_merge_state_inputs_raise_errors_naming_the_argument(op, changes, error, message):
     tensors = _good()
     args = {name: (changes[name](tensors) if name in changes else tensors[name]) for name in tensors}
+    if op == "merge_state_in_place":  # its arguments are v, s, v_other, s_other
+        for a, b in (("v_a", "v"), ("s_a", "s"), ("v_b", "v_other"), ("s_b", "s_other")):
+            message = message.replace(a, b)
     with pytest.raises(error, match=message):
         getattr(jitattn, op)(args["v_a"], args["s_a"], args["v_b"], args["s_b"])
+
+
+def test_merge_state_in_place_refuses_an_expanded_destination():
+    """v is written in place: an expand()ed v (stride 0) would have its rows overwrite each other."""
+    t = _good()
+    v = t["v_a"][:1].expand(4, -1, -1)
+    with pytest.raises(ValueError, match="share memory"):
+        jitattn.merge_state_in_place(v, t["s_a"], t["v_b"], t["s_b"])
 
 
 @pytest.mark.parametrize("mask, error, message", [

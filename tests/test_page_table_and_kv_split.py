@@ -42,14 +42,23 @@ def test_bad_page_tables(indptr, indices, last, match) -> None:
 
 
 @pytest.mark.parametrize("indices,last,match", [
-    ([0, 2**32 + 1], [3, 5], "past the end"),  # as uint32 halves: 1 and 1
-    ([0, -2**33], [3, 5], "negative"),
-    ([0, 1], [3, 2**32 + 1], "out of range"),  # last - 1 = 2**32: uint32 halves 0 and 1
+    ([0, 2**32 + 1], [3, 5], "does not fit an int32"),  # as uint32 halves: 1 and 1
+    ([0, -2**33], [3, 5], "does not fit an int32"),
+    ([0, 1], [3, 2**32 + 1], "does not fit an int32"),  # last - 1 = 2**32: uint32 halves 0 and 1
+    ([0, 11], [3, 5], "past the end"),
+    ([0, -1], [3, 5], "negative"),
+    ([0, 1], [3, 17], "out of range"),
 ])
 def test_int64_tables_get_the_same_checks(indices, last, match) -> None:
-    """check_page_table's one-pass unsigned bounds assume int32; int64 arrays take the signed checks."""
+    """check_page_table's one-pass unsigned bounds assume int32: an int64 array is checked as int32 when
+    its values fit one (a value that does not is refused); the public callers convert to int32 first."""
     with pytest.raises((ValueError, IndexError), match=match):
         check_page_table(_i32([0, 1, 2]), torch.tensor(indices), torch.tensor(last), 16, num_pages=10)
+
+
+def test_float_page_tables_are_refused() -> None:
+    with pytest.raises(TypeError, match="must be int32"):
+        check_page_table(_i32([0, 1, 2]), torch.tensor([0.0, 5.7]), _i32([3, 5]), 16)
 
 
 def test_no_split_when_the_batch_fills_the_gpu() -> None:

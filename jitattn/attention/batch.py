@@ -18,7 +18,7 @@ from ..log import get_logger
 from ..page_table import PagedIndex, check_page_pool
 from ..kv_split import KVSplit, split_workspace_bytes
 from ..spec import KVLayout, Op, Target, VariantSpec
-from .checks import check_tensor, stream_capturing, target_of
+from .checks import check_no_overlap, check_tensor, stream_capturing, target_of
 from .kv import check_kv_pair, split_paged_kv_cache
 from .launch import PreparedAttention
 from .options import AttentionOptions
@@ -417,10 +417,12 @@ def _check_outputs(plan: AttentionPlan, wrapper: str, q: torch.Tensor, out: torc
     check_tensor("out", out, ndim=3, dtypes=(plan.o_dtype,))
     if tuple(out.shape) != o_shape:
         raise ValueError(f"out has shape {tuple(out.shape)}; expected {o_shape}")
+    check_no_overlap("out", out)
     if lse is not None:
         check_tensor("lse", lse, ndim=2, dtypes=(torch.float32,), last_dim_contiguous=False)
         if tuple(lse.shape) != o_shape[:2]:
             raise ValueError(f"lse has shape {tuple(lse.shape)}; expected {o_shape[:2]}")
+        check_no_overlap("lse", lse)
 
 
 def kv_alignment(plan: AttentionPlan) -> tuple[int, int]:

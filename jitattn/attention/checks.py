@@ -84,6 +84,17 @@ def check_tensor(
                          "call .contiguous() on it")
 
 
+def check_no_overlap(name: str, tensor: torch.Tensor) -> None:
+    """Refuse a tensor to be written whose elements share memory (a stride of 0 over a dimension longer
+    than 1, as ``expand()`` makes): the writes would overwrite each other."""
+    if any(st == 0 and n > 1 for st, n in zip(tensor.stride(), tensor.shape)):
+        raise ValueError(
+            f"{name} (shape {tuple(tensor.shape)}, strides {tuple(tensor.stride())}) has elements that share "
+            "memory (as expand() makes), so the results written to it would overwrite each other; pass a tensor "
+            "with storage of its own (.clone() or torch.empty)"
+        )
+
+
 def check_shape(name: str, tensor: torch.Tensor, expected: tuple[int, ...]) -> None:
     if tuple(tensor.shape) != tuple(expected):
         raise ValueError(f"{name} has shape {tuple(tensor.shape)}; expected {tuple(expected)}")

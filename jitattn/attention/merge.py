@@ -17,7 +17,7 @@ import torch
 from ..jit import load
 from ..spec import Target
 from .specs import merge_spec
-from .checks import check_shape, check_tensor, cpu_threads, stream_handle, target_of
+from .checks import check_no_overlap, check_shape, check_tensor, cpu_threads, stream_handle, target_of
 
 _VALUE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -26,14 +26,14 @@ def _module(value_dtype: torch.dtype, target, use_sinks: bool = False):
     return load(merge_spec(target, value_dtype, use_sinks))
 
 
-def _check_pair(v_a, s_a, v_b, s_b) -> None:
-    check_tensor("v_a", v_a, ndim=3, dtypes=_VALUE_DTYPES)
-    check_tensor("s_a", s_a, ndim=2, dtypes=(torch.float32,), last_dim_contiguous=False)
-    check_shape("v_b", v_b, tuple(v_a.shape))
-    check_shape("s_a", s_a, tuple(v_a.shape[:2]))
-    check_shape("s_b", s_b, tuple(v_a.shape[:2]))
-    check_tensor("v_b", v_b, dtypes=(v_a.dtype,))
-    check_tensor("s_b", s_b, dtypes=(torch.float32,), last_dim_contiguous=False)
+def _check_pair(v_a, s_a, v_b, s_b, names: tuple[str, str, str, str] = ("v_a", "s_a", "v_b", "s_b")) -> None:
+    check_tensor(names[0], v_a, ndim=3, dtypes=_VALUE_DTYPES)
+    check_tensor(names[1], s_a, ndim=2, dtypes=(torch.float32,), last_dim_contiguous=False)
+    check_tensor(names[2], v_b, dtypes=(v_a.dtype,))
+    check_tensor(names[3], s_b, dtypes=(torch.float32,), last_dim_contiguous=False)
+    check_shape(names[2], v_b, tuple(v_a.shape))
+    check_shape(names[1], s_a, tuple(v_a.shape[:2]))
+    check_shape(names[3], s_b, tuple(v_a.shape[:2]))
 
 
 def _launch_pair(v_a, s_a, v_b, s_b, v_out, s_out, mask) -> None:
@@ -68,7 +68,9 @@ def _merge_state_in_place_eager(
     mask: torch.Tensor | None = None,
 ) -> None:
     """Eager implementation (see the public function of the same name)."""
-    _check_pair(v, s, v_other, s_other)
+    _check_pair(v, s, v_other, s_other, ("v", "s", "v_other", "s_other"))
+    check_no_overlap("v", v)  # written in place
+    check_no_overlap("s", s)
     if mask is not None:
         check_tensor("mask", mask, ndim=1, dtypes=(torch.bool, torch.uint8))
         check_shape("mask", mask, (v.shape[0],))

@@ -8,6 +8,7 @@ an ``AttentionScalars`` with every default applied.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -96,25 +97,58 @@ def parse_kv_layout(value: str | KVLayout) -> KVLayout:
     return KVLayout.parse(value, "kv_layout")
 
 
+_INT32_MAX = 2**31 - 1
+# The kernels hold scales in float32: a scale (and a RoPE parameter's reciprocal) must be a normal float32.
+_F32_MAX = 3.4028234663852886e38
+_F32_MIN_NORMAL = 1.1754943508222875e-38
+
+
+def _number(value, name: str) -> float:
+    """``value`` as a float; a clear TypeError for what is not a number (strings included)."""
+    if isinstance(value, (str, bytes)):
+        raise TypeError(f"{name}={value!r} must be a number, not a string")
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name}={value!r} must be a number") from None
+
+
+def _f32_scale(value: float) -> bool:
+    """Whether ``value`` is a positive normal float32 (so neither it nor a product with it is 0 or inf)."""
+    return _F32_MIN_NORMAL <= value <= _F32_MAX
+
+
+def resolve_window_left(value) -> int:
+    """``window_left`` as an int: -1 (None) for no window, else the number of keys left of the query kept."""
+    if value is None:
+        return -1
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"window_left={value!r} must be an int (-1 or None: no window)")
+    value = int(value)
+    if not -1 <= value <= _INT32_MAX:
+        raise ValueError(f"window_left={value} must be -1 (no window) or in [0, 2**31 - 1]")
+    return value
+
+
 def resolve_scalars(
     *, head_dim_qk: int, causal: bool, pos_encoding: PosEncoding, window_left: int | None,
     logits_soft_cap: float | None, sm_scale: float | None, rope_scale: float | None, rope_theta: float | None,
 ) -> AttentionScalars:
     """Validate run-time scalars and apply FlashInfer's defaults."""
     check_head_dim(head_dim_qk, "head_dim_qk")
-    window_left = -1 if window_left is None else int(window_left)
-    if window_left < -1:
-        raise ValueError(f"window_left={window_left} must be -1 (no window) or >= 0")
-    cap = 0.0 if logits_soft_cap is None else float(logits_soft_cap)
-    if cap < 0 or not math.isfinite(cap):
-        raise ValueError(f"logits_soft_cap={logits_soft_cap} must be None, 0 (off) or a positive number")
-    scale = 1.0 / math.sqrt(head_dim_qk) if sm_scale is None else float(sm_scale)
-    if not (scale > 0 and math.isfinite(scale)):
-        raise ValueError(f"sm_scale={sm_scale} must be a positive finite number")
-    rope_scale = 1.0 if rope_scale is None else float(rope_scale)
-    rope_theta = 1e4 if rope_theta is None else float(rope_theta)
-    if rope_scale <= 0 or rope_theta <= 0:
-        raise ValueError(f"rope_scale={rope_scale} and rope_theta={rope_theta} must be positive")
+    window_left = resolve_window_left(window_left)
+    cap = 0.0 if logits_soft_cap is None else _number(logits_soft_cap, "logits_soft_cap")
+    if not (cap == 0 or _f32_scale(cap)):
+        raise ValueError(f"logits_soft_cap={logits_soft_cap} must be None, 0 (off) or a positive finite number")
+    scale = 1.0 / math.sqrt(head_dim_qk) if sm_scale is None else _number(sm_scale, "sm_scale")
+    if not _f32_scale(scale):
+        raise ValueError(f"sm_scale={sm_scale} must be a positive finite number within float32's normal range")
+    rope_scale = 1.0 if rope_scale is None else _number(rope_scale, "rope_scale")
+    rope_theta = 1e4 if rope_theta is None else _number(rope_theta, "rope_theta")
+    for name, value in (("rope_scale", rope_scale), ("rope_theta", rope_theta)):
+        # the kernels take the reciprocal in float32: both must be normal float32 numbers
+        if not (_f32_scale(value) and _f32_scale(1.0 / value)):
+            raise ValueError(f"{name}={value} must be a positive finite number (its reciprocal too, in float32)")
     return AttentionScalars(
         causal=bool(causal), pos_encoding=pos_encoding, window_left=window_left, sm_scale=scale,
         logits_soft_cap=cap, rope_scale=rope_scale, rope_theta=rope_theta,
@@ -131,7 +165,10 @@ def fp8_scale(value: float | torch.Tensor | None, name: str) -> float:
         if value.device.type != "cpu":
             raise ValueError(f"{name} on {value.device} would need a device sync; pass a Python float")
         value = value.item()
-    return float(value)
+    value = _number(value, name)
+    if not _f32_scale(value):
+        raise ValueError(f"{name}={value} must be a positive finite number (a dequantization scale)")
+    return value
 
 
 def resolve_batch_invariant(value: bool | None) -> bool:

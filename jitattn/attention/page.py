@@ -16,6 +16,7 @@ of it lives in page ``kv_indices[kv_indptr[r] + pos // page_size]``, slot ``pos 
 
 from __future__ import annotations
 
+import numbers
 from typing import Sequence, Union
 
 import torch
@@ -24,7 +25,7 @@ from ..abi import APPEND_SOURCE_CODES
 from ..jit import load
 from ..page_table import check_page_table
 from ..spec import KVLayout, Target
-from .checks import check_tensor, cpu_threads, stream_handle, target_of
+from .checks import check_no_overlap, check_tensor, cpu_threads, stream_handle, target_of
 from .specs import append_spec
 from .kv import cache_geometry, check_kv_tensors, kv_strides, split_paged_kv_cache
 
@@ -47,6 +48,8 @@ class _CacheView:
     def __init__(self, paged_kv_cache: PagedKVCache, layout: KVLayout) -> None:
         self.k, self.v = split_paged_kv_cache(paged_kv_cache, layout)
         check_kv_tensors(self.k, self.v, _CACHE_DTYPES)
+        check_no_overlap("the k cache", self.k)  # written in place
+        check_no_overlap("the v cache", self.v)
         self.num_pages, self.page_size, self.num_heads, self.head_dim = cache_geometry(self.k, layout)
         if self.page_size < 1:
             raise ValueError(f"paged_kv_cache has page_size {self.page_size}; it must be at least 1")
@@ -162,6 +165,9 @@ def append_paged_kv_cache(
     """
     layout = KVLayout.parse(kv_layout, "kv_layout")
     cache = _CacheView(paged_kv_cache, layout)
+    if cache.k.data_ptr() == cache.v.data_ptr() and append_key is not append_value:
+        raise ValueError("paged_kv_cache's k and v are the same memory, so the appended values would overwrite "
+                         "the keys: pass two caches (or one [pages, 2, ...] tensor)")
     for name, t in (("append_key", append_key), ("append_value", append_value)):
         check_tensor(name, t, ndim=3)
         if t.dtype not in _SRC_CODES and t.dtype != cache.dtype:
@@ -255,6 +261,8 @@ def get_batch_indices_positions(
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 1 or t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
             raise ValueError(f"{name} must be a 1-D integer tensor, got {_name(t.dtype)} of shape {tuple(t.shape)}")
+    if isinstance(nnz, bool) or not isinstance(nnz, numbers.Integral):
+        raise TypeError(f"nnz={nnz!r} must be an int (the number of appended tokens)")
     nnz = int(nnz)
     device = append_indptr.device
     batch_size = append_indptr.shape[0] - 1
@@ -267,6 +275,8 @@ def get_batch_indices_positions(
     indptr = append_indptr.to(torch.int64)
     lens = seq_lens[:batch_size].to(device=device, dtype=torch.int64, non_blocking=True)
     if device.type == "cpu" and seq_lens.device.type == "cpu":
+        if int(indptr[0]) != 0:
+            raise ValueError(f"append_indptr[0]={int(indptr[0])} must be 0 (offsets of each request's appended tokens)")
         if int(indptr[-1]) != nnz:
             raise ValueError(f"nnz={nnz} must equal append_indptr[-1]={int(indptr[-1])}")
         counts = indptr[1:] - indptr[:-1]

@@ -16,7 +16,7 @@ import torch
 from .batch import AttentionPlan, run_plan, run_plan_or_compiled, workspace_target
 from .checks import target_of
 from .compiled import register_wrapper
-from .options import fp8_scale, parse_kv_layout, refuse_unsupported
+from .options import fp8_scale, parse_kv_layout, refuse_unsupported, resolve_window_left
 
 # The index arrays a captured launch reads, which CUDA-graph mode needs in fixed caller buffers.
 _GRAPH_ROLES = ("qo_indptr", "kv_indptr", "kv_indices", "kv_last_page_len")
@@ -117,7 +117,7 @@ class BatchWrapperBase:
         plan = self._plan
         if sinks is not None:
             self._uses_sinks = True
-        if window_left is not None and plan is not None and int(window_left) != plan.scalars.window_left:  # rare
+        if window_left is not None and plan is not None and resolve_window_left(window_left) != plan.scalars.window_left:
             raise ValueError(
                 f"{self._NAME}.run(window_left={window_left}) differs from the planned window_left="
                 f"{plan.scalars.window_left}; the window is part of the plan: pass it to plan()"

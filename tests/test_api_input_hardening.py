@@ -1,0 +1,171 @@
+"""Bad input a fuzzing pass over the public API found accepted (session 10): each now fails with a clear
+error instead of a crash, silently wrong output or a corrupted cache. cpu target, small shapes."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import jitattn
+from jitattn.jit.loader import KernelError
+
+from attention_cases import random_paged_batch
+
+PAGE = 16
+HQ, HKV, D = 8, 2, 64  # test_api_dropin's decode shapes: the same cpu module
+
+
+def _workspace() -> torch.Tensor:
+    return torch.empty(16 << 20, dtype=torch.uint8)
+
+
+def _decode_batch():
+    gen = torch.Generator().manual_seed(10)
+    batch = random_paged_batch([5, 20, 33], HKV, D, PAGE, torch.float32, generator=gen)
+    q = torch.randn(3, HQ, D, generator=gen)
+    return batch, q
+
+
+def _decode_wrapper(batch, **options):
+    wrapper = jitattn.BatchDecodeWithPagedKVCacheWrapper(_workspace())
+    wrapper.plan(batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len, HQ, HKV, D, PAGE,
+                 q_data_type=torch.float32, **options)
+    return wrapper
+
+
+@pytest.mark.parametrize("page", [10**7, -50_000_000], ids=["past-the-pool", "negative"])
+def test_fast_decode_plan_page_outside_the_cache_is_a_kernel_error(page):
+    """fast_decode_plan checks no page ids on the host; the cpu kernel refuses one outside the cache (it
+    used to read there: a segfault)."""
+    batch, q = _decode_batch()
+    wrapper = jitattn.BatchDecodeWithPagedKVCacheWrapper(_workspace())
+    indices = batch.kv_indices.clone()
+    indices[-1] = page
+    jitattn.fast_decode_plan(wrapper, batch.kv_indptr, indices, batch.kv_last_page_len, HQ, HKV, D, PAGE,
+                             q_data_type=torch.float32)
+    with pytest.raises(KernelError, match=f"kv_indices\\[{indices.numel() - 1}\\]={page} is outside the kv cache"):
+        wrapper.run(q, batch.cache)
+
+
+@pytest.mark.parametrize("which", ["indices", "last_page_len"])
+def test_fast_decode_plan_refuses_int64_tables(which):
+    batch, _ = _decode_batch()
+    tables = dict(indptr=batch.kv_indptr, indices=batch.kv_indices, last_page_len=batch.kv_last_page_len)
+    tables[which] = tables[which].long()
+    wrapper = jitattn.BatchDecodeWithPagedKVCacheWrapper(_workspace())
+    with pytest.raises(TypeError, match=f"{which} must be a 1-D int32 tensor, got torch.int64"):
+        jitattn.fast_decode_plan(wrapper, tables["indptr"], tables["indices"], tables["last_page_len"], HQ, HKV,
+                                 D, PAGE, q_data_type=torch.float32)
+
+
+@pytest.mark.parametrize("options, error, message", [
+    (dict(window_left=2**32 + 1), ValueError, r"window_left=4294967297 must be -1"),  # was truncated to 1
+    (dict(window_left=2**31), ValueError, r"window_left=2147483648 must be -1"),  # was negative: no window
+    (dict(window_left=1.5), TypeError, "window_left=1.5 must be an int"),
+    (dict(window_left="3"), TypeError, "window_left='3' must be an int"),
+    (dict(sm_scale=1e300), ValueError, "sm_scale=1e\\+300 must be a positive finite number"),  # inf in float32
+    (dict(sm_scale=1e-300), ValueError, "sm_scale=1e-300 must be"),  # 0 in float32: uniform attention
+    (dict(sm_scale="x"), TypeError, "sm_scale='x' must be a number"),
+    (dict(pos_encoding_mode="ROPE_LLAMA", rope_theta=math.nan), ValueError, "rope_theta=nan must be"),
+    (dict(pos_encoding_mode="ROPE_LLAMA", rope_scale=1e-300), ValueError, "rope_scale=1e-300 must be"),
+    (dict(logits_soft_cap=math.inf), ValueError, "logits_soft_cap=inf must be"),
+], ids=["window-2^32+1", "window-2^31", "window-float", "window-str", "sm_scale-huge", "sm_scale-tiny",
+        "sm_scale-str", "rope_theta-nan", "rope_scale-tiny", "soft_cap-inf"])
+def test_plan_scalars_outside_what_the_kernels_hold_are_refused(options, error, message):
+    batch, _ = _decode_batch()
+    with pytest.raises(error, match=message):
+        _decode_wrapper(batch, **options)
+
+
+@pytest.mark.parametrize("scales, message", [
+    (dict(k_scale=math.nan), "k_scale=nan must be a positive finite number"),
+    (dict(v_scale=-1.0), "v_scale=-1.0 must be a positive finite number"),
+    (dict(v_scale=math.inf), "v_scale=inf must be"),
+    (dict(q_scale=0.0), "q_scale=0.0 must be"),
+], ids=["k-nan", "v-negative", "v-inf", "q-zero"])
+def test_run_scales_must_be_positive_and_finite(scales, message):
+    batch, q = _decode_batch()
+    wrapper = _decode_wrapper(batch)
+    with pytest.raises(ValueError, match=message):
+        wrapper.run(q, batch.cache, **scales)
+
+
+@pytest.mark.parametrize("which", ["out", "lse"])
+def test_expanded_outputs_are_refused(which):
+    """Rows of an expand()ed output share memory: the kernel's writes would overwrite each other."""
+    batch, q = _decode_batch()
+    wrapper = _decode_wrapper(batch)
+    out = torch.empty(1, HQ, D).expand(3, -1, -1) if which == "out" else None
+    lse = torch.empty(1, HQ).expand(3, -1) if which == "lse" else None
+    with pytest.raises(ValueError, match=f"{which} .*share memory"):
+        wrapper.run(q, batch.cache, out=out, lse=lse, return_lse=lse is not None)
+
+
+def _append_args(cache):
+    gen = torch.Generator().manual_seed(11)
+    kv_indptr = torch.tensor([0, 1], dtype=torch.int32)
+    kv_indices = torch.tensor([0], dtype=torch.int32)
+    last = torch.tensor([3], dtype=torch.int32)
+    batch_indices, positions = jitattn.get_batch_indices_positions(
+        torch.tensor([0, 3], dtype=torch.int32), jitattn.get_seq_lens(kv_indptr, last, PAGE), 3)
+    k, v = torch.randn(3, HKV, D, generator=gen), torch.randn(3, HKV, D, generator=gen)
+    return k, v, batch_indices, positions, cache, kv_indices, kv_indptr, last
+
+
+def test_append_refuses_an_expanded_cache_and_one_buffer_for_k_and_v():
+    pages = torch.randn(1, PAGE, HKV, D).expand(4, -1, -1, -1)
+    with pytest.raises(ValueError, match="the k cache .*share memory"):
+        jitattn.append_paged_kv_cache(*_append_args((pages, pages.clone())))
+    same = torch.randn(4, PAGE, HKV, D)
+    with pytest.raises(ValueError, match="k and v are the same memory"):
+        jitattn.append_paged_kv_cache(*_append_args((same, same)))
+
+
+def test_batch_indices_positions_need_append_indptr_to_start_at_zero():
+    with pytest.raises(ValueError, match=r"append_indptr\[0\]=1 must be 0"):
+        jitattn.get_batch_indices_positions(torch.tensor([1, 3, 5], dtype=torch.int32),
+                                            torch.tensor([4, 4], dtype=torch.int32), 5)
+
+
+def test_single_prefill_two_dimensional_mask_must_be_qo_by_kv():
+    gen = torch.Generator().manual_seed(12)
+    q, k, v = (torch.randn(n, h, D, generator=gen) for n, h in ((3, HQ), (7, HKV), (7, HKV)))
+    with pytest.raises(ValueError, match=r"custom_mask has shape \(7, 3\); a 2-D mask must be \[qo_len, kv_len\]"):
+        jitattn.single_prefill_with_kv_cache(q, k, v, custom_mask=torch.ones(7, 3, dtype=torch.bool))
+
+
+def _mla_wrapper_plan(**overrides):
+    args = dict(qo_indptr=torch.tensor([0, 1], dtype=torch.int32), kv_indptr=torch.tensor([0, 1], dtype=torch.int32),
+                kv_indices=torch.tensor([0], dtype=torch.int32), kv_len_arr=torch.tensor([5], dtype=torch.int32),
+                num_heads=4, head_dim_ckv=512, head_dim_kpe=64, page_size=PAGE, causal=False,
+                sm_scale=1 / math.sqrt(192), q_data_type=torch.float32, kv_data_type=torch.float32)
+    args.update(overrides)
+    wrapper = jitattn.BatchMLAPagedAttentionWrapper(_workspace())
+    wrapper.plan(**args)
+    return wrapper
+
+
+def test_mla_sm_scale_is_required_on_every_kernel():
+    """The prefill kernels (cpu) took a None sm_scale as 1/sqrt(576); MLA scales by the pre-absorption dim."""
+    with pytest.raises(ValueError, match="sm_scale=None must be a positive finite float"):
+        _mla_wrapper_plan(sm_scale=None)
+    with pytest.raises(ValueError, match="num_heads=4.0 must be a positive int"):
+        _mla_wrapper_plan(num_heads=4.0)
+
+
+def test_mla_q_parts_of_different_dtypes_are_refused():
+    wrapper = _mla_wrapper_plan()
+    gen = torch.Generator().manual_seed(13)
+    ckv, kpe = torch.randn(1, PAGE, 512, generator=gen), torch.randn(1, PAGE, 64, generator=gen)
+    q_nope, q_pe = torch.randn(1, 4, 512, generator=gen), torch.randn(1, 4, 64, generator=gen).half()
+    with pytest.raises(TypeError, match="q_nope is torch.float32 but q_pe is torch.float16"):
+        wrapper.run(q_nope, q_pe, ckv, kpe)
+
+
+def test_cascade_level_arrays_must_be_lists():
+    wrapper = jitattn.MultiLevelCascadeAttentionWrapper(2, _workspace())
+    t = torch.tensor([0, 1], dtype=torch.int32)
+    with pytest.raises(TypeError, match="qo_indptr_arr must be a list"):
+        wrapper.plan(t, [t, t], [t, t], [t, t], HQ, HKV, D, PAGE)
