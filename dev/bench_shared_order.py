@@ -94,7 +94,11 @@ def main() -> None:
     if "--child" in sys.argv:
         from jitattn.families import decode
 
-        decode.TUNING.update(json.loads(args[0]))
+        tuning = json.loads(args[0])
+        unknown = set(tuning) - set(decode.TUNING)
+        if unknown:
+            sys.exit(f"unknown TUNING keys {sorted(unknown)} (jitattn.families.decode.TUNING has {sorted(decode.TUNING)})")
+        decode.TUNING.update(tuning)
         print(json.dumps(run_cases(peer=False)))
         return
     results = {}

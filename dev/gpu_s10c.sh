@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Session 10, call 3 (carry [".whl"]): the decode kernel with work units and lookahead (branch decode-lookahead):
-# its GPU tests, the same-tuning rows of dev/bench_shared_order.py (compare with call 1's '{}'), the phase trace.
+# Session 10, calls 2 and 4 (carry [".whl"]): the decode kernel with work units and lookahead, run on branch
+# decode-lookahead at d777f28 (v1, call 2) and ac55696 (v2, call 4) -- reverted since: on main this times the
+# committed kernel. Its GPU tests, the rows of dev/bench_shared_order.py (compare with call 1's '{}'), the trace.
 # Output: $OUT/s10c.tgz.
 set -u
 source dev/gpu_env.sh

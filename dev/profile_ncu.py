@@ -5,7 +5,8 @@
 Cases (issue 16-18 rows; llama8b shapes 32 / 8 heads d128 bf16 page 16 unless said):
 decode_b1 (1 x 32768), decode_b256 (256 x 4096), sdpa_b1 / sdpa_b256 (PyTorch SDPA on contiguous KV, the rows'
 peer), phi3 (MHA d96 b64 x 4096),
-paged16 / paged64 / ragged (sm90 prefill causal b8 x 4096), ragged_d64 (causal b16 x 2048, d64), mla128 (MLA b64 x 4096, 128 heads, page 64), mla16
+paged16 / paged64 / ragged (sm90 prefill causal b8 x 4096), ragged_d64 (causal b16 x 2048, d64),
+mla128 (MLA b64 x 4096, 128 heads, page 64), mla16
 (MLA b128 x 4096, 16 heads, page 64), flat_shared (decode b128 over 8192 shared + 256 own tokens each: the
 cascade row's flat twin).
 Warm-up calls (the JIT build, the plan) run before the range; one call runs inside it.

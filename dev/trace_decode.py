@@ -13,7 +13,6 @@ spread of the block starts (launch ramp) and ends (tail), and the main loop's by
 from __future__ import annotations
 
 import ctypes
-import gc
 import statistics
 import sys
 
@@ -25,7 +24,6 @@ from jitattn.families import decode
 decode.TUNING["trace"] = 1
 
 import jitattn  # noqa: E402
-from jitattn.jit.loader import Module  # noqa: E402
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 CASES = {"b1": [32768], "tails": [256] * 128, "skewed": [32768] + [512] * 63, "b64": [2048] * 64}
@@ -57,8 +55,10 @@ def run_case(name: str, lens: list[int]) -> None:
         b.record()
         torch.cuda.synchronize()
         times.append(a.elapsed_time(b) * 1e3)
-    mods = [o for o in gc.get_objects() if isinstance(o, Module) and o.spec.op == "decode"]
-    lib = mods[-1]._lib
+    spec = w._plan.spec  # the planned kernel's spec: its module (the loader returns the loaded one)
+    lib = jitattn.load(spec)._lib
+    layout = decode.cuda_layout(spec)
+    tile_bytes = layout["kTileTokens"] * (layout["kDQK"] + layout["kDVO"]) * layout["kElemBytes"]  # K + V read
     torch.cuda.synchronize()
     lib.jitattn_decode_trace_clear()  # the last launch below is the one read back
     scrub.sum()
@@ -67,10 +67,9 @@ def run_case(name: str, lens: list[int]) -> None:
     buf = (ctypes.c_uint64 * (8192 * FIELDS))()
     n = lib.jitattn_decode_trace(ctypes.byref(buf))
     t = np.frombuffer(buf, dtype=np.uint64).reshape(8192, FIELDS)[:n].astype(np.int64)
-    t = t[t[:, 0] > 0]
+    t = t[(t[:, 0] > 0) & (t[:, 5] > 0)]  # blocks that ran a work item to its end
     t0 = t[:, 0].min()
     rel = (t[:, :6] - t0) / 1e3  # us from the first block's start
-    split = getattr(w, "_split", None)
     print(f"== {name}: {len(lens)} requests, {len(t)} blocks, events {statistics.median(times):.1f} us "
           f"(last traced launch: first start -> last end {rel[:, 5].max():.1f} us)")
     q_ = lambda x: " / ".join(f"{v:6.2f}" for v in np.quantile(x, [0.1, 0.5, 0.9]))  # noqa: E731
@@ -84,7 +83,7 @@ def run_case(name: str, lens: list[int]) -> None:
     ok = tiles > 0
     if ok.any():
         per_tile = loop[ok] / tiles[ok]
-        print(f"  main loop per tile    {q_(per_tile)} us  -> {64 * 512 / np.median(per_tile) / 1e3:.1f} GB/s per block")
+        print(f"  main loop per tile    {q_(per_tile)} us  -> {tile_bytes / np.median(per_tile) / 1e3:.1f} GB/s per block")
     sms = np.bincount(t[:, 7].astype(np.int64))
     print(f"  blocks per SM: max {sms.max()}, SMs used {np.count_nonzero(sms)}")
 

@@ -185,7 +185,11 @@ def main(argv: list[str] | None = None) -> None:
     from jitattn.families import decode
 
     if args.tuning:
-        decode.TUNING.update(json.loads(args.tuning))
+        tuning = json.loads(args.tuning)
+        unknown = set(tuning) - set(decode.TUNING)
+        if unknown:
+            sys.exit(f"decode_cuda benchmark: unknown TUNING keys {sorted(unknown)}")
+        decode.TUNING.update(tuning)
     ceiling = args.ceiling or copy_ceiling_gbs()
     print(f"device: {torch.cuda.get_device_name()}; copy ceiling {ceiling:.0f} GB/s (read + write)", flush=True)
     if args.sweep:

@@ -87,7 +87,8 @@ TUNING: dict[str, int] = {
     # the item spans at most this many pages; longer items read them from the page table a stage ahead.
     "page_ids": 1024,
     # Development only: 1 stamps each block's first work item with %globaltimer at its phases
-    # (``jitattn_decode_trace`` copies them out; dev/trace_decode.py). 0 renders no trace code.
+    # (``jitattn_decode_trace`` copies them out; dev/trace_decode.py). 0 renders no trace code. The
+    # stamps cost registers (bf16 d128: 164 -> 171), which can spill under a tight blocks-per-SM cap.
     "trace": 0,
 }
 
@@ -139,7 +140,7 @@ def cuda_layout(spec: VariantSpec, tuning: dict[str, int] | None = None) -> dict
 
 
 def _mma_layout(spec: VariantSpec, t: dict[str, int]) -> dict[str, int]:
-    """Tensor-core path: 4 warps, each scores 16 tokens per step for all (<= 16) heads with
+    """Tensor-core path: ``mma_warps`` (4) warps, each scores 16 tokens per step for all (<= 16) heads with
     mma.sync (tokens as M, heads as N), then O^T += V^T P^T; see the module docstring.
 
     Sized for ``mma_blocks_per_sm`` (``_fp8``) resident blocks (two with 16-head groups, whose
@@ -149,6 +150,8 @@ def _mma_layout(spec: VariantSpec, t: dict[str, int]) -> dict[str, int]:
     dqk, dvo, group = spec.head_dim_qk, spec.head_dim_vo, spec.group_size
     elem = spec.kv_dtype.itemsize
     nw = t["mma_warps"]
+    if not 1 <= nw <= 32:
+        raise ValueError(f"TUNING mma_warps={nw} must be in 1..32")
     head_tiles = -(-group // 8)
     k_pitch, v_pitch, q_pitch = _pitch(dqk * elem), _pitch(dvo * elem), _pitch(dqk * 2)
     steps = t["mma_steps"]
@@ -166,7 +169,9 @@ def _mma_layout(spec: VariantSpec, t: dict[str, int]) -> dict[str, int]:
     # The query rows alias the last stage's K tile until Q^T is in registers: the prologue fills the
     # other stages meanwhile (that stage is first issued after the main loop's first barrier).
     q_bytes = 16 * q_pitch
-    assert q_bytes <= k_stage, (q_bytes, k_stage)
+    if q_bytes > k_stage:  # only with fewer warps than the default (a smaller tile)
+        raise ValueError(f"TUNING mma_warps={nw}: the 16 query rows ({q_bytes} B) do not fit a stage's K tile "
+                         f"({k_stage} B); use more warps")
     merge = nw * group * (dvo * 4 + 8)
     nt = nw * 32
     return {
