@@ -57,6 +57,9 @@ class MultiLevelCascadeAttentionWrapper:
         if not isinstance(num_levels, int) or num_levels < 1:
             raise ValueError(f"num_levels={num_levels!r} must be a positive int")
         self._num_levels = num_levels
+        if not isinstance(float_workspace_buffer, torch.Tensor):
+            raise TypeError("MultiLevelCascadeAttentionWrapper: float_workspace_buffer must be a torch.Tensor "
+                            "(e.g. torch.empty(128 << 20, dtype=torch.uint8))")
         self._device = float_workspace_buffer.device
         self._level_chunks: list[int] = []  # KV chunks per level of the last plan (empty: not planned)
         # (wrapper, states it writes): prefill wrappers, then the decode wrapper of a one-query-per-request last level
@@ -90,6 +93,9 @@ class MultiLevelCascadeAttentionWrapper:
         ]
 
     def reset_workspace_buffer(self, float_workspace_buffer: torch.Tensor, int_workspace_buffers=None) -> None:
+        if not isinstance(float_workspace_buffer, torch.Tensor):
+            raise TypeError("MultiLevelCascadeAttentionWrapper.reset_workspace_buffer: float_workspace_buffer must be a "
+                            "torch.Tensor")
         self._workspace = float_workspace_buffer
         for wrapper in (self._wrappers + ([self._decode] if self._decode is not None else [])
                         + list(self._graph_levels.values()) + list(self._graph_decoders.values())):
@@ -144,6 +150,11 @@ class MultiLevelCascadeAttentionWrapper:
                 f"variant {variant.name!r} cannot run in cascade: the levels are merged by their LSE, which needs "
                 "use_softmax=True and no output_transform; use the flat prefill wrapper for it"
             )
+        for name, arrays in (("qo_indptr_arr", qo_indptr_arr), ("paged_kv_indptr_arr", paged_kv_indptr_arr)):
+            for level, a in enumerate(arrays):
+                if not isinstance(a, torch.Tensor) or a.dim() != 1 or a.numel() < 1:
+                    got = f"shape {tuple(a.shape)}" if isinstance(a, torch.Tensor) else type(a).__name__
+                    raise ValueError(f"{name}[{level}] must be a 1-D int32 tensor of batch + 1 offsets, got {got}")
         totals = {int(qo[-1]) for qo in qo_indptr_arr}
         if len(totals) != 1:
             raise ValueError(f"every level's qo_indptr must end at the same token count; got {sorted(totals)}")

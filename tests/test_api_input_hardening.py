@@ -169,3 +169,28 @@ def test_cascade_level_arrays_must_be_lists():
     t = torch.tensor([0, 1], dtype=torch.int32)
     with pytest.raises(TypeError, match="qo_indptr_arr must be a list"):
         wrapper.plan(t, [t, t], [t, t], [t, t], HQ, HKV, D, PAGE)
+
+
+def test_a_workspace_that_is_not_a_tensor_is_refused_where_it_is_given():
+    with pytest.raises(TypeError, match="float_workspace_buffer must be a torch.Tensor"):
+        jitattn.MultiLevelCascadeAttentionWrapper(2, None)
+    with pytest.raises(TypeError, match="float_workspace_buffer must be a torch.Tensor"):
+        jitattn.BatchDecodeWithPagedKVCacheWrapper(_workspace()).reset_workspace_buffer(None)
+    with pytest.raises(TypeError, match="float_workspace_buffer must be a torch.Tensor"):
+        jitattn.MultiLevelCascadeAttentionWrapper(2, _workspace()).reset_workspace_buffer([1])
+
+
+def test_cascade_level_offsets_must_be_one_dimensional_and_not_empty():
+    wrapper = jitattn.MultiLevelCascadeAttentionWrapper(2, _workspace())
+    t, empty = torch.tensor([0, 1], dtype=torch.int32), torch.empty(0, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"qo_indptr_arr\[0\] must be a 1-D int32 tensor"):
+        wrapper.plan([empty, t], [t, t], [t[:1], t[:1]], [t[1:], t[1:]], HQ, HKV, D, PAGE)
+
+
+@pytest.mark.parametrize("heads", [4.0, "4", True], ids=["float", "str", "bool"])
+def test_head_counts_must_be_ints(heads):
+    batch, _ = _decode_batch()
+    wrapper = jitattn.BatchDecodeWithPagedKVCacheWrapper(_workspace())
+    with pytest.raises(TypeError, match="num_qo_heads=.* must be an int"):
+        wrapper.plan(batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len, heads, HKV, D, PAGE,
+                     q_data_type=torch.float32)

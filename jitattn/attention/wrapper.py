@@ -83,6 +83,7 @@ class BatchWrapperBase:
     def reset_workspace_buffer(self, float_workspace_buffer: torch.Tensor, int_workspace_buffer=None) -> None:
         """Use another float workspace (on the same device); the int workspace is not needed (plan metadata
         lives in the wrapper's own buffers)."""
+        workspace_target(float_workspace_buffer, self._NAME)  # a tensor
         target_of(self._NAME, (float_workspace_buffer, self._workspace))
         self._workspace = float_workspace_buffer
 
