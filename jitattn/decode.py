@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import numbers
 
 import numpy as np
 import torch
@@ -143,6 +144,9 @@ class BatchDecodeWithPagedKVCacheWrapper(BatchWrapperBase):
 
     def _split(self, spec, kv_lens: np.ndarray, num_kv_heads: int, page_size: int,
                fixed_split_size: int | None, disable_split_kv: bool, batch_invariant: bool = False) -> KVSplit:
+        if fixed_split_size is not None and (isinstance(fixed_split_size, bool)
+                                             or not isinstance(fixed_split_size, numbers.Integral)):
+            raise TypeError(f"fixed_split_size={fixed_split_size!r} must be None or a positive int (pages per chunk)")
         if batch_invariant:
             # The chunk length is a constant, so the launch (kv_chunk_size, grid, the whole workspace) is
             # the same for every batch of a size: capturable under CUDA graphs too.

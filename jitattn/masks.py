@@ -21,6 +21,8 @@ def segment_packbits(custom_mask: torch.Tensor, qo_lens: list[int], kv_lens: lis
 
     Returns (packed uint8, mask_indptr int32 in bytes).
     """
+    if not isinstance(custom_mask, torch.Tensor):
+        raise TypeError(f"custom_mask must be a bool torch.Tensor, got {type(custom_mask).__name__}")
     mask = custom_mask.detach().to("cpu").reshape(-1)
     if mask.dtype != torch.bool:
         raise TypeError(f"custom_mask has dtype {mask.dtype}; pass a bool mask (or packed_custom_mask as uint8)")

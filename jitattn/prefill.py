@@ -49,6 +49,8 @@ def _plan_prefill(
     if multi_item is not None and multi_item.get("prefix_len_ptr") is not None:
         if custom_mask is not None or packed_custom_mask is not None:
             raise ValueError("multi-item scoring (prefix_len_ptr) builds its own mask; do not pass custom_mask too")
+        if multi_item.get("token_pos_in_items_ptr") is None:
+            raise ValueError("prefix_len_ptr needs token_pos_in_items_ptr (multi-item scoring takes both)")
         custom_mask = multi_item_mask(qo_lens, kv_lens, multi_item["prefix_len_ptr"],
                                       multi_item["token_pos_in_items_ptr"], multi_item["token_pos_in_items_len"])
     elif multi_item is not None and multi_item.get("token_pos_in_items_ptr") is not None:

@@ -194,3 +194,34 @@ def test_head_counts_must_be_ints(heads):
     with pytest.raises(TypeError, match="num_qo_heads=.* must be an int"):
         wrapper.plan(batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len, heads, HKV, D, PAGE,
                      q_data_type=torch.float32)
+
+
+def test_decode_fixed_split_size_must_be_an_int():
+    batch, _ = _decode_batch()
+    with pytest.raises(TypeError, match="fixed_split_size=1.5 must be None or a positive int"):
+        _decode_wrapper(batch, fixed_split_size=1.5)
+
+
+def test_kv_pair_errors_name_both_values():
+    gen = torch.Generator().manual_seed(14)
+    q, k, v = (torch.randn(n, h, D, generator=gen) for n, h in ((3, HQ), (7, HKV), (5, HKV)))
+    with pytest.raises(ValueError, match=r"page size is 7 \(k\) / 5 \(v\)"):
+        jitattn.single_prefill_with_kv_cache(q, k, v)
+
+
+def _paged_prefill_plan(**options):
+    gen = torch.Generator().manual_seed(15)
+    batch = random_paged_batch([5, 9], HKV, D, PAGE, torch.float32, generator=gen)
+    wrapper = jitattn.BatchPrefillWithPagedKVCacheWrapper(_workspace())
+    wrapper.plan(torch.tensor([0, 2, 5], dtype=torch.int32), batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len,
+                 HQ, HKV, D, PAGE, q_data_type=torch.float32, **options)
+
+
+def test_paged_prefill_mask_arguments_are_checked():
+    with pytest.raises(TypeError, match="custom_mask must be a bool torch.Tensor, got list"):
+        _paged_prefill_plan(custom_mask=[True] * 37)
+    with pytest.raises(ValueError, match="prefix_len_ptr needs token_pos_in_items_ptr"):
+        _paged_prefill_plan(prefix_len_ptr=torch.tensor([1, 1], dtype=torch.int32))
+    with pytest.raises(ValueError, match="prefix_len_ptr has a negative length"):
+        _paged_prefill_plan(prefix_len_ptr=torch.tensor([-1, 1], dtype=torch.int32),
+                            token_pos_in_items_ptr=torch.zeros(16, dtype=torch.int32), token_pos_in_items_len=8)

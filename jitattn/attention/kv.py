@@ -92,12 +92,13 @@ def check_kv_pair(
     v_pages, v_page_size, v_heads, v_dim = cache_geometry(v, kv_layout)
     layout = kv_layout.value.upper()
     if (k_heads, v_heads) != (num_kv_heads, num_kv_heads):
-        raise ValueError(f"kv cache has {k_heads} kv heads ({layout} layout) but the plan has num_kv_heads={num_kv_heads}; "
-                         "check kv_layout and num_kv_heads")
+        raise ValueError(f"kv cache has {k_heads} (k) / {v_heads} (v) kv heads ({layout} layout) but the plan has "
+                         f"num_kv_heads={num_kv_heads}; check kv_layout and num_kv_heads")
     if k_dim != head_dim_qk or v_dim != head_dim_vo:
         raise ValueError(f"kv cache head dims are k={k_dim}, v={v_dim}; the plan has {head_dim_qk}/{head_dim_vo}")
     if page_size is not None and (k_page_size, v_page_size) != (page_size, page_size):
-        raise ValueError(f"kv cache page size is {k_page_size} ({layout} layout) but the plan has page_size={page_size}")
+        raise ValueError(f"kv cache page size is {k_page_size} (k) / {v_page_size} (v) ({layout} layout) but the plan "
+                         f"has page_size={page_size} (for a contiguous k/v: their token counts must agree)")
     if k_pages != v_pages:
         raise ValueError(f"k and v caches have different page counts ({k_pages} vs {v_pages})")
     if k.dtype != dtype or v.dtype != dtype:
