@@ -7,6 +7,7 @@ everything after that is the same for every op.
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -59,6 +60,9 @@ def attention_options(
 def _parse_options(op, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo, q_data_type, kv_data_type, data_type,
                    o_data_type, pos_encoding_mode, mask_mode, window_left, logits_soft_cap, sm_scale, rope_scale,
                    rope_theta, variant) -> AttentionOptions:
+    for name, value in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):  # (before the spec caches: 8.0 == 8)
+            raise TypeError(f"{name}={value!r} must be an int")
     check_head_dim(head_dim_qk, "head_dim_qk" if op is Op.PREFILL else "head_dim")
     head_dim_vo = head_dim_qk if head_dim_vo is None else check_head_dim(head_dim_vo, "head_dim_vo")
     q_dtype, kv_dtype = resolve_dtypes(q_data_type, kv_data_type, data_type)

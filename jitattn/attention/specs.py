@@ -9,7 +9,6 @@ number of builds small); on cuda every axis of ``SPECIALIZED_AXES``.
 from __future__ import annotations
 
 import functools
-import numbers
 
 import torch
 
@@ -43,9 +42,6 @@ def _attention_spec(
 ) -> VariantSpec:
     if variant is not None and not isinstance(variant, AttentionVariant):
         raise TypeError(f"variant must be a jitattn.AttentionVariant or None; got {type(variant).__name__}")
-    for name, value in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads)):
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-            raise TypeError(f"{name}={value!r} must be an int")
     if num_kv_heads < 1 or num_qo_heads < 1 or num_qo_heads % num_kv_heads != 0:
         raise ValueError(
             f"num_qo_heads={num_qo_heads} must be a positive multiple of num_kv_heads={num_kv_heads} "
