@@ -94,8 +94,8 @@ class MultiLevelCascadeAttentionWrapper:
 
     def reset_workspace_buffer(self, float_workspace_buffer: torch.Tensor, int_workspace_buffers=None) -> None:
         if not isinstance(float_workspace_buffer, torch.Tensor):
-            raise TypeError("MultiLevelCascadeAttentionWrapper.reset_workspace_buffer: float_workspace_buffer must be a "
-                            "torch.Tensor")
+            raise TypeError("MultiLevelCascadeAttentionWrapper.reset_workspace_buffer: float_workspace_buffer must "
+                            "be a torch.Tensor")
         self._workspace = float_workspace_buffer
         for wrapper in (self._wrappers + ([self._decode] if self._decode is not None else [])
                         + list(self._graph_levels.values()) + list(self._graph_decoders.values())):

@@ -218,7 +218,8 @@ class BatchDecodeWithPagedKVCacheWrapper(BatchWrapperBase):
         # dtype and rank only (no sync): the kernel reads these buffers as int32
         for name, array in (("indptr", indptr), ("indices", indices), ("last_page_len", last_page_len)):
             if not isinstance(array, torch.Tensor) or array.dtype != torch.int32 or array.dim() != 1:
-                got = f"{array.dtype} with {array.dim()} dims" if isinstance(array, torch.Tensor) else type(array).__name__
+                got = (f"{array.dtype} with {array.dim()} dims" if isinstance(array, torch.Tensor)
+                       else type(array).__name__)
                 raise TypeError(f"fast_decode_plan: {name} must be a 1-D int32 tensor, got {got} (use .int())")
         batch = indptr_host.numel() - 1
         if batch < 0 or last_page_len.numel() != batch:

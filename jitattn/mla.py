@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 
 import torch
 
@@ -64,9 +65,9 @@ class _LatentPrefill(BatchPrefillWithPagedKVCacheWrapper):
 
 def _check_plan_scalars(num_heads, head_dim_ckv, head_dim_kpe, sm_scale, causal) -> None:
     for name, value in (("num_heads", num_heads), ("head_dim_ckv", head_dim_ckv), ("head_dim_kpe", head_dim_kpe)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
             raise ValueError(f"{name}={value!r} must be a positive int")
-    if not isinstance(sm_scale, (int, float)) or isinstance(sm_scale, bool) or not 0 < sm_scale < math.inf:
+    if not isinstance(sm_scale, numbers.Real) or isinstance(sm_scale, bool) or not 0 < sm_scale < math.inf:
         raise ValueError(f"sm_scale={sm_scale!r} must be a positive finite float (MLA: e.g. 1/sqrt(192))")
     if isinstance(causal, torch.Tensor) or not isinstance(causal, (bool, int)):
         raise ValueError(f"causal={causal!r} must be True or False")
@@ -145,6 +146,8 @@ class BatchMLAPagedAttentionWrapper:
         except ValueError:
             self._kernel, self._dims, self._prefill_args = None, None, None  # refused: nothing left to run
             raise
+        num_heads, head_dim_ckv, head_dim_kpe = int(num_heads), int(head_dim_ckv), int(head_dim_kpe)  # numpy ints too
+        sm_scale = float(sm_scale)
         qo_indptr = to_host_int32("qo_indptr", qo_indptr)
         indptr = to_host_int32("kv_indptr", kv_indptr)
         kv_indices = to_host_int32("kv_indices", kv_indices)

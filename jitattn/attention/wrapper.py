@@ -118,7 +118,8 @@ class BatchWrapperBase:
         plan = self._plan
         if sinks is not None:
             self._uses_sinks = True
-        if window_left is not None and plan is not None and resolve_window_left(window_left) != plan.scalars.window_left:
+        if (window_left is not None and plan is not None  # rare: run() takes it for FlashInfer's signature
+                and resolve_window_left(window_left) != plan.scalars.window_left):
             raise ValueError(
                 f"{self._NAME}.run(window_left={window_left}) differs from the planned window_left="
                 f"{plan.scalars.window_left}; the window is part of the plan: pass it to plan()"
