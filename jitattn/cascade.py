@@ -139,6 +139,10 @@ class MultiLevelCascadeAttentionWrapper:
                 raise TypeError(f"{name} must be a list with one int32 tensor per level, got {type(arr).__name__}")
             if len(arr) != self._num_levels:
                 raise ValueError(f"{name} has {len(arr)} entries; this wrapper has num_levels={self._num_levels}")
+            for level, a in enumerate(arr if name in ("qo_indptr_arr", "paged_kv_indptr_arr") else ()):
+                if not isinstance(a, torch.Tensor) or a.dim() != 1 or a.numel() < 1:
+                    got = f"shape {tuple(a.shape)}" if isinstance(a, torch.Tensor) else type(a).__name__
+                    raise ValueError(f"{name}[{level}] must be a 1-D int32 tensor of batch + 1 offsets, got {got}")
         if parse_pos_encoding(pos_encoding_mode) is not PosEncoding.NONE or resolve_window_left(window_left) >= 0:
             raise ValueError(
                 "cascade levels see positions relative to their own KV, so in-kernel RoPE/ALiBi and sliding "
@@ -150,11 +154,6 @@ class MultiLevelCascadeAttentionWrapper:
                 f"variant {variant.name!r} cannot run in cascade: the levels are merged by their LSE, which needs "
                 "use_softmax=True and no output_transform; use the flat prefill wrapper for it"
             )
-        for name, arrays in (("qo_indptr_arr", qo_indptr_arr), ("paged_kv_indptr_arr", paged_kv_indptr_arr)):
-            for level, a in enumerate(arrays):
-                if not isinstance(a, torch.Tensor) or a.dim() != 1 or a.numel() < 1:
-                    got = f"shape {tuple(a.shape)}" if isinstance(a, torch.Tensor) else type(a).__name__
-                    raise ValueError(f"{name}[{level}] must be a 1-D int32 tensor of batch + 1 offsets, got {got}")
         totals = {int(qo[-1]) for qo in qo_indptr_arr}
         if len(totals) != 1:
             raise ValueError(f"every level's qo_indptr must end at the same token count; got {sorted(totals)}")

@@ -217,10 +217,7 @@ class BatchDecodeWithPagedKVCacheWrapper(BatchWrapperBase):
         indptr_host = to_host_int32("global_override_indptr_cpu", indptr_host)
         # dtype and rank only (no sync): the kernel reads these buffers as int32
         for name, array in (("indptr", indptr), ("indices", indices), ("last_page_len", last_page_len)):
-            if not isinstance(array, torch.Tensor) or array.dtype != torch.int32 or array.dim() != 1:
-                got = (f"{array.dtype} with {array.dim()} dims" if isinstance(array, torch.Tensor)
-                       else type(array).__name__)
-                raise TypeError(f"fast_decode_plan: {name} must be a 1-D int32 tensor, got {got} (use .int())")
+            check_tensor(name, array, ndim=1, dtypes=(torch.int32,), last_dim_contiguous=False)
         batch = indptr_host.numel() - 1
         if batch < 0 or last_page_len.numel() != batch:
             raise ValueError(f"indptr describes {batch} requests but last_page_len has {last_page_len.numel()}")

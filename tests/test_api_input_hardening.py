@@ -55,7 +55,7 @@ def test_fast_decode_plan_refuses_int64_tables(which):
     tables = dict(indptr=batch.kv_indptr, indices=batch.kv_indices, last_page_len=batch.kv_last_page_len)
     tables[which] = tables[which].long()
     wrapper = jitattn.BatchDecodeWithPagedKVCacheWrapper(_workspace())
-    with pytest.raises(TypeError, match=f"{which} must be a 1-D int32 tensor, got torch.int64"):
+    with pytest.raises(TypeError, match=f"{which} has dtype int64; expected one of int32"):
         jitattn.fast_decode_plan(wrapper, tables["indptr"], tables["indices"], tables["last_page_len"], HQ, HKV,
                                  D, PAGE, q_data_type=torch.float32)
 
