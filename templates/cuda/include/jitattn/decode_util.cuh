@@ -45,6 +45,80 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
+// ---- bulk copies (sm_90): one instruction per row, completion counted on an mbarrier ----------
+// Compiled to nothing below sm_90, where the kernels take the cp.async path (kBulkArch false).
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+constexpr bool kBulkArch = true;
+#else
+constexpr bool kBulkArch = false;
+#endif
+
+__device__ __forceinline__ void mbar_init(uint64_t* bar, unsigned count) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(unsigned(__cvta_generic_to_shared(bar))), "r"(count)
+               : "memory");
+#endif
+}
+
+// Arrives on `bar` and adds `bytes` to the transfer count its current phase waits for.
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, unsigned bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(unsigned(__cvta_generic_to_shared(bar))),
+               "r"(bytes)
+               : "memory");
+#endif
+}
+
+// Waits until the phase of `bar` with this parity has completed.
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, unsigned parity) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile(
+      "{\n .reg .pred done;\n"
+      "DEC_WAIT:\n"
+      " mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      " @!done bra DEC_WAIT;\n}\n" ::"r"(unsigned(__cvta_generic_to_shared(bar))),
+      "r"(parity)
+      : "memory");
+#endif
+}
+
+// BYTES (a multiple of 16, both addresses 16-byte aligned) from global to shared memory by the
+// bulk-copy engine; their arrival completes on `bar`'s transfer count.
+template <int BYTES>
+__device__ __forceinline__ void bulk_copy(void* smem, const void* gmem, uint64_t* bar) {
+  static_assert(BYTES % 16 == 0, "bulk copies move multiples of 16 bytes");
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                   unsigned(__cvta_generic_to_shared(smem))),
+               "l"(gmem), "n"(BYTES), "r"(unsigned(__cvta_generic_to_shared(bar)))
+               : "memory");
+#endif
+}
+
+// Orders this thread's earlier generic-proxy shared-memory accesses before later bulk copies (issued
+// by any thread after a barrier) into the same bytes.
+__device__ __forceinline__ void fence_proxy_async() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+#endif
+}
+
+// A K or V row of the stage table: copied by the bulk engine (returns its bytes for the expected
+// transfer count), or, for a padding row (the sign bit set, see the decode kernel's sTab), written
+// with zeros by generic stores fenced from the bulk copies that later reuse those bytes.
+template <int BYTES>
+__device__ __forceinline__ unsigned bulk_row_or_zero(char* smem, int64_t gmem, uint64_t* bar) {
+  if (gmem < 0) {
+#pragma unroll
+    for (int c = 0; c < BYTES / 16; ++c) reinterpret_cast<uint4*>(smem)[c] = make_uint4(0, 0, 0, 0);
+    fence_proxy_async();
+    return 0;
+  }
+  bulk_copy<BYTES>(smem, reinterpret_cast<const char*>(gmem), bar);
+  return BYTES;
+}
+
 // ---- shared-memory vectors to fp32 ------------------------------------------
 
 template <int BYTES> struct RawVec;
