@@ -79,15 +79,10 @@ SOFTCAP_HD256 = dspec(hd=256, g=2, cap=True)  # gemma-2
 COMBO = dspec(pos="rope", swa=True, cap=True)
 COMBO_ALIBI = dspec(q=f16, hd=96, g=5, pos="alibi", swa=True, cap=True, layout="hnd")
 
-# K/V by cp.async pieces (TUNING bulk_copy 0, as on pre-Hopper GPUs) and by row bulk copies (1, sm_90), both on
-# this GPU: 16-bit and fp8 rows of 64 to 192 bytes, K and V rows of different widths, both layouts
-COPY_PATHS = {"bf16": BASE, "e4m3_hd64_g16": dspec(kv=e4m3, hd=64, g=16),
-              "f16_192x128_g8_hnd": dspec(q=f16, hd=192, hdv=128, g=8, layout="hnd")}
-
 GPU_SPECS: list[VariantSpec] = list(dict.fromkeys([
     BASE, *HEAD_DIMS.values(), *GROUPS.values(), *KV_TYPES.values(), *FP8_MMA.values(), HND, *ROPE.values(),
     *ROPE_MMA.values(), ALIBI, SWA, SOFTCAP,
-    SOFTCAP_HD256, COMBO, COMBO_ALIBI, *COPY_PATHS.values(),
+    SOFTCAP_HD256, COMBO, COMBO_ALIBI,
 ]))
 
 
@@ -239,37 +234,6 @@ def test_fp8_kv_on_tensor_cores(name):
     check_case(spec, LENS, 2 if spec.group_size > 4 else 3, 16, seed=31, chunks=(0, 40), k_scale=0.6, v_scale=1.7,
                **kw)
     check_case(spec, [1000, 2], 1, 64, seed=32, chunks=(0, 128), k_scale=1.9, v_scale=0.4, **kw)
-
-
-@pytest.fixture
-def decode_tuning():
-    """Renders the decode kernels with TUNING overrides for one test (distinct sources, distinct cache
-    entries): ``decode_tuning(bulk_copy=0)``; the specs it touched load the default build afterwards."""
-    from jitattn.families import decode
-    from jitattn.jit import _registry
-
-    saved = dict(decode.TUNING)
-
-    def apply(**overrides):
-        decode.TUNING.update(overrides)
-        for spec in COPY_PATHS.values():
-            _registry.pop(spec, None)
-
-    yield apply
-    decode.TUNING.clear()
-    decode.TUNING.update(saved)
-    for spec in COPY_PATHS.values():
-        _registry.pop(spec, None)
-
-
-@pytest.mark.parametrize("bulk", [0, 1])
-@pytest.mark.parametrize("name", list(COPY_PATHS))
-def test_kv_copy_paths(name, bulk, decode_tuning):
-    decode_tuning(bulk_copy=bulk)
-    spec = COPY_PATHS[name]
-    assert mma_eligible(spec), "the copy paths are those of the tensor-core path"
-    check_case(spec, LENS, 2, 16, seed=34, chunks=(0, 40))
-    check_case(spec, [513, 1, 64, 0, 70], 3, 1, seed=35, chunks=(0, 128))
 
 
 @pytest.mark.parametrize("q_mult", [3e4, 1e-3])

@@ -82,10 +82,6 @@ TUNING: dict[str, int] = {
     "mma_blocks_per_sm_fp8": 3,  # ... with fp8 KV (half the bytes per stage: more blocks keep as many in flight)
     "mma_steps": 1,            # 16-token steps per warp per pipeline stage on the tensor-core path
     "mma_warps": 4,            # warps per block on the tensor-core path (each takes 16 tokens of a step)
-    # Tensor-core path on sm_90: K/V rows by the bulk-copy engine, one instruction per row, completing
-    # on a per-stage mbarrier, every thread arriving (1) or one lane per warp (2); 0: cp.async's 16-byte
-    # pieces, as on older GPUs. H200, session 11: 1 ran slower on every decode row (b1 x 32k 69.5 vs 43.9 us).
-    "bulk_copy": 0,
     "smem_per_sm": 227 << 10,  # usable shared memory per SM (H100/H200: 227 KiB; A100: 163 KiB)
     # Page ids of a work item kept in shared memory (loaded once at its start, beside the query) when
     # the item spans at most this many pages; longer items read them from the page table a stage ahead.
@@ -156,8 +152,6 @@ def _mma_layout(spec: VariantSpec, t: dict[str, int]) -> dict[str, int]:
     nw = t["mma_warps"]
     if not 1 <= nw <= 32:
         raise ValueError(f"TUNING mma_warps={nw} must be in 1..32")
-    if t["bulk_copy"] not in (0, 1, 2):
-        raise ValueError(f"TUNING bulk_copy={t['bulk_copy']} must be 0, 1 or 2")
     head_tiles = -(-group // 8)
     k_pitch, v_pitch, q_pitch = _pitch(dqk * elem), _pitch(dvo * elem), _pitch(dqk * 2)
     steps = t["mma_steps"]
@@ -187,7 +181,6 @@ def _mma_layout(spec: VariantSpec, t: dict[str, int]) -> dict[str, int]:
         "kLoadBytes": 16, "kCPRK": dqk * elem // 16, "kCPRV": dvo * elem // 16,
         "kLoadsK": -(-(tile_tokens * dqk * elem // 16) // nt), "kLoadsV": -(-(tile_tokens * dvo * elem // 16) // nt),
         "kTabPerThread": -(-tile_tokens // nt),
-        "kBulk": t["bulk_copy"], "kBulkPerThread": -(-2 * tile_tokens // nt),
         "kKStageBytes": k_stage, "kVStageBytes": v_stage, "kPipeBytes": pipe,
         "kSmemBytes": max(pipe + table, merge), **_page_id_fields(t, nt),
         "kMergeStageFloats": _merge_stage_floats(max(pipe + table, merge), group, nt),
@@ -258,7 +251,7 @@ def _simt_layout(spec: VariantSpec, t: dict[str, int]) -> dict[str, int]:
         "kTabPerThread": -(-tile_tokens // nt),
         "kKStageBytes": k_stage_bytes, "kVStageBytes": v_stage_bytes,
         "kMma": 0, "kHT": 1, "kMinBlocks": 1, "kNW": 1, "kKPitch": dqk * elem, "kVPitch": dvo * elem, "kQPitch": 0,
-        "kQOffset": 0, "kBulk": 0, "kBulkPerThread": 1,
+        "kQOffset": 0,
         "kPipeBytes": pipe_bytes, "kSmemBytes": smem, "kMergeStageFloats": _merge_stage_floats(smem, group, nt),
         **_page_id_fields(t, nt),
         "kHeadMinor": int(bool(t["head_minor"])),
