@@ -141,14 +141,18 @@ def test_sm90_layout_fits_and_aligns(case_id):
         assert layout[name] % 1024 == 0, name  # 128-byte swizzle atoms start on 1 KiB
     assert layout["kD"] == spec.head_dim_qk and layout["kChunks"] * 64 == layout["kD"]
     blocks = prefill.SM90_PAGED_KV_BLOCK if spec.kv_storage is KVStorage.PAGED else prefill.SM90_KV_BLOCK
-    assert layout["kBN"] == blocks[spec.head_dim_qk] and layout["kGroup"] == spec.group_size
+    consumers = prefill.SM90_TUNING["consumers_d64"] if spec.head_dim_qk == 64 else 2
+    assert layout["kBM"] == 64 * consumers and layout["kThreads"] == 128 * (1 + consumers)
+    block = prefill.SM90_KV_BLOCK_3WG if consumers == 3 else blocks[spec.head_dim_qk]
+    assert layout["kBN"] == block and layout["kGroup"] == spec.group_size
     assert layout["kOffV"] - layout["kOffK"] == layout["kStages"] * layout["kKVBytes"]
     # Barriers (q full TMA / gathered, q empty; k, v full / empty per stage), then the paged row tables.
     assert layout["kOffTab"] - layout["kOffBar"] >= 8 * (3 + 4 * layout["kStages"]) and layout["kOffTab"] % 16 == 0
     tables = 2 * layout["kBN"] * 16 if spec.kv_storage is KVStorage.PAGED else 0
     assert layout["kSmemBytes"] == layout["kOffTab"] + tables + 1024
-    # Registers: producer and two consumer warpgroups within the SM's 64 Ki.
-    assert 128 * layout["kProducerRegs"] + 256 * layout["kConsumerRegs"] <= 65536
+    # Registers: producer and consumer warpgroups within the SM's 64 Ki, setmaxnreg's multiples of 8.
+    assert 128 * layout["kProducerRegs"] + 128 * consumers * layout["kConsumerRegs"] <= 65536
+    assert layout["kProducerRegs"] % 8 == 0 and layout["kConsumerRegs"] % 8 == 0
 
 
 def test_gqa_packing_choice():

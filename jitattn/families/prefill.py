@@ -55,11 +55,12 @@ supports even with an unknown arch list (an error with a non-Hopper one). The ti
 rendered source, hence in the cache key.
 
 - A block: warpgroup 0 produces (one thread issues the TMA loads; its registers given back
-  with setmaxnreg), warpgroups 1 and 2 consume 64 query rows each. A tile is 128 rows: the GQA
+  with setmaxnreg), warpgroups 1 and 2 consume 64 query rows each (warpgroups 1 to 3 at head_dim 64: a 192-row
+  tile, ``SM90_TUNING["consumers_d64"]``). A tile is 128 rows: the GQA
   group of one KV head packed into the rows (row = (token, head in group), ``128 // group``
   tokens; one Q TMA box of 64 columns x group heads x tokens) when the group divides 128 and
   head_dim >= 128, else 128 tokens of one query head (``sm90_pack`` has the measurements).
-- KV blocks of ``kBN`` tokens (192 / 176 / 64 for head_dim 64 / 128 / 256; paged 128 at 128) go through a
+- KV blocks of ``kBN`` tokens (128 / 176 / 64 for head_dim 64 / 128 / 256; paged 128 at 128) go through a
   2-stage pipeline; each 64-column slice of a row is one 128-byte-swizzled TMA box (ragged KV).
   Paged KV: the whole producer warpgroup gathers each block with ``cp.async`` -- a table of the
   block's row offsets from the page table (``kOffTab``, two by block parity), then every 16-byte
@@ -273,6 +274,7 @@ SM90_KV_BLOCK = {64: 192, 128: 176, 256: 64}  # head_dim -> KV tokens per stage 
 # Paged KV: a block that pages of 16, 32, 64 and 128 tile whole, so each page is one TMA box (H200,
 # session 5, causal b8 x 4096 d128: page 64 300 -> 520 TFLOP/s, page 16 382 -> 389; 176 kept only 8/16/88).
 SM90_PAGED_KV_BLOCK = {64: 192, 128: 128, 256: 64}
+SM90_KV_BLOCK_3WG = 128  # head_dim 64 with three consumer warpgroups (SM90_TUNING consumers_d64)
 
 # Knobs of the sm90 tier's cp.async gathers (paged KV, repeated query rows), for experiments
 # (dev/bench_paged_sm90.py renders other values: distinct sources, distinct cache entries).
@@ -286,8 +288,10 @@ SM90_PAGED_KV_BLOCK = {64: 192, 128: 128, 256: 64}
 # paged_tma: 1 loads paged KV blocks with one TMA box per page (64 columns x page_size rows, a 4-d tensor
 # map over the cache) when page_size is a multiple of 8 dividing the KV block, 0 always gathers, 2 (tests)
 # as 1 but a launch of such a page size that cannot make the tensor maps is an error instead of gathering.
+# consumers_d64: consumer warpgroups (64 query rows each) at head_dim 64: 3 (a 192-row tile, KV blocks of
+# SM90_KV_BLOCK_3WG tokens, registers 160 per consumer thread) or 2 (128 rows, as at the other head dims).
 SM90_TUNING: dict[str, int] = {"gather_sync": 0, "gather_l2": 0, "paged_kv_block": 0, "soft_cap_tanh": 0,
-                               "paged_tma": 1}
+                               "paged_tma": 1, "consumers_d64": 3}
 
 
 def _sm90_tuning_override() -> None:
@@ -372,12 +376,12 @@ def _resident_blocks(spec: VariantSpec, archs: tuple[str, ...] | None, choice: s
     return 1 if tier(spec, archs) == "sm90" else cuda_layout(spec)["kMinBlocks"]
 
 
-def sm90_pack(spec: VariantSpec) -> int:
+def sm90_pack(spec: VariantSpec, tile_rows: int = 128) -> int:
     """Query heads packed into a tile's rows: the whole GQA group when it divides the 128-row tile
     and head_dim >= 128, else 1. Measured on the H200 (dev/bench_run5.txt, TFLOP/s packed vs not):
     d128 causal b8x4096 586 vs 540, ragged 587 vs 532, 16 queries x 4096 keys 170 vs 78; d256 573
     vs 570; but d64 causal b16x2048 289 vs 330, so head_dim 64 stays unpacked."""
-    return spec.group_size if 128 % spec.group_size == 0 and spec.head_dim_qk >= 128 else 1
+    return spec.group_size if tile_rows % spec.group_size == 0 and spec.head_dim_qk >= 128 else 1
 
 
 def sm90_layout(spec: VariantSpec) -> dict[str, int]:
@@ -389,11 +393,16 @@ def sm90_layout(spec: VariantSpec) -> dict[str, int]:
     paged = spec.kv_storage is KVStorage.PAGED
     tuning = SM90_TUNING
     if tuning["gather_sync"] not in (0, 1, 2, 3) or tuning["gather_l2"] not in (0, 64, 128, 256) or \
-            tuning["soft_cap_tanh"] not in (0, 1) or tuning["paged_tma"] not in (0, 1, 2):
+            tuning["soft_cap_tanh"] not in (0, 1) or tuning["paged_tma"] not in (0, 1, 2) or \
+            tuning["consumers_d64"] not in (2, 3):
         raise ValueError(f"SM90_TUNING={tuning}: gather_sync takes 0 to 3, gather_l2 0, 64, 128 or 256, "
-                         "soft_cap_tanh 0 or 1 and paged_tma 0 to 2")
-    bm, stages = 128, 2
-    bn = (tuning["paged_kv_block"] or SM90_PAGED_KV_BLOCK[dim]) if paged else SM90_KV_BLOCK[dim]
+                         "soft_cap_tanh 0 or 1, paged_tma 0 to 2 and consumers_d64 2 or 3")
+    consumers = tuning["consumers_d64"] if dim == 64 else 2
+    bm, stages = 64 * consumers, 2
+    if consumers == 3:  # S, the last block's P and O in 160 registers: KV blocks of 128
+        bn = (tuning["paged_kv_block"] or SM90_KV_BLOCK_3WG) if paged else SM90_KV_BLOCK_3WG
+    else:
+        bn = (tuning["paged_kv_block"] or SM90_PAGED_KV_BLOCK[dim]) if paged else SM90_KV_BLOCK[dim]
     if bn not in (64, 80, 96, 128, 176, 192, 256):  # the wgmma N of wgmma_sm90.cuh
         raise ValueError(f"SM90_TUNING paged_kv_block={bn}: take one of 64, 80, 96, 128, 176, 192, 256")
     chunks = dim // 64                       # 64-column (128-byte) TMA boxes per row
@@ -412,9 +421,10 @@ def sm90_layout(spec: VariantSpec) -> dict[str, int]:
     if smem > 227 << 10:
         raise ValueError(f"{spec.uri}: the sm90 tile needs {smem} B of shared memory, over 227 KiB (KV block {bn})")
     return {
-        "kThreads": 384, "kProducerRegs": 24, "kConsumerRegs": 240,
+        # registers per thread: 24 for the producer, the rest of the 64 K over the consumers (multiples of 8)
+        "kThreads": 128 * (1 + consumers), "kProducerRegs": 24, "kConsumerRegs": 240 if consumers == 2 else 160,
         "kBM": bm, "kBN": bn, "kD": dim, "kStages": stages, "kChunks": chunks, "kGroup": spec.group_size,
-        "kPackG": sm90_pack(spec),
+        "kPackG": sm90_pack(spec, bm),
         "kQChunkBytes": q_chunk, "kKVChunkBytes": kv_chunk, "kQBytes": q_bytes, "kKVBytes": kv_bytes,
         "kOffQ": 0, "kOffK": off_k, "kOffV": off_v, "kOffBar": off_bar, "kOffItems": off_items, "kItemRing": ring,
         "kOffTab": off_tab, "kSmemBytes": smem,
