@@ -290,10 +290,8 @@ SM90_KV_BLOCK_3WG = 128  # head_dim 64 with three consumer warpgroups (SM90_TUNI
 # as 1 but a launch of such a page size that cannot make the tensor maps is an error instead of gathering.
 # consumers_d64: consumer warpgroups (64 query rows each) at head_dim 64: 3 (a 192-row tile, KV blocks of
 # SM90_KV_BLOCK_3WG tokens, registers 160 per consumer thread) or 2 (128 rows, as at the other head dims).
-# exp_poly: every exp_poly-th group of 4 softmax exponentials on the FMA pipes (a polynomial, relative error
-# 7.5e-5) instead of the MUFU unit (0: all on MUFU).
 SM90_TUNING: dict[str, int] = {"gather_sync": 0, "gather_l2": 0, "paged_kv_block": 0, "soft_cap_tanh": 0,
-                               "paged_tma": 1, "consumers_d64": 3, "exp_poly": 0}
+                               "paged_tma": 1, "consumers_d64": 3}
 
 
 def _sm90_tuning_override() -> None:
@@ -396,9 +394,9 @@ def sm90_layout(spec: VariantSpec) -> dict[str, int]:
     tuning = SM90_TUNING
     if tuning["gather_sync"] not in (0, 1, 2, 3) or tuning["gather_l2"] not in (0, 64, 128, 256) or \
             tuning["soft_cap_tanh"] not in (0, 1) or tuning["paged_tma"] not in (0, 1, 2) or \
-            tuning["consumers_d64"] not in (2, 3) or not 0 <= tuning["exp_poly"] <= 8:
+            tuning["consumers_d64"] not in (2, 3):
         raise ValueError(f"SM90_TUNING={tuning}: gather_sync takes 0 to 3, gather_l2 0, 64, 128 or 256, "
-                         "soft_cap_tanh 0 or 1, paged_tma 0 to 2, consumers_d64 2 or 3 and exp_poly 0 to 8")
+                         "soft_cap_tanh 0 or 1, paged_tma 0 to 2 and consumers_d64 2 or 3")
     consumers = tuning["consumers_d64"] if dim == 64 else 2
     bm, stages = 64 * consumers, 2
     if consumers == 3:  # S, the last block's P and O in 160 registers: KV blocks of 128
@@ -431,7 +429,7 @@ def sm90_layout(spec: VariantSpec) -> dict[str, int]:
         "kOffQ": 0, "kOffK": off_k, "kOffV": off_v, "kOffBar": off_bar, "kOffItems": off_items, "kItemRing": ring,
         "kOffTab": off_tab, "kSmemBytes": smem,
         "kGatherSync": tuning["gather_sync"], "kGatherL2": tuning["gather_l2"],
-        "kSoftCapTanh": tuning["soft_cap_tanh"], "kExpPoly": tuning["exp_poly"],
+        "kSoftCapTanh": tuning["soft_cap_tanh"],
         "kPagedTma": tuning["paged_tma"] if paged else 0,
     }
 
