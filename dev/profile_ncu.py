@@ -4,7 +4,7 @@
 
 Cases (issue 16-18 rows; llama8b shapes 32 / 8 heads d128 bf16 page 16 unless said):
 decode_b1 (1 x 32768), decode_b256 (256 x 4096), sdpa_b1 / sdpa_b256 (PyTorch SDPA on contiguous KV, the rows'
-peer), phi3 (MHA d96 b64 x 4096),
+peer), fi_b1 / fi_b256 (FlashInfer's tensor-core decode on the same tables; PEER=1), phi3 (MHA d96 b64 x 4096),
 paged16 / paged64 / ragged (sm90 prefill causal b8 x 4096), ragged_d64 (causal b16 x 2048, d64),
 mla128 (MLA b64 x 4096, 128 heads, page 64), mla16
 (MLA b128 x 4096, 16 heads, page 64), flat_shared (decode b128 over 8192 shared + 256 own tokens each: the
@@ -48,6 +48,16 @@ def case_fn(name: str):
         out = torch.empty_like(q)
         w = jitattn.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD")
         w.plan(indptr, indices, last, HQ, HKV, D, 16, q_data_type=torch.bfloat16)
+        return lambda: w.run(q, cache, out=out)
+    if name in ("fi_b1", "fi_b256"):  # FlashInfer's tensor-core decode on decode_b1 / _b256's tables (PEER=1)
+        import flashinfer
+
+        lens = [32768] if name == "fi_b1" else [4096] * 256
+        cache, indptr, indices, last = paged_batch(lens, 16, gen, dev)
+        q = torch.randn(len(lens), HQ, D, generator=gen).to(torch.bfloat16).to(dev)
+        out = torch.empty_like(q)
+        w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=True)
+        w.plan(indptr.to(dev), indices.to(dev), last.to(dev), HQ, HKV, D, 16, q_data_type=torch.bfloat16)
         return lambda: w.run(q, cache, out=out)
     if name == "flat_shared":
         b, shared, own, page = 128, 8192, 256, 16

@@ -145,6 +145,7 @@ def test_sm90_layout_fits_and_aligns(case_id):
     assert layout["kBM"] == 64 * consumers and layout["kThreads"] == 128 * (1 + consumers)
     block = prefill.SM90_KV_BLOCK_3WG if consumers == 3 else blocks[spec.head_dim_qk]
     assert layout["kBN"] == block and layout["kGroup"] == spec.group_size
+    assert layout["kStages"] == (prefill.SM90_TUNING["kv_stages"] or (4 if consumers == 3 else 2))
     assert layout["kOffV"] - layout["kOffK"] == layout["kStages"] * layout["kKVBytes"]
     # Barriers (q full TMA / gathered, q empty; k, v full / empty per stage), then the paged row tables.
     assert layout["kOffTab"] - layout["kOffBar"] >= 8 * (3 + 4 * layout["kStages"]) and layout["kOffTab"] % 16 == 0

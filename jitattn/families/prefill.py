@@ -290,8 +290,10 @@ SM90_KV_BLOCK_3WG = 128  # head_dim 64 with three consumer warpgroups (SM90_TUNI
 # as 1 but a launch of such a page size that cannot make the tensor maps is an error instead of gathering.
 # consumers_d64: consumer warpgroups (64 query rows each) at head_dim 64: 3 (a 192-row tile, KV blocks of
 # SM90_KV_BLOCK_3WG tokens, registers 160 per consumer thread) or 2 (128 rows, as at the other head dims).
+# kv_block / kv_stages: KV tokens per stage of ragged KV and pipeline stages (0: the tables', and 2 stages, 4
+# with three consumer warpgroups: H200, d64 causal b16 x 2048, 360.5 / 362.3 / 366.1 TFLOP/s with 2 / 3 / 4).
 SM90_TUNING: dict[str, int] = {"gather_sync": 0, "gather_l2": 0, "paged_kv_block": 0, "soft_cap_tanh": 0,
-                               "paged_tma": 1, "consumers_d64": 3}
+                               "paged_tma": 1, "consumers_d64": 3, "kv_block": 0, "kv_stages": 0}
 
 
 def _sm90_tuning_override() -> None:
@@ -398,13 +400,15 @@ def sm90_layout(spec: VariantSpec) -> dict[str, int]:
         raise ValueError(f"SM90_TUNING={tuning}: gather_sync takes 0 to 3, gather_l2 0, 64, 128 or 256, "
                          "soft_cap_tanh 0 or 1, paged_tma 0 to 2 and consumers_d64 2 or 3")
     consumers = tuning["consumers_d64"] if dim == 64 else 2
-    bm, stages = 64 * consumers, 2
+    bm, stages = 64 * consumers, tuning["kv_stages"] or (4 if consumers == 3 else 2)
     if consumers == 3:  # S, the last block's P and O in 160 registers: KV blocks of 128
-        bn = (tuning["paged_kv_block"] or SM90_KV_BLOCK_3WG) if paged else SM90_KV_BLOCK_3WG
+        bn = (tuning["paged_kv_block"] or SM90_KV_BLOCK_3WG) if paged else (tuning["kv_block"] or SM90_KV_BLOCK_3WG)
     else:
-        bn = (tuning["paged_kv_block"] or SM90_PAGED_KV_BLOCK[dim]) if paged else SM90_KV_BLOCK[dim]
+        bn = (tuning["paged_kv_block"] or SM90_PAGED_KV_BLOCK[dim]) if paged else (tuning["kv_block"] or SM90_KV_BLOCK[dim])
     if bn not in (64, 80, 96, 128, 176, 192, 256):  # the wgmma N of wgmma_sm90.cuh
-        raise ValueError(f"SM90_TUNING paged_kv_block={bn}: take one of 64, 80, 96, 128, 176, 192, 256")
+        raise ValueError(f"SM90_TUNING kv_block / paged_kv_block={bn}: take one of 64, 80, 96, 128, 176, 192, 256")
+    if not 2 <= stages <= 8:
+        raise ValueError(f"SM90_TUNING kv_stages={stages}: take 2 to 8")
     chunks = dim // 64                       # 64-column (128-byte) TMA boxes per row
     q_chunk, kv_chunk = bm * 128, bn * 128   # bytes of one box
     q_bytes, kv_bytes = chunks * q_chunk, chunks * kv_chunk
