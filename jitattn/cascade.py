@@ -25,9 +25,10 @@ import torch
 from .attention.batch import WorkspaceTooSmall, run_plan, share_queries
 from .attention.builder import attention_options, kernel_spec, num_workers
 from .attention.merge import PreparedMerge, merge_state, merge_state_in_place, merge_states, merge_states_with_sinks
-from .attention.options import fp8_scale, parse_pos_encoding, resolve_batch_invariant, resolve_window_left
+from .attention.options import fp8_scale, parse_pos_encoding, resolve_batch_invariant, resolve_flag, resolve_window_left
 from .kv_split import (
-    batch_invariant_chunk, cascade_chunk_pages, cascade_level_chunks, concat_level_tables, graph_level_chunks,
+    batch_invariant_chunk, cascade_chunk_pages, cascade_level_chunks, check_fixed_split_size, concat_level_tables,
+    graph_level_chunks,
     split_level_page_table,
 )
 from .page_table import PagedIndex, check_indptr, check_paged_index
@@ -143,6 +144,8 @@ class MultiLevelCascadeAttentionWrapper:
                 if not isinstance(a, torch.Tensor) or a.dim() != 1 or a.numel() < 1:
                     got = f"shape {tuple(a.shape)}" if isinstance(a, torch.Tensor) else type(a).__name__
                     raise ValueError(f"{name}[{level}] must be a 1-D int32 tensor of batch + 1 offsets, got {got}")
+        causal = resolve_flag(causal, "causal")
+        check_fixed_split_size(fixed_split_size)
         if parse_pos_encoding(pos_encoding_mode) is not PosEncoding.NONE or resolve_window_left(window_left) >= 0:
             raise ValueError(
                 "cascade levels see positions relative to their own KV, so in-kernel RoPE/ALiBi and sliding "

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import numbers
 
 import numpy as np
 import torch
@@ -17,7 +16,8 @@ from .attention.options import PAGE_TABLE_HINT, parse_kv_layout, refuse_unsuppor
 from .jit import load, resident_blocks
 from .page_table import PagedIndex, check_paged_index, to_host_int32
 from .kv_split import (
-    MAX_RESIDENT_BLOCKS, KVSplit, decode_kv_split, max_decode_chunks, split_workspace_bytes, unsplit,
+    MAX_RESIDENT_BLOCKS, KVSplit, check_fixed_split_size, decode_kv_split, max_decode_chunks, split_workspace_bytes,
+    unsplit,
 )
 from .variant import AttentionVariant
 from .spec import KVLayout, KVStorage, Op, Target
@@ -144,9 +144,7 @@ class BatchDecodeWithPagedKVCacheWrapper(BatchWrapperBase):
 
     def _split(self, spec, kv_lens: np.ndarray, num_kv_heads: int, page_size: int,
                fixed_split_size: int | None, disable_split_kv: bool, batch_invariant: bool = False) -> KVSplit:
-        if fixed_split_size is not None and (isinstance(fixed_split_size, bool)
-                                             or not isinstance(fixed_split_size, numbers.Integral)):
-            raise TypeError(f"fixed_split_size={fixed_split_size!r} must be None or a positive int (pages per chunk)")
+        check_fixed_split_size(fixed_split_size)
         if batch_invariant:
             # The chunk length is a constant, so the launch (kv_chunk_size, grid, the whole workspace) is
             # the same for every batch of a size: capturable under CUDA graphs too.

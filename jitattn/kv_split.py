@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -24,6 +25,16 @@ MAX_RESIDENT_BLOCKS = 4
 # Batch-invariant mode: every request's KV is cut into chunks of this many tokens (rounded up to whole
 # pages), whatever else is in the batch, so its partial states and their merge order are its own.
 BATCH_INVARIANT_CHUNK_TOKENS = 1024
+
+
+def check_fixed_split_size(fixed_split_size: int | None) -> None:
+    """A plan's ``fixed_split_size`` (pages per KV chunk): None or a positive int."""
+    if fixed_split_size is None:
+        return
+    if isinstance(fixed_split_size, bool) or not isinstance(fixed_split_size, numbers.Integral):
+        raise TypeError(f"fixed_split_size={fixed_split_size!r} must be None or a positive int (pages per chunk)")
+    if fixed_split_size < 1:
+        raise ValueError(f"fixed_split_size={fixed_split_size} must be None or a positive int (pages per chunk)")
 
 
 def batch_invariant_chunk(page_size: int, fixed_split_size: int | None = None) -> int:

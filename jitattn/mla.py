@@ -36,13 +36,12 @@ place (rows not on 16 bytes, e.g. an fp8 cache with 8-byte-aligned rows, or ``ou
 from __future__ import annotations
 
 import functools
-import math
 import numbers
 
 import torch
 
 from .attention.checks import check_tensor, stream_capturing
-from .attention.options import fp8_scale, parse_dtype, refuse_unsupported, resolve_batch_invariant
+from .attention.options import f32_scale, fp8_scale, parse_dtype, refuse_unsupported, resolve_batch_invariant, resolve_flag
 from .log import logger
 from .env import mla_kernel as mla_kernel_choice
 from .attention.batch import num_sms
@@ -67,10 +66,11 @@ def _check_plan_scalars(num_heads, head_dim_ckv, head_dim_kpe, sm_scale, causal)
     for name, value in (("num_heads", num_heads), ("head_dim_ckv", head_dim_ckv), ("head_dim_kpe", head_dim_kpe)):
         if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
             raise ValueError(f"{name}={value!r} must be a positive int")
-    if not isinstance(sm_scale, numbers.Real) or isinstance(sm_scale, bool) or not 0 < sm_scale < math.inf:
-        raise ValueError(f"sm_scale={sm_scale!r} must be a positive finite float (MLA: e.g. 1/sqrt(192))")
-    if isinstance(causal, torch.Tensor) or not isinstance(causal, (bool, int)):
-        raise ValueError(f"causal={causal!r} must be True or False")
+    # a normal float32, as every op's sm_scale: the kernels hold it in float32 (1e-300 would be 0 there)
+    if not isinstance(sm_scale, numbers.Real) or isinstance(sm_scale, bool) or not f32_scale(float(sm_scale)):
+        raise ValueError(f"sm_scale={sm_scale!r} must be a positive finite float within float32's normal range "
+                         "(MLA: e.g. 1/sqrt(192))")
+    resolve_flag(causal, "causal")
 
 
 class BatchMLAPagedAttentionWrapper:
@@ -143,7 +143,7 @@ class BatchMLAPagedAttentionWrapper:
         refuse_unsupported(f"{_NAME}.plan", "leave use_profiler off", use_profiler=use_profiler or None)
         try:  # for both kernels (the prefill kernels would take a None sm_scale as 1/sqrt(576))
             _check_plan_scalars(num_heads, head_dim_ckv, head_dim_kpe, sm_scale, causal)
-        except ValueError:
+        except (ValueError, TypeError):
             self._kernel, self._dims, self._prefill_args = None, None, None  # refused: nothing left to run
             raise
         num_heads, head_dim_ckv, head_dim_kpe = int(num_heads), int(head_dim_ckv), int(head_dim_kpe)  # numpy ints too

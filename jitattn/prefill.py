@@ -10,9 +10,10 @@ from .attention.batch import AttentionPlan
 from .attention.builder import HostIndex, attention_options, build_plan
 from .attention.wrapper import BatchWrapperBase, plan_arguments
 from .attention.checks import check_tensor, target_of
-from .attention.options import PAGE_TABLE_HINT, fp8_scale, parse_kv_layout, refuse_unsupported, resolve_batch_invariant
+from .attention.options import (PAGE_TABLE_HINT, fp8_scale, parse_kv_layout, refuse_unsupported, resolve_batch_invariant,
+                                 resolve_flag)
 from .page_table import PagedIndex, check_indptr, check_paged_index
-from .kv_split import unsplit
+from .kv_split import check_fixed_split_size, unsplit
 from .masks import multi_item_mask, packed_mask_indptr, segment_packbits
 from .variant import AttentionVariant
 from .spec import KVLayout, MaskMode, Op, Target
@@ -42,6 +43,7 @@ def _plan_prefill(
     ``multi_item``: FlashInfer's multi-item scoring arguments (``prefix_len_ptr``,
     ``token_pos_in_items_ptr``, ``token_pos_in_items_len``), turned into the equivalent custom mask.
     """
+    causal = resolve_flag(causal, "causal")
     qo_host = check_indptr("qo_indptr", qo_indptr)
     qo_lens = (qo_host[1:] - qo_host[:-1]).tolist()
     if len(qo_lens) != len(kv_lens):
@@ -321,11 +323,6 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapperBase):
 def _forward_options(arguments: dict) -> dict:
     """The plan-time options among a ``forward()`` call's arguments."""
     return {name: arguments[name] for name in _FORWARD_OPTIONS if name in arguments}
-
-
-def check_fixed_split_size(fixed_split_size: int | None) -> None:
-    if fixed_split_size is not None and (not isinstance(fixed_split_size, int) or fixed_split_size < 1):
-        raise ValueError(f"fixed_split_size={fixed_split_size!r} must be None or a positive int (pages per chunk)")
 
 
 def _per_tensor_scale(value, name: str) -> float | None:

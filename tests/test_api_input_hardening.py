@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -225,3 +226,65 @@ def test_paged_prefill_mask_arguments_are_checked():
     with pytest.raises(ValueError, match="prefix_len_ptr has a negative length"):
         _paged_prefill_plan(prefix_len_ptr=torch.tensor([-1, 1], dtype=torch.int32),
                             token_pos_in_items_ptr=torch.zeros(16, dtype=torch.int32), token_pos_in_items_len=8)
+
+
+@pytest.mark.parametrize("causal", ["False", None, 2, 1.0, torch.tensor(True)], ids=["str", "none", "two", "float", "tensor"])
+def test_causal_must_be_a_bool(causal):
+    """``causal`` took any value by its truthiness: the string "False" planned a causal mask."""
+    with pytest.raises(TypeError, match="causal=.* must be True or False"):
+        _paged_prefill_plan(causal=causal)
+    t = torch.tensor([0, 1], dtype=torch.int32)
+    with pytest.raises(TypeError, match="causal=.* must be True or False"):
+        jitattn.MultiLevelCascadeAttentionWrapper(2, _workspace()).plan([t, t], [t, t], [t[:1], t[:1]], [t[1:], t[1:]],
+                                                                         HQ, HKV, D, PAGE, causal=causal)
+    with pytest.raises(TypeError, match="causal=.* must be True or False"):
+        _mla_wrapper_plan(causal=causal)
+
+
+@pytest.mark.parametrize("causal", [True, np.bool_(True), 1], ids=["bool", "numpy", "int"])
+def test_causal_takes_bools_numpy_bools_and_zero_one(causal):
+    _paged_prefill_plan(causal=causal)
+    _mla_wrapper_plan(causal=causal)
+
+
+def test_mla_sm_scale_must_be_a_float32_normal():
+    """1e-300 passed MLA's check (positive, finite) and became 0 in the kernels' float32."""
+    with pytest.raises(ValueError, match="sm_scale=1e-300 must be a positive finite float within float32's normal"):
+        _mla_wrapper_plan(sm_scale=1e-300)
+    with pytest.raises(ValueError, match="sm_scale=1e\\+39 must be a positive finite float"):
+        _mla_wrapper_plan(sm_scale=1e39)
+
+
+def test_run_checks_a_meta_q_after_a_cpu_run():
+    """The checked-inputs signature held get_device(), -1 for cpu and meta tensors alike: a meta q after a cpu
+    run skipped every check and launched the cpu kernel on no storage."""
+    batch, q = _decode_batch()
+    wrapper = _decode_wrapper(batch)
+    wrapper.run(q, batch.cache)
+    with pytest.raises((ValueError, TypeError, RuntimeError), match="meta"):
+        wrapper.run(q.to("meta"), batch.cache)
+    with pytest.raises((ValueError, TypeError, RuntimeError), match="meta"):
+        wrapper.run(q, batch.cache.to("meta"))
+
+
+def test_get_seq_lens_page_size_must_be_an_int():
+    indptr, last = torch.tensor([0, 2], dtype=torch.int32), torch.tensor([3], dtype=torch.int32)
+    assert jitattn.get_seq_lens(indptr, last, 16).tolist() == [19]
+    with pytest.raises(TypeError, match="page_size=16.5 must be an int"):
+        jitattn.get_seq_lens(indptr, last, 16.5)
+
+
+@pytest.mark.parametrize("value, error", [(1.5, TypeError), (True, TypeError), (0, ValueError)],
+                         ids=["float", "bool", "zero"])
+def test_fixed_split_size_is_checked_alike_by_every_wrapper(value, error):
+    """One check (kv_split.check_fixed_split_size) for decode, prefill and cascade; cascade took 1.5 pages."""
+    message = f"fixed_split_size={value!r} must be None or a positive int"
+    batch, _ = _decode_batch()
+    with pytest.raises(error, match=message):
+        _decode_wrapper(batch, fixed_split_size=value)
+    with pytest.raises(error, match=message):
+        _paged_prefill_plan(fixed_split_size=value)
+    t = torch.tensor([0, 1], dtype=torch.int32)
+    with pytest.raises(error, match=message):
+        jitattn.MultiLevelCascadeAttentionWrapper(2, _workspace()).plan([t, t], [t, t], [t[:1], t[:1]], [t[1:], t[1:]],
+                                                                         HQ, HKV, D, PAGE, fixed_split_size=value)

@@ -286,18 +286,19 @@ def check_sinks(wrapper: str, sinks: torch.Tensor, num_qo_heads: int, device: to
 
 
 def _kv_signature(kv) -> tuple | None:
-    """What the k/v checks depend on: shapes, strides, dtypes, devices (None: not tensors at all)."""
+    """What the k/v checks depend on: shapes, strides, dtypes, devices (None: not tensors at all). Devices as
+    torch.device, not get_device(): that is -1 for cpu and meta tensors alike."""
     if isinstance(kv, torch.Tensor):
-        return kv.shape, kv.stride(), kv.dtype, kv.get_device()
+        return kv.shape, kv.stride(), kv.dtype, kv.device
     try:
         k, v = kv
-        return k.shape, k.stride(), k.dtype, k.get_device(), v.shape, v.stride(), v.dtype, v.get_device()
+        return k.shape, k.stride(), k.dtype, k.device, v.shape, v.stride(), v.dtype, v.device
     except (TypeError, ValueError, AttributeError):
         return None
 
 
 def _output_signature(t: torch.Tensor | None) -> tuple | None:
-    return None if t is None else (t.shape, t.stride(), t.dtype, t.get_device())
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
 
 
 def run_plan(
@@ -337,7 +338,7 @@ def run_plan(
         raise ValueError(f"{wrapper}.run(): this plan applies attention sinks; pass sinks (float32 [num_qo_heads])")
     else:
         launch = plan.launch
-    signature = (q.shape, q.stride(), q.dtype, q.get_device(), _kv_signature(kv))
+    signature = (q.shape, q.stride(), q.dtype, q.device, _kv_signature(kv))
     if signature != plan.checked_signature:
         k, v = _check_inputs(plan, wrapper, workspace, q, kv)
         for prepared in plan.launches():
@@ -345,7 +346,7 @@ def run_plan(
         plan.kv_offsets = ((k.data_ptr() - kv.data_ptr(), v.data_ptr() - kv.data_ptr())
                            if isinstance(kv, torch.Tensor) else None)
         plan.checked_signature = signature
-    device_index = signature[3]
+    device_index = q.get_device()  # -1: the cpu target
     if device_index >= 0 and not plan.use_cuda_graph and stream_capturing():
         raise RuntimeError(
             f"{wrapper}.run() is being captured into a CUDA graph, but the wrapper was built without "

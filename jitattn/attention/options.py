@@ -11,6 +11,7 @@ import math
 import numbers
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .. import env
@@ -113,9 +114,19 @@ def _number(value, name: str) -> float:
         raise TypeError(f"{name}={value!r} must be a number") from None
 
 
-def _f32_scale(value: float) -> bool:
+def f32_scale(value: float) -> bool:
     """Whether ``value`` is a positive normal float32 (so neither it nor a product with it is 0 or inf)."""
     return _F32_MIN_NORMAL <= value <= _F32_MAX
+
+
+def resolve_flag(value, name: str) -> bool:
+    """A boolean argument (``causal``) as a bool: True / False, numpy's bools or the ints 0 / 1. Anything else
+    (a string such as "False", None, a tensor) is a TypeError rather than its Python truthiness."""
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    if isinstance(value, numbers.Integral) and value in (0, 1):
+        return bool(value)
+    raise TypeError(f"{name}={value!r} must be True or False")
 
 
 def resolve_window_left(value) -> int:
@@ -138,16 +149,16 @@ def resolve_scalars(
     check_head_dim(head_dim_qk, "head_dim_qk")
     window_left = resolve_window_left(window_left)
     cap = 0.0 if logits_soft_cap is None else _number(logits_soft_cap, "logits_soft_cap")
-    if not (cap == 0 or _f32_scale(cap)):
+    if not (cap == 0 or f32_scale(cap)):
         raise ValueError(f"logits_soft_cap={logits_soft_cap} must be None, 0 (off) or a positive finite number")
     scale = 1.0 / math.sqrt(head_dim_qk) if sm_scale is None else _number(sm_scale, "sm_scale")
-    if not _f32_scale(scale):
+    if not f32_scale(scale):
         raise ValueError(f"sm_scale={sm_scale} must be a positive finite number within float32's normal range")
     rope_scale = 1.0 if rope_scale is None else _number(rope_scale, "rope_scale")
     rope_theta = 1e4 if rope_theta is None else _number(rope_theta, "rope_theta")
     for name, value in (("rope_scale", rope_scale), ("rope_theta", rope_theta)):
         # the kernels take the reciprocal in float32: both must be normal float32 numbers
-        if not (_f32_scale(value) and _f32_scale(1.0 / value)):
+        if not (f32_scale(value) and f32_scale(1.0 / value)):
             raise ValueError(f"{name}={value} must be a positive finite number (its reciprocal too, in float32)")
     return AttentionScalars(
         causal=bool(causal), pos_encoding=pos_encoding, window_left=window_left, sm_scale=scale,
@@ -166,7 +177,7 @@ def fp8_scale(value: float | torch.Tensor | None, name: str) -> float:
             raise ValueError(f"{name} on {value.device} would need a device sync; pass a Python float")
         value = value.item()
     value = _number(value, name)
-    if not _f32_scale(value):
+    if not f32_scale(value):
         raise ValueError(f"{name}={value} must be a positive finite number (a dequantization scale)")
     return value
 

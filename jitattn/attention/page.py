@@ -248,7 +248,8 @@ def get_batch_indices_positions(
 
     Args:
         append_indptr: ``[batch_size + 1]`` integer tensor.
-        seq_lens: ``[batch_size]`` integer tensor (host or ``append_indptr``'s device).
+        seq_lens: ``[batch_size]`` integer tensor (host or ``append_indptr``'s device); a longer one (a buffer
+            sized for the largest batch, as under CUDA graphs) is read up to ``batch_size``, as FlashInfer does.
         nnz: ``append_indptr[-1]``, the number of appended tokens; passed in so that a CUDA
             ``append_indptr`` is never read back to the host.
 
@@ -301,13 +302,16 @@ def get_seq_lens(kv_indptr: torch.Tensor, kv_last_page_len: torch.Tensor, page_s
     """Per-request KV lengths of a paged cache: int32 ``[batch_size]`` on ``kv_indptr``'s device.
 
     ``len[r] = (num_pages[r] - 1) * page_size + kv_last_page_len[r]`` when request ``r`` has pages,
-    else 0. No host synchronisation.
+    else 0. No host synchronisation. A ``kv_last_page_len`` longer than the batch (a buffer sized for the
+    largest one) is read up to ``batch_size``, as FlashInfer does.
     """
     for name, t in (("kv_indptr", kv_indptr), ("kv_last_page_len", kv_last_page_len)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 1 or t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
             raise ValueError(f"{name} must be a 1-D integer tensor, got {_name(t.dtype)} of shape {tuple(t.shape)}")
+    if isinstance(page_size, bool) or not isinstance(page_size, numbers.Integral):
+        raise TypeError(f"page_size={page_size!r} must be an int")
     page_size = int(page_size)
     if page_size < 1:
         raise ValueError(f"page_size={page_size} must be >= 1")
