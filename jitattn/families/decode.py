@@ -82,9 +82,6 @@ TUNING: dict[str, int] = {
     "mma_blocks_per_sm_fp8": 3,  # ... with fp8 KV (half the bytes per stage: more blocks keep as many in flight)
     "mma_steps": 1,            # 16-token steps per warp per pipeline stage on the tensor-core path
     "mma_warps": 4,            # warps per block on the tensor-core path (each takes 16 tokens of a step)
-    # Tensor-core path, rows of whole 128-byte lines: unpadded K / V rows, their 16-byte pieces permuted
-    # within each line by the row (see swz in the template); 0: rows at an odd multiple of 16 bytes.
-    "swizzle": 1,
     "smem_per_sm": 227 << 10,  # usable shared memory per SM (H100/H200: 227 KiB; A100: 163 KiB)
     # Page ids of a work item kept in shared memory (loaded once at its start, beside the query) when
     # the item spans at most this many pages; longer items read them from the page table a stage ahead.
@@ -156,9 +153,7 @@ def _mma_layout(spec: VariantSpec, t: dict[str, int]) -> dict[str, int]:
     if not 1 <= nw <= 32:
         raise ValueError(f"TUNING mma_warps={nw} must be in 1..32")
     head_tiles = -(-group // 8)
-    swizzle = bool(t["swizzle"]) and (dqk * elem) % 128 == 0 and (dvo * elem) % 128 == 0
-    k_pitch, v_pitch = (dqk * elem, dvo * elem) if swizzle else (_pitch(dqk * elem), _pitch(dvo * elem))
-    q_pitch = _pitch(dqk * 2)
+    k_pitch, v_pitch, q_pitch = _pitch(dqk * elem), _pitch(dvo * elem), _pitch(dqk * 2)
     steps = t["mma_steps"]
     tile_tokens = nw * 16 * steps  # a barrier per stage: per `steps` 16-token steps of each warp
     k_stage, v_stage = tile_tokens * k_pitch, tile_tokens * v_pitch
@@ -185,7 +180,7 @@ def _mma_layout(spec: VariantSpec, t: dict[str, int]) -> dict[str, int]:
         "kSteps": steps, "kTileTokens": tile_tokens, "kStages": stages,
         "kLoadBytes": 16, "kCPRK": dqk * elem // 16, "kCPRV": dvo * elem // 16,
         "kLoadsK": -(-(tile_tokens * dqk * elem // 16) // nt), "kLoadsV": -(-(tile_tokens * dvo * elem // 16) // nt),
-        "kTabPerThread": -(-tile_tokens // nt), "kSwizzle": int(swizzle),
+        "kTabPerThread": -(-tile_tokens // nt),
         "kKStageBytes": k_stage, "kVStageBytes": v_stage, "kPipeBytes": pipe,
         "kSmemBytes": max(pipe + table, merge), **_page_id_fields(t, nt),
         "kMergeStageFloats": _merge_stage_floats(max(pipe + table, merge), group, nt),
@@ -256,7 +251,7 @@ def _simt_layout(spec: VariantSpec, t: dict[str, int]) -> dict[str, int]:
         "kTabPerThread": -(-tile_tokens // nt),
         "kKStageBytes": k_stage_bytes, "kVStageBytes": v_stage_bytes,
         "kMma": 0, "kHT": 1, "kMinBlocks": 1, "kNW": 1, "kKPitch": dqk * elem, "kVPitch": dvo * elem, "kQPitch": 0,
-        "kQOffset": 0, "kSwizzle": 0,
+        "kQOffset": 0,
         "kPipeBytes": pipe_bytes, "kSmemBytes": smem, "kMergeStageFloats": _merge_stage_floats(smem, group, nt),
         **_page_id_fields(t, nt),
         "kHeadMinor": int(bool(t["head_minor"])),
