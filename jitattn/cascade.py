@@ -28,8 +28,7 @@ from .attention.merge import PreparedMerge, merge_state, merge_state_in_place, m
 from .attention.options import fp8_scale, parse_pos_encoding, resolve_batch_invariant, resolve_flag, resolve_window_left
 from .kv_split import (
     batch_invariant_chunk, cascade_chunk_pages, cascade_level_chunks, check_fixed_split_size, concat_level_tables,
-    graph_level_chunks,
-    split_level_page_table,
+    graph_level_chunks, split_level_page_table,
 )
 from .page_table import PagedIndex, check_indptr, check_paged_index
 from .decode import BatchDecodeWithPagedKVCacheWrapper

@@ -41,7 +41,8 @@ import numbers
 import torch
 
 from .attention.checks import check_tensor, stream_capturing
-from .attention.options import f32_scale, fp8_scale, parse_dtype, refuse_unsupported, resolve_batch_invariant, resolve_flag
+from .attention.options import (f32_scale, fp8_scale, parse_dtype, refuse_unsupported, resolve_batch_invariant,
+                                 resolve_flag)
 from .log import logger
 from .env import mla_kernel as mla_kernel_choice
 from .attention.batch import num_sms

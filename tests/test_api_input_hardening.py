@@ -228,7 +228,8 @@ def test_paged_prefill_mask_arguments_are_checked():
                             token_pos_in_items_ptr=torch.zeros(16, dtype=torch.int32), token_pos_in_items_len=8)
 
 
-@pytest.mark.parametrize("causal", ["False", None, 2, 1.0, torch.tensor(True)], ids=["str", "none", "two", "float", "tensor"])
+@pytest.mark.parametrize("causal", ["False", None, 2, 1.0, torch.tensor(True)],
+                         ids=["str", "none", "two", "float", "tensor"])
 def test_causal_must_be_a_bool(causal):
     """``causal`` took any value by its truthiness: the string "False" planned a causal mask."""
     with pytest.raises(TypeError, match="causal=.* must be True or False"):

@@ -61,7 +61,7 @@ rendered source, hence in the cache key.
   tokens; one Q TMA box of 64 columns x group heads x tokens) when the group divides 128 and
   head_dim >= 128, else 128 tokens of one query head (``sm90_pack`` has the measurements).
 - KV blocks of ``kBN`` tokens (128 / 176 / 64 for head_dim 64 / 128 / 256; paged 128 at 128) go through a
-  2-stage pipeline; each 64-column slice of a row is one 128-byte-swizzled TMA box (ragged KV).
+  2-stage pipeline (4 stages at head_dim 64); each 64-column slice of a row is one 128-byte-swizzled TMA box (ragged KV).
   Paged KV: the whole producer warpgroup gathers each block with ``cp.async`` -- a table of the
   block's row offsets from the page table (``kOffTab``, two by block parity), then every 16-byte
   piece into the same swizzled layout, rows past the request zero-filled -- completing on the
@@ -401,10 +401,10 @@ def sm90_layout(spec: VariantSpec) -> dict[str, int]:
                          "soft_cap_tanh 0 or 1, paged_tma 0 to 2 and consumers_d64 2 or 3")
     consumers = tuning["consumers_d64"] if dim == 64 else 2
     bm, stages = 64 * consumers, tuning["kv_stages"] or (4 if consumers == 3 else 2)
-    if consumers == 3:  # S, the last block's P and O in 160 registers: KV blocks of 128
-        bn = (tuning["paged_kv_block"] or SM90_KV_BLOCK_3WG) if paged else (tuning["kv_block"] or SM90_KV_BLOCK_3WG)
-    else:
-        bn = (tuning["paged_kv_block"] or SM90_PAGED_KV_BLOCK[dim]) if paged else (tuning["kv_block"] or SM90_KV_BLOCK[dim])
+    # three consumers: S, the last block's P and O in 160 registers, so KV blocks of 128
+    paged_block, ragged_block = (SM90_KV_BLOCK_3WG, SM90_KV_BLOCK_3WG) if consumers == 3 else \
+        (SM90_PAGED_KV_BLOCK[dim], SM90_KV_BLOCK[dim])
+    bn = (tuning["paged_kv_block"] or paged_block) if paged else (tuning["kv_block"] or ragged_block)
     if bn not in (64, 80, 96, 128, 176, 192, 256):  # the wgmma N of wgmma_sm90.cuh
         raise ValueError(f"SM90_TUNING kv_block / paged_kv_block={bn}: take one of 64, 80, 96, 128, 176, 192, 256")
     if not 2 <= stages <= 8:
