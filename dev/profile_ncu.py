@@ -10,10 +10,13 @@ mla128 (MLA b64 x 4096, 128 heads, page 64), mla16
 (MLA b128 x 4096, 16 heads, page 64), flat_shared (decode b128 over 8192 shared + 256 own tokens each: the
 cascade row's flat twin).
 Warm-up calls (the JIT build, the plan) run before the range; one call runs inside it.
+``DECODE_TUNING='{"max_stages": 2}'`` renders the decode kernels with those overrides of
+``jitattn.families.decode.TUNING`` (their own cache entries), to profile a layout beside the default.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import sys
@@ -132,6 +135,15 @@ def case_fn(name: str):
 
 
 def main() -> None:
+    tuning = os.environ.get("DECODE_TUNING", "").strip()
+    if tuning:
+        from jitattn.families import decode
+
+        overrides = json.loads(tuning)
+        unknown = set(overrides) - set(decode.TUNING)
+        if unknown:
+            sys.exit(f"DECODE_TUNING: unknown keys {sorted(unknown)} (decode.TUNING has {sorted(decode.TUNING)})")
+        decode.TUNING.update(overrides)
     fn = case_fn(sys.argv[1])
     for _ in range(3):
         fn()
