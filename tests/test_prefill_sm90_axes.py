@@ -47,7 +47,8 @@ class Case:
     q_head_major: bool = False  # q as a [heads, tokens, dim] tensor's transposed view
 
 
-# KV blocks (SM90_KV_BLOCK): 192 tokens at head_dim 64, 176 at 128, 64 at 256 (paged: SM90_PAGED_KV_BLOCK, 128 at 128).
+# KV blocks: 128 tokens at head_dim 64 (three consumer warpgroups, 192-row tiles), 176 at 128, 64 at 256 (paged: 128 at
+# 64 and 128).
 CASES = {
     # ragged
     "d128_g4_bf16_causal_w40_cap30_batch": Case(128, 16, 4, bf16, True, 40, 30.0, (1000, 1, 129, 0, 300, 64),
