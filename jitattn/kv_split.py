@@ -40,9 +40,8 @@ def check_fixed_split_size(fixed_split_size: int | None) -> None:
 def batch_invariant_chunk(page_size: int, fixed_split_size: int | None = None) -> int:
     """Tokens per chunk in batch-invariant mode: ``fixed_split_size`` pages when given, else
     ``BATCH_INVARIANT_CHUNK_TOKENS`` rounded up to whole pages."""
+    check_fixed_split_size(fixed_split_size)
     if fixed_split_size is not None:
-        if fixed_split_size < 1:
-            raise ValueError(f"fixed_split_size={fixed_split_size} must be >= 1 (pages per chunk)")
         return fixed_split_size * page_size
     return math.ceil(BATCH_INVARIANT_CHUNK_TOKENS / page_size) * page_size
 
@@ -110,8 +109,7 @@ def decode_kv_split(
     if longest == 0:
         return unsplit(batch)
     if fixed_split_size is not None:
-        if fixed_split_size < 1:
-            raise ValueError(f"fixed_split_size={fixed_split_size} must be >= 1 (pages per chunk)")
+        check_fixed_split_size(fixed_split_size)
         chunk = fixed_split_size * page_size
     else:
         total = int(lens.sum())
@@ -218,8 +216,7 @@ def cascade_level_chunks(
     if batch_invariant:
         return max(1, math.ceil(longest_pages / (batch_invariant_chunk(page_size, fixed_split_size) // page_size)))
     if fixed_split_size is not None:
-        if fixed_split_size < 1:
-            raise ValueError(f"fixed_split_size={fixed_split_size} must be >= 1 (pages per chunk)")
+        check_fixed_split_size(fixed_split_size)
         return max(1, math.ceil(longest_pages / fixed_split_size))
     blocks = (query_tiles or len(kv_lens)) * num_kv_heads
     wanted = blocks_per_sm * num_sms // blocks

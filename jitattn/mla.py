@@ -148,7 +148,7 @@ class BatchMLAPagedAttentionWrapper:
             self._kernel, self._dims, self._prefill_args = None, None, None  # refused: nothing left to run
             raise
         num_heads, head_dim_ckv, head_dim_kpe = int(num_heads), int(head_dim_ckv), int(head_dim_kpe)  # numpy ints too
-        sm_scale = float(sm_scale)
+        sm_scale, causal = float(sm_scale), bool(causal)  # numpy bools / 0 / 1 (checked above) as a bool
         qo_indptr = to_host_int32("qo_indptr", qo_indptr)
         indptr = to_host_int32("kv_indptr", kv_indptr)
         kv_indices = to_host_int32("kv_indices", kv_indices)

@@ -216,6 +216,7 @@ def _paged_prefill_plan(**options):
     wrapper = jitattn.BatchPrefillWithPagedKVCacheWrapper(_workspace())
     wrapper.plan(torch.tensor([0, 2, 5], dtype=torch.int32), batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len,
                  HQ, HKV, D, PAGE, q_data_type=torch.float32, **options)
+    return wrapper, batch
 
 
 def test_paged_prefill_mask_arguments_are_checked():
@@ -244,8 +245,24 @@ def test_causal_must_be_a_bool(causal):
 
 @pytest.mark.parametrize("causal", [True, np.bool_(True), 1], ids=["bool", "numpy", "int"])
 def test_causal_takes_bools_numpy_bools_and_zero_one(causal):
-    _paged_prefill_plan(causal=causal)
-    _mla_wrapper_plan(causal=causal)
+    """Each spelling of True plans the causal mask: the output is causal=True's, not causal=False's."""
+    gen = torch.Generator().manual_seed(16)
+    q = torch.randn(5, HQ, D, generator=gen)
+    outs = {}
+    for name, value in (("given", causal), ("true", True), ("false", False)):
+        wrapper, batch = _paged_prefill_plan(causal=value)
+        outs[name] = wrapper.run(q, batch.cache)
+    assert torch.equal(outs["given"], outs["true"])
+    assert not torch.allclose(outs["given"], outs["false"])
+
+    ckv, kpe = torch.randn(1, PAGE, 512, generator=gen), torch.randn(1, PAGE, 64, generator=gen)
+    q_nope, q_pe = torch.randn(2, 4, 512, generator=gen), torch.randn(2, 4, 64, generator=gen)
+    mla = {}
+    for name, value in (("given", causal), ("true", True), ("false", False)):
+        wrapper = _mla_wrapper_plan(causal=value, qo_indptr=torch.tensor([0, 2], dtype=torch.int32))
+        mla[name] = wrapper.run(q_nope, q_pe, ckv, kpe)
+    assert torch.equal(mla["given"], mla["true"])  # two queries over 5 keys: the first sees 4 of them when causal
+    assert not torch.allclose(mla["given"], mla["false"])
 
 
 def test_mla_sm_scale_must_be_a_float32_normal():
