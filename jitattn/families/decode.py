@@ -82,6 +82,13 @@ TUNING: dict[str, int] = {
     "mma_blocks_per_sm_fp8": 3,  # ... with fp8 KV (half the bytes per stage: more blocks keep as many in flight)
     "mma_steps": 1,            # 16-token steps per warp per pipeline stage on the tensor-core path
     "mma_warps": 4,            # warps per block on the tensor-core path (each takes 16 tokens of a step)
+    # Tensor-core path, rows of whole 128-byte lines: unpadded K / V rows on 128-byte aligned stages, their
+    # 16-byte pieces permuted within each line by the row (see swz in the template); 0: rows at an odd
+    # multiple of 16 bytes, whose lines straddle two 128-byte shared-memory segments: each line's cp.async
+    # pieces then go to L2 as two or three requests (H200, dev/l2_stream.cu's copy pattern alone, b256 x 4096:
+    # 88.1 M requests / 201 M sectors and 1005 us padded, 33.6 M / 134 M and 937 us swizzled; 32 requests
+    # over 32k shared pages 750 vs 460 us).
+    "swizzle": 1,
     "smem_per_sm": 227 << 10,  # usable shared memory per SM (H100/H200: 227 KiB; A100: 163 KiB)
     # Page ids of a work item kept in shared memory (loaded once at its start, beside the query) when
     # the item spans at most this many pages; longer items read them from the page table a stage ahead.
@@ -153,7 +160,9 @@ def _mma_layout(spec: VariantSpec, t: dict[str, int]) -> dict[str, int]:
     if not 1 <= nw <= 32:
         raise ValueError(f"TUNING mma_warps={nw} must be in 1..32")
     head_tiles = -(-group // 8)
-    k_pitch, v_pitch, q_pitch = _pitch(dqk * elem), _pitch(dvo * elem), _pitch(dqk * 2)
+    swizzle = bool(t["swizzle"]) and (dqk * elem) % 128 == 0 and (dvo * elem) % 128 == 0
+    k_pitch, v_pitch = (dqk * elem, dvo * elem) if swizzle else (_pitch(dqk * elem), _pitch(dvo * elem))
+    q_pitch = _pitch(dqk * 2)
     steps = t["mma_steps"]
     tile_tokens = nw * 16 * steps  # a barrier per stage: per `steps` 16-token steps of each warp
     k_stage, v_stage = tile_tokens * k_pitch, tile_tokens * v_pitch
@@ -161,9 +170,10 @@ def _mma_layout(spec: VariantSpec, t: dict[str, int]) -> dict[str, int]:
     blocks = t["mma_blocks_per_sm_fp8" if spec.kv_dtype.is_fp8 else "mma_blocks_per_sm"] if head_tiles == 1 else 2
     blocks = min(blocks, MAX_RESIDENT_BLOCKS)
     ids = _page_id_bytes(t)
-    while blocks > 1 and (t["smem_per_sm"] // blocks - 1024 - ids) // stage_bytes < 2:
+    align = 128 if swizzle else 0  # slack to round the dynamic region's start up to a 128-byte boundary
+    while blocks > 1 and (t["smem_per_sm"] // blocks - 1024 - ids - align) // stage_bytes < 2:
         blocks -= 1
-    stages = max(2, min(t["max_stages"], (t["smem_per_sm"] // blocks - 1024 - ids) // stage_bytes))
+    stages = max(2, min(t["max_stages"], (t["smem_per_sm"] // blocks - 1024 - ids - align) // stage_bytes))
     pipe = stages * (k_stage + v_stage)
     table = stages * tile_tokens * 16 + ids
     # The query rows alias the last stage's K tile until Q^T is in registers: the prologue fills the
@@ -180,7 +190,7 @@ def _mma_layout(spec: VariantSpec, t: dict[str, int]) -> dict[str, int]:
         "kSteps": steps, "kTileTokens": tile_tokens, "kStages": stages,
         "kLoadBytes": 16, "kCPRK": dqk * elem // 16, "kCPRV": dvo * elem // 16,
         "kLoadsK": -(-(tile_tokens * dqk * elem // 16) // nt), "kLoadsV": -(-(tile_tokens * dvo * elem // 16) // nt),
-        "kTabPerThread": -(-tile_tokens // nt),
+        "kTabPerThread": -(-tile_tokens // nt), "kSwizzle": int(swizzle), "kSmemAlign": align,
         "kKStageBytes": k_stage, "kVStageBytes": v_stage, "kPipeBytes": pipe,
         "kSmemBytes": max(pipe + table, merge), **_page_id_fields(t, nt),
         "kMergeStageFloats": _merge_stage_floats(max(pipe + table, merge), group, nt),
@@ -251,7 +261,7 @@ def _simt_layout(spec: VariantSpec, t: dict[str, int]) -> dict[str, int]:
         "kTabPerThread": -(-tile_tokens // nt),
         "kKStageBytes": k_stage_bytes, "kVStageBytes": v_stage_bytes,
         "kMma": 0, "kHT": 1, "kMinBlocks": 1, "kNW": 1, "kKPitch": dqk * elem, "kVPitch": dvo * elem, "kQPitch": 0,
-        "kQOffset": 0,
+        "kQOffset": 0, "kSwizzle": 0, "kSmemAlign": 0,
         "kPipeBytes": pipe_bytes, "kSmemBytes": smem, "kMergeStageFloats": _merge_stage_floats(smem, group, nt),
         **_page_id_fields(t, nt),
         "kHeadMinor": int(bool(t["head_minor"])),
@@ -292,7 +302,7 @@ def _cuda_context(spec: VariantSpec) -> dict[str, Any]:
     constants.append(("int", "kPosCode", str({PosEncoding.NONE: 0, PosEncoding.ROPE_LLAMA: 1, PosEncoding.ALIBI: 2}[pos])))
     return {
         "constants": constants,
-        "smem_bytes": layout["kSmemBytes"],
+        "smem_bytes": layout["kSmemBytes"] + layout["kSmemAlign"],
         "trace": bool(TUNING["trace"]),
         "kv_elem_ctype": c_type(spec.kv_dtype, Target.CUDA),
     }
