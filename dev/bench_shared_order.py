@@ -7,6 +7,8 @@ tuning given as JSON on the command line (each in a subprocess: a tuning renders
 with --peer, FlashInfer's decode on the same tables in the parent process.
 
     python dev/bench_shared_order.py '{}' '{"head_minor": 0}' --peer
+
+--shapes adds rows of other head shapes (gemma-2 d256 with and without its soft cap, phi3 d96).
 """
 
 from __future__ import annotations
@@ -28,6 +30,12 @@ CASES = [  # name, batch, shared tokens, own tokens per request
     ("skewed 1x32768 + 63x512", 64, 0, [32768] + [512] * 63),
 ]
 HQ, HKV, D, PAGE = 32, 8, 128, 16
+# With --shapes: rows of other head shapes, (name, batch, shared, own, (query heads, KV heads, head_dim, soft cap))
+SHAPE_CASES = [
+    ("gemma-2 d256 cap 50 b64 x 4096", 64, 0, 4096, (16, 8, 256, 50.0)),
+    ("gemma-2 d256 b64 x 4096", 64, 0, 4096, (16, 8, 256, 0.0)),
+    ("phi3 d96 b64 x 4096", 64, 0, 4096, (32, 32, 96, 0.0)),
+]
 
 
 def tables(batch: int, shared: int, own, gen: torch.Generator):
@@ -49,9 +57,9 @@ def tables(batch: int, shared: int, own, gen: torch.Generator):
     return pool, indptr, indices, last
 
 
-def kv_bytes(batch: int, shared: int, own) -> int:
+def kv_bytes(batch: int, shared: int, own, hkv: int = HKV, d: int = D) -> int:
     own = [own] * batch if isinstance(own, int) else own
-    return 4 * (batch * shared + sum(own)) * HKV * D
+    return 4 * (batch * shared + sum(own)) * hkv * d
 
 
 def run_cases(peer: bool) -> list[dict]:
@@ -60,29 +68,31 @@ def run_cases(peer: bool) -> list[dict]:
     dev = torch.device("cuda")
     timer = Timer(dev, scrub_bytes=4 * torch.cuda.get_device_properties(dev).L2_cache_size)
     rows = []
-    for name, b, shared, own in CASES:
+    cases = [c + ((HQ, HKV, D, 0.0),) for c in CASES] + (SHAPE_CASES if "--shapes" in sys.argv else [])
+    for name, b, shared, own, (hq, hkv, d, cap) in cases:
         gen = torch.Generator().manual_seed(b * 7 + shared)
         pool, indptr, indices, last = tables(b, shared, own, gen)
-        cache = torch.randn(pool, 2, PAGE, HKV, D, device=dev, dtype=torch.bfloat16)
-        q = torch.randn(b, HQ, D, device=dev, dtype=torch.bfloat16)
+        cache = torch.randn(pool, 2, PAGE, hkv, d, device=dev, dtype=torch.bfloat16)
+        q = torch.randn(b, hq, d, device=dev, dtype=torch.bfloat16)
         ws = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
         if peer:
             import flashinfer
 
             w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=True)
-            w.plan(indptr.cuda(), indices.cuda(), last.cuda(), HQ, HKV, D, PAGE, q_data_type=torch.bfloat16)
+            w.plan(indptr.cuda(), indices.cuda(), last.cuda(), hq, hkv, d, PAGE, q_data_type=torch.bfloat16,
+                   logits_soft_cap=cap)
         else:
             import jitattn
 
             w = jitattn.BatchDecodeWithPagedKVCacheWrapper(ws, kv_layout="NHD")
-            w.plan(indptr, indices, last, HQ, HKV, D, PAGE, q_data_type=torch.bfloat16)
+            w.plan(indptr, indices, last, hq, hkv, d, PAGE, q_data_type=torch.bfloat16, logits_soft_cap=cap)
         out = torch.empty_like(q)
 
         def fn():
             return w.run(q, cache, out=out)
 
         t = timer.measure(fn, 0.4).median_us
-        rows.append({"case": name, "us": t, "TB/s (per-request bytes)": kv_bytes(b, shared, own) / t / 1e6,
+        rows.append({"case": name, "us": t, "TB/s (per-request bytes)": kv_bytes(b, shared, own, hkv, d) / t / 1e6,
                      "out_sum": float(out.float().sum())})
         del cache, ws
         torch.cuda.empty_cache()
@@ -103,7 +113,8 @@ def main() -> None:
         return
     results = {}
     for tuning in args or ["{}"]:
-        out = subprocess.run([sys.executable, __file__, tuning, "--child"], capture_output=True, text=True)
+        child = [sys.executable, __file__, tuning, "--child"] + (["--shapes"] if "--shapes" in sys.argv else [])
+        out = subprocess.run(child, capture_output=True, text=True)
         try:
             results[tuning] = json.loads(out.stdout.strip().splitlines()[-1])
         except Exception:

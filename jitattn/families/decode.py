@@ -14,7 +14,8 @@ KV heads of one request are consecutive blocks):
   ``stages`` tiles in flight; the page table of the tile after next is read
   while the current tile is computed.
 - Tensor-core path (``mma_eligible``: head dims multiples of 16 (32 with
-  fp8 KV or RoPE), no RoPE with fp8 KV, qk <= 192, vo <= 128, group <= 16;
+  fp8 KV or RoPE), no RoPE with fp8 KV, qk <= 192, vo <= 128, group <= 16,
+  or 256 / 256 with 16-bit KV, group <= 8 and no RoPE;
   RoPE rotates each K fragment in registers between ``ldmatrix`` and the mma,
   the dims i and i + D/2 of a pair being the same register of two fragments, and feeds the turned K
   as tf32 to ``mma.sync.m16n8k8`` (fp32 Q^T, exact)): four warps each take
@@ -22,9 +23,11 @@ KV heads of one request are consecutive blocks):
   and the group's heads as N (one n8 tile up to 8 heads, two up to 16, so
   GQA wastes at most half a tile): S^T = K Q^T (K by ``ldmatrix``, Q^T held
   in registers), fp32 online softmax per head, P^T by ``movmatrix`` as the B
-  operand of O^T += V^T P^T (V^T by ``ldmatrix.trans``). Shared-memory rows
-  are padded to an odd number of 16-byte units so ``ldmatrix`` is
-  bank-conflict free. fp8 K/V stay fp8 in shared memory (half the bytes per
+  operand of O^T += V^T P^T (V^T by ``ldmatrix.trans``). Rows of whole
+  128-byte lines sit unpadded on 128-byte boundaries, the 16-byte pieces of
+  each line permuted by the row so ``ldmatrix`` is bank-conflict free and
+  each line's copies reach L2 as one request (TUNING ``swizzle``); other rows
+  are padded to an odd number of 16-byte units. fp8 K/V stay fp8 in shared memory (half the bytes per
   stage): ``ldmatrix`` moves byte pairs as b16 and each lane converts its
   fragment to f16 in registers (the mma runs in f16 whatever the query
   dtype: one instruction per fp8 pair; bf16 queries are scaled by a power of
@@ -32,7 +35,7 @@ KV heads of one request are consecutive blocks):
   permuted within 16 dims (Q^T is loaded in the same order), V with one
   byte shuffle that sends even and odd dims to the two row halves of a tile.
 - CUDA-core path (every other variant: RoPE with fp8 KV, head dims with a remainder of 8
-  (16 with fp8), large groups, head_dim 256): a thread owns ``vec``
+  (16 with fp8), large groups, head_dim 256 with fp8 KV, RoPE or groups over 8): a thread owns ``vec``
   consecutive elements of the head dimension (``cpt_q``/``cpt_v`` such chunks, ``tx`` threads per row) for
   ``heads_per_thread`` of the group's query heads, so every KV element read
   from shared memory is converted once and used for all those heads; scores
@@ -82,6 +85,7 @@ TUNING: dict[str, int] = {
     "mma_blocks_per_sm_fp8": 3,  # ... with fp8 KV (half the bytes per stage: more blocks keep as many in flight)
     "mma_steps": 1,            # 16-token steps per warp per pipeline stage on the tensor-core path
     "mma_warps": 4,            # warps per block on the tensor-core path (each takes 16 tokens of a step)
+    "mma_d256": 0,             # head_dim 256 (16-bit KV, group <= 8, no RoPE) on the tensor-core path (mma_eligible)
     # Tensor-core path, rows of whole 128-byte lines: unpadded K / V rows on 128-byte aligned stages, their
     # 16-byte pieces permuted within each line by the row (see swz in the template); 0: rows at an odd
     # multiple of 16 bytes, whose lines straddle two 128-byte shared-memory segments: each line's cp.async
@@ -106,16 +110,21 @@ def _next_pow2(n: int) -> int:
     return p
 
 
-def mma_eligible(spec: VariantSpec) -> bool:
+def mma_eligible(spec: VariantSpec, tuning: dict[str, int] | None = None) -> bool:
     """Whether ``spec`` can take the tensor-core (mma.sync m16n8k16) path."""
     dim_unit = 32 if spec.kv_dtype.is_fp8 else 16  # fp8: one ldmatrix covers 32 dims
+    # Head dim 256, 16-bit KV, one head tile, no RoPE: 253-255 registers at one block per SM, no spills (fp8 KV
+    # spills at its three blocks' cap). H200, gemma-2 b64 x 4096 (16 / 8 heads, soft cap 50): 490.6 us against
+    # 641.6 on the CUDA-core path (FlashInfer 483-494); before the stages were swizzled it measured 645 vs 603.
+    if ((tuning or TUNING)["mma_d256"] and spec.head_dim_qk == spec.head_dim_vo == 256 and spec.group_size <= 8
+            and spec.variant is None and spec.pos_encoding is PosEncoding.NONE and not spec.kv_dtype.is_fp8):
+        return True
     return (
         spec.variant is None  # custom snippets run on the CUDA-core path
         # RoPE rotates K fragments in registers: each rotation pair must sit in two whole fragments
         and (spec.pos_encoding is not PosEncoding.ROPE_LLAMA or (not spec.kv_dtype.is_fp8 and spec.head_dim_qk % 32 == 0))
         and spec.head_dim_qk % dim_unit == 0 and spec.head_dim_vo % dim_unit == 0 and spec.group_size <= 16
-        # Q^T and O^T fragments stay in registers. Head dim 256 fits one head tile in 255 registers with
-        # one block per SM, but ran slower than the CUDA-core path (H200, gemma-2 b64 x 4096: 645 vs 603 us)
+        # Q^T and O^T fragments stay in registers (head dim 256: above)
         and spec.head_dim_qk <= 192 and spec.head_dim_vo <= 128
     )
 
@@ -141,7 +150,7 @@ def cuda_layout(spec: VariantSpec, tuning: dict[str, int] | None = None) -> dict
     if tuning:
         t.update(tuning)
     simt = _simt_layout(spec, t)
-    if not (t["mma"] and mma_eligible(spec)):
+    if not (t["mma"] and mma_eligible(spec, t)):
         return simt
     return {**simt, **_mma_layout(spec, t)}
 
@@ -261,7 +270,8 @@ def _simt_layout(spec: VariantSpec, t: dict[str, int]) -> dict[str, int]:
         "kTabPerThread": -(-tile_tokens // nt),
         "kKStageBytes": k_stage_bytes, "kVStageBytes": v_stage_bytes,
         "kMma": 0, "kHT": 1, "kMinBlocks": 1, "kNW": 1, "kKPitch": dqk * elem, "kVPitch": dvo * elem, "kQPitch": 0,
-        "kQOffset": 0, "kSwizzle": 0, "kSmemAlign": 0,
+        # rows of whole 128-byte lines start on 128-byte boundaries (see TUNING swizzle)
+        "kQOffset": 0, "kSwizzle": 0, "kSmemAlign": 128 if (dqk * elem) % 128 == 0 and (dvo * elem) % 128 == 0 else 0,
         "kPipeBytes": pipe_bytes, "kSmemBytes": smem, "kMergeStageFloats": _merge_stage_floats(smem, group, nt),
         **_page_id_fields(t, nt),
         "kHeadMinor": int(bool(t["head_minor"])),
