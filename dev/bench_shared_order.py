@@ -8,7 +8,7 @@ with --peer, FlashInfer's decode on the same tables in the parent process.
 
     python dev/bench_shared_order.py '{}' '{"head_minor": 0}' --peer
 
---shapes adds rows of other head shapes (gemma-2 d256 with and without its soft cap, phi3 d96).
+--shapes adds rows of other head shapes (gemma-2 d256 with and without its soft cap, phi3 d96, gpt-oss d64).
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ SHAPE_CASES = [
     ("gemma-2 d256 cap 50 b64 x 4096", 64, 0, 4096, (16, 8, 256, 50.0)),
     ("gemma-2 d256 b64 x 4096", 64, 0, 4096, (16, 8, 256, 0.0)),
     ("phi3 d96 b64 x 4096", 64, 0, 4096, (32, 32, 96, 0.0)),
+    ("gpt-oss d64 b64 x 8192", 64, 0, 8192, (64, 8, 64, 0.0)),
 ]
 
 

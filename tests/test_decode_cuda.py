@@ -76,13 +76,17 @@ ALIBI = dspec(g=7, pos="alibi")
 SWA = dspec(swa=True)
 SOFTCAP = dspec(cap=True)
 SOFTCAP_HD256 = dspec(hd=256, g=2, cap=True)  # gemma-2
+# Head dim 256 on the tensor-core path (16-bit KV, groups up to 8, no RoPE): 16-byte pieces of 512-byte rows
+# swizzled within each 128-byte line; one block per SM at ~255 registers.
+HD256_MMA = {"bf16_g1": dspec(hd=256, g=1), "f16_g8_hnd_window": dspec(q=f16, hd=256, g=8, swa=True, layout="hnd"),
+             "bf16_g5_alibi_cap": dspec(hd=256, g=5, pos="alibi", cap=True)}
 COMBO = dspec(pos="rope", swa=True, cap=True)
 COMBO_ALIBI = dspec(q=f16, hd=96, g=5, pos="alibi", swa=True, cap=True, layout="hnd")
 
 GPU_SPECS: list[VariantSpec] = list(dict.fromkeys([
     BASE, *HEAD_DIMS.values(), *GROUPS.values(), *KV_TYPES.values(), *FP8_MMA.values(), HND, *ROPE.values(),
     *ROPE_MMA.values(), ALIBI, SWA, SOFTCAP,
-    SOFTCAP_HD256, COMBO, COMBO_ALIBI,
+    SOFTCAP_HD256, *HD256_MMA.values(), COMBO, COMBO_ALIBI,
 ]))
 
 
@@ -282,6 +286,23 @@ def test_rope_tensor_cores_long_positions(name):
 def test_softcap_head_dim_256():
     check_case(SOFTCAP_HD256, LENS, 4, 16, seed=18, cap=30.0, chunks=(0, 64))
     check_case(SOFTCAP_HD256, [3000, 2], 2, 16, seed=19, cap=50.0, chunks=(0, 256))
+
+
+def test_head_dim_256_paths():
+    # which path each head-dim-256 case takes is part of what the cases are for
+    assert mma_eligible(SOFTCAP_HD256) and mma_eligible(HEAD_DIMS[256])
+    assert all(mma_eligible(spec) for spec in HD256_MMA.values())
+    assert not mma_eligible(ROPE["bf16_hd256_g2"]) and not mma_eligible(KV_TYPES["f16_e5m2_hd256_hnd_g8"])
+    assert not mma_eligible(dspec(hd=256, g=16))
+
+
+@pytest.mark.parametrize("name", list(HD256_MMA))
+def test_head_dim_256_tensor_cores(name):
+    spec = HD256_MMA[name]
+    kw = {"window": 700} if spec.use_sliding_window else {}
+    kw.update({"cap": 30.0} if spec.use_logits_soft_cap else {})
+    check_case(spec, LENS, 2, 16, seed=43, chunks=(0, 64), **kw)
+    check_case(spec, [3000, 2, 0], 3, 16, seed=44, chunks=(0, 256), **kw)
 
 
 def test_split_counters_reset_between_launches():

@@ -7,6 +7,7 @@ Examples::
     python -m jitattn.bench --only 'decode/llama8b_*,prefill/llama8b_causal_b8_s4096'
     python -m jitattn.bench --quick --json out.json --plot out.png
     python -m jitattn.bench --list
+    python -m jitattn.bench --suite decode --baseline docs/benchmarks/h200-2026-12-02-s8.json
 
 Without a CUDA device the cpu target runs at small sizes (the JSON says so).
 How numbers are produced: ``jitattn/bench/suite.py`` (with ``rows``, ``inputs``, ``sdpa``, ``host``) and ``docs/benchmarks/README.md``.
@@ -42,6 +43,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--list", action="store_true", help="list the cases and exit")
     ap.add_argument("--peer", action="append", choices=("flashinfer",), default=[],
                     help="also time a peer library on the same data (skipped per row when it is not installed)")
+    ap.add_argument("--baseline", default=None, metavar="FILE.json",
+                    help="an earlier run's --json: list the rows whose fraction of the ceiling moved by over 5%%")
     ap.add_argument("--ceilings-json", default=None, help=argparse.SUPPRESS)  # a resumed child reuses the ceilings
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     opts = ap.parse_args(argv)
@@ -64,11 +67,20 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    from . import report, suite
+    from . import compare, report, suite
 
+    baseline = None
+    if opts.baseline and not opts.child:
+        try:
+            baseline = compare.load(opts.baseline)  # before the run: a wrong path fails at once
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     doc = suite.run(opts)
     if not opts.child:
         report.print_final(doc)
+        if baseline is not None:
+            print(compare.report(doc, baseline), flush=True)
         if opts.plot:
             try:
                 report.plot(doc, opts.plot)
