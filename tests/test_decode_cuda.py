@@ -20,7 +20,7 @@ import torch
 import jitattn
 from jitattn import reference
 from jitattn.attention.launch import AttentionScalars, launch_attention
-from jitattn.families.decode import mma_eligible, split_workspace_bytes
+from jitattn.families.decode import TUNING as DECODE_TUNING, mma_eligible, split_workspace_bytes
 from jitattn.jit import KernelError
 from jitattn.spec import KVLayout, PosEncoding, VariantSpec
 
@@ -76,9 +76,9 @@ ALIBI = dspec(g=7, pos="alibi")
 SWA = dspec(swa=True)
 SOFTCAP = dspec(cap=True)
 SOFTCAP_HD256 = dspec(hd=256, g=2, cap=True)  # gemma-2
-# Head dim 256 on the tensor-core path (16-bit KV, groups up to 8, no RoPE): 16-byte pieces of 512-byte rows
-# swizzled within each 128-byte line; one block per SM at ~255 registers.
-HD256_MMA = {"bf16_g1": dspec(hd=256, g=1), "f16_g8_hnd_window": dspec(q=f16, hd=256, g=8, swa=True, layout="hnd"),
+# Head dim 256 across groups, layouts and axes: the CUDA-core path, or with TUNING mma_d256 the tensor-core path
+# (16-bit KV, groups up to 8, no RoPE; 512-byte rows swizzled within each 128-byte line, one block per SM).
+HD256 = {"bf16_g1": dspec(hd=256, g=1), "f16_g8_hnd_window": dspec(q=f16, hd=256, g=8, swa=True, layout="hnd"),
              "bf16_g5_alibi_cap": dspec(hd=256, g=5, pos="alibi", cap=True)}
 COMBO = dspec(pos="rope", swa=True, cap=True)
 COMBO_ALIBI = dspec(q=f16, hd=96, g=5, pos="alibi", swa=True, cap=True, layout="hnd")
@@ -86,7 +86,7 @@ COMBO_ALIBI = dspec(q=f16, hd=96, g=5, pos="alibi", swa=True, cap=True, layout="
 GPU_SPECS: list[VariantSpec] = list(dict.fromkeys([
     BASE, *HEAD_DIMS.values(), *GROUPS.values(), *KV_TYPES.values(), *FP8_MMA.values(), HND, *ROPE.values(),
     *ROPE_MMA.values(), ALIBI, SWA, SOFTCAP,
-    SOFTCAP_HD256, *HD256_MMA.values(), COMBO, COMBO_ALIBI,
+    SOFTCAP_HD256, *HD256.values(), COMBO, COMBO_ALIBI,
 ]))
 
 
@@ -290,15 +290,16 @@ def test_softcap_head_dim_256():
 
 def test_head_dim_256_paths():
     # which path each head-dim-256 case takes is part of what the cases are for
-    assert mma_eligible(SOFTCAP_HD256) and mma_eligible(HEAD_DIMS[256])
-    assert all(mma_eligible(spec) for spec in HD256_MMA.values())
-    assert not mma_eligible(ROPE["bf16_hd256_g2"]) and not mma_eligible(KV_TYPES["f16_e5m2_hd256_hnd_g8"])
-    assert not mma_eligible(dspec(hd=256, g=16))
+    on = {**DECODE_TUNING, "mma_d256": 1}
+    assert all(mma_eligible(spec, on) for spec in (SOFTCAP_HD256, HEAD_DIMS[256], *HD256.values()))
+    assert not any(mma_eligible(spec, on) for spec in (ROPE["bf16_hd256_g2"], KV_TYPES["f16_e5m2_hd256_hnd_g8"],
+                                                       dspec(hd=256, g=16)))
+    assert mma_eligible(SOFTCAP_HD256) == bool(DECODE_TUNING["mma_d256"])
 
 
-@pytest.mark.parametrize("name", list(HD256_MMA))
-def test_head_dim_256_tensor_cores(name):
-    spec = HD256_MMA[name]
+@pytest.mark.parametrize("name", list(HD256))
+def test_head_dim_256(name):
+    spec = HD256[name]
     kw = {"window": 700} if spec.use_sliding_window else {}
     kw.update({"cap": 30.0} if spec.use_logits_soft_cap else {})
     check_case(spec, LENS, 2, 16, seed=43, chunks=(0, 64), **kw)

@@ -14,8 +14,8 @@ KV heads of one request are consecutive blocks):
   ``stages`` tiles in flight; the page table of the tile after next is read
   while the current tile is computed.
 - Tensor-core path (``mma_eligible``: head dims multiples of 16 (32 with
-  fp8 KV or RoPE), no RoPE with fp8 KV, qk <= 192, vo <= 128, group <= 16,
-  or 256 / 256 with 16-bit KV, group <= 8 and no RoPE;
+  fp8 KV or RoPE), no RoPE with fp8 KV, qk <= 192, vo <= 128, group <= 16;
+  with TUNING ``mma_d256`` also 256 / 256 with 16-bit KV, group <= 8 and no RoPE;
   RoPE rotates each K fragment in registers between ``ldmatrix`` and the mma,
   the dims i and i + D/2 of a pair being the same register of two fragments, and feeds the turned K
   as tf32 to ``mma.sync.m16n8k8`` (fp32 Q^T, exact)): four warps each take
@@ -35,7 +35,7 @@ KV heads of one request are consecutive blocks):
   permuted within 16 dims (Q^T is loaded in the same order), V with one
   byte shuffle that sends even and odd dims to the two row halves of a tile.
 - CUDA-core path (every other variant: RoPE with fp8 KV, head dims with a remainder of 8
-  (16 with fp8), large groups, head_dim 256 with fp8 KV, RoPE or groups over 8): a thread owns ``vec``
+  (16 with fp8), large groups, head_dim 256): a thread owns ``vec``
   consecutive elements of the head dimension (``cpt_q``/``cpt_v`` such chunks, ``tx`` threads per row) for
   ``heads_per_thread`` of the group's query heads, so every KV element read
   from shared memory is converted once and used for all those heads; scores
@@ -85,7 +85,9 @@ TUNING: dict[str, int] = {
     "mma_blocks_per_sm_fp8": 3,  # ... with fp8 KV (half the bytes per stage: more blocks keep as many in flight)
     "mma_steps": 1,            # 16-token steps per warp per pipeline stage on the tensor-core path
     "mma_warps": 4,            # warps per block on the tensor-core path (each takes 16 tokens of a step)
-    "mma_d256": 0,             # head_dim 256 (16-bit KV, group <= 8, no RoPE) on the tensor-core path (mma_eligible)
+    # head_dim 256 (16-bit KV, group <= 8, no RoPE) on the tensor-core path (mma_eligible): measured faster,
+    # not yet through the GPU tests (session 12 ran out of device time); flip after tests/test_decode_cuda.py
+    "mma_d256": 0,
     # Tensor-core path, rows of whole 128-byte lines: unpadded K / V rows on 128-byte aligned stages, their
     # 16-byte pieces permuted within each line by the row (see swz in the template); 0: rows at an odd
     # multiple of 16 bytes, whose lines straddle two 128-byte shared-memory segments: each line's cp.async
@@ -113,11 +115,12 @@ def _next_pow2(n: int) -> int:
 def mma_eligible(spec: VariantSpec, tuning: dict[str, int] | None = None) -> bool:
     """Whether ``spec`` can take the tensor-core (mma.sync m16n8k16) path."""
     dim_unit = 32 if spec.kv_dtype.is_fp8 else 16  # fp8: one ldmatrix covers 32 dims
-    # Head dim 256, 16-bit KV, one head tile, no RoPE: 253-255 registers at one block per SM, no spills (fp8 KV
-    # spills at its three blocks' cap). H200, gemma-2 b64 x 4096 (16 / 8 heads, soft cap 50): 490.6 us against
-    # 641.6 on the CUDA-core path (FlashInfer 483-494); before the stages were swizzled it measured 645 vs 603.
+    # With TUNING mma_d256: head dim 256, 16-bit KV, one head tile, no RoPE: 253-255 registers at one block per
+    # SM, no spills (fp8 KV spills at its three blocks' cap). H200, gemma-2 b64 x 4096 (16 / 8 heads, soft cap 50):
+    # 490.6 us against 641.6 on the CUDA-core path (FlashInfer 483-494); before the stages were swizzled it
+    # measured 645 vs 603.
     if ((tuning or TUNING)["mma_d256"] and spec.head_dim_qk == spec.head_dim_vo == 256 and spec.group_size <= 8
-            and spec.variant is None and spec.pos_encoding is PosEncoding.NONE and not spec.kv_dtype.is_fp8):
+            and spec.variant is None and spec.pos_encoding is not PosEncoding.ROPE_LLAMA and not spec.kv_dtype.is_fp8):
         return True
     return (
         spec.variant is None  # custom snippets run on the CUDA-core path
