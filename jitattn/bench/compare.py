@@ -36,7 +36,8 @@ def load(path: str) -> dict:
     except (OSError, json.JSONDecodeError) as exc:
         raise ValueError(f"--baseline {path}: cannot read a results JSON ({exc})") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("rows"), list):
-        raise ValueError(f"--baseline {path}: not a results document of python -m jitattn.bench --json (no 'rows' list)")
+        raise ValueError(f"--baseline {path}: not a results document of python -m jitattn.bench --json "
+                         "(no 'rows' list)")
     return doc
 
 

@@ -113,13 +113,14 @@ def _next_pow2(n: int) -> int:
 
 
 def mma_eligible(spec: VariantSpec, tuning: dict[str, int] | None = None) -> bool:
-    """Whether ``spec`` can take the tensor-core (mma.sync m16n8k16) path."""
+    """Whether ``spec`` can take the tensor-core (mma.sync m16n8k16) path (``tuning``: overrides of ``TUNING``)."""
     dim_unit = 32 if spec.kv_dtype.is_fp8 else 16  # fp8: one ldmatrix covers 32 dims
+    d256 = {**TUNING, **(tuning or {})}["mma_d256"]
     # With TUNING mma_d256: head dim 256, 16-bit KV, one head tile, no RoPE: 253-255 registers at one block per
     # SM, no spills (fp8 KV spills at its three blocks' cap). H200, gemma-2 b64 x 4096 (16 / 8 heads, soft cap 50):
     # 490.6 us against 641.6 on the CUDA-core path (FlashInfer 483-494); before the stages were swizzled it
     # measured 645 vs 603.
-    if ((tuning or TUNING)["mma_d256"] and spec.head_dim_qk == spec.head_dim_vo == 256 and spec.group_size <= 8
+    if (d256 and spec.head_dim_qk == spec.head_dim_vo == 256 and spec.group_size <= 8
             and spec.variant is None and spec.pos_encoding is not PosEncoding.ROPE_LLAMA and not spec.kv_dtype.is_fp8):
         return True
     return (
