@@ -79,7 +79,7 @@ SOFTCAP_HD256 = dspec(hd=256, g=2, cap=True)  # gemma-2
 # Head dim 256 across groups, layouts and axes: the CUDA-core path, or with TUNING mma_d256 the tensor-core path
 # (16-bit KV, groups up to 8, no RoPE; 512-byte rows swizzled within each 128-byte line, one block per SM).
 HD256 = {"bf16_g1": dspec(hd=256, g=1), "f16_g8_hnd_window": dspec(q=f16, hd=256, g=8, swa=True, layout="hnd"),
-             "bf16_g5_alibi_cap": dspec(hd=256, g=5, pos="alibi", cap=True)}
+         "bf16_g5_alibi_cap": dspec(hd=256, g=5, pos="alibi", cap=True)}
 COMBO = dspec(pos="rope", swa=True, cap=True)
 COMBO_ALIBI = dspec(q=f16, hd=96, g=5, pos="alibi", swa=True, cap=True, layout="hnd")
 
