@@ -142,6 +142,12 @@ def resident_blocks(spec: VariantSpec) -> int:
     return layout["kMinBlocks"] if layout["kMma"] else 2
 
 
+def _whole_lines(*row_bytes: int) -> bool:
+    """Whether rows of these byte widths are whole 128-byte lines: such rows are kept on 128-byte boundaries (see
+    TUNING swizzle), others are padded."""
+    return all(n % 128 == 0 for n in row_bytes)
+
+
 def _pitch(row_bytes: int) -> int:
     """Shared-memory row pitch: an odd number of 16-byte units, so ldmatrix rows hit distinct banks."""
     units = row_bytes // 16
@@ -173,7 +179,7 @@ def _mma_layout(spec: VariantSpec, t: dict[str, int]) -> dict[str, int]:
     if not 1 <= nw <= 32:
         raise ValueError(f"TUNING mma_warps={nw} must be in 1..32")
     head_tiles = -(-group // 8)
-    swizzle = bool(t["swizzle"]) and (dqk * elem) % 128 == 0 and (dvo * elem) % 128 == 0
+    swizzle = bool(t["swizzle"]) and _whole_lines(dqk * elem, dvo * elem)
     k_pitch, v_pitch = (dqk * elem, dvo * elem) if swizzle else (_pitch(dqk * elem), _pitch(dvo * elem))
     q_pitch = _pitch(dqk * 2)
     steps = t["mma_steps"]
@@ -275,7 +281,7 @@ def _simt_layout(spec: VariantSpec, t: dict[str, int]) -> dict[str, int]:
         "kKStageBytes": k_stage_bytes, "kVStageBytes": v_stage_bytes,
         "kMma": 0, "kHT": 1, "kMinBlocks": 1, "kNW": 1, "kKPitch": dqk * elem, "kVPitch": dvo * elem, "kQPitch": 0,
         # rows of whole 128-byte lines start on 128-byte boundaries (see TUNING swizzle)
-        "kQOffset": 0, "kSwizzle": 0, "kSmemAlign": 128 if (dqk * elem) % 128 == 0 and (dvo * elem) % 128 == 0 else 0,
+        "kQOffset": 0, "kSwizzle": 0, "kSmemAlign": 128 if _whole_lines(dqk * elem, dvo * elem) else 0,
         "kPipeBytes": pipe_bytes, "kSmemBytes": smem, "kMergeStageFloats": _merge_stage_floats(smem, group, nt),
         **_page_id_fields(t, nt),
         "kHeadMinor": int(bool(t["head_minor"])),
