@@ -82,6 +82,10 @@ class BuildCancelled(BuildError):
     """The build was stopped by ``cancel_builds()`` (Ctrl-C in ``jitattn-cache warm``); nothing was published."""
 
 
+class BuildKilled(BuildError):
+    """ninja itself died of a signal (Ctrl-C, the OOM killer, kill): not a compile error, so nothing is kept."""
+
+
 def cancel_builds() -> int:
     """Stop every compile this process is running, now, and refuse new ones; returns how many were stopped.
 
@@ -152,6 +156,13 @@ def raise_if_cancelled(what: str) -> None:
         raise BuildCancelled(f"{what}: build cancelled (interrupted); nothing was published")
 
 
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
 def run_ninja(work_dir: Path, jobs: int, source_path: Path) -> None:
     """Run ninja in ``work_dir``; on failure raise BuildError with the compiler's message.
 
@@ -186,6 +197,11 @@ def run_ninja(work_dir: Path, jobs: int, source_path: Path) -> None:
             raise BuildCancelled(f"{source_path}: build cancelled (interrupted); nothing was published")
         if returncode == 0:
             return
+        if returncode < 0:
+            # A Ctrl-C can reach ninja in the instant between its fork and its setsid, before the
+            # interrupted process has cancelled anything: a signal is never the source's fault.
+            raise BuildKilled(f"{source_path}: the build was killed by {_signal_name(-returncode)} before it "
+                              "finished (interrupted, or out of memory); nothing was published. Run it again")
         log.seek(0)
         output = log.read().strip()
     if len(output) > 20000:

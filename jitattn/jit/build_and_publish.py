@@ -25,7 +25,7 @@ from ..log import get_logger
 from ..version import __version__
 from . import toolchain as tc
 from . import trust
-from .build import LIBRARY_NAME, build_cancelled, raise_if_cancelled, run_ninja, write_ninja
+from .build import LIBRARY_NAME, BuildKilled, build_cancelled, raise_if_cancelled, run_ninja, write_ninja
 from .cache import (
     MANIFEST, entry_lock, entry_problem, install_entry, sha256_file, write_error, writable_root,
 )
@@ -130,7 +130,7 @@ def _build_in_temp(base: Path, plan: BuildInputs, jobs: int) -> Path:
         try:
             run_ninja(work_dir, jobs, work_dir / "sources" / main_sources[0])
         except BuildError as exc:
-            if build_cancelled():
+            if build_cancelled() or isinstance(exc, BuildKilled):
                 raise
             if "No space left on device" in str(exc):
                 raise write_error(OSError(28, "No space left on device", str(work_dir)),
