@@ -148,22 +148,6 @@ def build_with_progress(specs: list, jobs: int, quiet: bool = False):
     return [results.get(spec) for spec in specs], interrupted
 
 
-def _forget_interrupted_failures(results: list) -> None:
-    """Builds killed by Ctrl-C are kept under failed/ like real compile errors; drop those copies."""
-    import shutil
-
-    from jitattn.jit.key import build_inputs
-
-    from .store import writable_base
-
-    for r in results:
-        if r is not None and r.status == "failed":
-            try:
-                shutil.rmtree(writable_base() / "failed" / build_inputs(r.spec).name, ignore_errors=True)
-            except Exception:  # noqa: BLE001 - best effort
-                pass
-
-
 def cmd_warm(args: argparse.Namespace) -> int:
     if args.jobs is not None and args.jobs < 1:
         raise UsageError(f"-j {args.jobs} must be at least 1")
@@ -178,8 +162,6 @@ def cmd_warm(args: argparse.Namespace) -> int:
         jobs = args.jobs or default_jobs()
         started = time.perf_counter()
         results, interrupted = build_with_progress(specs, jobs, quiet=args.quiet)
-        if interrupted:
-            _forget_interrupted_failures(results)
     elapsed = time.perf_counter() - started
     done = [r for r in results if r is not None]
     built = [r for r in done if r.status == "built"]

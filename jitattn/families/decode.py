@@ -115,7 +115,7 @@ def _next_pow2(n: int) -> int:
 def mma_eligible(spec: VariantSpec, tuning: dict[str, int] | None = None) -> bool:
     """Whether ``spec`` can take the tensor-core (mma.sync m16n8k16) path (``tuning``: overrides of ``TUNING``)."""
     dim_unit = 32 if spec.kv_dtype.is_fp8 else 16  # fp8: one ldmatrix covers 32 dims
-    d256 = {**TUNING, **(tuning or {})}["mma_d256"]
+    d256 = (tuning or {}).get("mma_d256", TUNING["mma_d256"])
     # With TUNING mma_d256: head dim 256, 16-bit KV, one head tile, no RoPE: 253-255 registers at one block per
     # SM, no spills (fp8 KV spills at its three blocks' cap). H200, gemma-2 b64 x 4096 (16 / 8 heads, soft cap 50):
     # 490.6 us against 641.6 on the CUDA-core path (FlashInfer 483-494); before the stages were swizzled it
