@@ -249,25 +249,30 @@ FLASHINFER_0_5_3 = {
 }
 
 
-def _resolve(path: str):
+# The native API and the FlashInfer-convention namespace (base-2 LSE) take the same arguments.
+NAMESPACES = ["jitattn", "jitattn.flashinfer"]
+
+
+def _resolve(path: str, namespace: str = "jitattn"):
     module_name, *attrs = path.split(".")
-    obj = importlib.import_module(f"jitattn.{module_name}")
+    obj = importlib.import_module(f"{namespace}.{module_name}")
     for attr in attrs:
         obj = getattr(obj, attr)
     return obj
 
 
-def _ours(path: str) -> list[inspect.Parameter]:
-    params = list(inspect.signature(_resolve(path)).parameters.values())
+def _ours(path: str, namespace: str) -> list[inspect.Parameter]:
+    params = list(inspect.signature(_resolve(path, namespace)).parameters.values())
     if path.endswith("fast_decode_plan") or "." in path.split(".", 1)[1]:
         params = params[1:]  # the wrapper (self)
     return params
 
 
+@pytest.mark.parametrize("namespace", NAMESPACES)
 @pytest.mark.parametrize("path", sorted(FLASHINFER_0_5_3))
-def test_signature_matches_flashinfer_0_5_3(path: str) -> None:
+def test_signature_matches_flashinfer_0_5_3(path: str, namespace: str) -> None:
     theirs = FLASHINFER_0_5_3[path]
-    ours = _ours(path)
+    ours = _ours(path, namespace)
     by_name = {p.name: p for p in ours}
     star = next((p for p in ours if p.kind is inspect.Parameter.VAR_POSITIONAL), None)
     after_star = False
@@ -299,13 +304,14 @@ def test_signature_matches_flashinfer_0_5_3(path: str) -> None:
             f"{path}: jitattn's extra {param.name!r} sits between FlashInfer's positional parameters")
 
 
-def test_module_paths_match_flashinfer() -> None:
-    import jitattn
+@pytest.mark.parametrize("namespace", NAMESPACES)
+def test_module_paths_match_flashinfer(namespace: str) -> None:
+    jitattn = importlib.import_module(namespace)
 
     for path in FLASHINFER_0_5_3:
         module_name, name = path.split(".")[:2]
-        assert hasattr(importlib.import_module(f"jitattn.{module_name}"), name), f"jitattn.{module_name}.{name}"
-        assert hasattr(jitattn, name), f"jitattn.{name}"
+        assert hasattr(importlib.import_module(f"{namespace}.{module_name}"), name), f"{namespace}.{module_name}.{name}"
+        assert hasattr(jitattn, name), f"{namespace}.{name}"
     for name in ("run_return_lse",):
         for cls in (jitattn.BatchDecodeWithPagedKVCacheWrapper, jitattn.BatchPrefillWithPagedKVCacheWrapper,
                     jitattn.BatchPrefillWithRaggedKVCacheWrapper, jitattn.MultiLevelCascadeAttentionWrapper):

@@ -1,0 +1,69 @@
+"""jitattn under FlashInfer's conventions: a drop-in for ``import flashinfer``.
+
+jitattn's own API (``jitattn``, ``jitattn.decode``, ...) returns and takes the **natural-log** LSE.
+This namespace has FlashInfer 0.5.3's module layout (``decode``, ``prefill``, ``cascade``, ``mla``,
+``page``, ``attention``) and names, and FlashInfer's **base-2** LSE wherever one is returned (``run(...,
+return_lse=True)``, ``*_return_lse``, an ``lse=`` buffer) or taken (``merge_state``,
+``merge_state_in_place``, ``merge_states``); MLA's ``run`` returns base 2 unless
+``return_lse_base_on_e=True``, as FlashInfer's. Everything else -- arguments, defaults, the older
+``begin_forward``/``forward`` spellings -- is the native API's, which already follows FlashInfer.
+
+Use it where code written for FlashInfer runs::
+
+    import jitattn.flashinfer
+    jitattn.flashinfer.install()     # sys.modules["flashinfer"] and its submodules -> this namespace
+    import sglang ...                # its `import flashinfer` now gets jitattn
+
+or name it directly: ``from jitattn.flashinfer import BatchDecodeWithPagedKVCacheWrapper``.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+
+from ..version import __version__
+from . import attention, cascade, decode, mla, page, prefill
+from .attention import BatchAttentionWithAttentionSinkWrapper
+from .cascade import (BatchDecodeWithSharedPrefixPagedKVCacheWrapper, BatchPrefillWithSharedPrefixPagedKVCacheWrapper,
+                      MultiLevelCascadeAttentionWrapper, merge_state, merge_state_in_place, merge_states)
+from .decode import (BatchDecodeWithPagedKVCacheWrapper, CUDAGraphBatchDecodeWithPagedKVCacheWrapper,
+                     fast_decode_plan, single_decode_with_kv_cache)
+from .mla import BatchMLAPagedAttentionWrapper
+from .page import append_paged_kv_cache, append_paged_mla_kv_cache, get_batch_indices_positions, get_seq_lens
+from .prefill import (BatchPrefillWithPagedKVCacheWrapper, BatchPrefillWithRaggedKVCacheWrapper,
+                      single_prefill_with_kv_cache, single_prefill_with_kv_cache_return_lse)
+
+__all__ = [
+    "BatchAttentionWithAttentionSinkWrapper", "BatchDecodeWithPagedKVCacheWrapper",
+    "BatchDecodeWithSharedPrefixPagedKVCacheWrapper", "BatchMLAPagedAttentionWrapper",
+    "BatchPrefillWithPagedKVCacheWrapper", "BatchPrefillWithRaggedKVCacheWrapper",
+    "BatchPrefillWithSharedPrefixPagedKVCacheWrapper", "CUDAGraphBatchDecodeWithPagedKVCacheWrapper",
+    "MultiLevelCascadeAttentionWrapper", "__version__", "append_paged_kv_cache", "append_paged_mla_kv_cache",
+    "fast_decode_plan", "get_batch_indices_positions", "get_seq_lens", "install", "merge_state",
+    "merge_state_in_place", "merge_states", "single_decode_with_kv_cache", "single_prefill_with_kv_cache",
+    "single_prefill_with_kv_cache_return_lse",
+]
+
+SUBMODULES = {"attention": attention, "cascade": cascade, "decode": decode, "mla": mla, "page": page,
+              "prefill": prefill}
+
+
+def install(name: str = "flashinfer") -> types.ModuleType:
+    """Make ``import flashinfer`` (and ``flashinfer.decode``, ``.prefill``, ``.cascade``, ``.mla``, ``.page``,
+    ``.attention``) give this namespace; returns it.
+
+    Call it before anything imports FlashInfer: a module that already holds the real package keeps it,
+    so installing over an imported FlashInfer is refused. Installing twice is a no-op.
+    """
+    this = sys.modules[__name__]
+    present = sys.modules.get(name)
+    if present is not None and present is not this:
+        raise RuntimeError(
+            f"{name!r} is already imported (from {getattr(present, '__file__', None) or present!r}); modules that "
+            f"imported it keep that one. Call jitattn.flashinfer.install() before anything imports {name}"
+        )
+    sys.modules[name] = this
+    for sub, module in SUBMODULES.items():
+        sys.modules[f"{name}.{sub}"] = module
+    return this

@@ -1,0 +1,52 @@
+"""``flashinfer.cascade`` with FlashInfer's base-2 LSE (see :mod:`jitattn.flashinfer`).
+
+The merges take and return base-2 LSE; the shared-prefix wrappers return the output alone (their
+merges are internal), so they are the native ones.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .. import cascade as native
+from ..attention import merge as native_merge
+from ..cascade import BatchDecodeWithSharedPrefixPagedKVCacheWrapper, BatchPrefillWithSharedPrefixPagedKVCacheWrapper
+from .convention import LOG2E, lse_to_natural, returns_base2
+
+__all__ = ["BatchDecodeWithSharedPrefixPagedKVCacheWrapper", "BatchPrefillWithSharedPrefixPagedKVCacheWrapper",
+           "MultiLevelCascadeAttentionWrapper", "merge_state", "merge_state_in_place", "merge_states"]
+
+
+def merge_state(v_a: torch.Tensor, s_a: torch.Tensor, v_b: torch.Tensor,
+                s_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The state over the union of two disjoint key sets; ``s_a``, ``s_b`` and the result's LSE in base 2."""
+    v, s = native_merge.merge_state(v_a, lse_to_natural("s_a", s_a), v_b, lse_to_natural("s_b", s_b))
+    return v, s.mul_(LOG2E)
+
+
+def merge_state_in_place(v: torch.Tensor, s: torch.Tensor, v_other: torch.Tensor, s_other: torch.Tensor,
+                         mask: torch.Tensor | None = None) -> None:
+    """Merge ``(v_other, s_other)`` into ``(v, s)`` in place (rows where ``mask`` is False keep theirs);
+    ``s`` and ``s_other`` in base 2."""
+    s_natural = lse_to_natural("s", s)
+    native_merge.merge_state_in_place(v, s_natural, v_other, lse_to_natural("s_other", s_other), mask)
+    merged = s_natural.mul_(LOG2E)
+    if mask is not None:  # rows left alone keep their exact bits (no round trip through natural log)
+        merged = torch.where(mask.reshape(-1, *([1] * (s.dim() - 1))).to(torch.bool), merged, s)
+    s.copy_(merged)
+
+
+def merge_states(v: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge ``[seq_len, num_states, ...]`` states into one per row; ``s`` and the result's LSE in base 2."""
+    v_merged, s_merged = native_merge.merge_states(v, lse_to_natural("s", s))
+    return v_merged, s_merged.mul_(LOG2E)
+
+
+class MultiLevelCascadeAttentionWrapper(native.MultiLevelCascadeAttentionWrapper):
+    __doc__ = native.MultiLevelCascadeAttentionWrapper.__doc__
+    run = returns_base2(native.MultiLevelCascadeAttentionWrapper.run)
+    run_return_lse = functools.partialmethod(run, return_lse=True)
+    forward = run
+    forward_return_lse = run_return_lse

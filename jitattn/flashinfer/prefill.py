@@ -1,0 +1,26 @@
+"""``flashinfer.prefill`` with FlashInfer's base-2 LSE (see :mod:`jitattn.flashinfer`)."""
+
+from __future__ import annotations
+
+import functools
+
+from .. import prefill as native
+from .convention import returns_base2
+
+__all__ = ["BatchPrefillWithPagedKVCacheWrapper", "BatchPrefillWithRaggedKVCacheWrapper",
+           "single_prefill_with_kv_cache", "single_prefill_with_kv_cache_return_lse"]
+
+single_prefill_with_kv_cache = returns_base2(native.single_prefill_with_kv_cache)
+single_prefill_with_kv_cache_return_lse = functools.partial(single_prefill_with_kv_cache, return_lse=True)
+
+
+class BatchPrefillWithPagedKVCacheWrapper(native.BatchPrefillWithPagedKVCacheWrapper):
+    __doc__ = native.BatchPrefillWithPagedKVCacheWrapper.__doc__
+    run = returns_base2(native.BatchPrefillWithPagedKVCacheWrapper.run)
+    run_return_lse = functools.partialmethod(run, return_lse=True)
+
+
+class BatchPrefillWithRaggedKVCacheWrapper(native.BatchPrefillWithRaggedKVCacheWrapper):
+    __doc__ = native.BatchPrefillWithRaggedKVCacheWrapper.__doc__
+    run = returns_base2(native.BatchPrefillWithRaggedKVCacheWrapper.run)
+    run_return_lse = functools.partialmethod(run, return_lse=True)
