@@ -137,6 +137,9 @@ class BatchMLAPagedAttentionWrapper:
     ) -> None:
         """Plan one batch. ``sm_scale`` is required (MLA scales by the pre-absorption head dim, e.g. 1/sqrt(192)).
 
+        The batch size is ``qo_indptr``'s (``len(qo_indptr) - 1``); ``kv_indptr`` and ``kv_len_arr`` may be
+        longer (fixed buffers sized for the largest batch, as FlashInfer takes them) and are read up to it.
+
         ``batch_invariant`` (default ``JITATTN_BATCH_INVARIANT``): the sm90 MLA kernel then never splits a
         request's KV (its split depends on the batch), so each request's bits are those it gets alone; the
         prefill kernels never split it anyway."""
@@ -150,11 +153,9 @@ class BatchMLAPagedAttentionWrapper:
         num_heads, head_dim_ckv, head_dim_kpe = int(num_heads), int(head_dim_ckv), int(head_dim_kpe)  # numpy ints too
         sm_scale, causal = float(sm_scale), bool(causal)  # numpy bools / 0 / 1 (checked above) as a bool
         qo_indptr = to_host_int32("qo_indptr", qo_indptr)
-        indptr = to_host_int32("kv_indptr", kv_indptr)
+        indptr, lens = _batch_prefixes(qo_indptr, to_host_int32("kv_indptr", kv_indptr),
+                                       to_host_int32("kv_len_arr", kv_len_arr))
         kv_indices = to_host_int32("kv_indices", kv_indices)
-        lens = to_host_int32("kv_len_arr", kv_len_arr).to(torch.int64)
-        if lens.numel() != indptr.numel() - 1:
-            raise ValueError(f"kv_len_arr has {lens.numel()} entries; expected batch_size = {indptr.numel() - 1}")
         if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
             raise ValueError(f"page_size={page_size!r} must be a positive int")
         pages = (indptr[1:] - indptr[:-1]).to(torch.int64)
@@ -337,6 +338,20 @@ class BatchMLAPagedAttentionWrapper:
         self._kernel.launch(q_nope, q_pe, ckv_cache, kpe_cache, out, lse, fp8_scale(k_scale, "k_scale"),
                             fp8_scale(v_scale, "v_scale"))
         return (out, lse) if return_lse else out
+
+
+def _batch_prefixes(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor,
+                    kv_len_arr: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batch's ``kv_indptr`` and (int64) ``kv_len_arr``: as FlashInfer, the batch size is ``qo_indptr``'s and
+    longer ``kv_indptr`` / ``kv_len_arr`` (buffers sized for the largest batch) are read up to it."""
+    batch = qo_indptr.numel() - 1
+    if batch < 0:
+        raise ValueError("qo_indptr is empty; it needs batch_size + 1 entries (starting with 0)")
+    for name, values, needed in (("kv_indptr", kv_indptr, batch + 1), ("kv_len_arr", kv_len_arr, batch)):
+        if values.numel() < needed:
+            raise ValueError(f"{name} has {values.numel()} entries, but qo_indptr describes {batch} requests, which "
+                             f"need {needed}; pass one entry per request ({name} buffers may be longer)")
+    return kv_indptr[: batch + 1], kv_len_arr[:batch].to(torch.int64)
 
 
 def _describe(value) -> str:

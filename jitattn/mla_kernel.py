@@ -225,7 +225,11 @@ class KernelPlan:
         elif self.graph.total_q == 0:
             return  # no query rows in any plan of this wrapper (the shape is fixed): capture and replays launch nothing
         p = self.params
-        p.q_nope, p.q_pe, p.ckv, p.kpe = q_nope.data_ptr(), q_pe.data_ptr(), ckv.data_ptr(), kpe.data_ptr()
+        p.q_nope, p.q_pe = q_nope.data_ptr(), q_pe.data_ptr()
+        # A cache of no pages (every request at kv_len 0) may have a null data pointer, which the kernel
+        # refuses; no page is read then (run() checked the plan's highest page against the cache).
+        p.ckv = ckv.data_ptr() or self._device_arrays.data_ptr()
+        p.kpe = kpe.data_ptr() or self._device_arrays.data_ptr()
         p.q_nope_stride_n, p.q_nope_stride_h = q_nope.stride()[:2]
         p.q_pe_stride_n, p.q_pe_stride_h = q_pe.stride()[:2]
         p.ckv_stride_page, p.ckv_stride_n = ckv.stride()[:2]

@@ -163,6 +163,42 @@ def test_mla_kv_len_zero_gives_zero_and_minus_inf(device: str, causal: bool) -> 
 
 
 @pytest.mark.parametrize("device", devices())
+def test_mla_every_request_empty_over_a_cache_of_no_pages(device: str) -> None:
+    """kv_len 0 everywhere, so the caller's latent cache has no pages at all (an empty tensor, whose data
+    pointer may be null): every row is o = 0, lse = -inf."""
+    gen = torch.Generator().manual_seed(14)
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    ckv, kpe, indptr, indices, lens = _latent_cache([0, 0, 0], 16, dtype, device, gen, joined=True, spare_pages=0)
+    assert ckv.shape[0] == 0
+    q_nope, q_pe = _queries([1, 2, 1], 16, dtype, device, gen)
+    wrapper = _wrapper(device)
+    wrapper.plan(_indptr([1, 2, 1]), indptr, indices, lens, 16, CKV, KPE, 16, False, SM_SCALE, dtype, dtype)
+    out, lse = wrapper.run(q_nope, q_pe, ckv, kpe, out=_poisoned((4, 16, CKV), dtype, device),
+                           lse=_poisoned((4, 16), torch.float32, device), return_lse=True)
+    assert (out == 0).all() and torch.isneginf(lse).all()
+
+
+@pytest.mark.parametrize("device", devices())
+def test_mla_batch_is_qo_indptrs_and_longer_kv_buffers_are_read_up_to_it(device: str) -> None:
+    """As FlashInfer: the batch size comes from qo_indptr; kv_indptr / kv_len_arr may be buffers sized for a
+    larger batch, whose tail (here garbage) is never read."""
+    gen = torch.Generator().manual_seed(15)
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    kv_lens, qo_lens = [37, 5, 20], [1, 1, 1]
+    ckv, kpe, indptr, indices, lens = _latent_cache(kv_lens, 16, dtype, device, gen, joined=True)
+    q_nope, q_pe = _queries(qo_lens, 16, dtype, device, gen)
+    padded_indptr = torch.cat([indptr, torch.tensor([999, 5, -3], dtype=torch.int32)])
+    padded_lens = torch.cat([lens, torch.tensor([4096, -1], dtype=torch.int32)])
+    wrapper = _wrapper(device)
+    wrapper.plan(_indptr(qo_lens), padded_indptr, indices, padded_lens, 16, CKV, KPE, 16, False, SM_SCALE, dtype,
+                 dtype)
+    out, lse = wrapper.run(q_nope, q_pe, ckv, kpe, return_lse=True)
+    ref_out, ref_lse = _reference(q_nope, q_pe, ckv, kpe, indptr, indices, qo_lens, kv_lens, False)
+    assert_close_out(out, ref_out, dtype)
+    assert_close_lse(lse, ref_lse)
+
+
+@pytest.mark.parametrize("device", devices())
 def test_mla_empty_batch(device: str) -> None:
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     empty = torch.zeros(0, dtype=torch.int32)
@@ -426,8 +462,10 @@ def test_mla_plan_checks_lengths_against_the_pages() -> None:
     with pytest.raises(ValueError, match="needs 3 pages"):
         _one_request_plan(wrapper, kv_indptr=_indptr([2]), kv_indices=torch.tensor([0, 1], dtype=torch.int32),
                           kv_len_arr=torch.tensor([40], dtype=torch.int32))
-    with pytest.raises(ValueError, match="kv_len_arr has 2 entries; expected batch_size = 1"):
-        _one_request_plan(wrapper, kv_len_arr=torch.tensor([10, 3], dtype=torch.int32))
+    with pytest.raises(ValueError, match="kv_len_arr has 0 entries, but qo_indptr describes 1 requests"):
+        _one_request_plan(wrapper, kv_len_arr=torch.zeros(0, dtype=torch.int32))
+    with pytest.raises(ValueError, match="kv_indptr has 1 entries, but qo_indptr describes 1 requests, which need 2"):
+        _one_request_plan(wrapper, kv_indptr=torch.zeros(1, dtype=torch.int32))
     with pytest.raises(NotImplementedError, match="use_profiler"):
         _one_request_plan(wrapper, use_profiler=True)
     with pytest.raises(ValueError, match="page_size"):
