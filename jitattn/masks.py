@@ -53,7 +53,9 @@ def multi_item_mask(
     A request's sequence is a shared prefix of ``prefix_len[r]`` tokens followed by items,
     each item a delimiter and its tokens; ``token_pos_in_items`` gives every token after the
     prefix its position in its item (0 for a delimiter), request r's values starting at
-    ``r * token_pos_in_items_len``. The query at sequence position p (bottom-right aligned)
+    ``r * token_pos_in_items_len`` (FlashInfer's zero-padded rows; entries past the tensor's end,
+    which FlashInfer's own tests leave off the last request's row, are that padding: 0). The query
+    at sequence position p (bottom-right aligned)
     sees key j when ``j <= p`` and: p is in the prefix, or j is in the prefix, or j lies in
     p's own item (``p - pos < j``). A delimiter after the prefix so sees only the prefix, and
     no item sees an earlier one.
@@ -75,18 +77,19 @@ def multi_item_mask(
         raise ValueError("token_pos_in_items_len must give each request's (zero-padded) length of "
                          "token_pos_in_items_ptr when the batch has more than one request")
     masks = []
+    padded = torch.cat([positions, torch.zeros(1, dtype=torch.int64)])  # index numel: the implied zero padding
     for r, (q, k) in enumerate(zip(qo_lens, kv_lens)):
         p_len = int(prefix[r])
         pos_q = torch.arange(q, dtype=torch.int64) + (k - q)  # sequence position of each query
         j = torch.arange(k, dtype=torch.int64)
-        offset = torch.clamp(pos_q - p_len, min=0) + r * stride
-        if (pos_q >= p_len).any() and int(offset[pos_q >= p_len].max()) >= positions.numel():
+        after_prefix = torch.clamp(pos_q - p_len, min=0)
+        if stride > 0 and (pos_q >= p_len).any() and int(after_prefix.max()) >= stride:
             raise ValueError(
-                f"request {r}: token_pos_in_items_ptr has {positions.numel()} entries, but the request's tokens after "
-                f"its prefix need index {int(offset.max())} (r * token_pos_in_items_len + position - prefix_len)"
+                f"request {r} has {int(after_prefix.max()) + 1} tokens after its prefix, but token_pos_in_items_len "
+                f"is {stride}: each request's row of token_pos_in_items_ptr must hold all of them (pass the longest)"
             )
-        in_item = torch.where(pos_q >= p_len, positions[torch.clamp(offset, max=max(positions.numel() - 1, 0))]
-                              if positions.numel() else torch.zeros_like(pos_q), 0)
+        offset = torch.clamp(after_prefix + r * stride, max=positions.numel())
+        in_item = torch.where(pos_q >= p_len, padded[offset], 0)
         causal = j[None, :] <= pos_q[:, None]
         same_item = (pos_q[:, None] - in_item[:, None]) < j[None, :]
         visible = causal & ((pos_q[:, None] < p_len) | (j[None, :] < p_len) | same_item)

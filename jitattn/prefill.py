@@ -57,12 +57,6 @@ def _plan_prefill(
                                       multi_item["token_pos_in_items_ptr"], multi_item["token_pos_in_items_len"])
     elif multi_item is not None and multi_item.get("token_pos_in_items_ptr") is not None:
         raise ValueError("token_pos_in_items_ptr needs prefix_len_ptr (multi-item scoring takes both)")
-    for r, (q, k) in enumerate(zip(qo_lens, kv_lens)):
-        if causal and custom_mask is None and packed_custom_mask is None and q > k:
-            raise ValueError(
-                f"request {r}: qo_len {q} > kv_len {k} with causal=True; bottom-right causal needs "
-                "kv_len >= qo_len (the new tokens' KV must be in the cache)"
-            )
     mask_host = mask_indptr_host = None
     if custom_mask is not None:
         mask_host, mask_indptr_host = segment_packbits(custom_mask, qo_lens, kv_lens)
@@ -143,7 +137,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapperBase):
         """Plan one batch. ``custom_mask`` (bool, flattened per request) overrides ``causal``.
 
         Causal is bottom-right: query i of a request with qo_len q and kv_len k sees kv positions
-        <= k - q + i. ``prefix_len_ptr``/``token_pos_in_items_ptr``/``token_pos_in_items_len``:
+        <= k - q + i (with q > k the first q - k queries see none: output 0, LSE -inf). ``prefix_len_ptr``/``token_pos_in_items_ptr``/``token_pos_in_items_len``:
         FlashInfer's multi-item scoring (each item sees the shared prefix and itself, causally;
         ``max_item_len_ptr`` is a speed hint and not needed). ``seq_lens``, ``seq_lens_q``,
         ``block_tables``, ``max_token_per_sequence``, ``max_sequence_kv`` (trtllm-gen inputs) are

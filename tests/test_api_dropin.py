@@ -323,6 +323,47 @@ def test_custom_mask_overrides_causal_even_when_qo_len_exceeds_kv_len(device: st
     assert_close_out(out, ref, dtype)
 
 
+_TIERS = ["cpu", pytest.param("cuda-auto", marks=pytest.mark.gpu), pytest.param("cuda-sm80", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("where", _TIERS)
+def test_causal_with_more_queries_than_keys_as_flashinfer(where: str, monkeypatch) -> None:
+    """causal=True with qo_len > kv_len is computed, not refused (FlashInfer's ragged custom-mask test plans
+    it): the first qo_len - kv_len queries see no key (o = 0, lse = -inf), the rest are bottom-right causal.
+    On cuda both tiers (the sm90 tier takes these f16 d64 specs on a 9.0a arch list; sm80 forced)."""
+    device = "cpu" if where == "cpu" else "cuda"
+    if where == "cuda-sm80":
+        monkeypatch.setenv("JITATTN_PREFILL_TIER", "sm80")
+    gen = torch.Generator().manual_seed(13)
+    dtype = _dtype(device)
+    qo_lens, kv_lens = [5, 300, 7, 1, 130], [2, 200, 0, 1, 129]
+    qo_indptr = torch.tensor([0] + torch.tensor(qo_lens).cumsum(0).tolist(), dtype=torch.int32)
+    batch = random_paged_batch(kv_lens, HKV, D, PAGE, dtype, device=device, generator=gen)
+    q = torch.randn(sum(qo_lens), HQ, D, generator=gen).to(dtype).to(device)
+    ref_out, ref_lse = reference.batch_prefill_paged(q.cpu(), _cpu(batch.cache), qo_indptr, batch.kv_indptr,
+                                                     batch.kv_indices, batch.kv_last_page_len, causal=True)
+    blind = torch.cat([torch.arange(lo, lo + max(qn - kn, 0)) for lo, qn, kn in
+                       zip(qo_indptr[:-1].tolist(), qo_lens, kv_lens)])
+    assert torch.isneginf(ref_lse[blind]).all() and torch.isfinite(ref_lse[~torch.isin(torch.arange(len(q)), blind)]).all()
+    paged = jitattn.BatchPrefillWithPagedKVCacheWrapper(_workspace(device))
+    paged.plan(qo_indptr, batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len, HQ, HKV, D, PAGE, causal=True,
+               q_data_type=dtype)
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((len(q), HQ), float("nan"), device=device)
+    paged.run(q, batch.cache, out=out, lse=lse)
+    assert (out[blind] == 0).all()
+    assert_close_out(out, ref_out, dtype)
+    assert_close_lse(lse, ref_lse)
+
+    k, v, kv_indptr = reference.paged_kv_to_ragged(_cpu(batch.cache), batch.kv_indptr, batch.kv_indices,
+                                                   batch.kv_last_page_len)
+    ragged = jitattn.BatchPrefillWithRaggedKVCacheWrapper(_workspace(device))
+    ragged.plan(qo_indptr, kv_indptr.int(), HQ, HKV, D, causal=True, q_data_type=dtype)
+    out, lse = ragged.run(q, k.to(dtype).to(device), v.to(dtype).to(device), return_lse=True)
+    assert_close_out(out, ref_out, dtype)
+    assert_close_lse(lse, ref_lse)
+
+
 def _multi_item_reference(q, k, v, prefix_len: int, item_lens: list[int]) -> torch.Tensor:
     """Each token after the prefix attends to the prefix and causally to its own item (delimiter first).
 
@@ -369,6 +410,39 @@ def test_multi_item_scoring_attends_prefix_and_own_item(device: str) -> None:
         klo, khi = int(kv_indptr[r]), int(kv_indptr[r + 1])
         ref = _multi_item_reference(q[lo:hi].cpu(), k[klo:khi], v[klo:khi], p, items)
         assert_close_out(out[lo:hi], ref, dtype)
+
+
+@pytest.mark.parametrize("device", devices())
+def test_multi_item_rows_past_the_tensors_end_are_its_zero_padding(device: str) -> None:
+    """FlashInfer's batch-2 Hopper test passes token_pos_in_items_ptr (uint16) with the last request's row cut
+    short: the entries past the tensor's end are the row's zero padding, so those tokens are delimiters (they see
+    the prefix only). A row longer than token_pos_in_items_len is refused."""
+    gen = torch.Generator().manual_seed(17)
+    dtype = _dtype(device)
+    # request 1: items [6, 1], then two tokens whose positions the tensor leaves off (= items of length 0)
+    requests, given = [(9, [3, 2, 4]), (5, [6, 1, 0, 0])], [(9, [3, 2, 4]), (5, [6, 1])]
+    seq_lens = [p + sum(n + 1 for n in items) for p, items in requests]
+    pad = 14
+    rows = [[t for n in items for t in range(n + 1)] for _, items in given]
+    positions = torch.tensor(rows[0] + [0] * (pad - len(rows[0])) + rows[1], dtype=torch.int32)
+    assert positions.numel() == pad + seq_lens[1] - 5 - 2
+    batch = random_paged_batch(seq_lens, HKV, D, PAGE, dtype, device=device, generator=gen)
+    qo_indptr = torch.tensor([0, seq_lens[0], sum(seq_lens)], dtype=torch.int32)
+    q = torch.randn(sum(seq_lens), HQ, D, generator=gen).to(dtype).to(device)
+    wrapper = jitattn.BatchPrefillWithPagedKVCacheWrapper(_workspace(device))
+    plan = dict(causal=True, q_data_type=dtype, prefix_len_ptr=torch.tensor([9, 5]).to(torch.uint32).to(device),
+                token_pos_in_items_ptr=positions.to(torch.uint16).to(device), token_pos_in_items_len=pad)
+    wrapper.plan(qo_indptr, batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len, HQ, HKV, D, PAGE, **plan)
+    out = wrapper.run(q, batch.cache)
+    k, v, kv_indptr = reference.paged_kv_to_ragged(_cpu(batch.cache), batch.kv_indptr, batch.kv_indices,
+                                                   batch.kv_last_page_len)
+    for r, (p, items) in enumerate(requests):
+        lo, hi = int(qo_indptr[r]), int(qo_indptr[r + 1])
+        klo, khi = int(kv_indptr[r]), int(kv_indptr[r + 1])
+        assert_close_out(out[lo:hi], _multi_item_reference(q[lo:hi].cpu(), k[klo:khi], v[klo:khi], p, items), dtype)
+    with pytest.raises(ValueError, match="request 0 has 12 tokens after its prefix, but token_pos_in_items_len is 11"):
+        wrapper.plan(qo_indptr, batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len, HQ, HKV, D, PAGE,
+                     **{**plan, "token_pos_in_items_len": 11})
 
 
 @pytest.mark.parametrize("call", [

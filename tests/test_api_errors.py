@@ -120,13 +120,6 @@ def test_bad_options() -> None:
         _decode(q_data_type="int8")
 
 
-def test_prefill_causal_needs_kv_at_least_qo() -> None:
-    wrapper = jitattn.BatchPrefillWithRaggedKVCacheWrapper(torch.empty(16, dtype=torch.uint8))
-    with pytest.raises(ValueError, match="qo_len 5 > kv_len 3"):
-        wrapper.plan(torch.tensor([0, 5], dtype=torch.int32), torch.tensor([0, 3], dtype=torch.int32), 4, 4, 64,
-                     causal=True)
-
-
 def test_custom_mask_size_is_checked() -> None:
     wrapper = jitattn.BatchPrefillWithRaggedKVCacheWrapper(torch.empty(16, dtype=torch.uint8))
     with pytest.raises(ValueError, match="custom_mask has 7 elements"):

@@ -199,6 +199,26 @@ def test_mla_batch_is_qo_indptrs_and_longer_kv_buffers_are_read_up_to_it(device:
 
 
 @pytest.mark.parametrize("device", devices())
+def test_mla_causal_queries_before_the_first_key_are_zero(device: str) -> None:
+    """Causal with qo_len > kv_len (FlashInfer computes it): the first qo_len - kv_len queries of a request
+    see no key, o = 0 and lse = -inf; the rest as the reference."""
+    gen = torch.Generator().manual_seed(16)
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    kv_lens, qo_lens = [1, 40, 3], [2, 4, 9]
+    ckv, kpe, indptr, indices, lens = _latent_cache(kv_lens, 16, dtype, device, gen, joined=True)
+    q_nope, q_pe = _queries(qo_lens, 16, dtype, device, gen)
+    wrapper = _wrapper(device)
+    wrapper.plan(_indptr(qo_lens), indptr, indices, lens, 16, CKV, KPE, 16, True, SM_SCALE, dtype, dtype)
+    out, lse = wrapper.run(q_nope, q_pe, ckv, kpe, out=_poisoned((15, 16, CKV), dtype, device),
+                           lse=_poisoned((15, 16), torch.float32, device), return_lse=True)
+    for row in (0, 6, 7, 8, 9, 10, 11):  # request 0's first query, request 2's first six
+        assert (out[row] == 0).all() and torch.isneginf(lse[row]).all(), row
+    ref_out, ref_lse = _reference(q_nope, q_pe, ckv, kpe, indptr, indices, qo_lens, kv_lens, True)
+    assert_close_out(out, ref_out, dtype)
+    assert_close_lse(lse, ref_lse)
+
+
+@pytest.mark.parametrize("device", devices())
 def test_mla_empty_batch(device: str) -> None:
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     empty = torch.zeros(0, dtype=torch.int32)
@@ -472,9 +492,6 @@ def test_mla_plan_checks_lengths_against_the_pages() -> None:
         _one_request_plan(wrapper, page_size=0)
     with pytest.raises(TypeError, match="kv_indices has dtype torch.int64; index arrays must be int32"):
         _one_request_plan(wrapper, kv_indices=torch.zeros(1, dtype=torch.int64))
-    with pytest.raises(ValueError, match="qo_len 2 > kv_len 1 with causal=True"):
-        _one_request_plan(wrapper, qo_indptr=_indptr([2]), kv_len_arr=torch.tensor([1], dtype=torch.int32),
-                          causal=True)
     with pytest.raises(ValueError, match="head_dim_qk=520, head_dim_vo=512 is not supported"):
         _one_request_plan(wrapper, head_dim_kpe=8)
 
