@@ -2,7 +2,7 @@
 
 The two mini-backends below repeat those backends' call sequences (read from SGLang's
 ``python/sglang/srt/layers/attention/flashinfer_backend.py`` and vLLM's
-``vllm/v1/attention/backends/flashinfer.py``), with ``jitattn`` installed as ``flashinfer`` in
+``vllm/v1/attention/backends/flashinfer.py``), with ``jitattn.flashinfer`` installed as ``flashinfer`` in
 ``sys.modules`` so the backend code imports it by the name it expects:
 
 - SGLang: one global float workspace shared by the ragged-prefill, paged-prefill and decode
@@ -28,6 +28,7 @@ import pytest
 import torch
 
 import jitattn
+import jitattn.flashinfer
 from jitattn.serving.reference import torch_attention
 
 HQ, HKV, D, LAYERS = 4, 2, 64, 3
@@ -36,10 +37,11 @@ DTYPE = torch.float32
 
 @pytest.fixture
 def flashinfer(monkeypatch):
-    """``import flashinfer`` (and its submodules the backends use) gives jitattn."""
-    monkeypatch.setitem(sys.modules, "flashinfer", jitattn)
-    for sub in ("cascade", "decode", "prefill", "page"):
-        monkeypatch.setitem(sys.modules, f"flashinfer.{sub}", getattr(jitattn, sub))
+    """``import flashinfer`` (and its submodules) gives ``jitattn.flashinfer``, as ``jitattn.flashinfer.install()``
+    sets it up (base-2 LSE: the backends merge with the namespace's own ``merge_state``)."""
+    monkeypatch.setitem(sys.modules, "flashinfer", jitattn.flashinfer)
+    for sub, module in jitattn.flashinfer.SUBMODULES.items():
+        monkeypatch.setitem(sys.modules, f"flashinfer.{sub}", module)
     import flashinfer as module
 
     return module

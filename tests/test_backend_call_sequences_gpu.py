@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import jitattn
+import jitattn.flashinfer
 from jitattn.attention.specs import attention_spec
 from jitattn.serving.reference import torch_attention
 from jitattn.spec import KVLayout, KVStorage, MaskMode, Op, PosEncoding, Target
@@ -34,8 +35,11 @@ GPU_SPECS = [attention_spec(
 
 @pytest.fixture
 def flashinfer(monkeypatch):
-    monkeypatch.setitem(sys.modules, "flashinfer", jitattn)
-    monkeypatch.setitem(sys.modules, "flashinfer.decode", jitattn.decode)
+    """``import flashinfer`` (and its submodules) gives ``jitattn.flashinfer``, as ``jitattn.flashinfer.install()``
+    sets it up (base-2 LSE: the backends merge with the namespace's own ``merge_state``)."""
+    monkeypatch.setitem(sys.modules, "flashinfer", jitattn.flashinfer)
+    for sub, module in jitattn.flashinfer.SUBMODULES.items():
+        monkeypatch.setitem(sys.modules, f"flashinfer.{sub}", module)
     import flashinfer as module
 
     return module
