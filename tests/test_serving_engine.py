@@ -10,7 +10,7 @@ import jitattn
 from jitattn.serving import (
     Engine, KVPool, LlamaModel, RadixCache, preset, random_weights, reference_generate, save_checkpoint,
 )
-from jitattn.serving.attention import SeqView, prefix_groups
+from jitattn.serving.attention import SeqView, SharedNode, prefix_groups, prefix_tree, tree_cascade_levels
 
 CONFIG = preset("tiny")
 PAGE = 8
@@ -94,7 +94,7 @@ def test_cascade_and_flat_decode_give_the_same_tokens(model) -> None:
     prompts = _prompts(5, 50, [4, 9, 25, 2]) + _prompts(6, 20, [11, 3]) + _prompts(8, 0, [13])
     outputs = {}
     for cascade in (True, False):
-        engine = Engine(model, num_pages=96, page_size=PAGE, cascade=cascade)
+        engine = Engine(model, num_pages=25, page_size=PAGE, cascade=cascade)
         requests = [engine.add_request(prompts[0], NEW_TOKENS), engine.add_request(prompts[4], NEW_TOKENS)]
         while engine.waiting or engine.prefilling:
             engine.step()
@@ -376,3 +376,73 @@ def test_prefix_groups_take_the_shortest_agreement_of_any_member() -> None:
     assert prefix_groups(seqs) == [(3, 2)]
     assert prefix_groups([seqs[0], seqs[2]]) == [(2, 4)]
     assert prefix_groups([SeqView((1, 8), 20, 1), SeqView((1, 9), 20, 1)]) == [(2, 1)]
+
+
+# -- N-level cascade along the prefix tree -----------------------------------------------------------------
+
+def _tree_seqs() -> list[SeqView]:
+    # pages (page 8); each seq's last page is its own: A, B under [3, 4]; C, D under [5, 6]; E under [5]
+    return [SeqView((1, 2, 3, 4, 10, 11), 44, 1), SeqView((1, 2, 3, 4, 12), 33, 1), SeqView((1, 2, 5, 6, 13), 40, 1),
+            SeqView((1, 2, 5, 6, 14, 15), 48, 1), SeqView((1, 2, 5, 7), 30, 1), SeqView((20, 21), 9, 1)]
+
+
+def test_prefix_tree_has_a_level_per_fork() -> None:
+    tree = prefix_tree(_tree_seqs())
+    assert tree == [[SharedNode(0, 5, 0, 2)], [SharedNode(0, 2, 2, 4), SharedNode(2, 5, 2, 3)],
+                    [SharedNode(2, 4, 3, 4)]]
+    assert prefix_tree([SeqView((1, 2), 9, 1), SeqView((3, 2), 9, 1)]) == []  # nothing shared
+    assert prefix_tree([SeqView((1, 2), 9, 1), SeqView((1, 3), 9, 1)]) == [[SharedNode(0, 2, 0, 1)]]
+    # the shortest agreement of any member bounds the node; a member's last page is never shared
+    assert prefix_tree([SeqView((1, 2, 3), 20, 1), SeqView((1, 2), 9, 1), SeqView((1, 2, 4), 19, 1)]) == [
+        [SharedNode(0, 3, 0, 1)]]
+
+
+def test_tree_cascade_levels_cover_every_seq_once_per_level() -> None:
+    seqs = _tree_seqs()
+    qo, kv_indptr, kv_indices, last = tree_cascade_levels(seqs, prefix_tree(seqs), PAGE)
+    assert [t.tolist() for t in qo] == [[0, 5, 6], [0, 2, 5, 6], [0, 2, 4, 6], [0, 1, 2, 3, 4, 5, 6]]
+    assert [t.tolist() for t in kv_indptr] == [[0, 2, 2], [0, 2, 3, 3], [0, 0, 1, 1], [0, 2, 3, 4, 6, 7, 9]]
+    assert [t.tolist() for t in kv_indices] == [[1, 2], [3, 4, 5], [6], [10, 11, 12, 13, 14, 15, 7, 20, 21]]
+    assert [t.tolist() for t in last] == [[8, 8], [8, 8, 8], [8, 8, 8], [4, 1, 8, 8, 6, 1]]
+    # every seq reads each of its pages exactly once across the levels
+    for r, seq in enumerate(seqs):
+        read = []
+        for q, ip, ix in zip(qo, kv_indptr, kv_indices):
+            node = int(torch.searchsorted(q, torch.tensor(r), right=True)) - 1
+            read += ix[int(ip[node]):int(ip[node + 1])].tolist()
+        assert read == list(seq.pages), r
+
+
+def test_n_level_cascade_greedy_tokens_equal_the_reference(model) -> None:
+    """A prefix tree three levels deep (a system prompt, a few-shot block, a fork; forks at a page boundary
+    and mid-page), requests finishing at different steps, a pool small enough that cached prefixes are
+    evicted while the shared nodes are in use: exact greedy tokens, and steps of four levels."""
+    gen = torch.Generator().manual_seed(21)
+
+    def tokens(n: int) -> list[int]:
+        return torch.randint(0, CONFIG.vocab_size, (n,), generator=gen).tolist()
+
+    system, shots, fork = tokens(40), tokens(21), tokens(11)  # 40: a page boundary; 61 and 72 mid-page
+    first = system + shots + fork + tokens(5)
+    rest = [system + shots + fork + tokens(3), system + shots + fork + tokens(9), system + shots + tokens(6),
+            system + tokens(12), tokens(7)]
+    lengths = [6, 3, 8, 5, 7, 4]
+    prompts = [first] + rest
+    expected = [reference_generate(model, p, n)[0] for p, n in zip(prompts, lengths)]
+    stale = [tokens(17) for _ in range(3)]  # cached, finished prefixes the pool must evict later
+    outputs = {}
+    for cascade in (True, False):
+        engine = Engine(model, num_pages=25, page_size=PAGE, cascade=cascade)
+        for p in stale:
+            engine.add_request(p, 1)
+        engine.run()
+        requests = [engine.add_request(first, lengths[0])]
+        while engine.prefilling or engine.waiting:
+            engine.step()
+        requests += [engine.add_request(p, n) for p, n in zip(rest, lengths[1:])]
+        engine.run()
+        outputs[cascade] = [r.output for r in requests]
+        assert engine.stats.evicted_pages > 0
+        assert engine.stats.max_cascade_levels == (4 if cascade else 0)
+    assert outputs[True] == expected
+    assert outputs[False] == expected

@@ -4,8 +4,9 @@ Every step plans once (host index arrays, no device sync) and every layer of the
 calls the same :class:`StepAttention`: append the layer's new k/v to its cache
 (``append_paged_kv_cache``), run the planned wrapper. Prefill chunks run on the paged prefill
 wrapper (causal). Decode runs on ``MultiLevelCascadeAttentionWrapper`` when some requests share
-prefix pages (level 0: each group's shared pages once, level 1: each request's own), and on
-the flat ``BatchDecodeWithPagedKVCacheWrapper`` otherwise. The three wrappers share one float
+prefix pages, one level per level of the batch's prefix tree (each node's shared pages read once
+for the requests under it: a system prompt, a few-shot block, a fork...) and each request's own
+pages last, and on the flat ``BatchDecodeWithPagedKVCacheWrapper`` otherwise. The three wrappers share one float
 workspace, as serving engines do.
 """
 
@@ -95,6 +96,80 @@ def cascade_levels(seqs: list[SeqView], groups: list[tuple[int, int]], page_size
             [_int32(itertools.chain.from_iterable(shared_rows)), own_indices], [shared_last, own_last])
 
 
+@dataclass(frozen=True)
+class SharedNode:
+    """A node of a decode batch's prefix tree: seqs ``first`` .. ``end - 1`` all hold the same pages at
+    ``page_begin`` .. ``page_end - 1`` (read once for all of them), none of them a member's last page."""
+
+    first: int
+    end: int
+    page_begin: int
+    page_end: int
+
+
+def prefix_tree(seqs: list[SeqView]) -> list[list[SharedNode]]:
+    """The shared nodes of ``seqs``' prefix tree, level by level from the root: a level-l node's members share
+    its pages after their level-(l-1) node's; its children split it where their next pages differ.
+
+    Shared pages are found among consecutive seqs (order the batch by pages, as the engine does, so each
+    subtree's seqs are consecutive); a seq's last page (it still receives tokens) is never shared. Depth is
+    what the batch has: a system prompt, a few-shot block, a fork, a branch of it... each a level.
+    """
+    levels: list[list[SharedNode]] = []
+
+    def split(first: int, end: int, offset: int, level: int) -> None:
+        k = first
+        while k < end:
+            pages = seqs[k].pages
+            if len(pages) - 1 <= offset:  # nothing shareable left after offset: its own pages only
+                k += 1
+                continue
+            m = k + 1
+            while m < end and len(seqs[m].pages) - 1 > offset and seqs[m].pages[offset] == pages[offset]:
+                m += 1
+            if m - k > 1:
+                common = min(len(seqs[i].pages) for i in range(k, m)) - 1
+                for i in range(k + 1, m):  # one tuple-slice comparison per member while they agree
+                    if seqs[i].pages[offset:common] != pages[offset:common]:
+                        common = next(c for c in range(offset, common) if seqs[i].pages[c] != pages[c])
+                while len(levels) <= level:
+                    levels.append([])
+                levels[level].append(SharedNode(k, m, offset, common))
+                split(k, m, common, level + 1)
+            k = m
+
+    split(0, len(seqs), 0, 0)
+    return levels
+
+
+def tree_cascade_levels(seqs: list[SeqView], tree: list[list[SharedNode]], page_size: int) -> tuple[list, list, list, list]:
+    """``MultiLevelCascadeAttentionWrapper.plan``'s four array lists for ``tree`` (:func:`prefix_tree` of
+    ``seqs``): one level per tree level, each node's shared pages once (the seqs no node of the level covers
+    in runs of empty nodes), then each seq's own pages (those after its deepest node's)."""
+    qo, kv_indptr, kv_indices, last = [], [], [], []
+    own_from = [0] * len(seqs)
+    for nodes in tree:
+        rows, page_rows, at = [], [], 0
+        for node in nodes:
+            if node.first > at:  # seqs this level does not cover: one node of no pages
+                rows.append(node.first - at)
+                page_rows.append(())
+            rows.append(node.end - node.first)
+            page_rows.append(seqs[node.first].pages[node.page_begin:node.page_end])
+            own_from[node.first:node.end] = [node.page_end] * (node.end - node.first)
+            at = node.end
+        if at < len(seqs):
+            rows.append(len(seqs) - at)
+            page_rows.append(())
+        qo.append(_indptr(rows))
+        kv_indptr.append(_indptr([len(r) for r in page_rows]))
+        kv_indices.append(_int32(itertools.chain.from_iterable(page_rows)))
+        last.append(torch.full((len(rows),), page_size, dtype=torch.int32))  # shared pages are always full
+    own_indptr, own_indices, own_last = page_table(seqs, page_size, own_from)
+    return (qo + [_indptr([1] * len(seqs))], kv_indptr + [own_indptr], kv_indices + [own_indices],
+            last + [own_last])
+
+
 class StepAttention:
     """The attention callback of one step: append this layer's k/v, run the planned wrapper."""
 
@@ -131,7 +206,8 @@ class AttentionPlanner:
         self.workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=self.device)
         self.prefill = jitattn.BatchPrefillWithPagedKVCacheWrapper(self.workspace)
         self.decode = jitattn.BatchDecodeWithPagedKVCacheWrapper(self.workspace)
-        self.cascade = jitattn.MultiLevelCascadeAttentionWrapper(2, self.workspace)
+        self._cascades: dict[int, jitattn.MultiLevelCascadeAttentionWrapper] = {}  # by number of levels
+        self.last_decode_levels = 0  # levels of the last decode step's cascade (shared levels + own), 0: flat
 
     def prefill_step(self, seqs: list[SeqView]) -> StepAttention:
         """Chunked prefill: each seq's ``new_tokens`` queries attend causally to its whole KV."""
@@ -146,15 +222,25 @@ class AttentionPlanner:
         return groups if any(size > 1 and common > 0 for size, common in groups) else None
 
     def decode_step(self, seqs: list[SeqView], groups: list[tuple[int, int]] | None | object = _FIND) -> StepAttention:
-        """One token per seq; cascade when consecutive seqs share prefix pages (see :func:`prefix_groups`).
+        """One token per seq: flat, or a cascade with one level per level of the batch's prefix tree (see
+        :func:`prefix_tree`) and the seqs' own pages last, when consecutive seqs share prefix pages.
 
         ``groups``: :meth:`cascade_groups` of ``seqs`` when the caller has it already (None: flat)."""
         ps = self.pool.page_size
         if groups is _FIND:
             groups = self.cascade_groups(seqs)
-        if groups is None:
+        tree = prefix_tree(seqs) if groups is not None else []
+        self.last_decode_levels = len(tree) + 1 if tree else 0
+        if not tree:
             self.decode.plan(*page_table(seqs, ps), *self.heads, ps, q_data_type=self.dtype, kv_data_type=self.dtype)
             return StepAttention(self.pool, self.decode, seqs, self.device)
-        self.cascade.plan(*cascade_levels(seqs, groups, ps), *self.heads, ps, causal=False, q_data_type=self.dtype,
-                          kv_data_type=self.dtype)
-        return StepAttention(self.pool, self.cascade, seqs, self.device)
+        wrapper = self.cascade_wrapper(len(tree) + 1)
+        wrapper.plan(*tree_cascade_levels(seqs, tree, ps), *self.heads, ps, causal=False, q_data_type=self.dtype,
+                     kv_data_type=self.dtype)
+        return StepAttention(self.pool, wrapper, seqs, self.device)
+
+    def cascade_wrapper(self, num_levels: int) -> jitattn.MultiLevelCascadeAttentionWrapper:
+        """The (eager) cascade wrapper of ``num_levels`` levels, made on first use; all share the workspace."""
+        if num_levels not in self._cascades:
+            self._cascades[num_levels] = jitattn.MultiLevelCascadeAttentionWrapper(num_levels, self.workspace)
+        return self._cascades[num_levels]

@@ -10,10 +10,12 @@ Each :meth:`Engine.step` does, in order:
 2. **prefill** up to ``prefill_chunk_tokens`` prompt tokens over the admitted requests, oldest
    first (a long prompt takes several steps), then cache the prompt's completed pages in the
    radix tree; a request whose prompt is done gets its first token (greedy);
-3. **decode** one token for every running request, ordered so that requests sharing prefix pages
-   sit together (cascade attention groups them), with one plan for every layer; on cuda a flat
-   step may replay a captured CUDA graph of its batch-size bucket, and so may a cascade step of at
-   most ``CASCADE_GRAPH_GROUPS`` prefix groups (``graphs.CascadeGraph``; more groups: eager). With
+3. **decode** one token for every running request, ordered by pages so that the requests under each
+   node of the batch's prefix tree sit together (an eager cascade step has a level per tree level:
+   ``attention.prefix_tree``), with one plan for every layer; on cuda a flat step may replay a
+   captured CUDA graph of its batch-size bucket, and so may a two-level cascade step (each group's
+   shared pages, then each request's own) of at most ``CASCADE_GRAPH_GROUPS`` prefix groups
+   (``graphs.CascadeGraph``; more groups: eager). With
    graphs on, a step whose requests share prefix pages takes the faster of the flat step and the
    cascade step, as timed per bucket (``decode_path.DecodePathChooser``).
 """
@@ -80,6 +82,7 @@ class EngineStats:
     reused_prompt_tokens: int = 0  # prompt tokens found in the radix tree (not computed)
     generated_tokens: int = 0
     evicted_pages: int = 0
+    max_cascade_levels: int = 0  # levels of the deepest cascade decode step (prefix-tree levels + the own pages)
     peak_pages_saved: int = 0  # max over decode steps of (pages the batch references - distinct pages)
     peak_bytes_saved: int = 0
 
@@ -278,8 +281,11 @@ class Engine:
     def _decode(self) -> list[Request]:
         if not self.running:
             return []
-        # requests that share prefix pages next to each other: cascade attention groups them
-        batch = sorted(self.running, key=lambda r: tuple(r.pages[: r.num_shared_pages or 1]))
+        # Ordered by pages, so the requests under each node of the prefix tree are consecutive (cascade
+        # attention reads a node's pages once for them). Running requests share no page past the longest
+        # prefix one of them found at admission: the key stops one page after it.
+        depth = max(r.num_shared_pages for r in self.running) + 1
+        batch = sorted(self.running, key=lambda r: tuple(r.pages[:depth]))
         seqs, ids = [], []
         for request in batch:
             fed = request.fed_tokens
@@ -328,9 +334,11 @@ class Engine:
                 self.stats.graph_steps += 1
                 if bucket not in self._cascade_graphs:
                     chosen = None
+                self.stats.max_cascade_levels = max(self.stats.max_cascade_levels, 2)
                 return self._cascade_graph(len(seqs)).run(seqs, ids, groups), chosen
             chosen = None  # an eager cascade step (too many groups to capture): not what "cascade" times
             attention = self.planner.decode_step(seqs, groups)
+            self.stats.max_cascade_levels = max(self.stats.max_cascade_levels, self.planner.last_decode_levels)
             positions = torch.tensor([s.kv_len - 1 for s in seqs], device=dev)
             return self.model.logits(self.model.forward(torch.tensor(ids, device=dev), positions, attention)), chosen
 
