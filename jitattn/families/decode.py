@@ -84,10 +84,14 @@ TUNING: dict[str, int] = {
     "mma_blocks_per_sm": 2,    # resident blocks the tensor-core path is sized for (shared memory, registers)
     "mma_blocks_per_sm_fp8": 3,  # ... with fp8 KV (half the bytes per stage: more blocks keep as many in flight)
     "mma_steps": 1,            # 16-token steps per warp per pipeline stage on the tensor-core path
+    # ... when a token's K + V rows are at most 256 bytes (16-bit head dim 64): two steps make 32 KiB stages
+    # as at head dim 128, halving the per-stage costs (barrier, softmax update, page lookups) per byte. H200,
+    # gpt-oss d64 b64 x 8192 (64 / 8 heads): 305.7 us with one step, 257.3 with two (SDPA 244); two steps at
+    # head dim 128 are slower (32 requests over 32k shared pages: 522 vs 850 us).
+    "mma_steps_small_rows": 2,
     "mma_warps": 4,            # warps per block on the tensor-core path (each takes 16 tokens of a step)
-    # head_dim 256 (16-bit KV, group <= 8, no RoPE) on the tensor-core path (mma_eligible): measured faster,
-    # not yet through the GPU tests (session 12 ran out of device time); flip after tests/test_decode_cuda.py
-    "mma_d256": 0,
+    # head_dim 256 (16-bit KV, group <= 8, no RoPE) on the tensor-core path (mma_eligible); 0: the CUDA-core path
+    "mma_d256": 1,
     # Tensor-core path, rows of whole 128-byte lines: unpadded K / V rows on 128-byte aligned stages, their
     # 16-byte pieces permuted within each line by the row (see swz in the template); 0: rows at an odd
     # multiple of 16 bytes, whose lines straddle two 128-byte shared-memory segments: each line's cp.async
@@ -118,8 +122,8 @@ def mma_eligible(spec: VariantSpec, tuning: dict[str, int] | None = None) -> boo
     d256 = (tuning or {}).get("mma_d256", TUNING["mma_d256"])
     # With TUNING mma_d256: head dim 256, 16-bit KV, one head tile, no RoPE: 253-255 registers at one block per
     # SM, no spills (fp8 KV spills at its three blocks' cap). H200, gemma-2 b64 x 4096 (16 / 8 heads, soft cap 50):
-    # 490.6 us against 641.6 on the CUDA-core path (FlashInfer 483-494); before the stages were swizzled it
-    # measured 645 vs 603.
+    # 490.6-497.2 us against 641.6-643.7 on the CUDA-core path (FlashInfer 483-494); before the stages were
+    # swizzled it measured 645 vs 603.
     if (d256 and spec.head_dim_qk == spec.head_dim_vo == 256 and spec.group_size <= 8
             and spec.variant is None and spec.pos_encoding is not PosEncoding.ROPE_LLAMA and not spec.kv_dtype.is_fp8):
         return True
@@ -182,7 +186,8 @@ def _mma_layout(spec: VariantSpec, t: dict[str, int]) -> dict[str, int]:
     swizzle = bool(t["swizzle"]) and _whole_lines(dqk * elem, dvo * elem)
     k_pitch, v_pitch = (dqk * elem, dvo * elem) if swizzle else (_pitch(dqk * elem), _pitch(dvo * elem))
     q_pitch = _pitch(dqk * 2)
-    steps = t["mma_steps"]
+    small_rows = not spec.kv_dtype.is_fp8 and (dqk + dvo) * elem <= 256
+    steps = t["mma_steps_small_rows"] if small_rows else t["mma_steps"]
     tile_tokens = nw * 16 * steps  # a barrier per stage: per `steps` 16-token steps of each warp
     k_stage, v_stage = tile_tokens * k_pitch, tile_tokens * v_pitch
     stage_bytes = k_stage + v_stage + tile_tokens * 16  # + the stage's row-offset table
