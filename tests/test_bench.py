@@ -52,6 +52,9 @@ PREFILL_FLOPS = {
 CASCADE_BYTES = {
     "cascade/b128_shared8192_u256": 2 * (8192 + 128 * 256) * 8 * 128 * 2 + 2 * 128 * 32 * 128 * 2,  # 169_869_312
     "cascade/b32_shared32768_u128": 2 * (32768 + 32 * 128) * 8 * 128 * 2 + 2 * 32 * 32 * 128 * 2,  # 151_519_232
+    # a tree: the root once, each of 4 branches once, every tail
+    "cascade/agent_fork_b128_root8192_4x2048_u128": 2 * (8192 + 4 * 2048 + 128 * 128) * 8 * 128 * 2
+    + 2 * 128 * 32 * 128 * 2,
 }
 
 # MLA FLOPs = 2 * B * H * L * (576 + 512); bytes = B * L * 576 * bytes/elem
@@ -139,8 +142,9 @@ def test_cascade_bytes(name: str) -> None:
     case = configs.BY_NAME[name]
     assert case.bytes == CASCADE_BYTES[name]
     flat = case.flat()
-    # flat decode reads the prefix once per request
-    assert flat.bytes == 2 * case.batch * (case.shared_len + case.unique_len) * 8 * 128 * 2 + 2 * case.batch * 32 * 128 * 2
+    # flat decode reads the prefix (root and branch) once per request
+    kv_len = case.shared_len + case.branch_len + case.unique_len
+    assert flat.bytes == 2 * case.batch * kv_len * 8 * 128 * 2 + 2 * case.batch * 32 * 128 * 2
     assert flat.bytes > case.bytes
 
 
@@ -173,6 +177,23 @@ def test_select() -> None:
     with pytest.raises(ValueError, match="no case matches"):
         configs.select("all", ["decode/nope"])
     assert main(["--only", "decode/nope"]) == 2
+
+
+def test_tree_cascade_case_times_the_tree_the_two_level_cascade_and_flat_decode(tmp_path) -> None:
+    """The agent-fork case (cpu, small): its three rows are exact against the reference; the two-level row names
+    the tree's as its baseline. Its small twin keeps a whole number of requests per branch."""
+    case = configs.BY_NAME["cascade/agent_fork_b128_root8192_4x2048_u128"]
+    small = case.small()
+    assert small.batch % small.branches == 0 and small.batch // small.branches >= 2
+    assert configs.row_names(case) == (case.name, case.name + ":flat", case.name + ":two_level")
+    path = tmp_path / "bench.json"
+    assert main(["--only", case.name, "--target", "cpu", "--json", str(path), "--measure-s", "0.02"]) == 0
+    rows = {r["name"]: r for r in json.loads(path.read_text())["rows"]}
+    for name in configs.row_names(case):
+        assert rows[name]["status"] == "ok" and rows[name]["max_rel_err"] < 0.05, name
+    assert rows[case.name]["params"]["levels"] == 3
+    assert rows[case.name + ":two_level"]["baseline"]["name"] == case.name
+    assert rows[case.name + ":two_level"]["baseline"]["speedup"] > 0
 
 
 def test_rate_and_fraction() -> None:

@@ -156,7 +156,12 @@ class Attn:
 
 @dataclass(frozen=True)
 class Cascade:
-    """Decode over a shared prefix + a unique tail per request, beside flat decode over the same pages."""
+    """Decode over a shared prefix + a unique tail per request, beside flat decode over the same pages.
+
+    ``branches`` > 0: a three-level prefix tree (an agent's fork): the root ``shared_len`` shared by all,
+    then ``branches`` nodes of ``branch_len`` tokens each shared by ``batch / branches`` requests, then
+    the tails; the case then also times the two-level cascade of the same pages (row ``NAME:two_level``:
+    each branch's requests share root + branch as one node, so the root is read once per branch)."""
 
     name: str
     batch: int
@@ -168,6 +173,8 @@ class Cascade:
     page_size: int = 16
     dtype: str = "bf16"
     kind: str = "bandwidth"
+    branches: int = 0
+    branch_len: int = 0
 
     @property
     def suite(self) -> str:
@@ -175,29 +182,33 @@ class Cascade:
 
     @property
     def bytes(self) -> int:
-        """Shared prefix once + each request's own KV + q + o."""
+        """Every tree node's KV once + each request's own KV + q + o."""
         e = DTYPE_BYTES[self.dtype]
-        tokens = self.shared_len + self.batch * self.unique_len
+        tokens = self.shared_len + self.branches * self.branch_len + self.batch * self.unique_len
         return 2 * tokens * self.num_kv_heads * self.head_dim * e + 2 * self.batch * self.num_qo_heads * self.head_dim * e
 
     @property
     def flops(self) -> int:
-        return 4 * self.batch * (self.shared_len + self.unique_len) * self.num_qo_heads * self.head_dim
+        kv_len = self.shared_len + (self.branch_len if self.branches else 0) + self.unique_len
+        return 4 * self.batch * kv_len * self.num_qo_heads * self.head_dim
 
     def flat(self) -> Attn:
         """Flat paged decode over the same page table (the shared pages listed per request)."""
-        return Attn(self.name + ":flat", "decode", (self.shared_len + self.unique_len,) * self.batch,
+        kv_len = self.shared_len + (self.branch_len if self.branches else 0) + self.unique_len
+        return Attn(self.name + ":flat", "decode", (kv_len,) * self.batch,
                     num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
                     page_size=self.page_size, dtype=self.dtype, kv_dtype=self.dtype)
 
     def params(self) -> dict:
+        tree = {"branches": self.branches, "branch_len": self.branch_len} if self.branches else {}
         return {"batch": self.batch, "shared_len": self.shared_len, "unique_len": self.unique_len,
                 "heads_qo": self.num_qo_heads, "heads_kv": self.num_kv_heads, "head_dim": self.head_dim,
-                "page_size": self.page_size, "dtype": self.dtype, "levels": 2}
+                "page_size": self.page_size, "dtype": self.dtype, "levels": 3 if self.branches else 2, **tree}
 
     def small(self) -> "Cascade":
-        return dataclasses.replace(self, batch=_div(self.batch, 16, 2), shared_len=_div(self.shared_len, CPU_SCALE),
-                                   unique_len=_div(self.unique_len, CPU_SCALE))
+        return dataclasses.replace(self, batch=_div(self.batch, 16, 2 * max(self.branches, 1)),
+                                   shared_len=_div(self.shared_len, CPU_SCALE), unique_len=_div(self.unique_len, CPU_SCALE),
+                                   branch_len=_div(self.branch_len, CPU_SCALE) if self.branches else 0)
 
 
 @dataclass(frozen=True)
@@ -345,6 +356,8 @@ PREFILL: list[Attn] = [
 CASCADE: list[Cascade] = [
     Cascade("cascade/b128_shared8192_u256", 128, 8192, 256),
     Cascade("cascade/b32_shared32768_u128", 32, 32768, 128),
+    # an agent's fork: an 8k root shared by 128 requests, 4 branches of 2k shared by 32 each, 128-token tails
+    Cascade("cascade/agent_fork_b128_root8192_4x2048_u128", 128, 8192, 128, branches=4, branch_len=2048),
 ]
 
 # Variants: each beside the plain kernel at equal work (the same tokens read / the same batch).
@@ -408,11 +421,11 @@ QUICK: tuple[str, ...] = (
 
 
 def row_names(case: Case) -> tuple[str, ...]:
-    """The rows a case produces (a cascade adds its flat-decode row ``NAME:flat``)."""
+    """The rows a case produces (a cascade adds its flat-decode row ``NAME:flat``, a tree its two-level row)."""
     if isinstance(case, Jit) and case.rows:
         return case.rows
     if isinstance(case, Cascade):
-        return (case.name, case.name + ":flat")
+        return (case.name, case.name + ":flat") + ((case.name + ":two_level",) if case.branches else ())
     return (case.name,)
 
 
