@@ -120,11 +120,15 @@ def test_eviction_frees_lru_prefixes_when_the_pool_is_full(model) -> None:
     assert len(engine.radix.match(prompts[-1])) == 2
 
 
-def test_a_request_larger_than_the_pool_is_refused_clearly(model) -> None:
-    engine = Engine(model, num_pages=3, page_size=PAGE)
-    engine.add_request(list(range(40)), 4)
-    with pytest.raises(RuntimeError, match="needs 6 free KV pages"):
-        engine.step()
+def test_a_request_larger_than_the_pool_is_refused_at_once_and_stalls_no_one(model) -> None:
+    engine = Engine(model, num_pages=4, page_size=PAGE)
+    before = engine.add_request(list(range(5)), 3)
+    with pytest.raises(ValueError, match="needs 6 KV pages of 8 tokens .* the whole pool holds 3"):
+        engine.add_request(list(range(40)), 4)
+    after = engine.add_request(list(range(7, 12)), 3)
+    engine.run()
+    assert [r.output for r in (before, after)] == [reference_generate(model, list(range(5)), 3)[0],
+                                                   reference_generate(model, list(range(7, 12)), 3)[0]]
 
 
 def test_bad_requests_are_refused_clearly(model) -> None:
@@ -136,6 +140,21 @@ def test_bad_requests_are_refused_clearly(model) -> None:
     engine.add_request([1, 2], 2, arrival=1.0)
     with pytest.raises(ValueError, match="arrival order"):
         engine.add_request([1, 2], 2, arrival=0.5)
+    for prompt, match in (([1.0, 2.0], r"prompt\[0\] = 1.0 is not a token id \(float\)"),
+                          ([1, True], r"prompt\[1\] = True is not a token id"),
+                          ([1, torch.tensor(2)], r"prompt\[1\] = tensor\(2\) is not a token id"),
+                          (torch.tensor([1.0, 2.0]), "1-D with an integer dtype; got shape \\(2,\\) float32"),
+                          (torch.ones(2, 2, dtype=torch.int64), "1-D with an integer dtype; got shape \\(2, 2\\)"),
+                          ("hello", "list of token ids"), (7, "list of token ids")):
+        with pytest.raises(TypeError, match=match):
+            engine.add_request(prompt, 2, arrival=1.0)
+    with pytest.raises(ValueError, match=r"max_new_tokens=2.5 must be an int >= 1"):
+        engine.add_request([1, 2], 2.5, arrival=1.0)
+    with pytest.raises(ValueError, match=r"forced_tokens\[0\] = -1: token -1 is outside"):
+        engine.add_request([1, 2], 3, arrival=1.0, forced_tokens=[-1, 2])
+    queued = len(engine.waiting)
+    request = engine.add_request(torch.tensor([3, 4, 5]), 2, arrival=1.0)  # integer tensors and numpy-like ints
+    assert request.prompt == [3, 4, 5] and len(engine.waiting) == queued + 1
 
 
 def test_teacher_forced_logits_match_the_reference(model, shared_workload) -> None:

@@ -23,7 +23,9 @@ Each :meth:`Engine.step` does, in order:
 from __future__ import annotations
 
 import itertools
+import numbers
 import time
+from collections.abc import Sequence
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
@@ -87,6 +89,26 @@ class EngineStats:
     peak_bytes_saved: int = 0
 
 
+def _token_ids(name: str, tokens, vocab_size: int) -> list[int]:
+    """``tokens`` (a sequence of ints or a 1-D integer tensor) as a list of ints in ``[0, vocab_size)``."""
+    if isinstance(tokens, torch.Tensor):
+        if tokens.dim() != 1 or tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == torch.bool:
+            raise TypeError(f"{name} as a tensor must be 1-D with an integer dtype; got shape {tuple(tokens.shape)} "
+                            f"{str(tokens.dtype).removeprefix('torch.')}")
+        tokens = tokens.tolist()
+    elif isinstance(tokens, (str, bytes)) or not isinstance(tokens, Sequence):
+        raise TypeError(f"{name} must be a list of token ids (ints); got {type(tokens).__name__}")
+    ids = []
+    for i, token in enumerate(tokens):
+        if isinstance(token, bool) or not isinstance(token, numbers.Integral):
+            raise TypeError(f"{name}[{i}] = {token!r} is not a token id ({type(token).__name__}); pass ints")
+        if not 0 <= token < vocab_size:
+            raise ValueError(f"{name}[{i}] = {int(token)}: token {int(token)} is outside the vocabulary "
+                             f"[0, {vocab_size})")
+        ids.append(int(token))
+    return ids
+
+
 class Engine:
     """A continuous-batching engine over one model shard (see the module docstring).
 
@@ -136,21 +158,34 @@ class Engine:
 
     def add_request(self, prompt: list[int], max_new_tokens: int, arrival: float = 0.0,
                     forced_tokens: list[int] | None = None, keep_logits: bool = False) -> Request:
-        """Queue a request (``arrival`` in the engine clock's seconds; requests must arrive in order)."""
-        if not prompt or max_new_tokens < 1:
-            raise ValueError("a request needs a non-empty prompt and max_new_tokens >= 1")
+        """Queue a request (``arrival`` in the engine clock's seconds; requests must arrive in order).
+
+        ``prompt`` (and ``forced_tokens``): token ids, a sequence of ints or a 1-D integer tensor. Everything is
+        checked here, so a bad request is refused at once and never holds up the requests queued around it,
+        including one that could never fit the KV pool."""
+        vocab = self.model.config.vocab_size
+        prompt = _token_ids("prompt", prompt, vocab)
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an int >= 1")
+        max_new_tokens = int(max_new_tokens)
+        if not prompt:
+            raise ValueError("a request needs a non-empty prompt")
         if len(prompt) + max_new_tokens > self.max_seq_len:
             raise ValueError(f"prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) exceeds "
                              f"max_seq_len={self.max_seq_len}")
-        if forced_tokens is not None and len(forced_tokens) < max_new_tokens - 1:
-            raise ValueError("forced_tokens needs max_new_tokens - 1 tokens (the last output is never fed)")
+        needed = self._pages_for(len(prompt) + max_new_tokens - 1)  # every output but the last is fed
+        if needed > self.pool.num_pages - 1:
+            raise ValueError(f"the request needs {needed} KV pages of {self.pool.page_size} tokens (prompt "
+                             f"{len(prompt)} + {max_new_tokens - 1} fed outputs) but the whole pool holds "
+                             f"{self.pool.num_pages - 1}; shorten it or give the engine more pages (num_pages)")
+        if forced_tokens is not None:
+            forced_tokens = _token_ids("forced_tokens", forced_tokens, vocab)
+            if len(forced_tokens) < max_new_tokens - 1:
+                raise ValueError("forced_tokens needs max_new_tokens - 1 tokens (the last output is never fed)")
         if self.waiting and arrival < self.waiting[-1].arrival:
             raise ValueError(f"arrival={arrival} is before the last queued request's ({self.waiting[-1].arrival}); "
                              "add requests in arrival order")
-        bad = [t for t in prompt if not 0 <= t < self.model.config.vocab_size]
-        if bad:
-            raise ValueError(f"token {bad[0]} is outside the vocabulary [0, {self.model.config.vocab_size})")
-        request = Request(self._next_rid, list(prompt), max_new_tokens, arrival, forced_tokens, keep_logits)
+        request = Request(self._next_rid, prompt, max_new_tokens, arrival, forced_tokens, keep_logits)
         self._next_rid += 1
         self.waiting.append(request)
         return request
