@@ -45,7 +45,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--graphs", action="store_true", help="replay CUDA graphs of the flat decode step (cuda)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (launch with torchrun)")
     p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--num-pages", type=int, help="KV pool pages (default: room for every request at once)")
+    p.add_argument("--num-pages", type=int, help="KV pool pages (default: room for every request at once without "
+                   "prefix sharing, capped by --kv-memory-fraction)")
+    p.add_argument("--kv-memory-fraction", type=float, default=0.85,
+                   help="cuda: the KV pool's share of the GPU memory free once the model is loaded (default 0.85)")
     p.add_argument("--max-batch-size", type=int, default=64)
     p.add_argument("--chunk", type=int, default=512, help="prefill tokens per step")
     p.add_argument("--seed", type=int, default=0)
@@ -87,6 +90,28 @@ def workload(args: argparse.Namespace, vocab: int) -> list[tuple[float, list[int
     return requests
 
 
+def default_num_pages(args: argparse.Namespace, model, pages_per_request: int, device: str) -> int:
+    """Room for every request of a batch at once as if nothing were shared, capped on cuda by what
+    ``--kv-memory-fraction`` of the free GPU memory holds (prefix sharing makes the cap enough: the
+    radix tree evicts idle prefixes when the pool is full)."""
+    from jitattn.serving import pages_in_budget
+
+    unshared = pages_per_request * min(args.num_requests, args.max_batch_size) + 2
+    if not device.startswith("cuda"):
+        return unshared
+    if not 0.0 < args.kv_memory_fraction <= 1.0:
+        raise SystemExit(f"--kv-memory-fraction={args.kv_memory_fraction} must be in (0, 1]")
+    free, _ = torch.cuda.mem_get_info(torch.device(device))
+    c = model.config
+    fit = pages_in_budget(free * args.kv_memory_fraction, c.num_hidden_layers, args.page_size, model.num_kv_heads,
+                          c.head_dim, model.dtype)
+    if fit < pages_per_request + 2:
+        raise SystemExit(f"{args.kv_memory_fraction:.0%} of the free GPU memory ({free / 2**30:.1f} GiB) holds {fit} "
+                         f"KV pages, fewer than one request needs ({pages_per_request}); raise --kv-memory-fraction "
+                         "or shorten the requests")
+    return min(unshared, fit)
+
+
 def main(argv: list[str] | None = None) -> dict:
     from tqdm import tqdm
 
@@ -107,7 +132,7 @@ def main(argv: list[str] | None = None) -> dict:
     work = workload(args, config.vocab_size)
     longest = max(len(p) + n for _, p, n in work)
     pages_per_request = -(-longest // args.page_size)
-    num_pages = args.num_pages or pages_per_request * min(args.num_requests, args.max_batch_size) + 2
+    num_pages = args.num_pages or default_num_pages(args, model, pages_per_request, device)
     engine = Engine(model, num_pages=num_pages, page_size=args.page_size, max_batch_size=args.max_batch_size,
                     prefill_chunk_tokens=args.chunk, cascade=args.cascade, cuda_graphs=args.graphs,
                     max_seq_len=longest + 1)
@@ -133,6 +158,7 @@ def main(argv: list[str] | None = None) -> dict:
         "kv_bytes_saved_peak": s.peak_bytes_saved, "kv_pages_saved_peak": s.peak_pages_saved,
         "kv_bytes_per_page": engine.pool.bytes_per_page, "decode_steps": s.decode_steps,
         "cascade_steps": s.cascade_steps, "graph_steps": s.graph_steps, "evicted_pages": s.evicted_pages,
+        "kv_pool_pages": num_pages, "max_cascade_levels": s.max_cascade_levels,
     }
     if leader:
         print(f"{len(requests)} requests on {device} (tp {group.size}, cascade {'on' if args.cascade else 'off'}, "
@@ -145,7 +171,8 @@ def main(argv: list[str] | None = None) -> dict:
               f"KV saved at peak {s.peak_bytes_saved / 2**20:.2f} MiB ({s.peak_pages_saved} pages"
               + (" per rank" if group.size > 1 else "") + ")")
         print(f"  decode steps      {s.decode_steps} ({s.cascade_steps} cascade, {s.graph_steps} graph replays; "
-              "a captured cascade step counts in both)")
+              f"a captured cascade step counts in both; deepest cascade {s.max_cascade_levels} levels)")
+        print(f"  KV pool           {num_pages} pages of {args.page_size} tokens, {s.evicted_pages} evicted")
         if args.json:
             Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
     if group.size > 1:

@@ -465,3 +465,14 @@ def test_n_level_cascade_greedy_tokens_equal_the_reference(model) -> None:
         assert engine.stats.max_cascade_levels == (4 if cascade else 0)
     assert outputs[True] == expected
     assert outputs[False] == expected
+
+
+def test_pages_in_budget_counts_every_layers_k_and_v() -> None:
+    from jitattn.serving import pages_in_budget
+
+    # 32 layers x K,V x 16 tokens x 8 heads x 128 dims x 2 bytes = 2 MiB a page
+    assert pages_in_budget(10 << 20, 32, 16, 8, 128, torch.bfloat16) == 5
+    assert pages_in_budget((10 << 20) - 1, 32, 16, 8, 128, torch.bfloat16) == 4
+    assert pages_in_budget(0, 32, 16, 8, 128, torch.float32) == 0
+    pool = KVPool(2, 3, 4, 2, 8, torch.float32, "cpu")
+    assert pages_in_budget(3 * pool.bytes_per_page, 2, 4, 2, 8, torch.float32) == 3

@@ -11,14 +11,14 @@
 
 from .config import PRESETS, ModelConfig, preset
 from .engine import Engine, EngineStats, Request
-from .kv_pool import KVPool
+from .kv_pool import KVPool, pages_in_budget
 from .model import LlamaModel, load_checkpoint, random_weights, save_checkpoint
 from .parallel import TPGroup, head_shard
 from .radix import RadixCache
 from .reference import reference_generate, torch_attention
 
 __all__ = [
-    "PRESETS", "Engine", "EngineStats", "KVPool", "LlamaModel", "ModelConfig", "RadixCache", "Request", "TPGroup",
+    "PRESETS", "Engine", "EngineStats", "KVPool", "LlamaModel", "ModelConfig", "RadixCache", "Request", "TPGroup", "pages_in_budget",
     "head_shard", "load_checkpoint", "preset", "random_weights", "reference_generate", "save_checkpoint",
     "torch_attention",
 ]

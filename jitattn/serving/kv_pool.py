@@ -12,6 +12,13 @@ from __future__ import annotations
 import torch
 
 
+def pages_in_budget(budget_bytes: int, num_layers: int, page_size: int, num_kv_heads: int, head_dim: int,
+                    dtype: torch.dtype) -> int:
+    """How many pages (scratch page included) a pool of these shapes can have in ``budget_bytes`` of memory."""
+    page_bytes = num_layers * 2 * page_size * num_kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
+    return max(0, int(budget_bytes) // page_bytes)
+
+
 class KVPool:
     """Pages of KV memory for every layer, with allocation, reference counts and freeing."""
 
