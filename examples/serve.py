@@ -38,7 +38,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-requests", type=int, default=16)
     p.add_argument("--rate", type=float, default=0.0, help="arrivals per second (0: all at once)")
     p.add_argument("--system-prompt-len", type=int, default=64, help="tokens every prompt starts with")
-    p.add_argument("--prompt-len", type=int, default=24, help="mean own prompt tokens per request")
+    p.add_argument("--prompt-len", type=int, default=24, help="mean own prompt tokens per request (uniform in "
+                   "[mean / 2, mean * 3 / 2])")
+    p.add_argument("--prompt-len-range", type=int, nargs=2, metavar=("MIN", "MAX"),
+                   help="own prompt tokens uniform in [MIN, MAX] instead")
+    p.add_argument("--branches", type=int, default=0,
+                   help="a prefix tree: after the system prompt, request i continues with branch i %% N's block "
+                   "(an agent's fork; 0: none)")
+    p.add_argument("--branch-len", type=int, default=0, help="tokens of each branch's block")
     p.add_argument("--output-len", type=int, default=16, help="mean output tokens per request")
     p.add_argument("--cascade", action=argparse.BooleanOptionalAction, default=True,
                    help="cascade attention for requests sharing prefix pages (default on)")
@@ -80,13 +87,20 @@ def workload(args: argparse.Namespace, vocab: int) -> list[tuple[float, list[int
     """(arrival s, prompt, output tokens) per request: the same on every rank (seeded)."""
     gen = torch.Generator().manual_seed(args.seed)
     system = torch.randint(0, vocab, (args.system_prompt_len,), generator=gen).tolist()
+    if args.branches < 0 or (args.branches and args.branch_len < 1):
+        sys.exit("--branches N needs N >= 0 and, with N > 0, --branch-len >= 1")
+    blocks = [torch.randint(0, vocab, (args.branch_len,), generator=gen).tolist() for _ in range(args.branches)]
+    low, high = args.prompt_len_range or (args.prompt_len // 2, args.prompt_len * 3 // 2)
+    if not 0 <= low <= high:
+        sys.exit(f"--prompt-len-range {low} {high}: need 0 <= MIN <= MAX")
     requests, arrival = [], 0.0
-    for _ in range(args.num_requests):
+    for i in range(args.num_requests):
         if args.rate > 0:
             arrival += float(torch.empty(1).exponential_(args.rate, generator=gen))
-        own = max(1, int(torch.randint(args.prompt_len // 2, args.prompt_len * 3 // 2 + 1, (1,), generator=gen)))
+        own = max(1, int(torch.randint(low, high + 1, (1,), generator=gen)))
         out = max(1, int(torch.randint(args.output_len // 2, args.output_len * 3 // 2 + 1, (1,), generator=gen)))
-        requests.append((arrival, system + torch.randint(0, vocab, (own,), generator=gen).tolist(), out))
+        prefix = system + (blocks[i % args.branches] if args.branches else [])
+        requests.append((arrival, prefix + torch.randint(0, vocab, (own,), generator=gen).tolist(), out))
     return requests
 
 
@@ -159,6 +173,8 @@ def main(argv: list[str] | None = None) -> dict:
         "kv_bytes_per_page": engine.pool.bytes_per_page, "decode_steps": s.decode_steps,
         "cascade_steps": s.cascade_steps, "graph_steps": s.graph_steps, "evicted_pages": s.evicted_pages,
         "kv_pool_pages": num_pages, "max_cascade_levels": s.max_cascade_levels,
+        "decode_s": s.decode_seconds, "decode_kv_tokens": s.decode_kv_tokens, "decode_tokens": s.decode_tokens,
+        "weight_bytes": model.weight_bytes, "kv_bytes_per_token": engine.pool.bytes_per_page // args.page_size,
     }
     if leader:
         print(f"{len(requests)} requests on {device} (tp {group.size}, cascade {'on' if args.cascade else 'off'}, "

@@ -42,3 +42,40 @@ def test_serve_example_under_torchrun_with_tensor_parallelism():
                           env=child_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "tp 2" in proc.stdout and proc.stdout.count("output tokens/s") == 1  # rank 0 reports
+
+
+def test_serve_bench_writes_one_table_with_the_tree_workload(tmp_path):
+    """A prefix tree (--branches) on the cpu: the cascade rows reach three levels; the table has the on/off ratio."""
+    out = tmp_path / "serving.md"
+    proc = subprocess.run([sys.executable, str(EXAMPLES / "serve_bench.py"), "--out", str(out), "--device", "cpu",
+                           "--num-requests", "6", "--system-prompt-len", "40", "--branches", "2", "--branch-len", "20",
+                           "--output-len", "4"], env=child_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = [line.split(" | ") for line in out.read_text().splitlines() if line.startswith("| custom")]
+    assert [(r[1], r[2]) for r in rows] == [("on", "off"), ("off", "off")]
+    assert rows[0][4].endswith("x") and rows[0][8] == "3" and rows[1][8] == "0"
+    assert rows[0][9] == "n/a"  # the roofline needs the cuda ceilings
+
+
+def test_serve_bench_presets_and_roofline() -> None:
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        import serve
+        import serve_bench
+    finally:
+        sys.path.remove(str(EXAMPLES))
+    assert set(serve_bench.PRESETS) == {"system-2k", "system-16k", "agent-fork", "no-sharing"}
+    for flags in serve_bench.PRESETS.values():
+        serve.parse_args(flags)  # every preset is valid serve.py input
+    fork = serve.parse_args(serve_bench.PRESETS["agent-fork"])
+    work = serve.workload(fork, 1000)
+    prompts = [p for _, p, _ in work]
+    assert len(work) == 128 and all(p[:8192] == prompts[0][:8192] for p in prompts)
+    assert len({tuple(p[8192:8192 + 2048]) for p in prompts}) == 4  # four branches
+    assert all(64 <= len(p) - 8192 - 2048 <= 256 for p in prompts)
+    # 10 steps over 1 GB of weights and 1M KV tokens of 128 KiB at 4 TB/s: bytes bound the floor (1 GFLOP each)
+    row = {"decode_s": 0.1, "dtype": "bfloat16", "decode_steps": 10, "weight_bytes": 10**9, "decode_kv_tokens": 10**6,
+           "kv_bytes_per_token": 131072, "decode_tokens": 640}
+    ideal = (10 * 10**9 + 10**6 * 131072) / 4e12
+    assert serve_bench.roofline_fraction(row, {"read_gbps": 4000.0, "gemm_tflops": 800.0}) == pytest.approx(ideal / 0.1)
+    assert serve_bench.roofline_fraction(row, None) is None

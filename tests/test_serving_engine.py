@@ -202,7 +202,7 @@ def test_graph_bucket_step_gives_the_eager_step_logits(model, monkeypatch) -> No
     for batch in (engine.running, engine.running[:2]):  # 1 and 2 padded rows, one captured bucket
         seqs = [SeqView(tuple(r.pages[: -(-len(r.fed_tokens) // PAGE)]), len(r.fed_tokens), 1) for r in batch]
         ids = [r.fed_tokens[-1] for r in batch]
-        expected, _ = engine._decode_logits(seqs, ids)
+        expected, _, _ = engine._decode_logits(seqs, ids)
         # Not bit-exact: the model's CPU GEMMs see 4 padded rows here and 3 or 2 in the eager step, and the BLAS
         # picks its blocking by shape (last-bit differences on some CPUs). A wrong page or padding row would be
         # off by O(1), far beyond this tolerance.
@@ -336,7 +336,7 @@ def test_cascade_graph_step_gives_the_eager_cascade_logits(model, monkeypatch) -
         ids = [r.fed_tokens[-1] for r in rows]
         groups = engine.planner.cascade_groups(seqs)
         assert groups is not None and 1 <= len(groups) <= 3
-        expected, _ = engine._decode_logits(seqs, ids)  # appends this step's k/v; the graph's appends rewrite them
+        expected, _, _ = engine._decode_logits(seqs, ids)  # appends this step's k/v; the graph's appends rewrite them
         torch.testing.assert_close(graph.run(seqs, ids, groups), expected, rtol=1e-4, atol=1e-4)
     with pytest.raises(ValueError, match="at most 3"):
         graph.run(seqs, ids, [(1, 1)] * 4)  # four nodes that share pages

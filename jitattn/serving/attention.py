@@ -170,6 +170,18 @@ def tree_cascade_levels(seqs: list[SeqView], tree: list[list[SharedNode]], page_
             last + [own_last])
 
 
+def kv_tokens_read(seqs: list[SeqView], tree: list[list[SharedNode]], page_size: int) -> int:
+    """KV tokens a decode step over ``tree``'s levels reads per layer: each node's pages once, then each seq's
+    own tokens (``tree`` empty: flat decode, every seq's whole history)."""
+    own_from = [0] * len(seqs)
+    shared = 0
+    for nodes in tree:
+        for node in nodes:
+            shared += (node.page_end - node.page_begin) * page_size
+            own_from[node.first:node.end] = [node.page_end] * (node.end - node.first)
+    return shared + sum(s.kv_len - start * page_size for s, start in zip(seqs, own_from))
+
+
 class StepAttention:
     """The attention callback of one step: append this layer's k/v, run the planned wrapper."""
 
@@ -208,6 +220,7 @@ class AttentionPlanner:
         self.decode = jitattn.BatchDecodeWithPagedKVCacheWrapper(self.workspace)
         self._cascades: dict[int, jitattn.MultiLevelCascadeAttentionWrapper] = {}  # by number of levels
         self.last_decode_levels = 0  # levels of the last decode step's cascade (shared levels + own), 0: flat
+        self.last_decode_kv_tokens = 0  # KV tokens the last decode step reads per layer (kv_tokens_read)
 
     def prefill_step(self, seqs: list[SeqView]) -> StepAttention:
         """Chunked prefill: each seq's ``new_tokens`` queries attend causally to its whole KV."""
@@ -231,6 +244,7 @@ class AttentionPlanner:
             groups = self.cascade_groups(seqs)
         tree = prefix_tree(seqs) if groups is not None else []
         self.last_decode_levels = len(tree) + 1 if tree else 0
+        self.last_decode_kv_tokens = kv_tokens_read(seqs, tree, ps)
         if not tree:
             self.decode.plan(*page_table(seqs, ps), *self.heads, ps, q_data_type=self.dtype, kv_data_type=self.dtype)
             return StepAttention(self.pool, self.decode, seqs, self.device)

@@ -33,7 +33,7 @@ from typing import Callable
 import torch
 
 from ..jit import compile_count
-from .attention import AttentionPlanner, SeqView
+from .attention import AttentionPlanner, SeqView, SharedNode, kv_tokens_read
 from .decode_path import DecodePathChooser
 from .graphs import CascadeGraph, DecodeGraph, bucket_sizes, cascade_nodes
 from .kv_pool import KVPool
@@ -85,6 +85,10 @@ class EngineStats:
     generated_tokens: int = 0
     evicted_pages: int = 0
     max_cascade_levels: int = 0  # levels of the deepest cascade decode step (prefix-tree levels + the own pages)
+    decode_seconds: float = 0.0  # wall time of the decode steps (each ends with its tokens on the host)
+    decode_tokens: int = 0  # tokens the decode steps produced (the sum of their batch sizes)
+    decode_kv_tokens: int = 0  # KV tokens the decode steps' attention read (per layer): a cascade reads a
+    #                            shared node's once, a flat step every request's whole history
     peak_pages_saved: int = 0  # max over decode steps of (pages the batch references - distinct pages)
     peak_bytes_saved: int = 0
 
@@ -335,21 +339,26 @@ class Engine:
             # chunk's work may still be running)
             torch.cuda.synchronize(self.model.device)
         started, builds = time.perf_counter(), compile_count()
-        logits, chosen = self._decode_logits(seqs, ids)
+        logits, chosen, kv_tokens = self._decode_logits(seqs, ids)
         self.stats.decode_steps += 1
+        self.stats.decode_kv_tokens += kv_tokens
+        self.stats.decode_tokens += len(seqs)
         done = []
         for i, request in enumerate(batch):
             self._emit(request, logits[i])  # reads the token back: the step's work is done after this
             if request.done:
                 self.running.remove(request)
                 done.append(request)
+        self.stats.decode_seconds += time.perf_counter() - started
         if chosen is not None and compile_count() == builds:  # a step that built a kernel says nothing of its path
             self.decode_paths.record(self._bucket(len(seqs)), chosen, time.perf_counter() - started)
         return done
 
-    def _decode_logits(self, seqs: list[SeqView], ids: list[int]) -> tuple[torch.Tensor, str | None]:
-        """The step's logits, and the path it took when it had a choice (graphs on, prefix pages shared)."""
+    def _decode_logits(self, seqs: list[SeqView], ids: list[int]) -> tuple[torch.Tensor, str | None, int]:
+        """The step's logits, the path it took when it had a choice (graphs on, prefix pages shared), and the KV
+        tokens its attention reads per layer."""
         dev = self.model.device
+        ps = self.pool.page_size
         with torch.no_grad():
             groups = self.planner.cascade_groups(seqs)
             chosen = None
@@ -363,19 +372,25 @@ class Engine:
                 self.stats.graph_steps += 1
                 if bucket not in self._graphs:
                     chosen = None  # a step that captures says nothing of its path's replays
-                return self._graph(len(seqs)).run(seqs, ids), chosen
+                return self._graph(len(seqs)).run(seqs, ids), chosen, kv_tokens_read(seqs, [], ps)
             self.stats.cascade_steps += groups is not None
             if self.cuda_graphs and len(cascade_nodes(groups)) <= CASCADE_GRAPH_GROUPS:  # a captured cascade step
                 self.stats.graph_steps += 1
                 if bucket not in self._cascade_graphs:
                     chosen = None
                 self.stats.max_cascade_levels = max(self.stats.max_cascade_levels, 2)
-                return self._cascade_graph(len(seqs)).run(seqs, ids, groups), chosen
+                nodes, first = [], 0
+                for size, common in groups:
+                    nodes.append(SharedNode(first, first + size, 0, common))
+                    first += size
+                return (self._cascade_graph(len(seqs)).run(seqs, ids, groups), chosen,
+                        kv_tokens_read(seqs, [nodes], ps))
             chosen = None  # an eager cascade step (too many groups to capture): not what "cascade" times
             attention = self.planner.decode_step(seqs, groups)
             self.stats.max_cascade_levels = max(self.stats.max_cascade_levels, self.planner.last_decode_levels)
             positions = torch.tensor([s.kv_len - 1 for s in seqs], device=dev)
-            return self.model.logits(self.model.forward(torch.tensor(ids, device=dev), positions, attention)), chosen
+            logits = self.model.logits(self.model.forward(torch.tensor(ids, device=dev), positions, attention))
+            return logits, chosen, self.planner.last_decode_kv_tokens
 
     def _bucket(self, batch_size: int) -> int:
         return next(b for b in self._buckets if b >= batch_size)

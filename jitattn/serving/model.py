@@ -167,6 +167,13 @@ class LlamaModel:
                 down=put(w("mlp.down_proj.weight")[:, mlp_lo:mlp_hi]),
             ))
 
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of this rank's weights a decode step reads (the embedding rows it gathers aside): the layers,
+        the final norm and the LM head."""
+        tensors = [t for layer in self.layers for t in layer.values()] + [self.norm, self.lm_head]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
     @classmethod
     def random(cls, config: ModelConfig, seed: int = 0, **kwargs) -> "LlamaModel":
         """A model with :func:`random_weights` drawn on its device (the same on every rank for one seed)."""
