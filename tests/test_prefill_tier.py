@@ -222,7 +222,7 @@ def test_sm90_tier_compiles_for_sm90a_without_a_gpu(case_id, tier_env, fresh_cac
 
 
 def test_sm90_gather_knobs(monkeypatch):
-    """SM90_TUNING (the experiments of dev/bench_paged_sm90.py): the defaults are the tested kernel,
+    """SM90_TUNING (the experiments of tools/bench_paged_sm90.py): the defaults are the tested kernel,
     paged_kv_block applies to paged specs only, and bad values are refused."""
     paged, ragged = SUPPORTED["paged_d128_bf16_causal"], SUPPORTED["d128_bf16_causal"]
     layout = prefill.sm90_layout(paged)

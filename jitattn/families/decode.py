@@ -95,7 +95,7 @@ TUNING: dict[str, int] = {
     # Tensor-core path, rows of whole 128-byte lines: unpadded K / V rows on 128-byte aligned stages, their
     # 16-byte pieces permuted within each line by the row (see swz in the template); 0: rows at an odd
     # multiple of 16 bytes, whose lines straddle two 128-byte shared-memory segments: each line's cp.async
-    # pieces then go to L2 as two or three requests (H200, dev/l2_stream.cu's copy pattern alone, b256 x 4096:
+    # pieces then go to L2 as two or three requests (H200, tools/l2_stream.cu's copy pattern alone, b256 x 4096:
     # 88.1 M requests / 201 M sectors and 1005 us padded, 33.6 M / 134 M and 937 us swizzled; 32 requests
     # over 32k shared pages 750 vs 460 us).
     "swizzle": 1,
@@ -104,7 +104,7 @@ TUNING: dict[str, int] = {
     # the item spans at most this many pages; longer items read them from the page table a stage ahead.
     "page_ids": 1024,
     # Development only: 1 stamps each block's first work item with %globaltimer at its phases
-    # (``jitattn_decode_trace`` copies them out; dev/trace_decode.py). 0 renders no trace code. The
+    # (``jitattn_decode_trace`` copies them out; tools/trace_decode.py). 0 renders no trace code. The
     # stamps cost registers (bf16 d128: 164 -> 171), which can spill under a tight blocks-per-SM cap.
     "trace": 0,
 }

@@ -51,7 +51,7 @@ ITEM_INTS, MERGE_INTS = 8, 4
 _LOG2E = 1.4426950408889634
 _SMEM_LIMIT = 227 << 10     # the opt-in shared memory per block on sm_90
 
-# Tuning knobs. The benchmark (dev/mla_tuning.py) may override entries (distinct sources, hence distinct
+# Tuning knobs. The benchmark (tools/mla_tuning.py) may override entries (distinct sources, hence distinct
 # cache entries); nothing else should.
 TUNING: dict[str, int] = {
     "load_threads": 128,  # threads issuing the KV cp.async gathers: 128 = warpgroup 1 (idle during S), 256 = both

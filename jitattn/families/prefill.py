@@ -270,14 +270,14 @@ def context(spec: VariantSpec) -> dict[str, Any]:
 
 # ---- the Hopper (sm_90a) tier ------------------------------------------------------------
 
-SM90_KV_BLOCK = {64: 192, 128: 176, 256: 64}  # head_dim -> KV tokens per stage (dev/NOTES_sm90.md: measured)
+SM90_KV_BLOCK = {64: 192, 128: 176, 256: 64}  # head_dim -> KV tokens per stage (docs/kernels/sm90_prefill.md: measured)
 # Paged KV: a block that pages of 16, 32, 64 and 128 tile whole, so each page is one TMA box (H200,
 # session 5, causal b8 x 4096 d128: page 64 300 -> 520 TFLOP/s, page 16 382 -> 389; 176 kept only 8/16/88).
 SM90_PAGED_KV_BLOCK = {64: 192, 128: 128, 256: 64}
 SM90_KV_BLOCK_3WG = 128  # head_dim 64 with three consumer warpgroups (SM90_TUNING consumers_d64)
 
 # Knobs of the sm90 tier's cp.async gathers (paged KV, repeated query rows), for experiments
-# (dev/bench_paged_sm90.py renders other values: distinct sources, distinct cache entries).
+# (tools/bench_paged_sm90.py renders other values: distinct sources, distinct cache entries).
 # gather_sync: how gathered stages reach the consumers (0 consumer-side proxy fence, the tested
 # default; 1 writer-side fence after cp.async.wait_group; 2 no fence; 3 the consumers' acquire-only
 # proxy fence, which ptxas turns into no instruction on sm_90a: see the template);
@@ -380,7 +380,7 @@ def _resident_blocks(spec: VariantSpec, archs: tuple[str, ...] | None, choice: s
 
 def sm90_pack(spec: VariantSpec, tile_rows: int = 128) -> int:
     """Query heads packed into a tile's rows: the whole GQA group when it divides the 128-row tile
-    and head_dim >= 128, else 1. Measured on the H200 (dev/bench_run5.txt, TFLOP/s packed vs not):
+    and head_dim >= 128, else 1. Measured on the H200 (docs/kernels/sm90_prefill.md, run 5; TFLOP/s packed vs not):
     d128 causal b8x4096 586 vs 540, ragged 587 vs 532, 16 queries x 4096 keys 170 vs 78; d256 573
     vs 570; but d64 causal b16x2048 289 vs 330, so head_dim 64 stays unpacked."""
     return spec.group_size if tile_rows % spec.group_size == 0 and spec.head_dim_qk >= 128 else 1

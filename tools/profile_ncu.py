@@ -1,0 +1,160 @@
+"""One call of a benchmark case inside a CUDA profiler range, for Nsight Compute:
+
+    ncu --profile-from-start off --set full -o OUT/decode_b1 python3 tools/profile_ncu.py decode_b1
+
+Cases (issue 16-18 rows; llama8b shapes 32 / 8 heads d128 bf16 page 16 unless said):
+decode_b1 (1 x 32768), decode_b256 (256 x 4096), sdpa_b1 / sdpa_b256 (PyTorch SDPA on contiguous KV, the rows'
+peer), fi_b1 / fi_b256 (FlashInfer's tensor-core decode on the same tables; PEER=1), phi3 (MHA d96 b64 x 4096),
+paged16 / paged64 / ragged (sm90 prefill causal b8 x 4096), ragged_d64 (causal b16 x 2048, d64),
+mla128 (MLA b64 x 4096, 128 heads, page 64), mla16
+(MLA b128 x 4096, 16 heads, page 64), flat_shared (decode b128 over 8192 shared + 256 own tokens each: the
+cascade row's flat twin).
+Warm-up calls (the JIT build, the plan) run before the range; one call runs inside it.
+``DECODE_TUNING='{"max_stages": 2}'`` renders the decode kernels with those overrides of
+``jitattn.families.decode.TUNING`` (their own cache entries), to profile a layout beside the default.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+
+import torch
+
+import jitattn
+
+HQ, HKV, D = 32, 8, 128
+
+
+def paged_batch(lens: list[int], page: int, gen: torch.Generator, dev: torch.device):
+    """A llama8b-shaped paged cache for requests of ``lens`` tokens, its pages in random order:
+    (cache [pages, 2, page, HKV, D], kv_indptr, kv_indices, kv_last_page_len), the tables on the host."""
+    pages = [-(-n // page) for n in lens]
+    pool = sum(pages)
+    cache = torch.randn(pool, 2, page, HKV, D, generator=gen).to(torch.bfloat16).to(dev)
+    indices = torch.randperm(pool, generator=gen).to(torch.int32)
+    indptr = torch.tensor([0] + torch.tensor(pages).cumsum(0).tolist(), dtype=torch.int32)
+    last = torch.tensor([(n - 1) % page + 1 for n in lens], dtype=torch.int32)
+    return cache, indptr, indices, last
+
+
+def case_fn(name: str):
+    dev = torch.device(os.environ.get("PROFILE_DEVICE", "cuda"))  # cpu: a smoke run of the script
+    gen = torch.Generator().manual_seed(0)
+    ws = torch.empty(512 << 20, dtype=torch.uint8, device=dev)
+    if name in ("decode_b1", "decode_b256"):
+        lens = [32768] if name == "decode_b1" else [4096] * 256
+        cache, indptr, indices, last = paged_batch(lens, 16, gen, dev)
+        q = torch.randn(len(lens), HQ, D, generator=gen).to(torch.bfloat16).to(dev)
+        out = torch.empty_like(q)
+        w = jitattn.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD")
+        w.plan(indptr, indices, last, HQ, HKV, D, 16, q_data_type=torch.bfloat16)
+        return lambda: w.run(q, cache, out=out)
+    if name in ("fi_b1", "fi_b256"):  # FlashInfer's tensor-core decode on decode_b1 / _b256's tables (PEER=1)
+        import flashinfer
+
+        lens = [32768] if name == "fi_b1" else [4096] * 256
+        cache, indptr, indices, last = paged_batch(lens, 16, gen, dev)
+        q = torch.randn(len(lens), HQ, D, generator=gen).to(torch.bfloat16).to(dev)
+        out = torch.empty_like(q)
+        w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=True)
+        w.plan(indptr.to(dev), indices.to(dev), last.to(dev), HQ, HKV, D, 16, q_data_type=torch.bfloat16)
+        return lambda: w.run(q, cache, out=out)
+    if name == "flat_shared":
+        b, shared, own, page = 128, 8192, 256, 16
+        cache, _, perm, _ = paged_batch([shared + b * own], page, gen, dev)
+        p_sh, p_own = shared // page, own // page
+        table = torch.cat([perm[:p_sh].unsqueeze(0).expand(b, -1), perm[p_sh:].view(b, p_own)], dim=1)
+        indptr = (torch.arange(b + 1) * (p_sh + p_own)).to(torch.int32)
+        last = torch.full((b,), page, dtype=torch.int32)
+        q = torch.randn(b, HQ, D, generator=gen).to(torch.bfloat16).to(dev)
+        out = torch.empty_like(q)
+        w = jitattn.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD")
+        w.plan(indptr, table.reshape(-1).contiguous(), last, HQ, HKV, D, page, q_data_type=torch.bfloat16)
+        return lambda: w.run(q, cache, out=out)
+    if name in ("sdpa_b1", "sdpa_b256"):
+        b, n = (1, 32768) if name == "sdpa_b1" else (256, 4096)
+        q = torch.randn(b, HQ, 1, D, generator=gen).to(torch.bfloat16).to(dev)
+        k = torch.randn(b, HKV, n, D, generator=gen).to(torch.bfloat16).to(dev)
+        v = torch.randn(b, HKV, n, D, generator=gen).to(torch.bfloat16).to(dev)
+        return lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    if name == "phi3":  # MHA d96, b64 x 4096 (the suite's decode/phi3_d96_b64_s4096)
+        b, n, h, d, page = 64, 4096, 32, 96, 16
+        cache = torch.randn(b * n // page, 2, page, h, d, dtype=torch.bfloat16, device=dev)  # 3.2 GB: made there
+        indices = torch.randperm(b * n // page, generator=gen).to(torch.int32)
+        indptr = (torch.arange(b + 1) * (n // page)).to(torch.int32)
+        last = torch.full((b,), page, dtype=torch.int32)
+        q = torch.randn(b, h, d, generator=gen).to(torch.bfloat16).to(dev)
+        out = torch.empty_like(q)
+        w = jitattn.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD")
+        w.plan(indptr, indices, last, h, h, d, page, q_data_type=torch.bfloat16)
+        return lambda: w.run(q, cache, out=out)
+    if name == "ragged_d64":  # the suite's prefill/d64_causal_b16_s2048 (32 / 8 heads, d64, causal)
+        b, n, d = 16, 2048, 64
+        q = torch.randn(b * n, HQ, d, generator=gen).to(torch.bfloat16).to(dev)
+        k = torch.randn(b * n, HKV, d, generator=gen).to(torch.bfloat16).to(dev)
+        v = torch.randn(b * n, HKV, d, generator=gen).to(torch.bfloat16).to(dev)
+        qo = torch.arange(b + 1, dtype=torch.int32) * n
+        out = torch.empty_like(q)
+        w = jitattn.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD")
+        w.plan(qo, qo, HQ, HKV, d, causal=True, q_data_type=torch.bfloat16)
+        return lambda: w.run(q, k, v, out=out)
+    if name in ("paged16", "paged64", "ragged"):
+        b, n = 8, 4096
+        q = torch.randn(b * n, HQ, D, generator=gen).to(torch.bfloat16).to(dev)
+        qo = torch.arange(b + 1, dtype=torch.int32) * n
+        out = torch.empty_like(q)
+        if name == "ragged":
+            k = torch.randn(b * n, HKV, D, generator=gen).to(torch.bfloat16).to(dev)
+            v = torch.randn(b * n, HKV, D, generator=gen).to(torch.bfloat16).to(dev)
+            w = jitattn.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD")
+            w.plan(qo, qo, HQ, HKV, D, causal=True, q_data_type=torch.bfloat16)
+            return lambda: w.run(q, k, v, out=out)
+        page = 16 if name == "paged16" else 64
+        cache, indptr, indices, last = paged_batch([n] * b, page, gen, dev)
+        w = jitattn.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD")
+        w.plan(qo, indptr, indices, last, HQ, HKV, D, page, causal=True, q_data_type=torch.bfloat16)
+        return lambda: w.run(q, cache, out=out)
+    if name in ("mla128", "mla16"):
+        b, n, page, heads = (64, 4096, 64, 128) if name == "mla128" else (128, 4096, 64, 16)
+        per = n // page
+        buf = torch.randn(b * per + 1, page, 576, generator=gen).to(torch.bfloat16).to(dev)
+        indices = torch.randperm(b * per + 1, generator=gen)[: b * per].to(torch.int32)
+        indptr = (torch.arange(b + 1) * per).to(torch.int32)
+        lens = torch.full((b,), n, dtype=torch.int32)
+        q_nope = torch.randn(b, heads, 512, generator=gen).to(torch.bfloat16).to(dev)
+        q_pe = torch.randn(b, heads, 64, generator=gen).to(torch.bfloat16).to(dev)
+        out = torch.empty_like(q_nope)
+        w = jitattn.BatchMLAPagedAttentionWrapper(torch.empty(128 << 20, dtype=torch.uint8, device=dev))
+        w.plan(torch.arange(b + 1, dtype=torch.int32), indptr, indices, lens, heads, 512, 64, page, False,
+               1.0 / math.sqrt(192), torch.bfloat16, torch.bfloat16)
+        return lambda: w.run(q_nope, q_pe, buf[..., :512], buf[..., 512:], out=out)
+    raise SystemExit(f"unknown case {name!r}")
+
+
+def main() -> None:
+    tuning = os.environ.get("DECODE_TUNING", "").strip()
+    if tuning:
+        from jitattn.families import decode
+
+        overrides = json.loads(tuning)
+        unknown = set(overrides) - set(decode.TUNING)
+        if unknown:
+            sys.exit(f"DECODE_TUNING: unknown keys {sorted(unknown)} (decode.TUNING has {sorted(decode.TUNING)})")
+        decode.TUNING.update(overrides)
+    fn = case_fn(sys.argv[1])
+    for _ in range(3):
+        fn()
+    if not torch.cuda.is_available():
+        return
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStart()
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStop()
+
+
+if __name__ == "__main__":
+    main()
