@@ -270,6 +270,7 @@ def test_native_api_keeps_the_natural_log() -> None:
     assert jitattn.merge_state is not fi.merge_state
     assert fi.single_prefill_with_kv_cache_return_lse.keywords == {"return_lse": True}
     assert fi.single_prefill_with_kv_cache_return_lse.func is fi.single_prefill_with_kv_cache
+    assert fi.__version__ == "0.5.3"  # the FlashInfer API it follows (engines compare flashinfer.__version__)
 
 
 def test_install_maps_flashinfer_and_its_submodules(monkeypatch) -> None:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import sys
 import types
 
-from ..version import __version__
 from . import attention, cascade, decode, mla, page, prefill
 from .attention import BatchAttentionWithAttentionSinkWrapper
 from .cascade import (BatchDecodeWithSharedPrefixPagedKVCacheWrapper, BatchPrefillWithSharedPrefixPagedKVCacheWrapper,
@@ -44,6 +43,10 @@ __all__ = [
     "merge_state_in_place", "merge_states", "single_decode_with_kv_cache", "single_prefill_with_kv_cache",
     "single_prefill_with_kv_cache_return_lse",
 ]
+
+# The FlashInfer release whose API this namespace follows (names, arguments, defaults, LSE convention):
+# engines compare flashinfer.__version__ to pick code paths. jitattn's own version is jitattn.__version__.
+__version__ = "0.5.3"
 
 SUBMODULES = {"attention": attention, "cascade": cascade, "decode": decode, "mla": mla, "page": page,
               "prefill": prefill}
