@@ -10,7 +10,7 @@ import jitattn
 from jitattn.serving import (
     Engine, KVPool, LlamaModel, RadixCache, preset, random_weights, reference_generate, save_checkpoint,
 )
-from jitattn.serving.attention import SeqView, SharedNode, prefix_groups, prefix_tree, tree_cascade_levels
+from jitattn.serving.attention import SeqView, SharedNode, prefix_tree, tree_cascade_levels
 
 CONFIG = preset("tiny")
 PAGE = 8
@@ -307,12 +307,12 @@ def test_decode_path_chooser_measures_each_path_then_keeps_the_faster() -> None:
 
 
 def test_cascade_graph_step_gives_the_eager_cascade_logits(model, monkeypatch) -> None:
-    """The captured cascade step's data flow on the cpu target: groups padded to the graph's count, rows padded
-    to the bucket with the scratch page, the cascade wrapper planned into fixed buffers. Capture is replaced by
-    a stand-in whose replay re-runs the recorded forward (no CUDA here)."""
+    """The captured cascade step's data flow on the cpu target: the prefix tree's levels padded to the graph's
+    node counts, rows padded to the bucket with the scratch page, the cascade wrapper planned into fixed buffers.
+    Capture is replaced by a stand-in whose replay re-runs the recorded forward (no CUDA here)."""
     import contextlib
 
-    from jitattn.serving.graphs import CascadeGraph
+    from jitattn.serving.graphs import CascadeGraph, padded_cascade_levels
 
     class ReplayByRerun:
         owner: CascadeGraph
@@ -322,35 +322,70 @@ def test_cascade_graph_step_gives_the_eager_cascade_logits(model, monkeypatch) -
 
     monkeypatch.setattr(torch.cuda, "CUDAGraph", ReplayByRerun)
     monkeypatch.setattr(torch.cuda, "graph", lambda graph, pool=None: contextlib.nullcontext())
-    monkeypatch.setattr(jitattn.cascade, "num_workers", lambda device: 64)  # the shared level is chunked
+    monkeypatch.setattr(jitattn.cascade, "num_workers", lambda device: 64)  # the shared levels are chunked
     engine = Engine(model, num_pages=96, page_size=PAGE, cascade=True)
-    for prompt in _prompts(12, 24, [5, 17, 30]) + _prompts(13, 16, [2, 9]):  # two system prompts: two groups
-        engine.add_request(prompt, 8)
+    system = _prompts(12, 24, [0])[0]
+    fork = system + _prompts(14, 16, [0])[0]
+    prompts = [fork + p for p in _prompts(15, 0, [5, 17])] + [system + p for p in _prompts(16, 0, [30])] + _prompts(
+        13, 16, [2, 9])  # a two-level tree (system, fork) and a second system prompt
+    engine.add_request(prompts[0], 8)
+    engine.add_request(prompts[3], 8)
     while engine.waiting or engine.prefilling:
         engine.step()
-    graph = CascadeGraph(model, engine.pool, engine.planner.workspace, 8, 16, max_groups=3)
-    ReplayByRerun.owner = graph
-    batch = sorted(engine.running, key=lambda r: tuple(r.pages[: r.num_shared_pages or 1]))
-    for rows in (batch, batch[:3]):  # 3 and 5 padded rows of one captured bucket; 2 groups then 1 of 3
+    for p in prompts[1:3] + prompts[4:]:
+        engine.add_request(p, 8)
+    while engine.waiting or engine.prefilling:
+        engine.step()
+    batch = sorted(engine.running, key=lambda r: tuple(r.pages))
+    graph = None
+    for rows in (batch, batch[:3]):  # 3 and 5 padded rows of one bucket: two levels, then one
         seqs = [SeqView(tuple(r.pages[: -(-len(r.fed_tokens) // PAGE)]), len(r.fed_tokens), 1) for r in rows]
         ids = [r.fed_tokens[-1] for r in rows]
-        groups = engine.planner.cascade_groups(seqs)
-        assert groups is not None and 1 <= len(groups) <= 3
+        tree = engine.planner.cascade_tree(seqs)
+        assert tree is not None
+        levels, capacities = padded_cascade_levels(seqs, tree, 8, PAGE)
+        assert capacities == (8,) * len(tree) and [t.numel() for t in levels[0]] == [9] * len(tree) + [9]
         expected, _, _ = engine._decode_logits(seqs, ids)  # appends this step's k/v; the graph's appends rewrite them
-        torch.testing.assert_close(graph.run(seqs, ids, groups), expected, rtol=1e-4, atol=1e-4)
-    with pytest.raises(ValueError, match="at most 3"):
-        graph.run(seqs, ids, [(1, 1)] * 4)  # four nodes that share pages
+        graph = CascadeGraph(model, engine.pool, engine.planner.workspace, 8, 16, capacities)
+        ReplayByRerun.owner = graph
+        torch.testing.assert_close(graph.run(seqs, ids, levels), expected, rtol=1e-4, atol=1e-4)
+    assert len(prefix_tree([SeqView(tuple(r.pages[:-1]) + (r.pages[-1],), 30, 1) for r in batch])) == 2
+    with pytest.raises(ValueError, match="captured for"):  # levels padded for a larger bucket's node counts
+        graph.run(seqs, ids, padded_cascade_levels(seqs, tree, 32, PAGE)[0])
 
 
-def test_cascade_nodes_merge_runs_of_groups_that_share_nothing() -> None:
-    from jitattn.serving.graphs import cascade_nodes
+def test_node_capacity_bounds_any_level_of_the_bucket() -> None:
+    from jitattn.serving.graphs import node_capacity
 
-    assert cascade_nodes([(3, 4), (1, 0), (1, 0), (2, 5), (1, 0)]) == [(3, 4), (2, 0), (2, 5), (1, 0)]
-    assert cascade_nodes([(1, 0)] * 10 + [(4, 2)]) == [(10, 0), (4, 2)]
-    assert cascade_nodes([]) == []
+    assert [node_capacity(n, 64) for n in (1, 8, 9, 17, 33, 64)] == [8, 8, 16, 32, 64, 64]
+    assert node_capacity(3, 4) == 4 and node_capacity(2, 2) == 2
 
 
-# --- the parts on their own -------------------------------------------------------------------
+def test_with_graphs_a_deep_tree_replays_captured_cascade_steps(model, monkeypatch) -> None:
+    """Graphs on, cascade always chosen: a three-level tree's steps replay captured cascade graphs (none runs
+    eagerly), keyed by bucket and node counts, and the greedy tokens are the reference's."""
+    _fake_graphs(monkeypatch)
+    gen = torch.Generator().manual_seed(22)
+
+    def tokens(n: int) -> list[int]:
+        return torch.randint(0, CONFIG.vocab_size, (n,), generator=gen).tolist()
+
+    system, shots, fork = tokens(40), tokens(21), tokens(11)
+    prompts = [system + shots + fork + tokens(n) for n in (5, 3, 9)] + [system + shots + tokens(6), system + tokens(12)]
+    expected = [reference_generate(model, p, 6)[0] for p in prompts]
+    engine = Engine(model, num_pages=64, page_size=PAGE, cascade=True)
+    engine.cuda_graphs = True
+    monkeypatch.setattr(engine.decode_paths, "choose", lambda bucket: "cascade")
+    requests = [engine.add_request(prompts[0], 6)]
+    while engine.prefilling or engine.waiting:
+        engine.step()
+    requests += [engine.add_request(p, 6) for p in prompts[1:]]
+    engine.run()
+    assert [r.output for r in requests] == expected
+    assert engine.stats.max_cascade_levels == 4 and engine.stats.cascade_steps > 0
+    assert engine.stats.graph_steps == engine.stats.decode_steps, "every decode step replayed a graph"
+    assert any(len(capacities) == 3 for _, capacities in engine._cascade_graphs)
+
 
 def test_pool_refcounts_and_double_release() -> None:
     pool = KVPool(1, 5, 4, 1, 8, torch.float32, "cpu")
@@ -381,20 +416,6 @@ def test_radix_tree_splits_shares_and_evicts_lru() -> None:
     assert tree.evict(10) == 0
     pool.decref(held)
     assert tree.evict(10) == 4 and tree.num_cached_pages == 0 and pool.num_free == 15
-
-
-def test_prefix_groups_never_share_a_last_page() -> None:
-    seqs = [SeqView((1, 2, 3), 20, 1), SeqView((1, 2, 4), 19, 1), SeqView((1, 2), 9, 1), SeqView((5,), 2, 1)]
-    assert prefix_groups(seqs) == [(3, 1), (1, 0)]
-    assert prefix_groups(seqs[:2]) == [(2, 2)]
-
-
-def test_prefix_groups_take_the_shortest_agreement_of_any_member() -> None:
-    # the middle member leaves the common prefix first; the last agrees with the first further on
-    seqs = [SeqView((1, 2, 3, 4, 5), 80, 1), SeqView((1, 2, 9, 4, 5, 6), 90, 1), SeqView((1, 2, 3, 4, 7), 75, 1)]
-    assert prefix_groups(seqs) == [(3, 2)]
-    assert prefix_groups([seqs[0], seqs[2]]) == [(2, 4)]
-    assert prefix_groups([SeqView((1, 8), 20, 1), SeqView((1, 9), 20, 1)]) == [(2, 1)]
 
 
 # -- N-level cascade along the prefix tree -----------------------------------------------------------------

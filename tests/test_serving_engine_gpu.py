@@ -74,17 +74,21 @@ def test_cuda_graph_decode_matches_eager_decode(batch: int) -> None:
     assert worst < 1e-2
 
 
-@pytest.mark.parametrize("batch", [3, 8, 13])
-def test_captured_cascade_decode_matches_eager_cascade_decode(batch: int, monkeypatch) -> None:
-    """Requests over two shared system prompts, cascade on: the captured cascade step (forced: the timed
-    choice would pick either) gives the eager cascade step's logits."""
+@pytest.mark.parametrize("batch,tree", [(3, False), (8, False), (13, False), (13, True)],
+                         ids=["b3", "b8", "b13", "b13-three-levels"])
+def test_captured_cascade_decode_matches_eager_cascade_decode(batch: int, tree: bool, monkeypatch) -> None:
+    """Requests over two shared system prompts (tree: the first also forks into two branches, a three-level
+    prefix tree), cascade on: the captured cascade step (forced: the timed choice would pick either) gives the
+    eager cascade step's logits."""
     from jitattn.serving import engine as engine_module
 
     config = BIG.with_layers(2)
     model = LlamaModel.random(config, seed=2, dtype=torch.bfloat16, device="cuda")
     gen = torch.Generator().manual_seed(100 + batch)
     systems = [torch.randint(0, config.vocab_size, (n,), generator=gen).tolist() for n in (300, 70)]
-    prompts = [systems[i % 2] + torch.randint(0, config.vocab_size, (int(n),), generator=gen).tolist()
+    branches = [torch.randint(0, config.vocab_size, (n,), generator=gen).tolist() for n in (40, 75)] if tree else [[]]
+    prompts = [systems[i % 2] + (branches[(i // 2) % len(branches)] if i % 2 == 0 else [])
+               + torch.randint(0, config.vocab_size, (int(n),), generator=gen).tolist()
                for i, n in enumerate(torch.randint(1, 40, (batch,), generator=gen))]
     forced = torch.randint(0, config.vocab_size, (batch, 8), generator=gen).tolist()
     monkeypatch.setattr(engine_module.DecodePathChooser, "choose", lambda self, bucket: "cascade")
@@ -92,12 +96,15 @@ def test_captured_cascade_decode_matches_eager_cascade_decode(batch: int, monkey
     for graphs in (False, True):
         engine = Engine(model, num_pages=600, page_size=16, max_batch_size=16, cascade=True, cuda_graphs=graphs,
                         max_seq_len=512)
-        first = [engine.add_request(p, 8, forced_tokens=f, keep_logits=True) for p, f in zip(prompts[:2], forced)]
+        lead = 4 if tree else 2  # both system prompts (and, for the tree, both branches) cached first
+        first = [engine.add_request(p, 8, forced_tokens=f, keep_logits=True) for p, f in zip(prompts[:lead], forced)]
         while engine.waiting or engine.prefilling:
             engine.step()  # the two system prompts are cached before the others arrive
-        rest = [engine.add_request(p, 8, forced_tokens=f, keep_logits=True) for p, f in zip(prompts[2:], forced[2:])]
+        rest = [engine.add_request(p, 8, forced_tokens=f, keep_logits=True)
+                for p, f in zip(prompts[lead:], forced[lead:])]
         engine.run()
-        assert engine.stats.cascade_steps > 0 and bool(engine._cascade_graphs) == graphs
+        assert engine.stats.cascade_steps > 0 and (engine.stats.graph_steps > 0) == graphs
+        assert engine.stats.max_cascade_levels == (3 if tree else 2)
         logits[graphs] = torch.stack([torch.stack(r.logits) for r in first + rest])
     worst = _relative_error(logits[True], logits[False])
     print(f"\ncaptured vs eager cascade, batch {batch}: relative logits error {worst:.2e}")

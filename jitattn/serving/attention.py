@@ -32,7 +32,7 @@ class SeqView:
     new_tokens: int
 
 
-_FIND = object()  # decode_step's default: find the prefix groups itself
+_FIND = object()  # decode_step's default: find the prefix tree itself
 
 
 def _int32(values) -> torch.Tensor:
@@ -55,45 +55,6 @@ def page_table(seqs: list[SeqView], page_size: int, skip_pages: list[int] | None
     indices = _int32(itertools.chain.from_iterable(rows))
     last = torch.tensor([(s.kv_len - 1) % page_size + 1 for s in seqs], dtype=torch.int32)
     return _indptr([len(r) for r in rows]), indices, last
-
-
-def prefix_groups(seqs: list[SeqView]) -> list[tuple[int, int]]:
-    """(size, shared pages) of each run of consecutive seqs that start with the same pages.
-
-    A group's shared pages are its members' longest common page prefix, never a member's last
-    page (that one still receives tokens); a seq alone is a group sharing nothing.
-    """
-    groups, i = [], 0
-    while i < len(seqs):
-        j = i + 1
-        while j < len(seqs) and seqs[j].pages[:1] == seqs[i].pages[:1]:
-            j += 1
-        common = 0
-        if j - i > 1:
-            first = seqs[i].pages
-            common = max(0, min(len(s.pages) for s in seqs[i:j]) - 1)
-            for s in seqs[i + 1:j]:  # one tuple-slice comparison per member while they agree
-                if s.pages[:common] != first[:common]:
-                    common = next(c for c in range(common) if s.pages[c] != first[c])
-        groups.append((j - i, common))
-        i = j
-    return groups
-
-
-def cascade_levels(seqs: list[SeqView], groups: list[tuple[int, int]], page_size: int) -> tuple[list, list, list, list]:
-    """The two levels of a cascade decode step as ``MultiLevelCascadeAttentionWrapper.plan``'s four array lists:
-    level 0 each group's shared pages once, level 1 each seq's own pages. ``groups`` ((size, shared pages))
-    cover ``seqs`` in order; a group may be empty (no seqs, no pages)."""
-    shared_rows, own_skip, first = [], [], 0
-    for size, common in groups:
-        shared_rows.append(seqs[first].pages[:common] if common else ())
-        own_skip += [common] * size
-        first += size
-    own_indptr, own_indices, own_last = page_table(seqs, page_size, own_skip)
-    shared_last = torch.full((len(groups),), page_size, dtype=torch.int32)  # shared pages are always full
-    return ([_indptr([size for size, _ in groups]), _indptr([1] * len(seqs))],
-            [_indptr([len(r) for r in shared_rows]), own_indptr],
-            [_int32(itertools.chain.from_iterable(shared_rows)), own_indices], [shared_last, own_last])
 
 
 @dataclass(frozen=True)
@@ -229,20 +190,20 @@ class AttentionPlanner:
                           causal=True, q_data_type=self.dtype, kv_data_type=self.dtype)
         return StepAttention(self.pool, self.prefill, seqs, self.device)
 
-    def cascade_groups(self, seqs: list[SeqView]) -> list[tuple[int, int]] | None:
-        """The prefix groups of a decode batch when cascade is on and some group shares pages, else None."""
-        groups = prefix_groups(seqs) if self.use_cascade else []
-        return groups if any(size > 1 and common > 0 for size, common in groups) else None
+    def cascade_tree(self, seqs: list[SeqView]) -> list[list[SharedNode]] | None:
+        """The prefix tree of a decode batch (:func:`prefix_tree`) when cascade is on and some seqs share
+        pages, else None (flat decode)."""
+        return (prefix_tree(seqs) if self.use_cascade else []) or None
 
-    def decode_step(self, seqs: list[SeqView], groups: list[tuple[int, int]] | None | object = _FIND) -> StepAttention:
-        """One token per seq: flat, or a cascade with one level per level of the batch's prefix tree (see
-        :func:`prefix_tree`) and the seqs' own pages last, when consecutive seqs share prefix pages.
+    def decode_step(self, seqs: list[SeqView], tree: list[list[SharedNode]] | None | object = _FIND) -> StepAttention:
+        """One token per seq: flat, or a cascade with one level per level of the batch's prefix tree and the
+        seqs' own pages last, when consecutive seqs share prefix pages.
 
-        ``groups``: :meth:`cascade_groups` of ``seqs`` when the caller has it already (None: flat)."""
+        ``tree``: :meth:`cascade_tree` of ``seqs`` when the caller has it already (None: flat)."""
         ps = self.pool.page_size
-        if groups is _FIND:
-            groups = self.cascade_groups(seqs)
-        tree = prefix_tree(seqs) if groups is not None else []
+        if tree is _FIND:
+            tree = self.cascade_tree(seqs)
+        tree = tree or []
         self.last_decode_levels = len(tree) + 1 if tree else 0
         self.last_decode_kv_tokens = kv_tokens_read(seqs, tree, ps)
         if not tree:

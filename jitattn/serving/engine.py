@@ -11,11 +11,10 @@ Each :meth:`Engine.step` does, in order:
    first (a long prompt takes several steps), then cache the prompt's completed pages in the
    radix tree; a request whose prompt is done gets its first token (greedy);
 3. **decode** one token for every running request, ordered by pages so that the requests under each
-   node of the batch's prefix tree sit together (an eager cascade step has a level per tree level:
+   node of the batch's prefix tree sit together (a cascade step has a level per tree level:
    ``attention.prefix_tree``), with one plan for every layer; on cuda a flat step may replay a
-   captured CUDA graph of its batch-size bucket, and so may a two-level cascade step (each group's
-   shared pages, then each request's own) of at most ``CASCADE_GRAPH_GROUPS`` prefix groups
-   (``graphs.CascadeGraph``; more groups: eager). With
+   captured CUDA graph of its batch-size bucket, and so may a cascade step of any number of prefix
+   groups and levels (``graphs.CascadeGraph``, one graph per bucket and level shape). With
    graphs on, a step whose requests share prefix pages takes the faster of the flat step and the
    cascade step, as timed per bucket (``decode_path.DecodePathChooser``).
 """
@@ -33,15 +32,14 @@ from typing import Callable
 import torch
 
 from ..jit import compile_count
-from .attention import AttentionPlanner, SeqView, SharedNode, kv_tokens_read
+from .attention import AttentionPlanner, SeqView, kv_tokens_read
 from .decode_path import DecodePathChooser
-from .graphs import CascadeGraph, DecodeGraph, bucket_sizes, cascade_nodes
+from .graphs import CascadeGraph, DecodeGraph, bucket_sizes, padded_cascade_levels
 from .kv_pool import KVPool
 from .model import LlamaModel
 from .radix import RadixCache
 
 
-CASCADE_GRAPH_GROUPS = 8  # prefix groups a captured cascade step takes (more: the step runs eagerly)
 
 
 @dataclass(eq=False)
@@ -119,8 +117,8 @@ class Engine:
     ``num_pages`` pages of ``page_size`` tokens form the KV pool (per layer); at most
     ``max_batch_size`` requests are admitted at once; a prefill step computes at most
     ``prefill_chunk_tokens`` prompt tokens; ``cascade`` turns cascade decode on; ``cuda_graphs``
-    replays captured decode steps (cuda only): flat ones and, with ``cascade``, cascade ones of at most
-    ``CASCADE_GRAPH_GROUPS`` prefix groups, each step of shared prefixes taking the path measured
+    replays captured decode steps (cuda only): flat ones and, with ``cascade``, cascade ones of any
+    shape, each step of shared prefixes taking the path measured
     faster for its batch bucket; ``clock`` gives the time in seconds
     (default: since the engine was made) that request arrivals are compared with.
     """
@@ -143,11 +141,11 @@ class Engine:
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.cuda_graphs = cuda_graphs
         self._graphs: dict[int, DecodeGraph] = {}
-        self._cascade_graphs: dict[int, CascadeGraph] = {}
+        self._cascade_graphs: dict[tuple[int, tuple[int, ...]], CascadeGraph] = {}  # by (bucket, node counts)
         self._buckets = bucket_sizes(max_batch_size)
         self._graph_pool = torch.cuda.graph_pool_handle() if cuda_graphs else None
         # With graphs, a step whose requests share prefix pages runs the faster of the flat step and the
-        # cascade step (captured too up to CASCADE_GRAPH_GROUPS groups), as measured.
+        # cascade step (captured too), as measured.
         self.decode_paths = DecodePathChooser()
         started = time.perf_counter()
         self.clock = clock or (lambda: time.perf_counter() - started)
@@ -360,33 +358,29 @@ class Engine:
         dev = self.model.device
         ps = self.pool.page_size
         with torch.no_grad():
-            groups = self.planner.cascade_groups(seqs)
+            tree = self.planner.cascade_tree(seqs)
             chosen = None
-            if self.cuda_graphs and groups is not None:
-                # rank 0's choice under tensor parallelism: every rank runs the same step
-                chosen = self.group.broadcast(self.decode_paths.choose(self._bucket(len(seqs))))
-                if chosen == "graph":
-                    groups = None
             bucket = self._bucket(len(seqs))
-            if self.cuda_graphs and groups is None:
+            if self.cuda_graphs and tree is not None:
+                # rank 0's choice under tensor parallelism: every rank runs the same step
+                chosen = self.group.broadcast(self.decode_paths.choose(bucket))
+                if chosen == "graph":
+                    tree = None
+            if self.cuda_graphs and tree is None:
                 self.stats.graph_steps += 1
                 if bucket not in self._graphs:
                     chosen = None  # a step that captures says nothing of its path's replays
                 return self._graph(len(seqs)).run(seqs, ids), chosen, kv_tokens_read(seqs, [], ps)
-            self.stats.cascade_steps += groups is not None
-            if self.cuda_graphs and len(cascade_nodes(groups)) <= CASCADE_GRAPH_GROUPS:  # a captured cascade step
+            self.stats.cascade_steps += tree is not None
+            if self.cuda_graphs:  # a captured cascade step: any number of groups and levels
+                levels, capacities = padded_cascade_levels(seqs, tree, bucket, ps)
                 self.stats.graph_steps += 1
-                if bucket not in self._cascade_graphs:
+                self.stats.max_cascade_levels = max(self.stats.max_cascade_levels, len(capacities) + 1)
+                if (bucket, capacities) not in self._cascade_graphs:
                     chosen = None
-                self.stats.max_cascade_levels = max(self.stats.max_cascade_levels, 2)
-                nodes, first = [], 0
-                for size, common in groups:
-                    nodes.append(SharedNode(first, first + size, 0, common))
-                    first += size
-                return (self._cascade_graph(len(seqs)).run(seqs, ids, groups), chosen,
-                        kv_tokens_read(seqs, [nodes], ps))
-            chosen = None  # an eager cascade step (too many groups to capture): not what "cascade" times
-            attention = self.planner.decode_step(seqs, groups)
+                graph = self._cascade_graph(bucket, capacities)
+                return graph.run(seqs, ids, levels), chosen, kv_tokens_read(seqs, tree[: len(capacities)], ps)
+            attention = self.planner.decode_step(seqs, tree)
             self.stats.max_cascade_levels = max(self.stats.max_cascade_levels, self.planner.last_decode_levels)
             positions = torch.tensor([s.kv_len - 1 for s in seqs], device=dev)
             logits = self.model.logits(self.model.forward(torch.tensor(ids, device=dev), positions, attention))
@@ -395,13 +389,12 @@ class Engine:
     def _bucket(self, batch_size: int) -> int:
         return next(b for b in self._buckets if b >= batch_size)
 
-    def _cascade_graph(self, batch_size: int) -> CascadeGraph:
-        bucket = self._bucket(batch_size)
-        if bucket not in self._cascade_graphs:
-            self._cascade_graphs[bucket] = CascadeGraph(self.model, self.pool, self.planner.workspace, bucket,
-                                                        self._pages_for(self.max_seq_len), CASCADE_GRAPH_GROUPS,
-                                                        self._graph_pool)
-        return self._cascade_graphs[bucket]
+    def _cascade_graph(self, bucket: int, capacities: tuple[int, ...]) -> CascadeGraph:
+        key = (bucket, capacities)
+        if key not in self._cascade_graphs:
+            self._cascade_graphs[key] = CascadeGraph(self.model, self.pool, self.planner.workspace, bucket,
+                                                     self._pages_for(self.max_seq_len), capacities, self._graph_pool)
+        return self._cascade_graphs[key]
 
     def _graph(self, batch_size: int) -> DecodeGraph:
         bucket = self._bucket(batch_size)

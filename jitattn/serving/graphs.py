@@ -6,12 +6,13 @@ buffers: token ids, positions, append indices, and the page table of a ``use_cud
 decode wrapper, which ``plan()`` refills before each replay. A batch smaller than its bucket is
 padded with rows that point at the pool's scratch page (one token, written and read there only).
 
-A cascade step is captured the same way (``CascadeGraph``, one per bucket): two levels whose node
-counts are fixed -- level 0 the prefix groups' shared pages (runs of groups sharing nothing as one
-node), padded to ``max_groups`` nodes plus one for the padding rows (empty nodes have no queries, the
-padding node no pages), level 1
-each row's own pages -- so the cascade wrapper's launches keep their shape from step to step. A
-step with more groups than that runs eagerly.
+A cascade step is captured the same way (``CascadeGraph``): one level per level of the batch's
+prefix tree (``attention.prefix_tree``, at most ``MAX_SHARED_LEVELS`` deep; deeper shared pages are
+read with each request's own) and each row's own pages last. A captured launch keeps its shape, so
+each shared level is padded with empty nodes (no queries, no pages) to a node count of the bucket's
+(``node_capacity``: a power of two from 8 up to the bucket, which bounds any tree over the bucket's
+rows), and one graph is kept per (bucket, node counts): a step of any number of prefix groups and
+levels replays a graph, none runs eagerly.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 
 import jitattn
 
-from .attention import SeqView, cascade_levels, page_table
+from .attention import SeqView, SharedNode, page_table, tree_cascade_levels
 from .kv_pool import KVPool
 from .model import LlamaModel
 
@@ -101,41 +102,59 @@ class DecodeGraph(_CapturedStep):
         return self._replay(rows, input_ids, len(seqs))
 
 
-def cascade_nodes(groups: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """(rows, shared pages) of a captured cascade step's level-0 nodes: each group that shares pages, and each
-    run of consecutive groups that share none as one node of no pages (which can hold any contiguous rows)."""
-    nodes: list[tuple[int, int]] = []
-    for size, common in groups:
-        if common == 0 and nodes and nodes[-1][1] == 0:
-            nodes[-1] = (nodes[-1][0] + size, 0)
-        else:
-            nodes.append((size, common))
-    return nodes
+MAX_SHARED_LEVELS = 6  # shared levels a captured cascade step takes; deeper nodes' pages are read per request
+
+
+def node_capacity(nodes: int, bucket: int) -> int:
+    """Nodes a captured shared level is sized for: the next power of two >= ``nodes``, at least 8, at most
+    ``bucket`` (a level over ``bucket`` rows has at most that many nodes)."""
+    capacity = 8
+    while capacity < nodes:
+        capacity *= 2
+    return max(nodes, min(capacity, bucket))
+
+
+def padded_cascade_levels(seqs: list[SeqView], tree: list[list[SharedNode]], bucket: int,
+                          page_size: int) -> tuple[tuple[list, list, list, list], tuple[int, ...]]:
+    """The plan arrays of a captured cascade step over ``seqs`` (padded to ``bucket`` rows on the scratch
+    page) and ``tree`` (:func:`prefix_tree` of ``seqs``, its first ``MAX_SHARED_LEVELS`` levels), each shared
+    level padded with empty nodes to its ``node_capacity``; and those capacities (the graph's shape)."""
+    rows = list(seqs) + [SeqView((KVPool.SCRATCH_PAGE,), 1, 1)] * (bucket - len(seqs))
+    qo, kv_indptr, kv_indices, last = tree_cascade_levels(rows, tree[:MAX_SHARED_LEVELS], page_size)
+    capacities = tuple(node_capacity(t.numel() - 1, bucket) for t in qo[:-1])
+    for level, capacity in enumerate(capacities):
+        extra = capacity - (qo[level].numel() - 1)
+        qo[level] = torch.cat([qo[level], qo[level][-1:].expand(extra)])
+        kv_indptr[level] = torch.cat([kv_indptr[level], kv_indptr[level][-1:].expand(extra)])
+        last[level] = torch.cat([last[level], torch.full((extra,), page_size, dtype=torch.int32)])
+    return (qo, kv_indptr, kv_indices, last), capacities
 
 
 class CascadeGraph(_CapturedStep):
-    """The captured cascade decode step of one bucket (see the module docstring)."""
+    """The captured cascade decode step of one bucket and one shape: ``capacities[l]`` nodes at shared level l,
+    then one per row (see the module docstring)."""
 
     def __init__(self, model: LlamaModel, pool: KVPool, workspace: torch.Tensor, bucket: int, max_pages_per_seq: int,
-                 max_groups: int, memory_pool=None) -> None:
+                 capacities: tuple[int, ...], memory_pool=None) -> None:
         super().__init__(model, pool, bucket, max_pages_per_seq, memory_pool)
-        self.max_groups = max_groups
+        self.capacities = tuple(capacities)
         i32 = dict(dtype=torch.int32, device=model.device)
-        nodes = max_groups + 1  # the groups, then the padding rows' node
+        nodes = [*self.capacities, bucket]
         level_pages = bucket * max_pages_per_seq
         self.wrapper = jitattn.MultiLevelCascadeAttentionWrapper(
-            2, workspace, use_cuda_graph=True,
-            qo_indptr_buf_arr=[torch.zeros(nodes + 1, **i32), torch.zeros(bucket + 1, **i32)],
-            paged_kv_indptr_buf_arr=[torch.zeros(nodes + 1, **i32), torch.zeros(bucket + 1, **i32)],
-            paged_kv_indices_buf_arr=[torch.zeros(level_pages, **i32), torch.zeros(level_pages, **i32)],
-            paged_kv_last_page_len_buf_arr=[torch.zeros(nodes, **i32), torch.zeros(bucket, **i32)])
+            len(nodes), workspace, use_cuda_graph=True,
+            qo_indptr_buf_arr=[torch.zeros(n + 1, **i32) for n in nodes],
+            paged_kv_indptr_buf_arr=[torch.zeros(n + 1, **i32) for n in nodes],
+            paged_kv_indices_buf_arr=[torch.zeros(level_pages, **i32) for _ in nodes],
+            paged_kv_last_page_len_buf_arr=[torch.zeros(n, **i32) for n in nodes])
 
-    def run(self, seqs: list[SeqView], input_ids: list[int], groups: list[tuple[int, int]]) -> torch.Tensor:
-        """Logits ``[len(seqs), vocab]`` of one cascade decode step over ``groups`` (``prefix_groups`` of
-        ``seqs``: at most ``max_groups`` ``cascade_nodes``); captured on the bucket's first use."""
-        nodes = cascade_nodes(groups)
-        if len(nodes) > self.max_groups:
-            raise ValueError(f"{len(nodes)} prefix groups; this graph takes at most {self.max_groups}")
+    def run(self, seqs: list[SeqView], input_ids: list[int], levels: tuple[list, list, list, list]) -> torch.Tensor:
+        """Logits ``[len(seqs), vocab]`` of one cascade decode step over ``levels`` (:func:`padded_cascade_levels`
+        of ``seqs`` for this graph's bucket and capacities); captured on first use."""
+        shape = (levels[0][-1].numel() - 1, tuple(t.numel() - 1 for t in levels[0][:-1]))
+        if shape != (self.bucket, self.capacities):
+            raise ValueError(f"levels of {shape[0]} rows and {shape[1]} shared nodes; this graph is captured for "
+                             f"{self.bucket} rows and {self.capacities}")
         n, ps = len(seqs), self.pool.page_size
         rows = self._rows(seqs)
         # every row's whole page table, for the appends (the cascade's levels are split copies of it)
@@ -143,9 +162,7 @@ class CascadeGraph(_CapturedStep):
         self.indptr.copy_(full_indptr, non_blocking=True)
         self.indices[: full_indices.numel()].copy_(full_indices, non_blocking=True)
         self.last_page_len.copy_(full_last, non_blocking=True)
-        # the nodes, empty ones up to max_groups, then the padding rows' node (no pages)
-        padded = nodes + [(0, 0)] * (self.max_groups - len(nodes)) + [(self.bucket - n, 0)]
         c = self.model.config
-        self.wrapper.plan(*cascade_levels(rows, padded, ps), self.model.num_q_heads, self.model.num_kv_heads,
-                          c.head_dim, ps, causal=False, q_data_type=self.model.dtype, kv_data_type=self.model.dtype)
+        self.wrapper.plan(*levels, self.model.num_q_heads, self.model.num_kv_heads, c.head_dim, ps, causal=False,
+                          q_data_type=self.model.dtype, kv_data_type=self.model.dtype)
         return self._replay(rows, input_ids, n)
