@@ -98,3 +98,12 @@ def test_the_readme_gives_exact_torch_commands_and_ci_hands_its_warm_cache_to_th
     tests = next(i for i, line in enumerate(ci) if line.startswith("python3 -m pytest"))
     assert warm < reuse < tests
     assert any("wall time" in line for line in ci)
+
+
+def test_every_package_of_the_source_tree_ships_in_the_wheel():
+    """pyproject lists its packages by hand: a new folder of modules left off it imports in a source checkout and
+    an editable install, and is missing from a built wheel."""
+    packages = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    on_disk = {".".join(init.parent.relative_to(REPO).parts) for top in ("jitattn", "jitattn_cache")
+               for init in (REPO / top).rglob("__init__.py")}
+    assert on_disk <= packages, f"not in pyproject's [tool.setuptools] packages: {sorted(on_disk - packages)}"
