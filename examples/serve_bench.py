@@ -12,6 +12,10 @@ in L2), ``agent-fork`` (128 requests in a three-level tree: an 8,192-token root 
 nothing to share); ``all`` runs the four. Every other flag goes to serve.py unchanged. Each workload first
 runs twice untimed (cascade on, then off) to load the kernels.
 
+``--sweep-prefix 1024,2048,...`` (with ``--sweep-requests 64,128``) instead times one workload per shared-prefix
+length and request count (64 own tokens, 32 out), cascade on and off, and writes the decode step time against the
+prefix length (and, with ``--plot FILE.png`` and matplotlib, the plot, roofline dashed).
+
 The roofline column: the decode steps' time cannot be below max(bytes / read-stream bandwidth, FLOPs / GEMM
 rate) over the run's decode steps, where bytes = the weights once per step + the KV the chosen path read
 (a cascade reads a shared node's pages once, flat decode every request's whole history) and FLOPs = 2 x
@@ -118,14 +122,92 @@ def table(workloads: list[tuple[str, list[dict]]], peaks: dict | None, command: 
     return lines
 
 
+def step_ms(row: dict, peaks: dict | None) -> tuple[float | None, float | None]:
+    """(measured, roofline) milliseconds per decode step of a run (None where there is none)."""
+    if not row["decode_steps"]:
+        return None, None
+    measured = 1e3 * row["decode_s"] / row["decode_steps"]
+    fraction = roofline_fraction(row, peaks)
+    return measured, (None if fraction is None else measured * fraction)
+
+
+def sweep(prefixes: list[int], request_counts: list[int], rest: list[str], on_cuda: bool,
+          plot_path: str | None) -> list[str]:
+    """Decode step time against the shared prefix's length, cascade on and off (see the module docstring)."""
+    runs = []
+    for requests in request_counts:
+        for prefix in prefixes:
+            flags = ["--num-requests", str(requests), "--max-batch-size", str(requests), "--system-prompt-len",
+                     str(prefix), "--prompt-len-range", "64", "64", "--output-len", "32"]
+            runs.append((requests, prefix, run_workload(flags + rest, on_cuda)))
+    peaks = ceilings(runs[0][2][0]["device"])
+    lines = ["| requests | shared prefix | cascade | graphs | decode step ms | roofline ms | on / off |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    points: dict[tuple[int, bool, bool], list[tuple[int, float, float | None]]] = {}
+    for requests, prefix, rows in runs:
+        off = {r["graphs"]: step_ms(r, peaks)[0] for r in rows if not r["cascade"]}
+        for r in rows:
+            measured, ideal = step_ms(r, peaks)
+            if measured is None:
+                continue
+            ratio = f"{off[r['graphs']] / measured:.2f}x" if r["cascade"] and off.get(r["graphs"]) else ""
+            lines.append(f"| {requests} | {prefix} | {'on' if r['cascade'] else 'off'} | {'on' if r['graphs'] else 'off'} "
+                         f"| {measured:.2f} | {'n/a' if ideal is None else f'{ideal:.2f}'} | {ratio} |")
+            points.setdefault((requests, r["cascade"], r["graphs"]), []).append((prefix, measured, ideal))
+    if plot_path:
+        _plot(points, plot_path)
+    return lines
+
+
+def _plot(points: dict, path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"--plot {path}: matplotlib is not installed (pip install -e '.[plot]'); no plot written")
+        return
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for (requests, cascade, graphs), series in sorted(points.items()):
+        series.sort()
+        label = f"{requests} requests, cascade {'on' if cascade else 'off'}{', graphs' if graphs else ''}"
+        line, = ax.plot([p for p, _, _ in series], [m for _, m, _ in series], marker="o", label=label)
+        ideal = [(p, i) for p, _, i in series if i is not None]
+        if ideal:
+            ax.plot([p for p, _ in ideal], [i for _, i in ideal], linestyle="--", color=line.get_color(), alpha=0.6)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("shared prefix (tokens)")
+    ax.set_ylabel("decode step (ms); dashed: roofline")
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="markdown file to write")
     parser.add_argument("--preset", choices=[*PRESETS, "all"], help="a workload (its serve.py flags come first; "
                         "flags given here override them)")
+    parser.add_argument("--sweep-prefix", help="comma-separated shared-prefix lengths: time the decode step against them")
+    parser.add_argument("--sweep-requests", default="64,128", help="request counts of the sweep (default 64,128)")
+    parser.add_argument("--plot", help="the sweep's PNG (needs matplotlib)")
     args, rest = parser.parse_known_args(argv)
-    names = list(PRESETS) if args.preset == "all" else [args.preset] if args.preset else [None]
     on_cuda = "cuda" in " ".join(rest)
+    if args.sweep_prefix:
+        prefixes = [int(x) for x in args.sweep_prefix.split(",")]
+        counts = [int(x) for x in args.sweep_requests.split(",")]
+        lines = [f"# Decode step time against the shared prefix (`python3 examples/serve_bench.py "
+                 f"--sweep-prefix {args.sweep_prefix} --sweep-requests {args.sweep_requests} {' '.join(rest)}`)", "",
+                 "Each row: one run of the workload (its decode steps' wall time over their count, every step "
+                 "ending with its tokens on the host), after two untimed warm-up runs; roofline as in the table "
+                 "of the presets.", ""] + sweep(prefixes, counts, rest, on_cuda, args.plot)
+        Path(args.out).write_text("\n".join(lines) + "\n")
+        print("\n".join(lines))
+        return
+    names = list(PRESETS) if args.preset == "all" else [args.preset] if args.preset else [None]
     workloads = [(name or "custom", run_workload(PRESETS.get(name, []) + rest, on_cuda)) for name in names]
     peaks = ceilings(workloads[0][1][0]["device"])
     command = " ".join((["--preset", args.preset] if args.preset else []) + rest)

@@ -79,3 +79,21 @@ def test_serve_bench_presets_and_roofline() -> None:
     ideal = (10 * 10**9 + 10**6 * 131072) / 4e12
     assert serve_bench.roofline_fraction(row, {"read_gbps": 4000.0, "gemm_tflops": 800.0}) == pytest.approx(ideal / 0.1)
     assert serve_bench.roofline_fraction(row, None) is None
+
+
+def test_serve_bench_sweeps_the_shared_prefix(tmp_path):
+    """--sweep-prefix: one row per (request count, prefix, cascade on / off); the PNG where matplotlib is."""
+    out, png = tmp_path / "sweep.md", tmp_path / "sweep.png"
+    proc = subprocess.run([sys.executable, str(EXAMPLES / "serve_bench.py"), "--out", str(out), "--sweep-prefix",
+                           "32,64", "--sweep-requests", "3", "--device", "cpu", "--plot", str(png)],
+                          env=child_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = [line.split(" | ") for line in out.read_text().splitlines() if line.startswith("| 3 |")]
+    assert [(r[1], r[2]) for r in rows] == [("32", "on"), ("32", "off"), ("64", "on"), ("64", "off")]
+    assert all(float(r[4]) > 0 for r in rows) and rows[0][6].endswith("x |")
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert "matplotlib is not installed" in proc.stdout and not png.exists()
+    else:
+        assert png.stat().st_size > 0
