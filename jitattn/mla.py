@@ -45,7 +45,7 @@ from .attention.options import (f32_scale, fp8_scale, parse_dtype, refuse_unsupp
                                  resolve_flag)
 from .log import logger
 from .env import mla_kernel as mla_kernel_choice
-from .attention.batch import num_sms
+from .hardware import num_sms
 from .families.mla import CKV_DIM
 from .mla_kernel import GraphArrays, KernelPlan, device_facts, layout_problem, select_kernel, unsupported_reason
 from .mla_plan import workspace_row_bytes

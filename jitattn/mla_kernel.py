@@ -12,12 +12,11 @@ module.
 
 from __future__ import annotations
 
-import functools
 import re
 
 import torch
 
-from . import env
+from . import env, hardware
 from .attention.checks import raw_stream, stream_capturing
 from .attention.specs import mla_kernel_spec
 from .families import mla as family
@@ -80,18 +79,8 @@ def device_facts(device: torch.device) -> tuple[tuple[int, int] | None, tuple[st
     """(compute capability, JIT arch list) of ``device``; (None, None) off cuda."""
     if device.type != "cuda":
         return None, None
-    from .jit.toolchain import ToolchainError, cuda_arch_list
+    return torch.cuda.get_device_capability(device), hardware.known_arch_list()
 
-    try:
-        archs = cuda_arch_list()
-    except ToolchainError:
-        archs = None
-    return torch.cuda.get_device_capability(device), archs
-
-
-@functools.cache
-def _num_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def kernel_spec(dtype: torch.dtype, kv_dtype: torch.dtype | None = None) -> VariantSpec:
@@ -159,7 +148,7 @@ class KernelPlan:
         index = device.index if device.index is not None else torch.cuda.current_device()
         capacity = workspace.numel() * workspace.element_size() // workspace_row_bytes(family.CKV_DIM)
         qo_lens = (qo_indptr[1:] - qo_indptr[:-1]).tolist()
-        self.work: MLAWork = plan_work(qo_lens, kv_lens.tolist(), num_heads, causal, _num_sms(index), capacity,
+        self.work: MLAWork = plan_work(qo_lens, kv_lens.tolist(), num_heads, causal, hardware.num_sms(index), capacity,
                                        split=split)
         self.module = load(kernel_spec(dtype, kv_dtype))
         self.dtype, self.kv_dtype = dtype, kv_dtype

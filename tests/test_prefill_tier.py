@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import jitattn
+import jitattn.hardware
 from jitattn import env
 from jitattn.attention.specs import attention_spec
 from jitattn.families import prefill
@@ -108,9 +109,9 @@ def test_resident_blocks_follow_the_tier(tier_env):
     tier_env.delenv("JITATTN_PREFILL_TIER")
 
     def no_gpu():
-        raise jitattn.jit.ToolchainError("no visible CUDA GPU")
+        raise jitattn.hardware.ArchListError("no visible CUDA GPU")
 
-    tier_env.setattr("jitattn.jit.toolchain.cuda_arch_list", no_gpu)
+    tier_env.setattr("jitattn.hardware.cuda_arch_list", no_gpu)
     assert resident_blocks(spec) == prefill.cuda_layout(spec)["kMinBlocks"]
 
 
@@ -243,3 +244,20 @@ def test_sm90_gather_knobs(monkeypatch):
         with pytest.raises(ValueError, match="SM90_TUNING"):
             prefill.sm90_layout(paged)
         monkeypatch.setitem(prefill.SM90_TUNING, key, 0)
+
+
+def test_hardware_facts_come_from_one_module(tier_env):
+    """The arch list (and its errors) is read in one place: jit's toolchain reports it as a ToolchainError."""
+    from jitattn import hardware
+
+    tier_env.setenv("JITATTN_CUDA_ARCH_LIST", "8.0;9.0a")
+    assert hardware.cuda_arch_list() == ("8.0", "9.0a") == jitattn.jit.toolchain.cuda_arch_list()
+    assert not hardware.hopper_only(hardware.known_arch_list())
+    tier_env.setenv("JITATTN_CUDA_ARCH_LIST", "9.0a+PTX")
+    assert hardware.hopper_only(hardware.known_arch_list()) and not hardware.hopper_only(None)
+    tier_env.setenv("JITATTN_CUDA_ARCH_LIST", "sm_90")
+    with pytest.raises(hardware.ArchListError, match="not an arch"):
+        hardware.cuda_arch_list()
+    with pytest.raises(jitattn.jit.ToolchainError, match="not an arch"):
+        jitattn.jit.toolchain.cuda_arch_list()
+    assert hardware.known_arch_list() is None

@@ -204,11 +204,6 @@ def upload_int32(
     return out
 
 
-@functools.cache
-def num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 class WorkspaceTooSmall(ValueError):
     """The float workspace cannot hold a plan's split-KV partial states."""
 

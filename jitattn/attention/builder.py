@@ -12,12 +12,13 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import hardware
 from ..jit import Module, load
 from ..page_table import PagedIndex
 from ..kv_split import KVSplit
 from ..spec import KVLayout, KVStorage, MaskMode, Op, Target, VariantSpec
 from ..variant import AttentionVariant
-from .batch import AttentionPlan, log_plan, num_sms, upload, upload_int32
+from .batch import AttentionPlan, log_plan, upload, upload_int32
 from .checks import cpu_threads
 from .launch import PreparedAttention
 from .options import (
@@ -171,4 +172,4 @@ def build_plan(
 
 def num_workers(device: torch.device) -> int:
     """The parallel workers a schedule spreads over: the SMs of a CUDA device, the OpenMP threads on the cpu."""
-    return num_sms(device.index or 0) if device.type == "cuda" else cpu_threads()
+    return hardware.num_sms(device.index or 0) if device.type == "cuda" else cpu_threads()

@@ -12,6 +12,7 @@ import functools
 
 import torch
 
+from .. import hardware
 from ..variant import AttentionVariant
 from ..spec import DType, KVLayout, KVStorage, MaskMode, Op, PosEncoding, Target, VariantSpec
 
@@ -140,7 +141,7 @@ def mla_model_specs(
             kv_storage=KVStorage.RAGGED, **common))
     specs.append(merge_spec(target, dtype))
     specs.append(append_spec(target, kv_dtype))
-    if (target is Target.CUDA and _hopper_arch_list() and dtype in (torch.float16, torch.bfloat16)
+    if (target is Target.CUDA and hardware.hopper_only(hardware.known_arch_list()) and dtype in (torch.float16, torch.bfloat16)
             and (kv_dtype == dtype or kv_dtype in MLA_FP8_CACHE)
             and (kv_lora_rank, qk_rope_head_dim) == (MLA_CKV_DIM, MLA_KPE_DIM)):
         specs.append(mla_kernel_spec(dtype, kv_dtype))  # what the MLA wrapper plans on an H100/H200
@@ -160,13 +161,3 @@ def mla_kernel_spec(dtype: torch.dtype, kv_dtype: torch.dtype | None = None) -> 
     return VariantSpec(op=Op.MLA, target=Target.CUDA, q_dtype=d, kv_dtype=kv, o_dtype=d,
                        head_dim_qk=MLA_CKV_DIM + MLA_KPE_DIM, head_dim_vo=MLA_CKV_DIM)
 
-
-def _hopper_arch_list() -> bool:
-    """Whether the cuda arch list builds target 9.0a only (where the MLA wrapper picks the sm90 kernel)."""
-    from ..jit.toolchain import ToolchainError, cuda_arch_list
-
-    try:
-        archs = cuda_arch_list()
-    except ToolchainError:
-        return False
-    return bool(archs) and all(a in ("9.0a", "9.0a+PTX") for a in archs)

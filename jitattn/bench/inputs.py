@@ -207,10 +207,11 @@ def specs_of(case: Case, target: str) -> list:
     if isinstance(case, Jit) and case.what in ("run_overhead", "plan"):
         return [attn(jit_decode_case(case))]
     if isinstance(case, MLA):  # the MLA wrapper's decode: the sm90 MLA kernel on an H100/H200, else the paged prefill
-        from jitattn.attention.specs import _hopper_arch_list, mla_kernel_spec
+        from jitattn import hardware
+        from jitattn.attention.specs import mla_kernel_spec
 
         sm90 = ([mla_kernel_spec(TORCH_DTYPES[case.dtype], TORCH_DTYPES[case.cache_dtype])]
-                if tgt is Target.CUDA and _hopper_arch_list() else [])
+                if tgt is Target.CUDA and hardware.hopper_only(hardware.known_arch_list()) else [])
         return sm90 + [attention_spec(
             Op.PREFILL, tgt, q_dtype=TORCH_DTYPES[case.dtype], kv_dtype=TORCH_DTYPES[case.cache_dtype],
             o_dtype=TORCH_DTYPES[case.dtype], head_dim_qk=case.ckv_dim + case.kpe_dim, head_dim_vo=case.ckv_dim,

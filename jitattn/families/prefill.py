@@ -105,9 +105,8 @@ from typing import Any, Callable
 import functools
 import json
 import os
-import re
 
-from .. import env
+from .. import env, hardware
 from ..spec import DType, KVStorage, MaskMode, PosEncoding, Target, VariantSpec
 from .attention import context as _attention_context
 from .attention import entries, explain_build_error  # noqa: F401  (the family interface)
@@ -314,7 +313,6 @@ def _sm90_tuning_override() -> None:
 
 
 _sm90_tuning_override()
-_SM90_ARCH = re.compile(r"^9\.0a(\+PTX)?$")
 
 
 def sm90_unsupported(spec: VariantSpec) -> str | None:
@@ -334,10 +332,6 @@ def sm90_unsupported(spec: VariantSpec) -> str | None:
     return None
 
 
-def _hopper_only(archs: tuple[str, ...]) -> bool:
-    return bool(archs) and all(_SM90_ARCH.match(a) for a in archs)
-
-
 def tier(spec: VariantSpec, archs: tuple[str, ...] | None) -> str:
     """The cuda prefill tier for ``spec`` built for ``archs`` (None: unknown): ``"sm90"`` or ``"sm80"``.
 
@@ -348,14 +342,14 @@ def tier(spec: VariantSpec, archs: tuple[str, ...] | None) -> str:
     choice = env.prefill_tier()
     if choice == "sm80" or spec.target is not Target.CUDA:
         return "sm80"
-    if choice == "sm90" and archs is not None and not _hopper_only(archs):
+    if choice == "sm90" and archs is not None and not hardware.hopper_only(archs):
         raise ValueError(f"JITATTN_PREFILL_TIER=sm90 needs a 9.0a-only CUDA arch list, not {';'.join(archs)!r}: "
                          "set JITATTN_CUDA_ARCH_LIST=9.0a (H100/H200) or JITATTN_PREFILL_TIER=auto")
     if sm90_unsupported(spec) is not None:
         return "sm80"
     if choice == "sm90":
         return "sm90"
-    return "sm90" if archs is not None and _hopper_only(archs) else "sm80"
+    return "sm90" if archs is not None and hardware.hopper_only(archs) else "sm80"
 
 
 def resident_blocks(spec: VariantSpec) -> int:
@@ -363,13 +357,8 @@ def resident_blocks(spec: VariantSpec) -> int:
     the sm90 tier (a persistent grid of one block per SM), the layout's ``kMinBlocks`` on the sm80 tier."""
     if spec.target is not Target.CUDA:
         return TUNING["blocks_per_sm"]
-    from ..jit.toolchain import ToolchainError, cuda_arch_list
-
-    try:
-        archs: tuple[str, ...] | None = cuda_arch_list()
-    except ToolchainError:  # no GPU and no arch list: nothing will launch; the generic tier's figure
-        archs = None
-    return _resident_blocks(spec, archs, env.prefill_tier())
+    # no GPU and no arch list (None): nothing will launch; the generic tier's figure
+    return _resident_blocks(spec, hardware.known_arch_list(), env.prefill_tier())
 
 
 @functools.lru_cache(maxsize=256)

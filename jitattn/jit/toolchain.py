@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import functools
 import os
-import re
 import shutil
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from .. import env
+from .. import env, hardware
 from ..spec import Target
 
 
@@ -99,38 +98,18 @@ def probe(target: Target) -> Toolchain:
     return _probe(target.value, compiler)
 
 
-_ARCH_RE = re.compile(r"^(\d+)\.(\d+)([af]?)(\+PTX)?$")
-
-
 def cuda_arch_list() -> tuple[str, ...]:
-    """The archs to build, e.g. ('9.0a',): JITATTN_CUDA_ARCH_LIST, else the current GPU."""
-    raw = env.cuda_arch_list()
-    if raw:
-        archs = tuple(a for a in re.split(r"[;\s,]+", raw.strip()) if a)
-        for arch in archs:
-            if not _ARCH_RE.match(arch):
-                raise ToolchainError(
-                    f"JITATTN_CUDA_ARCH_LIST entry {arch!r} is not an arch; use the TORCH_CUDA_ARCH_LIST "
-                    "format, e.g. '8.0;9.0a' or '9.0a+PTX'"
-                )
-        return archs
-    import torch
-
-    if not torch.cuda.is_available():
-        raise ToolchainError(
-            "no visible CUDA GPU to build for: set JITATTN_CUDA_ARCH_LIST (e.g. '9.0a' for H100/H200) "
-            "to build on a machine without one, or use the cpu target"
-        )
-    major, minor = torch.cuda.get_device_capability()
-    # Arch-specific features (wgmma, setmaxnreg) need the 'a' variant on sm_90.
-    suffix = "a" if (major, minor) == (9, 0) else ""
-    return (f"{major}.{minor}{suffix}",)
+    """The archs to build (``hardware.cuda_arch_list``), its errors as ``ToolchainError``."""
+    try:
+        return hardware.cuda_arch_list()
+    except hardware.ArchListError as exc:
+        raise ToolchainError(str(exc)) from None
 
 
 def gencode_flags(archs: tuple[str, ...]) -> tuple[str, ...]:
     flags = []
     for arch in archs:
-        major, minor, variant, ptx = _ARCH_RE.match(arch).groups()
+        major, minor, variant, ptx = hardware.ARCH_PATTERN.match(arch).groups()
         sm = f"{major}{minor}{variant}"
         flags.append(f"-gencode=arch=compute_{sm},code=sm_{sm}")
         if ptx:
