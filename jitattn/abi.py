@@ -30,6 +30,11 @@ _KINDS: dict[str, tuple[str, type]] = {
 }
 
 
+def c_type(kind: str) -> str:
+    """The C type of a field kind ("ptr", "i64", "i32", "f32")."""
+    return _KINDS[kind][0]
+
+
 @dataclass(frozen=True)
 class Field:
     name: str

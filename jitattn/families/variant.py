@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from ..abi import _KINDS, VARIANT_FAULT_SYMBOL, Entry, variant_params_entry
+from ..abi import VARIANT_FAULT_SYMBOL, Entry, c_type, variant_params_entry
 from ..spec import Target, VariantSpec
 from ..variant import HOOK_SIGNATURES, HOOKS, AttentionVariant
 
@@ -137,7 +137,7 @@ def header(spec: VariantSpec, debug: bool = False) -> str:
         "",
         f"struct {entry.struct_name} {{",
     ]
-    lines += [f"  {_KINDS[f.kind][0]} {f.name};" for f in entry.fields]
+    lines += [f"  {c_type(f.kind)} {f.name};" for f in entry.fields]
     lines += ["};", "", f"#define JITATTN_VARIANT_FN {_QUALIFIER[spec.target]}", ""]
     if debug:
         lines += _debug_support(spec)
