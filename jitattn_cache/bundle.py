@@ -48,8 +48,8 @@ def _write_mode(path: Path) -> str:
 def _selected_entries(args: argparse.Namespace) -> tuple[list[Path], list[str]]:
     """(entry dirs to export, problems) for the selection in ``args`` (default: every entry)."""
     from jitattn.jit import JitError, ToolchainError
-    from jitattn.jit.cache import find_entry, foreign_entry_problem
-    from jitattn.jit.key import build_inputs
+    from jitattn.jit.admin import find_entry, foreign_entry_problem
+    from jitattn.jit.admin import build_inputs
 
     chosen: list[Path] = []
     problems: list[str] = []
@@ -100,7 +100,7 @@ def _add(tar: tarfile.TarFile, arcname: str, path: Path | None, *, mode: int) ->
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from jitattn.jit.key import SCHEMA
+    from jitattn.jit.admin import SCHEMA
 
     out = Path(args.file)
     if not out.parent.is_dir():
@@ -159,8 +159,8 @@ class UnsafeArchive(Exception):
 
 
 def _member_problem(member: tarfile.TarInfo, name: str) -> str | None:
-    from jitattn.jit.cache import ENTRY_NAME_RE
-    from jitattn.jit.key import SCHEMA
+    from jitattn.jit.admin import ENTRY_NAME_RE
+    from jitattn.jit.admin import SCHEMA
 
     if not (member.isreg() or member.isdir()):
         kind = ("a symlink" if member.issym() else "a hard link" if member.islnk() else
@@ -233,7 +233,7 @@ def _extract(tar: tarfile.TarFile, members: list[tuple[tarfile.TarInfo, str]], s
 def local_cuda_archs() -> tuple[tuple[str, ...] | None, str]:
     """(the arch list this machine builds and loads cuda entries for, where it comes from); None: unknown."""
     from jitattn import env
-    from jitattn.jit.toolchain import ToolchainError, cuda_arch_list
+    from jitattn.jit.admin import ToolchainError, cuda_arch_list
 
     if env.cuda_arch_list():
         try:
@@ -271,7 +271,7 @@ def compat_problem(manifest: dict, cuda_archs: tuple[tuple[str, ...] | None, str
 
 def _stale_note(manifest: dict) -> str | None:
     """A note when this jitattn install would compute another key for the entry's spec (never used here)."""
-    from jitattn.jit.key import build_inputs
+    from jitattn.jit.admin import build_inputs
     from jitattn.spec import VariantSpec
 
     try:
@@ -288,8 +288,8 @@ def _stale_note(manifest: dict) -> str | None:
 
 def _prepare_destination(to: str | None) -> Path:
     """The schema dir to import into, with locks/ and tmp/."""
-    from jitattn.jit.key import SCHEMA
-    from jitattn.jit.cache import writable_root
+    from jitattn.jit.admin import SCHEMA
+    from jitattn.jit.admin import writable_root
 
     if to is None:
         return writable_root()
@@ -301,7 +301,7 @@ def _prepare_destination(to: str | None) -> Path:
             sub.mkdir(mode=0o755, exist_ok=True)
     except OSError as exc:
         raise UsageError(f"--to {to}: cannot create it: {exc.strerror}") from None
-    from jitattn.jit.trust import chain_violations
+    from jitattn.jit.admin import chain_violations
 
     found = chain_violations(root, base / "locks", base / "tmp")
     if found:
@@ -366,8 +366,8 @@ def cmd_import(args: argparse.Namespace) -> int:
 
 
 def _publish_staged(archive: Path, staging: Path, base: Path, args: argparse.Namespace) -> int:
-    from jitattn.jit.key import SCHEMA
-    from jitattn.jit.cache import foreign_entry_problem, publish_entry, read_manifest
+    from jitattn.jit.admin import SCHEMA
+    from jitattn.jit.admin import foreign_entry_problem, publish_entry, read_manifest
 
     staged = sorted(p for p in (staging / SCHEMA).iterdir()) if (staging / SCHEMA).is_dir() else []
     if not staged:

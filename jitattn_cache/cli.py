@@ -47,7 +47,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    from jitattn.jit.cache import foreign_entry_problem
+    from jitattn.jit.admin import foreign_entry_problem
 
     from .store import entries, human_size
 
@@ -70,7 +70,7 @@ def cmd_info(args: argparse.Namespace) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     """Re-checksum every entry of every layer and check the trust rule; --fix removes bad entries
     from the writable cache (permission problems are reported with their fix, never changed)."""
-    from jitattn.jit.cache import foreign_entry_problem, layers, remove_entry
+    from jitattn.jit.admin import foreign_entry_problem, layers, remove_entry
 
     from .store import cache_violations, entries
 
@@ -126,7 +126,7 @@ def _not_writable(exc: OSError, base: Path, progress: str) -> int:
 
 def cmd_clear(args: argparse.Namespace) -> int:
     """Remove every entry (and kept failed builds) of the writable cache, each under its lock."""
-    from jitattn.jit.cache import remove_entry
+    from jitattn.jit.admin import remove_entry
 
     from .store import entries, writable_base
 
@@ -150,7 +150,7 @@ def cmd_clear(args: argparse.Namespace) -> int:
 
 def cmd_prune(args: argparse.Namespace) -> int:
     """Remove entries of the writable cache by build time (oldest first), never touching the load path."""
-    from jitattn.jit.cache import remove_entry
+    from jitattn.jit.admin import remove_entry
 
     from .store import entries, human_size, parse_duration, parse_size, writable_base
 

@@ -23,29 +23,29 @@ MIN_FREE_BYTES = 1 << 30
 def _effective_default(name: str) -> str:
     """What jitattn uses for ``name`` when nothing is set (computed, never fails)."""
     from jitattn import env
-    from jitattn.jit import toolchain as tc
+    from jitattn.jit import admin
     from jitattn.spec import Target
 
     try:
         if name == "JITATTN_CACHE_DIR":
             return str(env.cache_dir())
         if name == "JITATTN_MAX_JOBS":
-            return f"{tc.default_jobs()}  (min(CPUs, free memory / 2 GiB))"
+            return f"{admin.default_jobs()}  (min(CPUs, free memory / 2 GiB))"
         if name == "JITATTN_CUDA_ARCH_LIST":
             from .selection import gpu_visible
 
             if gpu_visible():
-                return f"{';'.join(tc.cuda_arch_list())}  (the visible GPU)"
+                return f"{';'.join(admin.cuda_arch_list())}  (the visible GPU)"
             return "(none: no visible GPU; cuda builds need --arch or this variable)"
         if name == "JITATTN_NVCC":
             try:
-                return f"{tc.probe(Target.CUDA).compiler}  (found on the search path)"
-            except tc.ToolchainError:
+                return f"{admin.probe(Target.CUDA).compiler}  (found on the search path)"
+            except admin.ToolchainError:
                 return "(not found)"
         if name == "JITATTN_CXX":
             try:
-                return f"c++  ({tc.probe(Target.CPU).compiler})"
-            except tc.ToolchainError:
+                return f"c++  ({admin.probe(Target.CPU).compiler})"
+            except admin.ToolchainError:
                 return "c++  (not found)"
         if name == "JITATTN_CACHE_PATH":
             return "(none)"
@@ -138,7 +138,7 @@ def _check_config(out: list[Check]) -> None:
 def _check_nvcc(out: list[Check], gpu: bool) -> str | None:
     """Returns nvcc's version line when found."""
     from jitattn import env
-    from jitattn.jit import toolchain as tc
+    from jitattn.jit import admin
     from jitattn.spec import Target
 
     override = env.nvcc_override()
@@ -152,8 +152,8 @@ def _check_nvcc(out: list[Check], gpu: bool) -> str | None:
                          "set CUDA_HOME to the CUDA toolkit root (the folder with bin/nvcc) or unset it"))
         return None
     try:
-        toolchain = tc.probe(Target.CUDA)
-    except tc.ToolchainError as exc:
+        toolchain = admin.probe(Target.CUDA)
+    except admin.ToolchainError as exc:
         needed = gpu and not env.assert_no_compile()
         out.append(Check(
             "nvcc", "FAIL" if needed else "warn", "missing: " + str(exc).split(":")[0],
@@ -173,12 +173,12 @@ def _compute_name(arch: str) -> str:
 
 def _check_arch_support(out: list[Check], nvcc_version: str | None, gpu: bool) -> None:
     from jitattn import env
-    from jitattn.jit import toolchain as tc
+    from jitattn.jit import admin
     from jitattn.spec import Target
 
     try:
-        archs = tc.cuda_arch_list() if (env.cuda_arch_list() or gpu) else ()
-    except tc.ToolchainError as exc:
+        archs = admin.cuda_arch_list() if (env.cuda_arch_list() or gpu) else ()
+    except admin.ToolchainError as exc:
         out.append(Check("arch list", "FAIL", str(exc).split(";")[0],
                          "set JITATTN_CUDA_ARCH_LIST like '9.0a' or '8.0;9.0a', or unset it"))
         return
@@ -190,7 +190,7 @@ def _check_arch_support(out: list[Check], nvcc_version: str | None, gpu: bool) -
         out.append(Check("arch list", "ok", ";".join(archs)))
         return
     try:
-        listed = subprocess.run([tc.probe(Target.CUDA).compiler, "--list-gpu-arch"], capture_output=True,
+        listed = subprocess.run([admin.probe(Target.CUDA).compiler, "--list-gpu-arch"], capture_output=True,
                                 text=True, timeout=60).stdout.split()
     except (OSError, subprocess.TimeoutExpired):
         listed = []
@@ -208,12 +208,12 @@ def _check_arch_support(out: list[Check], nvcc_version: str | None, gpu: bool) -
 
 def _check_host_compiler(out: list[Check]) -> None:
     from jitattn import env
-    from jitattn.jit import toolchain as tc
+    from jitattn.jit import admin
     from jitattn.spec import Target
 
     try:
-        toolchain = tc.probe(Target.CPU)
-    except tc.ToolchainError as exc:
+        toolchain = admin.probe(Target.CPU)
+    except admin.ToolchainError as exc:
         explicit = os.environ.get("JITATTN_CXX") or os.environ.get("CXX")
         out.append(Check(
             "host compiler", "warn" if env.assert_no_compile() and not explicit else "FAIL", str(exc).split(":")[0],
@@ -224,7 +224,7 @@ def _check_host_compiler(out: list[Check]) -> None:
     with tempfile.TemporaryDirectory(prefix="jitattn-doctor-") as tmp:
         src = Path(tmp) / "t.cpp"
         src.write_text('#include <omp.h>\nextern "C" int f() { return omp_get_max_threads(); }\n')
-        proc = subprocess.run([toolchain.compiler, *tc.CPU_FLAGS, "-shared", str(src), "-o", str(Path(tmp) / "t.so")],
+        proc = subprocess.run([toolchain.compiler, *admin.CPU_FLAGS, "-shared", str(src), "-o", str(Path(tmp) / "t.so")],
                               capture_output=True, text=True, timeout=120)
     if proc.returncode != 0:
         out.append(Check("host compiler", "FAIL", f"{toolchain.compiler} ({toolchain.version}) cannot build an "
@@ -235,8 +235,8 @@ def _check_host_compiler(out: list[Check]) -> None:
 
 
 def _check_ninja(out: list[Check]) -> None:
-    from jitattn.jit.build import ninja_path
-    from jitattn.jit.errors import BuildError
+    from jitattn.jit.admin import ninja_path
+    from jitattn.jit.admin import BuildError
 
     try:
         out.append(Check("ninja", "ok", ninja_path()))
@@ -288,7 +288,7 @@ def _nearest_existing(path: Path) -> Path:
 
 
 def _failed_dir_violations(base: Path) -> list:
-    from jitattn.jit.trust import chain_violations
+    from jitattn.jit.admin import chain_violations
 
     failed = base / "failed"
     return [v for v in chain_violations(base.parent, failed) if v.path == failed]
@@ -296,7 +296,7 @@ def _failed_dir_violations(base: Path) -> list:
 
 def _check_cache_dir(out: list[Check]) -> None:
     from jitattn import env
-    from jitattn.jit.key import SCHEMA
+    from jitattn.jit.admin import SCHEMA
 
     root = env.cache_dir()
     where = "JITATTN_CACHE_DIR" if os.environ.get("JITATTN_CACHE_DIR") else "the default location"
@@ -337,8 +337,8 @@ def _check_cache_dir(out: list[Check]) -> None:
 
 def _check_layers(out: list[Check]) -> None:
     from jitattn import env
-    from jitattn.jit.key import SCHEMA
-    from jitattn.jit.cache import entry_dirs, foreign_entry_problem
+    from jitattn.jit.admin import SCHEMA
+    from jitattn.jit.admin import entry_dirs, foreign_entry_problem
 
     for layer in env.cache_path():
         base = layer / SCHEMA

@@ -69,7 +69,7 @@ def default_target(arch: str | None) -> str:
 
 def check_arch(arch: str | None, needed: bool) -> tuple[str, ...]:
     """Validate --arch (inside ``arch_env``); when cuda specs are ``needed``, the arch list must resolve."""
-    from jitattn.jit.toolchain import ToolchainError, cuda_arch_list
+    from jitattn.jit.admin import ToolchainError, cuda_arch_list
 
     if not arch and not needed:
         return ()

@@ -68,14 +68,14 @@ def parse_time(value: str | None) -> datetime.datetime | None:
 
 def writable_base() -> Path:
     from jitattn import env
-    from jitattn.jit.key import SCHEMA
+    from jitattn.jit.admin import SCHEMA
 
     return env.cache_dir() / SCHEMA
 
 
 def entries(include_readonly: bool = True) -> list[CacheEntry]:
     """Every entry-named dir of the read-only layers (first) and the writable cache."""
-    from jitattn.jit.cache import entry_dirs, layers, read_manifest
+    from jitattn.jit.admin import entry_dirs, layers, read_manifest
 
     found = []
     all_layers = layers()
@@ -91,8 +91,8 @@ def entries(include_readonly: bool = True) -> list[CacheEntry]:
 def cache_violations(base: Path, entry_paths: list[Path], writable: bool) -> list:
     """Trust-rule violations of one layer (schema dir ``base``): its root, the schema dir, (for the
     writable cache) locks/ and tmp/, then each entry dir and library, each path once."""
-    from jitattn.jit.build import LIBRARY_NAME
-    from jitattn.jit.trust import chain_violations
+    from jitattn.jit.admin import LIBRARY_NAME
+    from jitattn.jit.admin import chain_violations
 
     leaves = [base] + ([base / "locks", base / "tmp"] if writable else [])
     for path in entry_paths:

@@ -25,8 +25,8 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 def _status(spec) -> tuple[str, str]:
     """('cached' | 'cold' | 'unavailable', detail) without building anything."""
     from jitattn.jit import JitError, ToolchainError
-    from jitattn.jit.cache import find_entry
-    from jitattn.jit.key import build_inputs
+    from jitattn.jit.admin import find_entry
+    from jitattn.jit.admin import build_inputs
 
     try:
         plan = build_inputs(spec)
@@ -67,7 +67,7 @@ def _short_error(error: str | None, lines: int = 12) -> str:
 def build_with_progress(specs: list, jobs: int, quiet: bool = False):
     """(results in spec order, interrupted) after building ``specs`` on ``jobs`` threads."""
     import jitattn.jit as jit
-    from jitattn.jit.build import reset_cancel
+    from jitattn.jit.admin import reset_cancel
     from tqdm import tqdm
 
     reset_cancel()
@@ -121,7 +121,7 @@ def build_with_progress(specs: list, jobs: int, quiet: bool = False):
     except KeyboardInterrupt:
         interrupted = True
         stop.set()
-        from jitattn.jit.build import cancel_builds
+        from jitattn.jit.admin import cancel_builds
 
         stopped = cancel_builds()  # kills the compilers now; their builds publish nothing
         pool.shutdown(wait=False, cancel_futures=True)
@@ -157,7 +157,7 @@ def cmd_warm(args: argparse.Namespace) -> int:
             print("jitattn-cache: note: --arch only applies to the cuda target", file=sys.stderr)
         if args.dry_run:
             return dry_run(specs)
-        from jitattn.jit.toolchain import default_jobs
+        from jitattn.jit.admin import default_jobs
 
         jobs = args.jobs or default_jobs()
         started = time.perf_counter()

@@ -178,6 +178,7 @@ def test_a_spec_without_a_kernel_template_is_listed_then_fails_with_the_reason(f
 
     monkeypatch.setattr("jitattn.jit.key.build_inputs", no_template)
     monkeypatch.setattr("jitattn.jit.build_inputs", no_template)
+    monkeypatch.setattr("jitattn.jit.admin.build_inputs", no_template)  # the CLI's view of the cache
     rc, out, _ = run_cli(capsys, "warm", "--spec", "decode_cpu_f16", "--spec", "merge_cpu_f32", "--dry-run")
     assert rc == 0
     assert out.splitlines()[0].split()[:2] == ["decode_cpu_f16", "unavailable"] and "no kernel template" in out
