@@ -179,6 +179,13 @@ def reference_error(data: AttnData) -> float:
     return rel_err(got, ref)
 
 
+def check_prebuilt(case: Case, target, failed_specs: dict) -> None:
+    """Refuse a case one of whose kernels failed to build in the run's pre-build (``failed_specs``: spec -> why)."""
+    for spec in specs_of(case, target):
+        if spec in failed_specs:
+            raise RuntimeError(f"build of {spec.uri} failed in the pre-build: {failed_specs[spec]}")
+
+
 def specs_of(case: Case, target: str) -> list:
     """The kernel specs a case loads (the wrappers' own spec function), for the pre-build."""
     from jitattn.attention.specs import attention_spec, merge_spec

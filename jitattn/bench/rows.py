@@ -93,6 +93,11 @@ def set_time(row: dict, timing, ctx: Context, fn=None) -> None:
         row["kind"], row["bytes"], row["flops"], timing.median_us, ctx.ceilings)
 
 
+def join_notes(a: str, b: str) -> str:
+    """Two notes of a row as one ("a; b"), either possibly empty."""
+    return f"{a}; {b}" if a and b else (a or b)
+
+
 def first_line(exc: BaseException) -> str:
     text = f"{type(exc).__name__}: {exc}".strip()
     return text.splitlines()[0][:300] if text else type(exc).__name__

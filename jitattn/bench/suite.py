@@ -41,35 +41,24 @@ from . import configs
 from .configs import MLA, Attn, Cascade, Case
 from .timing import Timer
 from .rows import (
-    BudgetExceeded, Context, REF_REQUESTS, SCHEMA, TORCH_DTYPES, cuda_ok, first_line, new_row, rel_err,
-    set_time,
+    BudgetExceeded, Context, SCHEMA, TORCH_DTYPES, cuda_ok, first_line, join_notes, new_row, rel_err, set_time,
 )
-from .inputs import (
-    AttnData, PageTable, jitattn_fn, make_attn_data, pool_pages, random_tensor, reference_error, seed_of,
-    specs_of,
-)
+from .inputs import check_prebuilt, jitattn_fn, make_attn_data, random_tensor, reference_error, seed_of, specs_of
+from .cascade import run_cascade
 from .sdpa import run_sdpa, sdpa_groups, sdpa_unsupported
 from .host import run_jit
 from .peers import run_flashinfer, run_flashinfer_mla
 
 
 # --------------------------------------------------------------------------- #
-# Case runners
+# Case runners (the cascade's: cascade.py)
 # --------------------------------------------------------------------------- #
-
-
-
-
-def _check_specs(case: Case, ctx: Context) -> None:
-    for spec in specs_of(case, ctx.target):
-        if spec in ctx.failed_specs:
-            raise RuntimeError(f"build of {spec.uri} failed in the pre-build: {ctx.failed_specs[spec]}")
 
 
 def run_attn(case: Attn, ctx: Context) -> list[dict]:
     row = new_row(case)
     try:
-        _check_specs(case, ctx)
+        check_prebuilt(case, ctx.target, ctx.failed_specs)
         data = make_attn_data(case, ctx.device)
         fn = jitattn_fn(data, ctx.device)
         data.out.fill_(float("nan"))  # poison: every element must be written
@@ -93,7 +82,7 @@ def run_attn(case: Attn, ctx: Context) -> list[dict]:
         if "flashinfer" in ctx.peers:
             row["peers"] = {"flashinfer": run_flashinfer(case, data, ctx, row["time_us"])}
     except BudgetExceeded as exc:
-        row["note"] = _join(row["note"], str(exc))
+        row["note"] = join_notes(row["note"], str(exc))
     if not case.plain:  # a case others are compared with (variants, sink and batch-invariant twins)
         ctx.plain_rows[case.name] = row
     return [row]
@@ -105,114 +94,6 @@ def _baseline(row: dict, plain: dict | None, plain_name: str) -> dict:
     return {"name": plain_name, "time_us": plain["time_us"], "rate": plain["rate"], "rate_unit": plain["rate_unit"],
             "ratio": row["rate"] / plain["rate"] if row.get("rate") else None,
             "what": "rate of this variant / rate of the plain kernel (1.0 = free)"}
-
-
-def run_cascade(case: Cascade, ctx: Context) -> list[dict]:
-    """The cascade (a level per tree level), flat decode over the same pages and, for a tree, its two-level
-    cascade; each checked against the reference on the first requests. Rates are over the tree's bytes
-    (every node once), so the flat and two-level rows read as fractions of the cascade's ideal."""
-    import jitattn
-    from jitattn import reference
-
-    row = new_row(case)
-    flat_case = case.flat()
-    flat_row = new_row(flat_case)
-    flat_row["suite"] = "cascade"
-    flat_row["note"] = "flat paged decode over the same page table (shared pages listed per request; L2 serves repeats)"
-    two_row = new_row(case, case.name + ":two_level") if case.branches else None
-    if two_row is not None:
-        two_row["note"] = "two levels: each branch's requests share root + branch as one node (the root read per branch)"
-    try:
-        _check_specs(case, ctx)
-        b, page, nb = case.batch, case.page_size, case.branches
-        if case.shared_len % page or (nb and (case.branch_len % page or b % nb)):
-            raise ValueError("the shared prefix and the branches must fill whole pages, and the batch split evenly "
-                             "over the branches")
-        dev, dt = ctx.device, TORCH_DTYPES[case.dtype]
-        gen_host = torch.Generator().manual_seed(seed_of(case.name))
-        gen = torch.Generator(device=dev).manual_seed(seed_of(case.name))
-        p_shared, p_branch = case.shared_len // page, (case.branch_len // page if nb else 0)
-        p_unique = (case.unique_len + page - 1) // page
-        needed = p_shared + nb * p_branch + b * p_unique
-        pool = pool_pages(needed)
-        order = torch.randperm(pool, generator=gen_host)[:needed].to(torch.int32)
-        shared = order[:p_shared]
-        branch = order[p_shared:p_shared + nb * p_branch].view(nb, p_branch)
-        unique = order[p_shared + nb * p_branch:].view(b, p_unique)
-        cache = random_tensor((pool, 2, page, case.num_kv_heads, case.head_dim), dt, dev, gen)
-        q = random_tensor((b, case.num_qo_heads, case.head_dim), dt, dev, gen)
-        last_u = (case.unique_len - 1) % page + 1
-        i32 = dict(dtype=torch.int32)
-        workspace = torch.empty(128 << 20, dtype=torch.uint8, device=dev)
-        tails = (torch.arange(b + 1, **i32), torch.arange(0, b * p_unique + 1, p_unique, **i32),
-                 unique.reshape(-1).clone(), torch.full((b,), last_u, **i32))
-        root = (torch.tensor([0, b], **i32), torch.tensor([0, p_shared], **i32), shared.clone(), torch.tensor([page], **i32))
-        levels = [root, tails]
-        per_branch = b // nb if nb else b
-        if nb:
-            levels.insert(1, (torch.arange(0, b + 1, per_branch, **i32), torch.arange(0, nb * p_branch + 1, p_branch, **i32),
-                              branch.reshape(-1).clone(), torch.full((nb,), page, **i32)))
-
-        def cascade_fn(plan_levels):
-            wrapper = jitattn.MultiLevelCascadeAttentionWrapper(len(plan_levels), workspace, kv_layout="NHD")
-            wrapper.plan(*[list(arrays) for arrays in zip(*plan_levels)], case.num_qo_heads, case.num_kv_heads,
-                         case.head_dim, page, causal=False, q_data_type=dt)
-            return lambda: wrapper.run(q, cache)
-
-        fn = cascade_fn(levels)
-        # Flat decode over the same pages: each request lists its prefix pages (root, its branch), then its own.
-        prefixes = torch.cat([shared.unsqueeze(0).expand(b, -1),
-                              branch.repeat_interleave(per_branch, dim=0) if nb else branch.new_empty(b, 0)], dim=1)
-        flat_indices = torch.cat([prefixes, unique], dim=1).reshape(-1).contiguous()
-        per = prefixes.shape[1] + p_unique
-        table = PageTable(torch.arange(0, b * per + 1, per, **i32), flat_indices, torch.full((b,), last_u, **i32), page)
-        flat_data = AttnData(flat_case, q, torch.empty_like(q), cache=cache, table=table)
-        flat_fn = jitattn_fn(flat_data, dev)
-        two_fn = None
-        if nb:  # root + branch as one node per branch
-            two_indices = torch.cat([shared.unsqueeze(0).expand(nb, -1), branch], dim=1).reshape(-1).contiguous()
-            two_fn = cascade_fn([(levels[1][0], torch.arange(0, nb * (p_shared + p_branch) + 1, p_shared + p_branch, **i32),
-                                  two_indices, torch.full((nb,), page, **i32)), tails])
-
-        outs = {"cascade": fn(), "two_level": two_fn() if two_fn else None}
-        ctx.sync()
-        rows = _ref_rows(b)
-        refs = [reference.single_attention(q[r:r + 1], *flat_data.request_kv(r))[0] for r in rows]
-        row["max_rel_err"] = rel_err([outs["cascade"][r:r + 1] for r in rows], refs)
-        if two_row is not None:
-            two_row["max_rel_err"] = rel_err([outs["two_level"][r:r + 1] for r in rows], refs)
-        flat_data.out.fill_(float("nan"))
-        flat_fn()
-        ctx.sync()
-        flat_row["max_rel_err"] = rel_err([flat_data.out[r:r + 1] for r in rows], refs)
-        ctx.check_budget("timing")
-        set_time(row, ctx.timer.measure(fn, ctx.measure_s), ctx, fn)
-        ctx.check_budget("flat decode")
-        set_time(flat_row, ctx.timer.measure(flat_fn, ctx.measure_s), ctx, flat_fn)
-        flat_row["sdpa_na"] = "see the cascade row"
-        row["baseline"] = {"name": flat_row["name"], "time_us": flat_row["time_us"],
-                           "speedup": flat_row["time_us"] / row["time_us"],
-                           "what": "flat decode time / cascade time"}
-        if two_row is not None:
-            ctx.check_budget("two-level cascade")
-            set_time(two_row, ctx.timer.measure(two_fn, ctx.measure_s), ctx, two_fn)
-            two_row["sdpa_na"] = "see the cascade row"
-            two_row["baseline"] = {"name": row["name"], "time_us": row["time_us"],
-                                   "speedup": two_row["time_us"] / row["time_us"],
-                                   "what": "two-level time / tree cascade time"}
-        ctx.check_budget("SDPA")
-        groups = sdpa_groups(flat_data)
-        row["sdpa"] = run_sdpa(flat_case, groups, ctx, row["time_us"], nbytes=case.bytes, flops=case.flops)
-        row["note"] = _join(row["note"], "SDPA on contiguous KV per request (prefix copied into each)")
-        del groups
-    except BudgetExceeded as exc:
-        row["note"] = _join(row["note"], str(exc))
-    return [row, flat_row] + ([two_row] if two_row is not None else [])
-
-
-def _ref_rows(batch: int) -> list[int]:
-    """The requests checked against the reference: the first ones and the last (another branch of a tree)."""
-    return sorted({*range(min(REF_REQUESTS, batch)), batch - 1}) if batch else []
 
 
 def run_mla(case: MLA, ctx: Context) -> list[dict]:
@@ -269,7 +150,7 @@ def run_mla(case: MLA, ctx: Context) -> list[dict]:
         row["sdpa_na"] = "MLA"  # compared with FlashInfer's numbers and the targets (the note)
         kernel = ("the sm90 MLA kernel" if getattr(wrapper, "kernel", "prefill") == "sm90"
                   else "the paged prefill kernel at head dims 576/512")
-        row["note"] = _join(_join(f"{row['tflops']:.4g} TFLOP/s, {row['tb_per_s']:.3g} TB/s", row["note"]), kernel)
+        row["note"] = join_notes(join_notes(f"{row['tflops']:.4g} TFLOP/s, {row['tb_per_s']:.3g} TB/s", row["note"]), kernel)
         twin = ctx.plain_rows.get(case.twin) if case.twin else None
         if case.twin:
             if twin is None or twin.get("time_us") is None:
@@ -278,12 +159,12 @@ def run_mla(case: MLA, ctx: Context) -> list[dict]:
                 ratio = twin["time_us"] / row["time_us"]
                 row["baseline"] = {"name": case.twin, "time_us": twin["time_us"], "speed_ratio": ratio,
                                    "what": "the twin's time / this row's time (> 1: this row is faster)"}
-                row["note"] = _join(row["note"], f"{ratio:.2f}x the speed of {case.twin}")
+                row["note"] = join_notes(row["note"], f"{ratio:.2f}x the speed of {case.twin}")
         if "flashinfer" in ctx.peers:
             tensors = (qo_indptr, indptr, indices, lens, q_nope, q_pe, ckv, kpe)
             row["peers"] = {"flashinfer": run_flashinfer_mla(case, tensors, out, ctx, row["time_us"])}
     except BudgetExceeded as exc:
-        row["note"] = _join(row["note"], str(exc))
+        row["note"] = join_notes(row["note"], str(exc))
     ctx.plain_rows[case.name] = row  # an fp8 row compares itself with its bf16 twin
     return [row]
 
@@ -291,10 +172,6 @@ def run_mla(case: MLA, ctx: Context) -> list[dict]:
 # --------------------------------------------------------------------------- #
 # Orchestration
 # --------------------------------------------------------------------------- #
-
-
-def _join(a: str, b: str) -> str:
-    return f"{a}; {b}" if a and b else (a or b)
 
 
 def run_case(case: Case, ctx: Context) -> list[dict]:
