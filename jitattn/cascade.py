@@ -19,10 +19,11 @@ are prefixes every query sees whole).
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 
-from .attention.batch import WorkspaceTooSmall, run_plan, share_queries
+from .attention.batch import WorkspaceTooSmall, share_queries
 from .attention.builder import attention_options, kernel_spec, num_workers
 from .attention.merge import PreparedMerge, merge_state, merge_state_in_place, merge_states, merge_states_with_sinks
 from .attention.options import fp8_scale, parse_pos_encoding, resolve_batch_invariant, resolve_flag, resolve_window_left
@@ -34,7 +35,9 @@ from .page_table import PagedIndex, check_indptr, check_paged_index
 from .decode import BatchDecodeWithPagedKVCacheWrapper
 from .families.prefill import query_tile_rows
 from .jit import resident_blocks
-from .prefill import BatchPrefillWithPagedKVCacheWrapper, single_prefill_with_kv_cache
+from .prefill import BatchPrefillWithPagedKVCacheWrapper
+from .shared_prefix import (BatchDecodeWithSharedPrefixPagedKVCacheWrapper,
+                            BatchPrefillWithSharedPrefixPagedKVCacheWrapper)
 from .spec import KVStorage, Op, PosEncoding
 from .variant import AttentionVariant
 
@@ -132,6 +135,35 @@ class MultiLevelCascadeAttentionWrapper:
         ``variant``: a custom variant run at every level (its ``q_idx``/``kv_idx`` are relative to
         the level's node); the levels are merged by LSE, so it must use softmax and have no output
         transform."""
+        causal, total_q = self._check_plan(qo_indptr_arr, paged_kv_indptr_arr, paged_kv_indices_arr,
+                                           paged_kv_last_page_len, causal, pos_encoding_mode, window_left, variant,
+                                           fixed_split_size)
+        self._batch_invariant = resolve_batch_invariant(batch_invariant)
+        self._level_chunks = []  # unplanned until every level's plan below has succeeded
+        rules = self._level_rules(total_q, causal, variant, fixed_split_size, num_qo_heads, num_kv_heads, head_dim,
+                                  page_size, q_data_type, kv_data_type, logits_soft_cap)
+        tables: list[tuple[torch.Tensor, PagedIndex, bool]] = []  # per level: (qo_indptr, page table, causal)
+        level_chunks: list[int] = []
+        decode_last = False
+        for level in range(self._num_levels):
+            qo_host, index, level_causal, chunks, decode_last = self._level_table(
+                level, rules, qo_indptr_arr[level], paged_kv_indptr_arr[level], paged_kv_indices_arr[level],
+                paged_kv_last_page_len[level])
+            level_chunks.append(chunks)
+            tables.append((qo_host, index, level_causal))
+        options = dict(sm_scale=sm_scale, logits_soft_cap=logits_soft_cap, q_data_type=q_data_type,
+                       kv_data_type=kv_data_type, variant=variant)
+        launches = self._prefill_launches(rules, tables, level_chunks, decode_last, num_qo_heads, num_kv_heads,
+                                          head_dim, options)
+        if decode_last:
+            launches.append((self._plan_decode_level(tables[-1][1], rules.graphs, num_qo_heads, num_kv_heads, head_dim,
+                                                     page_size, options, fixed_split_size), 1))
+        self._plan_states(launches, level_chunks, decode_last, rules.graphs, total_q, num_qo_heads, variant)
+        self._launches, self._level_chunks = launches, level_chunks
+
+    def _check_plan(self, qo_indptr_arr, paged_kv_indptr_arr, paged_kv_indices_arr, paged_kv_last_page_len, causal,
+                    pos_encoding_mode, window_left, variant, fixed_split_size) -> tuple[bool, int]:
+        """The arrays' shape of lists and the options every level shares: (causal, total query count)."""
         for name, arr in (("qo_indptr_arr", qo_indptr_arr), ("paged_kv_indptr_arr", paged_kv_indptr_arr),
                           ("paged_kv_indices_arr", paged_kv_indices_arr),
                           ("paged_kv_last_page_len", paged_kv_last_page_len)):
@@ -160,125 +192,146 @@ class MultiLevelCascadeAttentionWrapper:
         if len(totals) != 1:
             raise ValueError(f"every level's qo_indptr must end at the same token count; got {sorted(totals)}")
         (total_q,) = totals
-        group = num_qo_heads // max(1, num_kv_heads)
-        tile_rows = query_tile_rows(head_dim, head_dim)
+        return causal, total_q
+
+    def _level_rules(self, total_q, causal, variant, fixed_split_size, num_qo_heads, num_kv_heads, head_dim,
+                     page_size, q_data_type, kv_data_type, logits_soft_cap) -> _LevelRules:
+        prefill = self._wrappers[0]
         # A split shared level fills one wave of the prefill kernel's resident blocks (one per SM on the
         # sm90 tier, whose blocks take items dynamically).
-        prefill = self._wrappers[0]
         blocks_per_sm = resident_blocks(kernel_spec(
             attention_options(Op.PREFILL, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim_qk=head_dim,
                               q_data_type=q_data_type, kv_data_type=kv_data_type, logits_soft_cap=logits_soft_cap),
-            prefill._target, prefill._kv_layout, KVStorage.PAGED))
-        self._batch_invariant = resolve_batch_invariant(batch_invariant)
-        self._level_chunks = []  # unplanned until every level's plan below has succeeded
-        level_chunks: list[int] = []
-        names = ("paged_kv_indptr_arr[i]", "paged_kv_indices_arr[i]", "paged_kv_last_page_len[i]")
-        graphs = self._wrappers[0].is_cuda_graph_enabled
+            prefill.target, prefill.kv_layout, KVStorage.PAGED))
+        graphs = prefill.is_cuda_graph_enabled
         # Under graphs (not batch-invariant, no variant) a shared level is still cut into chunks and a last
         # level of one query per request still runs on the decode kernel, with counts that depend on the batch
         # shape alone (nodes, queries: what a captured launch keeps), not on the lengths.
-        graph_fixed = graphs and not self._batch_invariant and variant is None
-        tables: list[tuple[torch.Tensor, PagedIndex, bool]] = []  # per level: (qo_indptr, page table, causal)
-        for level in range(self._num_levels):
-            level_causal = causal if level == self._num_levels - 1 else False
-            qo_host = check_indptr("qo_indptr_arr[i]", qo_indptr_arr[level])
-            index = check_paged_index(paged_kv_indptr_arr[level], paged_kv_indices_arr[level],
-                                      paged_kv_last_page_len[level], page_size, names=names)
-            qo_lens = (qo_host[1:] - qo_host[:-1]).tolist()
-            if len(qo_lens) != index.batch_size:
-                raise ValueError(f"level {level}: qo_indptr_arr[{level}] has {len(qo_lens)} nodes but "
-                                 f"paged_kv_indptr_arr[{level}] has {index.batch_size}; a level's arrays describe "
-                                 "the same nodes")
-            last = level == self._num_levels - 1
-            # Under graphs the last level's kernel follows the shape: one query per node when total_q equals
-            # the node count (then every node must have exactly one), else the prefill kernels.
-            one_each = bool(qo_lens) and all(n == 1 for n in qo_lens)
-            if graph_fixed and last and len(qo_lens) == total_q and not one_each:
-                raise ValueError(f"under CUDA graphs a last level of as many queries as nodes ({total_q}) takes one "
-                                 "query per node (its decode-kernel launch is captured for that shape); got "
-                                 f"{qo_lens[:8]}...: plan other query counts on a wrapper of their own")
-            # graphs: one query per node is a property of the shape (total_q == nodes, both captured)
-            shape_one_each = graph_fixed and len(qo_lens) == total_q and one_each if graphs else one_each
-            relaxable = shape_one_each if graphs else max(qo_lens, default=0) <= 1
-            if level_causal and relaxable and not self._batch_invariant:
-                # One query per request sees every key: causal or not, the same. Under graphs only when
-                # that holds for the shape (one query per request: total_q == nodes, both captured), not in
-                # batch-invariant mode (whether a request's level may split must not depend on its
-                # companions' query counts).
-                level_causal = False
-            chunks = 1
-            # A last level of one query per request (decode under a shared prefix) runs on the decode
-            # kernel, which splits long KV itself; the earlier levels run on the prefill kernels. In a
-            # prefill's 128-row tiles such a request fills a few rows (H200: b128 over 8k shared + 256
-            # each, its one-launch cascade took 216.8 us on the sm90 tier). Under graphs on a decode wrapper
-            # with buffers of its own (the level's are the caller's); not in batch-invariant mode (its merge
-            # order is the levels' chunk order).
-            decode_last = (last and level > 0 and not level_causal and shape_one_each and not self._batch_invariant
-                           and variant is None)
-            # Splitting shifts positions inside a chunk: only for plain, non-causal levels; under graphs into
-            # a count fixed by the shape (graph_fixed), on a prefill wrapper with buffers of its own.
-            if graph_fixed and not level_causal and not decode_last:
-                chunks = graph_level_chunks(total_q, group=group, tile_rows=tile_rows, num_kv_heads=num_kv_heads,
-                                            num_sms=num_workers(self._device), blocks_per_sm=blocks_per_sm)
-                if chunks > 1:
-                    qo_host, index = split_level_page_table(qo_host, index, chunks)
-            elif not level_causal and variant is None and not graphs and not decode_last:
-                chunks = cascade_level_chunks(index.kv_lens, num_kv_heads=num_kv_heads,
-                                              num_sms=num_workers(self._device),
-                                              page_size=page_size, fixed_split_size=fixed_split_size,
-                                              blocks_per_sm=blocks_per_sm,
-                                              query_tiles=sum(-(-n * group // tile_rows) for n in qo_lens),
-                                              batch_invariant=self._batch_invariant)
-                pages_per_chunk = None  # fixed_split_size: the nodes' pages shared out evenly
-                if self._batch_invariant:
-                    pages_per_chunk = batch_invariant_chunk(page_size, fixed_split_size) // page_size
-                elif chunks > 1 and fixed_split_size is None:
-                    longest = max(-(-n // page_size) for n in index.kv_lens)
-                    chunks, pages_per_chunk = cascade_chunk_pages(longest, chunks, page_size)
-                if chunks > 1:
-                    qo_host, index = split_level_page_table(qo_host, index, chunks, pages_per_chunk)
-            level_chunks.append(chunks)
-            tables.append((qo_host, index, level_causal))
-        options = dict(sm_scale=sm_scale, logits_soft_cap=logits_soft_cap, q_data_type=q_data_type,
-                       kv_data_type=kv_data_type, variant=variant)
-        last_index = tables[-1][1]
+        return _LevelRules(
+            total_q=total_q, causal=causal, variant=variant, fixed_split_size=fixed_split_size, page_size=page_size,
+            group=num_qo_heads // max(1, num_kv_heads), tile_rows=query_tile_rows(head_dim, head_dim),
+            num_kv_heads=num_kv_heads, blocks_per_sm=blocks_per_sm, num_sms=num_workers(self._device),
+            graphs=graphs, graph_fixed=graphs and not self._batch_invariant and variant is None,
+            batch_invariant=self._batch_invariant)
+
+    def _level_table(self, level: int, rules: _LevelRules, qo_indptr, kv_indptr, kv_indices, last_page_len):
+        """Level ``level``'s checked table, cut into chunks where it is split: (qo_indptr, page table, causal,
+        chunks, whether it runs on the decode kernel)."""
+        last = level == self._num_levels - 1
+        level_causal = rules.causal if last else False
+        qo_host = check_indptr("qo_indptr_arr[i]", qo_indptr)
+        index = check_paged_index(kv_indptr, kv_indices, last_page_len, rules.page_size,
+                                  names=("paged_kv_indptr_arr[i]", "paged_kv_indices_arr[i]",
+                                         "paged_kv_last_page_len[i]"))
+        qo_lens = (qo_host[1:] - qo_host[:-1]).tolist()
+        if len(qo_lens) != index.batch_size:
+            raise ValueError(f"level {level}: qo_indptr_arr[{level}] has {len(qo_lens)} nodes but "
+                             f"paged_kv_indptr_arr[{level}] has {index.batch_size}; a level's arrays describe "
+                             "the same nodes")
+        # Under graphs the last level's kernel follows the shape: one query per node when total_q equals
+        # the node count (then every node must have exactly one), else the prefill kernels.
+        one_each = bool(qo_lens) and all(n == 1 for n in qo_lens)
+        if rules.graph_fixed and last and len(qo_lens) == rules.total_q and not one_each:
+            raise ValueError(f"under CUDA graphs a last level of as many queries as nodes ({rules.total_q}) takes one "
+                             "query per node (its decode-kernel launch is captured for that shape); got "
+                             f"{qo_lens[:8]}...: plan other query counts on a wrapper of their own")
+        # graphs: one query per node is a property of the shape (total_q == nodes, both captured)
+        shape_one_each = (rules.graph_fixed and len(qo_lens) == rules.total_q and one_each if rules.graphs
+                          else one_each)
+        relaxable = shape_one_each if rules.graphs else max(qo_lens, default=0) <= 1
+        if level_causal and relaxable and not rules.batch_invariant:
+            # One query per request sees every key: causal or not, the same. Under graphs only when
+            # that holds for the shape (one query per request: total_q == nodes, both captured), not in
+            # batch-invariant mode (whether a request's level may split must not depend on its
+            # companions' query counts).
+            level_causal = False
+        # A last level of one query per request (decode under a shared prefix) runs on the decode
+        # kernel, which splits long KV itself; the earlier levels run on the prefill kernels. In a
+        # prefill's 128-row tiles such a request fills a few rows (H200: b128 over 8k shared + 256
+        # each, its one-launch cascade took 216.8 us on the sm90 tier). Under graphs on a decode wrapper
+        # with buffers of its own (the level's are the caller's); not in batch-invariant mode (its merge
+        # order is the levels' chunk order).
+        decode_last = (last and level > 0 and not level_causal and shape_one_each and not rules.batch_invariant
+                       and rules.variant is None)
+        chunks = 1
+        # Splitting shifts positions inside a chunk: only for plain, non-causal levels; under graphs into
+        # a count fixed by the shape (graph_fixed), on a prefill wrapper with buffers of its own.
+        if rules.graph_fixed and not level_causal and not decode_last:
+            chunks = graph_level_chunks(rules.total_q, group=rules.group, tile_rows=rules.tile_rows,
+                                        num_kv_heads=rules.num_kv_heads, num_sms=rules.num_sms,
+                                        blocks_per_sm=rules.blocks_per_sm)
+            if chunks > 1:
+                qo_host, index = split_level_page_table(qo_host, index, chunks)
+        elif not level_causal and rules.variant is None and not rules.graphs and not decode_last:
+            qo_host, index, chunks = self._split_shared_level(rules, qo_host, index, qo_lens)
+        return qo_host, index, level_causal, chunks, decode_last
+
+    @staticmethod
+    def _split_shared_level(rules: _LevelRules, qo_host, index, qo_lens):
+        """A shared level cut into the chunks that fill the device (without graphs): (qo_indptr, table, chunks)."""
+        chunks = cascade_level_chunks(index.kv_lens, num_kv_heads=rules.num_kv_heads, num_sms=rules.num_sms,
+                                      page_size=rules.page_size, fixed_split_size=rules.fixed_split_size,
+                                      blocks_per_sm=rules.blocks_per_sm,
+                                      query_tiles=sum(-(-n * rules.group // rules.tile_rows) for n in qo_lens),
+                                      batch_invariant=rules.batch_invariant)
+        pages_per_chunk = None  # fixed_split_size: the nodes' pages shared out evenly
+        if rules.batch_invariant:
+            pages_per_chunk = batch_invariant_chunk(rules.page_size, rules.fixed_split_size) // rules.page_size
+        elif chunks > 1 and rules.fixed_split_size is None:
+            longest = max(-(-n // rules.page_size) for n in index.kv_lens)
+            chunks, pages_per_chunk = cascade_chunk_pages(longest, chunks, rules.page_size)
+        if chunks > 1:
+            qo_host, index = split_level_page_table(qo_host, index, chunks, pages_per_chunk)
+        return qo_host, index, chunks
+
+    def _prefill_launches(self, rules: _LevelRules, tables, level_chunks, decode_last, num_qo_heads, num_kv_heads,
+                          head_dim, options) -> list[tuple]:
+        """The prefill-kernel launches of the levels (all but a decode-kernel last level), planned."""
         prefill_tables = tables[:-1] if decode_last else tables
         prefill_chunks = level_chunks[:-1] if decode_last else level_chunks
         # Without graphs (their buffers are per level) and with every level non-causal, all the levels
         # are one batch: one launch computes every state (the level page tables one after another).
-        if len(prefill_tables) > 1 and not graphs and not any(level_causal for _, _, level_causal in prefill_tables):
+        if len(prefill_tables) > 1 and not rules.graphs and not any(causal for _, _, causal in prefill_tables):
             qo_all, index_all = concat_level_tables([(qo, index) for qo, index, _ in prefill_tables])
             launch_levels = [(self._wrappers[0], qo_all, index_all, False, sum(prefill_chunks))]
         else:
-            launch_levels = [(self._graph_level(level, qo.numel()) if graph_fixed and chunks > 1 else wrapper, qo, index,
-                              level_causal, chunks)
+            launch_levels = [(self._graph_level(level, qo.numel()) if rules.graph_fixed and chunks > 1 else wrapper, qo,
+                              index, level_causal, chunks)
                              for level, (wrapper, (qo, index, level_causal), chunks)
                              in enumerate(zip(self._wrappers, prefill_tables, prefill_chunks))]
-        launches: list[tuple[BatchPrefillWithPagedKVCacheWrapper | BatchDecodeWithPagedKVCacheWrapper, int]] = []
+        launches = []
         for wrapper, qo, index, level_causal, states in launch_levels:
             # The level's checked page table is handed on, not checked again.
-            wrapper._plan_index(qo, index, num_qo_heads, num_kv_heads, head_dim, causal=level_causal, **options)
+            wrapper.plan_checked(qo, index, num_qo_heads, num_kv_heads, head_dim, causal=level_causal, **options)
             if states > 1:  # every chunk (and level) reads the queries in place
-                share_queries(wrapper._plan, total_q)
+                share_queries(wrapper.current_plan, rules.total_q)
             launches.append((wrapper, states))
-        if decode_last:
-            if graphs:
-                decoder = self._graph_decoder(last_index.batch_size)
-            else:
-                if self._decode is None:
-                    self._decode = BatchDecodeWithPagedKVCacheWrapper(self._workspace, self._kv_layout)
-                decoder = self._decode
-            decode_args = (last_index.indptr, last_index.indices, last_index.last_page_len, num_qo_heads, num_kv_heads,
-                           head_dim, page_size)
-            decode_options = dict(logits_soft_cap=logits_soft_cap, q_data_type=q_data_type, kv_data_type=kv_data_type,
-                                  sm_scale=sm_scale, fixed_split_size=fixed_split_size, batch_invariant=False)
-            try:
-                decoder.plan(*decode_args, **decode_options)
-            except WorkspaceTooSmall:  # the level's split-KV partials do not fit: each request in one piece
-                decoder.plan(*decode_args, **decode_options, disable_split_kv=True)
-            launches.append((decoder, 1))
+        return launches
 
-        plan = launches[-1][0]._plan
+    def _plan_decode_level(self, index: PagedIndex, graphs: bool, num_qo_heads, num_kv_heads, head_dim, page_size,
+                           options, fixed_split_size) -> BatchDecodeWithPagedKVCacheWrapper:
+        """The decode wrapper of a last level of one query per request, planned."""
+        if graphs:
+            decoder = self._graph_decoder(index.batch_size)
+        else:
+            if self._decode is None:
+                self._decode = BatchDecodeWithPagedKVCacheWrapper(self._workspace, self._kv_layout)
+            decoder = self._decode
+        decode_args = (index.indptr, index.indices, index.last_page_len, num_qo_heads, num_kv_heads, head_dim,
+                       page_size)
+        decode_options = dict(logits_soft_cap=options["logits_soft_cap"], q_data_type=options["q_data_type"],
+                              kv_data_type=options["kv_data_type"], sm_scale=options["sm_scale"],
+                              fixed_split_size=fixed_split_size, batch_invariant=False)
+        try:
+            decoder.plan(*decode_args, **decode_options)
+        except WorkspaceTooSmall:  # the level's split-KV partials do not fit: each request in one piece
+            decoder.plan(*decode_args, **decode_options, disable_split_kv=True)
+        return decoder
+
+    def _plan_states(self, launches, level_chunks, decode_last, graphs, total_q, num_qo_heads, variant) -> None:
+        """The state buffers the levels write (None: one state, written as the output), and the states a cuda
+        decode-kernel last level merges into its own result."""
+        plan = launches[-1][0].current_plan
         multi = sum(level_chunks) > 1 or self._batch_invariant
         layout = ([states for _, states in launches], total_q, num_qo_heads, plan.head_dim_vo, plan.o_dtype,
                   self._device)
@@ -295,12 +348,11 @@ class MultiLevelCascadeAttentionWrapper:
         # The cuda decode kernel of the last level reads the earlier states and writes the merged output
         # itself (H200: the merge kernel took 8-10 us of the suite's cascades).
         self._fused_states = 0
-        decode_plan = launches[-1][0]._plan if decode_last else None
+        decode_plan = plan if decode_last else None
         if (self._states is not None and decode_plan is not None and not self._batch_invariant and variant is None
                 and decode_plan.launch is not None and self._device.type == "cuda"):  # states: the decode's dtype
             decode_plan.launch.set_prior(self._states.values, self._states.lses, total_q)
             self._fused_states = sum(states for _, states in launches[:-1])
-        self._launches, self._level_chunks = launches, level_chunks
 
     begin_forward = plan
 
@@ -390,15 +442,15 @@ class MultiLevelCascadeAttentionWrapper:
             v_scale = 1.0 if v_scale is None else fp8_scale(v_scale, "v_scale")
             fused = self._fused_states
             for (wrapper, _), (out, lse) in zip(self._launches[:-1] if fused else self._launches, states.levels):
-                run_plan(wrapper._plan, wrapper._NAME, wrapper._workspace, q, paged_kv_cache, k_scale=k_scale,
-                         v_scale=v_scale, out=out, lse=lse, return_lse=False, fixed_outputs=True)
+                wrapper.run_planned(q, paged_kv_cache, k_scale=k_scale, v_scale=v_scale, out=out, lse=lse,
+                                    return_lse=False, fixed_outputs=True)
             if fused:  # the decode launch merges the states above into its own result as it writes it
                 wrapper = self._launches[-1][0]
-                params = wrapper._plan.launch.params
+                params = wrapper.current_plan.launch.params
                 params.prior_states = fused
                 try:
-                    return run_plan(wrapper._plan, wrapper._NAME, wrapper._workspace, q, paged_kv_cache,
-                                    k_scale=k_scale, v_scale=v_scale, out=None, lse=None, return_lse=return_lse)
+                    return wrapper.run_planned(q, paged_kv_cache, k_scale=k_scale, v_scale=v_scale, out=None,
+                                               lse=None, return_lse=return_lse)
                 finally:
                     params.prior_states = 0  # every other launch of the plan (sinks, torch.compile) merges after
             out, lse = states.merge(states.v, states.s, return_lse)
@@ -416,6 +468,25 @@ class MultiLevelCascadeAttentionWrapper:
     run_return_lse = functools.partialmethod(run, return_lse=True)
     forward = run
     forward_return_lse = run_return_lse
+
+
+@dataclass(frozen=True)
+class _LevelRules:
+    """One plan's constants that decide how each level is launched (see ``plan``)."""
+
+    total_q: int
+    causal: bool
+    variant: AttentionVariant | None
+    fixed_split_size: int | None
+    page_size: int
+    group: int  # query heads per KV head
+    tile_rows: int  # the prefill kernel's query tile
+    num_kv_heads: int
+    blocks_per_sm: int
+    num_sms: int
+    graphs: bool
+    graph_fixed: bool  # under graphs, chunk and kernel counts follow the batch shape (not batch-invariant, no variant)
+    batch_invariant: bool
 
 
 class _LevelStates:
@@ -443,105 +514,3 @@ class _LevelStates:
         self.v = values.view(num_states, total_q, num_heads, head_dim_vo).transpose(0, 1)
         self.s = lses.view(num_states, total_q, num_heads).transpose(0, 1)
         self.merge = PreparedMerge(self.v, self.s)
-
-
-class BatchDecodeWithSharedPrefixPagedKVCacheWrapper:
-    """Decode over a shared prefix kept in plain tensors plus each request's own paged KV (FlashInfer's older API).
-
-    ``forward`` attends every query to ``k_shared``/``v_shared`` (one single-request prefill
-    over the batch's queries), decodes over the unique pages, and merges the two states by LSE.
-    """
-
-    def __init__(self, float_workspace_buffer: torch.Tensor, kv_layout: str = "NHD") -> None:
-        self._kv_layout = kv_layout
-        self._batch_decode_wrapper = BatchDecodeWithPagedKVCacheWrapper(float_workspace_buffer, kv_layout)
-
-    def reset_workspace_buffer(self, float_workspace_buffer: torch.Tensor, int_workspace_buffer=None) -> None:
-        self._batch_decode_wrapper.reset_workspace_buffer(float_workspace_buffer, int_workspace_buffer)
-
-    def begin_forward(
-        self, unique_kv_indptr: torch.Tensor, unique_kv_indices: torch.Tensor, unique_kv_last_page_len: torch.Tensor,
-        num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int, data_type: str = "float16", *,
-        batch_invariant: bool | None = None,
-    ) -> None:
-        """Plan the unique (paged) part; ``data_type`` is the q and kv dtype. ``batch_invariant``: as the
-        decode wrapper's (the shared part is one prefill, merged with the unique part in a fixed order)."""
-        self._batch_decode_wrapper.plan(
-            unique_kv_indptr, unique_kv_indices, unique_kv_last_page_len, num_qo_heads, num_kv_heads, head_dim,
-            page_size, q_data_type=data_type, kv_data_type=data_type, batch_invariant=batch_invariant,
-        )
-
-    plan = begin_forward
-
-    def forward(
-        self, q: torch.Tensor, k_shared: torch.Tensor, v_shared: torch.Tensor,
-        unique_kv_cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
-    ) -> torch.Tensor:
-        """q ``[batch, H_qo, D]``, k/v_shared ``[shared_len, H_kv, D]`` (NHD) / ``[H_kv, shared_len, D]`` (HND)."""
-        out, lse = single_prefill_with_kv_cache(q, k_shared, v_shared, causal=False, kv_layout=self._kv_layout,
-                                                return_lse=True)
-        unique_out, unique_lse = self._batch_decode_wrapper.run(q, unique_kv_cache, return_lse=True)
-        merge_state_in_place(out, lse, unique_out, unique_lse)
-        return out
-
-    run = forward
-
-    def end_forward(self) -> None:
-        """No-op kept for older FlashInfer call sites."""
-
-
-class BatchPrefillWithSharedPrefixPagedKVCacheWrapper:
-    """Prefill/append over a shared prefix in plain tensors plus each request's own paged KV (FlashInfer's older API).
-
-    The shared prefix precedes every request's own KV, so ``causal`` applies to the unique part only.
-    """
-
-    def __init__(self, float_workspace_buffer: torch.Tensor, kv_layout: str = "NHD") -> None:
-        self._kv_layout = kv_layout
-        self._batch_prefill_wrapper = BatchPrefillWithPagedKVCacheWrapper(float_workspace_buffer, kv_layout)
-        self._plan_args: tuple = ()
-        self._planned: dict | None = None  # the options the unique part was last planned with
-
-    def reset_workspace_buffer(self, float_workspace_buffer: torch.Tensor, int_workspace_buffer=None) -> None:
-        self._batch_prefill_wrapper.reset_workspace_buffer(float_workspace_buffer, int_workspace_buffer)
-
-    def begin_forward(
-        self, qo_indptr: torch.Tensor, paged_kv_indptr: torch.Tensor, paged_kv_indices: torch.Tensor,
-        paged_kv_last_page_len: torch.Tensor, num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
-        *, batch_invariant: bool | None = None,
-    ) -> None:
-        """Record the unique part's page table; ``forward`` plans it with the dtypes and options it is given.
-
-        ``batch_invariant`` is accepted and changes nothing (prefill never splits the KV)."""
-        resolve_batch_invariant(batch_invariant)
-        self._plan_args = (qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads,
-                           num_kv_heads, head_dim, page_size)
-        self._planned = None
-
-    plan = begin_forward
-
-    def forward(
-        self, q: torch.Tensor, k_shared: torch.Tensor, v_shared: torch.Tensor,
-        unique_kv_cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor], causal: bool = False,
-        use_fp16_qk_reduction: bool = False, sm_scale: float | None = None, rope_scale: float | None = None,
-        rope_theta: float | None = None,
-    ) -> torch.Tensor:
-        """q ``[total_qo, H_qo, D]``; k/v_shared ``[shared_len, H_kv, D]`` (NHD) / ``[H_kv, shared_len, D]`` (HND)."""
-        if not self._plan_args:
-            raise RuntimeError("BatchPrefillWithSharedPrefixPagedKVCacheWrapper.forward() called before "
-                               "begin_forward(); call begin_forward() once per batch first")
-        unique_k = unique_kv_cache[0] if isinstance(unique_kv_cache, (tuple, list)) else unique_kv_cache
-        options = dict(causal=causal, sm_scale=sm_scale, q_data_type=q.dtype, kv_data_type=unique_k.dtype)
-        if options != self._planned:  # plan once per batch and option set, as every layer passes the same
-            self._batch_prefill_wrapper.plan(*self._plan_args, **options)
-            self._planned = options
-        out, lse = single_prefill_with_kv_cache(q, k_shared, v_shared, causal=False, kv_layout=self._kv_layout,
-                                                sm_scale=sm_scale, return_lse=True)
-        unique_out, unique_lse = self._batch_prefill_wrapper.run(q, unique_kv_cache, return_lse=True)
-        merge_state_in_place(out, lse, unique_out, unique_lse)
-        return out
-
-    run = forward
-
-    def end_forward(self) -> None:
-        """No-op kept for older FlashInfer call sites."""

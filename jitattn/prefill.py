@@ -156,7 +156,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapperBase):
         check_fixed_split_size(fixed_split_size)
         index = check_paged_index(paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, page_size,
                                   names=("paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len"))
-        self._plan_index(
+        self.plan_checked(
             qo_indptr, index, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo=head_dim_vo,
             custom_mask=custom_mask, packed_custom_mask=packed_custom_mask, causal=causal,
             pos_encoding_mode=pos_encoding_mode, sm_scale=sm_scale, window_left=window_left,
@@ -166,9 +166,10 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapperBase):
                             token_pos_in_items_len=token_pos_in_items_len),
         )
 
-    def _plan_index(self, qo_indptr: torch.Tensor, index: PagedIndex, num_qo_heads: int, num_kv_heads: int,
-                    head_dim_qk: int, **options) -> None:
-        """Plan over a page table that is already checked (``plan()``, or a cascade level)."""
+    def plan_checked(self, qo_indptr: torch.Tensor, index: PagedIndex, num_qo_heads: int, num_kv_heads: int,
+                     head_dim_qk: int, **options) -> None:
+        """Plan over a page table that is already checked (``plan()``'s, or a cascade level's), with ``plan()``'s
+        keyword options."""
         self._plan = _plan_prefill(
             self._NAME, self._target, self._device, self._kv_layout, qo_indptr=qo_indptr,
             kv_indptr_host=index.indptr, index=index, kv_lens=list(index.kv_lens), num_qo_heads=num_qo_heads,

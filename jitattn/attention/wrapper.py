@@ -65,6 +65,30 @@ class BatchWrapperBase:
     def is_cuda_graph_enabled(self) -> bool:
         return self._use_cuda_graph
 
+    # What a wrapper that composes others (the cascade) reads of them: the last plan, where it runs, and the
+    # planned launch with the run-time arguments only.
+    @property
+    def current_plan(self) -> AttentionPlan | None:
+        """The last ``plan()``'s plan (None before one succeeded)."""
+        return self._current_plan
+
+    @property
+    def target(self):
+        """The target of the workspace's device (``Target.CUDA`` or ``Target.CPU``)."""
+        return self._target
+
+    @property
+    def kv_layout(self):
+        """The KV layout (``KVLayout``) the wrapper was made for."""
+        return self._kv_layout
+
+    def run_planned(self, q, kv, *, k_scale: float, v_scale: float, out, lse, return_lse: bool,
+                    fixed_outputs: bool = False):
+        """The current plan's launch with resolved scales (``run()`` without its option handling): out, or
+        (out, lse). ``fixed_outputs``: ``out`` / ``lse`` are buffers the caller keeps for this plan."""
+        return run_plan(self._plan, self._NAME, self._workspace, q, kv, k_scale=k_scale, v_scale=v_scale, out=out,
+                        lse=lse, return_lse=return_lse, fixed_outputs=fixed_outputs)
+
     # FlashInfer's private plan attributes that serving backends read back (vLLM asserts them before
     # every run()): the planned values as FlashInfer keeps them (soft cap None -> 0.0, the rest raw).
     @property

@@ -1,0 +1,115 @@
+"""FlashInfer's older shared-prefix wrappers: one shared prefix in plain tensors plus each request's own paged
+KV, merged by LSE (``jitattn.cascade`` exports them, as ``flashinfer.cascade`` does)."""
+
+from __future__ import annotations
+
+import torch
+
+from .attention.merge import merge_state_in_place
+from .attention.options import resolve_batch_invariant
+from .decode import BatchDecodeWithPagedKVCacheWrapper
+from .prefill import BatchPrefillWithPagedKVCacheWrapper, single_prefill_with_kv_cache
+
+__all__ = ["BatchDecodeWithSharedPrefixPagedKVCacheWrapper", "BatchPrefillWithSharedPrefixPagedKVCacheWrapper"]
+
+
+class BatchDecodeWithSharedPrefixPagedKVCacheWrapper:
+    """Decode over a shared prefix kept in plain tensors plus each request's own paged KV (FlashInfer's older API).
+
+    ``forward`` attends every query to ``k_shared``/``v_shared`` (one single-request prefill
+    over the batch's queries), decodes over the unique pages, and merges the two states by LSE.
+    """
+
+    def __init__(self, float_workspace_buffer: torch.Tensor, kv_layout: str = "NHD") -> None:
+        self._kv_layout = kv_layout
+        self._batch_decode_wrapper = BatchDecodeWithPagedKVCacheWrapper(float_workspace_buffer, kv_layout)
+
+    def reset_workspace_buffer(self, float_workspace_buffer: torch.Tensor, int_workspace_buffer=None) -> None:
+        self._batch_decode_wrapper.reset_workspace_buffer(float_workspace_buffer, int_workspace_buffer)
+
+    def begin_forward(
+        self, unique_kv_indptr: torch.Tensor, unique_kv_indices: torch.Tensor, unique_kv_last_page_len: torch.Tensor,
+        num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int, data_type: str = "float16", *,
+        batch_invariant: bool | None = None,
+    ) -> None:
+        """Plan the unique (paged) part; ``data_type`` is the q and kv dtype. ``batch_invariant``: as the
+        decode wrapper's (the shared part is one prefill, merged with the unique part in a fixed order)."""
+        self._batch_decode_wrapper.plan(
+            unique_kv_indptr, unique_kv_indices, unique_kv_last_page_len, num_qo_heads, num_kv_heads, head_dim,
+            page_size, q_data_type=data_type, kv_data_type=data_type, batch_invariant=batch_invariant,
+        )
+
+    plan = begin_forward
+
+    def forward(
+        self, q: torch.Tensor, k_shared: torch.Tensor, v_shared: torch.Tensor,
+        unique_kv_cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor:
+        """q ``[batch, H_qo, D]``, k/v_shared ``[shared_len, H_kv, D]`` (NHD) / ``[H_kv, shared_len, D]`` (HND)."""
+        out, lse = single_prefill_with_kv_cache(q, k_shared, v_shared, causal=False, kv_layout=self._kv_layout,
+                                                return_lse=True)
+        unique_out, unique_lse = self._batch_decode_wrapper.run(q, unique_kv_cache, return_lse=True)
+        merge_state_in_place(out, lse, unique_out, unique_lse)
+        return out
+
+    run = forward
+
+    def end_forward(self) -> None:
+        """No-op kept for older FlashInfer call sites."""
+
+
+class BatchPrefillWithSharedPrefixPagedKVCacheWrapper:
+    """Prefill/append over a shared prefix in plain tensors plus each request's own paged KV (FlashInfer's older API).
+
+    The shared prefix precedes every request's own KV, so ``causal`` applies to the unique part only.
+    """
+
+    def __init__(self, float_workspace_buffer: torch.Tensor, kv_layout: str = "NHD") -> None:
+        self._kv_layout = kv_layout
+        self._batch_prefill_wrapper = BatchPrefillWithPagedKVCacheWrapper(float_workspace_buffer, kv_layout)
+        self._plan_args: tuple = ()
+        self._planned: dict | None = None  # the options the unique part was last planned with
+
+    def reset_workspace_buffer(self, float_workspace_buffer: torch.Tensor, int_workspace_buffer=None) -> None:
+        self._batch_prefill_wrapper.reset_workspace_buffer(float_workspace_buffer, int_workspace_buffer)
+
+    def begin_forward(
+        self, qo_indptr: torch.Tensor, paged_kv_indptr: torch.Tensor, paged_kv_indices: torch.Tensor,
+        paged_kv_last_page_len: torch.Tensor, num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
+        *, batch_invariant: bool | None = None,
+    ) -> None:
+        """Record the unique part's page table; ``forward`` plans it with the dtypes and options it is given.
+
+        ``batch_invariant`` is accepted and changes nothing (prefill never splits the KV)."""
+        resolve_batch_invariant(batch_invariant)
+        self._plan_args = (qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads,
+                           num_kv_heads, head_dim, page_size)
+        self._planned = None
+
+    plan = begin_forward
+
+    def forward(
+        self, q: torch.Tensor, k_shared: torch.Tensor, v_shared: torch.Tensor,
+        unique_kv_cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor], causal: bool = False,
+        use_fp16_qk_reduction: bool = False, sm_scale: float | None = None, rope_scale: float | None = None,
+        rope_theta: float | None = None,
+    ) -> torch.Tensor:
+        """q ``[total_qo, H_qo, D]``; k/v_shared ``[shared_len, H_kv, D]`` (NHD) / ``[H_kv, shared_len, D]`` (HND)."""
+        if not self._plan_args:
+            raise RuntimeError("BatchPrefillWithSharedPrefixPagedKVCacheWrapper.forward() called before "
+                               "begin_forward(); call begin_forward() once per batch first")
+        unique_k = unique_kv_cache[0] if isinstance(unique_kv_cache, (tuple, list)) else unique_kv_cache
+        options = dict(causal=causal, sm_scale=sm_scale, q_data_type=q.dtype, kv_data_type=unique_k.dtype)
+        if options != self._planned:  # plan once per batch and option set, as every layer passes the same
+            self._batch_prefill_wrapper.plan(*self._plan_args, **options)
+            self._planned = options
+        out, lse = single_prefill_with_kv_cache(q, k_shared, v_shared, causal=False, kv_layout=self._kv_layout,
+                                                sm_scale=sm_scale, return_lse=True)
+        unique_out, unique_lse = self._batch_prefill_wrapper.run(q, unique_kv_cache, return_lse=True)
+        merge_state_in_place(out, lse, unique_out, unique_lse)
+        return out
+
+    run = forward
+
+    def end_forward(self) -> None:
+        """No-op kept for older FlashInfer call sites."""
