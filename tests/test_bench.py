@@ -399,3 +399,33 @@ def test_mla_rows_take_the_flashinfer_peer(tmp_path, monkeypatch) -> None:
     assert peers.flashinfer_mla_unsupported(configs.BY_NAME["mla/h16_b128_s4096_p64"], _Cuda()) is None
     assert "no fp8 dequantization scales" in peers.flashinfer_mla_unsupported(
         configs.BY_NAME["mla/h16_b128_s4096_p64_fp8"], _Cuda())
+
+
+def test_the_results_page_is_what_the_dated_runs_give() -> None:
+    """docs/benchmarks/RESULTS.md is generated: adding a run without regenerating it fails here."""
+    from jitattn.bench import results
+
+    assert results.main(["--check"]) == 0, "run python -m jitattn.bench.results"
+
+
+def test_the_results_page_takes_each_cases_newest_successful_row(tmp_path) -> None:
+    from jitattn.bench import results
+
+    def run(created: str, rows: list[dict]) -> dict:
+        return {"schema": "jitattn-bench/1", "created": created, "rows": rows,
+                "environment": {"device": "NVIDIA H200", "torch": "2.11"}}
+
+    def row(time_us: float, status: str = "ok", **extra) -> dict:
+        return {"name": "decode/x", "status": status, "time_us": time_us, "rate": 1000.0, "rate_unit": "GB/s",
+                "fraction": 0.5, **extra}
+
+    (tmp_path / "a.json").write_text(json.dumps(run("2026-12-01T00:00:00", [row(300.0)])))
+    (tmp_path / "b.json").write_text(json.dumps(run("2026-12-02T00:00:00", [
+        row(200.0, peers={"flashinfer": {"time_us": 250.0, "speedup": 1.25}},
+            sdpa={"flash": {"time_us": 260.0, "speedup": 1.3}, "cudnn": {"time_us": 240.0, "speedup": 1.2}})])))
+    (tmp_path / "c.json").write_text(json.dumps(run("2026-12-03T00:00:00", [row(100.0, status="error")])))
+    (tmp_path / "notes.json").write_text("{}")  # not a run: skipped
+    picked = results.newest_rows(tmp_path)
+    assert picked["decode/x"][2] == "b.json" and picked["decode/x"][0]["time_us"] == 200.0
+    text = results.page(tmp_path)
+    assert "| `x` | 200.0 us | 1000 GB/s | 0.50 | 240.0 us (1.20x) cudnn | 250.0 us (1.25x) | [2026-12-02](b.json) |" in text
