@@ -92,9 +92,15 @@ def page(runs_dir: Path = RESULTS_DIR) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="exit 1 if RESULTS.md is not what the runs give")
+    parser.add_argument("--runs", type=Path, default=RESULTS_DIR,
+                        help="the folder of run JSONs, where RESULTS.md is written (default: docs/benchmarks of this "
+                             "source checkout)")
     args = parser.parse_args(argv)
-    target = RESULTS_DIR / "RESULTS.md"
-    text = page()
+    if not args.runs.is_dir():
+        parser.error(f"--runs {args.runs}: no such folder (from an installed package, name the checkout's "
+                     "docs/benchmarks)")
+    target = args.runs / "RESULTS.md"
+    text = page(args.runs)
     if args.check:
         if not target.exists() or target.read_text() != text:
             print(f"{target} is out of date: run python -m jitattn.bench.results", file=sys.stderr)
