@@ -121,31 +121,37 @@ def build_with_progress(specs: list, jobs: int, quiet: bool = False):
     except KeyboardInterrupt:
         interrupted = True
         stop.set()
-        from jitattn.jit.admin import cancel_builds
-
-        stopped = cancel_builds()  # kills the compilers now; their builds publish nothing
-        pool.shutdown(wait=False, cancel_futures=True)
-        print(f"\njitattn-cache: interrupted; stopped {stopped} running compile(s) (nothing half-built is "
-              "published)", file=sys.stderr)
-        # The workers notice within a fraction of a second (their compiler is gone, lock waits poll);
-        # collect what finished, but never wait long: the point of Ctrl-C is to stop.
-        deadline = time.monotonic() + 0.8
-        try:
-            for future in futures:
-                left = deadline - time.monotonic()
-                if future.cancelled() or left <= 0:
-                    continue
-                try:
-                    result = future.result(timeout=left)
-                except Exception:  # noqa: BLE001 - it was interrupted; the cache is what matters
-                    continue
-                if result is not None and result.status != "failed":
-                    results[futures[future]] = result
-        except KeyboardInterrupt:
-            pass
+        _stop_and_collect(pool, futures, results)
     finally:
         bar.close()
     return [results.get(spec) for spec in specs], interrupted
+
+
+def _stop_and_collect(pool: ThreadPoolExecutor, futures: dict, results: dict) -> None:
+    """After a Ctrl-C: kill the running compilers (their builds publish nothing), then keep in ``results`` what
+    finished meanwhile, waiting under a second."""
+    from jitattn.jit.admin import cancel_builds
+
+    stopped = cancel_builds()
+    pool.shutdown(wait=False, cancel_futures=True)
+    print(f"\njitattn-cache: interrupted; stopped {stopped} running compile(s) (nothing half-built is "
+          "published)", file=sys.stderr)
+    # The workers notice within a fraction of a second (their compiler is gone, lock waits poll);
+    # collect what finished, but never wait long: the point of Ctrl-C is to stop.
+    deadline = time.monotonic() + 0.8
+    try:
+        for future in futures:
+            left = deadline - time.monotonic()
+            if future.cancelled() or left <= 0:
+                continue
+            try:
+                result = future.result(timeout=left)
+            except Exception:  # noqa: BLE001 - it was interrupted; the cache is what matters
+                continue
+            if result is not None and result.status != "failed":
+                results[futures[future]] = result
+    except KeyboardInterrupt:
+        pass
 
 
 def cmd_warm(args: argparse.Namespace) -> int:

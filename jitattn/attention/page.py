@@ -168,23 +168,7 @@ def append_paged_kv_cache(
     if cache.k.data_ptr() == cache.v.data_ptr() and append_key is not append_value:
         raise ValueError("paged_kv_cache's k and v are the same memory, so the appended values would overwrite "
                          "the keys: pass two caches (or one [pages, 2, ...] tensor)")
-    for name, t in (("append_key", append_key), ("append_value", append_value)):
-        check_tensor(name, t, ndim=3)
-        if t.dtype not in _SRC_CODES and t.dtype != cache.dtype:
-            raise TypeError(
-                f"{name} has dtype {_name(t.dtype)}; use float32, float16, bfloat16 or the cache's dtype "
-                f"({_name(cache.dtype)})"
-            )
-    if append_value.dtype != append_key.dtype:
-        raise TypeError(f"append_key is {_name(append_key.dtype)} but append_value is {_name(append_value.dtype)}")
-    nnz = append_key.shape[0]
-    expected = (nnz, cache.num_heads, cache.head_dim)
-    for name, t in (("append_key", append_key), ("append_value", append_value)):
-        if tuple(t.shape) != expected:
-            raise ValueError(
-                f"{name} has shape {tuple(t.shape)}; expected [nnz, num_kv_heads, head_dim] = {expected} "
-                "to match paged_kv_cache"
-            )
+    nnz = _check_appended(append_key, append_value, cache)
     target, device = target_of("append_paged_kv_cache", (append_key, append_value, cache.k, cache.v))
     if target is Target.CUDA and cache.dtype == torch.float32:
         raise TypeError(
@@ -195,21 +179,7 @@ def append_paged_kv_cache(
         "batch_indices": batch_indices, "positions": positions, "kv_indices": kv_indices,
         "kv_indptr": kv_indptr, "kv_last_page_len": kv_last_page_len,
     }
-    for name, t in index_arrays.items():
-        _check_index(name, t, device)
-    for name in ("batch_indices", "positions"):
-        if index_arrays[name].shape[0] != nnz:
-            raise ValueError(
-                f"{name} has {index_arrays[name].shape[0]} entries; expected nnz={nnz} (append_key's rows)"
-            )
-    if kv_indptr.shape[0] < 1:
-        raise ValueError("kv_indptr must have batch_size + 1 entries; it is empty")
-    batch_size = kv_indptr.shape[0] - 1
-    if kv_last_page_len.shape[0] != batch_size:
-        raise ValueError(
-            f"kv_last_page_len has {kv_last_page_len.shape[0]} entries; expected batch_size={batch_size} "
-            "(len(kv_indptr) - 1)"
-        )
+    batch_size = _check_append_indices(index_arrays, nnz, device)
     _validate_host_indices(batch_indices, positions, kv_indices, kv_indptr, kv_last_page_len,
                            cache.num_pages, cache.page_size)
     if nnz == 0 or cache.num_heads == 0 or cache.head_dim == 0:
@@ -235,6 +205,49 @@ def append_paged_kv_cache(
             module.launch("append", stream_handle(device), **params)
     else:
         module.launch("append", None, **params)
+
+
+def _check_appended(append_key: torch.Tensor, append_value: torch.Tensor, cache: _CacheView) -> int:
+    """The appended keys' and values' dtypes and shapes against the cache; returns nnz (their row count)."""
+    for name, t in (("append_key", append_key), ("append_value", append_value)):
+        check_tensor(name, t, ndim=3)
+        if t.dtype not in _SRC_CODES and t.dtype != cache.dtype:
+            raise TypeError(
+                f"{name} has dtype {_name(t.dtype)}; use float32, float16, bfloat16 or the cache's dtype "
+                f"({_name(cache.dtype)})"
+            )
+    if append_value.dtype != append_key.dtype:
+        raise TypeError(f"append_key is {_name(append_key.dtype)} but append_value is {_name(append_value.dtype)}")
+    nnz = append_key.shape[0]
+    expected = (nnz, cache.num_heads, cache.head_dim)
+    for name, t in (("append_key", append_key), ("append_value", append_value)):
+        if tuple(t.shape) != expected:
+            raise ValueError(
+                f"{name} has shape {tuple(t.shape)}; expected [nnz, num_kv_heads, head_dim] = {expected} "
+                "to match paged_kv_cache"
+            )
+    return nnz
+
+
+def _check_append_indices(index_arrays: dict[str, torch.Tensor], nnz: int, device) -> int:
+    """The index arrays' dtypes, devices and lengths; returns the batch size (len(kv_indptr) - 1)."""
+    for name, t in index_arrays.items():
+        _check_index(name, t, device)
+    for name in ("batch_indices", "positions"):
+        if index_arrays[name].shape[0] != nnz:
+            raise ValueError(
+                f"{name} has {index_arrays[name].shape[0]} entries; expected nnz={nnz} (append_key's rows)"
+            )
+    kv_indptr, kv_last_page_len = index_arrays["kv_indptr"], index_arrays["kv_last_page_len"]
+    if kv_indptr.shape[0] < 1:
+        raise ValueError("kv_indptr must have batch_size + 1 entries; it is empty")
+    batch_size = kv_indptr.shape[0] - 1
+    if kv_last_page_len.shape[0] != batch_size:
+        raise ValueError(
+            f"kv_last_page_len has {kv_last_page_len.shape[0]} entries; expected batch_size={batch_size} "
+            "(len(kv_indptr) - 1)"
+        )
+    return batch_size
 
 
 def get_batch_indices_positions(

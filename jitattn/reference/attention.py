@@ -117,19 +117,7 @@ def single_attention(
         ``(o, lse)``: float32 ``[qo_len, H_qo, D_vo]`` and float32
         ``[qo_len, H_qo]`` (natural log).
     """
-    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
-        raise ValueError(
-            "q, k, v must be 3-D [len, heads, dim]; got "
-            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
-        )
-    qo_len, h_qo, d_qk = q.shape
-    kv_len, h_kv, d_k = k.shape
-    if tuple(v.shape[:2]) != (kv_len, h_kv):
-        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} disagree")
-    if d_k != d_qk:
-        raise ValueError(f"q head dim {d_qk} != k head dim {d_k}")
-    if h_kv < 1 or h_qo % h_kv != 0:
-        raise ValueError(f"H_qo={h_qo} must be a multiple of H_kv={h_kv}")
+    qo_len, h_qo, d_qk, kv_len, h_kv = _check_qkv(q, k, v)
     group = h_qo // h_kv
     mode = pos_encoding_name(pos_encoding_mode)
     device = q.device
@@ -149,28 +137,62 @@ def single_attention(
     q_pos = torch.arange(qo_len, dtype=torch.int64, device=device) + (kv_len - qo_len)
     kv_pos = torch.arange(kv_len, dtype=torch.int64, device=device)
 
+    rel = (kv_pos[None, :] - q_pos[:, None]).to(F64)  # [q, k] = j - p_i
+    logits = _logits(qd, kd, q_pos, kv_pos, rel, mode, float(sm_scale), logits_soft_cap, rope_scale, rope_theta, group)
+    # GQA: expand kv heads so that query head h reads kv head h // group.
+    vd = vd.repeat_interleave(group, dim=1)  # [kv_len, H_qo, D_vo]
+
+    allowed = _allowed(rel, causal, window_left, custom_mask)
+    logits = logits.masked_fill(~allowed[None, :, :], NEG_INF)
+    lse = torch.logsumexp(logits, dim=-1)  # [H, q]; -inf for empty rows
+    safe_lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    p = torch.exp(logits - safe_lse[..., None])  # exp(-inf) = 0 on masked keys
+    o = torch.einsum("hqk,khd->qhd", p, vd)
+    return o.to(torch.float32), lse.transpose(0, 1).contiguous().to(torch.float32)
+
+
+def _check_qkv(q: Tensor, k: Tensor, v: Tensor) -> Tuple[int, int, int, int, int]:
+    """(qo_len, H_qo, D_qk, kv_len, H_kv) of a request's q / k / v, checked against each other."""
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+        raise ValueError(
+            "q, k, v must be 3-D [len, heads, dim]; got "
+            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    qo_len, h_qo, d_qk = q.shape
+    kv_len, h_kv, d_k = k.shape
+    if tuple(v.shape[:2]) != (kv_len, h_kv):
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} disagree")
+    if d_k != d_qk:
+        raise ValueError(f"q head dim {d_qk} != k head dim {d_k}")
+    if h_kv < 1 or h_qo % h_kv != 0:
+        raise ValueError(f"H_qo={h_qo} must be a multiple of H_kv={h_kv}")
+    return qo_len, h_qo, d_qk, kv_len, h_kv
+
+
+def _logits(qd: Tensor, kd: Tensor, q_pos: Tensor, kv_pos: Tensor, rel: Tensor, mode: str, sm_scale: float,
+            logits_soft_cap: Optional[float], rope_scale: Optional[float], rope_theta: Optional[float],
+            group: int) -> Tensor:
+    """``[H_qo, qo_len, kv_len]`` float64 logits: RoPE'd q / k (``ROPE_LLAMA``), scaled, ALiBi's bias, soft cap."""
     if mode == "ROPE_LLAMA":
         rs = 1.0 if rope_scale is None else float(rope_scale)
         rt = 1e4 if rope_theta is None else float(rope_theta)
         qd = apply_rope_llama(qd, q_pos, rope_scale=rs, rope_theta=rt)
         kd = apply_rope_llama(kd, kv_pos, rope_scale=rs, rope_theta=rt)
-
-    # GQA: expand kv heads so that query head h reads kv head h // group.
-    kd = kd.repeat_interleave(group, dim=1)  # [kv_len, H_qo, D_qk]
-    vd = vd.repeat_interleave(group, dim=1)  # [kv_len, H_qo, D_vo]
-
-    logits = torch.einsum("qhd,khd->hqk", qd, kd) * float(sm_scale)  # [H, q, k]
-
-    rel = (kv_pos[None, :] - q_pos[:, None]).to(F64)  # [q, k] = j - p_i
+    kd = kd.repeat_interleave(group, dim=1)  # GQA: query head h reads kv head h // group
+    logits = torch.einsum("qhd,khd->hqk", qd, kd) * sm_scale  # [H, q, k]
     if mode == "ALIBI":
-        slopes = alibi_slopes(h_qo).to(device)
+        slopes = alibi_slopes(qd.shape[1]).to(qd.device)
         logits = logits + slopes[:, None, None] * rel[None, :, :]
-
     if logits_soft_cap is not None and float(logits_soft_cap) > 0:
         cap = float(logits_soft_cap)
         logits = cap * torch.tanh(logits / cap)
+    return logits
 
-    allowed = torch.ones(qo_len, kv_len, dtype=torch.bool, device=device)
+
+def _allowed(rel: Tensor, causal: bool, window_left: int, custom_mask: Optional[Tensor]) -> Tensor:
+    """Bool ``[qo_len, kv_len]``: the (query, key) pairs every mask keeps (``rel`` = key position - query's)."""
+    qo_len, kv_len = rel.shape
+    allowed = torch.ones(qo_len, kv_len, dtype=torch.bool, device=rel.device)
     if causal:
         allowed &= rel <= 0
     if window_left >= 0:
@@ -183,14 +205,8 @@ def single_attention(
                 f"custom_mask shape {tuple(custom_mask.shape)} != "
                 f"({qo_len}, {kv_len})"
             )
-        allowed &= custom_mask.to(device)
-
-    logits = logits.masked_fill(~allowed[None, :, :], NEG_INF)
-    lse = torch.logsumexp(logits, dim=-1)  # [H, q]; -inf for empty rows
-    safe_lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
-    p = torch.exp(logits - safe_lse[..., None])  # exp(-inf) = 0 on masked keys
-    o = torch.einsum("hqk,khd->qhd", p, vd)
-    return o.to(torch.float32), lse.transpose(0, 1).contiguous().to(torch.float32)
+        allowed &= custom_mask.to(rel.device)
+    return allowed
 
 
 def batch_ragged_attention(
