@@ -1,4 +1,4 @@
-"""Bad input a fuzzing pass over the public API found accepted (session 10): each now fails with a clear
+"""Bad input a fuzzing pass over the public API found accepted (2026-12-02): each now fails with a clear
 error instead of a crash, silently wrong output or a corrupted cache. cpu target, small shapes."""
 
 from __future__ import annotations

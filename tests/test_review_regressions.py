@@ -107,7 +107,7 @@ def test_graph_decode_with_buffers_larger_than_the_batch_launches_over_the_batch
         assert torch.equal(wrapper.run(q, cache), plain.run(q, cache))
 
 
-# -- session 4 review: the decode-kernel last level of a cascade, the staged split-KV merge ---------
+# -- review of the decode-kernel last level of a cascade and the staged split-KV merge -------------
 
 def _two_level_decode_case(workspace_bytes: int, unique: list[int]):
     from attention_cases import cascade_level

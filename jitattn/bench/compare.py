@@ -3,9 +3,9 @@
 Rows are matched by name and compared by their fraction of the ceiling measured in the
 same run (``fraction``), not by time: lent machines of one kind differ by a few percent
 in bandwidth, and the ceiling is measured on the machine that ran the row. A row whose
-fraction fell by more than ``threshold`` is a regression (session 12 found gemma-2's
-d256 decode drifted from 593 to 800 us over six sessions because no run was compared
-with the one before).
+fraction fell by more than ``threshold`` is a regression (gemma-2's d256 decode once
+drifted from 593 to 800 us over six recorded runs, 2026-11-29 to 2026-12-02, because no
+run was compared with the one before).
 """
 
 from __future__ import annotations

@@ -271,7 +271,7 @@ def context(spec: VariantSpec) -> dict[str, Any]:
 
 SM90_KV_BLOCK = {64: 192, 128: 176, 256: 64}  # head_dim -> KV tokens per stage (docs/kernels/sm90_prefill.md: measured)
 # Paged KV: a block that pages of 16, 32, 64 and 128 tile whole, so each page is one TMA box (H200,
-# session 5, causal b8 x 4096 d128: page 64 300 -> 520 TFLOP/s, page 16 382 -> 389; 176 kept only 8/16/88).
+# 2026-12-01, causal b8 x 4096 d128: page 64 300 -> 520 TFLOP/s, page 16 382 -> 389; 176 kept only 8/16/88).
 SM90_PAGED_KV_BLOCK = {64: 192, 128: 128, 256: 64}
 SM90_KV_BLOCK_3WG = 128  # head_dim 64 with three consumer warpgroups (SM90_TUNING consumers_d64)
 
