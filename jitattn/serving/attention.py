@@ -108,7 +108,6 @@ def tree_cascade_levels(seqs: list[SeqView], tree: list[list[SharedNode]], page_
     ``seqs``): one level per tree level, each node's shared pages once (the seqs no node of the level covers
     in runs of empty nodes), then each seq's own pages (those after its deepest node's)."""
     qo, kv_indptr, kv_indices, last = [], [], [], []
-    own_from = [0] * len(seqs)
     for nodes in tree:
         rows, page_rows, at = [], [], 0
         for node in nodes:
@@ -117,7 +116,6 @@ def tree_cascade_levels(seqs: list[SeqView], tree: list[list[SharedNode]], page_
                 page_rows.append(())
             rows.append(node.end - node.first)
             page_rows.append(seqs[node.first].pages[node.page_begin:node.page_end])
-            own_from[node.first:node.end] = [node.page_end] * (node.end - node.first)
             at = node.end
         if at < len(seqs):
             rows.append(len(seqs) - at)
@@ -126,7 +124,7 @@ def tree_cascade_levels(seqs: list[SeqView], tree: list[list[SharedNode]], page_
         kv_indptr.append(_indptr([len(r) for r in page_rows]))
         kv_indices.append(_int32(itertools.chain.from_iterable(page_rows)))
         last.append(torch.full((len(rows),), page_size, dtype=torch.int32))  # shared pages are always full
-    own_indptr, own_indices, own_last = page_table(seqs, page_size, own_from)
+    own_indptr, own_indices, own_last = page_table(seqs, page_size, own_pages_from(len(seqs), tree))
     return (qo + [_indptr([1] * len(seqs))], kv_indptr + [own_indptr], kv_indices + [own_indices],
             last + [own_last])
 
@@ -134,13 +132,18 @@ def tree_cascade_levels(seqs: list[SeqView], tree: list[list[SharedNode]], page_
 def kv_tokens_read(seqs: list[SeqView], tree: list[list[SharedNode]], page_size: int) -> int:
     """KV tokens a decode step over ``tree``'s levels reads per layer: each node's pages once, then each seq's
     own tokens (``tree`` empty: flat decode, every seq's whole history)."""
-    own_from = [0] * len(seqs)
-    shared = 0
-    for nodes in tree:
-        for node in nodes:
-            shared += (node.page_end - node.page_begin) * page_size
-            own_from[node.first:node.end] = [node.page_end] * (node.end - node.first)
+    shared = sum((node.page_end - node.page_begin) * page_size for nodes in tree for node in nodes)
+    own_from = own_pages_from(len(seqs), tree)
     return shared + sum(s.kv_len - start * page_size for s, start in zip(seqs, own_from))
+
+
+def own_pages_from(num_seqs: int, tree: list[list[SharedNode]]) -> list[int]:
+    """Each seq's first page of its own: the end of its deepest node's pages (0 outside every node)."""
+    own_from = [0] * num_seqs
+    for nodes in tree:  # root first: a deeper node overwrites its members' entries
+        for node in nodes:
+            own_from[node.first:node.end] = [node.page_end] * (node.end - node.first)
+    return own_from
 
 
 class StepAttention:

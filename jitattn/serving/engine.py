@@ -40,8 +40,6 @@ from .model import LlamaModel
 from .radix import RadixCache
 
 
-
-
 @dataclass(eq=False)
 class Request:
     """One generation request and its progress (times in seconds of the engine's clock)."""
