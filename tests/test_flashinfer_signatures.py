@@ -1,7 +1,7 @@
 """Every public attention function and wrapper method takes FlashInfer 0.5.3's parameters: names, order, defaults.
 
 The reference lists below were read off FlashInfer 0.5.3's Python sources (its ``decode``,
-``prefill``, ``cascade``, ``page``, ``mla`` and ``attention`` modules; the attention-sink wrapper's
+``prefill``, ``cascade``, ``page``, ``mla``, ``attention`` and ``sparse`` modules; the attention-sink wrapper's
 ``plan``/``run`` are the paged prefill wrapper's, which it inherits; ``self`` dropped, ``*args`` kept). The rule a
 drop-in replacement must follow, checked with ``inspect.signature``:
 
@@ -245,6 +245,46 @@ FLASHINFER_0_5_3 = {
     ],
     'page.get_seq_lens': [
         ('kv_indptr', None), ('kv_last_page_len', None), ('page_size', None)
+    ],
+    'sparse.BlockSparseAttentionWrapper.__init__': [('float_workspace_buffer', None), ('backend', "'auto'")],
+    'sparse.BlockSparseAttentionWrapper.reset_workspace_buffer': [
+        ('float_workspace_buffer', None), ('int_workspace_buffer', None), ('vector_sparse_indices_buffer', 'None'),
+        ('vector_sparse_indptr_buffer', 'None')
+    ],
+    'sparse.BlockSparseAttentionWrapper.plan': [
+        ('indptr', None), ('indices', None), ('M', None), ('N', None), ('R', None), ('C', None), ('num_qo_heads', None),
+        ('num_kv_heads', None), ('head_dim', None), ('mask', 'None'), ('packed_mask', 'None'), ('causal', 'False'),
+        ('pos_encoding_mode', "'NONE'"), ('use_fp16_qk_reduction', 'False'), ('logits_soft_cap', 'None'),
+        ('sm_scale', 'None'), ('rope_scale', 'None'), ('rope_theta', 'None'), ('q_data_type', "'float16'"),
+        ('kv_data_type', 'None'), ('o_data_type', "'float16'"), ('non_blocking', 'True')
+    ],
+    'sparse.BlockSparseAttentionWrapper.forward': [
+        ('q', None), ('k', None), ('v', None), ('scale_q', 'None'), ('scale_k', 'None'), ('scale_v', 'None'),
+        ('pos_encoding_mode', "'NONE'"), ('use_fp16_qk_reduction', 'False'), ('logits_soft_cap', 'None'),
+        ('sm_scale', 'None'), ('rope_scale', 'None'), ('rope_theta', 'None')
+    ],
+    'sparse.BlockSparseAttentionWrapper.run': [
+        ('q', None), ('k', None), ('v', None), ('scale_q', 'None'), ('scale_k', 'None'), ('scale_v', 'None'),
+        ('out', 'None'), ('lse', 'None'), ('return_lse', 'False'), ('enable_pdl', 'None')
+    ],
+    'sparse.VariableBlockSparseAttentionWrapper.__init__': [('float_workspace_buffer', None), ('backend', "'auto'")],
+    'sparse.VariableBlockSparseAttentionWrapper.reset_workspace_buffer': [
+        ('float_workspace_buffer', None), ('int_workspace_buffer', None), ('vector_sparse_indices_buffer', 'None'),
+        ('vector_sparse_indptr_buffer', 'None')
+    ],
+    'sparse.VariableBlockSparseAttentionWrapper.plan': [
+        ('block_mask_map', None), ('block_row_sz', None), ('block_col_sz', None), ('num_qo_heads', None),
+        ('num_kv_heads', None), ('head_dim', None), ('causal', 'False'), ('pos_encoding_mode', "'NONE'"),
+        ('use_fp16_qk_reduction', 'False'), ('logits_soft_cap', 'None'), ('sm_scale', 'None'), ('rope_scale', 'None'),
+        ('rope_theta', 'None'), ('non_blocking', 'True'), ('q_data_type', "'float16'"), ('kv_data_type', 'None')
+    ],
+    'sparse.VariableBlockSparseAttentionWrapper.forward': [
+        ('q', None), ('k', None), ('v', None), ('pos_encoding_mode', "'NONE'"), ('use_fp16_qk_reduction', 'False'),
+        ('logits_soft_cap', 'None'), ('sm_scale', 'None'), ('rope_scale', 'None'), ('rope_theta', 'None')
+    ],
+    'sparse.VariableBlockSparseAttentionWrapper.run': [
+        ('q', None), ('k', None), ('v', None), ('out', 'None'), ('lse', 'None'), ('return_lse', 'False'),
+        ('enable_pdl', 'None')
     ],
 }
 

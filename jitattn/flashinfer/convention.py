@@ -12,6 +12,7 @@ stays NaN.
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 
 import torch
@@ -40,6 +41,19 @@ def returns_base2(function):
     @functools.wraps(function)
     def base2(*args, **kwargs):
         return lse_to_base2(function(*args, **kwargs), kwargs.get("lse"))
+
+    return base2
+
+
+def returns_base2_bound(function):
+    """``returns_base2`` for a function whose ``lse`` buffer may also come positionally (FlashInfer's
+    block-sparse and POD wrappers take it so): the call's arguments are bound to find it."""
+    signature = inspect.signature(function)
+
+    @functools.wraps(function)
+    def base2(*args, **kwargs):
+        lse = signature.bind(*args, **kwargs).arguments.get("lse")
+        return lse_to_base2(function(*args, **kwargs), lse)
 
     return base2
 

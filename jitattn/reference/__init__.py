@@ -38,6 +38,7 @@ from __future__ import annotations
 
 from .common import PagedKVCache
 from .attention import alibi_slopes, apply_rope_llama, batch_ragged_attention, single_attention
+from .block_sparse import block_sparse_attention, bsr_dense_mask, variable_block_sparse_attention
 from .masks import pack_custom_mask, unpack_custom_mask
 from .paged import (
     append_paged_kv_cache, batch_decode_paged, batch_prefill_paged, get_batch_indices_positions, get_seq_lens,
@@ -66,4 +67,7 @@ __all__ = [
     "variant_attention",
     "apply_sinks",
     "PagedKVCache",
+    "block_sparse_attention",
+    "bsr_dense_mask",
+    "variable_block_sparse_attention",
 ]
