@@ -286,6 +286,17 @@ FLASHINFER_0_5_3 = {
         ('q', None), ('k', None), ('v', None), ('out', 'None'), ('lse', 'None'), ('return_lse', 'False'),
         ('enable_pdl', 'None')
     ],
+    'attention.BatchAttention.__init__': [('kv_layout', "'NHD'"), ('device', "'cuda'")],
+    'attention.BatchAttention.plan': [
+        ('qo_indptr', None), ('kv_indptr', None), ('kv_indices', None), ('kv_len_arr', None), ('num_qo_heads', None),
+        ('num_kv_heads', None), ('head_dim_qk', None), ('head_dim_vo', None), ('page_size', None), ('causal', 'False'),
+        ('sm_scale', 'None'), ('logits_soft_cap', 'None'), ('q_data_type', 'torch.bfloat16'),
+        ('kv_data_type', 'torch.bfloat16'), ('use_profiler', 'False')
+    ],
+    'attention.BatchAttention.run': [
+        ('q', None), ('kv_cache', None), ('out', 'None'), ('lse', 'None'), ('k_scale', 'None'), ('v_scale', 'None'),
+        ('logits_soft_cap', '0.0'), ('profiler_buffer', 'None')
+    ],
 }
 
 

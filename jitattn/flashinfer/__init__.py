@@ -23,7 +23,7 @@ import sys
 import types
 
 from . import attention, cascade, decode, mla, page, prefill, sparse
-from .attention import BatchAttentionWithAttentionSinkWrapper
+from .attention import BatchAttention, BatchAttentionWithAttentionSinkWrapper
 from .cascade import (BatchDecodeWithSharedPrefixPagedKVCacheWrapper, BatchPrefillWithSharedPrefixPagedKVCacheWrapper,
                       MultiLevelCascadeAttentionWrapper, merge_state, merge_state_in_place, merge_states)
 from .decode import (BatchDecodeWithPagedKVCacheWrapper, CUDAGraphBatchDecodeWithPagedKVCacheWrapper,
@@ -35,7 +35,7 @@ from .prefill import (BatchPrefillWithPagedKVCacheWrapper, BatchPrefillWithRagge
 from .sparse import BlockSparseAttentionWrapper, VariableBlockSparseAttentionWrapper
 
 __all__ = [
-    "BatchAttentionWithAttentionSinkWrapper", "BatchDecodeWithPagedKVCacheWrapper", "BlockSparseAttentionWrapper",
+    "BatchAttention", "BatchAttentionWithAttentionSinkWrapper", "BatchDecodeWithPagedKVCacheWrapper", "BlockSparseAttentionWrapper",
     "BatchDecodeWithSharedPrefixPagedKVCacheWrapper", "BatchMLAPagedAttentionWrapper",
     "BatchPrefillWithPagedKVCacheWrapper", "BatchPrefillWithRaggedKVCacheWrapper",
     "BatchPrefillWithSharedPrefixPagedKVCacheWrapper", "CUDAGraphBatchDecodeWithPagedKVCacheWrapper",

@@ -5,9 +5,15 @@ from __future__ import annotations
 import functools
 
 from .. import attention_sink as native
-from .convention import returns_base2
+from .. import batch_attention as native_batch
+from .convention import returns_base2, returns_base2_bound
 
-__all__ = ["BatchAttentionWithAttentionSinkWrapper"]
+__all__ = ["BatchAttention", "BatchAttentionWithAttentionSinkWrapper"]
+
+
+class BatchAttention(native_batch.BatchAttention):
+    __doc__ = native_batch.BatchAttention.__doc__
+    run = returns_base2_bound(native_batch.BatchAttention.run)
 
 
 class BatchAttentionWithAttentionSinkWrapper(native.BatchAttentionWithAttentionSinkWrapper):

@@ -1,0 +1,126 @@
+"""BatchAttention: one plan/run over a mixed batch (decode, chunked prefill, prefill, empty KV) against the
+float reference; its conventions (kv_len_arr, the returned lse, the soft cap) and refusals."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import jitattn
+import jitattn.flashinfer as fi
+from jitattn import reference
+from jitattn.attention.specs import attention_spec
+from jitattn.spec import KVLayout, KVStorage, MaskMode, Op, PosEncoding, Target
+
+from attention_cases import assert_close_lse, assert_close_out, devices, random_paged_batch
+
+bf16, f16 = torch.bfloat16, torch.float16
+LOG2E = 1.0 / math.log(2.0)
+
+# (qo_len, kv_len) per request: decode rows, a speculative step, a chunk of a long prefill, a whole prompt,
+# a request without KV.
+MIXED = [(1, 40), (1, 7), (3, 25), (17, 60), (1, 1), (9, 9), (2, 0)]
+
+# id: (qo_heads, kv_heads, head_dim, dtype, page_size, layout, causal, soft cap, v_scale)
+CASES = {
+    "g4_bf16_p16_nhd_causal": (8, 2, 64, bf16, 16, "NHD", True, None, None),
+    "mha_f16_p1_hnd": (4, 4, 64, f16, 1, "HND", False, None, None),
+    "g2_f16_p8_hnd_causal_softcap_vscale": (4, 2, 128, f16, 8, "HND", True, 20.0, 2.0),
+    "g7_bf16_p16_nhd": (7, 1, 64, bf16, 16, "NHD", False, None, 0.5),
+}
+GPU_SPECS = [
+    attention_spec(Op.PREFILL, Target.CUDA, q_dtype=c[3], kv_dtype=c[3], o_dtype=c[3], head_dim_qk=c[2],
+                   head_dim_vo=c[2], num_qo_heads=c[0], num_kv_heads=c[1], pos_encoding=PosEncoding.NONE,
+                   use_sliding_window=False, use_logits_soft_cap=c[7] is not None,
+                   mask_mode=MaskMode.CAUSAL if c[6] else MaskMode.NONE, kv_layout=KVLayout.parse(c[5], "layout"),
+                   kv_storage=KVStorage.PAGED)
+    for c in CASES.values()
+]
+
+
+def _batch(case, device: str, gen: torch.Generator):
+    hq, hkv, d, dtype, page, layout, *_ = case
+    batch = random_paged_batch([k for _, k in MIXED], hkv, d, page, dtype, layout=layout, device=device,
+                               generator=gen)
+    qo_indptr = torch.tensor([0] + torch.tensor([q for q, _ in MIXED]).cumsum(0).tolist(), dtype=torch.int32)
+    q = torch.randn(int(qo_indptr[-1]), hq, d, generator=gen).to(dtype).to(device)
+    kv_len_arr = torch.tensor([k for _, k in MIXED], dtype=torch.int32)
+    return batch, qo_indptr, kv_len_arr, q
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("case_id", list(CASES))
+def test_mixed_batch_matches_reference(case_id: str, device: str) -> None:
+    case = CASES[case_id]
+    hq, hkv, d, dtype, page, layout, causal, cap, v_scale = case
+    gen = torch.Generator().manual_seed(list(CASES).index(case_id))
+    batch, qo_indptr, kv_len_arr, q = _batch(case, device, gen)
+    wrapper = jitattn.BatchAttention(kv_layout=layout, device=device)
+    wrapper.plan(qo_indptr.to(device), batch.kv_indptr.to(device), batch.kv_indices.to(device), kv_len_arr.to(device),
+                 hq, hkv, d, d, page, causal=causal, logits_soft_cap=cap, q_data_type=dtype, kv_data_type=dtype)
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full(q.shape[:2], float("nan"), device=device)
+    result = wrapper.run(q, batch.cache, out, lse, v_scale=v_scale, logits_soft_cap=cap or 0.0)
+    assert result[0] is out and result[1] is lse
+    cache = tuple(t.cpu() for t in batch.cache) if isinstance(batch.cache, tuple) else batch.cache.cpu()
+    expected_o, expected_lse = reference.batch_prefill_paged(
+        q.cpu(), cache, qo_indptr, batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len, kv_layout=layout,
+        causal=causal, logits_soft_cap=cap, v_scale=v_scale)
+    assert_close_out(out, expected_o, dtype)
+    assert_close_lse(lse, expected_lse)
+    assert torch.isneginf(lse[-2:]).all(), "the request without KV sees no key"
+    fresh_out, fresh_lse = wrapper.run(q, batch.cache, v_scale=v_scale)  # outputs allocated; the planned cap
+    assert torch.equal(fresh_out, out) and torch.equal(fresh_lse, lse)
+
+
+@pytest.mark.parametrize("device", devices())
+def test_strided_query_and_flashinfer_namespace_base2_lse(device: str) -> None:
+    """A query sliced from a wider tensor (FlashInfer's chunked-q test) is read in place; ``jitattn.flashinfer``'s
+    BatchAttention returns the same output with the LSE in base 2."""
+    case = CASES["g4_bf16_p16_nhd_causal"]
+    hq, hkv, d, dtype, page, layout, causal, _, _ = case
+    gen = torch.Generator().manual_seed(31)
+    batch, qo_indptr, kv_len_arr, q = _batch(case, device, gen)
+    wide = torch.randn(q.shape[0], hq, 2 * d, generator=gen).to(dtype).to(device)
+    q = torch.chunk(wide, 2, dim=-1)[0]
+    results = []
+    for module in (jitattn, fi):
+        wrapper = module.BatchAttention(kv_layout=layout, device=device)
+        wrapper.plan(qo_indptr, batch.kv_indptr, batch.kv_indices, kv_len_arr, hq, hkv, d, d, page, causal=causal)
+        results.append(wrapper.run(q, batch.cache))
+    expected_o, expected_lse = reference.batch_prefill_paged(
+        q.cpu(), batch.cache.cpu(), qo_indptr, batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len,
+        causal=causal)
+    (out, lse), (fi_out, fi_lse) = results
+    assert_close_out(out, expected_o, dtype)
+    assert_close_lse(lse, expected_lse)
+    assert torch.equal(fi_out, out)
+    assert_close_lse(fi_lse, lse * LOG2E, atol=1e-5)
+    assert jitattn.attention.BatchAttention is jitattn.BatchAttention and fi.attention.BatchAttention is fi.BatchAttention
+
+
+def test_plan_and_run_refuse_bad_input() -> None:
+    wrapper = jitattn.BatchAttention(device="cpu")
+    indptr, indices = torch.tensor([0, 2, 3], dtype=torch.int32), torch.tensor([0, 1, 2], dtype=torch.int32)
+    qo = torch.tensor([0, 1, 4], dtype=torch.int32)
+    q, cache = torch.randn(4, 4, 64).to(bf16), torch.randn(3, 2, 16, 2, 64).to(bf16)
+    with pytest.raises(RuntimeError, match="before plan"):
+        wrapper.run(q, cache)
+    with pytest.raises(ValueError, match=r"kv_len_arr\[0\] = 10 tokens fill 1 pages of 16, but kv_indptr gives "
+                                         r"request 0 2 pages"):
+        wrapper.plan(qo, indptr, indices, torch.tensor([10, 5], dtype=torch.int32), 4, 2, 64, 64, 16)
+    with pytest.raises(ValueError, match="kv_len_arr has 3 entries"):
+        wrapper.plan(qo, indptr, indices, torch.tensor([20, 5, 1], dtype=torch.int32), 4, 2, 64, 64, 16)
+    with pytest.raises(NotImplementedError, match="use_profiler"):
+        wrapper.plan(qo, indptr, indices, torch.tensor([20, 5], dtype=torch.int32), 4, 2, 64, 64, 16, use_profiler=True)
+    wrapper.plan(qo, indptr, indices, torch.tensor([20, 5], dtype=torch.int32), 4, 2, 64, 64, 16)
+    with pytest.raises(ValueError, match="logits_soft_cap=50.0.*no cap"):
+        wrapper.run(q, cache, logits_soft_cap=50.0)
+    with pytest.raises(NotImplementedError, match="profiler_buffer"):
+        wrapper.run(q, cache, profiler_buffer=torch.empty(8))
+    with pytest.raises(ValueError, match="q has shape"):
+        wrapper.run(q[:3], cache)
+    out, lse = wrapper.run(q, cache)
+    assert out.shape == (4, 4, 64) and lse.shape == (4, 4) and out.dtype == bf16
