@@ -31,6 +31,7 @@ from .page import (  # noqa: E402
 from .mla import BatchMLAPagedAttentionWrapper  # noqa: E402
 from .attention_sink import BatchAttentionWithAttentionSinkWrapper  # noqa: E402
 from .batch_attention import BatchAttention  # noqa: E402
+from .pod import BatchPODWithPagedKVCacheWrapper, PODWithPagedKVCacheWrapper  # noqa: E402
 from .sparse import BlockSparseAttentionWrapper, VariableBlockSparseAttentionWrapper  # noqa: E402
 
 __all__ = [
@@ -42,5 +43,5 @@ __all__ = [
     "get_seq_lens", "mla_model_specs", "model_specs", "PosEncoding", "Target", "VariantSpec", "build_many", "load",
     "merge_state", "merge_state_in_place", "merge_states", "single_decode_with_kv_cache",
     "single_prefill_with_kv_cache", "BlockSparseAttentionWrapper", "VariableBlockSparseAttentionWrapper",
-    "BatchAttention",
+    "BatchAttention", "BatchPODWithPagedKVCacheWrapper", "PODWithPagedKVCacheWrapper",
 ]

@@ -1,7 +1,7 @@
 """Every public attention function and wrapper method takes FlashInfer 0.5.3's parameters: names, order, defaults.
 
 The reference lists below were read off FlashInfer 0.5.3's Python sources (its ``decode``,
-``prefill``, ``cascade``, ``page``, ``mla``, ``attention`` and ``sparse`` modules; the attention-sink wrapper's
+``prefill``, ``cascade``, ``page``, ``mla``, ``attention``, ``sparse`` and ``pod`` modules; the attention-sink wrapper's
 ``plan``/``run`` are the paged prefill wrapper's, which it inherits; ``self`` dropped, ``*args`` kept). The rule a
 drop-in replacement must follow, checked with ``inspect.signature``:
 
@@ -296,6 +296,45 @@ FLASHINFER_0_5_3 = {
     'attention.BatchAttention.run': [
         ('q', None), ('kv_cache', None), ('out', 'None'), ('lse', 'None'), ('k_scale', 'None'), ('v_scale', 'None'),
         ('logits_soft_cap', '0.0'), ('profiler_buffer', 'None')
+    ],
+    'pod.PODWithPagedKVCacheWrapper.__init__': [
+        ('float_workspace_buffer', None), ('kv_layout', "'NHD'"), ('use_cuda_graph', 'False'),
+        ('paged_kv_indptr_buffer', 'None'), ('paged_kv_indices_buffer', 'None'),
+        ('paged_kv_last_page_len_buffer', 'None'), ('jit_args', 'None')
+    ],
+    'pod.PODWithPagedKVCacheWrapper.reset_workspace_buffer': [
+        ('float_workspace_buffer', None), ('int_workspace_buffer', None)
+    ],
+    'pod.PODWithPagedKVCacheWrapper.plan': [
+        ('indptr', None), ('indices', None), ('last_page_len', None), ('num_qo_heads', None), ('num_kv_heads', None),
+        ('head_dim', None), ('page_size', None), ('pos_encoding_mode', "'NONE'"), ('window_left', '-1'),
+        ('q_data_type', "'float16'"), ('kv_data_type', 'None'), ('data_type', 'None'), ('sm_scale', 'None'),
+        ('rope_scale', 'None'), ('rope_theta', 'None'), ('non_blocking', 'True')
+    ],
+    'pod.PODWithPagedKVCacheWrapper.run': [
+        ('q_p', None), ('k_p', None), ('v_p', None), ('q_d', None), ('paged_kv_cache_d', None),
+        ('custom_mask_p', 'None'), ('packed_custom_mask_p', 'None'), ('causal_p', 'False'), ('kv_layout_p', "'NHD'"),
+        ('pos_encoding_mode_p', "'NONE'"), ('sm_scale_p', 'None'), ('window_left_p', '-1'), ('rope_scale_p', 'None'),
+        ('rope_theta_p', 'None'), ('return_lse_p', 'False'), ('custom_mask_d', 'None'),
+        ('packed_custom_mask_d', 'None'), ('causal_d', 'False'), ('kv_layout_d', "'NHD'"),
+        ('pos_encoding_mode_d', "'NONE'"), ('sm_scale_d', 'None'), ('window_left_d', '-1'), ('rope_scale_d', 'None'),
+        ('rope_theta_d', 'None'), ('q_scale', 'None'), ('k_scale', 'None'), ('v_scale', 'None'),
+        ('return_lse_d', 'False'), ('use_fp16_qk_reduction', 'False'), ('enable_pdl', 'None'), ('*args', None)
+    ],
+    'pod.BatchPODWithPagedKVCacheWrapper.__init__': [('float_workspace_buffer', None), ('kv_layout', "'NHD'")],
+    'pod.BatchPODWithPagedKVCacheWrapper.plan': [
+        ('qo_indptr_p', None), ('kv_indptr_p', None), ('kv_indices_p', None), ('last_page_len_p', None),
+        ('qo_indptr_d', None), ('kv_indptr_d', None), ('kv_indices_d', None), ('last_page_len_d', None),
+        ('num_qo_heads', None), ('num_kv_heads', None), ('head_dim', None), ('page_size', None),
+        ('pos_encoding_mode', "'NONE'"), ('window_left', '-1'), ('q_data_type', "'float16'"), ('kv_data_type', 'None'),
+        ('data_type', 'None'), ('sm_scale', 'None'), ('rope_scale', 'None'), ('rope_theta', 'None'),
+        ('non_blocking', 'True')
+    ],
+    'pod.BatchPODWithPagedKVCacheWrapper.run': [
+        ('q_p', None), ('paged_kv_cache_p', None), ('q_d', None), ('paged_kv_cache_d', None),
+        ('custom_mask_p', 'None'), ('packed_custom_mask_p', 'None'), ('causal_p', 'False'), ('q_scale', 'None'),
+        ('k_scale', 'None'), ('v_scale', 'None'), ('return_lse', 'False'), ('use_fp16_qk_reduction', 'False'),
+        ('enable_pdl', 'None')
     ],
 }
 

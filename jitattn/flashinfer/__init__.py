@@ -2,7 +2,7 @@
 
 jitattn's own API (``jitattn``, ``jitattn.decode``, ...) returns and takes the **natural-log** LSE.
 This namespace has FlashInfer 0.5.3's module layout (``decode``, ``prefill``, ``cascade``, ``mla``,
-``page``, ``attention``, ``sparse``) and names, and FlashInfer's **base-2** LSE wherever one is returned (``run(...,
+``page``, ``attention``, ``sparse``, ``pod``) and names, and FlashInfer's **base-2** LSE wherever one is returned (``run(...,
 return_lse=True)``, ``*_return_lse``, an ``lse=`` buffer) or taken (``merge_state``,
 ``merge_state_in_place``, ``merge_states``); MLA's ``run`` returns base 2 unless
 ``return_lse_base_on_e=True``, as FlashInfer's. Everything else -- arguments, defaults, the older
@@ -22,20 +22,22 @@ from __future__ import annotations
 import sys
 import types
 
-from . import attention, cascade, decode, mla, page, prefill, sparse
+from . import attention, cascade, decode, mla, page, pod, prefill, sparse
 from .attention import BatchAttention, BatchAttentionWithAttentionSinkWrapper
 from .cascade import (BatchDecodeWithSharedPrefixPagedKVCacheWrapper, BatchPrefillWithSharedPrefixPagedKVCacheWrapper,
                       MultiLevelCascadeAttentionWrapper, merge_state, merge_state_in_place, merge_states)
 from .decode import (BatchDecodeWithPagedKVCacheWrapper, CUDAGraphBatchDecodeWithPagedKVCacheWrapper,
                      fast_decode_plan, single_decode_with_kv_cache)
 from .mla import BatchMLAPagedAttentionWrapper
+from .pod import BatchPODWithPagedKVCacheWrapper, PODWithPagedKVCacheWrapper
 from .page import append_paged_kv_cache, append_paged_mla_kv_cache, get_batch_indices_positions, get_seq_lens
 from .prefill import (BatchPrefillWithPagedKVCacheWrapper, BatchPrefillWithRaggedKVCacheWrapper,
                       single_prefill_with_kv_cache, single_prefill_with_kv_cache_return_lse)
 from .sparse import BlockSparseAttentionWrapper, VariableBlockSparseAttentionWrapper
 
 __all__ = [
-    "BatchAttention", "BatchAttentionWithAttentionSinkWrapper", "BatchDecodeWithPagedKVCacheWrapper", "BlockSparseAttentionWrapper",
+    "BatchAttention", "BatchAttentionWithAttentionSinkWrapper", "BatchPODWithPagedKVCacheWrapper",
+    "PODWithPagedKVCacheWrapper", "BatchDecodeWithPagedKVCacheWrapper", "BlockSparseAttentionWrapper",
     "BatchDecodeWithSharedPrefixPagedKVCacheWrapper", "BatchMLAPagedAttentionWrapper",
     "BatchPrefillWithPagedKVCacheWrapper", "BatchPrefillWithRaggedKVCacheWrapper",
     "BatchPrefillWithSharedPrefixPagedKVCacheWrapper", "CUDAGraphBatchDecodeWithPagedKVCacheWrapper",
@@ -50,12 +52,12 @@ __all__ = [
 __version__ = "0.5.3"
 
 SUBMODULES = {"attention": attention, "cascade": cascade, "decode": decode, "mla": mla, "page": page,
-              "prefill": prefill, "sparse": sparse}
+              "pod": pod, "prefill": prefill, "sparse": sparse}
 
 
 def install(name: str = "flashinfer") -> types.ModuleType:
     """Make ``import flashinfer`` (and ``flashinfer.decode``, ``.prefill``, ``.cascade``, ``.mla``, ``.page``,
-    ``.attention``, ``.sparse``) give this namespace; returns it.
+    ``.attention``, ``.sparse``, ``.pod``) give this namespace; returns it.
 
     Call it before anything imports FlashInfer: a module that already holds the real package keeps it,
     so installing over an imported FlashInfer is refused. Installing twice is a no-op.

@@ -1,0 +1,166 @@
+"""POD wrappers: a chunked-prefill batch's prefill part and decode part against the float reference,
+return shapes (with and without LSE, base 2 in ``jitattn.flashinfer``), refusals."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import jitattn
+import jitattn.flashinfer as fi
+from jitattn import reference
+from jitattn.attention.specs import attention_spec
+from jitattn.spec import KVLayout, KVStorage, MaskMode, Op, PosEncoding, Target
+
+from attention_cases import assert_close_lse, assert_close_out, devices, random_paged_batch
+
+bf16, f16 = torch.bfloat16, torch.float16
+LOG2E = 1.0 / math.log(2.0)
+PAGE = 16
+HQ, HKV, D = 8, 2, 64
+DECODE_KV = [33, 1, 70, 16]
+
+
+def _spec(op: Op, dtype, mask: MaskMode, layout: str, storage: KVStorage):
+    return attention_spec(op, Target.CUDA, q_dtype=dtype, kv_dtype=dtype, o_dtype=dtype, head_dim_qk=D, head_dim_vo=D,
+                          num_qo_heads=HQ, num_kv_heads=HKV, pos_encoding=PosEncoding.NONE, use_sliding_window=False,
+                          use_logits_soft_cap=False, mask_mode=mask, kv_layout=KVLayout.parse(layout, "layout"),
+                          kv_storage=storage)
+
+
+GPU_SPECS = [_spec(Op.PREFILL, dt, m, lay, KVStorage.PAGED) for dt in (f16, bf16) for lay in ("NHD", "HND")
+             for m in (MaskMode.NONE, MaskMode.CAUSAL, MaskMode.CUSTOM)]
+GPU_SPECS += [_spec(Op.DECODE, dt, MaskMode.NONE, lay, KVStorage.PAGED) for dt in (f16, bf16) for lay in ("NHD", "HND")]
+
+
+def _cpu(cache):
+    return tuple(t.cpu() for t in cache) if isinstance(cache, tuple) else cache.cpu()
+
+
+def _decode_batch(layout: str, dtype, device: str, gen: torch.Generator):
+    batch = random_paged_batch(DECODE_KV, HKV, D, PAGE, dtype, layout=layout, device=device, generator=gen)
+    q = torch.randn(len(DECODE_KV), HQ, D, generator=gen).to(dtype).to(device)
+    return batch, q
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("layout,layout_p,dtype,prefill_mask,return_lse", [
+    ("NHD", "NHD", f16, "causal", (False, False)),
+    ("HND", "NHD", bf16, "none", (True, True)),
+    ("NHD", "HND", bf16, "custom", (True, False)),
+    ("HND", "HND", f16, "causal", (False, True)),
+], ids=["nhd_f16_causal", "hnd_bf16_lse", "prefill_hnd_custom_mask_lse_p", "hnd_f16_causal_lse_d"])
+def test_pod_prefill_and_decode_parts_match_reference(device: str, layout: str, layout_p: str, dtype, prefill_mask: str,
+                                                      return_lse: tuple[bool, bool]) -> None:
+    gen = torch.Generator().manual_seed(17)
+    batch, q_d = _decode_batch(layout, dtype, device, gen)
+    qo_len, kv_len = 13, 30
+    q_p = torch.randn(qo_len, HQ, D, generator=gen).to(dtype).to(device)
+    shape = (kv_len, HKV, D) if layout_p == "NHD" else (HKV, kv_len, D)
+    k_p, v_p = (torch.randn(shape, generator=gen).to(dtype).to(device) for _ in range(2))
+    mask = torch.rand(qo_len, kv_len, generator=gen) > 0.4 if prefill_mask == "custom" else None
+    wrapper = jitattn.PODWithPagedKVCacheWrapper(torch.empty(8 << 20, dtype=torch.uint8, device=device), layout)
+    wrapper.plan(batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len, HQ, HKV, D, PAGE, q_data_type=dtype)
+    result = wrapper.run(q_p, k_p, v_p, q_d, batch.cache, custom_mask_p=None if mask is None else mask.to(device),
+                         causal_p=prefill_mask == "causal", kv_layout_p=layout_p, return_lse_p=return_lse[0],
+                         return_lse_d=return_lse[1], v_scale=1.5)
+    nhd = (lambda t: t) if layout_p == "NHD" else (lambda t: t.transpose(0, 1))
+    exp_p = reference.single_attention(q_p.cpu(), nhd(k_p).cpu(), nhd(v_p).cpu(), causal=prefill_mask == "causal",
+                                       custom_mask=mask)
+    exp_d = reference.batch_decode_paged(q_d.cpu(), _cpu(batch.cache), batch.kv_indptr, batch.kv_indices,
+                                         batch.kv_last_page_len, kv_layout=layout, v_scale=1.5)
+    if any(return_lse):
+        (out_p, out_d), (lse_p, lse_d) = result
+        for asked, lse, expected in zip(return_lse, (lse_p, lse_d), (exp_p[1], exp_d[1])):
+            if asked:
+                assert_close_lse(lse, expected)
+            else:
+                assert lse is None
+    else:
+        out_p, out_d = result
+    assert_close_out(out_p, exp_p[0], dtype)
+    assert_close_out(out_d, exp_d[0], dtype)
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("decode_queries", [1, 2], ids=["decode_kernel", "two_queries_per_decode_request"])
+@pytest.mark.parametrize("causal_p,masked", [(True, False), (False, False), (False, True)],
+                         ids=["causal", "none", "custom_mask"])
+def test_batch_pod_matches_reference(device: str, decode_queries: int, causal_p: bool, masked: bool) -> None:
+    gen = torch.Generator().manual_seed(19)
+    dtype, layout = f16, "NHD"
+    qo_p, kv_p = [5, 0, 12], [20, 3, 12]
+    prefill = random_paged_batch(kv_p, HKV, D, PAGE, dtype, layout=layout, device=device, generator=gen)
+    decode, _ = _decode_batch(layout, dtype, device, gen)
+    qo_indptr_p = torch.tensor([0] + torch.tensor(qo_p).cumsum(0).tolist(), dtype=torch.int32)
+    qo_indptr_d = torch.arange(len(DECODE_KV) + 1, dtype=torch.int32) * decode_queries
+    q_p = torch.randn(sum(qo_p), HQ, D, generator=gen).to(dtype).to(device)
+    q_d = torch.randn(len(DECODE_KV) * decode_queries, HQ, D, generator=gen).to(dtype).to(device)
+    mask = torch.rand(sum(q * k for q, k in zip(qo_p, kv_p)), generator=gen) > 0.4 if masked else None
+    wrapper = jitattn.BatchPODWithPagedKVCacheWrapper(torch.empty(8 << 20, dtype=torch.uint8, device=device), layout)
+    wrapper.plan(qo_indptr_p, prefill.kv_indptr, prefill.kv_indices, prefill.kv_last_page_len, qo_indptr_d,
+                 decode.kv_indptr, decode.kv_indices, decode.kv_last_page_len, HQ, HKV, D, PAGE, q_data_type=dtype)
+    exp_p = reference.batch_prefill_paged(q_p.cpu(), _cpu(prefill.cache), qo_indptr_p, prefill.kv_indptr,
+                                          prefill.kv_indices, prefill.kv_last_page_len, causal=causal_p,
+                                          custom_mask=mask)
+    exp_d = reference.batch_prefill_paged(q_d.cpu(), _cpu(decode.cache), qo_indptr_d, decode.kv_indptr,
+                                          decode.kv_indices, decode.kv_last_page_len, k_scale=0.5)
+    for _ in range(2):  # the second run reuses the prefill part's plan (or plans the mask again)
+        (out_p, out_d), (lse_p, lse_d) = wrapper.run(q_p, prefill.cache, q_d, decode.cache, causal_p=causal_p,
+                                                     custom_mask_p=None if mask is None else mask.to(device),
+                                                     k_scale=0.5, return_lse=True)
+        assert_close_out(out_p, exp_p[0], dtype)
+        assert_close_lse(lse_p, exp_p[1])
+        assert_close_out(out_d, exp_d[0], dtype)
+        assert_close_lse(lse_d, exp_d[1])
+    out_p, out_d = wrapper.run(q_p, prefill.cache, q_d, decode.cache, causal_p=not causal_p)
+    flipped = reference.batch_prefill_paged(q_p.cpu(), _cpu(prefill.cache), qo_indptr_p, prefill.kv_indptr,
+                                            prefill.kv_indices, prefill.kv_last_page_len, causal=not causal_p)
+    assert_close_out(out_p, flipped[0], dtype)
+
+
+def test_flashinfer_namespace_returns_base2_lse() -> None:
+    gen = torch.Generator().manual_seed(23)
+    batch, q_d = _decode_batch("NHD", f16, "cpu", gen)
+    q_p, k_p, v_p = (torch.randn(n, h, D, generator=gen).to(f16) for n, h in ((6, HQ), (9, HKV), (9, HKV)))
+    results = []
+    for module in (jitattn, fi):
+        wrapper = module.PODWithPagedKVCacheWrapper(torch.empty(8 << 20, dtype=torch.uint8))
+        wrapper.plan(batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len, HQ, HKV, D, PAGE)
+        results.append(wrapper.run(q_p, k_p, v_p, q_d, batch.cache, causal_p=True, return_lse_p=True,
+                                   return_lse_d=True))
+    (native_out, native_lse), (fi_out, fi_lse) = results
+    assert all(torch.equal(a, b) for a, b in zip(native_out, fi_out))
+    for a, b in zip(native_lse, fi_lse):
+        assert_close_lse(b, a * LOG2E, atol=1e-5)
+    assert fi.pod.BatchPODWithPagedKVCacheWrapper is fi.BatchPODWithPagedKVCacheWrapper
+
+
+def test_pod_refuses_bad_input() -> None:
+    workspace = torch.empty(8 << 20, dtype=torch.uint8)
+    gen = torch.Generator().manual_seed(29)
+    batch, q_d = _decode_batch("NHD", f16, "cpu", gen)
+    q_p, k_p = torch.randn(4, HQ, D).half(), torch.randn(6, HKV, D).half()
+    with pytest.raises(NotImplementedError, match="jit_args"):
+        jitattn.PODWithPagedKVCacheWrapper(workspace, jit_args=["x"])
+    wrapper = jitattn.PODWithPagedKVCacheWrapper(workspace)
+    with pytest.raises(RuntimeError, match="before plan"):
+        wrapper.run(q_p, k_p, k_p, q_d, batch.cache)
+    wrapper.plan(batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len, HQ, HKV, D, PAGE, sm_scale=0.1)
+    with pytest.raises(NotImplementedError, match="custom_mask_d"):
+        wrapper.run(q_p, k_p, k_p, q_d, batch.cache, custom_mask_d=torch.ones(4, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"sm_scale_d=0\.2.*pass them to plan"):
+        wrapper.run(q_p, k_p, k_p, q_d, batch.cache, sm_scale_d=0.2)
+    with pytest.raises(ValueError, match="kv_layout_d='HND'"):
+        wrapper.run(q_p, k_p, k_p, q_d, batch.cache, kv_layout_d="HND")
+    out_p, out_d = wrapper.run(q_p, k_p, k_p, q_d, batch.cache, sm_scale_d=0.1, causal_d=True)  # the planned ones
+    assert out_p.shape == q_p.shape and out_d.shape == q_d.shape
+    batch_wrapper = jitattn.BatchPODWithPagedKVCacheWrapper(workspace)
+    with pytest.raises(RuntimeError, match="before plan"):
+        batch_wrapper.run(q_p, batch.cache, q_d, batch.cache)
+    with pytest.raises(ValueError, match="qo_indptr_p describes 2 prefill requests but kv_indptr_p 4"):
+        batch_wrapper.plan(torch.tensor([0, 2, 4], dtype=torch.int32), batch.kv_indptr, batch.kv_indices,
+                           batch.kv_last_page_len, torch.arange(5, dtype=torch.int32), batch.kv_indptr,
+                           batch.kv_indices, batch.kv_last_page_len, HQ, HKV, D, PAGE)
