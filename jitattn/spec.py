@@ -173,7 +173,7 @@ SPECIALIZED_AXES: dict[tuple[Op, Target], frozenset[str]] = {
     (Op.MLA, Target.CUDA): frozenset({"q_dtype", "kv_dtype", "o_dtype", "head_dim_qk", "head_dim_vo"}),
 }
 
-SUPPORTED_HEAD_DIMS: tuple[int, ...] = tuple(range(32, 257, 8))
+SUPPORTED_HEAD_DIMS: tuple[int, ...] = tuple(range(8, 257, 8))
 # (head_dim_qk, head_dim_vo) pairs beyond the symmetric ones.
 ASYMMETRIC_HEAD_DIMS: tuple[tuple[int, int], ...] = ((192, 128), (576, 512))
 
@@ -392,7 +392,7 @@ def check_head_dims(head_dim_qk: int | None, head_dim_vo: int | None) -> None:
         return
     raise ValueError(
         f"head_dim_qk={head_dim_qk}, head_dim_vo={head_dim_vo} is not supported; supported: every multiple "
-        f"of 8 from 32 to 256 (equal qk and vo), or (qk, vo) in {list(ASYMMETRIC_HEAD_DIMS)}. "
+        f"of 8 from 8 to 256 (equal qk and vo), or (qk, vo) in {list(ASYMMETRIC_HEAD_DIMS)}. "
         "Pad the head dimension to the next multiple of 8 if your model uses another size"
     )
 
