@@ -113,11 +113,8 @@ class DType(_Choice):
 
 
 _TORCH_DTYPES = {
-    DType.F32: torch.float32,
-    DType.F16: torch.float16,
-    DType.BF16: torch.bfloat16,
-    DType.E4M3: torch.float8_e4m3fn,
-    DType.E5M2: torch.float8_e5m2,
+    DType.F32: torch.float32, DType.F16: torch.float16, DType.BF16: torch.bfloat16,
+    DType.E4M3: torch.float8_e4m3fn, DType.E5M2: torch.float8_e5m2,
 }
 
 
@@ -172,9 +169,7 @@ SPECIALIZED_AXES: dict[tuple[Op, Target], frozenset[str]] = {
     (Op.PREFILL, Target.CUDA): _ATTENTION_CUDA | {"mask_mode"},
     (Op.PREFILL, Target.CPU): frozenset({"q_dtype", "kv_dtype", "o_dtype"}),
     (Op.MLA, Target.CUDA): frozenset({"q_dtype", "kv_dtype", "o_dtype", "head_dim_qk", "head_dim_vo"}),
-    # q and k share one dtype (q_dtype); the layout, rotary dim, frequencies and position source are run-time.
-    (Op.ROPE, Target.CUDA): frozenset({"q_dtype"}),
-    (Op.ROPE, Target.CPU): frozenset({"q_dtype"}),
+    **{(Op.ROPE, t): frozenset({"q_dtype"}) for t in Target},  # q's and k's dtype; every other input is run-time
 }
 
 SUPPORTED_HEAD_DIMS: tuple[int, ...] = tuple(range(8, 257, 8))
