@@ -28,6 +28,11 @@ from .cascade import (  # noqa: E402
 from .page import (  # noqa: E402
     append_paged_kv_cache, append_paged_mla_kv_cache, get_batch_indices_positions, get_seq_lens,
 )
+from .rope import (  # noqa: E402
+    apply_llama31_rope, apply_llama31_rope_inplace, apply_llama31_rope_pos_ids, apply_llama31_rope_pos_ids_inplace,
+    apply_rope, apply_rope_inplace, apply_rope_pos_ids, apply_rope_pos_ids_inplace, apply_rope_with_cos_sin_cache,
+    apply_rope_with_cos_sin_cache_inplace,
+)
 from .mla import BatchMLAPagedAttentionWrapper  # noqa: E402
 from .attention_sink import BatchAttentionWithAttentionSinkWrapper  # noqa: E402
 from .batch_attention import BatchAttention  # noqa: E402
@@ -42,6 +47,9 @@ __all__ = [
     "MultiLevelCascadeAttentionWrapper", "Op", "append_paged_kv_cache", "get_batch_indices_positions",
     "get_seq_lens", "mla_model_specs", "model_specs", "PosEncoding", "Target", "VariantSpec", "build_many", "load",
     "merge_state", "merge_state_in_place", "merge_states", "single_decode_with_kv_cache",
-    "single_prefill_with_kv_cache", "BlockSparseAttentionWrapper", "VariableBlockSparseAttentionWrapper",
-    "BatchAttention", "BatchPODWithPagedKVCacheWrapper", "PODWithPagedKVCacheWrapper",
+    "single_prefill_with_kv_cache", "apply_llama31_rope", "apply_llama31_rope_inplace", "apply_llama31_rope_pos_ids",
+    "apply_llama31_rope_pos_ids_inplace", "apply_rope", "apply_rope_inplace", "apply_rope_pos_ids",
+    "apply_rope_pos_ids_inplace", "apply_rope_with_cos_sin_cache", "apply_rope_with_cos_sin_cache_inplace",
+    "BlockSparseAttentionWrapper", "VariableBlockSparseAttentionWrapper", "BatchAttention",
+    "BatchPODWithPagedKVCacheWrapper", "PODWithPagedKVCacheWrapper",
 ]

@@ -11,10 +11,10 @@ URI grammar (documented in README.md; ``uri`` is derived, never stored)::
     uri   := op ["_" storage] "_" target "_" dtype ["_kv" kvdtype] ["_o" odtype]
              ["_hd" qk ["x" vo]] ["_g" group] ["_" pos] ["_swa"] ["_softcap"]
              ["_" mask] ["_" layout] ["_sink"] ["_v" name "-" hash8]
-    op      := decode | prefill | merge | append | mla
+    op      := decode | prefill | merge | append | mla | rope
     storage := paged | ragged
     target  := cuda | cpu
-    dtype   := the q dtype (the o dtype when the op has no q): f32 | f16 | bf16
+    dtype   := the q dtype (the o dtype when the op has no q; rope: q's and k's): f32 | f16 | bf16
     kvdtype := present when it differs from dtype: f16 | bf16 | f32 | e4m3 | e5m2
     odtype  := present when it differs from dtype
     pos     := rope | alibi            (absent: none)
@@ -68,6 +68,7 @@ class Op(_Choice):
     MERGE = "merge"
     APPEND = "append"
     MLA = "mla"  # the dedicated latent-attention kernel (cuda, sm_90a); MLA also runs on the prefill kernels
+    ROPE = "rope"  # FlashInfer's standalone rotary-embedding functions (q and k rotated in one launch)
 
 
 class Target(_Choice):
@@ -112,11 +113,8 @@ class DType(_Choice):
 
 
 _TORCH_DTYPES = {
-    DType.F32: torch.float32,
-    DType.F16: torch.float16,
-    DType.BF16: torch.bfloat16,
-    DType.E4M3: torch.float8_e4m3fn,
-    DType.E5M2: torch.float8_e5m2,
+    DType.F32: torch.float32, DType.F16: torch.float16, DType.BF16: torch.bfloat16,
+    DType.E4M3: torch.float8_e4m3fn, DType.E5M2: torch.float8_e5m2,
 }
 
 
@@ -171,9 +169,10 @@ SPECIALIZED_AXES: dict[tuple[Op, Target], frozenset[str]] = {
     (Op.PREFILL, Target.CUDA): _ATTENTION_CUDA | {"mask_mode"},
     (Op.PREFILL, Target.CPU): frozenset({"q_dtype", "kv_dtype", "o_dtype"}),
     (Op.MLA, Target.CUDA): frozenset({"q_dtype", "kv_dtype", "o_dtype", "head_dim_qk", "head_dim_vo"}),
+    **{(Op.ROPE, t): frozenset({"q_dtype"}) for t in Target},  # q's and k's dtype; every other input is run-time
 }
 
-SUPPORTED_HEAD_DIMS: tuple[int, ...] = tuple(range(32, 257, 8))
+SUPPORTED_HEAD_DIMS: tuple[int, ...] = tuple(range(8, 257, 8))
 # (head_dim_qk, head_dim_vo) pairs beyond the symmetric ones.
 ASYMMETRIC_HEAD_DIMS: tuple[tuple[int, int], ...] = ((192, 128), (576, 512))
 
@@ -262,7 +261,7 @@ class VariantSpec:
             )
         if self.o_dtype is not None and self.o_dtype.is_fp8:
             raise ValueError(f"o_dtype={self.o_dtype.value!r}: fp8 output is not supported; use f16, bf16 or f32")
-        if self.target is Target.CUDA:
+        if self.target is Target.CUDA and self.op is not Op.ROPE:  # rope rotates float32 on both targets
             for name in ("q_dtype", "kv_dtype"):
                 value = getattr(self, name)
                 if value is DType.F32:
@@ -392,7 +391,7 @@ def check_head_dims(head_dim_qk: int | None, head_dim_vo: int | None) -> None:
         return
     raise ValueError(
         f"head_dim_qk={head_dim_qk}, head_dim_vo={head_dim_vo} is not supported; supported: every multiple "
-        f"of 8 from 32 to 256 (equal qk and vo), or (qk, vo) in {list(ASYMMETRIC_HEAD_DIMS)}. "
+        f"of 8 from 8 to 256 (equal qk and vo), or (qk, vo) in {list(ASYMMETRIC_HEAD_DIMS)}. "
         "Pad the head dimension to the next multiple of 8 if your model uses another size"
     )
 

@@ -28,6 +28,12 @@ CASES = {
     "d256_g2_bf16_softcap": (256, 4, 2, bf16, bf16, "NHD", 16, "NONE", -1, 50.0, None, "5d"),
     "d128_g4_f32": (128, 8, 2, f32, f32, "HND", 16, "ROPE_LLAMA", -1, None, None, "5d"),
     "d64_g4_f16_e4m3_hnd_rope": (64, 8, 2, f16, e4m3, "HND", 16, "ROPE_LLAMA", -1, None, None, "5d"),
+    # Tiny head dims (the test models transformers builds): 8, 16, 24.
+    "d8_g4_bf16_p16_rope": (8, 8, 2, bf16, bf16, "NHD", 16, "ROPE_LLAMA", -1, None, None, "5d"),
+    "d16_mha_f16_hnd_p1_softcap": (16, 4, 4, f16, f16, "HND", 1, "NONE", 5, 20.0, None, "5d"),
+    "d16_g8_bf16_e4m3_alibi": (16, 16, 2, bf16, e4m3, "NHD", 16, "ALIBI", -1, None, None, "tuple4"),
+    "d24_g2_f16_p64_rope": (24, 4, 2, f16, f16, "NHD", 64, "ROPE_LLAMA", -1, None, 0.2, "5d"),
+    "d16_g2_f32": (16, 4, 2, f32, f32, "NHD", 16, "NONE", -1, None, None, "5d"),
 }
 KV_LENS = [1, 17, 0, 100, 64, 3]
 

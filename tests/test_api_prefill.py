@@ -28,6 +28,12 @@ CASES = {
     "d128_g4_bf16_e4m3_causal": (128, 128, 8, 2, bf16, e4m3, "HND", 16, "causal", "ROPE_LLAMA", 12, None, None),
     "d64_g4_f16_e5m2_none": (64, 64, 8, 2, f16, e5m2, "NHD", 64, "none", "NONE", -1, 40.0, None),
     "d64_g2_f32_causal": (64, 64, 4, 2, f32, f32, "NHD", 16, "causal", "ALIBI", -1, None, None),
+    # Tiny head dims (the test models transformers builds): 8, 16, 24.
+    "d8_g4_bf16_rope_causal": (8, 8, 8, 2, bf16, bf16, "NHD", 16, "causal", "ROPE_LLAMA", -1, None, None),
+    "d16_mha_f16_hnd_p1_custom": (16, 16, 4, 4, f16, f16, "HND", 1, "custom", "NONE", -1, 30.0, None),
+    "d16_g2_bf16_e4m3_window": (16, 16, 4, 2, bf16, e4m3, "NHD", 16, "causal", "ALIBI", 6, None, None),
+    "d24_g4_f16_packed_mask": (24, 24, 8, 2, f16, f16, "HND", 64, "packed", "ROPE_LLAMA", -1, None, 0.3),
+    "d16_g2_f32_none": (16, 16, 4, 2, f32, f32, "NHD", 16, "none", "NONE", -1, None, None),
 }
 QO_LENS = [3, 1, 0, 17, 5]
 KV_LENS = [10, 1, 0, 40, 5]

@@ -44,7 +44,10 @@ def dspec(q=bf16, kv=None, hd=128, hdv=None, g=4, pos="none", swa=False, cap=Fal
 # -- the specs every test below loads --------------------------------------------------------------
 BASE = dspec()
 HEAD_DIMS = {64: dspec(hd=64), 72: dspec(hd=72), 96: dspec(hd=96), 128: BASE, 256: dspec(hd=256),
-             "192x128": dspec(hd=192, hdv=128)}
+             "192x128": dspec(hd=192, hdv=128),
+             # tiny head dims: 16 on the tensor-core path, 8 and 24 (and RoPE, fp8) on the CUDA-core path
+             8: dspec(hd=8), 16: dspec(hd=16), 24: dspec(hd=24), "16_rope": dspec(hd=16, pos="rope"),
+             "8_e4m3_g1": dspec(hd=8, kv=e4m3, g=1), "24_f16_e5m2_hnd": dspec(q=f16, kv=e5m2, hd=24, layout="hnd")}
 GROUPS = {1: dspec(g=1), 4: BASE, 5: dspec(g=5), 7: dspec(g=7), 8: dspec(g=8), 16: dspec(g=16),
           20: dspec(g=20), "mqa32": dspec(g=32)}  # 20: a block of 80 threads (not whole warps)
 KV_TYPES = {

@@ -285,7 +285,7 @@ def test_install_maps_flashinfer_and_its_submodules(monkeypatch) -> None:
 
         assert flashinfer is fi and BatchDecodeWithPagedKVCacheWrapper is fi.BatchDecodeWithPagedKVCacheWrapper
         assert BatchMLAPagedAttentionWrapper is fi.BatchMLAPagedAttentionWrapper
-        for sub in ("attention", "cascade", "decode", "mla", "page", "pod", "prefill", "sparse"):
+        for sub in ("attention", "cascade", "decode", "mla", "page", "pod", "prefill", "rope", "sparse"):
             assert sys.modules[f"flashinfer.{sub}"] is getattr(fi, sub)
     finally:
         for name in [n for n in sys.modules if n == "flashinfer" or n.startswith("flashinfer.")]:

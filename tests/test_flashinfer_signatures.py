@@ -1,7 +1,7 @@
 """Every public attention function and wrapper method takes FlashInfer 0.5.3's parameters: names, order, defaults.
 
 The reference lists below were read off FlashInfer 0.5.3's Python sources (its ``decode``,
-``prefill``, ``cascade``, ``page``, ``mla``, ``attention``, ``sparse`` and ``pod`` modules; the attention-sink wrapper's
+``prefill``, ``cascade``, ``page``, ``rope``, ``mla``, ``attention``, ``sparse`` and ``pod`` modules; the attention-sink wrapper's
 ``plan``/``run`` are the paged prefill wrapper's, which it inherits; ``self`` dropped, ``*args`` kept). The rule a
 drop-in replacement must follow, checked with ``inspect.signature``:
 
@@ -246,6 +246,28 @@ FLASHINFER_0_5_3 = {
     'page.get_seq_lens': [
         ('kv_indptr', None), ('kv_last_page_len', None), ('page_size', None)
     ],
+    **{f'rope.apply_rope{suffix}': [
+        ('q', None), ('k', None), ('indptr', None), ('offsets', None), ('rotary_dim', 'None'),
+        ('interleave', 'False'), ('rope_scale', '1'), ('rope_theta', '1e4')
+    ] for suffix in ('', '_inplace')},
+    **{f'rope.apply_rope_pos_ids{suffix}': [
+        ('q', None), ('k', None), ('pos_ids', None), ('rotary_dim', 'None'), ('interleave', 'False'),
+        ('rope_scale', '1'), ('rope_theta', '1e4')
+    ] for suffix in ('', '_inplace')},
+    **{f'rope.apply_llama31_rope{suffix}': [
+        ('q', None), ('k', None), ('indptr', None), ('offsets', None), ('rotary_dim', 'None'),
+        ('interleave', 'False'), ('rope_scale', '8'), ('rope_theta', '5e5'), ('low_freq_factor', '1'),
+        ('high_freq_factor', '4'), ('old_context_len', '8192')
+    ] for suffix in ('', '_inplace')},
+    **{f'rope.apply_llama31_rope_pos_ids{suffix}': [
+        ('q', None), ('k', None), ('pos_ids', None), ('rotary_dim', 'None'), ('interleave', 'False'),
+        ('rope_scale', '8'), ('rope_theta', '5e5'), ('low_freq_factor', '1'), ('high_freq_factor', '4'),
+        ('old_context_len', '8192')
+    ] for suffix in ('', '_inplace')},
+    **{f'rope.apply_rope_with_cos_sin_cache{suffix}': [
+        ('positions', None), ('query', None), ('key', None), ('head_size', None), ('cos_sin_cache', None),
+        ('is_neox', 'True')
+    ] for suffix in ('', '_inplace')},
     'sparse.BlockSparseAttentionWrapper.__init__': [('float_workspace_buffer', None), ('backend', "'auto'")],
     'sparse.BlockSparseAttentionWrapper.reset_workspace_buffer': [
         ('float_workspace_buffer', None), ('int_workspace_buffer', None), ('vector_sparse_indices_buffer', 'None'),

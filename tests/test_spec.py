@@ -62,7 +62,7 @@ BAD_FIELDS = [
     ), "kv_dtype", "cuda"),
     ("head_dim-36", DECODE_CUDA, dict(head_dim_qk=36, head_dim_vo=36), "head_dim_qk", "multiple of 8"),
     ("head_dim-264", DECODE_CUDA, dict(head_dim_qk=264, head_dim_vo=264), "head_dim_qk", "256"),
-    ("head_dim-24", DECODE_CUDA, dict(head_dim_qk=24, head_dim_vo=24), "head_dim_qk", "from 32"),
+    ("head_dim-20", DECODE_CUDA, dict(head_dim_qk=20, head_dim_vo=20), "head_dim_qk", "from 8"),
     ("head_dim-128x64", DECODE_CUDA, dict(head_dim_qk=128, head_dim_vo=64), "head_dim_qk", "(192, 128)"),
     ("head_dim-512-symmetric", DECODE_CUDA, dict(head_dim_qk=512, head_dim_vo=512), "head_dim_qk", "(576, 512)"),
     ("head_dim-str", DECODE_CUDA, dict(head_dim_qk="128"), "head_dim_qk", "int"),
@@ -97,13 +97,13 @@ def test_each_bad_field_raises_its_own_value_error_naming_the_field(base, change
 
 
 @pytest.mark.parametrize("head_dim", SUPPORTED_HEAD_DIMS)
-def test_every_multiple_of_8_from_32_to_256_is_a_supported_head_dim(head_dim):
+def test_every_multiple_of_8_from_8_to_256_is_a_supported_head_dim(head_dim):
     spec = _spec(DECODE_CUDA, head_dim_qk=head_dim, head_dim_vo=head_dim)
     assert f"_hd{head_dim}_" in spec.uri
 
 
-def test_supported_head_dims_are_exactly_the_multiples_of_8_from_32_to_256():
-    assert SUPPORTED_HEAD_DIMS == tuple(range(32, 257, 8))
+def test_supported_head_dims_are_exactly_the_multiples_of_8_from_8_to_256():
+    assert SUPPORTED_HEAD_DIMS == tuple(range(8, 257, 8))
 
 
 @pytest.mark.parametrize("qk, vo, token", [(192, 128, "hd192x128"), (576, 512, "hd576x512")])

@@ -31,6 +31,16 @@ CONFIGS = {
     "phi3-hd96": lambda: transformers.Phi3Config(
         vocab_size=128, hidden_size=2 * 96, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
         num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    # The tiny head dims of transformers' own test models (hidden 32 over 4 heads is 8; over 2, 16).
+    "llama-hd8": lambda: transformers.LlamaConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2),
+    "mistral-hd16-window": lambda: transformers.MistralConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, sliding_window=5),
+    "qwen2-hd24": lambda: transformers.Qwen2Config(
+        vocab_size=128, hidden_size=48, intermediate_size=37, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1),
 }
 
 

@@ -89,7 +89,7 @@ def refuse_unsupported(what: str, hint: str = "leave it unset", **arguments: obj
 
 def check_head_dim(head_dim: object, name: str = "head_dim") -> int:
     if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 1:
-        raise ValueError(f"{name}={head_dim!r} must be a positive int (a multiple of 8 from 32 to 256, "
+        raise ValueError(f"{name}={head_dim!r} must be a positive int (a multiple of 8 from 8 to 256, "
                          "or 192/128, 576/512)")
     return head_dim
 

@@ -76,6 +76,12 @@ def append_spec(target: Target, kv_dtype: torch.dtype) -> VariantSpec:
     return VariantSpec(op=Op.APPEND, target=target, kv_dtype=kv_dtype)
 
 
+@functools.cache
+def rope_spec(target: Target, dtype: torch.dtype) -> VariantSpec:
+    """The RoPE kernel's spec for q/k of ``dtype`` (cached, as ``merge_spec``)."""
+    return VariantSpec(op=Op.ROPE, target=target, q_dtype=dtype)
+
+
 def model_specs(
     target: Target, *, num_qo_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
     kv_dtype: torch.dtype, sliding_window: bool = False, full_attention_too: bool = True,

@@ -38,6 +38,7 @@ _MODULES: dict[Op, str] = {
     Op.PREFILL: "prefill",
     Op.APPEND: "append",
     Op.MLA: "mla",
+    Op.ROPE: "rope",
 }
 
 

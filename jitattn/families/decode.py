@@ -211,7 +211,7 @@ def _mma_layout(spec: VariantSpec, t: dict[str, int]) -> dict[str, int]:
     return {
         "kMma": 1, "kNW": nw, "kTZ": nw, "kGS": group, "kNT": nt, "kHT": head_tiles, "kMinBlocks": blocks,
         "kKPitch": k_pitch, "kVPitch": v_pitch, "kQPitch": q_pitch, "kQOffset": (stages - 1) * k_stage,
-        "kSteps": steps, "kTileTokens": tile_tokens, "kStages": stages,
+        "kSteps": steps, "kTileTokens": tile_tokens, "kStages": stages, "kQTiles": dqk // 16, "kOTiles": dvo // 16,
         "kLoadBytes": 16, "kCPRK": dqk * elem // 16, "kCPRV": dvo * elem // 16,
         "kLoadsK": -(-(tile_tokens * dqk * elem // 16) // nt), "kLoadsV": -(-(tile_tokens * dvo * elem // 16) // nt),
         "kTabPerThread": -(-tile_tokens // nt), "kSwizzle": int(swizzle), "kSmemAlign": align,
@@ -284,7 +284,8 @@ def _simt_layout(spec: VariantSpec, t: dict[str, int]) -> dict[str, int]:
         "kLoadsK": -(-(tile_tokens * cpr_k) // nt), "kLoadsV": -(-(tile_tokens * cpr_v) // nt),
         "kTabPerThread": -(-tile_tokens // nt),
         "kKStageBytes": k_stage_bytes, "kVStageBytes": v_stage_bytes,
-        "kMma": 0, "kHT": 1, "kMinBlocks": 1, "kNW": 1, "kKPitch": dqk * elem, "kVPitch": dvo * elem, "kQPitch": 0,
+        # the tensor-core path's 16-dim fragment counts of Q^T and O^T (array extents; 1 here: unused)
+        "kMma": 0, "kQTiles": 1, "kOTiles": 1, "kHT": 1, "kMinBlocks": 1, "kNW": 1, "kKPitch": dqk * elem, "kVPitch": dvo * elem, "kQPitch": 0,
         # rows of whole 128-byte lines start on 128-byte boundaries (see TUNING swizzle)
         "kQOffset": 0, "kSwizzle": 0, "kSmemAlign": 128 if _whole_lines(dqk * elem, dvo * elem) else 0,
         "kPipeBytes": pipe_bytes, "kSmemBytes": smem, "kMergeStageFloats": _merge_stage_floats(smem, group, nt),

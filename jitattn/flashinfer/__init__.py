@@ -2,7 +2,7 @@
 
 jitattn's own API (``jitattn``, ``jitattn.decode``, ...) returns and takes the **natural-log** LSE.
 This namespace has FlashInfer 0.5.3's module layout (``decode``, ``prefill``, ``cascade``, ``mla``,
-``page``, ``attention``, ``sparse``, ``pod``) and names, and FlashInfer's **base-2** LSE wherever one is returned (``run(...,
+``page``, ``rope``, ``attention``, ``sparse``, ``pod``) and names, and FlashInfer's **base-2** LSE wherever one is returned (``run(...,
 return_lse=True)``, ``*_return_lse``, an ``lse=`` buffer) or taken (``merge_state``,
 ``merge_state_in_place``, ``merge_states``); MLA's ``run`` returns base 2 unless
 ``return_lse_base_on_e=True``, as FlashInfer's. Everything else -- arguments, defaults, the older
@@ -22,7 +22,7 @@ from __future__ import annotations
 import sys
 import types
 
-from . import attention, cascade, decode, mla, page, pod, prefill, sparse
+from . import attention, cascade, decode, mla, page, pod, prefill, rope, sparse
 from .attention import BatchAttention, BatchAttentionWithAttentionSinkWrapper
 from .cascade import (BatchDecodeWithSharedPrefixPagedKVCacheWrapper, BatchPrefillWithSharedPrefixPagedKVCacheWrapper,
                       MultiLevelCascadeAttentionWrapper, merge_state, merge_state_in_place, merge_states)
@@ -33,6 +33,9 @@ from .pod import BatchPODWithPagedKVCacheWrapper, PODWithPagedKVCacheWrapper
 from .page import append_paged_kv_cache, append_paged_mla_kv_cache, get_batch_indices_positions, get_seq_lens
 from .prefill import (BatchPrefillWithPagedKVCacheWrapper, BatchPrefillWithRaggedKVCacheWrapper,
                       single_prefill_with_kv_cache, single_prefill_with_kv_cache_return_lse)
+from .rope import (apply_llama31_rope, apply_llama31_rope_inplace, apply_llama31_rope_pos_ids,
+                   apply_llama31_rope_pos_ids_inplace, apply_rope, apply_rope_inplace, apply_rope_pos_ids,
+                   apply_rope_pos_ids_inplace, apply_rope_with_cos_sin_cache, apply_rope_with_cos_sin_cache_inplace)
 from .sparse import BlockSparseAttentionWrapper, VariableBlockSparseAttentionWrapper
 
 __all__ = [
@@ -42,6 +45,9 @@ __all__ = [
     "BatchPrefillWithPagedKVCacheWrapper", "BatchPrefillWithRaggedKVCacheWrapper",
     "BatchPrefillWithSharedPrefixPagedKVCacheWrapper", "CUDAGraphBatchDecodeWithPagedKVCacheWrapper",
     "MultiLevelCascadeAttentionWrapper", "__version__", "append_paged_kv_cache", "append_paged_mla_kv_cache",
+    "apply_llama31_rope", "apply_llama31_rope_inplace", "apply_llama31_rope_pos_ids",
+    "apply_llama31_rope_pos_ids_inplace", "apply_rope", "apply_rope_inplace", "apply_rope_pos_ids",
+    "apply_rope_pos_ids_inplace", "apply_rope_with_cos_sin_cache", "apply_rope_with_cos_sin_cache_inplace",
     "fast_decode_plan", "get_batch_indices_positions", "get_seq_lens", "install", "merge_state",
     "merge_state_in_place", "merge_states", "single_decode_with_kv_cache", "single_prefill_with_kv_cache",
     "single_prefill_with_kv_cache_return_lse", "VariableBlockSparseAttentionWrapper",
@@ -52,12 +58,12 @@ __all__ = [
 __version__ = "0.5.3"
 
 SUBMODULES = {"attention": attention, "cascade": cascade, "decode": decode, "mla": mla, "page": page,
-              "pod": pod, "prefill": prefill, "sparse": sparse}
+              "pod": pod, "prefill": prefill, "rope": rope, "sparse": sparse}
 
 
 def install(name: str = "flashinfer") -> types.ModuleType:
     """Make ``import flashinfer`` (and ``flashinfer.decode``, ``.prefill``, ``.cascade``, ``.mla``, ``.page``,
-    ``.attention``, ``.sparse``, ``.pod``) give this namespace; returns it.
+    ``.rope``, ``.attention``, ``.sparse``, ``.pod``) give this namespace; returns it.
 
     Call it before anything imports FlashInfer: a module that already holds the real package keeps it,
     so installing over an imported FlashInfer is refused. Installing twice is a no-op.

@@ -32,6 +32,9 @@ For one request with ``qo_len`` queries and ``kv_len`` keys:
   query that sees a key yields a NaN output row and a NaN LSE;
 * attention sinks (``apply_sinks``) scale the keys' output by
   ``e^lse / (e^lse + e^sink[h])``; the LSE stays that of the keys.
+
+The standalone RoPE functions (``jitattn.rope``) have theirs in ``jitattn.reference.rope``
+(``apply_rope``, ``apply_rope_cos_sin_cache``, ``rope_frequencies`` with Llama 3.1's rule).
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from .paged import (
 from .merge import merge_state, merge_states
 from .variant import variant_attention
 from .sinks import apply_sinks
+from . import rope
 
 __all__ = [
     "alibi_slopes",
@@ -66,6 +70,7 @@ __all__ = [
     "to_cache_dtype",
     "variant_attention",
     "apply_sinks",
+    "rope",
     "PagedKVCache",
     "block_sparse_attention",
     "bsr_dense_mask",

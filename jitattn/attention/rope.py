@@ -1,0 +1,219 @@
+"""The RoPE launch: checks, the angle parameters, and one call of the rope kernel for q and k.
+
+``rotate`` is the one entry every public RoPE function goes through (``jitattn.rope``). It rotates
+``q`` into ``q_out`` and ``k`` into ``k_out`` (the same tensors for the in-place functions); positions
+come from ``Positions`` and angles from ``Angles``. See ``jitattn.families.rope`` for the kernel's
+arithmetic, field by field.
+
+Checks run on the host and never read a device tensor: index arrays on the cpu target are checked
+before the launch (``indptr`` runs from 0 to nnz without decreasing, cache positions are inside the
+cache), as the cpu kernel does again; on a CUDA device an invalid position is not reported (that would
+need a sync) and its token's rotated dimensions become NaN.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+
+import torch
+
+from ..abi import ROPE_POSITION_CODES
+from ..jit import load
+from ..spec import Target
+from .checks import check_no_overlap, check_tensor, cpu_threads, stream_handle, target_of
+from .specs import rope_spec
+
+__all__ = ["Angles", "Positions", "llama31_angles", "rope_angles", "rotate", "rotary_dim_of", "split_heads"]
+
+ELEMENT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass(frozen=True)
+class Positions:
+    """Where each token's position comes from: ``indptr`` + ``offsets`` (token ``t`` of request ``r``
+    sits at ``offsets[r] + t - indptr[r]``), or ``pos_ids`` (one position per token)."""
+
+    indptr: torch.Tensor | None = None
+    offsets: torch.Tensor | None = None
+    pos_ids: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class Angles:
+    """How pair ``i`` turns at position ``p``: by ``p * freq_i`` (``rope_theta``, ``rope_scale`` and
+    Llama 3.1's smoothing line ``smooth_a``, ``smooth_b``), or by the angles of ``cos_sin_cache``'s row ``p``
+    (float32 ``[max_pos, rotary_dim]``: each pair's cos in the first half, its sin in the second)."""
+
+    rope_scale: float = 1.0
+    rope_theta: float = 1e4
+    smooth_a: float = 0.0
+    smooth_b: float = 0.0
+    cos_sin_cache: torch.Tensor | None = None
+
+
+def _positive(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name}={value!r} must be a number")
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name}={value!r} must be a finite number > 0")
+    return float(value)
+
+
+def rope_angles(rope_scale, rope_theta) -> Angles:
+    """Plain RoPE: ``freq_i = rope_theta^(-2i / rotary_dim) / rope_scale``."""
+    return Angles(_positive("rope_scale", rope_scale), _positive("rope_theta", rope_theta))
+
+
+def llama31_angles(rope_scale, rope_theta, low_freq_factor, high_freq_factor, old_context_len) -> Angles:
+    """Llama 3.1's frequency rule as one clamped line: wavelengths shorter than ``old_context_len /
+    high_freq_factor`` keep their frequency, those longer than ``old_context_len / low_freq_factor`` are
+    divided by ``rope_scale``, and in between the two are blended linearly in ``old_context_len / wavelength``."""
+    low, high = _positive("low_freq_factor", low_freq_factor), _positive("high_freq_factor", high_freq_factor)
+    context = _positive("old_context_len", old_context_len)
+    if high <= low:
+        raise ValueError(f"high_freq_factor={high_freq_factor!r} must be larger than low_freq_factor="
+                         f"{low_freq_factor!r} (Llama 3.1 uses 4 and 1)")
+    smooth_a = context / (2 * math.pi * (high - low))
+    return Angles(_positive("rope_scale", rope_scale), _positive("rope_theta", rope_theta), smooth_a, -low / (high - low))
+
+
+def rotary_dim_of(rotary_dim, head_dim: int) -> int:
+    """``rotary_dim`` checked against ``head_dim`` (None: the whole head)."""
+    if rotary_dim is None:
+        rotary_dim = head_dim
+    if isinstance(rotary_dim, bool) or not isinstance(rotary_dim, numbers.Integral):
+        raise TypeError(f"rotary_dim={rotary_dim!r} must be an int or None (the whole head_dim)")
+    if rotary_dim < 2 or rotary_dim % 2 or rotary_dim > head_dim:
+        raise ValueError(f"rotary_dim={rotary_dim} must be even and in [2, head_dim={head_dim}]: it counts the "
+                         "leading dimensions of each head that are rotated, two per pair")
+    return int(rotary_dim)
+
+
+def split_heads(name: str, x: torch.Tensor, head_size) -> torch.Tensor:
+    """``x`` of ``[nnz, num_heads * head_size]`` (or already 3-D) as a ``[nnz, num_heads, head_size]`` view."""
+    check_tensor(name, x)
+    if isinstance(head_size, bool) or not isinstance(head_size, numbers.Integral) or head_size < 2:
+        raise ValueError(f"head_size={head_size!r} must be an int >= 2")
+    if x.dim() < 2 or math.prod(x.shape[1:]) % head_size:
+        raise ValueError(f"{name} has shape {tuple(x.shape)}; expected [nnz, num_heads * head_size] with "
+                         f"head_size={head_size}")
+    try:
+        return x.view(x.shape[0], math.prod(x.shape[1:]) // head_size, head_size)
+    except RuntimeError:
+        raise ValueError(f"{name} (shape {tuple(x.shape)}, strides {tuple(x.stride())}) cannot be viewed as "
+                         f"[nnz, num_heads, {head_size}]; pass a tensor whose heads are contiguous rows") from None
+
+
+def _check_qk(q: torch.Tensor, k: torch.Tensor, q_out: torch.Tensor, k_out: torch.Tensor) -> None:
+    for name, t in (("q", q), ("k", k)):
+        check_tensor(name, t, ndim=3, dtypes=ELEMENT_DTYPES)
+    if k.dtype != q.dtype:
+        raise TypeError(f"q is {_name(q.dtype)} but k is {_name(k.dtype)}; q and k must have one dtype")
+    if k.shape[0] != q.shape[0]:
+        raise ValueError(f"q has {q.shape[0]} tokens but k has {k.shape[0]}; q and k are [nnz, heads, head_dim] "
+                         "with the same nnz")
+    if k.shape[2] != q.shape[2]:
+        raise ValueError(f"q has head_dim {q.shape[2]} but k has {k.shape[2]}; they must match")
+    if q_out is q and k.data_ptr() == q.data_ptr() and k.numel() and q.numel():
+        raise ValueError("q and k are the same memory, so rotating both in place would rotate it twice; pass "
+                         "separate query and key tensors")
+    for name, t in (("the rotated q", q_out), ("the rotated k", k_out)):
+        check_no_overlap(name, t)
+
+
+def _check_index(name: str, t: torch.Tensor, device: torch.device, length: int | None = None) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor (int32 or int64), got {type(t).__name__}")
+    if t.dim() != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {tuple(t.shape)}")
+    if t.dtype not in INDEX_DTYPES:
+        raise TypeError(f"{name} has dtype {_name(t.dtype)}; use int32 or int64")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device} but q is on {device}; move it to q's device")
+    if length is not None and t.shape[0] != length:
+        raise ValueError(f"{name} has {t.shape[0]} entries; expected {length}")
+    return t.contiguous()
+
+
+def _index_arrays(positions: Positions, nnz: int, device: torch.device) -> tuple[dict, int, int, int]:
+    """The index pointers, the batch size, the position source code and the index width in bytes."""
+    if positions.pos_ids is not None:
+        pos_ids = _check_index("pos_ids", positions.pos_ids, device, nnz)
+        ptrs = dict(indptr=None, offsets=None, pos_ids=pos_ids)
+        return ptrs, 0, ROPE_POSITION_CODES["pos_ids"], pos_ids.element_size()
+    offsets = _check_index("offsets", positions.offsets, device)
+    indptr = _check_index("indptr", positions.indptr, device, offsets.shape[0] + 1)
+    if indptr.dtype != offsets.dtype:
+        raise TypeError(f"indptr is {_name(indptr.dtype)} but offsets is {_name(offsets.dtype)}; give them one dtype")
+    if device.type == "cpu":
+        steps = indptr[1:] - indptr[:-1]
+        if int(indptr[0]) != 0 or int(indptr[-1]) != nnz or bool((steps < 0).any()):
+            raise ValueError(f"indptr {indptr.tolist()[:8]}... must start at 0, never decrease and end at nnz={nnz} "
+                             "(request r holds tokens indptr[r] to indptr[r+1])")
+    ptrs = dict(indptr=indptr, offsets=offsets, pos_ids=None)
+    return ptrs, offsets.shape[0], ROPE_POSITION_CODES["indptr"], indptr.element_size()
+
+
+def _check_cache(cache: torch.Tensor, head_dim: int, device: torch.device, pos_ids: torch.Tensor | None) -> None:
+    if not isinstance(cache, torch.Tensor):
+        raise TypeError(f"cos_sin_cache must be a torch.Tensor, got {type(cache).__name__}")
+    if cache.dtype != torch.float32:
+        raise ValueError(f"cos_sin_cache is {_name(cache.dtype)}; it must be float32 (as FlashInfer's)")
+    check_tensor("cos_sin_cache", cache, ndim=2)
+    if cache.device != device:
+        raise ValueError(f"cos_sin_cache is on {cache.device} but q is on {device}; move it to q's device")
+    rotary_dim = cache.shape[1]
+    if rotary_dim < 2 or rotary_dim % 2 or rotary_dim > head_dim:
+        raise ValueError(f"cos_sin_cache has shape {tuple(cache.shape)}: its width is the rotary dim (cos then sin "
+                         f"of each pair), so it must be even and in [2, head_size={head_dim}]")
+    if pos_ids is not None and device.type == "cpu" and pos_ids.numel():
+        bad = (pos_ids < 0) | (pos_ids >= cache.shape[0])
+        if bool(bad.any()):
+            t = int(torch.nonzero(bad)[0])
+            raise IndexError(f"positions[{t}]={int(pos_ids[t])} is outside cos_sin_cache's {cache.shape[0]} rows; "
+                             "extend the cache to the longest position")
+
+
+def rotate(q: torch.Tensor, k: torch.Tensor, q_out: torch.Tensor, k_out: torch.Tensor, positions: Positions,
+           rotary_dim: int | None, interleave: bool, angles: Angles) -> None:
+    """Rotate ``q`` into ``q_out`` and ``k`` into ``k_out`` (``[nnz, heads, head_dim]``; the outputs may be the
+    inputs, which leaves the dimensions past ``rotary_dim`` as they are; otherwise they are copied).
+
+    ``rotary_dim`` None rotates the whole head, or as many dimensions as ``cos_sin_cache`` is wide."""
+    _check_qk(q, k, q_out, k_out)
+    target, device = target_of("rope", [q, k, q_out, k_out])
+    nnz, head_dim = q.shape[0], q.shape[2]
+    ptrs, batch_size, pos_source, index_bytes = _index_arrays(positions, nnz, device)
+    cache = angles.cos_sin_cache
+    if cache is not None:
+        _check_cache(cache, head_dim, device, ptrs["pos_ids"])
+        rotary_dim = cache.shape[1] if rotary_dim is None else rotary_dim
+    rotary_dim = rotary_dim_of(rotary_dim, head_dim)
+    if nnz == 0 or q.shape[1] + k.shape[1] == 0:
+        return
+    module = load(rope_spec(target, q.dtype))
+    params = dict(
+        q=q.data_ptr(), k=k.data_ptr(), q_out=q_out.data_ptr(), k_out=k_out.data_ptr(),
+        **{name: (t.data_ptr() if t is not None else None) for name, t in ptrs.items()},
+        cos_sin_cache=cache.data_ptr() if cache is not None else None,
+        nnz=nnz, batch_size=batch_size, num_q_heads=q.shape[1], num_k_heads=k.shape[1], head_dim=head_dim,
+        rotary_dim=rotary_dim, q_stride_n=q.stride(0), q_stride_h=q.stride(1), k_stride_n=k.stride(0),
+        k_stride_h=k.stride(1), q_out_stride_n=q_out.stride(0), q_out_stride_h=q_out.stride(1),
+        k_out_stride_n=k_out.stride(0), k_out_stride_h=k_out.stride(1),
+        cache_rows=cache.shape[0] if cache is not None else 0, cache_stride=cache.stride(0) if cache is not None else 0,
+        rope_rcp_scale=1.0 / angles.rope_scale, rope_theta=angles.rope_theta, smooth_a=angles.smooth_a,
+        smooth_b=angles.smooth_b, pos_source=pos_source, index_bytes=index_bytes, interleave=int(bool(interleave)),
+        copy_unrotated=int(q_out is not q), num_threads=cpu_threads(),
+    )
+    if target is Target.CUDA:
+        with torch.cuda.device(device):
+            module.launch("rope", stream_handle(device), **params)
+    else:
+        module.launch("rope", None, **params)
