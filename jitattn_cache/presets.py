@@ -1,9 +1,9 @@
 """Model attention shapes: built-in presets and Hugging Face config.json files.
 
-A ``ModelShape`` is what ``jitattn.attention.specs.model_specs`` needs to list
+A ``ModelShape`` is what ``jitattn.runtime.specs.model_specs`` needs to list
 every kernel a model's decode, prefill (paged and ragged), cascade, merge and
 append paths request; an ``MLAShape`` (DeepSeek-style latent attention) is what
-``jitattn.attention.specs.mla_model_specs`` needs. ``warm`` and ``export`` expand
+``jitattn.runtime.specs.mla_model_specs`` needs. ``warm`` and ``export`` expand
 shapes with them.
 """
 

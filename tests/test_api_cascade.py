@@ -197,7 +197,7 @@ def test_graph_mode_cascade_replans_a_shape_into_the_same_launches(device: str, 
     level (one query per request) runs on a decode wrapper of its own; every plan of the shape, whatever the
     lengths (an empty prefix and empty tails included), keeps every launch's memory and sizes -- what a
     captured run() replays -- and gives plain attention over the concatenated KV."""
-    monkeypatch.setattr(jitattn.cascade, "num_workers", lambda device: 64)  # SMs to fill: the level is split
+    monkeypatch.setattr(jitattn.ops.cascade, "num_workers", lambda device: 64)  # SMs to fill: the level is split
     gen = torch.Generator().manual_seed(37)
     hq, hkv, d, dtype, b = 8, 2, 64, torch.float16, 4
     i32 = dict(dtype=torch.int32, device=device)
@@ -238,7 +238,7 @@ def test_the_per_layer_path_gives_the_general_paths_bits(device: str, seed: int)
     path (each level wrapper's run(), then merge_states) on random 2- and 3-level trees: bitwise equal."""
     import random
 
-    from jitattn.attention.merge import merge_states
+    from jitattn.runtime.merge import merge_states
 
     rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
     hq, hkv, d, dtype = 8, 2, 64, torch.float16
@@ -363,7 +363,7 @@ def test_auto_split_shared_level_in_whole_kv_blocks(causal: bool, monkeypatch) -
     chunks, on a device of 64 workers so the split happens: the result equals plain attention."""
     from jitattn.kv_split import cascade_chunk_pages
 
-    monkeypatch.setattr("jitattn.cascade.num_workers", lambda device: 64)
+    monkeypatch.setattr("jitattn.ops.cascade.num_workers", lambda device: 64)
     gen = torch.Generator().manual_seed(5)
     hq, hkv, d, dtype = 4, 2, 64, torch.float32
     shared, node_of = [3000, 0, 700], [0, 0, 1, 2, 2, 2]

@@ -156,7 +156,7 @@ def test_fast_decode_plan_on_a_graph_wrapper_refills_its_buffers(device: str) ->
     for step, kv_lens in enumerate(([40, 3, 17, 90], [41, 4, 18, 91], [200, 1, 1, 33])):
         batch = random_paged_batch(kv_lens, HKV, D, PAGE, dtype, device=device, generator=gen)
         q = torch.randn(4, HQ, D, generator=gen).to(dtype).to(device)
-        jitattn.decode.fast_decode_plan(wrapper, batch.kv_indptr.to(device), batch.kv_indices.to(device),
+        jitattn.ops.decode.fast_decode_plan(wrapper, batch.kv_indptr.to(device), batch.kv_indices.to(device),
                                         batch.kv_last_page_len.to(device), HQ, HKV, D, PAGE, q_data_type=dtype,
                                         global_override_indptr_cpu=batch.kv_indptr)
         assert wrapper._plan.kv_indices.data_ptr() == buffers[1].data_ptr(), "graph mode reads the fixed buffers"
@@ -213,7 +213,7 @@ def test_prefill_wrappers_run_return_lse_and_forward(device: str) -> None:
     qo_indptr = torch.tensor([0, 3, 4, 10], dtype=torch.int32)
     batch = random_paged_batch(kv_lens, HKV, D, PAGE, dtype, device=device, generator=gen)
     q = torch.randn(10, HQ, D, generator=gen).to(dtype).to(device)
-    paged = jitattn.prefill.BatchPrefillWithPagedKVCacheWrapper(_workspace(device))
+    paged = jitattn.ops.prefill.BatchPrefillWithPagedKVCacheWrapper(_workspace(device))
     paged.plan(qo_indptr, batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len, HQ, HKV, D, PAGE,
                q_data_type=dtype)
     ref_out, ref_lse = reference.batch_prefill_paged(q.cpu(), _cpu(batch.cache), qo_indptr, batch.kv_indptr,
@@ -228,7 +228,7 @@ def test_prefill_wrappers_run_return_lse_and_forward(device: str) -> None:
 
     k, v, kv_indptr = reference.paged_kv_to_ragged(_cpu(batch.cache), batch.kv_indptr, batch.kv_indices,
                                                    batch.kv_last_page_len)
-    ragged = jitattn.prefill.BatchPrefillWithRaggedKVCacheWrapper(_workspace(device))
+    ragged = jitattn.ops.prefill.BatchPrefillWithRaggedKVCacheWrapper(_workspace(device))
     ragged.plan(qo_indptr, kv_indptr.int(), HQ, HKV, D, q_data_type=dtype, causal=True)
     k, v = k.to(dtype).to(device), v.to(dtype).to(device)
     out, lse = ragged.forward_return_lse(q, k, v, causal=True)
@@ -294,7 +294,7 @@ def test_shared_prefix_decode_and_prefill_wrappers(device: str) -> None:
 
 
 def test_data_type_fills_only_what_the_caller_did_not_give() -> None:
-    from jitattn.attention.options import resolve_dtypes
+    from jitattn.runtime.options import resolve_dtypes
 
     assert resolve_dtypes(None, None, torch.bfloat16) == (torch.bfloat16, torch.bfloat16)
     assert resolve_dtypes(torch.float16, None, torch.float8_e4m3fn) == (torch.float16, torch.float8_e4m3fn)

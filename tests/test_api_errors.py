@@ -152,7 +152,7 @@ def test_checks_run_again_when_the_tensors_change_shape(monkeypatch) -> None:
 def test_plan_options_are_reused_only_for_equal_arguments_of_equal_types() -> None:
     """plan() keeps recent parsed options by argument: 0 and False (or 1 and True) stay apart, so a value
     refused once is refused every time, whatever an earlier plan cached."""
-    from jitattn.attention.builder import attention_options
+    from jitattn.runtime.builder import attention_options
     from jitattn.spec import Op
 
     common = dict(num_qo_heads=8, num_kv_heads=2, head_dim_qk=64, q_data_type=torch.float16, kv_data_type=None)
@@ -170,7 +170,7 @@ def test_plan_options_memo_returns_what_parsing_gives() -> None:
     """On random FlashInfer-style option spellings the memoised options equal a fresh parse, call after call."""
     import random
 
-    from jitattn.attention.builder import _parse_options, attention_options
+    from jitattn.runtime.builder import _parse_options, attention_options
     from jitattn.spec import MaskMode, Op
 
     rng = random.Random(3)

@@ -1,4 +1,4 @@
-"""append_paged_kv_cache, get_batch_indices_positions, get_seq_lens (jitattn.page).
+"""append_paged_kv_cache, get_batch_indices_positions, get_seq_lens (jitattn.ops.page).
 
 Every append test fills the cache with random bits first, runs the kernel and the
 reference (jitattn.reference) on copies, and compares the *whole* cache bit for bit:
@@ -16,9 +16,9 @@ import random
 import pytest
 import torch
 
-import jitattn.attention.page as page_impl
+import jitattn.runtime.page as page_impl
 from jitattn import page, reference as ref
-from jitattn.families.append import APPEND
+from jitattn.kernels.append import APPEND
 from jitattn.jit import load
 from jitattn.spec import VariantSpec
 

@@ -18,7 +18,7 @@ import torch
 
 import jitattn
 import jitattn.flashinfer
-from jitattn.attention.specs import attention_spec
+from jitattn.runtime.specs import attention_spec
 from jitattn.serving.reference import torch_attention
 from jitattn.spec import KVLayout, KVStorage, MaskMode, Op, PosEncoding, Target
 

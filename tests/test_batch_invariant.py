@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import jitattn
-from jitattn.attention.specs import attention_spec, merge_spec
+from jitattn.runtime.specs import attention_spec, merge_spec
 from jitattn.kv_split import BATCH_INVARIANT_CHUNK_TOKENS
 from jitattn.spec import KVLayout, KVStorage, MaskMode, Op, PosEncoding, Target
 

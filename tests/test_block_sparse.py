@@ -15,8 +15,8 @@ import torch
 import jitattn
 import jitattn.flashinfer as fi
 from jitattn import reference
-from jitattn.attention.specs import attention_spec
-from jitattn.sparse import convert_bsr_mask_layout
+from jitattn.runtime.specs import attention_spec
+from jitattn.ops.sparse import convert_bsr_mask_layout
 from jitattn.spec import KVLayout, KVStorage, MaskMode, Op, PosEncoding, Target
 
 from attention_cases import assert_close_lse, assert_close_out, devices

@@ -28,7 +28,7 @@ import pytest
 import torch
 
 import jitattn.jit
-from jitattn.attention.specs import model_specs
+from jitattn.runtime.specs import model_specs
 from jitattn.jit.key import SCHEMA, build_inputs
 from jitattn.jit.cache import entry_dirs, entry_lock, read_manifest, remove_entry
 from jitattn.spec import Target, VariantSpec, parse_spec_text
@@ -403,7 +403,7 @@ def test_remove_entry_waits_for_the_per_key_lock(cache_copy) -> None:
 
 CHILD = textwrap.dedent("""
     import torch, jitattn, jitattn.jit as jit
-    from jitattn.attention.merge import merge_state
+    from jitattn.runtime.merge import merge_state
     bf16, i32 = torch.bfloat16, torch.int32
     hq, hkv, d, page = 32, 8, 128, 16  # llama-3-8b
     ws = torch.empty(64 << 20, dtype=torch.uint8)

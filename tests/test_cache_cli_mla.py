@@ -12,8 +12,8 @@ import torch
 
 import jitattn
 import jitattn.jit
-from jitattn.attention import builder
-from jitattn.attention.specs import append_spec, merge_spec, mla_kernel_spec
+from jitattn.runtime import builder
+from jitattn.runtime.specs import append_spec, merge_spec, mla_kernel_spec
 from jitattn.spec import Target
 from jitattn_cache.cli import main
 from jitattn_cache.presets import PRESETS, MLAShape, from_hf_config

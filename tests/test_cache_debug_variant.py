@@ -151,7 +151,7 @@ def _has_nvcc() -> bool:
 @pytest.mark.skipif(not _has_nvcc(), reason="needs nvcc")
 @pytest.mark.parametrize("op", ["decode", "prefill"])
 def test_the_cuda_debug_render_compiles_for_sm90a(op, debug, monkeypatch):
-    from jitattn.attention.specs import attention_spec
+    from jitattn.runtime.specs import attention_spec
     from jitattn.spec import KVLayout, KVStorage, MaskMode, Op, PosEncoding, Target
 
     monkeypatch.setenv("JITATTN_CUDA_ARCH_LIST", "9.0a")

@@ -23,7 +23,7 @@ import torch
 
 import jitattn
 from jitattn import reference as ref
-from jitattn.attention.launch import AttentionScalars, launch_attention
+from jitattn.runtime.launch import AttentionScalars, launch_attention
 from jitattn.jit import KernelError
 from jitattn.spec import KVLayout, PosEncoding, VariantSpec
 

@@ -7,7 +7,7 @@ every spec these tests load, for the parallel pre-build.
 The split-KV plan used here (``split_plan``) is the planner's formula: request r
 gets ``max(1, ceil(kv_len[r] / kv_chunk_size))`` chunks, ``split_indptr`` is
 their exclusive prefix sum, and the workspace needs ``4 * num_qo_heads * (head_dim_vo + 1) * split_indptr[batch]``
-bytes (``jitattn.families.decode.split_workspace_bytes``).
+bytes (``jitattn.kernels.decode.split_workspace_bytes``).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import torch
 
 import jitattn
 from jitattn import reference
-from jitattn.attention.launch import AttentionScalars, launch_attention
-from jitattn.families.decode import TUNING as DECODE_TUNING, mma_eligible, split_workspace_bytes
+from jitattn.runtime.launch import AttentionScalars, launch_attention
+from jitattn.kernels.decode import TUNING as DECODE_TUNING, mma_eligible, split_workspace_bytes
 from jitattn.jit import KernelError
 from jitattn.spec import KVLayout, PosEncoding, VariantSpec
 

@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parent.parent
 def test_import_creates_no_directory_initialises_no_cuda_and_adds_no_handler(tmp_path) -> None:
     cache = tmp_path / "not-created"
     code = (
-        "import logging, os, sys, torch, jitattn, jitattn.decode, jitattn.prefill, jitattn.cascade, jitattn.page\n"
+        "import logging, os, sys, torch, jitattn, jitattn.ops.decode, jitattn.ops.prefill, jitattn.ops.cascade, jitattn.ops.page\n"
         f"assert not os.path.exists({str(cache)!r}), 'import created the cache dir'\n"
         "assert not torch.cuda.is_initialized(), 'import initialised CUDA'\n"
         "assert logging.getLogger('jitattn').handlers == [], 'import added a log handler'\n"

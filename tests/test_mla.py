@@ -19,7 +19,7 @@ import torch
 
 import jitattn
 from jitattn import reference
-from jitattn.mla import latent_keys
+from jitattn.ops.mla import latent_keys
 from jitattn.reference.paged import to_cache_dtype
 
 from attention_cases import assert_close_lse, assert_close_out, devices, tolerance
@@ -32,7 +32,7 @@ POISON = 7777.0
 
 
 def _gpu_specs() -> list:
-    from jitattn.attention.specs import attention_spec
+    from jitattn.runtime.specs import attention_spec
     from jitattn.spec import KVLayout, KVStorage, MaskMode, Op, PosEncoding, Target
 
     def spec(heads, kv_heads, qk, vo, kv_dtype, mask, storage):
@@ -335,7 +335,7 @@ def test_append_paged_mla_kv_cache_writes_both_parts(device: str) -> None:
     before_ckv, before_kpe = ckv.clone(), kpe.clone()
     new_ckv = torch.randn(6, CKV, generator=gen).to(dtype).to(device)
     new_kpe = torch.randn(6, KPE, generator=gen).to(dtype).to(device)
-    jitattn.page.append_paged_mla_kv_cache(new_ckv, new_kpe, batch.to(device), positions.to(device), ckv, kpe,
+    jitattn.ops.page.append_paged_mla_kv_cache(new_ckv, new_kpe, batch.to(device), positions.to(device), ckv, kpe,
                                            indices.to(device), indptr.to(device), last.to(device))
     written = torch.zeros(ckv.shape[:2], dtype=torch.bool)
     for t in range(6):
@@ -357,7 +357,7 @@ def test_append_paged_mla_kv_cache_into_fp8_saturates(device: str) -> None:
     new_kpe = (torch.randn(6, KPE, generator=gen) * 300).to(torch.bfloat16)
     new_ckv[0, :3] = torch.tensor([1e4, -1e4, float("inf")])
     new_kpe[1, :2] = torch.tensor([float("-inf"), 5000.0])
-    jitattn.page.append_paged_mla_kv_cache(new_ckv.to(device), new_kpe.to(device), batch.to(device),
+    jitattn.ops.page.append_paged_mla_kv_cache(new_ckv.to(device), new_kpe.to(device), batch.to(device),
                                            positions.to(device), ckv, kpe, indices.to(device), indptr.to(device),
                                            last.to(device))
     expected_ckv, expected_kpe = to_cache_dtype(new_ckv, e4m3).float(), to_cache_dtype(new_kpe, e4m3).float()

@@ -1,4 +1,4 @@
-"""The dedicated sm90 MLA kernel (``jitattn.mla_kernel``, ``jitattn.mla_plan``, ``families/mla.py``).
+"""The dedicated sm90 MLA kernel (``jitattn.runtime.mla_kernel``, ``jitattn.kernels.mla_plan``, ``jitattn.kernels.mla``).
 
 cpu: the work list (tiles, causal block counts, split-KV chunks, workspace fitting, order), the kernel choice
 (device, arch list, dtypes, dims, CUDA graphs, ``JITATTN_MLA_KERNEL``), the ``mla`` op's spec and its template.
@@ -16,10 +16,10 @@ import torch
 
 import jitattn
 from jitattn import env
-from jitattn.families import mla as family
-from jitattn.mla import BatchMLAPagedAttentionWrapper
-from jitattn.mla_kernel import GraphArrays, kernel_spec, layout_problem, select_kernel, unsupported_reason
-from jitattn.mla_plan import MIN_CHUNK_BLOCKS, graph_item_capacity, padded, plan_work
+from jitattn.kernels import mla as family
+from jitattn.ops.mla import BatchMLAPagedAttentionWrapper
+from jitattn.runtime.mla_kernel import GraphArrays, kernel_spec, layout_problem, select_kernel, unsupported_reason
+from jitattn.kernels.mla_plan import MIN_CHUNK_BLOCKS, graph_item_capacity, padded, plan_work
 from jitattn.spec import VariantSpec
 
 from test_mla import CKV, KPE, SM_SCALE, _indptr, _latent_cache, _queries, _reference

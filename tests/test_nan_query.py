@@ -14,8 +14,8 @@ import torch
 
 import jitattn
 from jitattn import reference
-from jitattn.attention.specs import attention_spec
-from jitattn.families.decode import mma_eligible
+from jitattn.runtime.specs import attention_spec
+from jitattn.kernels.decode import mma_eligible
 from jitattn.spec import KVLayout, KVStorage, MaskMode, Op, PosEncoding, Target, VariantSpec
 
 from attention_cases import devices, random_paged_batch, tolerance

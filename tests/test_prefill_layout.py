@@ -1,4 +1,4 @@
-"""The cuda prefill layout (jitattn.families.prefill.cuda_layout) on the host: every documented
+"""The cuda prefill layout (jitattn.kernels.prefill.cuda_layout) on the host: every documented
 combination gets a tile whose shared memory fits the H200's opt-in limit per block, and the
 resident-block count the kernel is compiled for (``kMinBlocks``) fits the SM."""
 
@@ -8,7 +8,7 @@ import itertools
 
 import pytest
 
-from jitattn.families.prefill import TUNING, cuda_layout
+from jitattn.kernels.prefill import TUNING, cuda_layout
 from jitattn.spec import ASYMMETRIC_HEAD_DIMS, SUPPORTED_HEAD_DIMS, VariantSpec
 from jitattn.variant import AttentionVariant
 

@@ -11,8 +11,8 @@ import torch
 import jitattn
 import jitattn.jit
 from jitattn import reference
-from jitattn.attention.specs import attention_spec
-from jitattn.families import prefill
+from jitattn.runtime.specs import attention_spec
+from jitattn.kernels import prefill
 from jitattn.jit import render
 from jitattn.spec import KVLayout, KVStorage, MaskMode, Op, PosEncoding, Target
 
@@ -397,7 +397,7 @@ SHARED_Q_CASES = {
 @pytest.mark.parametrize("case_id", list(SHARED_Q_CASES))
 def test_sm90_shared_query_rows(case_id):
     """q_row_period (a cascade level cut into chunks): output row t reads q row t % q_rows."""
-    from jitattn.attention.batch import share_queries
+    from jitattn.runtime.batch import share_queries
 
     d, hq, hkv, dtype, causal, storage, layout, q_head_major = SHARED_Q_CASES[case_id]
     q_rows, page = 150, 16

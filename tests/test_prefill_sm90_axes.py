@@ -18,8 +18,8 @@ import torch
 import jitattn
 import jitattn.jit
 from jitattn import reference
-from jitattn.attention.specs import attention_spec
-from jitattn.families import prefill
+from jitattn.runtime.specs import attention_spec
+from jitattn.kernels import prefill
 from jitattn.jit import render
 from jitattn.spec import KVLayout, KVStorage, MaskMode, Op, PosEncoding, Target
 

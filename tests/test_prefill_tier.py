@@ -13,8 +13,8 @@ import torch
 import jitattn
 import jitattn.hardware
 from jitattn import env
-from jitattn.attention.specs import attention_spec
-from jitattn.families import prefill
+from jitattn.runtime.specs import attention_spec
+from jitattn.kernels import prefill
 from jitattn.jit import render
 from jitattn.spec import KVLayout, KVStorage, MaskMode, Op, PosEncoding, Target, VariantSpec
 from jitattn.variant import AttentionVariant

@@ -159,7 +159,7 @@ def test_a_failed_cascade_plan_leaves_the_wrapper_unplanned() -> None:
 
 
 def test_staged_split_merge_only_in_blocks_of_whole_warps() -> None:
-    from jitattn.families.decode import cuda_layout
+    from jitattn.kernels.decode import cuda_layout
     from jitattn.spec import VariantSpec
 
     seen = set()
@@ -225,7 +225,7 @@ def test_launches_carry_the_tensors_row_extents() -> None:
 def test_decode_layout_page_ids_in_shared_memory() -> None:
     """The item's page ids take TUNING["page_ids"] ints of shared memory beside the stage tables (0 keeps
     none: every tile reads the page table), without costing a pipeline stage at the default."""
-    from jitattn.families.decode import cuda_layout
+    from jitattn.kernels.decode import cuda_layout
     from jitattn.spec import VariantSpec
 
     spec = VariantSpec(op="decode", target="cuda", q_dtype="bf16", kv_dtype="bf16", o_dtype="bf16", head_dim_qk=128,

@@ -1,4 +1,4 @@
-"""The RoPE functions (jitattn.rope, FlashInfer's apply_rope* family) against the float64 reference.
+"""The RoPE functions (jitattn.ops.rope, FlashInfer's apply_rope* family) against the float64 reference.
 
 q and k are strided views of one fused qkv buffer (as serving engines pass them), filled with fresh
 random data each run; positions are random too (the seed is in every failure message: set
@@ -19,7 +19,7 @@ import torch
 
 import jitattn
 from jitattn import reference as ref
-from jitattn.families.rope import ROPE
+from jitattn.kernels.rope import ROPE
 from jitattn.jit import KernelError, load
 from jitattn.spec import VariantSpec, parse_spec_text
 

@@ -245,7 +245,7 @@ def test_with_graphs_shared_prefix_steps_take_the_faster_path(model, shared_work
     faster (here the step times are faked), and the greedy tokens are the reference's either way."""
     prompts, expected = shared_workload
     _fake_graphs(monkeypatch)
-    monkeypatch.setattr(jitattn.cascade, "num_workers", lambda device: 64)  # the captured shared level is chunked
+    monkeypatch.setattr(jitattn.ops.cascade, "num_workers", lambda device: 64)  # the captured shared level is chunked
     engine = Engine(model, num_pages=64, page_size=PAGE, cascade=True)
     engine.cuda_graphs = True  # on the cpu target, with capture faked above
     record, taken = engine.decode_paths.record, []
@@ -322,7 +322,7 @@ def test_cascade_graph_step_gives_the_eager_cascade_logits(model, monkeypatch) -
 
     monkeypatch.setattr(torch.cuda, "CUDAGraph", ReplayByRerun)
     monkeypatch.setattr(torch.cuda, "graph", lambda graph, pool=None: contextlib.nullcontext())
-    monkeypatch.setattr(jitattn.cascade, "num_workers", lambda device: 64)  # the shared levels are chunked
+    monkeypatch.setattr(jitattn.ops.cascade, "num_workers", lambda device: 64)  # the shared levels are chunked
     engine = Engine(model, num_pages=96, page_size=PAGE, cascade=True)
     system = _prompts(12, 24, [0])[0]
     fork = system + _prompts(14, 16, [0])[0]

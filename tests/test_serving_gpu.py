@@ -9,7 +9,7 @@ import torch
 
 import jitattn
 from jitattn import reference
-from jitattn.attention.specs import attention_spec
+from jitattn.runtime.specs import attention_spec
 from jitattn.spec import KVLayout, KVStorage, MaskMode, Op, PosEncoding, Target
 
 from attention_cases import assert_close_out, random_paged_batch

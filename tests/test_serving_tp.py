@@ -15,7 +15,7 @@ import torch
 import torch.multiprocessing as mp
 
 from helpers import tp_worker
-from jitattn.attention.specs import merge_spec
+from jitattn.runtime.specs import merge_spec
 from jitattn.serving import Engine, LlamaModel, head_shard, preset
 from jitattn.spec import Target
 

@@ -179,7 +179,7 @@ def test_serving_engine_refuses_checkpoints_it_would_compute_wrong(tmp_path) -> 
 # --- on the GPU ---------------------------------------------------------------------------------
 
 def _gpu_specs():
-    from jitattn.attention.specs import attention_spec
+    from jitattn.runtime.specs import attention_spec
     from jitattn.spec import KVLayout, KVStorage, MaskMode, Op, PosEncoding, Target
 
     return [attention_spec(Op.PREFILL, Target.CUDA, q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16,

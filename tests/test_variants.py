@@ -10,7 +10,7 @@ import torch
 
 import jitattn
 from jitattn import AttentionVariant, VariantParam, reference
-from jitattn.attention.specs import attention_spec
+from jitattn.runtime.specs import attention_spec
 from jitattn.jit import BuildError, compile_count
 from jitattn.jit.key import build_inputs
 from jitattn.spec import KVLayout, KVStorage, MaskMode, Op, PosEncoding, Target, VariantSpec, parse_spec_text
@@ -336,7 +336,7 @@ def test_prefill_query_and_key_transforms_run_after_rope_and_fp8_dequant(q_dtype
 
 
 def test_bf16_query_and_key_transforms_keep_hi_lo_pairs_on_cuda_prefill():
-    from jitattn.families.prefill import cuda_layout
+    from jitattn.kernels.prefill import cuda_layout
 
     def split(variant, q_dtype=torch.bfloat16):
         spec = attention_spec(Op.PREFILL, Target.CUDA, q_dtype=q_dtype, kv_dtype=q_dtype, o_dtype=q_dtype,

@@ -5,7 +5,7 @@
 
 llama8b shapes (32 / 8 heads, head_dim 128, bf16), qo_len = kv_len = seq per request, the pages
 of the batch handed out in a random order. ``--tunings``: a JSON list of overrides of
-``jitattn.families.prefill.SM90_TUNING`` (each renders its own source, a cache entry of its own);
+``jitattn.kernels.prefill.SM90_TUNING`` (each renders its own source, a cache entry of its own);
 every one runs on every (layout, page size). Each paged output is compared with the ragged
 kernel's on the same tokens (max abs difference; 0 expected at the default KV block: the same
 blocks in the same order).
@@ -22,7 +22,7 @@ import torch
 
 import jitattn
 import jitattn.jit
-from jitattn.families import prefill
+from jitattn.kernels import prefill
 
 from bench_tier import _time as median_ms  # the same CUDA-event median timer (tools/ is on sys.path when run)
 

@@ -103,12 +103,12 @@ def run_cases(peer: bool) -> list[dict]:
 def main() -> None:
     args = [a for a in sys.argv[1:] if not a.startswith("--")]
     if "--child" in sys.argv:
-        from jitattn.families import decode
+        from jitattn.kernels import decode
 
         tuning = json.loads(args[0])
         unknown = set(tuning) - set(decode.TUNING)
         if unknown:
-            sys.exit(f"unknown TUNING keys {sorted(unknown)} (jitattn.families.decode.TUNING has {sorted(decode.TUNING)})")
+            sys.exit(f"unknown TUNING keys {sorted(unknown)} (jitattn.kernels.decode.TUNING has {sorted(decode.TUNING)})")
         decode.TUNING.update(tuning)
         print(json.dumps(run_cases(peer=False)))
         return

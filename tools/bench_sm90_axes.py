@@ -20,8 +20,8 @@ import torch
 
 import jitattn
 import jitattn.jit
-from jitattn.attention.specs import attention_spec
-from jitattn.families import prefill
+from jitattn.runtime.specs import attention_spec
+from jitattn.kernels import prefill
 from jitattn.spec import KVLayout, KVStorage, MaskMode, Op, PosEncoding, Target
 
 from bench_tier import _time as median_ms  # the same CUDA-event median timer (tools/ is on sys.path when run)

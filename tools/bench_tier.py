@@ -17,8 +17,8 @@ import torch
 
 import jitattn
 import jitattn.jit
-from jitattn.families import prefill as prefill_family
-from jitattn.attention.specs import attention_spec
+from jitattn.kernels import prefill as prefill_family
+from jitattn.runtime.specs import attention_spec
 from jitattn.spec import KVLayout, KVStorage, MaskMode, Op, PosEncoding, Target
 
 CONFIGS = {  # name: (head_dim, hq, hkv, causal, qo_lens[, kv_lens])

@@ -16,7 +16,7 @@ import tempfile
 
 DEFAULT_ONLY = ("decode/llama8b_b256_s4096,decode/llama8b_b64_s2048,decode/llama8b_b1_s32768,"
                 "decode/mha_b64_s2048_d128,decode/phi3_d96_b64_s4096,decode/skewed_b64,decode/fp8kv_b256_s4096")
-CHILD = ("import json, sys; import jitattn.families.decode as d; d.TUNING.update(json.loads(sys.argv[1])); "
+CHILD = ("import json, sys; import jitattn.kernels.decode as d; d.TUNING.update(json.loads(sys.argv[1])); "
          "from jitattn.bench.__main__ import main; sys.exit(main(sys.argv[2:]))")
 
 

@@ -20,7 +20,7 @@ gpu_bench() { timeout "$1" python3 -m jitattn.bench --only "$2" --json "$R/bench
 # gpu_build_mla: the four MLA kernel specs (bf16, f16, fp8 e4m3 with bf16 q, fp8 e5m2 with f16 q) built in parallel.
 gpu_build_mla() { python3 -c "
 import concurrent.futures as cf, torch, jitattn.jit as jit
-from jitattn.mla_kernel import kernel_spec
+from jitattn.runtime.mla_kernel import kernel_spec
 specs = [kernel_spec(torch.bfloat16), kernel_spec(torch.float16), kernel_spec(torch.bfloat16, torch.float8_e4m3fn),
          kernel_spec(torch.float16, torch.float8_e5m2)]
 with cf.ThreadPoolExecutor(4) as ex: list(ex.map(jit.load, specs))

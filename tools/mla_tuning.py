@@ -1,4 +1,4 @@
-"""Times the sm90 MLA kernel (through BatchMLAPagedAttentionWrapper) for tuning choices of jitattn/families/mla.py.
+"""Times the sm90 MLA kernel (through BatchMLAPagedAttentionWrapper) for tuning choices of jitattn/kernels/mla.py.
 
 Run on an H100/H200: ``python3 tools/mla_tuning.py [choice ...]``, a choice being ``key=value[,key=value]`` of
 ``family.TUNING`` (default ``load_threads=128 load_threads=256``). Each choice renders distinct sources (its own cache entry).
@@ -20,8 +20,8 @@ import torch
 
 import jitattn
 import jitattn.jit as jit
-from jitattn.families import mla as family
-from jitattn.mla_kernel import kernel_spec
+from jitattn.kernels import mla as family
+from jitattn.runtime.mla_kernel import kernel_spec
 
 E4M3 = torch.float8_e4m3fn
 SHAPES = [  # (name, batch, kv_len, heads, latent cache dtype)

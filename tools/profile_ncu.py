@@ -11,7 +11,7 @@ mla128 (MLA b64 x 4096, 128 heads, page 64), mla16
 cascade row's flat twin).
 Warm-up calls (the JIT build, the plan) run before the range; one call runs inside it.
 ``DECODE_TUNING='{"max_stages": 2}'`` renders the decode kernels with those overrides of
-``jitattn.families.decode.TUNING`` (their own cache entries), to profile a layout beside the default.
+``jitattn.kernels.decode.TUNING`` (their own cache entries), to profile a layout beside the default.
 """
 
 from __future__ import annotations
@@ -137,7 +137,7 @@ def case_fn(name: str):
 def main() -> None:
     tuning = os.environ.get("DECODE_TUNING", "").strip()
     if tuning:
-        from jitattn.families import decode
+        from jitattn.kernels import decode
 
         overrides = json.loads(tuning)
         unknown = set(overrides) - set(decode.TUNING)

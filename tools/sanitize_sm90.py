@@ -33,7 +33,7 @@ for d, hq, hkv, dtype, causal, qo_lens, kv_lens, window, cap in CASES:
     print(d, dtype, causal, window, cap, "finite:", bool(torch.isfinite(out).all()))
 
 # Paged KV (cp.async gathers), page sizes 1 / 16, and query rows shared by two chunks (q_row_period).
-from jitattn.attention.batch import share_queries  # noqa: E402
+from jitattn.runtime.batch import share_queries  # noqa: E402
 
 for d, hq, hkv, dtype, causal, page, shared, qo_lens, kv_lens in [
     (128, 8, 2, torch.bfloat16, True, 16, False, [70, 1, 0, 200], [90, 5, 3, 200]),

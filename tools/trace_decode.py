@@ -19,7 +19,7 @@ import sys
 import numpy as np
 import torch
 
-from jitattn.families import decode
+from jitattn.kernels import decode
 
 decode.TUNING["trace"] = 1
 

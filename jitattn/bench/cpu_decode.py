@@ -36,7 +36,7 @@ from typing import Callable
 import torch
 
 import jitattn
-from jitattn.attention.launch import AttentionScalars, launch_attention
+from jitattn.runtime.launch import AttentionScalars, launch_attention
 from jitattn.spec import KVLayout, PosEncoding, VariantSpec
 
 

@@ -13,7 +13,7 @@ once (2 * tokens * H_kv * D * 2) plus q and o. Beside it: torch SDPA
 device-to-device copy measured in the same run as the bandwidth ceiling
 (bytes read + written).
 
-``--tuning JSON`` overrides ``jitattn.families.decode.TUNING`` (a distinct
+``--tuning JSON`` overrides ``jitattn.kernels.decode.TUNING`` (a distinct
 rendered source, hence a distinct cache entry); ``--sweep`` runs a few such
 layouts in subprocesses and prints one line each.
 """
@@ -71,8 +71,8 @@ class Problem:
 
     def jitattn_fn(self, chunk: int = 0):
         import jitattn
-        from jitattn.attention.launch import AttentionScalars, launch_attention
-        from jitattn.families.decode import split_workspace_bytes
+        from jitattn.runtime.launch import AttentionScalars, launch_attention
+        from jitattn.kernels.decode import split_workspace_bytes
         from jitattn.spec import KVLayout, PosEncoding, VariantSpec
 
         spec = VariantSpec(
@@ -175,14 +175,14 @@ SWEEP = [
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tuning", default="", help="JSON overrides of jitattn.families.decode.TUNING")
+    parser.add_argument("--tuning", default="", help="JSON overrides of jitattn.kernels.decode.TUNING")
     parser.add_argument("--quick", action="store_true", help="only the batch-64 case, no SDPA")
     parser.add_argument("--ceiling", type=float, default=0.0, help="copy GB/s (measured when 0)")
     parser.add_argument("--sweep", action="store_true", help="time the SWEEP layouts in subprocesses")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("decode_cuda benchmark: needs a CUDA device")
-    from jitattn.families import decode
+    from jitattn.kernels import decode
 
     if args.tuning:
         tuning = json.loads(args.tuning)

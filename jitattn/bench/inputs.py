@@ -188,7 +188,7 @@ def check_prebuilt(case: Case, target, failed_specs: dict) -> None:
 
 def specs_of(case: Case, target: str) -> list:
     """The kernel specs a case loads (the wrappers' own spec function), for the pre-build."""
-    from jitattn.attention.specs import attention_spec, merge_spec
+    from jitattn.runtime.specs import attention_spec, merge_spec
     from jitattn.spec import KVLayout, KVStorage, MaskMode, Op, PosEncoding, Target
 
     tgt = Target.parse(target, "target")
@@ -215,7 +215,7 @@ def specs_of(case: Case, target: str) -> list:
         return [attn(jit_decode_case(case))]
     if isinstance(case, MLA):  # the MLA wrapper's decode: the sm90 MLA kernel on an H100/H200, else the paged prefill
         from jitattn import hardware
-        from jitattn.attention.specs import mla_kernel_spec
+        from jitattn.runtime.specs import mla_kernel_spec
 
         sm90 = ([mla_kernel_spec(TORCH_DTYPES[case.dtype], TORCH_DTYPES[case.cache_dtype])]
                 if tgt is Target.CUDA and hardware.hopper_only(hardware.known_arch_list()) else [])

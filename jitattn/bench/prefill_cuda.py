@@ -14,7 +14,7 @@ ceiling is an 8192^3 ``torch.matmul`` measured in the same run. Times are the
 median of ``--iters`` launches timed with CUDA events after warm-up.
 
 ``--tunings`` also times other layouts of the jitattn sm80-tier kernel (overrides of
-``jitattn.families.prefill.TUNING``; each is its own cache entry); the wrapper row runs the tier
+``jitattn.kernels.prefill.TUNING``; each is its own cache entry); the wrapper row runs the tier
 ``JITATTN_PREFILL_TIER`` selects (sm90 on Hopper for this spec by default).
 """
 
@@ -28,8 +28,8 @@ from typing import Callable
 import torch
 
 import jitattn
-from jitattn.attention.launch import AttentionScalars, launch_attention
-from jitattn.families import prefill as prefill_family
+from jitattn.runtime.launch import AttentionScalars, launch_attention
+from jitattn.kernels import prefill as prefill_family
 from jitattn.jit import Module
 from jitattn.jit.build_and_publish import build_entry
 from jitattn.jit.cache import find_entry

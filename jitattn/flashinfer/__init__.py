@@ -1,6 +1,6 @@
 """jitattn under FlashInfer's conventions: a drop-in for ``import flashinfer``.
 
-jitattn's own API (``jitattn``, ``jitattn.decode``, ...) returns and takes the **natural-log** LSE.
+jitattn's own API (``jitattn``, ``jitattn.ops.decode``, ...) returns and takes the **natural-log** LSE.
 This namespace has FlashInfer 0.5.3's module layout (``decode``, ``prefill``, ``cascade``, ``mla``,
 ``page``, ``rope``, ``attention``, ``sparse``, ``pod``) and names, and FlashInfer's **base-2** LSE wherever one is returned (``run(...,
 return_lse=True)``, ``*_return_lse``, an ``lse=`` buffer) or taken (``merge_state``,

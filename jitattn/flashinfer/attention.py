@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import functools
 
-from .. import attention_sink as native
-from .. import batch_attention as native_batch
+from ..ops import attention_sink as native
+from ..ops import batch_attention as native_batch
 from .convention import returns_base2, returns_base2_bound
 
 __all__ = ["BatchAttention", "BatchAttentionWithAttentionSinkWrapper"]

@@ -10,9 +10,9 @@ import functools
 
 import torch
 
-from .. import cascade as native
-from ..attention import merge as native_merge
-from ..cascade import BatchDecodeWithSharedPrefixPagedKVCacheWrapper, BatchPrefillWithSharedPrefixPagedKVCacheWrapper
+from ..ops import cascade as native
+from ..runtime import merge as native_merge
+from ..ops.cascade import BatchDecodeWithSharedPrefixPagedKVCacheWrapper, BatchPrefillWithSharedPrefixPagedKVCacheWrapper
 from .convention import LOG2E, lse_to_natural, returns_base2
 
 __all__ = ["BatchDecodeWithSharedPrefixPagedKVCacheWrapper", "BatchPrefillWithSharedPrefixPagedKVCacheWrapper",

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import functools
 
-from .. import decode as native
-from ..decode import fast_decode_plan
+from ..ops import decode as native
+from ..ops.decode import fast_decode_plan
 from .convention import returns_base2
 
 __all__ = ["BatchDecodeWithPagedKVCacheWrapper", "CUDAGraphBatchDecodeWithPagedKVCacheWrapper", "fast_decode_plan",

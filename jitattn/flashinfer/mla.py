@@ -6,7 +6,7 @@ import functools
 
 import torch
 
-from .. import mla as native
+from ..ops import mla as native
 from .convention import lse_to_base2
 
 __all__ = ["BatchMLAPagedAttentionWrapper"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 
-from .. import pod as native
+from ..ops import pod as native
 from .convention import LOG2E
 
 __all__ = ["BatchPODWithPagedKVCacheWrapper", "PODWithPagedKVCacheWrapper"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 
-from .. import prefill as native
+from ..ops import prefill as native
 from .convention import returns_base2
 
 __all__ = ["BatchPrefillWithPagedKVCacheWrapper", "BatchPrefillWithRaggedKVCacheWrapper",

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from .. import sparse as native
-from ..sparse import convert_bsr_mask_layout
+from ..ops import sparse as native
+from ..ops.sparse import convert_bsr_mask_layout
 from .convention import returns_base2_bound
 
 __all__ = ["BlockSparseAttentionWrapper", "VariableBlockSparseAttentionWrapper", "convert_bsr_mask_layout"]

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable
 
 from .. import env
-from ..families import family
+from ..kernels import family
 from ..spec import VariantSpec
 from .build import compile_count
 from .build_and_publish import build_entry, build_or_find_entry

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import filelock
 
-from ..families import family
+from ..kernels import family
 from ..log import get_logger
 from ..version import __version__
 from . import toolchain as tc

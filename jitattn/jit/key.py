@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass
 
 from ..abi import ABI_VERSION, Entry
-from ..families import family
+from ..kernels import family
 from ..spec import Target, VariantSpec
 from . import toolchain as tc
 from .render import included_headers, render

@@ -12,8 +12,8 @@ import jinja2
 
 from .. import env
 from ..abi import ABI_VERSION, c_header
-from ..families import family
-from ..families import variant as variant_source
+from ..kernels import family
+from ..kernels import variant as variant_source
 from ..spec import Target, VariantSpec
 from .templates import include_dir, template_root
 from .toolchain import ToolchainError, cuda_arch_list

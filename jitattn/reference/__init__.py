@@ -33,7 +33,7 @@ For one request with ``qo_len`` queries and ``kv_len`` keys:
 * attention sinks (``apply_sinks``) scale the keys' output by
   ``e^lse / (e^lse + e^sink[h])``; the LSE stays that of the keys.
 
-The standalone RoPE functions (``jitattn.rope``) have theirs in ``jitattn.reference.rope``
+The standalone RoPE functions (``jitattn.ops.rope``) have theirs in ``jitattn.reference.rope``
 (``apply_rope``, ``apply_rope_cos_sin_cache``, ``rope_frequencies`` with Llama 3.1's rule).
 """
 

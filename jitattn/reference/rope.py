@@ -1,4 +1,4 @@
-"""Float64 reference of the standalone RoPE functions (``jitattn.rope``, FlashInfer's ``apply_rope*``).
+"""Float64 reference of the standalone RoPE functions (``jitattn.ops.rope``, FlashInfer's ``apply_rope*``).
 
 Written the textbook way, independently of the kernels' one-line clamp: Llama 3.1's frequencies
 by the wavelength rule of its reference code, the rotation as complex multiplication of each pair.

@@ -24,7 +24,7 @@ _GPU_TEST_MODULES = ("test_api_decode", "test_api_prefill", "test_append", "test
 
 
 def existing_specs() -> list:
-    from jitattn.attention.specs import model_specs
+    from jitattn.runtime.specs import model_specs
     from jitattn.spec import Target, VariantSpec
     from jitattn_cache.presets import PRESETS, ModelShape
 

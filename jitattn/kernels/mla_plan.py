@@ -1,4 +1,4 @@
-"""Work items of the dedicated MLA kernel (``jitattn/families/mla.py``), on the host. Pure: no torch device work.
+"""Work items of the dedicated MLA kernel (``jitattn/kernels/mla.py``), on the host. Pure: no torch device work.
 
 Request r has ``qo_len * num_heads`` rows (query token, head; head fastest), cut into tiles of 64
 rows. A tile sees KV blocks of 64 latent tokens up to the last visible key of its last row
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .families.mla import ITEM_INTS, KV_BLOCK, MERGE_INTS, ROWS
+from .mla import ITEM_INTS, KV_BLOCK, MERGE_INTS, ROWS
 
 MIN_CHUNK_BLOCKS = 4  # a split chunk covers at least this many KV blocks (256 tokens): its fixed cost amortised
 ITEM_COST = 2         # fixed cost of an item in KV-block times (the Q load, the first block's latency, the epilogue)

@@ -1,12 +1,12 @@
 """FlashInfer's older shared-prefix wrappers: one shared prefix in plain tensors plus each request's own paged
-KV, merged by LSE (``jitattn.cascade`` exports them, as ``flashinfer.cascade`` does)."""
+KV, merged by LSE (``jitattn.ops.cascade`` exports them, as ``flashinfer.cascade`` does)."""
 
 from __future__ import annotations
 
 import torch
 
-from .attention.merge import merge_state_in_place
-from .attention.options import resolve_batch_invariant
+from ..runtime.merge import merge_state_in_place
+from ..runtime.options import resolve_batch_invariant
 from .decode import BatchDecodeWithPagedKVCacheWrapper
 from .prefill import BatchPrefillWithPagedKVCacheWrapper, single_prefill_with_kv_cache
 

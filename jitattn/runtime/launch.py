@@ -1,7 +1,7 @@
 """One call into an attention module (decode or prefill family, any target).
 
 Wrappers validate their inputs and then call ``launch_attention``; it only
-translates tensors into the params struct of ``jitattn.families.attention``.
+translates tensors into the params struct of ``jitattn.kernels.attention``.
 """
 
 from __future__ import annotations

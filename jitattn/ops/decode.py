@@ -7,20 +7,20 @@ import functools
 import numpy as np
 import torch
 
-from .attention.batch import check_workspace, upload_int32
-from .attention.builder import HostIndex, attention_options, build_plan, kernel_spec, make_plan, num_workers
-from .attention.wrapper import BatchWrapperBase, plan_arguments
-from .attention.checks import check_tensor, target_of
-from .attention.launch import PreparedAttention
-from .attention.options import PAGE_TABLE_HINT, parse_kv_layout, refuse_unsupported, resolve_batch_invariant
-from .jit import load, resident_blocks
-from .page_table import PagedIndex, check_paged_index, to_host_int32
-from .kv_split import (
+from ..runtime.batch import check_workspace, upload_int32
+from ..runtime.builder import HostIndex, attention_options, build_plan, kernel_spec, make_plan, num_workers
+from ..runtime.wrapper import BatchWrapperBase, plan_arguments
+from ..runtime.checks import check_tensor, target_of
+from ..runtime.launch import PreparedAttention
+from ..runtime.options import PAGE_TABLE_HINT, parse_kv_layout, refuse_unsupported, resolve_batch_invariant
+from ..jit import load, resident_blocks
+from ..page_table import PagedIndex, check_paged_index, to_host_int32
+from ..kv_split import (
     MAX_RESIDENT_BLOCKS, KVSplit, check_fixed_split_size, decode_kv_split, max_decode_chunks, split_workspace_bytes,
     unsplit,
 )
-from .variant import AttentionVariant
-from .spec import KVLayout, KVStorage, Op, Target
+from ..variant import AttentionVariant
+from ..spec import KVLayout, KVStorage, Op, Target
 
 __all__ = [
     "BatchDecodeWithPagedKVCacheWrapper", "CUDAGraphBatchDecodeWithPagedKVCacheWrapper", "fast_decode_plan",

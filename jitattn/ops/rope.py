@@ -32,8 +32,8 @@ from typing import Optional, Tuple
 
 import torch
 
-from .attention.checks import check_tensor
-from .attention.rope import Angles, Positions, llama31_angles, rope_angles, rotate, split_heads
+from ..runtime.checks import check_tensor
+from ..runtime.rope import Angles, Positions, llama31_angles, rope_angles, rotate, split_heads
 
 __all__ = [
     "apply_llama31_rope", "apply_llama31_rope_inplace", "apply_llama31_rope_pos_ids",

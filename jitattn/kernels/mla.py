@@ -5,7 +5,7 @@ With weight absorption every query head attends over one latent head per token: 
 (``templates/cuda/mla_sm90.cu.jinja``) packs 64 rows -- (query token, head) pairs of one request,
 head fastest -- into the M dimension of one wgmma tile, so each latent KV block is read once for
 all of them; see the template's header for the schedule. This module owns its binary interface and
-every derived constant (``layout``); ``jitattn.mla_plan`` builds the work items it walks.
+every derived constant (``layout``); ``jitattn.kernels.mla_plan`` builds the work items it walks.
 
 Params (``MLA``; strides in elements, index arrays int32 on the device):
 

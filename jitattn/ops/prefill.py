@@ -6,17 +6,17 @@ import functools
 
 import torch
 
-from .attention.batch import AttentionPlan
-from .attention.builder import HostIndex, attention_options, build_plan
-from .attention.wrapper import BatchWrapperBase, plan_arguments
-from .attention.checks import check_tensor, target_of
-from .attention.options import (PAGE_TABLE_HINT, fp8_scale, parse_kv_layout, refuse_unsupported,
+from ..runtime.batch import AttentionPlan
+from ..runtime.builder import HostIndex, attention_options, build_plan
+from ..runtime.wrapper import BatchWrapperBase, plan_arguments
+from ..runtime.checks import check_tensor, target_of
+from ..runtime.options import (PAGE_TABLE_HINT, fp8_scale, parse_kv_layout, refuse_unsupported,
                                  resolve_batch_invariant, resolve_flag)
-from .page_table import PagedIndex, check_indptr, check_paged_index
-from .kv_split import check_fixed_split_size, unsplit
-from .masks import multi_item_mask, packed_mask_indptr, segment_packbits
-from .variant import AttentionVariant
-from .spec import KVLayout, MaskMode, Op, Target
+from ..page_table import PagedIndex, check_indptr, check_paged_index
+from ..kv_split import check_fixed_split_size, unsplit
+from ..masks import multi_item_mask, packed_mask_indptr, segment_packbits
+from ..variant import AttentionVariant
+from ..spec import KVLayout, MaskMode, Op, Target
 
 __all__ = [
     "BatchPrefillWithPagedKVCacheWrapper", "BatchPrefillWithRaggedKVCacheWrapper", "single_prefill_with_kv_cache",

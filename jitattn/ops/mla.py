@@ -24,7 +24,7 @@ kernel skips), which every plan rewrites on the current stream; a later plan of 
 count, head count, page size, ``causal`` or ``sm_scale`` is refused.
 
 Kernels: on an H100/H200 (a 9.0a arch list) a plan with a 16-bit or fp8 latent cache of ckv 512 / kpe 64 runs
-the dedicated MLA kernel (``jitattn.mla_kernel``: the heads of a request packed into the rows of one wgmma
+the dedicated MLA kernel (``jitattn.runtime.mla_kernel``: the heads of a request packed into the rows of one wgmma
 tile, the latent KV tile loaded once for all of them, split-KV for small batches), CUDA graphs included;
 everything else -- the cpu target, other GPUs -- runs the paged prefill kernels. ``JITATTN_MLA_KERNEL=prefill``
 forces the prefill kernels (``sm90``: the MLA kernel or an error). Tensors the MLA kernel cannot read in
@@ -40,16 +40,16 @@ import numbers
 
 import torch
 
-from .attention.checks import check_tensor, stream_capturing
-from .attention.options import (f32_scale, fp8_scale, parse_dtype, refuse_unsupported, resolve_batch_invariant,
+from ..runtime.checks import check_tensor, stream_capturing
+from ..runtime.options import (f32_scale, fp8_scale, parse_dtype, refuse_unsupported, resolve_batch_invariant,
                                  resolve_flag)
-from .log import logger
-from .env import mla_kernel as mla_kernel_choice
-from .hardware import num_sms
-from .families.mla import CKV_DIM
-from .mla_kernel import GraphArrays, KernelPlan, device_facts, layout_problem, select_kernel, unsupported_reason
-from .mla_plan import workspace_row_bytes
-from .page_table import check_indptr, check_page_table, to_host_int32
+from ..log import logger
+from ..env import mla_kernel as mla_kernel_choice
+from ..hardware import num_sms
+from ..kernels.mla import CKV_DIM
+from ..runtime.mla_kernel import GraphArrays, KernelPlan, device_facts, layout_problem, select_kernel, unsupported_reason
+from ..kernels.mla_plan import workspace_row_bytes
+from ..page_table import check_indptr, check_page_table, to_host_int32
 from .prefill import BatchPrefillWithPagedKVCacheWrapper
 
 __all__ = ["BatchMLAPagedAttentionWrapper"]

@@ -154,7 +154,7 @@ def mla_model_specs(
     return list(dict.fromkeys(specs))
 
 
-MLA_CKV_DIM, MLA_KPE_DIM = 512, 64  # the dedicated MLA kernel's latent widths (jitattn.families.mla)
+MLA_CKV_DIM, MLA_KPE_DIM = 512, 64  # the dedicated MLA kernel's latent widths (jitattn.kernels.mla)
 MLA_FP8_CACHE = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 

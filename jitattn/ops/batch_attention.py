@@ -11,8 +11,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .attention.options import refuse_unsupported
-from .page_table import check_indptr, to_host_int32
+from ..runtime.options import refuse_unsupported
+from ..page_table import check_indptr, to_host_int32
 from .prefill import BatchPrefillWithPagedKVCacheWrapper
 
 __all__ = ["BatchAttention"]

@@ -15,9 +15,9 @@ import math
 
 import torch
 
-from .attention.options import parse_pos_encoding
+from ..runtime.options import parse_pos_encoding
 from .prefill import BatchPrefillWithPagedKVCacheWrapper
-from .spec import PosEncoding
+from ..spec import PosEncoding
 
 __all__ = ["BatchAttentionWithAttentionSinkWrapper"]
 

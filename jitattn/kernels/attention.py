@@ -28,7 +28,7 @@ Index arrays are int32. ``k_scale``/``v_scale`` dequantize fp8 KV (1 otherwise).
 
 Custom variants (``spec.variant``, see ``jitattn.variant``): the struct gains a
 last field ``variant_params``, a pointer to the variant's ``VariantParams``
-(generated in ``variant.h`` by ``jitattn.families.variant``); specs without a
+(generated in ``variant.h`` by ``jitattn.kernels.variant``); specs without a
 variant keep the struct without it, byte for byte.
 
 Attention sinks (``spec.use_sinks``): the struct gains a last field ``sinks``, a

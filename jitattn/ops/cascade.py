@@ -23,23 +23,23 @@ from dataclasses import dataclass
 
 import torch
 
-from .attention.batch import WorkspaceTooSmall, share_queries
-from .attention.builder import attention_options, kernel_spec, num_workers
-from .attention.merge import PreparedMerge, merge_state, merge_state_in_place, merge_states, merge_states_with_sinks
-from .attention.options import fp8_scale, parse_pos_encoding, resolve_batch_invariant, resolve_flag, resolve_window_left
-from .kv_split import (
+from ..runtime.batch import WorkspaceTooSmall, share_queries
+from ..runtime.builder import attention_options, kernel_spec, num_workers
+from ..runtime.merge import PreparedMerge, merge_state, merge_state_in_place, merge_states, merge_states_with_sinks
+from ..runtime.options import fp8_scale, parse_pos_encoding, resolve_batch_invariant, resolve_flag, resolve_window_left
+from ..kv_split import (
     batch_invariant_chunk, cascade_chunk_pages, cascade_level_chunks, check_fixed_split_size, concat_level_tables,
     graph_level_chunks, split_level_page_table,
 )
-from .page_table import PagedIndex, check_indptr, check_paged_index
+from ..page_table import PagedIndex, check_indptr, check_paged_index
 from .decode import BatchDecodeWithPagedKVCacheWrapper
-from .families.prefill import query_tile_rows
-from .jit import resident_blocks
+from ..kernels.prefill import query_tile_rows
+from ..jit import resident_blocks
 from .prefill import BatchPrefillWithPagedKVCacheWrapper
 from .shared_prefix import (BatchDecodeWithSharedPrefixPagedKVCacheWrapper,
                             BatchPrefillWithSharedPrefixPagedKVCacheWrapper)
-from .spec import KVStorage, Op, PosEncoding
-from .variant import AttentionVariant
+from ..spec import KVStorage, Op, PosEncoding
+from ..variant import AttentionVariant
 
 __all__ = [
     "BatchDecodeWithSharedPrefixPagedKVCacheWrapper", "BatchPrefillWithSharedPrefixPagedKVCacheWrapper",

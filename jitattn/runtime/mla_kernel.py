@@ -1,7 +1,7 @@
 """The dedicated MLA kernel behind ``BatchMLAPagedAttentionWrapper``: choosing it, planning it, launching it.
 
 ``select_kernel`` decides from the plan's arguments, the device and the arch list the JIT builds for:
-``"sm90"`` (``jitattn/families/mla.py``: H100/H200, a 16-bit or fp8 latent cache, ckv 512 / kpe 64, any head
+``"sm90"`` (``jitattn/kernels/mla.py``: H100/H200, a 16-bit or fp8 latent cache, ckv 512 / kpe 64, any head
 count and query count per request, causal or not) or ``"prefill"`` (the paged prefill kernels at head
 dims 576/512: every other case, the cpu target included). ``JITATTN_MLA_KERNEL`` forces a choice.
 
@@ -16,12 +16,12 @@ import re
 
 import torch
 
-from . import env, hardware
-from .attention.checks import raw_stream, stream_capturing
-from .attention.specs import mla_kernel_spec
-from .families import mla as family
-from .mla_plan import MLAWork, graph_item_capacity, padded, plan_work, workspace_row_bytes
-from .spec import VariantSpec
+from .. import env, hardware
+from .checks import raw_stream, stream_capturing
+from .specs import mla_kernel_spec
+from ..kernels import mla as family
+from ..kernels.mla_plan import MLAWork, graph_item_capacity, padded, plan_work, workspace_row_bytes
+from ..spec import VariantSpec
 
 _HOPPER = re.compile(r"^9\.0a(\+PTX)?$")
 
@@ -142,7 +142,7 @@ class KernelPlan:
         """Host int32 ``qo_indptr``, ``kv_indptr``, ``kv_indices``, ``kv_lens`` (already checked); ``split=False``:
         no split-KV (batch-invariant plans); ``graph``: a CUDA-graph wrapper's fixed arrays (checked against this
         plan by ``graph.refuse`` first)."""
-        from .jit import load
+        from ..jit import load
 
         device = workspace.device
         index = device.index if device.index is not None else torch.cuda.current_device()

@@ -2,12 +2,12 @@
 
 ``append_paged_kv_cache`` writes new tokens into a paged cache;
 ``get_batch_indices_positions`` and ``get_seq_lens`` compute its index inputs.
-See :mod:`jitattn.attention.page` for the cache formats and semantics.
+See :mod:`jitattn.runtime.page` for the cache formats and semantics.
 """
 
 from __future__ import annotations
 
-from .attention.page import (
+from ..runtime.page import (
     append_paged_kv_cache, append_paged_mla_kv_cache, get_batch_indices_positions, get_seq_lens,
 )
 

@@ -1,8 +1,8 @@
 """The RoPE launch: checks, the angle parameters, and one call of the rope kernel for q and k.
 
-``rotate`` is the one entry every public RoPE function goes through (``jitattn.rope``). It rotates
+``rotate`` is the one entry every public RoPE function goes through (``jitattn.ops.rope``). It rotates
 ``q`` into ``q_out`` and ``k`` into ``k_out`` (the same tensors for the in-place functions); positions
-come from ``Positions`` and angles from ``Angles``. See ``jitattn.families.rope`` for the kernel's
+come from ``Positions`` and angles from ``Angles``. See ``jitattn.kernels.rope`` for the kernel's
 arithmetic, field by field.
 
 Checks run on the host and never read a device tensor: index arrays on the cpu target are checked

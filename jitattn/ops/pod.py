@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import torch
 
-from .attention.options import (parse_kv_layout, parse_pos_encoding, refuse_unsupported, resolve_dtypes,
+from ..runtime.options import (parse_kv_layout, parse_pos_encoding, refuse_unsupported, resolve_dtypes,
                                  resolve_flag, resolve_window_left)
 from .decode import BatchDecodeWithPagedKVCacheWrapper
-from .page_table import check_indptr, check_paged_index
+from ..page_table import check_indptr, check_paged_index
 from .prefill import BatchPrefillWithPagedKVCacheWrapper, single_prefill_with_kv_cache
 
 __all__ = ["BatchPODWithPagedKVCacheWrapper", "PODWithPagedKVCacheWrapper"]

@@ -1,6 +1,6 @@
 """Block-sparse attention (FlashInfer's ``flashinfer.sparse``) on the paged prefill wrapper.
 
-A block-sparse pattern is planned as one paged-prefill batch (``jitattn.sparse_layout``): each block
+A block-sparse pattern is planned as one paged-prefill batch (``jitattn.runtime.sparse_layout``): each block
 row is a request, its selected column blocks its pages (the K/V tensors viewed as pages, never
 copied), a per-block mask its custom mask. One launch of the paged prefill kernel computes it.
 
@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import torch
 
-from .attention.checks import check_tensor
-from .attention.options import fp8_scale, parse_pos_encoding
-from .attention.wrapper import plan_arguments
+from ..runtime.checks import check_tensor
+from ..runtime.options import fp8_scale, parse_pos_encoding
+from ..runtime.wrapper import plan_arguments
 from .prefill import BatchPrefillWithPagedKVCacheWrapper
-from .sparse_layout import (SparsePageTable, VariableGeometry, bsr_packed_mask, bsr_page_table, check_bsr,
+from ..runtime.sparse_layout import (SparsePageTable, VariableGeometry, bsr_packed_mask, bsr_page_table, check_bsr,
                             convert_bsr_mask_layout, variable_page_table)
-from .spec import PosEncoding
+from ..spec import PosEncoding
 
 __all__ = ["BlockSparseAttentionWrapper", "VariableBlockSparseAttentionWrapper", "convert_bsr_mask_layout"]
 
