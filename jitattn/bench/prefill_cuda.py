@@ -77,7 +77,7 @@ def gemm_tflops(iters: int) -> float:
     return _gemm(Timer(torch.device("cuda", torch.cuda.current_device())), 8192, torch.bfloat16)["tflops"]
 
 
-def main(argv: list[str] | None = None) -> None:
+def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=4096)
@@ -88,30 +88,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--no-causal", dest="causal", action="store_false", help="full (non-causal) attention")
     ap.add_argument("--tunings", type=str, default=json.dumps(DEFAULT_TUNINGS),
                     help="JSON list of TUNING overrides to time ([{}] for the default only)")
-    args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("needs a CUDA device")
-    torch.manual_seed(0)
-    B, S, H, HKV, D = args.batch, args.seq, args.heads, args.kv_heads, args.head_dim
-    dtype = torch.bfloat16
-    dev = torch.device("cuda")
-    q = torch.randn(B * S, H, D, device=dev, dtype=dtype)
-    k = torch.randn(B * S, HKV, D, device=dev, dtype=dtype)
-    v = torch.randn(B * S, HKV, D, device=dev, dtype=dtype)
-    indptr = torch.arange(0, (B + 1) * S, S, dtype=torch.int32)
-    causal = args.causal
-    pairs = B * S * (S + 1) // 2 if causal else B * S * S
-    flops = 4 * pairs * H * D
-    print(f"ragged {'causal' if causal else 'non-causal'} prefill: batch {B} x {S}, {H}/{HKV} heads, head_dim {D}, bf16; "
-          f"{flops / 1e12:.2f} TFLOP per call; {torch.cuda.get_device_name()}")
+    return ap.parse_args(argv)
 
-    rows: list[tuple[str, float, str]] = []
-    wrapper = jitattn.BatchPrefillWithRaggedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8, device=dev))
-    wrapper.plan(indptr, indptr, H, HKV, D, causal=causal, q_data_type=dtype)
-    out = wrapper.run(q, k, v)
-    ms = _median_ms(lambda: wrapper.run(q, k, v, out=out), args.iters)
-    rows.append(("jitattn (wrapper, default layout)", ms, ""))
 
+def _tuning_rows(args, q, k, v, indptr, out, causal: bool) -> list[tuple[str, float, str]]:
+    """One row per TUNING override of the prefill layout, launched directly (no wrapper), checked against ``out``."""
+    H, HKV, D = args.heads, args.kv_heads, args.head_dim
+    dev = q.device
     spec = VariantSpec(op=Op.PREFILL, target=Target.CUDA, q_dtype="bf16", kv_dtype="bf16", o_dtype="bf16",
                        head_dim_qk=D, head_dim_vo=D, group_size=H // HKV, pos_encoding=PosEncoding.NONE,
                        use_sliding_window=False, use_logits_soft_cap=False,
@@ -120,6 +103,7 @@ def main(argv: list[str] | None = None) -> None:
     scalars = AttentionScalars(causal=causal, pos_encoding=PosEncoding.NONE, window_left=-1, sm_scale=D**-0.5,
                                logits_soft_cap=0.0, rope_scale=1.0, rope_theta=1e4)
     qo_dev, kv_dev = indptr.to(dev), indptr.to(dev)
+    rows = []
     for tuning in json.loads(args.tunings):
         label = "jitattn " + (json.dumps(tuning, separators=(",", ":")) if tuning else "{} (default)")
         try:
@@ -141,15 +125,21 @@ def main(argv: list[str] | None = None) -> None:
         note = (f"cta_q {layout['kCtaQ']} cta_kv {layout['kCtaKV']} stages {layout['kStages']} "
                 f"warps {layout['kWarps']} smem {layout['kSmemBytes'] >> 10} KiB; max|diff| {diff:.1e}")
         rows.append((label, ms, note))
+    return rows
 
-    # torch SDPA on the same data, [B, H, S, D] contiguous.
+
+def _sdpa_rows(args, q, k, v, out, causal: bool) -> list[tuple[str, float, str]]:
+    """torch SDPA's flash and cuDNN backends on the same data ([B, H, S, D] contiguous), K/V expanded to every
+    head where a backend refuses GQA."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     import torch.nn.functional as F
 
+    B, S, H, HKV, D = args.batch, args.seq, args.heads, args.kv_heads, args.head_dim
     qs = q.view(B, S, H, D).transpose(1, 2).contiguous()
     ks = k.view(B, S, HKV, D).transpose(1, 2).contiguous()
     vs = v.view(B, S, HKV, D).transpose(1, 2).contiguous()
     ref = out.view(B, S, H, D).transpose(1, 2).float()
+    rows = []
     for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
         note = ""
         try:
@@ -175,8 +165,11 @@ def main(argv: list[str] | None = None) -> None:
 
         ms = _median_ms(timed, args.iters)
         rows.append((f"torch SDPA {name}", ms, note + f"max|diff| vs jitattn {diff:.1e}"))
+    return rows
 
-    gemm = gemm_tflops(args.iters)
+
+def _report(rows: list[tuple[str, float, str]], flops: float, iters: int) -> None:
+    gemm = gemm_tflops(iters)
     best_jit = min((ms for name, ms, _ in rows if name.startswith("jitattn") and ms == ms), default=float("nan"))
     print(f"\nbf16 GEMM ceiling (8192^3 torch.matmul): {gemm:.0f} TFLOP/s")
     print(f"{'kernel':58s} {'ms':>8s} {'TFLOP/s':>8s} {'/GEMM':>6s} {'jit/x':>6s}  notes")
@@ -190,6 +183,34 @@ def main(argv: list[str] | None = None) -> None:
         if name in summary:
             parts.append(f"{best / summary[name]:.2f}x {name} ({summary[name]:.0f})")
     print("; ".join(parts))
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parse(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA device")
+    torch.manual_seed(0)
+    B, S, H, HKV, D = args.batch, args.seq, args.heads, args.kv_heads, args.head_dim
+    dtype = torch.bfloat16
+    dev = torch.device("cuda")
+    q = torch.randn(B * S, H, D, device=dev, dtype=dtype)
+    k = torch.randn(B * S, HKV, D, device=dev, dtype=dtype)
+    v = torch.randn(B * S, HKV, D, device=dev, dtype=dtype)
+    indptr = torch.arange(0, (B + 1) * S, S, dtype=torch.int32)
+    causal = args.causal
+    pairs = B * S * (S + 1) // 2 if causal else B * S * S
+    flops = 4 * pairs * H * D
+    print(f"ragged {'causal' if causal else 'non-causal'} prefill: batch {B} x {S}, {H}/{HKV} heads, head_dim {D}, bf16; "
+          f"{flops / 1e12:.2f} TFLOP per call; {torch.cuda.get_device_name()}")
+
+    wrapper = jitattn.BatchPrefillWithRaggedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8, device=dev))
+    wrapper.plan(indptr, indptr, H, HKV, D, causal=causal, q_data_type=dtype)
+    out = wrapper.run(q, k, v)
+    ms = _median_ms(lambda: wrapper.run(q, k, v, out=out), args.iters)
+    rows = [("jitattn (wrapper, default layout)", ms, "")]
+    rows += _tuning_rows(args, q, k, v, indptr, out, causal)
+    rows += _sdpa_rows(args, q, k, v, out, causal)
+    _report(rows, flops, args.iters)
 
 
 if __name__ == "__main__":

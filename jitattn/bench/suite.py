@@ -37,7 +37,7 @@ from typing import Callable
 import torch
 
 from . import ceilings as ceilings_mod
-from . import configs
+from . import configs, report
 from .configs import MLA, Attn, Cascade, Case
 from .timing import Timer
 from .rows import (
@@ -269,25 +269,18 @@ def prebuild(cases: list[Case], target: str, jobs: int, log: Callable[[str], Non
     return summary, failed
 
 
-def run(opts) -> dict:
-    """Run the selected cases; returns the JSON document (also written to ``opts.json`` as rows finish)."""
-    from . import report
-
-    t_start = time.monotonic()
-    log = report.printer(opts)
+def _device(opts) -> tuple[str, torch.device]:
     target = opts.target
     if target == "auto":
         target = "cuda" if torch.cuda.is_available() else "cpu"
     if target == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--target cuda: no CUDA device is visible")
-    device = torch.device("cuda", torch.cuda.current_device()) if target == "cuda" else torch.device("cpu")
-    cases = configs.select(opts.suite, opts.only, opts.quick)
-    if target == "cpu":
-        cases = [c.small() for c in cases]
-    measure_s = opts.measure_s if opts.measure_s else (
-        (0.3 if opts.quick else 0.5) if target == "cuda" else (0.1 if opts.quick else 0.3))
-    deadline_s = opts.deadline if opts.deadline else (100.0 if opts.quick else 210.0)
-    doc = {
+    return target, torch.device("cuda", torch.cuda.current_device()) if target == "cuda" else torch.device("cpu")
+
+
+def _new_doc(opts, target: str, device: torch.device, measure_s: float, deadline_s: float) -> dict:
+    """The run's JSON document before any row: arguments, environment, how every figure was measured."""
+    return {
         "schema": SCHEMA, "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "target": target,
         "note": ("cuda target at the issue's sizes" if target == "cuda" else
@@ -315,17 +308,23 @@ def run(opts) -> dict:
         },
         "prebuild": None, "ceilings": None, "rows": [],
     }
-    log(f"jitattn bench: target {target} ({doc['environment'].get('device')}); {len(cases)} cases; "
-        f"{doc['note']}")
-    ctx_failed: dict = {}
-    if not opts.no_prebuild:
-        jobs = opts.jobs or min(16, os.cpu_count() or 1)
-        doc["prebuild"], ctx_failed = prebuild(cases, target, jobs, log)
-        pb = doc["prebuild"]
-        log(f"pre-build: {pb['specs']} specs ({pb['built']} built, {pb['cached']} cached, {len(pb['failed'])} failed) "
-            f"in {pb['seconds']:.1f} s with {jobs} jobs")
-        for uri, err in pb["failed"].items():
-            log(f"  FAILED {uri}: {err}")
+
+
+def _prebuild_step(opts, cases: list[Case], target: str, doc: dict, log) -> dict:
+    """Build every spec of ``cases`` in parallel first; returns the failed specs' errors by uri."""
+    if opts.no_prebuild:
+        return {}
+    jobs = opts.jobs or min(16, os.cpu_count() or 1)
+    doc["prebuild"], failed = prebuild(cases, target, jobs, log)
+    pb = doc["prebuild"]
+    log(f"pre-build: {pb['specs']} specs ({pb['built']} built, {pb['cached']} cached, {len(pb['failed'])} failed) "
+        f"in {pb['seconds']:.1f} s with {jobs} jobs")
+    for uri, err in pb["failed"].items():
+        log(f"  FAILED {uri}: {err}")
+    return failed
+
+
+def _timer_and_ceilings(opts, target: str, device: torch.device, doc: dict, log) -> Timer:
     scrub = 0
     if target == "cuda":
         l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or (60 << 20)
@@ -339,10 +338,11 @@ def run(opts) -> dict:
         except Exception as exc:
             doc["ceilings"] = {"error": first_line(exc)}
     log(report.ceilings_line(doc["ceilings"]))
-    ctx = Context(device=device, timer=timer, ceilings=doc["ceilings"], measure_s=measure_s,
-                  case_budget_s=opts.case_budget, deadline=t_start + deadline_s, quick=opts.quick,
-                  failed_specs=ctx_failed, peers=tuple(getattr(opts, "peer", None) or ()))
-    remaining: list[Case] = []
+    return timer
+
+
+def _run_cases(cases: list[Case], ctx: Context, doc: dict, opts, log, deadline_s: float) -> list[Case]:
+    """Each case's rows into ``doc`` (written as they finish); returns the cases left when the CUDA context broke."""
     for i, case in enumerate(cases):
         if time.monotonic() > ctx.deadline:
             for c in cases[i:]:
@@ -354,10 +354,32 @@ def run(opts) -> dict:
             log(report.row_line(row, len(doc["rows"])))
         report.write_json(doc, opts.json)
         if ctx.cuda and any(r["status"] == "error" for r in rows) and not cuda_ok():
-            remaining = cases[i + 1:]
-            log(f"the CUDA context is unusable after {case.name}; running the {len(remaining)} remaining cases "
+            log(f"the CUDA context is unusable after {case.name}; running the {len(cases) - i - 1} remaining cases "
                 "in a fresh process")
-            break
+            return cases[i + 1:]
+    return []
+
+
+def run(opts) -> dict:
+    """Run the selected cases; returns the JSON document (also written to ``opts.json`` as rows finish)."""
+    t_start = time.monotonic()
+    log = report.printer(opts)
+    target, device = _device(opts)
+    cases = configs.select(opts.suite, opts.only, opts.quick)
+    if target == "cpu":
+        cases = [c.small() for c in cases]
+    measure_s = opts.measure_s if opts.measure_s else (
+        (0.3 if opts.quick else 0.5) if target == "cuda" else (0.1 if opts.quick else 0.3))
+    deadline_s = opts.deadline if opts.deadline else (100.0 if opts.quick else 210.0)
+    doc = _new_doc(opts, target, device, measure_s, deadline_s)
+    log(f"jitattn bench: target {target} ({doc['environment'].get('device')}); {len(cases)} cases; "
+        f"{doc['note']}")
+    failed = _prebuild_step(opts, cases, target, doc, log)
+    timer = _timer_and_ceilings(opts, target, device, doc, log)
+    ctx = Context(device=device, timer=timer, ceilings=doc["ceilings"], measure_s=measure_s,
+                  case_budget_s=opts.case_budget, deadline=t_start + deadline_s, quick=opts.quick,
+                  failed_specs=failed, peers=tuple(getattr(opts, "peer", None) or ()))
+    remaining = _run_cases(cases, ctx, doc, opts, log, deadline_s)
     if remaining:
         doc["rows"] += _resume_in_child(remaining, opts, doc, t_start + deadline_s - time.monotonic(), log, target)
     doc["elapsed_s"] = time.monotonic() - t_start

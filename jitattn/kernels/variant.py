@@ -42,6 +42,11 @@ def _debug_support(spec: VariantSpec) -> list[str]:
     and raises KernelError with that report. One translation unit includes this
     header, so the definitions below are not duplicated.
     """
+    return _fault_record(spec) + CHECKED_ACCESSOR + _fault_reader(spec)
+
+
+def _fault_record(spec: VariantSpec) -> list[str]:
+    """The fault record and ``jitattn_report_fault``, which keeps the first fault (atomically)."""
     variant = spec.variant
     cuda = spec.target is Target.CUDA
     hooks = ", ".join(f'"{h}"' for h in HOOKS)
@@ -73,20 +78,31 @@ def _debug_support(spec: VariantSpec) -> list[str]:
             "    jitattn_fault.index = index; jitattn_fault.size = size;",
             "  }",
         ]
-    lines += [
-        "}",
-        "template <typename T>",
-        "struct JitattnChecked {",
-        "  const T* ptr; int64_t size; int hook; int param;",
-        "  JITATTN_VARIANT_FN T operator[](int64_t i) const {",
-        "    if (ptr == nullptr || i < 0 || i >= size) { jitattn_report_fault(hook, param, i, size); return T(); }",
-        "    return ptr[i];",
-        "  }",
-        "  JITATTN_VARIANT_FN T operator*() const { return (*this)[0]; }",
-        "  JITATTN_VARIANT_FN explicit operator bool() const { return ptr != nullptr; }",
-        "  JITATTN_VARIANT_FN bool operator==(decltype(nullptr)) const { return ptr == nullptr; }",
-        "  JITATTN_VARIANT_FN bool operator!=(decltype(nullptr)) const { return ptr != nullptr; }",
-        "};",
+    return lines + ["}"]
+
+
+# The bounds-checked accessor a tensor parameter becomes under JITATTN_DEBUG=1.
+CHECKED_ACCESSOR = [
+    "template <typename T>",
+    "struct JitattnChecked {",
+    "  const T* ptr; int64_t size; int hook; int param;",
+    "  JITATTN_VARIANT_FN T operator[](int64_t i) const {",
+    "    if (ptr == nullptr || i < 0 || i >= size) { jitattn_report_fault(hook, param, i, size); return T(); }",
+    "    return ptr[i];",
+    "  }",
+    "  JITATTN_VARIANT_FN T operator*() const { return (*this)[0]; }",
+    "  JITATTN_VARIANT_FN explicit operator bool() const { return ptr != nullptr; }",
+    "  JITATTN_VARIANT_FN bool operator==(decltype(nullptr)) const { return ptr == nullptr; }",
+    "  JITATTN_VARIANT_FN bool operator!=(decltype(nullptr)) const { return ptr != nullptr; }",
+    "};",
+]
+
+
+def _fault_reader(spec: VariantSpec) -> list[str]:
+    """The exported host function that reads (and clears) the fault record and writes the error sentence."""
+    variant = spec.variant
+    cuda = spec.target is Target.CUDA
+    lines = [
         f'extern "C" __attribute__((visibility("default"))) int {FAULT_SYMBOL}(char* err, int err_len) {{',
         "  JitattnFault fault;",
     ]

@@ -25,7 +25,8 @@ import torch
 
 from ..runtime.batch import WorkspaceTooSmall, share_queries
 from ..runtime.builder import attention_options, kernel_spec, num_workers
-from ..runtime.merge import PreparedMerge, merge_state, merge_state_in_place, merge_states, merge_states_with_sinks
+from ..runtime.cascade_states import LevelStates
+from ..runtime.merge import merge_state, merge_state_in_place, merge_states, merge_states_with_sinks
 from ..runtime.options import fp8_scale, parse_pos_encoding, resolve_batch_invariant, resolve_flag, resolve_window_left
 from ..kv_split import (
     batch_invariant_chunk, cascade_chunk_pages, cascade_level_chunks, check_fixed_split_size, concat_level_tables,
@@ -67,7 +68,7 @@ class MultiLevelCascadeAttentionWrapper:
         self._level_chunks: list[int] = []  # KV chunks per level of the last plan (empty: not planned)
         # (wrapper, states it writes): prefill wrappers, then the decode wrapper of a one-query-per-request last level
         self._launches: list[tuple[BatchPrefillWithPagedKVCacheWrapper | BatchDecodeWithPagedKVCacheWrapper, int]] = []
-        self._states: _LevelStates | None = None  # the plan's state buffers (None: one state, written as out)
+        self._states: LevelStates | None = None  # the plan's state buffers (None: one state, written as out)
         # States the last launch (the cuda decode kernel) merges into its own result (0: a merge kernel does)
         self._fused_states = 0
         self._batch_invariant = False  # the last plan's mode
@@ -79,7 +80,7 @@ class MultiLevelCascadeAttentionWrapper:
         # reads the same memory after any later plan of that shape, other shapes planned in between.
         self._graph_levels: dict[tuple[int, int], BatchPrefillWithPagedKVCacheWrapper] = {}
         self._graph_decoders: dict[int, BatchDecodeWithPagedKVCacheWrapper] = {}
-        self._graph_states: dict[tuple, _LevelStates] = {}
+        self._graph_states: dict[tuple, LevelStates] = {}
 
         def buf(arr, i):
             return arr[i] if arr is not None else None
@@ -340,11 +341,11 @@ class MultiLevelCascadeAttentionWrapper:
         elif graphs:  # one set of state buffers per layout, kept (see _graph_levels)
             key = (tuple(layout[0]), *layout[1:])
             if key not in self._graph_states:
-                self._graph_states[key] = _LevelStates(*layout)
+                self._graph_states[key] = LevelStates(*layout)
             self._states = self._graph_states[key]
         elif self._states is None or self._states.layout != layout:
             # Kept while the layout holds: FlashInfer's protocol re-plans before every run.
-            self._states = _LevelStates(*layout)
+            self._states = LevelStates(*layout)
         # The cuda decode kernel of the last level reads the earlier states and writes the merged output
         # itself (H200: the merge kernel took 8-10 us of the suite's cascades).
         self._fused_states = 0
@@ -487,30 +488,3 @@ class _LevelRules:
     graphs: bool
     graph_fixed: bool  # under graphs, chunk and kernel counts follow the batch shape (not batch-invariant, no variant)
     batch_invariant: bool
-
-
-class _LevelStates:
-    """The attention states of a cascade plan's levels: reused by every run(), and by later plans of the
-    same ``layout`` (a graph captured around run() keeps their addresses).
-
-    ``levels``: per launch (a level, or every level in one) the (out, lse) rows it writes; ``v``/``s``:
-    all of them as the ``[total_q, num_states, ...]`` views ``merge_states`` reads. Runs are ordered on
-    a stream, so one buffer serves every call (like the workspace, a plan must not run on two streams
-    at once)."""
-
-    def __init__(self, launch_states: list[int], total_q: int, num_heads: int, head_dim_vo: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
-        self.layout = (launch_states, total_q, num_heads, head_dim_vo, dtype, device)
-        num_states = sum(launch_states)
-        values = torch.empty((num_states * total_q, num_heads, head_dim_vo), dtype=dtype, device=device)
-        lses = torch.empty((num_states * total_q, num_heads), dtype=torch.float32, device=device)
-        self.values, self.lses = values, lses  # state s of query row i at row s * total_q + i
-        self.levels: list[tuple[torch.Tensor, torch.Tensor]] = []
-        row = 0
-        for chunks in launch_states:
-            rows = chunks * total_q
-            self.levels.append((values[row: row + rows], lses[row: row + rows]))
-            row += rows
-        self.v = values.view(num_states, total_q, num_heads, head_dim_vo).transpose(0, 1)
-        self.s = lses.view(num_states, total_q, num_heads).transpose(0, 1)
-        self.merge = PreparedMerge(self.v, self.s)

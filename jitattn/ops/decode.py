@@ -191,6 +191,40 @@ class BatchDecodeWithPagedKVCacheWrapper(BatchWrapperBase):
                 "Captured launches have the batch size baked in: use one wrapper per captured batch size"
             )
 
+    def _fast_arrays(self, indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tensor, batch: int,
+                     split) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+        """``fast_decode_plan``'s device arrays: the page table (copied into the CUDA-graph buffers, or moved to
+        the device), the query indptr (0..batch) and the split-KV indptr."""
+        device = self._device
+        if self._use_cuda_graph:
+            roles = (("kv_indptr", indptr), ("kv_indices", indices), ("kv_last_page_len", last_page_len))
+            for role, src in roles:  # all checked before any is written: a refused step leaves the last one's arrays
+                if src.numel() > self._buffers[role].numel():
+                    raise ValueError(f"{role} has {src.numel()} entries; its CUDA-graph buffer holds "
+                                     f"{self._buffers[role].numel()}")
+            arrays = []
+            for role, src in roles:
+                buffer = self._buffers[role]
+                buffer[: src.numel()].copy_(src, non_blocking=True)
+                arrays.append(buffer)
+            own = self._own_buffers[0]
+            if self._plan is None:
+                own.copy_(torch.arange(own.numel(), dtype=torch.int32))
+            qo_indptr = split_indptr = own[: batch + 1]  # the batch's part (it sizes the launch)
+            if split.kv_chunk_size:  # batch-invariant: a split plan whose chunk offsets keep their address
+                split_indptr = self._own_buffers[1]
+                split_indptr[: batch + 1].copy_(split.host_indptr())
+        else:
+            arrays = [t if t.device == device else t.to(device, non_blocking=True)
+                      for t in (indptr, indices, last_page_len)]
+            if batch not in self._fast_ranges:
+                self._fast_ranges[batch] = torch.arange(batch + 1, dtype=torch.int32, device=device)
+            qo_indptr = self._fast_ranges[batch]
+            split_indptr = qo_indptr
+            if split.kv_chunk_size:
+                split_indptr = upload_int32([("split_indptr", split.host_indptr(), None)], device)[0]
+        return arrays, qo_indptr, split_indptr
+
     def _fast_plan(
         self, indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tensor, num_qo_heads: int,
         num_kv_heads: int, head_dim: int, page_size: int, pos_encoding_mode, window_left, logits_soft_cap,
@@ -227,34 +261,7 @@ class BatchDecodeWithPagedKVCacheWrapper(BatchWrapperBase):
                             batch_invariant)
         workspace_bytes = split_workspace_bytes(split.num_chunks, num_qo_heads, head_dim) if split.kv_chunk_size else 0
         check_workspace(self._workspace, workspace_bytes, _WRAPPER)
-        device = self._device
-        if self._use_cuda_graph:
-            roles = (("kv_indptr", indptr), ("kv_indices", indices), ("kv_last_page_len", last_page_len))
-            for role, src in roles:  # all checked before any is written: a refused step leaves the last one's arrays
-                if src.numel() > self._buffers[role].numel():
-                    raise ValueError(f"{role} has {src.numel()} entries; its CUDA-graph buffer holds "
-                                     f"{self._buffers[role].numel()}")
-            arrays = []
-            for role, src in roles:
-                buffer = self._buffers[role]
-                buffer[: src.numel()].copy_(src, non_blocking=True)
-                arrays.append(buffer)
-            own = self._own_buffers[0]
-            if self._plan is None:
-                own.copy_(torch.arange(own.numel(), dtype=torch.int32))
-            qo_indptr = split_indptr = own[: batch + 1]  # the batch's part (it sizes the launch)
-            if split.kv_chunk_size:  # batch-invariant: a split plan whose chunk offsets keep their address
-                split_indptr = self._own_buffers[1]
-                split_indptr[: batch + 1].copy_(split.host_indptr())
-        else:
-            arrays = [t if t.device == device else t.to(device, non_blocking=True)
-                      for t in (indptr, indices, last_page_len)]
-            if batch not in self._fast_ranges:
-                self._fast_ranges[batch] = torch.arange(batch + 1, dtype=torch.int32, device=device)
-            qo_indptr = self._fast_ranges[batch]
-            split_indptr = qo_indptr
-            if split.kv_chunk_size:
-                split_indptr = upload_int32([("split_indptr", split.host_indptr(), None)], device)[0]
+        arrays, qo_indptr, split_indptr = self._fast_arrays(indptr, indices, last_page_len, batch, split)
         # The page table is trusted here (as FlashInfer's fast path does): max_page_index is unknown.
         index = PagedIndex(indptr=indptr_host, indices=indices, last_page_len=last_page_len, page_size=page_size,
                            kv_len_array=upper_lens, max_page_index=-1)

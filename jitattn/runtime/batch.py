@@ -296,6 +296,43 @@ def _output_signature(t: torch.Tensor | None) -> tuple | None:
     return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
 
 
+def _launch_for(plan: AttentionPlan | None, wrapper: str, q, variant_args: dict | None, sinks):
+    """The launch this call takes (the plan's, or its sink twin's), after the checks that need no tensor shape."""
+    if plan is None:
+        raise RuntimeError(f"{wrapper}.run() called before plan(); call plan() once per batch first")
+    if plan.variant_args is not None:
+        plan.variant_args.fill(variant_args or {}, q.device)
+    elif variant_args:
+        raise TypeError(
+            f"{wrapper}.run() got unexpected keyword argument(s) {sorted(variant_args)}; extra arguments are the "
+            "parameters of a custom variant, and this plan has none (plan(..., variant=...))"
+        )
+    if not isinstance(q, torch.Tensor):
+        raise TypeError(f"{wrapper}.run(): q must be a torch.Tensor, got {type(q).__name__}")
+    if sinks is not None:
+        check_sinks(f"{wrapper}.run()", sinks, plan.num_qo_heads, q.device)
+        launch = plan.sink_launch_ready()
+    elif plan.spec.use_sinks:
+        raise ValueError(f"{wrapper}.run(): this plan applies attention sinks; pass sinks (float32 [num_qo_heads])")
+    else:
+        launch = plan.launch
+    return launch
+
+
+def _kv_pointers(plan: AttentionPlan, kv, device_index: int) -> tuple[int, int]:
+    """This call's k and v base pointers (a one-tensor cache: its base plus the offsets found at the first call),
+    checked against the kernel's alignment on the GPU."""
+    if plan.kv_offsets is not None:
+        base = kv.data_ptr()
+        k_ptr, v_ptr = base + plan.kv_offsets[0], base + plan.kv_offsets[1]
+    else:
+        k_ptr, v_ptr = kv[0].data_ptr(), kv[1].data_ptr()
+    if device_index >= 0 and (k_ptr | v_ptr) % plan.kv_pointer_alignment:
+        k, v = split_paged_kv_cache(kv, plan.kv_layout) if plan.page_size is not None else kv
+        check_kv_alignment(plan, k, v)
+    return k_ptr, v_ptr
+
+
 def run_plan(
     plan: AttentionPlan | None, wrapper: str, workspace: torch.Tensor, q: torch.Tensor, kv, *,
     k_scale: float, v_scale: float, out: torch.Tensor | None, lse: torch.Tensor | None, return_lse: bool,
@@ -315,24 +352,7 @@ def run_plan(
     signature of the previous one (every layer of a step) sets pointers and launches. ``q_scale``
     (FlashInfer's query dequantization scale) multiplies ``sm_scale`` for this call.
     """
-    if plan is None:
-        raise RuntimeError(f"{wrapper}.run() called before plan(); call plan() once per batch first")
-    if plan.variant_args is not None:
-        plan.variant_args.fill(variant_args or {}, q.device)
-    elif variant_args:
-        raise TypeError(
-            f"{wrapper}.run() got unexpected keyword argument(s) {sorted(variant_args)}; extra arguments are the "
-            "parameters of a custom variant, and this plan has none (plan(..., variant=...))"
-        )
-    if not isinstance(q, torch.Tensor):
-        raise TypeError(f"{wrapper}.run(): q must be a torch.Tensor, got {type(q).__name__}")
-    if sinks is not None:
-        check_sinks(f"{wrapper}.run()", sinks, plan.num_qo_heads, q.device)
-        launch = plan.sink_launch_ready()
-    elif plan.spec.use_sinks:
-        raise ValueError(f"{wrapper}.run(): this plan applies attention sinks; pass sinks (float32 [num_qo_heads])")
-    else:
-        launch = plan.launch
+    launch = _launch_for(plan, wrapper, q, variant_args, sinks)
     signature = (q.shape, q.stride(), q.dtype, q.device, _kv_signature(kv))
     if signature != plan.checked_signature:
         k, v = _check_inputs(plan, wrapper, workspace, q, kv)
@@ -348,14 +368,7 @@ def run_plan(
             "use_cuda_graph=True: its plan lives in buffers a later plan() replaces, so replays would read "
             "stale or freed memory. Construct it with use_cuda_graph=True and fixed index buffers"
         )
-    if plan.kv_offsets is not None:
-        base = kv.data_ptr()
-        k_ptr, v_ptr = base + plan.kv_offsets[0], base + plan.kv_offsets[1]
-    else:
-        k_ptr, v_ptr = kv[0].data_ptr(), kv[1].data_ptr()
-    if device_index >= 0 and (k_ptr | v_ptr) % plan.kv_pointer_alignment:
-        k, v = split_paged_kv_cache(kv, plan.kv_layout) if plan.page_size is not None else kv
-        check_kv_alignment(plan, k, v)
+    k_ptr, v_ptr = _kv_pointers(plan, kv, device_index)
     if out is None:
         out = torch.empty((plan.total_qo, plan.num_qo_heads, plan.head_dim_vo), dtype=plan.o_dtype, device=q.device)
     if lse is None and return_lse:
