@@ -32,28 +32,19 @@ def c_type(dtype: DType, target: Target) -> str:
     """The C++ element type of ``dtype`` in ``target``'s templates."""
     return _C_TYPES[target][dtype]
 
-_MODULES: dict[Op, str] = {
-    Op.MERGE: "merge",
-    Op.DECODE: "decode",
-    Op.PREFILL: "prefill",
-    Op.APPEND: "append",
-    Op.MLA: "mla",
-    Op.ROPE: "rope",
-}
-
 
 _LOADED: dict[Op, ModuleType] = {}  # every cuda decode plan asks (resident_blocks): import_module costs ~1 us
 
 
 def family(op: Op) -> ModuleType:
-    """The family module for ``op``."""
+    """The family module for ``op``: ``jitattn.kernels.<op.value>`` (a new op needs no entry here)."""
     module = _LOADED.get(op)
     if module is not None:
         return module
     try:
-        module = _LOADED[op] = importlib.import_module(f"{__name__}.{_MODULES[op]}")
+        module = _LOADED[op] = importlib.import_module(f"{__name__}.{op.value}")
     except ModuleNotFoundError as exc:
-        if exc.name == f"{__name__}.{_MODULES[op]}":
+        if exc.name == f"{__name__}.{op.value}":
             raise NotImplementedError(f"op {op.value!r} has no kernel family in this build of jitattn") from None
         raise
     return module
