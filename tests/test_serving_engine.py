@@ -250,13 +250,32 @@ def test_with_graphs_shared_prefix_steps_take_the_faster_path(model, shared_work
     engine.cuda_graphs = True  # on the cpu target, with capture faked above
     record, taken = engine.decode_paths.record, []
     monkeypatch.setattr(engine.decode_paths, "record", lambda bucket, path, seconds: taken.append(path) or record(
-        bucket, path, (graph_ms if path == "graph" else cascade_ms) / 1e3))
+        bucket, path, (graph_ms if path == "flat" else cascade_ms) / 1e3))
     requests = _serve(engine, prompts, new_tokens=16)
     assert [r.output[:NEW_TOKENS] for r in requests] == expected
     assert engine._graphs and engine._cascade_graphs, "both paths are captured and replayed"
-    faster = "graph" if graph_ms < cascade_ms else "cascade"
+    faster = "flat" if graph_ms < cascade_ms else "cascade"
     assert taken[4:] and all(path == faster for path in taken[4:]), ("after two timed steps of each (the first "
                                                                      "of each is the warm-up), the faster path", taken)
+
+
+@pytest.mark.parametrize("flat_ms,cascade_ms", [(20.0, 35.0), (40.0, 5.0)], ids=["flat-faster", "cascade-faster"])
+def test_without_graphs_shared_prefix_steps_take_the_faster_path(model, shared_workload, monkeypatch, flat_ms,
+                                                                 cascade_ms) -> None:
+    """cascade=True without CUDA graphs: the eager steps are timed too, so a batch whose shared prefix is too
+    short to pay for cascade's extra launches decodes flat (cascade on never loses to cascade off); the
+    greedy tokens are the reference's either way."""
+    prompts, expected = shared_workload
+    engine = Engine(model, num_pages=64, page_size=PAGE, cascade=True)
+    record, taken = engine.decode_paths.record, []
+    monkeypatch.setattr(engine.decode_paths, "record", lambda bucket, path, seconds: taken.append(path) or record(
+        bucket, path, (flat_ms if path == "flat" else cascade_ms) / 1e3))
+    requests = _serve(engine, prompts, new_tokens=16)
+    assert [r.output[:NEW_TOKENS] for r in requests] == expected
+    faster = "flat" if flat_ms < cascade_ms else "cascade"
+    assert taken[4:] and all(path == faster for path in taken[4:]), ("after two timed steps of each (the first "
+                                                                     "of each is the warm-up), the faster path", taken)
+    assert engine.stats.cascade_steps >= 2 and not engine._graphs, "cascade steps were measured, nothing captured"
 
 
 def test_under_tensor_parallelism_every_rank_takes_rank_0s_path(model, shared_workload, monkeypatch) -> None:
@@ -268,10 +287,10 @@ def test_under_tensor_parallelism_every_rank_takes_rank_0s_path(model, shared_wo
     engine.cuda_graphs = True
     record = engine.decode_paths.record
     monkeypatch.setattr(engine.decode_paths, "record", lambda bucket, path, seconds: record(
-        bucket, path, (0.001 if path == "graph" else 1.0)))
+        bucket, path, (0.001 if path == "flat" else 1.0)))
     broadcasts = []
     monkeypatch.setattr(engine.group, "broadcast",  # admissions pass through; a path choice is rank 0's "cascade"
-                        lambda obj: (broadcasts.append(obj) or "cascade") if obj in ("graph", "cascade") else obj)
+                        lambda obj: (broadcasts.append(obj) or "cascade") if obj in ("flat", "cascade") else obj)
     requests = _serve(engine, prompts, new_tokens=8)
     assert [r.output[:NEW_TOKENS] for r in requests] == expected
     assert broadcasts and engine.stats.cascade_steps == len(broadcasts), "every step with a choice took cascade"
@@ -282,26 +301,26 @@ def test_decode_path_chooser_measures_each_path_then_keeps_the_faster() -> None:
 
     chooser = DecodePathChooser(warmup=1, smoothing=0.5, explore_every=4)
     taken = []
-    times = {"graph": 0.020, "cascade": 0.010}
+    times = {"flat": 0.020, "cascade": 0.010}
     for _ in range(12):
         path = chooser.choose(64)
         taken.append(path)
         chooser.record(64, path, times[path])
-    assert taken[:4] == ["graph", "graph", "cascade", "cascade"], "a warm-up and a timed step of each"
-    assert chooser.averages(64) == pytest.approx({"graph": 0.020, "cascade": 0.010})
-    assert taken[4:] == ["cascade", "cascade", "cascade", "graph"] * 2, "the slower path once every 4 steps"
-    assert chooser.choose(8) == "graph" and chooser.averages(8) == {}, "buckets are measured apart"
+    assert taken[:4] == ["flat", "flat", "cascade", "cascade"], "a warm-up and a timed step of each"
+    assert chooser.averages(64) == pytest.approx({"flat": 0.020, "cascade": 0.010})
+    assert taken[4:] == ["cascade", "cascade", "cascade", "flat"] * 2, "the slower path once every 4 steps"
+    assert chooser.choose(8) == "flat" and chooser.averages(8) == {}, "buckets are measured apart"
     times["cascade"] = 0.050  # the shared prefix's advantage is gone: the averages follow
     for _ in range(6):
         path = chooser.choose(64)
         chooser.record(64, path, times[path])
-    assert chooser.choose(64) == "graph"
+    assert chooser.choose(64) == "flat"
     slow = DecodePathChooser(warmup=0, smoothing=0.5, explore_every=4)
-    for path, seconds in (("graph", 0.020), ("cascade", 0.010), ("cascade", 2.0)):  # a step that waited long
+    for path, seconds in (("flat", 0.020), ("cascade", 0.010), ("cascade", 2.0)):  # a step that waited long
         slow.record(64, path, seconds)
     assert slow.averages(64)["cascade"] == pytest.approx(0.02), "an outlier counts 3x the average at most"
     with pytest.raises(ValueError, match="path"):
-        chooser.record(64, "flat", 0.1)
+        chooser.record(64, "graph", 0.1)
     with pytest.raises(ValueError, match="smoothing"):
         DecodePathChooser(smoothing=0.0)
 

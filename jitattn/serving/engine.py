@@ -14,9 +14,9 @@ Each :meth:`Engine.step` does, in order:
    node of the batch's prefix tree sit together (a cascade step has a level per tree level:
    ``attention.prefix_tree``), with one plan for every layer; on cuda a flat step may replay a
    captured CUDA graph of its batch-size bucket, and so may a cascade step of any number of prefix
-   groups and levels (``graphs.CascadeGraph``, one graph per bucket and level shape). With
-   graphs on, a step whose requests share prefix pages takes the faster of the flat step and the
-   cascade step, as timed per bucket (``decode_path.DecodePathChooser``).
+   groups and levels (``graphs.CascadeGraph``, one graph per bucket and level shape). A step whose
+   requests share prefix pages takes the faster of the flat step and the cascade step, as timed per
+   bucket (``decode_path.DecodePathChooser``), with graphs on or off.
 """
 
 from __future__ import annotations
@@ -142,8 +142,8 @@ class Engine:
         self._cascade_graphs: dict[tuple[int, tuple[int, ...]], CascadeGraph] = {}  # by (bucket, node counts)
         self._buckets = bucket_sizes(max_batch_size)
         self._graph_pool = torch.cuda.graph_pool_handle() if cuda_graphs else None
-        # With graphs, a step whose requests share prefix pages runs the faster of the flat step and the
-        # cascade step (captured too), as measured.
+        # A step whose requests share prefix pages runs the faster of the flat step and the cascade step (both
+        # captured with graphs on), as measured.
         self.decode_paths = DecodePathChooser()
         started = time.perf_counter()
         self.clock = clock or (lambda: time.perf_counter() - started)
@@ -331,8 +331,8 @@ class Engine:
         if saved > self.stats.peak_pages_saved:
             self.stats.peak_pages_saved = saved
             self.stats.peak_bytes_saved = saved * self.pool.bytes_per_page
-        if self.cuda_graphs and self.model.device.type == "cuda":  # the clock starts with the GPU idle (a prefill
-            # chunk's work may still be running)
+        if self.model.device.type == "cuda":  # the clock starts with the GPU idle (a prefill chunk's work may
+            # still be running)
             torch.cuda.synchronize(self.model.device)
         started, builds = time.perf_counter(), compile_count()
         logits, chosen, kv_tokens = self._decode_logits(seqs, ids)
@@ -351,18 +351,18 @@ class Engine:
         return done
 
     def _decode_logits(self, seqs: list[SeqView], ids: list[int]) -> tuple[torch.Tensor, str | None, int]:
-        """The step's logits, the path it took when it had a choice (graphs on, prefix pages shared), and the KV
-        tokens its attention reads per layer."""
+        """The step's logits, the path it took when it had a choice (prefix pages shared), and the KV tokens its
+        attention reads per layer."""
         dev = self.model.device
         ps = self.pool.page_size
         with torch.no_grad():
             tree = self.planner.cascade_tree(seqs)
             chosen = None
             bucket = self._bucket(len(seqs))
-            if self.cuda_graphs and tree is not None:
+            if tree is not None:
                 # rank 0's choice under tensor parallelism: every rank runs the same step
                 chosen = self.group.broadcast(self.decode_paths.choose(bucket))
-                if chosen == "graph":
+                if chosen == "flat":
                     tree = None
             if self.cuda_graphs and tree is None:
                 self.stats.graph_steps += 1
