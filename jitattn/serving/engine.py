@@ -295,7 +295,7 @@ class Engine:
             logits = self.model.logits(hidden[last_rows])
         self.stats.prefill_steps += 1
         self.stats.prefill_tokens += len(ids)
-        done = []
+        done, tokens = [], None
         for i, (request, n) in enumerate(chunk):
             request.num_computed += n
             full = request.num_computed // self.pool.page_size
@@ -303,12 +303,14 @@ class Engine:
             if request.num_computed == len(request.prompt):
                 self.prefilling.remove(request)
                 request.first_token_time = self.clock()
-                self._emit(request, logits[i])
+                if tokens is None:  # the greedy tokens of the whole chunk: one argmax, one read-back
+                    tokens = logits.argmax(-1).tolist()
+                self._emit(request, logits[i], tokens[i])
                 (done if request.done else self.running).append(request)
         return done
 
-    def _emit(self, request: Request, logits: torch.Tensor) -> None:
-        request.output.append(int(logits.argmax()))
+    def _emit(self, request: Request, logits: torch.Tensor, token: int) -> None:
+        request.output.append(token)
         if request.keep_logits:
             request.logits.append(logits.float().cpu())
         self.stats.generated_tokens += 1
@@ -340,8 +342,9 @@ class Engine:
         self.stats.decode_kv_tokens += kv_tokens
         self.stats.decode_tokens += len(seqs)
         done = []
+        tokens = logits.argmax(-1).tolist()  # one read-back of every greedy token: the step's work is done after it
         for i, request in enumerate(batch):
-            self._emit(request, logits[i])  # reads the token back: the step's work is done after this
+            self._emit(request, logits[i], tokens[i])
             if request.done:
                 self.running.remove(request)
                 done.append(request)
