@@ -68,12 +68,15 @@ class _CapturedStep:
         """``seqs`` padded to the bucket with rows on the scratch page."""
         return list(seqs) + [SeqView((KVPool.SCRATCH_PAGE,), 1, 1)] * (self.bucket - len(seqs))
 
-    def _replay(self, rows: list[SeqView], input_ids: list[int], n: int) -> torch.Tensor:
-        """Fill the inputs of ``rows`` (planned already), capture on the first use, replay; the first ``n`` logits."""
+    def _replay(self, rows: list[SeqView], input_ids: list[int], n: int,
+                append_positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Fill the inputs of ``rows`` (planned already), capture on the first use, replay; the first ``n`` logits.
+        ``append_positions``: where each row's new token goes in the append table (default: its position)."""
         self.input_ids.copy_(torch.tensor(input_ids + [0] * (self.bucket - n)), non_blocking=True)
         positions = torch.tensor([s.kv_len - 1 for s in rows])
         self.positions.copy_(positions, non_blocking=True)
-        self.append_positions.copy_(positions.to(torch.int32), non_blocking=True)
+        self.append_positions.copy_(positions.to(torch.int32) if append_positions is None else append_positions,
+                                    non_blocking=True)
         if self.graph is None:
             self.logits = self._forward()  # warm-up outside the capture (loads kernels, same writes)
             self.graph = torch.cuda.CUDAGraph()
@@ -157,12 +160,14 @@ class CascadeGraph(_CapturedStep):
                              f"{self.bucket} rows and {self.capacities}")
         n, ps = len(seqs), self.pool.page_size
         rows = self._rows(seqs)
-        # every row's whole page table, for the appends (the cascade's levels are split copies of it)
-        full_indptr, full_indices, full_last = page_table(rows, ps)
-        self.indptr.copy_(full_indptr, non_blocking=True)
-        self.indices[: full_indices.numel()].copy_(full_indices, non_blocking=True)
-        self.last_page_len.copy_(full_last, non_blocking=True)
+        # the appends' table: each row's last page only (its new token's), the position counted from that page
+        last_page = [(s.kv_len - 1) // ps for s in rows]
+        tail_indptr, tail_indices, tail_last = page_table(rows, ps, last_page)
+        self.indptr.copy_(tail_indptr, non_blocking=True)
+        self.indices[: tail_indices.numel()].copy_(tail_indices, non_blocking=True)
+        self.last_page_len.copy_(tail_last, non_blocking=True)
+        append_positions = torch.tensor([(s.kv_len - 1) % ps for s in rows], dtype=torch.int32)
         c = self.model.config
         self.wrapper.plan(*levels, self.model.num_q_heads, self.model.num_kv_heads, c.head_dim, ps, causal=False,
                           q_data_type=self.model.dtype, kv_data_type=self.model.dtype)
-        return self._replay(rows, input_ids, n)
+        return self._replay(rows, input_ids, n, append_positions)
