@@ -12,7 +12,6 @@ workspace, as serving engines do.
 
 from __future__ import annotations
 
-import array
 import itertools
 from dataclasses import dataclass
 
@@ -36,10 +35,10 @@ class SeqView:
 _FIND = object()  # decode_step's default: find the prefix tree itself
 
 
-def _int32(values) -> torch.Tensor:
-    """A host int32 tensor of an iterable of ints (through array.array: no per-element Python objects kept)."""
-    packed = array.array("i", values)
-    return torch.frombuffer(packed, dtype=torch.int32) if packed else torch.zeros(0, dtype=torch.int32)
+def _int32(values, count: int = -1) -> torch.Tensor:
+    """A host int32 tensor of an iterable of ints (``count``: their number, when known). np.fromiter: half the
+    time of array.array on a step's page ids."""
+    return torch.from_numpy(np.fromiter(values, dtype=np.int32, count=count))
 
 
 def _indptr(counts: list[int]) -> torch.Tensor:
@@ -53,7 +52,7 @@ def page_table(seqs: list[SeqView], page_size: int, skip_pages: list[int] | None
     """(indptr, indices, last_page_len) host int32 tensors; ``skip_pages[i]`` leading pages of seq i left out."""
     skip = skip_pages or [0] * len(seqs)
     rows = [s.pages[k:] for s, k in zip(seqs, skip)]
-    indices = _int32(itertools.chain.from_iterable(rows))
+    indices = _int32(itertools.chain.from_iterable(rows), sum(len(r) for r in rows))
     last = torch.tensor([(s.kv_len - 1) % page_size + 1 for s in seqs], dtype=torch.int32)
     return _indptr([len(r) for r in rows]), indices, last
 
