@@ -10,7 +10,7 @@ from ..runtime.batch import AttentionPlan
 from ..runtime.builder import HostIndex, attention_options, build_plan
 from ..runtime.wrapper import BatchWrapperBase, plan_arguments
 from ..runtime.checks import check_tensor, target_of
-from ..runtime.options import (PAGE_TABLE_HINT, fp8_scale, parse_kv_layout, refuse_unsupported,
+from ..runtime.options import (PAGE_TABLE_HINT, parse_kv_layout, per_tensor_scale, refuse_unsupported,
                                  resolve_batch_invariant, resolve_flag)
 from ..page_table import PagedIndex, check_indptr, check_paged_index
 from ..kv_split import check_fixed_split_size, unsplit
@@ -320,16 +320,6 @@ def _forward_options(arguments: dict) -> dict:
     return {name: arguments[name] for name in _FORWARD_OPTIONS if name in arguments}
 
 
-def _per_tensor_scale(value, name: str) -> float | None:
-    """FlashInfer's scale_q/scale_k/scale_v: one value per tensor (per-head scales are not supported)."""
-    if value is None:
-        return None
-    if isinstance(value, torch.Tensor) and value.numel() != 1:
-        raise NotImplementedError(f"{name} with {value.numel()} values (per-head scales) is not supported; "
-                                  "pass one per-tensor scale")
-    return fp8_scale(value, name)
-
-
 def single_prefill_with_kv_cache(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale_q: torch.Tensor | float | None = None,
     scale_k: torch.Tensor | float | None = None, scale_v: torch.Tensor | float | None = None,
@@ -372,8 +362,8 @@ def single_prefill_with_kv_cache(
         sm_scale=sm_scale, window_left=window_left, logits_soft_cap=logits_soft_cap, rope_scale=rope_scale,
         rope_theta=rope_theta, q_data_type=q.dtype, kv_data_type=k.dtype, o_data_type=o_dtype,
     )
-    return wrapper.run(q, single_request_pages(k, v, layout), q_scale=_per_tensor_scale(scale_q, "scale_q"),
-                       k_scale=_per_tensor_scale(scale_k, "scale_k"), v_scale=_per_tensor_scale(scale_v, "scale_v"),
+    return wrapper.run(q, single_request_pages(k, v, layout), q_scale=per_tensor_scale(scale_q, "scale_q"),
+                       k_scale=per_tensor_scale(scale_k, "scale_k"), v_scale=per_tensor_scale(scale_v, "scale_v"),
                        return_lse=return_lse, sinks=sinks)
 
 

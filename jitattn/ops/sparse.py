@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from ..runtime.checks import check_tensor
-from ..runtime.options import fp8_scale, parse_pos_encoding
+from ..runtime.options import parse_pos_encoding, per_tensor_scale
 from ..runtime.wrapper import plan_arguments
 from .prefill import BatchPrefillWithPagedKVCacheWrapper
 from ..runtime.sparse_layout import (SparsePageTable, VariableGeometry, bsr_packed_mask, bsr_page_table, check_bsr,
@@ -34,16 +34,6 @@ def _no_positions(wrapper: str, pos_encoding_mode) -> None:
             "gathered end to end, so in-kernel RoPE/ALiBi would see gathered positions, not the tokens'; apply "
             "RoPE to q and k before run() and plan with pos_encoding_mode='NONE'"
         )
-
-
-def _tensor_scale(value, name: str) -> float | None:
-    """FlashInfer's per-head fp8 scale argument: one value (a float or a one-element tensor) is supported."""
-    if value is None:
-        return None
-    if isinstance(value, torch.Tensor) and value.numel() != 1:
-        raise NotImplementedError(f"{name} with {value.numel()} values (per-head scales) is not supported; pass one "
-                                  "per-tensor scale")
-    return fp8_scale(value, name)
 
 
 class _SparseWrapperBase:
@@ -161,8 +151,8 @@ class BlockSparseAttentionWrapper(_SparseWrapperBase):
             raise ValueError(f"q has shape {tuple(q.shape)}; the plan has M={self.M} queries: pass "
                              "[M, num_qo_heads, head_dim]")
         pages = (k.unflatten(0, (table.num_pages, table.page_size)), v.unflatten(0, (table.num_pages, table.page_size)))
-        return self._prefill.run(q, pages, q_scale=_tensor_scale(scale_q, "scale_q"),
-                                 k_scale=_tensor_scale(scale_k, "scale_k"), v_scale=_tensor_scale(scale_v, "scale_v"),
+        return self._prefill.run(q, pages, q_scale=per_tensor_scale(scale_q, "scale_q"),
+                                 k_scale=per_tensor_scale(scale_k, "scale_k"), v_scale=per_tensor_scale(scale_v, "scale_v"),
                                  out=out, lse=lse, return_lse=return_lse)
 
 

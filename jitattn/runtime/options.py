@@ -166,6 +166,17 @@ def resolve_scalars(
     )
 
 
+def per_tensor_scale(value, name: str) -> float | None:
+    """FlashInfer's scale_q/scale_k/scale_v arguments: None, or one value per tensor (a float or a one-element
+    tensor); per-head scales are refused."""
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor) and value.numel() != 1:
+        raise NotImplementedError(f"{name} with {value.numel()} values (per-head scales) is not supported; "
+                                  "pass one per-tensor scale")
+    return fp8_scale(value, name)
+
+
 def fp8_scale(value: float | torch.Tensor | None, name: str) -> float:
     """A per-tensor fp8 dequantization scale as a float (None means 1)."""
     if value is None:
