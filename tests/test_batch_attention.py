@@ -124,3 +124,11 @@ def test_plan_and_run_refuse_bad_input() -> None:
         wrapper.run(q[:3], cache)
     out, lse = wrapper.run(q, cache)
     assert out.shape == (4, 4, 64) and lse.shape == (4, 4) and out.dtype == bf16
+    with pytest.raises(ValueError, match="not a device"):
+        jitattn.BatchAttention(device="gpu0")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the error of a machine without a GPU")
+def test_default_cuda_device_without_a_gpu_says_how_to_use_the_cpu() -> None:
+    with pytest.raises(RuntimeError, match="device='cpu'"):
+        jitattn.BatchAttention()

@@ -53,7 +53,14 @@ class BatchAttention:
     _NAME = "BatchAttention"
 
     def __init__(self, kv_layout: str = "NHD", device: str = "cuda") -> None:
-        self.float_workspace_buffer = torch.empty(0, dtype=torch.uint8, device=torch.device(device))
+        try:
+            where = torch.device(device)
+        except (RuntimeError, TypeError) as exc:
+            raise ValueError(f"{self._NAME}(device={device!r}): not a device; pass 'cuda' or 'cpu'") from exc
+        if where.type == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError(f"{self._NAME}(device={device!r}): no CUDA device is visible to torch; pass "
+                               "device='cpu' to run on the cpu target")
+        self.float_workspace_buffer = torch.empty(0, dtype=torch.uint8, device=where)
         self._prefill = BatchPrefillWithPagedKVCacheWrapper(self.float_workspace_buffer, kv_layout)
         self._kv_layout = kv_layout
         self._logits_soft_cap: float | None = None  # the planned cap (None: not planned)
