@@ -121,7 +121,7 @@ class PreparedAttention:
         p.prior_states = p.prior_rows = p.q_row_period = 0
 
     def set_prior(self, values: torch.Tensor, lses: torch.Tensor, rows: int) -> None:
-        """Point the cuda decode kernel's prior states (see ``families.attention``) at ``values``
+        """Point the cuda decode kernel's prior states (see ``kernels.attention``) at ``values``
         ``[states * rows, heads, head_dim_vo]`` and ``lses`` ``[states * rows, heads]`` (contiguous);
         a launch merges the first ``params.prior_states`` of them (0, the default: none)."""
         self.params.prior_v, self.params.prior_lse = values.data_ptr(), lses.data_ptr()
