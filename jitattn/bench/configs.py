@@ -7,7 +7,9 @@ or compute, by the formulas of issue 7 (tested in ``tests/test_bench.py``):
   where a sliding window ``window_left = w`` reads ``min(kv_len, w + 1)`` tokens;
 - prefill FLOPs = 4 * (unmasked (query, key) pairs, bottom-right causal) * H_q * D;
 - cascade bytes = the shared prefix's KV once + each request's own KV (+ q and o);
-- MLA FLOPs = 2 * B * H * L * (576 + 512); MLA bytes = B * L * 576 * bytes/elem (of the latent cache).
+- MLA FLOPs = 2 * B * H * L * (576 + 512); MLA bytes = B * L * 576 * bytes/elem (of the latent cache);
+- ops (``ops_cases``): RoPE bytes = q and k read + written (+ positions); block-sparse FLOPs =
+  4 * (nonzero blocks * R * C) * H_q * D.
 
 Names are ``suite/name``. ``small()`` shrinks a case for the cpu target (same
 name, same shape of the problem, ~1/16 of the tokens); ``QUICK`` lists the
@@ -21,13 +23,11 @@ import random
 from dataclasses import dataclass, field, replace
 from typing import Union
 
-DTYPE_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "e4m3": 1, "e5m2": 1}
-SUITES = ("decode", "prefill", "cascade", "variants", "mla", "jit")
-CPU_SCALE = 16  # tokens / CPU_SCALE on the cpu target
+from .units import CPU_SCALE, DTYPE_BYTES
+from .units import div_at_least as _div
+from .ops_cases import BSR_CASES, DENSE_PREFILL, ROPE_CASES, BlockSparse, Rope
 
-
-def _div(n: int, by: int, minimum: int = 1) -> int:
-    return max(minimum, n // by)
+SUITES = ("decode", "prefill", "cascade", "variants", "mla", "jit", "ops")
 
 
 def visible_keys(qo_len: int, kv_len: int, causal: bool, window_left: int = -1) -> int:
@@ -285,7 +285,7 @@ class Jit:
         return out
 
 
-Case = Union[Attn, Cascade, MLA, Jit]
+Case = Union[Attn, Cascade, MLA, Jit, Rope, BlockSparse]
 
 
 def _decode(name: str, batch: int, kv_len: int, **kw) -> Attn:
@@ -407,7 +407,15 @@ JIT: list[Jit] = [
     Jit("jit/fast_plan_decode_b256", "fast_plan", batch=256, kv_len=4096),
 ]
 
-ALL_CASES: list[Case] = [*DECODE, *PREFILL, *CASCADE, *VARIANTS, *MLA_CASES, *JIT]
+# Standalone ops (ops_cases): RoPE against the copy ceiling; block-sparse prefill against its dense twin.
+OPS: list[Case] = [
+    *ROPE_CASES,
+    Attn(DENSE_PREFILL, "prefill", (8192,), qo_lens=(8192,), causal=False, storage="ragged",
+         note="the block-sparse rows' dense twin (same shape, every pair)"),
+    *BSR_CASES,
+]
+
+ALL_CASES: list[Case] = [*DECODE, *PREFILL, *CASCADE, *VARIANTS, *MLA_CASES, *JIT, *OPS]
 BY_NAME: dict[str, Case] = {c.name: c for c in ALL_CASES}
 
 QUICK: tuple[str, ...] = (
@@ -445,12 +453,13 @@ def select(suite: str = "all", only: list[str] | None = None, quick: bool = Fals
             raise ValueError(f"--only: no case matches {', '.join(unknown)} (see --list)")
         pool = [c for c in ALL_CASES if suite == "all" or c.suite == suite]
         cases = [c for c in pool if any(_matches(c, w, fnmatch) for w in wanted)]
-        # A variant needs its plain case first.
+        # A variant needs its plain case first (a block-sparse row its dense twin).
         names = {c.name for c in cases}
         for c in list(cases):
-            if isinstance(c, Attn) and c.plain and c.plain not in names:
-                cases.insert(0, BY_NAME[c.plain])
-                names.add(c.plain)
+            needs = c.plain if isinstance(c, Attn) else getattr(c, "dense", None)
+            if needs and needs not in names:
+                cases.insert(0, BY_NAME[needs])
+                names.add(needs)
         cases.sort(key=ALL_CASES.index)
     return cases
 

@@ -9,6 +9,7 @@ from typing import Callable
 import torch
 
 from .configs import MLA, Attn, Cascade, Case, Jit
+from .ops_cases import BlockSparse, Rope
 from .rows import REF_QUERIES, REF_REQUESTS, TORCH_DTYPES, rel_err
 
 
@@ -213,6 +214,14 @@ def specs_of(case: Case, target: str) -> list:
         return [attn(level), attn(case.flat()), merge_spec(tgt, TORCH_DTYPES[case.dtype])]
     if isinstance(case, Jit) and case.what in ("run_overhead", "plan"):
         return [attn(jit_decode_case(case))]
+    if isinstance(case, Rope):
+        from jitattn.runtime.specs import rope_spec
+
+        return [rope_spec(tgt, TORCH_DTYPES[case.dtype])]
+    if isinstance(case, BlockSparse):  # planned as a paged prefill (a block row per request, a block per page)
+        return [attn(Attn(case.name, "prefill", (case.seq,), qo_lens=(case.seq,), num_qo_heads=case.num_qo_heads,
+                          num_kv_heads=case.num_kv_heads, head_dim=case.head_dim, page_size=case.block,
+                          dtype=case.dtype, kv_dtype=case.dtype))]
     if isinstance(case, MLA):  # the MLA wrapper's decode: the sm90 MLA kernel on an H100/H200, else the paged prefill
         from jitattn import hardware
         from jitattn.runtime.specs import mla_kernel_spec

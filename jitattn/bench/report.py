@@ -97,7 +97,7 @@ def _notes(row: dict) -> str:
         elif base.get("speedup") is not None:
             parts.append(f"{base['speedup']:.2f}x faster than flat decode ({fmt_time(base['time_us'])})")
         elif base.get("ratio") is not None:
-            parts.append(f"{base['ratio']:.2f}x the plain kernel's rate")
+            parts.append(f"{base['ratio']:.2f}x {base.get('of', 'the plain kernel')}'s rate")
     if row.get("sdpa_na"):
         parts.append(f"SDPA n/a: {row['sdpa_na']}")
     for name, res in (row.get("sdpa") or {}).items():
@@ -223,7 +223,7 @@ def plot(doc: dict, path: str, log: Callable[[str], None] = print) -> bool:
                        fontsize=8)
     ax.invert_yaxis()
     ax.axvline(1.0, color="black", linewidth=0.8)
-    ax.set_xlabel("fraction of ceiling (bandwidth rows: read-stream; compute rows: GEMM)")
+    ax.set_xlabel("fraction of ceiling (bandwidth rows: read-stream, RoPE: copy; compute rows: GEMM)")
     env = doc.get("environment", {})
     ax.set_title(f"jitattn vs torch SDPA, {env.get('device')} ({doc['target']}, {doc.get('created', '')})\n"
                  + ceilings_line(doc.get("ceilings")), fontsize=9)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 RESULTS_DIR = Path(__file__).resolve().parents[2] / "docs" / "benchmarks"
 SCHEMA_PREFIX = "jitattn-bench/"
-SUITES = ("decode", "prefill", "cascade", "variants", "mla", "jit")
+SUITES = ("decode", "prefill", "cascade", "variants", "mla", "jit", "ops")
 
 
 def newest_rows(runs_dir: Path) -> dict[str, tuple[dict, dict, str]]:

@@ -64,18 +64,23 @@ def new_row(case: Case, name: str | None = None) -> dict:
         "name": name or case.name, "suite": case.suite, "kind": case.kind, "status": "ok",
         "params": case.params(), "time_us": None, "timing": None,
         "bytes": getattr(case, "bytes", None), "flops": getattr(case, "flops", None),
-        "rate": None, "rate_unit": None, "ceiling": None, "fraction": None,
+        "rate": None, "rate_unit": None, "ceiling": getattr(case, "ceiling", None), "fraction": None,
         "sdpa": None, "sdpa_na": None, "baseline": None, "max_rel_err": None,
         "note": getattr(case, "note", "") or "", "error": None, "seconds": None,
     }
 
 
-def rate_of(kind: str, nbytes: int | None, flops: int | None, time_us: float, ceilings: dict) -> tuple:
-    """(rate, unit, ceiling name, fraction) of a bandwidth or compute row."""
+def rate_of(kind: str, nbytes: int | None, flops: int | None, time_us: float, ceilings: dict,
+            against: str | None = None) -> tuple:
+    """(rate, unit, ceiling name, fraction) of a bandwidth or compute row.
+
+    Bandwidth rows are against ``read_stream`` unless ``against`` names another bandwidth ceiling (RoPE's
+    ``copy``: it writes as much as it reads)."""
     if kind == "bandwidth" and nbytes:
         rate = nbytes / (time_us * 1e-6) / 1e9
-        ceiling = ceilings.get("read_stream", {}).get("gbps")
-        return rate, "GB/s", "read_stream", (rate / ceiling if ceiling else None)
+        name = against or "read_stream"
+        ceiling = ceilings.get(name, {}).get("gbps")
+        return rate, "GB/s", name, (rate / ceiling if ceiling else None)
     if kind == "compute" and flops:
         rate = flops / (time_us * 1e-6) / 1e12
         ceiling = ceilings.get("gemm", {}).get("tflops")
@@ -90,7 +95,7 @@ def set_time(row: dict, timing, ctx: Context, fn=None) -> None:
     if fn is not None and ctx.cuda:
         row["plain_launch_us"] = ctx.timer.plain_launch_us(fn)
     row["rate"], row["rate_unit"], row["ceiling"], row["fraction"] = rate_of(
-        row["kind"], row["bytes"], row["flops"], timing.median_us, ctx.ceilings)
+        row["kind"], row["bytes"], row["flops"], timing.median_us, ctx.ceilings, row["ceiling"])
 
 
 def join_notes(a: str, b: str) -> str:

@@ -48,6 +48,8 @@ from .cascade import run_cascade
 from .sdpa import run_sdpa, sdpa_groups, sdpa_unsupported
 from .host import run_jit
 from .peers import run_flashinfer, run_flashinfer_mla
+from .ops import run_block_sparse, run_rope
+from .ops_cases import BlockSparse, Rope
 
 
 # --------------------------------------------------------------------------- #
@@ -185,6 +187,10 @@ def run_case(case: Case, ctx: Context) -> list[dict]:
             rows = run_cascade(case, ctx)
         elif isinstance(case, MLA):
             rows = run_mla(case, ctx)
+        elif isinstance(case, Rope):
+            rows = run_rope(case, ctx)
+        elif isinstance(case, BlockSparse):
+            rows = run_block_sparse(case, ctx)
         else:
             rows = run_jit(case, ctx)
     except Exception as exc:  # the row records it; the suite goes on
@@ -304,7 +310,8 @@ def _new_doc(opts, target: str, device: torch.device, measure_s: float, deadline
             "host": "jit/* rows: host time per call from time.perf_counter() around calls without a device sync",
             "max_rel_err": "max|o - ref| / max|ref| vs jitattn.reference in float64, first 2 requests "
                            "(prefill: their last 128 queries)",
-            "fraction": "bandwidth rows: rate / read_stream ceiling; compute rows: rate / gemm ceiling",
+            "fraction": "bandwidth rows: rate / read_stream ceiling (ops/rope_*: / copy ceiling); compute rows: "
+                        "rate / gemm ceiling",
         },
         "prebuild": None, "ceilings": None, "rows": [],
     }
