@@ -65,10 +65,26 @@ MLA_FLOPS_BYTES = {
     "mla/h16_b128_s4096_p64_fp8": (2 * 128 * 16 * 4096 * (576 + 512), 128 * 4096 * 576 * 1),  # e4m3 latent cache
 }
 
+# RoPE bytes = q and k read + written (2 * nnz * (H_q + H_k) * D * 2, bf16) + positions (int32; cos/sin cache: int64)
+ROPE_BYTES = {
+    "ops/rope_llama8b_nnz16384": 2 * 16384 * (32 + 8) * 128 * 2 + 16384 * 4,  # 335_609_856
+    "ops/rope_interleave_llama8b_nnz16384": 335_609_856,
+    "ops/rope_outofplace_llama8b_nnz16384": 335_609_856,
+    "ops/rope_cos_sin_cache_nnz16384": 2 * 16384 * (32 + 8) * 128 * 2 + 16384 * 8,  # 335_675_392
+}
+
+# block-sparse FLOPs = 4 * nonzero blocks * 64 * 64 * H_q * D; 128 x 128 blocks of 64, round(density * 128) per row
+BSR_FLOPS = {
+    "ops/bsr_r64_d0.1_s8192": 4 * (128 * 13) * 64 * 64 * 32 * 128,  # 111_669_149_696
+    "ops/bsr_r64_d0.3_s8192": 4 * (128 * 38) * 64 * 64 * 32 * 128,
+    "ops/bsr_r64_d0.5_s8192": 4 * (128 * 64) * 64 * 64 * 32 * 128,  # 2**39: half the dense twin's
+}
+
 
 def test_every_issue_config_is_defined() -> None:
     names = set(configs.BY_NAME)
-    for expected in (*DECODE_BYTES, *PREFILL_FLOPS, *CASCADE_BYTES, *MLA_FLOPS_BYTES, "prefill/llama8b_causal_varlen",
+    for expected in (*DECODE_BYTES, *PREFILL_FLOPS, *CASCADE_BYTES, *MLA_FLOPS_BYTES, *ROPE_BYTES, *BSR_FLOPS,
+                     "ops/dense_prefill_noncausal_s8192", "prefill/llama8b_causal_varlen",
                      "jit/import_jitattn", "jit/build", "jit/run_overhead_decode", "jit/plan_decode_b256"):
         assert expected in names
     assert set(configs.QUICK) <= names
@@ -429,3 +445,82 @@ def test_the_results_page_takes_each_cases_newest_successful_row(tmp_path) -> No
     assert picked["decode/x"][2] == "b.json" and picked["decode/x"][0]["time_us"] == 200.0
     text = results.page(tmp_path)
     assert "| `x` | 200.0 us | 1000 GB/s | 0.50 | 240.0 us (1.20x) cudnn | 250.0 us (1.25x) | [2026-12-02](b.json) |" in text
+
+
+@pytest.mark.parametrize("name", list(ROPE_BYTES))
+def test_rope_bytes(name: str) -> None:
+    case = configs.BY_NAME[name]
+    assert (case.kind, case.ceiling, case.suite) == ("bandwidth", "copy", "ops")
+    assert case.bytes == ROPE_BYTES[name]
+    small = case.small()
+    assert small.name == name and small.nnz == 16384 // configs.CPU_SCALE
+    assert small.bytes == 2 * small.nnz * 40 * 128 * 2 + small.nnz * small.position_bytes
+
+
+@pytest.mark.parametrize("name", list(BSR_FLOPS))
+def test_block_sparse_flops(name: str) -> None:
+    case = configs.BY_NAME[name]
+    dense = configs.BY_NAME[case.dense]
+    assert case.kind == dense.kind == "compute"
+    assert case.flops == BSR_FLOPS[name]
+    assert dense.flops == 4 * 8192 * 8192 * 32 * 128 == 2**40  # non-causal: every pair
+    assert case.flops / dense.flops == pytest.approx(case.density, abs=0.01)
+    small = case.small()
+    assert small.seq == 512 and small.seq % small.block == 0 and small.dense == case.dense
+
+
+def test_block_sparse_pairs_are_the_reference_masks_entries() -> None:
+    """The unmasked pairs counted by formula equal the True entries of the reference's dense mask of the pattern."""
+    from jitattn import reference
+    from jitattn.bench import ops
+
+    case = configs.BY_NAME["ops/bsr_r64_d0.3_s8192"].small()
+    data = ops.make_bsr_data(case, torch.device("cpu"))
+    mask = reference.bsr_dense_mask(data.indptr, data.indices, case.seq, case.seq, case.block, case.block)
+    assert int(mask.sum()) == case.pairs == case.nonzero_blocks * 64 * 64
+    assert data.indices.numel() == case.nonzero_blocks
+
+
+def test_rope_rows_are_against_the_copy_ceiling() -> None:
+    ceilings = {"copy": {"gbps": 3000.0}, "read_stream": {"gbps": 4000.0}}
+    rate, unit, ceiling, fraction = bench_rows.rate_of("bandwidth", 2_000_000_000, None, 1000.0, ceilings, "copy")
+    assert (rate, unit, ceiling) == (2000.0, "GB/s", "copy") and fraction == pytest.approx(2 / 3)
+    row = bench_rows.new_row(configs.BY_NAME["ops/rope_llama8b_nnz16384"])
+    assert row["ceiling"] == "copy"
+    assert bench_rows.new_row(configs.BY_NAME["decode/llama8b_b64_s2048"])["ceiling"] is None
+
+
+def test_a_block_sparse_row_brings_its_dense_twin() -> None:
+    picked = [c.name for c in configs.select("all", ["ops/bsr_r64_d0.3_*"])]
+    assert picked == ["ops/dense_prefill_noncausal_s8192", "ops/bsr_r64_d0.3_s8192"]
+    assert [c.name for c in configs.select("ops")] == [*ROPE_BYTES, "ops/dense_prefill_noncausal_s8192", *BSR_FLOPS]
+
+
+def test_ops_suite_on_the_cpu(tmp_path) -> None:
+    """Every ops row runs on the cpu target, exact against the reference, with its work and rate by the formulas;
+    --peer flashinfer reaches each row (n/a here: no CUDA)."""
+    path = tmp_path / "bench.json"
+    ceilings = {"copy": {"gbps": 10.0}, "read_stream": {"gbps": 20.0},
+                "gemm": {"tflops": 1.0, "n": 8, "dtype": "float32"}}
+    assert main(["--suite", "ops", "--target", "cpu", "--json", str(path), "--measure-s", "0.02",
+                 "--ceilings-json", json.dumps(ceilings), "--peer", "flashinfer"]) == 0
+    rows = {r["name"]: r for r in json.loads(path.read_text())["rows"]}
+    assert set(rows) == {c.name for c in configs.select("ops")}
+    for name, row in rows.items():
+        case = configs.BY_NAME[name].small()
+        assert row["status"] == "ok" and row["max_rel_err"] < 0.02, name
+        assert row["peers"]["flashinfer"] == {"n/a": "FlashInfer needs CUDA"}, name
+        seconds = row["time_us"] * 1e-6
+        if name in ROPE_BYTES:
+            assert row["bytes"] == case.bytes and row["ceiling"] == "copy" and row["rate_unit"] == "GB/s"
+            assert row["rate"] == pytest.approx(case.bytes / seconds / 1e9)
+            assert row["fraction"] == pytest.approx(row["rate"] / 10.0)
+        else:
+            assert row["flops"] == case.flops and row["ceiling"] == "gemm" and row["rate_unit"] == "TFLOP/s"
+            assert row["fraction"] == pytest.approx(case.flops / seconds / 1e12)
+    dense = rows["ops/dense_prefill_noncausal_s8192"]
+    for name in BSR_FLOPS:
+        base = rows[name]["baseline"]
+        assert base["name"] == dense["name"] and base["rate"] == dense["rate"]
+        assert base["ratio"] == pytest.approx(rows[name]["rate"] / dense["rate"])
+    assert rows["ops/rope_cos_sin_cache_nnz16384"]["params"]["function"] == "apply_rope_with_cos_sin_cache_inplace"
