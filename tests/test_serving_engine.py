@@ -10,7 +10,7 @@ import jitattn
 from jitattn.serving import (
     Engine, KVPool, LlamaModel, RadixCache, preset, random_weights, reference_generate, save_checkpoint,
 )
-from jitattn.serving.attention import SeqView, SharedNode, prefix_tree, tree_cascade_levels
+from jitattn.serving.attention import SeqView, SharedNode, pages_saved, prefix_tree, tree_cascade_levels
 
 CONFIG = preset("tiny")
 PAGE = 8
@@ -454,6 +454,12 @@ def test_prefix_tree_has_a_level_per_fork() -> None:
     # the shortest agreement of any member bounds the node; a member's last page is never shared
     assert prefix_tree([SeqView((1, 2, 3), 20, 1), SeqView((1, 2), 9, 1), SeqView((1, 2, 4), 19, 1)]) == [
         [SharedNode(0, 3, 0, 1)]]
+
+
+def test_pages_saved_counts_every_repeated_page_reference() -> None:
+    seqs = _tree_seqs()
+    by_set = sum(len(s.pages) for s in seqs) - len({p for s in seqs for p in s.pages})
+    assert pages_saved(prefix_tree(seqs)) == by_set == 4 * 2 + 1 * 2 + 2 * 1 + 1 * 1  # the four nodes
 
 
 def test_tree_cascade_levels_cover_every_seq_once_per_level() -> None:

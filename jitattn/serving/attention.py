@@ -137,6 +137,12 @@ def kv_tokens_read(seqs: list[SeqView], tree: list[list[SharedNode]], page_size:
     return shared + sum(s.kv_len - start * page_size for s, start in zip(seqs, own_from))
 
 
+def pages_saved(tree: list[list[SharedNode]]) -> int:
+    """Pages a batch references more than once, counted beyond the first reference: each node's pages once per
+    member after the first (:func:`prefix_tree` finds every page consecutive seqs share)."""
+    return sum((node.end - node.first - 1) * (node.page_end - node.page_begin) for nodes in tree for node in nodes)
+
+
 def own_pages_from(num_seqs: int, tree: list[list[SharedNode]]) -> list[int]:
     """Each seq's first page of its own: the end of its deepest node's pages (0 outside every node)."""
     own_from = [0] * num_seqs
@@ -201,10 +207,13 @@ class AttentionPlanner:
                           causal=True, q_data_type=self.dtype, kv_data_type=self.dtype)
         return StepAttention(self.pool, self.prefill, seqs, self.device)
 
-    def cascade_tree(self, seqs: list[SeqView]) -> list[list[SharedNode]] | None:
-        """The prefix tree of a decode batch (:func:`prefix_tree`) when cascade is on and some seqs share
-        pages, else None (flat decode)."""
-        return (prefix_tree(seqs) if self.use_cascade else []) or None
+    def cascade_tree(self, seqs: list[SeqView], shared: list[list[SharedNode]] | None = None
+                     ) -> list[list[SharedNode]] | None:
+        """The prefix tree of a decode batch (:func:`prefix_tree`; ``shared``: it, when the caller has it) when
+        cascade is on and some seqs share pages, else None (flat decode)."""
+        if not self.use_cascade:
+            return None
+        return (prefix_tree(seqs) if shared is None else shared) or None
 
     def decode_step(self, seqs: list[SeqView], tree: list[list[SharedNode]] | None | object = _FIND) -> StepAttention:
         """One token per seq: flat, or a cascade with one level per level of the batch's prefix tree and the
