@@ -90,9 +90,11 @@ def prefix_tree(seqs: list[SeqView]) -> list[list[SharedNode]]:
                 m += 1
             if m - k > 1:
                 common = min(len(seqs[i].pages) for i in range(k, m)) - 1
+                ref = pages[offset:common]
                 for i in range(k + 1, m):  # one tuple-slice comparison per member while they agree
-                    if seqs[i].pages[offset:common] != pages[offset:common]:
+                    if seqs[i].pages[offset:common] != ref:
                         common = next(c for c in range(offset, common) if seqs[i].pages[c] != pages[c])
+                        ref = pages[offset:common]
                 while len(levels) <= level:
                     levels.append([])
                 levels[level].append(SharedNode(k, m, offset, common))
