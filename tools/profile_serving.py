@@ -1,0 +1,93 @@
+"""Where a serving engine's decode step spends its time: host planning against the whole step, cascade against flat.
+
+    python3 tools/profile_serving.py [--device cuda] [--model llama-3-8b-shapes] [--prefix 16384] [--requests 128]
+        [--steps 8] [--no-profile]
+
+Builds ``jitattn.serving.Engine`` on random weights, admits ``--requests`` requests over one shared prefix of
+``--prefix`` tokens (64 own tokens each), runs every prefill, then for each path (the engine's decode-path
+choice forced to ``cascade``, then ``flat``; CUDA graphs off) times ``--steps`` decode steps (each synchronised,
+wall time) and the planner's ``decode_step`` inside them (host time), and on cuda prints torch.profiler's tables
+of one more step (sorted by CUDA time, then by CPU time): the GPU work against the host work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+
+import serve  # noqa: E402
+
+from jitattn.serving import Engine, LlamaModel, preset  # noqa: E402
+
+
+def _engine(model, work, requests: int, path: str) -> Engine:
+    longest = max(len(p) + n for _, p, n in work)
+    pages = -(-longest // 16)
+    engine = Engine(model, num_pages=pages * 4 + requests * 8 + 64, page_size=16, max_batch_size=requests,
+                    cascade=True, max_seq_len=longest + 64)
+    engine.decode_paths.choose = lambda bucket: path  # forced: the path under test on every step
+    for _, prompt, n in work:
+        engine.add_request(prompt, n + 64)
+    while engine.waiting or engine.prefilling:
+        engine.step()
+    return engine
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--model", default="llama-3-8b-shapes")
+    ap.add_argument("--prefix", type=int, default=16384)
+    ap.add_argument("--requests", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--no-profile", action="store_true")
+    args = ap.parse_args(argv)
+    cuda = args.device == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    config = preset(args.model)
+    model = LlamaModel.random(config, seed=0, dtype=torch.bfloat16 if cuda else torch.float32, device=args.device)
+    work = serve.workload(serve.parse_args([
+        "--num-requests", str(args.requests), "--system-prompt-len", str(args.prefix), "--prompt-len-range", "64",
+        "64", "--output-len", "64", "--max-batch-size", str(args.requests)]), config.vocab_size)
+    for path in ("cascade", "flat"):
+        engine = _engine(model, work, args.requests, path)
+        plan_s, real = [], engine.planner.decode_step
+
+        def timed(*a, **k):
+            sync()
+            t = time.perf_counter()
+            result = real(*a, **k)
+            sync()
+            plan_s.append(time.perf_counter() - t)
+            return result
+
+        engine.planner.decode_step = timed
+        step_s = []
+        for _ in range(args.steps):
+            sync()
+            t = time.perf_counter()
+            engine.step()
+            sync()
+            step_s.append(time.perf_counter() - t)
+        print(f"{args.model} {args.requests} x ({args.prefix} + 64), {path}: step ms "
+              f"{[round(s * 1e3, 2) for s in step_s]}; of which decode_step (host) ms "
+              f"{[round(s * 1e3, 2) for s in plan_s]}; levels {engine.planner.last_decode_levels}", flush=True)
+        if cuda and not args.no_profile:
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                engine.step()
+                sync()
+            for key in ("cuda_time_total", "cpu_time_total"):
+                print(prof.key_averages().table(sort_by=key, row_limit=14, max_name_column_width=60), flush=True)
+        del engine
+
+
+if __name__ == "__main__":
+    main()
