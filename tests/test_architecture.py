@@ -61,3 +61,18 @@ def test_functions_and_modules_stay_short() -> None:
                 too_long.append(f"{name}::{function}: {length} lines (limit {limit})")
     assert not too_long, ("split these into named steps (a module of one idea, functions of at most "
                           f"{MAX_FUNCTION_LINES} lines):\n" + "\n".join(too_long))
+
+
+def test_the_ops_keep_their_short_import_paths() -> None:
+    """jitattn.decode, jitattn.cascade, ... are the jitattn.ops modules (one module object, imported once)."""
+    import importlib
+
+    import jitattn.ops
+
+    for name in ("attention", "attention_sink", "batch_attention", "cascade", "decode", "mla", "page", "pod",
+                 "prefill", "rope", "shared_prefix", "sparse"):
+        short = importlib.import_module(f"jitattn.{name}")
+        assert short is importlib.import_module(f"jitattn.ops.{name}") is getattr(jitattn, name), name
+    from jitattn.cascade import MultiLevelCascadeAttentionWrapper
+
+    assert MultiLevelCascadeAttentionWrapper is jitattn.ops.cascade.MultiLevelCascadeAttentionWrapper
