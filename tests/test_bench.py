@@ -80,10 +80,20 @@ BSR_FLOPS = {
     "ops/bsr_r64_d0.5_s8192": 4 * (128 * 64) * 64 * 64 * 32 * 128,  # 2**39: half the dense twin's
 }
 
+# mixed batches (a 2048-token causal chunk + 64 decodes over 4096, 32/8 heads, d128, bf16):
+# FLOPs = 4 * (2048 * 2049 / 2) * 32 * 128 + 4 * 64 * 4096 * 32 * 128;
+# bytes = the chunk's K/V + q + o (2 * 2048 * 8 * 128 * 2 + 2 * 2048 * 32 * 128 * 2) + the decodes' KV + q + o
+MIXED_FLOPS_BYTES = {
+    name: (4 * (2048 * 2049 // 2) * 32 * 128 + 4 * 64 * 4096 * 32 * 128,  # 38_671_482_880
+           2 * 2048 * 8 * 128 * 2 + 2 * 2048 * 32 * 128 * 2 + 2 * 64 * 4096 * 8 * 128 * 2 + 2 * 64 * 32 * 128 * 2)
+    for name in ("ops/pod_chunk2048_decode64x4096", "ops/batch_attention_mixed")
+}
+
 
 def test_every_issue_config_is_defined() -> None:
     names = set(configs.BY_NAME)
     for expected in (*DECODE_BYTES, *PREFILL_FLOPS, *CASCADE_BYTES, *MLA_FLOPS_BYTES, *ROPE_BYTES, *BSR_FLOPS,
+                     *MIXED_FLOPS_BYTES,
                      "ops/dense_prefill_noncausal_s8192", "prefill/llama8b_causal_varlen",
                      "jit/import_jitattn", "jit/build", "jit/run_overhead_decode", "jit/plan_decode_b256"):
         assert expected in names
@@ -493,7 +503,36 @@ def test_rope_rows_are_against_the_copy_ceiling() -> None:
 def test_a_block_sparse_row_brings_its_dense_twin() -> None:
     picked = [c.name for c in configs.select("all", ["ops/bsr_r64_d0.3_*"])]
     assert picked == ["ops/dense_prefill_noncausal_s8192", "ops/bsr_r64_d0.3_s8192"]
-    assert [c.name for c in configs.select("ops")] == [*ROPE_BYTES, "ops/dense_prefill_noncausal_s8192", *BSR_FLOPS]
+    assert [c.name for c in configs.select("ops")] == [*ROPE_BYTES, "ops/dense_prefill_noncausal_s8192", *BSR_FLOPS,
+                                                       *MIXED_FLOPS_BYTES]
+
+
+@pytest.mark.parametrize("name", list(MIXED_FLOPS_BYTES))
+def test_mixed_batch_work_is_its_parts(name: str) -> None:
+    """A mixed batch counts its chunk's causal prefill and its decodes; its rows are the call and the two parts."""
+    case = configs.BY_NAME[name]
+    assert (case.kind, case.suite, case.flops, case.bytes) == ("compute", "ops", *MIXED_FLOPS_BYTES[name])
+    chunk, decodes = case.parts()
+    assert chunk.flops == 4 * (2048 * 2049 // 2) * 32 * 128 and chunk.causal and chunk.kind == "compute"
+    assert decodes.bytes == 2 * 64 * 4096 * 8 * 128 * 2 + 2 * 64 * 32 * 128 * 2 and decodes.kind == "bandwidth"
+    assert configs.row_names(case) == (name, name + ":prefill", name + ":decode")
+    assert [c.name for c in configs.select("ops", [name + ":decode"])] == [name]
+    small = case.small()
+    assert (small.name, small.chunk, small.batch, small.kv_len) == (name, 128, 4, 256)
+    assert small.flops == 4 * (128 * 129 // 2) * 32 * 128 + 4 * 4 * 256 * 32 * 128
+    assert len(inputs.specs_of(case, "cpu")) == 2
+
+
+def test_a_mixed_batchs_baseline_is_its_separate_launches_summed() -> None:
+    from jitattn.bench.ops_mixed import separate_baseline
+
+    case = configs.BY_NAME["ops/pod_chunk2048_decode64x4096"]
+    parts = [{"name": "p", "time_us": 300.0}, {"name": "d", "time_us": 150.0}]
+    base = separate_baseline(case, {"time_us": 400.0}, parts)
+    assert base["time_us"] == 450.0 and base["ratio"] == pytest.approx(450 / 400) and base["name"] == "p + d"
+    assert base["target"] == pytest.approx(1 / 0.9)
+    assert "error" in separate_baseline(case, {"time_us": 400.0}, [parts[0], {"name": "d", "time_us": None}])
+    assert "1.12x the separate launches' rate" in report._notes({"baseline": base})
 
 
 def test_ops_suite_on_the_cpu(tmp_path) -> None:
@@ -505,17 +544,22 @@ def test_ops_suite_on_the_cpu(tmp_path) -> None:
     assert main(["--suite", "ops", "--target", "cpu", "--json", str(path), "--measure-s", "0.02",
                  "--ceilings-json", json.dumps(ceilings), "--peer", "flashinfer"]) == 0
     rows = {r["name"]: r for r in json.loads(path.read_text())["rows"]}
-    assert set(rows) == {c.name for c in configs.select("ops")}
+    assert set(rows) == {n for c in configs.select("ops") for n in configs.row_names(c)}
+    parts = {p.name: p for c in MIXED_FLOPS_BYTES for p in configs.BY_NAME[c].small().parts()}
     for name, row in rows.items():
-        case = configs.BY_NAME[name].small()
+        case = parts[name] if name in parts else configs.BY_NAME[name].small()
         assert row["status"] == "ok" and row["max_rel_err"] < 0.02, name
-        assert row["peers"]["flashinfer"] == {"n/a": "FlashInfer needs CUDA"}, name
+        if name not in parts:  # a separate launch is no peer's row
+            assert row["peers"]["flashinfer"] == {"n/a": "FlashInfer needs CUDA"}, name
         seconds = row["time_us"] * 1e-6
+        if case.kind == "bandwidth":
+            assert row["bytes"] == case.bytes and row["rate_unit"] == "GB/s"
+            assert row["rate"] == pytest.approx(case.bytes / seconds / 1e9)
         if name in ROPE_BYTES:
             assert row["bytes"] == case.bytes and row["ceiling"] == "copy" and row["rate_unit"] == "GB/s"
             assert row["rate"] == pytest.approx(case.bytes / seconds / 1e9)
             assert row["fraction"] == pytest.approx(row["rate"] / 10.0)
-        else:
+        elif case.kind == "compute":
             assert row["flops"] == case.flops and row["ceiling"] == "gemm" and row["rate_unit"] == "TFLOP/s"
             assert row["fraction"] == pytest.approx(case.flops / seconds / 1e12)
     dense = rows["ops/dense_prefill_noncausal_s8192"]
@@ -524,3 +568,7 @@ def test_ops_suite_on_the_cpu(tmp_path) -> None:
         assert base["name"] == dense["name"] and base["rate"] == dense["rate"]
         assert base["ratio"] == pytest.approx(rows[name]["rate"] / dense["rate"])
     assert rows["ops/rope_cos_sin_cache_nnz16384"]["params"]["function"] == "apply_rope_with_cos_sin_cache_inplace"
+    for name in MIXED_FLOPS_BYTES:
+        base, separate = rows[name]["baseline"], [rows[name + ":prefill"], rows[name + ":decode"]]
+        assert base["time_us"] == pytest.approx(sum(r["time_us"] for r in separate))
+        assert base["ratio"] == pytest.approx(base["time_us"] / rows[name]["time_us"])

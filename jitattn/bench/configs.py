@@ -9,7 +9,8 @@ or compute, by the formulas of issue 7 (tested in ``tests/test_bench.py``):
 - cascade bytes = the shared prefix's KV once + each request's own KV (+ q and o);
 - MLA FLOPs = 2 * B * H * L * (576 + 512); MLA bytes = B * L * 576 * bytes/elem (of the latent cache);
 - ops (``ops_cases``): RoPE bytes = q and k read + written (+ positions); block-sparse FLOPs =
-  4 * (nonzero blocks * R * C) * H_q * D.
+  4 * (nonzero blocks * R * C) * H_q * D; a mixed batch (POD, BatchAttention): its chunk's prefill FLOPs + its
+  decodes' (4 * B * kv_len * H_q * D).
 
 Names are ``suite/name``. ``small()`` shrinks a case for the cpu target (same
 name, same shape of the problem, ~1/16 of the tokens); ``QUICK`` lists the
@@ -25,7 +26,7 @@ from typing import Union
 
 from .units import CPU_SCALE, DTYPE_BYTES
 from .units import div_at_least as _div
-from .ops_cases import BSR_CASES, DENSE_PREFILL, ROPE_CASES, BlockSparse, Rope
+from .ops_cases import BSR_CASES, DENSE_PREFILL, MIXED_CASES, ROPE_CASES, BlockSparse, Mixed, Rope
 
 SUITES = ("decode", "prefill", "cascade", "variants", "mla", "jit", "ops")
 
@@ -407,12 +408,14 @@ JIT: list[Jit] = [
     Jit("jit/fast_plan_decode_b256", "fast_plan", batch=256, kv_len=4096),
 ]
 
-# Standalone ops (ops_cases): RoPE against the copy ceiling; block-sparse prefill against its dense twin.
+# Standalone ops (ops_cases): RoPE against the copy ceiling; block-sparse prefill against its dense twin;
+# the mixed batches (POD, BatchAttention) against their separate launches.
 OPS: list[Case] = [
     *ROPE_CASES,
     Attn(DENSE_PREFILL, "prefill", (8192,), qo_lens=(8192,), causal=False, storage="ragged",
          note="the block-sparse rows' dense twin (same shape, every pair)"),
     *BSR_CASES,
+    *MIXED_CASES,
 ]
 
 ALL_CASES: list[Case] = [*DECODE, *PREFILL, *CASCADE, *VARIANTS, *MLA_CASES, *JIT, *OPS]
@@ -429,9 +432,12 @@ QUICK: tuple[str, ...] = (
 
 
 def row_names(case: Case) -> tuple[str, ...]:
-    """The rows a case produces (a cascade adds its flat-decode row ``NAME:flat``, a tree its two-level row)."""
+    """The rows a case produces (a cascade adds its flat-decode row ``NAME:flat``, a tree its two-level row, a
+    mixed batch its separate launches ``NAME:prefill`` and ``NAME:decode``)."""
     if isinstance(case, Jit) and case.rows:
         return case.rows
+    if isinstance(case, Mixed):
+        return (case.name, *(part.name for part in case.parts()))
     if isinstance(case, Cascade):
         return (case.name, case.name + ":flat") + ((case.name + ":two_level",) if case.branches else ())
     return (case.name,)

@@ -3,13 +3,13 @@ against ``jitattn.reference``."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
 
 from .configs import MLA, Attn, Cascade, Case, Jit
-from .ops_cases import BlockSparse, Rope
+from .ops_cases import BlockSparse, Mixed, Rope
 from .rows import REF_QUERIES, REF_REQUESTS, TORCH_DTYPES, rel_err
 
 
@@ -222,6 +222,9 @@ def specs_of(case: Case, target: str) -> list:
         return [attn(Attn(case.name, "prefill", (case.seq,), qo_lens=(case.seq,), num_qo_heads=case.num_qo_heads,
                           num_kv_heads=case.num_kv_heads, head_dim=case.head_dim, page_size=case.block,
                           dtype=case.dtype, kv_dtype=case.dtype))]
+    if isinstance(case, Mixed):  # the chunk and BatchAttention on the paged prefill kernel, the decodes on decode's
+        chunk, decodes = case.parts()
+        return [attn(replace(chunk, storage="paged")), attn(decodes)]
     if isinstance(case, MLA):  # the MLA wrapper's decode: the sm90 MLA kernel on an H100/H200, else the paged prefill
         from jitattn import hardware
         from jitattn.runtime.specs import mla_kernel_spec

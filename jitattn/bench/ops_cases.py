@@ -8,6 +8,10 @@ the dense prefill the block-sparse rows are compared with).
   reads. Target: >= 0.9 of copy.
 - Block-sparse FLOPs = 4 * (unmasked (q, k) pairs = nonzero blocks * R * C) * H_q * D: the useful work only.
   Target: its TFLOP/s >= 0.9 of the dense prefill's of the same shape (``dense``, reported as ``baseline``).
+- Mixed batches (POD, BatchAttention): FLOPs = the chunk's (4 * causal pairs * H_q * D) + the decodes'
+  (4 * B * kv_len * H_q * D); bytes = the two parts' (``Attn.bytes``). Target: the one call's time against
+  the sum of the separate launches' (rows ``NAME:prefill``, ``NAME:decode``), reported as ``baseline``
+  (``ratio`` = their summed time / this row's time): POD >= 1 / 0.9, BatchAttention >= 0.95.
 """
 
 from __future__ import annotations
@@ -135,6 +139,64 @@ class BlockSparse:
         return replace(self, seq=max(2 * self.block, self.seq // CPU_SCALE // self.block * self.block))
 
 
+@dataclass(frozen=True)
+class Mixed:
+    """One chunked-prefill request (``chunk`` queries over its own ``chunk`` keys, causal) and ``batch`` decode
+    requests over ``kv_len`` tokens each (paged, ``page_size``), as one call of ``api``: ``pod``
+    (``PODWithPagedKVCacheWrapper.run``, the chunk's k/v contiguous) or ``batch_attention`` (``BatchAttention``,
+    the chunk paged too). The separate launches it is compared with are ``parts()``: the chunk alone
+    (``single_prefill_with_kv_cache`` for POD, the paged prefill wrapper for BatchAttention) and the decode
+    batch alone (``BatchDecodeWithPagedKVCacheWrapper``); ``target``: the least ``baseline`` ratio."""
+
+    name: str
+    api: str  # "pod" | "batch_attention"
+    chunk: int = 2048
+    batch: int = 64
+    kv_len: int = 4096
+    page_size: int = 16
+    num_qo_heads: int = 32
+    num_kv_heads: int = 8
+    head_dim: int = 128
+    dtype: str = "bf16"
+    target: float = 1.0
+    note: str = ""
+    kind: str = "compute"
+
+    @property
+    def suite(self) -> str:
+        return "ops"
+
+    def parts(self) -> tuple:
+        """(the chunk's prefill, the decode batch) as ``Attn`` cases named ``NAME:prefill`` / ``NAME:decode``."""
+        from .configs import Attn  # configs imports this module
+
+        shape = dict(num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+                     page_size=self.page_size, dtype=self.dtype, kv_dtype=self.dtype, sdpa=False)
+        storage = "ragged" if self.api == "pod" else "paged"
+        how = "single_prefill_with_kv_cache" if self.api == "pod" else "BatchPrefillWithPagedKVCacheWrapper"
+        return (Attn(self.name + ":prefill", "prefill", (self.chunk,), qo_lens=(self.chunk,), causal=True,
+                     storage=storage, note=f"the chunk alone ({how})", **shape),
+                Attn(self.name + ":decode", "decode", (self.kv_len,) * self.batch,
+                     note="the decodes alone (BatchDecodeWithPagedKVCacheWrapper)", **shape))
+
+    @property
+    def flops(self) -> int:
+        return sum(p.flops for p in self.parts())
+
+    @property
+    def bytes(self) -> int:
+        return sum(p.bytes for p in self.parts())
+
+    def params(self) -> dict:
+        return {"api": self.api, "chunk": self.chunk, "chunk_causal": True, "decode_batch": self.batch,
+                "decode_kv_len": self.kv_len, "page_size": self.page_size, "heads_qo": self.num_qo_heads,
+                "heads_kv": self.num_kv_heads, "head_dim": self.head_dim, "dtype": self.dtype}
+
+    def small(self) -> "Mixed":
+        return replace(self, chunk=div_at_least(self.chunk, CPU_SCALE, self.page_size),
+                       batch=div_at_least(self.batch, 16), kv_len=div_at_least(self.kv_len, CPU_SCALE, self.page_size))
+
+
 ROPE_CASES: list[Rope] = [
     Rope("ops/rope_llama8b_nnz16384", 16384, note="apply_rope_pos_ids_inplace, NeoX; target >= 0.9 of copy"),
     Rope("ops/rope_interleave_llama8b_nnz16384", 16384, interleave=True,
@@ -151,4 +213,11 @@ BSR_CASES: list[BlockSparse] = [
     BlockSparse(f"ops/bsr_r64_d{d:g}_s8192", 8192, d, dense=DENSE_PREFILL,
                 note=f"density {d:g}; target TFLOP/s (unmasked pairs) >= 0.9 of {DENSE_PREFILL}")
     for d in (0.1, 0.3, 0.5)
+]
+
+MIXED_CASES: list[Mixed] = [
+    Mixed("ops/pod_chunk2048_decode64x4096", "pod", target=1 / 0.9,
+          note="PODWithPagedKVCacheWrapper.run; target time <= 0.9 x (its :prefill + :decode rows)"),
+    Mixed("ops/batch_attention_mixed", "batch_attention", target=0.95,
+          note="BatchAttention, one launch; target time within 5% of its :prefill + :decode rows"),
 ]

@@ -97,7 +97,9 @@ def _notes(row: dict) -> str:
         elif base.get("speedup") is not None:
             parts.append(f"{base['speedup']:.2f}x faster than flat decode ({fmt_time(base['time_us'])})")
         elif base.get("ratio") is not None:
-            parts.append(f"{base['ratio']:.2f}x {base.get('of', 'the plain kernel')}'s rate")
+            of = base.get("of", "the plain kernel")
+            possessive = "'" if of.endswith("s") else "'s"  # "the separate launches' rate"
+            parts.append(f"{base['ratio']:.2f}x {of}{possessive} rate")
     if row.get("sdpa_na"):
         parts.append(f"SDPA n/a: {row['sdpa_na']}")
     for name, res in (row.get("sdpa") or {}).items():

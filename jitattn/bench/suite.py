@@ -49,7 +49,8 @@ from .sdpa import run_sdpa, sdpa_groups, sdpa_unsupported
 from .host import run_jit
 from .peers import run_flashinfer, run_flashinfer_mla
 from .ops import run_block_sparse, run_rope
-from .ops_cases import BlockSparse, Rope
+from .ops_cases import BlockSparse, Mixed, Rope
+from .ops_mixed import run_mixed
 
 
 # --------------------------------------------------------------------------- #
@@ -191,6 +192,8 @@ def run_case(case: Case, ctx: Context) -> list[dict]:
             rows = run_rope(case, ctx)
         elif isinstance(case, BlockSparse):
             rows = run_block_sparse(case, ctx)
+        elif isinstance(case, Mixed):
+            rows = run_mixed(case, ctx)
         else:
             rows = run_jit(case, ctx)
     except Exception as exc:  # the row records it; the suite goes on
