@@ -14,8 +14,6 @@ TFLOP/s over the unmasked pairs / the dense one: the target is >= 0.9).
 
 from __future__ import annotations
 
-import os
-import tempfile
 from dataclasses import dataclass
 from typing import Callable
 
@@ -23,10 +21,9 @@ import torch
 
 from .inputs import random_tensor, seed_of
 from .ops_cases import BlockSparse, Rope
-from .peers import available
+from .peers import available, measure_flashinfer
 from .rows import (
-    REF_QUERIES, TORCH_DTYPES, BudgetExceeded, Context, cuda_ok, first_line, join_notes, new_row, rate_of, rel_err,
-    set_time,
+    REF_QUERIES, TORCH_DTYPES, BudgetExceeded, Context, join_notes, new_row, rel_err, set_time,
 )
 
 REF_TOKENS = 128  # RoPE: the first and the last REF_TOKENS tokens are checked
@@ -224,30 +221,14 @@ def flashinfer_ops_unsupported(ctx: Context, needs: tuple[str, ...]) -> str | No
 
 def run_peer(case, ctx: Context, build: Callable, jit_out: list[torch.Tensor], jit_time_us: float | None,
              before: Callable[[], None] | None = None, needs: tuple[str, ...] = ()) -> dict:
-    """FlashInfer's call from ``build(flashinfer)`` on jitattn's data: checked once (after ``before()``, which
-    restores in-place inputs) against jitattn's first output, then timed; shaped as ``peers.run_flashinfer``'s."""
+    """FlashInfer's call from ``build(flashinfer)`` on jitattn's data (``peers.measure_flashinfer``) | {n/a}."""
     why = flashinfer_ops_unsupported(ctx, needs)
     if why is not None:
         return {"n/a": why}
-    os.environ.setdefault("FLASHINFER_WORKSPACE_BASE", os.path.join(tempfile.gettempdir(), "flashinfer-bench"))
-    try:
+
+    def build_call():
         import flashinfer
 
-        ctx.check_budget("FlashInfer")
-        fn = build(flashinfer)
-        if before is not None:
-            before()
-        out = fn()
-        ctx.sync()
-        got = list(out) if isinstance(out, (tuple, list)) else [out]
-        err = rel_err(got, jit_out)
-        timing = ctx.timer.measure(fn, ctx.measure_s)
-        rate, unit, _, fraction = rate_of(case.kind, case.bytes, getattr(case, "flops", None), timing.median_us,
-                                          ctx.ceilings, getattr(case, "ceiling", None))
-        return {"time_us": timing.median_us, "timing": timing.to_dict(), "rate": rate, "rate_unit": unit,
-                "fraction": fraction, "max_rel_err_vs_jitattn": err,
-                "speedup": (timing.median_us / jit_time_us) if jit_time_us else None}
-    except BudgetExceeded as exc:
-        return {"error": str(exc)}
-    except Exception as exc:  # the row keeps jitattn's numbers
-        return {"error": first_line(exc) + ("" if cuda_ok() else " (the CUDA context is unusable)")}
+        return build(flashinfer)
+
+    return measure_flashinfer(case, ctx, build_call, jit_out, jit_time_us, before)

@@ -13,6 +13,7 @@ import importlib.util
 import math
 import os
 import tempfile
+from typing import Callable
 
 import torch
 
@@ -73,21 +74,23 @@ def _flashinfer_call(data: AttnData, workspace: torch.Tensor):
     return lambda: wrapper.run(data.q, data.k, data.v, out=out), out
 
 
-def run_flashinfer(case: Attn, data: AttnData, ctx: Context, jit_time_us: float | None) -> dict:
-    """{time_us, rate, fraction, speedup (FlashInfer time / jitattn time), max_rel_err_vs_jitattn} | {n/a} | {error}."""
-    why = flashinfer_unsupported(case, ctx)
-    if why is not None:
-        return {"n/a": why}
+def measure_flashinfer(case, ctx: Context, build: Callable[[], Callable], jit_out: list[torch.Tensor],
+                       jit_time_us: float | None, before: Callable[[], None] | None = None) -> dict:
+    """FlashInfer's call ``build()`` returns, on jitattn's data: checked once (after ``before()``, which restores
+    in-place inputs) against jitattn's outputs ``jit_out``, then timed as jitattn's row was.
+    {time_us, rate, fraction, speedup (FlashInfer time / jitattn time), max_rel_err_vs_jitattn} | {error}."""
     os.environ.setdefault("FLASHINFER_WORKSPACE_BASE", os.path.join(tempfile.gettempdir(), "flashinfer-bench"))
     try:
         ctx.check_budget("FlashInfer")
-        workspace = torch.empty(256 << 20, dtype=torch.uint8, device=ctx.device)
-        fn, out = _flashinfer_call(data, workspace)
-        fn()
+        fn = build()
+        if before is not None:
+            before()
+        out = fn()
         ctx.sync()
-        err = rel_err([out], [data.out])
+        err = rel_err(list(out) if isinstance(out, (tuple, list)) else [out], jit_out)
         timing = ctx.timer.measure(fn, ctx.measure_s)
-        rate, unit, _, fraction = rate_of(case.kind, case.bytes, case.flops, timing.median_us, ctx.ceilings)
+        rate, unit, _, fraction = rate_of(case.kind, case.bytes, getattr(case, "flops", None), timing.median_us,
+                                          ctx.ceilings, getattr(case, "ceiling", None))
         return {
             "time_us": timing.median_us, "timing": timing.to_dict(), "rate": rate, "rate_unit": unit,
             "fraction": fraction, "max_rel_err_vs_jitattn": err,
@@ -97,6 +100,19 @@ def run_flashinfer(case: Attn, data: AttnData, ctx: Context, jit_time_us: float 
         return {"error": str(exc)}
     except Exception as exc:  # the row keeps jitattn's numbers; a broken context is noticed after the case
         return {"error": first_line(exc) + ("" if not ctx.cuda or cuda_ok() else " (the CUDA context is unusable)")}
+
+
+def run_flashinfer(case: Attn, data: AttnData, ctx: Context, jit_time_us: float | None) -> dict:
+    """FlashInfer's wrapper on the case's data (:func:`measure_flashinfer`) | {n/a}."""
+    why = flashinfer_unsupported(case, ctx)
+    if why is not None:
+        return {"n/a": why}
+
+    def build():
+        fn, _ = _flashinfer_call(data, torch.empty(256 << 20, dtype=torch.uint8, device=ctx.device))
+        return fn
+
+    return measure_flashinfer(case, ctx, build, [data.out], jit_time_us)
 
 
 def flashinfer_mla_unsupported(case: MLA, ctx: Context) -> str | None:
