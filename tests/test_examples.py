@@ -53,8 +53,9 @@ def test_serve_bench_writes_one_table_with_the_tree_workload(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = [line.split(" | ") for line in out.read_text().splitlines() if line.startswith("| custom")]
     assert [(r[1], r[2]) for r in rows] == [("on", "off"), ("off", "off")]
-    assert rows[0][4].endswith("x") and rows[0][8] == "3" and rows[1][8] == "0"
-    assert rows[0][9] == "n/a"  # the roofline needs the cuda ceilings
+    assert rows[0][4].endswith("x") and rows[0][10] == "3" and rows[1][10] == "0"
+    assert float(rows[0][7]) > 0 and rows[0][8].endswith("x") and rows[1][8] == ""  # decode step ms, on / off
+    assert rows[0][11] == "n/a"  # the roofline needs the cuda ceilings
 
 
 def test_serve_bench_presets_and_roofline() -> None:
