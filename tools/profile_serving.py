@@ -1,11 +1,11 @@
 """Where a serving engine's decode step spends its time: host planning against the whole step, cascade against flat.
 
     python3 tools/profile_serving.py [--device cuda] [--model llama-3-8b-shapes] [--prefix 16384] [--requests 128]
-        [--steps 8] [--no-profile]
+        [--steps 8] [--graphs] [--no-profile]
 
 Builds ``jitattn.serving.Engine`` on random weights, admits ``--requests`` requests over one shared prefix of
 ``--prefix`` tokens (64 own tokens each), runs every prefill, then for each path (the engine's decode-path
-choice forced to ``cascade``, then ``flat``; CUDA graphs off) times ``--steps`` decode steps (each synchronised,
+choice forced to ``cascade``, then ``flat``; CUDA graphs off unless ``--graphs``) times ``--steps`` decode steps (each synchronised,
 wall time) and the planner's ``decode_step`` inside them (host time), and on cuda prints torch.profiler's tables
 of one more step (sorted by CUDA time, then by CPU time): the GPU work against the host work.
 """
@@ -26,11 +26,11 @@ import serve  # noqa: E402
 from jitattn.serving import Engine, LlamaModel, preset  # noqa: E402
 
 
-def _engine(model, work, requests: int, path: str) -> Engine:
+def _engine(model, work, requests: int, path: str, graphs: bool) -> Engine:
     longest = max(len(p) + n for _, p, n in work)
     pages = -(-longest // 16)
     engine = Engine(model, num_pages=pages * 4 + requests * 8 + 64, page_size=16, max_batch_size=requests,
-                    cascade=True, max_seq_len=longest + 64)
+                    cascade=True, cuda_graphs=graphs, max_seq_len=longest + 64)
     engine.decode_paths.choose = lambda bucket: path  # forced: the path under test on every step
     for _, prompt, n in work:
         engine.add_request(prompt, n + 64)
@@ -46,6 +46,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--prefix", type=int, default=16384)
     ap.add_argument("--requests", type=int, default=128)
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--graphs", action="store_true", help="replay captured decode steps (cuda)")
     ap.add_argument("--no-profile", action="store_true")
     args = ap.parse_args(argv)
     cuda = args.device == "cuda"
@@ -56,7 +57,7 @@ def main(argv: list[str] | None = None) -> None:
         "--num-requests", str(args.requests), "--system-prompt-len", str(args.prefix), "--prompt-len-range", "64",
         "64", "--output-len", "64", "--max-batch-size", str(args.requests)]), config.vocab_size)
     for path in ("cascade", "flat"):
-        engine = _engine(model, work, args.requests, path)
+        engine = _engine(model, work, args.requests, path, args.graphs)
         plan_s, real = [], engine.planner.decode_step
 
         def timed(*a, **k):
