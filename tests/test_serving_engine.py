@@ -46,11 +46,17 @@ def _serve(engine: Engine, prompts: list[list[int]], new_tokens: int = NEW_TOKEN
     return requests
 
 
+OVERLAP = pytest.mark.parametrize("overlap", [False, True], ids=["read-each-step", "overlap"])
+
+
+@OVERLAP
 @pytest.mark.parametrize("cascade", [True, False], ids=["cascade", "flat"])
 @pytest.mark.parametrize("chunk", [16, 512], ids=["chunked", "whole-prompt"])
-def test_greedy_tokens_equal_the_per_request_reference(model, shared_workload, cascade, chunk) -> None:
+def test_greedy_tokens_equal_the_per_request_reference(model, shared_workload, cascade, chunk, overlap) -> None:
+    """overlap: each step's tokens stay on the device for the next step and reach the host one step later."""
     prompts, expected = shared_workload
-    engine = Engine(model, num_pages=64, page_size=PAGE, prefill_chunk_tokens=chunk, cascade=cascade)
+    engine = Engine(model, num_pages=64, page_size=PAGE, prefill_chunk_tokens=chunk, cascade=cascade,
+                    overlap=overlap)
     requests = _serve(engine, prompts)
     assert [r.output for r in requests] == expected
     assert engine.stats.decode_steps > 0
@@ -157,10 +163,11 @@ def test_bad_requests_are_refused_clearly(model) -> None:
     assert request.prompt == [3, 4, 5] and len(engine.waiting) == queued + 1
 
 
-def test_teacher_forced_logits_match_the_reference(model, shared_workload) -> None:
+@OVERLAP
+def test_teacher_forced_logits_match_the_reference(model, shared_workload, overlap) -> None:
     prompts, _ = shared_workload
     forced = [list(range(10, 10 + NEW_TOKENS))] * len(prompts)
-    engine = Engine(model, num_pages=64, page_size=PAGE, prefill_chunk_tokens=24)
+    engine = Engine(model, num_pages=64, page_size=PAGE, prefill_chunk_tokens=24, overlap=overlap)
     requests = [engine.add_request(p, NEW_TOKENS, forced_tokens=f, keep_logits=True) for p, f in zip(prompts, forced)]
     engine.run()
     for r, p, f in zip(requests, prompts, forced):
@@ -201,7 +208,7 @@ def test_graph_bucket_step_gives_the_eager_step_logits(model, monkeypatch) -> No
     ReplayByRerun.owner = graph
     for batch in (engine.running, engine.running[:2]):  # 1 and 2 padded rows, one captured bucket
         seqs = [SeqView(tuple(r.pages[: -(-len(r.fed_tokens) // PAGE)]), len(r.fed_tokens), 1) for r in batch]
-        ids = [r.fed_tokens[-1] for r in batch]
+        ids = torch.tensor([r.fed_tokens[-1] for r in batch])
         expected, _, _ = engine._decode_logits(seqs, ids)
         # Not bit-exact: the model's CPU GEMMs see 4 padded rows here and 3 or 2 in the eager step, and the BLAS
         # picks its blocking by shape (last-bit differences on some CPUs). A wrong page or padding row would be
@@ -359,7 +366,7 @@ def test_cascade_graph_step_gives_the_eager_cascade_logits(model, monkeypatch) -
     graph = None
     for rows in (batch, batch[:3]):  # 3 and 5 padded rows of one bucket: two levels, then one
         seqs = [SeqView(tuple(r.pages[: -(-len(r.fed_tokens) // PAGE)]), len(r.fed_tokens), 1) for r in rows]
-        ids = [r.fed_tokens[-1] for r in rows]
+        ids = torch.tensor([r.fed_tokens[-1] for r in rows])
         tree = engine.planner.cascade_tree(seqs)
         assert tree is not None
         levels, capacities = padded_cascade_levels(seqs, tree, 8, PAGE)
@@ -392,7 +399,7 @@ def test_with_graphs_a_deep_tree_replays_captured_cascade_steps(model, monkeypat
     system, shots, fork = tokens(40), tokens(21), tokens(11)
     prompts = [system + shots + fork + tokens(n) for n in (5, 3, 9)] + [system + shots + tokens(6), system + tokens(12)]
     expected = [reference_generate(model, p, 6)[0] for p in prompts]
-    engine = Engine(model, num_pages=64, page_size=PAGE, cascade=True)
+    engine = Engine(model, num_pages=64, page_size=PAGE, cascade=True, overlap=True)  # as on cuda
     engine.cuda_graphs = True
     monkeypatch.setattr(engine.decode_paths, "choose", lambda bucket: "cascade")
     requests = [engine.add_request(prompts[0], 6)]
@@ -478,7 +485,8 @@ def test_tree_cascade_levels_cover_every_seq_once_per_level() -> None:
         assert read == list(seq.pages), r
 
 
-def test_n_level_cascade_greedy_tokens_equal_the_reference(model) -> None:
+@OVERLAP
+def test_n_level_cascade_greedy_tokens_equal_the_reference(model, overlap) -> None:
     """A prefix tree three levels deep (a system prompt, a few-shot block, a fork; forks at a page boundary
     and mid-page), requests finishing at different steps, a pool small enough that cached prefixes are
     evicted while the shared nodes are in use: exact greedy tokens, and steps of four levels."""
@@ -497,7 +505,8 @@ def test_n_level_cascade_greedy_tokens_equal_the_reference(model) -> None:
     stale = [tokens(17) for _ in range(3)]  # cached, finished prefixes the pool must evict later
     outputs = {}
     for cascade in (True, False):
-        engine = Engine(model, num_pages=25, page_size=PAGE, cascade=cascade)
+        engine = Engine(model, num_pages=25, page_size=PAGE, cascade=cascade, overlap=overlap)
+        engine.decode_paths.choose = lambda bucket: "cascade"  # every step of shared pages: the levels under test
         for p in stale:
             engine.add_request(p, 1)
         engine.run()

@@ -109,3 +109,33 @@ def test_captured_cascade_decode_matches_eager_cascade_decode(batch: int, tree: 
     worst = _relative_error(logits[True], logits[False])
     print(f"\ncaptured vs eager cascade, batch {batch}: relative logits error {worst:.2e}")
     assert worst < 1e-2
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+def test_overlapped_steps_give_the_greedy_tokens_of_steps_read_back_one_by_one(graphs: bool, monkeypatch) -> None:
+    """overlap (the cuda default): a decode step's tokens stay on the device for the next step and reach the host
+    one step later; greedy tokens (fed from the device, not forced) equal those of steps read back one by one,
+    with requests finishing at different steps and others still being prefilled."""
+    from jitattn.serving import engine as engine_module
+
+    config = BIG.with_layers(2)
+    model = LlamaModel.random(config, seed=3, dtype=torch.bfloat16, device="cuda")
+    gen = torch.Generator().manual_seed(7)
+    system = torch.randint(0, config.vocab_size, (200,), generator=gen).tolist()
+    prompts = [system + torch.randint(0, config.vocab_size, (int(n),), generator=gen).tolist()
+               for n in torch.randint(1, 60, (11,), generator=gen)]
+    lengths = torch.randint(2, 12, (11,), generator=gen).tolist()
+    monkeypatch.setattr(engine_module.DecodePathChooser, "choose", lambda self, bucket: "cascade")
+    outputs = {}
+    for overlap in (False, True):
+        engine = Engine(model, num_pages=400, page_size=16, max_batch_size=16, cascade=True, cuda_graphs=graphs,
+                        max_seq_len=512, prefill_chunk_tokens=64, overlap=overlap)
+        requests = [engine.add_request(prompts[0], lengths[0])]
+        while engine.waiting or engine.prefilling:
+            engine.step()
+        requests += [engine.add_request(p, n) for p, n in zip(prompts[1:], lengths[1:])]
+        engine.run()
+        assert engine.stats.cascade_steps > 0 and not engine.has_work
+        outputs[overlap] = [r.output for r in requests]
+        assert [len(o) for o in outputs[overlap]] == lengths
+    assert outputs[True] == outputs[False]

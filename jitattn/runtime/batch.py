@@ -153,7 +153,11 @@ def upload(host: torch.Tensor, device: torch.device, buffer: torch.Tensor | None
     if buffer is None:
         return host.to(device, non_blocking=False) if device.type != "cpu" else host.clone()
     check_fits(host, device, buffer, name)
-    buffer[: host.numel()].copy_(host, non_blocking=False)
+    if device.type == "cuda":  # through page-locked memory, ordered on the stream: the host does not wait for
+        # the GPU (a captured step's buffers can be refilled for the next replay while this one runs)
+        buffer[: host.numel()].copy_(host.pin_memory(), non_blocking=True)
+    else:
+        buffer[: host.numel()].copy_(host)
     # The same address, its length the batch's (qo_indptr sizes the launch). An empty array (a page table
     # of no pages) is the buffer's first entry instead, never read: an empty view has no address, and a
     # launch captured with a stand-in pointer would go on reading it after later plans filled the buffer.

@@ -41,6 +41,14 @@ def _int32(values, count: int = -1) -> torch.Tensor:
     return torch.from_numpy(np.fromiter(values, dtype=np.int32, count=count))
 
 
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``host`` on ``device`` without waiting for the GPU: through page-locked memory, ordered on the stream
+    (the host can prepare a step while the one before it runs)."""
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def _indptr(counts: list[int]) -> torch.Tensor:
     out = torch.zeros(len(counts) + 1, dtype=torch.int32)
     if counts:
@@ -174,8 +182,10 @@ class StepAttention:
         within = np.arange(len(batch)) - np.repeat(np.cumsum(new_tokens) - new_tokens, new_tokens)
         positions = (np.repeat(starts, new_tokens) + within).astype(np.int32)
         batch, positions = torch.from_numpy(batch), torch.from_numpy(positions)
-        # moved to the device once per step, not once per layer
-        self._append_index = [t.to(device) for t in (batch, positions, indices, indptr, last)]
+        # moved to the device once per step (one copy), not once per layer
+        sizes = [t.numel() for t in (batch, positions, indices, indptr, last)]
+        packed = to_device(torch.cat([batch, positions, indices, indptr, last]), device)
+        self._append_index = list(packed.split(sizes))
         self.pool, self.wrapper = pool, wrapper
         self.kind = type(wrapper).__name__
 

@@ -9,7 +9,8 @@ of thousands of tokens makes the flat step's reads the larger cost. So the engin
 CUDA graphs on or off, and a user never loses by leaving cascade on.
 
 ``DecodePathChooser`` keeps, per batch-size bucket, a moving average of each path's step time
-(the engine reads every step's tokens back, so a step's wall time is its whole cost), tries each
+(the wall time from the step's launch, or from the read-back of the step before it when the two overlap,
+to its own tokens on the host: its whole cost to the engine's throughput), tries each
 path after a warm-up step, then takes the faster, and every ``explore_every`` steps of a bucket
 runs the other path once to follow lengths that grow. A sample counts at most ``outlier`` times
 the path's average (a step that waited for a kernel build must not lock the other path in for

@@ -17,6 +17,13 @@ Each :meth:`Engine.step` does, in order:
    groups and levels (``graphs.CascadeGraph``, one graph per bucket and level shape). A step whose
    requests share prefix pages takes the faster of the flat step and the cascade step, as timed per
    bucket (``decode_path.DecodePathChooser``), with graphs on or off.
+
+With ``overlap`` (the default on cuda) a decode step's greedy tokens stay on the device: the next step
+takes them from there, and they reach the host after that next step is launched. The host's share of a
+step (ordering, prefix tree, plan, page tables) then runs while the GPU runs the step before it, and a
+request's token appears in its ``output`` one step later. Every copy to the device goes through page-locked
+memory on the stream, so nothing in a step waits for the GPU until the read-back. A step that prefills
+reads the step in flight back first, and its decode starts on an idle GPU.
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ from typing import Callable
 import torch
 
 from ..jit import compile_count
-from .attention import AttentionPlanner, SeqView, kv_tokens_read, pages_saved, prefix_tree
+from .attention import AttentionPlanner, SeqView, kv_tokens_read, pages_saved, prefix_tree, to_device
 from .decode_path import DecodePathChooser
 from .graphs import CascadeGraph, DecodeGraph, bucket_sizes, padded_cascade_levels
 from .kv_pool import KVPool
@@ -56,6 +63,7 @@ class Request:
     page_tuple: tuple[int, ...] = ()  # ``pages`` as a tuple, made once (every step slices it for its SeqView)
     num_shared_pages: int = 0  # leading pages found in the radix tree at admission
     num_computed: int = 0  # prompt tokens whose KV is in the pool
+    unread: int = 0  # 1 while this request's greedy token of a decode step in flight is not on the host yet
     first_token_time: float | None = None
     finish_time: float | None = None
 
@@ -67,15 +75,26 @@ class Request:
 
     @property
     def num_fed(self) -> int:
-        """``len(fed_tokens)`` without building the list (a decode step asks it of every running request)."""
-        return len(self.prompt) + len(self.output)
+        """Tokens in the KV after the next decode step: the prompt and every output, the one still on the device
+        (``unread``) included; ``len(fed_tokens)`` when none is, without building the list."""
+        return len(self.prompt) + len(self.output) + self.unread
 
     @property
-    def last_fed_token(self) -> int:
-        """``fed_tokens[-1]`` without building the list (a 16k-token prompt: 128 such copies cost ~20 ms a step)."""
-        if not self.output:
+    def last_fed_token(self) -> int | None:
+        """The token the next decode step feeds, when the host has it: ``fed_tokens[-1]`` without building the
+        list (a 16k-token prompt: 128 such copies cost ~20 ms a step); None while it is the unread greedy token
+        of a step still in flight (the next step takes it from the device)."""
+        produced = len(self.output) + self.unread
+        if produced == 0:
             return self.prompt[-1]
-        return self.output[-1] if self.forced_tokens is None else self.forced_tokens[len(self.output) - 1]
+        if self.forced_tokens is not None:
+            return self.forced_tokens[produced - 1]
+        return None if self.unread else self.output[-1]
+
+    @property
+    def exhausted(self) -> bool:
+        """Every output produced, the unread one included: no further decode step."""
+        return len(self.output) + self.unread >= self.max_new_tokens
 
     @property
     def done(self) -> bool:
@@ -100,6 +119,39 @@ class EngineStats:
     #                            shared node's once, a flat step every request's whole history
     peak_pages_saved: int = 0  # max over decode steps of (pages the batch references - distinct pages)
     peak_bytes_saved: int = 0
+
+
+@dataclass(eq=False)
+class _InFlight:
+    """A launched decode step whose greedy tokens have not reached the host yet."""
+
+    batch: list[Request]
+    rows: dict[int, int]  # request id -> its row in the step
+    tokens: torch.Tensor  # [len(batch)] on the device
+    host: tuple[torch.Tensor, torch.cuda.Event | None]  # their copy on the host, and the event that says it is done
+    kept: torch.Tensor | None  # float32 logits of the keep_logits requests' rows (on the device)
+    kept_rows: dict[int, int]  # row in the step -> row in kept
+    started: float  # perf_counter when the host began the step
+    chosen: str | None  # the path the chooser took (None: no choice, or a step that captured a graph)
+    bucket: int
+    builds: int  # compile_count() when it started
+
+    def host_tokens(self) -> torch.Tensor:
+        copy, event = self.host
+        if event is not None:
+            event.synchronize()
+        return copy
+
+
+def _to_host(tokens: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """A copy of ``tokens`` on the host, started now, and the event that marks it done (None off cuda)."""
+    if tokens.device.type != "cuda":
+        return tokens.clone(), None
+    copy = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+    copy.copy_(tokens, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    return copy, event
 
 
 def _token_ids(name: str, tokens, vocab_size: int) -> list[int]:
@@ -130,13 +182,15 @@ class Engine:
     ``prefill_chunk_tokens`` prompt tokens; ``cascade`` turns cascade decode on; ``cuda_graphs``
     replays captured decode steps (cuda only): flat ones and, with ``cascade``, cascade ones of any
     shape, each step of shared prefixes taking the path measured
-    faster for its batch bucket; ``clock`` gives the time in seconds
+    faster for its batch bucket; ``overlap`` (default: on cuda) reads each decode step's tokens back only
+    after the next step is launched (see the module docstring); ``clock`` gives the time in seconds
     (default: since the engine was made) that request arrivals are compared with.
     """
 
     def __init__(self, model: LlamaModel, *, num_pages: int, page_size: int = 16, max_batch_size: int = 64,
                  prefill_chunk_tokens: int = 512, cascade: bool = True, cuda_graphs: bool = False,
-                 max_seq_len: int = 4096, clock: Callable[[], float] | None = None) -> None:
+                 max_seq_len: int = 4096, overlap: bool | None = None,
+                 clock: Callable[[], float] | None = None) -> None:
         if prefill_chunk_tokens < 1 or max_batch_size < 1:
             raise ValueError("prefill_chunk_tokens and max_batch_size must be positive")
         if cuda_graphs and model.device.type != "cuda":
@@ -151,6 +205,9 @@ class Engine:
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.cuda_graphs = cuda_graphs
+        self.overlap = model.device.type == "cuda" if overlap is None else bool(overlap)
+        self._pending: _InFlight | None = None  # the decode step whose tokens are not read back yet (overlap)
+        self._last_ready = 0.0  # perf_counter when the last decode step's tokens reached the host
         self._graphs: dict[int, DecodeGraph] = {}
         self._cascade_graphs: dict[tuple[int, tuple[int, ...]], CascadeGraph] = {}  # by (bucket, node counts)
         self._buckets = bucket_sizes(max_batch_size)
@@ -207,7 +264,7 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.prefilling or self.running)
+        return bool(self.waiting or self.prefilling or self.running or self._pending)
 
     def run(self, on_finish: Callable[[Request], None] | None = None) -> list[Request]:
         """Step until every queued request has finished; returns them in finishing order."""
@@ -223,7 +280,10 @@ class Engine:
         """Admit, prefill one chunk budget, decode one token for the running batch; returns requests finished now."""
         self.stats.steps += 1
         self._admit()
-        done = self._prefill()
+        done = []
+        if self.prefilling:  # a prefill chunk runs alone on the GPU: the step in flight finishes first
+            done += self._read_back()
+        done += self._prefill()
         done += self._decode()
         for request in done:
             request.finish_time = self.clock()
@@ -309,6 +369,8 @@ class Engine:
             hidden = self.model.forward(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), attention)
             last_rows = torch.tensor(list(itertools.accumulate(n for _, n in chunk)), device=dev) - 1
             logits = self.model.logits(hidden[last_rows])
+        if dev.type == "cuda":  # the decode step after it is timed from an idle GPU
+            torch.cuda.synchronize(dev)
         self.stats.prefill_steps += 1
         self.stats.prefill_tokens += len(ids)
         done, tokens = [], None
@@ -332,39 +394,81 @@ class Engine:
         self.stats.generated_tokens += 1
 
     def _decode(self) -> list[Request]:
-        if not self.running:
-            return []
+        """Launch a decode step of every running request that has outputs to come; returns the requests finished.
+
+        With ``overlap`` the step's tokens stay on the device: the next step takes them from there, and they
+        reach the host (``_read_back``) after the next step is launched, so the host's work of a step (ordering,
+        prefix tree, plan) runs while the GPU runs the step before it. Without, they are read back at once."""
         # Ordered by pages, so the requests under each node of the prefix tree are consecutive (cascade
         # attention reads a node's pages once for them).
-        batch = self._batch_order()
-        seqs, ids = [], []
+        batch = [r for r in self._batch_order() if not r.exhausted]
+        if not batch:
+            return self._read_back()
+        started = time.perf_counter()
+        seqs, host_ids, from_device = [], [], []
+        rows = self._pending.rows if self._pending is not None else {}
         for request in batch:
             fed = request.num_fed
             seqs.append(SeqView(request.page_tuple[: self._pages_for(fed)], fed, 1))
-            ids.append(request.last_fed_token)
+            token = request.last_fed_token
+            host_ids.append(0 if token is None else token)
+            from_device.append(-1 if token is not None else rows[request.rid])
         shared = prefix_tree(seqs)  # every page the batch reads more than once (a set of all pages cost ~4 ms)
         saved = pages_saved(shared)
         if saved > self.stats.peak_pages_saved:
             self.stats.peak_pages_saved = saved
             self.stats.peak_bytes_saved = saved * self.pool.bytes_per_page
-        if self.model.device.type == "cuda":  # the clock starts with the GPU idle (a prefill chunk's work may
-            # still be running)
-            torch.cuda.synchronize(self.model.device)
-        started, builds = time.perf_counter(), compile_count()
+        builds = compile_count()
+        ids = self._input_ids(host_ids, from_device)
         logits, chosen, kv_tokens = self._decode_logits(seqs, ids, shared)
+        with torch.no_grad():
+            tokens = logits.argmax(-1)
+            keep = [i for i, r in enumerate(batch) if r.keep_logits]
+            kept = logits[keep].float() if keep else None  # a copy: a graph's next replay rewrites its logits
         self.stats.decode_steps += 1
         self.stats.decode_kv_tokens += kv_tokens
         self.stats.decode_tokens += len(seqs)
+        step = _InFlight(batch, {r.rid: i for i, r in enumerate(batch)}, tokens, _to_host(tokens), kept,
+                         dict(zip(keep, range(len(keep)))), started, chosen, self._bucket(len(seqs)), builds)
+        done = self._read_back()  # the step before: its tokens while this one runs
+        for request in batch:
+            request.unread = 1
+        self._pending = step
+        return done + ([] if self.overlap else self._read_back())
+
+    def _input_ids(self, host_ids: list[int], from_device: list[int]) -> torch.Tensor:
+        """The step's input ids on the device: ``host_ids[i]``, or where ``from_device[i]`` >= 0 the token at
+        that row of the step in flight (still on the device)."""
+        dev = self.model.device
+        table = to_device(torch.tensor([host_ids, from_device], dtype=torch.long), dev)
+        if self._pending is None or max(from_device) < 0:
+            return table[0]
+        return torch.where(table[1] >= 0, self._pending.tokens[table[1].clamp(min=0)], table[0])
+
+    def _read_back(self) -> list[Request]:
+        """The step in flight's tokens (and kept logits) to the host, its requests' outputs; those that are done."""
+        step, self._pending = self._pending, None
+        if step is None:
+            return []
+        tokens = step.host_tokens().tolist()
+        ready = time.perf_counter()
         done = []
-        tokens = logits.argmax(-1).tolist()  # one read-back of every greedy token: the step's work is done after it
-        for i, request in enumerate(batch):
-            self._emit(request, logits[i], tokens[i])
+        for i, request in enumerate(step.batch):
+            request.unread = 0
+            request.output.append(tokens[i])
+            if request.keep_logits:
+                request.logits.append(step.kept[step.kept_rows[i]].cpu())
+            self.stats.generated_tokens += 1
             if request.done:
                 self.running.remove(request)
                 done.append(request)
-        self.stats.decode_seconds += time.perf_counter() - started
-        if chosen is not None and compile_count() == builds:  # a step that built a kernel says nothing of its path
-            self.decode_paths.record(self._bucket(len(seqs)), chosen, time.perf_counter() - started)
+        # the step's share of the wall time: from its launch, or from the step before's tokens when it was
+        # launched while that one ran
+        seconds = ready - max(step.started, self._last_ready)
+        self._last_ready = ready
+        self.stats.decode_seconds += seconds
+        if step.chosen is not None and compile_count() == step.builds:  # a build says nothing of its path
+            self.decode_paths.record(step.bucket, step.chosen, seconds)
         return done
 
     def _batch_order(self) -> list[Request]:
@@ -375,9 +479,9 @@ class Engine:
             self._order, self._order_members = sorted(self.running, key=lambda r: r.pages), members
         return self._order
 
-    def _decode_logits(self, seqs: list[SeqView], ids: list[int], shared=None) -> tuple[torch.Tensor, str | None, int]:
+    def _decode_logits(self, seqs: list[SeqView], ids: torch.Tensor, shared=None) -> tuple[torch.Tensor, str | None, int]:
         """The step's logits, the path it took when it had a choice (prefix pages shared), and the KV tokens its
-        attention reads per layer."""
+        attention reads per layer; ``ids``: the input ids on the device."""
         dev = self.model.device
         ps = self.pool.page_size
         with torch.no_grad():
@@ -405,8 +509,8 @@ class Engine:
                 return graph.run(seqs, ids, levels), chosen, kv_tokens_read(seqs, tree[: len(capacities)], ps)
             attention = self.planner.decode_step(seqs, tree)
             self.stats.max_cascade_levels = max(self.stats.max_cascade_levels, self.planner.last_decode_levels)
-            positions = torch.tensor([s.kv_len - 1 for s in seqs], device=dev)
-            logits = self.model.logits(self.model.forward(torch.tensor(ids, device=dev), positions, attention))
+            positions = to_device(torch.tensor([s.kv_len - 1 for s in seqs]), dev)
+            logits = self.model.logits(self.model.forward(ids, positions, attention))
             return logits, chosen, self.planner.last_decode_kv_tokens
 
     def _bucket(self, batch_size: int) -> int:

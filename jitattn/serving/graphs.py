@@ -21,7 +21,7 @@ import torch
 
 import jitattn
 
-from .attention import SeqView, SharedNode, page_table, tree_cascade_levels
+from .attention import SeqView, SharedNode, page_table, to_device, tree_cascade_levels
 from .kv_pool import KVPool
 from .model import LlamaModel
 
@@ -68,15 +68,17 @@ class _CapturedStep:
         """``seqs`` padded to the bucket with rows on the scratch page."""
         return list(seqs) + [SeqView((KVPool.SCRATCH_PAGE,), 1, 1)] * (self.bucket - len(seqs))
 
-    def _replay(self, rows: list[SeqView], input_ids: list[int], n: int,
+    def _replay(self, rows: list[SeqView], input_ids: torch.Tensor, n: int,
                 append_positions: torch.Tensor | None = None) -> torch.Tensor:
         """Fill the inputs of ``rows`` (planned already), capture on the first use, replay; the first ``n`` logits.
+        ``input_ids``: the ``n`` real rows' ids on the device (padding rows keep earlier, valid ids);
         ``append_positions``: where each row's new token goes in the append table (default: its position)."""
-        self.input_ids.copy_(torch.tensor(input_ids + [0] * (self.bucket - n)), non_blocking=True)
+        self.input_ids[:n].copy_(input_ids)
         positions = torch.tensor([s.kv_len - 1 for s in rows])
-        self.positions.copy_(positions, non_blocking=True)
-        self.append_positions.copy_(positions.to(torch.int32) if append_positions is None else append_positions,
-                                    non_blocking=True)
+        staged = torch.stack([positions, positions if append_positions is None else append_positions.long()])
+        staged = to_device(staged, self.positions.device)
+        self.positions.copy_(staged[0])
+        self.append_positions.copy_(staged[1])
         if self.graph is None:
             self.logits = self._forward()  # warm-up outside the capture (loads kernels, same writes)
             self.graph = torch.cuda.CUDAGraph()
@@ -96,8 +98,9 @@ class DecodeGraph(_CapturedStep):
             workspace, use_cuda_graph=True, paged_kv_indptr_buffer=self.indptr, paged_kv_indices_buffer=self.indices,
             paged_kv_last_page_len_buffer=self.last_page_len)
 
-    def run(self, seqs: list[SeqView], input_ids: list[int]) -> torch.Tensor:
-        """Logits ``[len(seqs), vocab]`` of one decode step (captured on the bucket's first use)."""
+    def run(self, seqs: list[SeqView], input_ids: torch.Tensor) -> torch.Tensor:
+        """Logits ``[len(seqs), vocab]`` of one decode step (captured on the bucket's first use); ``input_ids``
+        on the device."""
         rows = self._rows(seqs)
         c = self.model.config
         self.wrapper.plan(*page_table(rows, self.pool.page_size), self.model.num_q_heads, self.model.num_kv_heads,
@@ -151,7 +154,7 @@ class CascadeGraph(_CapturedStep):
             paged_kv_indices_buf_arr=[torch.zeros(level_pages, **i32) for _ in nodes],
             paged_kv_last_page_len_buf_arr=[torch.zeros(n, **i32) for n in nodes])
 
-    def run(self, seqs: list[SeqView], input_ids: list[int], levels: tuple[list, list, list, list]) -> torch.Tensor:
+    def run(self, seqs: list[SeqView], input_ids: torch.Tensor, levels: tuple[list, list, list, list]) -> torch.Tensor:
         """Logits ``[len(seqs), vocab]`` of one cascade decode step over ``levels`` (:func:`padded_cascade_levels`
         of ``seqs`` for this graph's bucket and capacities); captured on first use."""
         shape = (levels[0][-1].numel() - 1, tuple(t.numel() - 1 for t in levels[0][:-1]))
@@ -163,9 +166,11 @@ class CascadeGraph(_CapturedStep):
         # the appends' table: each row's last page only (its new token's), the position counted from that page
         last_page = [(s.kv_len - 1) // ps for s in rows]
         tail_indptr, tail_indices, tail_last = page_table(rows, ps, last_page)
-        self.indptr.copy_(tail_indptr, non_blocking=True)
-        self.indices[: tail_indices.numel()].copy_(tail_indices, non_blocking=True)
-        self.last_page_len.copy_(tail_last, non_blocking=True)
+        staged = to_device(torch.cat([tail_indptr, tail_indices, tail_last]), self.indptr.device)
+        a, b = tail_indptr.numel(), tail_indptr.numel() + tail_indices.numel()
+        self.indptr.copy_(staged[:a])
+        self.indices[: b - a].copy_(staged[a:b])
+        self.last_page_len.copy_(staged[b:])
         append_positions = torch.tensor([(s.kv_len - 1) % ps for s in rows], dtype=torch.int32)
         c = self.model.config
         self.wrapper.plan(*levels, self.model.num_q_heads, self.model.num_kv_heads, c.head_dim, ps, causal=False,
