@@ -36,7 +36,7 @@ from jitattn_cache.cli import main
 from jitattn_cache.presets import PRESETS, ModelShape, from_hf_config
 
 REPO = Path(__file__).resolve().parents[1]
-LLAMA_CPU = ["decode_cpu_bf16", "prefill_cpu_bf16", "merge_cpu_bf16", "append_cpu_bf16"]
+LLAMA_CPU = ["decode_cpu_bf16", "prefill_cpu_bf16", "merge_cpu_bf16", "append_cpu_bf16", "rope_cpu_bf16"]
 _KNOBS = ("JITATTN_CACHE_PATH", "JITATTN_CUDA_ARCH_LIST", "TORCH_CUDA_ARCH_LIST", "JITATTN_ASSERT_NO_COMPILE",
           "JITATTN_MAX_JOBS", "MAX_JOBS", "JITATTN_NVCC")
 
@@ -102,7 +102,7 @@ def _names(root: Path) -> list[str]:
 def test_warm_preset_builds_the_cpu_specs_then_reports_all_cached(warmed, monkeypatch, capsys) -> None:
     root, rc, out, err = warmed
     assert rc == 0, err
-    assert "4 built, 0 already cached, 0 failed" in out
+    assert "5 built, 0 already cached, 0 failed" in out
     expected = model_specs(Target.CPU, num_qo_heads=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16,
                            kv_dtype=torch.bfloat16)
     assert sorted(s.uri for s in expected) == sorted(LLAMA_CPU) == sorted(_names(root))
@@ -112,7 +112,7 @@ def test_warm_preset_builds_the_cpu_specs_then_reports_all_cached(warmed, monkey
     before = jitattn.jit.compile_count()
     rc, out, _ = run_cli(capsys, "warm", "--preset", "llama-3-8b", "--target", "cpu")
     assert rc == 0
-    assert "0 built, 4 already cached, 0 failed" in out
+    assert "0 built, 5 already cached, 0 failed" in out
     assert jitattn.jit.compile_count() == before
 
 
@@ -124,7 +124,7 @@ def test_dry_run_lists_specs_and_cache_status_without_building(warmed, monkeypat
     assert rc == 0
     status = {line.split()[0]: line.split()[1] for line in out.splitlines()[:-1]}
     assert status == {**{uri: "cached" for uri in LLAMA_CPU}, "merge_cpu_f16": "cold"}
-    assert "5 specs (target cpu): 4 cached, 1 cold" in out
+    assert "6 specs (target cpu): 5 cached, 1 cold" in out
     assert jitattn.jit.compile_count() == before
     assert "merge_cpu_f16" not in _names(warmed[0])
 

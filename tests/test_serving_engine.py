@@ -303,6 +303,23 @@ def test_under_tensor_parallelism_every_rank_takes_rank_0s_path(model, shared_wo
     assert broadcasts and engine.stats.cascade_steps == len(broadcasts), "every step with a choice took cascade"
 
 
+def test_a_step_whose_bytes_say_cascade_does_under_half_the_work_takes_it_unmeasured() -> None:
+    from jitattn.serving.decode_path import BYTES_PER_SHARED_FLOP, DecodePathChooser, cascade_estimate
+
+    chooser = DecodePathChooser()
+    assert chooser.choose(8, estimate=2.5) == "cascade"  # nothing measured, nothing explored
+    assert chooser.choose(8, estimate=1.5) == "flat"  # below trust: measured as before, flat first
+    chooser.record(8, "cascade", 1.0)
+    assert chooser.averages(8) == {}  # a cascade step's first record is its warm-up
+    # 128 requests over a 16k prefix at Llama-3-8B shapes: weights 16 GB, flat KV 275 GB, cascade KV 2 GB, shared
+    # FLOPs 1.1e12
+    assert cascade_estimate(16e9 + 275e9, 16e9 + 2e9, 1.1e12) > 10
+    assert cascade_estimate(10.0, 10.0, 0.0) == 1.0
+    assert cascade_estimate(10.0, 5.0, 5.0 / BYTES_PER_SHARED_FLOP) == 1.0  # the FLOPs count as bytes
+    with pytest.raises(ValueError, match="trust"):
+        DecodePathChooser(trust=1.0)
+
+
 def test_decode_path_chooser_measures_each_path_then_keeps_the_faster() -> None:
     from jitattn.serving.decode_path import DecodePathChooser
 
@@ -401,7 +418,7 @@ def test_with_graphs_a_deep_tree_replays_captured_cascade_steps(model, monkeypat
     expected = [reference_generate(model, p, 6)[0] for p in prompts]
     engine = Engine(model, num_pages=64, page_size=PAGE, cascade=True, overlap=True)  # as on cuda
     engine.cuda_graphs = True
-    monkeypatch.setattr(engine.decode_paths, "choose", lambda bucket: "cascade")
+    monkeypatch.setattr(engine.decode_paths, "choose", lambda bucket, estimate=None: "cascade")
     requests = [engine.add_request(prompts[0], 6)]
     while engine.prefilling or engine.waiting:
         engine.step()
@@ -506,7 +523,7 @@ def test_n_level_cascade_greedy_tokens_equal_the_reference(model, overlap) -> No
     outputs = {}
     for cascade in (True, False):
         engine = Engine(model, num_pages=25, page_size=PAGE, cascade=cascade, overlap=overlap)
-        engine.decode_paths.choose = lambda bucket: "cascade"  # every step of shared pages: the levels under test
+        engine.decode_paths.choose = lambda bucket, estimate=None: "cascade"  # every step of shared pages: the levels under test
         for p in stale:
             engine.add_request(p, 1)
         engine.run()

@@ -25,7 +25,12 @@ def _relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
     return float((got - expected).norm() / expected.norm())
 
 
-def test_llama_3_8b_shapes_64_requests_sharing_a_2k_prompt_match_the_reference_under_teacher_forcing() -> None:
+def test_llama_3_8b_shapes_64_requests_sharing_a_2k_prompt_match_the_reference_under_teacher_forcing(
+        monkeypatch) -> None:
+    from jitattn.serving import engine as engine_module
+
+    # the cascade steps under test on every step (timing would first try flat steps, reading back a step late)
+    monkeypatch.setattr(engine_module.DecodePathChooser, "choose", lambda self, bucket, estimate=None: "cascade")
     started = time.perf_counter()
     model = LlamaModel.random(BIG, seed=0, dtype=torch.bfloat16, device="cuda")
     gen = torch.Generator().manual_seed(0)
@@ -91,7 +96,7 @@ def test_captured_cascade_decode_matches_eager_cascade_decode(batch: int, tree: 
                + torch.randint(0, config.vocab_size, (int(n),), generator=gen).tolist()
                for i, n in enumerate(torch.randint(1, 40, (batch,), generator=gen))]
     forced = torch.randint(0, config.vocab_size, (batch, 8), generator=gen).tolist()
-    monkeypatch.setattr(engine_module.DecodePathChooser, "choose", lambda self, bucket: "cascade")
+    monkeypatch.setattr(engine_module.DecodePathChooser, "choose", lambda self, bucket, estimate=None: "cascade")
     logits = {}
     for graphs in (False, True):
         engine = Engine(model, num_pages=600, page_size=16, max_batch_size=16, cascade=True, cuda_graphs=graphs,
@@ -125,7 +130,7 @@ def test_overlapped_steps_give_the_greedy_tokens_of_steps_read_back_one_by_one(g
     prompts = [system + torch.randint(0, config.vocab_size, (int(n),), generator=gen).tolist()
                for n in torch.randint(1, 60, (11,), generator=gen)]
     lengths = torch.randint(2, 12, (11,), generator=gen).tolist()
-    monkeypatch.setattr(engine_module.DecodePathChooser, "choose", lambda self, bucket: "cascade")
+    monkeypatch.setattr(engine_module.DecodePathChooser, "choose", lambda self, bucket, estimate=None: "cascade")
     outputs = {}
     for overlap in (False, True):
         engine = Engine(model, num_pages=400, page_size=16, max_batch_size=16, cascade=True, cuda_graphs=graphs,

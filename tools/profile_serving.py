@@ -6,7 +6,8 @@
 Builds ``jitattn.serving.Engine`` on random weights, admits ``--requests`` requests over one shared prefix of
 ``--prefix`` tokens (64 own tokens each), runs every prefill, then for each path (the engine's decode-path
 choice forced to ``cascade``, then ``flat``; CUDA graphs off unless ``--graphs``) times ``--steps`` decode steps (each synchronised,
-wall time) and the planner's ``decode_step`` inside them (host time), and on cuda prints torch.profiler's tables
+wall time) and the planner's ``decode_step`` inside them (host time), then ``--steps`` more back to back (the
+engine's steady state: with overlap, each step's host work under the GPU work of the one before), and on cuda prints torch.profiler's tables
 of one more step (sorted by CUDA time, then by CPU time): the GPU work against the host work.
 """
 
@@ -31,7 +32,7 @@ def _engine(model, work, requests: int, path: str, graphs: bool) -> Engine:
     pages = -(-longest // 16)
     engine = Engine(model, num_pages=pages * 4 + requests * 8 + 64, page_size=16, max_batch_size=requests,
                     cascade=True, cuda_graphs=graphs, max_seq_len=longest + 64)
-    engine.decode_paths.choose = lambda bucket: path  # forced: the path under test on every step
+    engine.decode_paths.choose = lambda bucket, estimate=None: path  # forced: the path under test on every step
     for _, prompt, n in work:
         engine.add_request(prompt, n + 64)
     while engine.waiting or engine.prefilling:
@@ -76,9 +77,16 @@ def main(argv: list[str] | None = None) -> None:
             engine.step()
             sync()
             step_s.append(time.perf_counter() - t)
-        print(f"{args.model} {args.requests} x ({args.prefix} + 64), {path}: step ms "
+        engine.planner.decode_step = real
+        t = time.perf_counter()  # back to back: with overlap, a step's host work runs under the step before it
+        for _ in range(args.steps):
+            engine.step()
+        sync()
+        back_to_back = (time.perf_counter() - t) / args.steps
+        print(f"{args.model} {args.requests} x ({args.prefix} + 64), {path}: step ms (each synchronised) "
               f"{[round(s * 1e3, 2) for s in step_s]}; of which decode_step (host) ms "
-              f"{[round(s * 1e3, 2) for s in plan_s]}; levels {engine.planner.last_decode_levels}", flush=True)
+              f"{[round(s * 1e3, 2) for s in plan_s]}; back to back {back_to_back * 1e3:.2f} ms per step "
+              f"(overlap {engine.overlap}); levels {engine.planner.last_decode_levels}", flush=True)
         if cuda and not args.no_profile:
             from torch.profiler import ProfilerActivity, profile
 

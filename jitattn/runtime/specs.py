@@ -87,7 +87,7 @@ def model_specs(
     kv_dtype: torch.dtype, sliding_window: bool = False, full_attention_too: bool = True,
     logits_soft_cap: bool = False, kv_layout: KVLayout = KVLayout.NHD, attention_sinks: bool = False,
 ) -> list[VariantSpec]:
-    """Every spec a model's decode, prefill (paged and ragged), cascade, merge and append paths request.
+    """Every spec a model's decode, prefill (paged and ragged), cascade, merge, append and RoPE paths request.
 
     ``sliding_window`` adds the windowed variants; ``full_attention_too``
     keeps the unwindowed ones (models that alternate layers need both).
@@ -113,6 +113,7 @@ def model_specs(
     if attention_sinks:
         specs += [spec.replace(use_sinks=True) for spec in specs]
     specs.append(append_spec(target, kv_dtype))
+    specs.append(rope_spec(target, dtype))  # the RoPE ops a serving loop applies to q and k around attention
     return list(dict.fromkeys(specs))
 
 

@@ -46,7 +46,11 @@ def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     (the host can prepare a step while the one before it runs)."""
     if device.type != "cuda":
         return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
+    # torch.empty(pin_memory=True) takes a block of torch's caching host allocator; Tensor.pin_memory() first asks
+    # the driver whether the tensor is pinned and took ~0.3-0.9 ms a call on the H200 machine
+    staged = torch.empty(host.shape, dtype=host.dtype, pin_memory=True)
+    staged.copy_(host)
+    return staged.to(device, non_blocking=True)
 
 
 def _indptr(counts: list[int]) -> torch.Tensor:

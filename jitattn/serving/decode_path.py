@@ -8,6 +8,12 @@ the eager cascade engine made 1,261 tokens/s against the flat step's 1,390, whil
 of thousands of tokens makes the flat step's reads the larger cost. So the engine times both, with
 CUDA graphs on or off, and a user never loses by leaving cascade on.
 
+Some steps need no measurement: when the bytes (and the shared levels' FLOPs) say the cascade step does
+under half the flat step's work (``estimate`` >= ``trust``: at 128 requests over a 16k prefix the flat
+step reads ~16x the cascade step's bytes), the engine takes the cascade step at once; timing the flat one
+would cost a graph capture and several slow steps per bucket (a 62-step run spent all but 3 of its steps
+exploring and on flat steps this way).
+
 ``DecodePathChooser`` keeps, per batch-size bucket, a moving average of each path's step time
 (the wall time from the step's launch, or from the read-back of the step before it when the two overlap,
 to its own tokens on the host: its whole cost to the engine's throughput), tries each
@@ -39,15 +45,20 @@ class DecodePathChooser:
     path once every that many steps of a bucket.
     """
 
-    def __init__(self, warmup: int = 1, smoothing: float = 0.25, explore_every: int = 32, outlier: float = 3.0) -> None:
-        if warmup < 0 or not 0.0 < smoothing <= 1.0 or explore_every < 0 or not outlier >= 1.0:
+    def __init__(self, warmup: int = 1, smoothing: float = 0.25, explore_every: int = 32, outlier: float = 3.0,
+                 trust: float = 2.0) -> None:
+        if warmup < 0 or not 0.0 < smoothing <= 1.0 or explore_every < 0 or not outlier >= 1.0 or not trust > 1.0:
             raise ValueError(f"warmup={warmup} >= 0, 0 < smoothing={smoothing} <= 1, explore_every={explore_every} "
-                             f">= 0 and outlier={outlier} >= 1 are required")
+                             f">= 0, outlier={outlier} >= 1 and trust={trust} > 1 are required")
         self.warmup, self.smoothing, self.explore_every, self.outlier = warmup, smoothing, explore_every, outlier
+        self.trust = trust
         self._buckets: dict[int, _Bucket] = {}
 
-    def choose(self, bucket: int) -> str:
-        """The path the next step of ``bucket`` should take."""
+    def choose(self, bucket: int, estimate: float | None = None) -> str:
+        """The path the next step of ``bucket`` should take; ``estimate``: the flat step's work over the cascade
+        step's (:func:`cascade_estimate`), taken as the answer when it is at least ``trust``."""
+        if estimate is not None and estimate >= self.trust:
+            return "cascade"
         state = self._buckets.setdefault(bucket, _Bucket())
         for path in PATHS:  # each path is measured before any comparison
             if path not in state.average:
@@ -77,3 +88,15 @@ class DecodePathChooser:
         """Seconds per step of each measured path of ``bucket`` (empty before any timed step)."""
         state = self._buckets.get(bucket)
         return dict(state.average) if state is not None else {}
+
+
+# Bytes a decode step could read in the time the GPU does one FLOP of the shared levels' attention (H200: ~4.4 TB/s
+# read-stream over ~500 TFLOP/s reached by the prefill kernel on those levels): a shared level is compute-bound
+# (every request's queries against the node's KV), so its FLOPs count as this many bytes in the estimate.
+BYTES_PER_SHARED_FLOP = 4.4e12 / 5e14
+
+
+def cascade_estimate(flat_bytes: float, cascade_bytes: float, shared_flops: float) -> float:
+    """How many times the flat step's work the cascade step's is worth, from the bytes each reads (weights and the
+    KV its path reads) and the FLOPs of the cascade's shared levels (counted at ``BYTES_PER_SHARED_FLOP``)."""
+    return flat_bytes / (cascade_bytes + shared_flops * BYTES_PER_SHARED_FLOP)

@@ -40,7 +40,7 @@ import torch
 
 from ..jit import compile_count
 from .attention import AttentionPlanner, SeqView, kv_tokens_read, pages_saved, prefix_tree, to_device
-from .decode_path import DecodePathChooser
+from .decode_path import DecodePathChooser, cascade_estimate
 from .graphs import CascadeGraph, DecodeGraph, bucket_sizes, padded_cascade_levels
 from .kv_pool import KVPool
 from .model import LlamaModel
@@ -490,7 +490,7 @@ class Engine:
             bucket = self._bucket(len(seqs))
             if tree is not None:
                 # rank 0's choice under tensor parallelism: every rank runs the same step
-                chosen = self.group.broadcast(self.decode_paths.choose(bucket))
+                chosen = self.group.broadcast(self.decode_paths.choose(bucket, self._cascade_estimate(seqs, tree)))
                 if chosen == "flat":
                     tree = None
             if self.cuda_graphs and tree is None:
@@ -512,6 +512,18 @@ class Engine:
             positions = to_device(torch.tensor([s.kv_len - 1 for s in seqs]), dev)
             logits = self.model.logits(self.model.forward(ids, positions, attention))
             return logits, chosen, self.planner.last_decode_kv_tokens
+
+    def _cascade_estimate(self, seqs: list[SeqView], tree) -> float:
+        """``decode_path.cascade_estimate`` of this step: the weights and each path's KV bytes, the shared levels'
+        FLOPs (each member's queries against each node's tokens)."""
+        ps, c = self.pool.page_size, self.model.config
+        per_token = self.pool.bytes_per_page / ps  # K and V of every layer
+        weights = self.model.weight_bytes
+        shared_pairs = sum((node.end - node.first) * (node.page_end - node.page_begin) * ps
+                           for nodes in tree for node in nodes)
+        shared_flops = 4 * shared_pairs * self.model.num_q_heads * c.head_dim * c.num_hidden_layers
+        return cascade_estimate(weights + kv_tokens_read(seqs, [], ps) * per_token,
+                                weights + kv_tokens_read(seqs, tree, ps) * per_token, shared_flops)
 
     def _bucket(self, batch_size: int) -> int:
         return next(b for b in self._buckets if b >= batch_size)

@@ -16,6 +16,8 @@ from typing import Callable
 
 import torch
 
+import jitattn
+
 from .config import ModelConfig
 from .parallel import TPGroup, column_range, head_shard
 
@@ -111,25 +113,11 @@ def save_checkpoint(config: ModelConfig, weights: dict[str, torch.Tensor], direc
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Llama's RMSNorm: normalised in float32, scaled, cast back."""
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    """Llama's RMSNorm: normalised in float32, cast back, scaled (torch's rms_norm: one kernel on cuda where
+    torch fuses it, against five for the spelled-out mean of squares)."""
+    x32 = torch.nn.functional.rms_norm(x.float(), (x.shape[-1],), eps=eps)
     return weight * x32.to(x.dtype)
 
-
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
-    """(cos, sin) ``[tokens, head_dim]`` of Hugging Face Llama's (non-interleaved) rotary embedding."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim))
-    angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]
-    angles = torch.cat([angles, angles], dim=-1)
-    return angles.cos().to(dtype), angles.sin().to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` ``[tokens, heads, head_dim]`` by (cos, sin) ``[tokens, head_dim]``."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
 class LlamaModel:
@@ -191,14 +179,13 @@ class LlamaModel:
         c = self.config
         d, hq, hkv = c.head_dim, self.num_q_heads, self.num_kv_heads
         x = self.embed[input_ids]
-        cos, sin = rope_cos_sin(positions, d, c.rope_theta, self.dtype)
         tokens = input_ids.shape[0]
         for i, layer in enumerate(self.layers):
             h = rms_norm(x, layer["input_norm"], c.rms_norm_eps)
-            qkv = h @ layer["qkv"].t()
-            q = apply_rope(qkv[:, : hq * d].view(tokens, hq, d), cos, sin)
-            k = apply_rope(qkv[:, hq * d: (hq + hkv) * d].view(tokens, hkv, d), cos, sin)
-            v = qkv[:, (hq + hkv) * d:].view(tokens, hkv, d)
+            qkv = (h @ layer["qkv"].t()).view(tokens, hq + 2 * hkv, d)
+            q, k, v = qkv[:, :hq], qkv[:, hq: hq + hkv], qkv[:, hq + hkv:]
+            # Hugging Face Llama's rotary embedding (non-interleaved halves), q and k in place: one launch
+            jitattn.apply_rope_pos_ids_inplace(q, k, positions, rope_theta=c.rope_theta)
             o = attention(i, q, k, v).reshape(tokens, hq * d)
             x = x + self.group.all_reduce(o @ layer["o"].t())
             h = rms_norm(x, layer["post_norm"], c.rms_norm_eps)
