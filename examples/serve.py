@@ -150,8 +150,13 @@ def main(argv: list[str] | None = None) -> dict:
     engine = Engine(model, num_pages=num_pages, page_size=args.page_size, max_batch_size=args.max_batch_size,
                     prefill_chunk_tokens=args.chunk, cascade=args.cascade, cuda_graphs=args.graphs,
                     max_seq_len=longest + 1)
-    requests = [engine.add_request(prompt, n, arrival) for arrival, prompt, n in work]
     leader = group.rank == 0
+    if args.graphs:  # at startup, as serving engines do: the timed run replays them
+        capture_started = time.perf_counter()
+        captured = engine.capture_graphs()
+        if leader:
+            print(f"captured {captured} decode graphs in {time.perf_counter() - capture_started:.1f} s")
+    requests = [engine.add_request(prompt, n, arrival) for arrival, prompt, n in work]
     bar = tqdm(total=len(requests), unit="req", desc="serving", disable=not leader, file=sys.stderr)
     started = time.perf_counter()
     engine.run(on_finish=lambda _: bar.update(1))

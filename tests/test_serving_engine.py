@@ -430,6 +430,37 @@ def test_with_graphs_a_deep_tree_replays_captured_cascade_steps(model, monkeypat
     assert any(len(capacities) == 3 for _, capacities in engine._cascade_graphs)
 
 
+def test_graphs_captured_at_startup_serve_a_tree_without_capturing_again(model, monkeypatch) -> None:
+    """capture_graphs(): every bucket's flat graph and its cascade graphs of one and two shared levels, before any
+    request; a workload of a two-level tree then replays them (no capture while serving), tokens exact."""
+    _fake_graphs(monkeypatch)
+    gen = torch.Generator().manual_seed(23)
+
+    def tokens(n: int) -> list[int]:
+        return torch.randint(0, CONFIG.vocab_size, (n,), generator=gen).tolist()
+
+    system, branch = tokens(40), tokens(21)
+    prompts = [system + branch + tokens(n) for n in (5, 3, 9)] + [system + tokens(n) for n in (6, 12)]
+    expected = [reference_generate(model, p, 6)[0] for p in prompts]
+    engine = Engine(model, num_pages=64, page_size=PAGE, max_batch_size=8, cascade=True, overlap=True)
+    engine.cuda_graphs = True
+    monkeypatch.setattr(engine.decode_paths, "choose", lambda bucket, estimate=None: "cascade")
+    assert engine.capture_graphs() == 3 * len(engine._buckets)  # buckets 1, 2, 4, 8
+    assert sorted(engine._cascade_graphs) == sorted((b, (min(8, b),) * d) for b in (1, 2, 4, 8) for d in (1, 2))
+    graphs = (dict(engine._graphs), dict(engine._cascade_graphs))
+    requests = [engine.add_request(prompts[0], 6)]
+    while engine.prefilling or engine.waiting:
+        engine.step()
+    requests += [engine.add_request(p, 6) for p in prompts[1:]]
+    engine.run()
+    assert [r.output for r in requests] == expected
+    assert engine.stats.max_cascade_levels == 3 and engine.stats.graph_steps == engine.stats.decode_steps
+    assert (engine._graphs, engine._cascade_graphs) == graphs, "no graph captured while serving"
+    with pytest.raises(RuntimeError, match="before any request"):
+        engine.add_request(prompts[0], 2)
+        engine.capture_graphs()
+
+
 def test_pool_refcounts_and_double_release() -> None:
     pool = KVPool(1, 5, 4, 1, 8, torch.float32, "cpu")
     pages = pool.alloc(3)

@@ -39,7 +39,7 @@ from typing import Callable
 import torch
 
 from ..jit import compile_count
-from .attention import AttentionPlanner, SeqView, kv_tokens_read, pages_saved, prefix_tree, to_device
+from .attention import AttentionPlanner, SeqView, SharedNode, kv_tokens_read, pages_saved, prefix_tree, to_device
 from .decode_path import DecodePathChooser, cascade_estimate
 from .graphs import CascadeGraph, DecodeGraph, bucket_sizes, padded_cascade_levels
 from .kv_pool import KVPool
@@ -261,6 +261,30 @@ class Engine:
         self._next_rid += 1
         self.waiting.append(request)
         return request
+
+    def capture_graphs(self, shared_levels: Sequence[int] = (1, 2)) -> int:
+        """Capture every batch-size bucket's decode graphs now, as a serving engine does at startup (cuda_graphs
+        only, before any request runs): the flat step's and, with cascade on, the cascade step's of each count
+        in ``shared_levels`` (at most 8 prefix groups per level, or the bucket's rows, as :func:`node_capacity`
+        sizes them). A step of another shape captures on first use. Returns how many graphs were captured."""
+        if not self.cuda_graphs:
+            raise ValueError("capture_graphs() needs an engine made with cuda_graphs=True")
+        if self.has_work:
+            raise RuntimeError("capture_graphs() runs before any request is served (its replays write the KV pool's "
+                               "scratch page only, but a step in flight would race them)")
+        ids = torch.zeros(0, dtype=torch.long, device=self.model.device)
+        ps, captured = self.pool.page_size, 0
+        with torch.no_grad():
+            for bucket in self._buckets:  # every row on the scratch page; an empty node per shared level
+                if bucket not in self._graphs:
+                    self._graph(bucket).run([], ids)
+                    captured += 1
+                for depth in shared_levels if self.planner.use_cascade else ():
+                    levels, capacities = padded_cascade_levels([], [[SharedNode(0, bucket, 0, 0)]] * depth, bucket, ps)
+                    if (bucket, capacities) not in self._cascade_graphs:
+                        self._cascade_graph(bucket, capacities).run([], ids, levels)
+                        captured += 1
+        return captured
 
     @property
     def has_work(self) -> bool:
