@@ -94,18 +94,23 @@ def table(workloads: list[tuple[str, list[dict]]], peaks: dict | None, command: 
         f"`python3 examples/serve_bench.py {command}` (each workload: two untimed warm-up runs, cascade on and off).",
         "Tokens/s counts output tokens over the wall time of the whole run (prefill included); the ratio beside it "
         "is cascade on / off with the same graphs setting.",
-        "Timing: host wall clock (time.perf_counter) around the whole run, synchronised at its end; every step "
-        "reads its greedy tokens back to the host (int(argmax)), so host cost is in every figure. Graphs off: "
-        "every step launches eagerly (a cascade step has a level per level of the batch's prefix tree). Graphs "
-        "on: a decode step replays the CUDA graph of its batch-size bucket (flat, or a cascade of the tree's "
-        "levels padded to fixed node counts: any shape is captured), prefill chunks launch eagerly, and with cascade "
-        "on a step of shared prefixes takes whichever path (flat, cascade) the engine has timed faster for its "
-        "bucket. Roofline: the decode steps' byte / FLOP floor over their measured time"
+        "Timing: host wall clock (time.perf_counter) around the whole run, synchronised at its end; every decode "
+        "step's greedy tokens reach the host (on cuda one step late: the engine launches the next step first, "
+        "so a step's host work overlaps the GPU work of the one before), so host cost is in every figure. Graphs "
+        "off: every step launches eagerly (a cascade step has a level per level of the batch's prefix tree). "
+        "Graphs on: every bucket's flat and one- and two-level cascade graphs are captured before the timed run "
+        "(Engine.capture_graphs, as at a server's startup; other shapes capture on first use); a decode step "
+        "replays the graph of its batch-size bucket (flat, or a cascade of the tree's levels padded to fixed node "
+        "counts), prefill chunks launch eagerly. With cascade on, a step of shared prefixes takes the cascade "
+        "path when its bytes (and the shared levels' FLOPs) say it does under half the flat step's work, else "
+        "whichever path the engine has timed faster for its bucket. Roofline: the decode steps' byte / FLOP floor "
+        "over their measured time"
         + (f" (read-stream {peaks['read_gbps']:.0f} GB/s, bf16 GEMM {peaks['gemm_tflops']:.0f} TFLOP/s, measured in "
            "this run)." if peaks else " (cuda only)."),
         "",
-        "Decode step ms: the decode steps' wall time over their count (each step synchronised before it starts "
-        "and ending with its tokens on the host); its on / off ratio is the decode speed-up cascade gives, "
+        "Decode step ms: the decode steps' wall time over their count (a step's time runs from its launch, or "
+        "from the step before's tokens on the host when it was launched under that step, to its own tokens on "
+        "the host); its on / off ratio is the decode speed-up cascade gives, "
         "which the whole-run tokens/s dilutes with prefill time.",
         "",
         "| workload | cascade | graphs | output tok/s | on / off | TTFT mean ms | TPOT mean ms | decode step ms "
