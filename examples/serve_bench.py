@@ -73,7 +73,12 @@ def roofline_fraction(row: dict, peaks: dict | None) -> float | None:
     return ideal / row["decode_s"]
 
 
-def run_workload(rest: list[str], on_cuda: bool) -> list[dict]:
+def run_workload(rest: list[str], on_cuda: bool, graphs_only: bool = False) -> list[dict]:
+    """The workload's runs, cascade on and off, graphs off and (on cuda) on; ``graphs_only``: graphs on only,
+    after one warm-up run (the kernels come from a pre-warmed cache: loading them is cheap)."""
+    if graphs_only:
+        serve.main(rest + ["--cascade", "--graphs"])
+        return [serve.main(rest + [flag, "--graphs"]) for flag in ("--cascade", "--no-cascade")]
     variants = [("--cascade",), ("--no-cascade",)]
     if on_cuda:
         variants += [("--cascade", "--graphs"), ("--no-cascade", "--graphs")]
@@ -146,14 +151,14 @@ def step_ms(row: dict, peaks: dict | None) -> tuple[float | None, float | None]:
 
 
 def sweep(prefixes: list[int], request_counts: list[int], rest: list[str], on_cuda: bool,
-          plot_path: str | None) -> list[str]:
+          plot_path: str | None, graphs_only: bool = False) -> list[str]:
     """Decode step time against the shared prefix's length, cascade on and off (see the module docstring)."""
     runs = []
     for requests in request_counts:
         for prefix in prefixes:
             flags = ["--num-requests", str(requests), "--max-batch-size", str(requests), "--system-prompt-len",
                      str(prefix), "--prompt-len-range", "64", "64", "--output-len", "32"]
-            runs.append((requests, prefix, run_workload(flags + rest, on_cuda)))
+            runs.append((requests, prefix, run_workload(flags + rest, on_cuda, graphs_only)))
     peaks = ceilings(runs[0][2][0]["device"])
     lines = ["| requests | shared prefix | cascade | graphs | decode step ms | roofline ms | on / off |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
@@ -208,16 +213,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sweep-prefix", help="comma-separated shared-prefix lengths: time the decode step against them")
     parser.add_argument("--sweep-requests", default="64,128", help="request counts of the sweep (default 64,128)")
     parser.add_argument("--plot", help="the sweep's PNG (needs matplotlib)")
+    parser.add_argument("--sweep-graphs-only", action="store_true",
+                        help="the sweep times CUDA-graph runs only (cuda; one warm-up run per point)")
     args, rest = parser.parse_known_args(argv)
     on_cuda = "cuda" in " ".join(rest)
     if args.sweep_prefix:
         prefixes = [int(x) for x in args.sweep_prefix.split(",")]
         counts = [int(x) for x in args.sweep_requests.split(",")]
+        flags = " --sweep-graphs-only" if args.sweep_graphs_only else ""
         lines = [f"# Decode step time against the shared prefix (`python3 examples/serve_bench.py "
-                 f"--sweep-prefix {args.sweep_prefix} --sweep-requests {args.sweep_requests} {' '.join(rest)}`)", "",
-                 "Each row: one run of the workload (its decode steps' wall time over their count, every step "
-                 "ending with its tokens on the host), after two untimed warm-up runs; roofline as in the table "
-                 "of the presets.", ""] + sweep(prefixes, counts, rest, on_cuda, args.plot)
+                 f"--sweep-prefix {args.sweep_prefix} --sweep-requests {args.sweep_requests}{flags} {' '.join(rest)}`)",
+                 "", "Each row: one run of the workload (its decode steps' wall time over their count, as in the "
+                 "presets' table), after " + ("one untimed warm-up run (cascade on, graphs on)" if args.sweep_graphs_only
+                                              else "two untimed warm-up runs") + "; roofline as in the presets' "
+                 "table.", ""] + sweep(prefixes, counts, rest, on_cuda, args.plot,
+                                                         args.sweep_graphs_only)
         Path(args.out).write_text("\n".join(lines) + "\n")
         print("\n".join(lines))
         return
