@@ -49,6 +49,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=16, help="mean output tokens per request")
     p.add_argument("--cascade", action=argparse.BooleanOptionalAction, default=True,
                    help="cascade attention for requests sharing prefix pages (default on)")
+    p.add_argument("--cascade-depth", type=int, help="at most this many shared levels per cascade step (default: "
+                   "the prefix tree's depth; 1: one node per prefix group, the two-level cascade)")
     p.add_argument("--graphs", action="store_true", help="replay CUDA graphs of the flat decode step (cuda)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (launch with torchrun)")
     p.add_argument("--page-size", type=int, default=16)
@@ -149,6 +151,7 @@ def main(argv: list[str] | None = None) -> dict:
     num_pages = args.num_pages or default_num_pages(args, model, pages_per_request, device)
     engine = Engine(model, num_pages=num_pages, page_size=args.page_size, max_batch_size=args.max_batch_size,
                     prefill_chunk_tokens=args.chunk, cascade=args.cascade, cuda_graphs=args.graphs,
+                    cascade_depth=args.cascade_depth,
                     max_seq_len=longest + 1)
     leader = group.rank == 0
     if args.graphs:  # at startup, as serving engines do: the timed run replays them
@@ -169,7 +172,8 @@ def main(argv: list[str] | None = None) -> dict:
     s = engine.stats
     results = {
         "model": args.model, "layers": config.num_hidden_layers, "device": device, "dtype": str(dtype).split(".")[-1],
-        "tp": group.size, "cascade": args.cascade, "graphs": args.graphs, "requests": len(requests),
+        "tp": group.size, "cascade": args.cascade, "cascade_depth": args.cascade_depth, "graphs": args.graphs,
+        "requests": len(requests),
         "wall_s": wall, "output_tokens_per_s": s.generated_tokens / wall,
         "ttft_mean_ms": 1e3 * statistics.mean(ttft), "ttft_p99_ms": 1e3 * sorted(ttft)[int(0.99 * (len(ttft) - 1))],
         "tpot_mean_ms": 1e3 * statistics.mean(tpot) if tpot else None,

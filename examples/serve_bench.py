@@ -73,21 +73,27 @@ def roofline_fraction(row: dict, peaks: dict | None) -> float | None:
     return ideal / row["decode_s"]
 
 
-def run_workload(rest: list[str], on_cuda: bool, graphs_only: bool = False) -> list[dict]:
+# Runs a preset adds to the cascade on / off pair: agent-fork's tree as a two-level cascade (one node per branch,
+# the root read once per branch) beside the cascade of the tree's levels.
+PRESET_VARIANTS = {"agent-fork": [("--cascade", "--cascade-depth", "1")]}
+
+
+def run_workload(rest: list[str], on_cuda: bool, graphs_only: bool = False,
+                 extra: list[tuple[str, ...]] = ()) -> list[dict]:
     """The workload's runs, cascade on and off, graphs off and (on cuda) on; ``graphs_only``: graphs on only,
     after one warm-up run (the kernels come from a pre-warmed cache: loading them is cheap)."""
     if graphs_only:
         serve.main(rest + ["--cascade", "--graphs"])
         return [serve.main(rest + [flag, "--graphs"]) for flag in ("--cascade", "--no-cascade")]
-    variants = [("--cascade",), ("--no-cascade",)]
+    variants = [("--cascade",), *extra, ("--no-cascade",)]
     if on_cuda:
-        variants += [("--cascade", "--graphs"), ("--no-cascade", "--graphs")]
+        variants += [("--cascade", "--graphs"), *[(*v, "--graphs") for v in extra], ("--no-cascade", "--graphs")]
     # Warm-up over the whole workload, cascade on and off: every kernel loaded and every GEMM shape of the
     # run seen once (a short warm-up left the first timed row paying for both), nothing recorded.
     warm = serve.main(rest + ["--cascade"])
     serve.main(rest + ["--no-cascade"])
     if warm["device"].startswith("cuda") and not on_cuda:  # --device auto found a GPU: time the graphs too
-        variants += [("--cascade", "--graphs"), ("--no-cascade", "--graphs")]
+        variants += [("--cascade", "--graphs"), *[(*v, "--graphs") for v in extra], ("--no-cascade", "--graphs")]
     return [serve.main(rest + list(flags)) for flags in variants]
 
 
@@ -131,8 +137,10 @@ def table(workloads: list[tuple[str, list[dict]]], peaks: dict | None, command: 
             step = step_ms(r, peaks)[0]
             speedup = f"{off_step[r['graphs']] / step:.2f}x" if r["cascade"] and step and off_step.get(r["graphs"]) else ""
             roof = roofline_fraction(r, peaks)
+            cascade = "off" if not r["cascade"] else ("on" if not r.get("cascade_depth") else
+                                                       f"on, {r['cascade_depth'] + 1} levels at most")
             lines.append(
-                f"| {name} | {'on' if r['cascade'] else 'off'} | {'on' if r['graphs'] else 'off'} "
+                f"| {name} | {cascade} | {'on' if r['graphs'] else 'off'} "
                 f"| {r['output_tokens_per_s']:.1f} | {ratio} | {r['ttft_mean_ms']:.1f} | {_ms(r['tpot_mean_ms'])} "
                 f"| {_ms(step)} | {speedup} "
                 f"| {r['decode_steps']} ({r['cascade_steps']} / {r['graph_steps']}) | {r['max_cascade_levels']} "
@@ -232,7 +240,8 @@ def main(argv: list[str] | None = None) -> None:
         print("\n".join(lines))
         return
     names = list(PRESETS) if args.preset == "all" else [args.preset] if args.preset else [None]
-    workloads = [(name or "custom", run_workload(PRESETS.get(name, []) + rest, on_cuda)) for name in names]
+    workloads = [(name or "custom", run_workload(PRESETS.get(name, []) + rest, on_cuda,
+                                                 extra=PRESET_VARIANTS.get(name, []))) for name in names]
     peaks = ceilings(workloads[0][1][0]["device"])
     command = " ".join((["--preset", args.preset] if args.preset else []) + rest)
     lines = table(workloads, peaks, command)

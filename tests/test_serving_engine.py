@@ -10,7 +10,9 @@ import jitattn
 from jitattn.serving import (
     Engine, KVPool, LlamaModel, RadixCache, preset, random_weights, reference_generate, save_checkpoint,
 )
-from jitattn.serving.attention import SeqView, SharedNode, pages_saved, prefix_tree, tree_cascade_levels
+from jitattn.serving.attention import (
+    SeqView, SharedNode, limit_levels, pages_saved, prefix_tree, tree_cascade_levels,
+)
 
 CONFIG = preset("tiny")
 PAGE = 8
@@ -511,6 +513,23 @@ def test_prefix_tree_has_a_level_per_fork() -> None:
         [SharedNode(0, 3, 0, 1)]]
 
 
+def test_limit_levels_folds_the_deeper_levels_into_the_last_kept_one() -> None:
+    tree = prefix_tree(_tree_seqs())
+    # two-level cascade: each seq's deepest node, its pages from the root's first
+    assert limit_levels(tree, 5, 1) == [[SharedNode(0, 2, 0, 4), SharedNode(2, 4, 0, 4), SharedNode(4, 5, 0, 3)]]
+    assert limit_levels(tree, 5, 2) == [tree[0], [SharedNode(0, 2, 2, 4), SharedNode(2, 4, 2, 4),
+                                                  SharedNode(4, 5, 2, 3)]]
+    assert limit_levels(tree, 5, 3) == tree and limit_levels([], 5, 1) == []
+    with pytest.raises(ValueError, match="at least 1"):
+        limit_levels(tree, 5, 0)
+
+
+def test_engine_refuses_a_cascade_depth_below_one(model) -> None:
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="cascade_depth"):
+            Engine(model, num_pages=8, page_size=PAGE, cascade_depth=bad)
+
+
 def test_pages_saved_counts_every_repeated_page_reference() -> None:
     seqs = _tree_seqs()
     by_set = sum(len(s.pages) for s in seqs) - len({p for s in seqs for p in s.pages})
@@ -534,7 +553,8 @@ def test_tree_cascade_levels_cover_every_seq_once_per_level() -> None:
 
 
 @OVERLAP
-def test_n_level_cascade_greedy_tokens_equal_the_reference(model, overlap) -> None:
+@pytest.mark.parametrize("depth", [None, 1], ids=["tree-depth", "two-level"])
+def test_n_level_cascade_greedy_tokens_equal_the_reference(model, overlap, depth) -> None:
     """A prefix tree three levels deep (a system prompt, a few-shot block, a fork; forks at a page boundary
     and mid-page), requests finishing at different steps, a pool small enough that cached prefixes are
     evicted while the shared nodes are in use: exact greedy tokens, and steps of four levels."""
@@ -553,7 +573,7 @@ def test_n_level_cascade_greedy_tokens_equal_the_reference(model, overlap) -> No
     stale = [tokens(17) for _ in range(3)]  # cached, finished prefixes the pool must evict later
     outputs = {}
     for cascade in (True, False):
-        engine = Engine(model, num_pages=25, page_size=PAGE, cascade=cascade, overlap=overlap)
+        engine = Engine(model, num_pages=25, page_size=PAGE, cascade=cascade, overlap=overlap, cascade_depth=depth)
         engine.decode_paths.choose = lambda bucket, estimate=None: "cascade"  # every step of shared pages: the levels under test
         for p in stale:
             engine.add_request(p, 1)
@@ -565,7 +585,7 @@ def test_n_level_cascade_greedy_tokens_equal_the_reference(model, overlap) -> No
         engine.run()
         outputs[cascade] = [r.output for r in requests]
         assert engine.stats.evicted_pages > 0
-        assert engine.stats.max_cascade_levels == (4 if cascade else 0)
+        assert engine.stats.max_cascade_levels == ((4 if depth is None else depth + 1) if cascade else 0)
     assert outputs[True] == expected
     assert outputs[False] == expected
 

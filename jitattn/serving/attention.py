@@ -157,6 +157,36 @@ def pages_saved(tree: list[list[SharedNode]]) -> int:
     return sum((node.end - node.first - 1) * (node.page_end - node.page_begin) for nodes in tree for node in nodes)
 
 
+def limit_levels(tree: list[list[SharedNode]], num_seqs: int, max_levels: int) -> list[list[SharedNode]]:
+    """``tree`` (:func:`prefix_tree`) with at most ``max_levels`` levels: the first ``max_levels - 1`` as they
+    are, and in the last one each seq's deepest node from that level down, its pages counted from the start of
+    the seq's node at that level (consecutive seqs of one deepest node form one node). ``max_levels=1`` is the
+    two-level cascade: one node per prefix group, its whole shared prefix (a root shared by every group is read
+    once per group), then each seq's own pages."""
+    if max_levels < 1:
+        raise ValueError(f"max_levels={max_levels} must be at least 1")
+    if len(tree) <= max_levels:
+        return tree
+    keep = max_levels - 1
+    deepest: list[SharedNode | None] = [None] * num_seqs
+    for nodes in tree[keep:]:  # shallow to deep: a deeper node overwrites its members' entries
+        for node in nodes:
+            deepest[node.first:node.end] = [node] * (node.end - node.first)
+    begin = [0] * num_seqs
+    for node in tree[keep]:
+        begin[node.first:node.end] = [node.page_begin] * (node.end - node.first)
+    merged, i = [], 0
+    while i < num_seqs:
+        node = deepest[i]
+        j = i + 1
+        while j < num_seqs and deepest[j] is node:
+            j += 1
+        if node is not None:
+            merged.append(SharedNode(i, j, begin[i], node.page_end))
+        i = j
+    return tree[:keep] + [merged]
+
+
 def own_pages_from(num_seqs: int, tree: list[list[SharedNode]]) -> list[int]:
     """Each seq's first page of its own: the end of its deepest node's pages (0 outside every node)."""
     own_from = [0] * num_seqs

@@ -39,7 +39,9 @@ from typing import Callable
 import torch
 
 from ..jit import compile_count
-from .attention import AttentionPlanner, SeqView, SharedNode, kv_tokens_read, pages_saved, prefix_tree, to_device
+from .attention import (
+    AttentionPlanner, SeqView, SharedNode, kv_tokens_read, limit_levels, pages_saved, prefix_tree, to_device,
+)
 from .decode_path import DecodePathChooser, cascade_estimate
 from .graphs import CascadeGraph, DecodeGraph, bucket_sizes, padded_cascade_levels
 from .kv_pool import KVPool
@@ -183,16 +185,21 @@ class Engine:
     replays captured decode steps (cuda only): flat ones and, with ``cascade``, cascade ones of any
     shape, each step of shared prefixes taking the path measured
     faster for its batch bucket; ``overlap`` (default: on cuda) reads each decode step's tokens back only
-    after the next step is launched (see the module docstring); ``clock`` gives the time in seconds
+    after the next step is launched (see the module docstring); ``cascade_depth`` caps a cascade step's shared
+    levels (None: the prefix tree's depth; 1: the two-level cascade of one node per prefix group,
+    ``attention.limit_levels``); ``clock`` gives the time in seconds
     (default: since the engine was made) that request arrivals are compared with.
     """
 
     def __init__(self, model: LlamaModel, *, num_pages: int, page_size: int = 16, max_batch_size: int = 64,
                  prefill_chunk_tokens: int = 512, cascade: bool = True, cuda_graphs: bool = False,
-                 max_seq_len: int = 4096, overlap: bool | None = None,
+                 max_seq_len: int = 4096, overlap: bool | None = None, cascade_depth: int | None = None,
                  clock: Callable[[], float] | None = None) -> None:
         if prefill_chunk_tokens < 1 or max_batch_size < 1:
             raise ValueError("prefill_chunk_tokens and max_batch_size must be positive")
+        if cascade_depth is not None and (isinstance(cascade_depth, bool) or not isinstance(cascade_depth, int)
+                                          or cascade_depth < 1):
+            raise ValueError(f"cascade_depth={cascade_depth!r} must be None (the prefix tree's depth) or an int >= 1")
         if cuda_graphs and model.device.type != "cuda":
             raise ValueError("cuda_graphs=True needs a model on a CUDA device")
         c = model.config
@@ -206,6 +213,7 @@ class Engine:
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.cuda_graphs = cuda_graphs
         self.overlap = model.device.type == "cuda" if overlap is None else bool(overlap)
+        self.cascade_depth = cascade_depth
         self._pending: _InFlight | None = None  # the decode step whose tokens are not read back yet (overlap)
         self._last_ready = 0.0  # perf_counter when the last decode step's tokens reached the host
         self._graphs: dict[int, DecodeGraph] = {}
@@ -442,6 +450,8 @@ class Engine:
         if saved > self.stats.peak_pages_saved:
             self.stats.peak_pages_saved = saved
             self.stats.peak_bytes_saved = saved * self.pool.bytes_per_page
+        if self.cascade_depth is not None:
+            shared = limit_levels(shared, len(seqs), self.cascade_depth)
         builds = compile_count()
         ids = self._input_ids(host_ids, from_device)
         logits, chosen, kv_tokens = self._decode_logits(seqs, ids, shared)
