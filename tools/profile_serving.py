@@ -1,10 +1,11 @@
 """Where a serving engine's decode step spends its time: host planning against the whole step, cascade against flat.
 
     python3 tools/profile_serving.py [--device cuda] [--model llama-3-8b-shapes] [--prefix 16384] [--requests 128]
-        [--steps 8] [--graphs] [--no-profile]
+        [--steps 8] [--branches N --branch-len L] [--own 64] [--graphs] [--no-profile]
 
 Builds ``jitattn.serving.Engine`` on random weights, admits ``--requests`` requests over one shared prefix of
-``--prefix`` tokens (64 own tokens each), runs every prefill, then for each path (the engine's decode-path
+``--prefix`` tokens (then, with ``--branches``, one of N branch blocks; ``--own`` tokens of their own each), runs
+every prefill, then for each path (the engine's decode-path
 choice forced to ``cascade``, then ``flat``; CUDA graphs off unless ``--graphs``) times ``--steps`` decode steps (each synchronised,
 wall time) and the planner's ``decode_step`` inside them (host time), then ``--steps`` more back to back (the
 engine's steady state: with overlap, each step's host work under the GPU work of the one before), and on cuda prints torch.profiler's tables
@@ -47,6 +48,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--prefix", type=int, default=16384)
     ap.add_argument("--requests", type=int, default=128)
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--branches", type=int, default=0, help="a prefix tree: the prefix, then one of N branch blocks")
+    ap.add_argument("--branch-len", type=int, default=0, help="tokens of each branch block")
+    ap.add_argument("--own", type=int, default=64, help="each request's own prompt tokens")
     ap.add_argument("--graphs", action="store_true", help="replay captured decode steps (cuda)")
     ap.add_argument("--no-profile", action="store_true")
     args = ap.parse_args(argv)
@@ -55,8 +59,9 @@ def main(argv: list[str] | None = None) -> None:
     config = preset(args.model)
     model = LlamaModel.random(config, seed=0, dtype=torch.bfloat16 if cuda else torch.float32, device=args.device)
     work = serve.workload(serve.parse_args([
-        "--num-requests", str(args.requests), "--system-prompt-len", str(args.prefix), "--prompt-len-range", "64",
-        "64", "--output-len", "64", "--max-batch-size", str(args.requests)]), config.vocab_size)
+        "--num-requests", str(args.requests), "--system-prompt-len", str(args.prefix), "--prompt-len-range",
+        str(args.own), str(args.own), "--output-len", "64", "--max-batch-size", str(args.requests),
+        "--branches", str(args.branches), "--branch-len", str(args.branch_len)]), config.vocab_size)
     for path in ("cascade", "flat"):
         engine = _engine(model, work, args.requests, path, args.graphs)
         plan_s, real = [], engine.planner.decode_step
@@ -83,7 +88,8 @@ def main(argv: list[str] | None = None) -> None:
             engine.step()
         sync()
         back_to_back = (time.perf_counter() - t) / args.steps
-        print(f"{args.model} {args.requests} x ({args.prefix} + 64), {path}: step ms (each synchronised) "
+        tree = f" + {args.branches} branches of {args.branch_len}" if args.branches else ""
+        print(f"{args.model} {args.requests} x ({args.prefix}{tree} + {args.own}), {path}: step ms (each synchronised) "
               f"{[round(s * 1e3, 2) for s in step_s]}; of which decode_step (host) ms "
               f"{[round(s * 1e3, 2) for s in plan_s]}; back to back {back_to_back * 1e3:.2f} ms per step "
               f"(overlap {engine.overlap}); levels {engine.planner.last_decode_levels}", flush=True)
