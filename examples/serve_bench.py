@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -159,28 +160,31 @@ def step_ms(row: dict, peaks: dict | None) -> tuple[float | None, float | None]:
 
 
 def sweep(prefixes: list[int], request_counts: list[int], rest: list[str], on_cuda: bool,
-          plot_path: str | None, graphs_only: bool = False) -> list[str]:
-    """Decode step time against the shared prefix's length, cascade on and off (see the module docstring)."""
-    runs = []
+          plot_path: str | None, graphs_only: bool = False,
+          on_row: Callable[[list[str]], None] = lambda lines: None) -> list[str]:
+    """Decode step time against the shared prefix's length, cascade on and off (see the module docstring).
+    ``on_row`` gets the table so far after each point (a long sweep that is cut short keeps its rows)."""
+    lines = ["| requests | shared prefix | cascade | graphs | decode step ms | roofline ms | on / off |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    points: dict[tuple[int, bool, bool], list[tuple[int, float, float | None]]] = {}
+    peaks = None
     for requests in request_counts:
         for prefix in prefixes:
             flags = ["--num-requests", str(requests), "--max-batch-size", str(requests), "--system-prompt-len",
                      str(prefix), "--prompt-len-range", "64", "64", "--output-len", "32"]
-            runs.append((requests, prefix, run_workload(flags + rest, on_cuda, graphs_only)))
-    peaks = ceilings(runs[0][2][0]["device"])
-    lines = ["| requests | shared prefix | cascade | graphs | decode step ms | roofline ms | on / off |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
-    points: dict[tuple[int, bool, bool], list[tuple[int, float, float | None]]] = {}
-    for requests, prefix, rows in runs:
-        off = {r["graphs"]: step_ms(r, peaks)[0] for r in rows if not r["cascade"]}
-        for r in rows:
-            measured, ideal = step_ms(r, peaks)
-            if measured is None:
-                continue
-            ratio = f"{off[r['graphs']] / measured:.2f}x" if r["cascade"] and off.get(r["graphs"]) else ""
-            lines.append(f"| {requests} | {prefix} | {'on' if r['cascade'] else 'off'} | {'on' if r['graphs'] else 'off'} "
-                         f"| {measured:.2f} | {'n/a' if ideal is None else f'{ideal:.2f}'} | {ratio} |")
-            points.setdefault((requests, r["cascade"], r["graphs"]), []).append((prefix, measured, ideal))
+            rows = run_workload(flags + rest, on_cuda, graphs_only)
+            peaks = peaks or ceilings(rows[0]["device"])
+            off = {r["graphs"]: step_ms(r, peaks)[0] for r in rows if not r["cascade"]}
+            for r in rows:
+                measured, ideal = step_ms(r, peaks)
+                if measured is None:
+                    continue
+                ratio = f"{off[r['graphs']] / measured:.2f}x" if r["cascade"] and off.get(r["graphs"]) else ""
+                lines.append(f"| {requests} | {prefix} | {'on' if r['cascade'] else 'off'} "
+                             f"| {'on' if r['graphs'] else 'off'} | {measured:.2f} "
+                             f"| {'n/a' if ideal is None else f'{ideal:.2f}'} | {ratio} |")
+                points.setdefault((requests, r["cascade"], r["graphs"]), []).append((prefix, measured, ideal))
+            on_row(lines)
     if plot_path:
         _plot(points, plot_path)
     return lines
@@ -234,8 +238,9 @@ def main(argv: list[str] | None = None) -> None:
                  "", "Each row: one run of the workload (its decode steps' wall time over their count, as in the "
                  "presets' table), after " + ("one untimed warm-up run (cascade on, graphs on)" if args.sweep_graphs_only
                                               else "two untimed warm-up runs") + "; roofline as in the presets' "
-                 "table.", ""] + sweep(prefixes, counts, rest, on_cuda, args.plot,
-                                                         args.sweep_graphs_only)
+                 "table.", ""]
+        write = lambda table: Path(args.out).write_text("\n".join(lines + table) + "\n")  # noqa: E731
+        lines += sweep(prefixes, counts, rest, on_cuda, args.plot, args.sweep_graphs_only, on_row=write)
         Path(args.out).write_text("\n".join(lines) + "\n")
         print("\n".join(lines))
         return
