@@ -1,7 +1,7 @@
 """Where a serving engine's decode step spends its time: host planning against the whole step, cascade against flat.
 
     python3 tools/profile_serving.py [--device cuda] [--model llama-3-8b-shapes] [--prefix 16384] [--requests 128]
-        [--steps 8] [--branches N --branch-len L] [--own 64] [--graphs] [--no-profile]
+        [--steps 8] [--branches N --branch-len L] [--own 64] [--graphs] [--no-profile] [--profile-prefill]
 
 Builds ``jitattn.serving.Engine`` on random weights, admits ``--requests`` requests over one shared prefix of
 ``--prefix`` tokens (then, with ``--branches``, one of N branch blocks; ``--own`` tokens of their own each), runs
@@ -28,7 +28,7 @@ import serve  # noqa: E402
 from jitattn.serving import Engine, LlamaModel, preset  # noqa: E402
 
 
-def _engine(model, work, requests: int, path: str, graphs: bool) -> Engine:
+def _engine(model, work, requests: int, path: str, graphs: bool, profile_prefill: bool = False) -> Engine:
     longest = max(len(p) + n for _, p, n in work)
     pages = -(-longest // 16)
     engine = Engine(model, num_pages=pages * 4 + requests * 8 + 64, page_size=16, max_batch_size=requests,
@@ -36,9 +36,35 @@ def _engine(model, work, requests: int, path: str, graphs: bool) -> Engine:
     engine.decode_paths.choose = lambda bucket, estimate=None: path  # forced: the path under test on every step
     for _, prompt, n in work:
         engine.add_request(prompt, n + 64)
+    prefill_s, profiled = [], not profile_prefill
     while engine.waiting or engine.prefilling:
+        if not profiled and len(engine.prefilling) > 1:  # the first step prefilling several requests' own tokens
+            profiled = True
+            _profile_step(engine)
+            continue
+        t = time.perf_counter()
         engine.step()
+        _sync(engine)
+        prefill_s.append(time.perf_counter() - t)
+    if profile_prefill:
+        print(f"prefill phase: {len(prefill_s)} steps, ms {[round(s * 1e3, 1) for s in prefill_s]}", flush=True)
     return engine
+
+
+def _sync(engine: Engine) -> None:
+    if engine.model.device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _profile_step(engine: Engine) -> None:
+    """torch.profiler's tables of one engine step (by CUDA time, then by CPU time); cuda only."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        engine.step()
+        _sync(engine)
+    for key in ("cuda_time_total", "cpu_time_total"):
+        print(prof.key_averages().table(sort_by=key, row_limit=14, max_name_column_width=60), flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -53,6 +79,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--own", type=int, default=64, help="each request's own prompt tokens")
     ap.add_argument("--graphs", action="store_true", help="replay captured decode steps (cuda)")
     ap.add_argument("--no-profile", action="store_true")
+    ap.add_argument("--profile-prefill", action="store_true", help="time the prefill phase's steps and profile the "
+                    "first step that prefills several requests (cascade path only)")
     args = ap.parse_args(argv)
     cuda = args.device == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -63,7 +91,8 @@ def main(argv: list[str] | None = None) -> None:
         str(args.own), str(args.own), "--output-len", "64", "--max-batch-size", str(args.requests),
         "--branches", str(args.branches), "--branch-len", str(args.branch_len)]), config.vocab_size)
     for path in ("cascade", "flat"):
-        engine = _engine(model, work, args.requests, path, args.graphs)
+        engine = _engine(model, work, args.requests, path, args.graphs,
+                         args.profile_prefill and cuda and path == "cascade")
         plan_s, real = [], engine.planner.decode_step
 
         def timed(*a, **k):
@@ -94,13 +123,7 @@ def main(argv: list[str] | None = None) -> None:
               f"{[round(s * 1e3, 2) for s in plan_s]}; back to back {back_to_back * 1e3:.2f} ms per step "
               f"(overlap {engine.overlap}); levels {engine.planner.last_decode_levels}", flush=True)
         if cuda and not args.no_profile:
-            from torch.profiler import ProfilerActivity, profile
-
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                engine.step()
-                sync()
-            for key in ("cuda_time_total", "cpu_time_total"):
-                print(prof.key_averages().table(sort_by=key, row_limit=14, max_name_column_width=60), flush=True)
+            _profile_step(engine)
         del engine
 
 
