@@ -223,8 +223,8 @@ class Engine:
         # A step whose requests share prefix pages runs the faster of the flat step and the cascade step (both
         # captured with graphs on), as measured.
         self.decode_paths = DecodePathChooser()
-        started = time.perf_counter()
-        self.clock = clock or (lambda: time.perf_counter() - started)
+        self._clock_origin = time.perf_counter()  # the default clock's zero (capture_graphs moves it past capture)
+        self.clock = clock or (lambda: time.perf_counter() - self._clock_origin)
         self.waiting: deque[Request] = deque()
         self.prefilling: list[Request] = []
         self.running: list[Request] = []
@@ -274,7 +274,8 @@ class Engine:
         """Capture every batch-size bucket's decode graphs now, as a serving engine does at startup (cuda_graphs
         only, before any request runs): the flat step's and, with cascade on, the cascade step's of each count
         in ``shared_levels`` (at most 8 prefix groups per level, or the bucket's rows, as :func:`node_capacity`
-        sizes them). A step of another shape captures on first use. Returns how many graphs were captured."""
+        sizes them). A step of another shape captures on first use. The default clock (arrivals, TTFT) starts
+        again when it returns. Returns how many graphs were captured."""
         if not self.cuda_graphs:
             raise ValueError("capture_graphs() needs an engine made with cuda_graphs=True")
         if self.has_work:
@@ -292,6 +293,7 @@ class Engine:
                     if (bucket, capacities) not in self._cascade_graphs:
                         self._cascade_graph(bucket, capacities).run([], ids, levels)
                         captured += 1
+        self._clock_origin = time.perf_counter()  # arrivals (and TTFT) count from the end of startup
         return captured
 
     @property
