@@ -61,18 +61,25 @@ class RadixCache:
             child = node.children.get(tuple(tokens[at: at + ps]))
             if child is None:
                 break
-            same = 0  # whole pages of child that match
-            for i in range(len(child.pages)):
-                page_tokens = tuple(tokens[at + i * ps: at + (i + 1) * ps])
-                if len(pages) + i >= limit or page_tokens != child.key[i * ps: (i + 1) * ps]:
-                    break
-                same += 1
+            same = self._same_pages(child, tuple(tokens[at: at + (limit - len(pages)) * ps]))
             if same < len(child.pages):
                 child = self._split(child, same)
             pages += child.pages
             node = child
         self._tick(node)
         return pages
+
+    def _same_pages(self, child: RadixNode, tokens: tuple[int, ...]) -> int:
+        """Whole pages at the start of ``child``'s key that ``tokens`` starts with: the whole run in one
+        comparison when it agrees (a 16k-token prompt page by page cost ~1.4 ms per request), else page by page."""
+        ps = self.page_size
+        n = min(len(child.pages), len(tokens) // ps)
+        if tokens[: n * ps] == child.key[: n * ps]:
+            return n
+        same = 0
+        while same < n and tokens[same * ps: (same + 1) * ps] == child.key[same * ps: (same + 1) * ps]:
+            same += 1
+        return same
 
     def insert(self, tokens: list[int] | tuple[int, ...], pages: list[int]) -> int:
         """Cache ``pages`` as the KV of ``tokens[: len(pages) * page_size]``; returns how many pages were new.
@@ -94,10 +101,7 @@ class RadixCache:
                 self.pool.incref(new.pages)
                 self._tick(new)
                 return len(new.pages)
-            same = 0
-            while same < len(child.pages) and done + same < len(pages) and \
-                    tokens[at + same * ps: at + (same + 1) * ps] == child.key[same * ps: (same + 1) * ps]:
-                same += 1
+            same = self._same_pages(child, tokens[at:])
             if same < len(child.pages):
                 child = self._split(child, same)
             done += same
