@@ -10,12 +10,13 @@
 """
 
 from .config import PRESETS, ModelConfig, preset
-from .engine import Engine, EngineStats, Request
+from .engine import Engine
 from .kv_pool import KVPool, pages_in_budget
 from .model import LlamaModel, load_checkpoint, random_weights, save_checkpoint
 from .parallel import TPGroup, head_shard
 from .radix import RadixCache
 from .reference import reference_generate, torch_attention
+from .request import EngineStats, Request
 
 __all__ = [
     "PRESETS", "Engine", "EngineStats", "KVPool", "LlamaModel", "ModelConfig", "RadixCache", "Request", "TPGroup", "pages_in_budget",

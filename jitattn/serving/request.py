@@ -1,0 +1,103 @@
+"""A generation request and its progress, the engine's counters, and the checks a request's tokens pass."""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation request and its progress (times in seconds of the engine's clock)."""
+
+    rid: int
+    prompt: list[int]
+    max_new_tokens: int
+    arrival: float = 0.0
+    forced_tokens: list[int] | None = None  # teacher forcing: fed instead of the greedy tokens
+    keep_logits: bool = False
+    output: list[int] = field(default_factory=list)  # greedy tokens
+    logits: list[torch.Tensor] = field(default_factory=list)  # float32 on the host, when keep_logits
+    pages: list[int] = field(default_factory=list)
+    page_tuple: tuple[int, ...] = ()  # ``pages`` as a tuple, made once (every step slices it for its SeqView)
+    num_shared_pages: int = 0  # leading pages found in the radix tree at admission
+    num_computed: int = 0  # prompt tokens whose KV is in the pool
+    unread: int = 0  # 1 while this request's greedy token of a decode step in flight is not on the host yet
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    @property
+    def fed_tokens(self) -> list[int]:
+        """Prompt plus the tokens fed back so far (the greedy ones, or the forced ones)."""
+        fed = self.output if self.forced_tokens is None else self.forced_tokens[: len(self.output)]
+        return self.prompt + fed
+
+    @property
+    def num_fed(self) -> int:
+        """Tokens in the KV after the next decode step: the prompt and every output, the one still on the device
+        (``unread``) included; ``len(fed_tokens)`` when none is, without building the list."""
+        return len(self.prompt) + len(self.output) + self.unread
+
+    @property
+    def last_fed_token(self) -> int | None:
+        """The token the next decode step feeds, when the host has it: ``fed_tokens[-1]`` without building the
+        list (a 16k-token prompt: 128 such copies cost ~20 ms a step); None while it is the unread greedy token
+        of a step still in flight (the next step takes it from the device)."""
+        produced = len(self.output) + self.unread
+        if produced == 0:
+            return self.prompt[-1]
+        if self.forced_tokens is not None:
+            return self.forced_tokens[produced - 1]
+        return None if self.unread else self.output[-1]
+
+    @property
+    def exhausted(self) -> bool:
+        """Every output produced, the unread one included: no further decode step."""
+        return len(self.output) + self.unread >= self.max_new_tokens
+
+    @property
+    def done(self) -> bool:
+        return len(self.output) >= self.max_new_tokens
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    prefill_steps: int = 0
+    decode_steps: int = 0
+    cascade_steps: int = 0
+    graph_steps: int = 0
+    prefill_tokens: int = 0  # prompt tokens computed
+    reused_prompt_tokens: int = 0  # prompt tokens found in the radix tree (not computed)
+    generated_tokens: int = 0
+    evicted_pages: int = 0
+    max_cascade_levels: int = 0  # levels of the deepest cascade decode step (prefix-tree levels + the own pages)
+    decode_seconds: float = 0.0  # wall time of the decode steps (each ends with its tokens on the host)
+    decode_tokens: int = 0  # tokens the decode steps produced (the sum of their batch sizes)
+    decode_kv_tokens: int = 0  # KV tokens the decode steps' attention read (per layer): a cascade reads a
+    #                            shared node's once, a flat step every request's whole history
+    peak_pages_saved: int = 0  # max over decode steps of (pages the batch references - distinct pages)
+    peak_bytes_saved: int = 0
+
+
+def token_ids(name: str, tokens, vocab_size: int) -> list[int]:
+    """``tokens`` (a sequence of ints or a 1-D integer tensor) as a list of ints in ``[0, vocab_size)``."""
+    if isinstance(tokens, torch.Tensor):
+        if tokens.dim() != 1 or tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == torch.bool:
+            raise TypeError(f"{name} as a tensor must be 1-D with an integer dtype; got shape {tuple(tokens.shape)} "
+                            f"{str(tokens.dtype).removeprefix('torch.')}")
+        tokens = tokens.tolist()
+    elif isinstance(tokens, (str, bytes)) or not isinstance(tokens, Sequence):
+        raise TypeError(f"{name} must be a list of token ids (ints); got {type(tokens).__name__}")
+    ids = []
+    for i, token in enumerate(tokens):
+        if isinstance(token, bool) or not isinstance(token, numbers.Integral):
+            raise TypeError(f"{name}[{i}] = {token!r} is not a token id ({type(token).__name__}); pass ints")
+        if not 0 <= token < vocab_size:
+            raise ValueError(f"{name}[{i}] = {int(token)}: token {int(token)} is outside the vocabulary "
+                             f"[0, {vocab_size})")
+        ids.append(int(token))
+    return ids
