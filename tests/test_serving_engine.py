@@ -432,11 +432,7 @@ def test_with_graphs_a_deep_tree_replays_captured_cascade_steps(model, monkeypat
     engine = Engine(model, num_pages=64, page_size=PAGE, cascade=True, overlap=True)  # as on cuda
     engine.cuda_graphs = True
     monkeypatch.setattr(engine.decode_paths, "choose", lambda bucket, estimate=None: "cascade")
-    requests = [engine.add_request(prompts[0], 6)]
-    while engine.prefilling or engine.waiting:
-        engine.step()
-    requests += [engine.add_request(p, 6) for p in prompts[1:]]
-    engine.run()
+    requests = _serve(engine, prompts, 6)
     assert [r.output for r in requests] == expected
     assert engine.stats.max_cascade_levels == 4 and engine.stats.cascade_steps > 0
     assert engine.stats.graph_steps == engine.stats.decode_steps, "every decode step replayed a graph"
@@ -462,11 +458,7 @@ def test_graphs_captured_at_startup_serve_a_tree_without_capturing_again(model, 
     assert engine.clock() < 0.5, "the clock starts when startup capture ends"
     assert sorted(engine._cascade_graphs) == sorted((b, (min(8, b),) * d) for b in (1, 2, 4, 8) for d in (1, 2))
     graphs = (dict(engine._graphs), dict(engine._cascade_graphs))
-    requests = [engine.add_request(prompts[0], 6)]
-    while engine.prefilling or engine.waiting:
-        engine.step()
-    requests += [engine.add_request(p, 6) for p in prompts[1:]]
-    engine.run()
+    requests = _serve(engine, prompts, 6)
     assert [r.output for r in requests] == expected
     assert engine.stats.max_cascade_levels == 3 and engine.stats.graph_steps == engine.stats.decode_steps
     assert (engine._graphs, engine._cascade_graphs) == graphs, "no graph captured while serving"
