@@ -344,8 +344,19 @@ def test_decode_path_chooser_measures_each_path_then_keeps_the_faster() -> None:
     assert taken[:4] == ["flat", "flat", "cascade", "cascade"], "a warm-up and a timed step of each"
     assert chooser.averages(64) == pytest.approx({"flat": 0.020, "cascade": 0.010})
     assert taken[4:] == ["cascade", "cascade", "cascade", "flat"] * 2, "the slower path once every 4 steps"
-    # a bucket not measured yet follows the nearest measured one (its own averages stay apart)
+    # a bucket not measured yet follows the nearest measured one (its own averages stay apart), and every
+    # explore_every steps runs the other path until it has measured both itself
     assert chooser.choose(8) == "cascade" and chooser.averages(8) == {}
+    follower = DecodePathChooser(warmup=1, smoothing=0.5, explore_every=4)
+    for path, seconds in (("flat", 0.02), ("flat", 0.02), ("cascade", 0.01), ("cascade", 0.01)):
+        follower.record(8, path, seconds)
+    bucket_times = {"flat": 0.010, "cascade": 0.020}  # in bucket 128 the other way round
+    followed = []
+    for _ in range(12):
+        followed.append(follower.choose(128))
+        follower.record(128, followed[-1], bucket_times[followed[-1]])
+    assert followed[:8] == ["cascade"] * 3 + ["flat"] + ["cascade"] * 3 + ["flat"], followed
+    assert set(follower.averages(128)) == {"flat", "cascade"} and followed[8:11] == ["flat"] * 3  # its own choice
     assert DecodePathChooser().choose(8) == "flat", "the first bucket measured tries flat first"
     times["cascade"] = 0.050  # the shared prefix's advantage is gone: the averages follow
     for _ in range(6):

@@ -148,7 +148,8 @@ def upload(host: torch.Tensor, device: torch.device, buffer: torch.Tensor | None
     """Copy a host tensor to ``device`` (into ``buffer`` when given, as CUDA-graph mode requires).
 
     Always a copy, also on the cpu target: the caller may refill its index tensors for the
-    next batch while this plan is still in use.
+    next batch while this plan is still in use. Into a cuda ``buffer`` the copy is ordered on the
+    current stream without the host waiting: launches that read the buffer run on that stream.
     """
     if buffer is None:
         return host.to(device, non_blocking=False) if device.type != "cpu" else host.clone()

@@ -25,7 +25,8 @@ hundreds of steps); the engine does not record steps that built a kernel at all.
 Batch buckets change as requests join and finish (a batch that grows by a prefill chunk's requests per step
 visits each bucket for a step or two), so only the first bucket measured explores both paths; a bucket not
 measured yet takes the path that was faster in the nearest bucket that is (on the H200 with Llama-3-8B shapes
-and 64 requests over a 2k prefix, exploring every bucket ran 50 of 99 steps on the slower path: 0.93x).
+and 64 requests over a 2k prefix, exploring every bucket ran 50 of 99 steps on the slower path: 0.93x), and
+every ``explore_every`` steps runs the other one, until it has measured both itself.
 """
 
 from __future__ import annotations
@@ -67,8 +68,11 @@ class DecodePathChooser:
         state = self._buckets.setdefault(bucket, _Bucket())
         if len(state.average) < len(PATHS):
             nearest = self._nearest_measured(bucket)
-            if nearest is not None:  # a bucket not measured yet follows the nearest one that is
-                return min(PATHS, key=lambda p: self._buckets[nearest].average[p])
+            if nearest is not None:  # a bucket not measured yet follows the nearest one that is, and now and
+                follow = min(PATHS, key=lambda p: self._buckets[nearest].average[p])  # then measures the other
+                if self.explore_every and state.steps % self.explore_every == self.explore_every - 1:
+                    return next(p for p in PATHS if p != follow)
+                return follow
             for path in PATHS:  # the first bucket measured: each path before any comparison
                 if path not in state.average:
                     return path

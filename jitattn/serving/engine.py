@@ -33,7 +33,6 @@ import numbers
 import time
 from collections.abc import Sequence
 from collections import deque
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -43,44 +42,12 @@ from .attention import (
     AttentionPlanner, SeqView, SharedNode, kv_tokens_read, limit_levels, pages_saved, prefix_tree, to_device,
 )
 from .decode_path import DecodePathChooser, cascade_estimate
-from .graphs import CascadeGraph, DecodeGraph, bucket_sizes, padded_cascade_levels
+from .graphs import MAX_SHARED_LEVELS, CascadeGraph, DecodeGraph, bucket_sizes, padded_cascade_levels
+from .in_flight import InFlight, timing_event, to_host
 from .kv_pool import KVPool
 from .model import LlamaModel
 from .radix import RadixCache
 from .request import EngineStats, Request, token_ids
-
-
-@dataclass(eq=False)
-class _InFlight:
-    """A launched decode step whose greedy tokens have not reached the host yet."""
-
-    batch: list[Request]
-    rows: dict[int, int]  # request id -> its row in the step
-    tokens: torch.Tensor  # [len(batch)] on the device
-    host: tuple[torch.Tensor, torch.cuda.Event | None]  # their copy on the host, and the event that says it is done
-    kept: torch.Tensor | None  # float32 logits of the keep_logits requests' rows (on the device)
-    kept_rows: dict[int, int]  # row in the step -> row in kept
-    started: float  # perf_counter when the host began the step
-    chosen: str | None  # the path the chooser took (None: no choice, or a step that captured a graph)
-    bucket: int
-    builds: int  # compile_count() when it started
-
-    def host_tokens(self) -> torch.Tensor:
-        copy, event = self.host
-        if event is not None:
-            event.synchronize()
-        return copy
-
-
-def _to_host(tokens: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-    """A copy of ``tokens`` on the host, started now, and the event that marks it done (None off cuda)."""
-    if tokens.device.type != "cuda":
-        return tokens.clone(), None
-    copy = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-    copy.copy_(tokens, non_blocking=True)
-    event = torch.cuda.Event()
-    event.record()
-    return copy, event
 
 
 class Engine:
@@ -121,7 +88,7 @@ class Engine:
         self.cuda_graphs = cuda_graphs
         self.overlap = model.device.type == "cuda" if overlap is None else bool(overlap)
         self.cascade_depth = cascade_depth
-        self._pending: _InFlight | None = None  # the decode step whose tokens are not read back yet (overlap)
+        self._pending: InFlight | None = None  # the decode step whose tokens are not read back yet (overlap)
         self._last_ready = 0.0  # perf_counter when the last decode step's tokens reached the host
         self._graphs: dict[int, DecodeGraph] = {}
         self._cascade_graphs: dict[tuple[int, tuple[int, ...]], CascadeGraph] = {}  # by (bucket, node counts)
@@ -367,18 +334,20 @@ class Engine:
             self.stats.peak_bytes_saved = saved * self.pool.bytes_per_page
         if self.cascade_depth is not None:
             shared = limit_levels(shared, len(seqs), self.cascade_depth)
-        builds = compile_count()
+        builds, begin = compile_count(), timing_event(self.model.device)
         ids = self._input_ids(host_ids, from_device)
         logits, chosen, kv_tokens = self._decode_logits(seqs, ids, shared)
         with torch.no_grad():
             tokens = logits.argmax(-1)
             keep = [i for i, r in enumerate(batch) if r.keep_logits]
             kept = logits[keep].float() if keep else None  # a copy: a graph's next replay rewrites its logits
+        end = timing_event(self.model.device)
         self.stats.decode_steps += 1
         self.stats.decode_kv_tokens += kv_tokens
         self.stats.decode_tokens += len(seqs)
-        step = _InFlight(batch, {r.rid: i for i, r in enumerate(batch)}, tokens, _to_host(tokens), kept,
-                         dict(zip(keep, range(len(keep)))), started, chosen, self._bucket(len(seqs)), builds)
+        step = InFlight(batch, {r.rid: i for i, r in enumerate(batch)}, tokens, to_host(tokens), kept,
+                         dict(zip(keep, range(len(keep)))), started, chosen, self._bucket(len(seqs)), builds,
+                         time.perf_counter() - started, (begin, end) if begin is not None else None)
         done = self._read_back()  # the step before: its tokens while this one runs
         for request in batch:
             request.unread = 1
@@ -417,7 +386,7 @@ class Engine:
         self._last_ready = ready
         self.stats.decode_seconds += seconds
         if step.chosen is not None and compile_count() == step.builds:  # a build says nothing of its path
-            self.decode_paths.record(step.bucket, step.chosen, seconds)
+            self.decode_paths.record(step.bucket, step.chosen, step.cost(seconds))
         return done
 
     def _batch_order(self) -> list[Request]:
@@ -439,7 +408,8 @@ class Engine:
             bucket = self._bucket(len(seqs))
             if tree is not None:
                 # rank 0's choice under tensor parallelism: every rank runs the same step
-                chosen = self.group.broadcast(self.decode_paths.choose(bucket, self._cascade_estimate(seqs, tree)))
+                levels = tree[:MAX_SHARED_LEVELS] if self.cuda_graphs else tree  # what the step will run
+                chosen = self.group.broadcast(self.decode_paths.choose(bucket, self._cascade_estimate(seqs, levels)))
                 if chosen == "flat":
                     tree = None
             if self.cuda_graphs and tree is None:
