@@ -88,6 +88,10 @@ class Engine:
         self.cuda_graphs = cuda_graphs
         self.overlap = model.device.type == "cuda" if overlap is None else bool(overlap)
         self.cascade_depth = cascade_depth
+        # the step-independent terms of _cascade_estimate: weight bytes, KV bytes per token (every layer's K and
+        # V), attention FLOPs per (query, shared token) pair over every head and layer
+        self._estimate_terms = (model.weight_bytes, self.pool.bytes_per_page / page_size,
+                                4 * model.num_q_heads * c.head_dim * c.num_hidden_layers)
         self._pending: InFlight | None = None  # the decode step whose tokens are not read back yet (overlap)
         self._last_ready = 0.0  # perf_counter when the last decode step's tokens reached the host
         self._graphs: dict[int, DecodeGraph] = {}
@@ -409,7 +413,8 @@ class Engine:
             if tree is not None:
                 # rank 0's choice under tensor parallelism: every rank runs the same step
                 levels = tree[:MAX_SHARED_LEVELS] if self.cuda_graphs else tree  # what the step will run
-                chosen = self.group.broadcast(self.decode_paths.choose(bucket, self._cascade_estimate(seqs, levels)))
+                estimate = self._cascade_estimate(seqs, levels, kv_tokens_read(seqs, [], ps))
+                chosen = self.group.broadcast(self.decode_paths.choose(bucket, estimate))
                 if chosen == "flat":
                     tree = None
             if self.cuda_graphs and tree is None:
@@ -432,17 +437,15 @@ class Engine:
             logits = self.model.logits(self.model.forward(ids, positions, attention))
             return logits, chosen, self.planner.last_decode_kv_tokens
 
-    def _cascade_estimate(self, seqs: list[SeqView], tree) -> float:
-        """``decode_path.cascade_estimate`` of this step: the weights and each path's KV bytes, the shared levels'
-        FLOPs (each member's queries against each node's tokens)."""
-        ps, c = self.pool.page_size, self.model.config
-        per_token = self.pool.bytes_per_page / ps  # K and V of every layer
-        weights = self.model.weight_bytes
+    def _cascade_estimate(self, seqs: list[SeqView], tree, flat_kv_tokens: int) -> float:
+        """``decode_path.cascade_estimate`` of this step: the weights and each path's KV bytes (``flat_kv_tokens``:
+        the flat step's), the shared levels' FLOPs (each member's queries against each node's tokens)."""
+        ps = self.pool.page_size
+        weights, per_token, flops_per_pair = self._estimate_terms
         shared_pairs = sum((node.end - node.first) * (node.page_end - node.page_begin) * ps
                            for nodes in tree for node in nodes)
-        shared_flops = 4 * shared_pairs * self.model.num_q_heads * c.head_dim * c.num_hidden_layers
-        return cascade_estimate(weights + kv_tokens_read(seqs, [], ps) * per_token,
-                                weights + kv_tokens_read(seqs, tree, ps) * per_token, shared_flops)
+        return cascade_estimate(weights + flat_kv_tokens * per_token,
+                                weights + kv_tokens_read(seqs, tree, ps) * per_token, shared_pairs * flops_per_pair)
 
     def _bucket(self, batch_size: int) -> int:
         return next(b for b in self._buckets if b >= batch_size)
