@@ -4,8 +4,11 @@
 //
 // A counter pair lives in a slot: {next item, blocks done}. The last block of a launch to
 // finish resets its slot, so the next launch that uses it (stream-ordered after it) starts
-// from zero. A slot serves one stream for good; a launch being captured into a CUDA graph
-// takes a slot of its own for good (an executable graph never runs concurrently with itself).
+// from zero. A slot serves one stream for good. The launches captured from one stream into one
+// CUDA graph share a slot (the capture orders them, and an executable graph never runs
+// concurrently with itself), which the graph gives back when it is destroyed (a CUDA user
+// object retained by the graph). One slot per captured launch, kept for good, ran out after
+// a few graphs of a serving engine (32 layers each) and left the rest on the static order.
 // No slot free, or the per-thread default stream (one handle, many streams): slot -1, and the
 // kernel walks a static order instead.
 #pragma once
@@ -38,30 +41,73 @@ struct SlotTable {
   bool used[kMaxDevices][kSlots] = {};
   bool graph[kMaxDevices][kSlots] = {};
   void* stream[kMaxDevices][kSlots] = {};
+  unsigned long long capture[kMaxDevices][kSlots] = {};  // the capture a graph's slot serves
 };
 inline SlotTable g_slots;
+
+struct GraphSlot {
+  int device, slot;
+};
+
+// A CUDA user object's destructor (no CUDA calls allowed): the graph holding the slot is gone.
+inline void give_back(void* p) {
+  GraphSlot* held = static_cast<GraphSlot*>(p);
+  {
+    std::lock_guard<std::mutex> lock(g_slots.mu);
+    g_slots.used[held->device][held->slot] = false;
+    g_slots.graph[held->device][held->slot] = false;
+  }
+  delete held;
+}
+
+// Ties `slot` to the lifetime of `graph` (being captured); false (slot given back) when CUDA refuses.
+inline bool hold_for_graph(int device, int slot, cudaGraph_t graph) {
+  GraphSlot* held = new GraphSlot{device, slot};
+  cudaUserObject_t object;
+  if (cudaUserObjectCreate(&object, held, give_back, 1, cudaUserObjectNoDestructorSync) != cudaSuccess) {
+    cudaGetLastError();
+    give_back(held);
+    return false;
+  }
+  if (cudaGraphRetainUserObject(graph, object, 1, cudaGraphUserObjectMove) != cudaSuccess) {
+    cudaGetLastError();
+    cudaUserObjectRelease(object, 1);  // its destructor gives the slot back
+    return false;
+  }
+  return true;
+}
 
 // The slot for a launch on `stream` of `device` (0 <= device < kMaxDevices), or -1.
 inline int slot_for(int device, cudaStream_t stream) {
   if (stream == cudaStreamPerThread || device < 0 || device >= kMaxDevices) return -1;
   cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-  if (cudaStreamIsCapturing(stream, &status) != cudaSuccess) {
+  unsigned long long capture = 0;
+  cudaGraph_t graph = nullptr;
+  if (cudaStreamGetCaptureInfo(stream, &status, &capture, &graph) != cudaSuccess) {
     cudaGetLastError();
     return -1;
   }
-  const bool capturing = status != cudaStreamCaptureStatusNone;
-  std::lock_guard<std::mutex> lock(g_slots.mu);
-  if (!capturing)
+  if (status == cudaStreamCaptureStatusInvalidated) return -1;  // the capture fails anyway
+  const bool capturing = status == cudaStreamCaptureStatusActive;
+  int claimed = -1;
+  {
+    std::lock_guard<std::mutex> lock(g_slots.mu);
     for (int i = 0; i < kSlots; ++i)
-      if (g_slots.used[device][i] && !g_slots.graph[device][i] && g_slots.stream[device][i] == stream) return i;
-  for (int i = 0; i < kSlots; ++i)
-    if (!g_slots.used[device][i]) {
-      g_slots.used[device][i] = true;
-      g_slots.graph[device][i] = capturing;
-      g_slots.stream[device][i] = stream;
-      return i;
-    }
-  return -1;
+      if (g_slots.used[device][i] && g_slots.graph[device][i] == capturing && g_slots.stream[device][i] == stream &&
+          (!capturing || g_slots.capture[device][i] == capture))
+        return i;
+    for (int i = 0; i < kSlots && claimed < 0; ++i)
+      if (!g_slots.used[device][i]) {
+        g_slots.used[device][i] = true;
+        g_slots.graph[device][i] = capturing;
+        g_slots.stream[device][i] = stream;
+        g_slots.capture[device][i] = capture;
+        claimed = i;
+      }
+  }
+  // Outside the lock: the destructor of a user object CUDA refuses takes it to give the slot back.
+  if (claimed >= 0 && capturing && !hold_for_graph(device, claimed, graph)) return -1;
+  return claimed;
 }
 
 }  // namespace work
