@@ -102,7 +102,7 @@ class Engine:
         # captured with graphs on), as measured.
         self.decode_paths = DecodePathChooser()
         self._clock_origin = time.perf_counter()  # the default clock's zero (capture_graphs moves it past capture)
-        self.clock = clock or (lambda: time.perf_counter() - self._clock_origin)
+        self._clock = clock  # None: seconds since startup (no closure over self: the engine frees on its last reference)
         self.waiting: deque[Request] = deque()
         self.prefilling: list[Request] = []
         self.running: list[Request] = []
@@ -147,6 +147,11 @@ class Engine:
         self._next_rid += 1
         self.waiting.append(request)
         return request
+
+    def clock(self) -> float:
+        """Seconds on the engine's clock: the caller's ``clock``, else since startup (``capture_graphs``
+        restarts it), the time base of arrivals, TTFT and finish times."""
+        return self._clock() if self._clock is not None else time.perf_counter() - self._clock_origin
 
     def capture_graphs(self, shared_levels: Sequence[int] = (1, 2)) -> int:
         """Capture every batch-size bucket's decode graphs now, as a serving engine does at startup (cuda_graphs
