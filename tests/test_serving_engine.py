@@ -331,6 +331,40 @@ def test_a_step_whose_bytes_say_cascade_does_under_half_the_work_takes_it_unmeas
         DecodePathChooser(trust=1.0)
 
 
+def test_a_step_whose_bytes_say_cascade_saves_a_tenth_or_less_takes_flat_unmeasured() -> None:
+    from jitattn.serving.decode_path import DecodePathChooser, flat_reread_fraction
+
+    chooser = DecodePathChooser()
+    for _ in range(40):  # never explores cascade: no measurement could pay for the cascade step's launches
+        assert chooser.choose(8, estimate=1.05) == "flat"
+        chooser.record(8, "flat", 1.0)
+    assert set(chooser.averages(8)) == {"flat"}
+    assert chooser.choose(8, estimate=1.5) == "cascade"  # between the two: the unmeasured path is tried
+    with pytest.raises(ValueError, match="flat_below"):
+        DecodePathChooser(flat_below=2.0)
+    # L2 keeps a layer's shared pages between its requests' reads when they fit; of a larger set the part that
+    # does not fit is read again per request; no L2 modelled (0 bytes): every re-read reaches DRAM
+    mib = 2.0**20
+    assert flat_reread_fraction(8 * mib, 30 * mib) == 0.0  # 64 requests over a 2k prefix: 8 MiB per layer
+    assert flat_reread_fraction(64 * mib, 32 * mib) == 0.5  # a 16k prefix: 64 MiB per layer
+    assert flat_reread_fraction(64 * mib, 0) == 1.0
+
+
+def test_the_engine_estimate_counts_the_flat_steps_rereads_that_l2_serves(monkeypatch) -> None:
+    """At 64 requests over a 2k prefix (8 MiB per layer at Llama-3-8B shapes, well inside an H200's L2) the flat
+    step reads the prefix from DRAM about once, as the cascade step does: the estimate says flat."""
+    engine = Engine(LlamaModel.random(preset("tiny"), seed=0, dtype=torch.float32, device="cpu"), num_pages=64,
+                    page_size=16, max_batch_size=64, cascade=True)
+    weights, per_token, flops, layers, _ = engine._estimate_terms
+    seqs = [SeqView(tuple(range(8)) + (8 + i,), 8 * 16 + 4, 1) for i in range(4)]  # 8 shared pages + 4 own tokens
+    tree = [[SharedNode(0, 4, 0, 8)]]
+    flat = sum(s.kv_len for s in seqs)
+    no_l2 = engine._cascade_estimate(seqs, tree, flat)
+    engine._estimate_terms = (weights, per_token, flops, layers, 1e12)  # an L2 that holds any prefix
+    assert engine._cascade_estimate(seqs, tree, flat) < no_l2
+    assert engine._cascade_estimate(seqs, tree, flat) <= 1.0  # the same DRAM bytes, and the shared FLOPs on top
+
+
 def test_decode_path_chooser_measures_each_path_then_keeps_the_faster() -> None:
     from jitattn.serving.decode_path import DecodePathChooser
 

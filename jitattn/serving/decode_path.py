@@ -10,9 +10,13 @@ CUDA graphs on or off, and a user never loses by leaving cascade on.
 
 Some steps need no measurement: when the bytes (and the shared levels' FLOPs) say the cascade step does
 under half the flat step's work (``estimate`` >= ``trust``: at 128 requests over a 16k prefix the flat
-step reads ~16x the cascade step's bytes), the engine takes the cascade step at once; timing the flat one
-would cost a graph capture and several slow steps per bucket (a 62-step run spent all but 3 of its steps
-exploring and on flat steps this way).
+step reads ~8x the cascade step's bytes from DRAM), the engine takes the cascade step at once; timing the
+flat one would cost a graph capture and several slow steps per bucket (a 62-step run spent all but 3 of its
+steps exploring and on flat steps this way). When they say the cascade step saves at most a tenth of the
+flat step's work (``estimate`` <= ``flat_below``), it takes the flat step at once: the cascade step's extra
+launches (the shared levels' and the merge) then cost more than it saves. The flat step's bytes count the
+re-reads of a shared page that L2 serves (:func:`flat_reread_fraction`): 64 requests over a 2k prefix read
+its 8 MiB per layer from L2 after the first request, and timing the cascade path there cost 0.93x.
 
 ``DecodePathChooser`` keeps, per batch-size bucket, a moving average of each path's step time
 (the wall time from the step's launch, or from the read-back of the step before it when the two overlap,
@@ -52,19 +56,24 @@ class DecodePathChooser:
     """
 
     def __init__(self, warmup: int = 1, smoothing: float = 0.25, explore_every: int = 32, outlier: float = 3.0,
-                 trust: float = 2.0) -> None:
+                 trust: float = 2.0, flat_below: float = 1.1) -> None:
         if warmup < 0 or not 0.0 < smoothing <= 1.0 or explore_every < 0 or not outlier >= 1.0 or not trust > 1.0:
             raise ValueError(f"warmup={warmup} >= 0, 0 < smoothing={smoothing} <= 1, explore_every={explore_every} "
                              f">= 0, outlier={outlier} >= 1 and trust={trust} > 1 are required")
+        if not 0.0 <= flat_below < trust:
+            raise ValueError(f"flat_below={flat_below} must be in [0, trust={trust})")
         self.warmup, self.smoothing, self.explore_every, self.outlier = warmup, smoothing, explore_every, outlier
-        self.trust = trust
+        self.trust, self.flat_below = trust, flat_below
         self._buckets: dict[int, _Bucket] = {}
 
     def choose(self, bucket: int, estimate: float | None = None) -> str:
         """The path the next step of ``bucket`` should take; ``estimate``: the flat step's work over the cascade
-        step's (:func:`cascade_estimate`), taken as the answer when it is at least ``trust``."""
+        step's (:func:`cascade_estimate`), taken as the answer when it is at least ``trust`` (cascade) or at most
+        ``flat_below`` (flat)."""
         if estimate is not None and estimate >= self.trust:
             return "cascade"
+        if estimate is not None and estimate <= self.flat_below:
+            return "flat"
         state = self._buckets.setdefault(bucket, _Bucket())
         if len(state.average) < len(PATHS):
             nearest = self._nearest_measured(bucket)
@@ -118,3 +127,14 @@ def cascade_estimate(flat_bytes: float, cascade_bytes: float, shared_flops: floa
     """How many times the flat step's work the cascade step's is worth, from the bytes each reads (weights and the
     KV its path reads) and the FLOPs of the cascade's shared levels (counted at ``BYTES_PER_SHARED_FLOP``)."""
     return flat_bytes / (cascade_bytes + shared_flops * BYTES_PER_SHARED_FLOP)
+
+
+def flat_reread_fraction(working_set_bytes: float, l2_bytes: float) -> float:
+    """The fraction of a flat step's re-reads of shared pages (every member after the first reading a node's
+    pages again) that reach DRAM, when one layer's shared pages are ``working_set_bytes`` and ``l2_bytes`` of
+    L2 can keep them between the members' reads (0: no cache modelled, every re-read reaches DRAM). A layer's
+    members read its shared pages at about the same time, so what fits is read from DRAM once; of a larger
+    set the part that does not fit is read again per member."""
+    if l2_bytes <= 0:
+        return 1.0
+    return 0.0 if working_set_bytes <= l2_bytes else 1.0 - l2_bytes / working_set_bytes

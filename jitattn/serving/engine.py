@@ -41,7 +41,7 @@ from ..jit import compile_count
 from .attention import (
     AttentionPlanner, SeqView, SharedNode, kv_tokens_read, limit_levels, pages_saved, prefix_tree, to_device,
 )
-from .decode_path import DecodePathChooser, cascade_estimate
+from .decode_path import DecodePathChooser, cascade_estimate, flat_reread_fraction
 from .graphs import MAX_SHARED_LEVELS, CascadeGraph, DecodeGraph, bucket_sizes, padded_cascade_levels
 from .in_flight import InFlight, timing_event, to_host
 from .kv_pool import KVPool
@@ -89,9 +89,12 @@ class Engine:
         self.overlap = model.device.type == "cuda" if overlap is None else bool(overlap)
         self.cascade_depth = cascade_depth
         # the step-independent terms of _cascade_estimate: weight bytes, KV bytes per token (every layer's K and
-        # V), attention FLOPs per (query, shared token) pair over every head and layer
+        # V), attention FLOPs per (query, shared token) pair over every head and layer, the layer count, and the
+        # L2 bytes that keep a layer's shared pages between its requests' reads (half the L2: the weights and
+        # the requests' own pages stream through it too; 0 off cuda)
+        l2 = torch.cuda.get_device_properties(model.device).L2_cache_size if model.device.type == "cuda" else 0
         self._estimate_terms = (model.weight_bytes, self.pool.bytes_per_page / page_size,
-                                4 * model.num_q_heads * c.head_dim * c.num_hidden_layers)
+                                4 * model.num_q_heads * c.head_dim * c.num_hidden_layers, c.num_hidden_layers, l2 / 2)
         self._pending: InFlight | None = None  # the decode step whose tokens are not read back yet (overlap)
         self._last_ready = 0.0  # perf_counter when the last decode step's tokens reached the host
         self._graphs: dict[int, DecodeGraph] = {}
@@ -100,7 +103,9 @@ class Engine:
         self._graph_pool = torch.cuda.graph_pool_handle() if cuda_graphs else None
         # A step whose requests share prefix pages runs the faster of the flat step and the cascade step (both
         # captured with graphs on), as measured.
-        self.decode_paths = DecodePathChooser()
+        # Off cuda no step is taken as flat unmeasured: the byte model is of a GPU's DRAM and L2 (the cpu target's
+        # steps are timed, and its tests run the cascade path).
+        self.decode_paths = DecodePathChooser() if model.device.type == "cuda" else DecodePathChooser(flat_below=0.0)
         self._clock_origin = time.perf_counter()  # the default clock's zero (capture_graphs moves it past capture)
         self._clock = clock  # None: seconds since startup (no closure over self: the engine frees on its last reference)
         self.waiting: deque[Request] = deque()
@@ -446,11 +451,15 @@ class Engine:
         """``decode_path.cascade_estimate`` of this step: the weights and each path's KV bytes (``flat_kv_tokens``:
         the flat step's), the shared levels' FLOPs (each member's queries against each node's tokens)."""
         ps = self.pool.page_size
-        weights, per_token, flops_per_pair = self._estimate_terms
+        weights, per_token, flops_per_pair, layers, l2_bytes = self._estimate_terms
         shared_pairs = sum((node.end - node.first) * (node.page_end - node.page_begin) * ps
                            for nodes in tree for node in nodes)
-        return cascade_estimate(weights + flat_kv_tokens * per_token,
-                                weights + kv_tokens_read(seqs, tree, ps) * per_token, shared_pairs * flops_per_pair)
+        once = sum((node.page_end - node.page_begin) * ps for nodes in tree for node in nodes)  # each node's tokens
+        cascade_tokens = kv_tokens_read(seqs, tree, ps)
+        reread = flat_kv_tokens - cascade_tokens  # what the flat step reads again, per member after the first
+        flat_dram = flat_kv_tokens - reread * (1.0 - flat_reread_fraction(once * per_token / layers, l2_bytes))
+        return cascade_estimate(weights + flat_dram * per_token, weights + cascade_tokens * per_token,
+                                shared_pairs * flops_per_pair)
 
     def _bucket(self, batch_size: int) -> int:
         return next(b for b in self._buckets if b >= batch_size)
