@@ -7,7 +7,7 @@ Examples::
     python -m jitattn.bench --only 'decode/llama8b_*,prefill/llama8b_causal_b8_s4096'
     python -m jitattn.bench --quick --json out.json --plot out.png
     python -m jitattn.bench --list
-    python -m jitattn.bench --suite decode --baseline docs/benchmarks/h200-2026-12-02-s8.json
+    python -m jitattn.bench --suite decode --baseline docs/benchmarks/h200-2026-12-02-b.json
 
 Without a CUDA device the cpu target runs at small sizes (the JSON says so).
 How numbers are produced: ``jitattn/bench/suite.py`` (with ``rows``, ``inputs``, ``sdpa``, ``host``) and ``docs/benchmarks/README.md``.
