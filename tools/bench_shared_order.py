@@ -1,4 +1,4 @@
-"""Flat paged decode over pages that every request shares, per decode TUNING (issue 16).
+"""Flat paged decode over pages that every request shares, per decode TUNING.
 
 Times (Timer.measure: CUDA events, L2 evicted before each call, no graphs, host index arrays) the
 flat decode of the suite's two cascade cases (every request lists the shared pages, then its own),

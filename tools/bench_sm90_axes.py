@@ -1,4 +1,4 @@
-"""The sm90 tier's soft cap and sliding window against its plain kernel, same run (issue 17: every
+"""The sm90 tier's soft cap and sliding window against its plain kernel, same run (the target: every
 axis within 5% of plain):
 
     JITATTN_PREFILL_TIER=sm90 python3 tools/bench_sm90_axes.py [--batch 8 --seq 4096 --dims 128,64,256]

@@ -2,7 +2,7 @@
 
     ncu --profile-from-start off --set full -o OUT/decode_b1 python3 tools/profile_ncu.py decode_b1
 
-Cases (issue 16-18 rows; llama8b shapes 32 / 8 heads d128 bf16 page 16 unless said):
+Cases (the suite's decode and prefill rows; llama8b shapes 32 / 8 heads d128 bf16 page 16 unless said):
 decode_b1 (1 x 32768), decode_b256 (256 x 4096), sdpa_b1 / sdpa_b256 (PyTorch SDPA on contiguous KV, the rows'
 peer), fi_b1 / fi_b256 (FlashInfer's tensor-core decode on the same tables; PEER=1), phi3 (MHA d96 b64 x 4096),
 paged16 / paged64 / ragged (sm90 prefill causal b8 x 4096), ragged_d64 (causal b16 x 2048, d64),

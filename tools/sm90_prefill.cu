@@ -1,4 +1,4 @@
-// Standalone development program for the sm_90a prefill tier (issue 17).
+// Standalone development program for the sm_90a prefill tier.
 // Kernel: warp-specialised (1 producer warpgroup issuing TMA, 2 consumer warpgroups
 // issuing wgmma), 128 query rows x BN keys per step, K/V 2-stage mbarrier pipeline,
 // 128-byte swizzled shared memory, online softmax in registers (exp2).

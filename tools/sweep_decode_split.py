@@ -2,7 +2,7 @@
 
     python3 tools/sweep_decode_split.py [--out FILE] [--device cpu]
 
-issue 16's rows b1 x 32768 (target <= 40 µs, SDPA 40.6 on the H200) and 1 x 32768 + 63 x 512 (target
+The decode rows b1 x 32768 (target <= 40 µs, SDPA 40.6 on the H200) and 1 x 32768 + 63 x 512 (target
 <= 70 µs): llama8b shapes (32 / 8 heads, d128, bf16, page 16, pages in random order). Each row is the
 planner's own choice (``auto``) and then ``plan(fixed_split_size=N)`` for a range of chunk lengths (pages),
 so the best chunk length for these shapes takes one run; the split is host-side (the same kernel:

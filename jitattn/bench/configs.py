@@ -1,7 +1,7 @@
 """Every benchmark case of ``python -m jitattn.bench`` and the work it counts.
 
 A case is plain data: its shapes, options and the bytes / FLOPs it must move
-or compute, by the formulas of issue 7 (tested in ``tests/test_bench.py``):
+or compute, by the formulas below (tested in ``tests/test_bench.py``):
 
 - decode bytes = 2 * (tokens of KV read) * H_kv * D * bytes/elem + q bytes + o bytes,
   where a sliding window ``window_left = w`` reads ``min(kv_len, w + 1)`` tokens;
@@ -313,7 +313,7 @@ def _twin(plain: Attn, suffix: str, **kw) -> Attn:
 
 
 def _with_twins(plain: Attn, sinks: bool = True, batch_invariant: bool = True) -> list[Attn]:
-    """``plain``, then its attention-sink twin (issue 21: within 3%) and batch-invariant twin (within 10%)."""
+    """``plain``, then its attention-sink twin (the target: within 3%) and batch-invariant twin (within 10%)."""
     out = [plain]
     if sinks:
         out.append(_twin(plain, "sinks", sinks=True, note="attention sinks (gpt-oss); compared with " + plain.name))
@@ -388,7 +388,7 @@ VARIANTS: list[Attn] = [
              note="custom mask with the causal pattern"),
 ]
 
-# Issue 18's numbers: FlashInfer 0.5.3 on the H200 and the targets jitattn aims for.
+# FlashInfer 0.5.3's rates on the H200 and the targets jitattn aims for.
 MLA_CASES: list[MLA] = [
     MLA("mla/b64_s4096_p64", 64, 4096, note="FlashInfer 0.5.3: 524 TFLOP/s; target >= 620 TFLOP/s"),
     MLA("mla/b128_s8192_p64", 128, 8192, note="FlashInfer 0.5.3: 525 TFLOP/s; target >= 620 TFLOP/s"),
