@@ -117,9 +117,8 @@ def default_num_pages(args: argparse.Namespace, model, pages_per_request: int, d
         return unshared
     if not 0.0 < args.kv_memory_fraction <= 1.0:
         raise SystemExit(f"--kv-memory-fraction={args.kv_memory_fraction} must be in (0, 1]")
-    dev = torch.device(device)
-    free, _ = torch.cuda.mem_get_info(dev)
-    free += torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)  # freed, cached by PyTorch: usable
+    torch.cuda.empty_cache()  # memory an earlier run in this process freed goes back to the device first
+    free, _ = torch.cuda.mem_get_info(torch.device(device))
     c = model.config
     fit = pages_in_budget(free * args.kv_memory_fraction, c.num_hidden_layers, args.page_size, model.num_kv_heads,
                           c.head_dim, model.dtype)

@@ -93,7 +93,7 @@ def run_workload(rest: list[str], on_cuda: bool, graphs_only: bool = False,
     # kernel loaded, every GEMM shape of the run seen once and the process's first graph replays made, nothing
     # recorded. (A short warm-up left the first timed row paying for loads. Without the graphs warm-up, the
     # first graphs row of system-2k, cascade on, ran at 0.89x the cascade-off row with no cascade step at all,
-    # while the sweep, warmed up with graphs, measured 1.00x at 1k-4k prefixes.)
+    # while the sweep, warmed up with graphs, measured 1.00x where both sides ran the same flat graphs.)
     warm = serve.main(rest + ["--cascade"])
     serve.main(rest + ["--no-cascade"])
     if warm["device"].startswith("cuda") and not on_cuda:  # --device auto found a GPU: time the graphs too
@@ -109,7 +109,7 @@ def table(workloads: list[tuple[str, list[dict]]], peaks: dict | None, command: 
     lines = [
         f"# Serving engine: {first['model']} ({first['layers']} layers, {first['dtype']}) on {first['device']}",
         "",
-        f"`python3 examples/serve_bench.py {command}` (each workload: two untimed warm-up runs, cascade on and off).",
+        f"`python3 examples/serve_bench.py {command}` (each workload: untimed warm-up runs, cascade on and off, and with graphs too when graphs rows are timed).",
         "Tokens/s counts output tokens over the wall time of the whole run (prefill included); the ratio beside it "
         "is cascade on / off with the same graphs setting.",
         "Timing: host wall clock (time.perf_counter) around the whole run, synchronised at its end; every decode "
@@ -120,8 +120,9 @@ def table(workloads: list[tuple[str, list[dict]]], peaks: dict | None, command: 
         "(Engine.capture_graphs, as at a server's startup; other shapes capture on first use); a decode step "
         "replays the graph of its batch-size bucket (flat, or a cascade of the tree's levels padded to fixed node "
         "counts), prefill chunks launch eagerly. With cascade on, a step of shared prefixes takes the cascade "
-        "path when its bytes (and the shared levels' FLOPs) say it does under half the flat step's work, else "
-        "whichever path the engine has timed faster for its bucket. Roofline: the decode steps' byte / FLOP floor "
+        "path when its bytes (and the shared levels' FLOPs) say it does under half the flat step's work, the flat "
+        "path (on cuda) when they say cascade saves at most a tenth (re-reads L2 serves counted at a fraction of "
+        "a DRAM byte), else whichever path the engine has timed faster for its bucket. Roofline: the decode steps' byte / FLOP floor "
         "over their measured time"
         + (f" (read-stream {peaks['read_gbps']:.0f} GB/s, bf16 GEMM {peaks['gemm_tflops']:.0f} TFLOP/s, measured in "
            "this run)." if peaks else " (cuda only)."),

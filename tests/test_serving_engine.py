@@ -342,27 +342,38 @@ def test_a_step_whose_bytes_say_cascade_saves_a_tenth_or_less_takes_flat_unmeasu
     assert chooser.choose(8, estimate=1.5) == "cascade"  # between the two: the unmeasured path is tried
     with pytest.raises(ValueError, match="flat_below"):
         DecodePathChooser(flat_below=2.0)
-    # L2 keeps a layer's shared pages between its requests' reads when they fit; of a larger set the part that
-    # does not fit is read again per request; no L2 modelled (0 bytes): every re-read reaches DRAM
+    # L2 keeps a layer's shared pages between its requests' reads when they fit (each re-read at L2_REREAD_COST of a
+    # DRAM byte); of a larger set the part that does not fit is read again from DRAM; no L2 modelled: all DRAM
+    from jitattn.serving.decode_path import L2_REREAD_COST
+
     mib = 2.0**20
-    assert flat_reread_fraction(8 * mib, 30 * mib) == 0.0  # 64 requests over a 2k prefix: 8 MiB per layer
-    assert flat_reread_fraction(64 * mib, 32 * mib) == 0.5  # a 16k prefix: 64 MiB per layer
+    assert flat_reread_fraction(8 * mib, 30 * mib) == L2_REREAD_COST  # 64 requests over a 2k prefix: 8 MiB a layer
+    assert flat_reread_fraction(64 * mib, 32 * mib) == pytest.approx(0.5 + 0.5 * L2_REREAD_COST)  # a 16k prefix
     assert flat_reread_fraction(64 * mib, 0) == 1.0
 
 
-def test_the_engine_estimate_counts_the_flat_steps_rereads_that_l2_serves(monkeypatch) -> None:
-    """At 64 requests over a 2k prefix (8 MiB per layer at Llama-3-8B shapes, well inside an H200's L2) the flat
-    step reads the prefix from DRAM about once, as the cascade step does: the estimate says flat."""
-    engine = Engine(LlamaModel.random(preset("tiny"), seed=0, dtype=torch.float32, device="cpu"), num_pages=64,
+def test_the_engine_estimate_counts_the_flat_steps_rereads_that_l2_serves() -> None:
+    """Llama-3-8B shapes on an H200 (60 MiB L2, half of it keeping shared pages): 64 requests over a 2k prefix
+    (8 MiB per layer) give an estimate the chooser takes as flat, over a 4k prefix one it measures, over a 16k
+    prefix (64 MiB per layer, past the L2) one it takes as cascade; without the L2 every one would be cascade."""
+    from jitattn.serving.decode_path import DecodePathChooser
+
+    engine = Engine(LlamaModel.random(preset("tiny"), seed=0, dtype=torch.float32, device="cpu"), num_pages=8,
                     page_size=16, max_batch_size=64, cascade=True)
-    weights, per_token, flops, layers, _ = engine._estimate_terms
-    seqs = [SeqView(tuple(range(8)) + (8 + i,), 8 * 16 + 4, 1) for i in range(4)]  # 8 shared pages + 4 own tokens
-    tree = [[SharedNode(0, 4, 0, 8)]]
-    flat = sum(s.kv_len for s in seqs)
-    no_l2 = engine._cascade_estimate(seqs, tree, flat)
-    engine._estimate_terms = (weights, per_token, flops, layers, 1e12)  # an L2 that holds any prefix
-    assert engine._cascade_estimate(seqs, tree, flat) < no_l2
-    assert engine._cascade_estimate(seqs, tree, flat) <= 1.0  # the same DRAM bytes, and the shared FLOPs on top
+    # Llama-3-8B's terms: weight bytes, KV bytes per token (32 layers x 8 heads x 128 x K and V x 2 bytes),
+    # attention FLOPs per (query, key) pair (4 x 32 heads x 128 x 32 layers), layers, L2 bytes for shared pages
+    engine._estimate_terms = (16.06e9, 32 * 8 * 128 * 2 * 2, 4 * 32 * 128 * 32, 32, 30 * 2.0**20)
+    chooser, paths = DecodePathChooser(), {}
+    for prefix in (2048, 4096, 16384):
+        pages = prefix // 16
+        seqs = [SeqView(tuple(range(pages)) + (pages + i, pages + 64 + i), prefix + 20, 1) for i in range(64)]
+        tree = [[SharedNode(0, 64, 0, pages)]]
+        estimate = engine._cascade_estimate(seqs, tree, sum(s.kv_len for s in seqs))
+        paths[prefix] = "measured" if chooser.flat_below < estimate < chooser.trust else chooser.choose(64, estimate)
+        engine._estimate_terms = (*engine._estimate_terms[:4], 0)
+        assert engine._cascade_estimate(seqs, tree, sum(s.kv_len for s in seqs)) > estimate  # every re-read in DRAM
+        engine._estimate_terms = (*engine._estimate_terms[:4], 30 * 2.0**20)
+    assert paths == {2048: "flat", 4096: "measured", 16384: "cascade"}
 
 
 def test_decode_path_chooser_measures_each_path_then_keeps_the_faster() -> None:

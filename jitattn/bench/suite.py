@@ -292,7 +292,7 @@ def _new_doc(opts, target: str, device: torch.device, measure_s: float, deadline
     return {
         "schema": SCHEMA, "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "target": target,
-        "note": ("cuda target at the issue's sizes" if target == "cuda" else
+        "note": ("cuda target at full sizes" if target == "cuda" else
                  f"no CUDA device: the cpu target at small sizes (~1/{configs.CPU_SCALE} of the tokens, fewer "
                  "requests; same names); the GEMM ceiling is float32"),
         "args": {"suite": opts.suite, "only": opts.only, "quick": opts.quick, "measure_s": measure_s,

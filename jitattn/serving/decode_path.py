@@ -14,9 +14,10 @@ step reads ~8x the cascade step's bytes from DRAM), the engine takes the cascade
 flat one would cost a graph capture and several slow steps per bucket (a 62-step run spent all but 3 of its
 steps exploring and on flat steps this way). When they say the cascade step saves at most a tenth of the
 flat step's work (``estimate`` <= ``flat_below``), it takes the flat step at once: the cascade step's extra
-launches (the shared levels' and the merge) then cost more than it saves. The flat step's bytes count the
-re-reads of a shared page that L2 serves (:func:`flat_reread_fraction`): 64 requests over a 2k prefix read
-its 8 MiB per layer from L2 after the first request, and timing the cascade path there cost 0.93x.
+launches (the shared levels' and the merge) then cost about what it saves (64 requests over a 1k or 2k prefix:
+0.98x and 1.02x measured). The flat step's re-reads of a shared page that L2 serves count at a fraction of a
+DRAM byte (:func:`flat_reread_fraction`): 64 requests over a 2k prefix read its 8 MiB per layer from L2 after
+the first request.
 
 ``DecodePathChooser`` keeps, per batch-size bucket, a moving average of each path's step time
 (the wall time from the step's launch, or from the read-back of the step before it when the two overlap,
@@ -52,7 +53,8 @@ class DecodePathChooser:
 
     ``warmup`` steps of each path are not timed (the first captures the graph or loads kernels);
     ``smoothing`` weighs a new sample in the moving average; ``explore_every`` > 0 runs the slower
-    path once every that many steps of a bucket.
+    path once every that many steps of a bucket. An estimate of at least ``trust`` takes cascade, one of at
+    most ``flat_below`` flat, without measuring (0 turns the flat rule off).
     """
 
     def __init__(self, warmup: int = 1, smoothing: float = 0.25, explore_every: int = 32, outlier: float = 3.0,
@@ -129,12 +131,20 @@ def cascade_estimate(flat_bytes: float, cascade_bytes: float, shared_flops: floa
     return flat_bytes / (cascade_bytes + shared_flops * BYTES_PER_SHARED_FLOP)
 
 
+# What a flat step's re-read of a shared page that L2 serves costs, in DRAM bytes: the L2 traffic and the
+# decode kernel's work on it are not free. Fitted to the H200 sweep of 64 requests (Llama-3-8B shapes, graphs):
+# cascade over flat measured 0.98x at a 1k prefix, 1.02x at 2k, 1.18x at 4k, 1.41x at 8k; this cost gives
+# estimates of 1.05, 1.09, 1.18 and 1.5.
+L2_REREAD_COST = 0.13
+
+
 def flat_reread_fraction(working_set_bytes: float, l2_bytes: float) -> float:
-    """The fraction of a flat step's re-reads of shared pages (every member after the first reading a node's
-    pages again) that reach DRAM, when one layer's shared pages are ``working_set_bytes`` and ``l2_bytes`` of
-    L2 can keep them between the members' reads (0: no cache modelled, every re-read reaches DRAM). A layer's
-    members read its shared pages at about the same time, so what fits is read from DRAM once; of a larger
-    set the part that does not fit is read again per member."""
+    """What a flat step's re-reads of shared pages (every member after the first reading a node's pages again)
+    cost as a fraction of their DRAM bytes, when one layer's shared pages are ``working_set_bytes`` and
+    ``l2_bytes`` of L2 can keep them between the members' reads (0: no cache modelled, every re-read reaches
+    DRAM). A layer's members read its shared pages at about the same time, so what fits is read from L2 (at
+    ``L2_REREAD_COST``); of a larger set the part that does not fit is read again from DRAM."""
     if l2_bytes <= 0:
         return 1.0
-    return 0.0 if working_set_bytes <= l2_bytes else 1.0 - l2_bytes / working_set_bytes
+    miss = 0.0 if working_set_bytes <= l2_bytes else 1.0 - l2_bytes / working_set_bytes
+    return miss + (1.0 - miss) * L2_REREAD_COST
