@@ -353,3 +353,11 @@ def test_a_captured_graph_takes_one_work_slot_per_stream_and_gives_it_back_when_
         del graph
         torch.cuda.synchronize()
     assert len(seen) < 256, "destroyed graphs give their slots back"
+    live, slots = [], []
+    for _ in range(2):  # two live graphs captured from one stream: a slot each (each may replay on any stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            slots.append(work_slot(torch.cuda.current_stream().cuda_stream))
+            x.add_(1)
+        live.append(graph)
+    assert min(slots) >= 0 and slots[0] != slots[1] and eager not in slots, (slots, eager)
