@@ -420,10 +420,11 @@ class Engine:
             tree = self.planner.cascade_tree(seqs, shared)
             chosen = None
             bucket = self._bucket(len(seqs))
+            flat_tokens = kv_tokens_read(seqs, [], ps)  # what a flat step's attention reads per layer
             if tree is not None:
                 # rank 0's choice under tensor parallelism: every rank runs the same step
                 levels = tree[:MAX_SHARED_LEVELS] if self.cuda_graphs else tree  # what the step will run
-                estimate = self._cascade_estimate(seqs, levels, kv_tokens_read(seqs, [], ps))
+                estimate = self._cascade_estimate(seqs, levels, flat_tokens)
                 chosen = self.group.broadcast(self.decode_paths.choose(bucket, estimate))
                 if chosen == "flat":
                     tree = None
@@ -431,7 +432,7 @@ class Engine:
                 self.stats.graph_steps += 1
                 if bucket not in self._graphs:
                     chosen = None  # a step that captures says nothing of its path's replays
-                return self._graph(len(seqs)).run(seqs, ids), chosen, kv_tokens_read(seqs, [], ps)
+                return self._graph(len(seqs)).run(seqs, ids), chosen, flat_tokens
             self.stats.cascade_steps += tree is not None
             if self.cuda_graphs:  # a captured cascade step: any number of groups and levels
                 levels, capacities = padded_cascade_levels(seqs, tree, bucket, ps)
