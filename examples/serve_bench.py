@@ -87,8 +87,9 @@ def run_workload(rest: list[str], on_cuda: bool, graphs_only: bool = False,
         serve.main(rest + ["--cascade", "--graphs"])
         return [serve.main(rest + [flag, "--graphs"]) for flag in ("--cascade", "--no-cascade")]
     variants = [("--cascade",), *extra, ("--no-cascade",)]
+    graph_rows = [("--cascade", "--graphs"), *[(*v, "--graphs") for v in extra], ("--no-cascade", "--graphs")]
     if on_cuda:
-        variants += [("--cascade", "--graphs"), *[(*v, "--graphs") for v in extra], ("--no-cascade", "--graphs")]
+        variants += graph_rows
     # Warm-up over the whole workload, cascade on and off (and with graphs, when graphs rows are timed): every
     # kernel loaded, every GEMM shape of the run seen once and the process's first graph replays made, nothing
     # recorded. (A short warm-up left the first timed row paying for loads. Without the graphs warm-up, the
@@ -97,8 +98,8 @@ def run_workload(rest: list[str], on_cuda: bool, graphs_only: bool = False,
     warm = serve.main(rest + ["--cascade"])
     serve.main(rest + ["--no-cascade"])
     if warm["device"].startswith("cuda") and not on_cuda:  # --device auto found a GPU: time the graphs too
-        variants += [("--cascade", "--graphs"), *[(*v, "--graphs") for v in extra], ("--no-cascade", "--graphs")]
-    if any("--graphs" in v for v in variants):
+        variants += graph_rows
+    if graph_rows[0] in variants:
         serve.main(rest + ["--cascade", "--graphs"])
         serve.main(rest + ["--no-cascade", "--graphs"])
     return [serve.main(rest + list(flags)) for flags in variants]
@@ -109,7 +110,8 @@ def table(workloads: list[tuple[str, list[dict]]], peaks: dict | None, command: 
     lines = [
         f"# Serving engine: {first['model']} ({first['layers']} layers, {first['dtype']}) on {first['device']}",
         "",
-        f"`python3 examples/serve_bench.py {command}` (each workload: untimed warm-up runs, cascade on and off, and with graphs too when graphs rows are timed).",
+        f"`python3 examples/serve_bench.py {command}` (each workload: untimed warm-up runs, cascade on and off, "
+        "and with graphs too when graphs rows are timed).",
         "Tokens/s counts output tokens over the wall time of the whole run (prefill included); the ratio beside it "
         "is cascade on / off with the same graphs setting.",
         "Timing: host wall clock (time.perf_counter) around the whole run, synchronised at its end; every decode "
@@ -122,8 +124,8 @@ def table(workloads: list[tuple[str, list[dict]]], peaks: dict | None, command: 
         "counts), prefill chunks launch eagerly. With cascade on, a step of shared prefixes takes the cascade "
         "path when its bytes (and the shared levels' FLOPs) say it does under half the flat step's work, the flat "
         "path (on cuda) when they say cascade saves at most a tenth (re-reads L2 serves counted at a fraction of "
-        "a DRAM byte), else whichever path the engine has timed faster for its bucket. Roofline: the decode steps' byte / FLOP floor "
-        "over their measured time"
+        "a DRAM byte), else whichever path the engine has timed faster for its bucket. Roofline: the decode "
+        "steps' byte / FLOP floor over their measured time"
         + (f" (read-stream {peaks['read_gbps']:.0f} GB/s, bf16 GEMM {peaks['gemm_tflops']:.0f} TFLOP/s, measured in "
            "this run)." if peaks else " (cuda only)."),
         "",
@@ -244,7 +246,7 @@ def main(argv: list[str] | None = None) -> None:
                  f"--sweep-prefix {args.sweep_prefix} --sweep-requests {args.sweep_requests}{flags} {' '.join(rest)}`)",
                  "", "Each row: one run of the workload (its decode steps' wall time over their count, as in the "
                  "presets' table), after " + ("one untimed warm-up run (cascade on, graphs on)" if args.sweep_graphs_only
-                                              else "two untimed warm-up runs") + "; roofline as in the presets' "
+                                              else "the presets' untimed warm-up runs") + "; roofline as in the presets' "
                  "table.", ""]
         write = lambda table: Path(args.out).write_text("\n".join(lines + table) + "\n")  # noqa: E731
         lines += sweep(prefixes, counts, rest, on_cuda, args.plot, args.sweep_graphs_only, on_row=write)
