@@ -2,9 +2,9 @@
 
 Tiny GPU work (4 requests of one page), so each number is the Python + launch cost a serving
 loop pays per call: ``run()`` once per layer for decode, paged prefill and a two-level cascade,
-and ``plan()`` / ``fast_decode_plan()`` once per step for a batch of 256 x 4096 tokens. Each is
-the median of several rounds of back-to-back calls (no device sync inside a round). FlashInfer
-columns are skipped when it is not installed.
+and ``plan()`` / ``fast_decode_plan()`` once per step for a batch of 256 x 4096 tokens; the MLA
+wrapper's ``run()`` and ``plan()`` alike. Each is the median of several rounds of back-to-back calls
+(no device sync inside a round). FlashInfer columns are skipped when it is not installed.
 """
 
 from __future__ import annotations
@@ -73,11 +73,35 @@ def _plans(lib, ws, device: str = "cuda"):
     return plan, fast
 
 
+def _mla(lib, ws, device: str = "cuda"):
+    """(plan, run) callables of the MLA wrapper at 128 heads, page 64 (two wrappers): ``plan()`` of a batch of
+    256 x 4096 tokens, ``run()`` over 4 requests of one page."""
+    heads, ckv, kpe, ps = 128, 512, 64, 64
+
+    def planned(batch: int, pages: int):
+        wrapper = lib.BatchMLAPagedAttentionWrapper(ws)
+        indptr = (torch.arange(batch + 1) * pages).to(torch.int32)
+        indices = torch.randperm(batch * pages + 64, dtype=torch.int64)[: batch * pages].to(torch.int32)
+        lens, qo = torch.full((batch,), pages * ps, dtype=torch.int32), torch.arange(batch + 1, dtype=torch.int32)
+        return wrapper, lambda: wrapper.plan(qo, indptr, indices, lens, heads, ckv, kpe, ps, False, 1 / 192 ** 0.5,
+                                             torch.bfloat16, torch.bfloat16)
+
+    _, plan = planned(256, 64)
+    tiny, tiny_plan = planned(4, 1)
+    tiny_plan()
+    q_nope = torch.randn(4, heads, ckv, dtype=torch.bfloat16, device=device)
+    q_pe = torch.randn(4, heads, kpe, dtype=torch.bfloat16, device=device)
+    cache = torch.randn(300, ps, ckv + kpe, dtype=torch.bfloat16, device=device)  # one buffer, as SGLang keeps it
+    out = torch.empty_like(q_nope)
+    return plan, (lambda: tiny.run(q_nope, q_pe, cache[..., :ckv], cache[..., ckv:], out=out))
+
+
 METHOD = ("host wall time per call (time.perf_counter), median of rounds of back-to-back eager calls with no "
           "device sync inside a round (no CUDA graph; tiny GPU work, so the figure is the Python + launch cost); "
           "run(): 4 requests of one page (decode and prefill with out= given), index arrays planned from the "
           "device; plan(): index arrays on the host; fast_decode_plan(): index arrays on the device with "
-          "global_override_indptr_cpu on the host")
+          "global_override_indptr_cpu on the host; MLA: 128 heads, page 64, the latent cache as views of one "
+          "576-wide buffer")
 
 
 def main() -> int:
@@ -88,11 +112,14 @@ def main() -> int:
         lib = importlib.import_module(name)
         decode, prefill, cascade = _tiny(lib, ws)
         plan, fast = _plans(lib, ws)
+        mla_plan, mla_run = _mla(lib, ws)
         results[name] = {
             "decode run()": host_us(decode), "paged prefill run()": host_us(prefill),
             "cascade run() (2 levels)": host_us(cascade, calls=200),
             "decode plan() b256 x 4096": host_us(plan, calls=20, rounds=5),
             "fast_decode_plan() b256 x 4096": host_us(fast, calls=20, rounds=5),
+            "MLA run()": host_us(mla_run),
+            "MLA plan() b256 x 4096": host_us(mla_plan, calls=20, rounds=5),
         }
     rows = list(results["jitattn"])
     print(f"{'host us per call':<34s}" + "".join(f"{n:>12s}" for n in libs) + ("   ratio" if len(libs) > 1 else ""))

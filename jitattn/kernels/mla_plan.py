@@ -53,10 +53,13 @@ def _tiles(qo_lens, kv_lens, num_heads: int, causal: bool) -> tuple[np.ndarray, 
     qo = np.asarray(qo_lens, dtype=np.int64).reshape(-1)
     kv = np.asarray(kv_lens, dtype=np.int64).reshape(-1)
     per_request = _ceil_div(qo * num_heads, ROWS)
-    request = np.repeat(np.arange(qo.size, dtype=np.int64), per_request)
-    first = np.cumsum(per_request) - per_request  # each request's first tile
-    row0 = (np.arange(request.size, dtype=np.int64) - np.repeat(first, per_request)) * ROWS
-    qo_r, kv_r = qo[request], kv[request]
+    if per_request.size and per_request.min() == 1 and per_request.max() == 1:  # decode at <= 64 heads: one each
+        request, row0, qo_r, kv_r = np.arange(qo.size, dtype=np.int64), np.zeros_like(qo), qo, kv
+    else:
+        request = np.repeat(np.arange(qo.size, dtype=np.int64), per_request)
+        first = np.cumsum(per_request) - per_request  # each request's first tile
+        row0 = (np.arange(request.size, dtype=np.int64) - first[request]) * ROWS
+        qo_r, kv_r = qo[request], kv[request]
     if causal:
         last_token = np.minimum(qo_r - 1, (row0 + ROWS - 1) // num_heads)
         kv_end = np.minimum(kv_r, kv_r - qo_r + last_token + 1)
@@ -77,6 +80,12 @@ def plan_work(qo_lens, kv_lens, num_heads: int, causal: bool, num_sms: int, work
         raise ValueError(f"num_heads={num_heads}, num_sms={num_sms} must be >= 1")
     request, row0, nblk = _tiles(qo_lens, kv_lens, num_heads, causal)
     chunk = _choose_chunk(nblk, num_sms, workspace_capacity_rows) if split and nblk.size else 0
+    if not chunk:  # one item per tile, heaviest first (request order among equals), no merges
+        order = np.argsort(-nblk, kind="stable")
+        items = np.zeros((nblk.size, ITEM_INTS), dtype=np.int32)
+        items[:, 0], items[:, 1], items[:, 3], items[:, 4] = request[order], row0[order], nblk[order], -1
+        return MLAWork(torch.from_numpy(items), torch.zeros(0, MERGE_INTS, dtype=torch.int32), 0,
+                       max(1, min(int(nblk.size), num_sms)), 0)
     chunks = _chunks(nblk, chunk)
     is_split = chunks > 1
     size = _ceil_div(nblk, chunks)  # a tile's chunks balanced: sizes differ by at most one block
@@ -93,7 +102,7 @@ def plan_work(qo_lens, kv_lens, num_heads: int, causal: bool, num_sms: int, work
     workspace_rows = int((ROWS * chunks[is_split]).sum())
     return MLAWork(torch.from_numpy(items.astype(np.int32)).reshape(-1, ITEM_INTS),
                    torch.from_numpy(merges.astype(np.int32)).reshape(-1, MERGE_INTS), workspace_rows,
-                   max(1, min(int(tile.size), num_sms)), chunk if merges.size else 0)
+                   max(1, min(int(tile.size), num_sms)), chunk)
 
 
 def _chunks(nblk: np.ndarray, chunk: int) -> np.ndarray:
@@ -104,6 +113,8 @@ def _chunks(nblk: np.ndarray, chunk: int) -> np.ndarray:
 def _estimate(nblk: np.ndarray, chunk: int, num_sms: int) -> float:
     """Time of the launch in KV-block times: the longest item or the even share of all work, whichever is
     longer, with ITEM_COST blocks per item (its Q load and pipeline fill) and MERGE_COST per merged chunk."""
+    if not chunk:  # one item per tile
+        return max(int(nblk.max()) + ITEM_COST, (int(nblk.sum()) + ITEM_COST * nblk.size) / num_sms)
     chunks = _chunks(nblk, chunk)
     sizes = _ceil_div(nblk, chunks)
     merged = int(chunks[chunks > 1].sum())

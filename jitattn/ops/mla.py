@@ -38,6 +38,7 @@ from __future__ import annotations
 import functools
 import numbers
 
+import numpy as np
 import torch
 
 from ..runtime.checks import check_tensor, stream_capturing
@@ -158,14 +159,16 @@ class BatchMLAPagedAttentionWrapper:
         kv_indices = to_host_int32("kv_indices", kv_indices)
         if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
             raise ValueError(f"page_size={page_size!r} must be a positive int")
-        pages = (indptr[1:] - indptr[:-1]).to(torch.int64)
-        needed = (lens + page_size - 1) // page_size
-        bad = (lens < 0) | (needed != pages)
-        if bool(bad.any()):
-            r = int(bad.nonzero()[0])
-            raise ValueError(f"request {r}: kv_len_arr[{r}] = {int(lens[r])} needs {int(needed[r])} pages of "
+        # numpy views of the host tensors: a few microseconds per operation, where torch's take several times that
+        indptr_np, lens_np = indptr.numpy(), lens.numpy().astype(np.int64)
+        pages = indptr_np[1:].astype(np.int64) - indptr_np[:-1]
+        needed = (lens_np + page_size - 1) // page_size
+        bad = (lens_np < 0) | (needed != pages)
+        if bad.any():
+            r = int(np.flatnonzero(bad)[0])
+            raise ValueError(f"request {r}: kv_len_arr[{r}] = {int(lens_np[r])} needs {int(needed[r])} pages of "
                              f"{page_size}, but kv_indptr gives it {int(pages[r])}")
-        last_page_len = torch.where(pages > 0, lens - (pages - 1) * page_size, 0).to(torch.int32)
+        last_page_len = torch.from_numpy(np.where(pages > 0, lens_np - (pages - 1) * page_size, 0).astype(np.int32))
         # Checked before anything is written, so a batch too large leaves the buffers (and the last plan) intact.
         needed = dict(qo_indptr=qo_indptr.numel(), kv_indptr=indptr.numel(), kv_indices=kv_indices.numel(),
                       kv_len_arr=lens.numel())
@@ -197,7 +200,7 @@ class BatchMLAPagedAttentionWrapper:
                                  "run() keeps its kernel: use a new wrapper")
             self._graph_kernel = kernel
         if self._kv_len_arr_buf is not None:  # FlashInfer keeps the lengths in the caller's buffer too
-            self._kv_len_arr_buf[: lens.numel()].copy_(lens.to(torch.int32))
+            self._kv_len_arr_buf[: lens.numel()].copy_(lens)
         self._dims = (head_dim_ckv, head_dim_kpe)
         self._rows = (int(qo_indptr[-1]), num_heads)
 
@@ -283,7 +286,7 @@ class BatchMLAPagedAttentionWrapper:
                 graph = GraphArrays(workspace.device, batch, total_q, self._graph_buffers["kv_indices"].numel(), rows,
                                     baked, num_sms(workspace.device.index or 0))
             graph.refuse(batch, total_q, pages, baked)
-        self._kernel = KernelPlan(workspace, qo_indptr, indptr, kv_indices, lens.to(torch.int32), num_heads,
+        self._kernel = KernelPlan(workspace, qo_indptr, indptr, kv_indices, lens, num_heads,
                                   page_size, bool(causal), float(sm_scale), q_dtype, kv_dtype, split=split, graph=graph)
         self._graph_arrays = graph
         work = self._kernel.work
@@ -342,7 +345,7 @@ class BatchMLAPagedAttentionWrapper:
 
 def _batch_prefixes(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor,
                     kv_len_arr: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The batch's ``kv_indptr`` and (int64) ``kv_len_arr``: as FlashInfer, the batch size is ``qo_indptr``'s and
+    """The batch's ``kv_indptr`` and ``kv_len_arr`` (host int32): as FlashInfer, the batch size is ``qo_indptr``'s and
     longer ``kv_indptr`` / ``kv_len_arr`` (buffers sized for the largest batch) are read up to it."""
     batch = qo_indptr.numel() - 1
     if batch < 0:
@@ -351,7 +354,7 @@ def _batch_prefixes(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor,
         if values.numel() < needed:
             raise ValueError(f"{name} has {values.numel()} entries, but qo_indptr describes {batch} requests, which "
                              f"need {needed}; pass one entry per request ({name} buffers may be longer)")
-    return kv_indptr[: batch + 1], kv_len_arr[:batch].to(torch.int64)
+    return kv_indptr[: batch + 1], kv_len_arr[:batch]
 
 
 def _describe(value) -> str:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
 import torch
 
 from .. import env, hardware
@@ -147,9 +148,9 @@ class KernelPlan:
         device = workspace.device
         index = device.index if device.index is not None else torch.cuda.current_device()
         capacity = workspace.numel() * workspace.element_size() // workspace_row_bytes(family.CKV_DIM)
-        qo_lens = (qo_indptr[1:] - qo_indptr[:-1]).tolist()
-        self.work: MLAWork = plan_work(qo_lens, kv_lens.tolist(), num_heads, causal, hardware.num_sms(index), capacity,
-                                       split=split)
+        qo = qo_indptr.numpy()
+        self.work: MLAWork = plan_work(qo[1:] - qo[:-1], kv_lens.numpy(), num_heads, causal, hardware.num_sms(index),
+                                       capacity, split=split)
         self.module = load(kernel_spec(dtype, kv_dtype))
         self.dtype, self.kv_dtype = dtype, kv_dtype
         self.device_index = index
@@ -157,16 +158,21 @@ class KernelPlan:
         batch = int(kv_lens.numel())
         if graph is None:
             launched = self.work
-            parts = [launched.items.reshape(-1), launched.merges.reshape(-1), qo_indptr, kv_indptr, kv_lens, kv_indices]
-            sizes = [int(t.numel()) for t in parts]
+            parts = [launched.items.numpy().reshape(-1), launched.merges.numpy().reshape(-1), qo,
+                     kv_indptr.numpy(), kv_lens.numpy(), kv_indices.numpy()]
+            sizes = [int(a.size) for a in parts]
         else:  # the same memory and counts every plan; the sentinel request `batch` pads the lists
             launched = padded(self.work, graph.items, graph.merges, request=batch)
-            parts = [launched.items.reshape(-1), launched.merges.reshape(-1), torch.cat([qo_indptr, qo_indptr[-1:]]),
-                     kv_indptr, torch.cat([kv_lens, torch.zeros(1, dtype=kv_lens.dtype)]), kv_indices]
+            parts = [launched.items.numpy().reshape(-1), launched.merges.numpy().reshape(-1), np.append(qo, qo[-1:]),
+                     kv_indptr.numpy(), np.append(kv_lens.numpy(), 0), kv_indices.numpy()]
             sizes = graph.sizes
-        # One upload: items, merges and the index arrays, as views of one device buffer.
-        host = torch.cat([torch.cat([t.to(torch.int32), torch.zeros(_padded_size(n) - t.numel(), dtype=torch.int32)])
-                          for t, n in zip(parts, sizes)] + [torch.zeros(4, dtype=torch.int32)])  # never empty
+        # One upload: items, merges and the index arrays, as views of one device buffer (4 more ints: never empty).
+        buffer = np.zeros(sum(_padded_size(n) for n in sizes) + 4, dtype=np.int32)
+        at = 0
+        for a, n in zip(parts, sizes):
+            buffer[at: at + a.size] = a
+            at += _padded_size(n)
+        host = torch.from_numpy(buffer)
         if graph is None:
             self._device_arrays = host.to(device)
         else:
