@@ -50,7 +50,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cascade", action=argparse.BooleanOptionalAction, default=True,
                    help="cascade attention for requests sharing prefix pages (default on)")
     p.add_argument("--cascade-depth", type=int, help="at most this many shared levels per cascade step (default: "
-                   "the prefix tree's depth; 1: one node per prefix group, the two-level cascade)")
+                   "the prefix tree's depth on the cpu, its cheapest cut on cuda; 1: one node per prefix group, the "
+                   "two-level cascade)")
     p.add_argument("--graphs", action="store_true", help="replay CUDA graphs of the flat decode step (cuda)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (launch with torchrun)")
     p.add_argument("--page-size", type=int, default=16)

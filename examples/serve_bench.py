@@ -74,9 +74,9 @@ def roofline_fraction(row: dict, peaks: dict | None) -> float | None:
     return ideal / row["decode_s"]
 
 
-# Runs a preset adds to the cascade on / off pair: agent-fork's tree as a two-level cascade (one node per branch,
-# the root read once per branch) beside the cascade of the tree's levels.
-PRESET_VARIANTS = {"agent-fork": [("--cascade", "--cascade-depth", "1")]}
+# Runs a preset adds to the cascade on / off pair (whose cascade takes the tree's cheapest cut on cuda): agent-fork's
+# tree as a two-level cascade (one node per branch, the root read once per branch) and as every level of the tree.
+PRESET_VARIANTS = {"agent-fork": [("--cascade", "--cascade-depth", "1"), ("--cascade", "--cascade-depth", "6")]}
 
 
 def run_workload(rest: list[str], on_cuda: bool, graphs_only: bool = False,

@@ -376,6 +376,47 @@ def test_the_engine_estimate_counts_the_flat_steps_rereads_that_l2_serves() -> N
     assert paths == {2048: "flat", 4096: "measured", 16384: "cascade"}
 
 
+def test_cheapest_depth_cuts_a_tree_whose_rereads_l2_serves_and_keeps_one_past_it() -> None:
+    """Llama-3-8B shapes (4 KiB of K and V per token and layer), 30 MiB of L2 for shared pages: 128 requests
+    under an 8k root with 4 branches of 2k read the root again for three branches with two levels (partly from
+    L2), which costs less than a third level; under a 32k root the re-reads cost more and the tree keeps its
+    levels."""
+    from jitattn.serving.decode_path import LEVEL_SECONDS, cheapest_depth
+
+    token, l2 = 4096, 30 * 2.0**20
+    assert cheapest_depth([4 * (8192 + 2048), 8192 + 4 * 2048], 8192 + 4 * 2048, token, l2, LEVEL_SECONDS) == 1
+    assert cheapest_depth([4 * (32768 + 2048), 32768 + 4 * 2048], 32768 + 4 * 2048, token, l2, LEVEL_SECONDS) == 2
+    # no level cost and no L2: the whole tree (each page once); a tie takes the fewer levels
+    assert cheapest_depth([40960, 20000, 16384], 16384, token, 0, 0.0) == 3
+    assert cheapest_depth([16384, 16384], 16384, token, l2, LEVEL_SECONDS) == 1
+
+
+def test_a_cuda_engine_cuts_the_prefix_tree_where_a_level_costs_more_than_its_rereads() -> None:
+    """The engine's cut of a three-level tree (the agent-fork shape: a root over 128 requests, 4 branches of 32,
+    own pages) with Llama-3-8B's terms and the cuda level cost: two levels under an 8k root, three under a 32k
+    root; ``cascade_depth`` is a cap the cut never exceeds, and on the cpu (no level cost) the tree stays whole."""
+    from jitattn.serving.decode_path import LEVEL_SECONDS
+
+    def tree_of(root_pages: int) -> list:
+        seqs = []
+        for i in range(128):
+            branch = root_pages + 1000 * (i // 32)
+            own = root_pages + 5000 + 10 * i
+            pages = tuple(range(root_pages)) + tuple(range(branch, branch + 128)) + tuple(range(own, own + 5))
+            seqs.append(SeqView(pages, len(pages) * 16 - 3, 1))
+        tree = prefix_tree(seqs)
+        assert [len(level) for level in tree] == [1, 4]
+        return tree
+
+    model = LlamaModel.random(preset("tiny"), seed=0, dtype=torch.float32, device="cpu")
+    for depth, expected in ((None, {512: 1, 2048: 2}), (1, {512: 1, 2048: 1})):
+        engine = Engine(model, num_pages=8, page_size=16, max_batch_size=128, cascade=True, cascade_depth=depth)
+        assert engine._cascade_depth(tree_of(512), 128) == (2 if depth is None else 1)  # cpu: no level cost
+        engine._estimate_terms = (16.06e9, 32 * 8 * 128 * 2 * 2, 4 * 32 * 128 * 32, 32, 30 * 2.0**20)
+        engine._level_seconds = LEVEL_SECONDS
+        assert {root: engine._cascade_depth(tree_of(root), 128) for root in (512, 2048)} == expected
+
+
 def test_decode_path_chooser_measures_each_path_then_keeps_the_faster() -> None:
     from jitattn.serving.decode_path import DecodePathChooser
 

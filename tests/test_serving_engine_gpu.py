@@ -100,7 +100,7 @@ def test_captured_cascade_decode_matches_eager_cascade_decode(batch: int, tree: 
     logits = {}
     for graphs in (False, True):
         engine = Engine(model, num_pages=600, page_size=16, max_batch_size=16, cascade=True, cuda_graphs=graphs,
-                        max_seq_len=512)
+                        max_seq_len=512, cascade_depth=2 if tree else None)  # the whole tree, not its cheapest cut
         lead = 4 if tree else 2  # both system prompts (and, for the tree, both branches) cached first
         first = [engine.add_request(p, 8, forced_tokens=f, keep_logits=True) for p, f in zip(prompts[:lead], forced)]
         while engine.waiting or engine.prefilling:

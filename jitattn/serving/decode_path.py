@@ -148,3 +148,31 @@ def flat_reread_fraction(working_set_bytes: float, l2_bytes: float) -> float:
         return 1.0
     miss = 0.0 if working_set_bytes <= l2_bytes else 1.0 - l2_bytes / working_set_bytes
     return miss + (1.0 - miss) * L2_REREAD_COST
+
+
+# The fixed cost of one more shared level in a cascade step, per layer: its prefill launch over the level's nodes
+# and one more state per query to merge. Fitted to the H200 with Llama-3-8B shapes: an 8k root shared by 128
+# requests under 4 branches of 2k (``cascade/agent_fork_b128_root8192_4x2048_u128``) took 113.1 us a layer as a
+# three-level tree and 100.5 us as the two-level cascade of the same pages, which reads the root again for three
+# branches (101 MB a layer; at the tree's 64 MiB working set :func:`flat_reread_fraction` counts 0.59 of it, 13.6
+# us of reading): a level costs 12.6 + 13.6 us. Counted as the bytes a decode step reads in that time.
+LEVEL_SECONDS = 2.6e-5
+READ_BYTES_PER_SECOND = 4.4e12
+
+
+def cheapest_depth(shared_tokens: list[int], once_tokens: int, token_bytes: float, l2_bytes: float,
+                   level_seconds: float) -> int:
+    """The number of shared levels (1 .. ``len(shared_tokens)``) of the cheapest cascade step over a prefix tree.
+
+    ``shared_tokens[d - 1]``: the shared KV tokens a layer reads with the tree cut to ``d`` levels
+    (``attention.limit_levels``: the last level reads each member's deeper shared pages with its node's, so a
+    shallower cut reads a node's pages again for each of its children); ``once_tokens``: the whole tree's, each
+    shared page once. ``token_bytes``: one token's K and V bytes in a layer. The re-reads cost
+    :func:`flat_reread_fraction` of their bytes (L2 may keep the tree's pages between them), each level
+    ``level_seconds`` of reading; a tie takes fewer levels."""
+    once = once_tokens
+    reread = flat_reread_fraction(once * token_bytes, l2_bytes)
+    level_tokens = level_seconds * READ_BYTES_PER_SECOND / token_bytes
+    costs = [once + (tokens - once) * reread + level_tokens * depth for depth, tokens in enumerate(shared_tokens, 1)]
+    return 1 + costs.index(min(costs))
+

@@ -12,7 +12,8 @@ Each :meth:`Engine.step` does, in order:
    radix tree; a request whose prompt is done gets its first token (greedy);
 3. **decode** one token for every running request, ordered by pages so that the requests under each
    node of the batch's prefix tree sit together (a cascade step has a level per tree level:
-   ``attention.prefix_tree``), with one plan for every layer; on cuda a flat step may replay a
+   ``attention.prefix_tree``; on cuda the tree may be cut to fewer levels where re-reading a node for each of
+   its children costs less than a level: ``decode_path.cheapest_depth``), with one plan for every layer; on cuda a flat step may replay a
    captured CUDA graph of its batch-size bucket, and so may a cascade step of any number of prefix
    groups and levels (``graphs.CascadeGraph``, one graph per bucket and level shape). A step whose
    requests share prefix pages takes the faster of the flat step and the cascade step, as timed per
@@ -41,7 +42,7 @@ from ..jit import compile_count
 from .attention import (
     AttentionPlanner, SeqView, SharedNode, kv_tokens_read, limit_levels, pages_saved, prefix_tree, to_device,
 )
-from .decode_path import DecodePathChooser, cascade_estimate, flat_reread_fraction
+from .decode_path import LEVEL_SECONDS, DecodePathChooser, cascade_estimate, cheapest_depth, flat_reread_fraction
 from .graphs import MAX_SHARED_LEVELS, CascadeGraph, DecodeGraph, bucket_sizes, padded_cascade_levels
 from .in_flight import InFlight, timing_event, to_host
 from .kv_pool import KVPool
@@ -60,8 +61,8 @@ class Engine:
     shape, each step of shared prefixes taking the path measured
     faster for its batch bucket; ``overlap`` (default: on cuda) reads each decode step's tokens back only
     after the next step is launched (see the module docstring); ``cascade_depth`` caps a cascade step's shared
-    levels (None: the prefix tree's depth; 1: the two-level cascade of one node per prefix group,
-    ``attention.limit_levels``); ``clock`` gives the time in seconds
+    levels (None: the prefix tree's depth on the cpu, its cheapest cut on cuda; 1: the two-level cascade of one
+    node per prefix group, ``attention.limit_levels``); ``clock`` gives the time in seconds
     (default: since the engine was made) that request arrivals are compared with.
     """
 
@@ -106,6 +107,7 @@ class Engine:
         # Off cuda no step is taken as flat unmeasured: the byte model is of a GPU's DRAM and L2 (the cpu target's
         # steps are timed, and its tests run the cascade path).
         self.decode_paths = DecodePathChooser() if model.device.type == "cuda" else DecodePathChooser(flat_below=0.0)
+        self._level_seconds = LEVEL_SECONDS if model.device.type == "cuda" else 0.0  # cheapest_depth's level cost
         self._clock_origin = time.perf_counter()  # the default clock's zero (capture_graphs moves it past capture)
         self._clock = clock  # None: seconds since startup (no closure over self: the engine frees on its last reference)
         self.waiting: deque[Request] = deque()
@@ -346,8 +348,9 @@ class Engine:
         if saved > self.stats.peak_pages_saved:
             self.stats.peak_pages_saved = saved
             self.stats.peak_bytes_saved = saved * self.pool.bytes_per_page
-        if self.cascade_depth is not None:
-            shared = limit_levels(shared, len(seqs), self.cascade_depth)
+        depth = self._cascade_depth(shared, len(seqs))
+        if depth < len(shared):
+            shared = limit_levels(shared, len(seqs), depth)
         builds, begin = compile_count(), timing_event(self.model.device)
         ids = self._input_ids(host_ids, from_device)
         logits, chosen, kv_tokens = self._decode_logits(seqs, ids, shared)
@@ -461,6 +464,23 @@ class Engine:
         flat_dram = flat_kv_tokens - reread * (1.0 - flat_reread_fraction(once * per_token / layers, l2_bytes))
         return cascade_estimate(weights + flat_dram * per_token, weights + cascade_tokens * per_token,
                                 shared_pairs * flops_per_pair)
+
+    def _cascade_depth(self, tree: list[list[SharedNode]], num_seqs: int) -> int:
+        """Shared levels a cascade step over ``tree`` takes: at most ``cascade_depth`` (and ``MAX_SHARED_LEVELS``
+        under CUDA graphs); without ``cascade_depth``, the cheapest cut of the tree by
+        ``decode_path.cheapest_depth`` on cuda, the whole tree elsewhere (no level cost known there)."""
+        most = len(tree) if self.cascade_depth is None else min(len(tree), self.cascade_depth)
+        if self.cuda_graphs:
+            most = min(most, MAX_SHARED_LEVELS)
+        if self.cascade_depth is not None or most <= 1 or not self._level_seconds:
+            return most
+        _, per_token, _, layers, l2_bytes = self._estimate_terms
+
+        def tokens(cut: list[list[SharedNode]]) -> int:
+            return sum(node.page_end - node.page_begin for nodes in cut for node in nodes) * self.pool.page_size
+
+        cuts = [tokens(limit_levels(tree, num_seqs, d)) for d in range(1, most + 1)]
+        return cheapest_depth(cuts, tokens(tree), per_token / layers, l2_bytes, self._level_seconds)
 
     def _bucket(self, batch_size: int) -> int:
         return next(b for b in self._buckets if b >= batch_size)

@@ -7,8 +7,8 @@ decode wrapper, which ``plan()`` refills before each replay. A batch smaller tha
 padded with rows that point at the pool's scratch page (one token, written and read there only).
 
 A cascade step is captured the same way (``CascadeGraph``): one level per level of the batch's
-prefix tree (``attention.prefix_tree``, at most ``MAX_SHARED_LEVELS`` deep; deeper shared pages are
-read with each request's own) and each row's own pages last. A captured launch keeps its shape, so
+prefix tree (``attention.prefix_tree``, cut to at most ``MAX_SHARED_LEVELS`` levels by the engine with
+``attention.limit_levels``) and each row's own pages last. A captured launch keeps its shape, so
 each shared level is padded with empty nodes (no queries, no pages) to a node count of the bucket's
 (``node_capacity``: a power of two from 8 up to the bucket, which bounds any tree over the bucket's
 rows), and one graph is kept per (bucket, node counts): a step of any number of prefix groups and
@@ -108,7 +108,7 @@ class DecodeGraph(_CapturedStep):
         return self._replay(rows, input_ids, len(seqs))
 
 
-MAX_SHARED_LEVELS = 6  # shared levels a captured cascade step takes; deeper nodes' pages are read per request
+MAX_SHARED_LEVELS = 6  # shared levels a captured cascade step takes (the engine cuts deeper trees to this many)
 
 
 def node_capacity(nodes: int, bucket: int) -> int:
