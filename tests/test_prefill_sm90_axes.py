@@ -1,4 +1,4 @@
-"""GPU checks of the sm90 (Hopper) prefill tier's logits soft cap and sliding window: head_dim
+"""GPU checks of the sm90 (Hopper) prefill tier's logits soft cap, sliding window and attention sinks: head_dim
 64/128/256, causal or not, ragged and paged KV, GQA packed into the tile rows or not (q token- or
 head-major), soft caps that barely bend the logits and ones that saturate them, windows of 0, below,
 above and exactly a multiple of the KV block, wider than the keys; batches with qo_len < kv_len,
@@ -45,6 +45,7 @@ class Case:
     layout: str = "NHD"
     fmt: str = "5d"             # paged cache format: one 5-d tensor or a (k, v) tuple of 4-d ones
     q_head_major: bool = False  # q as a [heads, tokens, dim] tensor's transposed view
+    sinks: bool = False         # run(sinks=...): one sink logit per query head (the spec's sink twin)
 
 
 # KV blocks: 128 tokens at head_dim 64 (three consumer warpgroups, 192-row tiles), 176 at 128, 64 at 256 (paged: 128 at
@@ -82,6 +83,14 @@ CASES = {
                                                     paged=True, page=64),
     "paged_d256_mha_f16_full_p16_w100_head_major": Case(256, 2, 2, f16, False, 100, None, (129, 40), (191, 900),
                                                         paged=True, q_head_major=True),
+    # attention sinks (a row with no visible key: 0; the LSE returned stays the keys')
+    "sinks_d128_g4_bf16_causal_w40_batch": Case(128, 16, 4, bf16, True, 40, None, (1000, 1, 129, 0, 300, 64),
+                                                (1000, 700, 129, 5, 401, 64), sinks=True),
+    "sinks_d64_g8_f16_full_cap30": Case(64, 8, 1, f16, False, -1, 30.0, (130, 2), (257, 1000), sinks=True),
+    "sinks_paged_d256_g2_bf16_causal_p16_w70": Case(256, 8, 4, bf16, True, 70, None, (300, 70), (300, 400),
+                                                    paged=True, sinks=True),
+    "sinks_paged_d128_g4_bf16_causal_p64": Case(128, 16, 4, bf16, True, -1, None, (200, 1, 0), (1000, 65, 3),
+                                                paged=True, page=64, sinks=True),
 }
 AGREE_WITH_SM80 = ["d128_g4_bf16_causal_w40_cap30_batch", "paged_d128_g4_bf16_causal_p16_w40_cap30",
                    "d64_mha_f16_causal_w100_cap5", "d256_g2_bf16_causal_w20_cap50"]
@@ -96,7 +105,7 @@ def _spec(c: Case):
     )
 
 
-GPU_SPECS = [_spec(c) for c in CASES.values()]
+GPU_SPECS = [_spec(c) for c in CASES.values()] + [_spec(c).replace(use_sinks=True) for c in CASES.values() if c.sinks]
 
 
 @pytest.fixture
@@ -133,10 +142,20 @@ def _ref_kw(c: Case) -> dict:
     return dict(causal=c.causal, window_left=c.window, logits_soft_cap=c.cap, sm_scale=c.sm_scale)
 
 
-def _run(wrapper, q: torch.Tensor, *kv) -> tuple[torch.Tensor, torch.Tensor]:
+def _sinks(c: Case, seed: int) -> torch.Tensor | None:
+    """Sink logits from "the sink dominates" to "negligible" against lse ~ log(kv_len), or None."""
+    if not c.sinks:
+        return None
+    return (torch.randn(c.hq, generator=torch.Generator().manual_seed(seed)) * 3 + 4).cuda()
+
+
+def _run(wrapper, q: torch.Tensor, *kv, sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     out = torch.full((q.shape[0], q.shape[1], q.shape[2]), float("nan"), dtype=q.dtype, device="cuda")
     lse = torch.full((q.shape[0], q.shape[1]), float("nan"), device="cuda")
-    wrapper.run(q, *kv, out=out, lse=lse)
+    if sinks is None:
+        wrapper.run(q, *kv, out=out, lse=lse)
+    else:
+        wrapper.run(q, *kv, out=out, lse=lse, sinks=sinks)
     return out, lse
 
 
@@ -235,22 +254,27 @@ def test_the_cases_exercise_what_they_claim():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case_id", list(CASES))
-def test_sm90_soft_cap_and_window_match_reference(case_id, hopper):
+def test_sm90_soft_cap_window_and_sinks_match_reference(case_id, hopper):
     c = CASES[case_id]
     spec = _spec(c)
     assert "sm90 tier" in render(spec)["kernel.cu"]
+    if c.sinks:
+        assert "sm90 tier" in render(spec.replace(use_sinks=True))["kernel.cu"]
     kv_block = prefill.sm90_layout(spec)["kBN"]
     seed = sum(map(ord, case_id))
     q = _queries(c, torch.Generator().manual_seed(seed))
+    sinks = _sinks(c, seed + 2)
     if c.paged:
         clean = _paged_batch(c, torch.Generator().manual_seed(seed + 1), None)
         poisoned = _paged_batch(c, torch.Generator().manual_seed(seed + 1), kv_block)  # the same values, plus NaN
-        out, lse = _run(_paged_wrapper(c, poisoned), q, poisoned.cache)
+        out, lse = _run(_paged_wrapper(c, poisoned), q, poisoned.cache, sinks=sinks)
         ref_o, ref_lse = _paged_reference(c, q, clean)
     else:
         k, v = _ragged_kv(c, torch.Generator().manual_seed(seed + 1))
-        out, lse = _run(_ragged_wrapper(c), q, *_poison_ragged(c, k, v, kv_block))
+        out, lse = _run(_ragged_wrapper(c), q, *_poison_ragged(c, k, v, kv_block), sinks=sinks)
         ref_o, ref_lse = reference.batch_ragged_attention(q, k, v, _indptr(c.qo_lens), _indptr(c.kv_lens), **_ref_kw(c))
+    if sinks is not None:
+        ref_o = reference.apply_sinks(ref_o, ref_lse, sinks)
     assert_close_out(out, ref_o, c.dtype)
     assert_close_lse(lse, ref_lse)
 

@@ -47,6 +47,9 @@ SUPPORTED = {
     "d128_bf16_causal_window": _spec(window=True),
     "paged_d128_bf16_full_window_soft_cap": _spec(causal=False, window=True, soft_cap=True, storage=KVStorage.PAGED),
     "d64_f16_window": _spec(d=64, dtype=f16, hq=8, hkv=2, window=True),
+    "d128_bf16_causal_sinks": _spec().replace(use_sinks=True),
+    "paged_d64_f16_window_sinks": _spec(d=64, dtype=f16, hq=8, hkv=2, window=True, storage=KVStorage.PAGED).replace(
+        use_sinks=True),
 }
 UNSUPPORTED = {
     "paged_rope": _spec(storage=KVStorage.PAGED, pos=PosEncoding.ROPE_LLAMA),

@@ -47,8 +47,8 @@ cuda kernel shape (sm80+ generic tier: ``mma.sync.m16n8k16``, fp32 accumulate):
 Hopper tier (``templates/cuda/prefill_sm90.cu.jinja``, sm_90a: TMA, mbarriers, wgmma,
 warp specialisation; layout from ``sm90_layout``). ``select`` picks it when the arch list is
 9.0a only and ``sm90_unsupported(spec)`` is None (ragged or paged KV, one 16-bit dtype for q,
-kv and o, head_dim_qk == head_dim_vo in 64/128/256, causal or not, sliding window and logits soft
-cap allowed; no positional encoding, custom mask, variant or sinks); every other spec keeps the
+kv and o, head_dim_qk == head_dim_vo in 64/128/256, causal or not, sliding window, logits soft
+cap and attention sinks allowed; no positional encoding, custom mask or variant); every other spec keeps the
 sm80 tier. ``JITATTN_PREFILL_TIER``
 forces a tier: ``sm80`` always the generic one; ``sm90`` the Hopper one for every spec it
 supports even with an unknown arch list (an error with a non-Hopper one). The tier is in the
@@ -327,8 +327,6 @@ def sm90_unsupported(spec: VariantSpec) -> str | None:
         return "it has no positional encoding (RoPE, ALiBi) yet"
     if spec.mask_mode not in (MaskMode.NONE, MaskMode.CAUSAL) or spec.variant is not None:
         return "it has no custom mask or custom variant yet"
-    if spec.use_sinks:
-        return "it has no attention sinks yet"
     return None
 
 
