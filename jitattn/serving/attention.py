@@ -143,12 +143,16 @@ def tree_cascade_levels(seqs: list[SeqView], tree: list[list[SharedNode]], page_
             last + [own_last])
 
 
+def shared_tokens(tree: list[list[SharedNode]], page_size: int) -> int:
+    """KV tokens of ``tree``'s nodes, each node's pages once (what its shared levels read per layer)."""
+    return sum(node.page_end - node.page_begin for nodes in tree for node in nodes) * page_size
+
+
 def kv_tokens_read(seqs: list[SeqView], tree: list[list[SharedNode]], page_size: int) -> int:
     """KV tokens a decode step over ``tree``'s levels reads per layer: each node's pages once, then each seq's
     own tokens (``tree`` empty: flat decode, every seq's whole history)."""
-    shared = sum((node.page_end - node.page_begin) * page_size for nodes in tree for node in nodes)
     own_from = own_pages_from(len(seqs), tree)
-    return shared + sum(s.kv_len - start * page_size for s, start in zip(seqs, own_from))
+    return shared_tokens(tree, page_size) + sum(s.kv_len - start * page_size for s, start in zip(seqs, own_from))
 
 
 def pages_saved(tree: list[list[SharedNode]]) -> int:

@@ -40,7 +40,8 @@ import torch
 
 from ..jit import compile_count
 from .attention import (
-    AttentionPlanner, SeqView, SharedNode, kv_tokens_read, limit_levels, pages_saved, prefix_tree, to_device,
+    AttentionPlanner, SeqView, SharedNode, kv_tokens_read, limit_levels, pages_saved, prefix_tree, shared_tokens,
+    to_device,
 )
 from .decode_path import LEVEL_SECONDS, DecodePathChooser, cascade_estimate, cheapest_depth, flat_reread_fraction
 from .graphs import MAX_SHARED_LEVELS, CascadeGraph, DecodeGraph, bucket_sizes, padded_cascade_levels
@@ -425,9 +426,9 @@ class Engine:
             bucket = self._bucket(len(seqs))
             flat_tokens = kv_tokens_read(seqs, [], ps)  # what a flat step's attention reads per layer
             if tree is not None:
-                # rank 0's choice under tensor parallelism: every rank runs the same step
-                levels = tree[:MAX_SHARED_LEVELS] if self.cuda_graphs else tree  # what the step will run
-                estimate = self._cascade_estimate(seqs, levels, flat_tokens)
+                # rank 0's choice under tensor parallelism: every rank runs the same step (under CUDA graphs the
+                # tree is already cut to MAX_SHARED_LEVELS: _cascade_depth)
+                estimate = self._cascade_estimate(seqs, tree, flat_tokens)
                 chosen = self.group.broadcast(self.decode_paths.choose(bucket, estimate))
                 if chosen == "flat":
                     tree = None
@@ -458,7 +459,7 @@ class Engine:
         weights, per_token, flops_per_pair, layers, l2_bytes = self._estimate_terms
         shared_pairs = sum((node.end - node.first) * (node.page_end - node.page_begin) * ps
                            for nodes in tree for node in nodes)
-        once = sum((node.page_end - node.page_begin) * ps for nodes in tree for node in nodes)  # each node's tokens
+        once = shared_tokens(tree, ps)  # each node's tokens
         cascade_tokens = kv_tokens_read(seqs, tree, ps)
         reread = flat_kv_tokens - cascade_tokens  # what the flat step reads again, per member after the first
         flat_dram = flat_kv_tokens - reread * (1.0 - flat_reread_fraction(once * per_token / layers, l2_bytes))
@@ -475,12 +476,9 @@ class Engine:
         if self.cascade_depth is not None or most <= 1 or not self._level_seconds:
             return most
         _, per_token, _, layers, l2_bytes = self._estimate_terms
-
-        def tokens(cut: list[list[SharedNode]]) -> int:
-            return sum(node.page_end - node.page_begin for nodes in cut for node in nodes) * self.pool.page_size
-
-        cuts = [tokens(limit_levels(tree, num_seqs, d)) for d in range(1, most + 1)]
-        return cheapest_depth(cuts, tokens(tree), per_token / layers, l2_bytes, self._level_seconds)
+        ps = self.pool.page_size
+        cuts = [shared_tokens(limit_levels(tree, num_seqs, d), ps) for d in range(1, most + 1)]
+        return cheapest_depth(cuts, shared_tokens(tree, ps), per_token / layers, l2_bytes, self._level_seconds)
 
     def _bucket(self, batch_size: int) -> int:
         return next(b for b in self._buckets if b >= batch_size)
