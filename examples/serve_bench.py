@@ -16,6 +16,10 @@ runs twice untimed (cascade on, then off) to load the kernels.
 length and request count (64 own tokens, 32 out), cascade on and off, and writes the decode step time against the
 prefix length (and, with ``--plot FILE.png`` and matplotlib, the plot, roofline dashed).
 
+``--repeat N`` makes every row the median of N runs, made interleaved, with their min-max beside it: one run's
+decode step varies by up to a quarter between identical runs on a shared machine, more than the cascade on / off
+differences a short-prefix workload is judged by.
+
 The roofline column: the decode steps' time cannot be below max(bytes / read-stream bandwidth, FLOPs / GEMM
 rate) over the run's decode steps, where bytes = the weights once per step + the KV the chosen path read
 (a cascade reads a shared node's pages once, flat decode every request's whole history) and FLOPs = 2 x
@@ -49,6 +53,11 @@ def _ms(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.2f}"  # no request produced a second token: no TPOT
 
 
+def _spread(bounds: tuple[float, float] | None, digits: int) -> str:
+    """The runs' min-max of a repeated row, in brackets; nothing for a single run."""
+    return "" if bounds is None or bounds[0] == bounds[1] else f" ({bounds[0]:.{digits}f}-{bounds[1]:.{digits}f})"
+
+
 def ceilings(device: str) -> dict | None:
     """Read-stream GB/s and GEMM TFLOP/s measured now on ``device`` (cuda only; None on the cpu)."""
     if not device.startswith("cuda"):
@@ -80,33 +89,60 @@ PRESET_VARIANTS = {"agent-fork": [("--cascade", "--cascade-depth", "1"), ("--cas
 
 
 def run_workload(rest: list[str], on_cuda: bool, graphs_only: bool = False,
-                 extra: list[tuple[str, ...]] = ()) -> list[dict]:
+                 extra: list[tuple[str, ...]] = (), repeat: int = 1) -> list[dict]:
     """The workload's runs, cascade on and off, graphs off and (on cuda) on; ``graphs_only``: graphs on only,
-    after one warm-up run (the kernels come from a pre-warmed cache: loading them is cheap)."""
+    after one warm-up run (the kernels come from a pre-warmed cache: loading them is cheap). With ``repeat`` > 1
+    every run is made that many times, interleaved (on, off, on, off, ...: drift of the machine falls on both
+    sides alike), and each row is their median (``median_run``)."""
     if graphs_only:
         serve.main(rest + ["--cascade", "--graphs"])
-        return [serve.main(rest + [flag, "--graphs"]) for flag in ("--cascade", "--no-cascade")]
-    variants = [("--cascade",), *extra, ("--no-cascade",)]
-    graph_rows = [("--cascade", "--graphs"), *[(*v, "--graphs") for v in extra], ("--no-cascade", "--graphs")]
-    if on_cuda:
-        variants += graph_rows
-    # Warm-up over the whole workload, cascade on and off (and with graphs, when graphs rows are timed): every
-    # kernel loaded, every GEMM shape of the run seen once and the process's first graph replays made, nothing
-    # recorded. (A short warm-up left the first timed row paying for loads. Without the graphs warm-up, the
-    # first graphs row of system-2k, cascade on, ran at 0.89x the cascade-off row with no cascade step at all,
-    # while the sweep, warmed up with graphs, measured 1.00x where both sides ran the same flat graphs.)
-    warm = serve.main(rest + ["--cascade"])
-    serve.main(rest + ["--no-cascade"])
-    if warm["device"].startswith("cuda") and not on_cuda:  # --device auto found a GPU: time the graphs too
-        variants += graph_rows
-    if graph_rows[0] in variants:
-        serve.main(rest + ["--cascade", "--graphs"])
-        serve.main(rest + ["--no-cascade", "--graphs"])
-    return [serve.main(rest + list(flags)) for flags in variants]
+        variants = [("--cascade", "--graphs"), ("--no-cascade", "--graphs")]
+    else:
+        variants = [("--cascade",), *extra, ("--no-cascade",)]
+        graph_rows = [("--cascade", "--graphs"), *[(*v, "--graphs") for v in extra], ("--no-cascade", "--graphs")]
+        if on_cuda:
+            variants += graph_rows
+        # Warm-up over the whole workload, cascade on and off (and with graphs, when graphs rows are timed): every
+        # kernel loaded, every GEMM shape of the run seen once and the process's first graph replays made, nothing
+        # recorded. (A short warm-up left the first timed row paying for loads. Without the graphs warm-up, the
+        # first graphs row of system-2k, cascade on, ran at 0.89x the cascade-off row with no cascade step at all,
+        # while the sweep, warmed up with graphs, measured 1.00x where both sides ran the same flat graphs.)
+        warm = serve.main(rest + ["--cascade"])
+        serve.main(rest + ["--no-cascade"])
+        if warm["device"].startswith("cuda") and not on_cuda:  # --device auto found a GPU: time the graphs too
+            variants += graph_rows
+        if graph_rows[0] in variants:
+            serve.main(rest + ["--cascade", "--graphs"])
+            serve.main(rest + ["--no-cascade", "--graphs"])
+    runs: list[list[dict]] = [[] for _ in variants]
+    for _ in range(repeat):
+        for i, flags in enumerate(variants):
+            runs[i].append(serve.main(rest + list(flags)))
+    return [median_run(r) for r in runs]
+
+
+def _step_s(row: dict) -> float:
+    return row["decode_s"] / row["decode_steps"] if row["decode_steps"] else float("inf")
+
+
+def median_run(runs: list[dict]) -> dict:
+    """One row for repeated runs of one configuration: the run of the median decode step time (the lower middle
+    one of an even count), its tokens/s replaced by their median over the runs (the two may come from different
+    runs), with ``repeats`` and
+    the decode step's and the tokens/s' (min, max) over the runs (``step_ms_range``, ``tok_s_range``)."""
+    by_step = sorted(runs, key=_step_s)
+    row = dict(by_step[(len(runs) - 1) // 2])
+    rates = sorted(r["output_tokens_per_s"] for r in runs)
+    row["output_tokens_per_s"] = rates[(len(rates) - 1) // 2]
+    steps = [1e3 * _step_s(r) for r in by_step if r["decode_steps"]]
+    row.update(repeats=len(runs), tok_s_range=(rates[0], rates[-1]),
+               step_ms_range=(steps[0], steps[-1]) if steps else None)
+    return row
 
 
 def table(workloads: list[tuple[str, list[dict]]], peaks: dict | None, command: str) -> list[str]:
     first = workloads[0][1][0]
+    repeats = first.get("repeats", 1)
     lines = [
         f"# Serving engine: {first['model']} ({first['layers']} layers, {first['dtype']}) on {first['device']}",
         "",
@@ -132,7 +168,10 @@ def table(workloads: list[tuple[str, list[dict]]], peaks: dict | None, command: 
         "Decode step ms: the decode steps' wall time over their count (a step's time runs from its launch, or "
         "from the step before's tokens on the host when it was launched under that step, to its own tokens on "
         "the host); its on / off ratio is the decode speed-up cascade gives, "
-        "which the whole-run tokens/s dilutes with prefill time.",
+        "which the whole-run tokens/s dilutes with prefill time."
+        + (f" Each row: the median of {repeats} runs made interleaved (every row's first run, then every row's "
+           "second, ...), the runs' min-max in brackets; the ratios are of medians." if repeats > 1 else
+           " Each row: one run (`--repeat N` makes every row the median of N)."),
         "",
         "| workload | cascade | graphs | output tok/s | on / off | TTFT mean ms | TPOT mean ms | decode step ms "
         "| decode on / off | decode steps (cascade / graph) | deepest cascade | decode roofline | KV pool pages "
@@ -151,8 +190,9 @@ def table(workloads: list[tuple[str, list[dict]]], peaks: dict | None, command: 
                                                        f"on, {r['cascade_depth'] + 1} levels at most")
             lines.append(
                 f"| {name} | {cascade} | {'on' if r['graphs'] else 'off'} "
-                f"| {r['output_tokens_per_s']:.1f} | {ratio} | {r['ttft_mean_ms']:.1f} | {_ms(r['tpot_mean_ms'])} "
-                f"| {_ms(step)} | {speedup} "
+                f"| {r['output_tokens_per_s']:.1f}{_spread(r.get('tok_s_range'), 1)} | {ratio} "
+                f"| {r['ttft_mean_ms']:.1f} | {_ms(r['tpot_mean_ms'])} "
+                f"| {_ms(step)}{_spread(r.get('step_ms_range'), 2)} | {speedup} "
                 f"| {r['decode_steps']} ({r['cascade_steps']} / {r['graph_steps']}) | {r['max_cascade_levels']} "
                 f"| {'n/a' if roof is None else f'{roof:.2f}'} | {r['kv_pool_pages']} "
                 f"| {r['kv_bytes_saved_peak'] / 2**20:.1f} MiB |")
@@ -169,7 +209,7 @@ def step_ms(row: dict, peaks: dict | None) -> tuple[float | None, float | None]:
 
 
 def sweep(prefixes: list[int], request_counts: list[int], rest: list[str], on_cuda: bool,
-          plot_path: str | None, graphs_only: bool = False,
+          plot_path: str | None, graphs_only: bool = False, repeat: int = 1,
           on_row: Callable[[list[str]], None] = lambda lines: None) -> list[str]:
     """Decode step time against the shared prefix's length, cascade on and off (see the module docstring).
     ``on_row`` gets the table so far after each point (a long sweep that is cut short keeps its rows)."""
@@ -181,7 +221,7 @@ def sweep(prefixes: list[int], request_counts: list[int], rest: list[str], on_cu
         for prefix in prefixes:
             flags = ["--num-requests", str(requests), "--max-batch-size", str(requests), "--system-prompt-len",
                      str(prefix), "--prompt-len-range", "64", "64", "--output-len", "32"]
-            rows = run_workload(flags + rest, on_cuda, graphs_only)
+            rows = run_workload(flags + rest, on_cuda, graphs_only, repeat=repeat)
             peaks = peaks or ceilings(rows[0]["device"])
             off = {r["graphs"]: step_ms(r, peaks)[0] for r in rows if not r["cascade"]}
             for r in rows:
@@ -190,7 +230,7 @@ def sweep(prefixes: list[int], request_counts: list[int], rest: list[str], on_cu
                     continue
                 ratio = f"{off[r['graphs']] / measured:.2f}x" if r["cascade"] and off.get(r["graphs"]) else ""
                 lines.append(f"| {requests} | {prefix} | {'on' if r['cascade'] else 'off'} "
-                             f"| {'on' if r['graphs'] else 'off'} | {measured:.2f} "
+                             f"| {'on' if r['graphs'] else 'off'} | {measured:.2f}{_spread(r.get('step_ms_range'), 2)} "
                              f"| {'n/a' if ideal is None else f'{ideal:.2f}'} | {ratio} |")
                 points.setdefault((requests, r["cascade"], r["graphs"]), []).append((prefix, measured, ideal))
             on_row(lines)
@@ -234,9 +274,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sweep-prefix", help="comma-separated shared-prefix lengths: time the decode step against them")
     parser.add_argument("--sweep-requests", default="64,128", help="request counts of the sweep (default 64,128)")
     parser.add_argument("--plot", help="the sweep's PNG (needs matplotlib)")
+    parser.add_argument("--repeat", type=int, default=1, help="runs per row, made interleaved; a row is their "
+                        "median with the min-max beside it (default 1)")
     parser.add_argument("--sweep-graphs-only", action="store_true",
                         help="the sweep times CUDA-graph runs only (cuda; one warm-up run per point)")
     args, rest = parser.parse_known_args(argv)
+    if args.repeat < 1:
+        parser.error(f"--repeat {args.repeat}: give at least 1 run per row")
     on_cuda = "cuda" in " ".join(rest)
     if args.sweep_prefix:
         prefixes = [int(x) for x in args.sweep_prefix.split(",")]
@@ -244,20 +288,24 @@ def main(argv: list[str] | None = None) -> None:
         flags = " --sweep-graphs-only" if args.sweep_graphs_only else ""
         lines = [f"# Decode step time against the shared prefix (`python3 examples/serve_bench.py "
                  f"--sweep-prefix {args.sweep_prefix} --sweep-requests {args.sweep_requests}{flags} {' '.join(rest)}`)",
-                 "", "Each row: one run of the workload (its decode steps' wall time over their count, as in the "
+                 "", ("Each row: one run" if args.repeat == 1 else f"Each row: the median of {args.repeat} runs "
+                       "(made interleaved, min-max in brackets)") + " of the workload (its decode steps' wall time "
+                 "over their count, as in the "
                  "presets' table), after " + ("one untimed warm-up run (cascade on, graphs on)" if args.sweep_graphs_only
                                               else "the presets' untimed warm-up runs") + "; roofline as in the presets' "
                  "table.", ""]
         write = lambda table: Path(args.out).write_text("\n".join(lines + table) + "\n")  # noqa: E731
-        lines += sweep(prefixes, counts, rest, on_cuda, args.plot, args.sweep_graphs_only, on_row=write)
+        lines += sweep(prefixes, counts, rest, on_cuda, args.plot, args.sweep_graphs_only, args.repeat, on_row=write)
         Path(args.out).write_text("\n".join(lines) + "\n")
         print("\n".join(lines))
         return
     names = list(PRESETS) if args.preset == "all" else [args.preset] if args.preset else [None]
     workloads = [(name or "custom", run_workload(PRESETS.get(name, []) + rest, on_cuda,
-                                                 extra=PRESET_VARIANTS.get(name, []))) for name in names]
+                                                 extra=PRESET_VARIANTS.get(name, []), repeat=args.repeat))
+                 for name in names]
     peaks = ceilings(workloads[0][1][0]["device"])
-    command = " ".join((["--preset", args.preset] if args.preset else []) + rest)
+    command = " ".join((["--preset", args.preset] if args.preset else []) +
+                       (["--repeat", str(args.repeat)] if args.repeat > 1 else []) + rest)
     lines = table(workloads, peaks, command)
     Path(args.out).write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -98,3 +98,27 @@ def test_serve_bench_sweeps_the_shared_prefix(tmp_path):
         assert "matplotlib is not installed" in proc.stdout and not png.exists()
     else:
         assert png.stat().st_size > 0
+
+
+def test_serve_bench_repeated_rows_are_medians_with_their_spread() -> None:
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        import serve_bench
+    finally:
+        sys.path.remove(str(EXAMPLES))
+    runs = [{"decode_s": s, "decode_steps": 10, "output_tokens_per_s": t, "tag": i}
+            for i, (s, t) in enumerate([(0.30, 90.0), (0.10, 120.0), (0.20, 80.0)])]
+    row = serve_bench.median_run(runs)
+    assert row["tag"] == 2 and row["output_tokens_per_s"] == 90.0 and row["repeats"] == 3
+    assert row["step_ms_range"] == pytest.approx((10.0, 30.0)) and row["tok_s_range"] == (80.0, 120.0)
+    assert serve_bench.median_run(runs[:2])["tag"] == 1  # an even count: the lower middle run
+    assert serve_bench._spread((1.0, 2.5), 2) == " (1.00-2.50)" and serve_bench._spread((3.0, 3.0), 2) == ""
+    none = serve_bench.median_run([{"decode_s": 0.0, "decode_steps": 0, "output_tokens_per_s": 5.0}])
+    assert none["step_ms_range"] is None
+
+
+def test_serve_bench_refuses_no_runs(tmp_path):
+    proc = subprocess.run([sys.executable, str(EXAMPLES / "serve_bench.py"), "--out", str(tmp_path / "x.md"),
+                           "--repeat", "0", "--device", "cpu"], env=child_env(), capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2 and "--repeat 0" in proc.stderr
