@@ -91,12 +91,13 @@ PRESET_VARIANTS = {"agent-fork": [("--cascade", "--cascade-depth", "1"), ("--cas
 def run_workload(rest: list[str], on_cuda: bool, graphs_only: bool = False,
                  extra: list[tuple[str, ...]] = (), repeat: int = 1) -> list[dict]:
     """The workload's runs, cascade on and off, graphs off and (on cuda) on; ``graphs_only``: graphs on only,
-    after one warm-up run (the kernels come from a pre-warmed cache: loading them is cheap). With ``repeat`` > 1
+    after one warm-up run each side (the kernels come from a pre-warmed cache: loading them is cheap). With ``repeat`` > 1
     every run is made that many times, interleaved (on, off, on, off, ...: drift of the machine falls on both
     sides alike), and each row is their median (``median_run``)."""
-    if graphs_only:
+    if graphs_only:  # a warm-up run each side: a first graph replay of the process costs more than the rest
         serve.main(rest + ["--cascade", "--graphs"])
-        variants = [("--cascade", "--graphs"), ("--no-cascade", "--graphs")]
+        serve.main(rest + ["--no-cascade", "--graphs"])
+        variants = [("--cascade", "--graphs"), *[(*v, "--graphs") for v in extra], ("--no-cascade", "--graphs")]
     else:
         variants = [("--cascade",), *extra, ("--no-cascade",)]
         graph_rows = [("--cascade", "--graphs"), *[(*v, "--graphs") for v in extra], ("--no-cascade", "--graphs")]
@@ -276,8 +277,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--plot", help="the sweep's PNG (needs matplotlib)")
     parser.add_argument("--repeat", type=int, default=1, help="runs per row, made interleaved; a row is their "
                         "median with the min-max beside it (default 1)")
-    parser.add_argument("--sweep-graphs-only", action="store_true",
-                        help="the sweep times CUDA-graph runs only (cuda; one warm-up run per point)")
+    parser.add_argument("--graphs-only", "--sweep-graphs-only", dest="graphs_only", action="store_true",
+                        help="time CUDA-graph runs only, after a warm-up run each side (cuda; "
+                        "--sweep-graphs-only is the same flag)")
     args, rest = parser.parse_known_args(argv)
     if args.repeat < 1:
         parser.error(f"--repeat {args.repeat}: give at least 1 run per row")
@@ -285,27 +287,28 @@ def main(argv: list[str] | None = None) -> None:
     if args.sweep_prefix:
         prefixes = [int(x) for x in args.sweep_prefix.split(",")]
         counts = [int(x) for x in args.sweep_requests.split(",")]
-        flags = " --sweep-graphs-only" if args.sweep_graphs_only else ""
+        flags = " --graphs-only" if args.graphs_only else ""
         lines = [f"# Decode step time against the shared prefix (`python3 examples/serve_bench.py "
                  f"--sweep-prefix {args.sweep_prefix} --sweep-requests {args.sweep_requests}{flags} {' '.join(rest)}`)",
                  "", ("Each row: one run" if args.repeat == 1 else f"Each row: the median of {args.repeat} runs "
                        "(made interleaved, min-max in brackets)") + " of the workload (its decode steps' wall time "
                  "over their count, as in the "
-                 "presets' table), after " + ("one untimed warm-up run (cascade on, graphs on)" if args.sweep_graphs_only
+                 "presets' table), after " + ("two untimed warm-up runs (cascade on and off, graphs on)" if args.graphs_only
                                               else "the presets' untimed warm-up runs") + "; roofline as in the presets' "
                  "table.", ""]
         write = lambda table: Path(args.out).write_text("\n".join(lines + table) + "\n")  # noqa: E731
-        lines += sweep(prefixes, counts, rest, on_cuda, args.plot, args.sweep_graphs_only, args.repeat, on_row=write)
+        lines += sweep(prefixes, counts, rest, on_cuda, args.plot, args.graphs_only, args.repeat, on_row=write)
         Path(args.out).write_text("\n".join(lines) + "\n")
         print("\n".join(lines))
         return
     names = list(PRESETS) if args.preset == "all" else [args.preset] if args.preset else [None]
     workloads = [(name or "custom", run_workload(PRESETS.get(name, []) + rest, on_cuda,
-                                                 extra=PRESET_VARIANTS.get(name, []), repeat=args.repeat))
+                                                 args.graphs_only, PRESET_VARIANTS.get(name, []), args.repeat))
                  for name in names]
     peaks = ceilings(workloads[0][1][0]["device"])
     command = " ".join((["--preset", args.preset] if args.preset else []) +
-                       (["--repeat", str(args.repeat)] if args.repeat > 1 else []) + rest)
+                       (["--repeat", str(args.repeat)] if args.repeat > 1 else []) +
+                       (["--graphs-only"] if args.graphs_only else []) + rest)
     lines = table(workloads, peaks, command)
     Path(args.out).write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
