@@ -99,6 +99,12 @@ TUNING: dict[str, int] = {
     # 88.1 M requests / 201 M sectors and 1005 us padded, 33.6 M / 134 M and 937 us swizzled; 32 requests
     # over 32k shared pages 750 vs 460 us).
     "swizzle": 1,
+    # ... and rows that end half-way into a line (192 bytes: head_dim 96 in 16 bits), which NHD pages start at
+    # either half of a line (every other KV head): with row_shift a row takes a slot of 256 bytes, starting at its
+    # second half when its head's rows start mid-line, so each of its lines' pieces again lands in one 128-byte
+    # segment; 0: the padded pitch (208 bytes), where phi-3 (d96, 32 KV heads) b64 x 4096 read 822-823 us
+    # against SDPA's 754-763.
+    "row_shift": 1,
     "smem_per_sm": 227 << 10,  # usable shared memory per SM (H100/H200: 227 KiB; A100: 163 KiB)
     # Page ids of a work item kept in shared memory (loaded once at its start, beside the query) when
     # the item spans at most this many pages; longer items read them from the page table a stage ahead.
@@ -152,6 +158,12 @@ def _whole_lines(*row_bytes: int) -> bool:
     return all(n % 128 == 0 for n in row_bytes)
 
 
+def _half_lines(*row_bytes: int) -> bool:
+    """Whether rows of these byte widths end half-way into a 128-byte line (192 bytes: head_dim 96 in 16 bits): such
+    rows are kept in slots of one more half line, shifted by where they start in their line (see TUNING swizzle)."""
+    return all(n % 128 == 64 and n >= 192 for n in row_bytes)
+
+
 def _pitch(row_bytes: int) -> int:
     """Shared-memory row pitch: an odd number of 16-byte units, so ldmatrix rows hit distinct banks."""
     units = row_bytes // 16
@@ -183,8 +195,14 @@ def _mma_layout(spec: VariantSpec, t: dict[str, int]) -> dict[str, int]:
     if not 1 <= nw <= 32:
         raise ValueError(f"TUNING mma_warps={nw} must be in 1..32")
     head_tiles = -(-group // 8)
-    swizzle = bool(t["swizzle"]) and _whole_lines(dqk * elem, dvo * elem)
-    k_pitch, v_pitch = (dqk * elem, dvo * elem) if swizzle else (_pitch(dqk * elem), _pitch(dvo * elem))
+    row_shift = bool(t["swizzle"]) and bool(t["row_shift"]) and _half_lines(dqk * elem, dvo * elem)
+    swizzle = bool(t["swizzle"]) and _whole_lines(dqk * elem, dvo * elem) or row_shift
+    if row_shift:  # a slot of whole lines: the row, shifted by half a line when it starts mid-line
+        k_pitch, v_pitch = dqk * elem + 64, dvo * elem + 64
+    elif swizzle:
+        k_pitch, v_pitch = dqk * elem, dvo * elem
+    else:
+        k_pitch, v_pitch = _pitch(dqk * elem), _pitch(dvo * elem)
     q_pitch = _pitch(dqk * 2)
     small_rows = not spec.kv_dtype.is_fp8 and (dqk + dvo) * elem <= 256
     steps = t["mma_steps_small_rows"] if small_rows else t["mma_steps"]
@@ -214,8 +232,8 @@ def _mma_layout(spec: VariantSpec, t: dict[str, int]) -> dict[str, int]:
         "kSteps": steps, "kTileTokens": tile_tokens, "kStages": stages, "kQTiles": dqk // 16, "kOTiles": dvo // 16,
         "kLoadBytes": 16, "kCPRK": dqk * elem // 16, "kCPRV": dvo * elem // 16,
         "kLoadsK": -(-(tile_tokens * dqk * elem // 16) // nt), "kLoadsV": -(-(tile_tokens * dvo * elem // 16) // nt),
-        "kTabPerThread": -(-tile_tokens // nt), "kSwizzle": int(swizzle), "kSmemAlign": align,
-        "kKStageBytes": k_stage, "kVStageBytes": v_stage, "kPipeBytes": pipe,
+        "kTabPerThread": -(-tile_tokens // nt), "kSwizzle": int(swizzle), "kRowShift": int(row_shift),
+        "kSmemAlign": align, "kKStageBytes": k_stage, "kVStageBytes": v_stage, "kPipeBytes": pipe,
         "kSmemBytes": max(pipe + table, merge), **_page_id_fields(t, nt),
         "kMergeStageFloats": _merge_stage_floats(max(pipe + table, merge), group, nt),
     }
@@ -287,7 +305,7 @@ def _simt_layout(spec: VariantSpec, t: dict[str, int]) -> dict[str, int]:
         # the tensor-core path's 16-dim fragment counts of Q^T and O^T (array extents; 1 here: unused)
         "kMma": 0, "kQTiles": 1, "kOTiles": 1, "kHT": 1, "kMinBlocks": 1, "kNW": 1, "kKPitch": dqk * elem, "kVPitch": dvo * elem, "kQPitch": 0,
         # rows of whole 128-byte lines start on 128-byte boundaries (see TUNING swizzle)
-        "kQOffset": 0, "kSwizzle": 0, "kSmemAlign": 128 if _whole_lines(dqk * elem, dvo * elem) else 0,
+        "kQOffset": 0, "kSwizzle": 0, "kRowShift": 0, "kSmemAlign": 128 if _whole_lines(dqk * elem, dvo * elem) else 0,
         "kPipeBytes": pipe_bytes, "kSmemBytes": smem, "kMergeStageFloats": _merge_stage_floats(smem, group, nt),
         **_page_id_fields(t, nt),
         "kHeadMinor": int(bool(t["head_minor"])),
