@@ -238,8 +238,9 @@ def test_layout_problem_names_the_tensor_the_kernel_cannot_read() -> None:
 class _FakeKernel:
     """Stands in for an sm90 ``KernelPlan`` on the cpu: records launches."""
 
-    def __init__(self, page_size: int) -> None:
+    def __init__(self, page_size: int, host_arrays: tuple[torch.Tensor, ...]) -> None:
         self.params = type("Params", (), {"page_size": page_size})()
+        self.host_arrays = host_arrays  # the plan's copies of qo_indptr, kv_indptr, kv_indices
         self.launches = 0
 
     def launch(self, *args) -> None:
@@ -258,7 +259,7 @@ class _FakedBatch:
                       head_dim_kpe, page_size, causal, sm_scale, *rest, **kw):
             if sm_scale is None:
                 raise ValueError("sm_scale=None must be a positive float")
-            wrapper._kernel = _FakeKernel(page_size)
+            wrapper._kernel = _FakeKernel(page_size, (qo_indptr.clone(), indptr.clone(), kv_indices.clone()))
             self.fakes.append(wrapper._kernel)
             return wrapper._kernel
 

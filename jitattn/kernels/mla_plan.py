@@ -81,9 +81,12 @@ def plan_work(qo_lens, kv_lens, num_heads: int, causal: bool, num_sms: int, work
     request, row0, nblk = _tiles(qo_lens, kv_lens, num_heads, causal)
     chunk = _choose_chunk(nblk, num_sms, workspace_capacity_rows) if split and nblk.size else 0
     if not chunk:  # one item per tile, heaviest first (request order among equals), no merges
-        order = np.argsort(-nblk, kind="stable")
         items = np.zeros((nblk.size, ITEM_INTS), dtype=np.int32)
-        items[:, 0], items[:, 1], items[:, 3], items[:, 4] = request[order], row0[order], nblk[order], -1
+        if nblk.size and nblk.min() == nblk.max():  # equal tiles (a uniform decode batch): already in order
+            items[:, 0], items[:, 1], items[:, 3], items[:, 4] = request, row0, nblk, -1
+        else:
+            order = np.argsort(-nblk, kind="stable")
+            items[:, 0], items[:, 1], items[:, 3], items[:, 4] = request[order], row0[order], nblk[order], -1
         return MLAWork(torch.from_numpy(items), torch.zeros(0, MERGE_INTS, dtype=torch.int32), 0,
                        max(1, min(int(nblk.size), num_sms)), 0)
     chunks = _chunks(nblk, chunk)

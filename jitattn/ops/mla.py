@@ -189,8 +189,10 @@ class BatchMLAPagedAttentionWrapper:
             self._inner.plan(**prefill_args)
         else:
             # Kept for run(): tensors the kernel cannot read plan the prefill kernels then, over this batch's
-            # arrays (host copies: the caller's host tensors may hold the next batch by then).
-            self._prefill_args = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in prefill_args.items()}
+            # arrays (the plan's host copies: the caller's host tensors may hold the next batch by then).
+            qo_copy, indptr_copy, indices_copy = self._kernel.host_arrays
+            self._prefill_args = {**prefill_args, "qo_indptr": qo_copy, "paged_kv_indptr": indptr_copy,
+                                  "paged_kv_indices": indices_copy}
         if self._use_cuda_graph:  # a captured run() is of one kernel: every later plan must take it too
             kernel = self.kernel
             if self._graph_kernel not in (None, kernel):
@@ -202,7 +204,7 @@ class BatchMLAPagedAttentionWrapper:
         if self._kv_len_arr_buf is not None:  # FlashInfer keeps the lengths in the caller's buffer too
             self._kv_len_arr_buf[: lens.numel()].copy_(lens)
         self._dims = (head_dim_ckv, head_dim_kpe)
-        self._rows = (int(qo_indptr[-1]), num_heads)
+        self._rows = (int(qo_indptr.numpy()[-1]), num_heads)
 
     def run(
         self, q_nope: torch.Tensor, q_pe: torch.Tensor, ckv_cache: torch.Tensor, kpe_cache: torch.Tensor,

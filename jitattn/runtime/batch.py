@@ -156,7 +156,7 @@ def upload(host: torch.Tensor, device: torch.device, buffer: torch.Tensor | None
     check_fits(host, device, buffer, name)
     if device.type == "cuda":  # through page-locked memory, ordered on the stream: the host does not wait for
         # the GPU (a captured step's buffers can be refilled for the next replay while this one runs)
-        staged = _staging(host.numel(), host.dtype)
+        staged = pinned_staging(host.numel(), host.dtype)
         staged.copy_(host.reshape(-1))
         buffer[: host.numel()].copy_(staged, non_blocking=True)
     else:
@@ -167,7 +167,7 @@ def upload(host: torch.Tensor, device: torch.device, buffer: torch.Tensor | None
     return buffer[: max(host.numel(), 1)]
 
 
-def _staging(n: int, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+def pinned_staging(n: int, dtype: torch.dtype = torch.int32) -> torch.Tensor:
     """A page-locked staging buffer of ``n`` entries from torch's caching host allocator.
 
     A pageable buffer costs page faults and a bounce copy (hundreds of µs for a 64k-page table
@@ -202,7 +202,7 @@ def upload_int32(
         for _, host in packed:
             offsets.append(total)
             total += (host.numel() + 3) // 4 * 4
-        staging = _staging(total)
+        staging = pinned_staging(total)
         staging_np = staging.numpy()  # numpy slice copies: a memcpy each, without torch's per-op overhead
         for offset, (_, host) in zip(offsets, packed):
             staging_np[offset: offset + host.numel()] = host.numpy()

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from .. import env, hardware
+from .batch import pinned_staging
 from .checks import raw_stream, stream_capturing
 from .specs import mla_kernel_spec
 from ..kernels import mla as family
@@ -167,22 +168,25 @@ class KernelPlan:
                      kv_indptr.numpy(), np.append(kv_lens.numpy(), 0), kv_indices.numpy()]
             sizes = graph.sizes
         # One upload: items, merges and the index arrays, as views of one device buffer (4 more ints: never empty).
-        buffer = np.zeros(sum(_padded_size(n) for n in sizes) + 4, dtype=np.int32)
-        at = 0
-        for a, n in zip(parts, sizes):
+        # Filled in page-locked memory and copied without the host waiting (see pinned_staging).
+        starts = np.cumsum([0] + [_padded_size(n) for n in sizes]).tolist()
+        total = starts[-1] + 4
+        host = pinned_staging(total) if device.type == "cuda" else torch.empty(total, dtype=torch.int32)
+        buffer = host.numpy()
+        for a, at, end in zip(parts, starts, starts[1:]):
             buffer[at: at + a.size] = a
-            at += _padded_size(n)
-        host = torch.from_numpy(buffer)
+            buffer[at + a.size: end] = 0  # the padding (never read), so no stale host bytes are uploaded
+        buffer[starts[-1]:] = 0
+        # Host views of this plan's copies of qo_indptr, kv_indptr and kv_indices (the caller's may change after).
+        self.host_arrays = tuple(host[starts[i]: starts[i] + n] for i, n in ((2, qo.size), (3, kv_indptr.numel()),
+                                                                             (5, kv_indices.numel())))
         if graph is None:
-            self._device_arrays = host.to(device)
+            self._device_arrays = host.to(device, non_blocking=True)
         else:
             graph.buffer.copy_(host, non_blocking=True)  # ordered before any later launch or replay on the stream
             self._device_arrays = graph.buffer
-        base, ptrs = self._device_arrays.data_ptr(), []
-        at = 0
-        for n in sizes:
-            ptrs.append(base + 4 * at)
-            at += _padded_size(n)
+        base = self._device_arrays.data_ptr()
+        ptrs = [base + 4 * at for at in starts[:len(sizes)]]
         items, merges, qo, kvp, lens, indices = ptrs
         self._workspace = workspace
         self.params = self.module.params(

@@ -53,7 +53,12 @@ def parse_pos_encoding(value: str | int | PosEncoding) -> PosEncoding:
         raise ValueError(f"pos_encoding_mode={value!r} is not supported; use 'NONE', 'ROPE_LLAMA' or 'ALIBI'") from None
 
 
+_TORCH_DTYPES = frozenset(d.torch_dtype for d in DType)
+
+
 def parse_dtype(value: str | torch.dtype, name: str) -> torch.dtype:
+    if isinstance(value, torch.dtype) and value in _TORCH_DTYPES:  # the usual argument, without the text round trip
+        return value
     return DType.parse(value, name).torch_dtype
 
 
