@@ -226,6 +226,26 @@ def test_head_major_strides(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("interleave", [False, True], ids=["neox", "interleave"])
+def test_rows_off_16_bytes_give_the_aligned_result(device, interleave):
+    """Rows starting 2 bytes past a 16-byte boundary (the cuda kernel's element-per-load path) and rows
+    starting on one (its 16-byte path), in and out of place: bit for bit the same."""
+    case = Case(device, torch.bfloat16, 128, 64, 4, 2, salt=37)
+    q_off = torch.empty(case.q.numel() + 1, dtype=case.q.dtype, device=device)[1:].view(case.q.shape)
+    k_off = torch.empty(case.k.numel() + 1, dtype=case.k.dtype, device=device)[1:].view(case.k.shape)
+    q_off.copy_(case.q)
+    k_off.copy_(case.k)
+    kw = dict(rotary_dim=case.rotary_dim, interleave=interleave, **_angle_kwargs("pos_ids"))
+    want = jitattn.apply_rope_pos_ids(case.q.contiguous(), case.k.contiguous(), case.pos_ids, **kw)
+    got = jitattn.apply_rope_pos_ids(q_off, k_off, case.pos_ids, **kw)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    jitattn.apply_rope_pos_ids_inplace(q_off, k_off, case.pos_ids, **kw)
+    assert torch.equal(q_off, want[0]) and torch.equal(k_off, want[1])
+    for got_x, ref_x in zip(want, case.expected("pos_ids", interleave)):
+        torch.testing.assert_close(got_x.float().cpu(), ref_x.float().cpu(), atol=TOLERANCE[torch.bfloat16], rtol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_empty_batches(device):
     q = torch.randn(0, 4, 64, device=device, dtype=torch.float16)
     k = torch.randn(0, 2, 64, device=device, dtype=torch.float16)
