@@ -54,6 +54,7 @@ def _flashinfer_call(data: AttnData, workspace: torch.Tensor):
 
     case = data.case
     options = plan_kwargs(case)
+    options.pop("batch_invariant")  # jitattn's keyword (always False here: see flashinfer_unsupported)
     out = torch.empty_like(data.out)
     if case.op == "decode":
         wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=True)
