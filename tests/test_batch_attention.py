@@ -75,6 +75,41 @@ def test_mixed_batch_matches_reference(case_id: str, device: str) -> None:
     assert torch.equal(fresh_out, out) and torch.equal(fresh_lse, lse)
 
 
+# Batches whose decode rows (one query over some KV, run by the decode wrapper) are contiguous -- the parts write
+# views of out / lse -- or are all of the batch.
+SPLITS = {
+    "prefill_then_decode": [(33, 33), (1, 20), (1, 9), (1, 48)],
+    "decode_then_prefill": [(1, 17), (1, 64), (4, 30), (2, 0)],
+    "all_decode": [(1, 5), (1, 70), (1, 16)],
+}
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("split", list(SPLITS))
+def test_decode_rows_on_the_decode_kernels_write_their_rows(split: str, device: str) -> None:
+    hq, hkv, d, dtype, page, layout = 8, 2, 64, bf16, 16, "NHD"
+    lens = SPLITS[split]
+    gen = torch.Generator().manual_seed(41 + list(SPLITS).index(split))
+    batch = random_paged_batch([k for _, k in lens], hkv, d, page, dtype, layout=layout, device=device, generator=gen)
+    qo_indptr = torch.tensor([0] + torch.tensor([q for q, _ in lens]).cumsum(0).tolist(), dtype=torch.int32)
+    q = torch.randn(int(qo_indptr[-1]), hq, d, generator=gen).to(dtype).to(device)
+    wrapper = jitattn.BatchAttention(kv_layout=layout, device=device)
+    wrapper.plan(qo_indptr, batch.kv_indptr, batch.kv_indices, torch.tensor([k for _, k in lens], dtype=torch.int32),
+                 hq, hkv, d, d, page, causal=True, q_data_type=dtype, kv_data_type=dtype)
+    out, lse = torch.full_like(q, float("nan")), torch.full(q.shape[:2], float("nan"), device=device)
+    result = wrapper.run(q, batch.cache, out, lse)
+    assert result[0] is out and result[1] is lse
+    expected_o, expected_lse = reference.batch_prefill_paged(
+        q.cpu(), batch.cache.cpu(), qo_indptr, batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len,
+        kv_layout=layout, causal=True)
+    assert_close_out(out, expected_o, dtype)
+    assert_close_lse(lse, expected_lse)
+    with pytest.raises(ValueError, match="q has shape"):
+        wrapper.run(q[1:], batch.cache)
+    with pytest.raises(ValueError, match="out has shape"):
+        wrapper.run(q, batch.cache, out[1:])
+
+
 @pytest.mark.parametrize("device", devices())
 def test_strided_query_and_flashinfer_namespace_base2_lse(device: str) -> None:
     """A query sliced from a wider tensor (FlashInfer's chunked-q test) is read in place; ``jitattn.flashinfer``'s

@@ -1,9 +1,12 @@
 """``BatchAttention``: FlashInfer's unified plan/run for a mixed prefill + decode batch over a paged KV cache.
 
-FlashInfer runs it on a persistent kernel of its own. Here the whole batch -- decode requests (one
-query), chunked-prefill and prefill requests alike -- is one launch of the paged prefill wrapper, whose
-kernels take any query count per request. The KV is described by page counts (``kv_indptr``) and token
-counts (``kv_len_arr``) instead of last-page lengths; ``run`` returns ``(out, lse)``.
+FlashInfer runs it on a persistent kernel of its own. Here ``plan`` splits the batch: requests of one query
+over some KV (decode) go to the decode wrapper, every other one (chunked prefill, prefill, speculative steps,
+requests without KV) to the paged prefill wrapper, whose kernels take any query count per request; ``run``
+launches each part that has requests and writes its rows of the one output (a view when the part's rows are
+contiguous, else a gather and a scatter). A decode row on the prefill kernels costs the KV read at a fraction of
+the decode kernel's bandwidth. The KV is described by page counts (``kv_indptr``) and token counts
+(``kv_len_arr``) instead of last-page lengths; ``run`` returns ``(out, lse)``.
 """
 
 from __future__ import annotations
@@ -11,8 +14,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..runtime.checks import check_tensor
 from ..runtime.options import refuse_unsupported
 from ..page_table import check_indptr, to_host_int32
+from .decode import BatchDecodeWithPagedKVCacheWrapper
 from .prefill import BatchPrefillWithPagedKVCacheWrapper
 
 __all__ = ["BatchAttention"]
@@ -39,15 +44,49 @@ def last_page_lens(kv_indptr: torch.Tensor, kv_len_arr: torch.Tensor, page_size:
     return torch.from_numpy(np.where(pages > 0, lens - (pages - 1) * page_size, 0).astype(np.int32))
 
 
+class _Part:
+    """The requests of a batch one wrapper runs: their query rows of the whole batch (a slice when contiguous,
+    else a device index) and the sub-batch's page table (host int32)."""
+
+    def __init__(self, requests: np.ndarray, qo_indptr: np.ndarray, kv_indptr: np.ndarray, kv_indices: np.ndarray,
+                 last_page_len: np.ndarray, device: torch.device) -> None:
+        qo_lens = qo_indptr[requests + 1] - qo_indptr[requests]
+        rows = np.concatenate([np.arange(qo_indptr[r], qo_indptr[r + 1]) for r in requests]) if requests.size else \
+            np.zeros(0, dtype=np.int64)
+        self.num_rows = int(rows.size)
+        contiguous = rows.size == 0 or rows[-1] - rows[0] + 1 == rows.size
+        self.rows: slice | torch.Tensor = (slice(int(rows[0]) if rows.size else 0, int(rows[-1]) + 1 if rows.size else 0)
+                                           if contiguous else torch.from_numpy(rows).to(device))
+        pages = kv_indptr[requests + 1] - kv_indptr[requests]
+        page_ids = np.concatenate([kv_indices[kv_indptr[r]:kv_indptr[r + 1]] for r in requests]) if requests.size \
+            else np.zeros(0, dtype=np.int32)
+        as_i32 = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32))  # noqa: E731
+        self.qo_indptr = as_i32(np.concatenate([[0], np.cumsum(qo_lens)]))
+        self.kv_indptr = as_i32(np.concatenate([[0], np.cumsum(pages)]))
+        self.kv_indices = as_i32(page_ids)
+        self.last_page_len = as_i32(last_page_len[requests])
+
+    def take(self, x: torch.Tensor) -> torch.Tensor:
+        return x[self.rows] if isinstance(self.rows, slice) else x.index_select(0, self.rows)
+
+    def put(self, dest: torch.Tensor, part: torch.Tensor) -> None:
+        if isinstance(self.rows, slice):
+            if part.data_ptr() != dest[self.rows].data_ptr():
+                dest[self.rows].copy_(part)
+        else:
+            dest.index_copy_(0, self.rows, part)
+
+
 class BatchAttention:
     """Mixed prefill + decode attention over a paged KV cache, FlashInfer's ``BatchAttention``.
 
-    ``device`` is where the attention runs (``"cuda"`` or ``"cpu"``); no workspace is needed (the batch
-    never splits its KV). ``plan`` takes the paged prefill wrapper's batch description with the KV
-    given as ``kv_len_arr`` (tokens per request); causal is bottom-right per request, as there.
-    ``run(q, kv_cache)`` returns ``(out, lse)``, the LSE in natural log (``jitattn.flashinfer``'s
-    ``BatchAttention`` returns FlashInfer's base 2). ``use_profiler`` / ``profiler_buffer`` (FlashInfer's
-    in-kernel profiler) are refused: jitattn's kernels carry readable names for nsys / ncu instead.
+    ``device`` is where the attention runs (``"cuda"`` or ``"cpu"``); the float workspace the decode part's
+    split-KV needs is allocated by ``plan`` (FlashInfer's takes none either). ``plan`` takes the paged prefill
+    wrapper's batch description with the KV given as ``kv_len_arr`` (tokens per request); causal is
+    bottom-right per request, as there (a decode row sees its whole KV either way). ``run(q, kv_cache)``
+    returns ``(out, lse)``, the LSE in natural log (``jitattn.flashinfer``'s ``BatchAttention`` returns
+    FlashInfer's base 2). ``use_profiler`` / ``profiler_buffer`` (FlashInfer's in-kernel profiler) are
+    refused: jitattn's kernels carry readable names for nsys / ncu instead.
     """
 
     _NAME = "BatchAttention"
@@ -62,8 +101,13 @@ class BatchAttention:
                                "device='cpu' to run on the cpu target")
         self.float_workspace_buffer = torch.empty(0, dtype=torch.uint8, device=where)
         self._prefill = BatchPrefillWithPagedKVCacheWrapper(self.float_workspace_buffer, kv_layout)
+        self._decode_workspace = torch.empty(0, dtype=torch.uint8, device=where)  # the decode part's split-KV
+        self._decode = BatchDecodeWithPagedKVCacheWrapper(self._decode_workspace, kv_layout)
         self._kv_layout = kv_layout
+        self._device = where
         self._logits_soft_cap: float | None = None  # the planned cap (None: not planned)
+        self._parts: list[tuple[_Part, object]] = []  # (rows, wrapper) of each part that has requests
+        self._shape: tuple[int, int, int, int] = (0, 0, 0, 0)  # query rows, heads, head_dim_qk, head_dim_vo
 
     def plan(
         self, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_len_arr: torch.Tensor,
@@ -74,16 +118,52 @@ class BatchAttention:
     ) -> None:
         """Plan one batch: request r's queries are rows ``qo_indptr[r]:qo_indptr[r+1]`` of q, its KV the
         ``kv_len_arr[r]`` tokens on pages ``kv_indices[kv_indptr[r]:kv_indptr[r+1]]``."""
-        self._logits_soft_cap = None
+        self._logits_soft_cap, self._parts = None, []
         refuse_unsupported(f"{self._NAME}.plan", "profile with nsys / ncu (kernels carry readable names)",
                            use_profiler=True if use_profiler else None)
         last_page_len = last_page_lens(kv_indptr, kv_len_arr, page_size)
-        self._prefill.plan(
-            qo_indptr, kv_indptr, kv_indices, last_page_len, num_qo_heads, num_kv_heads, head_dim_qk, page_size,
-            head_dim_vo=head_dim_vo, causal=causal, sm_scale=sm_scale, logits_soft_cap=logits_soft_cap,
-            q_data_type=q_data_type, kv_data_type=kv_data_type,
-        )
+        qo = check_indptr("qo_indptr", qo_indptr).numpy().astype(np.int64)
+        kv = to_host_int32("kv_indptr", kv_indptr).numpy().astype(np.int64)
+        if qo.size != kv.size:
+            raise ValueError(f"qo_indptr describes {qo.size - 1} requests but kv_indptr {kv.size - 1}; pass one "
+                             "entry per request to both")
+        indices = to_host_int32("kv_indices", kv_indices).numpy()
+        if kv[-1] > indices.size:
+            raise ValueError(f"kv_indptr[-1] = {int(kv[-1])} exceeds len(kv_indices) = {indices.size}")
+        # Decode rows: one query over some KV, when the decode kernels take the head dims (they have one).
+        decode = ((qo[1:] - qo[:-1]) == 1) & (kv[1:] > kv[:-1]) & (int(head_dim_qk) == int(head_dim_vo))
+        lpl = last_page_len.numpy()
+        parts = [(_Part(np.flatnonzero(~decode), qo, kv, indices, lpl, self._device), self._prefill),
+                 (_Part(np.flatnonzero(decode), qo, kv, indices, lpl, self._device), self._decode)]
+        if not decode.any():  # the whole batch on the prefill kernels (also a batch of no requests)
+            parts = parts[:1]
+        elif decode.all():
+            parts = parts[1:]
+        for part, wrapper in parts:
+            if wrapper is self._prefill:
+                self._prefill.plan(
+                    part.qo_indptr, part.kv_indptr, part.kv_indices, part.last_page_len, num_qo_heads, num_kv_heads,
+                    head_dim_qk, page_size, head_dim_vo=head_dim_vo, causal=causal, sm_scale=sm_scale,
+                    logits_soft_cap=logits_soft_cap, q_data_type=q_data_type, kv_data_type=kv_data_type)
+            else:
+                self._plan_decode(part, num_qo_heads, num_kv_heads, head_dim_qk, page_size, sm_scale,
+                                  logits_soft_cap, q_data_type, kv_data_type)
+        self._parts = parts
+        self._shape = (int(qo[-1]), int(num_qo_heads), int(head_dim_qk), int(head_dim_vo))
         self._logits_soft_cap = 0.0 if logits_soft_cap is None else float(logits_soft_cap)
+
+    def _plan_decode(self, part: _Part, num_qo_heads, num_kv_heads, head_dim, page_size, sm_scale, logits_soft_cap,
+                     q_data_type, kv_data_type) -> None:
+        """The decode part, with a float workspace its split-KV fits (grown, never shrunk)."""
+        longest = int((part.kv_indptr[1:] - part.kv_indptr[:-1]).max()) * page_size
+        need = self._decode.workspace_size(part.last_page_len.numel(), longest, num_qo_heads, num_kv_heads,
+                                           head_dim, page_size)[0]
+        if self._decode_workspace.numel() < need:
+            self._decode_workspace = torch.empty(need, dtype=torch.uint8, device=self._device)
+            self._decode.reset_workspace_buffer(self._decode_workspace)
+        self._decode.plan(part.kv_indptr, part.kv_indices, part.last_page_len, num_qo_heads, num_kv_heads, head_dim,
+                          page_size, logits_soft_cap=logits_soft_cap, q_data_type=q_data_type,
+                          kv_data_type=kv_data_type, sm_scale=sm_scale)
 
     def run(
         self, q: torch.Tensor, kv_cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
@@ -104,4 +184,24 @@ class BatchAttention:
             planned = "no cap" if self._logits_soft_cap == 0 else f"logits_soft_cap={self._logits_soft_cap}"
             raise ValueError(f"{self._NAME}.run(logits_soft_cap={cap}) differs from the plan ({planned}); the cap is "
                              "part of the plan: pass it to plan()")
-        return self._prefill.run(q, kv_cache, k_scale=k_scale, v_scale=v_scale, out=out, lse=lse, return_lse=True)
+        if len(self._parts) == 1 and self._parts[0][1] is self._prefill:
+            return self._prefill.run(q, kv_cache, k_scale=k_scale, v_scale=v_scale, out=out, lse=lse, return_lse=True)
+        rows, heads, dqk, dvo = self._shape
+        check_tensor("q", q, ndim=3)
+        if tuple(q.shape) != (rows, heads, dqk):
+            raise ValueError(f"q has shape {tuple(q.shape)}; the plan expects {(rows, heads, dqk)}")
+        for name, given, shape in (("out", out, (rows, heads, dvo)), ("lse", lse, (rows, heads))):
+            if given is not None and tuple(given.shape) != shape:
+                raise ValueError(f"{name} has shape {tuple(given.shape)}; the plan expects {shape}")
+        if out is None:
+            out = torch.empty((rows, heads, dvo), dtype=q.dtype, device=q.device)
+        if lse is None:
+            lse = torch.empty((rows, heads), dtype=torch.float32, device=q.device)
+        for part, wrapper in self._parts:
+            sliced = isinstance(part.rows, slice)  # then the part writes its rows of out / lse in place
+            part_out, part_lse = wrapper.run(part.take(q), kv_cache, k_scale=k_scale, v_scale=v_scale,
+                                             out=out[part.rows] if sliced else None,
+                                             lse=lse[part.rows] if sliced else None, return_lse=True)
+            part.put(out, part_out)
+            part.put(lse, part_lse)
+        return out, lse
