@@ -26,14 +26,7 @@ def cuda_arch_list() -> tuple[str, ...]:
     """The archs to build, e.g. ('9.0a',): JITATTN_CUDA_ARCH_LIST, else the current GPU."""
     raw = env.cuda_arch_list()
     if raw:
-        archs = tuple(a for a in re.split(r"[;\s,]+", raw.strip()) if a)
-        for arch in archs:
-            if not ARCH_PATTERN.match(arch):
-                raise ArchListError(
-                    f"JITATTN_CUDA_ARCH_LIST entry {arch!r} is not an arch; use the TORCH_CUDA_ARCH_LIST "
-                    "format, e.g. '8.0;9.0a' or '9.0a+PTX'"
-                )
-        return archs
+        return _parsed_arch_list(raw)
     import torch
 
     if not torch.cuda.is_available():
@@ -41,9 +34,30 @@ def cuda_arch_list() -> tuple[str, ...]:
             "no visible CUDA GPU to build for: set JITATTN_CUDA_ARCH_LIST (e.g. '9.0a' for H100/H200) "
             "to build on a machine without one, or use the cpu target"
         )
-    major, minor = torch.cuda.get_device_capability()
+    major, minor = capability(torch.cuda.current_device())
     suffix = "a" if (major, minor) == (9, 0) else ""
     return (f"{major}.{minor}{suffix}",)
+
+
+@functools.cache
+def _parsed_arch_list(raw: str) -> tuple[str, ...]:
+    """A JITATTN_CUDA_ARCH_LIST value's archs (parsed once per value: plan() asks on every call)."""
+    archs = tuple(a for a in re.split(r"[;\s,]+", raw.strip()) if a)
+    for arch in archs:
+        if not ARCH_PATTERN.match(arch):
+            raise ArchListError(
+                f"JITATTN_CUDA_ARCH_LIST entry {arch!r} is not an arch; use the TORCH_CUDA_ARCH_LIST "
+                "format, e.g. '8.0;9.0a' or '9.0a+PTX'"
+            )
+    return archs
+
+
+@functools.cache
+def capability(device_index: int) -> tuple[int, int]:
+    """The compute capability of CUDA device ``device_index`` (asked of the driver once per process)."""
+    import torch
+
+    return torch.cuda.get_device_capability(device_index)
 
 
 def known_arch_list() -> tuple[str, ...] | None:

@@ -81,7 +81,8 @@ def device_facts(device: torch.device) -> tuple[tuple[int, int] | None, tuple[st
     """(compute capability, JIT arch list) of ``device``; (None, None) off cuda."""
     if device.type != "cuda":
         return None, None
-    return torch.cuda.get_device_capability(device), hardware.known_arch_list()
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return hardware.capability(index), hardware.known_arch_list()
 
 
 
