@@ -219,5 +219,5 @@ MIXED_CASES: list[Mixed] = [
     Mixed("ops/pod_chunk2048_decode64x4096", "pod", target=1 / 0.9,
           note="PODWithPagedKVCacheWrapper.run; target time <= 0.9 x (its :prefill + :decode rows)"),
     Mixed("ops/batch_attention_mixed", "batch_attention", target=0.95,
-          note="BatchAttention, one launch; target time within 5% of its :prefill + :decode rows"),
+          note="BatchAttention, one call; target time within 5% of its :prefill + :decode rows"),
 ]
