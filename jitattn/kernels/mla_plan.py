@@ -53,8 +53,11 @@ def _tiles(qo_lens, kv_lens, num_heads: int, causal: bool) -> tuple[np.ndarray, 
     qo = np.asarray(qo_lens, dtype=np.int64).reshape(-1)
     kv = np.asarray(kv_lens, dtype=np.int64).reshape(-1)
     per_request = _ceil_div(qo * num_heads, ROWS)
-    if per_request.size and per_request.min() == 1 and per_request.max() == 1:  # decode at <= 64 heads: one each
-        request, row0, qo_r, kv_r = np.arange(qo.size, dtype=np.int64), np.zeros_like(qo), qo, kv
+    tiles = int(per_request.min()) if per_request.size else 0
+    if per_request.size and tiles == per_request.max():  # as many tiles each (a decode batch): no gathers
+        request = np.repeat(np.arange(qo.size, dtype=np.int64), tiles)
+        row0 = np.tile(np.arange(tiles, dtype=np.int64) * ROWS, qo.size)
+        qo_r, kv_r = (qo, kv) if tiles == 1 else (np.repeat(qo, tiles), np.repeat(kv, tiles))
     else:
         request = np.repeat(np.arange(qo.size, dtype=np.int64), per_request)
         first = np.cumsum(per_request) - per_request  # each request's first tile

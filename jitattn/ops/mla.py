@@ -189,10 +189,8 @@ class BatchMLAPagedAttentionWrapper:
             self._inner.plan(**prefill_args)
         else:
             # Kept for run(): tensors the kernel cannot read plan the prefill kernels then, over this batch's
-            # arrays (the plan's host copies: the caller's host tensors may hold the next batch by then).
-            qo_copy, indptr_copy, indices_copy = self._kernel.host_arrays
-            self._prefill_args = {**prefill_args, "qo_indptr": qo_copy, "paged_kv_indptr": indptr_copy,
-                                  "paged_kv_indices": indices_copy}
+            # arrays (the plan's host copies, KernelPlan.host_arrays: the caller's may hold the next batch by then).
+            self._prefill_args = prefill_args
         if self._use_cuda_graph:  # a captured run() is of one kernel: every later plan must take it too
             kernel = self.kernel
             if self._graph_kernel not in (None, kernel):
@@ -245,7 +243,9 @@ class BatchMLAPagedAttentionWrapper:
     def _run_prefill(self, q_nope: torch.Tensor, q_pe: torch.Tensor, ckv_cache: torch.Tensor, kpe_cache: torch.Tensor,
                      out: torch.Tensor | None, lse: torch.Tensor | None, return_lse: bool, k_scale, v_scale):
         if self._prefill_args is not None:  # an sm90 plan meeting tensors its kernel cannot read: plan once
-            self._inner.plan(**self._prefill_args)
+            qo_indptr, kv_indptr, kv_indices = self._kernel.host_arrays
+            self._inner.plan(**{**self._prefill_args, "qo_indptr": qo_indptr, "paged_kv_indptr": kv_indptr,
+                                "paged_kv_indices": kv_indices})
             self._prefill_args = None
         for name, t in (("q_nope", q_nope), ("q_pe", q_pe)):
             if not isinstance(t, torch.Tensor):
@@ -276,7 +276,8 @@ class BatchMLAPagedAttentionWrapper:
         if qo_indptr.numel() != indptr.numel():
             raise ValueError(f"qo_indptr describes {qo_indptr.numel() - 1} requests but kv_indptr "
                              f"{indptr.numel() - 1}")
-        self._highest_page = check_page_table(indptr, kv_indices, last_page_len, page_size,
+        # (last_page_len is plan()'s, from kv_len_arr checked against the page counts: in range by construction)
+        self._highest_page = check_page_table(indptr, kv_indices, None, page_size,
                                               names=("kv_indptr", "kv_indices", "kv_len_arr"))
         graph = None
         if self._use_cuda_graph:

@@ -170,7 +170,9 @@ class KernelPlan:
             sizes = graph.sizes
         # One upload: items, merges and the index arrays, as views of one device buffer (4 more ints: never empty).
         # Filled in page-locked memory and copied without the host waiting (see pinned_staging).
-        starts = np.cumsum([0] + [_padded_size(n) for n in sizes]).tolist()
+        starts = [0]
+        for n in sizes:
+            starts.append(starts[-1] + _padded_size(n))
         total = starts[-1] + 4
         host = pinned_staging(total) if device.type == "cuda" else torch.empty(total, dtype=torch.int32)
         buffer = host.numpy()
@@ -178,9 +180,8 @@ class KernelPlan:
             buffer[at: at + a.size] = a
             buffer[at + a.size: end] = 0  # the padding (never read), so no stale host bytes are uploaded
         buffer[starts[-1]:] = 0
-        # Host views of this plan's copies of qo_indptr, kv_indptr and kv_indices (the caller's may change after).
-        self.host_arrays = tuple(host[starts[i]: starts[i] + n] for i, n in ((2, qo.size), (3, kv_indptr.numel()),
-                                                                             (5, kv_indices.numel())))
+        self._host, self._host_spans = host, ((starts[2], qo.size), (starts[3], kv_indptr.numel()),
+                                              (starts[5], kv_indices.numel()))
         if graph is None:
             self._device_arrays = host.to(device, non_blocking=True)
         else:
@@ -203,6 +204,12 @@ class KernelPlan:
             k_scale=1.0, v_scale=1.0,
         )
         self._call = self.module.bind("mla", self.params)
+
+    @property
+    def host_arrays(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Host views of this plan's copies of qo_indptr, kv_indptr and kv_indices (the caller's may have changed
+        since): what the prefill kernels are planned over when run() falls back to them."""
+        return tuple(self._host[at: at + n] for at, n in self._host_spans)
 
     def launch(self, q_nope: torch.Tensor, q_pe: torch.Tensor, ckv: torch.Tensor, kpe: torch.Tensor, out: torch.Tensor,
                lse: torch.Tensor | None, k_scale: float, v_scale: float) -> None:
