@@ -246,6 +246,8 @@ class _FakeKernel:
     def launch(self, *args) -> None:
         self.launches += 1
 
+    relaunch = launch  # KernelPlan.relaunch: the launch of tensors like the last launch's
+
 
 class _FakedBatch:
     """A small latent batch on the cpu and an MLA wrapper whose sm90 plans are faked (``_FakeKernel``; a plan
@@ -332,6 +334,25 @@ def test_the_fallback_plans_this_batchs_arrays_not_the_callers_later_contents(mo
     staged.copy_(staged.flip(0))
     staged_indptr.fill_(0)
     torch.testing.assert_close(b.run(b.off_16_bytes()), b.reference()[0], atol=1e-4, rtol=1e-4)
+
+
+def test_repeated_runs_keep_every_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    """After a launch, run() of tensors like its tensors skips the checks they passed; anything else is checked
+    again (a wrong shape, an output of another shape, a pointer off 16 bytes, a new plan)."""
+    b = _FakedBatch(monkeypatch, 6)
+    b.plan()
+    b.run(b.q_nope)
+    b.run(b.q_nope.clone())  # other memory, same layout: launched without the checks
+    assert b.fakes[-1].launches == 2 and not b.inner_plans
+    with pytest.raises(ValueError, match="q_nope has shape"):
+        b.run(b.q_nope[:1])
+    with pytest.raises(ValueError, match="out has shape"):
+        b.run(b.q_nope, out=torch.empty(1, b.heads, CKV))
+    torch.testing.assert_close(b.run(b.off_16_bytes()), b.reference()[0], atol=1e-4, rtol=1e-4)
+    assert b.fakes[-1].launches == 2 and len(b.inner_plans) == 1  # the off-16 query took the prefill kernels
+    b.plan()
+    b.run(b.q_nope)
+    assert b.fakes[-1].launches == 1  # the new plan's kernel
 
 
 def test_a_failed_plan_leaves_nothing_to_run(monkeypatch: pytest.MonkeyPatch) -> None:

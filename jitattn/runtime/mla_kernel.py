@@ -223,6 +223,12 @@ class KernelPlan:
                                 f"{str(want).removeprefix('torch.')}")
             if t.get_device() != self.device_index:
                 raise ValueError(f"{name} is on {t.device}; the plan is for cuda:{self.device_index}")
+        self.relaunch(q_nope, q_pe, ckv, kpe, out, lse, k_scale, v_scale)
+
+    def relaunch(self, q_nope: torch.Tensor, q_pe: torch.Tensor, ckv: torch.Tensor, kpe: torch.Tensor,
+                 out: torch.Tensor, lse: torch.Tensor | None, k_scale: float, v_scale: float) -> None:
+        """``launch`` without its dtype and device checks: for tensors the caller found to be of the dtypes, devices,
+        shapes and strides of an earlier ``launch`` of this plan."""
         if self.graph is None:
             if stream_capturing():
                 raise RuntimeError("BatchMLAPagedAttentionWrapper.run() is being captured into a CUDA graph, but the "
