@@ -149,6 +149,28 @@ def test_single_prefill_matches_reference(device: str, causal: bool) -> None:
 
 
 @pytest.mark.parametrize("device", devices())
+def test_single_prefill_calls_of_equal_shapes_each_attend_over_their_own_data(device: str) -> None:
+    """Calls of equal shapes and options share a plan: each still reads its own q / k / v (fresh data, a KV of
+    another length, other options, a 2-D mask between them), against the reference every time."""
+    gen = torch.Generator().manual_seed(8)
+
+    def call(kv_len: int, **kw):
+        q = torch.randn(9, 8, 128, generator=gen).to(bf16).to(device)
+        k, v = (torch.randn(kv_len, 2, 128, generator=gen).to(bf16).to(device) for _ in range(2))
+        out = jitattn.single_prefill_with_kv_cache(q, k, v, **kw)
+        mask = kw.pop("custom_mask", None)
+        assert_close_out(out, reference.single_attention(q, k, v, custom_mask=None if mask is None else mask.cpu(),
+                                                         **kw)[0], bf16)
+
+    for kv_len, kw in [(30, dict(causal=True)), (30, dict(causal=True)), (47, dict(causal=True)),
+                       (30, dict(causal=False, window_left=11)), (30, dict(custom_mask=torch.rand(9, 30) > 0.5)),
+                       (30, dict(causal=True)), (47, dict(causal=True))]:
+        if "custom_mask" in kw:
+            kw["custom_mask"] = kw["custom_mask"].to(device)
+        call(kv_len, **kw)
+
+
+@pytest.mark.parametrize("device", devices())
 def test_single_prefill_custom_mask_2d(device: str) -> None:
     gen = torch.Generator().manual_seed(6)
     q = torch.randn(5, 4, 64, generator=gen).to(f16).to(device)
