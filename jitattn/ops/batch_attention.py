@@ -48,23 +48,19 @@ class _Part:
     """The requests of a batch one wrapper runs: their query rows of the whole batch (a slice when contiguous,
     else a device index) and the sub-batch's page table (host int32)."""
 
-    def __init__(self, requests: np.ndarray, qo_indptr: np.ndarray, kv_indptr: np.ndarray, kv_indices: np.ndarray,
+    def __init__(self, selected: np.ndarray, qo_indptr: np.ndarray, kv_indptr: np.ndarray, kv_indices: np.ndarray,
                  last_page_len: np.ndarray, device: torch.device) -> None:
-        qo_lens = qo_indptr[requests + 1] - qo_indptr[requests]
-        rows = np.concatenate([np.arange(qo_indptr[r], qo_indptr[r + 1]) for r in requests]) if requests.size else \
-            np.zeros(0, dtype=np.int64)
-        self.num_rows = int(rows.size)
+        """``selected``: a bool per request of the batch; the index arrays are the whole batch's (int64)."""
+        qo_lens, pages = np.diff(qo_indptr), np.diff(kv_indptr)
+        rows = np.flatnonzero(np.repeat(selected, qo_lens))  # the selected requests' query rows, in order
         contiguous = rows.size == 0 or rows[-1] - rows[0] + 1 == rows.size
-        self.rows: slice | torch.Tensor = (slice(int(rows[0]) if rows.size else 0, int(rows[-1]) + 1 if rows.size else 0)
-                                           if contiguous else torch.from_numpy(rows).to(device))
-        pages = kv_indptr[requests + 1] - kv_indptr[requests]
-        page_ids = np.concatenate([kv_indices[kv_indptr[r]:kv_indptr[r + 1]] for r in requests]) if requests.size \
-            else np.zeros(0, dtype=np.int32)
+        self.rows: slice | torch.Tensor = (slice(int(rows[0]), int(rows[-1]) + 1) if contiguous and rows.size else
+                                           slice(0, 0) if contiguous else torch.from_numpy(rows).to(device))
         as_i32 = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32))  # noqa: E731
-        self.qo_indptr = as_i32(np.concatenate([[0], np.cumsum(qo_lens)]))
-        self.kv_indptr = as_i32(np.concatenate([[0], np.cumsum(pages)]))
-        self.kv_indices = as_i32(page_ids)
-        self.last_page_len = as_i32(last_page_len[requests])
+        self.qo_indptr = as_i32(np.concatenate([[0], np.cumsum(qo_lens[selected])]))
+        self.kv_indptr = as_i32(np.concatenate([[0], np.cumsum(pages[selected])]))
+        self.kv_indices = as_i32(kv_indices[: kv_indptr[-1]][np.repeat(selected, pages)])
+        self.last_page_len = as_i32(last_page_len[selected])
 
     def take(self, x: torch.Tensor) -> torch.Tensor:
         return x[self.rows] if isinstance(self.rows, slice) else x.index_select(0, self.rows)
@@ -133,8 +129,8 @@ class BatchAttention:
         # Decode rows: one query over some KV, when the decode kernels take the head dims (they have one).
         decode = ((qo[1:] - qo[:-1]) == 1) & (kv[1:] > kv[:-1]) & (int(head_dim_qk) == int(head_dim_vo))
         lpl = last_page_len.numpy()
-        parts = [(_Part(np.flatnonzero(~decode), qo, kv, indices, lpl, self._device), self._prefill),
-                 (_Part(np.flatnonzero(decode), qo, kv, indices, lpl, self._device), self._decode)]
+        parts = [(_Part(~decode, qo, kv, indices, lpl, self._device), self._prefill),
+                 (_Part(decode, qo, kv, indices, lpl, self._device), self._decode)]
         if not decode.any():  # the whole batch on the prefill kernels (also a batch of no requests)
             parts = parts[:1]
         elif decode.all():
