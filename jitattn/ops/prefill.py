@@ -9,7 +9,7 @@ import torch
 from ..runtime.batch import AttentionPlan
 from ..runtime.builder import HostIndex, attention_options, build_plan
 from ..runtime.wrapper import BatchWrapperBase, plan_arguments
-from ..runtime.checks import check_tensor, target_of
+from ..runtime.checks import check_tensor, stream_capturing, target_of
 from ..runtime.options import (PAGE_TABLE_HINT, parse_kv_layout, per_tensor_scale, refuse_unsupported,
                                  resolve_batch_invariant, resolve_flag)
 from ..page_table import PagedIndex, check_indptr, check_paged_index
@@ -353,7 +353,8 @@ def single_prefill_with_kv_cache(
     shape = (q.device, kv_layout, backend, q.shape[0], kv_len, q.shape[1], num_kv_heads, q.shape[2], v.shape[2])
     options = (causal, pos_encoding_mode, sm_scale, window_left, logits_soft_cap, rope_scale, rope_theta, q.dtype,
                k.dtype, o_dtype)
-    if custom_mask is None and packed_custom_mask is None and _hashable(options):
+    if custom_mask is None and packed_custom_mask is None and _hashable(options) and not (
+            q.is_cuda and stream_capturing()):  # a captured call keeps a plan of its own (its memory the graph's)
         wrapper = _single_request_plan(*shape, *options)  # equal calls share it (see _single_request_plan)
     else:
         wrapper = _plan_single_request(*shape, *options, custom_mask=custom_mask, packed_custom_mask=packed_custom_mask)
@@ -386,7 +387,9 @@ def _plan_single_request(device, kv_layout, backend, qo_len, kv_len, num_qo_head
 # Without a mask, the plan of one request depends on its shapes and options alone, so calls with equal ones share a
 # planned wrapper (its run() reads the plan, never changes it): planning costs more host time than the launch
 # (280-350 us against ~60 us on the H200 host), and loops call with the same shapes (POD's prefill part, a model's
-# fixed-length prefill). A plan that raises is not kept.
+# fixed-length prefill). A plan that raises is not kept. A call being captured into a CUDA graph plans afresh, as
+# before: its plan's memory is then the graph's, and a cached plan evicted later would leave a graph reading freed
+# memory.
 _single_request_plan = functools.lru_cache(maxsize=64)(_plan_single_request)
 
 
