@@ -171,6 +171,31 @@ def test_single_prefill_calls_of_equal_shapes_each_attend_over_their_own_data(de
 
 
 @pytest.mark.parametrize("device", devices())
+def test_single_prefill_from_two_threads_each_gets_its_own_result(device: str) -> None:
+    """Threads calling with equal shapes at once: each result is its own inputs' (the shared plans are per thread)."""
+    import threading
+
+    gen = torch.Generator().manual_seed(9)
+    inputs = [tuple(torch.randn(n, h, 64, generator=gen).to(bf16).to(device) for n, h in ((5, 4), (20, 2), (20, 2)))
+              for _ in range(2)]
+    expected = [reference.single_attention(*qkv, causal=True)[0] for qkv in inputs]
+    failures = []
+
+    def worker(i: int) -> None:
+        for _ in range(20):
+            out = jitattn.single_prefill_with_kv_cache(*inputs[i], causal=True)
+            if not torch.allclose(out.float().cpu(), expected[i].float().cpu(), atol=3e-2, rtol=3e-2):
+                failures.append(i)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not failures
+
+
+@pytest.mark.parametrize("device", devices())
 def test_single_prefill_custom_mask_2d(device: str) -> None:
     gen = torch.Generator().manual_seed(6)
     q = torch.randn(5, 4, 64, generator=gen).to(f16).to(device)

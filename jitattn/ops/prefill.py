@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import threading
 
 import torch
 
@@ -355,7 +356,7 @@ def single_prefill_with_kv_cache(
                k.dtype, o_dtype)
     if custom_mask is None and packed_custom_mask is None and _hashable(options) and not (
             q.is_cuda and stream_capturing()):  # a captured call keeps a plan of its own (its memory the graph's)
-        wrapper = _single_request_plan(*shape, *options)  # equal calls share it (see _single_request_plan)
+        wrapper = _single_request_plan(threading.get_ident(), *shape, *options)  # see _single_request_plan
     else:
         wrapper = _plan_single_request(*shape, *options, custom_mask=custom_mask, packed_custom_mask=packed_custom_mask)
     return wrapper.run(q, single_request_pages(k, v, layout), q_scale=per_tensor_scale(scale_q, "scale_q"),
@@ -385,12 +386,14 @@ def _plan_single_request(device, kv_layout, backend, qo_len, kv_len, num_qo_head
 
 
 # Without a mask, the plan of one request depends on its shapes and options alone, so calls with equal ones share a
-# planned wrapper (its run() reads the plan, never changes it): planning costs more host time than the launch
-# (280-350 us against ~60 us on the H200 host), and loops call with the same shapes (POD's prefill part, a model's
-# fixed-length prefill). A plan that raises is not kept. A call being captured into a CUDA graph plans afresh, as
-# before: its plan's memory is then the graph's, and a cached plan evicted later would leave a graph reading freed
-# memory.
-_single_request_plan = functools.lru_cache(maxsize=64)(_plan_single_request)
+# planned wrapper: planning costs more host time than the launch (280-350 us against ~60 us on the H200 host), and
+# loops call with the same shapes (POD's prefill part, a model's fixed-length prefill). Per thread: a run() writes
+# the tensors' addresses into the plan's launch struct. A plan that raises is not kept. A call being captured into
+# a CUDA graph plans afresh, as before: its plan's memory is then the graph's, and a cached plan evicted later
+# would leave a graph reading freed memory.
+@functools.lru_cache(maxsize=64)
+def _single_request_plan(thread: int, *shape_and_options):
+    return _plan_single_request(*shape_and_options)
 
 
 def _hashable(values: tuple) -> bool:
