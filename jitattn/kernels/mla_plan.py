@@ -55,8 +55,8 @@ def _tiles(qo_lens, kv_lens, num_heads: int, causal: bool) -> tuple[np.ndarray, 
     per_request = _ceil_div(qo * num_heads, ROWS)
     tiles = int(per_request.min()) if per_request.size else 0
     if per_request.size and tiles == per_request.max():  # as many tiles each (a decode batch): no gathers
-        request = np.repeat(np.arange(qo.size, dtype=np.int64), tiles)
-        row0 = np.tile(np.arange(tiles, dtype=np.int64) * ROWS, qo.size)
+        tile = np.arange(qo.size * tiles, dtype=np.int64)
+        request, row0 = tile // tiles, tile % tiles * ROWS
         qo_r, kv_r = (qo, kv) if tiles == 1 else (np.repeat(qo, tiles), np.repeat(kv, tiles))
     else:
         request = np.repeat(np.arange(qo.size, dtype=np.int64), per_request)
@@ -132,8 +132,10 @@ def _estimate(nblk: np.ndarray, chunk: int, num_sms: int) -> float:
 def _choose_chunk(nblk: np.ndarray, num_sms: int, capacity_rows: int) -> int:
     """KV blocks per split chunk (0: no split): the candidate of the lowest estimate that fits the workspace."""
     total, longest = int(nblk.sum()), int(nblk.max())
-    best, best_time = 0, _estimate(nblk, 0, num_sms)
     chunk = max(MIN_CHUNK_BLOCKS, -(-total // num_sms))
+    if chunk >= longest:  # no candidate splits a tile (the usual large decode batch)
+        return 0
+    best, best_time = 0, _estimate(nblk, 0, num_sms)
     while chunk < longest:
         chunks = _chunks(nblk, chunk)
         if int((ROWS * chunks[chunks > 1]).sum()) <= capacity_rows:
