@@ -51,7 +51,7 @@ class _Part:
     def __init__(self, selected: np.ndarray, qo_indptr: np.ndarray, kv_indptr: np.ndarray, kv_indices: np.ndarray,
                  last_page_len: np.ndarray, device: torch.device) -> None:
         """``selected``: a bool per request of the batch; the index arrays are the whole batch's (int64)."""
-        qo_lens, pages = np.diff(qo_indptr), np.diff(kv_indptr)
+        qo_lens, pages = qo_indptr[1:] - qo_indptr[:-1], kv_indptr[1:] - kv_indptr[:-1]
         rows = np.flatnonzero(np.repeat(selected, qo_lens))  # the selected requests' query rows, in order
         contiguous = rows.size == 0 or rows[-1] - rows[0] + 1 == rows.size
         self.rows: slice | torch.Tensor = (slice(int(rows[0]), int(rows[-1]) + 1) if contiguous and rows.size else
@@ -59,6 +59,7 @@ class _Part:
         as_i32 = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32))  # noqa: E731
         self.qo_indptr = as_i32(np.concatenate([[0], np.cumsum(qo_lens[selected])]))
         self.kv_indptr = as_i32(np.concatenate([[0], np.cumsum(pages[selected])]))
+        self.most_pages = int(pages[selected].max()) if selected.any() else 0  # the longest request's
         self.kv_indices = as_i32(kv_indices[: kv_indptr[-1]][np.repeat(selected, pages)])
         self.last_page_len = as_i32(last_page_len[selected])
 
@@ -99,6 +100,7 @@ class BatchAttention:
         self._prefill = BatchPrefillWithPagedKVCacheWrapper(self.float_workspace_buffer, kv_layout)
         self._decode_workspace = torch.empty(0, dtype=torch.uint8, device=where)  # the decode part's split-KV
         self._decode = BatchDecodeWithPagedKVCacheWrapper(self._decode_workspace, kv_layout)
+        self._decode_limits: tuple | None = None  # (head counts, head_dim, page size), batch, longest KV sized for
         self._kv_layout = kv_layout
         self._device = where
         self._logits_soft_cap: float | None = None  # the planned cap (None: not planned)
@@ -150,13 +152,17 @@ class BatchAttention:
 
     def _plan_decode(self, part: _Part, num_qo_heads, num_kv_heads, head_dim, page_size, sm_scale, logits_soft_cap,
                      q_data_type, kv_data_type) -> None:
-        """The decode part, with a float workspace its split-KV fits (grown, never shrunk)."""
-        longest = int((part.kv_indptr[1:] - part.kv_indptr[:-1]).max()) * page_size
-        need = self._decode.workspace_size(part.last_page_len.numel(), longest, num_qo_heads, num_kv_heads,
-                                           head_dim, page_size)[0]
-        if self._decode_workspace.numel() < need:
-            self._decode_workspace = torch.empty(need, dtype=torch.uint8, device=self._device)
-            self._decode.reset_workspace_buffer(self._decode_workspace)
+        """The decode part, with a float workspace its split-KV fits (grown, never shrunk; sized again only for a
+        batch beyond the limits it was last sized for, as ``workspace_size`` bounds every plan within them)."""
+        batch, longest = part.last_page_len.numel(), part.most_pages * page_size
+        shape = (num_qo_heads, num_kv_heads, head_dim, page_size)
+        sized = self._decode_limits
+        if sized is None or sized[0] != shape or batch > sized[1] or longest > sized[2]:
+            need = self._decode.workspace_size(batch, longest, *shape)[0]
+            if self._decode_workspace.numel() < need:
+                self._decode_workspace = torch.empty(need, dtype=torch.uint8, device=self._device)
+                self._decode.reset_workspace_buffer(self._decode_workspace)
+            self._decode_limits = (shape, batch, longest)
         self._decode.plan(part.kv_indptr, part.kv_indices, part.last_page_len, num_qo_heads, num_kv_heads, head_dim,
                           page_size, logits_soft_cap=logits_soft_cap, q_data_type=q_data_type,
                           kv_data_type=kv_data_type, sm_scale=sm_scale)
