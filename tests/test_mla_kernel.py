@@ -341,6 +341,8 @@ def test_repeated_runs_keep_every_check(monkeypatch: pytest.MonkeyPatch) -> None
     again (a wrong shape, an output of another shape, a pointer off 16 bytes, a new plan)."""
     b = _FakedBatch(monkeypatch, 6)
     b.plan()
+    with pytest.raises(TypeError, match="q_nope must be a torch.Tensor"):  # before any launch too
+        b.run(b.q_nope.numpy())
     b.run(b.q_nope)
     b.run(b.q_nope.clone())  # other memory, same layout: launched without the checks
     assert b.fakes[-1].launches == 2 and not b.inner_plans
@@ -348,6 +350,8 @@ def test_repeated_runs_keep_every_check(monkeypatch: pytest.MonkeyPatch) -> None
         b.run(b.q_nope[:1])
     with pytest.raises(ValueError, match="out has shape"):
         b.run(b.q_nope, out=torch.empty(1, b.heads, CKV))
+    with pytest.raises(TypeError, match="q_nope must be a torch.Tensor"):
+        b.run(b.q_nope.numpy())
     torch.testing.assert_close(b.run(b.off_16_bytes()), b.reference()[0], atol=1e-4, rtol=1e-4)
     assert b.fakes[-1].launches == 2 and len(b.inner_plans) == 1  # the off-16 query took the prefill kernels
     b.plan()

@@ -227,7 +227,7 @@ class BatchMLAPagedAttentionWrapper:
             # Tensors like those of this plan's last launch (shapes, strides, dtypes, devices) pass every check
             # they passed then; only their addresses can differ (the 16-byte rule below is per call).
             signature = _signature(q_nope, q_pe, ckv_cache, kpe_cache, out, lse, return_lse)
-            if signature == self._launched and not (
+            if signature is not None and signature == self._launched and not (
                     (q_nope.data_ptr() | q_pe.data_ptr() | ckv_cache.data_ptr() | kpe_cache.data_ptr()) & 15
                     or out is not None and out.data_ptr() & 3):
                 return self._relaunch_sm90(q_nope, q_pe, ckv_cache, kpe_cache, out, lse, return_lse, k_scale, v_scale)
