@@ -91,8 +91,8 @@ PRESET_VARIANTS = {"agent-fork": [("--cascade", "--cascade-depth", "1"), ("--cas
 def run_workload(rest: list[str], on_cuda: bool, graphs_only: bool = False,
                  extra: list[tuple[str, ...]] = (), repeat: int = 1) -> list[dict]:
     """The workload's runs, cascade on and off, graphs off and (on cuda) on; ``graphs_only``: graphs on only,
-    after one warm-up run each side (the kernels come from a pre-warmed cache: loading them is cheap). With ``repeat`` > 1
-    every run is made that many times, interleaved (on, off, on, off, ...: drift of the machine falls on both
+    after one warm-up run each side (the kernels come from a pre-warmed cache: loading them is cheap). With
+    ``repeat`` > 1 every run is made that many times, interleaved (on, off, on, off, ...: drift of the machine falls on both
     sides alike), and each row is their median (``median_run``)."""
     if graphs_only:  # a warm-up run each side: a first graph replay of the process costs more than the rest
         serve.main(rest + ["--cascade", "--graphs"])
@@ -292,10 +292,9 @@ def main(argv: list[str] | None = None) -> None:
                  f"--sweep-prefix {args.sweep_prefix} --sweep-requests {args.sweep_requests}{flags} {' '.join(rest)}`)",
                  "", ("Each row: one run" if args.repeat == 1 else f"Each row: the median of {args.repeat} runs "
                        "(made interleaved, min-max in brackets)") + " of the workload (its decode steps' wall time "
-                 "over their count, as in the "
-                 "presets' table), after " + ("two untimed warm-up runs (cascade on and off, graphs on)" if args.graphs_only
-                                              else "the presets' untimed warm-up runs") + "; roofline as in the presets' "
-                 "table.", ""]
+                 "over their count, as in the presets' table), after "
+                 + ("two untimed warm-up runs (cascade on and off, graphs on)" if args.graphs_only
+                    else "the presets' untimed warm-up runs") + "; roofline as in the presets' table.", ""]
         write = lambda table: Path(args.out).write_text("\n".join(lines + table) + "\n")  # noqa: E731
         lines += sweep(prefixes, counts, rest, on_cuda, args.plot, args.graphs_only, args.repeat, on_row=write)
         Path(args.out).write_text("\n".join(lines) + "\n")
