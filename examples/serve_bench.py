@@ -92,15 +92,15 @@ def run_workload(rest: list[str], on_cuda: bool, graphs_only: bool = False,
                  extra: list[tuple[str, ...]] = (), repeat: int = 1) -> list[dict]:
     """The workload's runs, cascade on and off, graphs off and (on cuda) on; ``graphs_only``: graphs on only,
     after one warm-up run each side (the kernels come from a pre-warmed cache: loading them is cheap). With
-    ``repeat`` > 1 every run is made that many times, interleaved (on, off, on, off, ...: drift of the machine falls on both
-    sides alike), and each row is their median (``median_run``)."""
+    ``repeat`` > 1 every run is made that many times, interleaved (on, off, on, off, ...: drift of the machine
+    falls on both sides alike), and each row is their median (``median_run``)."""
+    graph_rows = [("--cascade", "--graphs"), *[(*v, "--graphs") for v in extra], ("--no-cascade", "--graphs")]
     if graphs_only:  # a warm-up run each side: a first graph replay of the process costs more than the rest
         serve.main(rest + ["--cascade", "--graphs"])
         serve.main(rest + ["--no-cascade", "--graphs"])
-        variants = [("--cascade", "--graphs"), *[(*v, "--graphs") for v in extra], ("--no-cascade", "--graphs")]
+        variants = graph_rows
     else:
         variants = [("--cascade",), *extra, ("--no-cascade",)]
-        graph_rows = [("--cascade", "--graphs"), *[(*v, "--graphs") for v in extra], ("--no-cascade", "--graphs")]
         if on_cuda:
             variants += graph_rows
         # Warm-up over the whole workload, cascade on and off (and with graphs, when graphs rows are timed): every
@@ -129,8 +129,8 @@ def _step_s(row: dict) -> float:
 def median_run(runs: list[dict]) -> dict:
     """One row for repeated runs of one configuration: the run of the median decode step time (the lower middle
     one of an even count), its tokens/s replaced by their median over the runs (the two may come from different
-    runs), with ``repeats`` and
-    the decode step's and the tokens/s' (min, max) over the runs (``step_ms_range``, ``tok_s_range``)."""
+    runs), with ``repeats`` and the decode step's and the tokens/s' (min, max) over the runs (``step_ms_range``,
+    ``tok_s_range``)."""
     by_step = sorted(runs, key=_step_s)
     row = dict(by_step[(len(runs) - 1) // 2])
     rates = sorted(r["output_tokens_per_s"] for r in runs)

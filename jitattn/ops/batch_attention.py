@@ -53,9 +53,10 @@ class _Part:
         """``selected``: a bool per request of the batch; the index arrays are the whole batch's (int64)."""
         qo_lens, pages = qo_indptr[1:] - qo_indptr[:-1], kv_indptr[1:] - kv_indptr[:-1]
         rows = np.flatnonzero(np.repeat(selected, qo_lens))  # the selected requests' query rows, in order
-        contiguous = rows.size == 0 or rows[-1] - rows[0] + 1 == rows.size
-        self.rows: slice | torch.Tensor = (slice(int(rows[0]), int(rows[-1]) + 1) if contiguous and rows.size else
-                                           slice(0, 0) if contiguous else torch.from_numpy(rows).to(device))
+        first = int(rows[0]) if rows.size else 0
+        contiguous = rows.size == 0 or rows[-1] - first + 1 == rows.size
+        self.rows: slice | torch.Tensor = (slice(first, first + rows.size) if contiguous
+                                           else torch.from_numpy(rows).to(device))
         as_i32 = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32))  # noqa: E731
         self.qo_indptr = as_i32(np.concatenate([[0], np.cumsum(qo_lens[selected])]))
         self.kv_indptr = as_i32(np.concatenate([[0], np.cumsum(pages[selected])]))

@@ -358,7 +358,8 @@ def single_prefill_with_kv_cache(
             q.is_cuda and stream_capturing()):  # a captured call keeps a plan of its own (its memory the graph's)
         wrapper = _single_request_plan(threading.get_ident(), *shape, *options)  # see _single_request_plan
     else:
-        wrapper = _plan_single_request(*shape, *options, custom_mask=custom_mask, packed_custom_mask=packed_custom_mask)
+        wrapper = _plan_single_request(*shape, *options, custom_mask=custom_mask,
+                                       packed_custom_mask=packed_custom_mask)
     return wrapper.run(q, single_request_pages(k, v, layout), q_scale=per_tensor_scale(scale_q, "scale_q"),
                        k_scale=per_tensor_scale(scale_k, "scale_k"), v_scale=per_tensor_scale(scale_v, "scale_v"),
                        return_lse=return_lse, sinks=sinks)
