@@ -19,6 +19,9 @@ per chunk without copies); 0: row t.
 ``q_rows`` / ``kv_rows``: the rows q has and the rows of k/v (tokens; pages of a paged cache), the
 extent of the sm90 tier's tensor maps (0: unknown, the allocation's range is taken); kernels that
 address rows through the index arrays alone ignore them.
+``num_threads``: a launch's workers: OpenMP threads on the cpu target; on cuda, when > 0, the most blocks
+of a persistent grid (the sm90 prefill tier, one block per SM; 0: every SM), so that kernels another stream
+runs beside it get the other SMs; other cuda kernels ignore it.
 ``pos_encoding``: 0 none, 1 rope (llama rotate-half), 2 alibi.
 ``causal``: bottom-right. ``window_left`` < 0 disables the window.
 ``logits_soft_cap`` <= 0 disables the cap. ``custom_mask``: per-request

@@ -3,8 +3,9 @@
 FlashInfer runs it on a persistent kernel of its own. Here ``plan`` splits the batch: requests of one query
 over some KV (decode) go to the decode wrapper, every other one (chunked prefill, prefill, speculative steps,
 requests without KV) to the paged prefill wrapper, whose kernels take any query count per request; ``run``
-launches each part that has requests and writes its rows of the one output (a view when the part's rows are
-contiguous, else a gather and a scatter). A decode row on the prefill kernels costs the KV read at a fraction of
+launches each part that has requests, side by side when there are two (``runtime.side_by_side``: the prefill on
+part of the SMs, the decodes on a side stream), and writes its rows of the one output (a view when the part's
+rows are contiguous, else a gather and a scatter). A decode row on the prefill kernels costs the KV read at a fraction of
 the decode kernel's bandwidth. The KV is described by page counts (``kv_indptr``) and token counts
 (``kv_len_arr``) instead of last-page lengths; ``run`` returns ``(out, lse)``.
 """
@@ -16,6 +17,7 @@ import torch
 
 from ..runtime.checks import check_tensor
 from ..runtime.options import refuse_unsupported
+from ..runtime.side_by_side import prefill_blocks, side_by_side
 from ..page_table import check_indptr, to_host_int32
 from .decode import BatchDecodeWithPagedKVCacheWrapper
 from .prefill import BatchPrefillWithPagedKVCacheWrapper
@@ -106,6 +108,7 @@ class BatchAttention:
         self._device = where
         self._logits_soft_cap: float | None = None  # the planned cap (None: not planned)
         self._parts: list[tuple[_Part, object]] = []  # (rows, wrapper) of each part that has requests
+        self._prefill_blocks = 0  # the prefill part's grid cap beside the decode part (runtime.side_by_side)
         self._shape: tuple[int, int, int, int] = (0, 0, 0, 0)  # query rows, heads, head_dim_qk, head_dim_vo
 
     def plan(
@@ -148,6 +151,9 @@ class BatchAttention:
                 self._plan_decode(part, num_qo_heads, num_kv_heads, head_dim_qk, page_size, sm_scale,
                                   logits_soft_cap, q_data_type, kv_data_type)
         self._parts = parts
+        self._prefill_blocks = 0 if len(parts) < 2 else prefill_blocks(
+            self._prefill.current_plan, (parts[0][0].qo_indptr[1:] - parts[0][0].qo_indptr[:-1]).tolist(),
+            self._decode.current_plan)
         self._shape = (int(qo[-1]), int(num_qo_heads), int(head_dim_qk), int(head_dim_vo))
         self._logits_soft_cap = 0.0 if logits_soft_cap is None else float(logits_soft_cap)
 
@@ -200,11 +206,19 @@ class BatchAttention:
             out = torch.empty((rows, heads, dvo), dtype=q.dtype, device=q.device)
         if lse is None:
             lse = torch.empty((rows, heads), dtype=torch.float32, device=q.device)
-        for part, wrapper in self._parts:
+
+        def launch(part: _Part, wrapper):
             sliced = isinstance(part.rows, slice)  # then the part writes its rows of out / lse in place
-            part_out, part_lse = wrapper.run(part.take(q), kv_cache, k_scale=k_scale, v_scale=v_scale,
-                                             out=out[part.rows] if sliced else None,
-                                             lse=lse[part.rows] if sliced else None, return_lse=True)
+            return wrapper.run(part.take(q), kv_cache, k_scale=k_scale, v_scale=v_scale,
+                               out=out[part.rows] if sliced else None, lse=lse[part.rows] if sliced else None,
+                               return_lse=True)
+
+        if len(self._parts) == 2:  # the prefill part on the SMs its estimate needs, the decode part beside it
+            with self._prefill.current_plan.launch.grid_at_most(self._prefill_blocks):
+                results = side_by_side(lambda: launch(*self._parts[0]), lambda: launch(*self._parts[1]), q.device)
+        else:
+            results = [launch(*self._parts[0])]
+        for (part, _), (part_out, part_lse) in zip(self._parts, results):
             part.put(out, part_out)
             part.put(lse, part_lse)
         return out, lse

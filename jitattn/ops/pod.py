@@ -1,10 +1,11 @@
 """POD attention (FlashInfer's ``flashinfer.pod``): a chunked-prefill batch's prefill and decode parts.
 
 FlashInfer runs both parts in one fused launch (prefill and decode blocks co-resident on the SMs).
-Here each part is its own launch of jitattn's wrappers, exact and in order: the prefill part on the
-(single or paged) prefill kernels, the decode part on the decode kernel (on the paged prefill kernel
-when a decode request has several queries). Fusing them into one launch is a later speed step; the
-results will not change.
+Here each part is its own launch of jitattn's wrappers: the prefill part on the (single or paged) prefill
+kernels, the decode part on the decode kernel (on the paged prefill kernel when a decode request has several
+queries). The two run side by side (``runtime.side_by_side``): the prefill on the share of the SMs its estimated
+time needs, the decode kernel on a side stream over the rest; each part's results are the bits its launch
+alone gives.
 
 ``run`` returns ``(out_p, out_d)``, or with an LSE asked for ``((out_p, out_d), (lse_p, lse_d))`` (FlashInfer's
 batch wrapper returns that; its single-prefill wrapper computes the LSE and drops it, here it is returned,
@@ -19,7 +20,8 @@ from ..runtime.options import (parse_kv_layout, parse_pos_encoding, refuse_unsup
                                  resolve_flag, resolve_window_left)
 from .decode import BatchDecodeWithPagedKVCacheWrapper
 from ..page_table import check_indptr, check_paged_index
-from .prefill import BatchPrefillWithPagedKVCacheWrapper, single_prefill_with_kv_cache
+from ..runtime.side_by_side import prefill_blocks, side_by_side
+from .prefill import BatchPrefillWithPagedKVCacheWrapper, plan_single_prefill
 
 __all__ = ["BatchPODWithPagedKVCacheWrapper", "PODWithPagedKVCacheWrapper"]
 
@@ -110,12 +112,20 @@ class PODWithPagedKVCacheWrapper:
             raise TypeError(f"{self._NAME}.run() takes no extra positional arguments; got {len(args)}")
         self._check_decode_options(custom_mask_d, packed_custom_mask_d, causal_d, kv_layout_d, _planned_options(
             pos_encoding_mode_d, window_left_d, sm_scale_d, rope_scale_d, rope_theta_d))
-        prefill = single_prefill_with_kv_cache(
+        wrapper, kv_p = plan_single_prefill(
             q_p, k_p, v_p, custom_mask=custom_mask_p, packed_custom_mask=packed_custom_mask_p, causal=causal_p,
             kv_layout=kv_layout_p, pos_encoding_mode=pos_encoding_mode_p, sm_scale=sm_scale_p,
-            window_left=window_left_p, rope_scale=rope_scale_p, rope_theta=rope_theta_p, return_lse=return_lse_p)
-        decode = self._decode.run(q_d, paged_kv_cache_d, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale,
-                                  return_lse=return_lse_d)
+            window_left=window_left_p, rope_scale=rope_scale_p, rope_theta=rope_theta_p)
+        launch = wrapper.current_plan.launch
+        blocks = prefill_blocks(wrapper.current_plan, [q_p.shape[0]], self._decode.current_plan)
+
+        def prefill_part():
+            with launch.grid_at_most(blocks):  # the plan may be shared: capped for this launch only
+                return wrapper.run(q_p, kv_p, return_lse=return_lse_p)
+
+        prefill, decode = side_by_side(prefill_part, lambda: self._decode.run(
+            q_d, paged_kv_cache_d, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, return_lse=return_lse_d),
+            q_p.device)
         out_p, lse_p = prefill if return_lse_p else (prefill, None)
         out_d, lse_d = decode if return_lse_d else (decode, None)
         return _pod_result(out_p, out_d, lse_p, lse_d, return_lse_p or return_lse_d)
@@ -210,9 +220,24 @@ class BatchPODWithPagedKVCacheWrapper:
         if self._decode is None:
             raise RuntimeError(f"{self._NAME}.run() called before plan(); call plan() once per batch first")
         self._plan_prefill_mask(resolve_flag(causal_p, "causal_p"), custom_mask_p, packed_custom_mask_p)
-        prefill = self._prefill.run(q_p, paged_kv_cache_p, return_lse=return_lse)
-        decode = self._decode.run(q_d, paged_kv_cache_d, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale,
-                                  return_lse=return_lse)
+        plan, decode_part = self._prefill.current_plan, self._decode
+        # Side by side when the decode part is the decode kernel's (a multi-query decode part runs on the
+        # prefill kernel, as persistent as the prefill part: then one after the other).
+        blocks = (prefill_blocks(plan, self._prefill_batch[0][1:] - self._prefill_batch[0][:-1],
+                                 decode_part.current_plan) if decode_part is self._decode_kernel else 0)
+
+        def prefill_part():
+            with plan.launch.grid_at_most(blocks):
+                return self._prefill.run(q_p, paged_kv_cache_p, return_lse=return_lse)
+
+        def decode():
+            return decode_part.run(q_d, paged_kv_cache_d, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale,
+                                   return_lse=return_lse)
+
+        if decode_part is self._decode_kernel:
+            prefill, decode = side_by_side(prefill_part, decode, q_p.device)
+        else:
+            prefill, decode = prefill_part(), decode()
         if return_lse:
             return _pod_result(prefill[0], decode[0], prefill[1], decode[1], True)
         return _pod_result(prefill, decode, None, None, False)

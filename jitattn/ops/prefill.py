@@ -339,6 +339,25 @@ def single_prefill_with_kv_cache(
     ``sinks`` (a jitattn extension): float32 ``[num_qo_heads]`` attention sinks, as in
     ``BatchPrefillWithPagedKVCacheWrapper.run`` (the lse returned is the keys' alone).
     """
+    wrapper, kv = plan_single_prefill(
+        q, k, v, custom_mask=custom_mask, packed_custom_mask=packed_custom_mask, causal=causal, kv_layout=kv_layout,
+        pos_encoding_mode=pos_encoding_mode, sm_scale=sm_scale, window_left=window_left,
+        logits_soft_cap=logits_soft_cap, rope_scale=rope_scale, rope_theta=rope_theta, o_dtype=o_dtype,
+        backend=backend)
+    return wrapper.run(q, kv, q_scale=per_tensor_scale(scale_q, "scale_q"), k_scale=per_tensor_scale(scale_k, "scale_k"),
+                       v_scale=per_tensor_scale(scale_v, "scale_v"), return_lse=return_lse, sinks=sinks)
+
+
+def plan_single_prefill(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, custom_mask: torch.Tensor | None = None,
+    packed_custom_mask: torch.Tensor | None = None, causal: bool = False, kv_layout: str = "NHD",
+    pos_encoding_mode: str = "NONE", sm_scale: float | None = None, window_left: int = -1,
+    logits_soft_cap: float | None = None, rope_scale: float | None = None, rope_theta: float | None = None,
+    o_dtype: torch.dtype | None = None, backend: str = "auto",
+) -> tuple[BatchPrefillWithPagedKVCacheWrapper, tuple[torch.Tensor, torch.Tensor]]:
+    """What ``single_prefill_with_kv_cache`` runs for these tensors and options: a paged prefill wrapper planned
+    for one request (shared by calls with equal shapes and options, see ``_single_request_plan``) and k/v as
+    its one page; ``wrapper.run(q, kv, ...)`` computes the attention."""
     from .decode import single_request_pages
 
     layout = parse_kv_layout(kv_layout)
@@ -360,9 +379,7 @@ def single_prefill_with_kv_cache(
     else:
         wrapper = _plan_single_request(*shape, *options, custom_mask=custom_mask,
                                        packed_custom_mask=packed_custom_mask)
-    return wrapper.run(q, single_request_pages(k, v, layout), q_scale=per_tensor_scale(scale_q, "scale_q"),
-                       k_scale=per_tensor_scale(scale_k, "scale_k"), v_scale=per_tensor_scale(scale_v, "scale_v"),
-                       return_lse=return_lse, sinks=sinks)
+    return wrapper, single_request_pages(k, v, layout)
 
 
 single_prefill_with_kv_cache_return_lse = functools.partial(single_prefill_with_kv_cache, return_lse=True)

@@ -6,6 +6,7 @@ translates tensors into the params struct of ``jitattn.kernels.attention``.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -96,7 +97,7 @@ class PreparedAttention:
             rope_rcp_scale=1.0 / scalars.rope_scale, rope_rcp_theta=1.0 / scalars.rope_theta,
             k_scale=1.0, v_scale=1.0, workspace=None, workspace_bytes=0,
             split_indptr=_ptr(split_indptr) if kv_chunk_size else None, kv_chunk_size=kv_chunk_size,
-            split_counters=_ptr(self._split_counters), q_row_period=0, num_threads=1, q_rows=0, kv_rows=0,
+            split_counters=_ptr(self._split_counters), q_row_period=0, num_threads=0, q_rows=0, kv_rows=0,
             prior_v=None, prior_lse=None, prior_states=0, prior_rows=0,
         )
         self._scales = (1.0, 1.0, 1.0)  # (q_scale, k_scale, v_scale) the struct holds
@@ -126,6 +127,17 @@ class PreparedAttention:
         a launch merges the first ``params.prior_states`` of them (0, the default: none)."""
         self.params.prior_v, self.params.prior_lse = values.data_ptr(), lses.data_ptr()
         self.params.prior_rows = rows
+
+    @contextlib.contextmanager
+    def grid_at_most(self, blocks: int):
+        """Within the ``with``, cuda launches of a persistent kernel (the sm90 prefill tier: one block per SM) take
+        ``blocks`` blocks at most, leaving the other SMs to kernels another stream runs beside them; other kernels
+        ignore it. The struct's ``num_threads`` carries it (on the cpu target, the launch's OpenMP threads)."""
+        self.params.num_threads = max(0, int(blocks))
+        try:
+            yield self
+        finally:
+            self.params.num_threads = 0
 
     def set_layout(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Strides of q and the k/v views (once per tensor signature; ``launch`` then sets pointers only)."""

@@ -1,0 +1,108 @@
+"""Two parts of one mixed batch side by side on a GPU: a chunk's prefill and a batch of decodes.
+
+The prefill part is compute-bound and the sm90 prefill tier is persistent (one block per SM, each owning its
+SM's shared memory), so a decode launched after it on another stream waits for SMs until the prefill ends:
+run back to back, the two parts cost the sum of their times. ``side_by_side`` caps the prefill's grid at
+``prefill_sms`` blocks and launches the decode part on a side stream at once; the decode's blocks take the
+other SMs, then the prefill's as its blocks finish. The decode part is bandwidth-bound and reaches most of the
+read stream on part of the SMs, so both parts end near the longer one's time alone.
+
+The cap gives the prefill the share of the SMs that makes it end with the decode: its time alone over the
+decode's, both estimated from FLOPs and bytes at the rates below (H200, measured by the ``ops`` suite's POD
+case); the kernels' results do not depend on it.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from typing import Callable, TypeVar
+
+import torch
+
+from ..hardware import num_sms
+from .batch import AttentionPlan
+
+A = TypeVar("A")
+B = TypeVar("B")
+
+# Rates of the estimate (H200, the ops suite's POD case: a 2048-token causal chunk, 32 / 8 heads at head dim
+# 128 in 127 us; 64 decodes over 4096 tokens in 251 us).
+PREFILL_FLOPS_PER_S = 270e12
+DECODE_BYTES_PER_S = 4.28e12
+MIN_PREFILL_SMS = 8  # the prefill part never starves: at least this many blocks
+
+
+def prefill_sms(prefill_flops: float, decode_bytes: float, sms: int) -> int:
+    """Blocks for the prefill part's persistent grid beside a decode part (``sms``: every SM): its estimated
+    time alone over the decode part's, as a share of the SMs, rounded up; every SM when the prefill is the
+    longer part (the decode then fills the SMs its blocks leave)."""
+    prefill_s = prefill_flops / PREFILL_FLOPS_PER_S
+    decode_s = decode_bytes / DECODE_BYTES_PER_S
+    if decode_s <= 0 or prefill_s >= decode_s:
+        return sms
+    return max(min(MIN_PREFILL_SMS, sms), min(sms, math.ceil(sms * prefill_s / decode_s)))
+
+
+def prefill_flops(qo_lens, kv_lens, num_qo_heads: int, head_dim_qk: int, head_dim_vo: int, causal: bool) -> float:
+    """FLOPs of a prefill batch: 2 per multiply-add of q.k and of p.v over the visible pairs (bottom-right
+    causal: query i of a request with q queries and k keys sees k - q + i + 1 keys)."""
+    pairs = 0
+    for q, k in zip(qo_lens, kv_lens):
+        q, k = int(q), int(k)
+        if causal:
+            seen_first = max(0, k - q + 1)
+            pairs += q * seen_first + q * (q - 1) // 2 if k >= q else k * (k + 1) // 2
+        else:
+            pairs += q * k
+    return 2.0 * pairs * num_qo_heads * (head_dim_qk + head_dim_vo)
+
+
+def decode_bytes(kv_lens, num_kv_heads: int, head_dim_qk: int, head_dim_vo: int, kv_element_bytes: int) -> float:
+    """Bytes a decode batch reads: each request's K and V once."""
+    return float(sum(int(k) for k in kv_lens)) * num_kv_heads * (head_dim_qk + head_dim_vo) * kv_element_bytes
+
+
+def prefill_blocks(prefill: AttentionPlan, qo_lens, decode: AttentionPlan) -> int:
+    """The grid cap of the paged ``prefill`` plan (requests of ``qo_lens`` queries) beside the ``decode`` plan:
+    ``prefill_sms`` of their FLOPs and bytes on the prefill's device; 0 (no cap) on the cpu."""
+    device = prefill.qo_indptr.device
+    if device.type != "cuda":
+        return 0
+    flops = prefill_flops(qo_lens, prefill.index.kv_lens, prefill.num_qo_heads, prefill.head_dim_qk,
+                          prefill.head_dim_vo, prefill.scalars.causal)
+    read = decode_bytes(decode.index.kv_lens, decode.num_kv_heads, decode.head_dim_qk, decode.head_dim_vo,
+                        decode.kv_dtype.itemsize)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return prefill_sms(flops, read, num_sms(index))
+
+
+_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
+_LOCK = threading.Lock()
+
+
+def _side_stream(device_index: int) -> torch.cuda.Stream:
+    with _LOCK:
+        stream = _SIDE_STREAMS.get(device_index)
+        if stream is None:
+            stream = _SIDE_STREAMS[device_index] = torch.cuda.Stream(device_index)
+        return stream
+
+
+def side_by_side(first: Callable[[], A], second: Callable[[], B], device: torch.device) -> tuple[A, B]:
+    """``first()`` on the current stream, then ``second()`` on a side stream of ``device`` that starts after the
+    work enqueued before this call; the current stream waits for both before its later work (also while a CUDA
+    graph is captured: the side stream joins the capture). On the cpu the two run in order.
+
+    The side stream is used only inside this call, and always after waiting for the current stream: memory the
+    caller frees after the call is reused on it only behind the caller's earlier work (no ``record_stream``)."""
+    if device.type != "cuda":
+        return first(), second()
+    main = torch.cuda.current_stream(device)
+    side = _side_stream(device.index if device.index is not None else torch.cuda.current_device())
+    side.wait_stream(main)
+    a = first()
+    with torch.cuda.stream(side):
+        b = second()
+    main.wait_stream(side)
+    return a, b
