@@ -101,22 +101,45 @@ def test_pod_side_by_side_equals_its_parts_launched_alone(chunk: int, decode_kv:
 
 
 @pytest.mark.gpu
-def test_batch_pod_side_by_side_replays_from_a_cuda_graph() -> None:
+def test_batch_pod_side_by_side_equals_its_parts_launched_alone() -> None:
     (hq, hkv, d, page), decode, q_d, _ = _pod_case(1, [2048] * 48)
     gen = torch.Generator().manual_seed(29)
     prefill = random_paged_batch([300, 700], hkv, d, page, bf16, layout="NHD", device="cuda", generator=gen)
     qo_indptr_p = torch.tensor([0, 300, 800], dtype=torch.int32)
     q_p = torch.randn(800, hq, d, generator=gen).to(bf16).cuda()
-    pod = jitattn.BatchPODWithPagedKVCacheWrapper(torch.empty(64 << 20, dtype=torch.uint8, device="cuda"))
+    workspace = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+    pod = jitattn.BatchPODWithPagedKVCacheWrapper(workspace)
     pod.plan(qo_indptr_p, prefill.kv_indptr, prefill.kv_indices, prefill.kv_last_page_len,
              torch.arange(49, dtype=torch.int32), decode.kv_indptr, decode.kv_indices, decode.kv_last_page_len,
              hq, hkv, d, page, q_data_type=bf16)
-    eager = pod.run(q_p, prefill.cache, q_d, decode.cache, causal_p=True)  # plans the prefill part's mask
+    alone_p = jitattn.BatchPrefillWithPagedKVCacheWrapper(torch.empty_like(workspace))
+    alone_p.plan(qo_indptr_p, prefill.kv_indptr, prefill.kv_indices, prefill.kv_last_page_len, hq, hkv, d, page,
+                 causal=True, q_data_type=bf16)
+    alone_d = jitattn.BatchDecodeWithPagedKVCacheWrapper(torch.empty_like(workspace))
+    alone_d.plan(decode.kv_indptr, decode.kv_indices, decode.kv_last_page_len, hq, hkv, d, page, q_data_type=bf16)
+    expected = (alone_p.run(q_p, prefill.cache, return_lse=True), alone_d.run(q_d, decode.cache, return_lse=True))
+    _sm90_or_skip(alone_p.current_plan)
+    blocks = sbs.prefill_blocks(alone_p.current_plan, [300, 500], alone_d.current_plan)
+    assert 0 < blocks < hardware.num_sms(torch.cuda.current_device())  # the prefill part is capped
+    for _ in range(2):
+        (out_p, out_d), (lse_p, lse_d) = pod.run(q_p, prefill.cache, q_d, decode.cache, causal_p=True,
+                                                 return_lse=True)
+        torch.cuda.synchronize()
+        assert torch.equal(out_p, expected[0][0]) and torch.equal(lse_p, expected[0][1])
+        assert torch.equal(out_d, expected[1][0]) and torch.equal(lse_d, expected[1][1])
+
+
+@pytest.mark.gpu
+def test_side_by_side_forks_and_joins_inside_a_cuda_graph_capture() -> None:
+    """The side stream joins a capture and the capturing stream waits for it, so a replay runs both parts."""
+    a = torch.randn(1 << 20, device="cuda")
+    b = torch.randn(1 << 20, device="cuda")
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = pod.run(q_p, prefill.cache, q_d, decode.cache, causal_p=True)
-    for part in captured:
-        part.fill_(float("nan"))
+        x, y = sbs.side_by_side(lambda: a * 2, lambda: b + 1, a.device)
+        z = x + y  # on the capturing stream, after the join
+    a.copy_(torch.randn_like(a))
+    b.copy_(torch.randn_like(b))
     graph.replay()
     torch.cuda.synchronize()
-    assert torch.equal(captured[0], eager[0]) and torch.equal(captured[1], eager[1])
+    assert torch.equal(z, a * 2 + (b + 1))
