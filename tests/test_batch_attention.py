@@ -111,6 +111,29 @@ def test_decode_rows_on_the_decode_kernels_write_their_rows(split: str, device: 
 
 
 @pytest.mark.parametrize("device", devices())
+def test_many_long_decode_rows_get_a_workspace_their_split_fits(device: str, monkeypatch) -> None:
+    """The decode part's workspace is sized for its whole KV (not its longest request's): 20 decodes of 1024
+    tokens over one KV head, cut into several chunks each (16 workers on the cpu target; the SMs on cuda)."""
+    if device == "cpu":
+        monkeypatch.setattr(torch, "get_num_threads", lambda: 16)  # as many workers as the split that failed
+    hq, hkv, d, dtype, page = 1, 1, 64, bf16, 1
+    lens = [(1, 1024)] * 20 + [(5, 50)]
+    gen = torch.Generator().manual_seed(43)
+    batch = random_paged_batch([k for _, k in lens], hkv, d, page, dtype, layout="NHD", device=device, generator=gen)
+    qo_indptr = torch.tensor([0] + torch.tensor([q for q, _ in lens]).cumsum(0).tolist(), dtype=torch.int32)
+    q = torch.randn(int(qo_indptr[-1]), hq, d, generator=gen).to(dtype).to(device)
+    wrapper = jitattn.BatchAttention(kv_layout="NHD", device=device)
+    wrapper.plan(qo_indptr, batch.kv_indptr, batch.kv_indices, torch.tensor([k for _, k in lens], dtype=torch.int32),
+                 hq, hkv, d, d, page, causal=True, q_data_type=dtype, kv_data_type=dtype)
+    out, lse = wrapper.run(q, batch.cache)
+    expected_o, expected_lse = reference.batch_prefill_paged(
+        q.cpu(), batch.cache.cpu(), qo_indptr, batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len,
+        causal=True)
+    assert_close_out(out, expected_o, dtype)
+    assert_close_lse(lse, expected_lse)
+
+
+@pytest.mark.parametrize("device", devices())
 def test_strided_query_and_flashinfer_namespace_base2_lse(device: str) -> None:
     """A query sliced from a wider tensor (FlashInfer's chunked-q test) is read in place; ``jitattn.flashinfer``'s
     BatchAttention returns the same output with the LSE in base 2."""

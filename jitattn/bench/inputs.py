@@ -134,7 +134,7 @@ def jitattn_fn(data: AttnData, device: torch.device) -> Callable[[], object]:
     workspace = torch.empty(128 << 20, dtype=torch.uint8, device=device)
     if case.op == "decode":
         wrapper = jitattn.BatchDecodeWithPagedKVCacheWrapper(workspace, kv_layout="NHD")
-        need = wrapper.workspace_size(case.batch, max(case.kv_lens), case.num_qo_heads, case.num_kv_heads,
+        need = wrapper.workspace_size(case.batch, sum(case.kv_lens), case.num_qo_heads, case.num_kv_heads,
                                       case.head_dim, case.page_size, batch_invariant=case.batch_invariant)[0]
         if need > workspace.numel():
             workspace = torch.empty(need, dtype=torch.uint8, device=device)

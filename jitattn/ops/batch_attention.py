@@ -5,8 +5,8 @@ over some KV (decode) go to the decode wrapper, every other one (chunked prefill
 requests without KV) to the paged prefill wrapper, whose kernels take any query count per request; ``run``
 launches each part that has requests, side by side when there are two (``runtime.side_by_side``: the prefill on
 part of the SMs, the decodes on a side stream), and writes its rows of the one output (a view when the part's
-rows are contiguous, else a gather and a scatter). A decode row on the prefill kernels costs the KV read at a fraction of
-the decode kernel's bandwidth. The KV is described by page counts (``kv_indptr``) and token counts
+rows are contiguous, else a gather and a scatter). A decode row on the prefill kernels costs the KV read at a
+fraction of the decode kernel's bandwidth. The KV is described by page counts (``kv_indptr``) and token counts
 (``kv_len_arr``) instead of last-page lengths; ``run`` returns ``(out, lse)``.
 """
 
@@ -62,7 +62,6 @@ class _Part:
         as_i32 = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32))  # noqa: E731
         self.qo_indptr = as_i32(np.concatenate([[0], np.cumsum(qo_lens[selected])]))
         self.kv_indptr = as_i32(np.concatenate([[0], np.cumsum(pages[selected])]))
-        self.most_pages = int(pages[selected].max()) if selected.any() else 0  # the longest request's
         self.kv_indices = as_i32(kv_indices[: kv_indptr[-1]][np.repeat(selected, pages)])
         self.last_page_len = as_i32(last_page_len[selected])
 
@@ -103,7 +102,7 @@ class BatchAttention:
         self._prefill = BatchPrefillWithPagedKVCacheWrapper(self.float_workspace_buffer, kv_layout)
         self._decode_workspace = torch.empty(0, dtype=torch.uint8, device=where)  # the decode part's split-KV
         self._decode = BatchDecodeWithPagedKVCacheWrapper(self._decode_workspace, kv_layout)
-        self._decode_limits: tuple | None = None  # (head counts, head_dim, page size), batch, longest KV sized for
+        self._decode_limits: tuple | None = None  # (head counts, head_dim, page size), batch, KV tokens sized for
         self._kv_layout = kv_layout
         self._device = where
         self._logits_soft_cap: float | None = None  # the planned cap (None: not planned)
@@ -161,15 +160,15 @@ class BatchAttention:
                      q_data_type, kv_data_type) -> None:
         """The decode part, with a float workspace its split-KV fits (grown, never shrunk; sized again only for a
         batch beyond the limits it was last sized for, as ``workspace_size`` bounds every plan within them)."""
-        batch, longest = part.last_page_len.numel(), part.most_pages * page_size
+        batch, tokens = part.last_page_len.numel(), int(part.kv_indptr[-1]) * page_size  # the part's KV, at most
         shape = (num_qo_heads, num_kv_heads, head_dim, page_size)
         sized = self._decode_limits
-        if sized is None or sized[0] != shape or batch > sized[1] or longest > sized[2]:
-            need = self._decode.workspace_size(batch, longest, *shape)[0]
+        if sized is None or sized[0] != shape or batch > sized[1] or tokens > sized[2]:
+            need = self._decode.workspace_size(batch, tokens, *shape)[0]
             if self._decode_workspace.numel() < need:
                 self._decode_workspace = torch.empty(need, dtype=torch.uint8, device=self._device)
                 self._decode.reset_workspace_buffer(self._decode_workspace)
-            self._decode_limits = (shape, batch, longest)
+            self._decode_limits = (shape, batch, tokens)
         self._decode.plan(part.kv_indptr, part.kv_indices, part.last_page_len, num_qo_heads, num_kv_heads, head_dim,
                           page_size, logits_soft_cap=logits_soft_cap, q_data_type=q_data_type,
                           kv_data_type=kv_data_type, sm_scale=sm_scale)

@@ -286,7 +286,8 @@ class BatchDecodeWithPagedKVCacheWrapper(BatchWrapperBase):
         self, max_batch_size: int, max_kv_tokens: int, num_qo_heads: int, num_kv_heads: int, head_dim: int,
         page_size: int, fixed_split_size: int | None = None, *, batch_invariant: bool | None = None,
     ) -> tuple[int, int]:
-        """(float_bytes, int_bytes) that any plan within these limits needs on this wrapper's device.
+        """(float_bytes, int_bytes) that any plan within these limits needs on this wrapper's device:
+        at most ``max_batch_size`` requests holding ``max_kv_tokens`` KV tokens together (the batch's total).
 
         ``batch_invariant``: the bound for plans made with it (default ``JITATTN_BATCH_INVARIANT``).
 

@@ -344,8 +344,9 @@ def single_prefill_with_kv_cache(
         pos_encoding_mode=pos_encoding_mode, sm_scale=sm_scale, window_left=window_left,
         logits_soft_cap=logits_soft_cap, rope_scale=rope_scale, rope_theta=rope_theta, o_dtype=o_dtype,
         backend=backend)
-    return wrapper.run(q, kv, q_scale=per_tensor_scale(scale_q, "scale_q"), k_scale=per_tensor_scale(scale_k, "scale_k"),
-                       v_scale=per_tensor_scale(scale_v, "scale_v"), return_lse=return_lse, sinks=sinks)
+    return wrapper.run(q, kv, q_scale=per_tensor_scale(scale_q, "scale_q"),
+                       k_scale=per_tensor_scale(scale_k, "scale_k"), v_scale=per_tensor_scale(scale_v, "scale_v"),
+                       return_lse=return_lse, sinks=sinks)
 
 
 def plan_single_prefill(
