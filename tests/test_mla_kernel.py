@@ -243,7 +243,7 @@ class _FakeKernel:
         self.host_arrays = host_arrays  # the plan's copies of qo_indptr, kv_indptr, kv_indices
         self.launches = 0
 
-    def launch(self, *args) -> None:
+    def launch(self, *args, **kwargs) -> None:
         self.launches += 1
 
     relaunch = launch  # KernelPlan.relaunch: the launch of tensors like the last launch's
@@ -491,6 +491,33 @@ def test_sm90_kernel_reads_strided_queries_and_writes_strided_outputs(monkeypatc
     assert_close_out(out, ref_out, torch.bfloat16)
     assert_close_lse(lse, ref_lse)
     assert torch.isnan(wide[..., CKV:].float()).all(), "nothing written past out's columns"
+
+
+@pytest.mark.gpu
+def test_sm90_runs_alternating_strides_each_read_with_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """run() relaunches tensors like the last launch's writing their addresses only: queries and outputs that
+    alternate between strided slices and contiguous tensors (each a new signature) are each read with their own
+    strides, also when the same signature comes back."""
+    monkeypatch.setenv("JITATTN_MLA_KERNEL", "sm90")
+    gen = torch.Generator().manual_seed(10)
+    kv_lens, qo_lens = [130, 64], [2, 1]
+    ckv, kpe, indptr, indices, lens = _latent_cache(kv_lens, 64, torch.bfloat16, "cuda", gen, joined=True)
+    wrapper = jitattn.BatchMLAPagedAttentionWrapper(torch.empty(16 << 20, dtype=torch.uint8, device="cuda"))
+    wrapper.plan(_indptr(qo_lens), indptr, indices, lens, 16, CKV, KPE, 64, True, SM_SCALE, torch.bfloat16,
+                 torch.bfloat16)
+    for step, strided in enumerate((True, False, True, True, False, False)):
+        if step == 5:  # a new plan's struct holds no strides yet: the same signature as before must set them
+            wrapper.plan(_indptr(qo_lens), indptr, indices, lens, 16, CKV, KPE, 64, True, SM_SCALE, torch.bfloat16,
+                         torch.bfloat16)
+        q = torch.randn(3, 16, CKV + KPE, generator=gen).to(torch.bfloat16).cuda()
+        q_nope, q_pe = (q[..., :CKV], q[..., CKV:]) if strided else (q[..., :CKV].contiguous(),
+                                                                     q[..., CKV:].contiguous())
+        wide = torch.full((3, 16, CKV + 64), float("nan"), dtype=torch.bfloat16, device="cuda")
+        out = wide[..., :CKV] if strided else torch.full_like(q_nope, float("nan"))
+        _, lse = wrapper.run(q_nope, q_pe, ckv, kpe, out=out, return_lse=True)
+        ref_out, ref_lse = _reference(q_nope, q_pe, ckv, kpe, indptr, indices, qo_lens, kv_lens, True)
+        assert_close_out(out, ref_out, torch.bfloat16)
+        assert_close_lse(lse, ref_lse)
 
 
 @pytest.mark.gpu

@@ -369,7 +369,7 @@ class BatchMLAPagedAttentionWrapper:
         if lse is None and return_lse:
             lse = torch.empty((tokens, heads), dtype=torch.float32, device=q_nope.device)
         self._kernel.relaunch(q_nope, q_pe, ckv_cache, kpe_cache, out, lse, fp8_scale(k_scale, "k_scale"),
-                              fp8_scale(v_scale, "v_scale"))
+                              fp8_scale(v_scale, "v_scale"), same_strides=True)
         return (out, lse) if return_lse else out
 
 

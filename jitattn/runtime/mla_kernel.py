@@ -226,9 +226,11 @@ class KernelPlan:
         self.relaunch(q_nope, q_pe, ckv, kpe, out, lse, k_scale, v_scale)
 
     def relaunch(self, q_nope: torch.Tensor, q_pe: torch.Tensor, ckv: torch.Tensor, kpe: torch.Tensor,
-                 out: torch.Tensor, lse: torch.Tensor | None, k_scale: float, v_scale: float) -> None:
+                 out: torch.Tensor, lse: torch.Tensor | None, k_scale: float, v_scale: float,
+                 same_strides: bool = False) -> None:
         """``launch`` without its dtype and device checks: for tensors the caller found to be of the dtypes, devices,
-        shapes and strides of an earlier ``launch`` of this plan."""
+        shapes and strides of an earlier ``launch`` of this plan. ``same_strides``: the struct already holds these
+        tensors' strides (the caller compared them with the last launch's), so only the addresses are written."""
         if self.graph is None:
             if stream_capturing():
                 raise RuntimeError("BatchMLAPagedAttentionWrapper.run() is being captured into a CUDA graph, but the "
@@ -243,16 +245,15 @@ class KernelPlan:
         # refuses; no page is read then (run() checked the plan's highest page against the cache).
         p.ckv = ckv.data_ptr() or self._device_arrays.data_ptr()
         p.kpe = kpe.data_ptr() or self._device_arrays.data_ptr()
-        p.q_nope_stride_n, p.q_nope_stride_h = q_nope.stride()[:2]
-        p.q_pe_stride_n, p.q_pe_stride_h = q_pe.stride()[:2]
-        p.ckv_stride_page, p.ckv_stride_n = ckv.stride()[:2]
-        p.kpe_stride_page, p.kpe_stride_n = kpe.stride()[:2]
         p.o = out.data_ptr()
-        p.o_stride_n, p.o_stride_h = out.stride()[:2]
-        if lse is not None:
-            p.lse = lse.data_ptr()
-            p.lse_stride_n, p.lse_stride_h = lse.stride()
-        else:
-            p.lse = None
+        p.lse = lse.data_ptr() if lse is not None else None
+        if not same_strides:
+            p.q_nope_stride_n, p.q_nope_stride_h = q_nope.stride()[:2]
+            p.q_pe_stride_n, p.q_pe_stride_h = q_pe.stride()[:2]
+            p.ckv_stride_page, p.ckv_stride_n = ckv.stride()[:2]
+            p.kpe_stride_page, p.kpe_stride_n = kpe.stride()[:2]
+            p.o_stride_n, p.o_stride_h = out.stride()[:2]
+            if lse is not None:
+                p.lse_stride_n, p.lse_stride_h = lse.stride()
         p.k_scale, p.v_scale = k_scale, v_scale
         self._call(raw_stream(self.device_index))
