@@ -4,6 +4,7 @@ the results (POD against its parts launched alone, eager and replayed from a CUD
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -36,6 +37,22 @@ def test_prefill_sms_share_the_sms_by_the_parts_estimated_times() -> None:
     assert sbs.prefill_sms(1.0, decode, 132) == sbs.MIN_PREFILL_SMS  # never starved
     assert sbs.prefill_sms(half, 0.0, 132) == 132  # nothing to run beside it
     assert sbs.prefill_sms(1.0, decode, 4) == 4  # a GPU smaller than the floor
+
+
+def test_prefill_blocks_read_the_plans_of_both_parts(monkeypatch) -> None:
+    """The cap of a cuda prefill plan beside a decode plan, from their lengths, heads, head dims and dtypes (plans
+    stood in for: the arithmetic runs on the cpu), and no cap on the cpu target."""
+    from types import SimpleNamespace as NS
+
+    monkeypatch.setattr(sbs, "num_sms", lambda index: 132)
+    prefill = NS(qo_indptr=NS(device=torch.device("cuda", 0)), index=NS(kv_lens=(2048,)), num_qo_heads=32,
+                 head_dim_qk=128, head_dim_vo=128, scalars=NS(causal=True))
+    decode = NS(index=NS(kv_lens=(4096,) * 64), num_kv_heads=8, head_dim_qk=128, head_dim_vo=128, kv_dtype=bf16)
+    flops = sbs.prefill_flops([2048], [2048], 32, 128, 128, True)
+    read = 64 * 4096 * 8 * 256 * 2
+    assert sbs.prefill_blocks(prefill, np.array([2048]), decode) == sbs.prefill_sms(flops, read, 132) == 67
+    prefill.qo_indptr = NS(device=torch.device("cpu"))
+    assert sbs.prefill_blocks(prefill, np.array([2048]), decode) == 0
 
 
 def test_side_by_side_on_the_cpu_runs_both_parts_in_order() -> None:

@@ -151,8 +151,7 @@ class BatchAttention:
                                   logits_soft_cap, q_data_type, kv_data_type)
         self._parts = parts
         self._prefill_blocks = 0 if len(parts) < 2 else prefill_blocks(
-            self._prefill.current_plan, (parts[0][0].qo_indptr[1:] - parts[0][0].qo_indptr[:-1]).tolist(),
-            self._decode.current_plan)
+            self._prefill.current_plan, np.diff(parts[0][0].qo_indptr.numpy()), self._decode.current_plan)
         self._shape = (int(qo[-1]), int(num_qo_heads), int(head_dim_qk), int(head_dim_vo))
         self._logits_soft_cap = 0.0 if logits_soft_cap is None else float(logits_soft_cap)
 

@@ -164,6 +164,7 @@ class BatchPODWithPagedKVCacheWrapper:
         self._decode: BatchDecodeWithPagedKVCacheWrapper | BatchPrefillWithPagedKVCacheWrapper | None = None
         self._prefill_batch: tuple | None = None  # (qo_indptr, page table, heads, head_dim, options) of plan()
         self._prefill_mask: tuple | None = None  # the (causal, mask) the prefill part is planned with
+        self._prefill_blocks = 0  # the prefill part's grid cap beside the decode part (runtime.side_by_side)
 
     @property
     def is_cuda_graph_enabled(self) -> bool:
@@ -220,11 +221,7 @@ class BatchPODWithPagedKVCacheWrapper:
         if self._decode is None:
             raise RuntimeError(f"{self._NAME}.run() called before plan(); call plan() once per batch first")
         self._plan_prefill_mask(resolve_flag(causal_p, "causal_p"), custom_mask_p, packed_custom_mask_p)
-        plan, decode_part = self._prefill.current_plan, self._decode
-        # Side by side when the decode part is the decode kernel's (a multi-query decode part runs on the
-        # prefill kernel, as persistent as the prefill part: then one after the other).
-        blocks = (prefill_blocks(plan, self._prefill_batch[0][1:] - self._prefill_batch[0][:-1],
-                                 decode_part.current_plan) if decode_part is self._decode_kernel else 0)
+        plan, decode_part, blocks = self._prefill.current_plan, self._decode, self._prefill_blocks
 
         def prefill_part():
             with plan.launch.grid_at_most(blocks):
@@ -251,4 +248,9 @@ class BatchPODWithPagedKVCacheWrapper:
         qo_indptr, index, num_qo_heads, num_kv_heads, head_dim, options = self._prefill_batch
         self._prefill.plan_checked(qo_indptr, index, num_qo_heads, num_kv_heads, head_dim, causal=causal,
                                    custom_mask=custom_mask, packed_custom_mask=packed_custom_mask, **options)
+        # Side by side when the decode part is the decode kernel's (a multi-query decode part runs on the
+        # prefill kernel, as persistent as the prefill part: then one after the other).
+        qo_lens = (qo_indptr[1:] - qo_indptr[:-1]).numpy()
+        self._prefill_blocks = (prefill_blocks(self._prefill.current_plan, qo_lens, self._decode.current_plan)
+                                if self._decode is self._decode_kernel else 0)
         self._prefill_mask = (causal, has_mask)

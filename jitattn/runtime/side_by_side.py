@@ -18,6 +18,7 @@ import math
 import threading
 from typing import Callable, TypeVar
 
+import numpy as np
 import torch
 
 from ..hardware import num_sms
@@ -47,20 +48,19 @@ def prefill_sms(prefill_flops: float, decode_bytes: float, sms: int) -> int:
 def prefill_flops(qo_lens, kv_lens, num_qo_heads: int, head_dim_qk: int, head_dim_vo: int, causal: bool) -> float:
     """FLOPs of a prefill batch: 2 per multiply-add of q.k and of p.v over the visible pairs (bottom-right
     causal: query i of a request with q queries and k keys sees k - q + i + 1 keys)."""
-    pairs = 0
-    for q, k in zip(qo_lens, kv_lens):
-        q, k = int(q), int(k)
-        if causal:
-            seen_first = max(0, k - q + 1)
-            pairs += q * seen_first + q * (q - 1) // 2 if k >= q else k * (k + 1) // 2
-        else:
-            pairs += q * k
-    return 2.0 * pairs * num_qo_heads * (head_dim_qk + head_dim_vo)
+    q = np.asarray(qo_lens, dtype=np.int64).reshape(-1)
+    k = np.asarray(kv_lens, dtype=np.int64).reshape(-1)
+    if causal:  # k >= q: q (k - q + 1) + q (q - 1) / 2; else the last k queries see 1..k keys
+        pairs = np.where(k >= q, q * (k - q + 1) + q * (q - 1) // 2, k * (k + 1) // 2)
+    else:
+        pairs = q * k
+    return 2.0 * float(pairs.sum()) * num_qo_heads * (head_dim_qk + head_dim_vo)
 
 
 def decode_bytes(kv_lens, num_kv_heads: int, head_dim_qk: int, head_dim_vo: int, kv_element_bytes: int) -> float:
     """Bytes a decode batch reads: each request's K and V once."""
-    return float(sum(int(k) for k in kv_lens)) * num_kv_heads * (head_dim_qk + head_dim_vo) * kv_element_bytes
+    tokens = float(np.asarray(kv_lens, dtype=np.int64).sum())
+    return tokens * num_kv_heads * (head_dim_qk + head_dim_vo) * kv_element_bytes
 
 
 def prefill_blocks(prefill: AttentionPlan, qo_lens, decode: AttentionPlan) -> int:
