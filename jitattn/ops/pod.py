@@ -61,6 +61,7 @@ class PODWithPagedKVCacheWrapper:
             paged_kv_indices_buffer=paged_kv_indices_buffer,
             paged_kv_last_page_len_buffer=paged_kv_last_page_len_buffer)
         self._planned: dict | None = None  # the decode part's planned options
+        self._blocks, self._blocks_for = 0, None  # the prefill part's grid cap and the prefill plan it is for
 
     @property
     def is_cuda_graph_enabled(self) -> bool:
@@ -81,7 +82,7 @@ class PODWithPagedKVCacheWrapper:
     ) -> None:
         """Plan the decode part (a paged decode batch); ``data_type`` fills only the dtypes not given, as in
         FlashInfer's POD."""
-        self._planned = None
+        self._planned, self._blocks_for = None, None
         q_dtype, kv_dtype = resolve_dtypes(q_data_type, kv_data_type, data_type)
         self._decode.plan(indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
                           pos_encoding_mode=pos_encoding_mode, window_left=window_left, q_data_type=q_dtype,
@@ -117,7 +118,10 @@ class PODWithPagedKVCacheWrapper:
             kv_layout=kv_layout_p, pos_encoding_mode=pos_encoding_mode_p, sm_scale=sm_scale_p,
             window_left=window_left_p, rope_scale=rope_scale_p, rope_theta=rope_theta_p)
         launch = wrapper.current_plan.launch
-        blocks = prefill_blocks(wrapper.current_plan, [q_p.shape[0]], self._decode.current_plan)
+        if self._blocks_for is not wrapper.current_plan:  # a prefill plan's cap is the same on every run()
+            self._blocks = prefill_blocks(wrapper.current_plan, [q_p.shape[0]], self._decode.current_plan)
+            self._blocks_for = wrapper.current_plan
+        blocks = self._blocks
 
         def prefill_part():
             with launch.grid_at_most(blocks):  # the plan may be shared: capped for this launch only
