@@ -219,3 +219,17 @@ GPU_SPECS += [
                    use_sliding_window=False, use_logits_soft_cap=False, mask_mode=MaskMode.CUSTOM,
                    kv_layout=KVLayout.NHD, kv_storage=KVStorage.PAGED)
 ]
+
+
+@pytest.mark.gpu
+def test_single_prefill_under_graph_capture_says_how_to_capture_a_prefill() -> None:
+    """It plans on every call, which a replay would not repeat: refused with what to do instead."""
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    q = torch.randn(16, 4, 64, generator=gen, device="cuda", dtype=torch.float16)
+    k, v = (torch.randn(16, 2, 64, generator=gen, device="cuda", dtype=torch.float16) for _ in range(2))
+    eager = jitattn.single_prefill_with_kv_cache(q, k, v, causal=True)
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="planned before it"):
+        with torch.cuda.graph(graph):
+            jitattn.single_prefill_with_kv_cache(q, k, v, causal=True)
+    assert torch.equal(jitattn.single_prefill_with_kv_cache(q, k, v, causal=True), eager)  # eager calls still run

@@ -374,8 +374,12 @@ def plan_single_prefill(
     shape = (q.device, kv_layout, backend, q.shape[0], kv_len, q.shape[1], num_kv_heads, q.shape[2], v.shape[2])
     options = (causal, pos_encoding_mode, sm_scale, window_left, logits_soft_cap, rope_scale, rope_theta, q.dtype,
                k.dtype, o_dtype)
-    if custom_mask is None and packed_custom_mask is None and _hashable(options) and not (
-            q.is_cuda and stream_capturing()):  # never a cached plan under capture (see _single_request_plan)
+    if q.is_cuda and stream_capturing():
+        raise RuntimeError(
+            "single_prefill_with_kv_cache() (also POD's prefill part) is being captured into a CUDA graph, but it "
+            "plans its request on every call, which a replay would not repeat; call it outside the capture, or "
+            "capture a BatchPrefillWithPagedKVCacheWrapper built with use_cuda_graph=True and planned before it")
+    if custom_mask is None and packed_custom_mask is None and _hashable(options):
         wrapper = _single_request_plan(threading.get_ident(), *shape, *options)  # see _single_request_plan
     else:
         wrapper = _plan_single_request(*shape, *options, custom_mask=custom_mask,
@@ -408,8 +412,8 @@ def _plan_single_request(device, kv_layout, backend, qo_len, kv_len, num_qo_head
 # planned wrapper: planning costs more host time than the launch (280-350 us against ~60 us on the H200 host), and
 # loops call with the same shapes (POD's prefill part, a model's fixed-length prefill). Per thread: a run() writes
 # the tensors' addresses into the plan's launch struct. A plan that raises is not kept. A call being captured into
-# a CUDA graph is not served from here (a cached plan evicted later would leave the graph reading freed memory): it
-# plans afresh, and its run() then refuses the capture, as every wrapper built without use_cuda_graph does.
+# a CUDA graph is refused before it plans (plan_single_prefill): a cached plan evicted later would leave the graph
+# reading freed memory, and a plan made during the capture would upload its arrays inside it.
 @functools.lru_cache(maxsize=64)
 def _single_request_plan(thread: int, *shape_and_options):
     return _plan_single_request(*shape_and_options)
