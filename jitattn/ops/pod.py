@@ -123,11 +123,11 @@ class PODWithPagedKVCacheWrapper:
             self._blocks_for = wrapper.current_plan
         blocks = self._blocks
 
-        def prefill_part():
+        def run_prefill():
             with launch.grid_at_most(blocks):  # the plan may be shared: capped for this launch only
                 return wrapper.run(q_p, kv_p, return_lse=return_lse_p)
 
-        prefill, decode = side_by_side(prefill_part, lambda: self._decode.run(
+        prefill, decode = side_by_side(run_prefill, lambda: self._decode.run(
             q_d, paged_kv_cache_d, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, return_lse=return_lse_d),
             q_p.device)
         out_p, lse_p = prefill if return_lse_p else (prefill, None)
@@ -225,20 +225,20 @@ class BatchPODWithPagedKVCacheWrapper:
         if self._decode is None:
             raise RuntimeError(f"{self._NAME}.run() called before plan(); call plan() once per batch first")
         self._plan_prefill_mask(resolve_flag(causal_p, "causal_p"), custom_mask_p, packed_custom_mask_p)
-        plan, decode_part, blocks = self._prefill.current_plan, self._decode, self._prefill_blocks
+        launch = self._prefill.current_plan.launch
 
-        def prefill_part():
-            with plan.launch.grid_at_most(blocks):
+        def run_prefill():
+            with launch.grid_at_most(self._prefill_blocks):
                 return self._prefill.run(q_p, paged_kv_cache_p, return_lse=return_lse)
 
-        def decode():
-            return decode_part.run(q_d, paged_kv_cache_d, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale,
-                                   return_lse=return_lse)
+        def run_decode():
+            return self._decode.run(q_d, paged_kv_cache_d, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale,
+                                    return_lse=return_lse)
 
-        if decode_part is self._decode_kernel:
-            prefill, decode = side_by_side(prefill_part, decode, q_p.device)
+        if self._decode is self._decode_kernel:
+            prefill, decode = side_by_side(run_prefill, run_decode, q_p.device)
         else:
-            prefill, decode = prefill_part(), decode()
+            prefill, decode = run_prefill(), run_decode()
         if return_lse:
             return _pod_result(prefill[0], decode[0], prefill[1], decode[1], True)
         return _pod_result(prefill, decode, None, None, False)
