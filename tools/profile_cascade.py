@@ -1,4 +1,4 @@
-"""Kernels of one cascade run() (the suite's two cascade shapes), from torch.profiler: name, launches, µs each.
+"""Kernels of one cascade run() (``SHAPES``), from torch.profiler: name, launches, µs each.
 
     python3 tools/profile_cascade.py          # on the GPU machine; PROFILE_DEVICE=cpu: a smoke run
     python3 tools/profile_cascade.py --sweep  # each kernel's µs per shared-level chunk size (fixed_split_size)
@@ -34,7 +34,9 @@ def cascade(batch: int, shared_len: int, unique_len: int, dev: torch.device, spl
     return lambda: w.run(q, cache)
 
 
-SHAPES = {"b128": (128, 8192, 256), "b32": (32, 32768, 128)}
+# the suite's two rows, and one layer of the serving engine's system-16k decode step (own tokens: 64 of prompt + ~32
+# decoded)
+SHAPES = {"b128": (128, 8192, 256), "b32": (32, 32768, 128), "e16k": (128, 16384, 96)}
 
 
 def kernel_us(fn, dev: torch.device, runs: int = 10) -> dict[str, float]:
@@ -72,7 +74,7 @@ def main() -> None:
         for _ in range(30):
             fn()
         return None
-    for shape in ((128, 8192, 256), (32, 32768, 128)):
+    for shape in SHAPES.values():
         fn = cascade(*shape, dev)
         for _ in range(5):
             fn()

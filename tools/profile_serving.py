@@ -64,7 +64,7 @@ def _profile_step(engine: Engine) -> None:
         engine.step()
         _sync(engine)
     for key in ("cuda_time_total", "cpu_time_total"):
-        print(prof.key_averages().table(sort_by=key, row_limit=14, max_name_column_width=60), flush=True)
+        print(prof.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=70), flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:
