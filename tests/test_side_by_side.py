@@ -1,5 +1,5 @@
 """A mixed batch's prefill and decode parts side by side (``jitattn.runtime.side_by_side``): the estimate that
-caps the prefill's grid, and on the GPU that a capped sm90 prefill grid and the side stream change no bit of
+caps the prefill's grid, and on the GPU that a capped sm90 prefill grid and the side streams change no bit of
 the results (POD against its parts launched alone, eager and replayed from a CUDA graph)."""
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ def test_pod_side_by_side_equals_its_parts_launched_alone(chunk: int, decode_kv:
         assert 0 < blocks < hardware.num_sms(torch.cuda.current_device())  # this case does cap the grid
     alone_p = jitattn.single_prefill_with_kv_cache(q_p, k_p, v_p, causal=True, return_lse=True)
     alone_d = decode.run(q_d, batch.cache, return_lse=True)
-    for _ in range(3):  # the side stream reused, its outputs' memory recycled between runs
+    for _ in range(3):  # the side streams reused, their outputs' memory recycled between runs
         (out_p, out_d), (lse_p, lse_d) = pod.run(q_p, k_p, v_p, q_d, batch.cache, causal_p=True, return_lse_p=True,
                                                  return_lse_d=True)
         torch.cuda.synchronize()
@@ -148,7 +148,7 @@ def test_batch_pod_side_by_side_equals_its_parts_launched_alone() -> None:
 
 @pytest.mark.gpu
 def test_side_by_side_forks_and_joins_inside_a_cuda_graph_capture() -> None:
-    """The side stream joins a capture and the capturing stream waits for it, so a replay runs both parts."""
+    """The side streams join a capture and the capturing stream waits for them, so a replay runs both parts."""
     a = torch.randn(1 << 20, device="cuda")
     b = torch.randn(1 << 20, device="cuda")
     graph = torch.cuda.CUDAGraph()
@@ -160,3 +160,15 @@ def test_side_by_side_forks_and_joins_inside_a_cuda_graph_capture() -> None:
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(z, a * 2 + (b + 1))
+
+
+@pytest.mark.gpu
+def test_side_by_side_runs_the_first_part_at_a_higher_priority_than_the_second() -> None:
+    """The persistent prefill (first) must be placed before the decode's blocks when both wait for SMs: its
+    stream has the higher priority (a lower number); both are side streams, neither the caller's."""
+    device = torch.device("cuda")
+    caller = torch.cuda.current_stream(device)
+    seen = sbs.side_by_side(lambda: torch.cuda.current_stream(device), lambda: torch.cuda.current_stream(device),
+                            device)
+    assert seen[0].priority < seen[1].priority
+    assert caller not in seen and torch.cuda.current_stream(device) == caller

@@ -4,7 +4,7 @@ FlashInfer runs it on a persistent kernel of its own. Here ``plan`` splits the b
 over some KV (decode) go to the decode wrapper, every other one (chunked prefill, prefill, speculative steps,
 requests without KV) to the paged prefill wrapper, whose kernels take any query count per request; ``run``
 launches each part that has requests, side by side when there are two (``runtime.side_by_side``: the prefill on
-part of the SMs, the decodes on a side stream), and writes its rows of the one output (a view when the part's
+part of the SMs, the decodes on a second stream), and writes its rows of the one output (a view when the part's
 rows are contiguous, else a gather and a scatter). A decode row on the prefill kernels costs the KV read at a
 fraction of the decode kernel's bandwidth. The KV is described by page counts (``kv_indptr``) and token counts
 (``kv_len_arr``) instead of last-page lengths; ``run`` returns ``(out, lse)``.

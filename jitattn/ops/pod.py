@@ -4,7 +4,7 @@ FlashInfer runs both parts in one fused launch (prefill and decode blocks co-res
 Here each part is its own launch of jitattn's wrappers: the prefill part on the (single or paged) prefill
 kernels, the decode part on the decode kernel (on the paged prefill kernel when a decode request has several
 queries). The two run side by side (``runtime.side_by_side``): the prefill on the share of the SMs its estimated
-time needs, the decode kernel on a side stream over the rest; each part's results are the bits its launch
+time needs, the decode kernel on a second stream over the rest; each part's results are the bits its launch
 alone gives.
 
 ``run`` returns ``(out_p, out_d)``, or with an LSE asked for ``((out_p, out_d), (lse_p, lse_d))`` (FlashInfer's
