@@ -35,6 +35,8 @@ from .ops.rope import (  # noqa: E402
     apply_rope, apply_rope_inplace, apply_rope_pos_ids, apply_rope_pos_ids_inplace, apply_rope_with_cos_sin_cache,
     apply_rope_with_cos_sin_cache_inplace,
 )
+from .ops.norm import fused_add_rmsnorm, gemma_fused_add_rmsnorm, gemma_rmsnorm, rmsnorm  # noqa: E402
+from .ops.activation import gelu_and_mul, gelu_tanh_and_mul, silu_and_mul  # noqa: E402
 from .ops.mla import BatchMLAPagedAttentionWrapper  # noqa: E402
 from .ops.attention_sink import BatchAttentionWithAttentionSinkWrapper  # noqa: E402
 from .ops.batch_attention import BatchAttention  # noqa: E402
@@ -42,13 +44,14 @@ from .ops.pod import BatchPODWithPagedKVCacheWrapper, PODWithPagedKVCacheWrapper
 from .ops.sparse import BlockSparseAttentionWrapper, VariableBlockSparseAttentionWrapper  # noqa: E402
 from . import ops as _ops  # noqa: E402
 from .ops import (  # noqa: E402,F401  (the short paths below)
-    attention, attention_sink, batch_attention, cascade, decode, mla, page, pod, prefill, rope, shared_prefix, sparse,
+    activation, attention, attention_sink, batch_attention, cascade, decode, mla, norm, page, pod, prefill, rope,
+    shared_prefix, sparse,
 )
 
 # The ops live in jitattn.ops; their modules keep their short paths (``import jitattn.decode``,
 # ``from jitattn.cascade import ...``): registered here, so importing one imports nothing twice.
-for _name in ("attention", "attention_sink", "batch_attention", "cascade", "decode", "mla", "page", "pod", "prefill",
-              "rope", "shared_prefix", "sparse"):
+for _name in ("activation", "attention", "attention_sink", "batch_attention", "cascade", "decode", "mla", "norm", "page",
+              "pod", "prefill", "rope", "shared_prefix", "sparse"):
     sys.modules[f"{__name__}.{_name}"] = getattr(_ops, _name)
 del _name, _ops
 
@@ -64,5 +67,6 @@ __all__ = [
     "apply_llama31_rope_pos_ids_inplace", "apply_rope", "apply_rope_inplace", "apply_rope_pos_ids",
     "apply_rope_pos_ids_inplace", "apply_rope_with_cos_sin_cache", "apply_rope_with_cos_sin_cache_inplace",
     "BlockSparseAttentionWrapper", "VariableBlockSparseAttentionWrapper", "BatchAttention",
-    "BatchPODWithPagedKVCacheWrapper", "PODWithPagedKVCacheWrapper",
+    "BatchPODWithPagedKVCacheWrapper", "PODWithPagedKVCacheWrapper", "rmsnorm", "fused_add_rmsnorm", "gemma_rmsnorm",
+    "gemma_fused_add_rmsnorm", "silu_and_mul", "gelu_and_mul", "gelu_tanh_and_mul",
 ]

@@ -21,6 +21,7 @@ ABI_VERSION = 1
 POS_ENCODING_CODES = {"none": 0, "rope": 1, "alibi": 2}  # attention: pos_encoding (FlashInfer's codes too)
 APPEND_SOURCE_CODES = {"same": 0, "f32": 1, "f16": 2, "bf16": 3}  # append: src_dtype (the appended keys' dtype)
 ROPE_POSITION_CODES = {"indptr": 0, "pos_ids": 1}  # rope: pos_source (indptr + offsets, or one position per token)
+ACT_CODES = {"silu": 0, "gelu": 1, "gelu_tanh": 2}  # act: act (the activation of a row's first half)
 
 # field kind -> (C type, ctypes type)
 _KINDS: dict[str, tuple[str, type]] = {

@@ -11,10 +11,10 @@ URI grammar (documented in README.md; ``uri`` is derived, never stored)::
     uri   := op ["_" storage] "_" target "_" dtype ["_kv" kvdtype] ["_o" odtype]
              ["_hd" qk ["x" vo]] ["_g" group] ["_" pos] ["_swa"] ["_softcap"]
              ["_" mask] ["_" layout] ["_sink"] ["_v" name "-" hash8]
-    op      := decode | prefill | merge | append | mla | rope
+    op      := decode | prefill | merge | append | mla | rope | norm | act
     storage := paged | ragged
     target  := cuda | cpu
-    dtype   := the q dtype (the o dtype when the op has no q; rope: q's and k's): f32 | f16 | bf16
+    dtype   := the q dtype (the o dtype when the op has no q; rope, norm, act: the tensors'): f32 | f16 | bf16
     kvdtype := present when it differs from dtype: f16 | bf16 | f32 | e4m3 | e5m2
     odtype  := present when it differs from dtype
     pos     := rope | alibi            (absent: none)
@@ -69,6 +69,7 @@ class Op(_Choice):
     APPEND = "append"
     MLA = "mla"  # the dedicated latent-attention kernel (cuda, sm_90a); MLA also runs on the prefill kernels
     ROPE = "rope"  # FlashInfer's standalone rotary-embedding functions (q and k rotated in one launch)
+    NORM, ACT = "norm", "act"  # RMSNorm (+ the residual add); act(a row's first half) * its second half
 
 
 class Target(_Choice):
@@ -169,7 +170,8 @@ SPECIALIZED_AXES: dict[tuple[Op, Target], frozenset[str]] = {
     (Op.PREFILL, Target.CUDA): _ATTENTION_CUDA | {"mask_mode"},
     (Op.PREFILL, Target.CPU): frozenset({"q_dtype", "kv_dtype", "o_dtype"}),
     (Op.MLA, Target.CUDA): frozenset({"q_dtype", "kv_dtype", "o_dtype", "head_dim_qk", "head_dim_vo"}),
-    **{(Op.ROPE, t): frozenset({"q_dtype"}) for t in Target},  # q's and k's dtype; every other input is run-time
+    # the tensors' dtype (rope: q's and k's); every other input is run-time
+    **{(op, t): frozenset({"q_dtype"}) for op in (Op.ROPE, Op.NORM, Op.ACT) for t in Target},
 }
 
 SUPPORTED_HEAD_DIMS: tuple[int, ...] = tuple(range(8, 257, 8))
@@ -261,7 +263,7 @@ class VariantSpec:
             )
         if self.o_dtype is not None and self.o_dtype.is_fp8:
             raise ValueError(f"o_dtype={self.o_dtype.value!r}: fp8 output is not supported; use f16, bf16 or f32")
-        if self.target is Target.CUDA and self.op is not Op.ROPE:  # rope rotates float32 on both targets
+        if self.target is Target.CUDA and self.op not in (Op.ROPE, Op.NORM, Op.ACT):  # these take f32 on both
             for name in ("q_dtype", "kv_dtype"):
                 value = getattr(self, name)
                 if value is DType.F32:

@@ -1,7 +1,8 @@
 """Every public attention function and wrapper method takes FlashInfer 0.5.3's parameters: names, order, defaults.
 
 The reference lists below were read off FlashInfer 0.5.3's Python sources (its ``decode``,
-``prefill``, ``cascade``, ``page``, ``rope``, ``mla``, ``attention``, ``sparse`` and ``pod`` modules; the attention-sink wrapper's
+``prefill``, ``cascade``, ``page``, ``rope``, ``norm``, ``activation``, ``mla``, ``attention``, ``sparse`` and ``pod``
+modules; the attention-sink wrapper's
 ``plan``/``run`` are the paged prefill wrapper's, which it inherits; ``self`` dropped, ``*args`` kept). The rule a
 drop-in replacement must follow, checked with ``inspect.signature``:
 
@@ -20,6 +21,17 @@ import pytest
 import torch  # noqa: F401  (FlashInfer defaults such as torch.bfloat16 are evaluated below)
 
 FLASHINFER_0_5_3 = {
+    'norm.rmsnorm': [('input', None), ('weight', None), ('eps', '1e-06'), ('out', 'None'), ('enable_pdl', 'None')],
+    'norm.fused_add_rmsnorm': [
+        ('input', None), ('residual', None), ('weight', None), ('eps', '1e-06'), ('enable_pdl', 'None')
+    ],
+    'norm.gemma_rmsnorm': [('input', None), ('weight', None), ('eps', '1e-06'), ('out', 'None'), ('enable_pdl', 'None')],
+    'norm.gemma_fused_add_rmsnorm': [
+        ('input', None), ('residual', None), ('weight', None), ('eps', '1e-06'), ('enable_pdl', 'None')
+    ],
+    'activation.silu_and_mul': [('input', None), ('out', 'None'), ('enable_pdl', 'None')],
+    'activation.gelu_and_mul': [('input', None), ('out', 'None'), ('enable_pdl', 'None')],
+    'activation.gelu_tanh_and_mul': [('input', None), ('out', 'None'), ('enable_pdl', 'None')],
     'mla.BatchMLAPagedAttentionWrapper.__init__': [
         ('float_workspace_buffer', None), ('use_cuda_graph', 'False'), ('qo_indptr', 'None'), ('kv_indptr', 'None'),
         ('kv_indices', 'None'), ('kv_len_arr', 'None'), ('backend', "'auto'")

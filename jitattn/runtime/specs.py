@@ -82,12 +82,25 @@ def rope_spec(target: Target, dtype: torch.dtype) -> VariantSpec:
     return VariantSpec(op=Op.ROPE, target=target, q_dtype=dtype)
 
 
+@functools.cache
+def norm_spec(target: Target, dtype: torch.dtype) -> VariantSpec:
+    """The RMSNorm kernel's spec for tensors of ``dtype`` (cached, as ``merge_spec``)."""
+    return VariantSpec(op=Op.NORM, target=target, q_dtype=dtype)
+
+
+@functools.cache
+def act_spec(target: Target, dtype: torch.dtype) -> VariantSpec:
+    """The gated-activation kernel's spec for tensors of ``dtype`` (cached, as ``merge_spec``)."""
+    return VariantSpec(op=Op.ACT, target=target, q_dtype=dtype)
+
+
 def model_specs(
     target: Target, *, num_qo_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
     kv_dtype: torch.dtype, sliding_window: bool = False, full_attention_too: bool = True,
     logits_soft_cap: bool = False, kv_layout: KVLayout = KVLayout.NHD, attention_sinks: bool = False,
 ) -> list[VariantSpec]:
-    """Every spec a model's decode, prefill (paged and ragged), cascade, merge, append and RoPE paths request.
+    """Every spec a model's decode, prefill (paged and ragged), cascade, merge, append and RoPE paths request,
+    and the RMSNorm and gated activation (``jitattn.rmsnorm``, ``silu_and_mul``...) a serving loop runs around them.
 
     ``sliding_window`` adds the windowed variants; ``full_attention_too``
     keeps the unwindowed ones (models that alternate layers need both).
@@ -114,6 +127,7 @@ def model_specs(
         specs += [spec.replace(use_sinks=True) for spec in specs]
     specs.append(append_spec(target, kv_dtype))
     specs.append(rope_spec(target, dtype))  # the RoPE ops a serving loop applies to q and k around attention
+    specs += [norm_spec(target, dtype), act_spec(target, dtype)]  # its RMSNorm and gated MLP activation
     return list(dict.fromkeys(specs))
 
 

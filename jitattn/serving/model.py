@@ -112,15 +112,6 @@ def save_checkpoint(config: ModelConfig, weights: dict[str, torch.Tensor], direc
     torch.save({n: t.contiguous() for n, t in weights.items()}, directory / "pytorch_model.bin")
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Llama's RMSNorm as one kernel on cuda (torch's fused rms_norm: the mean of squares and the scaling in
-    float32, one rounding to x's dtype at the end). Hugging Face's spelling (cast to float32, normalise, cast
-    back, scale in x's dtype) rounds twice and took four kernels a call: 0.5-1 ulp apart, as fused RMSNorm
-    kernels of serving engines are."""
-    return torch.nn.functional.rms_norm(x, (x.shape[-1],), weight, eps)
-
-
-
 class LlamaModel:
     """One tensor-parallel rank's shard of a Llama decoder (the whole model when tp is 1)."""
 
@@ -176,31 +167,32 @@ class LlamaModel:
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionFn) -> torch.Tensor:
         """Hidden states ``[tokens, hidden]`` after the final norm; ``attention(layer, q, k, v)`` gives each
-        layer's attention output ``[tokens, num_q_heads, head_dim]`` (RoPE already applied to q and k)."""
+        layer's attention output ``[tokens, num_q_heads, head_dim]`` (RoPE already applied to q and k).
+
+        The residual stream ``x`` takes each block's output through ``fused_add_rmsnorm`` (``x += delta``, then
+        ``delta`` becomes the next norm of ``x``: one launch for the add and the norm, computed from the float32
+        sum), and the MLP's gate through ``silu_and_mul``: jitattn's kernels on both targets."""
         c = self.config
-        d, hq, hkv = c.head_dim, self.num_q_heads, self.num_kv_heads
-        x = self.embed[input_ids]
+        d, hq, hkv, eps = c.head_dim, self.num_q_heads, self.num_kv_heads, c.rms_norm_eps
+        x = self.embed[input_ids]  # the residual stream (a new tensor: the gather copies)
         tokens = input_ids.shape[0]
+        h = jitattn.rmsnorm(x, self.layers[0]["input_norm"], eps) if self.layers else x
         for i, layer in enumerate(self.layers):
-            h = rms_norm(x, layer["input_norm"], c.rms_norm_eps)
+            if i:  # x += the last block's output; h = its norm
+                jitattn.fused_add_rmsnorm(delta, x, layer["input_norm"], eps)
+                h = delta
             qkv = (h @ layer["qkv"].t()).view(tokens, hq + 2 * hkv, d)
             q, k, v = qkv[:, :hq], qkv[:, hq: hq + hkv], qkv[:, hq + hkv:]
             # Hugging Face Llama's rotary embedding (non-interleaved halves), q and k in place: one launch
             jitattn.apply_rope_pos_ids_inplace(q, k, positions, rope_theta=c.rope_theta)
             o = attention(i, q, k, v).reshape(tokens, hq * d)
-            x = self._residual(x, o, layer["o"])
-            h = rms_norm(x, layer["post_norm"], c.rms_norm_eps)
-            gate, up = (h @ layer["gate_up"].t()).chunk(2, dim=-1)
-            x = self._residual(x, torch.nn.functional.silu(gate) * up, layer["down"])
-        return rms_norm(x, self.norm, c.rms_norm_eps)
-
-    def _residual(self, x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """``x + h @ weight.t()`` summed over the ranks' partial products; on one rank the add is the GEMM's
-        epilogue (``addmm``: no separate add kernel), on several each rank's partial product is all-reduced
-        first (x must be added once)."""
-        if self.group.size == 1:
-            return torch.addmm(x, h, weight.t())
-        return x + self.group.all_reduce(h @ weight.t())
+            delta = self.group.all_reduce(o @ layer["o"].t())
+            jitattn.fused_add_rmsnorm(delta, x, layer["post_norm"], eps)
+            delta = self.group.all_reduce(jitattn.silu_and_mul(delta @ layer["gate_up"].t()) @ layer["down"].t())
+        if not self.layers:
+            return jitattn.rmsnorm(x, self.norm, eps)
+        jitattn.fused_add_rmsnorm(delta, x, self.norm, eps)
+        return delta
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits ``[tokens, vocab]`` (the lm head is replicated on every rank)."""

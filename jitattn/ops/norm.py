@@ -1,0 +1,54 @@
+"""RMSNorm, mirroring ``flashinfer.norm`` (FlashInfer 0.5.3's names, arguments, defaults and return values).
+
+``input`` is ``[batch, hidden]`` or ``[batch, heads, hidden]`` (any leading dimensions that collapse into rows:
+slices of a wider buffer are fine), ``weight`` ``[hidden]``, one dtype for all (float16, bfloat16 or float32),
+on one device (the cuda target on a CUDA device, the cpu target on the CPU). Each row becomes
+``x / sqrt(mean(x^2) + eps) * weight`` (Gemma: ``* (1 + weight)``), computed in float32 and rounded once.
+The ``fused_add`` forms first add ``input`` into ``residual`` (``residual += input``, rounded) and normalise
+that sum (from its float32 value, as FlashInfer does) into ``input``; both are written in place and nothing
+is returned. ``enable_pdl`` is accepted and ignored (no programmatic dependent launch).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..runtime.pointwise import rms_norm
+
+__all__ = ["fused_add_rmsnorm", "gemma_fused_add_rmsnorm", "gemma_rmsnorm", "rmsnorm"]
+
+
+def rmsnorm(input: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, out: Optional[torch.Tensor] = None,
+            enable_pdl: Optional[bool] = None) -> torch.Tensor:
+    """``input / RMS(input) * weight`` per row; into ``out`` when given (it may be ``input``), else a new tensor."""
+    if out is None:
+        if not isinstance(input, torch.Tensor):
+            raise TypeError(f"rmsnorm: input must be a torch.Tensor, got {type(input).__name__}")
+        out = torch.empty_like(input)
+    rms_norm("rmsnorm", input, weight, eps, out)
+    return out
+
+
+def fused_add_rmsnorm(input: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
+                      enable_pdl: Optional[bool] = None) -> None:
+    """``residual += input``, then ``input = residual / RMS(residual) * weight``; both in place."""
+    rms_norm("fused_add_rmsnorm", input, weight, eps, input, residual=residual)
+
+
+def gemma_rmsnorm(input: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, out: Optional[torch.Tensor] = None,
+                  enable_pdl: Optional[bool] = None) -> torch.Tensor:
+    """:func:`rmsnorm` with Gemma's ``(1 + weight)``."""
+    if out is None:
+        if not isinstance(input, torch.Tensor):
+            raise TypeError(f"gemma_rmsnorm: input must be a torch.Tensor, got {type(input).__name__}")
+        out = torch.empty_like(input)
+    rms_norm("gemma_rmsnorm", input, weight, eps, out, weight_offset=1.0)
+    return out
+
+
+def gemma_fused_add_rmsnorm(input: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
+                            enable_pdl: Optional[bool] = None) -> None:
+    """:func:`fused_add_rmsnorm` with Gemma's ``(1 + weight)``."""
+    rms_norm("gemma_fused_add_rmsnorm", input, weight, eps, input, residual=residual, weight_offset=1.0)

@@ -1,0 +1,195 @@
+"""RMSNorm and the gated activations (jitattn.ops.norm / .activation, FlashInfer's flashinfer.norm and
+flashinfer.activation) against float64 references.
+
+Inputs are fresh random data every run (the seed is in every failure message: set JITATTN_TEST_SEED to
+replay one), some of them slices of a wider buffer (rows of one stride that is not the row length).
+Outputs are allocated poisoned (NaN), so an element the kernel does not write fails the comparison; the
+in-place forms must leave the bytes around their rows untouched. Each test runs on the cpu target and,
+marked ``gpu``, on cuda (where rows of whole 16-byte units take the vector path, the others the element path).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+import jitattn
+import jitattn.flashinfer as fi
+from jitattn.jit import KernelError
+
+SEED = int(os.environ.get("JITATTN_TEST_SEED", random.randrange(2**31)))
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# One rounding of a result of magnitude ~4 (half an ulp) and float32 sums of up to 12288 squares, relative to
+# the largest reference value.
+TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+def _gen(salt: int) -> torch.Generator:
+    return torch.Generator().manual_seed((SEED * 1000003 + salt) % 2**63)
+
+
+def _rows(shape: tuple[int, ...], dtype, device, salt: int, pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(a tensor of ``shape`` of random values, the buffer it is a slice of): with ``pad`` > 0 each row sits in
+    a row of ``shape[-1] + pad`` elements whose tail holds other values."""
+    g = _gen(salt)
+    wide = (torch.randn(*shape[:-1], shape[-1] + pad, generator=g) * 2).to(dtype).to(device)
+    return wide[..., : shape[-1]], wide
+
+
+def _check(name: str, got: torch.Tensor, want: torch.Tensor, dtype) -> None:
+    assert tuple(got.shape) == tuple(want.shape), f"{name}: shape {tuple(got.shape)}, expected {tuple(want.shape)}"
+    if want.numel() == 0:
+        return
+    scale = max(want.abs().max().item(), 1e-6)
+    err = (got.double().cpu() - want).abs().max().item() / scale
+    assert not torch.isnan(got).any(), f"{name}: NaN in the output (an element not written?) (seed {SEED})"
+    assert err <= TOLERANCE[dtype], f"{name}: max error {err:.3g} relative to {scale:.3g} (seed {SEED})"
+
+
+def _rms_ref(x: torch.Tensor, w: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:
+    x, w = x.double().cpu(), w.double().cpu()
+    return x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps) * (offset + w)
+
+
+SHAPES = [(5, 64), (7, 4096), (3, 100), (2, 4, 128), (1, 12288), (0, 64)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("gemma", [False, True], ids=["plain", "gemma"])
+def test_rmsnorm_matches_the_float64_reference(device, dtype, shape, gemma) -> None:
+    salt = hash((str(dtype), shape, gemma)) % 1000
+    x, _ = _rows(shape, dtype, device, salt, pad=8 if len(shape) == 2 else 0)
+    w = (torch.randn(shape[-1], generator=_gen(salt + 1)) * 0.5 + (0 if gemma else 1)).to(dtype).to(device)
+    out = torch.full(shape, float("nan"), dtype=dtype, device=device)
+    fn = fi.gemma_rmsnorm if gemma else fi.rmsnorm
+    got = fn(x, w, 1e-5, out=out)
+    assert got is out
+    _check("rmsnorm", out, _rms_ref(x, w, 1e-5, 1.0 if gemma else 0.0), dtype)
+    fresh = fn(x, w)  # eps defaults to FlashInfer's 1e-6; a new output
+    _check("rmsnorm (new output)", fresh, _rms_ref(x, w, 1e-6, 1.0 if gemma else 0.0), dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+def test_rmsnorm_in_place(device, dtype) -> None:
+    x, _ = _rows((6, 256), dtype, device, 11)
+    x = x.contiguous()
+    w = torch.randn(256, generator=_gen(12)).to(dtype).to(device)
+    want = _rms_ref(x, w, 1e-6)
+    assert jitattn.rmsnorm(x, w, out=x) is x
+    _check("rmsnorm in place", x, want, dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("shape", [(5, 64), (9, 4096), (3, 100), (2, 3, 128)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("gemma", [False, True], ids=["plain", "gemma"])
+def test_fused_add_rmsnorm_adds_then_normalises_the_sum(device, dtype, shape, gemma) -> None:
+    salt = hash((str(dtype), shape, gemma, "fused")) % 1000
+    pad = 8 if len(shape) == 2 else 0
+    x, x_wide = _rows(shape, dtype, device, salt, pad=pad)
+    r, r_wide = _rows(shape, dtype, device, salt + 1, pad=pad)
+    w = (torch.randn(shape[-1], generator=_gen(salt + 2)) * 0.5 + (0 if gemma else 1)).to(dtype).to(device)
+    x_tails, r_tails = x_wide[..., shape[-1]:].clone(), r_wide[..., shape[-1]:].clone()
+    total = x.double().cpu() + r.double().cpu()  # exact: two 16/32-bit values sum exactly in float64
+    want_residual = (x.float() + r.float()).to(dtype).cpu()  # one rounding of the float32 sum
+    fn = fi.gemma_fused_add_rmsnorm if gemma else fi.fused_add_rmsnorm
+    assert fn(x, r, w, 1e-5) is None
+    assert torch.equal(r.cpu(), want_residual), f"residual is not input + residual rounded once (seed {SEED})"
+    w64 = w.double().cpu()
+    want = total / torch.sqrt((total * total).mean(-1, keepdim=True) + 1e-5) * ((1.0 if gemma else 0.0) + w64)
+    _check("fused_add_rmsnorm", x, want, dtype)
+    assert torch.equal(x_wide[..., shape[-1]:], x_tails) and torch.equal(r_wide[..., shape[-1]:], r_tails), (
+        "bytes outside the rows changed")
+
+
+ACTS = {"silu": (fi.silu_and_mul, lambda a: a * torch.sigmoid(a)),
+        "gelu": (fi.gelu_and_mul, lambda a: torch.nn.functional.gelu(a)),
+        "gelu_tanh": (fi.gelu_tanh_and_mul, lambda a: torch.nn.functional.gelu(a, approximate="tanh"))}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("shape", [(5, 128), (7, 28672), (3, 74), (2, 3, 64), (0, 64)],
+                         ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("act", list(ACTS))
+def test_gated_activations_match_the_float64_reference(device, dtype, shape, act) -> None:
+    fn, ref = ACTS[act]
+    salt = hash((str(dtype), shape, act)) % 1000
+    x, _ = _rows(shape, dtype, device, salt, pad=8 if len(shape) == 2 else 0)
+    d = shape[-1] // 2
+    x64 = x.double().cpu()
+    want = ref(x64[..., :d]) * x64[..., d:]
+    out = torch.full((*shape[:-1], d), float("nan"), dtype=dtype, device=device)
+    assert fn(x, out=out) is out
+    _check(act, out, want, dtype)
+    _check(f"{act} (new output)", fn(x), want, dtype)
+
+
+def test_bad_inputs_get_clear_errors() -> None:
+    x = torch.randn(4, 64)
+    w = torch.randn(64)
+    with pytest.raises(ValueError, match="weight has shape"):
+        jitattn.rmsnorm(x, torch.randn(32))
+    with pytest.raises(TypeError, match="weight is float16 but input is float32"):
+        jitattn.rmsnorm(x, w.half())
+    with pytest.raises(ValueError, match="at least 2 dimensions"):
+        jitattn.rmsnorm(torch.randn(64), w)
+    with pytest.raises(ValueError, match="cannot be read as rows of one stride"):
+        jitattn.rmsnorm(torch.randn(4, 3, 64).transpose(0, 1), w)
+    with pytest.raises(ValueError, match="eps=-1"):
+        jitattn.rmsnorm(x, w, eps=-1)
+    with pytest.raises(TypeError, match="dtype int64"):
+        jitattn.rmsnorm(torch.ones(4, 64, dtype=torch.int64), w)
+    with pytest.raises(ValueError, match="out has shape"):
+        jitattn.rmsnorm(x, w, out=torch.empty(4, 32))
+    with pytest.raises(ValueError, match="residual and input share memory"):
+        jitattn.fused_add_rmsnorm(x, x, w)
+    with pytest.raises(ValueError, match="residual has shape"):
+        jitattn.fused_add_rmsnorm(x, torch.randn(3, 64), w)
+    with pytest.raises(ValueError, match="out overlaps input"):
+        buf = torch.randn(5, 64)
+        jitattn.rmsnorm(buf[:4], w, out=buf[1:])
+    with pytest.raises(ValueError, match="last dimension must be even"):
+        jitattn.silu_and_mul(torch.randn(4, 63))
+    with pytest.raises(ValueError, match="out has shape"):
+        jitattn.silu_and_mul(torch.randn(4, 64), out=torch.empty(4, 64))
+    with pytest.raises(ValueError, match="out shares memory with input"):
+        buf = torch.randn(4, 64)
+        jitattn.silu_and_mul(buf, out=buf[:, :32])
+
+
+@pytest.mark.gpu
+def test_rmsnorm_rows_longer_than_the_cuda_limit_are_refused_with_the_limit() -> None:
+    x = torch.randn(2, 16384, device="cuda")
+    with pytest.raises(KernelError, match="hidden=16384 must be in"):
+        jitattn.rmsnorm(x, torch.randn(16384, device="cuda"))
+
+
+@pytest.mark.gpu
+def test_norm_ops_are_capturable_in_a_cuda_graph() -> None:
+    """The serving model's decode step replays them from a graph: the launches read only their arguments."""
+    x = torch.randn(8, 4096, device="cuda", dtype=torch.bfloat16)
+    r = torch.randn(8, 4096, device="cuda", dtype=torch.bfloat16)
+    g = torch.randn(8, 2 * 1024, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
+    x0, r0 = x.clone(), r.clone()
+    jitattn.fused_add_rmsnorm(x0, r0, w)
+    act0 = jitattn.silu_and_mul(g)
+    graph = torch.cuda.CUDAGraph()
+    xs, rs = x.clone(), r.clone()
+    with torch.cuda.graph(graph):
+        jitattn.fused_add_rmsnorm(xs, rs, w)
+        act = jitattn.silu_and_mul(g)
+    xs.copy_(x)
+    rs.copy_(r)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(xs, x0) and torch.equal(rs, r0) and torch.equal(act, act0)
