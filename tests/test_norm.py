@@ -56,7 +56,7 @@ def _rms_ref(x: torch.Tensor, w: torch.Tensor, eps: float, offset: float = 0.0) 
     return x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps) * (offset + w)
 
 
-SHAPES = [(5, 64), (7, 4096), (3, 100), (2, 4, 128), (1, 12288), (0, 64)]
+SHAPES = [(5, 64), (7, 4096), (3, 100), (2, 4, 128), (1, 12288), (2, 32768), (0, 64)]
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -168,9 +168,9 @@ def test_bad_inputs_get_clear_errors() -> None:
 
 @pytest.mark.gpu
 def test_rmsnorm_rows_longer_than_the_cuda_limit_are_refused_with_the_limit() -> None:
-    x = torch.randn(2, 16384, device="cuda")
-    with pytest.raises(KernelError, match="hidden=16384 must be in"):
-        jitattn.rmsnorm(x, torch.randn(16384, device="cuda"))
+    x = torch.randn(2, 40000, device="cuda")
+    with pytest.raises(KernelError, match="hidden=40000 must be in"):
+        jitattn.rmsnorm(x, torch.randn(40000, device="cuda"))
 
 
 @pytest.mark.gpu

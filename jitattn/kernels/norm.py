@@ -23,8 +23,9 @@ from . import c_type
 TEMPLATES = {"cpu": "cpu/norm.cpp.jinja", "cuda": "cuda/norm.cu.jinja"}
 
 # cuda: a block per row, a float32 copy of the row kept in shared memory between the sum of squares and the
-# scaling (so the input is read once); rows longer than this many elements are refused (cpu: no limit).
-CUDA_MAX_HIDDEN = 12288
+# scaling (so the input is read once: 128 KiB at this many elements, past the 48 KiB a launch gets without
+# opting in); longer rows are refused (cpu: no limit).
+CUDA_MAX_HIDDEN = 32768
 
 RMSNORM = Entry("rmsnorm", fields(
     "input:ptr residual:ptr weight:ptr out:ptr rows:i64 hidden:i64 in_stride:i64 res_stride:i64 out_stride:i64 "
