@@ -36,7 +36,8 @@ from jitattn_cache.cli import main
 from jitattn_cache.presets import PRESETS, ModelShape, from_hf_config
 
 REPO = Path(__file__).resolve().parents[1]
-LLAMA_CPU = ["decode_cpu_bf16", "prefill_cpu_bf16", "merge_cpu_bf16", "append_cpu_bf16", "rope_cpu_bf16"]
+LLAMA_CPU = ["decode_cpu_bf16", "prefill_cpu_bf16", "merge_cpu_bf16", "append_cpu_bf16", "rope_cpu_bf16",
+             "norm_cpu_bf16", "act_cpu_bf16"]
 _KNOBS = ("JITATTN_CACHE_PATH", "JITATTN_CUDA_ARCH_LIST", "TORCH_CUDA_ARCH_LIST", "JITATTN_ASSERT_NO_COMPILE",
           "JITATTN_MAX_JOBS", "MAX_JOBS", "JITATTN_NVCC")
 
@@ -102,7 +103,7 @@ def _names(root: Path) -> list[str]:
 def test_warm_preset_builds_the_cpu_specs_then_reports_all_cached(warmed, monkeypatch, capsys) -> None:
     root, rc, out, err = warmed
     assert rc == 0, err
-    assert "5 built, 0 already cached, 0 failed" in out
+    assert "7 built, 0 already cached, 0 failed" in out
     expected = model_specs(Target.CPU, num_qo_heads=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16,
                            kv_dtype=torch.bfloat16)
     assert sorted(s.uri for s in expected) == sorted(LLAMA_CPU) == sorted(_names(root))
@@ -112,7 +113,7 @@ def test_warm_preset_builds_the_cpu_specs_then_reports_all_cached(warmed, monkey
     before = jitattn.jit.compile_count()
     rc, out, _ = run_cli(capsys, "warm", "--preset", "llama-3-8b", "--target", "cpu")
     assert rc == 0
-    assert "0 built, 5 already cached, 0 failed" in out
+    assert "0 built, 7 already cached, 0 failed" in out
     assert jitattn.jit.compile_count() == before
 
 
@@ -124,7 +125,7 @@ def test_dry_run_lists_specs_and_cache_status_without_building(warmed, monkeypat
     assert rc == 0
     status = {line.split()[0]: line.split()[1] for line in out.splitlines()[:-1]}
     assert status == {**{uri: "cached" for uri in LLAMA_CPU}, "merge_cpu_f16": "cold"}
-    assert "6 specs (target cpu): 5 cached, 1 cold" in out
+    assert "8 specs (target cpu): 7 cached, 1 cold" in out
     assert jitattn.jit.compile_count() == before
     assert "merge_cpu_f16" not in _names(warmed[0])
 
@@ -204,7 +205,7 @@ def test_hf_config_gemma2_expands_to_softcap_and_window_specs_on_cuda(tmp_path, 
         "decode_paged_cuda_bf16_hd256_g2_softcap_nhd", "decode_paged_cuda_bf16_hd256_g2_swa_softcap_nhd",
         *(f"prefill_{storage}_cuda_bf16_hd256_g2{swa}_softcap{mask}_nhd" for storage in ("paged", "ragged")
           for swa in ("", "_swa") for mask in ("", "_causal")),
-        "merge_cuda_bf16", "append_cuda_bf16", "rope_cuda_bf16",
+        "merge_cuda_bf16", "append_cuda_bf16", "rope_cuda_bf16", "norm_cuda_bf16", "act_cuda_bf16",
     }
     assert "target cuda" in out.splitlines()[-1]
     assert "JITATTN_CUDA_ARCH_LIST" not in os.environ
@@ -323,7 +324,7 @@ def test_ls_info_verify_and_fix(cache_copy, capsys) -> None:
     assert lines[0].split() == ["URI", "TARGET", "ARCH", "SIZE", "BUILT", "(UTC)", "LAYER"]
     assert sorted(line.split()[0] for line in lines[1:-1]) == sorted(LLAMA_CPU)
     assert all(line.split()[1] == "cpu" and "KiB" in line and " rw" in line for line in lines[1:-1])
-    assert lines[-1].startswith("5 entries")
+    assert lines[-1].startswith("7 entries")
 
     rc, out, _ = run_cli(capsys, "info", "merge_cpu_bf16")
     assert rc == 0 and "status: ok" in out
@@ -337,13 +338,13 @@ def test_ls_info_verify_and_fix(cache_copy, capsys) -> None:
         f.seek(100)
         f.write(b"\xde\xad\xbe\xef")
     rc, out, _ = run_cli(capsys, "verify")
-    assert rc == 1 and f"BAD {victim}: library checksum does not match" in out and "4 ok, 1 bad" in out
+    assert rc == 1 and f"BAD {victim}: library checksum does not match" in out and "6 ok, 1 bad" in out
     rc, out, _ = run_cli(capsys, "info", "decode_cpu_bf16")
     assert "status: BAD" in out
     rc, out, _ = run_cli(capsys, "verify", "--fix")
     assert rc == 0 and "removed" in out
     assert not victim.exists()
-    assert run_cli(capsys, "verify")[1].endswith("4 entries, 4 ok, 0 bad\n")
+    assert run_cli(capsys, "verify")[1].endswith("6 entries, 6 ok, 0 bad\n")
 
 
 def test_verify_fix_never_touches_a_read_only_layer(cache_copy, tmp_path, monkeypatch, capsys) -> None:
@@ -367,13 +368,13 @@ def _set_built_at(root: Path, ages_days: dict[str, float]) -> None:
 
 def test_prune_by_age_then_by_size_oldest_first(cache_copy, capsys) -> None:
     _set_built_at(cache_copy, {"decode_cpu_bf16": 40, "prefill_cpu_bf16": 20, "rope_cpu_bf16": 15,
-                               "merge_cpu_bf16": 10, "append_cpu_bf16": 0})
+                               "norm_cpu_bf16": 13, "act_cpu_bf16": 12, "merge_cpu_bf16": 10, "append_cpu_bf16": 0})
     rc, out, _ = run_cli(capsys, "prune", "--older-than", "30d", "--dry-run")
-    assert rc == 0 and "would remove decode_cpu_bf16" in out and len(_names(cache_copy)) == 5
+    assert rc == 0 and "would remove decode_cpu_bf16" in out and len(_names(cache_copy)) == 7
     rc, out, _ = run_cli(capsys, "prune", "--older-than", "30d")
     assert rc == 0 and "pruned 1 entries" in out
-    assert sorted(_names(cache_copy)) == sorted(["prefill_cpu_bf16", "rope_cpu_bf16", "merge_cpu_bf16",
-                                                 "append_cpu_bf16"])
+    assert sorted(_names(cache_copy)) == sorted(["prefill_cpu_bf16", "rope_cpu_bf16", "norm_cpu_bf16", "act_cpu_bf16",
+                                                 "merge_cpu_bf16", "append_cpu_bf16"])
 
     from jitattn_cache.store import tree_size
 
@@ -458,7 +459,7 @@ def test_export_import_bundle_loads_read_only_in_a_new_process_with_zero_compile
     bundle = tmp_path / "llama.tar.gz"
     rc, out, err = run_cli(capsys, "export", bundle)
     assert rc == 0, err
-    assert "exported 5 entries" in out
+    assert "exported 7 entries" in out
     with tarfile.open(bundle) as tar:
         names = tar.getnames()
     assert all(n == SCHEMA or n.startswith(f"{SCHEMA}/") for n in names)
@@ -467,9 +468,9 @@ def test_export_import_bundle_loads_read_only_in_a_new_process_with_zero_compile
     layer = tmp_path / "layer"
     rc, out, err = run_cli(capsys, "import", bundle, "--to", layer)
     assert rc == 0, err
-    assert "imported 5 entries" in out and f"JITATTN_CACHE_PATH={layer}" in out
+    assert "imported 7 entries" in out and f"JITATTN_CACHE_PATH={layer}" in out
     rc, out, _ = run_cli(capsys, "import", bundle, "--to", layer)
-    assert rc == 0 and "imported 0 entries" in out and "5 already present" in out
+    assert rc == 0 and "imported 0 entries" in out and "7 already present" in out
 
     script = tmp_path / "child.py"
     script.write_text(CHILD)
@@ -484,7 +485,7 @@ def test_export_import_bundle_loads_read_only_in_a_new_process_with_zero_compile
     proc = subprocess.run([sys.executable, "-m", "jitattn_cache", "ls"], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.count(f"ro {layer}") == 5
+    assert proc.stdout.count(f"ro {layer}") == 7
     proc = subprocess.run([sys.executable, "-m", "jitattn_cache", "warm", "--preset", "no-such-model"], cwd=REPO,
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "unknown preset" in proc.stderr
@@ -513,11 +514,11 @@ def test_export_clear_import_then_load_with_zero_compiles(cache_copy, tmp_path, 
     rc, out, err = run_cli(capsys, "export", bundle, "--preset", "llama-3-8b", "--target", "cpu")
     assert rc == 0, err
     rc, out, _ = run_cli(capsys, "clear")
-    assert rc == 0 and "removed 5 entries" in out
+    assert rc == 0 and "removed 7 entries" in out
     assert _names(cache_copy) == []
     rc, out, err = run_cli(capsys, "import", bundle)
     assert rc == 0, err
-    assert "imported 5 entries" in out
+    assert "imported 7 entries" in out
     monkeypatch.setenv("JITATTN_ASSERT_NO_COMPILE", "1")
     before = jitattn.jit.compile_count()
     for uri in LLAMA_CPU:
