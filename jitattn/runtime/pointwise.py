@@ -2,8 +2,10 @@
 (``kernels.act``), with the checks every public function relies on (shapes, dtypes, devices, aliasing).
 
 Rows: every dimension but the last, collapsed (a ``[tokens, hidden]`` tensor, or ``[tokens, heads, dim]`` for a
-per-head norm); the last dimension must be contiguous and the others must collapse into one row stride
-(a slice of a wider buffer is fine, a transposed view is not).
+per-head norm); the last dimension must be contiguous. The kernels read rows of one stride (a slice of a
+wider buffer along the last dimension is read in place); a tensor whose leading dimensions do not collapse
+into one stride (some heads of a wider ``[tokens, heads, dim]`` buffer, say) goes through a contiguous copy,
+and an output or in-place tensor of that kind is written back from it.
 """
 
 from __future__ import annotations
@@ -22,21 +24,29 @@ from .specs import act_spec, norm_spec
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def _rows(name: str, t: torch.Tensor) -> tuple[int, int]:
-    """(rows, elements between consecutive rows) of ``t``'s leading dimensions, collapsed."""
+def _check(name: str, t: torch.Tensor) -> None:
     check_tensor(name, t, dtypes=DTYPES)
     if t.dim() < 2:
         raise ValueError(f"{name} has shape {tuple(t.shape)}; expected at least 2 dimensions ([tokens, hidden])")
+
+
+def _row_stride(t: torch.Tensor) -> int | None:
+    """Elements between consecutive rows of ``t``'s collapsed leading dimensions; None when they do not
+    collapse into one stride."""
     row_stride, expected = None, None
     for n, st in zip(reversed(t.shape[:-1]), reversed(t.stride()[:-1])):  # inner to outer; size-1 dims step nowhere
         if n == 1:
             continue
         if expected is not None and st != expected:
-            raise ValueError(f"{name} (shape {tuple(t.shape)}, strides {tuple(t.stride())}) cannot be read as rows "
-                             "of one stride; call .contiguous() on it")
+            return None
         row_stride = st if row_stride is None else row_stride
         expected = st * n
-    return math.prod(t.shape[:-1]), row_stride if row_stride is not None else t.shape[-1]
+    return row_stride if row_stride is not None else t.shape[-1]
+
+
+def _rowwise(t: torch.Tensor) -> torch.Tensor:
+    """``t`` when its rows share one stride, else a contiguous copy (which a written tensor gets back)."""
+    return t if _row_stride(t) is not None else t.contiguous()
 
 
 def _eps(eps) -> float:
@@ -72,8 +82,8 @@ def rms_norm(what: str, input: torch.Tensor, weight: torch.Tensor, eps, out: tor
              residual: torch.Tensor | None = None, weight_offset: float = 0.0) -> None:
     """``out = input / rms(input) * (weight_offset + weight)`` per row; with ``residual``: ``residual += input``
     first and the norm of that sum (``out`` is then ``input``, written in place)."""
-    rows, in_stride = _rows("input", input)
-    _, out_stride = _rows("out", out)
+    _check("input", input)
+    _check("out", out)
     hidden = input.shape[-1]
     if tuple(out.shape) != tuple(input.shape):
         raise ValueError(f"{what}: out has shape {tuple(out.shape)}; expected the input's {tuple(input.shape)}")
@@ -84,9 +94,8 @@ def rms_norm(what: str, input: torch.Tensor, weight: torch.Tensor, eps, out: tor
     _same("weight", weight, input, "input")
     _same("out", out, input, "input")
     check_no_overlap("out", out)
-    res_stride = 0
     if residual is not None:
-        _, res_stride = _rows("residual", residual)
+        _check("residual", residual)
         if tuple(residual.shape) != tuple(input.shape):
             raise ValueError(f"{what}: residual has shape {tuple(residual.shape)}; expected the input's "
                              f"{tuple(input.shape)}")
@@ -100,19 +109,26 @@ def rms_norm(what: str, input: torch.Tensor, weight: torch.Tensor, eps, out: tor
                          "tensor of its own")
     target, device = target_of(what, [input, weight, out, residual])
     eps = _eps(eps)
+    rows = math.prod(input.shape[:-1])
     if rows == 0:
         return
+    src = _rowwise(input)
+    dst = src if out is input else _rowwise(out)
+    res = _rowwise(residual) if residual is not None else None
     module = load(norm_spec(target, input.dtype))
     _launch(module, "rmsnorm", target, device, dict(
-        input=input.data_ptr(), residual=residual.data_ptr() if residual is not None else None,
-        weight=weight.data_ptr(), out=out.data_ptr(), rows=rows, hidden=hidden, in_stride=in_stride,
-        res_stride=res_stride, out_stride=out_stride, eps=eps, weight_offset=float(weight_offset),
-        num_threads=cpu_threads()))
+        input=src.data_ptr(), residual=res.data_ptr() if res is not None else None,
+        weight=weight.data_ptr(), out=dst.data_ptr(), rows=rows, hidden=hidden, in_stride=_row_stride(src),
+        res_stride=_row_stride(res) if res is not None else 0, out_stride=_row_stride(dst), eps=eps,
+        weight_offset=float(weight_offset), num_threads=cpu_threads()))
+    for written, staged in ((out, dst), (residual, res)):  # copies of tensors whose rows had no one stride
+        if written is not None and staged is not written:
+            written.copy_(staged)
 
 
 def act_and_mul(what: str, act: str, input: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
     """``out[..., i] = act(input[..., i]) * input[..., d + i]`` for ``input`` of ``[..., 2 d]``; returns out."""
-    rows, in_stride = _rows("input", input)
+    _check("input", input)
     if input.shape[-1] % 2:
         raise ValueError(f"{what}: input has shape {tuple(input.shape)}; its last dimension must be even (the "
                          "activation's half, then the half it multiplies)")
@@ -121,7 +137,7 @@ def act_and_mul(what: str, act: str, input: torch.Tensor, out: torch.Tensor | No
     if out is None:
         out = torch.empty(shape, dtype=input.dtype, device=input.device)
     else:
-        _rows("out", out)
+        _check("out", out)
         if tuple(out.shape) != shape:
             raise ValueError(f"{what}: out has shape {tuple(out.shape)}; expected {shape} (the input's, its last "
                              "dimension halved)")
@@ -129,12 +145,15 @@ def act_and_mul(what: str, act: str, input: torch.Tensor, out: torch.Tensor | No
         check_no_overlap("out", out)
         if _shares_memory(out, input):
             raise ValueError(f"{what}: out shares memory with input; pass a tensor of its own")
-    _, out_stride = _rows("out", out)
     target, device = target_of(what, [input, out])
+    rows = math.prod(input.shape[:-1])
     if rows == 0 or d == 0:
         return out
+    src, dst = _rowwise(input), _rowwise(out)
     module = load(act_spec(target, input.dtype))
     _launch(module, "act_and_mul", target, device, dict(
-        input=input.data_ptr(), out=out.data_ptr(), rows=rows, d=d, in_stride=in_stride, out_stride=out_stride,
-        act=ACT_CODES[act], num_threads=cpu_threads()))
+        input=src.data_ptr(), out=dst.data_ptr(), rows=rows, d=d, in_stride=_row_stride(src),
+        out_stride=_row_stride(dst), act=ACT_CODES[act], num_threads=cpu_threads()))
+    if dst is not out:
+        out.copy_(dst)
     return out
