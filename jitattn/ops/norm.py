@@ -20,15 +20,20 @@ from ..runtime.pointwise import rms_norm
 __all__ = ["fused_add_rmsnorm", "gemma_fused_add_rmsnorm", "gemma_rmsnorm", "rmsnorm"]
 
 
+def _normed(what: str, input: torch.Tensor, weight: torch.Tensor, eps, out: Optional[torch.Tensor],
+            weight_offset: float) -> torch.Tensor:
+    if out is None:
+        if not isinstance(input, torch.Tensor):
+            raise TypeError(f"{what}: input must be a torch.Tensor, got {type(input).__name__}")
+        out = torch.empty_like(input)
+    rms_norm(what, input, weight, eps, out, weight_offset=weight_offset)
+    return out
+
+
 def rmsnorm(input: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, out: Optional[torch.Tensor] = None,
             enable_pdl: Optional[bool] = None) -> torch.Tensor:
     """``input / RMS(input) * weight`` per row; into ``out`` when given (it may be ``input``), else a new tensor."""
-    if out is None:
-        if not isinstance(input, torch.Tensor):
-            raise TypeError(f"rmsnorm: input must be a torch.Tensor, got {type(input).__name__}")
-        out = torch.empty_like(input)
-    rms_norm("rmsnorm", input, weight, eps, out)
-    return out
+    return _normed("rmsnorm", input, weight, eps, out, 0.0)
 
 
 def fused_add_rmsnorm(input: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
@@ -40,12 +45,7 @@ def fused_add_rmsnorm(input: torch.Tensor, residual: torch.Tensor, weight: torch
 def gemma_rmsnorm(input: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, out: Optional[torch.Tensor] = None,
                   enable_pdl: Optional[bool] = None) -> torch.Tensor:
     """:func:`rmsnorm` with Gemma's ``(1 + weight)``."""
-    if out is None:
-        if not isinstance(input, torch.Tensor):
-            raise TypeError(f"gemma_rmsnorm: input must be a torch.Tensor, got {type(input).__name__}")
-        out = torch.empty_like(input)
-    rms_norm("gemma_rmsnorm", input, weight, eps, out, weight_offset=1.0)
-    return out
+    return _normed("gemma_rmsnorm", input, weight, eps, out, 1.0)
 
 
 def gemma_fused_add_rmsnorm(input: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
