@@ -4,8 +4,9 @@ The prefill part is compute-bound and the sm90 prefill tier is persistent (one b
 SM's shared memory), so a decode launched after it on another stream waits for SMs until the prefill ends:
 run back to back, the two parts cost the sum of their times. ``side_by_side`` caps the prefill's grid at
 ``prefill_sms`` blocks and launches the two parts on two side streams at once, the prefill's of higher
-priority; the decode's blocks take the other SMs, then the prefill's as its blocks finish. The decode part is bandwidth-bound and reaches most of the
-read stream on part of the SMs, so both parts end near the longer one's time alone.
+priority; the decode's blocks take the other SMs, then the prefill's as its blocks finish. The decode part is
+bandwidth-bound and reaches most of the read stream on part of the SMs, so both parts end near the longer
+one's time alone.
 
 The cap gives the prefill the share of the SMs that makes it end with the decode: its time alone over the
 decode's, both estimated from FLOPs and bytes at the rates below (H200, measured by the ``ops`` suite's POD

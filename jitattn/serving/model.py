@@ -1,7 +1,7 @@
 """A Llama-architecture decoder (RMSNorm, RoPE, GQA, SwiGLU) whose attention is a callback.
 
 The model knows nothing about caches: ``forward(input_ids, positions, attention)`` computes
-q/k/v per layer, applies RoPE in torch, and calls ``attention(layer, q, k, v)`` for the output
+q/k/v per layer, applies RoPE (jitattn's op), and calls ``attention(layer, q, k, v)`` for the output
 of that layer's attention (``[tokens, heads, head_dim]``). The serving engine passes a callback
 that appends k/v to its paged pool and runs a planned jitattn wrapper; the reference passes one
 that keeps plain per-request tensors and uses torch attention. Weights use Hugging Face Llama
@@ -176,9 +176,11 @@ class LlamaModel:
         d, hq, hkv, eps = c.head_dim, self.num_q_heads, self.num_kv_heads, c.rms_norm_eps
         x = self.embed[input_ids]  # the residual stream (a new tensor: the gather copies)
         tokens = input_ids.shape[0]
-        h = jitattn.rmsnorm(x, self.layers[0]["input_norm"], eps) if self.layers else x
+        delta = None  # the last block's output, not yet added into x
         for i, layer in enumerate(self.layers):
-            if i:  # x += the last block's output; h = its norm
+            if delta is None:
+                h = jitattn.rmsnorm(x, layer["input_norm"], eps)
+            else:  # x += delta; delta = the norm of x
                 jitattn.fused_add_rmsnorm(delta, x, layer["input_norm"], eps)
                 h = delta
             qkv = (h @ layer["qkv"].t()).view(tokens, hq + 2 * hkv, d)
@@ -189,7 +191,7 @@ class LlamaModel:
             delta = self.group.all_reduce(o @ layer["o"].t())
             jitattn.fused_add_rmsnorm(delta, x, layer["post_norm"], eps)
             delta = self.group.all_reduce(jitattn.silu_and_mul(delta @ layer["gate_up"].t()) @ layer["down"].t())
-        if not self.layers:
+        if delta is None:
             return jitattn.rmsnorm(x, self.norm, eps)
         jitattn.fused_add_rmsnorm(delta, x, self.norm, eps)
         return delta
