@@ -69,7 +69,8 @@ class Op(_Choice):
     APPEND = "append"
     MLA = "mla"  # the dedicated latent-attention kernel (cuda, sm_90a); MLA also runs on the prefill kernels
     ROPE = "rope"  # FlashInfer's standalone rotary-embedding functions (q and k rotated in one launch)
-    NORM, ACT = "norm", "act"  # RMSNorm (+ the residual add); act(a row's first half) * its second half
+    NORM = "norm"  # RMSNorm of rows, the residual add fused in (FlashInfer's flashinfer.norm functions)
+    ACT = "act"  # act(a row's first half) * its second half (flashinfer.activation's gated activations)
 
 
 class Target(_Choice):
@@ -170,8 +171,7 @@ SPECIALIZED_AXES: dict[tuple[Op, Target], frozenset[str]] = {
     (Op.PREFILL, Target.CUDA): _ATTENTION_CUDA | {"mask_mode"},
     (Op.PREFILL, Target.CPU): frozenset({"q_dtype", "kv_dtype", "o_dtype"}),
     (Op.MLA, Target.CUDA): frozenset({"q_dtype", "kv_dtype", "o_dtype", "head_dim_qk", "head_dim_vo"}),
-    # the tensors' dtype (rope: q's and k's); every other input is run-time
-    **{(op, t): frozenset({"q_dtype"}) for op in (Op.ROPE, Op.NORM, Op.ACT) for t in Target},
+    **{(op, t): frozenset({"q_dtype"}) for op in (Op.ROPE, Op.NORM, Op.ACT) for t in Target},  # the tensors' dtype
 }
 
 SUPPORTED_HEAD_DIMS: tuple[int, ...] = tuple(range(8, 257, 8))
