@@ -1,0 +1,79 @@
+"""The serving model's row-wise ops at a decode step's size, jitattn's kernels beside torch's forms, in CUDA graphs.
+
+    python3 tools/bench_pointwise.py [--tokens 128] [--hidden 4096] [--intermediate 14336]
+
+bf16, Llama-3-8B sizes by default. Each form is captured 50 times into one CUDA graph (as a decode step replays
+it) and timed by CUDA events around replays (median of 10; L2 not flushed: the step's own conditions); the
+printed figure is microseconds per call. RMSNorm: torch's fused ``rms_norm`` with the weight, Hugging Face's
+four-kernel spelling, jitattn's ``rmsnorm``; the residual add and jitattn's ``fused_add_rmsnorm``; the gated MLP
+activation on one GEMM output's halves: torch's ``silu(gate) * up`` and jitattn's ``silu_and_mul``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+import jitattn
+
+REPS = 50
+
+
+def graph_us(fn: Callable[[], object]) -> float:
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up (loads, allocator) outside the capture
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(REPS):
+            fn()
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(10):
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / REPS)
+    return sorted(times)[len(times) // 2]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--hidden", type=int, default=4096)
+    ap.add_argument("--intermediate", type=int, default=14336)
+    args = ap.parse_args()
+    m, h, i = args.tokens, args.hidden, args.intermediate
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=g)
+
+    x, delta, residual, weight, gate_up = rand(m, h), rand(m, h), rand(m, h), rand(h) + 1, rand(m, 2 * i)
+    eps = 1e-5
+    rows = [
+        ("torch rms_norm (fused, with the weight)", lambda: F.rms_norm(x, (h,), weight, eps)),
+        ("torch, Hugging Face's four kernels", lambda: weight * F.rms_norm(x.float(), (h,), eps=eps).to(x.dtype)),
+        ("jitattn.rmsnorm", lambda: jitattn.rmsnorm(x, weight, eps)),
+        ("torch residual add", lambda: x + delta),
+        ("jitattn.fused_add_rmsnorm (add + norm)", lambda: jitattn.fused_add_rmsnorm(delta, residual, weight, eps)),
+        ("torch silu(gate) * up", lambda: (lambda a, b: F.silu(a) * b)(*gate_up.chunk(2, dim=-1))),
+        ("jitattn.silu_and_mul", lambda: jitattn.silu_and_mul(gate_up)),
+    ]
+    print(f"{m} tokens, hidden {h}, intermediate {i}, bf16; us per call in a CUDA graph of {REPS}")
+    for name, fn in rows:
+        print(f"  {name:45s} {graph_us(fn):7.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
