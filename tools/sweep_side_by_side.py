@@ -88,7 +88,7 @@ def trace(calls: int) -> None:
                   f"{e.time_range.end - t0:9.1f} ({e.time_range.elapsed_us():7.1f})  {e.name[:70]}", flush=True)
         if len(calls_cpu) > 1:  # the host's calls inside the second call: where its time goes
             last = calls_cpu[1].time_range
-            print("  host events of call 1 (us from its start, duration; Python functions and runtime calls):",
+            print("  host events of the second call (us from its start, duration; Python functions and runtime calls):",
                   flush=True)
             for e in sorted(on_cpu, key=lambda e: e.time_range.start):
                 r = e.time_range

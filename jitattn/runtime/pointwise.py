@@ -17,9 +17,9 @@ import torch
 
 from ..abi import ACT_CODES
 from ..jit import load
-from ..spec import Target
+from ..spec import Op, Target
 from .checks import check_no_overlap, check_tensor, cpu_threads, stream_handle, target_of
-from .specs import act_spec, norm_spec
+from .specs import dtype_spec
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -115,7 +115,7 @@ def rms_norm(what: str, input: torch.Tensor, weight: torch.Tensor, eps, out: tor
     src = _rowwise(input)
     dst = src if out is input else _rowwise(out)
     res = _rowwise(residual) if residual is not None else None
-    module = load(norm_spec(target, input.dtype))
+    module = load(dtype_spec(Op.NORM, target, input.dtype))
     _launch(module, "rmsnorm", target, device, dict(
         input=src.data_ptr(), residual=res.data_ptr() if res is not None else None,
         weight=weight.data_ptr(), out=dst.data_ptr(), rows=rows, hidden=hidden, in_stride=_row_stride(src),
@@ -150,7 +150,7 @@ def act_and_mul(what: str, act: str, input: torch.Tensor, out: torch.Tensor | No
     if rows == 0 or d == 0:
         return out
     src, dst = _rowwise(input), _rowwise(out)
-    module = load(act_spec(target, input.dtype))
+    module = load(dtype_spec(Op.ACT, target, input.dtype))
     _launch(module, "act_and_mul", target, device, dict(
         input=src.data_ptr(), out=dst.data_ptr(), rows=rows, d=d, in_stride=_row_stride(src),
         out_stride=_row_stride(dst), act=ACT_CODES[act], num_threads=cpu_threads()))

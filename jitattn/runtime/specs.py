@@ -77,21 +77,15 @@ def append_spec(target: Target, kv_dtype: torch.dtype) -> VariantSpec:
 
 
 @functools.cache
+def dtype_spec(op: Op, target: Target, dtype: torch.dtype) -> VariantSpec:
+    """The spec of an op whose one compile-time axis is its tensors' dtype: ``Op.ROPE`` (q and k), ``Op.NORM``,
+    ``Op.ACT`` (cached, as ``merge_spec``)."""
+    return VariantSpec(op=op, target=target, q_dtype=dtype)
+
+
 def rope_spec(target: Target, dtype: torch.dtype) -> VariantSpec:
-    """The RoPE kernel's spec for q/k of ``dtype`` (cached, as ``merge_spec``)."""
-    return VariantSpec(op=Op.ROPE, target=target, q_dtype=dtype)
-
-
-@functools.cache
-def norm_spec(target: Target, dtype: torch.dtype) -> VariantSpec:
-    """The RMSNorm kernel's spec for tensors of ``dtype`` (cached, as ``merge_spec``)."""
-    return VariantSpec(op=Op.NORM, target=target, q_dtype=dtype)
-
-
-@functools.cache
-def act_spec(target: Target, dtype: torch.dtype) -> VariantSpec:
-    """The gated-activation kernel's spec for tensors of ``dtype`` (cached, as ``merge_spec``)."""
-    return VariantSpec(op=Op.ACT, target=target, q_dtype=dtype)
+    """The RoPE kernel's spec for q/k of ``dtype``."""
+    return dtype_spec(Op.ROPE, target, dtype)
 
 
 def model_specs(
@@ -126,8 +120,8 @@ def model_specs(
     if attention_sinks:
         specs += [spec.replace(use_sinks=True) for spec in specs]
     specs.append(append_spec(target, kv_dtype))
-    specs.append(rope_spec(target, dtype))  # the RoPE ops a serving loop applies to q and k around attention
-    specs += [norm_spec(target, dtype), act_spec(target, dtype)]  # its RMSNorm and gated MLP activation
+    # the RoPE ops a serving loop applies to q and k around attention, its RMSNorm and gated MLP activation
+    specs += [dtype_spec(op, target, dtype) for op in (Op.ROPE, Op.NORM, Op.ACT)]
     return list(dict.fromkeys(specs))
 
 
