@@ -215,3 +215,12 @@ def test_norm_ops_are_capturable_in_a_cuda_graph() -> None:
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(xs, x0) and torch.equal(rs, r0) and torch.equal(act, act0)
+
+
+@pytest.mark.gpu
+def test_rmsnorm_long_rows_run_on_every_device() -> None:
+    """Rows past 48 KiB of float32 need the kernel's shared-memory opt-in, an attribute set per device."""
+    for index in range(torch.cuda.device_count()):
+        x = torch.randn(2, 32768, device=f"cuda:{index}")
+        w = torch.randn(32768, device=f"cuda:{index}")
+        _check(f"rmsnorm on cuda:{index}", jitattn.rmsnorm(x, w), _rms_ref(x, w, 1e-6), torch.float32)
