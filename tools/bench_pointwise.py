@@ -2,9 +2,10 @@
 
     python3 tools/bench_pointwise.py [--tokens 128] [--hidden 4096] [--intermediate 14336]
 
-bf16, Llama-3-8B sizes by default. Each form is captured 50 times into one CUDA graph (as a decode step replays
-it) and timed by CUDA events around replays (median of 10; L2 not flushed: the step's own conditions); the
-printed figure is microseconds per call. RMSNorm: torch's fused ``rms_norm`` with the weight, Hugging Face's
+bf16, Llama-3-8B sizes by default. Two figures per form, microseconds per call, L2 not flushed (a step's own
+conditions): **graph**, the form captured 50 times into one CUDA graph (as a decode step replays it), CUDA events
+around replays, median of 10; **plain**, 50 eager calls back to back, host wall clock from the first launch to the
+synchronisation after the last, median of 10 (host cost included: what a loop without graphs pays). RMSNorm: torch's fused ``rms_norm`` with the weight, Hugging Face's
 four-kernel spelling, jitattn's ``rmsnorm``; the residual add and jitattn's ``fused_add_rmsnorm``; the gated MLP
 activation on one GEMM output's halves: torch's ``silu(gate) * up`` and jitattn's ``silu_and_mul``.
 """
@@ -12,6 +13,7 @@ activation on one GEMM output's halves: torch's ``silu(gate) * up`` and jitattn'
 from __future__ import annotations
 
 import argparse
+import time
 from typing import Callable
 
 import torch
@@ -47,6 +49,20 @@ def graph_us(fn: Callable[[], object]) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def plain_us(fn: Callable[[], object]) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(10):
+        t = time.perf_counter()
+        for _ in range(REPS):
+            fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t) * 1e6 / REPS)
+    return sorted(times)[len(times) // 2]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, default=128)
@@ -70,9 +86,9 @@ def main() -> None:
         ("torch silu(gate) * up", lambda: (lambda a, b: F.silu(a) * b)(*gate_up.chunk(2, dim=-1))),
         ("jitattn.silu_and_mul", lambda: jitattn.silu_and_mul(gate_up)),
     ]
-    print(f"{m} tokens, hidden {h}, intermediate {i}, bf16; us per call in a CUDA graph of {REPS}")
+    print(f"{m} tokens, hidden {h}, intermediate {i}, bf16; us per call: in a CUDA graph of {REPS}, then plain")
     for name, fn in rows:
-        print(f"  {name:45s} {graph_us(fn):7.2f}", flush=True)
+        print(f"  {name:45s} {graph_us(fn):7.2f} {plain_us(fn):7.2f}", flush=True)
 
 
 if __name__ == "__main__":
