@@ -1,11 +1,12 @@
 """The serving model's row-wise ops at a decode step's size, jitattn's kernels beside torch's forms, in CUDA graphs.
 
-    python3 tools/bench_pointwise.py [--tokens 128] [--hidden 4096] [--intermediate 14336]
+    python3 tools/bench_pointwise.py [--tokens 128] [--hidden 4096] [--intermediate 14336] [--profile]
 
 bf16, Llama-3-8B sizes by default. Two figures per form, microseconds per call, L2 not flushed (a step's own
 conditions): **graph**, the form captured 50 times into one CUDA graph (as a decode step replays it), CUDA events
 around replays, median of 10; **plain**, 50 eager calls back to back, host wall clock from the first launch to the
-synchronisation after the last, median of 10 (host cost included: what a loop without graphs pays). RMSNorm: torch's fused ``rms_norm`` with the weight, Hugging Face's
+synchronisation after the last, median of 10 (host cost included: what a loop without graphs pays).
+``--profile`` adds cProfile's busiest functions over 500 plain calls of each jitattn form (where its host time goes). RMSNorm: torch's fused ``rms_norm`` with the weight, Hugging Face's
 four-kernel spelling, jitattn's ``rmsnorm``; the residual add and jitattn's ``fused_add_rmsnorm``; the gated MLP
 activation on one GEMM output's halves: torch's ``silu(gate) * up`` and jitattn's ``silu_and_mul``.
 """
@@ -13,6 +14,8 @@ activation on one GEMM output's halves: torch's ``silu(gate) * up`` and jitattn'
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import time
 from typing import Callable
 
@@ -68,6 +71,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--hidden", type=int, default=4096)
     ap.add_argument("--intermediate", type=int, default=14336)
+    ap.add_argument("--profile", action="store_true", help="cProfile of each jitattn form's plain calls")
     args = ap.parse_args()
     m, h, i = args.tokens, args.hidden, args.intermediate
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -89,6 +93,21 @@ def main() -> None:
     print(f"{m} tokens, hidden {h}, intermediate {i}, bf16; us per call: in a CUDA graph of {REPS}, then plain")
     for name, fn in rows:
         print(f"  {name:45s} {graph_us(fn):7.2f} {plain_us(fn):7.2f}", flush=True)
+    if args.profile:
+        for name, fn in rows:
+            if name.startswith("jitattn"):
+                profile_host(name, fn)
+
+
+def profile_host(name: str, fn: Callable[[], object]) -> None:
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(500):
+        fn()
+    profiler.disable()
+    torch.cuda.synchronize()
+    print(f"cProfile of 500 plain calls: {name}")
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(12)
 
 
 if __name__ == "__main__":

@@ -62,6 +62,20 @@ def raw_stream(device_index: int) -> int:
     return torch.cuda.current_stream(device_index).cuda_stream
 
 
+def launch_on(module, entry: str, device: torch.device, **params) -> None:
+    """``module.launch(entry, ...)`` on ``device``'s current stream (the cpu: no stream). The device is made
+    current only when it is not already: the context switch costs more host time than the launch."""
+    if device.type != "cuda":
+        module.launch(entry, None, **params)
+        return
+    index = device.index if device.index is not None else current_cuda_device()
+    if index != current_cuda_device():
+        with torch.cuda.device(index):
+            module.launch(entry, raw_stream(index), **params)
+    else:
+        module.launch(entry, raw_stream(index), **params)
+
+
 def cpu_threads() -> int:
     """OpenMP threads for a cpu-target launch: follows torch.get_num_threads()."""
     return max(1, torch.get_num_threads())

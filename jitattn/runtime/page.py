@@ -25,7 +25,7 @@ from ..abi import APPEND_SOURCE_CODES
 from ..jit import load
 from ..page_table import check_page_table
 from ..spec import KVLayout, Target
-from .checks import check_no_overlap, check_tensor, cpu_threads, stream_handle, target_of
+from .checks import check_no_overlap, check_tensor, cpu_threads, launch_on, target_of
 from .specs import append_spec
 from .kv import cache_geometry, check_kv_tensors, kv_strides, split_paged_kv_cache
 
@@ -200,11 +200,7 @@ def append_paged_kv_cache(
         v_stride_page=cache.v_strides[0], v_stride_n=cache.v_strides[1], v_stride_h=cache.v_strides[2],
         src_dtype=src_code, num_threads=cpu_threads(),
     )
-    if target is Target.CUDA:
-        with torch.cuda.device(device):
-            module.launch("append", stream_handle(device), **params)
-    else:
-        module.launch("append", None, **params)
+    launch_on(module, "append", device, **params)
 
 
 def _check_appended(append_key: torch.Tensor, append_value: torch.Tensor, cache: _CacheView) -> int:

@@ -17,8 +17,8 @@ import torch
 
 from ..abi import ACT_CODES
 from ..jit import load
-from ..spec import Op, Target
-from .checks import check_no_overlap, check_tensor, cpu_threads, stream_handle, target_of
+from ..spec import Op
+from .checks import check_no_overlap, check_tensor, cpu_threads, launch_on, target_of
 from .specs import dtype_spec
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -70,14 +70,6 @@ def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a0 < b1 and b0 < a1
 
 
-def _launch(module, entry: str, target: Target, device: torch.device, params: dict) -> None:
-    if target is Target.CUDA:
-        with torch.cuda.device(device):
-            module.launch(entry, stream_handle(device), **params)
-    else:
-        module.launch(entry, None, **params)
-
-
 def rms_norm(what: str, input: torch.Tensor, weight: torch.Tensor, eps, out: torch.Tensor,
              residual: torch.Tensor | None = None, weight_offset: float = 0.0) -> None:
     """``out = input / rms(input) * (weight_offset + weight)`` per row; with ``residual``: ``residual += input``
@@ -116,11 +108,11 @@ def rms_norm(what: str, input: torch.Tensor, weight: torch.Tensor, eps, out: tor
     dst = src if out is input else _rowwise(out)
     res = _rowwise(residual) if residual is not None else None
     module = load(dtype_spec(Op.NORM, target, input.dtype))
-    _launch(module, "rmsnorm", target, device, dict(
+    launch_on(module, "rmsnorm", device,
         input=src.data_ptr(), residual=res.data_ptr() if res is not None else None,
         weight=weight.data_ptr(), out=dst.data_ptr(), rows=rows, hidden=hidden, in_stride=_row_stride(src),
         res_stride=_row_stride(res) if res is not None else 0, out_stride=_row_stride(dst), eps=eps,
-        weight_offset=float(weight_offset), num_threads=cpu_threads()))
+        weight_offset=float(weight_offset), num_threads=cpu_threads())
     for written, staged in ((out, dst), (residual, res)):  # copies of tensors whose rows had no one stride
         if written is not None and staged is not written:
             written.copy_(staged)
@@ -151,9 +143,9 @@ def act_and_mul(what: str, act: str, input: torch.Tensor, out: torch.Tensor | No
         return out
     src, dst = _rowwise(input), _rowwise(out)
     module = load(dtype_spec(Op.ACT, target, input.dtype))
-    _launch(module, "act_and_mul", target, device, dict(
+    launch_on(module, "act_and_mul", device,
         input=src.data_ptr(), out=dst.data_ptr(), rows=rows, d=d, in_stride=_row_stride(src),
-        out_stride=_row_stride(dst), act=ACT_CODES[act], num_threads=cpu_threads()))
+        out_stride=_row_stride(dst), act=ACT_CODES[act], num_threads=cpu_threads())
     if dst is not out:
         out.copy_(dst)
     return out

@@ -21,8 +21,7 @@ import torch
 
 from ..abi import ROPE_POSITION_CODES
 from ..jit import load
-from ..spec import Target
-from .checks import check_no_overlap, check_tensor, cpu_threads, stream_handle, target_of
+from .checks import check_no_overlap, check_tensor, cpu_threads, launch_on, target_of
 from .specs import rope_spec
 
 __all__ = ["Angles", "Positions", "llama31_angles", "rope_angles", "rotate", "rotary_dim_of", "split_heads"]
@@ -212,8 +211,4 @@ def rotate(q: torch.Tensor, k: torch.Tensor, q_out: torch.Tensor, k_out: torch.T
         smooth_b=angles.smooth_b, pos_source=pos_source, index_bytes=index_bytes, interleave=int(bool(interleave)),
         copy_unrotated=int(q_out is not q), num_threads=cpu_threads(),
     )
-    if target is Target.CUDA:
-        with torch.cuda.device(device):
-            module.launch("rope", stream_handle(device), **params)
-    else:
-        module.launch("rope", None, **params)
+    launch_on(module, "rope", device, **params)
