@@ -4,7 +4,7 @@ One wrapper per (N, A operand from shared memory or registers, 16-bit type). The
 is a float array of N/2 registers bound with "+f", so the register list is spelled out here.
 Run: python3 tools/gen_wgmma.py > templates/cuda/include/jitattn/wgmma_sm90.cuh
 """
-NS = (8, 64, 80, 96, 128, 176, 192, 256)  # 8: P times a column of ones (the row sums)
+NS = (64, 80, 96, 128, 176, 192, 256)
 TYPES = {"bf16": "__nv_bfloat16", "f16": "__half"}
 
 

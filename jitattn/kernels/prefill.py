@@ -291,10 +291,8 @@ SM90_KV_BLOCK_3WG = 128  # head_dim 64 with three consumer warpgroups (SM90_TUNI
 # SM90_KV_BLOCK_3WG tokens, registers 160 per consumer thread) or 2 (128 rows, as at the other head dims).
 # kv_block / kv_stages: KV tokens per stage of ragged KV and pipeline stages (0: the tables', and 2 stages, 4
 # with three consumer warpgroups: H200, d64 causal b16 x 2048, 360.5 / 362.3 / 366.1 TFLOP/s with 2 / 3 / 4).
-# sum_mma: 1 sums each row's probabilities on the tensor pipe (P times a column of ones, one m64n8k16 per 16
-# keys beside P V, accumulated and rescaled like O) instead of one FADD per score on the FMA pipe; 0 adds them.
 SM90_TUNING: dict[str, int] = {"gather_sync": 0, "gather_l2": 0, "paged_kv_block": 0, "soft_cap_tanh": 0,
-                               "paged_tma": 1, "consumers_d64": 3, "kv_block": 0, "kv_stages": 0, "sum_mma": 0}
+                               "paged_tma": 1, "consumers_d64": 3, "kv_block": 0, "kv_stages": 0}
 
 
 def _sm90_tuning_override() -> None:
@@ -385,9 +383,9 @@ def sm90_layout(spec: VariantSpec) -> dict[str, int]:
     tuning = SM90_TUNING
     if tuning["gather_sync"] not in (0, 1, 2, 3) or tuning["gather_l2"] not in (0, 64, 128, 256) or \
             tuning["soft_cap_tanh"] not in (0, 1) or tuning["paged_tma"] not in (0, 1, 2) or \
-            tuning["consumers_d64"] not in (2, 3) or tuning["sum_mma"] not in (0, 1):
+            tuning["consumers_d64"] not in (2, 3):
         raise ValueError(f"SM90_TUNING={tuning}: gather_sync takes 0 to 3, gather_l2 0, 64, 128 or 256, "
-                         "soft_cap_tanh 0 or 1, paged_tma 0 to 2, consumers_d64 2 or 3 and sum_mma 0 or 1")
+                         "soft_cap_tanh 0 or 1, paged_tma 0 to 2 and consumers_d64 2 or 3")
     consumers = tuning["consumers_d64"] if dim == 64 else 2
     bm, stages = 64 * consumers, tuning["kv_stages"] or (4 if consumers == 3 else 2)
     # three consumers: S, the last block's P and O in 160 registers, so KV blocks of 128
@@ -410,9 +408,7 @@ def sm90_layout(spec: VariantSpec) -> dict[str, int]:
     off_items = off_bar + _ceil(8 * barriers, 16)
     off_tab = off_items + _ceil(8 * ring, 16)
     tab_bytes = 2 * bn * 16 if paged else 0  # paged: two tables (block parity) of (k, v) int64 row offsets
-    off_ones = off_tab + tab_bytes           # sum_mma: the ones operand (16 keys x 8 columns, two core matrices)
-    ones_bytes = 256 if tuning["sum_mma"] else 0
-    smem = off_ones + ones_bytes + 1024      # + slack to align the base to 1 KiB (swizzle atoms)
+    smem = off_tab + tab_bytes + 1024        # + slack to align the base to 1 KiB (swizzle atoms)
     if smem > 227 << 10:
         raise ValueError(f"{spec.uri}: the sm90 tile needs {smem} B of shared memory, over 227 KiB (KV block {bn})")
     return {
@@ -422,7 +418,7 @@ def sm90_layout(spec: VariantSpec) -> dict[str, int]:
         "kPackG": sm90_pack(spec, bm),
         "kQChunkBytes": q_chunk, "kKVChunkBytes": kv_chunk, "kQBytes": q_bytes, "kKVBytes": kv_bytes,
         "kOffQ": 0, "kOffK": off_k, "kOffV": off_v, "kOffBar": off_bar, "kOffItems": off_items, "kItemRing": ring,
-        "kOffTab": off_tab, "kOffOnes": off_ones, "kSmemBytes": smem, "kSumMma": tuning["sum_mma"],
+        "kOffTab": off_tab, "kSmemBytes": smem,
         "kGatherSync": tuning["gather_sync"], "kGatherL2": tuning["gather_l2"],
         "kSoftCapTanh": tuning["soft_cap_tanh"],
         "kPagedTma": tuning["paged_tma"] if paged else 0,
