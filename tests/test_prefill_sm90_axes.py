@@ -1,4 +1,4 @@
-"""GPU checks of the sm90 (Hopper) prefill tier's logits soft cap, sliding window and attention sinks: head_dim
+"""GPU checks of the sm90 (Hopper) prefill tier's logits soft cap, sliding window, attention sinks and ALiBi: head_dim
 64/128/256, causal or not, ragged and paged KV, GQA packed into the tile rows or not (q token- or
 head-major), soft caps that barely bend the logits and ones that saturate them, windows of 0, below,
 above and exactly a multiple of the KV block, wider than the keys; batches with qo_len < kv_len,
@@ -46,6 +46,7 @@ class Case:
     fmt: str = "5d"             # paged cache format: one 5-d tensor or a (k, v) tuple of 4-d ones
     q_head_major: bool = False  # q as a [heads, tokens, dim] tensor's transposed view
     sinks: bool = False         # run(sinks=...): one sink logit per query head (the spec's sink twin)
+    alibi: bool = False         # pos_encoding_mode="ALIBI" (the standard slopes; not with a soft cap on this tier)
 
 
 # KV blocks: 128 tokens at head_dim 64 (three consumer warpgroups, 192-row tiles), 176 at 128, 64 at 256 (paged: 128 at
@@ -91,15 +92,29 @@ CASES = {
                                                     paged=True, sinks=True),
     "sinks_paged_d128_g4_bf16_causal_p64": Case(128, 16, 4, bf16, True, -1, None, (200, 1, 0), (1000, 65, 3),
                                                 paged=True, page=64, sinks=True),
+    # ALiBi (slopes of 12 heads: not a power of two, so both halves of the standard sequence), GQA packed and not,
+    # keys before and after the queries (non-causal: positive biases), with a window and with sinks
+    "alibi_d128_g4_bf16_causal_batch": Case(128, 12, 3, bf16, True, -1, None, (1000, 1, 129, 0, 300, 64),
+                                            (1000, 700, 129, 5, 401, 64), alibi=True),
+    "alibi_d128_g3_f16_full_w300_unpacked": Case(128, 6, 2, f16, False, 300, None, (513, 7, 40), (77, 1300, 900),
+                                                 alibi=True),
+    "alibi_d64_mha_bf16_causal": Case(64, 12, 12, bf16, True, -1, None, (700, 33, 0), (900, 33, 10), alibi=True),
+    "alibi_d256_g2_f16_full": Case(256, 8, 4, f16, False, -1, None, (129, 3), (191, 500), alibi=True),
+    "alibi_paged_d128_g4_bf16_causal_p16_w40_sinks": Case(128, 16, 4, bf16, True, 40, None, (300, 1, 64),
+                                                          (700, 129, 64), paged=True, sinks=True, alibi=True),
+    "alibi_paged_d64_g8_f16_full_p64": Case(64, 8, 1, f16, False, -1, None, (130, 2), (257, 1000), paged=True, page=64,
+                                            alibi=True),
 }
 AGREE_WITH_SM80 = ["d128_g4_bf16_causal_w40_cap30_batch", "paged_d128_g4_bf16_causal_p16_w40_cap30",
-                   "d64_mha_f16_causal_w100_cap5", "d256_g2_bf16_causal_w20_cap50"]
+                   "d64_mha_f16_causal_w100_cap5", "d256_g2_bf16_causal_w20_cap50", "alibi_d128_g4_bf16_causal_batch",
+                   "alibi_paged_d64_g8_f16_full_p64"]
 
 
 def _spec(c: Case):
     return attention_spec(
         Op.PREFILL, Target.CUDA, q_dtype=c.dtype, kv_dtype=c.dtype, o_dtype=c.dtype, head_dim_qk=c.d, head_dim_vo=c.d,
-        num_qo_heads=c.hq, num_kv_heads=c.hkv, pos_encoding=PosEncoding.NONE, use_sliding_window=c.window >= 0,
+        num_qo_heads=c.hq, num_kv_heads=c.hkv, pos_encoding=PosEncoding.ALIBI if c.alibi else PosEncoding.NONE,
+        use_sliding_window=c.window >= 0,
         use_logits_soft_cap=c.cap is not None, mask_mode=MaskMode.CAUSAL if c.causal else MaskMode.NONE,
         kv_layout=KVLayout.parse(c.layout, "layout"), kv_storage=KVStorage.PAGED if c.paged else KVStorage.RAGGED,
     )
@@ -135,11 +150,12 @@ def _queries(c: Case, gen: torch.Generator) -> torch.Tensor:
 
 def _plan_kw(c: Case) -> dict:
     return dict(causal=c.causal, window_left=c.window, logits_soft_cap=c.cap, sm_scale=c.sm_scale, q_data_type=c.dtype,
-                kv_data_type=c.dtype)
+                kv_data_type=c.dtype, pos_encoding_mode="ALIBI" if c.alibi else "NONE")
 
 
 def _ref_kw(c: Case) -> dict:
-    return dict(causal=c.causal, window_left=c.window, logits_soft_cap=c.cap, sm_scale=c.sm_scale)
+    return dict(causal=c.causal, window_left=c.window, logits_soft_cap=c.cap, sm_scale=c.sm_scale,
+                pos_encoding_mode="ALIBI" if c.alibi else "NONE")
 
 
 def _sinks(c: Case, seed: int) -> torch.Tensor | None:
@@ -250,11 +266,16 @@ def test_the_cases_exercise_what_they_claim():
                for d in (64, 128, 256) for paged in (False, True))
     assert any(prefill.sm90_pack(_spec(c)) > 1 for c in CASES.values())
     assert any(prefill.sm90_pack(_spec(c)) == 1 and c.hq > c.hkv for c in CASES.values())
+    alibi = [c for c in CASES.values() if c.alibi]
+    assert {c.d for c in alibi} == {64, 128, 256} and {c.paged for c in alibi} == {False, True}
+    assert any(c.causal for c in alibi) and any(not c.causal for c in alibi)
+    assert any(prefill.sm90_pack(_spec(c)) > 1 for c in alibi) and any(c.hq & (c.hq - 1) for c in alibi)
+    assert not any(c.alibi and c.cap is not None for c in CASES.values())  # not on this tier (it falls back)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case_id", list(CASES))
-def test_sm90_soft_cap_window_and_sinks_match_reference(case_id, hopper):
+def test_sm90_soft_cap_window_sinks_and_alibi_match_reference(case_id, hopper):
     c = CASES[case_id]
     spec = _spec(c)
     assert "sm90 tier" in render(spec)["kernel.cu"]
@@ -281,7 +302,7 @@ def test_sm90_soft_cap_window_and_sinks_match_reference(case_id, hopper):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case_id", AGREE_WITH_SM80)
-def test_sm90_and_sm80_tiers_agree_on_soft_cap_and_window(case_id, hopper, monkeypatch, fresh_registry):
+def test_sm90_and_sm80_tiers_agree_on_soft_cap_window_and_alibi(case_id, hopper, monkeypatch, fresh_registry):
     c = CASES[case_id]
     seed = sum(map(ord, case_id)) + 7
     q = _queries(c, torch.Generator().manual_seed(seed))

@@ -323,8 +323,10 @@ def sm90_unsupported(spec: VariantSpec) -> str | None:
         return "it takes one 16-bit dtype (f16 or bf16) for q, kv and o"
     if spec.head_dim_qk != spec.head_dim_vo or spec.head_dim_qk not in SM90_KV_BLOCK:
         return f"it takes head_dim_qk == head_dim_vo in {sorted(SM90_KV_BLOCK)}"
-    if spec.pos_encoding is not PosEncoding.NONE:
-        return "it has no positional encoding (RoPE, ALiBi) yet"
+    if spec.pos_encoding not in (PosEncoding.NONE, PosEncoding.ALIBI):
+        return "it has no in-kernel RoPE yet"
+    if spec.pos_encoding is PosEncoding.ALIBI and spec.use_logits_soft_cap:
+        return "it applies ALiBi only without a soft cap (the cap would act on the biased logits)"
     if spec.mask_mode not in (MaskMode.NONE, MaskMode.CAUSAL) or spec.variant is not None:
         return "it has no custom mask or custom variant yet"
     return None
@@ -432,6 +434,7 @@ def _sm90_context(spec: VariantSpec) -> dict[str, Any]:
     constants.append(("bool", "kPaged", "true" if spec.kv_storage is KVStorage.PAGED else "false"))
     constants.append(("bool", "kSwa", "true" if spec.use_sliding_window else "false"))
     constants.append(("bool", "kSoftCap", "true" if spec.use_logits_soft_cap else "false"))
+    constants.append(("bool", "kAlibi", "true" if spec.pos_encoding is PosEncoding.ALIBI else "false"))
     constants.append(("float", "kLog2e", repr(_LOG2E) + "f"))
     return {**_attention_context(spec), "constants": constants, "smem_bytes": layout["kSmemBytes"]}
 

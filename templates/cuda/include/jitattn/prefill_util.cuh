@@ -45,13 +45,6 @@ __device__ __forceinline__ void rope_sincos(int pos, double freq, float* s, floa
 
 // ---- ALiBi ------------------------------------------------------------------------
 
-// The standard slope of head `head` of `num_heads` (as jitattn.reference.alibi_slopes).
-__device__ __forceinline__ float alibi_slope(int64_t head, int64_t num_heads) {
-  int64_t m = 1;
-  while (m * 2 <= num_heads) m *= 2;
-  if (head < m) return float(exp2(-8.0 / double(m) * double(head + 1)));
-  return float(exp2(-4.0 / double(m) * double(1 + 2 * (head - m))));
-}
 
 }  // namespace pf
 }  // namespace jitattn
