@@ -1,4 +1,5 @@
-"""GPU checks of the sm90 (Hopper) prefill tier's logits soft cap, sliding window, attention sinks and ALiBi: head_dim
+"""GPU checks of the sm90 (Hopper) prefill tier's logits soft cap, sliding window, attention sinks, ALiBi and custom
+masks: head_dim
 64/128/256, causal or not, ragged and paged KV, GQA packed into the tile rows or not (q token- or
 head-major), soft caps that barely bend the logits and ones that saturate them, windows of 0, below,
 above and exactly a multiple of the KV block, wider than the keys; batches with qo_len < kv_len,
@@ -47,6 +48,7 @@ class Case:
     q_head_major: bool = False  # q as a [heads, tokens, dim] tensor's transposed view
     sinks: bool = False         # run(sinks=...): one sink logit per query head (the spec's sink twin)
     alibi: bool = False         # pos_encoding_mode="ALIBI" (the standard slopes; not with a soft cap on this tier)
+    mask: bool = False          # a random custom mask (every 7th row of a request wholly masked); not causal
 
 
 # KV blocks: 128 tokens at head_dim 64 (three consumer warpgroups, 192-row tiles), 176 at 128, 64 at 256 (paged: 128 at
@@ -104,10 +106,21 @@ CASES = {
                                                           (700, 129, 64), paged=True, sinks=True, alibi=True),
     "alibi_paged_d64_g8_f16_full_p64": Case(64, 8, 1, f16, False, -1, None, (130, 2), (257, 1000), paged=True, page=64,
                                             alibi=True),
+    # custom masks: rows of a request start at any bit of a byte (kv_len not a multiple of 8), GQA packed and not,
+    # with a window, a soft cap, ALiBi, sinks
+    "mask_d128_g4_bf16_batch": Case(128, 16, 4, bf16, False, -1, None, (300, 1, 129, 0, 64), (700, 129, 5, 401, 64),
+                                    mask=True),
+    "mask_d128_g3_f16_w100_cap30_unpacked": Case(128, 6, 2, f16, False, 100, 30.0, (257, 3), (333, 1000), mask=True),
+    "mask_d64_mha_bf16_alibi": Case(64, 4, 4, bf16, False, -1, None, (200, 33), (431, 33), mask=True, alibi=True),
+    "mask_d256_g2_f16": Case(256, 8, 4, f16, False, -1, None, (129, 7), (191, 500), mask=True),
+    "mask_paged_d128_g4_bf16_p16_sinks": Case(128, 16, 4, bf16, False, -1, None, (300, 1, 64), (701, 129, 64),
+                                              paged=True, sinks=True, mask=True),
+    "mask_paged_d64_g8_f16_p64_w300": Case(64, 8, 1, f16, False, 300, None, (130, 2), (257, 1003), paged=True, page=64,
+                                           mask=True),
 }
 AGREE_WITH_SM80 = ["d128_g4_bf16_causal_w40_cap30_batch", "paged_d128_g4_bf16_causal_p16_w40_cap30",
                    "d64_mha_f16_causal_w100_cap5", "d256_g2_bf16_causal_w20_cap50", "alibi_d128_g4_bf16_causal_batch",
-                   "alibi_paged_d64_g8_f16_full_p64"]
+                   "alibi_paged_d64_g8_f16_full_p64", "mask_d128_g4_bf16_batch", "mask_paged_d64_g8_f16_p64_w300"]
 
 
 def _spec(c: Case):
@@ -115,7 +128,8 @@ def _spec(c: Case):
         Op.PREFILL, Target.CUDA, q_dtype=c.dtype, kv_dtype=c.dtype, o_dtype=c.dtype, head_dim_qk=c.d, head_dim_vo=c.d,
         num_qo_heads=c.hq, num_kv_heads=c.hkv, pos_encoding=PosEncoding.ALIBI if c.alibi else PosEncoding.NONE,
         use_sliding_window=c.window >= 0,
-        use_logits_soft_cap=c.cap is not None, mask_mode=MaskMode.CAUSAL if c.causal else MaskMode.NONE,
+        use_logits_soft_cap=c.cap is not None,
+        mask_mode=MaskMode.CUSTOM if c.mask else MaskMode.CAUSAL if c.causal else MaskMode.NONE,
         kv_layout=KVLayout.parse(c.layout, "layout"), kv_storage=KVStorage.PAGED if c.paged else KVStorage.RAGGED,
     )
 
@@ -148,14 +162,27 @@ def _queries(c: Case, gen: torch.Generator) -> torch.Tensor:
     return torch.randn(n, c.hq, c.d, generator=gen).to(c.dtype).cuda()
 
 
+def _mask(c: Case) -> torch.Tensor | None:
+    """The flattened bool mask of a mask case (each request's qo_len x kv_len rows, concatenated), else None."""
+    if not c.mask:
+        return None
+    gen = torch.Generator().manual_seed(sum(c.qo_lens) * 31 + sum(c.kv_lens))
+    rows = []
+    for qo, kv in zip(c.qo_lens, c.kv_lens):
+        m = torch.rand(qo, kv, generator=gen) < 0.6
+        m[::7] = False
+        rows.append(m.flatten())
+    return torch.cat(rows)
+
+
 def _plan_kw(c: Case) -> dict:
     return dict(causal=c.causal, window_left=c.window, logits_soft_cap=c.cap, sm_scale=c.sm_scale, q_data_type=c.dtype,
-                kv_data_type=c.dtype, pos_encoding_mode="ALIBI" if c.alibi else "NONE")
+                kv_data_type=c.dtype, pos_encoding_mode="ALIBI" if c.alibi else "NONE", custom_mask=_mask(c))
 
 
 def _ref_kw(c: Case) -> dict:
     return dict(causal=c.causal, window_left=c.window, logits_soft_cap=c.cap, sm_scale=c.sm_scale,
-                pos_encoding_mode="ALIBI" if c.alibi else "NONE")
+                pos_encoding_mode="ALIBI" if c.alibi else "NONE", custom_mask=_mask(c))
 
 
 def _sinks(c: Case, seed: int) -> torch.Tensor | None:
@@ -271,11 +298,15 @@ def test_the_cases_exercise_what_they_claim():
     assert any(c.causal for c in alibi) and any(not c.causal for c in alibi)
     assert any(prefill.sm90_pack(_spec(c)) > 1 for c in alibi) and any(c.hq & (c.hq - 1) for c in alibi)
     assert not any(c.alibi and c.cap is not None for c in CASES.values())  # not on this tier (it falls back)
+    masks = [c for c in CASES.values() if c.mask]
+    assert {c.d for c in masks} == {64, 128, 256} and {c.paged for c in masks} == {False, True}
+    assert not any(c.causal for c in masks) and any(kv % 8 for c in masks for kv in c.kv_lens)
+    assert any(prefill.sm90_pack(_spec(c)) > 1 for c in masks) and any(prefill.sm90_pack(_spec(c)) == 1 for c in masks)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case_id", list(CASES))
-def test_sm90_soft_cap_window_sinks_and_alibi_match_reference(case_id, hopper):
+def test_sm90_variant_axes_match_reference(case_id, hopper):
     c = CASES[case_id]
     spec = _spec(c)
     assert "sm90 tier" in render(spec)["kernel.cu"]
@@ -302,7 +333,7 @@ def test_sm90_soft_cap_window_sinks_and_alibi_match_reference(case_id, hopper):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case_id", AGREE_WITH_SM80)
-def test_sm90_and_sm80_tiers_agree_on_soft_cap_window_and_alibi(case_id, hopper, monkeypatch, fresh_registry):
+def test_sm90_and_sm80_tiers_agree_on_the_variant_axes(case_id, hopper, monkeypatch, fresh_registry):
     c = CASES[case_id]
     seed = sum(map(ord, case_id)) + 7
     q = _queries(c, torch.Generator().manual_seed(seed))

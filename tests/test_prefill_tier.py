@@ -54,15 +54,15 @@ SUPPORTED = {
     "paged_d64_f16_alibi_window": _spec(d=64, dtype=f16, hq=8, hkv=2, pos=PosEncoding.ALIBI, window=True,
                                         storage=KVStorage.PAGED),
     "d256_bf16_alibi_sinks": _spec(d=256, hq=16, hkv=2, causal=False, pos=PosEncoding.ALIBI).replace(use_sinks=True),
+    "custom_mask": _spec(mask=MaskMode.CUSTOM),
+    "paged_custom_mask_window": _spec(mask=MaskMode.CUSTOM, window=True, storage=KVStorage.PAGED),
 }
 UNSUPPORTED = {
     "paged_rope": _spec(storage=KVStorage.PAGED, pos=PosEncoding.ROPE_LLAMA),
     "paged_fp8_kv": _spec(storage=KVStorage.PAGED, kv_dtype=torch.float8_e4m3fn),
     "rope": _spec(pos=PosEncoding.ROPE_LLAMA),
     "alibi_soft_cap": _spec(pos=PosEncoding.ALIBI, soft_cap=True),
-    "custom_mask_window": _spec(mask=MaskMode.CUSTOM, window=True),
     "rope_soft_cap": _spec(pos=PosEncoding.ROPE_LLAMA, soft_cap=True),
-    "custom_mask": _spec(mask=MaskMode.CUSTOM),
     "fp8_kv": _spec(kv_dtype=torch.float8_e4m3fn),
     "f32_out": _spec(o_dtype=f32),
     "d96": _spec(d=96),

@@ -327,8 +327,8 @@ def sm90_unsupported(spec: VariantSpec) -> str | None:
         return "it has no in-kernel RoPE yet"
     if spec.pos_encoding is PosEncoding.ALIBI and spec.use_logits_soft_cap:
         return "it applies ALiBi only without a soft cap (the cap would act on the biased logits)"
-    if spec.mask_mode not in (MaskMode.NONE, MaskMode.CAUSAL) or spec.variant is not None:
-        return "it has no custom mask or custom variant yet"
+    if spec.variant is not None:
+        return "it has no custom variant yet"
     return None
 
 
@@ -435,6 +435,7 @@ def _sm90_context(spec: VariantSpec) -> dict[str, Any]:
     constants.append(("bool", "kSwa", "true" if spec.use_sliding_window else "false"))
     constants.append(("bool", "kSoftCap", "true" if spec.use_logits_soft_cap else "false"))
     constants.append(("bool", "kAlibi", "true" if spec.pos_encoding is PosEncoding.ALIBI else "false"))
+    constants.append(("bool", "kCustom", "true" if spec.mask_mode is MaskMode.CUSTOM else "false"))
     constants.append(("float", "kLog2e", repr(_LOG2E) + "f"))
     return {**_attention_context(spec), "constants": constants, "smem_bytes": layout["kSmemBytes"]}
 
