@@ -1,5 +1,5 @@
-"""GPU checks of the sm90 (Hopper) prefill tier's logits soft cap, sliding window, attention sinks, ALiBi and custom
-masks: head_dim
+"""GPU checks of the sm90 (Hopper) prefill tier's logits soft cap, sliding window, attention sinks, ALiBi, custom
+masks and output dtypes: head_dim
 64/128/256, causal or not, ragged and paged KV, GQA packed into the tile rows or not (q token- or
 head-major), soft caps that barely bend the logits and ones that saturate them, windows of 0, below,
 above and exactly a multiple of the KV block, wider than the keys; batches with qo_len < kv_len,
@@ -49,6 +49,7 @@ class Case:
     sinks: bool = False         # run(sinks=...): one sink logit per query head (the spec's sink twin)
     alibi: bool = False         # pos_encoding_mode="ALIBI" (the standard slopes; not with a soft cap on this tier)
     mask: bool = False          # a random custom mask (every 7th row of a request wholly masked); not causal
+    out: torch.dtype | None = None  # plan(o_data_type=...): an output dtype other than q's
 
 
 # KV blocks: 128 tokens at head_dim 64 (three consumer warpgroups, 192-row tiles), 176 at 128, 64 at 256 (paged: 128 at
@@ -117,6 +118,12 @@ CASES = {
                                               paged=True, sinks=True, mask=True),
     "mask_paged_d64_g8_f16_p64_w300": Case(64, 8, 1, f16, False, 300, None, (130, 2), (257, 1003), paged=True, page=64,
                                            mask=True),
+    # an output dtype other than q's: float32 (paired 8-byte stores) and the other 16-bit type
+    "out_f32_d128_g4_bf16_causal": Case(128, 16, 4, bf16, True, -1, None, (300, 1, 129), (700, 129, 129), out=torch.float32),
+    "out_bf16_paged_d64_mha_f16_full_alibi": Case(64, 4, 4, f16, False, -1, None, (130, 2), (257, 1000), paged=True,
+                                                  alibi=True, out=bf16),
+    "out_f32_d256_g2_bf16_mask": Case(256, 8, 4, bf16, False, -1, None, (129, 7), (191, 500), mask=True,
+                                      out=torch.float32),
 }
 AGREE_WITH_SM80 = ["d128_g4_bf16_causal_w40_cap30_batch", "paged_d128_g4_bf16_causal_p16_w40_cap30",
                    "d64_mha_f16_causal_w100_cap5", "d256_g2_bf16_causal_w20_cap50", "alibi_d128_g4_bf16_causal_batch",
@@ -125,7 +132,8 @@ AGREE_WITH_SM80 = ["d128_g4_bf16_causal_w40_cap30_batch", "paged_d128_g4_bf16_ca
 
 def _spec(c: Case):
     return attention_spec(
-        Op.PREFILL, Target.CUDA, q_dtype=c.dtype, kv_dtype=c.dtype, o_dtype=c.dtype, head_dim_qk=c.d, head_dim_vo=c.d,
+        Op.PREFILL, Target.CUDA, q_dtype=c.dtype, kv_dtype=c.dtype, o_dtype=c.out or c.dtype, head_dim_qk=c.d,
+        head_dim_vo=c.d,
         num_qo_heads=c.hq, num_kv_heads=c.hkv, pos_encoding=PosEncoding.ALIBI if c.alibi else PosEncoding.NONE,
         use_sliding_window=c.window >= 0,
         use_logits_soft_cap=c.cap is not None,
@@ -177,7 +185,8 @@ def _mask(c: Case) -> torch.Tensor | None:
 
 def _plan_kw(c: Case) -> dict:
     return dict(causal=c.causal, window_left=c.window, logits_soft_cap=c.cap, sm_scale=c.sm_scale, q_data_type=c.dtype,
-                kv_data_type=c.dtype, pos_encoding_mode="ALIBI" if c.alibi else "NONE", custom_mask=_mask(c))
+                kv_data_type=c.dtype, pos_encoding_mode="ALIBI" if c.alibi else "NONE", custom_mask=_mask(c),
+                o_data_type=c.out or c.dtype)
 
 
 def _ref_kw(c: Case) -> dict:
@@ -192,8 +201,9 @@ def _sinks(c: Case, seed: int) -> torch.Tensor | None:
     return (torch.randn(c.hq, generator=torch.Generator().manual_seed(seed)) * 3 + 4).cuda()
 
 
-def _run(wrapper, q: torch.Tensor, *kv, sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    out = torch.full((q.shape[0], q.shape[1], q.shape[2]), float("nan"), dtype=q.dtype, device="cuda")
+def _run(wrapper, q: torch.Tensor, *kv, sinks: torch.Tensor | None = None,
+         out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    out = torch.full((q.shape[0], q.shape[1], q.shape[2]), float("nan"), dtype=out_dtype or q.dtype, device="cuda")
     lse = torch.full((q.shape[0], q.shape[1]), float("nan"), device="cuda")
     if sinks is None:
         wrapper.run(q, *kv, out=out, lse=lse)
@@ -298,6 +308,7 @@ def test_the_cases_exercise_what_they_claim():
     assert any(c.causal for c in alibi) and any(not c.causal for c in alibi)
     assert any(prefill.sm90_pack(_spec(c)) > 1 for c in alibi) and any(c.hq & (c.hq - 1) for c in alibi)
     assert not any(c.alibi and c.cap is not None for c in CASES.values())  # not on this tier (it falls back)
+    assert {c.out for c in CASES.values()} == {None, torch.float32, bf16}
     masks = [c for c in CASES.values() if c.mask]
     assert {c.d for c in masks} == {64, 128, 256} and {c.paged for c in masks} == {False, True}
     assert not any(c.causal for c in masks) and any(kv % 8 for c in masks for kv in c.kv_lens)
@@ -319,14 +330,15 @@ def test_sm90_variant_axes_match_reference(case_id, hopper):
     if c.paged:
         clean = _paged_batch(c, torch.Generator().manual_seed(seed + 1), None)
         poisoned = _paged_batch(c, torch.Generator().manual_seed(seed + 1), kv_block)  # the same values, plus NaN
-        out, lse = _run(_paged_wrapper(c, poisoned), q, poisoned.cache, sinks=sinks)
+        out, lse = _run(_paged_wrapper(c, poisoned), q, poisoned.cache, sinks=sinks, out_dtype=c.out)
         ref_o, ref_lse = _paged_reference(c, q, clean)
     else:
         k, v = _ragged_kv(c, torch.Generator().manual_seed(seed + 1))
-        out, lse = _run(_ragged_wrapper(c), q, *_poison_ragged(c, k, v, kv_block), sinks=sinks)
+        out, lse = _run(_ragged_wrapper(c), q, *_poison_ragged(c, k, v, kv_block), sinks=sinks, out_dtype=c.out)
         ref_o, ref_lse = reference.batch_ragged_attention(q, k, v, _indptr(c.qo_lens), _indptr(c.kv_lens), **_ref_kw(c))
     if sinks is not None:
         ref_o = reference.apply_sinks(ref_o, ref_lse, sinks)
+    assert out.dtype == (c.out or c.dtype)
     assert_close_out(out, ref_o, c.dtype)
     assert_close_lse(lse, ref_lse)
 

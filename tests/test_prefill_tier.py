@@ -56,6 +56,8 @@ SUPPORTED = {
     "d256_bf16_alibi_sinks": _spec(d=256, hq=16, hkv=2, causal=False, pos=PosEncoding.ALIBI).replace(use_sinks=True),
     "custom_mask": _spec(mask=MaskMode.CUSTOM),
     "paged_custom_mask_window": _spec(mask=MaskMode.CUSTOM, window=True, storage=KVStorage.PAGED),
+    "f32_out": _spec(o_dtype=f32),
+    "paged_f16_in_bf16_out": _spec(dtype=f16, o_dtype=torch.bfloat16, storage=KVStorage.PAGED),
 }
 UNSUPPORTED = {
     "paged_rope": _spec(storage=KVStorage.PAGED, pos=PosEncoding.ROPE_LLAMA),
@@ -64,7 +66,6 @@ UNSUPPORTED = {
     "alibi_soft_cap": _spec(pos=PosEncoding.ALIBI, soft_cap=True),
     "rope_soft_cap": _spec(pos=PosEncoding.ROPE_LLAMA, soft_cap=True),
     "fp8_kv": _spec(kv_dtype=torch.float8_e4m3fn),
-    "f32_out": _spec(o_dtype=f32),
     "d96": _spec(d=96),
     "dqk_ne_dvo": _spec(d=192, dvo=128),
     "variant": _spec(variant=AttentionVariant("plain", logits_transform="logits")),

@@ -319,8 +319,10 @@ def sm90_unsupported(spec: VariantSpec) -> str | None:
     """Why the sm90 tier cannot run ``spec`` (None when it can)."""
     if spec.target is not Target.CUDA:
         return "it is a cuda kernel"
-    if spec.q_dtype not in (DType.F16, DType.BF16) or spec.kv_dtype != spec.q_dtype or spec.o_dtype != spec.q_dtype:
-        return "it takes one 16-bit dtype (f16 or bf16) for q, kv and o"
+    if spec.q_dtype not in (DType.F16, DType.BF16) or spec.kv_dtype != spec.q_dtype:
+        return "it takes one 16-bit dtype (f16 or bf16) for q and kv"
+    if spec.o_dtype not in (DType.F16, DType.BF16, DType.F32):
+        return "it writes a 16-bit or float32 output"
     if spec.head_dim_qk != spec.head_dim_vo or spec.head_dim_qk not in SM90_KV_BLOCK:
         return f"it takes head_dim_qk == head_dim_vo in {sorted(SM90_KV_BLOCK)}"
     if spec.pos_encoding not in (PosEncoding.NONE, PosEncoding.ALIBI):
