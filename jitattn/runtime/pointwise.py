@@ -33,6 +33,8 @@ def _check(name: str, t: torch.Tensor) -> None:
 def _row_stride(t: torch.Tensor) -> int | None:
     """Elements between consecutive rows of ``t``'s collapsed leading dimensions; None when they do not
     collapse into one stride."""
+    if t.is_contiguous():  # the usual case, in a fraction of the loop's host time
+        return t.shape[-1]
     row_stride, expected = None, None
     for n, st in zip(reversed(t.shape[:-1]), reversed(t.stride()[:-1])):  # inner to outer; size-1 dims step nowhere
         if n == 1:
@@ -61,12 +63,19 @@ def _same(name: str, t: torch.Tensor, like: torch.Tensor, like_name: str) -> Non
                         f"{str(like.dtype).removeprefix('torch.')}; give them one dtype")
 
 
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes [first, last + 1) that ``t``'s elements lie in."""
+    first = t.data_ptr()
+    if t.is_contiguous():
+        return first, first + t.numel() * t.element_size()
+    return first, first + t.element_size() * (1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride())))
+
+
 def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.numel() == 0 or b.numel() == 0:
         return False
-    a0, b0 = a.data_ptr(), b.data_ptr()
-    a1 = a0 + a.element_size() * (1 + sum((n - 1) * st for n, st in zip(a.shape, a.stride())))
-    b1 = b0 + b.element_size() * (1 + sum((n - 1) * st for n, st in zip(b.shape, b.stride())))
+    a0, a1 = _span(a)
+    b0, b1 = _span(b)
     return a0 < b1 and b0 < a1
 
 
