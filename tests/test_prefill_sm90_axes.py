@@ -48,7 +48,9 @@ class Case:
     q_head_major: bool = False  # q as a [heads, tokens, dim] tensor's transposed view
     sinks: bool = False         # run(sinks=...): one sink logit per query head (the spec's sink twin)
     alibi: bool = False         # pos_encoding_mode="ALIBI" (the standard slopes; not with a soft cap on this tier)
-    mask: bool = False          # a random custom mask (every 7th row of a request wholly masked); not causal
+    mask: bool = False          # a custom mask (not causal): random (every 7th row of a request wholly masked), or:
+    mask_kind: str = "random"   # "causal" (lower-triangular: the blocks past a tile's diagonal are hidden from all of
+                                # its rows) or "bands" (keys in bands of 200, every other band hidden, rows 64-191 none)
     out: torch.dtype | None = None  # plan(o_data_type=...): an output dtype other than q's
 
 
@@ -118,6 +120,12 @@ CASES = {
                                               paged=True, sinks=True, mask=True),
     "mask_paged_d64_g8_f16_p64_w300": Case(64, 8, 1, f16, False, 300, None, (130, 2), (257, 1003), paged=True, page=64,
                                            mask=True),
+    "mask_causal_d128_g4_bf16_batch": Case(128, 16, 4, bf16, False, -1, None, (1000, 1, 300), (1000, 700, 1300),
+                                           mask=True, mask_kind="causal"),
+    "mask_bands_d64_mha_f16_alibi": Case(64, 4, 4, f16, False, -1, None, (700, 33), (1500, 900), mask=True,
+                                         mask_kind="bands", alibi=True),
+    "mask_bands_paged_d256_g2_bf16_p16": Case(256, 8, 4, bf16, False, -1, None, (300, 5), (1000, 401), paged=True,
+                                              mask=True, mask_kind="bands"),
     # an output dtype other than q's: float32 (paired 8-byte stores) and the other 16-bit type
     "out_f32_d128_g4_bf16_causal": Case(128, 16, 4, bf16, True, -1, None, (300, 1, 129), (700, 129, 129), out=torch.float32),
     "out_bf16_paged_d64_mha_f16_full_alibi": Case(64, 4, 4, f16, False, -1, None, (130, 2), (257, 1000), paged=True,
@@ -177,8 +185,14 @@ def _mask(c: Case) -> torch.Tensor | None:
     gen = torch.Generator().manual_seed(sum(c.qo_lens) * 31 + sum(c.kv_lens))
     rows = []
     for qo, kv in zip(c.qo_lens, c.kv_lens):
-        m = torch.rand(qo, kv, generator=gen) < 0.6
-        m[::7] = False
+        if c.mask_kind == "causal":
+            m = torch.arange(kv)[None, :] <= torch.arange(qo)[:, None] + (kv - qo)
+        elif c.mask_kind == "bands":
+            m = (torch.arange(kv)[None, :] // 200 % 2 == 0).expand(qo, kv).clone()
+            m[64:192] = False
+        else:
+            m = torch.rand(qo, kv, generator=gen) < 0.6
+            m[::7] = False
         rows.append(m.flatten())
     return torch.cat(rows)
 
@@ -310,6 +324,7 @@ def test_the_cases_exercise_what_they_claim():
     assert not any(c.alibi and c.cap is not None for c in CASES.values())  # not on this tier (it falls back)
     assert {c.out for c in CASES.values()} == {None, torch.float32, bf16}
     masks = [c for c in CASES.values() if c.mask]
+    assert {c.mask_kind for c in masks} == {"random", "causal", "bands"}
     assert {c.d for c in masks} == {64, 128, 256} and {c.paged for c in masks} == {False, True}
     assert not any(c.causal for c in masks) and any(kv % 8 for c in masks for kv in c.kv_lens)
     assert any(prefill.sm90_pack(_spec(c)) > 1 for c in masks) and any(prefill.sm90_pack(_spec(c)) == 1 for c in masks)

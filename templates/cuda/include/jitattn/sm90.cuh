@@ -166,6 +166,14 @@ __device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
   asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
+// Whether `pred` holds for any of the `threads` threads meeting at named barrier `id` (they all wait for it).
+__device__ __forceinline__ bool barrier_any(bool pred, int id, int threads) {
+  uint32_t any;
+  asm volatile("{\n.reg .pred p, q;\nsetp.ne.u32 p, %1, 0;\nbar.red.or.pred q, %2, %3, p;\nselp.u32 %0, 1, 0, q;\n}"
+               : "=r"(any) : "r"(uint32_t(pred)), "r"(id), "r"(threads) : "memory");
+  return any != 0;
+}
+
 __device__ __forceinline__ float ex2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
