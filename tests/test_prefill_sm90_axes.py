@@ -379,3 +379,36 @@ def test_sm90_and_sm80_tiers_agree_on_the_variant_axes(case_id, hopper, monkeypa
             results[tier] = _run(_ragged_wrapper(c), q, k, v)
     assert_close_out(results["sm90"][0], results["sm80"][0].float(), c.dtype)
     assert_close_lse(results["sm90"][1], results["sm80"][1])
+
+
+# A custom variant on the sm90 tier: a logits mask and transform reading the request, positions and heads, and an
+# output transform reading a per-(request, head) parameter tensor; GQA packed (d128) and not (d64).
+BIAS_GATE = jitattn.AttentionVariant(
+    "biasgate", logits_mask="(kv_idx + q_idx) % 5 != 3",
+    logits_transform="logits + slope * float(kv_idx - (kv_len - qo_len + q_idx)) + 0.1f * float(qo_head % 3)",
+    output_transform="out * gate[request * gate_size1 + qo_head]",
+    params=(jitattn.VariantParam("slope", "f32"), jitattn.VariantParam("gate", "f32", rank=2)),
+)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d,hq,hkv,causal", [(128, 16, 4, True), (64, 8, 2, False)])
+def test_sm90_custom_variant_matches_reference(d, hq, hkv, causal, hopper):
+    gen = torch.Generator().manual_seed(d + hq)
+    qo_lens, kv_lens = (300, 1, 129, 0), (700, 129, 129, 9)
+    q = torch.randn(sum(qo_lens), hq, d, generator=gen).to(bf16).cuda()
+    k, v = (torch.randn(sum(kv_lens), hkv, d, generator=gen).to(bf16).cuda() for _ in range(2))
+    slope, gate = 0.03, torch.rand(len(qo_lens), hq, generator=gen) + 0.5
+    wrapper = jitattn.BatchPrefillWithRaggedKVCacheWrapper(_workspace())
+    wrapper.plan(_indptr(qo_lens), _indptr(kv_lens), hq, hkv, d, causal=causal, q_data_type=bf16, variant=BIAS_GATE)
+    assert "sm90 tier" in render(_spec(Case(d, hq, hkv, bf16, causal, -1, None, qo_lens, kv_lens)).replace(
+        variant=BIAS_GATE))["kernel.cu"]
+    out, lse = wrapper.run(q, k, v, return_lse=True, slope=slope, gate=gate.cuda())
+    ref_o, ref_lse = reference.variant_attention(
+        q.cpu(), k.cpu(), v.cpu(), _indptr(qo_lens), _indptr(kv_lens), causal=causal,
+        logits_mask=lambda q_idx, kv_idx, **_: (kv_idx + q_idx) % 5 != 3,
+        logits_transform=lambda logits, q_idx, kv_idx, qo_len, kv_len, qo_head, **_:
+            logits + slope * (kv_idx - (kv_len - qo_len + q_idx)) + 0.1 * (qo_head % 3),
+        output_transform=lambda out, request, qo_head, **_: out * gate.double()[request][qo_head])
+    assert_close_out(out, ref_o, bf16)
+    assert_close_lse(lse, ref_lse)

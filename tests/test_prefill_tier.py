@@ -57,6 +57,9 @@ SUPPORTED = {
     "custom_mask": _spec(mask=MaskMode.CUSTOM),
     "paged_custom_mask_window": _spec(mask=MaskMode.CUSTOM, window=True, storage=KVStorage.PAGED),
     "f32_out": _spec(o_dtype=f32),
+    "variant_logits": _spec(variant=AttentionVariant("plain", logits_transform="logits")),
+    "paged_variant_mask_output": _spec(storage=KVStorage.PAGED, mask=MaskMode.CUSTOM, variant=AttentionVariant(
+        "gate", logits_mask="kv_idx % 3 != 1", output_transform="out * 0.5f")),
     "paged_f16_in_bf16_out": _spec(dtype=f16, o_dtype=torch.bfloat16, storage=KVStorage.PAGED),
 }
 UNSUPPORTED = {
@@ -68,7 +71,9 @@ UNSUPPORTED = {
     "fp8_kv": _spec(kv_dtype=torch.float8_e4m3fn),
     "d96": _spec(d=96),
     "dqk_ne_dvo": _spec(d=192, dvo=128),
-    "variant": _spec(variant=AttentionVariant("plain", logits_transform="logits")),
+    "variant_no_softmax": _spec(variant=AttentionVariant("w", logits_transform="logits", use_softmax=False)),
+    "variant_query_transform": _spec(variant=AttentionVariant("q2", query_transform="q * 2.0f")),
+    "variant_soft_cap": _spec(soft_cap=True, variant=AttentionVariant("plain", logits_transform="logits")),
 }
 
 

@@ -329,8 +329,11 @@ def sm90_unsupported(spec: VariantSpec) -> str | None:
         return "it has no in-kernel RoPE yet"
     if spec.pos_encoding is PosEncoding.ALIBI and spec.use_logits_soft_cap:
         return "it applies ALiBi only without a soft cap (the cap would act on the biased logits)"
-    if spec.variant is not None:
-        return "it has no custom variant yet"
+    v = spec.variant
+    if v is not None and (not v.use_softmax or v.query_transform or v.key_transform):
+        return "it runs custom variants with a softmax and without query / key transforms only"
+    if v is not None and (spec.use_logits_soft_cap or spec.pos_encoding is PosEncoding.ALIBI):
+        return "it runs custom variants without a soft cap or ALiBi only"
     return None
 
 
@@ -438,6 +441,7 @@ def _sm90_context(spec: VariantSpec) -> dict[str, Any]:
     constants.append(("bool", "kSoftCap", "true" if spec.use_logits_soft_cap else "false"))
     constants.append(("bool", "kAlibi", "true" if spec.pos_encoding is PosEncoding.ALIBI else "false"))
     constants.append(("bool", "kCustom", "true" if spec.mask_mode is MaskMode.CUSTOM else "false"))
+    constants.append(("bool", "kVariant", "true" if spec.variant is not None else "false"))
     constants.append(("float", "kLog2e", repr(_LOG2E) + "f"))
     return {**_attention_context(spec), "constants": constants, "smem_bytes": layout["kSmemBytes"]}
 
