@@ -46,10 +46,11 @@ cuda kernel shape (sm80+ generic tier: ``mma.sync.m16n8k16``, fp32 accumulate):
 
 Hopper tier (``templates/cuda/prefill_sm90.cu.jinja``, sm_90a: TMA, mbarriers, wgmma,
 warp specialisation; layout from ``sm90_layout``). ``select`` picks it when the arch list is
-9.0a only and ``sm90_unsupported(spec)`` is None (ragged or paged KV, one 16-bit dtype for q,
-kv and o, head_dim_qk == head_dim_vo in 64/128/256, causal or not, sliding window, logits soft
-cap and attention sinks allowed; no positional encoding, custom mask or variant); every other spec keeps the
-sm80 tier. ``JITATTN_PREFILL_TIER``
+9.0a only and ``sm90_unsupported(spec)`` is None (ragged or paged KV, one 16-bit dtype for q
+and kv, a 16-bit or float32 output, head_dim_qk == head_dim_vo in 64/128/256, causal or not,
+sliding window, logits soft cap, attention sinks, ALiBi without a soft cap, custom masks, and
+custom variants with a softmax and no query / key transform; no in-kernel RoPE, no fp8 KV);
+every other spec keeps the sm80 tier. ``JITATTN_PREFILL_TIER``
 forces a tier: ``sm80`` always the generic one; ``sm90`` the Hopper one for every spec it
 supports even with an unknown arch list (an error with a non-Hopper one). The tier is in the
 rendered source, hence in the cache key.
