@@ -308,7 +308,8 @@ _VARLEN = varlen_lengths()
 
 
 def _twin(plain: Attn, suffix: str, **kw) -> Attn:
-    """``plain`` with sinks or in batch-invariant mode, reported beside it (its rate / the plain rate)."""
+    """``plain`` with one axis changed (sinks, batch-invariant mode, a soft cap), reported beside it (its rate / the
+    plain rate)."""
     return dataclasses.replace(plain, name=plain.name + "_" + suffix, plain=plain.name, sdpa=False, **kw)
 
 
@@ -342,11 +343,15 @@ DECODE: list[Attn] = [
     _decode("llama8b_b64_s2048_rope", 64, 2048, pos_encoding="ROPE_LLAMA"),
 ]
 
+_D256_PREFILL = _prefill("d256_causal_b4_s4096", 4, 4096, num_qo_heads=16, head_dim=256)
+
 PREFILL: list[Attn] = [
     *_with_twins(_prefill("llama8b_causal_b8_s4096", 8, 4096)),
     *_with_twins(_prefill("gptoss_causal_b8_s4096", 8, 4096, num_qo_heads=64, head_dim=64), batch_invariant=False),
     _prefill("d64_causal_b16_s2048", 16, 2048, head_dim=64),
-    _prefill("d256_causal_b4_s4096", 4, 4096, num_qo_heads=16, head_dim=256),
+    _D256_PREFILL,
+    _twin(_D256_PREFILL, "softcap", logits_soft_cap=50.0,
+          note="gemma-2's soft cap 50 (16 query heads of 256, group 2); compared with " + _D256_PREFILL.name),
     _prefill("llama8b_noncausal_b8_s4096", 8, 4096, causal=False),
     _prefill("llama8b_causal_paged_b8_s4096", 8, 4096, storage="paged"),
     *_with_twins(Attn("prefill/llama8b_causal_varlen", "prefill", _VARLEN, qo_lens=_VARLEN, causal=True,
