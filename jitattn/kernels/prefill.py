@@ -284,8 +284,7 @@ SM90_KV_BLOCK_3WG = 128  # head_dim 64 with three consumer warpgroups (SM90_TUNI
 # gather_l2: cp.async L2 prefetch hint in bytes (0 none, 64, 128, 256);
 # paged_kv_block: KV tokens per stage for paged KV (0: SM90_PAGED_KV_BLOCK's);
 # soft_cap_tanh: the soft cap's tanh (0: 1 - 2 / (1 + e^2x) on ex2 + rcp, absolute error ~3e-7, the
-# default; 1: tanh.approx.f32, one MUFU op instead of two, relative error 2^-11; 2: as 0 with the reciprocal
-# on the FMA pipe, one MUFU op);
+# default; 1: tanh.approx.f32, one MUFU op instead of two, relative error 2^-11);
 # paged_tma: 1 loads paged KV blocks with one TMA box per page (64 columns x page_size rows, a 4-d tensor
 # map over the cache) when page_size is a multiple of 8 dividing the KV block, 0 always gathers, 2 (tests)
 # as 1 but a launch of such a page size that cannot make the tensor maps is an error instead of gathering.
@@ -391,10 +390,10 @@ def sm90_layout(spec: VariantSpec) -> dict[str, int]:
     paged = spec.kv_storage is KVStorage.PAGED
     tuning = SM90_TUNING
     if tuning["gather_sync"] not in (0, 1, 2, 3) or tuning["gather_l2"] not in (0, 64, 128, 256) or \
-            tuning["soft_cap_tanh"] not in (0, 1, 2) or tuning["paged_tma"] not in (0, 1, 2) or \
+            tuning["soft_cap_tanh"] not in (0, 1) or tuning["paged_tma"] not in (0, 1, 2) or \
             tuning["consumers_d64"] not in (2, 3):
         raise ValueError(f"SM90_TUNING={tuning}: gather_sync takes 0 to 3, gather_l2 0, 64, 128 or 256, "
-                         "soft_cap_tanh 0 to 2, paged_tma 0 to 2 and consumers_d64 2 or 3")
+                         "soft_cap_tanh 0 or 1, paged_tma 0 to 2 and consumers_d64 2 or 3")
     consumers = tuning["consumers_d64"] if dim == 64 else 2
     bm, stages = 64 * consumers, tuning["kv_stages"] or (4 if consumers == 3 else 2)
     # three consumers: S, the last block's P and O in 160 registers, so KV blocks of 128
