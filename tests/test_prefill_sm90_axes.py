@@ -126,6 +126,9 @@ CASES = {
                                          mask_kind="bands", alibi=True),
     "mask_bands_paged_d256_g2_bf16_p16": Case(256, 8, 4, bf16, False, -1, None, (300, 5), (1000, 401), paged=True,
                                               mask=True, mask_kind="bands"),
+    # page 5: the gathered loads, which load every block (the TMA loads skip blocks a tile does not need)
+    "mask_bands_paged_d128_g4_bf16_p5": Case(128, 16, 4, bf16, False, -1, None, (300, 5), (1000, 401), paged=True,
+                                             page=5, mask=True, mask_kind="bands"),
     # an output dtype other than q's: float32 (paired 8-byte stores) and the other 16-bit type
     "out_f32_d128_g4_bf16_causal": Case(128, 16, 4, bf16, True, -1, None, (300, 1, 129), (700, 129, 129), out=torch.float32),
     "out_bf16_paged_d64_mha_f16_full_alibi": Case(64, 4, 4, f16, False, -1, None, (130, 2), (257, 1000), paged=True,

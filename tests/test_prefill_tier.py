@@ -160,10 +160,13 @@ def test_sm90_layout_fits_and_aligns(case_id):
     assert layout["kBN"] == block and layout["kGroup"] == spec.group_size
     assert layout["kStages"] == (prefill.SM90_TUNING["kv_stages"] or (4 if consumers == 3 else 2))
     assert layout["kOffV"] - layout["kOffK"] == layout["kStages"] * layout["kKVBytes"]
-    # Barriers (q full TMA / gathered, q empty; k, v full / empty per stage), then the paged row tables.
+    # Barriers (q full TMA / gathered, q empty; k, v full / empty per stage), then the paged row tables, then (custom
+    # masks) a word per stage saying whether the producer loaded it.
     assert layout["kOffTab"] - layout["kOffBar"] >= 8 * (3 + 4 * layout["kStages"]) and layout["kOffTab"] % 16 == 0
     tables = 2 * layout["kBN"] * 16 if spec.kv_storage is KVStorage.PAGED else 0
-    assert layout["kSmemBytes"] == layout["kOffTab"] + tables + 1024
+    assert layout["kOffLive"] == layout["kOffTab"] + tables
+    live = 16 * -(-4 * layout["kStages"] // 16) if spec.mask_mode is MaskMode.CUSTOM else 0
+    assert layout["kSmemBytes"] == layout["kOffLive"] + live + 1024
     # Registers: producer and consumer warpgroups within the SM's 64 Ki, setmaxnreg's multiples of 8.
     assert 128 * layout["kProducerRegs"] + 128 * consumers * layout["kConsumerRegs"] <= 65536
     assert layout["kProducerRegs"] % 8 == 0 and layout["kConsumerRegs"] % 8 == 0

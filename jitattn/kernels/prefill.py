@@ -416,17 +416,19 @@ def sm90_layout(spec: VariantSpec) -> dict[str, int]:
     off_items = off_bar + _ceil(8 * barriers, 16)
     off_tab = off_items + _ceil(8 * ring, 16)
     tab_bytes = 2 * bn * 16 if paged else 0  # paged: two tables (block parity) of (k, v) int64 row offsets
-    smem = off_tab + tab_bytes + 1024        # + slack to align the base to 1 KiB (swizzle atoms)
+    off_live = off_tab + tab_bytes
+    live_bytes = _ceil(4 * stages, 16) if spec.mask_mode is MaskMode.CUSTOM else 0  # custom mask: stage loaded?
+    smem = off_live + live_bytes + 1024      # + slack to align the base to 1 KiB (swizzle atoms)
     if smem > 227 << 10:
         raise ValueError(f"{spec.uri}: the sm90 tile needs {smem} B of shared memory, over 227 KiB (KV block {bn})")
     return {
         # registers per thread: 24 for the producer, the rest of the 64 K over the consumers (multiples of 8)
-        "kThreads": 128 * (1 + consumers), "kProducerRegs": 24, "kConsumerRegs": 240 if consumers == 2 else 160,
+        "kThreads": 128 * (1 + consumers), "kProducerRegs": 32 if spec.mask_mode is MaskMode.CUSTOM else 24, "kConsumerRegs": 240 if consumers == 2 else 160,
         "kBM": bm, "kBN": bn, "kD": dim, "kStages": stages, "kChunks": chunks, "kGroup": spec.group_size,
         "kPackG": sm90_pack(spec, bm),
         "kQChunkBytes": q_chunk, "kKVChunkBytes": kv_chunk, "kQBytes": q_bytes, "kKVBytes": kv_bytes,
         "kOffQ": 0, "kOffK": off_k, "kOffV": off_v, "kOffBar": off_bar, "kOffItems": off_items, "kItemRing": ring,
-        "kOffTab": off_tab, "kSmemBytes": smem,
+        "kOffTab": off_tab, "kOffLive": off_live, "kSmemBytes": smem,
         "kGatherSync": tuning["gather_sync"], "kGatherL2": tuning["gather_l2"],
         "kSoftCapTanh": tuning["soft_cap_tanh"],
         "kPagedTma": tuning["paged_tma"] if paged else 0,
