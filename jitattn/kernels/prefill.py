@@ -423,7 +423,7 @@ def sm90_layout(spec: VariantSpec) -> dict[str, int]:
         raise ValueError(f"{spec.uri}: the sm90 tile needs {smem} B of shared memory, over 227 KiB (KV block {bn})")
     return {
         # registers per thread: 24 for the producer, the rest of the 64 K over the consumers (multiples of 8)
-        "kThreads": 128 * (1 + consumers), "kProducerRegs": 32 if spec.mask_mode is MaskMode.CUSTOM else 24, "kConsumerRegs": 240 if consumers == 2 else 160,
+        "kThreads": 128 * (1 + consumers), "kProducerRegs": 24, "kConsumerRegs": 240 if consumers == 2 else 160,
         "kBM": bm, "kBN": bn, "kD": dim, "kStages": stages, "kChunks": chunks, "kGroup": spec.group_size,
         "kPackG": sm90_pack(spec, bm),
         "kQChunkBytes": q_chunk, "kKVChunkBytes": kv_chunk, "kQBytes": q_bytes, "kKVBytes": kv_bytes,
