@@ -155,6 +155,27 @@ def test_visible_keys_match_the_reference_mask() -> None:
         assert configs._visible_keys_fast(qo, kv, causal, window) == expected
 
 
+def test_tree_mask_rows_are_a_draft_trees_ancestors() -> None:
+    """The verification mask: every key before the draft visible, then a chain of ancestors ending at the query
+    itself (inside the causal pattern); fixed by the seed; a row slice is the same rows."""
+    qo, kv = 24, 70
+    mask = inputs.tree_mask_rows(qo, kv, seed=5)
+    prefix = kv - qo
+    assert mask.shape == (qo, kv) and bool(mask[:, :prefix].all())
+    tree = mask[:, prefix:]
+    assert bool(tree.diagonal().all()) and not bool(tree.triu(1).any())  # itself; no later query
+    for i in range(1, qo):
+        ancestors = tree[i, :i].nonzero().flatten().tolist()
+        parent = ancestors[-1]  # the nearest ancestor is the parent, whose own row holds the rest
+        assert tree[i, :i].tolist() == tree[parent, :i].tolist()[:parent] + [True] + [False] * (i - parent - 1)
+    assert int(tree.sum()) < qo * (qo + 1) // 2  # a tree, not the causal pattern (at this seed)
+    assert torch.equal(inputs.tree_mask_rows(qo, kv, seed=5), mask)
+    assert torch.equal(inputs.tree_mask_rows(qo, kv, seed=5, first_row=10), mask[10:])
+    case = configs.BY_NAME["variants/verify_custom_tree_b32_q64_s4160"]
+    plain = configs.BY_NAME[case.plain]
+    assert case.custom_mask_kind == "tree" and case.flops == plain.flops and case.queries == plain.queries
+
+
 def test_variants_equal_work() -> None:
     plain = configs.BY_NAME["variants/plain_decode_b64_s4096"]
     for case in configs.VARIANTS:

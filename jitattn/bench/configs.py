@@ -78,7 +78,11 @@ class Attn:
     dtype: str = "bf16"  # q and o
     kv_dtype: str = "bf16"
     causal: bool = False
-    custom_mask: bool = False  # prefill: a custom mask with the causal pattern (custom-mask kernel, causal work)
+    custom_mask: bool = False  # prefill: a custom mask (custom-mask kernel) of the pattern custom_mask_kind
+    # "causal": the bottom-right causal pattern; "tree": speculative decoding's verification of a draft tree (each
+    # request's queries are its last kv tokens; a query sees the keys before them, its tree ancestors and itself).
+    # Either way the work is counted over the causal pattern's pairs (the blocks the kernel computes).
+    custom_mask_kind: str = "causal"
     window_left: int = -1
     logits_soft_cap: float = 0.0
     pos_encoding: str = "NONE"  # "NONE" | "ROPE_LLAMA" | "ALIBI"
@@ -140,7 +144,7 @@ class Attn:
             qlens = sorted(set(self.qo_lens))
             out["qo_len"] = qlens[0] if len(qlens) == 1 else {"min": qlens[0], "max": qlens[-1], "total": sum(self.qo_lens)}
             out["causal"] = self.causal
-        for key, default in (("custom_mask", False), ("window_left", -1), ("logits_soft_cap", 0.0),
+        for key, default in (("custom_mask", False), ("custom_mask_kind", "causal"), ("window_left", -1), ("logits_soft_cap", 0.0),
                              ("pos_encoding", "NONE"), ("sinks", False), ("batch_invariant", False)):
             if getattr(self, key) != default:
                 out[key] = getattr(self, key)
@@ -368,6 +372,10 @@ CASCADE: list[Cascade] = [
 
 # Variants: each beside the plain kernel at equal work (the same tokens read / the same batch).
 _PLAIN_DECODE = Attn("variants/plain_decode_b64_s4096", "decode", (4096,) * 64, sdpa=False)
+# Speculative decoding's verification step: 32 requests, a 64-token draft tree each over 4096 tokens before it, paged.
+_PLAIN_VERIFY = Attn("variants/plain_verify_causal_b32_q64_s4160", "prefill", (4160,) * 32, qo_lens=(64,) * 32,
+                     causal=True, sdpa=False)
+
 _PLAIN_PREFILL = Attn("variants/plain_prefill_causal_b4_s4096", "prefill", (4096,) * 4, qo_lens=(4096,) * 4,
                       causal=True, storage="ragged", sdpa=False)
 
@@ -389,6 +397,10 @@ VARIANTS: list[Attn] = [
              note="compared by TFLOP/s over the unmasked pairs"),
     _variant(_PLAIN_PREFILL, "prefill_rope_causal_b4_s4096", pos_encoding="ROPE_LLAMA"),
     _variant(_PLAIN_PREFILL, "prefill_alibi_causal_b4_s4096", pos_encoding="ALIBI"),
+    _PLAIN_VERIFY,
+    _variant(_PLAIN_VERIFY, "verify_custom_tree_b32_q64_s4160", causal=False, custom_mask=True,
+             custom_mask_kind="tree", note="a draft tree's mask (random parents, fixed seed); time compared with the "
+             "causal verification of the same shape (TFLOP/s over its pairs)"),
     _variant(_PLAIN_PREFILL, "prefill_custom_causal_b4_s4096", causal=False, custom_mask=True,
              note="custom mask with the causal pattern"),
 ]

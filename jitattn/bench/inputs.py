@@ -95,6 +95,31 @@ def causal_mask_rows(qo_len: int, kv_len: int, first_row: int = 0) -> torch.Tens
     return j <= (kv_len - qo_len) + i
 
 
+def tree_mask_rows(qo_len: int, kv_len: int, seed: int, first_row: int = 0) -> torch.Tensor:
+    """Bool [qo_len - first_row, kv_len]: rows ``first_row..`` of a draft tree's verification mask. The queries are
+    the last ``qo_len`` keys; query i sees every key before them, its ancestors in the tree and itself (the parent
+    of query i > 0 is a query before it, drawn with ``seed``)."""
+    gen = torch.Generator().manual_seed(seed)
+    parents = [-1] + [int(torch.randint(i, (1,), generator=gen)) for i in range(1, qo_len)]
+    prefix = kv_len - qo_len
+    mask = torch.zeros(qo_len, kv_len, dtype=torch.bool)
+    mask[:, :prefix] = True
+    for i in range(qo_len):
+        node = i
+        while node >= 0:
+            mask[i, prefix + node] = True
+            node = parents[node]
+    return mask[first_row:]
+
+
+def custom_mask_rows(case: Attn, r: int, first_row: int = 0) -> torch.Tensor:
+    """Request r's rows ``first_row..`` of the case's custom mask (``case.custom_mask_kind``)."""
+    qo_len, kv_len = case.queries[r], case.kv_lens[r]
+    if case.custom_mask_kind == "tree":
+        return tree_mask_rows(qo_len, kv_len, seed_of(case.name) + r, first_row)
+    return causal_mask_rows(qo_len, kv_len, first_row)
+
+
 def make_attn_data(case: Attn, device: torch.device) -> AttnData:
     gen_host = torch.Generator().manual_seed(seed_of(case.name))
     gen = torch.Generator(device=device).manual_seed(seed_of(case.name))
@@ -113,8 +138,7 @@ def make_attn_data(case: Attn, device: torch.device) -> AttnData:
         data.k = random_tensor((total_kv, case.num_kv_heads, case.head_dim), kvdt, device, gen)
         data.v = random_tensor((total_kv, case.num_kv_heads, case.head_dim), kvdt, device, gen)
     if case.custom_mask:
-        data.custom_mask = torch.cat([causal_mask_rows(q_, k_).reshape(-1)
-                                      for q_, k_ in zip(case.queries, case.kv_lens)])
+        data.custom_mask = torch.cat([custom_mask_rows(case, r).reshape(-1) for r in range(case.batch)])
     if case.sinks:  # around the logits' scale, so the sink matters (~log of the keys' mass)
         data.sinks = (torch.randn(case.num_qo_heads, generator=gen_host) + 4.0).to(device)
     return data
@@ -169,7 +193,7 @@ def reference_error(data: AttnData) -> float:
         qo_len, kv_len = case.queries[r], case.kv_lens[r]
         m = min(REF_QUERIES, qo_len)
         first = qo_off[r + 1] - m
-        mask = causal_mask_rows(qo_len, kv_len, qo_len - m).to(data.q.device) if case.custom_mask else None
+        mask = custom_mask_rows(case, r, qo_len - m).to(data.q.device) if case.custom_mask else None
         o, lse = reference.single_attention(
             data.q[first:qo_off[r + 1]], k, v, causal=case.causal, window_left=case.window_left,
             logits_soft_cap=case.logits_soft_cap or None, pos_encoding_mode=case.pos_encoding, custom_mask=mask)
