@@ -18,6 +18,7 @@ _FALSE = ("0", "false", "no", "off")
 LOG_LEVELS = ("info", "debug")
 PREFILL_TIERS = ("auto", "sm80", "sm90")
 MLA_KERNELS = ("auto", "sm90", "prefill")
+FP8_UPCAST = ("off", "on", "auto")
 _ARCH = re.compile(r"^\d+\.\d+[af]?(\+PTX)?$")
 
 
@@ -75,6 +76,10 @@ class Knob:
             if raw.strip().lower() in MLA_KERNELS:
                 return None
             return f"{shown} is not an MLA kernel choice; set it to {', '.join(MLA_KERNELS)}, or unset it"
+        if self.kind == "upcast":
+            if raw.strip().lower() in FP8_UPCAST:
+                return None
+            return f"{shown} is not an fp8-upcast choice; set it to {', '.join(FP8_UPCAST)}, or unset it"
         if self.kind == "archs":
             bad = [a for a in re.split(r"[;\s,]+", raw.strip()) if a and not _ARCH.match(a)]
             if not bad:
@@ -110,12 +115,17 @@ PREFILL_TIER = Knob("JITATTN_PREFILL_TIER", "tier", "auto",
 MLA_KERNEL = Knob("JITATTN_MLA_KERNEL", "mla", "auto",
                   "BatchMLAPagedAttentionWrapper's kernel: auto (the sm90 MLA kernel on an H100/H200 for the plans it "
                   "supports, else the paged prefill kernels), sm90 (an error where it cannot run), prefill")
+PREFILL_FP8_UPCAST = Knob(
+    "JITATTN_PREFILL_FP8_UPCAST", "upcast", "off",
+    "paged prefill plans of fp8 KV: on reads the batch's pages once into a 16-bit ragged K / V per run (memory: 2 x "
+    "tokens x kv heads x dim 16-bit values) and runs the 16-bit kernel; auto does so where that kernel takes the "
+    "sm90 tier; off (the default until measured) keeps the fp8 kernel")
 TEST_CACHE_DIR = Knob("JITATTN_TEST_CACHE_DIR", "path", "unset: each test run builds into a temp dir it removes",
                       "the test suite's shared cache (tests/conftest.py; .ci/run sets it after warming)")
 
 KNOBS: tuple[Knob, ...] = (CACHE_DIR, CACHE_PATH, MAX_JOBS, CUDA_ARCH_LIST, ASSERT_NO_COMPILE, LOG_LEVEL, DEBUG,
                            NVCC, CXX, CUDA_HOME, BATCH_INVARIANT, PREFILL_TIER, MLA_KERNEL,
-                           TEST_CACHE_DIR)
+                           PREFILL_FP8_UPCAST, TEST_CACHE_DIR)
 
 
 def _truthy(value: str | None) -> bool:
@@ -243,3 +253,12 @@ def mla_kernel() -> str:
         raise ValueError(problem)
     raw = MLA_KERNEL.value()
     return raw.strip().lower() if raw else "auto"
+
+
+def prefill_fp8_upcast() -> str:
+    """JITATTN_PREFILL_FP8_UPCAST: 'off' (the default), 'on' or 'auto'; a bad value is an error."""
+    problem = PREFILL_FP8_UPCAST.problem()
+    if problem is not None:
+        raise ValueError(problem)
+    raw = PREFILL_FP8_UPCAST.value()
+    return raw.strip().lower() if raw else "off"

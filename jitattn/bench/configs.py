@@ -348,6 +348,7 @@ DECODE: list[Attn] = [
 ]
 
 _D256_PREFILL = _prefill("d256_causal_b4_s4096", 4, 4096, num_qo_heads=16, head_dim=256)
+_PAGED_PREFILL = _prefill("llama8b_causal_paged_b8_s4096", 8, 4096, storage="paged")
 
 PREFILL: list[Attn] = [
     *_with_twins(_prefill("llama8b_causal_b8_s4096", 8, 4096)),
@@ -357,7 +358,10 @@ PREFILL: list[Attn] = [
     _twin(_D256_PREFILL, "softcap", logits_soft_cap=50.0,
           note="gemma-2's soft cap 50 (16 query heads of 256, group 2); compared with " + _D256_PREFILL.name),
     _prefill("llama8b_noncausal_b8_s4096", 8, 4096, causal=False),
-    _prefill("llama8b_causal_paged_b8_s4096", 8, 4096, storage="paged"),
+    _PAGED_PREFILL,
+    _twin(_PAGED_PREFILL, "fp8", kv_dtype="e4m3",
+          note="e4m3 KV (JITATTN_PREFILL_FP8_UPCAST picks the kernel: off, the fp8 one; on, a 16-bit gather and the "
+          "16-bit ragged one); compared with " + _PAGED_PREFILL.name),
     *_with_twins(Attn("prefill/llama8b_causal_varlen", "prefill", _VARLEN, qo_lens=_VARLEN, causal=True,
                       storage="ragged", note="16 lengths uniform in 128..8192 (seed 0); SDPA: one call per request"),
                  sinks=False),

@@ -254,6 +254,12 @@ def environment(device: torch.device) -> dict:
                     capability=f"{props.major}.{props.minor}")
     else:
         info["device"] = platform.processor() or platform.machine()
+    # the knobs that choose kernels and tunings (JITATTN_PREFILL_FP8_UPCAST, JITATTN_DEV_SM90_TUNING, ...); not the
+    # machine's paths
+    paths = {"JITATTN_CACHE_DIR", "JITATTN_CACHE_PATH", "JITATTN_TEST_CACHE_DIR", "JITATTN_NVCC", "JITATTN_CXX"}
+    knobs = {k: v for k, v in sorted(os.environ.items()) if k.startswith("JITATTN_") and k not in paths}
+    if knobs:
+        info["knobs"] = knobs
     return info
 
 

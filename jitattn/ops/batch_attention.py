@@ -145,7 +145,8 @@ class BatchAttention:
                 self._prefill.plan(
                     part.qo_indptr, part.kv_indptr, part.kv_indices, part.last_page_len, num_qo_heads, num_kv_heads,
                     head_dim_qk, page_size, head_dim_vo=head_dim_vo, causal=causal, sm_scale=sm_scale,
-                    logits_soft_cap=logits_soft_cap, q_data_type=q_data_type, kv_data_type=kv_data_type)
+                    logits_soft_cap=logits_soft_cap, q_data_type=q_data_type, kv_data_type=kv_data_type,
+                    fp8_upcast=False)  # its two-part launch reads the paged cache
             else:
                 self._plan_decode(part, num_qo_heads, num_kv_heads, head_dim_qk, page_size, sm_scale,
                                   logits_soft_cap, q_data_type, kv_data_type)

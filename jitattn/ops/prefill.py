@@ -7,17 +7,20 @@ import threading
 
 import torch
 
+from .. import env, hardware
+from ..kernels import prefill as prefill_kernels
 from ..runtime.batch import AttentionPlan
-from ..runtime.builder import HostIndex, attention_options, build_plan
+from ..runtime.builder import HostIndex, attention_options, build_plan, kernel_spec
+from ..runtime.kv_upcast import KVUpcast
 from ..runtime.wrapper import BatchWrapperBase, plan_arguments
 from ..runtime.checks import check_tensor, stream_capturing, target_of
 from ..runtime.options import (PAGE_TABLE_HINT, parse_kv_layout, per_tensor_scale, refuse_unsupported,
-                                 resolve_batch_invariant, resolve_flag)
+                                 resolve_batch_invariant, resolve_dtypes, resolve_flag)
 from ..page_table import PagedIndex, check_indptr, check_paged_index
 from ..kv_split import check_fixed_split_size, unsplit
 from ..masks import multi_item_mask, packed_mask_indptr, segment_packbits
 from ..variant import AttentionVariant
-from ..spec import KVLayout, MaskMode, Op, Target
+from ..spec import KVLayout, KVStorage, MaskMode, Op, Target
 
 __all__ = [
     "BatchPrefillWithPagedKVCacheWrapper", "BatchPrefillWithRaggedKVCacheWrapper", "single_prefill_with_kv_cache",
@@ -117,6 +120,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapperBase):
             "mask_indptr": mask_indptr_buf,
         }, {"qo_indptr": "qo_indptr_buf", "kv_indptr": "paged_kv_indptr_buf", "kv_indices": "paged_kv_indices_buf",
             "kv_last_page_len": "paged_kv_last_page_len_buf"}, jit_args=jit_args, jit_kwargs=jit_kwargs)
+        self._upcast: KVUpcast | None = None  # JITATTN_PREFILL_FP8_UPCAST's gather of the current plan
 
     def plan(
         self, qo_indptr: torch.Tensor, paged_kv_indptr: torch.Tensor, paged_kv_indices: torch.Tensor,
@@ -133,7 +137,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapperBase):
         max_token_per_sequence: int | None = None, max_sequence_kv: int | None = None,
         fixed_split_size: int | None = None, disable_split_kv: bool = False,
         o_data_type: str | torch.dtype | None = None, variant: AttentionVariant | None = None, *,
-        batch_invariant: bool | None = None,
+        batch_invariant: bool | None = None, fp8_upcast: bool | None = None,
     ) -> None:
         """Plan one batch. ``custom_mask`` (bool, flattened per request) overrides ``causal``.
 
@@ -148,29 +152,83 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapperBase):
         whose parameters then go to ``run(..., name=value)``. ``batch_invariant`` (default
         ``JITATTN_BATCH_INVARIANT``) is accepted and changes nothing: prefill never splits the KV, and
         each tile of a request's queries reduces its keys in one fixed order whatever the batch.
+        ``fp8_upcast`` (a jitattn extension; None: ``JITATTN_PREFILL_FP8_UPCAST``): with fp8 KV, each ``run()``
+        first reads the batch's pages into a 16-bit ragged K / V (exact; temporary memory of 2 x KV tokens x
+        kv heads x head_dim 16-bit values) and runs the 16-bit kernel on it; False keeps the fp8 kernel.
         """
         self._plan_call = plan_arguments(locals())
         resolve_batch_invariant(batch_invariant)  # validated; prefill is batch-invariant by construction
+        if fp8_upcast is not None and not isinstance(fp8_upcast, bool):
+            raise TypeError(f"fp8_upcast={fp8_upcast!r} must be True, False or None (None: JITATTN_PREFILL_FP8_UPCAST)")
         refuse_unsupported(f"{self._NAME}.plan", PAGE_TABLE_HINT, seq_lens=seq_lens, seq_lens_q=seq_lens_q,
                            block_tables=block_tables,
                            max_token_per_sequence=max_token_per_sequence, max_sequence_kv=max_sequence_kv)
         check_fixed_split_size(fixed_split_size)
         index = check_paged_index(paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, page_size,
                                   names=("paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len"))
-        self.plan_checked(
-            qo_indptr, index, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo=head_dim_vo,
-            custom_mask=custom_mask, packed_custom_mask=packed_custom_mask, causal=causal,
+        options = dict(
+            head_dim_vo=head_dim_vo, custom_mask=custom_mask, packed_custom_mask=packed_custom_mask, causal=causal,
             pos_encoding_mode=pos_encoding_mode, sm_scale=sm_scale, window_left=window_left,
             logits_soft_cap=logits_soft_cap, rope_scale=rope_scale, rope_theta=rope_theta, q_data_type=q_data_type,
             kv_data_type=kv_data_type, o_data_type=o_data_type, variant=variant,
             multi_item=dict(prefix_len_ptr=prefix_len_ptr, token_pos_in_items_ptr=token_pos_in_items_ptr,
                             token_pos_in_items_len=token_pos_in_items_len),
         )
+        self._upcast = None
+        upcast = self._fp8_upcast(index, num_qo_heads, num_kv_heads, head_dim_qk, options, fp8_upcast)
+        if upcast is not None:
+            self._plan = _plan_prefill(
+                self._NAME, self._target, self._device, self._kv_layout, qo_indptr=qo_indptr,
+                kv_indptr_host=upcast.kv_indptr, index=None, kv_lens=list(index.kv_lens), num_qo_heads=num_qo_heads,
+                num_kv_heads=num_kv_heads, head_dim_qk=head_dim_qk, buffers=self._buffers,
+                use_cuda_graph=self._use_cuda_graph, **{**options, "kv_data_type": upcast.out_dtype})
+            self._upcast = upcast
+            return
+        self.plan_checked(qo_indptr, index, num_qo_heads, num_kv_heads, head_dim_qk, **options)
+
+    def _fp8_upcast(self, index: PagedIndex, num_qo_heads: int, num_kv_heads: int, head_dim_qk: int,
+                    options: dict, choice: bool | None) -> KVUpcast | None:
+        """The gather that turns this plan into one of 16-bit ragged KV, or None. ``choice``: plan()'s
+        ``fp8_upcast`` (None: ``JITATTN_PREFILL_FP8_UPCAST``, whose ``auto`` takes it where the 16-bit kernel is
+        the Hopper tier's).
+
+        Not under CUDA graphs (the gather's index arrays and the 16-bit rows would need fixed buffers) and only from
+        ``plan()`` (a cascade level plans through ``plan_checked``; the POD and BatchAttention wrappers pass
+        False: they launch the paged plan's kernel themselves)."""
+        mode = env.prefill_fp8_upcast() if choice is None else "on" if choice else "off"
+        if choice and self._use_cuda_graph:
+            raise ValueError(f"{self._NAME}.plan(fp8_upcast=True) with use_cuda_graph=True: the 16-bit rows a run() "
+                             "gathers have no fixed buffer to be captured in; leave fp8_upcast unset or False")
+        if mode == "off" or self._use_cuda_graph:
+            return None
+        q_dtype, kv_dtype = resolve_dtypes(options["q_data_type"], options["kv_data_type"])
+        if kv_dtype.itemsize != 1 or q_dtype.itemsize != 2:
+            return None
+        if mode == "auto":  # only where the 16-bit kernel is the Hopper tier's
+            if self._target is not Target.CUDA:
+                return None
+            masked = options["custom_mask"] is not None or options["packed_custom_mask"] is not None or \
+                options["multi_item"].get("prefix_len_ptr") is not None
+            twin = attention_options(
+                Op.PREFILL, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim_qk=head_dim_qk,
+                head_dim_vo=options["head_dim_vo"], q_data_type=q_dtype, kv_data_type=q_dtype,
+                o_data_type=options["o_data_type"], pos_encoding_mode=options["pos_encoding_mode"],
+                mask_mode=MaskMode.CUSTOM if masked else MaskMode.CAUSAL if resolve_flag(options["causal"], "causal")
+                else MaskMode.NONE, window_left=options["window_left"], logits_soft_cap=options["logits_soft_cap"],
+                sm_scale=options["sm_scale"], rope_scale=options["rope_scale"], rope_theta=options["rope_theta"],
+                variant=options["variant"])
+            spec = kernel_spec(twin, Target.CUDA, KVLayout.NHD, KVStorage.RAGGED)
+            if prefill_kernels.tier(spec, hardware.known_arch_list()) != "sm90":
+                return None
+        head_dim_vo = head_dim_qk if options["head_dim_vo"] is None else options["head_dim_vo"]
+        return KVUpcast(index, self._kv_layout, num_kv_heads=num_kv_heads, head_dim_qk=head_dim_qk,
+                        head_dim_vo=head_dim_vo, kv_dtype=kv_dtype, out_dtype=q_dtype, device=self._device)
 
     def plan_checked(self, qo_indptr: torch.Tensor, index: PagedIndex, num_qo_heads: int, num_kv_heads: int,
                      head_dim_qk: int, **options) -> None:
         """Plan over a page table that is already checked (``plan()``'s, or a cascade level's), with ``plan()``'s
         keyword options."""
+        self._upcast = None
         self._plan = _plan_prefill(
             self._NAME, self._target, self._device, self._kv_layout, qo_indptr=qo_indptr,
             kv_indptr_host=index.indptr, index=index, kv_lens=list(index.kv_lens), num_qo_heads=num_qo_heads,
@@ -193,6 +251,8 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapperBase):
         one; ``enable_pdl`` only tunes speed. ``sinks``: float32 ``[num_qo_heads]`` attention sinks, as
         in ``BatchDecodeWithPagedKVCacheWrapper.run`` (the lse returned is the keys' alone).
         ``args``/``variant_args``: the planned custom variant's parameters, in declaration order / by name."""
+        if self._upcast is not None:  # JITATTN_PREFILL_FP8_UPCAST: the plan is of the 16-bit rows gathered here
+            paged_kv_cache = self._upcast(paged_kv_cache)
         return self._run(q, paged_kv_cache, k_scale, v_scale, out, lse, return_lse, variant_args, args, q_scale,
                          window_left, sinks)
 
