@@ -130,6 +130,10 @@ def test_fp8_upcast_refuses_bad_input() -> None:
     short = batch.cache[: int(batch.kv_indices.max())]  # the pool without the highest page the table names
     with pytest.raises(ValueError, match="page"):
         wrapper.run(q, short)
+    with pytest.raises(ValueError):  # a plan() that fails keeps the last plan and its gather together
+        _plan(wrapper, e4m3, fp8_upcast=False, window_left=-7)
+    ok = wrapper.run(q, batch.cache)
+    assert not torch.isnan(ok.float()).any()
     graphs = jitattn.BatchPrefillWithPagedKVCacheWrapper(
         torch.empty(1 << 20, dtype=torch.uint8), use_cuda_graph=True, qo_indptr_buf=torch.empty(8, dtype=torch.int32),
         paged_kv_indptr_buf=torch.empty(8, dtype=torch.int32), paged_kv_indices_buf=torch.empty(64, dtype=torch.int32),

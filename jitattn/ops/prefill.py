@@ -174,15 +174,14 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapperBase):
             multi_item=dict(prefix_len_ptr=prefix_len_ptr, token_pos_in_items_ptr=token_pos_in_items_ptr,
                             token_pos_in_items_len=token_pos_in_items_len),
         )
-        self._upcast = None
         upcast = self._fp8_upcast(index, num_qo_heads, num_kv_heads, head_dim_qk, options, fp8_upcast)
         if upcast is not None:
-            self._plan = _plan_prefill(
+            plan = _plan_prefill(
                 self._NAME, self._target, self._device, self._kv_layout, qo_indptr=qo_indptr,
                 kv_indptr_host=upcast.kv_indptr, index=None, kv_lens=list(index.kv_lens), num_qo_heads=num_qo_heads,
                 num_kv_heads=num_kv_heads, head_dim_qk=head_dim_qk, buffers=self._buffers,
                 use_cuda_graph=self._use_cuda_graph, **{**options, "kv_data_type": upcast.out_dtype})
-            self._upcast = upcast
+            self._plan, self._upcast = plan, upcast  # together: a plan() that fails leaves the last pair
             return
         self.plan_checked(qo_indptr, index, num_qo_heads, num_kv_heads, head_dim_qk, **options)
 
@@ -228,13 +227,13 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapperBase):
                      head_dim_qk: int, **options) -> None:
         """Plan over a page table that is already checked (``plan()``'s, or a cascade level's), with ``plan()``'s
         keyword options."""
-        self._upcast = None
-        self._plan = _plan_prefill(
+        plan = _plan_prefill(
             self._NAME, self._target, self._device, self._kv_layout, qo_indptr=qo_indptr,
             kv_indptr_host=index.indptr, index=index, kv_lens=list(index.kv_lens), num_qo_heads=num_qo_heads,
             num_kv_heads=num_kv_heads, head_dim_qk=head_dim_qk, buffers=self._buffers,
             use_cuda_graph=self._use_cuda_graph, **options,
         )
+        self._plan, self._upcast = plan, None
 
     begin_forward = plan
 
