@@ -19,6 +19,9 @@ LOG_LEVELS = ("info", "debug")
 PREFILL_TIERS = ("auto", "sm80", "sm90")
 MLA_KERNELS = ("auto", "sm90", "prefill")
 FP8_UPCAST = ("off", "on", "auto")
+# the knobs that take one of a few words: kind -> (what a value is, the words)
+_CHOICES = {"tier": ("a prefill tier", PREFILL_TIERS), "mla": ("an MLA kernel choice", MLA_KERNELS),
+            "upcast": ("an fp8-upcast choice", FP8_UPCAST)}
 _ARCH = re.compile(r"^\d+\.\d+[af]?(\+PTX)?$")
 
 
@@ -68,18 +71,11 @@ class Knob:
             if raw.lower() in LOG_LEVELS:
                 return None
             return f"{shown} is not a level jitattn knows; set it to {' or '.join(LOG_LEVELS)}, or unset it"
-        if self.kind == "tier":
-            if raw.strip().lower() in PREFILL_TIERS:
+        if self.kind in _CHOICES:
+            what, values = _CHOICES[self.kind]
+            if raw.strip().lower() in values:
                 return None
-            return f"{shown} is not a prefill tier; set it to {', '.join(PREFILL_TIERS)}, or unset it"
-        if self.kind == "mla":
-            if raw.strip().lower() in MLA_KERNELS:
-                return None
-            return f"{shown} is not an MLA kernel choice; set it to {', '.join(MLA_KERNELS)}, or unset it"
-        if self.kind == "upcast":
-            if raw.strip().lower() in FP8_UPCAST:
-                return None
-            return f"{shown} is not an fp8-upcast choice; set it to {', '.join(FP8_UPCAST)}, or unset it"
+            return f"{shown} is not {what}; set it to {', '.join(values)}, or unset it"
         if self.kind == "archs":
             bad = [a for a in re.split(r"[;\s,]+", raw.strip()) if a and not _ARCH.match(a)]
             if not bad:
@@ -203,13 +199,18 @@ def log_level() -> str | None:
     return raw.lower() if raw else None
 
 
-def prefill_tier() -> str:
-    """JITATTN_PREFILL_TIER: 'auto' (the default), 'sm80' or 'sm90'; a bad value is an error."""
-    problem = PREFILL_TIER.problem()
+def _choice(knob: Knob, default: str) -> str:
+    """A one-of-a-few-words knob's value (lower case), ``default`` when unset; a bad value is an error."""
+    problem = knob.problem()
     if problem is not None:
         raise ValueError(problem)
-    raw = PREFILL_TIER.value()
-    return raw.strip().lower() if raw is not None else "auto"
+    raw = knob.value()
+    return raw.strip().lower() if raw else default
+
+
+def prefill_tier() -> str:
+    """JITATTN_PREFILL_TIER: 'auto' (the default), 'sm80' or 'sm90'; a bad value is an error."""
+    return _choice(PREFILL_TIER, "auto")
 
 
 def nvcc_override() -> str | None:
@@ -248,17 +249,9 @@ def describe() -> list[tuple[str, str, str]]:
 
 def mla_kernel() -> str:
     """JITATTN_MLA_KERNEL: 'auto' (the default), 'sm90' or 'prefill'; a bad value is an error."""
-    problem = MLA_KERNEL.problem()
-    if problem is not None:
-        raise ValueError(problem)
-    raw = MLA_KERNEL.value()
-    return raw.strip().lower() if raw else "auto"
+    return _choice(MLA_KERNEL, "auto")
 
 
 def prefill_fp8_upcast() -> str:
     """JITATTN_PREFILL_FP8_UPCAST: 'off' (the default), 'on' or 'auto'; a bad value is an error."""
-    problem = PREFILL_FP8_UPCAST.problem()
-    if problem is not None:
-        raise ValueError(problem)
-    raw = PREFILL_FP8_UPCAST.value()
-    return raw.strip().lower() if raw else "off"
+    return _choice(PREFILL_FP8_UPCAST, "off")
