@@ -54,7 +54,8 @@ def test_fp8_upcast_matches_reference(case_id: str, device: str) -> None:
     q = torch.randn(sum(QO_LENS), hq, dim, generator=gen).to(qd).to(device)
     mask_kw, flat = _masks(mask, gen, device)
     sink_values = (torch.randn(hq, generator=gen) + 2.0).to(device) if sinks else None
-    wrapper = jitattn.BatchPrefillWithPagedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8, device=device), layout)
+    workspace = torch.empty(1 << 20, dtype=torch.uint8, device=device)
+    wrapper = jitattn.BatchPrefillWithPagedKVCacheWrapper(workspace, layout)
     wrapper.plan(_qo_indptr(), batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len, hq, hkv, dim, page,
                  causal=mask == "causal", window_left=window, logits_soft_cap=cap, q_data_type=qd, kv_data_type=kvd,
                  fp8_upcast=True, **mask_kw)

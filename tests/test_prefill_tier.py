@@ -169,8 +169,9 @@ def test_sm90_layout_fits_and_aligns(case_id):
     assert layout["kSmemBytes"] == layout["kOffLive"] + live + 1024
     # Registers: producer and consumer warpgroups within the SM's 64 Ki, setmaxnreg's multiples of 8.
     assert 128 * layout["kProducerRegs"] + 128 * consumers * layout["kConsumerRegs"] <= 65536
-    # setmaxnreg moves registers within the CTA's launch allocation (kThreads x the launch count, at most 64 Ki / kThreads
-    # rounded down to 8): what the consumers add must be what the producer gives back, or their increase never returns.
+    # setmaxnreg moves registers within the CTA's launch allocation (kThreads x the launch count, at most
+    # 64 Ki / kThreads rounded down to 8): what the consumers add must be what the producer gives back, or their
+    # increase never returns.
     launch = 65536 // layout["kThreads"] // 8 * 8
     assert layout["kProducerRegs"] + consumers * layout["kConsumerRegs"] <= (1 + consumers) * launch
     assert layout["kProducerRegs"] % 8 == 0 and layout["kConsumerRegs"] % 8 == 0

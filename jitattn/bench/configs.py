@@ -144,8 +144,9 @@ class Attn:
             qlens = sorted(set(self.qo_lens))
             out["qo_len"] = qlens[0] if len(qlens) == 1 else {"min": qlens[0], "max": qlens[-1], "total": sum(self.qo_lens)}
             out["causal"] = self.causal
-        for key, default in (("custom_mask", False), ("custom_mask_kind", "causal"), ("window_left", -1), ("logits_soft_cap", 0.0),
-                             ("pos_encoding", "NONE"), ("sinks", False), ("batch_invariant", False)):
+        for key, default in (("custom_mask", False), ("custom_mask_kind", "causal"), ("window_left", -1),
+                             ("logits_soft_cap", 0.0), ("pos_encoding", "NONE"), ("sinks", False),
+                             ("batch_invariant", False)):
             if getattr(self, key) != default:
                 out[key] = getattr(self, key)
         return out
