@@ -1,0 +1,87 @@
+"""Suite rows under several settings of the environment, one subprocess each, alternated, printed side by side.
+
+    python3 tools/bench_settings.py OUT.json --only 'variants/plain_prefill*,variants/prefill_softcap*' \\
+        '' 'JITATTN_DEV_SM90_TUNING={"kv_block": 128}'
+    python3 tools/bench_settings.py OUT.json --only 'prefill/llama8b_causal_paged*' \\
+        JITATTN_PREFILL_FP8_UPCAST=off JITATTN_PREFILL_FP8_UPCAST=on --rounds 3
+
+A setting is a space-separated list of NAME=VALUE assignments ('' for none), applied on top of this process's
+environment: the knobs and tunings read at import (``JITATTN_DEV_SM90_TUNING``) or at ``plan()``
+(``JITATTN_PREFILL_FP8_UPCAST``, ``JITATTN_PREFILL_TIER``), each a distinct rendered source where it changes one.
+Each row is the suite's own timing (``python -m jitattn.bench``: events, L2 evicted); every round runs every
+setting once, in order, so drift shows as a trend within a column rather than as a difference between columns.
+OUT.json holds every round's bench document per setting (rows, environment with the knobs set, method).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+
+
+def parse_setting(text: str) -> dict[str, str]:
+    """'A=1 B={"x": 2}' -> {"A": "1", "B": '{"x": 2}'} (shell quoting rules; '' is no change)."""
+    out = {}
+    for word in shlex.split(text):
+        name, sep, value = word.partition("=")
+        if not sep or not name:
+            raise SystemExit(f"setting {text!r}: {word!r} is not NAME=VALUE")
+        out[name] = value
+    return out
+
+
+def run_once(command: list[str], env: dict[str, str]) -> dict:
+    """One run of ``command`` (the bench's arguments but --json) under ``env``: the bench's JSON document (its
+    rows, environment and method), or {} when the run failed before writing it."""
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        done = subprocess.run([*command, "--json", f.name], env={**os.environ, **env}, check=False,
+                              stdout=subprocess.DEVNULL)
+        try:
+            return json.load(open(f.name))
+        except json.JSONDecodeError:  # keep the other settings' runs
+            print(f"setting {env}: no rows (exit {done.returncode})", file=sys.stderr)
+            return {}
+
+
+def compare(out: str, labels: list[str], commands: list[list[str]], envs: list[dict[str, str]], rounds: int) -> None:
+    """Run every (command, env) once per round, print a row per case and a column per setting (microseconds,
+    one figure per round), and write every round's bench document to ``out`` (by setting)."""
+    docs: dict[str, list[dict]] = {label: [] for label in labels}
+    for _ in range(rounds):
+        for label, command, env in zip(labels, commands, envs):
+            docs[label].append(run_once(command, env))
+    rows = {label: [{r["name"]: r for r in doc.get("rows", [])} for doc in runs] for label, runs in docs.items()}
+    names = list(dict.fromkeys(n for runs in rows.values() for r in runs for n in r))
+    width = max(24, *(len(label) for label in labels))
+    print(f"{'case':46s} {'sdpa':>8s} " + " ".join(f"{label[:width]:>{width}s}" for label in labels))
+    for n in names:
+        first = next((r[n] for r in rows[labels[0]] if n in r), {})
+        sdpa = ((first.get("sdpa") or {}).get("default") or {}).get("time_us")
+        cells = []
+        for label in labels:
+            us = [r[n]["time_us"] for r in rows[label] if n in r and r[n].get("time_us")]
+            cells.append(" / ".join(f"{u:.1f}" for u in us))
+        print(f"{n:46s} {sdpa or 0:8.1f} " + " ".join(f"{c:>{width}s}" for c in cells))
+    json.dump(docs, open(out, "w"), indent=1)
+
+
+def main(argv: list[str]) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("out", help="JSON of every round's rows per setting")
+    ap.add_argument("settings", nargs="+", help="NAME=VALUE ... per setting ('' for the environment as it is)")
+    ap.add_argument("--only", required=True, help="the bench's --only (rows, suites or globs)")
+    ap.add_argument("--rounds", type=int, default=2, help="times every setting runs (alternated; default 2)")
+    ap.add_argument("--measure-s", default="0.3", help="the bench's --measure-s per case (default 0.3)")
+    opts = ap.parse_args(argv)
+    command = [sys.executable, "-m", "jitattn.bench", "--only", opts.only, "--measure-s", opts.measure_s]
+    labels = [s or "(as is)" for s in opts.settings]
+    compare(opts.out, labels, [command] * len(labels), [parse_setting(s) for s in opts.settings], opts.rounds)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
