@@ -33,8 +33,6 @@ def flashinfer_unsupported(case: Attn, ctx: Context) -> str | None:
         return "FlashInfer needs CUDA"
     if not available("flashinfer"):
         return "flashinfer is not installed"
-    if case.custom_mask:
-        return "custom mask: compared with the plain kernel"
     if case.sinks:
         return "FlashInfer 0.5.3 has sinks only as a sm80 prefill variant or trtllm-gen: compared with the plain kernel"
     if case.batch_invariant:
@@ -63,6 +61,8 @@ def _flashinfer_call(data: AttnData, workspace: torch.Tensor):
                      case.head_dim, case.page_size, **options)
         return lambda: wrapper.run(data.q, data.cache, out=out), out
     qo_indptr = indptr_of(list(case.queries)).cuda()
+    if data.custom_mask is not None:  # the same flat bool mask jitattn plans with
+        options["custom_mask"] = data.custom_mask.cuda()
     if case.storage == "paged":
         wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
         t = data.table
