@@ -46,9 +46,11 @@ def _row_stride(t: torch.Tensor) -> int | None:
     return row_stride if row_stride is not None else t.shape[-1]
 
 
-def _rowwise(t: torch.Tensor) -> torch.Tensor:
-    """``t`` when its rows share one stride, else a contiguous copy (which a written tensor gets back)."""
-    return t if _row_stride(t) is not None else t.contiguous()
+def _rowwise(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(``t``, its row stride) when its rows share one stride, else (a contiguous copy, which a written tensor gets
+    back, and its row length)."""
+    stride = _row_stride(t)
+    return (t, stride) if stride is not None else (t.contiguous(), t.shape[-1])
 
 
 def _eps(eps) -> float:
@@ -113,15 +115,15 @@ def rms_norm(what: str, input: torch.Tensor, weight: torch.Tensor, eps, out: tor
     rows = math.prod(input.shape[:-1])
     if rows == 0:
         return
-    src = _rowwise(input)
-    dst = src if out is input else _rowwise(out)
-    res = _rowwise(residual) if residual is not None else None
+    src, in_stride = _rowwise(input)
+    dst, out_stride = (src, in_stride) if out is input else _rowwise(out)
+    res, res_stride = _rowwise(residual) if residual is not None else (None, 0)
     module = load(dtype_spec(Op.NORM, target, input.dtype))
     launch_on(module, "rmsnorm", device,
         input=src.data_ptr(), residual=res.data_ptr() if res is not None else None,
-        weight=weight.data_ptr(), out=dst.data_ptr(), rows=rows, hidden=hidden, in_stride=_row_stride(src),
-        res_stride=_row_stride(res) if res is not None else 0, out_stride=_row_stride(dst), eps=eps,
-        weight_offset=float(weight_offset), num_threads=cpu_threads())
+        weight=weight.data_ptr(), out=dst.data_ptr(), rows=rows, hidden=hidden, in_stride=in_stride,
+        res_stride=res_stride, out_stride=out_stride, eps=eps, weight_offset=float(weight_offset),
+        num_threads=cpu_threads())
     for written, staged in ((out, dst), (residual, res)):  # copies of tensors whose rows had no one stride
         if written is not None and staged is not written:
             written.copy_(staged)
@@ -150,11 +152,11 @@ def act_and_mul(what: str, act: str, input: torch.Tensor, out: torch.Tensor | No
     rows = math.prod(input.shape[:-1])
     if rows == 0 or d == 0:
         return out
-    src, dst = _rowwise(input), _rowwise(out)
+    (src, in_stride), (dst, out_stride) = _rowwise(input), _rowwise(out)
     module = load(dtype_spec(Op.ACT, target, input.dtype))
     launch_on(module, "act_and_mul", device,
-        input=src.data_ptr(), out=dst.data_ptr(), rows=rows, d=d, in_stride=_row_stride(src),
-        out_stride=_row_stride(dst), act=ACT_CODES[act], num_threads=cpu_threads())
+        input=src.data_ptr(), out=dst.data_ptr(), rows=rows, d=d, in_stride=in_stride,
+        out_stride=out_stride, act=ACT_CODES[act], num_threads=cpu_threads())
     if dst is not out:
         out.copy_(dst)
     return out
