@@ -43,8 +43,5 @@ __device__ __forceinline__ void rope_sincos(int pos, double freq, float* s, floa
   __sincosf(r, s, c);
 }
 
-// ---- ALiBi ------------------------------------------------------------------------
-
-
 }  // namespace pf
 }  // namespace jitattn
