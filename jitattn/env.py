@@ -112,10 +112,10 @@ MLA_KERNEL = Knob("JITATTN_MLA_KERNEL", "mla", "auto",
                   "BatchMLAPagedAttentionWrapper's kernel: auto (the sm90 MLA kernel on an H100/H200 for the plans it "
                   "supports, else the paged prefill kernels), sm90 (an error where it cannot run), prefill")
 PREFILL_FP8_UPCAST = Knob(
-    "JITATTN_PREFILL_FP8_UPCAST", "upcast", "off",
+    "JITATTN_PREFILL_FP8_UPCAST", "upcast", "auto",
     "paged prefill plans of fp8 KV: on reads the batch's pages once into a 16-bit ragged K / V per run (memory: 2 x "
     "tokens x kv heads x dim 16-bit values) and runs the 16-bit kernel; auto does so where that kernel takes the "
-    "sm90 tier; off (the default until measured) keeps the fp8 kernel")
+    "sm90 tier (the default: H200, causal b8 x 4096 d128 paged, 2.46 against 4.83 ms); off keeps the fp8 kernel")
 TEST_CACHE_DIR = Knob("JITATTN_TEST_CACHE_DIR", "path", "unset: each test run builds into a temp dir it removes",
                       "the test suite's shared cache (tests/conftest.py; .ci/run sets it after warming)")
 
@@ -253,5 +253,5 @@ def mla_kernel() -> str:
 
 
 def prefill_fp8_upcast() -> str:
-    """JITATTN_PREFILL_FP8_UPCAST: 'off' (the default), 'on' or 'auto'; a bad value is an error."""
-    return _choice(PREFILL_FP8_UPCAST, "off")
+    """JITATTN_PREFILL_FP8_UPCAST: 'auto' (the default), 'on' or 'off'; a bad value is an error."""
+    return _choice(PREFILL_FP8_UPCAST, "auto")
