@@ -18,19 +18,23 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
+import re
 import subprocess
 import sys
 import tempfile
 
 
 def parse_setting(text: str) -> dict[str, str]:
-    """'A=1 B={"x": 2}' -> {"A": "1", "B": '{"x": 2}'} (shell quoting rules; '' is no change)."""
+    """'A=1 B={"x": 2}' -> {"A": "1", "B": '{"x": 2}'} ('' is no change). A value runs to the next ' NAME=' (or the
+    end), so JSON values keep their quotes and spaces."""
+    if not text.strip():
+        return {}
+    parts = re.split(r"\s+(?=[A-Za-z_][A-Za-z0-9_]*=)", text.strip())
     out = {}
-    for word in shlex.split(text):
-        name, sep, value = word.partition("=")
-        if not sep or not name:
-            raise SystemExit(f"setting {text!r}: {word!r} is not NAME=VALUE")
+    for part in parts:
+        name, sep, value = part.partition("=")
+        if not sep or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+            raise SystemExit(f"setting {text!r}: {part!r} is not NAME=VALUE")
         out[name] = value
     return out
 
