@@ -19,9 +19,10 @@ LOG_LEVELS = ("info", "debug")
 PREFILL_TIERS = ("auto", "sm80", "sm90")
 MLA_KERNELS = ("auto", "sm90", "prefill")
 FP8_UPCAST = ("off", "on", "auto")
+ROPE_FIRST = ("off", "on", "auto")
 # the knobs that take one of a few words: kind -> (what a value is, the words)
 _CHOICES = {"tier": ("a prefill tier", PREFILL_TIERS), "mla": ("an MLA kernel choice", MLA_KERNELS),
-            "upcast": ("an fp8-upcast choice", FP8_UPCAST)}
+            "upcast": ("an fp8-upcast choice", FP8_UPCAST), "rope_first": ("a RoPE-first choice", ROPE_FIRST)}
 _ARCH = re.compile(r"^\d+\.\d+[af]?(\+PTX)?$")
 
 
@@ -35,7 +36,8 @@ class Knob:
     """One setting: ``kind`` says how its value is read and checked."""
 
     name: str
-    kind: str  # "path" | "paths" | "jobs" | "flag" | "log_level" | "archs" | "executable" | "command" | "tier" | "mla"
+    kind: str  # "path" | "paths" | "jobs" | "flag" | "log_level" | "archs" | "executable" | "command", or a
+    # _CHOICES kind ("tier", "mla", "upcast", "rope_first")
     default: str  # what applies when unset, as show-config describes it
     doc: str
     aliases: tuple[str, ...] = ()
@@ -116,12 +118,17 @@ PREFILL_FP8_UPCAST = Knob(
     "paged prefill plans of fp8 KV: on reads the batch's pages once into a 16-bit ragged K / V per run (memory: 2 x "
     "tokens x kv heads x dim 16-bit values) and runs the 16-bit kernel; auto does so where that kernel takes the "
     "sm90 tier (the default: H200, causal b8 x 4096 d128 paged, 2.46 against 4.83 ms); off keeps the fp8 kernel")
+PREFILL_ROPE_FIRST = Knob(
+    "JITATTN_PREFILL_ROPE_FIRST", "rope_first", "auto",
+    "prefill plans with pos_encoding_mode ROPE_LLAMA: on rotates q and k once per run (an f16 copy of q, k and v: "
+    "memory 2 x (qo tokens x qo heads + 2 x kv tokens x kv heads) x dim bytes) and runs the f16 kernel without "
+    "RoPE; auto (the default) does so where that kernel takes the sm90 tier; off keeps RoPE in the kernel")
 TEST_CACHE_DIR = Knob("JITATTN_TEST_CACHE_DIR", "path", "unset: each test run builds into a temp dir it removes",
                       "the test suite's shared cache (tests/conftest.py; .ci/run sets it after warming)")
 
 KNOBS: tuple[Knob, ...] = (CACHE_DIR, CACHE_PATH, MAX_JOBS, CUDA_ARCH_LIST, ASSERT_NO_COMPILE, LOG_LEVEL, DEBUG,
                            NVCC, CXX, CUDA_HOME, BATCH_INVARIANT, PREFILL_TIER, MLA_KERNEL,
-                           PREFILL_FP8_UPCAST, TEST_CACHE_DIR)
+                           PREFILL_FP8_UPCAST, PREFILL_ROPE_FIRST, TEST_CACHE_DIR)
 
 
 def _truthy(value: str | None) -> bool:
@@ -255,3 +262,8 @@ def mla_kernel() -> str:
 def prefill_fp8_upcast() -> str:
     """JITATTN_PREFILL_FP8_UPCAST: 'auto' (the default), 'on' or 'off'; a bad value is an error."""
     return _choice(PREFILL_FP8_UPCAST, "auto")
+
+
+def prefill_rope_first() -> str:
+    """JITATTN_PREFILL_ROPE_FIRST: 'auto' (the default), 'on' or 'off'; a bad value is an error."""
+    return _choice(PREFILL_ROPE_FIRST, "auto")

@@ -204,7 +204,8 @@ class BatchPODWithPagedKVCacheWrapper:
             decode = self._decode_kernel
         else:
             self._decode_queries.plan(qo_d, kv_indptr_d, kv_indices_d, last_page_len_d, num_qo_heads, num_kv_heads,
-                                      head_dim, page_size, causal=False, fp8_upcast=False, **options)
+                                      head_dim, page_size, causal=False, fp8_upcast=False, rope_first=False,
+                                      **options)
             decode = self._decode_queries
         self._prefill_batch = (qo_p, index_p, num_qo_heads, num_kv_heads, head_dim, options)
         self._decode = decode

@@ -11,16 +11,18 @@ from .. import env, hardware
 from ..kernels import prefill as prefill_kernels
 from ..runtime.batch import AttentionPlan
 from ..runtime.builder import HostIndex, attention_options, build_plan, kernel_spec
-from ..runtime.kv_upcast import KVUpcast
+from ..runtime.kv_upcast import KVUpcast, ragged_indptr
+from ..runtime.rope_first import OPERAND_DTYPE, RopeFirst
 from ..runtime.wrapper import BatchWrapperBase, plan_arguments
 from ..runtime.checks import check_tensor, stream_capturing, target_of
-from ..runtime.options import (PAGE_TABLE_HINT, parse_kv_layout, per_tensor_scale, refuse_unsupported,
-                                 resolve_batch_invariant, resolve_dtypes, resolve_flag)
+from ..runtime.compiled import rope_first_operands
+from ..runtime.options import (PAGE_TABLE_HINT, parse_kv_layout, parse_pos_encoding, per_tensor_scale,
+                                 refuse_unsupported, resolve_batch_invariant, resolve_dtypes, resolve_flag)
 from ..page_table import PagedIndex, check_indptr, check_paged_index
 from ..kv_split import check_fixed_split_size, unsplit
 from ..masks import multi_item_mask, packed_mask_indptr, segment_packbits
 from ..variant import AttentionVariant
-from ..spec import KVLayout, KVStorage, MaskMode, Op, Target
+from ..spec import KVLayout, KVStorage, MaskMode, Op, PosEncoding, Target
 
 __all__ = [
     "BatchPrefillWithPagedKVCacheWrapper", "BatchPrefillWithRaggedKVCacheWrapper", "single_prefill_with_kv_cache",
@@ -86,7 +88,68 @@ def _plan_prefill(
                       buffers, use_cuda_graph)
 
 
+def _prefill_options(num_qo_heads: int, num_kv_heads: int, head_dim_qk: int, options: dict, **changes):
+    """The ``AttentionOptions`` of a prefill plan of ``options`` (plan()'s keywords) with ``changes``."""
+    o = {**options, **changes}
+    masked = o["custom_mask"] is not None or o["packed_custom_mask"] is not None or \
+        o["multi_item"].get("prefix_len_ptr") is not None
+    return attention_options(
+        Op.PREFILL, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim_qk=head_dim_qk,
+        head_dim_vo=o["head_dim_vo"], q_data_type=o["q_data_type"], kv_data_type=o["kv_data_type"],
+        o_data_type=o["o_data_type"], pos_encoding_mode=o["pos_encoding_mode"],
+        mask_mode=MaskMode.CUSTOM if masked else MaskMode.CAUSAL if resolve_flag(o["causal"], "causal")
+        else MaskMode.NONE, window_left=o["window_left"], logits_soft_cap=o["logits_soft_cap"],
+        sm_scale=o["sm_scale"], rope_scale=o["rope_scale"], rope_theta=o["rope_theta"], variant=o["variant"])
+
+
+def _takes_sm90(target: Target, num_qo_heads: int, num_kv_heads: int, head_dim_qk: int, options: dict,
+                **changes) -> bool:
+    """Whether the prefill plan of ``options`` with ``changes`` runs on the Hopper tier (over ragged KV)."""
+    if target is not Target.CUDA:
+        return False
+    twin = _prefill_options(num_qo_heads, num_kv_heads, head_dim_qk, options, **changes)
+    spec = kernel_spec(twin, Target.CUDA, KVLayout.NHD, KVStorage.RAGGED)
+    return prefill_kernels.tier(spec, hardware.known_arch_list()) == "sm90"
+
+
 class _PrefillWrapperBase(BatchWrapperBase):
+    _rope: RopeFirst | None = None  # JITATTN_PREFILL_ROPE_FIRST's rotation of the current plan
+
+    def rope_operands(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What the current plan's kernel reads for ragged ``q``, ``k``, ``v``: their rotated f16 copies when the
+        plan applies RoPE first (``plan(rope_first=...)``), else the tensors as given."""
+        return (q, k, v) if self._rope is None else self._rope(q, k, v)
+
+    def _rope_first(self, qo_indptr: torch.Tensor, kv_indptr_host: torch.Tensor, num_qo_heads: int,
+                    num_kv_heads: int, head_dim_qk: int, options: dict, choice: bool | None
+                    ) -> tuple[dict, RopeFirst] | None:
+        """A ``ROPE_LLAMA`` plan's RoPE done before the kernel: the options of the f16 plan without RoPE and the
+        rotation, or None (RoPE stays in the kernel). ``choice``: plan()'s ``rope_first`` (None:
+        ``JITATTN_PREFILL_ROPE_FIRST``, whose ``auto`` takes it where the plan without RoPE takes the Hopper tier).
+        Never under CUDA graphs (the rotated copies are no fixed buffers)."""
+        if choice is not None and not isinstance(choice, bool):
+            raise TypeError(f"rope_first={choice!r} must be True, False or None (None: JITATTN_PREFILL_ROPE_FIRST)")
+        mode = env.prefill_rope_first() if choice is None else "on" if choice else "off"
+        if choice and self._use_cuda_graph:
+            raise ValueError(f"{self._NAME}.plan(rope_first=True) with use_cuda_graph=True: the rotated copies a "
+                             "run() makes have no fixed buffer to be captured in; leave rope_first unset or False")
+        if mode == "off" or self._use_cuda_graph or \
+                parse_pos_encoding(options["pos_encoding_mode"]) is not PosEncoding.ROPE_LLAMA:
+            return None
+        planned = _prefill_options(num_qo_heads, num_kv_heads, head_dim_qk, options)
+        if planned.pos_encoding is not PosEncoding.ROPE_LLAMA or planned.q_dtype.itemsize != 2:
+            return None
+        changes = dict(pos_encoding_mode="NONE", q_data_type=OPERAND_DTYPE, kv_data_type=OPERAND_DTYPE,
+                       o_data_type=planned.o_dtype, rope_scale=None, rope_theta=None)
+        if mode == "auto" and not _takes_sm90(self._target, num_qo_heads, num_kv_heads, head_dim_qk, options,
+                                              **changes):
+            return None
+        rope = RopeFirst(check_indptr("qo_indptr", qo_indptr), kv_indptr_host, head_dim=head_dim_qk,
+                         rope_scale=planned.scalars.rope_scale, rope_theta=planned.scalars.rope_theta,
+                         device=self._device, previous=self._rope)
+        return {**options, **changes}, rope
+
     def workspace_size(
         self, max_batch_size: int, max_qo_tokens: int, max_kv_tokens: int, num_qo_heads: int, num_kv_heads: int,
         head_dim_qk: int, page_size: int = 1, head_dim_vo: int | None = None,
@@ -137,7 +200,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapperBase):
         max_token_per_sequence: int | None = None, max_sequence_kv: int | None = None,
         fixed_split_size: int | None = None, disable_split_kv: bool = False,
         o_data_type: str | torch.dtype | None = None, variant: AttentionVariant | None = None, *,
-        batch_invariant: bool | None = None, fp8_upcast: bool | None = None,
+        batch_invariant: bool | None = None, fp8_upcast: bool | None = None, rope_first: bool | None = None,
     ) -> None:
         """Plan one batch. ``custom_mask`` (bool, flattened per request) overrides ``causal``.
 
@@ -155,6 +218,9 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapperBase):
         ``fp8_upcast`` (a jitattn extension; None: ``JITATTN_PREFILL_FP8_UPCAST``): with fp8 KV, each ``run()``
         first reads the batch's pages into a 16-bit ragged K / V (exact; temporary memory of 2 x KV tokens x
         kv heads x head_dim 16-bit values) and runs the 16-bit kernel on it; False keeps the fp8 kernel.
+        ``rope_first`` (a jitattn extension; None: ``JITATTN_PREFILL_ROPE_FIRST``): with ``ROPE_LLAMA``, each
+        ``run()`` first rotates q and the batch's keys into f16 copies (the pages gathered, as above) and runs the
+        kernel without RoPE on them; False keeps RoPE in the kernel.
         """
         self._plan_call = plan_arguments(locals())
         resolve_batch_invariant(batch_invariant)  # validated; prefill is batch-invariant by construction
@@ -174,16 +240,27 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapperBase):
             multi_item=dict(prefix_len_ptr=prefix_len_ptr, token_pos_in_items_ptr=token_pos_in_items_ptr,
                             token_pos_in_items_len=token_pos_in_items_len),
         )
-        upcast = self._fp8_upcast(index, num_qo_heads, num_kv_heads, head_dim_qk, options, fp8_upcast)
-        if upcast is not None:
-            plan = _plan_prefill(
-                self._NAME, self._target, self._device, self._kv_layout, qo_indptr=qo_indptr,
-                kv_indptr_host=upcast.kv_indptr, index=None, kv_lens=list(index.kv_lens), num_qo_heads=num_qo_heads,
-                num_kv_heads=num_kv_heads, head_dim_qk=head_dim_qk, buffers=self._buffers,
-                use_cuda_graph=self._use_cuda_graph, **{**options, "kv_data_type": upcast.out_dtype})
-            self._plan, self._upcast = plan, upcast  # together: a plan() that fails leaves the last pair
-            return
-        self.plan_checked(qo_indptr, index, num_qo_heads, num_kv_heads, head_dim_qk, **options)
+        first = self._rope_first(qo_indptr, ragged_indptr(index), num_qo_heads, num_kv_heads, head_dim_qk, options,
+                                 rope_first)
+        rope = None
+        if first is not None:  # the pages gathered into ragged f16 rows, then rotated
+            options, rope = first
+            _, kv_dtype = resolve_dtypes(q_data_type, kv_data_type)
+            gather = KVUpcast(index, self._kv_layout, num_kv_heads=num_kv_heads, head_dim_qk=head_dim_qk,
+                              head_dim_vo=head_dim_qk if head_dim_vo is None else head_dim_vo, kv_dtype=kv_dtype,
+                              out_dtype=OPERAND_DTYPE, device=self._device)
+        else:
+            gather = self._fp8_upcast(index, num_qo_heads, num_kv_heads, head_dim_qk, options, fp8_upcast)
+            if gather is None:
+                self.plan_checked(qo_indptr, index, num_qo_heads, num_kv_heads, head_dim_qk, **options)
+                return
+            options = {**options, "kv_data_type": gather.out_dtype}
+        plan = _plan_prefill(
+            self._NAME, self._target, self._device, self._kv_layout, qo_indptr=qo_indptr,
+            kv_indptr_host=gather.kv_indptr, index=None, kv_lens=list(index.kv_lens), num_qo_heads=num_qo_heads,
+            num_kv_heads=num_kv_heads, head_dim_qk=head_dim_qk, buffers=self._buffers,
+            use_cuda_graph=self._use_cuda_graph, **options)
+        self._plan, self._upcast, self._rope = plan, gather, rope  # together: a plan() that fails keeps the last
 
     def _fp8_upcast(self, index: PagedIndex, num_qo_heads: int, num_kv_heads: int, head_dim_qk: int,
                     options: dict, choice: bool | None) -> KVUpcast | None:
@@ -203,22 +280,9 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapperBase):
         q_dtype, kv_dtype = resolve_dtypes(options["q_data_type"], options["kv_data_type"])
         if kv_dtype.itemsize != 1 or q_dtype.itemsize != 2:
             return None
-        if mode == "auto":  # only where the 16-bit kernel is the Hopper tier's
-            if self._target is not Target.CUDA:
-                return None
-            masked = options["custom_mask"] is not None or options["packed_custom_mask"] is not None or \
-                options["multi_item"].get("prefix_len_ptr") is not None
-            twin = attention_options(
-                Op.PREFILL, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim_qk=head_dim_qk,
-                head_dim_vo=options["head_dim_vo"], q_data_type=q_dtype, kv_data_type=q_dtype,
-                o_data_type=options["o_data_type"], pos_encoding_mode=options["pos_encoding_mode"],
-                mask_mode=MaskMode.CUSTOM if masked else MaskMode.CAUSAL if resolve_flag(options["causal"], "causal")
-                else MaskMode.NONE, window_left=options["window_left"], logits_soft_cap=options["logits_soft_cap"],
-                sm_scale=options["sm_scale"], rope_scale=options["rope_scale"], rope_theta=options["rope_theta"],
-                variant=options["variant"])
-            spec = kernel_spec(twin, Target.CUDA, KVLayout.NHD, KVStorage.RAGGED)
-            if prefill_kernels.tier(spec, hardware.known_arch_list()) != "sm90":
-                return None
+        if mode == "auto" and not _takes_sm90(self._target, num_qo_heads, num_kv_heads, head_dim_qk, options,
+                                              q_data_type=q_dtype, kv_data_type=q_dtype):
+            return None  # only where the 16-bit kernel is the Hopper tier's
         head_dim_vo = head_dim_qk if options["head_dim_vo"] is None else options["head_dim_vo"]
         return KVUpcast(index, self._kv_layout, num_kv_heads=num_kv_heads, head_dim_qk=head_dim_qk,
                         head_dim_vo=head_dim_vo, kv_dtype=kv_dtype, out_dtype=q_dtype, device=self._device)
@@ -233,7 +297,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapperBase):
             num_kv_heads=num_kv_heads, head_dim_qk=head_dim_qk, buffers=self._buffers,
             use_cuda_graph=self._use_cuda_graph, **options,
         )
-        self._plan, self._upcast = plan, None
+        self._plan, self._upcast, self._rope = plan, None, None
 
     begin_forward = plan
 
@@ -250,8 +314,11 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapperBase):
         one; ``enable_pdl`` only tunes speed. ``sinks``: float32 ``[num_qo_heads]`` attention sinks, as
         in ``BatchDecodeWithPagedKVCacheWrapper.run`` (the lse returned is the keys' alone).
         ``args``/``variant_args``: the planned custom variant's parameters, in declaration order / by name."""
-        if self._upcast is not None:  # JITATTN_PREFILL_FP8_UPCAST: the plan is of the 16-bit rows gathered here
+        if self._upcast is not None:  # fp8 upcast or RoPE first: the plan is of the 16-bit rows gathered here
             paged_kv_cache = self._upcast(paged_kv_cache)
+        if self._rope is not None:  # RoPE first: the plan is of the rotated copies made here
+            q, k, v = rope_first_operands(self._op_key, self._rope, q, *paged_kv_cache)
+            paged_kv_cache = (k, v)
         return self._run(q, paged_kv_cache, k_scale, v_scale, out, lse, return_lse, variant_args, args, q_scale,
                          window_left, sinks)
 
@@ -313,25 +380,32 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapperBase):
         max_item_len_ptr: torch.Tensor | None = None, fixed_split_size: int | None = None,
         disable_split_kv: bool = False, o_data_type: str | torch.dtype | None = None,
         variant: AttentionVariant | None = None, *, batch_invariant: bool | None = None,
+        rope_first: bool | None = None,
     ) -> None:
         """Plan one batch; request r's keys are rows ``kv_indptr[r]:kv_indptr[r+1]`` of k/v.
 
-        Options as in the paged wrapper's ``plan`` (multi-item scoring and ``batch_invariant`` included)."""
+        Options as in the paged wrapper's ``plan`` (multi-item scoring, ``batch_invariant`` and ``rope_first``
+        included)."""
         self._plan_call = plan_arguments(locals())
         resolve_batch_invariant(batch_invariant)  # validated; prefill is batch-invariant by construction
         check_fixed_split_size(fixed_split_size)
         kv_host = check_indptr("kv_indptr", kv_indptr)
-        self._plan = _plan_prefill(
-            self._NAME, self._target, self._device, self._kv_layout, qo_indptr=qo_indptr, kv_indptr_host=kv_host,
-            index=None, kv_lens=(kv_host[1:] - kv_host[:-1]).tolist(), num_qo_heads=num_qo_heads,
-            num_kv_heads=num_kv_heads, head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo, custom_mask=custom_mask,
-            packed_custom_mask=packed_custom_mask, causal=causal, pos_encoding_mode=pos_encoding_mode,
-            sm_scale=sm_scale, window_left=window_left, logits_soft_cap=logits_soft_cap, rope_scale=rope_scale,
-            rope_theta=rope_theta, q_data_type=q_data_type, kv_data_type=kv_data_type, o_data_type=o_data_type,
-            buffers=self._buffers, use_cuda_graph=self._use_cuda_graph, variant=variant,
+        options = dict(
+            head_dim_vo=head_dim_vo, custom_mask=custom_mask, packed_custom_mask=packed_custom_mask, causal=causal,
+            pos_encoding_mode=pos_encoding_mode, sm_scale=sm_scale, window_left=window_left,
+            logits_soft_cap=logits_soft_cap, rope_scale=rope_scale, rope_theta=rope_theta, q_data_type=q_data_type,
+            kv_data_type=kv_data_type, o_data_type=o_data_type, variant=variant,
             multi_item=dict(prefix_len_ptr=prefix_len_ptr, token_pos_in_items_ptr=token_pos_in_items_ptr,
                             token_pos_in_items_len=token_pos_in_items_len),
         )
+        first = self._rope_first(qo_indptr, kv_host, num_qo_heads, num_kv_heads, head_dim_qk, options, rope_first)
+        options, rope = first if first is not None else (options, None)
+        plan = _plan_prefill(
+            self._NAME, self._target, self._device, self._kv_layout, qo_indptr=qo_indptr, kv_indptr_host=kv_host,
+            index=None, kv_lens=(kv_host[1:] - kv_host[:-1]).tolist(), num_qo_heads=num_qo_heads,
+            num_kv_heads=num_kv_heads, head_dim_qk=head_dim_qk, buffers=self._buffers,
+            use_cuda_graph=self._use_cuda_graph, **options)
+        self._plan, self._rope = plan, rope
 
     begin_forward = plan
 
@@ -349,6 +423,8 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapperBase):
             for name, t in (("k", k), ("v", v)):
                 check_tensor(name, t, ndim=3)
             k, v = k.transpose(0, 1), v.transpose(0, 1)
+        if self._rope is not None:  # RoPE first: the plan is of the rotated copies made here
+            q, k, v = rope_first_operands(self._op_key, self._rope, q, k, v)
         return self._run(q, (k, v), k_scale, v_scale, out, lse, return_lse, variant_args, args, q_scale, window_left,
                          sinks)
 

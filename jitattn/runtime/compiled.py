@@ -3,8 +3,10 @@
 Under compilation a wrapper's ``run()`` becomes one opaque op call,
 ``jitattn::wrapper_run``, keyed by a per-wrapper integer that never changes:
 the current plan is looked up when the op executes, so a new ``plan()``
-(different lengths, same shapes) never triggers a recompile. The fake
-implementations give output shapes and dtypes without running anything.
+(different lengths, same shapes) never triggers a recompile. A prefill plan
+that applies RoPE before its kernel rotates its operands in a second op,
+``jitattn::wrapper_rope_first``, before it. The fake implementations give
+output shapes and dtypes without running anything.
 """
 
 from __future__ import annotations
@@ -59,3 +61,29 @@ def run_compiled(
         lse.copy_(result_lse)
         result_lse = lse
     return (result, result_lse) if return_lse else result
+
+
+@torch.library.custom_op("jitattn::wrapper_rope_first", mutates_args=())
+def wrapper_rope_first(key: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The current plan's operands of a prefill wrapper that applies RoPE first (``rope_operands``)."""
+    wrapper = _wrappers[key]()
+    if wrapper is None:
+        raise RuntimeError("jitattn: the wrapper this compiled graph calls no longer exists")
+    rotated = wrapper.rope_operands(q, k, v)
+    return tuple(x.clone() if x is y else x for x, y in zip(rotated, (q, k, v)))  # an op's outputs never alias
+
+
+@wrapper_rope_first.register_fake
+def _wrapper_rope_first_fake(key, q, k, v):
+    from .rope_first import OPERAND_DTYPE
+
+    return tuple(x.new_empty(x.shape, dtype=OPERAND_DTYPE) for x in (q, k, v))
+
+
+def rope_first_operands(key: int, rotation, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``rotation(q, k, v)`` (a ``RopeFirst``) eagerly; under torch.compile the custom op that finds it at run time."""
+    if torch.compiler.is_compiling():
+        return torch.ops.jitattn.wrapper_rope_first(key, q, k, v)
+    return rotation(q, k, v)

@@ -1,4 +1,5 @@
-"""An fp8 paged KV cache read once into a 16-bit ragged K / V, for a prefill plan of 16-bit KV.
+"""An fp8 paged KV cache read once into a 16-bit ragged K / V, for a prefill plan of 16-bit KV (and any paged cache
+into f16 rows for RoPE before the kernel, ``rope_first.py``).
 
 A prefill kernel that converts fp8 KV inside reconverts each KV block for every query tile that reads it (about
 64 times per element at causal b x 4096 with the GQA group packed); converting the batch's keys once costs one
@@ -32,6 +33,11 @@ def token_rows(index: PagedIndex) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.from_numpy(pages), torch.from_numpy(token % ps)
 
 
+def ragged_indptr(index: PagedIndex) -> torch.Tensor:
+    """The kv_indptr (int32, host) of the batch's keys as ragged rows, request after request."""
+    return torch.from_numpy(np.concatenate([[0], np.cumsum(index.kv_len_array)]).astype(np.int32))
+
+
 class KVUpcast:
     """The gather of one plan: ``upcast(paged_kv_cache) -> (k, v)``, ragged ``[kv tokens, kv heads, dim]`` in
     ``out_dtype``, after the checks the paged plan would have made of the cache."""
@@ -46,7 +52,7 @@ class KVUpcast:
     @property
     def kv_indptr(self) -> torch.Tensor:
         """The ragged plan's kv_indptr (int32, host)."""
-        return torch.from_numpy(np.concatenate([[0], np.cumsum(self.index.kv_len_array)]).astype(np.int32))
+        return ragged_indptr(self.index)
 
     def __call__(self, paged_kv_cache) -> tuple[torch.Tensor, torch.Tensor]:
         k, v = split_paged_kv_cache(paged_kv_cache, self.kv_layout)
