@@ -21,13 +21,15 @@ import jitattn
 from jitattn import reference as ref
 from jitattn.kernels.rope import ROPE
 from jitattn.jit import KernelError, load
+from jitattn.runtime.rope import Angles, Positions, rotate
 from jitattn.spec import VariantSpec, parse_spec_text
 
 SEED = int(os.environ.get("JITATTN_TEST_SEED", random.randrange(2**31)))
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-GPU_SPECS = [VariantSpec(op="rope", target="cuda", q_dtype=d) for d in DTYPES]
+GPU_SPECS = [VariantSpec(op="rope", target="cuda", q_dtype=d) for d in DTYPES] + [
+    VariantSpec(op="rope", target="cuda", q_dtype=a, o_dtype=b) for a, b in (("bf16", "f16"), ("f16", "bf16"))]
 # Output rounding (half an ulp of the dtype at |x| ~ 4) plus float32 angles at positions below ~600.
 TOLERANCE = {torch.float32: 2e-4, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 SOURCES = ["indptr", "pos_ids", "indptr_llama31", "pos_ids_llama31", "cos_sin_cache"]
@@ -246,6 +248,30 @@ def test_rows_off_16_bytes_give_the_aligned_result(device, interleave):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("src, dst", [(torch.bfloat16, torch.float16), (torch.float16, torch.bfloat16)],
+                         ids=["bf16_to_f16", "f16_to_bf16"])
+@pytest.mark.parametrize("offset", [0, 1], ids=["aligned", "off16"])
+def test_rotation_into_the_other_16bit_dtype(device, src, dst, offset):
+    """Out of place into the other 16-bit dtype (RoPE before a prefill kernel): each element rounded once from the
+    float32 rotation, as the float32 kernel's result rounded to ``dst``; the unrotated tail converted; rows on 16
+    bytes and 2 bytes past them (the cuda kernel's two paths) alike."""
+    case = Case(device, src, 128, 96, 4, 2, salt=41)
+    positions, angles = Positions(pos_ids=case.pos_ids), Angles(rope_scale=4.0, rope_theta=5e5)
+    q_out = torch.full((case.q.numel() + offset,), float("nan"), dtype=dst, device=device)[offset:].view(case.q.shape)
+    k_out = torch.full((case.k.numel() + offset,), float("nan"), dtype=dst, device=device)[offset:].view(case.k.shape)
+    rotate(case.q, case.k, q_out, k_out, positions, 96, False, angles)
+    q32, k32 = case.q.float(), case.k.float()
+    want_q, want_k = torch.empty_like(q32), torch.empty_like(k32)
+    rotate(q32, k32, want_q, want_k, positions, 96, False, angles)
+    for got, want in ((q_out, want_q), (k_out, want_k)):
+        torch.testing.assert_close(got.float(), want.to(dst).float(), rtol=0, atol=0) if device == "cpu" else \
+            torch.testing.assert_close(got.float(), want.to(dst).float(), rtol=2e-3, atol=1e-3)
+        assert torch.equal(got[..., 96:], want[..., 96:].to(dst))  # the tail converted exactly (no rotation)
+    with pytest.raises(TypeError, match="the other 16-bit one"):
+        rotate(case.q, case.k, q_out.float(), k_out.float(), positions, 96, False, angles)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_empty_batches(device):
     q = torch.randn(0, 4, 64, device=device, dtype=torch.float16)
     k = torch.randn(0, 2, 64, device=device, dtype=torch.float16)
@@ -355,6 +381,12 @@ def test_rope_spec_names_and_axes():
     assert parse_spec_text("rope_cpu_bf16") == VariantSpec(op="rope", target="cpu", q_dtype="bf16")
     with pytest.raises(ValueError, match="head_dim_qk=64 is not a compile-time axis"):
         VariantSpec(op="rope", target="cpu", q_dtype="f16", head_dim_qk=64, head_dim_vo=64)
+    other = VariantSpec(op="rope", target="cuda", q_dtype="bf16", o_dtype="f16")  # bf16 rows into f16 copies
+    assert (other.uri, other.kernel_name) == ("rope_cuda_bf16_of16", "jitattn_rope_bf16_of16")
+    assert parse_spec_text("rope_cuda_bf16_of16") == other
+    for q, o in (("bf16", "bf16"), ("f32", "f16"), ("f16", "f32")):
+        with pytest.raises(ValueError, match="the other 16-bit dtype only"):
+            VariantSpec(op="rope", target="cpu", q_dtype=q, o_dtype=o)
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")

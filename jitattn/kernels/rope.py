@@ -1,7 +1,8 @@
 """RoPE: rotate queries and keys by their token's position (FlashInfer's ``apply_rope*`` functions).
 
-One module per element dtype (``q_dtype``, the only compile-time axis: q, k and their outputs share
-it; f32, f16 and bf16 on both targets). Everything else is a run-time field of ``RopeParams``:
+One module per element dtype (``q_dtype``: q, k and their outputs share it; f32, f16 and bf16 on both targets),
+or per pair of 16-bit dtypes (``o_dtype`` set: the outputs in the other one, e.g. bf16 rows rotated straight into
+f16). Everything else is a run-time field of ``RopeParams``:
 
 - **positions** (``pos_source``, ``abi.ROPE_POSITION_CODES``): ``indptr`` -- token ``t`` of request
   ``r`` (``indptr[r] <= t < indptr[r+1]``) sits at ``offsets[r] + t - indptr[r]``; ``pos_ids`` -- token
@@ -16,7 +17,7 @@ it; f32, f16 and bf16 on both targets). Everything else is a run-time field of `
   Dimensions from ``rotary_dim`` to ``head_dim`` are copied when ``copy_unrotated`` is 1 (out of place)
   and left alone otherwise (in place: the outputs are the inputs).
 
-Every element goes through float32 and is rounded back to the dtype (round to nearest even). A row
+Every element goes through float32 and is rounded to the output dtype (round to nearest even). A row
 (token, head) of q lives at ``t*q_stride_n + h*q_stride_h`` (elements; the last dimension is contiguous),
 likewise k and both outputs. The cpu kernel checks every position before writing anything and reports
 a bad one; the cuda kernel cannot report without a sync, so a token whose position is invalid (outside
@@ -55,6 +56,7 @@ def entries(spec: VariantSpec) -> tuple[Entry, ...]:
 def context(spec: VariantSpec) -> dict[str, Any]:
     return {
         "scalar_ctype": c_type(spec.q_dtype, spec.target),
+        "out_ctype": c_type(spec.o_dtype or spec.q_dtype, spec.target),
         "pos_codes": ROPE_POSITION_CODES,
         "max_rotary_dim": CUDA_MAX_ROTARY_DIM,
     }

@@ -125,6 +125,12 @@ def _check_qk(q: torch.Tensor, k: torch.Tensor, q_out: torch.Tensor, k_out: torc
                          "separate query and key tensors")
     for name, t in (("the rotated q", q_out), ("the rotated k", k_out)):
         check_no_overlap(name, t)
+        if t.dtype != q.dtype and ({t.dtype, q.dtype} != {torch.float16, torch.bfloat16} or t is q or t is k):
+            raise TypeError(f"{name} is {_name(t.dtype)} but q and k are {_name(q.dtype)}; the outputs take the "
+                            "inputs' dtype, or out of place the other 16-bit one (float16 <-> bfloat16)")
+    if q_out.dtype != k_out.dtype:
+        raise TypeError(f"the rotated q is {_name(q_out.dtype)} but the rotated k {_name(k_out.dtype)}; give them one "
+                        "dtype")
 
 
 def _check_index(name: str, t: torch.Tensor, device: torch.device, length: int | None = None) -> torch.Tensor:
@@ -183,7 +189,8 @@ def _check_cache(cache: torch.Tensor, head_dim: int, device: torch.device, pos_i
 def rotate(q: torch.Tensor, k: torch.Tensor, q_out: torch.Tensor, k_out: torch.Tensor, positions: Positions,
            rotary_dim: int | None, interleave: bool, angles: Angles) -> None:
     """Rotate ``q`` into ``q_out`` and ``k`` into ``k_out`` (``[nnz, heads, head_dim]``; the outputs may be the
-    inputs, which leaves the dimensions past ``rotary_dim`` as they are; otherwise they are copied).
+    inputs, which leaves the dimensions past ``rotary_dim`` as they are; otherwise they are copied, and may be of
+    the other 16-bit dtype than the inputs').
 
     ``rotary_dim`` None rotates the whole head, or as many dimensions as ``cos_sin_cache`` is wide."""
     _check_qk(q, k, q_out, k_out)
@@ -197,7 +204,7 @@ def rotate(q: torch.Tensor, k: torch.Tensor, q_out: torch.Tensor, k_out: torch.T
     rotary_dim = rotary_dim_of(rotary_dim, head_dim)
     if nnz == 0 or q.shape[1] + k.shape[1] == 0:
         return
-    module = load(rope_spec(target, q.dtype))
+    module = load(rope_spec(target, q.dtype, q_out.dtype))
     params = dict(
         q=q.data_ptr(), k=k.data_ptr(), q_out=q_out.data_ptr(), k_out=k_out.data_ptr(),
         **{name: (t.data_ptr() if t is not None else None) for name, t in ptrs.items()},

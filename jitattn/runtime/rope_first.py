@@ -7,9 +7,10 @@ and one write of each, and then the plain kernel (no RoPE) runs on the rotated r
 "RoPE before the kernel").
 
 Precision: the rotation is computed in float32 from angles computed in float64 (``cos_sin_table``) and rounded to
-f16 (a relative error of 2^-11 per element, as the decode kernel's tf32 path). A bf16 q / k / v is converted to
-f16 for it (exact for bf16 values of magnitude in [2^-14, 65504]; larger ones overflow to inf), so the kernel's
-operands are f16 whatever the input; the output keeps the plan's dtype.
+f16 (a relative error of 2^-11 per element, as the decode kernel's tf32 path): a bf16 q and k are rotated straight
+into f16 rows (the rope kernel's bf16-to-f16 build), v converted (exact for bf16 values of magnitude in [2^-14,
+65504]; larger ones overflow to inf), so the kernel's operands are f16 whatever the input; the output keeps the
+plan's dtype.
 
 ``JITATTN_PREFILL_ROPE_FIRST`` decides when a prefill plan takes this route (``env.prefill_rope_first``).
 """
@@ -69,10 +70,10 @@ class RopeFirst:
     def _rotated(self, x: torch.Tensor, tokens: int, positions: Positions) -> torch.Tensor:
         """``x`` (``[tokens, heads, dim]``) turned into a new f16 tensor (its first ``tokens`` rows; others are not
         read)."""
-        if x.dtype == OPERAND_DTYPE:
-            out = torch.empty(x.shape, dtype=OPERAND_DTYPE, device=x.device)
+        out = torch.empty(x.shape, dtype=OPERAND_DTYPE, device=x.device)
+        if x.dtype in (torch.float16, torch.bfloat16):  # one pass: 16-bit rows rotated straight into f16
             src = x[:tokens]
-        else:  # converted first, then turned in place: the same values as turning x into f16
+        else:  # fp8 (a ragged fp8 k): converted first (exact), then turned in place
             out = x.to(OPERAND_DTYPE, memory_format=torch.contiguous_format)
             src = out[:tokens]
         dst = out[:tokens]

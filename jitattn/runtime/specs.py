@@ -83,9 +83,13 @@ def dtype_spec(op: Op, target: Target, dtype: torch.dtype) -> VariantSpec:
     return VariantSpec(op=op, target=target, q_dtype=dtype)
 
 
-def rope_spec(target: Target, dtype: torch.dtype) -> VariantSpec:
-    """The RoPE kernel's spec for q/k of ``dtype``."""
-    return dtype_spec(Op.ROPE, target, dtype)
+@functools.cache
+def rope_spec(target: Target, dtype: torch.dtype, out_dtype: torch.dtype | None = None) -> VariantSpec:
+    """The RoPE kernel's spec for q/k of ``dtype``, rotated into ``out_dtype`` (None: ``dtype``; else the other
+    16-bit dtype; cached, as ``merge_spec``)."""
+    if out_dtype is None or out_dtype == dtype:
+        return dtype_spec(Op.ROPE, target, dtype)
+    return VariantSpec(op=Op.ROPE, target=target, q_dtype=dtype, o_dtype=out_dtype)
 
 
 def model_specs(
