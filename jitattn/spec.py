@@ -16,7 +16,7 @@ URI grammar (documented in README.md; ``uri`` is derived, never stored)::
     target  := cuda | cpu
     dtype   := the q dtype (the o dtype when the op has no q; rope, norm, act: the tensors'): f32 | f16 | bf16
     kvdtype := present when it differs from dtype: f16 | bf16 | f32 | e4m3 | e5m2
-    odtype  := present when it differs from dtype
+    odtype  := present when it differs from dtype (rope: the other 16-bit dtype, e.g. rope_cuda_bf16_of16)
     pos     := rope | alibi            (absent: none)
     mask    := causal | custom         (absent: none)
     layout  := nhd | hnd
