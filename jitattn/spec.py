@@ -87,13 +87,9 @@ class DType(_Choice):
 
     @classmethod
     def _aliases(cls) -> dict[str, str]:
-        return {
-            "float32": "f32", "float": "f32", "fp32": "f32",
-            "float16": "f16", "half": "f16", "fp16": "f16",
-            "bfloat16": "bf16",
-            "float8_e4m3fn": "e4m3", "fp8_e4m3": "e4m3", "e4m3fn": "e4m3",
-            "float8_e5m2": "e5m2", "fp8_e5m2": "e5m2",
-        }
+        return {"float32": "f32", "float": "f32", "fp32": "f32", "float16": "f16", "half": "f16", "fp16": "f16",
+                "bfloat16": "bf16", "float8_e4m3fn": "e4m3", "fp8_e4m3": "e4m3", "e4m3fn": "e4m3",
+                "float8_e5m2": "e5m2", "fp8_e5m2": "e5m2"}
 
     @classmethod
     def parse(cls, value: Any, field: str) -> "DType":
@@ -174,10 +170,6 @@ SPECIALIZED_AXES: dict[tuple[Op, Target], frozenset[str]] = {
     **{(op, t): frozenset({"q_dtype"}) for op in (Op.ROPE, Op.NORM, Op.ACT) for t in Target},  # the tensors' dtype
 }
 
-# Axes an op may fix at compile time or leave None: a rope kernel writes its outputs in q_dtype unless o_dtype names
-# the other 16-bit dtype (bf16 rows rotated straight into f16 copies, for RoPE before a prefill kernel).
-OPTIONAL_AXES: dict[tuple[Op, Target], frozenset[str]] = {(Op.ROPE, t): frozenset({"o_dtype"}) for t in Target}
-
 SUPPORTED_HEAD_DIMS: tuple[int, ...] = tuple(range(8, 257, 8))
 # (head_dim_qk, head_dim_vo) pairs beyond the symmetric ones.
 ASYMMETRIC_HEAD_DIMS: tuple[tuple[int, int], ...] = ((192, 128), (576, 512))
@@ -254,7 +246,8 @@ class VariantSpec:
                     f"{name} is required for op={self.op.value!r} on target={self.target.value!r} "
                     f"(that kernel is compiled for one value of it); set {name}"
                 )
-            if name not in axes and value is not None and name not in OPTIONAL_AXES.get((self.op, self.target), ()):
+            optional = self.op is Op.ROPE and name == "o_dtype"  # rope's outputs: q_dtype, or the other 16-bit one
+            if name not in axes and value is not None and not optional:
                 raise ValueError(
                     f"{name}={_show(value)} is not a compile-time axis of op={self.op.value!r} on "
                     f"target={self.target.value!r}; leave it None (the kernel takes it at run time). "
@@ -267,8 +260,7 @@ class VariantSpec:
             )
         if self.o_dtype is not None and self.o_dtype.is_fp8:
             raise ValueError(f"o_dtype={self.o_dtype.value!r}: fp8 output is not supported; use f16, bf16 or f32")
-        if self.op is Op.ROPE and self.o_dtype is not None and (
-                self.o_dtype is self.q_dtype or {self.o_dtype, self.q_dtype} != {DType.F16, DType.BF16}):
+        if self.op is Op.ROPE and self.o_dtype is not None and {self.o_dtype, self.q_dtype} != {DType.F16, DType.BF16}:
             raise ValueError(f"o_dtype={self.o_dtype.value!r} for op 'rope' with q_dtype={self.q_dtype.value!r}: "
                              "outputs of the other 16-bit dtype only (f16 <-> bf16); leave it None for q_dtype's")
         if self.target is Target.CUDA and self.op not in (Op.ROPE, Op.NORM, Op.ACT):  # these take f32 on both

@@ -7,22 +7,21 @@ import threading
 
 import torch
 
-from .. import env, hardware
-from ..kernels import prefill as prefill_kernels
 from ..runtime.batch import AttentionPlan
-from ..runtime.builder import HostIndex, attention_options, build_plan, kernel_spec
+from ..runtime.builder import HostIndex, attention_options, build_plan
 from ..runtime.kv_upcast import KVUpcast, ragged_indptr
 from ..runtime.rope_first import OPERAND_DTYPE, RopeFirst
 from ..runtime.wrapper import BatchWrapperBase, plan_arguments
 from ..runtime.checks import check_tensor, stream_capturing, target_of
 from ..runtime.compiled import rope_first_operands
-from ..runtime.options import (PAGE_TABLE_HINT, parse_kv_layout, parse_pos_encoding, per_tensor_scale,
-                                 refuse_unsupported, resolve_batch_invariant, resolve_dtypes, resolve_flag)
+from ..runtime.options import (PAGE_TABLE_HINT, parse_kv_layout, per_tensor_scale, refuse_unsupported,
+                                 resolve_batch_invariant, resolve_dtypes, resolve_flag)
 from ..page_table import PagedIndex, check_indptr, check_paged_index
 from ..kv_split import check_fixed_split_size, unsplit
 from ..masks import multi_item_mask, packed_mask_indptr, segment_packbits
 from ..variant import AttentionVariant
-from ..spec import KVLayout, KVStorage, MaskMode, Op, PosEncoding, Target
+from ..spec import KVLayout, MaskMode, Op, Target
+from .prefill_routes import PlanSite, fp8_upcast_route, rope_first_route
 
 __all__ = [
     "BatchPrefillWithPagedKVCacheWrapper", "BatchPrefillWithRaggedKVCacheWrapper", "single_prefill_with_kv_cache",
@@ -88,30 +87,6 @@ def _plan_prefill(
                       buffers, use_cuda_graph)
 
 
-def _prefill_options(num_qo_heads: int, num_kv_heads: int, head_dim_qk: int, options: dict, **changes):
-    """The ``AttentionOptions`` of a prefill plan of ``options`` (plan()'s keywords) with ``changes``."""
-    o = {**options, **changes}
-    masked = o["custom_mask"] is not None or o["packed_custom_mask"] is not None or \
-        o["multi_item"].get("prefix_len_ptr") is not None
-    return attention_options(
-        Op.PREFILL, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim_qk=head_dim_qk,
-        head_dim_vo=o["head_dim_vo"], q_data_type=o["q_data_type"], kv_data_type=o["kv_data_type"],
-        o_data_type=o["o_data_type"], pos_encoding_mode=o["pos_encoding_mode"],
-        mask_mode=MaskMode.CUSTOM if masked else MaskMode.CAUSAL if resolve_flag(o["causal"], "causal")
-        else MaskMode.NONE, window_left=o["window_left"], logits_soft_cap=o["logits_soft_cap"],
-        sm_scale=o["sm_scale"], rope_scale=o["rope_scale"], rope_theta=o["rope_theta"], variant=o["variant"])
-
-
-def _takes_sm90(target: Target, num_qo_heads: int, num_kv_heads: int, head_dim_qk: int, options: dict,
-                **changes) -> bool:
-    """Whether the prefill plan of ``options`` with ``changes`` runs on the Hopper tier (over ragged KV)."""
-    if target is not Target.CUDA:
-        return False
-    twin = _prefill_options(num_qo_heads, num_kv_heads, head_dim_qk, options, **changes)
-    spec = kernel_spec(twin, Target.CUDA, KVLayout.NHD, KVStorage.RAGGED)
-    return prefill_kernels.tier(spec, hardware.known_arch_list()) == "sm90"
-
-
 class _PrefillWrapperBase(BatchWrapperBase):
     _rope: RopeFirst | None = None  # JITATTN_PREFILL_ROPE_FIRST's rotation of the current plan
 
@@ -121,34 +96,8 @@ class _PrefillWrapperBase(BatchWrapperBase):
         plan applies RoPE first (``plan(rope_first=...)``), else the tensors as given."""
         return (q, k, v) if self._rope is None else self._rope(q, k, v)
 
-    def _rope_first(self, qo_indptr: torch.Tensor, kv_indptr_host: torch.Tensor, num_qo_heads: int,
-                    num_kv_heads: int, head_dim_qk: int, options: dict, choice: bool | None
-                    ) -> tuple[dict, RopeFirst] | None:
-        """A ``ROPE_LLAMA`` plan's RoPE done before the kernel: the options of the f16 plan without RoPE and the
-        rotation, or None (RoPE stays in the kernel). ``choice``: plan()'s ``rope_first`` (None:
-        ``JITATTN_PREFILL_ROPE_FIRST``, whose ``auto`` takes it where the plan without RoPE takes the Hopper tier).
-        Never under CUDA graphs (the rotated copies are no fixed buffers)."""
-        if choice is not None and not isinstance(choice, bool):
-            raise TypeError(f"rope_first={choice!r} must be True, False or None (None: JITATTN_PREFILL_ROPE_FIRST)")
-        mode = env.prefill_rope_first() if choice is None else "on" if choice else "off"
-        if choice and self._use_cuda_graph:
-            raise ValueError(f"{self._NAME}.plan(rope_first=True) with use_cuda_graph=True: the rotated copies a "
-                             "run() makes have no fixed buffer to be captured in; leave rope_first unset or False")
-        if mode == "off" or self._use_cuda_graph or \
-                parse_pos_encoding(options["pos_encoding_mode"]) is not PosEncoding.ROPE_LLAMA:
-            return None
-        planned = _prefill_options(num_qo_heads, num_kv_heads, head_dim_qk, options)
-        if planned.pos_encoding is not PosEncoding.ROPE_LLAMA or planned.q_dtype.itemsize != 2:
-            return None
-        changes = dict(pos_encoding_mode="NONE", q_data_type=OPERAND_DTYPE, kv_data_type=OPERAND_DTYPE,
-                       o_data_type=planned.o_dtype, rope_scale=None, rope_theta=None)
-        if mode == "auto" and not _takes_sm90(self._target, num_qo_heads, num_kv_heads, head_dim_qk, options,
-                                              **changes):
-            return None
-        rope = RopeFirst(check_indptr("qo_indptr", qo_indptr), kv_indptr_host, head_dim=head_dim_qk,
-                         rope_scale=planned.scalars.rope_scale, rope_theta=planned.scalars.rope_theta,
-                         device=self._device, previous=self._rope)
-        return {**options, **changes}, rope
+    def _site(self) -> PlanSite:
+        return PlanSite(self._NAME, self._target, self._device, self._use_cuda_graph)
 
     def workspace_size(
         self, max_batch_size: int, max_qo_tokens: int, max_kv_tokens: int, num_qo_heads: int, num_kv_heads: int,
@@ -240,8 +189,8 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapperBase):
             multi_item=dict(prefix_len_ptr=prefix_len_ptr, token_pos_in_items_ptr=token_pos_in_items_ptr,
                             token_pos_in_items_len=token_pos_in_items_len),
         )
-        first = self._rope_first(qo_indptr, ragged_indptr(index), num_qo_heads, num_kv_heads, head_dim_qk, options,
-                                 rope_first)
+        first = rope_first_route(self._site(), self._rope, qo_indptr, ragged_indptr(index), num_qo_heads,
+                                 num_kv_heads, head_dim_qk, options, rope_first)
         rope = None
         if first is not None:  # the pages gathered into ragged f16 rows, then rotated
             options, rope = first
@@ -250,7 +199,8 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapperBase):
                               head_dim_vo=head_dim_qk if head_dim_vo is None else head_dim_vo, kv_dtype=kv_dtype,
                               out_dtype=OPERAND_DTYPE, device=self._device)
         else:
-            gather = self._fp8_upcast(index, num_qo_heads, num_kv_heads, head_dim_qk, options, fp8_upcast)
+            gather = fp8_upcast_route(self._site(), self._kv_layout, index, num_qo_heads, num_kv_heads, head_dim_qk,
+                                      options, fp8_upcast)
             if gather is None:
                 self.plan_checked(qo_indptr, index, num_qo_heads, num_kv_heads, head_dim_qk, **options)
                 return
@@ -261,31 +211,6 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapperBase):
             num_kv_heads=num_kv_heads, head_dim_qk=head_dim_qk, buffers=self._buffers,
             use_cuda_graph=self._use_cuda_graph, **options)
         self._plan, self._upcast, self._rope = plan, gather, rope  # together: a plan() that fails keeps the last
-
-    def _fp8_upcast(self, index: PagedIndex, num_qo_heads: int, num_kv_heads: int, head_dim_qk: int,
-                    options: dict, choice: bool | None) -> KVUpcast | None:
-        """The gather that turns this plan into one of 16-bit ragged KV, or None. ``choice``: plan()'s
-        ``fp8_upcast`` (None: ``JITATTN_PREFILL_FP8_UPCAST``, whose ``auto`` takes it where the 16-bit kernel is
-        the Hopper tier's).
-
-        Not under CUDA graphs (the gather's index arrays and the 16-bit rows would need fixed buffers) and only from
-        ``plan()`` (a cascade level plans through ``plan_checked``; the POD and BatchAttention wrappers pass
-        False: they launch the paged plan's kernel themselves)."""
-        mode = env.prefill_fp8_upcast() if choice is None else "on" if choice else "off"
-        if choice and self._use_cuda_graph:
-            raise ValueError(f"{self._NAME}.plan(fp8_upcast=True) with use_cuda_graph=True: the 16-bit rows a run() "
-                             "gathers have no fixed buffer to be captured in; leave fp8_upcast unset or False")
-        if mode == "off" or self._use_cuda_graph:
-            return None
-        q_dtype, kv_dtype = resolve_dtypes(options["q_data_type"], options["kv_data_type"])
-        if kv_dtype.itemsize != 1 or q_dtype.itemsize != 2:
-            return None
-        if mode == "auto" and not _takes_sm90(self._target, num_qo_heads, num_kv_heads, head_dim_qk, options,
-                                              q_data_type=q_dtype, kv_data_type=q_dtype):
-            return None  # only where the 16-bit kernel is the Hopper tier's
-        head_dim_vo = head_dim_qk if options["head_dim_vo"] is None else options["head_dim_vo"]
-        return KVUpcast(index, self._kv_layout, num_kv_heads=num_kv_heads, head_dim_qk=head_dim_qk,
-                        head_dim_vo=head_dim_vo, kv_dtype=kv_dtype, out_dtype=q_dtype, device=self._device)
 
     def plan_checked(self, qo_indptr: torch.Tensor, index: PagedIndex, num_qo_heads: int, num_kv_heads: int,
                      head_dim_qk: int, **options) -> None:
@@ -398,7 +323,8 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapperBase):
             multi_item=dict(prefix_len_ptr=prefix_len_ptr, token_pos_in_items_ptr=token_pos_in_items_ptr,
                             token_pos_in_items_len=token_pos_in_items_len),
         )
-        first = self._rope_first(qo_indptr, kv_host, num_qo_heads, num_kv_heads, head_dim_qk, options, rope_first)
+        first = rope_first_route(self._site(), self._rope, qo_indptr, kv_host, num_qo_heads, num_kv_heads,
+                                 head_dim_qk, options, rope_first)
         options, rope = first if first is not None else (options, None)
         plan = _plan_prefill(
             self._NAME, self._target, self._device, self._kv_layout, qo_indptr=qo_indptr, kv_indptr_host=kv_host,
