@@ -350,10 +350,14 @@ DECODE: list[Attn] = [
 
 _D256_PREFILL = _prefill("d256_causal_b4_s4096", 4, 4096, num_qo_heads=16, head_dim=256)
 _PAGED_PREFILL = _prefill("llama8b_causal_paged_b8_s4096", 8, 4096, storage="paged")
+_GPTOSS_PREFILL = _prefill("gptoss_causal_b8_s4096", 8, 4096, num_qo_heads=64, head_dim=64)
 
 PREFILL: list[Attn] = [
     *_with_twins(_prefill("llama8b_causal_b8_s4096", 8, 4096)),
-    *_with_twins(_prefill("gptoss_causal_b8_s4096", 8, 4096, num_qo_heads=64, head_dim=64), batch_invariant=False),
+    *_with_twins(_GPTOSS_PREFILL, batch_invariant=False),
+    _twin(_GPTOSS_PREFILL, "window128", window_left=127,
+          note="gpt-oss's sliding-window layers (128 keys back); TFLOP/s over the unmasked pairs, compared with "
+               + _GPTOSS_PREFILL.name),
     _prefill("d64_causal_b16_s2048", 16, 2048, head_dim=64),
     _D256_PREFILL,
     _twin(_D256_PREFILL, "softcap", logits_soft_cap=50.0,
