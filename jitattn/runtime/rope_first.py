@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .batch import upload
+from .batch import upload_int32
 from .rope import Angles, Positions, rotate
 
 OPERAND_DTYPE = torch.float16
@@ -57,8 +57,9 @@ class RopeFirst:
         else:
             self.table = cos_sin_table(1 << (rows - 1).bit_length(), shift, head_dim, rope_scale, rope_theta, device)
         self.q_tokens, self.k_tokens = int(qo[-1]), int(kv[-1])  # the rows of the requests (others are not read)
-        arrays = [qo, delta + shift, kv, np.full(kv.size - 1, shift)]
-        qo_d, q_off, kv_d, k_off = (upload(torch.from_numpy(a.astype(np.int32)), device) for a in arrays)
+        arrays = {"qo_indptr": qo, "q_offsets": delta + shift, "kv_indptr": kv, "k_offsets": np.full(kv.size - 1, shift)}
+        qo_d, q_off, kv_d, k_off = upload_int32(  # one host-to-device copy
+            [(name, torch.from_numpy(a.astype(np.int32)), None) for name, a in arrays.items()], device)
         self.q_positions = Positions(indptr=qo_d, offsets=q_off)
         self.k_positions = Positions(indptr=kv_d, offsets=k_off)
 
