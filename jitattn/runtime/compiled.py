@@ -82,7 +82,7 @@ def _wrapper_rope_first_fake(key, q, k, v):
 
 
 def rope_first_operands(key: int, rotation, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``rotation(q, k, v)`` (a ``RopeFirst``) eagerly; under torch.compile the custom op that finds it at run time."""
     if torch.compiler.is_compiling():
         return torch.ops.jitattn.wrapper_rope_first(key, q, k, v)

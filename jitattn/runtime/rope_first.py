@@ -57,7 +57,8 @@ class RopeFirst:
         else:
             self.table = cos_sin_table(1 << (rows - 1).bit_length(), shift, head_dim, rope_scale, rope_theta, device)
         self.q_tokens, self.k_tokens = int(qo[-1]), int(kv[-1])  # the rows of the requests (others are not read)
-        arrays = {"qo_indptr": qo, "q_offsets": delta + shift, "kv_indptr": kv, "k_offsets": np.full(kv.size - 1, shift)}
+        arrays = {"qo_indptr": qo, "q_offsets": delta + shift, "kv_indptr": kv,
+                  "k_offsets": np.full(kv.size - 1, shift)}
         qo_d, q_off, kv_d, k_off = upload_int32(  # one host-to-device copy
             [(name, torch.from_numpy(a.astype(np.int32)), None) for name, a in arrays.items()], device)
         self.q_positions = Positions(indptr=qo_d, offsets=q_off)
@@ -71,8 +72,8 @@ class RopeFirst:
     def _rotated(self, x: torch.Tensor, tokens: int, positions: Positions) -> torch.Tensor:
         """``x`` (``[tokens, heads, dim]``) turned into a new f16 tensor (its first ``tokens`` rows; others are not
         read)."""
-        out = torch.empty(x.shape, dtype=OPERAND_DTYPE, device=x.device)
         if x.dtype in (torch.float16, torch.bfloat16):  # one pass: 16-bit rows rotated straight into f16
+            out = torch.empty(x.shape, dtype=OPERAND_DTYPE, device=x.device)
             src = x[:tokens]
         else:  # fp8 (a ragged fp8 k): converted first (exact), then turned in place
             out = x.to(OPERAND_DTYPE, memory_format=torch.contiguous_format)
