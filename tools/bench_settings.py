@@ -6,7 +6,8 @@
         JITATTN_PREFILL_FP8_UPCAST=off JITATTN_PREFILL_FP8_UPCAST=on --rounds 3
 
 A setting is a space-separated list of NAME=VALUE assignments ('' for none), applied on top of this process's
-environment: the knobs and tunings read at import (``JITATTN_DEV_SM90_TUNING``) or at ``plan()``
+environment (``TREE=DIR`` instead runs the bench in another checkout of the repository, DIR, with
+``PYTHONPATH=DIR/.pysite:DIR``: a copy with one template or module changed, alternated with this one): the knobs and tunings read at import (``JITATTN_DEV_SM90_TUNING``) or at ``plan()``
 (``JITATTN_PREFILL_FP8_UPCAST``, ``JITATTN_PREFILL_TIER``), each a distinct rendered source where it changes one.
 Each row is the suite's own timing (``python -m jitattn.bench``: events, L2 evicted); every round runs every
 setting once, in order, so drift shows as a trend within a column rather than as a difference between columns.
@@ -40,10 +41,14 @@ def parse_setting(text: str) -> dict[str, str]:
 
 
 def run_once(command: list[str], env: dict[str, str]) -> dict:
-    """One run of ``command`` (the bench's arguments but --json) under ``env``: the bench's JSON document (its
-    rows, environment and method), or {} when the run failed before writing it."""
+    """One run of ``command`` (the bench's arguments but --json) under ``env`` (``TREE``: in that checkout): the
+    bench's JSON document (its rows, environment and method), or {} when the run failed before writing it."""
+    env = dict(env)
+    tree = env.pop("TREE", None)
+    if tree is not None:
+        env["PYTHONPATH"] = f"{tree}/.pysite:{tree}"
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
-        done = subprocess.run([*command, "--json", f.name], env={**os.environ, **env}, check=False,
+        done = subprocess.run([*command, "--json", f.name], env={**os.environ, **env}, check=False, cwd=tree,
                               stdout=subprocess.DEVNULL)
         try:
             return json.load(open(f.name))
