@@ -52,10 +52,8 @@ def _visible_keys_fast(qo_len: int, kv_len: int, causal: bool, window_left: int)
     """``visible_keys`` in closed form for the common cases (long prefills)."""
     if window_left < 0 and not causal:
         return qo_len * kv_len
-    if window_left < 0 and causal:
-        if kv_len >= qo_len:
-            return qo_len * (kv_len - qo_len) + qo_len * (qo_len + 1) // 2
-        return visible_keys(qo_len, kv_len, causal, window_left)
+    if window_left < 0 and causal and kv_len >= qo_len:
+        return qo_len * (kv_len - qo_len) + qo_len * (qo_len + 1) // 2
     return visible_keys(qo_len, kv_len, causal, window_left)
 
 
@@ -355,9 +353,8 @@ _GPTOSS_PREFILL = _prefill("gptoss_causal_b8_s4096", 8, 4096, num_qo_heads=64, h
 PREFILL: list[Attn] = [
     *_with_twins(_prefill("llama8b_causal_b8_s4096", 8, 4096)),
     *_with_twins(_GPTOSS_PREFILL, batch_invariant=False),
-    _twin(_GPTOSS_PREFILL, "window128", window_left=127,
-          note="gpt-oss's sliding-window layers (128 keys back); TFLOP/s over the unmasked pairs, compared with "
-               + _GPTOSS_PREFILL.name),
+    _twin(_GPTOSS_PREFILL, "window128", window_left=127, note="gpt-oss's sliding-window layers (128 keys back); "
+          "TFLOP/s over the unmasked pairs, compared with " + _GPTOSS_PREFILL.name),
     _prefill("d64_causal_b16_s2048", 16, 2048, head_dim=64),
     _D256_PREFILL,
     _twin(_D256_PREFILL, "softcap", logits_soft_cap=50.0,
