@@ -8,7 +8,9 @@ peer), fi_b1 / fi_b256 (FlashInfer's tensor-core decode on the same tables; PEER
 paged16 / paged64 / ragged (sm90 prefill causal b8 x 4096), ragged_d64 (causal b16 x 2048, d64),
 mla128 (MLA b64 x 4096, 128 heads, page 64), mla16
 (MLA b128 x 4096, 16 heads, page 64), flat_shared (decode b128 over 8192 shared + 256 own tokens each: the
-cascade row's flat twin).
+cascade row's flat twin), window128 (gpt-oss prefill with its 128-key window: 64 / 8 heads d64, ragged causal
+b8 x 4096; tiles of a few KV blocks, where the tile's fixed cost shows), decode_window128 (gpt-oss decode, b64 x
+8192 with the 128-key window, page 16).
 Warm-up calls (the JIT build, the plan) run before the range; one call runs inside it.
 ``DECODE_TUNING='{"max_stages": 2}'`` renders the decode kernels with those overrides of
 ``jitattn.kernels.decode.TUNING`` (their own cache entries), to profile a layout beside the default.
@@ -101,6 +103,27 @@ def case_fn(name: str):
         w = jitattn.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD")
         w.plan(qo, qo, HQ, HKV, d, causal=True, q_data_type=torch.bfloat16)
         return lambda: w.run(q, k, v, out=out)
+    if name == "window128":  # the suite's prefill/gptoss_causal_b8_s4096_window128
+        b, n, hq, d = 8, 4096, 64, 64
+        q = torch.randn(b * n, hq, d, generator=gen).to(torch.bfloat16).to(dev)
+        k = torch.randn(b * n, HKV, d, generator=gen).to(torch.bfloat16).to(dev)
+        v = torch.randn(b * n, HKV, d, generator=gen).to(torch.bfloat16).to(dev)
+        qo = torch.arange(b + 1, dtype=torch.int32) * n
+        out = torch.empty_like(q)
+        w = jitattn.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD")
+        w.plan(qo, qo, hq, HKV, d, causal=True, window_left=127, q_data_type=torch.bfloat16)
+        return lambda: w.run(q, k, v, out=out)
+    if name == "decode_window128":  # the suite's decode/gptoss_window128_b64_s8192
+        b, n, hq, d, page = 64, 8192, 64, 64, 16
+        cache = torch.randn(b * n // page, 2, page, HKV, d, generator=gen).to(torch.bfloat16).to(dev)
+        indices = torch.randperm(b * n // page, generator=gen).to(torch.int32)
+        indptr = (torch.arange(b + 1) * (n // page)).to(torch.int32)
+        last = torch.full((b,), page, dtype=torch.int32)
+        q = torch.randn(b, hq, d, generator=gen).to(torch.bfloat16).to(dev)
+        out = torch.empty_like(q)
+        w = jitattn.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD")
+        w.plan(indptr, indices, last, hq, HKV, d, page, window_left=127, q_data_type=torch.bfloat16)
+        return lambda: w.run(q, cache, out=out)
     if name in ("paged16", "paged64", "ragged"):
         b, n = 8, 4096
         q = torch.randn(b * n, HQ, D, generator=gen).to(torch.bfloat16).to(dev)
