@@ -109,6 +109,25 @@ def test_paged_rope_first_matches_reference(case_id: str, device: str) -> None:
     assert not torch.equal(wrapper.run(q, other.cache, **scales), out)
 
 
+@pytest.mark.parametrize("device", devices())
+def test_rope_first_with_sinks_and_a_float32_output(device: str) -> None:
+    """The rotated f16 operands feed a plan whose output is float32, with attention sinks: the reference's result."""
+    gen = torch.Generator().manual_seed(11)
+    q = torch.randn(sum(QO_LENS), HQ, DIM, generator=gen).to(bf16).to(device)
+    k, v = (torch.randn(sum(KV_LENS), HKV, DIM, generator=gen).to(bf16).to(device) for _ in range(2))
+    sinks = (torch.randn(HQ, generator=gen) + 2.0).to(device)
+    qo, kv = _indptr(QO_LENS), _indptr(KV_LENS)
+    wrapper = jitattn.BatchPrefillWithRaggedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8, device=device))
+    wrapper.plan(qo, kv, HQ, HKV, DIM, q_data_type=bf16, o_data_type=torch.float32, causal=True,
+                 pos_encoding_mode="ROPE_LLAMA", rope_first=True)
+    assert wrapper.current_plan.o_dtype == torch.float32 and wrapper.current_plan.q_dtype == f16
+    out, lse = wrapper.run(q, k, v, sinks=sinks, return_lse=True)
+    assert out.dtype == torch.float32
+    ref_o, ref_lse = reference.batch_ragged_attention(q, k, v, qo, kv, causal=True, pos_encoding_mode="ROPE_LLAMA")
+    assert_close_out(out, reference.apply_sinks(ref_o, ref_lse, sinks.cpu()), bf16)
+    assert_close_lse(lse, ref_lse)
+
+
 def test_cos_sin_table_angles() -> None:
     table = cos_sin_table(9, 3, 8, 2.0, 100.0, torch.device("cpu"))
     assert table.shape == (9, 8) and table.dtype == torch.float32
