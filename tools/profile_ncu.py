@@ -42,6 +42,20 @@ def paged_batch(lens: list[int], page: int, gen: torch.Generator, dev: torch.dev
     return cache, indptr, indices, last
 
 
+def ragged_prefill(b: int, n: int, hq: int, d: int, gen: torch.Generator, dev: torch.device, ws: torch.Tensor,
+                   **plan_kw):
+    """A causal ragged prefill of ``b`` requests of ``n`` tokens (``hq`` / HKV heads, head_dim ``d``, bf16), planned
+    with ``plan_kw``; returns the call that runs it."""
+    q = torch.randn(b * n, hq, d, generator=gen).to(torch.bfloat16).to(dev)
+    k = torch.randn(b * n, HKV, d, generator=gen).to(torch.bfloat16).to(dev)
+    v = torch.randn(b * n, HKV, d, generator=gen).to(torch.bfloat16).to(dev)
+    qo = torch.arange(b + 1, dtype=torch.int32) * n
+    out = torch.empty_like(q)
+    w = jitattn.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD")
+    w.plan(qo, qo, hq, HKV, d, causal=True, q_data_type=torch.bfloat16, **plan_kw)
+    return lambda: w.run(q, k, v, out=out)
+
+
 def case_fn(name: str):
     dev = torch.device(os.environ.get("PROFILE_DEVICE", "cuda"))  # cpu: a smoke run of the script
     gen = torch.Generator().manual_seed(0)
@@ -94,25 +108,9 @@ def case_fn(name: str):
         w.plan(indptr, indices, last, h, h, d, page, q_data_type=torch.bfloat16)
         return lambda: w.run(q, cache, out=out)
     if name == "ragged_d64":  # the suite's prefill/d64_causal_b16_s2048 (32 / 8 heads, d64, causal)
-        b, n, d = 16, 2048, 64
-        q = torch.randn(b * n, HQ, d, generator=gen).to(torch.bfloat16).to(dev)
-        k = torch.randn(b * n, HKV, d, generator=gen).to(torch.bfloat16).to(dev)
-        v = torch.randn(b * n, HKV, d, generator=gen).to(torch.bfloat16).to(dev)
-        qo = torch.arange(b + 1, dtype=torch.int32) * n
-        out = torch.empty_like(q)
-        w = jitattn.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD")
-        w.plan(qo, qo, HQ, HKV, d, causal=True, q_data_type=torch.bfloat16)
-        return lambda: w.run(q, k, v, out=out)
+        return ragged_prefill(16, 2048, HQ, 64, gen, dev, ws)
     if name == "window128":  # the suite's prefill/gptoss_causal_b8_s4096_window128
-        b, n, hq, d = 8, 4096, 64, 64
-        q = torch.randn(b * n, hq, d, generator=gen).to(torch.bfloat16).to(dev)
-        k = torch.randn(b * n, HKV, d, generator=gen).to(torch.bfloat16).to(dev)
-        v = torch.randn(b * n, HKV, d, generator=gen).to(torch.bfloat16).to(dev)
-        qo = torch.arange(b + 1, dtype=torch.int32) * n
-        out = torch.empty_like(q)
-        w = jitattn.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD")
-        w.plan(qo, qo, hq, HKV, d, causal=True, window_left=127, q_data_type=torch.bfloat16)
-        return lambda: w.run(q, k, v, out=out)
+        return ragged_prefill(8, 4096, 64, 64, gen, dev, ws, window_left=127)
     if name == "decode_window128":  # the suite's decode/gptoss_window128_b64_s8192
         b, n, hq, d, page = 64, 8192, 64, 64, 16
         cache = torch.randn(b * n // page, 2, page, HKV, d, generator=gen).to(torch.bfloat16).to(dev)
@@ -126,15 +124,11 @@ def case_fn(name: str):
         return lambda: w.run(q, cache, out=out)
     if name in ("paged16", "paged64", "ragged"):
         b, n = 8, 4096
+        if name == "ragged":
+            return ragged_prefill(b, n, HQ, D, gen, dev, ws)
         q = torch.randn(b * n, HQ, D, generator=gen).to(torch.bfloat16).to(dev)
         qo = torch.arange(b + 1, dtype=torch.int32) * n
         out = torch.empty_like(q)
-        if name == "ragged":
-            k = torch.randn(b * n, HKV, D, generator=gen).to(torch.bfloat16).to(dev)
-            v = torch.randn(b * n, HKV, D, generator=gen).to(torch.bfloat16).to(dev)
-            w = jitattn.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD")
-            w.plan(qo, qo, HQ, HKV, D, causal=True, q_data_type=torch.bfloat16)
-            return lambda: w.run(q, k, v, out=out)
         page = 16 if name == "paged16" else 64
         cache, indptr, indices, last = paged_batch([n] * b, page, gen, dev)
         w = jitattn.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD")
