@@ -189,7 +189,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapperBase):
             multi_item=dict(prefix_len_ptr=prefix_len_ptr, token_pos_in_items_ptr=token_pos_in_items_ptr,
                             token_pos_in_items_len=token_pos_in_items_len),
         )
-        first = rope_first_route(self._site(), self._rope, qo_indptr, ragged_indptr(index), num_qo_heads,
+        first = rope_first_route(self._site(), self._rope, qo_indptr, lambda: ragged_indptr(index), num_qo_heads,
                                  num_kv_heads, head_dim_qk, options, rope_first)
         rope = None
         if first is not None:  # the pages gathered into ragged f16 rows, then rotated
@@ -323,7 +323,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapperBase):
             multi_item=dict(prefix_len_ptr=prefix_len_ptr, token_pos_in_items_ptr=token_pos_in_items_ptr,
                             token_pos_in_items_len=token_pos_in_items_len),
         )
-        first = rope_first_route(self._site(), self._rope, qo_indptr, kv_host, num_qo_heads, num_kv_heads,
+        first = rope_first_route(self._site(), self._rope, qo_indptr, lambda: kv_host, num_qo_heads, num_kv_heads,
                                  head_dim_qk, options, rope_first)
         options, rope = first if first is not None else (options, None)
         plan = _plan_prefill(

@@ -9,7 +9,7 @@ The prefill wrappers call these from ``plan()`` and keep what they return beside
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -68,11 +68,12 @@ def _mode(site: PlanSite, choice: bool | None, argument: str, knob: str, read) -
 
 
 def rope_first_route(site: PlanSite, previous: RopeFirst | None, qo_indptr: torch.Tensor,
-                     kv_indptr_host: torch.Tensor, num_qo_heads: int, num_kv_heads: int, head_dim_qk: int,
-                     options: dict, choice: bool | None) -> tuple[dict, RopeFirst] | None:
+                     kv_indptr_host: Callable[[], torch.Tensor], num_qo_heads: int, num_kv_heads: int,
+                     head_dim_qk: int, options: dict, choice: bool | None) -> tuple[dict, RopeFirst] | None:
     """A ``ROPE_LLAMA`` plan's RoPE done before the kernel: the options of the f16 plan without RoPE and the
     rotation (its angle table shared with ``previous`` where it covers the positions), or None (RoPE stays in the
-    kernel). ``choice``: plan()'s ``rope_first``."""
+    kernel). ``choice``: plan()'s ``rope_first``; ``kv_indptr_host``: gives the keys' ragged indptr (called only
+    when the route is taken: a plan without RoPE does not pay for it)."""
     mode = _mode(site, choice, "rope_first", "JITATTN_PREFILL_ROPE_FIRST", env.prefill_rope_first)
     if mode == "off" or parse_pos_encoding(options["pos_encoding_mode"]) is not PosEncoding.ROPE_LLAMA:
         return None
@@ -83,7 +84,7 @@ def rope_first_route(site: PlanSite, previous: RopeFirst | None, qo_indptr: torc
                    o_data_type=planned.o_dtype, rope_scale=None, rope_theta=None)
     if mode == "auto" and not takes_sm90(site.target, num_qo_heads, num_kv_heads, head_dim_qk, options, **changes):
         return None
-    rope = RopeFirst(check_indptr("qo_indptr", qo_indptr), kv_indptr_host, head_dim=head_dim_qk,
+    rope = RopeFirst(check_indptr("qo_indptr", qo_indptr), kv_indptr_host(), head_dim=head_dim_qk,
                      rope_scale=planned.scalars.rope_scale, rope_theta=planned.scalars.rope_theta,
                      device=site.device, previous=previous)
     return {**options, **changes}, rope
