@@ -59,7 +59,8 @@ def run_once(command: list[str], env: dict[str, str]) -> dict:
 
 def compare(out: str, labels: list[str], commands: list[list[str]], envs: list[dict[str, str]], rounds: int) -> None:
     """Run every (command, env) once per round, print a row per case and a column per setting (microseconds,
-    one figure per round), and write every round's bench document to ``out`` (by setting)."""
+    one figure per round: the events figure, host cost hidden, then in brackets the plain-launch one, host cost
+    included), and write every round's bench document to ``out`` (by setting)."""
     docs: dict[str, list[dict]] = {label: [] for label in labels}
     for _ in range(rounds):
         for label, command, env in zip(labels, commands, envs):
@@ -73,8 +74,10 @@ def compare(out: str, labels: list[str], commands: list[list[str]], envs: list[d
         sdpa = ((first.get("sdpa") or {}).get("default") or {}).get("time_us")
         cells = []
         for label in labels:
-            us = [r[n]["time_us"] for r in rows[label] if n in r and r[n].get("time_us")]
-            cells.append(" / ".join(f"{u:.1f}" for u in us))
+            runs = [r[n] for r in rows[label] if n in r and r[n].get("time_us")]
+            events = " / ".join(f"{r['time_us']:.1f}" for r in runs)
+            plain = " / ".join(f"{r['plain_launch_us']:.1f}" for r in runs if r.get("plain_launch_us"))
+            cells.append(f"{events} [{plain}]" if plain else events)
         print(f"{n:46s} {sdpa or 0:8.1f} " + " ".join(f"{c:>{width}s}" for c in cells))
     json.dump(docs, open(out, "w"), indent=1)
 
