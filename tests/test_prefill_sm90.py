@@ -35,16 +35,25 @@ CASES = {
 }
 
 
-def _spec(d, hq, hkv, dtype, causal):
+# head_dim_qk 192 with head_dim_vo 128 (DeepSeek's MLA prefill over ragged KV): (qk, vo, qo heads, kv heads, dtype,
+# causal, qo_lens, kv_lens)
+ASYMMETRIC = {
+    "dqk192_dvo128_mha_bf16_causal": (192, 128, 4, 4, bf16, True, [1000, 1, 129, 0, 300], [1000, 700, 129, 5, 401]),
+    "dqk192_dvo128_g2_f16_full": (192, 128, 4, 2, f16, False, [513, 7, 64], [77, 1300, 0]),  # packed: group 2
+}
+
+
+def _spec(d, hq, hkv, dtype, causal, dvo=None):
     return attention_spec(
-        Op.PREFILL, Target.CUDA, q_dtype=dtype, kv_dtype=dtype, o_dtype=dtype, head_dim_qk=d, head_dim_vo=d,
+        Op.PREFILL, Target.CUDA, q_dtype=dtype, kv_dtype=dtype, o_dtype=dtype, head_dim_qk=d, head_dim_vo=dvo or d,
         num_qo_heads=hq, num_kv_heads=hkv, pos_encoding=PosEncoding.NONE, use_sliding_window=False,
         use_logits_soft_cap=False, mask_mode=MaskMode.CAUSAL if causal else MaskMode.NONE, kv_layout=KVLayout.NHD,
         kv_storage=KVStorage.RAGGED,
     )
 
 
-GPU_SPECS = [_spec(*c[:5]) for c in CASES.values()]
+GPU_SPECS = [_spec(*c[:5]) for c in CASES.values()] + [_spec(d, hq, hkv, dtype, causal, dvo)
+                                                        for d, dvo, hq, hkv, dtype, causal, *_ in ASYMMETRIC.values()]
 
 
 @pytest.fixture(autouse=True)
@@ -58,11 +67,11 @@ def _indptr(lens):
 
 
 def _run(q, k, v, qo_lens, kv_lens, causal):
-    hq, d = q.shape[1], q.shape[2]
+    hq, d, dvo = q.shape[1], q.shape[2], v.shape[2]
     wrapper = jitattn.BatchPrefillWithRaggedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8, device="cuda"))
-    wrapper.plan(_indptr(qo_lens), _indptr(kv_lens), hq, k.shape[1], d, causal=causal, q_data_type=q.dtype,
-                 kv_data_type=k.dtype)
-    out = torch.full((q.shape[0], hq, d), float("nan"), dtype=q.dtype, device="cuda")
+    wrapper.plan(_indptr(qo_lens), _indptr(kv_lens), hq, k.shape[1], d, head_dim_vo=dvo, causal=causal,
+                 q_data_type=q.dtype, kv_data_type=k.dtype)
+    out = torch.full((q.shape[0], hq, dvo), float("nan"), dtype=q.dtype, device="cuda")
     lse = torch.full((q.shape[0], hq), float("nan"), device="cuda")
     wrapper.run(q, k, v, out=out, lse=lse)
     return out, lse
@@ -85,6 +94,26 @@ def test_sm90_tier_matches_reference(case_id):
     ref_o, ref_lse = reference.batch_ragged_attention(q, k, v, _indptr(qo_lens), _indptr(kv_lens), causal=causal)
     assert_close_out(out, ref_o, dtype)
     assert_close_lse(lse, ref_lse)
+
+
+@pytest.mark.parametrize("case_id", list(ASYMMETRIC))
+def test_sm90_dqk192_dvo128_matches_reference_and_the_sm80_tier(case_id, monkeypatch, fresh_registry):
+    d, dvo, hq, hkv, dtype, causal, qo_lens, kv_lens = ASYMMETRIC[case_id]
+    assert "sm90 tier" in render(_spec(d, hq, hkv, dtype, causal, dvo))["kernel.cu"]
+    gen = torch.Generator().manual_seed(sum(map(ord, case_id)))
+    q = torch.randn(sum(qo_lens), hq, d, generator=gen).to(dtype).cuda()
+    k = torch.randn(sum(kv_lens), hkv, d, generator=gen).to(dtype).cuda()
+    v = torch.randn(sum(kv_lens), hkv, dvo, generator=gen).to(dtype).cuda()
+    out, lse = _run(q, k, v, qo_lens, kv_lens, causal)
+    ref_o, ref_lse = reference.batch_ragged_attention(q, k, v, _indptr(qo_lens), _indptr(kv_lens), causal=causal)
+    assert_close_out(out, ref_o, dtype)
+    assert_close_lse(lse, ref_lse)
+    monkeypatch.setenv("JITATTN_PREFILL_TIER", "sm80")
+    jitattn.jit._registry.clear()
+    assert "sm90 tier" not in render(_spec(d, hq, hkv, dtype, causal, dvo))["kernel.cu"]
+    out80, lse80 = _run(q, k, v, qo_lens, kv_lens, causal)
+    assert_close_out(out, out80.float(), dtype)
+    assert_close_lse(lse, lse80)
 
 
 def test_sm90_nan_past_the_keys_never_reaches_the_output():

@@ -61,6 +61,8 @@ SUPPORTED = {
     "paged_variant_mask_output": _spec(storage=KVStorage.PAGED, mask=MaskMode.CUSTOM, variant=AttentionVariant(
         "gate", logits_mask="kv_idx % 3 != 1", output_transform="out * 0.5f")),
     "paged_f16_in_bf16_out": _spec(dtype=f16, o_dtype=torch.bfloat16, storage=KVStorage.PAGED),
+    "dqk192_dvo128_mha": _spec(d=192, dvo=128, hq=16, hkv=16),  # DeepSeek's MLA prefill (ragged)
+    "dqk192_dvo128_window_cap": _spec(d=192, dvo=128, hq=8, hkv=8, causal=False, window=True, soft_cap=True),
 }
 UNSUPPORTED = {
     "paged_rope": _spec(storage=KVStorage.PAGED, pos=PosEncoding.ROPE_LLAMA),
@@ -70,7 +72,8 @@ UNSUPPORTED = {
     "rope_soft_cap": _spec(pos=PosEncoding.ROPE_LLAMA, soft_cap=True),
     "fp8_kv": _spec(kv_dtype=torch.float8_e4m3fn),
     "d96": _spec(d=96),
-    "dqk_ne_dvo": _spec(d=192, dvo=128),
+    "dqk_ne_dvo_paged": _spec(d=192, dvo=128, storage=KVStorage.PAGED),  # pages are gathered: 24-piece rows do not
+    "dqk576_dvo512": _spec(d=576, dvo=512, hq=16, hkv=1),
     "variant_no_softmax": _spec(variant=AttentionVariant("w", logits_transform="logits", use_softmax=False)),
     "variant_query_transform": _spec(variant=AttentionVariant("q2", query_transform="q * 2.0f")),
     "variant_soft_cap": _spec(soft_cap=True, variant=AttentionVariant("plain", logits_transform="logits")),
@@ -153,13 +156,15 @@ def test_sm90_layout_fits_and_aligns(case_id):
     for name in ("kOffK", "kOffV", "kOffBar"):
         assert layout[name] % 1024 == 0, name  # 128-byte swizzle atoms start on 1 KiB
     assert layout["kD"] == spec.head_dim_qk and layout["kChunks"] * 64 == layout["kD"]
+    assert layout["kDV"] == spec.head_dim_vo and layout["kChunksV"] * 64 == layout["kDV"]
     blocks = prefill.SM90_PAGED_KV_BLOCK if spec.kv_storage is KVStorage.PAGED else prefill.SM90_KV_BLOCK
     consumers = prefill.SM90_TUNING["consumers_d64"] if spec.head_dim_qk == 64 else 2
     assert layout["kBM"] == 64 * consumers and layout["kThreads"] == 128 * (1 + consumers)
     block = prefill.SM90_KV_BLOCK_3WG if consumers == 3 else blocks[spec.head_dim_qk]
     assert layout["kBN"] == block and layout["kGroup"] == spec.group_size
     assert layout["kStages"] == (prefill.SM90_TUNING["kv_stages"] or (4 if consumers == 3 else 2))
-    assert layout["kOffV"] - layout["kOffK"] == layout["kStages"] * layout["kKVBytes"]
+    assert layout["kOffV"] - layout["kOffK"] == layout["kStages"] * layout["kKBytes"]
+    assert layout["kOffBar"] - layout["kOffV"] == layout["kStages"] * layout["kVBytes"]
     # Barriers (q full TMA / gathered, q empty; k, v full / empty per stage), then the paged row tables, then (custom
     # masks) a word per stage saying whether the producer loaded it.
     assert layout["kOffTab"] - layout["kOffBar"] >= 8 * (3 + 4 * layout["kStages"]) and layout["kOffTab"] % 16 == 0
@@ -230,7 +235,8 @@ def test_sm90_soft_cap_tanh_knob(monkeypatch):
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
-@pytest.mark.parametrize("case_id", ["d64_f16_mha", "paged_d128_bf16_causal", "paged_d128_bf16_full_window_soft_cap"])
+@pytest.mark.parametrize("case_id", ["d64_f16_mha", "paged_d128_bf16_causal", "paged_d128_bf16_full_window_soft_cap",
+                                     "dqk192_dvo128_mha"])
 def test_sm90_tier_compiles_for_sm90a_without_a_gpu(case_id, tier_env, fresh_cache):
     spec = SUPPORTED[case_id]
     tier_env.setenv("JITATTN_CUDA_ARCH_LIST", "9.0a")

@@ -45,7 +45,8 @@ def _decode(hd: int, g: int = 4, **kw) -> VariantSpec:
 def _prefill(hd: int, g: int = 4, **kw) -> VariantSpec:
     kw = {**_PLAIN, **kw}
     q = kw.pop("q", "bf16")
-    return VariantSpec(op="prefill", target="cuda", q_dtype=q, kv_dtype=q, o_dtype=q, head_dim_qk=hd, head_dim_vo=hd,
+    dvo = kw.pop("dvo", hd)
+    return VariantSpec(op="prefill", target="cuda", q_dtype=q, kv_dtype=q, o_dtype=q, head_dim_qk=hd, head_dim_vo=dvo,
                        group_size=g, kv_layout="nhd", mask_mode=kw.pop("mask", "causal"),
                        kv_storage=kw.pop("storage", "ragged"), **kw)
 
@@ -60,7 +61,7 @@ SPECS = {
                 "p128cap": _prefill(128, use_logits_soft_cap=True), "p128win": _prefill(128, use_sliding_window=True),
                 "p128sinks": _prefill(128, use_sinks=True), "p128alibi": _prefill(128, pos_encoding="alibi"),
                 "p64alibi": _prefill(64, pos_encoding="alibi"), "p128mask": _prefill(128, mask="custom"),
-                "p64maskpaged": _prefill(64, mask="custom", storage="paged")},
+                "p64maskpaged": _prefill(64, mask="custom", storage="paged"), "p192x128c": _prefill(192, 1, dvo=128)},
 }
 
 

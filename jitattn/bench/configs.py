@@ -71,6 +71,7 @@ class Attn:
     num_qo_heads: int = 32
     num_kv_heads: int = 8
     head_dim: int = 128
+    head_dim_vo: int | None = None  # v's and the output's (None: head_dim); another one for ragged prefill only
     page_size: int = 16
     storage: str = "paged"  # "paged" | "ragged" (prefill)
     dtype: str = "bf16"  # q and o
@@ -124,16 +125,22 @@ class Attn:
         kv = DTYPE_BYTES[self.kv_dtype]
         qo = DTYPE_BYTES[self.dtype]
         tokens = self.kv_tokens_read if self.op == "decode" else sum(self.kv_lens)
-        return 2 * tokens * self.num_kv_heads * self.head_dim * kv + 2 * sum(self.queries) * self.num_qo_heads * self.head_dim * qo
+        return tokens * self.num_kv_heads * (self.head_dim + self.dim_vo) * kv + \
+            sum(self.queries) * self.num_qo_heads * (self.head_dim + self.dim_vo) * qo
+
+    @property
+    def dim_vo(self) -> int:
+        return self.head_dim if self.head_dim_vo is None else self.head_dim_vo
 
     @property
     def flops(self) -> int:
-        return 4 * self.pairs * self.num_qo_heads * self.head_dim
+        return 2 * self.pairs * self.num_qo_heads * (self.head_dim + self.dim_vo)
 
     def params(self) -> dict:
         out = {
             "op": self.op, "batch": self.batch, "heads_qo": self.num_qo_heads, "heads_kv": self.num_kv_heads,
-            "head_dim": self.head_dim, "dtype": self.dtype, "kv_dtype": self.kv_dtype, "storage": self.storage,
+            "head_dim": self.head_dim, **({"head_dim_vo": self.dim_vo} if self.dim_vo != self.head_dim else {}),
+            "dtype": self.dtype, "kv_dtype": self.kv_dtype, "storage": self.storage,
             "page_size": self.page_size if self.storage == "paged" else None,
         }
         lens = sorted(set(self.kv_lens))
@@ -356,6 +363,8 @@ PREFILL: list[Attn] = [
     _twin(_GPTOSS_PREFILL, "window128", window_left=127, note="gpt-oss's sliding-window layers (128 keys back); "
           "TFLOP/s over the unmasked pairs, compared with " + _GPTOSS_PREFILL.name),
     _prefill("d64_causal_b16_s2048", 16, 2048, head_dim=64),
+    _prefill("deepseek_mla_causal_b4_s4096", 4, 4096, num_qo_heads=16, num_kv_heads=16, head_dim=192, head_dim_vo=128,
+             note="DeepSeek-V3's MLA prefill (q / k 192 = 128 nope + 64 rope, v 128), 16 heads (tensor-parallel 8)"),
     _D256_PREFILL,
     _twin(_D256_PREFILL, "softcap", logits_soft_cap=50.0,
           note="gemma-2's soft cap 50 (16 query heads of 256, group 2); compared with " + _D256_PREFILL.name),

@@ -126,9 +126,11 @@ def make_attn_data(case: Attn, device: torch.device) -> AttnData:
     dt, kvdt = TORCH_DTYPES[case.dtype], TORCH_DTYPES[case.kv_dtype]
     total_q = sum(case.queries)
     q = random_tensor((total_q, case.num_qo_heads, case.head_dim), dt, device, gen)
-    out = torch.empty_like(q)
+    out = torch.empty((total_q, case.num_qo_heads, case.dim_vo), dtype=dt, device=device)
     data = AttnData(case, q, out)
     if case.storage == "paged":
+        if case.dim_vo != case.head_dim:
+            raise ValueError(f"{case.name}: head_dim_vo {case.dim_vo} != head_dim {case.head_dim} takes ragged KV")
         needed = sum((n + case.page_size - 1) // case.page_size for n in case.kv_lens)
         pool = pool_pages(needed)
         data.table = random_page_table(case.kv_lens, case.page_size, pool, gen_host)
@@ -136,7 +138,7 @@ def make_attn_data(case: Attn, device: torch.device) -> AttnData:
     else:
         total_kv = sum(case.kv_lens)
         data.k = random_tensor((total_kv, case.num_kv_heads, case.head_dim), kvdt, device, gen)
-        data.v = random_tensor((total_kv, case.num_kv_heads, case.head_dim), kvdt, device, gen)
+        data.v = random_tensor((total_kv, case.num_kv_heads, case.dim_vo), kvdt, device, gen)
     if case.custom_mask:
         data.custom_mask = torch.cat([custom_mask_rows(case, r).reshape(-1) for r in range(case.batch)])
     if case.sinks:  # around the logits' scale, so the sink matters (~log of the keys' mass)
@@ -177,7 +179,7 @@ def jitattn_fn(data: AttnData, device: torch.device) -> Callable[[], object]:
         return lambda: wrapper.run(data.q, data.cache, out=data.out, sinks=data.sinks)
     wrapper = jitattn.BatchPrefillWithRaggedKVCacheWrapper(workspace, kv_layout="NHD")
     wrapper.plan(qo_indptr, indptr_of(list(case.kv_lens)), case.num_qo_heads, case.num_kv_heads, case.head_dim,
-                 causal=case.causal, **mask, **plan_kwargs(case))
+                 head_dim_vo=case.dim_vo, causal=case.causal, **mask, **plan_kwargs(case))
     return lambda: wrapper.run(data.q, data.k, data.v, out=data.out, sinks=data.sinks)
 
 
@@ -223,7 +225,7 @@ def specs_of(case: Case, target: str) -> list:
         return attention_spec(
             Op.DECODE if c.op == "decode" else Op.PREFILL, tgt, q_dtype=TORCH_DTYPES[c.dtype],
             kv_dtype=TORCH_DTYPES[c.kv_dtype], o_dtype=TORCH_DTYPES[c.dtype], head_dim_qk=c.head_dim,
-            head_dim_vo=c.head_dim, num_qo_heads=c.num_qo_heads, num_kv_heads=c.num_kv_heads,
+            head_dim_vo=c.dim_vo, num_qo_heads=c.num_qo_heads, num_kv_heads=c.num_kv_heads,
             pos_encoding=PosEncoding.parse(c.pos_encoding, "pos_encoding"), use_sliding_window=c.window_left >= 0,
             use_logits_soft_cap=c.logits_soft_cap > 0, mask_mode=mask if c.op == "prefill" else MaskMode.NONE,
             kv_layout=KVLayout.NHD, kv_storage=KVStorage.PAGED if c.storage == "paged" else KVStorage.RAGGED,

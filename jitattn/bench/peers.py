@@ -39,6 +39,8 @@ def flashinfer_unsupported(case: Attn, ctx: Context) -> str | None:
         return "batch-invariant mode: compared with the plain kernel"
     if case.dtype != "bf16" and case.dtype != "f16":
         return f"FlashInfer takes no {case.dtype} queries"
+    if case.dim_vo != case.head_dim:
+        return "head_dim_vo != head_dim: not wired for FlashInfer's wrappers here"
     if case.head_dim not in (64, 128, 256):
         # 0.5.3 on the H200: wrong output at head_dim 96, and an illegal memory access on the
         # tensor-core decode path (which leaves the CUDA context unusable for the rest of the run)

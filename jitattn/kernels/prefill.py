@@ -275,8 +275,12 @@ def context(spec: VariantSpec) -> dict[str, Any]:
 
 # ---- the Hopper (sm_90a) tier ------------------------------------------------------------
 
-SM90_KV_BLOCK = {64: 192, 128: 176, 256: 80}  # head_dim -> KV tokens per stage (docs/kernels/sm90_prefill.md: measured;
-# d256: 80 is the most two stages fit in 227 KiB beside the 128-row query tile, 5% faster than 64 on the H200)
+SM90_KV_BLOCK = {64: 192, 128: 176, 256: 80, 192: 128}  # head_dim_qk -> KV tokens per stage (docs/kernels/sm90_prefill.md:
+# measured; d256: 80 is the most two stages fit in 227 KiB beside the 128-row query tile, 5% faster than 64 on the H200;
+# 192 (with head_dim_vo 128: DeepSeek's MLA prefill): 128, the wgmma N that two stages of K and V fit)
+# (head_dim_qk, head_dim_vo) pairs of the tier: equal, or 192 / 128 (ragged KV only: its 24 pieces of a row do not
+# split over the producer's 128 threads, which the paged gathers and repeated query rows need)
+SM90_HEAD_DIMS = ((64, 64), (128, 128), (256, 256), (192, 128))
 # Paged KV: a block that pages of 16, 32, 64 and 128 tile whole, so each page is one TMA box (H200,
 # 2026-12-01, causal b8 x 4096 d128: page 64 300 -> 520 TFLOP/s, page 16 382 -> 389; 176 kept only 8/16/88).
 SM90_PAGED_KV_BLOCK = {64: 192, 128: 128, 256: 64}
@@ -330,8 +334,10 @@ def sm90_unsupported(spec: VariantSpec) -> str | None:
         return "it takes one 16-bit dtype (f16 or bf16) for q and kv"
     if spec.o_dtype not in (DType.F16, DType.BF16, DType.F32):
         return "it writes a 16-bit or float32 output"
-    if spec.head_dim_qk != spec.head_dim_vo or spec.head_dim_qk not in SM90_KV_BLOCK:
-        return f"it takes head_dim_qk == head_dim_vo in {sorted(SM90_KV_BLOCK)}"
+    if (spec.head_dim_qk, spec.head_dim_vo) not in SM90_HEAD_DIMS:
+        return f"it takes (head_dim_qk, head_dim_vo) in {list(SM90_HEAD_DIMS)}"
+    if spec.head_dim_qk != spec.head_dim_vo and spec.kv_storage is KVStorage.PAGED:
+        return "it takes head_dim_qk != head_dim_vo over ragged KV only"
     if spec.pos_encoding not in (PosEncoding.NONE, PosEncoding.ALIBI):
         return "it has no in-kernel RoPE yet"
     if spec.pos_encoding is PosEncoding.ALIBI and spec.use_logits_soft_cap:
@@ -404,18 +410,18 @@ def sm90_layout(spec: VariantSpec) -> dict[str, int]:
     bm, stages = 64 * consumers, tuning["kv_stages"] or (4 if consumers == 3 else 2)
     # three consumers: S, the last block's P and O in 160 registers, so KV blocks of 128
     paged_block, ragged_block = (SM90_KV_BLOCK_3WG, SM90_KV_BLOCK_3WG) if consumers == 3 else \
-        (SM90_PAGED_KV_BLOCK[dim], SM90_KV_BLOCK[dim])
+        (SM90_PAGED_KV_BLOCK.get(dim), SM90_KV_BLOCK[dim])  # (no paged KV at head_dim_qk 192)
     bn = (tuning["paged_kv_block"] or paged_block) if paged else (tuning["kv_block"] or ragged_block)
     if bn not in (64, 80, 96, 128, 176, 192, 256):  # the wgmma N of wgmma_sm90.cuh
         raise ValueError(f"SM90_TUNING kv_block / paged_kv_block={bn}: take one of 64, 80, 96, 128, 176, 192, 256")
     if not 2 <= stages <= 8:
         raise ValueError(f"SM90_TUNING kv_stages={stages}: take 2 to 8")
-    chunks = dim // 64                       # 64-column (128-byte) TMA boxes per row
+    chunks, chunks_v = dim // 64, spec.head_dim_vo // 64  # 64-column (128-byte) TMA boxes per q / k row, per v row
     q_chunk, kv_chunk = bm * 128, bn * 128   # bytes of one box
-    q_bytes, kv_bytes = chunks * q_chunk, chunks * kv_chunk
+    q_bytes, k_bytes, v_bytes = chunks * q_chunk, chunks * kv_chunk, chunks_v * kv_chunk
     off_k = q_bytes
-    off_v = off_k + stages * kv_bytes
-    off_bar = off_v + stages * kv_bytes
+    off_v = off_k + stages * k_bytes
+    off_bar = off_v + stages * v_bytes
     ring = 4                                 # item slots: how far the item taker may run ahead of its readers
     # q full (TMA), full (gathered), empty; k, v full/empty per stage; item full/empty per ring slot
     barriers = 3 + 4 * stages + 2 * ring
@@ -430,9 +436,9 @@ def sm90_layout(spec: VariantSpec) -> dict[str, int]:
     return {
         # registers per thread: 24 for the producer, the rest of the 64 K over the consumers (multiples of 8)
         "kThreads": 128 * (1 + consumers), "kProducerRegs": 24, "kConsumerRegs": 240 if consumers == 2 else 160,
-        "kBM": bm, "kBN": bn, "kD": dim, "kStages": stages, "kChunks": chunks, "kGroup": spec.group_size,
-        "kPackG": sm90_pack(spec, bm),
-        "kQChunkBytes": q_chunk, "kKVChunkBytes": kv_chunk, "kQBytes": q_bytes, "kKVBytes": kv_bytes,
+        "kBM": bm, "kBN": bn, "kD": dim, "kDV": spec.head_dim_vo, "kStages": stages, "kChunks": chunks,
+        "kChunksV": chunks_v, "kGroup": spec.group_size, "kPackG": sm90_pack(spec, bm),
+        "kQChunkBytes": q_chunk, "kKVChunkBytes": kv_chunk, "kQBytes": q_bytes, "kKBytes": k_bytes, "kVBytes": v_bytes,
         "kOffQ": 0, "kOffK": off_k, "kOffV": off_v, "kOffBar": off_bar, "kOffItems": off_items, "kItemRing": ring,
         "kOffTab": off_tab, "kOffLive": off_live, "kSmemBytes": smem,
         "kGatherSync": tuning["gather_sync"], "kGatherL2": tuning["gather_l2"],
