@@ -13,7 +13,7 @@ from unittest import mock
 import pytest
 import torch
 
-from jitattn.bench import configs, inputs, report, suite
+from jitattn.bench import configs, inputs, report, suite, units
 from jitattn.bench import rows as bench_rows
 from jitattn.bench.__main__ import main
 
@@ -151,8 +151,8 @@ def test_visible_keys_match_the_reference_mask() -> None:
         if window >= 0:
             allowed &= j >= p - window
         expected = int(allowed.sum())
-        assert configs.visible_keys(qo, kv, causal, window) == expected
-        assert configs._visible_keys_fast(qo, kv, causal, window) == expected
+        assert units.visible_keys(qo, kv, causal, window) == expected
+        assert units.visible_keys_fast(qo, kv, causal, window) == expected
 
 
 def test_tree_mask_rows_are_a_draft_trees_ancestors() -> None:

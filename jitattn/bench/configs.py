@@ -3,9 +3,9 @@
 A case is plain data: its shapes, options and the bytes / FLOPs it must move
 or compute, by the formulas below (tested in ``tests/test_bench.py``):
 
-- decode bytes = 2 * (tokens of KV read) * H_kv * D * bytes/elem + q bytes + o bytes,
-  where a sliding window ``window_left = w`` reads ``min(kv_len, w + 1)`` tokens;
-- prefill FLOPs = 4 * (unmasked (query, key) pairs, bottom-right causal) * H_q * D;
+- decode bytes = (tokens of KV read) * H_kv * (D + D_vo) * bytes/elem + q bytes + o bytes,
+  where a sliding window ``window_left = w`` reads ``min(kv_len, w + 1)`` tokens (D_vo: v's width, D's by default);
+- prefill FLOPs = 2 * (unmasked (query, key) pairs, bottom-right causal) * H_q * (D + D_vo);
 - cascade bytes = the shared prefix's KV once + each request's own KV (+ q and o);
 - MLA FLOPs = 2 * B * H * L * (576 + 512); MLA bytes = B * L * 576 * bytes/elem (of the latent cache);
 - ops (``ops_cases``): RoPE bytes = q and k read + written (+ positions); block-sparse FLOPs =
@@ -24,37 +24,11 @@ import random
 from dataclasses import dataclass, field, replace
 from typing import Union
 
-from .units import CPU_SCALE, DTYPE_BYTES
+from .units import CPU_SCALE, DTYPE_BYTES, visible_keys_fast
 from .units import div_at_least as _div
 from .ops_cases import BSR_CASES, DENSE_PREFILL, MIXED_CASES, ROPE_CASES, BlockSparse, Mixed, Rope
 
 SUITES = ("decode", "prefill", "cascade", "variants", "mla", "jit", "ops")
-
-
-def visible_keys(qo_len: int, kv_len: int, causal: bool, window_left: int = -1) -> int:
-    """Unmasked (query, key) pairs of one request (bottom-right causal, window ``[p - w, p]``).
-
-    Query i sits at position ``p = kv_len - qo_len + i``; causal keeps keys ``j <= p``, a window
-    ``w >= 0`` keeps ``j >= p - w`` (as in ``jitattn.reference``; a non-causal window bounds
-    the left side only).
-    """
-    total = 0
-    hi_all = kv_len - 1
-    for i in range(qo_len):
-        p = kv_len - qo_len + i
-        hi = min(p, hi_all) if causal else hi_all
-        lo = max(0, p - window_left) if window_left >= 0 else 0
-        total += max(0, hi - lo + 1)
-    return total
-
-
-def _visible_keys_fast(qo_len: int, kv_len: int, causal: bool, window_left: int) -> int:
-    """``visible_keys`` in closed form for the common cases (long prefills)."""
-    if window_left < 0 and not causal:
-        return qo_len * kv_len
-    if window_left < 0 and causal and kv_len >= qo_len:
-        return qo_len * (kv_len - qo_len) + qo_len * (qo_len + 1) // 2
-    return visible_keys(qo_len, kv_len, causal, window_left)
 
 
 # --------------------------------------------------------------------------- #
@@ -117,7 +91,7 @@ class Attn:
     @property
     def pairs(self) -> int:
         masked = self.causal or self.custom_mask  # the custom mask has the causal pattern
-        return sum(_visible_keys_fast(q, k, masked, self.window_left) for q, k in zip(self.queries, self.kv_lens))
+        return sum(visible_keys_fast(q, k, masked, self.window_left) for q, k in zip(self.queries, self.kv_lens))
 
     @property
     def bytes(self) -> int:
