@@ -16,7 +16,7 @@ from jitattn import env
 from jitattn.runtime.specs import attention_spec
 from jitattn.kernels import prefill
 from jitattn.jit import render
-from jitattn.spec import KVLayout, KVStorage, MaskMode, Op, PosEncoding, Target, VariantSpec
+from jitattn.spec import DType, KVLayout, KVStorage, MaskMode, Op, PosEncoding, Target, VariantSpec
 from jitattn.variant import AttentionVariant
 
 bf16, f16, f32 = torch.bfloat16, torch.float16, torch.float32
@@ -165,13 +165,19 @@ def test_sm90_layout_fits_and_aligns(case_id):
     assert layout["kStages"] == (prefill.SM90_TUNING["kv_stages"] or (4 if consumers == 3 else 2))
     assert layout["kOffV"] - layout["kOffK"] == layout["kStages"] * layout["kKBytes"]
     assert layout["kOffBar"] - layout["kOffV"] == layout["kStages"] * layout["kVBytes"]
-    # Barriers (q full TMA / gathered, q empty; k, v full / empty per stage), then the paged row tables, then (custom
-    # masks) a word per stage saying whether the producer loaded it.
-    assert layout["kOffTab"] - layout["kOffBar"] >= 8 * (3 + 4 * layout["kStages"]) and layout["kOffTab"] % 16 == 0
+    # Barriers (per query buffer q full TMA / gathered, q empty; k, v full / empty per stage), then the paged row
+    # tables, then (custom masks) a word per stage saying whether the producer loaded it, then (a 16-bit output
+    # staged) each consumer warp's 16 rows x 64 columns.
+    assert layout["kQBufs"] == prefill.SM90_TUNING["q_buffers"] and layout["kOffK"] == layout["kQBufs"] * layout["kQBytes"]
+    assert layout["kOffTab"] - layout["kOffBar"] >= 8 * (3 * layout["kQBufs"] + 4 * layout["kStages"])
+    assert layout["kOffTab"] % 16 == 0
     tables = 2 * layout["kBN"] * 16 if spec.kv_storage is KVStorage.PAGED else 0
     assert layout["kOffLive"] == layout["kOffTab"] + tables
     live = 16 * -(-4 * layout["kStages"] // 16) if spec.mask_mode is MaskMode.CUSTOM else 0
-    assert layout["kSmemBytes"] == layout["kOffLive"] + live + 1024
+    assert layout["kOffStageO"] >= layout["kOffLive"] + live and layout["kOffStageO"] % 128 == 0
+    staged = 4 * consumers * 16 * 64 * 2 if layout["kStageO"] else 0
+    assert layout["kStageO"] in (0, 1) and (spec.o_dtype in (DType.F16, DType.BF16) or not layout["kStageO"])
+    assert layout["kSmemBytes"] == layout["kOffStageO"] + staged + 1024
     # Registers: producer and consumer warpgroups within the SM's 64 Ki, setmaxnreg's multiples of 8.
     assert 128 * layout["kProducerRegs"] + 128 * consumers * layout["kConsumerRegs"] <= 65536
     # setmaxnreg moves registers within the CTA's launch allocation (kThreads x the launch count, at most

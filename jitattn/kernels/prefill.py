@@ -302,8 +302,16 @@ SM90_KV_BLOCK_3WG = 128  # head_dim 64 with three consumer warpgroups (SM90_TUNI
 # SM90_KV_BLOCK_3WG tokens, registers 160 per consumer thread) or 2 (128 rows, as at the other head dims).
 # kv_block / kv_stages: KV tokens per stage of ragged KV and pipeline stages (0: the tables', and 2 stages, 4
 # with three consumer warpgroups: H200, d64 causal b16 x 2048, 360.5 / 362.3 / 366.1 TFLOP/s with 2 / 3 / 4).
+# q_buffers: query tiles in shared memory (1; 2: the producer loads the next tile's queries while this tile's
+# blocks run; H200, paged d128 tiles of 1 / 2 / 8 KV blocks: 7.5 / 9.3 / 19.3 us against 7.2 / 9.0 / 19.4 with one).
+# tile_search: how the consumer warps find an item's request (0: one thread's binary search over qo_indptr, one
+# dependent load per halving; 1: each warp probes 32 entries at once, one load round trip per 32-fold cut; H200,
+# paged d128 one-block tiles 7.55 -> 7.20 us).
+# stage_o: 1 writes a 16-bit output through shared memory (each warp's 16 rows, 64 columns at a time, then
+# 16-byte stores of whole row segments) where its 2 KiB per consumer warp fit, 0 stores the accumulator's pairs.
 SM90_TUNING: dict[str, int] = {"gather_sync": 0, "gather_l2": 0, "paged_kv_block": 0, "soft_cap_tanh": 0,
-                               "paged_tma": 1, "consumers_d64": 3, "kv_block": 0, "kv_stages": 0}
+                               "paged_tma": 1, "consumers_d64": 3, "kv_block": 0, "kv_stages": 0,
+                               "q_buffers": 1, "tile_search": 1, "stage_o": 1}
 
 
 def _sm90_tuning_override() -> None:
@@ -393,6 +401,10 @@ def sm90_pack(spec: VariantSpec, tile_rows: int = 128) -> int:
     return spec.group_size if tile_rows % spec.group_size == 0 and spec.head_dim_qk >= 128 else 1
 
 
+_SM90_SMEM = 227 << 10  # shared memory one block may take on sm_90a
+_STAGE_O_WARP_BYTES = 16 * 64 * 2  # stage_o: a consumer warp's 16 rows x 64 columns of a 16-bit output
+
+
 def sm90_layout(spec: VariantSpec) -> dict[str, int]:
     """Every derived constant of the sm90 prefill kernel for ``spec`` (plain ints)."""
     reason = sm90_unsupported(spec)
@@ -403,9 +415,11 @@ def sm90_layout(spec: VariantSpec) -> dict[str, int]:
     tuning = SM90_TUNING
     if tuning["gather_sync"] not in (0, 1, 2, 3) or tuning["gather_l2"] not in (0, 64, 128, 256) or \
             tuning["soft_cap_tanh"] not in (0, 1) or tuning["paged_tma"] not in (0, 1, 2) or \
-            tuning["consumers_d64"] not in (2, 3):
+            tuning["consumers_d64"] not in (2, 3) or tuning["q_buffers"] not in (1, 2) or \
+            tuning["tile_search"] not in (0, 1) or tuning["stage_o"] not in (0, 1):
         raise ValueError(f"SM90_TUNING={tuning}: gather_sync takes 0 to 3, gather_l2 0, 64, 128 or 256, "
-                         "soft_cap_tanh 0 or 1, paged_tma 0 to 2 and consumers_d64 2 or 3")
+                         "soft_cap_tanh 0 or 1, paged_tma 0 to 2, consumers_d64 2 or 3, q_buffers 1 or 2 "
+                         "and tile_search / stage_o 0 or 1")
     consumers = tuning["consumers_d64"] if dim == 64 else 2
     bm, stages = 64 * consumers, tuning["kv_stages"] or (4 if consumers == 3 else 2)
     # three consumers: S, the last block's P and O in 160 registers, so KV blocks of 128
@@ -419,28 +433,39 @@ def sm90_layout(spec: VariantSpec) -> dict[str, int]:
     chunks, chunks_v = dim // 64, spec.head_dim_vo // 64  # 64-column (128-byte) TMA boxes per q / k row, per v row
     q_chunk, kv_chunk = bm * 128, bn * 128   # bytes of one box
     q_bytes, k_bytes, v_bytes = chunks * q_chunk, chunks * kv_chunk, chunks_v * kv_chunk
-    off_k = q_bytes
-    off_v = off_k + stages * k_bytes
-    off_bar = off_v + stages * v_bytes
     ring = 4                                 # item slots: how far the item taker may run ahead of its readers
-    # q full (TMA), full (gathered), empty; k, v full/empty per stage; item full/empty per ring slot
-    barriers = 3 + 4 * stages + 2 * ring
-    off_items = off_bar + _ceil(8 * barriers, 16)
-    off_tab = off_items + _ceil(8 * ring, 16)
-    tab_bytes = 2 * bn * 16 if paged else 0  # paged: two tables (block parity) of (k, v) int64 row offsets
-    off_live = off_tab + tab_bytes
-    live_bytes = _ceil(4 * stages, 16) if spec.mask_mode is MaskMode.CUSTOM else 0  # custom mask: stage loaded?
-    smem = off_live + live_bytes + 1024      # + slack to align the base to 1 KiB (swizzle atoms)
-    if smem > 227 << 10:
-        raise ValueError(f"{spec.uri}: the sm90 tile needs {smem} B of shared memory, over 227 KiB (KV block {bn})")
+
+    def smem_of(q_bufs: int, stage_o: bool) -> dict[str, int]:
+        off_k = q_bufs * q_bytes
+        off_v = off_k + stages * k_bytes
+        off_bar = off_v + stages * v_bytes
+        # per query buffer q full (TMA), full (gathered), empty; k, v full/empty per stage; item full/empty per slot
+        barriers = 3 * q_bufs + 4 * stages + 2 * ring
+        off_items = off_bar + _ceil(8 * barriers, 16)
+        off_tab = off_items + _ceil(8 * ring, 16)
+        tab_bytes = 2 * bn * 16 if paged else 0  # paged: two tables (block parity) of (k, v) int64 row offsets
+        off_live = off_tab + tab_bytes
+        live_bytes = _ceil(4 * stages, 16) if spec.mask_mode is MaskMode.CUSTOM else 0  # custom mask: stage loaded?
+        off_stage_o = _ceil(off_live + live_bytes, 128)
+        stage_o_bytes = 4 * consumers * _STAGE_O_WARP_BYTES if stage_o else 0
+        return {"kQBufs": q_bufs, "kOffK": off_k, "kOffV": off_v, "kOffBar": off_bar, "kOffItems": off_items,
+                "kOffTab": off_tab, "kOffLive": off_live, "kStageO": int(stage_o), "kOffStageO": off_stage_o,
+                "kSmemBytes": off_stage_o + stage_o_bytes + 1024}  # + slack to align the base to 1 KiB (swizzle atoms)
+
+    sixteen_bit_o = spec.o_dtype in (DType.F16, DType.BF16)
+    offsets = smem_of(tuning["q_buffers"], bool(tuning["stage_o"]) and sixteen_bit_o)
+    if offsets["kStageO"] and offsets["kSmemBytes"] > _SM90_SMEM:
+        offsets = smem_of(tuning["q_buffers"], False)  # no room to stage the output: its pairs stored from registers
+    if offsets["kSmemBytes"] > _SM90_SMEM:
+        raise ValueError(f"{spec.uri}: the sm90 tile needs {offsets['kSmemBytes']} B of shared memory, over 227 KiB "
+                         f"(KV block {bn}, {offsets['kQBufs']} query buffers)")
     return {
         # registers per thread: 24 for the producer, the rest of the 64 K over the consumers (multiples of 8)
         "kThreads": 128 * (1 + consumers), "kProducerRegs": 24, "kConsumerRegs": 240 if consumers == 2 else 160,
         "kBM": bm, "kBN": bn, "kD": dim, "kDV": spec.head_dim_vo, "kStages": stages, "kChunks": chunks,
         "kChunksV": chunks_v, "kGroup": spec.group_size, "kPackG": sm90_pack(spec, bm),
         "kQChunkBytes": q_chunk, "kKVChunkBytes": kv_chunk, "kQBytes": q_bytes, "kKBytes": k_bytes, "kVBytes": v_bytes,
-        "kOffQ": 0, "kOffK": off_k, "kOffV": off_v, "kOffBar": off_bar, "kOffItems": off_items, "kItemRing": ring,
-        "kOffTab": off_tab, "kOffLive": off_live, "kSmemBytes": smem,
+        "kOffQ": 0, "kItemRing": ring, **offsets, "kTileSearch": tuning["tile_search"],
         "kGatherSync": tuning["gather_sync"], "kGatherL2": tuning["gather_l2"],
         "kSoftCapTanh": tuning["soft_cap_tanh"],
         "kPagedTma": tuning["paged_tma"] if paged else 0,
