@@ -10,7 +10,9 @@ from jitattn import reference
 from jitattn.runtime.specs import attention_spec
 from jitattn.spec import KVLayout, KVStorage, MaskMode, Op, PosEncoding, Target
 
-from attention_cases import assert_close_lse, assert_close_out, devices, random_paged_batch
+from attention_cases import (
+    ROPE_FIRST_LSE_ATOL, assert_close_lse, assert_close_out, devices, random_paged_batch, stable_seed,
+)
 
 bf16, f16, f32 = torch.bfloat16, torch.float16, torch.float32
 e4m3, e5m2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -88,7 +90,7 @@ def test_paged_prefill_matches_reference(case_id: str, device: str) -> None:
     dqk, dvo, hq, hkv, qd, kvd, layout, page, mask, pos, window, cap, scale = case = CASES[case_id]
     if device == "cuda" and qd == f32:
         pytest.skip("f32 queries run on the cpu target only")
-    gen = torch.Generator().manual_seed(hash(case_id) % 2**31)
+    gen = torch.Generator().manual_seed(stable_seed(case_id))
     fmt = "5d" if dqk == dvo else "tuple4"
     batch = random_paged_batch(KV_LENS, hkv, dqk, page, kvd, layout, fmt, device, generator=gen, head_dim_vo=dvo)
     q = torch.randn(sum(QO_LENS), hq, dqk, generator=gen).to(qd).to(device)
@@ -106,7 +108,7 @@ def test_paged_prefill_matches_reference(case_id: str, device: str) -> None:
         custom_mask=flat, k_scale=k_scale, v_scale=v_scale, **ref_kw,
     )
     assert_close_out(out, ref_o, qd)
-    assert_close_lse(lse, ref_lse)
+    assert_close_lse(lse, ref_lse, atol=ROPE_FIRST_LSE_ATOL if device == "cuda" and pos == "ROPE_LLAMA" else 2e-3)
 
 
 @pytest.mark.parametrize("device", devices())
@@ -115,7 +117,7 @@ def test_ragged_prefill_matches_reference(case_id: str, device: str) -> None:
     dqk, dvo, hq, hkv, qd, kvd, layout, page, mask, pos, window, cap, scale = case = CASES[case_id]
     if device == "cuda" and qd == f32:
         pytest.skip("f32 queries run on the cpu target only")
-    gen = torch.Generator().manual_seed(hash(case_id) % 2**31 + 1)
+    gen = torch.Generator().manual_seed(stable_seed(case_id) + 1)
     total_kv = sum(KV_LENS)
     # k/v as views into a fused kv tensor: strided tokens, no copies
     kv = torch.randn(total_kv, 2 * hkv, max(dqk, dvo), generator=gen).to(kvd).to(device)
@@ -132,7 +134,7 @@ def test_ragged_prefill_matches_reference(case_id: str, device: str) -> None:
     ref_o, ref_lse = reference.batch_ragged_attention(q, k, v, _qo_indptr(), kv_indptr, custom_mask=flat,
                                                       k_scale=k_scale, v_scale=v_scale, **ref_kw)
     assert_close_out(out, ref_o, qd)
-    assert_close_lse(lse, ref_lse)
+    assert_close_lse(lse, ref_lse, atol=ROPE_FIRST_LSE_ATOL if device == "cuda" and pos == "ROPE_LLAMA" else 2e-3)
 
 
 @pytest.mark.parametrize("device", devices())

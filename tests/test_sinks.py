@@ -18,7 +18,9 @@ from jitattn import reference
 from jitattn.runtime.specs import attention_spec, merge_spec
 from jitattn.spec import KVLayout, KVStorage, MaskMode, Op, PosEncoding, Target, VariantSpec, parse_spec_text
 
-from attention_cases import assert_close_lse, assert_close_out, cascade_level, devices, random_paged_batch
+from attention_cases import (
+    assert_close_lse, assert_close_out, cascade_level, devices, random_paged_batch, stable_seed,
+)
 
 bf16, f16, f32 = torch.bfloat16, torch.float16, torch.float32
 PAGE = 16
@@ -107,7 +109,7 @@ def test_reference_sinks_equal_a_softmax_with_a_value_free_sink_column() -> None
 def test_batch_decode_with_sinks_matches_reference(case_id: str, split: str, device: str) -> None:
     d, hq, hkv, dtype, window, cap, pos = DECODE_CASES[case_id]
     _skip_f32_on_cuda(device, dtype)
-    gen = torch.Generator().manual_seed(hash((case_id, split)) % 2**31)
+    gen = torch.Generator().manual_seed(stable_seed(case_id, split))
     batch = random_paged_batch(DECODE_KV_LENS, hkv, d, PAGE, dtype, device=device, generator=gen)
     q = torch.randn(len(DECODE_KV_LENS), hq, d, generator=gen).to(dtype).to(device)
     sinks = _sinks(hq, gen, device)
@@ -165,7 +167,7 @@ def _prefill_batch(gen: torch.Generator, hq: int, hkv: int, d: int, dtype: torch
 def test_paged_prefill_with_sinks_matches_reference(case_id: str, device: str) -> None:
     d, hq, hkv, dtype, window, cap, pos = PREFILL_CASES[case_id]
     _skip_f32_on_cuda(device, dtype)
-    gen = torch.Generator().manual_seed(hash(case_id) % 2**31)
+    gen = torch.Generator().manual_seed(stable_seed(case_id))
     batch, qo_indptr, q = _prefill_batch(gen, hq, hkv, d, dtype, device)
     sinks = _sinks(hq, gen, device)
     wrapper = jitattn.BatchPrefillWithPagedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8, device=device))
@@ -186,7 +188,7 @@ def test_paged_prefill_with_sinks_matches_reference(case_id: str, device: str) -
 def test_ragged_prefill_with_sinks_matches_reference(case_id: str, device: str) -> None:
     d, hq, hkv, dtype, window, cap, pos = PREFILL_CASES[case_id]
     _skip_f32_on_cuda(device, dtype)
-    gen = torch.Generator().manual_seed(hash(case_id) % 2**31 + 1)
+    gen = torch.Generator().manual_seed(stable_seed(case_id) + 1)
     qo_lens = [q for q, _ in PREFILL_LENS]
     kv_lens = [k for _, k in PREFILL_LENS]
     qo_indptr = torch.tensor([0] + torch.tensor(qo_lens).cumsum(0).tolist(), dtype=torch.int32)
