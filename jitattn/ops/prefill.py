@@ -15,13 +15,13 @@ from ..runtime.wrapper import BatchWrapperBase, plan_arguments
 from ..runtime.checks import check_tensor, stream_capturing, target_of
 from ..runtime.compiled import rope_first_operands
 from ..runtime.options import (PAGE_TABLE_HINT, parse_kv_layout, per_tensor_scale, refuse_unsupported,
-                                 resolve_batch_invariant, resolve_dtypes, resolve_flag)
+                                 resolve_batch_invariant, resolve_flag)
 from ..page_table import PagedIndex, check_indptr, check_paged_index
 from ..kv_split import check_fixed_split_size, unsplit
 from ..masks import multi_item_mask, packed_mask_indptr, segment_packbits
 from ..variant import AttentionVariant
 from ..spec import KVLayout, MaskMode, Op, Target
-from .prefill_routes import PlanSite, fp8_upcast_route, rope_first_route
+from .prefill_routes import PlanSite, fp8_upcast_route, paged_gather, rope_first_route
 
 __all__ = [
     "BatchPrefillWithPagedKVCacheWrapper", "BatchPrefillWithRaggedKVCacheWrapper", "single_prefill_with_kv_cache",
@@ -193,11 +193,9 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapperBase):
                                  num_kv_heads, head_dim_qk, options, rope_first)
         rope = None
         if first is not None:  # the pages gathered into ragged f16 rows, then rotated
+            gather = paged_gather(self._site(), self._kv_layout, index, num_kv_heads, head_dim_qk, options,
+                                  OPERAND_DTYPE)
             options, rope = first
-            _, kv_dtype = resolve_dtypes(q_data_type, kv_data_type)
-            gather = KVUpcast(index, self._kv_layout, num_kv_heads=num_kv_heads, head_dim_qk=head_dim_qk,
-                              head_dim_vo=head_dim_qk if head_dim_vo is None else head_dim_vo, kv_dtype=kv_dtype,
-                              out_dtype=OPERAND_DTYPE, device=self._device)
         else:
             gather = fp8_upcast_route(self._site(), self._kv_layout, index, num_qo_heads, num_kv_heads, head_dim_qk,
                                       options, fp8_upcast)

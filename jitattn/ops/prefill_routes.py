@@ -104,6 +104,13 @@ def fp8_upcast_route(site: PlanSite, kv_layout: KVLayout, index: PagedIndex, num
     if mode == "auto" and not takes_sm90(site.target, num_qo_heads, num_kv_heads, head_dim_qk, options,
                                          q_data_type=q_dtype, kv_data_type=q_dtype):
         return None  # only where the 16-bit kernel is the Hopper tier's
+    return paged_gather(site, kv_layout, index, num_kv_heads, head_dim_qk, options, q_dtype)
+
+
+def paged_gather(site: PlanSite, kv_layout: KVLayout, index: PagedIndex, num_kv_heads: int, head_dim_qk: int,
+                 options: dict, out_dtype: torch.dtype) -> KVUpcast:
+    """The gather of a paged plan's pages (``options``: plan()'s keywords) into ragged ``out_dtype`` rows."""
+    _, kv_dtype = resolve_dtypes(options["q_data_type"], options["kv_data_type"])
     head_dim_vo = head_dim_qk if options["head_dim_vo"] is None else options["head_dim_vo"]
     return KVUpcast(index, kv_layout, num_kv_heads=num_kv_heads, head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo,
-                    kv_dtype=kv_dtype, out_dtype=q_dtype, device=site.device)
+                    kv_dtype=kv_dtype, out_dtype=out_dtype, device=site.device)
