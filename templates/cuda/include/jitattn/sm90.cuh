@@ -184,6 +184,13 @@ __device__ __forceinline__ uint4 ld_shared_v4(uint32_t addr) {
   return v;
 }
 
+// Four words to global memory in one 16-byte store (`ptr` 16-byte aligned) when `pred` holds (a predicated store,
+// no branch): a plain uint4 assignment through a reinterpret_cast pointer compiled to four 4-byte stores.
+__device__ __forceinline__ void st_global_v4(void* ptr, uint4 v, bool pred) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %5, 0;\n@p st.global.v4.b32 [%0], {%1, %2, %3, %4};\n}"
+               ::"l"(ptr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w), "r"(uint32_t(pred)) : "memory");
+}
+
 __device__ __forceinline__ float ex2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
