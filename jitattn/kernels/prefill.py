@@ -309,9 +309,12 @@ SM90_KV_BLOCK_3WG = 128  # head_dim 64 with three consumer warpgroups (SM90_TUNI
 # paged d128 one-block tiles 7.55 -> 7.20 us).
 # stage_o: 1 writes a 16-bit output through shared memory (each warp's 16 rows, 64 columns at a time, then
 # 16-byte stores of whole row segments) where its 2 KiB per consumer warp fit, 0 stores the accumulator's pairs.
+# lazy_rescale: the softmax keeps a row's running max while a block's is at most this much above it (log2 units;
+# the exponentials then stay below 2^lazy_rescale), and a warp whose rows all kept theirs skips O's rescale;
+# 0 rescales at every new max.
 SM90_TUNING: dict[str, int] = {"gather_sync": 0, "gather_l2": 0, "paged_kv_block": 0, "soft_cap_tanh": 0,
                                "paged_tma": 1, "consumers_d64": 3, "kv_block": 0, "kv_stages": 0,
-                               "q_buffers": 1, "tile_search": 1, "stage_o": 1}
+                               "q_buffers": 1, "tile_search": 1, "stage_o": 1, "lazy_rescale": 8}
 
 
 def _sm90_tuning_override() -> None:
@@ -416,10 +419,11 @@ def sm90_layout(spec: VariantSpec) -> dict[str, int]:
     if tuning["gather_sync"] not in (0, 1, 2, 3) or tuning["gather_l2"] not in (0, 64, 128, 256) or \
             tuning["soft_cap_tanh"] not in (0, 1) or tuning["paged_tma"] not in (0, 1, 2) or \
             tuning["consumers_d64"] not in (2, 3) or tuning["q_buffers"] not in (1, 2) or \
-            tuning["tile_search"] not in (0, 1) or tuning["stage_o"] not in (0, 1):
+            tuning["tile_search"] not in (0, 1) or tuning["stage_o"] not in (0, 1) or \
+            tuning["lazy_rescale"] not in range(0, 16):
         raise ValueError(f"SM90_TUNING={tuning}: gather_sync takes 0 to 3, gather_l2 0, 64, 128 or 256, "
-                         "soft_cap_tanh 0 or 1, paged_tma 0 to 2, consumers_d64 2 or 3, q_buffers 1 or 2 "
-                         "and tile_search / stage_o 0 or 1")
+                         "soft_cap_tanh 0 or 1, paged_tma 0 to 2, consumers_d64 2 or 3, q_buffers 1 or 2, "
+                         "tile_search / stage_o 0 or 1 and lazy_rescale 0 to 15")
     consumers = tuning["consumers_d64"] if dim == 64 else 2
     bm, stages = 64 * consumers, tuning["kv_stages"] or (4 if consumers == 3 else 2)
     # three consumers: S, the last block's P and O in 160 registers, so KV blocks of 128
@@ -466,6 +470,7 @@ def sm90_layout(spec: VariantSpec) -> dict[str, int]:
         "kChunksV": chunks_v, "kGroup": spec.group_size, "kPackG": sm90_pack(spec, bm),
         "kQChunkBytes": q_chunk, "kKVChunkBytes": kv_chunk, "kQBytes": q_bytes, "kKBytes": k_bytes, "kVBytes": v_bytes,
         "kOffQ": 0, "kItemRing": ring, **offsets, "kTileSearch": tuning["tile_search"],
+        "kLazyRescale": tuning["lazy_rescale"],
         "kGatherSync": tuning["gather_sync"], "kGatherL2": tuning["gather_l2"],
         "kSoftCapTanh": tuning["soft_cap_tanh"],
         "kPagedTma": tuning["paged_tma"] if paged else 0,
