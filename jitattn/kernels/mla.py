@@ -55,6 +55,9 @@ _SMEM_LIMIT = 227 << 10     # the opt-in shared memory per block on sm_90
 # cache entries); nothing else should.
 TUNING: dict[str, int] = {
     "load_threads": 128,  # threads issuing the KV cp.async gathers: 128 = warpgroup 1 (idle during S), 256 = both
+    # a row keeps its running max while a block's is at most this much above it (log2 units), and a warp whose rows
+    # all kept theirs skips O's rescale (128 multiplies per thread per block); 0 rescales at every new max
+    "lazy_rescale": 8,
 }
 
 
@@ -94,7 +97,7 @@ def layout(spec: VariantSpec) -> dict[str, int]:
         "kThreads": 256, "kRows": ROWS, "kBN": KV_BLOCK, "kDC": CKV_DIM, "kDR": KPE_DIM,
         "kChunks": chunks, "kChunkBytes": chunk_bytes, "kTileBytes": tile_bytes,
         "kOffQ": 0, "kOffKV": off_kv, "kOffP": off_p, "kOffAlpha": off_alpha, "kOffStat": 0, "kSmemBytes": smem,
-        "kLoadThreads": TUNING["load_threads"],
+        "kLoadThreads": TUNING["load_threads"], "kLazyRescale": TUNING["lazy_rescale"],
         "kRawRowBytes": raw_row, "kRawBytes": raw_bytes, "kOffRaw": off_raw,
     }
 
