@@ -3,6 +3,7 @@
     python3 tools/profile_cascade.py          # on the GPU machine; PROFILE_DEVICE=cpu: a smoke run
     python3 tools/profile_cascade.py --sweep  # each kernel's µs per shared-level chunk size (fixed_split_size)
     python3 tools/profile_cascade.py --run b128:32   # run that shape / chunk pages 30 times (for ncu)
+    PROFILE_PAGE=64 python3 tools/profile_cascade.py  # pages of 64 tokens (default 16)
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import torch
 
 import jitattn
 
-HQ, HKV, D, PAGE = 32, 8, 128, 16
+HQ, HKV, D = 32, 8, 128
+PAGE = int(os.environ.get("PROFILE_PAGE", "16"))
 
 
 def cascade(batch: int, shared_len: int, unique_len: int, dev: torch.device, split: int | None = None):
