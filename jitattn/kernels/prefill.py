@@ -312,11 +312,9 @@ SM90_KV_BLOCK_3WG = 128  # head_dim 64 with three consumer warpgroups (SM90_TUNI
 # lazy_rescale: the softmax keeps a row's running max while a block's is at most this much above it (log2 units;
 # the exponentials then stay below 2^lazy_rescale), and a warp whose rows all kept theirs skips O's rescale;
 # 0 rescales at every new max.
-# l2_prefetch: 1 fetches the next KV block's TMA boxes into L2 once this block's loads are issued (its own loads, when
-# its stage frees, then read L2, not DRAM); not with a custom mask (whose blocks load only where a query sees them).
 SM90_TUNING: dict[str, int] = {"gather_sync": 0, "gather_l2": 0, "paged_kv_block": 0, "soft_cap_tanh": 0,
                                "paged_tma": 1, "consumers_d64": 3, "kv_block": 0, "kv_stages": 0,
-                               "q_buffers": 1, "tile_search": 1, "stage_o": 1, "lazy_rescale": 8, "l2_prefetch": 0}
+                               "q_buffers": 1, "tile_search": 1, "stage_o": 1, "lazy_rescale": 8}
 
 
 def _sm90_tuning_override() -> None:
@@ -419,12 +417,13 @@ def sm90_layout(spec: VariantSpec) -> dict[str, int]:
     paged = spec.kv_storage is KVStorage.PAGED
     tuning = SM90_TUNING
     if tuning["gather_sync"] not in (0, 1, 2, 3) or tuning["gather_l2"] not in (0, 64, 128, 256) or \
-            tuning["paged_tma"] not in (0, 1, 2) or tuning["consumers_d64"] not in (2, 3) or \
-            tuning["q_buffers"] not in (1, 2) or tuning["lazy_rescale"] not in range(0, 16) or \
-            any(tuning[k] not in (0, 1) for k in ("soft_cap_tanh", "tile_search", "stage_o", "l2_prefetch")):
+            tuning["soft_cap_tanh"] not in (0, 1) or tuning["paged_tma"] not in (0, 1, 2) or \
+            tuning["consumers_d64"] not in (2, 3) or tuning["q_buffers"] not in (1, 2) or \
+            tuning["tile_search"] not in (0, 1) or tuning["stage_o"] not in (0, 1) or \
+            tuning["lazy_rescale"] not in range(0, 16):
         raise ValueError(f"SM90_TUNING={tuning}: gather_sync takes 0 to 3, gather_l2 0, 64, 128 or 256, "
                          "soft_cap_tanh 0 or 1, paged_tma 0 to 2, consumers_d64 2 or 3, q_buffers 1 or 2, "
-                         "tile_search / stage_o / l2_prefetch 0 or 1 and lazy_rescale 0 to 15")
+                         "tile_search / stage_o 0 or 1 and lazy_rescale 0 to 15")
     consumers = tuning["consumers_d64"] if dim == 64 else 2
     bm, stages = 64 * consumers, tuning["kv_stages"] or (4 if consumers == 3 else 2)
     # three consumers: S, the last block's P and O in 160 registers, so KV blocks of 128
@@ -472,7 +471,6 @@ def sm90_layout(spec: VariantSpec) -> dict[str, int]:
         "kQChunkBytes": q_chunk, "kKVChunkBytes": kv_chunk, "kQBytes": q_bytes, "kKBytes": k_bytes, "kVBytes": v_bytes,
         "kOffQ": 0, "kItemRing": ring, **offsets, "kTileSearch": tuning["tile_search"],
         "kLazyRescale": tuning["lazy_rescale"],
-        "kL2Prefetch": tuning["l2_prefetch"] if spec.mask_mode is not MaskMode.CUSTOM else 0,
         "kGatherSync": tuning["gather_sync"], "kGatherL2": tuning["gather_l2"],
         "kSoftCapTanh": tuning["soft_cap_tanh"],
         "kPagedTma": tuning["paged_tma"] if paged else 0,
