@@ -266,6 +266,34 @@ def test_sm90_graph_replays_and_eager_launches_interleave():
             assert_close_out(eager, ref_o, dtype)
 
 
+def test_sm90_traced_build_is_exact_and_its_stamps_ordered(monkeypatch, fresh_registry):
+    """SM90_TUNING trace=1 (tools/trace_prefill.py): the traced kernel gives the reference's result, and each
+    block's stamps of its first item come in phase order (start, item decoded, queries in, first K block in,
+    first S, last P V, stored, block end) with its KV block count and item count filled in."""
+    import ctypes
+
+    monkeypatch.setitem(prefill.SM90_TUNING, "trace", 1)
+    jitattn.jit._registry.clear()
+    d, hq, hkv, dtype, causal, qo_lens, kv_lens = CASES["d128_g4_bf16_causal_tiles"]
+    q, k, v = _inputs("trace", d, hq, hkv, dtype, qo_lens, kv_lens)
+    lib = ctypes.CDLL(str(jitattn.load(_spec(d, hq, hkv, dtype, causal)).path))
+    assert lib.jitattn_prefill_trace_clear() == 0
+    out, lse = _run(q, k, v, qo_lens, kv_lens, causal)
+    torch.cuda.synchronize()
+    ref_o, ref_lse = reference.batch_ragged_attention(q, k, v, _indptr(qo_lens), _indptr(kv_lens), causal=causal)
+    assert_close_out(out, ref_o, dtype)
+    assert_close_lse(lse, ref_lse)
+    buf = (ctypes.c_uint64 * (1024 * 12))()
+    assert lib.jitattn_prefill_trace(ctypes.byref(buf)) == 1024
+    stamps = torch.tensor(list(buf), dtype=torch.int64).view(1024, 12)
+    ran = stamps[stamps[:, 7] > 0]
+    assert len(ran) > 0
+    phases = ran[:, [0, 1, 3, 4, 5, 6, 7, 10]]
+    assert bool((phases[:, 1:] >= phases[:, :-1]).all()), "stamps out of phase order"
+    assert bool((ran[:, 2] >= ran[:, 1]).all()), "the first K block issued before the item was decoded"
+    assert bool((ran[:, 8] >= 1).all()) and bool((ran[:, 11] >= 1).all())
+
+
 def test_sm90_and_sm80_tiers_agree(monkeypatch, fresh_registry):
     d, hq, hkv, dtype, causal, qo_lens, kv_lens = CASES["d128_g4_bf16_causal_tiles"]
     q, k, v = _inputs("agree", d, hq, hkv, dtype, qo_lens, kv_lens)

@@ -4,6 +4,7 @@ its source renders (and, with nvcc, compiles) for sm_90a without a GPU."""
 
 from __future__ import annotations
 
+import ctypes
 import shutil
 import time
 
@@ -276,6 +277,26 @@ def test_sm90_gather_knobs(monkeypatch):
         with pytest.raises(ValueError, match="SM90_TUNING"):
             prefill.sm90_layout(paged)
         monkeypatch.setitem(prefill.SM90_TUNING, key, 0)
+
+
+def test_sm90_trace_renders_only_when_set(monkeypatch, tier_env, fresh_cache):
+    """SM90_TUNING trace (tools/trace_prefill.py): off, the source has no stamps (the tested kernel); on, every
+    phase is stamped and the module (built where nvcc is) exports the copy and clear entry points; other values
+    are refused."""
+    spec = SUPPORTED["paged_d128_bf16_causal"]
+    tier_env.setenv("JITATTN_CUDA_ARCH_LIST", "9.0a")
+    plain = render(spec)["kernel.cu"]
+    assert "trace_stamp" not in plain and "globaltimer" not in plain
+    monkeypatch.setitem(prefill.SM90_TUNING, "trace", 1)
+    traced = render(spec)["kernel.cu"]
+    assert all(f"trace_stamp({field})" in traced for field in (0, 1, 2, 3, 4, 5, 6, 7, 10))
+    assert "jitattn_prefill_trace(void* dst)" in traced and "jitattn_prefill_trace_clear()" in traced
+    if shutil.which("nvcc") is not None:
+        library = ctypes.CDLL(str(jitattn.load(spec).path))
+        assert hasattr(library, "jitattn_prefill_trace") and hasattr(library, "jitattn_prefill_trace_clear")
+    monkeypatch.setitem(prefill.SM90_TUNING, "trace", 2)
+    with pytest.raises(ValueError, match="SM90_TUNING"):
+        prefill.sm90_layout(spec)
 
 
 def test_hardware_facts_come_from_one_module(tier_env):

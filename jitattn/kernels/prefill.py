@@ -311,10 +311,10 @@ SM90_KV_BLOCK_3WG = 128  # head_dim 64 with three consumer warpgroups (SM90_TUNI
 # 16-byte stores of whole row segments) where its 2 KiB per consumer warp fit, 0 stores the accumulator's pairs.
 # lazy_rescale: the softmax keeps a row's running max while a block's is at most this much above it (log2 units;
 # the exponentials then stay below 2^lazy_rescale), and a warp whose rows all kept theirs skips O's rescale;
-# 0 rescales at every new max.
+# 0 rescales at every new max. trace: 1 (development) stamps each block's phases (tools/trace_prefill.py).
 SM90_TUNING: dict[str, int] = {"gather_sync": 0, "gather_l2": 0, "paged_kv_block": 0, "soft_cap_tanh": 0,
                                "paged_tma": 1, "consumers_d64": 3, "kv_block": 0, "kv_stages": 0,
-                               "q_buffers": 1, "tile_search": 1, "stage_o": 1, "lazy_rescale": 8}
+                               "q_buffers": 1, "tile_search": 1, "stage_o": 1, "lazy_rescale": 8, "trace": 0}
 
 
 def _sm90_tuning_override() -> None:
@@ -420,10 +420,10 @@ def sm90_layout(spec: VariantSpec) -> dict[str, int]:
             tuning["soft_cap_tanh"] not in (0, 1) or tuning["paged_tma"] not in (0, 1, 2) or \
             tuning["consumers_d64"] not in (2, 3) or tuning["q_buffers"] not in (1, 2) or \
             tuning["tile_search"] not in (0, 1) or tuning["stage_o"] not in (0, 1) or \
-            tuning["lazy_rescale"] not in range(0, 16):
+            tuning["lazy_rescale"] not in range(0, 16) or tuning["trace"] not in (0, 1):
         raise ValueError(f"SM90_TUNING={tuning}: gather_sync takes 0 to 3, gather_l2 0, 64, 128 or 256, "
                          "soft_cap_tanh 0 or 1, paged_tma 0 to 2, consumers_d64 2 or 3, q_buffers 1 or 2, "
-                         "tile_search / stage_o 0 or 1 and lazy_rescale 0 to 15")
+                         "tile_search / stage_o / trace 0 or 1 and lazy_rescale 0 to 15")
     consumers = tuning["consumers_d64"] if dim == 64 else 2
     bm, stages = 64 * consumers, tuning["kv_stages"] or (4 if consumers == 3 else 2)
     # three consumers: S, the last block's P and O in 160 registers, so KV blocks of 128
@@ -488,7 +488,8 @@ def _sm90_context(spec: VariantSpec) -> dict[str, Any]:
     constants.append(("bool", "kCustom", "true" if spec.mask_mode is MaskMode.CUSTOM else "false"))
     constants.append(("bool", "kVariant", "true" if spec.variant is not None else "false"))
     constants.append(("float", "kLog2e", repr(_LOG2E) + "f"))
-    return {**_attention_context(spec), "constants": constants, "smem_bytes": layout["kSmemBytes"]}
+    return {**_attention_context(spec), "constants": constants, "smem_bytes": layout["kSmemBytes"],
+            "trace": bool(SM90_TUNING["trace"])}
 
 
 def select(spec: VariantSpec, archs: tuple[str, ...] | None) -> tuple[str, dict[str, Any]]:
