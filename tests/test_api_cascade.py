@@ -322,6 +322,39 @@ def test_decode_last_level_merges_the_earlier_states_in_kernel(shared, unique, s
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="programmatic dependent launch is cuda's")
+def test_dependent_decode_level_reads_the_shared_states_only_once_written() -> None:
+    """sm_90 and later: the decode level is a programmatic dependent of the shared level's launch (its blocks
+    start as that launch's finish) and reads the shared states only after waiting for it. With the state
+    buffers poisoned before every run and a shared level far longer than the tails (the decode blocks are done
+    loading while it runs), each run matches the reference, and a launch that is not a dependent gives the
+    same bits."""
+    gen = torch.Generator().manual_seed(53)
+    hq, hkv, d, dtype, b = 32, 8, 128, torch.bfloat16, 48
+    pages = 8192 // PAGE + b * 2
+    pool = torch.randperm(pages, generator=gen).tolist()
+    cache = torch.randn(pages, 2, PAGE, hkv, d, generator=gen).to(dtype).cuda()
+    levels = [cascade_level(level, pool, PAGE) for level in ([8192], [1 + 7 * r % 29 for r in range(b)])]
+    q = torch.randn(b, hq, d, generator=gen).to(dtype).cuda()
+    wrapper = jitattn.MultiLevelCascadeAttentionWrapper(2, torch.empty(128 << 20, dtype=torch.uint8, device="cuda"))
+    wrapper.plan([torch.tensor([0, b], dtype=torch.int32), torch.arange(b + 1, dtype=torch.int32)],
+                 [lv[0] for lv in levels], [lv[1] for lv in levels], [lv[2] for lv in levels], hq, hkv, d, PAGE,
+                 q_data_type=dtype)
+    assert wrapper._fused_states > 0
+    assert wrapper._dependent_decode == (torch.cuda.get_device_capability() >= (9, 0))
+    expected = _two_level_expected(q, cache, levels)[0]
+    outs = []
+    for _ in range(3):
+        wrapper._states.values.fill_(float("nan"))
+        wrapper._states.lses.fill_(float("nan"))
+        outs.append(wrapper.run(q, cache))
+        assert_close_out(outs[-1], expected, dtype)
+    wrapper._dependent_decode = False
+    assert torch.equal(wrapper.run(q, cache), outs[0])
+    assert all(torch.equal(out, outs[0]) for out in outs)
+
+
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs")
 def test_fused_cascade_replays_in_a_cuda_graph_after_a_replan() -> None:
     """use_cuda_graph=True, decode-kernel last level merging the shared level's states: run() captured once,

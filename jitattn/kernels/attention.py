@@ -57,6 +57,12 @@ kernel's result before its one write, so no merge kernel runs after it.
 contiguous) and ``prior_lse`` (float32, ``[prior_states][prior_rows][num_qo_heads]``)
 hold state s of query row i at row ``s * prior_rows + i``; the merged LSE is
 written to ``lse`` (when set). Not with sinks or a custom variant.
+
+``prior_pdl`` (with prior states, sm_90 and later): the launch is a programmatic dependent of the
+stream's previous kernel, which then writes nothing the launch reads but the prior states: its blocks
+start while that kernel's last blocks run, and each waits for it (``griddepcontrol.wait``) only before it
+reads the prior states or writes anything. The cascade sets it for a decode level launched right after
+the levels whose states it merges; the sm90 prefill kernel lets its dependents launch as it starts.
 """
 
 from __future__ import annotations
@@ -81,7 +87,7 @@ ATTENTION = Entry("attention", fields(
     "sm_scale:f32 logits_soft_cap:f32 rope_rcp_scale:f32 rope_rcp_theta:f32 k_scale:f32 v_scale:f32 "
     "workspace:ptr workspace_bytes:i64 split_indptr:ptr kv_chunk_size:i64 split_counters:ptr q_row_period:i64 "
     "num_threads:i32 q_rows:i64 kv_rows:i64 "
-    "prior_v:ptr prior_lse:ptr prior_states:i64 prior_rows:i64"
+    "prior_v:ptr prior_lse:ptr prior_states:i64 prior_rows:i64 prior_pdl:i32"
 ))
 
 ATTENTION_WITH_VARIANT = Entry("attention", ATTENTION.fields + (Field("variant_params", "ptr"),))

@@ -35,6 +35,7 @@ from ..kv_split import (
 from ..page_table import PagedIndex, check_indptr, check_paged_index
 from .decode import BatchDecodeWithPagedKVCacheWrapper
 from ..kernels.prefill import query_tile_rows
+from ..hardware import capability
 from ..jit import resident_blocks
 from .prefill import BatchPrefillWithPagedKVCacheWrapper
 from .shared_prefix import (BatchDecodeWithSharedPrefixPagedKVCacheWrapper,
@@ -71,6 +72,7 @@ class MultiLevelCascadeAttentionWrapper:
         self._states: LevelStates | None = None  # the plan's state buffers (None: one state, written as out)
         # States the last launch (the cuda decode kernel) merges into its own result (0: a merge kernel does)
         self._fused_states = 0
+        self._dependent_decode = False  # that launch is a programmatic dependent of the levels' (sm_90 and later)
         self._batch_invariant = False  # the last plan's mode
         self._workspace, self._kv_layout = float_workspace_buffer, kv_layout
         self._decode: BatchDecodeWithPagedKVCacheWrapper | None = None  # a last level of one query per request
@@ -348,12 +350,15 @@ class MultiLevelCascadeAttentionWrapper:
             self._states = LevelStates(*layout)
         # The cuda decode kernel of the last level reads the earlier states and writes the merged output
         # itself (H200: the merge kernel took 8-10 us of the suite's cascades).
-        self._fused_states = 0
+        self._fused_states, self._dependent_decode = 0, False
         decode_plan = plan if decode_last else None
         if (self._states is not None and decode_plan is not None and not self._batch_invariant and variant is None
                 and decode_plan.launch is not None and self._device.type == "cuda"):  # states: the decode's dtype
             decode_plan.launch.set_prior(self._states.values, self._states.lses, total_q)
             self._fused_states = sum(states for _, states in launches[:-1])
+            # On sm_90 and later the decode launch is a programmatic dependent of the last level's (it reads
+            # nothing else that launch writes): its blocks start as that launch's blocks finish.
+            self._dependent_decode = capability(self._device.index) >= (9, 0)
 
     begin_forward = plan
 
@@ -448,12 +453,12 @@ class MultiLevelCascadeAttentionWrapper:
             if fused:  # the decode launch merges the states above into its own result as it writes it
                 wrapper = self._launches[-1][0]
                 params = wrapper.current_plan.launch.params
-                params.prior_states = fused
+                params.prior_states, params.prior_pdl = fused, int(self._dependent_decode)
                 try:
                     return wrapper.run_planned(q, paged_kv_cache, k_scale=k_scale, v_scale=v_scale, out=None,
                                                lse=None, return_lse=return_lse)
                 finally:
-                    params.prior_states = 0  # every other launch of the plan (sinks, torch.compile) merges after
+                    params.prior_states = params.prior_pdl = 0  # every other launch of the plan (sinks, torch.compile) merges after
             out, lse = states.merge(states.v, states.s, return_lse)
             return (out, lse) if return_lse else out
         for (wrapper, _), (out, lse) in zip(self._launches, states.levels):

@@ -98,7 +98,7 @@ class PreparedAttention:
             k_scale=1.0, v_scale=1.0, workspace=None, workspace_bytes=0,
             split_indptr=_ptr(split_indptr) if kv_chunk_size else None, kv_chunk_size=kv_chunk_size,
             split_counters=_ptr(self._split_counters), q_row_period=0, num_threads=0, q_rows=0, kv_rows=0,
-            prior_v=None, prior_lse=None, prior_states=0, prior_rows=0,
+            prior_v=None, prior_lse=None, prior_states=0, prior_rows=0, prior_pdl=0,
         )
         self._scales = (1.0, 1.0, 1.0)  # (q_scale, k_scale, v_scale) the struct holds
         self.split = bool(kv_chunk_size)
@@ -119,7 +119,7 @@ class PreparedAttention:
         if self.split:
             p.split_indptr = split_indptr.data_ptr() or self.placeholder
         p.prior_v = p.prior_lse = None
-        p.prior_states = p.prior_rows = p.q_row_period = 0
+        p.prior_states = p.prior_rows = p.prior_pdl = p.q_row_period = 0
 
     def set_prior(self, values: torch.Tensor, lses: torch.Tensor, rows: int) -> None:
         """Point the cuda decode kernel's prior states (see ``kernels.attention``) at ``values``
