@@ -7,6 +7,7 @@ functions; the wrappers call them once per ``plan()``.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import numbers
@@ -54,6 +55,8 @@ class KVSplit:
     split_indptr: tuple[int, ...]  # first chunk index of each request; len batch + 1
     # split_indptr as int32 when the planner computed it so (host_indptr then converts nothing)
     indptr_array: np.ndarray | None = field(default=None, compare=False, repr=False)
+    # the cuda decode module's short-items layout (more resident blocks, fewer stages): see short_items_split
+    short_items: bool = False
 
     @property
     def num_chunks(self) -> int:
@@ -120,6 +123,23 @@ def decode_kv_split(
         if 2 * longest < 3 * chunk:
             return unsplit(batch)
     return _split_by(lens, chunk)
+
+
+# An unsplit decode plan of at least this many blocks (requests x KV heads) per SM launches the module's
+# short-items layout where it has one (``kernels.decode.short_items_layout``: three resident blocks of two stages
+# instead of two of three). H200 (2026-12-04 (x), events, L2 evicted): 128 requests x 8 KV heads (7.8 blocks per
+# SM) gain at every length up to 2048 tokens and over shared pages; 64 x 8 (3.9 per SM, 1.3 waves of three)
+# lose 9%; split plans (fewer, longer blocks) lose up to 35%.
+SHORT_ITEMS_MIN_BLOCKS_PER_SM = 6
+
+
+def short_items_split(split: KVSplit, num_kv_heads: int, num_sms: int) -> KVSplit:
+    """``split`` with ``short_items`` set when it is unsplit and has ``SHORT_ITEMS_MIN_BLOCKS_PER_SM`` blocks per SM
+    (the caller checks that the module has the layout)."""
+    blocks = (len(split.split_indptr) - 1) * num_kv_heads
+    if split.kv_chunk_size or blocks < SHORT_ITEMS_MIN_BLOCKS_PER_SM * num_sms:
+        return split
+    return dataclasses.replace(split, short_items=True)
 
 
 # A chunk at least as long as every request leaves each in one piece, so a longer one counts as this one

@@ -22,6 +22,7 @@ from jitattn import reference
 from jitattn.runtime.launch import AttentionScalars, launch_attention
 from jitattn.kernels.decode import TUNING as DECODE_TUNING, mma_eligible, split_workspace_bytes
 from jitattn.jit import KernelError
+from jitattn.kv_split import SHORT_ITEMS_MIN_BLOCKS_PER_SM
 from jitattn.spec import KVLayout, PosEncoding, VariantSpec
 
 pytestmark = pytest.mark.gpu
@@ -83,12 +84,15 @@ SOFTCAP_HD256 = dspec(hd=256, g=2, cap=True)  # gemma-2
 # (16-bit KV, groups up to 8, no RoPE; 512-byte rows swizzled within each 128-byte line, one block per SM).
 HD256 = {"bf16_g1": dspec(hd=256, g=1), "f16_g8_hnd_window": dspec(q=f16, hd=256, g=8, swa=True, layout="hnd"),
          "bf16_g5_alibi_cap": dspec(hd=256, g=5, pos="alibi", cap=True)}
+# Specs whose module has the short-items layout (three blocks of two stages): head dims 64 / 128, 16-bit KV, no RoPE.
+SHORT_ITEMS = {"bf16_g4": BASE, "f16_g1": dspec(q=f16, g=1), "bf16_hd64_g8": dspec(hd=64, g=8), "window": SWA,
+               "softcap": SOFTCAP, "alibi_g7_hnd": dspec(g=7, pos="alibi", layout="hnd")}
 COMBO = dspec(pos="rope", swa=True, cap=True)
 COMBO_ALIBI = dspec(q=f16, hd=96, g=5, pos="alibi", swa=True, cap=True, layout="hnd")
 
 GPU_SPECS: list[VariantSpec] = list(dict.fromkeys([
     BASE, *HEAD_DIMS.values(), *GROUPS.values(), *KV_TYPES.values(), *FP8_MMA.values(), HND, *ROPE.values(),
-    *ROPE_MMA.values(), ALIBI, SWA, SOFTCAP,
+    *ROPE_MMA.values(), ALIBI, SWA, SOFTCAP, *SHORT_ITEMS.values(),
     SOFTCAP_HD256, *HD256.values(), COMBO, COMBO_ALIBI,
 ]))
 
@@ -136,7 +140,8 @@ def split_plan(kv_lens, chunk, num_qo_heads, head_dim_vo, device="cuda"):
 
 
 def run_decode(spec, q, kv: Paged, *, window=-1, cap=0.0, sm_scale=None, rope_scale=1.0, rope_theta=1e4,
-               k_scale=1.0, v_scale=1.0, chunk=0, o=None, lse=None, workspace=None, split_indptr=None, pos=None):
+               k_scale=1.0, v_scale=1.0, chunk=0, o=None, lse=None, workspace=None, split_indptr=None, pos=None,
+               short_items=False):
     module = jitattn.load(spec)
     batch, hq, dqk = q.shape
     dvo = kv.v.shape[-1]
@@ -157,7 +162,7 @@ def run_decode(spec, q, kv: Paged, *, window=-1, cap=0.0, sm_scale=None, rope_sc
         kv_indices=kv.kv_indices, kv_last_page_len=kv.kv_last_page_len, page_size=kv.page_size,
         kv_layout=KVLayout.parse(kv.layout, "kv_layout"), custom_mask=None, mask_indptr=None,
         num_kv_heads=kv.hkv, scalars=scalars, k_scale=k_scale, v_scale=v_scale,
-        workspace=workspace, split_indptr=split_indptr, kv_chunk_size=chunk,
+        workspace=workspace, split_indptr=split_indptr, kv_chunk_size=chunk, short_items=short_items,
     )
     torch.cuda.synchronize()
     return o, lse
@@ -357,6 +362,60 @@ def test_rope_window_softcap():
 
 def test_alibi_window_softcap_hnd():
     check_case(COMBO_ALIBI, LENS, 2, 64, seed=12, window=77, cap=15.0, chunks=(0, 64))
+
+
+@pytest.mark.parametrize("name", list(SHORT_ITEMS))
+def test_short_items_layout_gives_the_default_layouts_bits(name):
+    """The short-items layout (more resident blocks, two stages) computes every tile as the default one does:
+    against the reference, and bit for bit the default layout's output, whole and split (the split-KV merge
+    stages through its smaller shared memory)."""
+    spec = SHORT_ITEMS[name]
+    assert jitattn.jit.has_short_items_layout(spec)
+    lens = [1, 0, 37, 300, 16, 129, 64, 65, 1000, 2]
+    gen = torch.Generator().manual_seed(61)
+    kv = Paged(lens, 2, spec.head_dim_qk, spec.head_dim_vo, 16, spec.kv_dtype.torch_dtype, spec.kv_layout.value,
+               gen=gen)
+    q = torch.randn(len(lens), 2 * spec.group_size, spec.head_dim_qk, generator=gen)
+    q = q.to(spec.q_dtype.torch_dtype).cuda()
+    kw = {"window": 40} if spec.use_sliding_window else {"cap": 20.0} if spec.use_logits_soft_cap else {}
+    ref = ref_decode(spec, q, kv, **kw)
+    for chunk in (0, 64):
+        default = run_decode(spec, q, kv, chunk=chunk, **kw)
+        short = run_decode(spec, q, kv, chunk=chunk, short_items=True, **kw)
+        check(*short, ref, spec.q_dtype.torch_dtype)
+        assert torch.equal(short[0], default[0]) and torch.equal(short[1], default[1])
+
+
+def test_short_items_is_refused_by_a_module_without_that_layout():
+    spec = ROPE["bf16_hd128"]
+    assert not jitattn.jit.has_short_items_layout(spec)
+    gen = torch.Generator().manual_seed(3)
+    kv = Paged([5, 9], 2, 128, 128, 16, bf16, gen=gen)
+    q = torch.randn(2, 8, 128, generator=gen).to(bf16).cuda()
+    with pytest.raises(KernelError, match=r"short_items=1 must be 0 \(this module has one layout\)"):
+        run_decode(spec, q, kv, short_items=True)
+
+
+def test_a_plan_of_many_short_requests_takes_the_short_items_layout():
+    """The wrapper's plan marks an unsplit batch of at least SHORT_ITEMS_MIN_BLOCKS_PER_SM blocks per SM (here 256
+    or more requests x 8 KV heads) for the short-items layout, and its output matches the reference; a small
+    batch keeps the default layout."""
+    gen = torch.Generator().manual_seed(67)
+    hkv, g, d, page = 8, 4, 128, 16
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    batch = max(256, -(-SHORT_ITEMS_MIN_BLOCKS_PER_SM * sms // hkv))
+    lens = torch.randint(1, 400, (batch,), generator=gen).tolist()
+    kv = Paged(lens, hkv, d, d, page, bf16, fmt="5d", gen=gen)
+    q = torch.randn(batch, hkv * g, d, generator=gen).to(bf16).cuda()
+    wrapper = jitattn.BatchDecodeWithPagedKVCacheWrapper(torch.empty(64 << 20, dtype=torch.uint8, device="cuda"))
+    wrapper.plan(kv.kv_indptr, kv.kv_indices, kv.kv_last_page_len, hkv * g, hkv, d, page, q_data_type=bf16)
+    assert wrapper._plan.split.short_items and wrapper._plan.launch.params.short_items == 1
+    out, lse = wrapper.run(q, kv.cache, return_lse=True)
+    torch.cuda.synchronize()
+    check(out, lse, ref_decode(BASE, q, kv), bf16)
+    small = Paged(lens[:4], hkv, d, d, page, bf16, fmt="5d", gen=gen)
+    wrapper.plan(small.kv_indptr, small.kv_indices, small.kv_last_page_len, hkv * g, hkv, d, page, q_data_type=bf16)
+    assert not wrapper._plan.split.short_items and wrapper._plan.launch.params.short_items == 0
 
 
 def test_split_matches_no_split():

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from jitattn.kernels.decode import TUNING, cuda_layout
+from jitattn.jit import has_short_items_layout, render
+from jitattn.kernels.decode import LAYOUT_CONSTANTS, TUNING, cuda_layout, short_items_layout
+from jitattn.kv_split import SHORT_ITEMS_MIN_BLOCKS_PER_SM, decode_kv_split, short_items_split
 from jitattn.spec import VariantSpec
 
 
@@ -41,3 +43,52 @@ def test_other_rows_keep_their_layout(hd, kv):
 def test_row_shift_off_gives_the_padded_pitch():
     lay = cuda_layout(_spec(96), {**TUNING, "row_shift": 0})
     assert lay["kRowShift"] == 0 and lay["kSwizzle"] == 0 and (lay["kKPitch"] // 16) % 2 == 1
+
+
+@pytest.mark.parametrize("hd,group", [(128, 1), (128, 4), (64, 8), (128, 8)])
+def test_the_short_items_layout_differs_only_in_its_occupancy_constants(hd, group):
+    """16-bit KV at head dims 64 / 128: a second layout of more resident blocks, fewer stages and less shared memory
+    (its pipeline and merge staging), every other constant (tiles, pitches, threads) the default's."""
+    spec = _spec(hd, group=group)
+    default, short = cuda_layout(spec), short_items_layout(spec)
+    assert short is not None
+    assert short["kMinBlocks"] == TUNING["mma_blocks_per_sm_short"] > default["kMinBlocks"]
+    assert short["kStages"] < default["kStages"] and short["kStages"] >= 2
+    assert short["kSmemBytes"] * short["kMinBlocks"] <= TUNING["smem_per_sm"]
+    assert {k for k in default if default[k] != short[k]} <= set(LAYOUT_CONSTANTS)
+    assert short["kQOffset"] == (short["kStages"] - 1) * short["kKStageBytes"]
+
+
+@pytest.mark.parametrize("case", ["hd96", "hd256", "fp8", "rope", "group16"])
+def test_specs_outside_the_short_items_set_have_one_layout(case):
+    spec = {"hd96": _spec(96), "hd256": _spec(256), "fp8": _spec(128, kv="e4m3"), "group16": _spec(128, group=16),
+            "rope": VariantSpec(op="decode", target="cuda", q_dtype="bf16", kv_dtype="bf16", o_dtype="bf16",
+                                head_dim_qk=128, head_dim_vo=128, group_size=4, kv_layout="nhd", kv_storage="paged",
+                                pos_encoding="rope", use_sliding_window=False, use_logits_soft_cap=False)}[case]
+    assert short_items_layout(spec) is None
+    assert not has_short_items_layout(spec)
+
+
+def test_the_short_items_layout_is_rendered_beside_the_default():
+    source = render(_spec(128, group=4))["kernel.cu"]
+    assert "struct DefaultLayout {" in source and "struct ShortItemsLayout {" in source
+    assert "constexpr bool kHasShortItems = true;" in source
+    one = render(_spec(96))["kernel.cu"]
+    assert "struct ShortItemsLayout" not in one and "constexpr bool kHasShortItems = false;" in one
+
+
+@pytest.mark.parametrize("batch,heads,split_chunk,expected", [
+    (128, 8, 0, True),     # 1024 blocks over 132 SMs: 7.8 a SM
+    (100, 8, 0, True),     # 800: just above 6 a SM
+    (64, 8, 0, False),     # 512: 3.9 a SM (1.3 waves of three blocks)
+    (128, 8, 256, False),  # split plans keep the default layout
+])
+def test_many_unsplit_blocks_take_the_short_items_layout(batch, heads, split_chunk, expected):
+    lens = [300] * batch
+    split = (decode_kv_split(lens, num_kv_heads=heads, num_sms=132, page_size=16, fixed_split_size=split_chunk // 16)
+             if split_chunk else decode_kv_split(lens, num_kv_heads=heads, num_sms=132, page_size=16))
+    assert bool(split.kv_chunk_size) == bool(split_chunk)
+    marked = short_items_split(split, heads, 132)
+    assert marked.short_items is expected
+    assert marked.kv_chunk_size == split.kv_chunk_size and marked.split_indptr == split.split_indptr
+    assert SHORT_ITEMS_MIN_BLOCKS_PER_SM == 6

@@ -15,7 +15,7 @@ from typing import Callable, Iterable
 
 from .. import env
 from ..kernels import family
-from ..spec import VariantSpec
+from ..spec import Target, VariantSpec
 from .build import compile_count
 from .build_and_publish import build_entry, build_or_find_entry
 from .cache import find_entry
@@ -27,7 +27,8 @@ from .toolchain import ToolchainError, default_jobs
 
 __all__ = [
     "BuildError", "BuildResult", "CacheError", "CompileDisabledError", "JitError", "KernelError", "Module",
-    "ToolchainError", "build_many", "compile_count", "load", "render", "resident_blocks", "warm_command",
+    "ToolchainError", "build_many", "compile_count", "has_short_items_layout", "load", "render", "resident_blocks",
+    "warm_command",
 ]
 
 _registry: dict[VariantSpec, Module] = {}
@@ -39,6 +40,13 @@ def resident_blocks(spec: VariantSpec) -> int:
     """Blocks per SM the cuda kernel of ``spec`` is sized for (what split-KV planning balances over); 2 by default."""
     facts = getattr(family(spec.op), "resident_blocks", None)
     return facts(spec) if facts is not None else 2
+
+
+def has_short_items_layout(spec: VariantSpec) -> bool:
+    """Whether the cuda module of ``spec`` has a second layout for plans of many short requests (the decode
+    kernel's, ``kernels.decode.short_items_layout``)."""
+    facts = getattr(family(spec.op), "short_items_layout", None)
+    return spec.target is Target.CUDA and facts is not None and facts(spec) is not None
 
 
 def warm_command(spec: VariantSpec) -> str:

@@ -63,6 +63,10 @@ stream's previous kernel, which then writes nothing the launch reads but the pri
 start while that kernel's last blocks run, and each waits for it (``griddepcontrol.wait``) only before it
 reads the prior states or writes anything. The cascade sets it for a decode level launched right after
 the levels whose states it merges; the sm90 prefill kernel lets its dependents launch as it starts.
+
+``short_items`` (the cuda decode kernel; others ignore it): 1 launches the module's short-items layout (more
+resident blocks with fewer stages: ``kernels.decode.short_items_layout``), which a plan of many short requests
+takes; a module without one refuses it.
 """
 
 from __future__ import annotations
@@ -87,7 +91,7 @@ ATTENTION = Entry("attention", fields(
     "sm_scale:f32 logits_soft_cap:f32 rope_rcp_scale:f32 rope_rcp_theta:f32 k_scale:f32 v_scale:f32 "
     "workspace:ptr workspace_bytes:i64 split_indptr:ptr kv_chunk_size:i64 split_counters:ptr q_row_period:i64 "
     "num_threads:i32 q_rows:i64 kv_rows:i64 "
-    "prior_v:ptr prior_lse:ptr prior_states:i64 prior_rows:i64 prior_pdl:i32"
+    "prior_v:ptr prior_lse:ptr prior_states:i64 prior_rows:i64 prior_pdl:i32 short_items:i32"
 ))
 
 ATTENTION_WITH_VARIANT = Entry("attention", ATTENTION.fields + (Field("variant_params", "ptr"),))

@@ -83,6 +83,9 @@ TUNING: dict[str, int] = {
     "mma": 1,                  # tensor-core path where the variant allows it (see mma_eligible)
     "mma_blocks_per_sm": 2,    # resident blocks the tensor-core path is sized for (shared memory, registers)
     "mma_blocks_per_sm_fp8": 3,  # ... with fp8 KV (half the bytes per stage: more blocks keep as many in flight)
+    # Resident blocks of the module's second tensor-core layout, for many short requests (see short_items_layout);
+    # 0: modules have none.
+    "mma_blocks_per_sm_short": 3,
     "mma_steps": 1,            # 16-token steps per warp per pipeline stage on the tensor-core path
     # ... when a token's K + V rows are at most 256 bytes (16-bit head dim 64): two steps make 32 KiB stages
     # as at head dim 128, halving the per-stage costs (barrier, softmax update, page lookups) per byte. H200,
@@ -150,6 +153,32 @@ def resident_blocks(spec: VariantSpec) -> int:
     """Blocks per SM the cuda kernel of ``spec`` is sized for: what the split-KV planner balances over."""
     layout = cuda_layout(spec)
     return layout["kMinBlocks"] if layout["kMma"] else 2
+
+
+# The constants in which a module's two tensor-core layouts differ (the rest are the module's).
+LAYOUT_CONSTANTS = ("kMinBlocks", "kStages", "kQOffset", "kPipeBytes", "kSmemBytes", "kMergeStageFloats")
+
+
+@functools.lru_cache(maxsize=256)
+def short_items_layout(spec: VariantSpec) -> dict[str, int] | None:
+    """The module's second tensor-core layout, for a plan of many short requests (None: the module has one layout).
+
+    ``mma_blocks_per_sm_short`` resident blocks of two stages each instead of two blocks of three: a request of a
+    few tiles spends most of its block's time in the prologue's chain of memory latencies (page ids, row
+    addresses, the first stages), and a third block per SM streams meanwhile. H200, 2026-12-04 (x) (events, L2
+    evicted): 128 requests x 96 / 256 / 2048 tokens 31.6 -> 28.8, 48.1 -> 44.3, 255 -> 247 us; 128 requests
+    over 8k shared pages 554 -> 465 us; but 32 requests (split) up to 35% slower, b64 x 2048 (512 blocks, 1.3
+    waves of three) 129 -> 141, b1 x 32k 46 -> 55. The plan takes it for unsplit batches of many blocks
+    (``jitattn.ops.decode``). Only for 16-bit KV at head dims 64 and 128 without RoPE or a variant, one head
+    tile: their kernels fit the three blocks' register cap (156-166 registers, no spills)."""
+    blocks = TUNING["mma_blocks_per_sm_short"]
+    base = cuda_layout(spec)
+    if (not blocks or not base["kMma"] or blocks <= base["kMinBlocks"] or spec.kv_dtype.is_fp8
+            or spec.variant is not None or spec.pos_encoding is PosEncoding.ROPE_LLAMA or spec.group_size > 8
+            or spec.head_dim_qk not in (64, 128) or spec.head_dim_vo != spec.head_dim_qk):
+        return None
+    short = cuda_layout(spec, {"mma_blocks_per_sm": blocks})
+    return short if short["kMinBlocks"] == blocks else None
 
 
 def _whole_lines(*row_bytes: int) -> bool:
@@ -341,12 +370,15 @@ def _cuda_context(spec: VariantSpec) -> dict[str, Any]:
         "kSoftCap": bool(spec.use_logits_soft_cap),
         "kKVFp8": spec.kv_dtype in (DType.E4M3, DType.E5M2),
     }
-    constants = [("int", name, str(value)) for name, value in layout.items()]
+    constants = [("int", name, str(value)) for name, value in layout.items() if name not in LAYOUT_CONSTANTS]
     constants += [("bool", name, "true" if value else "false") for name, value in flags.items()]
     constants.append(("int", "kPosCode", str({PosEncoding.NONE: 0, PosEncoding.ROPE_LLAMA: 1, PosEncoding.ALIBI: 2}[pos])))
     return {
         "constants": constants,
-        "smem_bytes": layout["kSmemBytes"] + layout["kSmemAlign"],
+        # The kernel's layouts: struct name -> the constants in which they differ (the first is the default).
+        "layouts": [(name, [(k, lay[k]) for k in LAYOUT_CONSTANTS])
+                    for name, lay in (("DefaultLayout", layout), ("ShortItemsLayout", short_items_layout(spec)))
+                    if lay is not None],
         "trace": bool(TUNING["trace"]),
         "kv_elem_ctype": c_type(spec.kv_dtype, Target.CUDA),
     }

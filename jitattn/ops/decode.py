@@ -13,11 +13,11 @@ from ..runtime.wrapper import BatchWrapperBase, plan_arguments
 from ..runtime.checks import check_tensor, target_of
 from ..runtime.launch import PreparedAttention
 from ..runtime.options import PAGE_TABLE_HINT, parse_kv_layout, refuse_unsupported, resolve_batch_invariant
-from ..jit import load, resident_blocks
+from ..jit import has_short_items_layout, load, resident_blocks
 from ..page_table import PagedIndex, check_paged_index, to_host_int32
 from ..kv_split import (
-    MAX_RESIDENT_BLOCKS, KVSplit, check_fixed_split_size, decode_kv_split, max_decode_chunks, split_workspace_bytes,
-    unsplit,
+    MAX_RESIDENT_BLOCKS, KVSplit, check_fixed_split_size, decode_kv_split, max_decode_chunks, short_items_split,
+    split_workspace_bytes, unsplit,
 )
 from ..variant import AttentionVariant
 from ..spec import KVLayout, KVStorage, Op, Target
@@ -131,7 +131,7 @@ class BatchDecodeWithPagedKVCacheWrapper(BatchWrapperBase):
         buffers = {**self._buffers, "qo_indptr": qo_indptr_buf, "split_indptr": split_indptr_buf}
         counters = self._counters(split, index.batch_size, num_kv_heads)
         launch_key = (spec, options, index.batch_size, page_size, split.kv_chunk_size, split.num_chunks,
-                      self._use_cuda_graph, counters.data_ptr() if counters is not None else 0)
+                      split.short_items, self._use_cuda_graph, counters.data_ptr() if counters is not None else 0)
         self._plan = build_plan(_WRAPPER, self._target, self._device, self._kv_layout, options,
                                 HostIndex(qo_indptr, index.indptr, index), split, buffers, self._use_cuda_graph,
                                 workspace_bytes, spec=spec, split_counters=counters,
@@ -152,14 +152,23 @@ class BatchDecodeWithPagedKVCacheWrapper(BatchWrapperBase):
                                    fixed_split_size=fixed_split_size, disable_split_kv=disable_split_kv,
                                    batch_invariant=True)
         if self._use_cuda_graph:
-            # Under CUDA graphs the grid must not depend on lengths: no split.
-            return unsplit(len(kv_lens))
+            # Under CUDA graphs the grid must not depend on lengths: no split (nor does the layout: a batch size
+            # of one captured wrapper always takes the same one).
+            split = unsplit(len(kv_lens))
+            return self._with_layout(split, spec, num_kv_heads)
         # The cpu target runs the same plan; its "SMs" are the OpenMP threads.
-        return decode_kv_split(
+        split = decode_kv_split(
             kv_lens, num_kv_heads=num_kv_heads, num_sms=num_workers(self._device), page_size=page_size,
             fixed_split_size=fixed_split_size, disable_split_kv=disable_split_kv,
             blocks_per_sm=resident_blocks(spec) if self._target is Target.CUDA else 2,
         )
+        return self._with_layout(split, spec, num_kv_heads)
+
+    def _with_layout(self, split: KVSplit, spec, num_kv_heads: int) -> KVSplit:
+        """``split``, marked for the module's short-items layout when it has one and the plan has many blocks."""
+        if not has_short_items_layout(spec):
+            return split
+        return short_items_split(split, num_kv_heads, num_workers(self._device))
 
     def _launch_to_reuse(self, key: tuple, spec) -> PreparedAttention | None:
         """The last plan's launch when its struct was filled from ``key`` (kernel, options, batch, page size,
@@ -266,8 +275,8 @@ class BatchDecodeWithPagedKVCacheWrapper(BatchWrapperBase):
         index = PagedIndex(indptr=indptr_host, indices=indices, last_page_len=last_page_len, page_size=page_size,
                            kv_len_array=upper_lens, max_page_index=-1)
         counters = self._counters(split, batch, num_kv_heads)
-        launch_key = (spec, options, batch, page_size, split.kv_chunk_size, split.num_chunks, self._use_cuda_graph,
-                      counters.data_ptr() if counters is not None else 0)
+        launch_key = (spec, options, batch, page_size, split.kv_chunk_size, split.num_chunks, split.short_items,
+                      self._use_cuda_graph, counters.data_ptr() if counters is not None else 0)
         launch = self._launch_to_reuse(launch_key, spec)
         if launch is not None:
             launch.point_at(qo_indptr, arrays[0], arrays[1], arrays[2], split_indptr)

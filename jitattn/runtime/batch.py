@@ -95,6 +95,7 @@ class AttentionPlan:
             split_counters=self.split_counters,
         )
         prepared.params.q_row_period = self.q_rows if self.q_rows != self.total_qo else 0
+        prepared.params.short_items = int(self.split.short_items)
         return prepared
 
     def sink_launch_ready(self) -> PreparedAttention:

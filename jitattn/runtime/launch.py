@@ -98,7 +98,7 @@ class PreparedAttention:
             k_scale=1.0, v_scale=1.0, workspace=None, workspace_bytes=0,
             split_indptr=_ptr(split_indptr) if kv_chunk_size else None, kv_chunk_size=kv_chunk_size,
             split_counters=_ptr(self._split_counters), q_row_period=0, num_threads=0, q_rows=0, kv_rows=0,
-            prior_v=None, prior_lse=None, prior_states=0, prior_rows=0, prior_pdl=0,
+            prior_v=None, prior_lse=None, prior_states=0, prior_rows=0, prior_pdl=0, short_items=0,
         )
         self._scales = (1.0, 1.0, 1.0)  # (q_scale, k_scale, v_scale) the struct holds
         self.split = bool(kv_chunk_size)
@@ -205,13 +205,14 @@ def launch_attention(
     num_kv_heads: int, scalars: AttentionScalars, k_scale: float = 1.0, v_scale: float = 1.0,
     workspace: torch.Tensor | None = None, split_indptr: torch.Tensor | None = None, kv_chunk_size: int = 0,
     split_counters: torch.Tensor | None = None,
-    sinks: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None, short_items: bool = False,
 ) -> None:
     """Launch ``module``'s attention entry on q's device and current stream (prepare + call in one).
 
     ``kv_indices is None`` means ragged KV (k/v ``[tokens, heads, dim]``);
     otherwise k/v are 4-D paged tensors in ``kv_layout``. ``split_counters``: see ``PreparedAttention``
     (pass one buffer to calls repeated in a loop; without it each split call allocates its own).
+    ``short_items``: the cuda decode module's short-items layout (``kernels.decode.short_items_layout``).
     """
     prepared = PreparedAttention(
         module, qo_indptr=qo_indptr, kv_indptr=kv_indptr, kv_indices=kv_indices, kv_last_page_len=kv_last_page_len,
@@ -220,4 +221,5 @@ def launch_attention(
         scalars=scalars, split_indptr=split_indptr if kv_chunk_size else None,
         kv_chunk_size=kv_chunk_size if split_indptr is not None else 0, split_counters=split_counters,
     )
+    prepared.params.short_items = int(short_items)
     prepared(q, k, v, o, lse, k_scale, v_scale, workspace, sinks=sinks)
