@@ -127,17 +127,27 @@ def decode_kv_split(
 
 # An unsplit decode plan of at least this many blocks (requests x KV heads) per SM launches the module's
 # short-items layout where it has one (``kernels.decode.short_items_layout``: three resident blocks of two stages
-# instead of two of three). H200 (2026-12-04 (x), events, L2 evicted): 128 requests x 8 KV heads (7.8 blocks per
-# SM) gain at every length up to 2048 tokens and over shared pages; 64 x 8 (3.9 per SM, 1.3 waves of three)
-# lose 9%; split plans (fewer, longer blocks) lose up to 35%.
+# instead of two of three) when its requests are short or its pages shared (below). H200 (events, L2 evicted;
+# 2026-12-04 (x) and (y)): 128 requests x 8 KV heads (7.8 blocks per SM) gain 3-9% at every length up to 2048
+# tokens, the cascade's last level (256 tokens) 6%, flat decode over 8k shared pages 16%; long requests read from
+# DRAM lose 1% (256 x 4096 tokens, 64 x 2048 MHA); 64 x 8 (3.9 per SM, 1.3 waves of three) lose 9%; split plans
+# (fewer, longer blocks) lose up to 35%.
 SHORT_ITEMS_MIN_BLOCKS_PER_SM = 6
+SHORT_ITEMS_MAX_TOKENS = 1024  # ... a request of at most this many tokens is short
 
 
-def short_items_split(split: KVSplit, num_kv_heads: int, num_sms: int) -> KVSplit:
-    """``split`` with ``short_items`` set when it is unsplit and has ``SHORT_ITEMS_MIN_BLOCKS_PER_SM`` blocks per SM
-    (the caller checks that the module has the layout)."""
-    blocks = (len(split.split_indptr) - 1) * num_kv_heads
+def short_items_split(split: KVSplit, index: PagedIndex, num_kv_heads: int, num_sms: int) -> KVSplit:
+    """``split`` with ``short_items`` set when it is unsplit, has ``SHORT_ITEMS_MIN_BLOCKS_PER_SM`` blocks per SM, and
+    either every request is short (``SHORT_ITEMS_MAX_TOKENS``) or the page table references its pages at least
+    twice over on average (its highest page id below half the references: the re-reads come from L2). The caller
+    checks that the module has the layout."""
+    blocks = index.batch_size * num_kv_heads
     if split.kv_chunk_size or blocks < SHORT_ITEMS_MIN_BLOCKS_PER_SM * num_sms:
+        return split
+    longest = int(index.kv_len_array.max()) if index.batch_size else 0
+    references = int(index.indptr[-1])
+    shared = 0 <= index.max_page_index and 2 * (index.max_page_index + 1) <= references
+    if longest > SHORT_ITEMS_MAX_TOKENS and not shared:
         return split
     return dataclasses.replace(split, short_items=True)
 

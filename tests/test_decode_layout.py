@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from jitattn.jit import has_short_items_layout, render
 from jitattn.kernels.decode import LAYOUT_CONSTANTS, TUNING, cuda_layout, short_items_layout
-from jitattn.kv_split import SHORT_ITEMS_MIN_BLOCKS_PER_SM, decode_kv_split, short_items_split
+from jitattn.kv_split import SHORT_ITEMS_MAX_TOKENS, SHORT_ITEMS_MIN_BLOCKS_PER_SM, decode_kv_split, short_items_split
+from jitattn.page_table import check_paged_index
 from jitattn.spec import VariantSpec
 
 
@@ -77,18 +79,35 @@ def test_the_short_items_layout_is_rendered_beside_the_default():
     assert "struct ShortItemsLayout" not in one and "constexpr bool kHasShortItems = false;" in one
 
 
-@pytest.mark.parametrize("batch,heads,split_chunk,expected", [
-    (128, 8, 0, True),     # 1024 blocks over 132 SMs: 7.8 a SM
-    (100, 8, 0, True),     # 800: just above 6 a SM
-    (64, 8, 0, False),     # 512: 3.9 a SM (1.3 waves of three blocks)
-    (128, 8, 256, False),  # split plans keep the default layout
+def _index(lens: list[int], shared_pages: int = 0, page: int = 16):
+    """A page table of requests of ``lens`` tokens, their first ``shared_pages`` pages the same for all."""
+    indptr, indices, last, nxt = [0], [], [], shared_pages
+    for n in lens:
+        pages = -(-n // page)
+        own = max(0, pages - shared_pages)
+        indices += list(range(min(pages, shared_pages))) + list(range(nxt, nxt + own))
+        nxt += own
+        indptr.append(len(indices))
+        last.append((n - 1) % page + 1)
+    i32 = dict(dtype=torch.int32)
+    return check_paged_index(torch.tensor(indptr, **i32), torch.tensor(indices, **i32), torch.tensor(last, **i32), page)
+
+
+@pytest.mark.parametrize("batch,heads,length,shared,split_chunk,expected", [
+    (128, 8, 300, 0, 0, True),      # 1024 blocks over 132 SMs: 7.8 a SM, short requests
+    (100, 8, 1024, 0, 0, True),     # 800 blocks, just above 6 a SM; 1024 tokens is still short
+    (64, 8, 300, 0, 0, False),      # 512: 3.9 a SM (1.3 waves of three blocks)
+    (256, 8, 4096, 0, 0, False),    # long requests of their own pages (read from DRAM)
+    (128, 8, 8448, 8192, 0, True),  # long requests over shared pages (re-read from L2)
+    (128, 8, 300, 0, 256, False),   # split plans keep the default layout
 ])
-def test_many_unsplit_blocks_take_the_short_items_layout(batch, heads, split_chunk, expected):
-    lens = [300] * batch
-    split = (decode_kv_split(lens, num_kv_heads=heads, num_sms=132, page_size=16, fixed_split_size=split_chunk // 16)
-             if split_chunk else decode_kv_split(lens, num_kv_heads=heads, num_sms=132, page_size=16))
+def test_many_unsplit_blocks_of_short_or_shared_requests_take_the_short_items_layout(batch, heads, length, shared,
+                                                                                      split_chunk, expected):
+    index = _index([length] * batch, shared // 16)
+    kw = dict(num_kv_heads=heads, num_sms=132, page_size=16)
+    split = decode_kv_split(index.kv_len_array, **kw, fixed_split_size=split_chunk // 16 if split_chunk else None)
     assert bool(split.kv_chunk_size) == bool(split_chunk)
-    marked = short_items_split(split, heads, 132)
+    marked = short_items_split(split, index, heads, 132)
     assert marked.short_items is expected
     assert marked.kv_chunk_size == split.kv_chunk_size and marked.split_indptr == split.split_indptr
-    assert SHORT_ITEMS_MIN_BLOCKS_PER_SM == 6
+    assert (SHORT_ITEMS_MIN_BLOCKS_PER_SM, SHORT_ITEMS_MAX_TOKENS) == (6, 1024)

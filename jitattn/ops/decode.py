@@ -123,6 +123,7 @@ class BatchDecodeWithPagedKVCacheWrapper(BatchWrapperBase):
         batch_invariant = resolve_batch_invariant(batch_invariant)
         split = self._split(spec, index.kv_len_array, num_kv_heads, page_size, fixed_split_size, disable_split_kv,
                             batch_invariant)
+        split = self._with_layout(split, spec, num_kv_heads, index)
         workspace_bytes = split_workspace_bytes(split.num_chunks, num_qo_heads, head_dim) if split.kv_chunk_size else 0
         check_workspace(self._workspace, workspace_bytes, _WRAPPER)
         self._check_graph_batch(index.batch_size)
@@ -154,21 +155,19 @@ class BatchDecodeWithPagedKVCacheWrapper(BatchWrapperBase):
         if self._use_cuda_graph:
             # Under CUDA graphs the grid must not depend on lengths: no split (nor does the layout: a batch size
             # of one captured wrapper always takes the same one).
-            split = unsplit(len(kv_lens))
-            return self._with_layout(split, spec, num_kv_heads)
+            return unsplit(len(kv_lens))
         # The cpu target runs the same plan; its "SMs" are the OpenMP threads.
-        split = decode_kv_split(
+        return decode_kv_split(
             kv_lens, num_kv_heads=num_kv_heads, num_sms=num_workers(self._device), page_size=page_size,
             fixed_split_size=fixed_split_size, disable_split_kv=disable_split_kv,
             blocks_per_sm=resident_blocks(spec) if self._target is Target.CUDA else 2,
         )
-        return self._with_layout(split, spec, num_kv_heads)
 
-    def _with_layout(self, split: KVSplit, spec, num_kv_heads: int) -> KVSplit:
-        """``split``, marked for the module's short-items layout when it has one and the plan has many blocks."""
+    def _with_layout(self, split: KVSplit, spec, num_kv_heads: int, index: PagedIndex) -> KVSplit:
+        """``split``, marked for the module's short-items layout when it has one and the plan suits it."""
         if not has_short_items_layout(spec):
             return split
-        return short_items_split(split, num_kv_heads, num_workers(self._device))
+        return short_items_split(split, index, num_kv_heads, num_workers(self._device))
 
     def _launch_to_reuse(self, key: tuple, spec) -> PreparedAttention | None:
         """The last plan's launch when its struct was filled from ``key`` (kernel, options, batch, page size,
@@ -274,6 +273,7 @@ class BatchDecodeWithPagedKVCacheWrapper(BatchWrapperBase):
         # The page table is trusted here (as FlashInfer's fast path does): max_page_index is unknown.
         index = PagedIndex(indptr=indptr_host, indices=indices, last_page_len=last_page_len, page_size=page_size,
                            kv_len_array=upper_lens, max_page_index=-1)
+        split = self._with_layout(split, spec, num_kv_heads, index)
         counters = self._counters(split, batch, num_kv_heads)
         launch_key = (spec, options, batch, page_size, split.kv_chunk_size, split.num_chunks, split.short_items,
                       self._use_cuda_graph, counters.data_ptr() if counters is not None else 0)
