@@ -1,6 +1,6 @@
 """Where an sm90 prefill launch's time goes: per-block %globaltimer stamps of its first item (SM90_TUNING trace=1).
 
-    python3 tools/trace_prefill.py [CASE ...] [--page 16]
+    python3 tools/trace_prefill.py [CASE ...] [--page 16] [--warm code|all]
 
 Cases (Llama-3-8B heads: 32 / 8, head dim 128, bf16, paged KV, non-causal, 32-token requests: with the GQA group
 packed, one 128-row tile per request and KV head):
@@ -13,6 +13,11 @@ phases of its first item as quantiles over the blocks (p10 / p50 / p90, microsec
 item and issuing the first K block's loads, the consumers waiting for the queries and that block, the first S,
 the rest of the blocks (per block), the output's store; the spread of the block starts (launch ramp) and ends
 (tail), and for launches of several items per block the time per later item.
+
+``--warm``: what L2 holds when the traced launch starts (by default nothing: evicted as before the timed calls).
+``code``: L2 evicted, then the same kernel run once on a one-request problem of its own, so the kernel's code is
+in L2 (and the SMs' instruction caches were filled once) while the traced launch's data are not; ``all``: no
+eviction after the previous launch of the same problem (code, index arrays, the queries and the last KV in L2).
 """
 
 from __future__ import annotations
@@ -47,7 +52,20 @@ def case_shape(name: str, sms: int) -> tuple[int, int, int]:
     raise SystemExit(f"unknown case {name!r}: one_wave, short or long")
 
 
-def run_case(name: str, page: int) -> None:
+def _code_warmer(dev: torch.device, page: int):
+    """A launch of the same kernel on a one-request problem of its own (data the traced launch never reads)."""
+    i32 = dict(dtype=torch.int32)
+    pages = -(-KV_BLOCK // page)
+    cache = torch.randn(pages, 2, page, HKV, D, device=dev).to(torch.bfloat16)
+    q = torch.randn(TOKENS, HQ, D, device=dev).to(torch.bfloat16)
+    w = jitattn.BatchPrefillWithPagedKVCacheWrapper(torch.empty(16 << 20, dtype=torch.uint8, device=dev), "NHD")
+    w.plan(torch.tensor([0, TOKENS], **i32), torch.tensor([0, pages], **i32), torch.arange(pages, **i32),
+           torch.tensor([(KV_BLOCK - 1) % page + 1], **i32), HQ, HKV, D, page, causal=False, q_data_type=torch.bfloat16)
+    out = torch.empty_like(q)
+    return lambda: w.run(q, cache, out=out)
+
+
+def run_case(name: str, page: int, warm: str = "") -> None:
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(0)
     batch, kv_len, sharing = case_shape(name, num_sms(torch.cuda.current_device()))
@@ -76,9 +94,17 @@ def run_case(name: str, page: int) -> None:
         torch.cuda.synchronize()
         times.append(a.elapsed_time(b) * 1e3)
     lib = ctypes.CDLL(str(jitattn.load(w.current_plan.spec).path))  # the loaded module's library (same handle)
+    warmer = _code_warmer(dev, page) if warm == "code" else None
+    if warmer is not None:
+        warmer()  # planned, loaded and run once before the trace
     if lib.jitattn_prefill_trace_clear() != 0:
         raise SystemExit("jitattn_prefill_trace_clear failed")
-    scrub.sum()
+    if warm == "all":
+        w.run(q, cache, out=out)  # leaves the problem's data and the kernel's code in L2
+    else:
+        scrub.sum()
+        if warmer is not None:
+            warmer()  # the kernel's code in L2, no data of the traced launch (its block 0 rewrites these stamps)
     w.run(q, cache, out=out)  # the launch read back
     torch.cuda.synchronize()
     buf = (ctypes.c_uint64 * (BLOCKS * FIELDS))()
@@ -92,7 +118,8 @@ def run_case(name: str, page: int) -> None:
     start, decoded, k_issued, q_in, k_in, s_done, pv_done, stored, end = rel.T
     nblk = t[:, 8]
     ran = t[:, 11]
-    print(f"== {name}: {batch} requests x {kv_len} keys (pages of {page}), {len(t)} blocks, items per block "
+    print(f"== {name}{' (warm: ' + warm + ')' if warm else ''}: {batch} requests x {kv_len} keys (pages of {page}), "
+          f"{len(t)} blocks, items per block "
           f"{ran.min()}-{ran.max()}, KV blocks per first item {nblk.min()}-{nblk.max()}; events "
           f"{statistics.median(times):.1f} us (the traced launch: first start -> last end {end.max():.1f} us)")
     q_ = lambda x: " / ".join(f"{v:6.2f}" for v in np.quantile(x, [0.1, 0.5, 0.9]))  # noqa: E731
@@ -109,13 +136,20 @@ def run_case(name: str, page: int) -> None:
 
 def main() -> None:
     args = sys.argv[1:]
-    page = 16
-    if "--page" in args:
-        i = args.index("--page")
-        page = int(args[i + 1])
-        args = args[:i] + args[i + 2:]
+    page, warm = 16, ""
+    for flag in ("--page", "--warm"):
+        if flag in args:
+            i = args.index(flag)
+            value = args[i + 1]
+            args = args[:i] + args[i + 2:]
+            if flag == "--page":
+                page = int(value)
+            elif value in ("code", "all"):
+                warm = value
+            else:
+                raise SystemExit(f"--warm {value!r}: code or all")
     for name in args or ["one_wave", "short", "long"]:
-        run_case(name, page)
+        run_case(name, page, warm)
         torch.cuda.empty_cache()
 
 
