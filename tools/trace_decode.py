@@ -24,6 +24,7 @@ from jitattn.kernels import decode
 decode.TUNING["trace"] = 1
 
 import jitattn  # noqa: E402
+from evicted_timing import evicted_event_times  # noqa: E402
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 CASES = {"b1": [32768], "tails": [256] * 128, "skewed": [32768] + [512] * 63, "b64": [2048] * 64}
@@ -43,18 +44,7 @@ def run_case(name: str, lens: list[int]) -> None:
     out = torch.empty_like(q)
     w = jitattn.BatchDecodeWithPagedKVCacheWrapper(torch.empty(256 << 20, dtype=torch.uint8, device=dev), "NHD")
     w.plan(indptr, indices, last, HQ, HKV, D, PAGE, q_data_type=torch.bfloat16)
-    for _ in range(3):
-        w.run(q, cache, out=out)
-    scrub = torch.ones(4 * torch.cuda.get_device_properties(dev).L2_cache_size // 4, device=dev)
-    times = []
-    for _ in range(10):
-        scrub.sum()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        w.run(q, cache, out=out)
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
+    times, scrub = evicted_event_times(lambda: w.run(q, cache, out=out), dev)
     spec = w._plan.spec  # the planned kernel's spec: its module (the loader returns the loaded one)
     lib = jitattn.load(spec)._lib
     layout = decode.cuda_layout(spec)

@@ -34,6 +34,7 @@ from jitattn.kernels import prefill as prefill_kernels
 prefill_kernels.SM90_TUNING["trace"] = 1
 
 import jitattn  # noqa: E402
+from evicted_timing import evicted_event_times  # noqa: E402
 from jitattn.hardware import num_sms  # noqa: E402
 
 HQ, HKV, D, TOKENS = 32, 8, 128, 32
@@ -81,18 +82,7 @@ def run_case(name: str, page: int, warm: str = "") -> None:
            torch.full((batch,), (kv_len - 1) % page + 1, **i32), HQ, HKV, D, page, causal=False,
            q_data_type=torch.bfloat16)
     out = torch.empty_like(q)
-    for _ in range(3):
-        w.run(q, cache, out=out)
-    scrub = torch.ones(4 * torch.cuda.get_device_properties(dev).L2_cache_size // 4, device=dev)
-    times = []
-    for _ in range(10):
-        scrub.sum()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        w.run(q, cache, out=out)
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
+    times, scrub = evicted_event_times(lambda: w.run(q, cache, out=out), dev)
     lib = ctypes.CDLL(str(jitattn.load(w.current_plan.spec).path))  # the loaded module's library (same handle)
     warmer = _code_warmer(dev, page) if warm == "code" else None
     if warmer is not None:
