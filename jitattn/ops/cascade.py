@@ -458,7 +458,8 @@ class MultiLevelCascadeAttentionWrapper:
                     return wrapper.run_planned(q, paged_kv_cache, k_scale=k_scale, v_scale=v_scale, out=None,
                                                lse=None, return_lse=return_lse)
                 finally:
-                    params.prior_states = params.prior_pdl = 0  # every other launch of the plan (sinks, torch.compile) merges after
+                    # every other launch of the plan (sinks, torch.compile) merges after, not as a dependent
+                    params.prior_states = params.prior_pdl = 0
             out, lse = states.merge(states.v, states.s, return_lse)
             return (out, lse) if return_lse else out
         for (wrapper, _), (out, lse) in zip(self._launches, states.levels):
