@@ -4,7 +4,8 @@
 
 Cases (llama8b shapes: 32 / 8 heads, d128, bf16, page 16, pages in random order): b1 (1 x 32768, the
 planner's one-wave split), tails (128 x 256: the cascade row's per-request level alone), skewed
-(1 x 32768 + 63 x 512), b64 (64 x 2048). For each: the launch's device time by CUDA events (L2 evicted
+(1 x 32768 + 63 x 512), b64 (64 x 2048); window128 (gpt-oss's sliding-window layers: 64 / 8 heads, d64,
+64 x 8192 with a window of 128 keys: the suite's decode/gptoss_window128_b64_s8192). For each: the launch's device time by CUDA events (L2 evicted
 before it, as the suite does), then per block the phases of its first item -- prologue (page ids, query,
 row tables), first tile's wait, main loop, result write, split merge -- as quantiles over the blocks, the
 spread of the block starts (launch ramp) and ends (tail), and the main loop's bytes per microsecond.
@@ -26,24 +27,27 @@ decode.TUNING["trace"] = 1
 import jitattn  # noqa: E402
 from evicted_timing import evicted_event_times  # noqa: E402
 
-HQ, HKV, D, PAGE = 32, 8, 128, 16
-CASES = {"b1": [32768], "tails": [256] * 128, "skewed": [32768] + [512] * 63, "b64": [2048] * 64}
+PAGE = 16
+# case -> (KV lengths, query heads, KV heads, head dim, window_left)
+CASES = {"b1": ([32768], 32, 8, 128, -1), "tails": ([256] * 128, 32, 8, 128, -1),
+         "skewed": ([32768] + [512] * 63, 32, 8, 128, -1), "b64": ([2048] * 64, 32, 8, 128, -1),
+         "window128": ([8192] * 64, 64, 8, 64, 127)}
 FIELDS = 8
 
 
-def run_case(name: str, lens: list[int]) -> None:
+def run_case(name: str, lens: list[int], hq: int, hkv: int, d: int, window: int) -> None:
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(0)
     pages = [-(-n // PAGE) for n in lens]
     pool = sum(pages)
-    cache = torch.randn(pool, 2, PAGE, HKV, D, device=dev, dtype=torch.bfloat16)
+    cache = torch.randn(pool, 2, PAGE, hkv, d, device=dev, dtype=torch.bfloat16)
     indices = torch.randperm(pool, generator=gen).to(torch.int32)
     indptr = torch.tensor([0] + np.cumsum(pages).tolist(), dtype=torch.int32)
     last = torch.tensor([(n - 1) % PAGE + 1 for n in lens], dtype=torch.int32)
-    q = torch.randn(len(lens), HQ, D, device=dev, dtype=torch.bfloat16)
+    q = torch.randn(len(lens), hq, d, device=dev, dtype=torch.bfloat16)
     out = torch.empty_like(q)
     w = jitattn.BatchDecodeWithPagedKVCacheWrapper(torch.empty(256 << 20, dtype=torch.uint8, device=dev), "NHD")
-    w.plan(indptr, indices, last, HQ, HKV, D, PAGE, q_data_type=torch.bfloat16)
+    w.plan(indptr, indices, last, hq, hkv, d, PAGE, q_data_type=torch.bfloat16, window_left=window)
     times, scrub = evicted_event_times(lambda: w.run(q, cache, out=out), dev)
     spec = w._plan.spec  # the planned kernel's spec: its module (the loader returns the loaded one)
     lib = jitattn.load(spec)._lib
@@ -81,7 +85,7 @@ def run_case(name: str, lens: list[int]) -> None:
 def main() -> None:
     names = sys.argv[1:] or list(CASES)
     for name in names:
-        run_case(name, CASES[name])
+        run_case(name, *CASES[name])
         torch.cuda.empty_cache()
 
 
