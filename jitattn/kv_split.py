@@ -7,7 +7,6 @@ functions; the wrappers call them once per ``plan()``.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 import numbers
@@ -144,12 +143,11 @@ def short_items_split(split: KVSplit, index: PagedIndex, num_kv_heads: int, num_
     blocks = index.batch_size * num_kv_heads
     if split.kv_chunk_size or blocks < SHORT_ITEMS_MIN_BLOCKS_PER_SM * num_sms:
         return split
-    longest = int(index.kv_len_array.max()) if index.batch_size else 0
-    references = int(index.indptr[-1])
-    shared = 0 <= index.max_page_index and 2 * (index.max_page_index + 1) <= references
-    if longest > SHORT_ITEMS_MAX_TOKENS and not shared:
-        return split
-    return dataclasses.replace(split, short_items=True)
+    if index.kv_len_array.max() > SHORT_ITEMS_MAX_TOKENS:
+        references = int(index.indptr[-1])
+        if index.max_page_index < 0 or 2 * (index.max_page_index + 1) > references:
+            return split  # long requests that do not share their pages
+    return KVSplit(split.kv_chunk_size, split.split_indptr, split.indptr_array, short_items=True)
 
 
 # A chunk at least as long as every request leaves each in one piece, so a longer one counts as this one
