@@ -156,6 +156,14 @@ def test_mla_sm_scale_is_required_on_every_kernel():
         _mla_wrapper_plan(num_heads=4.0)
 
 
+@pytest.mark.parametrize("ckv,kpe", [(256, 64), (512, 32)])
+def test_mla_latent_dims_outside_the_kernels_are_named_as_mla_dims(ckv, kpe):
+    """The refusal names head_dim_ckv / head_dim_kpe and the pairs that run, not the prefill shape they map to."""
+    with pytest.raises(ValueError, match=f"head_dim_ckv={ckv}, head_dim_kpe={kpe} is not supported: MLA runs on "
+                                         "head_dim_ckv 512 with head_dim_kpe 64"):
+        _mla_wrapper_plan(head_dim_ckv=ckv, head_dim_kpe=kpe)
+
+
 def test_mla_q_parts_of_different_dtypes_are_refused():
     wrapper = _mla_wrapper_plan()
     gen = torch.Generator().manual_seed(13)

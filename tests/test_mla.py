@@ -492,7 +492,7 @@ def test_mla_plan_checks_lengths_against_the_pages() -> None:
         _one_request_plan(wrapper, page_size=0)
     with pytest.raises(TypeError, match="kv_indices has dtype torch.int64; index arrays must be int32"):
         _one_request_plan(wrapper, kv_indices=torch.zeros(1, dtype=torch.int64))
-    with pytest.raises(ValueError, match="head_dim_qk=520, head_dim_vo=512 is not supported"):
+    with pytest.raises(ValueError, match="head_dim_ckv=512, head_dim_kpe=8 is not supported: MLA runs on"):
         _one_request_plan(wrapper, head_dim_kpe=8)
 
 

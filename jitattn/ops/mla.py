@@ -51,6 +51,7 @@ from ..kernels.mla import CKV_DIM
 from ..runtime.mla_kernel import GraphArrays, KernelPlan, device_facts, layout_problem, select_kernel, unsupported_reason
 from ..kernels.mla_plan import workspace_row_bytes
 from ..page_table import check_indptr, check_page_table, to_host_int32
+from ..spec import check_head_dims
 from .prefill import BatchPrefillWithPagedKVCacheWrapper
 
 __all__ = ["BatchMLAPagedAttentionWrapper"]
@@ -68,6 +69,12 @@ def _check_plan_scalars(num_heads, head_dim_ckv, head_dim_kpe, sm_scale, causal)
     for name, value in (("num_heads", num_heads), ("head_dim_ckv", head_dim_ckv), ("head_dim_kpe", head_dim_kpe)):
         if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
             raise ValueError(f"{name}={value!r} must be a positive int")
+    try:  # the attention runs with head_dim_qk = ckv + kpe and head_dim_vo = ckv
+        check_head_dims(int(head_dim_ckv) + int(head_dim_kpe), int(head_dim_ckv))
+    except ValueError:
+        raise ValueError(f"head_dim_ckv={head_dim_ckv}, head_dim_kpe={head_dim_kpe} is not supported: MLA runs on "
+                         "head_dim_ckv 512 with head_dim_kpe 64 (DeepSeek-V2 / V3), or on pairs whose sum and ckv "
+                         "make a supported prefill shape (ckv 128 with kpe 64)") from None
     # a normal float32, as every op's sm_scale: the kernels hold it in float32 (1e-300 would be 0 there)
     if not isinstance(sm_scale, numbers.Real) or isinstance(sm_scale, bool) or not f32_scale(float(sm_scale)):
         raise ValueError(f"sm_scale={sm_scale!r} must be a positive finite float within float32's normal range "
