@@ -6,7 +6,7 @@ Cases (llama8b shapes: 32 / 8 heads, d128, bf16, page 16, pages in random order)
 planner's one-wave split), tails (128 x 256: the cascade row's per-request level alone), skewed
 (1 x 32768 + 63 x 512), b64 (64 x 2048); window128 (gpt-oss's sliding-window layers: 64 / 8 heads, d64,
 64 x 8192 with a window of 128 keys: the suite's decode/gptoss_window128_b64_s8192). For each: the launch's
-device time by CUDA events (L2 evicted before it, as the suite does), then per block the phases of its first
+GPU time by CUDA events (L2 evicted before it, as the suite does), then per block the phases of its first
 item -- prologue (page ids, query, row tables), first tile's wait, main loop, result write, split merge -- as
 quantiles over the blocks, the spread of the block starts (launch ramp) and ends (tail), and the main loop's
 bytes per microsecond.

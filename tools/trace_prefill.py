@@ -8,7 +8,7 @@ packed, one 128-row tile per request and KV head):
             tiles reading each KV block (the shape of the b128 cascade's shared level, cut into 4 chunks);
   short     1-block tiles, ~16 per SM (tools/prefill_tile_cost.py's shortest point: a tile's fixed cost);
   long      64-block tiles, one per SM.
-For each: the launch's device time by CUDA events (L2 evicted before it, as the suite does), then per block the
+For each: the launch's GPU time by CUDA events (L2 evicted before it, as the suite does), then per block the
 phases of its first item as quantiles over the blocks (p10 / p50 / p90, microseconds): the producer decoding the
 item and issuing the first K block's loads, the consumers waiting for the queries and that block, the first S,
 the rest of the blocks (per block), the output's store; the spread of the block starts (launch ramp) and ends
