@@ -1,8 +1,8 @@
-"""ptxas statistics and SASS opcode counts of representative decode and sm90 prefill specs, to compare a
+"""ptxas statistics and SASS opcode counts of representative decode, sm90 prefill and MLA specs, to compare a
 kernel before and after a change that should not change its work (a refactor, a new axis behind
 ``if constexpr``). No GPU needed: nvcc and nvdisasm (or cuobjdump) on the machine.
 
-    python3 tools/sass_stats.py OUT_DIR [--family decode|prefill|all] [--against EARLIER_DIR] [NAME ...]
+    python3 tools/sass_stats.py OUT_DIR [--family decode|prefill|mla|all] [--against EARLIER_DIR] [NAME ...]
 
 Each spec is rendered from the checkout on ``sys.path`` (run it with ``PYTHONPATH=<other tree>`` for the
 other side), compiled for sm_90a with jitattn's flags into ``OUT_DIR/NAME/k.cubin``; printed per spec:
@@ -51,6 +51,11 @@ def _prefill(hd: int, g: int = 4, **kw) -> VariantSpec:
                        kv_storage=kw.pop("storage", "ragged"), **kw)
 
 
+def _mla(q: str, kv: str | None = None) -> VariantSpec:
+    return VariantSpec(op="mla", target="cuda", q_dtype=q, kv_dtype=kv or q, o_dtype=q, head_dim_qk=576,
+                       head_dim_vo=512)
+
+
 SPECS = {
     "decode": {"d128g4": _decode(128), "d128g1": _decode(128, 1), "d64g8": _decode(64, 8), "d96g1": _decode(96, 1),
                "d256g2cap": _decode(256, 2, use_logits_soft_cap=True), "d128e4m3": _decode(128, kv="e4m3"),
@@ -62,6 +67,7 @@ SPECS = {
                 "p128sinks": _prefill(128, use_sinks=True), "p128alibi": _prefill(128, pos_encoding="alibi"),
                 "p64alibi": _prefill(64, pos_encoding="alibi"), "p128mask": _prefill(128, mask="custom"),
                 "p64maskpaged": _prefill(64, mask="custom", storage="paged"), "p192x128c": _prefill(192, 1, dvo=128)},
+    "mla": {"mla_bf16": _mla("bf16"), "mla_e4m3": _mla("bf16", "e4m3")},
 }
 
 
@@ -109,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out", type=Path)
     parser.add_argument("names", nargs="*", help="spec names (default: every spec of --family)")
-    parser.add_argument("--family", choices=["decode", "prefill", "all"], default="all")
+    parser.add_argument("--family", choices=["decode", "prefill", "mla", "all"], default="all")
     parser.add_argument("--against", type=Path, help="an earlier OUT_DIR: print the opcodes whose counts changed")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     args = parser.parse_args(argv)
