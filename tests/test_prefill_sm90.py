@@ -12,7 +12,7 @@ import jitattn
 import jitattn.jit
 from jitattn import reference
 from jitattn.runtime.specs import attention_spec
-from jitattn.kernels import prefill
+from jitattn.kernels import prefill_sm90
 from jitattn.jit import render
 from jitattn.spec import KVLayout, KVStorage, MaskMode, Op, PosEncoding, Target
 
@@ -272,7 +272,7 @@ def test_sm90_traced_build_is_exact_and_its_stamps_ordered(monkeypatch, fresh_re
     first S, last P V, stored, block end) with its KV block count and item count filled in."""
     import ctypes
 
-    monkeypatch.setitem(prefill.SM90_TUNING, "trace", 1)
+    monkeypatch.setitem(prefill_sm90.SM90_TUNING, "trace", 1)
     jitattn.jit._registry.clear()
     d, hq, hkv, dtype, causal, qo_lens, kv_lens = CASES["d128_g4_bf16_causal_tiles"]
     q, k, v = _inputs("trace", d, hq, hkv, dtype, qo_lens, kv_lens)
@@ -405,7 +405,7 @@ def test_sm90_paged_dynamic_and_static_orders_give_the_same_bits(case_id):
 # Paged cases whose page size a KV block holds in whole 8-row swizzle atoms take the TMA path (paged_tma);
 # three of them (each builds two tunings) against the gathers: NHD 5-d, HND 5-d, HND (k, v) tuple.
 TMA_CASES = ["d128_g4_bf16_causal_p8_nhd", "d64_mha_f16_causal_p64_hnd", "d128_g4_f16_full_p16_hnd_tuple"]
-assert all(PAGED_CASES[c][5] % 8 == 0 and prefill.SM90_PAGED_KV_BLOCK[PAGED_CASES[c][0]] % PAGED_CASES[c][5] == 0
+assert all(PAGED_CASES[c][5] % 8 == 0 and prefill_sm90.SM90_PAGED_KV_BLOCK[PAGED_CASES[c][0]] % PAGED_CASES[c][5] == 0
            for c in TMA_CASES)
 
 
@@ -418,7 +418,7 @@ def test_sm90_paged_tma_gives_the_gathers_bits(case_id, monkeypatch, fresh_regis
     q = torch.randn(sum(qo_lens), hq, d, generator=torch.Generator().manual_seed(11)).to(dtype).cuda()
     results = {}
     for mode in (2, 0):
-        monkeypatch.setitem(prefill.SM90_TUNING, "paged_tma", mode)
+        monkeypatch.setitem(prefill_sm90.SM90_TUNING, "paged_tma", mode)
         jitattn.jit._registry.clear()
         wrapper = _paged_wrapper(qo_lens, batch, layout, page, hq, hkv, d, dtype, causal)
         results[mode] = wrapper.run(q, batch.cache, return_lse=True)

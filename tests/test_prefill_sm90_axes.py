@@ -20,7 +20,7 @@ import jitattn
 import jitattn.jit
 from jitattn import reference
 from jitattn.runtime.specs import attention_spec
-from jitattn.kernels import prefill
+from jitattn.kernels import prefill_sm90
 from jitattn.jit import render
 from jitattn.spec import KVLayout, KVStorage, MaskMode, Op, PosEncoding, Target
 
@@ -310,27 +310,27 @@ def test_the_cases_exercise_what_they_claim():
     """Every KV block size meets windows below, above and at a multiple of it; some requests have
     keys no tile loads (the skip is tested), some rows see no key."""
     for case_id, c in CASES.items():
-        assert prefill.sm90_unsupported(_spec(c)) is None, case_id
-    blocks = {c.d: prefill.sm90_layout(_spec(c))["kBN"] for c in CASES.values()}
+        assert prefill_sm90.sm90_unsupported(_spec(c)) is None, case_id
+    blocks = {c.d: prefill_sm90.sm90_layout(_spec(c))["kBN"] for c in CASES.values()}
     windows = [(c.window, blocks[c.d]) for c in CASES.values() if c.window >= 0]
     assert any(w < b for w, b in windows) and any(w > b and w % b for w, b in windows)
     assert any(w > 0 and w % b == 0 for w, b in windows) and any(w == 0 for w, b in windows)
     assert sum(any(_never_loaded(c, blocks[c.d])) for c in CASES.values()) >= 8
     assert all(any(c.paged == paged and c.d == d for c in CASES.values())
                for d in (64, 128, 256) for paged in (False, True))
-    assert any(prefill.sm90_pack(_spec(c)) > 1 for c in CASES.values())
-    assert any(prefill.sm90_pack(_spec(c)) == 1 and c.hq > c.hkv for c in CASES.values())
+    assert any(prefill_sm90.sm90_pack(_spec(c)) > 1 for c in CASES.values())
+    assert any(prefill_sm90.sm90_pack(_spec(c)) == 1 and c.hq > c.hkv for c in CASES.values())
     alibi = [c for c in CASES.values() if c.alibi]
     assert {c.d for c in alibi} == {64, 128, 256} and {c.paged for c in alibi} == {False, True}
     assert any(c.causal for c in alibi) and any(not c.causal for c in alibi)
-    assert any(prefill.sm90_pack(_spec(c)) > 1 for c in alibi) and any(c.hq & (c.hq - 1) for c in alibi)
+    assert any(prefill_sm90.sm90_pack(_spec(c)) > 1 for c in alibi) and any(c.hq & (c.hq - 1) for c in alibi)
     assert not any(c.alibi and c.cap is not None for c in CASES.values())  # not on this tier (it falls back)
     assert {c.out for c in CASES.values()} == {None, torch.float32, bf16}
     masks = [c for c in CASES.values() if c.mask]
     assert {c.mask_kind for c in masks} == {"random", "causal", "bands"}
     assert {c.d for c in masks} == {64, 128, 256} and {c.paged for c in masks} == {False, True}
     assert not any(c.causal for c in masks) and any(kv % 8 for c in masks for kv in c.kv_lens)
-    assert any(prefill.sm90_pack(_spec(c)) > 1 for c in masks) and any(prefill.sm90_pack(_spec(c)) == 1 for c in masks)
+    assert any(prefill_sm90.sm90_pack(_spec(c)) > 1 for c in masks) and any(prefill_sm90.sm90_pack(_spec(c)) == 1 for c in masks)
 
 
 @pytest.mark.gpu
@@ -341,7 +341,7 @@ def test_sm90_variant_axes_match_reference(case_id, hopper):
     assert "sm90 tier" in render(spec)["kernel.cu"]
     if c.sinks:
         assert "sm90 tier" in render(spec.replace(use_sinks=True))["kernel.cu"]
-    kv_block = prefill.sm90_layout(spec)["kBN"]
+    kv_block = prefill_sm90.sm90_layout(spec)["kBN"]
     seed = sum(map(ord, case_id))
     q = _queries(c, torch.Generator().manual_seed(seed))
     sinks = _sinks(c, seed + 2)

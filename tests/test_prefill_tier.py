@@ -16,6 +16,7 @@ import jitattn.hardware
 from jitattn import env
 from jitattn.runtime.specs import attention_spec
 from jitattn.kernels import prefill
+from jitattn.kernels import prefill_sm90
 from jitattn.jit import render
 from jitattn.spec import DType, KVLayout, KVStorage, MaskMode, Op, PosEncoding, Target, VariantSpec
 from jitattn.variant import AttentionVariant
@@ -91,7 +92,7 @@ def tier_env(monkeypatch):
 @pytest.mark.parametrize("case_id", list(SUPPORTED))
 def test_supported_specs_take_sm90_on_hopper_only(case_id, tier_env):
     spec = SUPPORTED[case_id]
-    assert prefill.sm90_unsupported(spec) is None
+    assert prefill_sm90.sm90_unsupported(spec) is None
     assert prefill.tier(spec, ("9.0a",)) == "sm90"
     assert prefill.tier(spec, ("9.0a+PTX",)) == "sm90"
     for archs in (("8.0",), ("9.0",), ("8.0", "9.0a"), ("10.0a",), (), None):
@@ -101,12 +102,12 @@ def test_supported_specs_take_sm90_on_hopper_only(case_id, tier_env):
 @pytest.mark.parametrize("case_id", list(UNSUPPORTED))
 def test_unsupported_specs_keep_sm80(case_id, tier_env):
     spec = UNSUPPORTED[case_id]
-    assert isinstance(prefill.sm90_unsupported(spec), str)
+    assert isinstance(prefill_sm90.sm90_unsupported(spec), str)
     assert prefill.tier(spec, ("9.0a",)) == "sm80"
     tier_env.setenv("JITATTN_PREFILL_TIER", "sm90")
     assert prefill.tier(spec, ("9.0a",)) == "sm80"  # forcing sm90 keeps the specs it cannot run on sm80
     with pytest.raises(ValueError, match="sm90 prefill tier cannot run"):
-        prefill.sm90_layout(spec)
+        prefill_sm90.sm90_layout(spec)
 
 
 def test_resident_blocks_follow_the_tier(tier_env):
@@ -152,24 +153,24 @@ def test_the_knob_forces_a_tier(tier_env):
 @pytest.mark.parametrize("case_id", list(SUPPORTED))
 def test_sm90_layout_fits_and_aligns(case_id):
     spec = SUPPORTED[case_id]
-    layout = prefill.sm90_layout(spec)
+    layout = prefill_sm90.sm90_layout(spec)
     assert layout["kSmemBytes"] <= 227 << 10
     for name in ("kOffK", "kOffV", "kOffBar"):
         assert layout[name] % 1024 == 0, name  # 128-byte swizzle atoms start on 1 KiB
     assert layout["kD"] == spec.head_dim_qk and layout["kChunks"] * 64 == layout["kD"]
     assert layout["kDV"] == spec.head_dim_vo and layout["kChunksV"] * 64 == layout["kDV"]
-    blocks = prefill.SM90_PAGED_KV_BLOCK if spec.kv_storage is KVStorage.PAGED else prefill.SM90_KV_BLOCK
-    consumers = prefill.SM90_TUNING["consumers_d64"] if spec.head_dim_qk == 64 else 2
+    blocks = prefill_sm90.SM90_PAGED_KV_BLOCK if spec.kv_storage is KVStorage.PAGED else prefill_sm90.SM90_KV_BLOCK
+    consumers = prefill_sm90.SM90_TUNING["consumers_d64"] if spec.head_dim_qk == 64 else 2
     assert layout["kBM"] == 64 * consumers and layout["kThreads"] == 128 * (1 + consumers)
-    block = prefill.SM90_KV_BLOCK_3WG if consumers == 3 else blocks[spec.head_dim_qk]
+    block = prefill_sm90.SM90_KV_BLOCK_3WG if consumers == 3 else blocks[spec.head_dim_qk]
     assert layout["kBN"] == block and layout["kGroup"] == spec.group_size
-    assert layout["kStages"] == (prefill.SM90_TUNING["kv_stages"] or (4 if consumers == 3 else 2))
+    assert layout["kStages"] == (prefill_sm90.SM90_TUNING["kv_stages"] or (4 if consumers == 3 else 2))
     assert layout["kOffV"] - layout["kOffK"] == layout["kStages"] * layout["kKBytes"]
     assert layout["kOffBar"] - layout["kOffV"] == layout["kStages"] * layout["kVBytes"]
     # Barriers (per query buffer q full TMA / gathered, q empty; k, v full / empty per stage), then the paged row
     # tables, then (custom masks) a word per stage saying whether the producer loaded it, then (a 16-bit output
     # staged) each consumer warp's 16 rows x 64 columns.
-    assert layout["kQBufs"] == prefill.SM90_TUNING["q_buffers"] and layout["kOffK"] == layout["kQBufs"] * layout["kQBytes"]
+    assert layout["kQBufs"] == prefill_sm90.SM90_TUNING["q_buffers"] and layout["kOffK"] == layout["kQBufs"] * layout["kQBytes"]
     assert layout["kOffTab"] - layout["kOffBar"] >= 8 * (3 * layout["kQBufs"] + 4 * layout["kStages"])
     assert layout["kOffTab"] % 16 == 0
     tables = 2 * layout["kBN"] * 16 if spec.kv_storage is KVStorage.PAGED else 0
@@ -190,11 +191,11 @@ def test_sm90_layout_fits_and_aligns(case_id):
 
 
 def test_gqa_packing_choice():
-    assert prefill.sm90_pack(_spec(d=128, hq=32, hkv=8)) == 4     # the group of a KV head fills the rows
-    assert prefill.sm90_pack(_spec(d=256, hq=16, hkv=2)) == 8
-    assert prefill.sm90_pack(_spec(d=128, hq=6, hkv=2)) == 1      # 3 does not divide the 128-row tile
-    assert prefill.sm90_pack(_spec(d=64, hq=32, hkv=8)) == 1      # measured slower packed at head_dim 64
-    assert prefill.sm90_layout(_spec(d=128, hq=32, hkv=8))["kPackG"] == 4
+    assert prefill_sm90.sm90_pack(_spec(d=128, hq=32, hkv=8)) == 4     # the group of a KV head fills the rows
+    assert prefill_sm90.sm90_pack(_spec(d=256, hq=16, hkv=2)) == 8
+    assert prefill_sm90.sm90_pack(_spec(d=128, hq=6, hkv=2)) == 1      # 3 does not divide the 128-row tile
+    assert prefill_sm90.sm90_pack(_spec(d=64, hq=32, hkv=8)) == 1      # measured slower packed at head_dim 64
+    assert prefill_sm90.sm90_layout(_spec(d=128, hq=32, hkv=8))["kPackG"] == 4
 
 
 def test_render_follows_the_arch_list(tier_env):
@@ -233,12 +234,12 @@ def test_sm90_render_compiles_in_exactly_the_spec_axes(case_id, tier_env):
 
 def test_sm90_soft_cap_tanh_knob(monkeypatch):
     spec = SUPPORTED["d128_bf16_causal_soft_cap"]
-    assert prefill.sm90_layout(spec)["kSoftCapTanh"] == 0
-    monkeypatch.setitem(prefill.SM90_TUNING, "soft_cap_tanh", 1)
-    assert prefill.sm90_layout(spec)["kSoftCapTanh"] == 1
-    monkeypatch.setitem(prefill.SM90_TUNING, "soft_cap_tanh", 2)
+    assert prefill_sm90.sm90_layout(spec)["kSoftCapTanh"] == 0
+    monkeypatch.setitem(prefill_sm90.SM90_TUNING, "soft_cap_tanh", 1)
+    assert prefill_sm90.sm90_layout(spec)["kSoftCapTanh"] == 1
+    monkeypatch.setitem(prefill_sm90.SM90_TUNING, "soft_cap_tanh", 2)
     with pytest.raises(ValueError, match="soft_cap_tanh"):
-        prefill.sm90_layout(spec)
+        prefill_sm90.sm90_layout(spec)
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
@@ -259,24 +260,24 @@ def test_sm90_gather_knobs(monkeypatch):
     """SM90_TUNING (the experiments of tools/bench_paged_sm90.py): the defaults are the tested kernel,
     paged_kv_block applies to paged specs only, and bad values are refused."""
     paged, ragged = SUPPORTED["paged_d128_bf16_causal"], SUPPORTED["d128_bf16_causal"]
-    layout = prefill.sm90_layout(paged)
+    layout = prefill_sm90.sm90_layout(paged)
     assert (layout["kGatherSync"], layout["kGatherL2"]) == (0, 0)
-    assert layout["kBN"] == prefill.SM90_PAGED_KV_BLOCK[128]
-    monkeypatch.setitem(prefill.SM90_TUNING, "paged_kv_block", 176)
-    assert prefill.sm90_layout(paged)["kBN"] == 176
-    assert prefill.sm90_layout(ragged)["kBN"] == prefill.SM90_KV_BLOCK[128]
-    monkeypatch.setitem(prefill.SM90_TUNING, "gather_sync", 2)
-    monkeypatch.setitem(prefill.SM90_TUNING, "gather_l2", 256)
-    assert (prefill.sm90_layout(paged)["kGatherSync"], prefill.sm90_layout(paged)["kGatherL2"]) == (2, 256)
-    assert layout["kPagedTma"] == 1 and prefill.sm90_layout(ragged)["kPagedTma"] == 0, "paged TMA: paged specs only"
-    monkeypatch.setitem(prefill.SM90_TUNING, "paged_tma", 0)
-    assert prefill.sm90_layout(paged)["kPagedTma"] == 0
+    assert layout["kBN"] == prefill_sm90.SM90_PAGED_KV_BLOCK[128]
+    monkeypatch.setitem(prefill_sm90.SM90_TUNING, "paged_kv_block", 176)
+    assert prefill_sm90.sm90_layout(paged)["kBN"] == 176
+    assert prefill_sm90.sm90_layout(ragged)["kBN"] == prefill_sm90.SM90_KV_BLOCK[128]
+    monkeypatch.setitem(prefill_sm90.SM90_TUNING, "gather_sync", 2)
+    monkeypatch.setitem(prefill_sm90.SM90_TUNING, "gather_l2", 256)
+    assert (prefill_sm90.sm90_layout(paged)["kGatherSync"], prefill_sm90.sm90_layout(paged)["kGatherL2"]) == (2, 256)
+    assert layout["kPagedTma"] == 1 and prefill_sm90.sm90_layout(ragged)["kPagedTma"] == 0, "paged TMA: paged specs only"
+    monkeypatch.setitem(prefill_sm90.SM90_TUNING, "paged_tma", 0)
+    assert prefill_sm90.sm90_layout(paged)["kPagedTma"] == 0
     for key, bad in (("gather_sync", 4), ("gather_l2", 32), ("paged_kv_block", 100), ("soft_cap_tanh", -1),
                      ("paged_tma", 3)):
-        monkeypatch.setitem(prefill.SM90_TUNING, key, bad)
+        monkeypatch.setitem(prefill_sm90.SM90_TUNING, key, bad)
         with pytest.raises(ValueError, match="SM90_TUNING"):
-            prefill.sm90_layout(paged)
-        monkeypatch.setitem(prefill.SM90_TUNING, key, 0)
+            prefill_sm90.sm90_layout(paged)
+        monkeypatch.setitem(prefill_sm90.SM90_TUNING, key, 0)
 
 
 def test_sm90_trace_renders_only_when_set(monkeypatch, tier_env, fresh_cache):
@@ -287,16 +288,16 @@ def test_sm90_trace_renders_only_when_set(monkeypatch, tier_env, fresh_cache):
     tier_env.setenv("JITATTN_CUDA_ARCH_LIST", "9.0a")
     plain = render(spec)["kernel.cu"]
     assert "trace_stamp" not in plain and "globaltimer" not in plain
-    monkeypatch.setitem(prefill.SM90_TUNING, "trace", 1)
+    monkeypatch.setitem(prefill_sm90.SM90_TUNING, "trace", 1)
     traced = render(spec)["kernel.cu"]
     assert all(f"trace_stamp({field})" in traced for field in (0, 1, 2, 3, 4, 5, 6, 7, 10))
     assert "jitattn_prefill_trace(void* dst)" in traced and "jitattn_prefill_trace_clear()" in traced
     if shutil.which("nvcc") is not None:
         library = ctypes.CDLL(str(jitattn.load(spec).path))
         assert hasattr(library, "jitattn_prefill_trace") and hasattr(library, "jitattn_prefill_trace_clear")
-    monkeypatch.setitem(prefill.SM90_TUNING, "trace", 2)
+    monkeypatch.setitem(prefill_sm90.SM90_TUNING, "trace", 2)
     with pytest.raises(ValueError, match="SM90_TUNING"):
-        prefill.sm90_layout(spec)
+        prefill_sm90.sm90_layout(spec)
 
 
 def test_hardware_facts_come_from_one_module(tier_env):

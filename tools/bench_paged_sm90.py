@@ -5,7 +5,7 @@
 
 llama8b shapes (32 / 8 heads, head_dim 128, bf16), qo_len = kv_len = seq per request, the pages
 of the batch handed out in a random order. ``--tunings``: a JSON list of overrides of
-``jitattn.kernels.prefill.SM90_TUNING`` (each renders its own source, a cache entry of its own);
+``jitattn.kernels.prefill_sm90.SM90_TUNING`` (each renders its own source, a cache entry of its own);
 every one runs on every (layout, page size). Each paged output is compared with the ragged
 kernel's on the same tokens (max abs difference; 0 expected at the default KV block: the same
 blocks in the same order).
@@ -22,7 +22,7 @@ import torch
 
 import jitattn
 import jitattn.jit
-from jitattn.kernels import prefill
+from jitattn.kernels import prefill_sm90
 
 from bench_tier import _time as median_ms  # the same CUDA-event median timer (tools/ is on sys.path when run)
 
@@ -65,9 +65,9 @@ def main() -> None:
     ref = ragged.run(q, k, v)
     ms = median_ms(lambda: ragged.run(q, k, v))
     print(f"ragged (TMA)                          {ms:7.3f} ms  {flops / ms / 1e9:6.1f} TFLOP/s")
-    defaults = dict(prefill.SM90_TUNING)
+    defaults = dict(prefill_sm90.SM90_TUNING)
     for tuning in json.loads(args.tunings):
-        prefill.SM90_TUNING.update(tuning)
+        prefill_sm90.SM90_TUNING.update(tuning)
         jitattn.jit._registry.clear()  # the next load renders (and builds) this tuning's source
         try:
             for layout in args.layouts.split(","):
@@ -83,8 +83,8 @@ def main() -> None:
                     print(f"paged {layout} page {page:3d} {json.dumps(tuning):22s} {ms:7.3f} ms  "
                           f"{flops / ms / 1e9:6.1f} TFLOP/s  max |paged - ragged| {err:.1e}")
         finally:
-            prefill.SM90_TUNING.clear()
-            prefill.SM90_TUNING.update(defaults)
+            prefill_sm90.SM90_TUNING.clear()
+            prefill_sm90.SM90_TUNING.update(defaults)
             jitattn.jit._registry.clear()
 
 

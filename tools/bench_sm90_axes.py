@@ -21,7 +21,7 @@ import torch
 import jitattn
 import jitattn.jit
 from jitattn.runtime.specs import attention_spec
-from jitattn.kernels import prefill
+from jitattn.kernels import prefill_sm90
 from jitattn.spec import KVLayout, KVStorage, MaskMode, Op, PosEncoding, Target
 
 from bench_tier import _time as median_ms  # the same CUDA-event median timer (tools/ is on sys.path when run)
@@ -59,14 +59,14 @@ def rows(s: int) -> list[tuple[str, bool, int, float | None, int]]:
 
 def with_tanh(tanh: int, fn):
     """fn() rendered (and built) with SM90_TUNING soft_cap_tanh = tanh."""
-    defaults = dict(prefill.SM90_TUNING)
-    prefill.SM90_TUNING.update(soft_cap_tanh=tanh)
+    defaults = dict(prefill_sm90.SM90_TUNING)
+    prefill_sm90.SM90_TUNING.update(soft_cap_tanh=tanh)
     jitattn.jit._registry.clear()
     try:
         return fn()
     finally:
-        prefill.SM90_TUNING.clear()
-        prefill.SM90_TUNING.update(defaults)
+        prefill_sm90.SM90_TUNING.clear()
+        prefill_sm90.SM90_TUNING.update(defaults)
         jitattn.jit._registry.clear()
 
 

@@ -17,7 +17,7 @@ import torch
 
 import jitattn
 import jitattn.jit
-from jitattn.kernels import prefill as prefill_family
+from jitattn.kernels import prefill_sm90
 from jitattn.runtime.specs import attention_spec
 from jitattn.spec import KVLayout, KVStorage, MaskMode, Op, PosEncoding, Target
 
@@ -66,16 +66,16 @@ def _flops(d, hq, causal, qo_lens, kv_lens) -> float:
 # (and "unpacked": GQA heads not packed into the tile rows)
 TIERS = {"sm90": ("sm90", {}, False), "sm90 kv128": ("sm90", {64: 128, 128: 128}, False),
          "sm90 unpacked": ("sm90", {}, True), "sm80": ("sm80", {}, False)}
-_DEFAULT_BLOCKS = dict(prefill_family.SM90_KV_BLOCK)
-_DEFAULT_PACK = prefill_family.sm90_pack
+_DEFAULT_BLOCKS = dict(prefill_sm90.SM90_KV_BLOCK)
+_DEFAULT_PACK = prefill_sm90.sm90_pack
 
 
 def _use(column: str) -> None:
     tier, blocks, unpacked = TIERS[column]
     os.environ["JITATTN_PREFILL_TIER"] = tier
-    prefill_family.SM90_KV_BLOCK.clear()
-    prefill_family.SM90_KV_BLOCK.update({**_DEFAULT_BLOCKS, **blocks})
-    prefill_family.sm90_pack = (lambda spec: 1) if unpacked else _DEFAULT_PACK
+    prefill_sm90.SM90_KV_BLOCK.clear()
+    prefill_sm90.SM90_KV_BLOCK.update({**_DEFAULT_BLOCKS, **blocks})
+    prefill_sm90.sm90_pack = (lambda spec: 1) if unpacked else _DEFAULT_PACK
     jitattn.jit._registry.clear()
 
 

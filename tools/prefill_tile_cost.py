@@ -21,7 +21,7 @@ import torch
 import jitattn
 from jitattn.bench.timing import Timer
 from jitattn.hardware import num_sms
-from jitattn.kernels import prefill as prefill_kernels
+from jitattn.kernels import prefill_sm90
 
 HQ, HKV, D, TOKENS = 32, 8, 128, 32
 
@@ -29,7 +29,7 @@ HQ, HKV, D, TOKENS = 32, 8, 128, 32
 def tile_us(timer: Timer, blocks: int, page: int, tiles_per_sm: int, gen: torch.Generator) -> tuple[float, int]:
     """(microseconds per tile, the KV block) for requests of ``blocks`` KV blocks."""
     dev = torch.device("cuda")
-    spec_block = prefill_kernels.SM90_PAGED_KV_BLOCK[D]
+    spec_block = prefill_sm90.SM90_PAGED_KV_BLOCK[D]
     kv_len = blocks * spec_block
     pages = -(-kv_len // page)
     batch = tiles_per_sm * num_sms(torch.cuda.current_device()) // HKV

@@ -29,9 +29,9 @@ import sys
 import numpy as np
 import torch
 
-from jitattn.kernels import prefill as prefill_kernels
+from jitattn.kernels import prefill_sm90
 
-prefill_kernels.SM90_TUNING["trace"] = 1
+prefill_sm90.SM90_TUNING["trace"] = 1
 
 import jitattn  # noqa: E402
 from evicted_timing import evicted_event_times  # noqa: E402
@@ -39,7 +39,7 @@ from jitattn.hardware import num_sms  # noqa: E402
 
 HQ, HKV, D, TOKENS = 32, 8, 128, 32
 FIELDS, BLOCKS = 12, 1024
-KV_BLOCK = prefill_kernels.SM90_PAGED_KV_BLOCK[D]
+KV_BLOCK = prefill_sm90.SM90_PAGED_KV_BLOCK[D]
 
 
 def case_shape(name: str, sms: int) -> tuple[int, int, int]:

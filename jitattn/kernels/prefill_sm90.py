@@ -1,0 +1,261 @@
+"""The sm90 (Hopper) tier of the cuda prefill family: which specs it runs, its knobs, its layout.
+
+``templates/cuda/prefill_sm90.cu.jinja`` (sm_90a: TMA, mbarriers, wgmma, warp specialisation), every derived
+constant from ``sm90_layout``. The family (``jitattn.kernels.prefill``: ``tier`` and ``select``) takes it when the
+arch list is 9.0a only and ``sm90_unsupported(spec)`` is None (ragged or paged KV, one 16-bit dtype for q
+and kv, a 16-bit or float32 output, head_dim_qk == head_dim_vo in 64/128/256, causal or not,
+sliding window, logits soft cap, attention sinks, ALiBi without a soft cap, custom masks, and
+custom variants with a softmax and no query / key transform; no in-kernel RoPE, no fp8 KV);
+every other spec keeps the sm80 tier. ``JITATTN_PREFILL_TIER``
+forces a tier: ``sm80`` always the generic one; ``sm90`` the Hopper one for every spec it
+supports even with an unknown arch list (an error with a non-Hopper one). The tier is in the
+rendered source, hence in the cache key.
+
+- A block: warpgroup 0 produces (one thread issues the TMA loads; its registers given back
+  with setmaxnreg), warpgroups 1 and 2 consume 64 query rows each (warpgroups 1 to 3 at head_dim 64: a 192-row
+  tile, ``SM90_TUNING["consumers_d64"]``). A tile is 128 rows: the GQA
+  group of one KV head packed into the rows (row = (token, head in group), ``128 // group``
+  tokens; one Q TMA box of 64 columns x group heads x tokens) when the group divides 128 and
+  head_dim >= 128, else 128 tokens of one query head (``sm90_pack`` has the measurements).
+- KV blocks of ``kBN`` tokens (128 / 176 / 64 for head_dim 64 / 128 / 256; paged 128 at 128) go through a
+  2-stage pipeline (4 stages at head_dim 64); each 64-column slice of a row is one 128-byte-swizzled TMA box (ragged KV).
+  Paged KV: the whole producer warpgroup gathers each block with ``cp.async`` -- a table of the
+  block's row offsets from the page table (``kOffTab``, two by block parity), then every 16-byte
+  piece into the same swizzled layout, rows past the request zero-filled -- completing on the
+  stage's full barrier (one arrival per producer thread). With ``kPagedTma`` and a page size that is
+  a multiple of 8 dividing the KV block, the launch takes TMA instead: the producer threads read the
+  block's page ids into the table, and one thread loads each page as a box of 64 columns x page_size
+  rows of a 4-d tensor map over the cache (dim, head, slot, page; head and slot swapped for HND),
+  which lands in the same swizzled rows; rows past the keys are masked (K) and zeroed (V) as for
+  ragged KV. ``q_row_period`` > 0 (the cascade's
+  chunked shared levels) gathers the tile's query rows the same way instead of one Q TMA box. The
+  consumers overlap block j's S GEMM with block j-1's P.V and take turns issuing GEMMs
+  (ping-pong), so one warpgroup's softmax runs under the other's GEMMs.
+- Soft cap and sliding window, both template constants (``kSoftCap``, ``kSwa``: a spec without
+  them compiles to the same machine code as before they existed). The soft cap turns a block's
+  scores into ``tanh(s * sm_scale / cap)`` before any mask (``1 - 2 / (1 + e^2x)`` on two MUFU ops,
+  ``SM90_TUNING["soft_cap_tanh"]`` = 1 for ``tanh.approx``), and the softmax scale becomes
+  ``cap * log2(e)``, so the max, the exponent and the LSE are those of the plain kernel. Window
+  (``window_left`` = w, the sm80 tier's and the reference's convention): key j is visible to
+  query i of a request when ``j >= kv_len - qo_len + i - w`` (and ``j <= kv_len - qo_len + i``
+  when causal); a tile walks KV blocks from the one holding its first query's window start
+  (``Tile::blk0``: producer and consumers decode the same range, blocks before it are neither
+  loaded nor computed) and masks the blocks starting before its last query's window start.
+- Custom masks (``kCustom``): each consumer warpgroup loads its rows' bits per block and skips a block
+  none of its rows sees (a ``bar.red.or`` vote); the whole producer warpgroup reads the tile's mask
+  rows per block and, for a block no query of the tile sees, issues no TMA and marks the stage not
+  loaded (a word per stage at ``kOffLive``) so no consumer computes it. Gathered paged KV loads
+  every block.
+- Work mapping: the sm80 tier's virtual tiles (``base(r) = r + qo_indptr[r] * pack // 128``),
+  items (virtual tile, kv head; query head when unpacked), a persistent grid of one block per
+  SM taking items from the same per-stream counter slots as the sm80 tier
+  (``jitattn/work_queue.cuh``): the producer's thread 0 takes an item as soon as the previous
+  one is known and hands it to the block's other threads through a ring of ``kItemRing``
+  shared-memory slots (full / empty mbarriers), so producer and consumers walk the same sequence
+  and a block that finishes early takes the next item (the static snake order, still the
+  fallback without a slot, gave a cascade level cut into one item per SM two items on some
+  blocks and none on others).
+- The tensor maps' token extent is the allocation holding q / k / v (``cuMemGetAddressRange``):
+  a tile reaching past the last request reads memory that exists; its rows are masked, and V
+  rows past a request's keys are zeroed in shared memory (P is 0 there; 0 * NaN is not).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import json
+import math
+import os
+
+from ..spec import DType, KVStorage, MaskMode, PosEncoding, Target, VariantSpec
+from .attention import context as _attention_context
+
+TEMPLATE_SM90 = "cuda/prefill_sm90.cu.jinja"
+_LOG2E = math.log2(math.e)
+
+
+def _ceil(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+SM90_KV_BLOCK = {64: 192, 128: 176, 256: 80, 192: 128}  # head_dim_qk -> KV tokens per stage (docs/kernels/sm90_prefill.md:
+# measured; d256: 80 is the most two stages fit in 227 KiB beside the 128-row query tile, 5% faster than 64 on the H200;
+# 192 (with head_dim_vo 128: DeepSeek's MLA prefill): 128, the wgmma N that two stages of K and V fit)
+# (head_dim_qk, head_dim_vo) pairs of the tier: equal, or 192 / 128 (ragged KV only: its 24 pieces of a row do not
+# split over the producer's 128 threads, which the paged gathers and repeated query rows need)
+SM90_HEAD_DIMS = ((64, 64), (128, 128), (256, 256), (192, 128))
+# Paged KV: a block that pages of 16, 32, 64 and 128 tile whole, so each page is one TMA box (H200,
+# 2026-12-01, causal b8 x 4096 d128: page 64 300 -> 520 TFLOP/s, page 16 382 -> 389; 176 kept only 8/16/88).
+SM90_PAGED_KV_BLOCK = {64: 192, 128: 128, 256: 64}
+SM90_KV_BLOCK_3WG = 128  # head_dim 64 with three consumer warpgroups (SM90_TUNING consumers_d64)
+
+# Knobs of the sm90 tier's cp.async gathers (paged KV, repeated query rows), for experiments
+# (tools/bench_paged_sm90.py renders other values: distinct sources, distinct cache entries).
+# gather_sync: how gathered stages reach the consumers (0 consumer-side proxy fence, the tested
+# default; 1 writer-side fence after cp.async.wait_group; 2 no fence; 3 the consumers' acquire-only
+# proxy fence, which ptxas turns into no instruction on sm_90a: see the template);
+# gather_l2: cp.async L2 prefetch hint in bytes (0 none, 64, 128, 256);
+# paged_kv_block: KV tokens per stage for paged KV (0: SM90_PAGED_KV_BLOCK's);
+# soft_cap_tanh: the soft cap's tanh (0: 1 - 2 / (1 + e^2x) on ex2 + rcp, absolute error ~3e-7, the
+# default; 1: tanh.approx.f32, one MUFU op instead of two, relative error 2^-11);
+# paged_tma: 1 loads paged KV blocks with one TMA box per page (64 columns x page_size rows, a 4-d tensor
+# map over the cache) when page_size is a multiple of 8 dividing the KV block, 0 always gathers, 2 (tests)
+# as 1 but a launch of such a page size that cannot make the tensor maps is an error instead of gathering.
+# consumers_d64: consumer warpgroups (64 query rows each) at head_dim 64: 3 (a 192-row tile, KV blocks of
+# SM90_KV_BLOCK_3WG tokens, registers 160 per consumer thread) or 2 (128 rows, as at the other head dims).
+# kv_block / kv_stages: KV tokens per stage of ragged KV and pipeline stages (0: the tables', and 2 stages, 4
+# with three consumer warpgroups: H200, d64 causal b16 x 2048, 360.5 / 362.3 / 366.1 TFLOP/s with 2 / 3 / 4).
+# q_buffers: query tiles in shared memory (1; 2: the producer loads the next tile's queries while this tile's
+# blocks run; H200, paged d128 tiles of 1 / 2 / 8 KV blocks: 7.5 / 9.3 / 19.3 us against 7.2 / 9.0 / 19.4 with one).
+# tile_search: how the consumer warps find an item's request (0: one thread's binary search over qo_indptr, one
+# dependent load per halving; 1: each warp probes 32 entries at once, one load round trip per 32-fold cut; H200,
+# paged d128 one-block tiles 7.55 -> 7.20 us).
+# stage_o: 1 writes a 16-bit output through shared memory (each warp's 16 rows, 64 columns at a time, then
+# 16-byte stores of whole row segments) where its 2 KiB per consumer warp fit, 0 stores the accumulator's pairs.
+# lazy_rescale: the softmax keeps a row's running max while a block's is at most this much above it (log2 units;
+# the exponentials then stay below 2^lazy_rescale), and a warp whose rows all kept theirs skips O's rescale;
+# 0 rescales at every new max. trace: 1 (development) stamps each block's phases (tools/trace_prefill.py).
+SM90_TUNING: dict[str, int] = {"gather_sync": 0, "gather_l2": 0, "paged_kv_block": 0, "soft_cap_tanh": 0,
+                               "paged_tma": 1, "consumers_d64": 3, "kv_block": 0, "kv_stages": 0,
+                               "q_buffers": 1, "tile_search": 1, "stage_o": 1, "lazy_rescale": 8, "trace": 0}
+
+
+def _sm90_tuning_override() -> None:
+    """``JITATTN_DEV_SM90_TUNING`` (development only, e.g. '{"gather_sync": 1}'): overrides of
+    ``SM90_TUNING`` that every process of a run (the test suite's parallel pre-build too) renders
+    with; each tuning is its own source, so its own cache entry."""
+    raw = os.environ.get("JITATTN_DEV_SM90_TUNING", "").strip()
+    if not raw:
+        return
+    try:
+        override = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"JITATTN_DEV_SM90_TUNING={raw!r} is not JSON ({e}); e.g. '{{\"gather_sync\": 1}}'") from e
+    if not isinstance(override, dict) or not set(override) <= set(SM90_TUNING) or \
+            not all(isinstance(v, int) for v in override.values()):
+        raise ValueError(f"JITATTN_DEV_SM90_TUNING={raw!r}: an object of int values with keys in {sorted(SM90_TUNING)}")
+    SM90_TUNING.update(override)
+
+
+_sm90_tuning_override()
+
+
+def sm90_unsupported(spec: VariantSpec) -> str | None:
+    """Why the sm90 tier cannot run ``spec`` (None when it can)."""
+    if spec.target is not Target.CUDA:
+        return "it is a cuda kernel"
+    if spec.q_dtype not in (DType.F16, DType.BF16) or spec.kv_dtype != spec.q_dtype:
+        return "it takes one 16-bit dtype (f16 or bf16) for q and kv"
+    if spec.o_dtype not in (DType.F16, DType.BF16, DType.F32):
+        return "it writes a 16-bit or float32 output"
+    if (spec.head_dim_qk, spec.head_dim_vo) not in SM90_HEAD_DIMS:
+        return f"it takes (head_dim_qk, head_dim_vo) in {list(SM90_HEAD_DIMS)}"
+    if spec.head_dim_qk != spec.head_dim_vo and spec.kv_storage is KVStorage.PAGED:
+        return "it takes head_dim_qk != head_dim_vo over ragged KV only"
+    if spec.pos_encoding not in (PosEncoding.NONE, PosEncoding.ALIBI):
+        return "it has no in-kernel RoPE yet"
+    if spec.pos_encoding is PosEncoding.ALIBI and spec.use_logits_soft_cap:
+        return "it applies ALiBi only without a soft cap (the cap would act on the biased logits)"
+    v = spec.variant
+    if v is not None and (not v.use_softmax or v.query_transform or v.key_transform):
+        return "it runs custom variants with a softmax and without query / key transforms only"
+    if v is not None and (spec.use_logits_soft_cap or spec.pos_encoding is PosEncoding.ALIBI):
+        return "it runs custom variants without a soft cap or ALiBi only"
+    return None
+
+
+def sm90_pack(spec: VariantSpec, tile_rows: int = 128) -> int:
+    """Query heads packed into a tile's rows: the whole GQA group when it divides the 128-row tile
+    and head_dim >= 128, else 1. Measured on the H200 (docs/kernels/sm90_prefill.md, run 5; TFLOP/s packed vs not):
+    d128 causal b8x4096 586 vs 540, ragged 587 vs 532, 16 queries x 4096 keys 170 vs 78; d256 573
+    vs 570; but d64 causal b16x2048 289 vs 330, so head_dim 64 stays unpacked."""
+    return spec.group_size if tile_rows % spec.group_size == 0 and spec.head_dim_qk >= 128 else 1
+
+
+_SM90_SMEM = 227 << 10  # shared memory one block may take on sm_90a
+_STAGE_O_WARP_BYTES = 16 * 64 * 2  # stage_o: a consumer warp's 16 rows x 64 columns of a 16-bit output
+
+
+def sm90_layout(spec: VariantSpec) -> dict[str, int]:
+    """Every derived constant of the sm90 prefill kernel for ``spec`` (plain ints)."""
+    reason = sm90_unsupported(spec)
+    if reason is not None:
+        raise ValueError(f"{spec.uri}: the sm90 prefill tier cannot run this spec: {reason}")
+    dim = spec.head_dim_qk
+    paged = spec.kv_storage is KVStorage.PAGED
+    tuning = SM90_TUNING
+    if tuning["gather_sync"] not in (0, 1, 2, 3) or tuning["gather_l2"] not in (0, 64, 128, 256) or \
+            tuning["soft_cap_tanh"] not in (0, 1) or tuning["paged_tma"] not in (0, 1, 2) or \
+            tuning["consumers_d64"] not in (2, 3) or tuning["q_buffers"] not in (1, 2) or \
+            tuning["tile_search"] not in (0, 1) or tuning["stage_o"] not in (0, 1) or \
+            tuning["lazy_rescale"] not in range(0, 16) or tuning["trace"] not in (0, 1):
+        raise ValueError(f"SM90_TUNING={tuning}: gather_sync takes 0 to 3, gather_l2 0, 64, 128 or 256, "
+                         "soft_cap_tanh 0 or 1, paged_tma 0 to 2, consumers_d64 2 or 3, q_buffers 1 or 2, "
+                         "tile_search / stage_o / trace 0 or 1 and lazy_rescale 0 to 15")
+    consumers = tuning["consumers_d64"] if dim == 64 else 2
+    bm, stages = 64 * consumers, tuning["kv_stages"] or (4 if consumers == 3 else 2)
+    # three consumers: S, the last block's P and O in 160 registers, so KV blocks of 128
+    paged_block, ragged_block = (SM90_KV_BLOCK_3WG, SM90_KV_BLOCK_3WG) if consumers == 3 else \
+        (SM90_PAGED_KV_BLOCK.get(dim), SM90_KV_BLOCK[dim])  # (no paged KV at head_dim_qk 192)
+    bn = (tuning["paged_kv_block"] or paged_block) if paged else (tuning["kv_block"] or ragged_block)
+    if bn not in (64, 80, 96, 128, 176, 192, 256):  # the wgmma N of wgmma_sm90.cuh
+        raise ValueError(f"SM90_TUNING kv_block / paged_kv_block={bn}: take one of 64, 80, 96, 128, 176, 192, 256")
+    if not 2 <= stages <= 8:
+        raise ValueError(f"SM90_TUNING kv_stages={stages}: take 2 to 8")
+    chunks, chunks_v = dim // 64, spec.head_dim_vo // 64  # 64-column (128-byte) TMA boxes per q / k row, per v row
+    q_chunk, kv_chunk = bm * 128, bn * 128   # bytes of one box
+    q_bytes, k_bytes, v_bytes = chunks * q_chunk, chunks * kv_chunk, chunks_v * kv_chunk
+    ring = 4                                 # item slots: how far the item taker may run ahead of its readers
+
+    def smem_of(q_bufs: int, stage_o: bool) -> dict[str, int]:
+        off_k = q_bufs * q_bytes
+        off_v = off_k + stages * k_bytes
+        off_bar = off_v + stages * v_bytes
+        # per query buffer q full (TMA), full (gathered), empty; k, v full/empty per stage; item full/empty per slot
+        barriers = 3 * q_bufs + 4 * stages + 2 * ring
+        off_items = off_bar + _ceil(8 * barriers, 16)
+        off_tab = off_items + _ceil(8 * ring, 16)
+        tab_bytes = 2 * bn * 16 if paged else 0  # paged: two tables (block parity) of (k, v) int64 row offsets
+        off_live = off_tab + tab_bytes
+        live_bytes = _ceil(4 * stages, 16) if spec.mask_mode is MaskMode.CUSTOM else 0  # custom mask: stage loaded?
+        off_stage_o = _ceil(off_live + live_bytes, 128)
+        stage_o_bytes = 4 * consumers * _STAGE_O_WARP_BYTES if stage_o else 0
+        return {"kQBufs": q_bufs, "kOffK": off_k, "kOffV": off_v, "kOffBar": off_bar, "kOffItems": off_items,
+                "kOffTab": off_tab, "kOffLive": off_live, "kStageO": int(stage_o), "kOffStageO": off_stage_o,
+                "kSmemBytes": off_stage_o + stage_o_bytes + 1024}  # + slack to align the base to 1 KiB (swizzle atoms)
+
+    sixteen_bit_o = spec.o_dtype in (DType.F16, DType.BF16)
+    offsets = smem_of(tuning["q_buffers"], bool(tuning["stage_o"]) and sixteen_bit_o)
+    if offsets["kStageO"] and offsets["kSmemBytes"] > _SM90_SMEM:
+        offsets = smem_of(tuning["q_buffers"], False)  # no room to stage the output: its pairs stored from registers
+    if offsets["kSmemBytes"] > _SM90_SMEM:
+        raise ValueError(f"{spec.uri}: the sm90 tile needs {offsets['kSmemBytes']} B of shared memory, over 227 KiB "
+                         f"(KV block {bn}, {offsets['kQBufs']} query buffers)")
+    return {
+        # registers per thread: 24 for the producer, the rest of the 64 K over the consumers (multiples of 8)
+        "kThreads": 128 * (1 + consumers), "kProducerRegs": 24, "kConsumerRegs": 240 if consumers == 2 else 160,
+        "kBM": bm, "kBN": bn, "kD": dim, "kDV": spec.head_dim_vo, "kStages": stages, "kChunks": chunks,
+        "kChunksV": chunks_v, "kGroup": spec.group_size, "kPackG": sm90_pack(spec, bm),
+        "kQChunkBytes": q_chunk, "kKVChunkBytes": kv_chunk, "kQBytes": q_bytes, "kKBytes": k_bytes, "kVBytes": v_bytes,
+        "kOffQ": 0, "kItemRing": ring, **offsets, "kTileSearch": tuning["tile_search"],
+        "kLazyRescale": tuning["lazy_rescale"],
+        "kGatherSync": tuning["gather_sync"], "kGatherL2": tuning["gather_l2"],
+        "kSoftCapTanh": tuning["soft_cap_tanh"],
+        "kPagedTma": tuning["paged_tma"] if paged else 0,
+    }
+
+
+def sm90_context(spec: VariantSpec) -> dict[str, Any]:
+    layout = sm90_layout(spec)
+    constants = [("int", name, str(value)) for name, value in layout.items()]
+    constants.append(("bool", "kCausal", "true" if spec.mask_mode is MaskMode.CAUSAL else "false"))
+    constants.append(("bool", "kPaged", "true" if spec.kv_storage is KVStorage.PAGED else "false"))
+    constants.append(("bool", "kSwa", "true" if spec.use_sliding_window else "false"))
+    constants.append(("bool", "kSoftCap", "true" if spec.use_logits_soft_cap else "false"))
+    constants.append(("bool", "kAlibi", "true" if spec.pos_encoding is PosEncoding.ALIBI else "false"))
+    constants.append(("bool", "kCustom", "true" if spec.mask_mode is MaskMode.CUSTOM else "false"))
+    constants.append(("bool", "kVariant", "true" if spec.variant is not None else "false"))
+    constants.append(("float", "kLog2e", repr(_LOG2E) + "f"))
+    return {**_attention_context(spec), "constants": constants, "smem_bytes": layout["kSmemBytes"],
+            "trace": bool(SM90_TUNING["trace"])}
