@@ -243,6 +243,21 @@ def test_tree_cascade_case_times_the_tree_the_two_level_cascade_and_flat_decode(
     assert rows[case.name + ":two_level"]["baseline"]["speedup"] > 0
 
 
+def test_no_sdpa_times_jitattn_alone_with_given_ceilings(tmp_path) -> None:
+    """--no-sdpa (tools/bench_settings.py --fast): each row says SDPA was not timed, a cascade row too, and
+    --ceilings-json's ceilings are the document's (none measured)."""
+    path = tmp_path / "bench.json"
+    ceilings = {"copy": {"gbps": 1.0}, "read_stream": {"gbps": 2.0}, "gemm": {"tflops": 3.0, "n": 64, "dtype": "f32"}}
+    assert main(["--only", "decode/llama8b_b64_s2048,cascade/b32_shared32768_u128", "--target", "cpu", "--json",
+                 str(path), "--measure-s", "0.02", "--no-sdpa", "--ceilings-json", json.dumps(ceilings)]) == 0
+    doc = json.loads(path.read_text())
+    rows = {r["name"]: r for r in doc["rows"]}
+    assert doc["ceilings"] == ceilings
+    for name in ("decode/llama8b_b64_s2048", "cascade/b32_shared32768_u128"):
+        assert rows[name]["status"] == "ok" and rows[name]["time_us"] > 0, name
+        assert not rows[name].get("sdpa") and rows[name]["sdpa_na"] == "not timed (--no-sdpa)", name
+
+
 def test_rate_and_fraction() -> None:
     ceilings = {"read_stream": {"gbps": 4000.0}, "gemm": {"tflops": 800.0}}
     rate, unit, ceiling, fraction = bench_rows.rate_of("bandwidth", 2_000_000_000, None, 1000.0, ceilings)

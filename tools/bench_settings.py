@@ -12,6 +12,8 @@ environment (``TREE=DIR`` instead runs the bench in another checkout of the repo
 Each row is the suite's own timing (``python -m jitattn.bench``: events, L2 evicted); every round runs every
 setting once, in order, so drift shows as a trend within a column rather than as a difference between columns.
 OUT.json holds every round's bench document per setting (rows, environment with the knobs set, method).
+``--fast``: SDPA is timed and the ceilings measured by the first run only (the others take its ceilings and
+``--no-sdpa``): the later runs time only jitattn.
 """
 
 from __future__ import annotations
@@ -57,14 +59,20 @@ def run_once(command: list[str], env: dict[str, str]) -> dict:
             return {}
 
 
-def compare(out: str, labels: list[str], commands: list[list[str]], envs: list[dict[str, str]], rounds: int) -> None:
+def compare(out: str, labels: list[str], commands: list[list[str]], envs: list[dict[str, str]], rounds: int,
+            fast: bool = False) -> None:
     """Run every (command, env) once per round, print a row per case and a column per setting (microseconds,
     one figure per round: the events figure, host cost hidden, then in brackets the plain-launch one, host cost
-    included), and write every round's bench document to ``out`` (by setting)."""
+    included), and write every round's bench document to ``out`` (by setting). ``fast``: only the first run
+    times SDPA and measures the ceilings; the others take its ceilings and skip SDPA (``--no-sdpa``)."""
     docs: dict[str, list[dict]] = {label: [] for label in labels}
+    first: dict = {}
     for _ in range(rounds):
         for label, command, env in zip(labels, commands, envs):
-            docs[label].append(run_once(command, env))
+            extra = ["--no-sdpa", "--ceilings-json", json.dumps(first["ceilings"])] if fast and first else []
+            docs[label].append(run_once(command + extra, env))
+            if fast and not first and "ceilings" in docs[label][-1]:
+                first = docs[label][-1]
     rows = {label: [{r["name"]: r for r in doc.get("rows", [])} for doc in runs] for label, runs in docs.items()}
     names = list(dict.fromkeys(n for runs in rows.values() for r in runs for n in r))
     width = max(24, *(len(label) for label in labels))
@@ -89,10 +97,13 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--only", required=True, help="the bench's --only (rows, suites or globs)")
     ap.add_argument("--rounds", type=int, default=2, help="times every setting runs (alternated; default 2)")
     ap.add_argument("--measure-s", default="0.3", help="the bench's --measure-s per case (default 0.3)")
+    ap.add_argument("--fast", action="store_true", help="SDPA and the ceilings measured by the first run only (every "
+                    "TREE must be a checkout whose bench takes --no-sdpa)")
     opts = ap.parse_args(argv)
     command = [sys.executable, "-m", "jitattn.bench", "--only", opts.only, "--measure-s", opts.measure_s]
     labels = [s or "(as is)" for s in opts.settings]
-    compare(opts.out, labels, [command] * len(labels), [parse_setting(s) for s in opts.settings], opts.rounds)
+    compare(opts.out, labels, [command] * len(labels), [parse_setting(s) for s in opts.settings], opts.rounds,
+            opts.fast)
 
 
 if __name__ == "__main__":

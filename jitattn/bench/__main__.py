@@ -43,6 +43,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--list", action="store_true", help="list the cases and exit")
     ap.add_argument("--peer", action="append", choices=("flashinfer",), default=[],
                     help="also time a peer library on the same data (skipped per row when it is not installed)")
+    ap.add_argument("--no-sdpa", action="store_true",
+                    help="skip torch SDPA's timings (runs that compare two trees or tunings: tools/bench_settings.py)")
     ap.add_argument("--baseline", default=None, metavar="FILE.json",
                     help="an earlier run's --json: list the rows whose fraction of the ceiling moved by over 5%%")
     ap.add_argument("--ceilings-json", default=None, help=argparse.SUPPRESS)  # a resumed child reuses the ceilings

@@ -67,11 +67,14 @@ def run_cascade(case: Cascade, ctx: Context) -> list[dict]:
             two_row["baseline"] = {"name": row["name"], "time_us": row["time_us"],
                                    "speedup": two_row["time_us"] / row["time_us"],
                                    "what": "two-level time / tree cascade time"}
-        ctx.check_budget("SDPA")
-        groups = sdpa_groups(flat_data)
-        row["sdpa"] = run_sdpa(flat_case, groups, ctx, row["time_us"], nbytes=case.bytes, flops=case.flops)
-        row["note"] = join_notes(row["note"], "SDPA on contiguous KV per request (prefix copied into each)")
-        del groups
+        if not ctx.sdpa:
+            row["sdpa_na"] = "not timed (--no-sdpa)"
+        else:
+            ctx.check_budget("SDPA")
+            groups = sdpa_groups(flat_data)
+            row["sdpa"] = run_sdpa(flat_case, groups, ctx, row["time_us"], nbytes=case.bytes, flops=case.flops)
+            row["note"] = join_notes(row["note"], "SDPA on contiguous KV per request (prefix copied into each)")
+            del groups
     except BudgetExceeded as exc:
         row["note"] = join_notes(row["note"], str(exc))
     return [row, flat_row] + ([two_row] if two_row is not None else [])

@@ -36,6 +36,7 @@ class Context:
     plain_rows: dict = field(default_factory=dict)  # name -> row: the variants' plain rows, the MLA twins
     case_deadline: float = math.inf
     peers: tuple[str, ...] = ()  # peer libraries timed beside jitattn (--peer)
+    sdpa: bool = True  # time torch SDPA beside jitattn (--no-sdpa: off)
 
     @property
     def cuda(self) -> bool:

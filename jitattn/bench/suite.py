@@ -74,6 +74,8 @@ def run_attn(case: Attn, ctx: Context) -> list[dict]:
             row["baseline"] = _baseline(row, ctx.plain_rows.get(case.plain), case.plain)
         if not case.sdpa:
             row["sdpa_na"] = f"compared with {case.plain}" if case.plain else "the variants' plain kernel"
+        elif not ctx.sdpa:
+            row["sdpa_na"] = "not timed (--no-sdpa)"
         elif (why := sdpa_unsupported(case)) is not None:
             row["sdpa_na"] = why
         else:
@@ -394,7 +396,8 @@ def run(opts) -> dict:
     timer = _timer_and_ceilings(opts, target, device, doc, log)
     ctx = Context(device=device, timer=timer, ceilings=doc["ceilings"], measure_s=measure_s,
                   case_budget_s=opts.case_budget, deadline=t_start + deadline_s, quick=opts.quick,
-                  failed_specs=failed, peers=tuple(getattr(opts, "peer", None) or ()))
+                  failed_specs=failed, peers=tuple(getattr(opts, "peer", None) or ()),
+                  sdpa=not getattr(opts, "no_sdpa", False))
     remaining = _run_cases(cases, ctx, doc, opts, log, deadline_s)
     if remaining:
         doc["rows"] += _resume_in_child(remaining, opts, doc, t_start + deadline_s - time.monotonic(), log, target)
@@ -416,6 +419,8 @@ def _resume_in_child(cases: list[Case], opts, doc: dict, seconds_left: float, lo
            "--case-budget", str(opts.case_budget), "--target", target, "--child"]
     if opts.quick:
         cmd.append("--quick")
+    if getattr(opts, "no_sdpa", False):
+        cmd.append("--no-sdpa")
     if opts.measure_s:
         cmd += ["--measure-s", str(opts.measure_s)]
     repo_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
