@@ -63,6 +63,10 @@ MLA_FLOPS_BYTES = {
     "mla/b128_s8192_p64": (2 * 128 * 128 * 8192 * (576 + 512), 128 * 8192 * 576 * 2),
     "mla/h16_b128_s4096_p64": (2 * 128 * 16 * 4096 * (576 + 512), 128 * 4096 * 576 * 2),
     "mla/h16_b128_s4096_p64_fp8": (2 * 128 * 16 * 4096 * (576 + 512), 128 * 4096 * 576 * 1),  # e4m3 latent cache
+    # causal multi-token rows: token i of q_len sees kv_len - q_len + 1 + i keys; the cache is read once
+    "mla/spec2_b64_s4096_p64": (2 * 64 * 128 * (2 * 4096 - 1) * (576 + 512), 64 * 4096 * 576 * 2),
+    "mla/spec4_b64_s4096_p64": (2 * 64 * 128 * (4 * 4096 - 6) * (576 + 512), 64 * 4096 * 576 * 2),
+    "mla/chunk64_b16_s4096_p64": (2 * 16 * 128 * (64 * 4096 - 2016) * (576 + 512), 16 * 4096 * 576 * 2),
 }
 
 # RoPE bytes = q and k read + written (2 * nnz * (H_q + H_k) * D * 2, bf16) + positions (int32; cos/sin cache: int64)
@@ -329,8 +333,9 @@ def test_a_failing_case_is_a_row_error_and_the_suite_goes_on(tmp_path, monkeypat
     assert "boom" in rows["decode/llama8b_b64_s2048"]["error"]
     assert rows["decode/llama8b_b1_s32768"]["status"] == "ok"
     assert rows["decode/llama8b_b1_s32768"]["fraction"] is None  # no ceilings given
-    assert len([r for r in rows if r.startswith("mla/")]) == 4
-    for name in ("mla/h16_b128_s4096_p64", "mla/h16_b128_s4096_p64_fp8", "mla/b64_s4096_p64"):
+    assert len([r for r in rows if r.startswith("mla/")]) == len(configs.MLA_CASES)
+    for name in ("mla/h16_b128_s4096_p64", "mla/h16_b128_s4096_p64_fp8", "mla/b64_s4096_p64", "mla/spec2_b64_s4096_p64",
+                 "mla/spec4_b64_s4096_p64", "mla/chunk64_b16_s4096_p64"):
         row = rows[name]
         assert row["status"] == "ok" and row["max_rel_err"] < 0.05, name
         seconds = row["time_us"] * 1e-6
@@ -340,6 +345,11 @@ def test_a_failing_case_is_a_row_error_and_the_suite_goes_on(tmp_path, monkeypat
     fp8 = rows["mla/h16_b128_s4096_p64_fp8"]
     assert fp8["params"]["kv_dtype"] == "e4m3" and fp8["bytes"] * 2 == rows["mla/h16_b128_s4096_p64"]["bytes"]
     assert fp8["baseline"]["name"] == "mla/h16_b128_s4096_p64" and fp8["baseline"]["speed_ratio"] > 0
+    for name in ("mla/spec2_b64_s4096_p64", "mla/spec4_b64_s4096_p64", "mla/chunk64_b16_s4096_p64"):
+        row, twin = rows[name], rows["mla/b64_s4096_p64"]
+        assert row["params"]["q_len"] > 1 and row["baseline"]["name"] == "mla/b64_s4096_p64"
+        assert row["baseline"]["speed_ratio"] == pytest.approx((row["flops"] / row["time_us"]) /
+                                                               (twin["flops"] / twin["time_us"]))
 
 
 def test_case_budget_and_deadline(tmp_path) -> None:

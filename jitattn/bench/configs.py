@@ -202,7 +202,9 @@ class MLA:
 
     Every row reports both TFLOP/s and TB/s (``tflops``, ``tb_per_s``); its ``kind`` picks the headline
     rate: compute for 128 heads (FLOP-bound), bandwidth for 16 (the latent cache read bounds it).
-    ``kv_dtype``: the latent cache's dtype (default: ``dtype``, the queries' and output's).
+    ``kv_dtype``: the latent cache's dtype (default: ``dtype``, the queries' and output's). ``q_len`` > 1: that many
+    query tokens per request (speculative decode, a prefill chunk), causal (bottom-right: the last token sees every
+    key); its FLOPs count the visible pairs only.
     """
 
     name: str
@@ -217,6 +219,7 @@ class MLA:
     kind: str = "compute"
     note: str = ""
     twin: str | None = None  # a row this one reports its speed against (the fp8 row: its bf16 twin)
+    q_len: int = 1
 
     @property
     def suite(self) -> str:
@@ -227,8 +230,13 @@ class MLA:
         return self.kv_dtype or self.dtype
 
     @property
+    def pairs(self) -> int:
+        """(query token, key) pairs a request's query tokens see (causal for q_len > 1)."""
+        return self.q_len * self.kv_len - self.q_len * (self.q_len - 1) // 2
+
+    @property
     def flops(self) -> int:
-        return 2 * self.batch * self.num_heads * self.kv_len * (self.ckv_dim + self.kpe_dim + self.ckv_dim)
+        return 2 * self.batch * self.num_heads * self.pairs * (self.ckv_dim + self.kpe_dim + self.ckv_dim)
 
     @property
     def bytes(self) -> int:
@@ -236,7 +244,8 @@ class MLA:
 
     def params(self) -> dict:
         return {"batch": self.batch, "kv_len": self.kv_len, "heads": self.num_heads, "ckv": self.ckv_dim,
-                "kpe": self.kpe_dim, "page_size": self.page_size, "dtype": self.dtype, "kv_dtype": self.cache_dtype}
+                "kpe": self.kpe_dim, "page_size": self.page_size, "dtype": self.dtype, "kv_dtype": self.cache_dtype,
+                "q_len": self.q_len}
 
     def small(self) -> "MLA":
         """The cpu target's size: a few requests of a few hundred tokens, 16 heads."""
@@ -403,6 +412,13 @@ MLA_CASES: list[MLA] = [
     MLA("mla/h16_b128_s4096_p64_fp8", 128, 4096, num_heads=16, kv_dtype="e4m3", kind="bandwidth",
         note="e4m3 latent cache (k_scale/v_scale); target >= 1.7x the speed of its bf16 twin",
         twin="mla/h16_b128_s4096_p64"),
+    # speculative decode and a prefill chunk on the same kernel: their TFLOP/s against the one-token row's
+    MLA("mla/spec2_b64_s4096_p64", 64, 4096, q_len=2, twin="mla/b64_s4096_p64",
+        note="2 query tokens a request (causal); target >= 0.9 of the one-token row's TFLOP/s"),
+    MLA("mla/spec4_b64_s4096_p64", 64, 4096, q_len=4, twin="mla/b64_s4096_p64",
+        note="4 query tokens a request (causal); target >= 0.9 of the one-token row's TFLOP/s"),
+    MLA("mla/chunk64_b16_s4096_p64", 16, 4096, q_len=64, twin="mla/b64_s4096_p64",
+        note="a 64-token prefill chunk a request (causal); target >= 0.9 of the one-token row's TFLOP/s"),
 ]
 
 JIT: list[Jit] = [

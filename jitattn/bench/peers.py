@@ -144,7 +144,8 @@ def run_flashinfer_mla(case: MLA, tensors: tuple, jit_out: torch.Tensor, ctx: Co
         wrapper = flashinfer.mla.BatchMLAPagedAttentionWrapper(
             torch.empty(256 << 20, dtype=torch.uint8, device=ctx.device))
         wrapper.plan(qo_indptr.cuda(), kv_indptr.cuda(), kv_indices.cuda(), kv_lens.cuda(), case.num_heads,
-                     case.ckv_dim, case.kpe_dim, case.page_size, False, 1.0 / math.sqrt(192), q_nope.dtype, ckv.dtype)
+                     case.ckv_dim, case.kpe_dim, case.page_size, case.q_len > 1, 1.0 / math.sqrt(192), q_nope.dtype,
+                     ckv.dtype)
         out = torch.empty_like(jit_out)
 
         def fn():

@@ -125,13 +125,14 @@ def run_mla(case: MLA, ctx: Context) -> list[dict]:
     indices = torch.randperm(pool, generator=gen_host)[: case.batch * pages_per].to(torch.int32)
     indptr = (torch.arange(case.batch + 1) * pages_per).to(torch.int32)
     lens = torch.full((case.batch,), case.kv_len, dtype=torch.int32)
-    q_nope = random_tensor((case.batch, case.num_heads, case.ckv_dim), dtype, ctx.device, gen)
-    q_pe = random_tensor((case.batch, case.num_heads, case.kpe_dim), dtype, ctx.device, gen)
-    out = torch.full((case.batch, case.num_heads, case.ckv_dim), float("nan"), dtype=dtype, device=ctx.device)
+    tokens, causal = case.batch * case.q_len, case.q_len > 1
+    q_nope = random_tensor((tokens, case.num_heads, case.ckv_dim), dtype, ctx.device, gen)
+    q_pe = random_tensor((tokens, case.num_heads, case.kpe_dim), dtype, ctx.device, gen)
+    out = torch.full((tokens, case.num_heads, case.ckv_dim), float("nan"), dtype=dtype, device=ctx.device)
     wrapper = jitattn.BatchMLAPagedAttentionWrapper(torch.empty(128 << 20, dtype=torch.uint8, device=ctx.device))
     scale = 1.0 / math.sqrt(192)
-    qo_indptr = torch.arange(case.batch + 1, dtype=torch.int32)
-    wrapper.plan(qo_indptr, indptr, indices, lens, case.num_heads, case.ckv_dim, case.kpe_dim, case.page_size, False,
+    qo_indptr = (torch.arange(case.batch + 1) * case.q_len).to(torch.int32)
+    wrapper.plan(qo_indptr, indptr, indices, lens, case.num_heads, case.ckv_dim, case.kpe_dim, case.page_size, causal,
                  scale, dtype, kv_dtype)
 
     def fn():
@@ -145,9 +146,10 @@ def run_mla(case: MLA, ctx: Context) -> list[dict]:
         first = buffer.view(torch.uint8)[pages].view(kv_dtype) if fp8 else buffer[pages]
         keys = first.float().reshape(-1, case.ckv_dim + case.kpe_dim)[: case.kv_len].unsqueeze(1)
         values = keys[..., : case.ckv_dim]
-        q = torch.cat([q_nope[:1], q_pe[:1]], dim=-1)
-        ref, _ = reference.single_attention(q, keys, values, sm_scale=scale, k_scale=k_scale, v_scale=v_scale)
-        row["max_rel_err"] = rel_err([out[:1]], [ref])
+        q = torch.cat([q_nope[:case.q_len], q_pe[:case.q_len]], dim=-1)  # the first request's query tokens
+        ref, _ = reference.single_attention(q, keys, values, causal=causal, sm_scale=scale, k_scale=k_scale,
+                                            v_scale=v_scale)
+        row["max_rel_err"] = rel_err([out[:case.q_len]], [ref])
         ctx.check_budget("timing")
         set_time(row, ctx.timer.measure(fn, ctx.measure_s), ctx, fn)
         seconds = row["time_us"] * 1e-6
@@ -160,11 +162,11 @@ def run_mla(case: MLA, ctx: Context) -> list[dict]:
         if case.twin:
             if twin is None or twin.get("time_us") is None:
                 row["baseline"] = {"name": case.twin, "error": "the twin row did not run"}
-            else:
-                ratio = twin["time_us"] / row["time_us"]
+            else:  # per FLOP: the fp8 row has its twin's FLOPs, the multi-token rows more
+                ratio = (case.flops / row["time_us"]) / (twin["flops"] / twin["time_us"])
                 row["baseline"] = {"name": case.twin, "time_us": twin["time_us"], "speed_ratio": ratio,
-                                   "what": "the twin's time / this row's time (> 1: this row is faster)"}
-                row["note"] = join_notes(row["note"], f"{ratio:.2f}x the speed of {case.twin}")
+                                   "what": "this row's FLOPs per second / the twin's (> 1: this row is faster)"}
+                row["note"] = join_notes(row["note"], f"{ratio:.2f}x the FLOP rate of {case.twin}")
         if "flashinfer" in ctx.peers:
             tensors = (qo_indptr, indptr, indices, lens, q_nope, q_pe, ckv, kpe)
             row["peers"] = {"flashinfer": run_flashinfer_mla(case, tensors, out, ctx, row["time_us"])}
