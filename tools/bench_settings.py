@@ -71,6 +71,7 @@ def compare(out: str, labels: list[str], commands: list[list[str]], envs: list[d
         for label, command, env in zip(labels, commands, envs):
             extra = ["--no-sdpa", "--ceilings-json", json.dumps(first["ceilings"])] if fast and first else []
             docs[label].append(run_once(command + extra, env))
+            json.dump(docs, open(out, "w"), indent=1)  # what ran so far survives a timeout
             if fast and not first and "ceilings" in docs[label][-1]:
                 first = docs[label][-1]
     rows = {label: [{r["name"]: r for r in doc.get("rows", [])} for doc in runs] for label, runs in docs.items()}
