@@ -64,6 +64,8 @@ SPECS = {
     "prefill": {"p128c": _prefill(128), "p128n": _prefill(128, mask="none"), "p64c": _prefill(64),
                 "p256c": _prefill(256), "p128paged": _prefill(128, storage="paged"),
                 "p128cap": _prefill(128, use_logits_soft_cap=True), "p128win": _prefill(128, use_sliding_window=True),
+                "p64win": _prefill(64, 8, use_sliding_window=True),
+                "p256win": _prefill(256, 1, use_sliding_window=True),
                 "p128sinks": _prefill(128, use_sinks=True), "p128alibi": _prefill(128, pos_encoding="alibi"),
                 "p64alibi": _prefill(64, pos_encoding="alibi"), "p128mask": _prefill(128, mask="custom"),
                 "p64maskpaged": _prefill(64, mask="custom", storage="paged"), "p192x128c": _prefill(192, 1, dvo=128)},
