@@ -15,8 +15,7 @@ import jitattn
 import jitattn.hardware
 from jitattn import env
 from jitattn.runtime.specs import attention_spec
-from jitattn.kernels import prefill
-from jitattn.kernels import prefill_sm90
+from jitattn.kernels import prefill, prefill_sm90
 from jitattn.jit import render
 from jitattn.spec import DType, KVLayout, KVStorage, MaskMode, Op, PosEncoding, Target, VariantSpec
 from jitattn.variant import AttentionVariant
