@@ -169,7 +169,8 @@ def test_sm90_layout_fits_and_aligns(case_id):
     # Barriers (per query buffer q full TMA / gathered, q empty; k, v full / empty per stage), then the paged row
     # tables, then (custom masks) a word per stage saying whether the producer loaded it, then (a 16-bit output
     # staged) each consumer warp's 16 rows x 64 columns.
-    assert layout["kQBufs"] == prefill_sm90.SM90_TUNING["q_buffers"] and layout["kOffK"] == layout["kQBufs"] * layout["kQBytes"]
+    assert layout["kQBufs"] == prefill_sm90.SM90_TUNING["q_buffers"]
+    assert layout["kOffK"] == layout["kQBufs"] * layout["kQBytes"]
     assert layout["kOffTab"] - layout["kOffBar"] >= 8 * (3 * layout["kQBufs"] + 4 * layout["kStages"])
     assert layout["kOffTab"] % 16 == 0
     tables = 2 * layout["kBN"] * 16 if spec.kv_storage is KVStorage.PAGED else 0
@@ -268,7 +269,8 @@ def test_sm90_gather_knobs(monkeypatch):
     monkeypatch.setitem(prefill_sm90.SM90_TUNING, "gather_sync", 2)
     monkeypatch.setitem(prefill_sm90.SM90_TUNING, "gather_l2", 256)
     assert (prefill_sm90.sm90_layout(paged)["kGatherSync"], prefill_sm90.sm90_layout(paged)["kGatherL2"]) == (2, 256)
-    assert layout["kPagedTma"] == 1 and prefill_sm90.sm90_layout(ragged)["kPagedTma"] == 0, "paged TMA: paged specs only"
+    assert layout["kPagedTma"] == 1, "paged TMA: paged specs only"
+    assert prefill_sm90.sm90_layout(ragged)["kPagedTma"] == 0, "paged TMA: paged specs only"
     monkeypatch.setitem(prefill_sm90.SM90_TUNING, "paged_tma", 0)
     assert prefill_sm90.sm90_layout(paged)["kPagedTma"] == 0
     for key, bad in (("gather_sync", 4), ("gather_l2", 32), ("paged_kv_block", 100), ("soft_cap_tanh", -1),

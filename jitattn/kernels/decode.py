@@ -169,8 +169,9 @@ def short_items_layout(spec: VariantSpec) -> dict[str, int] | None:
     evicted): 128 requests x 96 / 256 / 2048 tokens 31.6 -> 28.8, 48.1 -> 44.3, 255 -> 247 us; 128 requests
     over 8k shared pages 554 -> 465 us; but 32 requests (split) up to 35% slower, b64 x 2048 (512 blocks, 1.3
     waves of three) 129 -> 141, b1 x 32k 46 -> 55. The plan takes it for unsplit batches of many blocks of short
-    requests or shared pages (``kv_split.short_items_split``). Only for 16-bit KV at head dims 64 and 128 without RoPE or a variant, one head
-    tile: their kernels fit the three blocks' register cap (156-168 registers in this layout, no spills)."""
+    requests or shared pages (``kv_split.short_items_split``). Only for 16-bit KV at head dims 64 and 128 without
+    RoPE or a variant, one head tile: their kernels fit the three blocks' register cap (156-168 registers in this
+    layout, no spills)."""
     blocks = TUNING["mma_blocks_per_sm_short"]
     base = cuda_layout(spec)
     if (not blocks or not base["kMma"] or blocks <= base["kMinBlocks"] or spec.kv_dtype.is_fp8

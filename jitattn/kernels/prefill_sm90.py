@@ -18,7 +18,8 @@ rendered source, hence in the cache key.
   tokens; one Q TMA box of 64 columns x group heads x tokens) when the group divides 128 and
   head_dim >= 128, else 128 tokens of one query head (``sm90_pack`` has the measurements).
 - KV blocks of ``kBN`` tokens (128 / 176 / 64 for head_dim 64 / 128 / 256; paged 128 at 128) go through a
-  2-stage pipeline (4 stages at head_dim 64); each 64-column slice of a row is one 128-byte-swizzled TMA box (ragged KV).
+  2-stage pipeline (4 stages at head_dim 64); each 64-column slice of a row is one 128-byte-swizzled TMA box
+  (ragged KV).
   Paged KV: the whole producer warpgroup gathers each block with ``cp.async`` -- a table of the
   block's row offsets from the page table (``kOffTab``, two by block parity), then every 16-byte
   piece into the same swizzled layout, rows past the request zero-filled -- completing on the
@@ -79,9 +80,10 @@ def _ceil(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
-SM90_KV_BLOCK = {64: 192, 128: 176, 256: 80, 192: 128}  # head_dim_qk -> KV tokens per stage (docs/kernels/sm90_prefill.md:
-# measured; d256: 80 is the most two stages fit in 227 KiB beside the 128-row query tile, 5% faster than 64 on the H200;
-# 192 (with head_dim_vo 128: DeepSeek's MLA prefill): 128, the wgmma N that two stages of K and V fit)
+# head_dim_qk -> KV tokens per stage (docs/kernels/sm90_prefill.md: measured; d256: 80 is the most two stages fit
+# in 227 KiB beside the 128-row query tile, 5% faster than 64 on the H200; 192 (with head_dim_vo 128: DeepSeek's MLA
+# prefill): 128, the wgmma N that two stages of K and V fit)
+SM90_KV_BLOCK = {64: 192, 128: 176, 256: 80, 192: 128}
 # (head_dim_qk, head_dim_vo) pairs of the tier: equal, or 192 / 128 (ragged KV only: its 24 pieces of a row do not
 # split over the producer's 128 threads, which the paged gathers and repeated query rows need)
 SM90_HEAD_DIMS = ((64, 64), (128, 128), (256, 256), (192, 128))
