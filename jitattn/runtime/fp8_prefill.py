@@ -1,0 +1,105 @@
+"""fp8 prefill (q, k and v all fp8, FlashInfer's ``single_prefill_with_kv_cache`` with ``scale_q`` / ``scale_k`` /
+``scale_v``) as the 16-bit kernel over dequantized operands.
+
+FlashInfer runs an fp8 query on its Hopper (FA3) backend only, with per-head scales (float32 tensors of
+``[num_qo_heads]`` for q, ``[num_kv_heads]`` for k and v) and the output in ``o_dtype`` (default: q's fp8 dtype).
+Here no kernel takes an fp8 query yet: the operands are converted to 16 bits first and the 16-bit kernel runs.
+
+- Per-tensor scales (None, a float, a one-element host tensor): q, k, v are converted exactly (every e4m3 / e5m2
+  value is a bf16 and an f16 value) and the kernel applies the scales (``scale_q * scale_k`` to the scores,
+  ``scale_v`` to the output), so the result is the 16-bit kernel's attention of the dequantized values.
+- Scales as tensors of one value per head (or a one-element tensor on the GPU), never read on the host: each
+  operand is multiplied by its scales in float32 and rounded to bf16 (relative error 2^-9, within fp8's own
+  2^-4). Their values are not checked (that would need a device sync): a NaN or negative scale gives what it
+  implies.
+- An fp8 ``o_dtype`` (FlashInfer's default for an fp8 query): the 16-bit output rounded to it, saturating at the
+  dtype's largest finite value (e5m2 has infinities; e4m3fn has none).
+
+It costs what the conversions cost (one read of the fp8 operands, one write and read of 16-bit ones) on top of
+the 16-bit kernel: the fp8 Hopper kernel (twice the 16-bit tensor rate) is the open step of
+docs/kernels/sm90_prefill.md ("fp8 prefill").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..spec import KVLayout
+from .checks import check_tensor, target_of
+from .options import fp8_scale
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+_SIXTEEN_BIT = (torch.float16, torch.bfloat16)
+
+
+def is_fp8(tensor: torch.Tensor) -> bool:
+    return isinstance(tensor, torch.Tensor) and tensor.dtype in FP8_DTYPES
+
+
+@dataclass(frozen=True)
+class Fp8Prefill:
+    """The 16-bit operands of one fp8 prefill call, the scales the kernel applies and the output's dtypes."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    scales: tuple[float, float, float]  # scale_q, scale_k, scale_v for the kernel
+    kernel_o_dtype: torch.dtype  # what the 16-bit kernel writes
+    out_dtype: torch.dtype  # what the caller gets
+
+    def output(self, result):
+        """The kernel's ``result`` (out, or (out, lse)) with out in the caller's dtype."""
+        if self.out_dtype == self.kernel_o_dtype:
+            return result
+        out, lse = result if isinstance(result, tuple) else (result, None)
+        limit = torch.finfo(self.out_dtype).max
+        out = out.clamp(-limit, limit).to(self.out_dtype)
+        return out if lse is None else (out, lse)
+
+
+def _device_scale(value, name: str, heads: int) -> torch.Tensor | None:
+    """``value`` as float32 scales to multiply in (one per head, or one for all) when it is a tensor that is not a
+    one-element host tensor, else None (a per-tensor scale the kernel applies)."""
+    if not isinstance(value, torch.Tensor) or value.numel() == 1 and value.device.type == "cpu":
+        return None
+    if not value.is_floating_point() or value.dim() > 1 or value.numel() not in (1, heads):
+        raise ValueError(f"{name} (shape {tuple(value.shape)}, {str(value.dtype).removeprefix('torch.')}) must be a "
+                         f"float, a one-element tensor, or a float tensor of one scale per head ([{heads}])")
+    return value.to(torch.float32).reshape(-1)
+
+
+def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale_q, scale_k, scale_v, o_dtype: torch.dtype | None,
+            kv_layout: KVLayout) -> Fp8Prefill:
+    """The 16-bit operands of an fp8 query's prefill (q ``[qo_len, H_qo, D]``, k / v ``[kv_len, H_kv, D]`` (NHD)
+    or ``[H_kv, kv_len, D]`` (HND))."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_tensor(name, t, ndim=3)
+    target_of("single_prefill_with_kv_cache", (q, k, v))
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"q is {str(q.dtype).removeprefix('torch.')}, k {str(k.dtype).removeprefix('torch.')} and v "
+                        f"{str(v.dtype).removeprefix('torch.')}: an fp8 query needs k and v of its fp8 dtype (for fp8 "
+                        "KV alone, pass a 16-bit query)")
+    out_dtype = q.dtype if o_dtype is None else o_dtype
+    if out_dtype not in (*_SIXTEEN_BIT, torch.float32, *FP8_DTYPES):
+        raise TypeError(f"o_dtype={o_dtype}: an fp8 prefill writes float16, bfloat16, float32 or an fp8 dtype")
+    heads_dim = (1, 1 if kv_layout is KVLayout.NHD else 0, 1 if kv_layout is KVLayout.NHD else 0)
+    operands = (q, k, v)
+    given = ((scale_q, "scale_q"), (scale_k, "scale_k"), (scale_v, "scale_v"))
+    on_device = [_device_scale(s, n, x.shape[d]) for (s, n), x, d in zip(given, operands, heads_dim)]
+    if all(s is None for s in on_device):  # exact conversions; the kernel applies the scales
+        dtype = out_dtype if out_dtype in _SIXTEEN_BIT else torch.bfloat16
+        scales = tuple(fp8_scale(s, n) for s, n in given)
+        converted = tuple(x.to(dtype) for x in operands)
+    else:  # scales multiplied in (float32, then bf16: the range of any fp8 value times a scale)
+        dtype, scales, converted = torch.bfloat16, (1.0, 1.0, 1.0), []
+        for x, (s, n), d, dev in zip(operands, given, heads_dim, on_device):
+            if dev is None:
+                converted.append((x.to(torch.float32) * fp8_scale(s, n)).to(dtype))
+            else:
+                shape = [1, 1, 1]
+                shape[d] = dev.numel()
+                converted.append((x.to(torch.float32) * dev.to(x.device).view(shape)).to(dtype))
+    kernel_o_dtype = out_dtype if out_dtype in (*_SIXTEEN_BIT, torch.float32) else dtype
+    return Fp8Prefill(*converted, scales, kernel_o_dtype, out_dtype)

@@ -1,0 +1,120 @@
+"""fp8 prefill: ``single_prefill_with_kv_cache`` with q, k and v in e4m3 / e5m2 and FlashInfer's ``scale_q`` /
+``scale_k`` / ``scale_v`` (per tensor or per head) against the float reference of the dequantized values, its
+output dtypes (16-bit, float32, fp8 saturating), its LSE in both conventions, and bad input refused
+(``jitattn/runtime/fp8_prefill.py``)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import jitattn
+import jitattn.flashinfer
+from jitattn import reference
+
+from attention_cases import assert_close_lse, devices, tolerance
+
+bf16, f16, f32 = torch.bfloat16, torch.float16, torch.float32
+e4m3, e5m2 = torch.float8_e4m3fn, torch.float8_e5m2
+QO_LEN, KV_LEN, DIM = 19, 45, 64
+
+# (fp8 dtype, layout, query heads, kv heads, scales: "float" | "host" | "head", o_dtype, causal, window, soft cap)
+CASES = {
+    "e4m3_nhd_float_f32_causal": (e4m3, "NHD", 4, 4, "float", f32, True, -1, None),
+    "e5m2_hnd_host_f16": (e5m2, "HND", 4, 2, "host", f16, False, -1, None),
+    "e4m3_nhd_head_bf16_gqa_window": (e4m3, "NHD", 8, 2, "head", bf16, True, 9, None),
+    "e4m3_hnd_head_f32_cap": (e4m3, "HND", 4, 1, "head", f32, False, -1, 20.0),
+    "e5m2_nhd_float_fp8out": (e5m2, "NHD", 4, 2, "float", None, True, -1, None),
+    "e4m3_nhd_head_fp8out": (e4m3, "NHD", 4, 4, "head", None, False, -1, None),
+}
+
+
+def _operands(case_id: str, device: str):
+    dtype, layout, hq, hkv, kind, *_ = CASES[case_id]
+    gen = torch.Generator().manual_seed(sum(map(ord, case_id)))
+    q = torch.randn(QO_LEN, hq, DIM, generator=gen)
+    k = torch.randn(KV_LEN, hkv, DIM, generator=gen)
+    v = torch.randn(KV_LEN, hkv, DIM, generator=gen)
+    if kind == "head":
+        scales = [torch.rand(h, generator=gen) + 0.5 for h in (hq, hkv, hkv)]
+    else:
+        scales = [0.5 + torch.rand((), generator=gen).item() for _ in range(3)]
+    fp8 = [x.to(dtype) for x in (q, k, v)]
+    # the float reference of the dequantized values, NHD
+    shaped = [s.view(1, -1, 1) if kind == "head" else s for s in scales]
+    dequant = [x.double() * s for x, s in zip(fp8, shaped)]
+    if layout == "HND":
+        fp8[1], fp8[2] = fp8[1].transpose(0, 1).contiguous(), fp8[2].transpose(0, 1).contiguous()
+    if kind == "host":
+        given = [torch.tensor([s]) for s in scales]
+    else:
+        given = [s.to(device) for s in scales] if kind == "head" else scales
+    return [x.to(device) for x in fp8], given, dequant
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("case_id", list(CASES))
+def test_fp8_prefill_matches_reference(case_id: str, device: str) -> None:
+    dtype, layout, _hq, _hkv, kind, o_dtype, causal, window, cap = CASES[case_id]
+    (q, k, v), (sq, sk, sv), (dq, dk, dv) = _operands(case_id, device)
+    out, lse = jitattn.single_prefill_with_kv_cache(
+        q, k, v, scale_q=sq, scale_k=sk, scale_v=sv, o_dtype=o_dtype, kv_layout=layout, causal=causal,
+        window_left=window, logits_soft_cap=cap, return_lse=True)
+    ref_o, ref_lse = reference.single_attention(dq, dk, dv, causal=causal, window_left=window, logits_soft_cap=cap)
+    assert out.dtype == (o_dtype or dtype) and out.shape == ref_o.shape and out.device.type == device
+    actual = out.float().cpu()
+    assert not torch.isnan(actual).any()
+    # operands in bf16 when per-head scales are multiplied in (2^-9), and P in 16 bits on the GPU
+    tol = tolerance(bf16 if kind == "head" or o_dtype in (None, f32) else o_dtype)
+    if o_dtype is None:  # rounded to fp8: half a step of its 3 (e4m3) or 2 (e5m2) mantissa bits
+        rtol = 2.0 ** -(4 if dtype == e4m3 else 3)
+        torch.testing.assert_close(actual, ref_o.float(), atol=tol, rtol=rtol + tol)
+    else:
+        torch.testing.assert_close(actual, ref_o.float(), atol=tol, rtol=tol)
+    assert_close_lse(lse, ref_lse, atol=2e-2 if kind == "head" else 2e-3)
+
+
+@pytest.mark.parametrize("device", devices())
+def test_fp8_prefill_flashinfer_lse_is_base2_and_out_fp8_by_default(device: str) -> None:
+    (q, k, v), (sq, sk, sv), _ = _operands("e4m3_nhd_head_fp8out", device)
+    native_out, native_lse = jitattn.single_prefill_with_kv_cache(q, k, v, sq, sk, sv, return_lse=True)
+    out, lse = jitattn.flashinfer.prefill.single_prefill_with_kv_cache(q, k, v, sq, sk, sv, return_lse=True)
+    assert out.dtype == e4m3 and torch.equal(out.view(torch.uint8), native_out.view(torch.uint8))
+    torch.testing.assert_close(lse, native_lse / math.log(2.0))
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("dtype", [e4m3, e5m2])
+def test_fp8_output_saturates(dtype: torch.dtype, device: str) -> None:
+    """An output beyond the fp8 dtype's range is its largest finite value (FA3's satfinite), never NaN / inf."""
+    q = torch.randn(3, 2, DIM).to(dtype).to(device)
+    k = torch.randn(8, 2, DIM).to(dtype).to(device)
+    v = torch.full((8, 2, DIM), 2.0).to(dtype).to(device)
+    v[:, 1] = -2.0
+    big = torch.finfo(dtype).max
+    out = jitattn.single_prefill_with_kv_cache(q, k, v, scale_v=big)  # every output 2 * big, or -2 * big
+    assert out.dtype == dtype
+    assert torch.equal(out.float().cpu()[:, 0], torch.full((3, DIM), big))
+    assert torch.equal(out.float().cpu()[:, 1], torch.full((3, DIM), -big))
+
+
+def test_fp8_prefill_refuses_bad_input() -> None:
+    q, k, v = (torch.randn(5, 4, DIM).to(e4m3) for _ in range(3))
+    with pytest.raises(TypeError, match="k and v of its fp8 dtype"):
+        jitattn.single_prefill_with_kv_cache(q, k.to(f16), v)
+    with pytest.raises(TypeError, match="k and v of its fp8 dtype"):
+        jitattn.single_prefill_with_kv_cache(q, k.float().to(e5m2), v)
+    with pytest.raises(ValueError, match=r"one scale per head \(\[4\]\)"):
+        jitattn.single_prefill_with_kv_cache(q, k, v, scale_q=torch.ones(3))
+    with pytest.raises(ValueError, match="one scale per head"):
+        jitattn.single_prefill_with_kv_cache(q, k, v, scale_k=torch.ones(4, dtype=torch.int32))
+    with pytest.raises(ValueError, match="positive finite"):
+        jitattn.single_prefill_with_kv_cache(q, k, v, scale_v=-1.0)
+    with pytest.raises(TypeError, match="o_dtype"):
+        jitattn.single_prefill_with_kv_cache(q, k, v, o_dtype=torch.int32)
+    with pytest.raises(ValueError, match="3 dimensions"):
+        jitattn.single_prefill_with_kv_cache(q[0], k, v)
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        jitattn.single_prefill_with_kv_cache(q, None, v)
