@@ -6,6 +6,8 @@ pip_target() { python3 -m pip install -q --no-index --no-deps --no-compile --no-
 pip_target .whl/*.whl
 if [ "${PEER:-0}" = 1 ] && ls .whl/peer/*.whl >/dev/null 2>&1; then pip_target .whl/peer/*.whl; fi
 export PYTHONPATH=$PWD/.pysite:$PWD PYTHONUNBUFFERED=1 JITATTN_CACHE_DIR=/tmp/jc FLASHINFER_WORKSPACE_BASE=/tmp/fi
+# Kernels built beforehand on a machine without a GPU (tools/prebuild_cache.py), when the archive is there.
+if [ -f .whl/prebuilt.tar.xz ]; then mkdir -p "$JITATTN_CACHE_DIR" && tar xJf .whl/prebuilt.tar.xz -C "$JITATTN_CACHE_DIR"; fi
 # gpu_begin NAME sets $OUT (where results are collected, /tmp/out by default), $R (/tmp/NAME, this script's
 # results) and the start time; gpu_time prints the seconds since; gpu_pack NAME tars $R into $OUT/NAME.tgz, then the time.
 gpu_begin() { OUT=${OUT:-/tmp/out}; R=/tmp/$1; mkdir -p "$OUT" "$R"; T0=$(date +%s); }

@@ -1,0 +1,86 @@
+"""Build, on a machine without a GPU, the kernels that GPU test files pre-build (their ``GPU_SPECS``), for an arch
+list, and pack the cache for a GPU machine: the machine then starts with them built (tools/gpu_env.sh unpacks
+``.whl/prebuilt.tar.xz`` into its cache) instead of spending its first seconds of each test run on nvcc.
+
+    JITATTN_CUDA_ARCH_LIST=9.0a python3 tools/prebuild_cache.py OUT.tar.xz tests/test_a.py ... \
+        [--env 'JITATTN_DEV_SM90_TUNING={"wg_skip": 0}'] [--jobs N]
+
+Entries are content-keyed (the spec, the rendered sources, the flags and the arch list), so the archive helps only
+a machine running the same tree with the same toolkit flags; any other tree or arch just misses and builds. The
+modules link the static CUDA runtime, so the archive compresses well (xz over the whole tar: ~0.1 MB a module).
+Each ``--env`` setting is one more build of the same specs in a child process with that variable set (a
+development knob renders other sources).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def gpu_specs(paths: list[str]) -> list:
+    """The GPU_SPECS of the test files at ``paths`` (tests/ on sys.path, as pytest has it)."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    specs = []
+    for path in paths:
+        loader = importlib.util.spec_from_file_location(Path(path).stem, path)
+        module = importlib.util.module_from_spec(loader)
+        loader.loader.exec_module(module)
+        specs += list(getattr(module, "GPU_SPECS", []))
+    return specs
+
+
+def build(paths: list[str], jobs: int) -> int:
+    """Build the specs into JITATTN_CACHE_DIR; the number that failed."""
+    import jitattn.jit
+
+    started = time.perf_counter()
+    results = jitattn.jit.build_many(gpu_specs(paths), jobs=jobs)
+    failed = [r for r in results if r.status == "failed"]
+    counts = {s: sum(r.status == s for r in results) for s in sorted({r.status for r in results})}
+    print(f"{len(results)} specs {counts} in {time.perf_counter() - started:.0f} s "
+          f"({os.environ.get('JITATTN_DEV_SM90_TUNING', 'default knobs')})")
+    for r in failed:
+        print(f"  FAILED {r.spec.uri}: {(r.error or '').splitlines()[:1]}")
+    return len(failed)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out", type=Path, help="the archive to write (.tar.xz)")
+    parser.add_argument("tests", nargs="+", help="test files whose GPU_SPECS to build")
+    parser.add_argument("--env", action="append", default=[], help="NAME=VALUE: one more build with it set")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if not os.environ.get("JITATTN_CUDA_ARCH_LIST"):
+        raise SystemExit("set JITATTN_CUDA_ARCH_LIST to the GPU machine's arch list (e.g. 9.0a for an H200)")
+    if args.child:
+        return build(args.tests, args.jobs)
+    with tempfile.TemporaryDirectory() as cache:
+        env = {**os.environ, "JITATTN_CACHE_DIR": cache, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
+        failed = 0
+        for setting in ["", *args.env]:
+            child_env = dict(env)
+            if setting:
+                name, _, value = setting.partition("=")
+                child_env[name] = value
+            command = [sys.executable, __file__, str(args.out), *args.tests, "--jobs", str(args.jobs), "--child"]
+            failed += subprocess.run(command, env=child_env, cwd=ROOT).returncode
+        with tarfile.open(args.out, "w:xz", preset=9) as tar:
+            tar.add(cache, arcname=".")
+    print(f"wrote {args.out} ({args.out.stat().st_size / 1e6:.1f} MB)")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
