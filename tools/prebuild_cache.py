@@ -3,7 +3,7 @@ list, and pack the cache for a GPU machine: the machine then starts with them bu
 ``.whl/prebuilt.tar.xz`` into its cache) instead of spending its first seconds of each test run on nvcc.
 
     JITATTN_CUDA_ARCH_LIST=9.0a python3 tools/prebuild_cache.py OUT.tar.xz tests/test_a.py ... \
-        [--env 'JITATTN_DEV_SM90_TUNING={"wg_skip": 0}'] [--jobs N]
+        [--bench 'ops/fp8_*,prefill/llama8b_*'] [--env 'JITATTN_DEV_SM90_TUNING={"wg_skip": 0}'] [--jobs N]
 
 Entries are content-keyed (the spec, the rendered sources, the flags and the arch list), so the archive helps only
 a machine running the same tree with the same toolkit flags; any other tree or arch just misses and builds. The
@@ -27,10 +27,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def gpu_specs(paths: list[str]) -> list:
-    """The GPU_SPECS of the test files at ``paths`` (tests/ on sys.path, as pytest has it)."""
+def gpu_specs(paths: list[str], bench: str | None) -> list:
+    """The GPU_SPECS of the test files at ``paths`` (tests/ on sys.path, as pytest has it), and the kernels of
+    the benchmark rows ``bench`` selects (``--only``'s syntax)."""
     sys.path.insert(0, str(ROOT / "tests"))
     specs = []
+    if bench:
+        from jitattn.bench.configs import select
+        from jitattn.bench.inputs import specs_of
+
+        specs += [s for case in select("all", bench.split(",")) for s in specs_of(case, "cuda")]
     for path in paths:
         loader = importlib.util.spec_from_file_location(Path(path).stem, path)
         module = importlib.util.module_from_spec(loader)
@@ -39,12 +45,12 @@ def gpu_specs(paths: list[str]) -> list:
     return specs
 
 
-def build(paths: list[str], jobs: int) -> int:
+def build(paths: list[str], bench: str | None, jobs: int) -> int:
     """Build the specs into JITATTN_CACHE_DIR; the number that failed."""
     import jitattn.jit
 
     started = time.perf_counter()
-    results = jitattn.jit.build_many(gpu_specs(paths), jobs=jobs)
+    results = jitattn.jit.build_many(gpu_specs(paths, bench), jobs=jobs)
     failed = [r for r in results if r.status == "failed"]
     counts = {s: sum(r.status == s for r in results) for s in sorted({r.status for r in results})}
     print(f"{len(results)} specs {counts} in {time.perf_counter() - started:.0f} s "
@@ -57,7 +63,8 @@ def build(paths: list[str], jobs: int) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out", type=Path, help="the archive to write (.tar.xz)")
-    parser.add_argument("tests", nargs="+", help="test files whose GPU_SPECS to build")
+    parser.add_argument("tests", nargs="*", help="test files whose GPU_SPECS to build")
+    parser.add_argument("--bench", help="benchmark rows whose kernels to build too (python -m jitattn.bench's --only)")
     parser.add_argument("--env", action="append", default=[], help="NAME=VALUE: one more build with it set")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -65,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     if not os.environ.get("JITATTN_CUDA_ARCH_LIST"):
         raise SystemExit("set JITATTN_CUDA_ARCH_LIST to the GPU machine's arch list (e.g. 9.0a for an H200)")
     if args.child:
-        return build(args.tests, args.jobs)
+        return build(args.tests, args.bench, args.jobs)
     with tempfile.TemporaryDirectory() as cache:
         env = {**os.environ, "JITATTN_CACHE_DIR": cache, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
         failed = 0
@@ -74,7 +81,8 @@ def main(argv: list[str] | None = None) -> int:
             if setting:
                 name, _, value = setting.partition("=")
                 child_env[name] = value
-            command = [sys.executable, __file__, str(args.out), *args.tests, "--jobs", str(args.jobs), "--child"]
+            command = [sys.executable, __file__, str(args.out), *args.tests, "--jobs", str(args.jobs), "--child",
+                       *(["--bench", args.bench] if args.bench else [])]
             failed += subprocess.run(command, env=child_env, cwd=ROOT).returncode
         with tarfile.open(args.out, "w:xz", preset=9) as tar:
             tar.add(cache, arcname=".")
