@@ -16,8 +16,8 @@ Here no kernel takes an fp8 query yet: the operands are converted to 16 bits fir
   dtype's largest finite value (e5m2 has infinities; e4m3fn has none).
 
 It costs what the conversions cost (one read of the fp8 operands, one write and read of 16-bit ones) on top of
-the 16-bit kernel: the fp8 Hopper kernel (twice the 16-bit tensor rate) is the open step of
-docs/kernels/sm90_prefill.md ("fp8 prefill").
+the 16-bit kernel. A kernel of fp8 wgmmas (twice the 16-bit tensor rate) is the third option of
+docs/kernels/sm90_prefill.md's "fp8 KV on this tier".
 """
 
 from __future__ import annotations
