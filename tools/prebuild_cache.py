@@ -40,6 +40,7 @@ def gpu_specs(paths: list[str], bench: str | None) -> list:
     for path in paths:
         loader = importlib.util.spec_from_file_location(Path(path).stem, path)
         module = importlib.util.module_from_spec(loader)
+        sys.modules[loader.name] = module  # (a dataclass in the module looks itself up there)
         loader.loader.exec_module(module)
         specs += list(getattr(module, "GPU_SPECS", []))
     return specs
