@@ -134,6 +134,13 @@ __device__ __forceinline__ uint64_t desc_sw128(uint32_t addr, uint32_t lbo, uint
          (uint64_t((sbo & 0x3FFFF) >> 4) << 32) | (uint64_t(1) << 62);
 }
 
+// desc_sw128(addr + bytes, lbo, sbo) from d = desc_sw128(addr, lbo, sbo): one 32-bit add on the start-address
+// field (bytes a multiple of 16; the sum stays below 256 KiB, as every shared-memory address does, so it never
+// carries into the lbo field). The k-steps of a GEMM advance one descriptor instead of each building its own.
+__device__ __forceinline__ uint64_t desc_advance(uint64_t d, uint32_t bytes) {
+  return (d & 0xFFFFFFFF00000000ull) | uint32_t(uint32_t(d) + (bytes >> 4));
+}
+
 __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 template <int N>
