@@ -20,7 +20,7 @@ import jitattn
 import jitattn.jit
 from jitattn import reference
 from jitattn.runtime.specs import attention_spec
-from jitattn.kernels import prefill_sm90
+from jitattn.kernels import prefill, prefill_sm90
 from jitattn.jit import render
 from jitattn.spec import KVLayout, KVStorage, MaskMode, Op, PosEncoding, Target
 
@@ -70,6 +70,7 @@ CASES = {
     "d64_mha_f16_causal_w100_cap5": Case(64, 4, 4, f16, True, 100, 5.0, (700, 33, 0), (900, 33, 10), sm_scale=0.3),
     "d64_g8_bf16_full_w500_cap50": Case(64, 8, 1, bf16, False, 500, 50.0, (130, 2), (257, 1000)),
     "d64_g4_bf16_causal_cap30": Case(64, 8, 2, bf16, True, -1, 30.0, (400, 1), (400, 300)),
+    "d64_mha_bf16_causal_plain": Case(64, 4, 4, bf16, True, -1, None, (700, 1, 0, 129), (900, 1, 10, 129)),
     "d256_g2_bf16_causal_w20_cap50": Case(256, 8, 4, bf16, True, 20, 50.0, (300, 70), (300, 200)),
     "d256_mha_f16_full_w128": Case(256, 2, 2, f16, False, 128, None, (129, 3), (191, 500)),
     "d256_g8_bf16_causal_w150_head_major": Case(256, 16, 2, bf16, True, 150, None, (160, 7), (500, 160),
@@ -337,6 +338,49 @@ def test_the_cases_exercise_what_they_claim():
 @pytest.mark.gpu
 @pytest.mark.parametrize("case_id", list(CASES))
 def test_sm90_variant_axes_match_reference(case_id, hopper):
+    _check_against_reference(case_id)
+
+
+# SM90_TUNING row_sum_mma: the P V GEMM of these head dims sums P's rows (8 more columns reading a block of ones).
+# Each case builds its own module here; JITATTN_DEV_SM90_TUNING='{"row_sum_mma": 1}' runs every test of the sm90
+# files with it instead (their modules pre-built in parallel).
+ROW_SUM_CASES = [case_id for case_id, c in CASES.items() if c.d in prefill_sm90.ROW_SUM_MMA_DIMS]
+
+
+def test_row_sum_mma_layout():
+    """With row_sum_mma the ones sit after every V stage (each P V descriptor's lbo reaches them forward, within
+    its 14-bit field) and inside the block's shared memory; other head dims, and the knob off, keep their layout."""
+    d64, d128 = _spec(CASES[ROW_SUM_CASES[0]]), _spec(CASES["d128_g4_bf16_full_w300"])
+    before = {spec: prefill_sm90.sm90_layout(spec) for spec in (d64, d128)}
+    saved = dict(prefill_sm90.SM90_TUNING)
+    try:
+        prefill_sm90.SM90_TUNING["row_sum_mma"] = 1
+        on = prefill_sm90.sm90_layout(d64)
+        assert on["kRowSumMma"] == 1 and on["kOnesBytes"] == 16 * 128 and on["kOffOnes"] % 1024 == 0
+        assert on["kOffOnes"] >= on["kOffV"] + on["kStages"] * on["kVBytes"]
+        assert on["kOffOnes"] - on["kOffV"] < 1 << 18 and on["kOffOnes"] + on["kOnesBytes"] + 1024 <= on["kSmemBytes"]
+        template, context = prefill.select(d64, ("9.0a",))
+        assert template == prefill_sm90.TEMPLATE_SM90 and ("int", "kRowSumMma", "1") in context["constants"]
+        assert prefill_sm90.sm90_layout(d128) == before[d128]
+    finally:
+        prefill_sm90.SM90_TUNING.clear()
+        prefill_sm90.SM90_TUNING.update(saved)
+    assert before[d64]["kRowSumMma"] == 0 and before[d64]["kOnesBytes"] == 0
+    assert {c.d for c in map(CASES.get, ROW_SUM_CASES)} == {64} and len(ROW_SUM_CASES) >= 10
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case_id", ROW_SUM_CASES)
+def test_sm90_row_sum_mma_matches_reference(case_id, hopper, monkeypatch, fresh_registry):
+    """Every head-dim-64 case (sinks, ALiBi, masks, windows, soft caps, paged, other output dtypes) with the row sums
+    taken by the P V GEMM: the output and the LSE (now of the 16-bit P) still the float reference's."""
+    monkeypatch.setitem(prefill_sm90.SM90_TUNING, "row_sum_mma", 1)
+    jitattn.jit._registry.clear()
+    assert prefill_sm90.sm90_layout(_spec(CASES[case_id]))["kRowSumMma"] == 1
+    _check_against_reference(case_id)
+
+
+def _check_against_reference(case_id: str) -> None:
     c = CASES[case_id]
     spec = _spec(c)
     assert "sm90 tier" in render(spec)["kernel.cu"]

@@ -118,9 +118,15 @@ SM90_KV_BLOCK_3WG = 128  # head_dim 64 with three consumer warpgroups (SM90_TUNI
 # lazy_rescale: the softmax keeps a row's running max while a block's is at most this much above it (log2 units;
 # the exponentials then stay below 2^lazy_rescale), and a warp whose rows all kept theirs skips O's rescale;
 # 0 rescales at every new max. trace: 1 (development) stamps each block's phases (tools/trace_prefill.py).
+# row_sum_mma: 1 lets the P V GEMM sum P's rows (8 more columns reading a 2 KiB block of ones) where head_dim_vo is
+# in ROW_SUM_MMA_DIMS, instead of one add per probability in softmax (64 of a d64 block loop's 444 instructions per
+# thread); the sums are then of the 16-bit P that O's numerator takes (LSE within 2^-9 relative of the fp32 sum's).
 SM90_TUNING: dict[str, int] = {"gather_sync": 0, "gather_l2": 0, "paged_kv_block": 0, "soft_cap_tanh": 0,
                                "paged_tma": 1, "consumers_d64": 3, "kv_block": 0, "kv_stages": 0,
-                               "q_buffers": 1, "tile_search": 1, "stage_o": 1, "lazy_rescale": 8, "trace": 0}
+                               "q_buffers": 1, "tile_search": 1, "stage_o": 1, "lazy_rescale": 8, "trace": 0,
+                               "row_sum_mma": 0}
+ROW_SUM_MMA_DIMS = (64,)  # the wgmma_sm90.cuh row-sum wrappers' N (tools/gen_wgmma.py ROW_SUM_NS)
+_ONES_BYTES = 16 * 128  # row_sum_mma's block of ones: one k-step (16 rows) of a 64-column block
 
 
 def _sm90_tuning_override() -> None:
@@ -191,10 +197,11 @@ def sm90_layout(spec: VariantSpec) -> dict[str, int]:
             tuning["soft_cap_tanh"] not in (0, 1) or tuning["paged_tma"] not in (0, 1, 2) or \
             tuning["consumers_d64"] not in (2, 3) or tuning["q_buffers"] not in (1, 2) or \
             tuning["tile_search"] not in (0, 1) or tuning["stage_o"] not in (0, 1) or \
-            tuning["lazy_rescale"] not in range(0, 16) or tuning["trace"] not in (0, 1):
+            tuning["lazy_rescale"] not in range(0, 16) or tuning["trace"] not in (0, 1) or \
+            tuning["row_sum_mma"] not in (0, 1):
         raise ValueError(f"SM90_TUNING={tuning}: gather_sync takes 0 to 3, gather_l2 0, 64, 128 or 256, "
                          "soft_cap_tanh 0 or 1, paged_tma 0 to 2, consumers_d64 2 or 3, q_buffers 1 or 2, "
-                         "tile_search / stage_o / trace 0 or 1 and lazy_rescale 0 to 15")
+                         "tile_search / stage_o / trace / row_sum_mma 0 or 1 and lazy_rescale 0 to 15")
     consumers = tuning["consumers_d64"] if dim == 64 else 2
     bm, stages = 64 * consumers, tuning["kv_stages"] or (4 if consumers == 3 else 2)
     # three consumers: S, the last block's P and O in 160 registers, so KV blocks of 128
@@ -209,6 +216,7 @@ def sm90_layout(spec: VariantSpec) -> dict[str, int]:
     q_chunk, kv_chunk = bm * 128, bn * 128   # bytes of one box
     q_bytes, k_bytes, v_bytes = chunks * q_chunk, chunks * kv_chunk, chunks_v * kv_chunk
     ring = 4                                 # item slots: how far the item taker may run ahead of its readers
+    row_sum = bool(tuning["row_sum_mma"]) and spec.head_dim_vo in ROW_SUM_MMA_DIMS
 
     def smem_of(q_bufs: int, stage_o: bool) -> dict[str, int]:
         off_k = q_bufs * q_bytes
@@ -223,9 +231,13 @@ def sm90_layout(spec: VariantSpec) -> dict[str, int]:
         live_bytes = _ceil(4 * stages, 16) if spec.mask_mode is MaskMode.CUSTOM else 0  # custom mask: stage loaded?
         off_stage_o = _ceil(off_live + live_bytes, 128)
         stage_o_bytes = 4 * consumers * _STAGE_O_WARP_BYTES if stage_o else 0
+        # row_sum_mma's ones after every V stage (the P V descriptors' lbo reaches them forward), 1 KiB aligned
+        off_ones = _ceil(off_stage_o + stage_o_bytes, 1024) if row_sum else 0
+        end = off_ones + _ONES_BYTES if row_sum else off_stage_o + stage_o_bytes
         return {"kQBufs": q_bufs, "kOffK": off_k, "kOffV": off_v, "kOffBar": off_bar, "kOffItems": off_items,
                 "kOffTab": off_tab, "kOffLive": off_live, "kStageO": int(stage_o), "kOffStageO": off_stage_o,
-                "kSmemBytes": off_stage_o + stage_o_bytes + 1024}  # + slack to align the base to 1 KiB (swizzle atoms)
+                "kOffOnes": off_ones, "kOnesBytes": _ONES_BYTES if row_sum else 0,
+                "kSmemBytes": end + 1024}  # + slack to align the base to 1 KiB (swizzle atoms)
 
     sixteen_bit_o = spec.o_dtype in (DType.F16, DType.BF16)
     offsets = smem_of(tuning["q_buffers"], bool(tuning["stage_o"]) and sixteen_bit_o)
@@ -241,7 +253,7 @@ def sm90_layout(spec: VariantSpec) -> dict[str, int]:
         "kChunksV": chunks_v, "kGroup": spec.group_size, "kPackG": sm90_pack(spec, bm),
         "kQChunkBytes": q_chunk, "kKVChunkBytes": kv_chunk, "kQBytes": q_bytes, "kKBytes": k_bytes, "kVBytes": v_bytes,
         "kOffQ": 0, "kItemRing": ring, **offsets, "kTileSearch": tuning["tile_search"],
-        "kLazyRescale": tuning["lazy_rescale"],
+        "kLazyRescale": tuning["lazy_rescale"], "kRowSumMma": int(row_sum),
         "kGatherSync": tuning["gather_sync"], "kGatherL2": tuning["gather_l2"],
         "kSoftCapTanh": tuning["soft_cap_tanh"],
         "kPagedTma": tuning["paged_tma"] if paged else 0,

@@ -141,6 +141,12 @@ __device__ __forceinline__ uint64_t desc_advance(uint64_t d, uint32_t bytes) {
   return (d & 0xFFFFFFFF00000000ull) | uint32_t(uint32_t(d) + (bytes >> 4));
 }
 
+// desc_sw128(addr + bytes, lbo - bytes, sbo) from d = desc_sw128(addr, lbo, sbo), lbo > bytes: the start address
+// moves and the second column block (at addr + lbo: a block every k-step reads) stays where it is.
+__device__ __forceinline__ uint64_t desc_advance_pinned(uint64_t d, uint32_t bytes) {
+  return (d & 0xFFFFFFFF00000000ull) | uint32_t(uint32_t(d) + (bytes >> 4) - ((bytes >> 4) << 16));
+}
+
 __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 template <int N>
