@@ -380,7 +380,9 @@ def test_sm90_row_sum_mma_matches_reference(case_id, hopper, monkeypatch, fresh_
     _check_against_reference(case_id)
 
 
-def _check_against_reference(case_id: str) -> None:
+def _check_against_reference(case_id: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Case ``case_id`` on the sm90 tier against the float reference (K / V no tile may load poisoned); its output
+    and LSE."""
     c = CASES[case_id]
     spec = _spec(c)
     assert "sm90 tier" in render(spec)["kernel.cu"]
@@ -404,6 +406,36 @@ def _check_against_reference(case_id: str) -> None:
     assert out.dtype == (c.out or c.dtype)
     assert_close_out(out, ref_o, c.dtype)
     assert_close_lse(lse, ref_lse)
+    return out, lse
+
+
+# SM90_TUNING wg_skip: the causal cases whose tiles hold one query head (each warpgroup 64 consecutive tokens)
+WG_SKIP_CASES = [case_id for case_id, c in CASES.items()
+                 if c.causal and not c.mask and prefill_sm90.sm90_layout(_spec(c))["kPackG"] == 1]
+
+
+def test_wg_skip_takes_causal_tiles_of_one_query_head() -> None:
+    """kWgSkip: causal tiles of 64 consecutive tokens a warpgroup (d64, unpacked d128) skip per warpgroup; packed
+    GQA tiles (every warpgroup the tile's tokens) and non-causal ones do not."""
+    assert len(WG_SKIP_CASES) >= 5 and {CASES[c].d for c in WG_SKIP_CASES} == {64, 128}
+    for case_id, c in CASES.items():
+        layout = prefill_sm90.sm90_layout(_spec(c))
+        assert layout["kWgSkip"] == int(case_id in WG_SKIP_CASES), case_id
+    assert any(CASES[c].paged for c in WG_SKIP_CASES) and any(not CASES[c].paged for c in WG_SKIP_CASES)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case_id", WG_SKIP_CASES)
+def test_sm90_wg_skip_gives_the_same_bits(case_id, hopper, monkeypatch, fresh_registry):
+    """A warpgroup skipping the blocks past its rows' keys (wg_skip 1) and computing them masked (0): the same bits,
+    both the reference's."""
+    assert prefill_sm90.sm90_layout(_spec(CASES[case_id]))["kWgSkip"] == prefill_sm90.SM90_TUNING["wg_skip"] == 1
+    skipped = _check_against_reference(case_id)
+    monkeypatch.setitem(prefill_sm90.SM90_TUNING, "wg_skip", 0)
+    jitattn.jit._registry.clear()
+    assert prefill_sm90.sm90_layout(_spec(CASES[case_id]))["kWgSkip"] == 0
+    computed = _check_against_reference(case_id)
+    assert torch.equal(skipped[0], computed[0]) and torch.equal(skipped[1], computed[1])
 
 
 @pytest.mark.gpu
