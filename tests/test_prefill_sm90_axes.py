@@ -418,6 +418,8 @@ def test_wg_skip_takes_causal_tiles_of_one_query_head() -> None:
     """kWgSkip: causal tiles of 64 consecutive tokens a warpgroup (d64, unpacked d128) skip per warpgroup; packed
     GQA tiles (every warpgroup the tile's tokens) and non-causal ones do not."""
     assert len(WG_SKIP_CASES) >= 5 and {CASES[c].d for c in WG_SKIP_CASES} == {64, 128}
+    if not prefill_sm90.SM90_TUNING["wg_skip"]:
+        pytest.skip("JITATTN_DEV_SM90_TUNING turned wg_skip off")
     for case_id, c in CASES.items():
         layout = prefill_sm90.sm90_layout(_spec(c))
         assert layout["kWgSkip"] == int(case_id in WG_SKIP_CASES), case_id
@@ -429,7 +431,9 @@ def test_wg_skip_takes_causal_tiles_of_one_query_head() -> None:
 def test_sm90_wg_skip_gives_the_same_bits(case_id, hopper, monkeypatch, fresh_registry):
     """A warpgroup skipping the blocks past its rows' keys (wg_skip 1) and computing them masked (0): the same bits,
     both the reference's."""
-    assert prefill_sm90.sm90_layout(_spec(CASES[case_id]))["kWgSkip"] == prefill_sm90.SM90_TUNING["wg_skip"] == 1
+    monkeypatch.setitem(prefill_sm90.SM90_TUNING, "wg_skip", 1)  # (also under JITATTN_DEV_SM90_TUNING's wg_skip 0)
+    jitattn.jit._registry.clear()
+    assert prefill_sm90.sm90_layout(_spec(CASES[case_id]))["kWgSkip"] == 1
     skipped = _check_against_reference(case_id)
     monkeypatch.setitem(prefill_sm90.SM90_TUNING, "wg_skip", 0)
     jitattn.jit._registry.clear()
