@@ -409,15 +409,17 @@ def _check_against_reference(case_id: str) -> tuple[torch.Tensor, torch.Tensor]:
     return out, lse
 
 
-# SM90_TUNING wg_skip: the causal cases whose tiles hold one query head (each warpgroup 64 consecutive tokens)
+# SM90_TUNING wg_skip: the causal or windowed cases (no custom mask) whose tiles hold one query head (each warpgroup
+# 64 consecutive tokens)
 WG_SKIP_CASES = [case_id for case_id, c in CASES.items()
-                 if c.causal and not c.mask and prefill_sm90.sm90_layout(_spec(c))["kPackG"] == 1]
+                 if (c.causal or c.window >= 0) and not c.mask and prefill_sm90.sm90_layout(_spec(c))["kPackG"] == 1]
 
 
 def test_wg_skip_takes_causal_tiles_of_one_query_head() -> None:
-    """kWgSkip: causal tiles of 64 consecutive tokens a warpgroup (d64, unpacked d128) skip per warpgroup; packed
-    GQA tiles (every warpgroup the tile's tokens) and non-causal ones do not."""
-    assert len(WG_SKIP_CASES) >= 5 and {CASES[c].d for c in WG_SKIP_CASES} == {64, 128}
+    """kWgSkip: causal or windowed tiles of 64 consecutive tokens a warpgroup (d64, unpacked d128) skip per
+    warpgroup; packed GQA tiles (every warpgroup the tile's tokens), custom masks and full attention do not."""
+    assert len(WG_SKIP_CASES) >= 5 and {64, 128, 256} <= {CASES[c].d for c in WG_SKIP_CASES}
+    assert any(not CASES[c].causal for c in WG_SKIP_CASES) and any(CASES[c].window >= 0 for c in WG_SKIP_CASES)
     if not prefill_sm90.SM90_TUNING["wg_skip"]:
         pytest.skip("JITATTN_DEV_SM90_TUNING turned wg_skip off")
     for case_id, c in CASES.items():

@@ -123,9 +123,9 @@ SM90_KV_BLOCK_3WG = 128  # head_dim 64 with three consumer warpgroups (SM90_TUNI
 # thread); the sums are then of the 16-bit P that O's numerator takes (LSE within 2^-9 relative of the fp32 sum's).
 # max_chains: independent chains of maxima per row and thread in softmax (1: one chain through all kBN / 4 of a
 # thread's scores of a row, whose length the exponentials wait on; 2, 4, 8: shorter chains, more registers live).
-# wg_skip: 1 (causal, query heads not packed into the tile: its warpgroups hold 64 consecutive tokens each) lets each
-# consumer warpgroup skip the KV blocks past its own rows' keys, which only the tile's later rows need (d64 causal
-# b16 x 2048: 10% of the warpgroups' blocks); 0 computes them masked (the same bits).
+# wg_skip: 1 (causal or a sliding window, no custom mask, query heads not packed into the tile: its warpgroups hold 64
+# consecutive tokens each) lets each consumer warpgroup skip the KV blocks outside its own rows' keys, which only the tile's other
+# rows need (d64 causal b16 x 2048: 10% of the warpgroups' blocks); 0 computes them masked (the same bits).
 SM90_TUNING: dict[str, int] = {"gather_sync": 0, "gather_l2": 0, "paged_kv_block": 0, "soft_cap_tanh": 0,
                                "paged_tma": 1, "consumers_d64": 3, "kv_block": 0, "kv_stages": 0,
                                "q_buffers": 1, "tile_search": 1, "stage_o": 1, "lazy_rescale": 8, "trace": 0,
@@ -262,7 +262,8 @@ def sm90_layout(spec: VariantSpec) -> dict[str, int]:
         "kOffQ": 0, "kItemRing": ring, **offsets, "kTileSearch": tuning["tile_search"],
         "kLazyRescale": tuning["lazy_rescale"], "kRowSumMma": int(row_sum),
         "kMaxChains": tuning["max_chains"],
-        "kWgSkip": int(bool(tuning["wg_skip"]) and spec.mask_mode is MaskMode.CAUSAL and sm90_pack(spec, bm) == 1),
+        "kWgSkip": int(bool(tuning["wg_skip"]) and spec.mask_mode is not MaskMode.CUSTOM and sm90_pack(spec, bm) == 1
+                       and (spec.mask_mode is MaskMode.CAUSAL or spec.use_sliding_window)),
         "kGatherSync": tuning["gather_sync"], "kGatherL2": tuning["gather_l2"],
         "kSoftCapTanh": tuning["soft_cap_tanh"],
         "kPagedTma": tuning["paged_tma"] if paged else 0,
