@@ -135,15 +135,20 @@ SHORT_ITEMS_MIN_BLOCKS_PER_SM = 6
 SHORT_ITEMS_MAX_TOKENS = 1024  # ... a request of at most this many tokens is short
 
 
-def short_items_split(split: KVSplit, index: PagedIndex, num_kv_heads: int, num_sms: int) -> KVSplit:
+def short_items_split(split: KVSplit, index: PagedIndex, num_kv_heads: int, num_sms: int,
+                      window_left: int = -1) -> KVSplit:
     """``split`` with ``short_items`` set when it is unsplit, has ``SHORT_ITEMS_MIN_BLOCKS_PER_SM`` blocks per SM, and
-    either every request is short (``SHORT_ITEMS_MAX_TOKENS``) or the page table references its pages at least
-    twice over on average (its highest page id below half the references: the re-reads come from L2). The caller
-    checks that the module has the layout."""
+    either every request is short (``SHORT_ITEMS_MAX_TOKENS``; a sliding window of ``window_left`` >= 0 reads at most
+    ``window_left + 1`` tokens of each) or the page table references its pages at least twice over on average (its
+    highest page id below half the references: the re-reads come from L2). The caller checks that the module has
+    the layout."""
     blocks = index.batch_size * num_kv_heads
     if split.kv_chunk_size or blocks < SHORT_ITEMS_MIN_BLOCKS_PER_SM * num_sms:
         return split
-    if index.kv_len_array.max() > SHORT_ITEMS_MAX_TOKENS:
+    longest = int(index.kv_len_array.max())
+    if window_left >= 0:
+        longest = min(longest, window_left + 1)
+    if longest > SHORT_ITEMS_MAX_TOKENS:
         references = int(index.indptr[-1])
         if index.max_page_index < 0 or 2 * (index.max_page_index + 1) > references:
             return split  # long requests that do not share their pages

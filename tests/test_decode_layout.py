@@ -111,3 +111,13 @@ def test_many_unsplit_blocks_of_short_or_shared_requests_take_the_short_items_la
     assert marked.short_items is expected
     assert marked.kv_chunk_size == split.kv_chunk_size and marked.split_indptr == split.split_indptr
     assert (SHORT_ITEMS_MIN_BLOCKS_PER_SM, SHORT_ITEMS_MAX_TOKENS) == (6, 1024)
+
+
+@pytest.mark.parametrize("window_left,expected", [(-1, False), (127, True), (1023, True), (1024, False)])
+def test_a_sliding_window_makes_long_requests_short(window_left, expected):
+    """A request under a window reads at most window_left + 1 of its tokens: long requests of their own pages take
+    the short-items layout when that is at most SHORT_ITEMS_MAX_TOKENS (and the batch has the blocks)."""
+    index = _index([8192] * 128)
+    split = decode_kv_split(index.kv_len_array, num_kv_heads=8, num_sms=132, page_size=16)
+    assert not split.kv_chunk_size
+    assert short_items_split(split, index, 8, 132, window_left).short_items is expected

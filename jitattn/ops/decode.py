@@ -123,7 +123,7 @@ class BatchDecodeWithPagedKVCacheWrapper(BatchWrapperBase):
         batch_invariant = resolve_batch_invariant(batch_invariant)
         split = self._split(spec, index.kv_len_array, num_kv_heads, page_size, fixed_split_size, disable_split_kv,
                             batch_invariant)
-        split = self._with_layout(split, spec, num_kv_heads, index)
+        split = self._with_layout(split, spec, num_kv_heads, index, options.scalars.window_left)
         workspace_bytes = split_workspace_bytes(split.num_chunks, num_qo_heads, head_dim) if split.kv_chunk_size else 0
         check_workspace(self._workspace, workspace_bytes, _WRAPPER)
         self._check_graph_batch(index.batch_size)
@@ -163,11 +163,11 @@ class BatchDecodeWithPagedKVCacheWrapper(BatchWrapperBase):
             blocks_per_sm=resident_blocks(spec) if self._target is Target.CUDA else 2,
         )
 
-    def _with_layout(self, split: KVSplit, spec, num_kv_heads: int, index: PagedIndex) -> KVSplit:
+    def _with_layout(self, split: KVSplit, spec, num_kv_heads: int, index: PagedIndex, window_left: int) -> KVSplit:
         """``split``, marked for the module's short-items layout when it has one and the plan suits it."""
         if not has_short_items_layout(spec):
             return split
-        return short_items_split(split, index, num_kv_heads, num_workers(self._device))
+        return short_items_split(split, index, num_kv_heads, num_workers(self._device), window_left)
 
     def _launch_to_reuse(self, key: tuple, spec) -> PreparedAttention | None:
         """The last plan's launch when its struct was filled from ``key`` (kernel, options, batch, page size,
@@ -273,7 +273,7 @@ class BatchDecodeWithPagedKVCacheWrapper(BatchWrapperBase):
         # The page table is trusted here (as FlashInfer's fast path does): max_page_index is unknown.
         index = PagedIndex(indptr=indptr_host, indices=indices, last_page_len=last_page_len, page_size=page_size,
                            kv_len_array=upper_lens, max_page_index=-1)
-        split = self._with_layout(split, spec, num_kv_heads, index)
+        split = self._with_layout(split, spec, num_kv_heads, index, options.scalars.window_left)
         counters = self._counters(split, batch, num_kv_heads)
         launch_key = (spec, options, batch, page_size, split.kv_chunk_size, split.num_chunks, split.short_items,
                       self._use_cuda_graph, counters.data_ptr() if counters is not None else 0)
