@@ -253,11 +253,10 @@ class VariantSpec:
                     f"target={self.target.value!r}; leave it None (the kernel takes it at run time). "
                     f"Compile-time axes there: {', '.join(sorted(axes))}"
                 )
-        if self.q_dtype is not None and self.q_dtype.is_fp8:
-            raise ValueError(
-                f"q_dtype={self.q_dtype.value!r}: fp8 queries are not supported; use f16 or bf16 "
-                "(fp8 is supported for kv_dtype)"
-            )
+        if self.q_dtype is not None and self.q_dtype.is_fp8 and not (
+                self.op is Op.PREFILL and self.target is Target.CUDA and self.kv_dtype is self.q_dtype):
+            raise ValueError(f"q_dtype={self.q_dtype.value!r}: fp8 queries are only for op 'prefill' on target 'cuda' "
+                             "with kv_dtype the same fp8 dtype (the sm90 tier); use f16 or bf16 (fp8 kv_dtype is fine)")
         if self.o_dtype is not None and self.o_dtype.is_fp8:
             raise ValueError(f"o_dtype={self.o_dtype.value!r}: fp8 output is not supported; use f16, bf16 or f32")
         if self.op is Op.ROPE and self.o_dtype is not None and {self.o_dtype, self.q_dtype} != {DType.F16, DType.BF16}:

@@ -45,8 +45,8 @@ def _decode(hd: int, g: int = 4, **kw) -> VariantSpec:
 def _prefill(hd: int, g: int = 4, **kw) -> VariantSpec:
     kw = {**_PLAIN, **kw}
     q = kw.pop("q", "bf16")
-    dvo = kw.pop("dvo", hd)
-    return VariantSpec(op="prefill", target="cuda", q_dtype=q, kv_dtype=q, o_dtype=q, head_dim_qk=hd, head_dim_vo=dvo,
+    dvo, o = kw.pop("dvo", hd), kw.pop("o", q)
+    return VariantSpec(op="prefill", target="cuda", q_dtype=q, kv_dtype=q, o_dtype=o, head_dim_qk=hd, head_dim_vo=dvo,
                        group_size=g, kv_layout="nhd", mask_mode=kw.pop("mask", "causal"),
                        kv_storage=kw.pop("storage", "ragged"), **kw)
 
@@ -68,7 +68,9 @@ SPECS = {
                 "p256win": _prefill(256, 1, use_sliding_window=True),
                 "p128sinks": _prefill(128, use_sinks=True), "p128alibi": _prefill(128, pos_encoding="alibi"),
                 "p64alibi": _prefill(64, pos_encoding="alibi"), "p128mask": _prefill(128, mask="custom"),
-                "p64maskpaged": _prefill(64, mask="custom", storage="paged"), "p192x128c": _prefill(192, 1, dvo=128)},
+                "p64maskpaged": _prefill(64, mask="custom", storage="paged"), "p192x128c": _prefill(192, 1, dvo=128),
+                "p128fp8c": _prefill(128, q="e4m3", o="bf16"),
+                "p128fp8n": _prefill(128, 1, q="e4m3", o="bf16", mask="none")},
     "mla": {"mla_bf16": _mla("bf16"), "mla_e4m3": _mla("bf16", "e4m3")},
 }
 

@@ -225,6 +225,8 @@ def tier(spec: VariantSpec, archs: tuple[str, ...] | None) -> str:
     spec, also when the arch list is unknown (a ``ValueError`` when it names another arch).
     """
     choice = env.prefill_tier()
+    if spec.q_dtype is not None and spec.q_dtype.is_fp8:
+        return _fp8_tier(spec, archs, choice)
     if choice == "sm80" or spec.target is not Target.CUDA:
         return "sm80"
     if choice == "sm90" and archs is not None and not hardware.hopper_only(archs):
@@ -235,6 +237,17 @@ def tier(spec: VariantSpec, archs: tuple[str, ...] | None) -> str:
     if choice == "sm90":
         return "sm90"
     return "sm90" if archs is not None and hardware.hopper_only(archs) else "sm80"
+
+
+def _fp8_tier(spec: VariantSpec, archs: tuple[str, ...] | None, choice: str) -> str:
+    """``tier`` of a spec whose query is fp8: only the sm90 tier runs one (an unknown arch list is taken as Hopper)."""
+    reason = sm90_unsupported(spec)
+    if reason is None and choice != "sm80" and (archs is None or hardware.hopper_only(archs)):
+        return "sm90"
+    why = reason or ("JITATTN_PREFILL_TIER is sm80" if choice == "sm80" else
+                     f"the CUDA arch list {';'.join(archs)!r} is not 9.0a only")
+    raise ValueError(f"{spec.uri}: an fp8 query runs on the sm90 prefill tier only (H100 / H200, a 9.0a arch "
+                     f"list), but {why}; pass 16-bit q, k and v (single_prefill_with_kv_cache converts fp8 ones)")
 
 
 def resident_blocks(spec: VariantSpec) -> int:

@@ -6,7 +6,9 @@ arch list is 9.0a only and ``sm90_unsupported(spec)`` is None (ragged or paged K
 and kv, a 16-bit or float32 output, head_dim_qk == head_dim_vo in 64/128/256, causal or not,
 sliding window, logits soft cap, attention sinks, ALiBi without a soft cap, custom masks, and
 custom variants with a softmax and no query / key transform; no in-kernel RoPE, no fp8 KV);
-every other spec keeps the sm80 tier. ``JITATTN_PREFILL_TIER``
+every other spec keeps the sm80 tier. An fp8 query (q, k and v of one fp8 dtype: ragged, head_dim 128, no
+custom mask or variant) runs on this tier only (``tier`` raises elsewhere): fp8 wgmmas, V transposed by the
+producer. ``JITATTN_PREFILL_TIER``
 forces a tier: ``sm80`` always the generic one; ``sm90`` the Hopper one for every spec it
 supports even with an unknown arch list (an error with a non-Hopper one). The tier is in the
 rendered source, hence in the cache key.
@@ -91,6 +93,9 @@ SM90_HEAD_DIMS = ((64, 64), (128, 128), (256, 256), (192, 128))
 # 2026-12-01, causal b8 x 4096 d128: page 64 300 -> 520 TFLOP/s, page 16 382 -> 389; 176 kept only 8/16/88).
 SM90_PAGED_KV_BLOCK = {64: 192, 128: 128, 256: 64}
 SM90_KV_BLOCK_3WG = 128  # head_dim 64 with three consumer warpgroups (SM90_TUNING consumers_d64)
+# An fp8 query: the P V GEMM's B operand (V^T, keys along K, fp8 wgmma takes K-major operands only) is a row of 128
+# keys per swizzle atom, so blocks of 128 (256, two atoms, would overflow the consumers' registers); not yet measured.
+SM90_FP8_KV_BLOCK = 128
 
 # Knobs of the sm90 tier's cp.async gathers (paged KV, repeated query rows), for experiments
 # (tools/bench_paged_sm90.py renders other values: distinct sources, distinct cache entries).
@@ -158,8 +163,10 @@ def sm90_unsupported(spec: VariantSpec) -> str | None:
     """Why the sm90 tier cannot run ``spec`` (None when it can)."""
     if spec.target is not Target.CUDA:
         return "it is a cuda kernel"
+    if spec.q_dtype is not None and spec.q_dtype.is_fp8:
+        return _fp8_unsupported(spec)
     if spec.q_dtype not in (DType.F16, DType.BF16) or spec.kv_dtype != spec.q_dtype:
-        return "it takes one 16-bit dtype (f16 or bf16) for q and kv"
+        return "it takes one 16-bit dtype (f16 or bf16) for q and kv, or one fp8 dtype for q, k and v"
     if spec.o_dtype not in (DType.F16, DType.BF16, DType.F32):
         return "it writes a 16-bit or float32 output"
     if (spec.head_dim_qk, spec.head_dim_vo) not in SM90_HEAD_DIMS:
@@ -178,6 +185,28 @@ def sm90_unsupported(spec: VariantSpec) -> str | None:
     return None
 
 
+def _fp8_unsupported(spec: VariantSpec) -> str | None:
+    """Why the sm90 tier cannot run ``spec``, whose query is fp8 (None when it can): the fp8 kernel takes k and v
+    of the query's dtype, ragged, at head_dim 128 (a row is one 128-byte swizzle atom; at 256 the accumulators of O
+    and of a 128-key block of S overflow the consumers' registers: ptxas serializes the wgmmas), with no custom
+    mask, in-kernel RoPE or custom variant."""
+    if spec.kv_dtype != spec.q_dtype:
+        return "an fp8 query takes k and v of its own fp8 dtype"
+    if spec.o_dtype not in (DType.F16, DType.BF16, DType.F32):
+        return "it writes a 16-bit or float32 output"
+    if (spec.head_dim_qk, spec.head_dim_vo) != (128, 128):
+        return "it takes an fp8 query at head_dim 128"
+    if spec.kv_storage is KVStorage.PAGED:
+        return "it takes an fp8 query over ragged KV only"
+    if spec.mask_mode is MaskMode.CUSTOM or spec.variant is not None:
+        return "it takes an fp8 query without a custom mask or variant"
+    if spec.pos_encoding not in (PosEncoding.NONE, PosEncoding.ALIBI):
+        return "it has no in-kernel RoPE"
+    if spec.pos_encoding is PosEncoding.ALIBI and spec.use_logits_soft_cap:
+        return "it applies ALiBi only without a soft cap (the cap would act on the biased logits)"
+    return None
+
+
 def sm90_pack(spec: VariantSpec, tile_rows: int = 128) -> int:
     """Query heads packed into a tile's rows: the whole GQA group when it divides the 128-row tile
     and head_dim >= 128, else 1. Measured on the H200 (docs/kernels/sm90_prefill.md, run 5; TFLOP/s packed vs not):
@@ -190,14 +219,8 @@ _SM90_SMEM = 227 << 10  # shared memory one block may take on sm_90a
 _STAGE_O_WARP_BYTES = 16 * 64 * 2  # stage_o: a consumer warp's 16 rows x 64 columns of a 16-bit output
 
 
-def sm90_layout(spec: VariantSpec) -> dict[str, int]:
-    """Every derived constant of the sm90 prefill kernel for ``spec`` (plain ints)."""
-    reason = sm90_unsupported(spec)
-    if reason is not None:
-        raise ValueError(f"{spec.uri}: the sm90 prefill tier cannot run this spec: {reason}")
-    dim = spec.head_dim_qk
-    paged = spec.kv_storage is KVStorage.PAGED
-    tuning = SM90_TUNING
+def _check_tuning(tuning: dict[str, int]) -> None:
+    """Raise on an SM90_TUNING value the tier has no code for."""
     if tuning["gather_sync"] not in (0, 1, 2, 3) or tuning["gather_l2"] not in (0, 64, 128, 256) or \
             tuning["soft_cap_tanh"] not in (0, 1) or tuning["paged_tma"] not in (0, 1, 2) or \
             tuning["consumers_d64"] not in (2, 3) or tuning["q_buffers"] not in (1, 2) or \
@@ -209,28 +232,55 @@ def sm90_layout(spec: VariantSpec) -> dict[str, int]:
                          "soft_cap_tanh 0 or 1, paged_tma 0 to 2, consumers_d64 2 or 3, q_buffers 1 or 2, "
                          "tile_search / stage_o / trace / row_sum_mma / wg_skip 0 or 1, max_chains 1, 2, 4 or 8 and "
                          "lazy_rescale 0 to 15")
-    consumers = tuning["consumers_d64"] if dim == 64 else 2
-    bm, stages = 64 * consumers, tuning["kv_stages"] or (4 if consumers == 3 else 2)
+
+
+def _kv_block(dim: int, consumers: int, paged: bool, fp8: bool) -> int:
+    """KV tokens per stage: the tables', or SM90_TUNING's kv_block / paged_kv_block."""
     # three consumers: S, the last block's P and O in 160 registers, so KV blocks of 128
     paged_block, ragged_block = (SM90_KV_BLOCK_3WG, SM90_KV_BLOCK_3WG) if consumers == 3 else \
         (SM90_PAGED_KV_BLOCK.get(dim), SM90_KV_BLOCK[dim])  # (no paged KV at head_dim_qk 192)
-    bn = (tuning["paged_kv_block"] or paged_block) if paged else (tuning["kv_block"] or ragged_block)
+    if fp8:  # V^T's rows: one 128-byte swizzle atom of keys (the P V GEMM's K-major B)
+        ragged_block = SM90_FP8_KV_BLOCK
+    bn = (SM90_TUNING["paged_kv_block"] or paged_block) if paged else (SM90_TUNING["kv_block"] or ragged_block)
     if bn not in (64, 80, 96, 128, 176, 192, 256):  # the wgmma N of wgmma_sm90.cuh
         raise ValueError(f"SM90_TUNING kv_block / paged_kv_block={bn}: take one of 64, 80, 96, 128, 176, 192, 256")
+    if fp8 and bn != 128:  # (V^T's atoms take 256 too, but S's 256 columns and O overflow the registers)
+        raise ValueError(f"SM90_TUNING kv_block={bn}: an fp8 query takes KV blocks of 128")
+    return bn
+
+
+def sm90_layout(spec: VariantSpec) -> dict[str, int]:
+    """Every derived constant of the sm90 prefill kernel for ``spec`` (plain ints)."""
+    reason = sm90_unsupported(spec)
+    if reason is not None:
+        raise ValueError(f"{spec.uri}: the sm90 prefill tier cannot run this spec: {reason}")
+    dim = spec.head_dim_qk
+    paged = spec.kv_storage is KVStorage.PAGED
+    tuning = SM90_TUNING
+    _check_tuning(tuning)
+    consumers = tuning["consumers_d64"] if dim == 64 else 2
+    bm, stages = 64 * consumers, tuning["kv_stages"] or (4 if consumers == 3 else 2)
+    fp8 = spec.q_dtype.is_fp8
+    elem = spec.q_dtype.itemsize
+    bn = _kv_block(dim, consumers, paged, fp8)
     if not 2 <= stages <= 8:
         raise ValueError(f"SM90_TUNING kv_stages={stages}: take 2 to 8")
-    chunks, chunks_v = dim // 64, spec.head_dim_vo // 64  # 64-column (128-byte) TMA boxes per q / k row, per v row
+    box = 128 // elem  # columns of one 128-byte TMA box (64 16-bit, 128 fp8 values)
+    chunks, chunks_v = dim // box, spec.head_dim_vo // box  # boxes per q / k row, per v row
     q_chunk, kv_chunk = bm * 128, bn * 128   # bytes of one box
     q_bytes, k_bytes, v_bytes = chunks * q_chunk, chunks * kv_chunk, chunks_v * kv_chunk
+    vt_bytes = spec.head_dim_vo * bn if fp8 else 0  # fp8: V^T of a stage, written by the producer warps
     ring = 4                                 # item slots: how far the item taker may run ahead of its readers
-    row_sum = bool(tuning["row_sum_mma"]) and spec.head_dim_vo in ROW_SUM_MMA_DIMS
+    row_sum = bool(tuning["row_sum_mma"]) and spec.head_dim_vo in ROW_SUM_MMA_DIMS and not fp8
 
     def smem_of(q_bufs: int, stage_o: bool) -> dict[str, int]:
         off_k = q_bufs * q_bytes
         off_v = off_k + stages * k_bytes
-        off_bar = off_v + stages * v_bytes
-        # per query buffer q full (TMA), full (gathered), empty; k, v full/empty per stage; item full/empty per slot
-        barriers = 3 * q_bufs + 4 * stages + 2 * ring
+        off_vt = off_v + stages * v_bytes
+        off_bar = off_vt + stages * vt_bytes
+        # per query buffer q full (TMA), full (gathered), empty; k, v full/empty per stage (fp8: v full / empty
+        # are V^T's, and the TMA's V has a full / empty pair more); item full/empty per slot
+        barriers = 3 * q_bufs + (6 if fp8 else 4) * stages + 2 * ring
         off_items = off_bar + _ceil(8 * barriers, 16)
         off_tab = off_items + _ceil(8 * ring, 16)
         tab_bytes = 2 * bn * 16 if paged else 0  # paged: two tables (block parity) of (k, v) int64 row offsets
@@ -241,7 +291,8 @@ def sm90_layout(spec: VariantSpec) -> dict[str, int]:
         # row_sum_mma's ones after every V stage (the P V descriptors' lbo reaches them forward), 1 KiB aligned
         off_ones = _ceil(off_stage_o + stage_o_bytes, 1024) if row_sum else 0
         end = off_ones + _ONES_BYTES if row_sum else off_stage_o + stage_o_bytes
-        return {"kQBufs": q_bufs, "kOffK": off_k, "kOffV": off_v, "kOffBar": off_bar, "kOffItems": off_items,
+        return {"kQBufs": q_bufs, "kOffK": off_k, "kOffV": off_v, "kOffVt": off_vt, "kOffBar": off_bar,
+                "kOffItems": off_items,
                 "kOffTab": off_tab, "kOffLive": off_live, "kStageO": int(stage_o), "kOffStageO": off_stage_o,
                 "kOffOnes": off_ones, "kOnesBytes": _ONES_BYTES if row_sum else 0,
                 "kSmemBytes": end + 1024}  # + slack to align the base to 1 KiB (swizzle atoms)
@@ -253,11 +304,16 @@ def sm90_layout(spec: VariantSpec) -> dict[str, int]:
     if offsets["kSmemBytes"] > _SM90_SMEM:
         raise ValueError(f"{spec.uri}: the sm90 tile needs {offsets['kSmemBytes']} B of shared memory, over 227 KiB "
                          f"(KV block {bn}, {offsets['kQBufs']} query buffers)")
+    # registers per thread: 24 for the producer (40 when it transposes fp8 V), the rest of the launch's 168 x 384
+    # over the consumers (multiples of 8)
+    producer_regs = 40 if fp8 else 24
     return {
-        # registers per thread: 24 for the producer, the rest of the 64 K over the consumers (multiples of 8)
-        "kThreads": 128 * (1 + consumers), "kProducerRegs": 24, "kConsumerRegs": 240 if consumers == 2 else 160,
+        "kThreads": 128 * (1 + consumers), "kProducerRegs": producer_regs,
+        "kConsumerRegs": (168 * 384 - 128 * producer_regs) // 256 // 8 * 8 if consumers == 2 else 160,
         "kBM": bm, "kBN": bn, "kD": dim, "kDV": spec.head_dim_vo, "kStages": stages, "kChunks": chunks,
         "kChunksV": chunks_v, "kGroup": spec.group_size, "kPackG": sm90_pack(spec, bm),
+        "kFp8": int(fp8), "kBoxCols": box, "kKSteps": dim * elem // 32, "kPvSteps": bn // (32 if fp8 else 16),
+        "kVtBytes": vt_bytes,
         "kQChunkBytes": q_chunk, "kKVChunkBytes": kv_chunk, "kQBytes": q_bytes, "kKBytes": k_bytes, "kVBytes": v_bytes,
         "kOffQ": 0, "kItemRing": ring, **offsets, "kTileSearch": tuning["tile_search"],
         "kLazyRescale": tuning["lazy_rescale"], "kRowSumMma": int(row_sum),
