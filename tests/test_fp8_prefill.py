@@ -118,3 +118,67 @@ def test_fp8_prefill_refuses_bad_input() -> None:
         jitattn.single_prefill_with_kv_cache(q[0], k, v)
     with pytest.raises(TypeError, match="torch.Tensor"):
         jitattn.single_prefill_with_kv_cache(q, None, v)
+
+
+# The sm90 fp8 kernel (q, k, v fp8 with per-tensor scales on an H100 / H200): P enters the P V GEMM as fp8 (3
+# mantissa bits for e4m3, 2 for e5m2), so an output is within a few hundredths of the reference, and on average
+# within a few thousandths (a wrong key order or scale would be off by O(1)); scores and LSE are fp32.
+# (fp8 dtype, layout, qo_len, kv_len, query heads, kv heads, causal, window, soft cap, ALiBi, sinks, o_dtype)
+KERNEL_CASES = {
+    "e4m3_causal_g4_tail": (e4m3, "NHD", 200, 333, 8, 2, True, -1, None, False, False, bf16),
+    "e4m3_noncausal_g1_f16": (e4m3, "NHD", 130, 1000, 4, 4, False, -1, None, False, False, f16),
+    "e5m2_causal_hnd_f32": (e5m2, "HND", 300, 300, 4, 1, True, -1, None, False, False, f32),
+    "e4m3_window_cap_fp8out": (e4m3, "NHD", 256, 700, 8, 1, True, 100, 30.0, False, False, None),
+    "e4m3_alibi_sinks": (e4m3, "NHD", 64, 512, 8, 8, True, -1, None, True, True, bf16),
+}
+
+
+def _kernel_spec(case_id: str):
+    from jitattn.runtime.specs import attention_spec
+    from jitattn.spec import KVLayout, KVStorage, MaskMode, Op, PosEncoding, Target
+
+    dtype, layout, _qo, _kv, hq, hkv, causal, window, cap, alibi, _sinks, o_dtype = KERNEL_CASES[case_id]
+    return attention_spec(
+        Op.PREFILL, Target.CUDA, q_dtype=dtype, kv_dtype=dtype, o_dtype=o_dtype or bf16, head_dim_qk=128,
+        head_dim_vo=128, num_qo_heads=hq, num_kv_heads=hkv,
+        pos_encoding=PosEncoding.ALIBI if alibi else PosEncoding.NONE,
+        use_sliding_window=window >= 0, use_logits_soft_cap=bool(cap),
+        mask_mode=MaskMode.CAUSAL if causal else MaskMode.NONE, kv_layout=KVLayout(layout.lower()),
+        kv_storage=KVStorage.RAGGED)
+
+
+GPU_SPECS = [_kernel_spec(c) for c in KERNEL_CASES]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case_id", list(KERNEL_CASES))
+def test_fp8_kernel_matches_reference(case_id: str) -> None:
+    from jitattn.ops.prefill_fp8 import fp8_kernel_runs
+
+    dtype, layout, qo, kv, hq, hkv, causal, window, cap, alibi, sinks, o_dtype = KERNEL_CASES[case_id]
+    gen = torch.Generator().manual_seed(sum(map(ord, case_id)))
+    q, k, v = (torch.randn(n, h, 128, generator=gen) for n, h in ((qo, hq), (kv, hkv), (kv, hkv)))
+    sq, sk, sv = 0.7, 1.3, 0.9
+    fp8 = [x.to(dtype) for x in (q, k, v)]
+    dequant = [x.double() * s for x, s in zip(fp8, (sq, sk, sv))]
+    if layout == "HND":
+        fp8[1], fp8[2] = fp8[1].transpose(0, 1).contiguous(), fp8[2].transpose(0, 1).contiguous()
+    qd, kd, vd = (x.cuda() for x in fp8)
+    mode = "ALIBI" if alibi else "NONE"
+    assert fp8_kernel_runs(qd, kd, vd, jitattn.spec.KVLayout(layout.lower()), None, None, causal, mode, window, cap)
+    sink_values = torch.randn(hq, generator=gen).cuda() if sinks else None
+    out, lse = jitattn.single_prefill_with_kv_cache(
+        qd, kd, vd, scale_q=sq, scale_k=sk, scale_v=sv, o_dtype=o_dtype, kv_layout=layout, causal=causal,
+        window_left=window, logits_soft_cap=cap, pos_encoding_mode=mode, return_lse=True, sinks=sink_values)
+    ref_o, ref_lse = reference.single_attention(*dequant, causal=causal, window_left=window, logits_soft_cap=cap,
+                                                pos_encoding_mode=mode)
+    if sinks:
+        ref_o = reference.apply_sinks(ref_o, ref_lse, sink_values.cpu())
+    assert out.dtype == (o_dtype or dtype)
+    actual = out.float().cpu()
+    assert torch.isfinite(actual).all()
+    error = (actual - ref_o.float()).abs()
+    scale = ref_o.abs().max().item()
+    assert error.max().item() < 0.06 * scale + 0.02, error.max().item()
+    assert error.mean().item() < 0.01 * scale, error.mean().item()
+    assert_close_lse(lse, ref_lse, atol=5e-3)

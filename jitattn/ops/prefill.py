@@ -9,7 +9,7 @@ import torch
 
 from ..runtime.batch import AttentionPlan
 from ..runtime.builder import HostIndex, attention_options, build_plan
-from ..runtime import fp8_prefill
+from ..runtime.fp8_prefill import is_fp8
 from ..runtime.kv_upcast import KVUpcast, ragged_indptr
 from ..runtime.rope_first import OPERAND_DTYPE, RopeFirst
 from ..runtime.wrapper import BatchWrapperBase, plan_arguments
@@ -22,6 +22,7 @@ from ..kv_split import check_fixed_split_size, unsplit
 from ..masks import multi_item_mask, packed_mask_indptr, segment_packbits
 from ..variant import AttentionVariant
 from ..spec import KVLayout, MaskMode, Op, Target
+from .prefill_fp8 import single_prefill_fp8
 from .prefill_routes import PlanSite, fp8_upcast_route, paged_gather, rope_first_route
 
 __all__ = [
@@ -399,19 +400,20 @@ def single_prefill_with_kv_cache(
     ``sinks`` (a jitattn extension): float32 ``[num_qo_heads]`` attention sinks, as in
     ``BatchPrefillWithPagedKVCacheWrapper.run`` (the lse returned is the keys' alone).
     """
-    fp8 = None
-    if fp8_prefill.is_fp8(q):  # no kernel takes an fp8 query yet: the 16-bit one over converted operands
-        fp8 = fp8_prefill.prepare(q, k, v, scale_q, scale_k, scale_v, o_dtype, parse_kv_layout(kv_layout))
-        q, k, v, o_dtype, (scale_q, scale_k, scale_v) = fp8.q, fp8.k, fp8.v, fp8.kernel_o_dtype, fp8.scales
+    if is_fp8(q):  # ops/prefill_fp8.py: the sm90 fp8 kernel, or this op over operands converted to 16 bits
+        return single_prefill_fp8(
+            q, k, v, scale_q, scale_k, scale_v, o_dtype, kv_layout=kv_layout, custom_mask=custom_mask,
+            packed_custom_mask=packed_custom_mask, causal=causal, pos_encoding_mode=pos_encoding_mode,
+            sm_scale=sm_scale, window_left=window_left, logits_soft_cap=logits_soft_cap, rope_scale=rope_scale,
+            rope_theta=rope_theta, return_lse=return_lse, sinks=sinks, single_prefill=single_prefill_with_kv_cache)
     wrapper, kv = plan_single_prefill(
         q, k, v, custom_mask=custom_mask, packed_custom_mask=packed_custom_mask, causal=causal, kv_layout=kv_layout,
         pos_encoding_mode=pos_encoding_mode, sm_scale=sm_scale, window_left=window_left,
         logits_soft_cap=logits_soft_cap, rope_scale=rope_scale, rope_theta=rope_theta, o_dtype=o_dtype,
         backend=backend)
-    result = wrapper.run(q, kv, q_scale=per_tensor_scale(scale_q, "scale_q"),
-                         k_scale=per_tensor_scale(scale_k, "scale_k"), v_scale=per_tensor_scale(scale_v, "scale_v"),
-                         return_lse=return_lse, sinks=sinks)
-    return result if fp8 is None else fp8.output(result)
+    return wrapper.run(q, kv, q_scale=per_tensor_scale(scale_q, "scale_q"),
+                       k_scale=per_tensor_scale(scale_k, "scale_k"), v_scale=per_tensor_scale(scale_v, "scale_v"),
+                       return_lse=return_lse, sinks=sinks)
 
 
 def plan_single_prefill(

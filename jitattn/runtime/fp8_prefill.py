@@ -1,9 +1,11 @@
 """fp8 prefill (q, k and v all fp8, FlashInfer's ``single_prefill_with_kv_cache`` with ``scale_q`` / ``scale_k`` /
-``scale_v``) as the 16-bit kernel over dequantized operands.
+``scale_v``): its operands, for the fp8 kernel or converted for the 16-bit one.
 
 FlashInfer runs an fp8 query on its Hopper (FA3) backend only, with per-head scales (float32 tensors of
 ``[num_qo_heads]`` for q, ``[num_kv_heads]`` for k and v) and the output in ``o_dtype`` (default: q's fp8 dtype).
-Here no kernel takes an fp8 query yet: the operands are converted to 16 bits first and the 16-bit kernel runs.
+On an H100 / H200 the sm90 prefill tier's fp8 kernel takes the call when its scales are per tensor and the
+kernel runs its options (``ops/prefill_fp8.py`` decides: head_dim 128, no custom mask or RoPE; the output rounded
+to an fp8 ``o_dtype`` as below). Everywhere else the operands are converted to 16 bits and the 16-bit kernel runs:
 
 - Per-tensor scales (None, a float, a one-element host tensor): q, k, v are converted exactly (every e4m3 / e5m2
   value is a bf16 and an f16 value) and the kernel applies the scales (``scale_q * scale_k`` to the scores,
@@ -15,9 +17,8 @@ Here no kernel takes an fp8 query yet: the operands are converted to 16 bits fir
 - An fp8 ``o_dtype`` (FlashInfer's default for an fp8 query): the 16-bit output rounded to it, saturating at the
   dtype's largest finite value (e5m2 has infinities; e4m3fn has none).
 
-It costs what the conversions cost (one read of the fp8 operands, one write and read of 16-bit ones) on top of
-the 16-bit kernel. A kernel of fp8 wgmmas (twice the 16-bit tensor rate) is the third option of
-docs/kernels/sm90_prefill.md's "fp8 KV on this tier".
+The conversion costs one read of the fp8 operands and one write and read of 16-bit ones on top of the 16-bit
+kernel (docs/kernels/sm90_prefill.md, "fp8 prefill").
 """
 
 from __future__ import annotations
@@ -40,14 +41,16 @@ def is_fp8(tensor: torch.Tensor) -> bool:
 
 @dataclass(frozen=True)
 class Fp8Prefill:
-    """The 16-bit operands of one fp8 prefill call, the scales the kernel applies and the output's dtypes."""
+    """The operands of one fp8 prefill call (converted to 16 bits, or as given when ``fp8``), the scales the
+    kernel applies and the output's dtypes."""
 
     q: torch.Tensor
     k: torch.Tensor
     v: torch.Tensor
     scales: tuple[float, float, float]  # scale_q, scale_k, scale_v for the kernel
-    kernel_o_dtype: torch.dtype  # what the 16-bit kernel writes
+    kernel_o_dtype: torch.dtype  # what the kernel writes
     out_dtype: torch.dtype  # what the caller gets
+    fp8: bool  # the operands are the fp8 ones (for the fp8 kernel), not converted
 
     def output(self, result):
         """The kernel's ``result`` (out, or (out, lse)) with out in the caller's dtype."""
@@ -71,9 +74,10 @@ def _device_scale(value, name: str, heads: int) -> torch.Tensor | None:
 
 
 def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale_q, scale_k, scale_v, o_dtype: torch.dtype | None,
-            kv_layout: KVLayout) -> Fp8Prefill:
-    """The 16-bit operands of an fp8 query's prefill (q ``[qo_len, H_qo, D]``, k / v ``[kv_len, H_kv, D]`` (NHD)
-    or ``[H_kv, kv_len, D]`` (HND))."""
+            kv_layout: KVLayout, keep_fp8: bool = False) -> Fp8Prefill:
+    """The operands of an fp8 query's prefill (q ``[qo_len, H_qo, D]``, k / v ``[kv_len, H_kv, D]`` (NHD) or
+    ``[H_kv, kv_len, D]`` (HND)): as given when ``keep_fp8`` (a kernel takes them) and every scale is per tensor,
+    else converted to 16 bits."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(name, t, ndim=3)
     target_of("single_prefill_with_kv_cache", (q, k, v))
@@ -88,7 +92,9 @@ def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale_q, scale_k,
     operands = (q, k, v)
     given = ((scale_q, "scale_q"), (scale_k, "scale_k"), (scale_v, "scale_v"))
     on_device = [_device_scale(s, n, x.shape[d]) for (s, n), x, d in zip(given, operands, heads_dim)]
-    if all(s is None for s in on_device):  # exact conversions; the kernel applies the scales
+    if all(s is None for s in on_device) and keep_fp8:  # the fp8 kernel; it applies the scales
+        dtype, scales, converted = torch.bfloat16, tuple(fp8_scale(s, n) for s, n in given), operands
+    elif all(s is None for s in on_device):  # exact conversions; the kernel applies the scales
         dtype = out_dtype if out_dtype in _SIXTEEN_BIT else torch.bfloat16
         scales = tuple(fp8_scale(s, n) for s, n in given)
         converted = tuple(x.to(dtype) for x in operands)
@@ -102,4 +108,4 @@ def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale_q, scale_k,
                 shape[d] = dev.numel()
                 converted.append((x.to(torch.float32) * dev.to(x.device).view(shape)).to(dtype))
     kernel_o_dtype = out_dtype if out_dtype in (*_SIXTEEN_BIT, torch.float32) else dtype
-    return Fp8Prefill(*converted, scales, kernel_o_dtype, out_dtype)
+    return Fp8Prefill(*converted, scales, kernel_o_dtype, out_dtype, fp8=converted is operands)
