@@ -84,6 +84,11 @@ BSR_FLOPS = {
     "ops/bsr_r64_d0.5_s8192": 4 * (128 * 64) * 64 * 64 * 32 * 128,  # 2**39: half the dense twin's
 }
 
+# fp8 prefill FLOPs = 4 * 8192^2 * 32 * 128 (non-causal); bytes = q, K, V in e4m3 + the bf16 output
+FP8_FLOPS_BYTES = {
+    "ops/fp8_prefill_noncausal_s8192": (4 * 8192 * 8192 * 32 * 128, 8192 * (32 + 2 * 8) * 128 + 8192 * 32 * 128 * 2),
+}
+
 # mixed batches (a 2048-token causal chunk + 64 decodes over 4096, 32/8 heads, d128, bf16):
 # FLOPs = 4 * (2048 * 2049 / 2) * 32 * 128 + 4 * 64 * 4096 * 32 * 128;
 # bytes = the chunk's K/V + q + o (2 * 2048 * 8 * 128 * 2 + 2 * 2048 * 32 * 128 * 2) + the decodes' KV + q + o
@@ -97,7 +102,7 @@ MIXED_FLOPS_BYTES = {
 def test_every_issue_config_is_defined() -> None:
     names = set(configs.BY_NAME)
     for expected in (*DECODE_BYTES, *PREFILL_FLOPS, *CASCADE_BYTES, *MLA_FLOPS_BYTES, *ROPE_BYTES, *BSR_FLOPS,
-                     *MIXED_FLOPS_BYTES,
+                     *FP8_FLOPS_BYTES, *MIXED_FLOPS_BYTES,
                      "ops/dense_prefill_noncausal_s8192", "prefill/llama8b_causal_varlen",
                      "jit/import_jitattn", "jit/build", "jit/run_overhead_decode", "jit/plan_decode_b256"):
         assert expected in names
@@ -550,7 +555,19 @@ def test_a_block_sparse_row_brings_its_dense_twin() -> None:
     picked = [c.name for c in configs.select("all", ["ops/bsr_r64_d0.3_*"])]
     assert picked == ["ops/dense_prefill_noncausal_s8192", "ops/bsr_r64_d0.3_s8192"]
     assert [c.name for c in configs.select("ops")] == [*ROPE_BYTES, "ops/dense_prefill_noncausal_s8192", *BSR_FLOPS,
-                                                       *MIXED_FLOPS_BYTES]
+                                                       *FP8_FLOPS_BYTES, *MIXED_FLOPS_BYTES]
+    picked = [c.name for c in configs.select("all", ["ops/fp8_*"])]
+    assert picked == ["ops/dense_prefill_noncausal_s8192", "ops/fp8_prefill_noncausal_s8192"]
+
+
+@pytest.mark.parametrize("name", list(FP8_FLOPS_BYTES))
+def test_fp8_prefill_work(name: str) -> None:
+    case = configs.BY_NAME[name]
+    assert (case.kind, case.suite, case.flops, case.bytes) == ("compute", "ops", *FP8_FLOPS_BYTES[name])
+    assert case.flops == configs.BY_NAME[case.dense].flops  # the dense twin's work, every pair
+    small = case.small()
+    assert small.seq == 512 and small.flops == 4 * 512 * 512 * 32 * 128
+    assert [s.q_dtype.value for s in inputs.specs_of(case, "cpu")] == ["bf16"]  # the conversion's 16-bit kernel
 
 
 @pytest.mark.parametrize("name", list(MIXED_FLOPS_BYTES))
@@ -609,11 +626,12 @@ def test_ops_suite_on_the_cpu(tmp_path) -> None:
             assert row["flops"] == case.flops and row["ceiling"] == "gemm" and row["rate_unit"] == "TFLOP/s"
             assert row["fraction"] == pytest.approx(case.flops / seconds / 1e12)
     dense = rows["ops/dense_prefill_noncausal_s8192"]
-    for name in BSR_FLOPS:
+    for name in (*BSR_FLOPS, *FP8_FLOPS_BYTES):
         base = rows[name]["baseline"]
         assert base["name"] == dense["name"] and base["rate"] == dense["rate"]
         assert base["ratio"] == pytest.approx(rows[name]["rate"] / dense["rate"])
     assert rows["ops/rope_cos_sin_cache_nnz16384"]["params"]["function"] == "apply_rope_with_cos_sin_cache_inplace"
+    assert rows["ops/fp8_prefill_noncausal_s8192"]["params"]["path"] == "converted to 16 bits"  # no fp8 kernel on cpu
     for name in MIXED_FLOPS_BYTES:
         base, separate = rows[name]["baseline"], [rows[name + ":prefill"], rows[name + ":decode"]]
         assert base["time_us"] == pytest.approx(sum(r["time_us"] for r in separate))

@@ -24,9 +24,9 @@ import random
 from dataclasses import dataclass, field, replace
 from typing import Union
 
-from .units import CPU_SCALE, DTYPE_BYTES, visible_keys_fast
-from .units import div_at_least as _div
-from .ops_cases import BSR_CASES, DENSE_PREFILL, MIXED_CASES, ROPE_CASES, BlockSparse, Mixed, Rope
+from .units import CPU_SCALE, DTYPE_BYTES, div_at_least as _div, visible_keys_fast
+from .ops_cases import (BSR_CASES, DENSE_PREFILL, FP8_CASES, MIXED_CASES, ROPE_CASES, BlockSparse, Fp8Prefill,
+                        Mixed, Rope)
 
 SUITES = ("decode", "prefill", "cascade", "variants", "mla", "jit", "ops")
 
@@ -279,7 +279,7 @@ class Jit:
         return out
 
 
-Case = Union[Attn, Cascade, MLA, Jit, Rope, BlockSparse]
+Case = Union[Attn, Cascade, MLA, Jit, Rope, BlockSparse, Fp8Prefill, Mixed]
 
 
 def _decode(name: str, batch: int, kv_len: int, **kw) -> Attn:
@@ -430,13 +430,14 @@ JIT: list[Jit] = [
     Jit("jit/fast_plan_decode_b256", "fast_plan", batch=256, kv_len=4096),
 ]
 
-# Standalone ops (ops_cases): RoPE against the copy ceiling; block-sparse prefill against its dense twin;
+# Standalone ops (ops_cases): RoPE against the copy ceiling; block-sparse and fp8 prefill against their dense twin;
 # the mixed batches (POD, BatchAttention) against their separate launches.
 OPS: list[Case] = [
     *ROPE_CASES,
     Attn(DENSE_PREFILL, "prefill", (8192,), qo_lens=(8192,), causal=False, storage="ragged",
          note="the block-sparse rows' dense twin (same shape, every pair)"),
     *BSR_CASES,
+    *FP8_CASES,
     *MIXED_CASES,
 ]
 

@@ -9,7 +9,7 @@ from typing import Callable
 import torch
 
 from .configs import MLA, Attn, Cascade, Case, Jit
-from .ops_cases import BlockSparse, Mixed, Rope
+from .ops_cases import BlockSparse, Fp8Prefill, Mixed, Rope
 from .rows import REF_QUERIES, REF_REQUESTS, TORCH_DTYPES, rel_err
 
 
@@ -248,6 +248,20 @@ def specs_of(case: Case, target: str) -> list:
         return [attn(Attn(case.name, "prefill", (case.seq,), qo_lens=(case.seq,), num_qo_heads=case.num_qo_heads,
                           num_kv_heads=case.num_kv_heads, head_dim=case.head_dim, page_size=case.block,
                           dtype=case.dtype, kv_dtype=case.dtype))]
+    if isinstance(case, Fp8Prefill):  # the sm90 fp8 kernel (ragged), else the single request's 16-bit paged plan
+        from jitattn import hardware
+
+        if tgt is Target.CUDA and hardware.hopper_only(hardware.known_arch_list()):
+            fp8 = TORCH_DTYPES[case.dtype]
+            return [attention_spec(
+                Op.PREFILL, tgt, q_dtype=fp8, kv_dtype=fp8, o_dtype=TORCH_DTYPES[case.o_dtype],
+                head_dim_qk=case.head_dim, head_dim_vo=case.head_dim, num_qo_heads=case.num_qo_heads,
+                num_kv_heads=case.num_kv_heads, pos_encoding=PosEncoding.NONE, use_sliding_window=False,
+                use_logits_soft_cap=False, mask_mode=MaskMode.CAUSAL if case.causal else MaskMode.NONE,
+                kv_layout=KVLayout.NHD, kv_storage=KVStorage.RAGGED)]
+        return [attn(Attn(case.name, "prefill", (case.seq,), qo_lens=(case.seq,), page_size=case.seq,
+                          num_qo_heads=case.num_qo_heads, num_kv_heads=case.num_kv_heads, head_dim=case.head_dim,
+                          causal=case.causal))]
     if isinstance(case, Mixed):  # the chunk and BatchAttention on the paged prefill kernel, the decodes on decode's
         chunk, decodes = case.parts()
         return [attn(replace(chunk, storage="paged")), attn(decodes)]

@@ -1,5 +1,5 @@
-"""The ``ops`` suite's cases: standalone RoPE and block-sparse prefill (``configs.OPS`` lists them with
-the dense prefill the block-sparse rows are compared with).
+"""The ``ops`` suite's cases: standalone RoPE, block-sparse prefill and fp8 prefill (``configs.OPS`` lists them
+with the dense prefill the block-sparse and fp8 rows are compared with).
 
 - RoPE bytes = q and k read + q and k written (``2 * nnz * (H_q + H_k) * D * bytes/elem``) + the position
   array (``nnz * 4``, int32; ``nnz * 8`` for the cos/sin-cache call, whose positions are int64 as SGLang's).
@@ -8,6 +8,8 @@ the dense prefill the block-sparse rows are compared with).
   reads. Target: >= 0.9 of copy.
 - Block-sparse FLOPs = 4 * (unmasked (q, k) pairs = nonzero blocks * R * C) * H_q * D: the useful work only.
   Target: its TFLOP/s >= 0.9 of the dense prefill's of the same shape (``dense``, reported as ``baseline``).
+- fp8 prefill FLOPs = 4 * (unmasked pairs) * H_q * D, as a prefill row's. Target: >= 1,000 TFLOP/s (d128,
+  non-causal); ``baseline``: the dense 16-bit prefill of the same shape.
 - Mixed batches (POD, BatchAttention): FLOPs = the chunk's (4 * causal pairs * H_q * D) + the decodes'
   (4 * B * kv_len * H_q * D); bytes = the two parts' (``Attn.bytes``). Target: the one call's time against
   the sum of the separate launches' (rows ``NAME:prefill``, ``NAME:decode``), reported as ``baseline``
@@ -140,6 +142,52 @@ class BlockSparse:
 
 
 @dataclass(frozen=True)
+class Fp8Prefill:
+    """``single_prefill_with_kv_cache`` of one request of ``seq`` queries over ``seq`` keys with q, k and v in the
+    fp8 ``dtype`` (per-tensor scales) and an ``o_dtype`` output: the sm90 fp8 kernel on an H100 / H200, else the
+    16-bit kernel over converted operands (the row's ``params`` say which). ``dense``: the 16-bit prefill of the
+    same shape its rate is compared with."""
+
+    name: str
+    seq: int
+    causal: bool = False
+    num_qo_heads: int = 32
+    num_kv_heads: int = 8
+    head_dim: int = 128
+    dtype: str = "e4m3"
+    o_dtype: str = "bf16"
+    dense: str | None = None
+    note: str = ""
+    kind: str = "compute"
+
+    @property
+    def suite(self) -> str:
+        return "ops"
+
+    @property
+    def pairs(self) -> int:
+        return self.seq * (self.seq + 1) // 2 if self.causal else self.seq * self.seq
+
+    @property
+    def flops(self) -> int:
+        return 4 * self.pairs * self.num_qo_heads * self.head_dim
+
+    @property
+    def bytes(self) -> int:
+        """q, K and V read once (fp8), o written once (for reference; the rows are compute-bound)."""
+        n, d = self.seq, self.head_dim
+        return n * (self.num_qo_heads + 2 * self.num_kv_heads) * d * DTYPE_BYTES[self.dtype] + \
+            n * self.num_qo_heads * d * DTYPE_BYTES[self.o_dtype]
+
+    def params(self) -> dict:
+        return {"seq": self.seq, "causal": self.causal, "heads_qo": self.num_qo_heads, "heads_kv": self.num_kv_heads,
+                "head_dim": self.head_dim, "dtype": self.dtype, "o_dtype": self.o_dtype, "scales": "per tensor"}
+
+    def small(self) -> "Fp8Prefill":
+        return replace(self, seq=div_at_least(self.seq, CPU_SCALE, 128))
+
+
+@dataclass(frozen=True)
 class Mixed:
     """One chunked-prefill request (``chunk`` queries over its own ``chunk`` keys, causal) and ``batch`` decode
     requests over ``kv_len`` tokens each (paged, ``page_size``), as one call of ``api``: ``pod``
@@ -213,6 +261,11 @@ BSR_CASES: list[BlockSparse] = [
     BlockSparse(f"ops/bsr_r64_d{d:g}_s8192", 8192, d, dense=DENSE_PREFILL,
                 note=f"density {d:g}; target TFLOP/s (unmasked pairs) >= 0.9 of {DENSE_PREFILL}")
     for d in (0.1, 0.3, 0.5)
+]
+
+FP8_CASES: list[Fp8Prefill] = [
+    Fp8Prefill("ops/fp8_prefill_noncausal_s8192", 8192, dense=DENSE_PREFILL,
+               note=f"q, k, v e4m3 (per-tensor scales), bf16 out; target >= 1,000 TFLOP/s; baseline {DENSE_PREFILL}"),
 ]
 
 MIXED_CASES: list[Mixed] = [

@@ -49,7 +49,8 @@ from .sdpa import run_sdpa, sdpa_groups, sdpa_unsupported
 from .host import run_jit
 from .peers import run_flashinfer, run_flashinfer_mla
 from .ops import run_block_sparse, run_rope
-from .ops_cases import BlockSparse, Mixed, Rope
+from .ops_fp8 import run_fp8_prefill
+from .ops_cases import BlockSparse, Fp8Prefill, Mixed, Rope
 from .ops_mixed import run_mixed
 
 
@@ -196,6 +197,8 @@ def run_case(case: Case, ctx: Context) -> list[dict]:
             rows = run_rope(case, ctx)
         elif isinstance(case, BlockSparse):
             rows = run_block_sparse(case, ctx)
+        elif isinstance(case, Fp8Prefill):
+            rows = run_fp8_prefill(case, ctx)
         elif isinstance(case, Mixed):
             rows = run_mixed(case, ctx)
         else:
