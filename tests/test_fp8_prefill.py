@@ -182,3 +182,28 @@ def test_fp8_kernel_matches_reference(case_id: str) -> None:
     assert error.max().item() < 0.06 * scale + 0.02, error.max().item()
     assert error.mean().item() < 0.01 * scale, error.mean().item()
     assert_close_lse(lse, ref_lse, atol=5e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [e4m3, e5m2])
+def test_fp8_kernel_routes_each_key_to_its_value(dtype: torch.dtype) -> None:
+    """Query i matches only key pi(i) (one-hot q and k, a large sm_scale: P is 1 there, ~0 elsewhere) and key j's
+    value is one-hot at column sigma(j), so row i's output is one-hot at sigma(pi(i)): any slip of the fp8 GEMMs'
+    operand layouts or of V^T's key order puts it elsewhere, and the message names the rows and columns."""
+    n, d = 256, 128  # two KV blocks
+    rows = torch.arange(n)
+    pi, sigma = (rows * 37 + 11) % n, (rows * 5 + 3) % d
+    # keys j and j + 128 share column j % 128, told apart by their sign (q . k: 1 at pi(i), -1 or 0 elsewhere)
+    k = torch.zeros(n, 1, d)
+    k[rows, 0, rows % d] = torch.where(rows < d, 1.0, -1.0)
+    q = torch.zeros(n, 1, d)
+    q[rows, 0, pi % d] = torch.where(pi < d, 1.0, -1.0)
+    v = torch.zeros(n, 1, d)
+    v[rows, 0, sigma] = 1.0
+    out = jitattn.single_prefill_with_kv_cache(*(x.to(dtype).cuda() for x in (q, k, v)), sm_scale=40.0,
+                                               o_dtype=torch.float32).cpu()
+    got, expected = out[:, 0].argmax(-1), sigma[pi]
+    wrong = (got != expected).nonzero().flatten().tolist()
+    assert not wrong, f"{len(wrong)} rows off: " + ", ".join(
+        f"row {i}: key {int(pi[i])} -> column {int(got[i])} (expected {int(expected[i])})" for i in wrong[:8])
+    torch.testing.assert_close(out[:, 0].max(-1).values, torch.ones(n), atol=0.02, rtol=0)
