@@ -118,6 +118,13 @@ def test_16_bit_layouts_keep_their_constants():
     assert (lay["kProducerRegs"], lay["kConsumerRegs"], lay["kOffVt"]) == (24, 240, lay["kOffBar"])
 
 
+def test_fp8_lazy_rescale_keeps_p_inside_e4m3(monkeypatch):
+    """P reaches 2^lazy_rescale; e4m3's largest value is 448, so an e4m3 kernel takes at most 8 (e5m2: any)."""
+    monkeypatch.setitem(prefill_sm90.SM90_TUNING, "lazy_rescale", 12)
+    assert prefill_sm90.sm90_layout(SUPPORTED["e4m3_causal_g4"])["kLazyRescale"] == 8
+    assert prefill_sm90.sm90_layout(SUPPORTED["e5m2_full_g1_f16"])["kLazyRescale"] == 12
+
+
 def test_fp8_kv_block_knob(monkeypatch):
     monkeypatch.setitem(prefill_sm90.SM90_TUNING, "kv_block", 176)
     with pytest.raises(ValueError, match="an fp8 query takes KV blocks of 128"):

@@ -304,6 +304,8 @@ def sm90_layout(spec: VariantSpec) -> dict[str, int]:
     if offsets["kSmemBytes"] > _SM90_SMEM:
         raise ValueError(f"{spec.uri}: the sm90 tile needs {offsets['kSmemBytes']} B of shared memory, over 227 KiB "
                          f"(KV block {bn}, {offsets['kQBufs']} query buffers)")
+    # lazy rescale lets P reach 2^lazy_rescale: an e4m3 P saturates at 448, so at most 2^8 there
+    lazy = min(tuning["lazy_rescale"], 8) if spec.q_dtype is DType.E4M3 else tuning["lazy_rescale"]
     # registers per thread: 24 for the producer (40 when it transposes fp8 V), the rest of the launch's 168 x 384
     # over the consumers (multiples of 8)
     producer_regs = 40 if fp8 else 24
@@ -316,7 +318,7 @@ def sm90_layout(spec: VariantSpec) -> dict[str, int]:
         "kVtBytes": vt_bytes,
         "kQChunkBytes": q_chunk, "kKVChunkBytes": kv_chunk, "kQBytes": q_bytes, "kKBytes": k_bytes, "kVBytes": v_bytes,
         "kOffQ": 0, "kItemRing": ring, **offsets, "kTileSearch": tuning["tile_search"],
-        "kLazyRescale": tuning["lazy_rescale"], "kRowSumMma": int(row_sum),
+        "kLazyRescale": lazy, "kRowSumMma": int(row_sum),
         "kMaxChains": tuning["max_chains"],
         "kWgSkip": int(bool(tuning["wg_skip"]) and spec.mask_mode is not MaskMode.CUSTOM and sm90_pack(spec, bm) == 1
                        and (spec.mask_mode is MaskMode.CAUSAL or spec.use_sliding_window)),
