@@ -100,6 +100,22 @@ def test_fp8_output_saturates(dtype: torch.dtype, device: str) -> None:
     assert torch.equal(out.float().cpu()[:, 1], torch.full((3, DIM), -big))
 
 
+def test_device_scales_gather_the_tensor_scales_for_the_kernel() -> None:
+    """The fp8 kernel's scales: floats (and one-element host tensors) stay scalars; tensors (one per head, or one
+    value) go into one float32 array of q's heads, then k's, then v's (the kernel's head_scales), 1 elsewhere."""
+    from jitattn.runtime.fp8_prefill import device_scales
+
+    cpu = torch.device("cpu")
+    assert device_scales(0.5, None, torch.tensor([2.0]), 4, 2, cpu) == ((0.5, None, torch.tensor([2.0])), None)
+    scalars, heads = device_scales(torch.tensor([1.0, 2.0, 3.0, 4.0]), 0.5, None, 4, 2, cpu)
+    assert scalars == (1.0, 0.5, None)
+    assert torch.equal(heads, torch.tensor([1.0, 2.0, 3.0, 4.0, 1.0, 1.0, 1.0, 1.0]))
+    _, heads = device_scales(None, torch.tensor([5.0, 6.0], dtype=torch.float16), None, 4, 2, cpu)
+    assert heads.dtype == torch.float32 and torch.equal(heads[4:6], torch.tensor([5.0, 6.0]))
+    with pytest.raises(ValueError, match=r"one scale per head \(\[2\]\)"):
+        device_scales(None, None, torch.ones(3), 4, 2, cpu)
+
+
 def test_fp8_prefill_refuses_bad_input() -> None:
     q, k, v = (torch.randn(5, 4, DIM).to(e4m3) for _ in range(3))
     with pytest.raises(TypeError, match="k and v of its fp8 dtype"):
@@ -123,13 +139,18 @@ def test_fp8_prefill_refuses_bad_input() -> None:
 # The sm90 fp8 kernel (q, k, v fp8 with per-tensor scales on an H100 / H200): P enters the P V GEMM as fp8 (3
 # mantissa bits for e4m3, 2 for e5m2), so an output is within a few hundredths of the reference, and on average
 # within a few thousandths (a wrong key order or scale would be off by O(1)); scores and LSE are fp32.
-# (fp8 dtype, layout, qo_len, kv_len, query heads, kv heads, causal, window, soft cap, ALiBi, sinks, o_dtype)
+# (fp8 dtype, layout, qo_len, kv_len, query heads, kv heads, causal, window, soft cap, ALiBi, sinks, o_dtype,
+#  scales: "float" | "head" (FlashInfer's per-head float32 tensors) | "one" (one-element tensors), on the device)
 KERNEL_CASES = {
-    "e4m3_causal_g4_tail": (e4m3, "NHD", 200, 333, 8, 2, True, -1, None, False, False, bf16),
-    "e4m3_noncausal_g1_f16": (e4m3, "NHD", 130, 1000, 4, 4, False, -1, None, False, False, f16),
-    "e5m2_causal_hnd_f32": (e5m2, "HND", 300, 300, 4, 1, True, -1, None, False, False, f32),
-    "e4m3_window_cap_fp8out": (e4m3, "NHD", 256, 700, 8, 1, True, 100, 30.0, False, False, None),
-    "e4m3_alibi_sinks": (e4m3, "NHD", 64, 512, 8, 8, True, -1, None, True, True, bf16),
+    "e4m3_causal_g4_tail": (e4m3, "NHD", 200, 333, 8, 2, True, -1, None, False, False, bf16, "float"),
+    "e4m3_noncausal_g1_f16": (e4m3, "NHD", 130, 1000, 4, 4, False, -1, None, False, False, f16, "float"),
+    "e5m2_causal_hnd_f32": (e5m2, "HND", 300, 300, 4, 1, True, -1, None, False, False, f32, "float"),
+    "e4m3_window_cap_fp8out": (e4m3, "NHD", 256, 700, 8, 1, True, 100, 30.0, False, False, None, "float"),
+    "e4m3_alibi_sinks": (e4m3, "NHD", 64, 512, 8, 8, True, -1, None, True, True, bf16, "float"),
+    "e4m3_head_scales_g4": (e4m3, "NHD", 200, 333, 8, 2, True, -1, None, False, False, bf16, "head"),
+    "e4m3_head_scales_cap_hnd": (e4m3, "HND", 100, 260, 4, 2, False, -1, 20.0, False, False, bf16, "head"),
+    "e4m3_head_scales_alibi_g1": (e4m3, "NHD", 100, 260, 4, 4, True, -1, None, True, False, bf16, "head"),
+    "e5m2_one_element_scales": (e5m2, "NHD", 129, 129, 8, 2, False, -1, None, False, False, f16, "one"),
 }
 
 
@@ -137,7 +158,7 @@ def _kernel_spec(case_id: str):
     from jitattn.runtime.specs import attention_spec
     from jitattn.spec import KVLayout, KVStorage, MaskMode, Op, PosEncoding, Target
 
-    dtype, layout, _qo, _kv, hq, hkv, causal, window, cap, alibi, _sinks, o_dtype = KERNEL_CASES[case_id]
+    dtype, layout, _qo, _kv, hq, hkv, causal, window, cap, alibi, _sinks, o_dtype, _kind = KERNEL_CASES[case_id]
     return attention_spec(
         Op.PREFILL, Target.CUDA, q_dtype=dtype, kv_dtype=dtype, o_dtype=o_dtype or bf16, head_dim_qk=128,
         head_dim_vo=128, num_qo_heads=hq, num_kv_heads=hkv,
@@ -155,12 +176,16 @@ GPU_SPECS = [_kernel_spec(c) for c in KERNEL_CASES]
 def test_fp8_kernel_matches_reference(case_id: str) -> None:
     from jitattn.ops.prefill_fp8 import fp8_kernel_runs
 
-    dtype, layout, qo, kv, hq, hkv, causal, window, cap, alibi, sinks, o_dtype = KERNEL_CASES[case_id]
+    dtype, layout, qo, kv, hq, hkv, causal, window, cap, alibi, sinks, o_dtype, kind = KERNEL_CASES[case_id]
     gen = torch.Generator().manual_seed(sum(map(ord, case_id)))
     q, k, v = (torch.randn(n, h, 128, generator=gen) for n, h in ((qo, hq), (kv, hkv), (kv, hkv)))
-    sq, sk, sv = 0.7, 1.3, 0.9
+    if kind == "head":
+        scales = [torch.rand(h, generator=gen) + 0.5 for h in (hq, hkv, hkv)]
+    else:
+        scales = [torch.tensor([s]) for s in (0.7, 1.3, 0.9)]
     fp8 = [x.to(dtype) for x in (q, k, v)]
-    dequant = [x.double() * s for x, s in zip(fp8, (sq, sk, sv))]
+    dequant = [x.double() * s.double().view(1, -1, 1) for x, s in zip(fp8, scales)]
+    sq, sk, sv = (float(s) for s in scales) if kind == "float" else (s.cuda() for s in scales)
     if layout == "HND":
         fp8[1], fp8[2] = fp8[1].transpose(0, 1).contiguous(), fp8[2].transpose(0, 1).contiguous()
     qd, kd, vd = (x.cuda() for x in fp8)

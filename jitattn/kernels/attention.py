@@ -64,6 +64,11 @@ start while that kernel's last blocks run, and each waits for it (``griddepcontr
 reads the prior states or writes anything. The cascade sets it for a decode level launched right after
 the levels whose states it merges; the sm90 prefill kernel lets its dependents launch as it starts.
 
+``head_scales`` (the sm90 prefill tier's fp8 kernel; the tier's 16-bit kernels refuse a non-null one, other
+kernels ignore it): null, or float32 device scales multiplying the scalar ones -- ``num_qo_heads`` of q's, then
+``num_kv_heads`` of k's, then ``num_kv_heads`` of v's -- read by the kernel (a caller's scale tensors need no host
+read; FlashInfer's fp8 prefill takes per-head ones).
+
 ``short_items`` (the cuda decode kernel; others ignore it): 1 launches the module's short-items layout (more
 resident blocks with fewer stages: ``kernels.decode.short_items_layout``), which a plan of many short requests
 takes; a module without one refuses it.
@@ -91,7 +96,7 @@ ATTENTION = Entry("attention", fields(
     "sm_scale:f32 logits_soft_cap:f32 rope_rcp_scale:f32 rope_rcp_theta:f32 k_scale:f32 v_scale:f32 "
     "workspace:ptr workspace_bytes:i64 split_indptr:ptr kv_chunk_size:i64 split_counters:ptr q_row_period:i64 "
     "num_threads:i32 q_rows:i64 kv_rows:i64 "
-    "prior_v:ptr prior_lse:ptr prior_states:i64 prior_rows:i64 prior_pdl:i32 short_items:i32"
+    "prior_v:ptr prior_lse:ptr prior_states:i64 prior_rows:i64 prior_pdl:i32 short_items:i32 head_scales:ptr"
 ))
 
 ATTENTION_WITH_VARIANT = Entry("attention", ATTENTION.fields + (Field("variant_params", "ptr"),))

@@ -46,9 +46,10 @@ def single_prefill_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale_
 
 def fp8_kernel_runs(q, k, v, layout: KVLayout, custom_mask, packed_custom_mask, causal, pos_encoding_mode, window_left,
                  logits_soft_cap) -> bool:
-    """Whether the sm90 fp8 kernel takes this call (its scales aside): a CUDA device of a 9.0a-only arch list,
-    JITATTN_PREFILL_TIER not sm80, the spec one the fp8 kernel runs (head_dim 128, ragged, no custom mask, RoPE
-    or ALiBi with a soft cap). Bad options are left to the 16-bit call, which names them."""
+    """Whether the sm90 fp8 kernel takes this call: a CUDA device of a 9.0a-only arch list, JITATTN_PREFILL_TIER
+    not sm80, the spec one the fp8 kernel runs (head_dim 128, ragged, no custom mask, RoPE or ALiBi with a soft
+    cap). Its scales may be floats or tensors (read on the device). Bad options are left to the 16-bit call, which
+    names them."""
     if not (all(isinstance(x, torch.Tensor) and x.dim() == 3 for x in (q, k, v)) and q.is_cuda
             and q.dtype == k.dtype == v.dtype):
         return False

@@ -346,7 +346,7 @@ def run_plan(
     plan: AttentionPlan | None, wrapper: str, workspace: torch.Tensor, q: torch.Tensor, kv, *,
     k_scale: float, v_scale: float, out: torch.Tensor | None, lse: torch.Tensor | None, return_lse: bool,
     variant_args: dict | None = None, q_scale: float = 1.0, sinks: torch.Tensor | None = None,
-    fixed_outputs: bool = False,
+    fixed_outputs: bool = False, head_scales: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Check q/kv/out/lse (and a variant's extra arguments) against ``plan`` and launch; returns out or (out, lse).
 
@@ -359,7 +359,8 @@ def run_plan(
     ``kv`` is the paged cache as the caller gave it (paged plans) or the ``(k, v)`` pair (ragged).
     The checks depend only on the tensors' shapes, strides, dtypes and devices: a call with the
     signature of the previous one (every layer of a step) sets pointers and launches. ``q_scale``
-    (FlashInfer's query dequantization scale) multiplies ``sm_scale`` for this call.
+    (FlashInfer's query dequantization scale) multiplies ``sm_scale`` for this call. ``head_scales``: an fp8
+    query plan's device scales (``fp8_prefill.device_scales``; ``kernels.attention``), else None.
     """
     launch = _launch_for(plan, wrapper, q, variant_args, sinks)
     signature = (q.shape, q.stride(), q.dtype, q.device, _kv_signature(kv))
@@ -397,7 +398,8 @@ def run_plan(
     if plan.total_qo:  # an empty batch has nothing to launch (and no storage to point at)
         launch.launch(device_index, q.data_ptr(), k_ptr, v_ptr, out.data_ptr(),
                       lse.data_ptr() if lse is not None else None, k_scale, v_scale, q_scale, workspace,
-                      sinks.data_ptr() if sinks is not None else None)
+                      sinks.data_ptr() if sinks is not None else None,
+                      head_scales.data_ptr() if head_scales is not None else None)
     return (out, lse) if return_lse else out
 
 

@@ -3,9 +3,10 @@
 
 FlashInfer runs an fp8 query on its Hopper (FA3) backend only, with per-head scales (float32 tensors of
 ``[num_qo_heads]`` for q, ``[num_kv_heads]`` for k and v) and the output in ``o_dtype`` (default: q's fp8 dtype).
-On an H100 / H200 the sm90 prefill tier's fp8 kernel takes the call when its scales are per tensor and the
-kernel runs its options (``ops/prefill_fp8.py`` decides: head_dim 128, no custom mask or RoPE; the output rounded
-to an fp8 ``o_dtype`` as below). Everywhere else the operands are converted to 16 bits and the 16-bit kernel runs:
+On an H100 / H200 the sm90 prefill tier's fp8 kernel takes the call when it runs its options (``ops/prefill_fp8.py``
+decides: head_dim 128, no custom mask or RoPE); it reads scale tensors (per head, or one value) on the device
+(``device_scales``), and its output is rounded to an fp8 ``o_dtype`` as below. Everywhere else the operands are
+converted to 16 bits and the 16-bit kernel runs:
 
 - Per-tensor scales (None, a float, a one-element host tensor): q, k, v are converted exactly (every e4m3 / e5m2
   value is a bf16 and an f16 value) and the kernel applies the scales (``scale_q * scale_k`` to the scores,
@@ -47,7 +48,7 @@ class Fp8Prefill:
     q: torch.Tensor
     k: torch.Tensor
     v: torch.Tensor
-    scales: tuple[float, float, float]  # scale_q, scale_k, scale_v for the kernel
+    scales: tuple  # scale_q, scale_k, scale_v for the kernel (floats; as given for the fp8 kernel)
     kernel_o_dtype: torch.dtype  # what the kernel writes
     out_dtype: torch.dtype  # what the caller gets
     fp8: bool  # the operands are the fp8 ones (for the fp8 kernel), not converted
@@ -73,11 +74,28 @@ def _device_scale(value, name: str, heads: int) -> torch.Tensor | None:
     return value.to(torch.float32).reshape(-1)
 
 
+def device_scales(scale_q, scale_k, scale_v, num_qo_heads: int, num_kv_heads: int, device: torch.device
+                  ) -> tuple[tuple, torch.Tensor | None]:
+    """An fp8 query kernel's scales: ``((scale_q, scale_k, scale_v), head_scales)``, the scalars as given but 1 for
+    each given as a device tensor (one value, or one per head), and those in one float32 device tensor (q's heads,
+    then k's, then v's: ``kernels.attention``'s ``head_scales``), None when there are none. Never read on the
+    host."""
+    heads = (num_qo_heads, num_kv_heads, num_kv_heads)
+    given = ((scale_q, "scale_q"), (scale_k, "scale_k"), (scale_v, "scale_v"))
+    on_device = [_device_scale(s, n, h) for (s, n), h in zip(given, heads)]
+    if all(s is None for s in on_device):
+        return (scale_q, scale_k, scale_v), None
+    parts = [torch.ones(h, dtype=torch.float32, device=device) if s is None else s.to(device).expand(h)
+             for s, h in zip(on_device, heads)]
+    scalars = tuple(1.0 if d is not None else s for d, (s, _) in zip(on_device, given))
+    return scalars, torch.cat(parts)
+
+
 def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale_q, scale_k, scale_v, o_dtype: torch.dtype | None,
             kv_layout: KVLayout, keep_fp8: bool = False) -> Fp8Prefill:
     """The operands of an fp8 query's prefill (q ``[qo_len, H_qo, D]``, k / v ``[kv_len, H_kv, D]`` (NHD) or
-    ``[H_kv, kv_len, D]`` (HND)): as given when ``keep_fp8`` (a kernel takes them) and every scale is per tensor,
-    else converted to 16 bits."""
+    ``[H_kv, kv_len, D]`` (HND)): as given when ``keep_fp8`` (the fp8 kernel takes them), else converted to 16
+    bits."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(name, t, ndim=3)
     target_of("single_prefill_with_kv_cache", (q, k, v))
@@ -92,8 +110,8 @@ def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale_q, scale_k,
     operands = (q, k, v)
     given = ((scale_q, "scale_q"), (scale_k, "scale_k"), (scale_v, "scale_v"))
     on_device = [_device_scale(s, n, x.shape[d]) for (s, n), x, d in zip(given, operands, heads_dim)]
-    if all(s is None for s in on_device) and keep_fp8:  # the fp8 kernel; it applies the scales
-        dtype, scales, converted = torch.bfloat16, tuple(fp8_scale(s, n) for s, n in given), operands
+    if keep_fp8:  # the fp8 kernel; it applies the scales (tensors ones through head_scales: device_scales)
+        dtype, scales, converted = torch.bfloat16, (scale_q, scale_k, scale_v), operands
     elif all(s is None for s in on_device):  # exact conversions; the kernel applies the scales
         dtype = out_dtype if out_dtype in _SIXTEEN_BIT else torch.bfloat16
         scales = tuple(fp8_scale(s, n) for s, n in given)

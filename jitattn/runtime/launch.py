@@ -98,7 +98,7 @@ class PreparedAttention:
             k_scale=1.0, v_scale=1.0, workspace=None, workspace_bytes=0,
             split_indptr=_ptr(split_indptr) if kv_chunk_size else None, kv_chunk_size=kv_chunk_size,
             split_counters=_ptr(self._split_counters), q_row_period=0, num_threads=0, q_rows=0, kv_rows=0,
-            prior_v=None, prior_lse=None, prior_states=0, prior_rows=0, prior_pdl=0, short_items=0,
+            prior_v=None, prior_lse=None, prior_states=0, prior_rows=0, prior_pdl=0, short_items=0, head_scales=None,
         )
         self._scales = (1.0, 1.0, 1.0)  # (q_scale, k_scale, v_scale) the struct holds
         self.split = bool(kv_chunk_size)
@@ -155,16 +155,19 @@ class PreparedAttention:
 
     def launch(
         self, device_index: int, q: int, k: int, v: int, o: int, lse: int | None, k_scale: float, v_scale: float,
-        q_scale: float, workspace: torch.Tensor | None, sinks: int | None = None,
+        q_scale: float, workspace: torch.Tensor | None, sinks: int | None = None, head_scales: int | None = None,
     ) -> None:
         """One launch with these pointers (strides as last set); ``device_index`` -1 is the cpu.
 
-        ``sinks``: the float32 ``[num_qo_heads]`` sink logits (modules built with ``use_sinks`` only)."""
+        ``sinks``: the float32 ``[num_qo_heads]`` sink logits (modules built with ``use_sinks`` only);
+        ``head_scales``: device scales of an fp8 query's kernel (``kernels.attention``), else None."""
         if device_index >= 0 and device_index != current_cuda_device():
             # The module launches on (and reads attributes of) the current device.
             with torch.cuda.device(device_index):
-                return self.launch(device_index, q, k, v, o, lse, k_scale, v_scale, q_scale, workspace, sinks)
+                return self.launch(device_index, q, k, v, o, lse, k_scale, v_scale, q_scale, workspace, sinks,
+                                   head_scales)
         p = self.params
+        p.head_scales = head_scales
         if self.has_sinks:
             p.sinks = sinks
         # An empty KV pool has no storage (null pointer); the kernels then read no key, but

@@ -16,6 +16,7 @@ import torch
 from .batch import AttentionPlan, run_plan, run_plan_or_compiled, workspace_target
 from .checks import target_of
 from .compiled import register_wrapper
+from .fp8_prefill import FP8_DTYPES, device_scales
 from .options import fp8_scale, parse_kv_layout, refuse_unsupported, resolve_window_left
 
 # The index arrays a captured launch reads, which CUDA-graph mode needs in fixed caller buffers.
@@ -150,9 +151,20 @@ class BatchWrapperBase:
             )
         if variant_positional:
             variant_args = _positional_variant_args(self._NAME, plan, variant_positional, variant_args)
+        head_scales = None
+        if plan is not None and plan.q_dtype in FP8_DTYPES:  # an fp8 query's scales may be device tensors
+            (q_scale, k_scale, v_scale), head_scales = device_scales(
+                q_scale, k_scale, v_scale, plan.num_qo_heads, plan.num_kv_heads, q.device)
         k_scale = 1.0 if k_scale is None else fp8_scale(k_scale, "k_scale")
         v_scale = 1.0 if v_scale is None else fp8_scale(v_scale, "v_scale")
         q_scale = 1.0 if q_scale is None else fp8_scale(q_scale, "q_scale")
+        if head_scales is not None:
+            if torch.compiler.is_compiling():
+                raise NotImplementedError(f"{self._NAME}.run() with scale tensors is not supported under torch.compile"
+                                          " yet; pass Python floats or call it outside the compiled region")
+            return run_plan(plan, self._NAME, self._workspace, q, kv, k_scale=k_scale, v_scale=v_scale, out=out,
+                            lse=lse, return_lse=return_lse, variant_args=variant_args, q_scale=q_scale, sinks=sinks,
+                            head_scales=head_scales)
         if torch.compiler.is_compiling():
             return run_plan_or_compiled(
                 self._op_key, plan, self._NAME, self._workspace, q, kv, k_scale=k_scale, v_scale=v_scale, out=out,
