@@ -187,9 +187,14 @@ __device__ __forceinline__ bool barrier_any(bool pred, int id, int threads) {
   return any != 0;
 }
 
-// Shared memory by its 32-bit address: one word stored, four words loaded.
+// Shared memory by its 32-bit address: one word stored, one or four words loaded.
 __device__ __forceinline__ void st_shared(uint32_t addr, uint32_t v) {
   asm volatile("st.shared.u32 [%0], %1;" ::"r"(addr), "r"(v) : "memory");
+}
+__device__ __forceinline__ uint32_t ld_shared(uint32_t addr) {
+  uint32_t v;
+  asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(addr) : "memory");
+  return v;
 }
 __device__ __forceinline__ uint4 ld_shared_v4(uint32_t addr) {
   uint4 v;
