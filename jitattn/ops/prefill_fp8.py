@@ -11,6 +11,7 @@ import torch
 from .. import hardware
 from ..kernels import prefill as prefill_family
 from ..runtime import fp8_prefill
+from ..runtime.checks import stream_capturing
 from ..runtime.options import parse_kv_layout
 from ..runtime.specs import attention_spec
 from ..spec import KVLayout, KVStorage, MaskMode, Op, PosEncoding, Target
@@ -28,6 +29,10 @@ def single_prefill_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale_
     fp8 = fp8_prefill.prepare(q, k, v, scale_q, scale_k, scale_v, o_dtype, layout,
                               keep_fp8=fp8_kernel_runs(q, k, v, layout, *options))
     if fp8.fp8:
+        if stream_capturing():  # as the 16-bit path: a cached plan would upload and be evicted under a capture
+            raise RuntimeError("single_prefill_with_kv_cache() is being captured into a CUDA graph, but it plans its "
+                               "request on every call, which a replay would not repeat; call it outside the capture, "
+                               "or capture a BatchPrefillWithRaggedKVCacheWrapper built with use_cuda_graph=True")
         kv_len, kv_heads = (k.shape[0], k.shape[1]) if layout is KVLayout.NHD else (k.shape[1], k.shape[0])
         plan = (q.device, layout, q.shape[0], kv_len, q.shape[1], kv_heads, q.shape[2], bool(causal), pos_encoding_mode,
                 sm_scale, window_left, logits_soft_cap, q.dtype, fp8.kernel_o_dtype)
@@ -44,8 +49,8 @@ def single_prefill_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale_
     return fp8.output(result)
 
 
-def fp8_kernel_runs(q, k, v, layout: KVLayout, custom_mask, packed_custom_mask, causal, pos_encoding_mode, window_left,
-                 logits_soft_cap) -> bool:
+def fp8_kernel_runs(q, k, v, layout: KVLayout, custom_mask, packed_custom_mask, causal, pos_encoding_mode,
+                    window_left, logits_soft_cap) -> bool:
     """Whether the sm90 fp8 kernel takes this call: a CUDA device of a 9.0a-only arch list, JITATTN_PREFILL_TIER
     not sm80, the spec one the fp8 kernel runs (head_dim 128, ragged, no custom mask, RoPE or ALiBi with a soft
     cap). Its scales may be floats or tensors (read on the device). Bad options are left to the 16-bit call, which
