@@ -158,14 +158,14 @@ def _kernel_spec(case_id: str):
     from jitattn.runtime.specs import attention_spec
     from jitattn.spec import KVLayout, KVStorage, MaskMode, Op, PosEncoding, Target
 
-    dtype, layout, _qo, _kv, hq, hkv, causal, window, cap, alibi, _sinks, o_dtype, _kind = KERNEL_CASES[case_id]
+    dtype, layout, _qo, _kv, hq, hkv, causal, window, cap, alibi, sinks, o_dtype, _kind = KERNEL_CASES[case_id]
     return attention_spec(
         Op.PREFILL, Target.CUDA, q_dtype=dtype, kv_dtype=dtype, o_dtype=o_dtype or bf16, head_dim_qk=128,
         head_dim_vo=128, num_qo_heads=hq, num_kv_heads=hkv,
         pos_encoding=PosEncoding.ALIBI if alibi else PosEncoding.NONE,
         use_sliding_window=window >= 0, use_logits_soft_cap=bool(cap),
         mask_mode=MaskMode.CAUSAL if causal else MaskMode.NONE, kv_layout=KVLayout(layout.lower()),
-        kv_storage=KVStorage.RAGGED)
+        kv_storage=KVStorage.RAGGED).replace(use_sinks=sinks)
 
 
 GPU_SPECS = [_kernel_spec(c) for c in KERNEL_CASES]
