@@ -168,7 +168,15 @@ def _kernel_spec(case_id: str):
         kv_storage=KVStorage.RAGGED).replace(use_sinks=sinks)
 
 
-GPU_SPECS = [_kernel_spec(c) for c in KERNEL_CASES]
+def _paged_spec(layout: str):
+    """The kernel of test_fp8_paged_batch_on_the_fp8_kernel."""
+    from jitattn.spec import KVStorage
+
+    return _kernel_spec("e4m3_causal_g4_tail").replace(kv_storage=KVStorage.PAGED,
+                                                       kv_layout=jitattn.spec.KVLayout(layout.lower()))
+
+
+GPU_SPECS = [_kernel_spec(c) for c in KERNEL_CASES] + [_paged_spec("NHD"), _paged_spec("HND")]
 
 
 @pytest.mark.gpu
@@ -261,3 +269,45 @@ def test_fp8_ragged_batch_on_the_fp8_kernel(causal: bool) -> None:
         scale = ref_o.abs().max().item()
         assert error.max().item() < 0.06 * scale + 0.02 and error.mean().item() < 0.01 * scale, r
         assert_close_lse(lse[qs], ref_lse, atol=5e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size,layout", [(16, "NHD"), (64, "HND")])
+def test_fp8_paged_batch_on_the_fp8_kernel(page_size: int, layout: str) -> None:
+    """BatchPrefillWithPagedKVCacheWrapper planned with fp8 q / kv runs the fp8 kernel over pages (random page order,
+    a last page part-filled, a request of one token), each request against the reference."""
+    from attention_cases import random_paged_batch
+
+    qo_lens, kv_lens = [100, 1, 250], [333, 7, 250]
+    hq, hkv, d, dtype = 8, 2, 128, e4m3
+    gen = torch.Generator().manual_seed(page_size)
+    batch = random_paged_batch(kv_lens, hkv, d, page_size, dtype, layout, "5d", "cuda", generator=gen)
+    q = torch.randn(sum(qo_lens), hq, d, generator=gen).to(dtype)
+    qo_indptr = torch.tensor([0, *torch.tensor(qo_lens).cumsum(0).tolist()], dtype=torch.int32)
+    wrapper = jitattn.BatchPrefillWithPagedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8, device="cuda"),
+                                                          layout)
+    wrapper.plan(qo_indptr, batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len, hq, hkv, d, page_size,
+                 causal=True, q_data_type=dtype, kv_data_type=dtype, o_data_type=bf16)
+    assert wrapper.current_plan.q_dtype == dtype
+    out, lse = wrapper.run(q.cuda(), batch.cache, q_scale=0.8, k_scale=1.1, v_scale=0.6, return_lse=True)
+    ref_o, ref_lse = reference.batch_prefill_paged(
+        q.double() * 0.8, batch.cache, qo_indptr, batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len,
+        kv_layout=layout, causal=True, k_scale=1.1, v_scale=0.6)
+    error = (out.float().cpu() - ref_o.float()).abs()
+    scale = ref_o.abs().max().item()
+    assert error.max().item() < 0.06 * scale + 0.02 and error.mean().item() < 0.01 * scale
+    assert_close_lse(lse, ref_lse, atol=5e-3)
+
+
+@pytest.mark.gpu
+def test_fp8_paged_refuses_pages_tma_cannot_load() -> None:
+    """Pages of 1 token (or any size that is not a multiple of 8 dividing 128): a clear error, not a wrong result."""
+    q = torch.randn(4, 4, 128).to(e4m3).cuda()
+    cache = torch.randn(10, 2, 1, 4, 128).to(e4m3).cuda()
+    wrapper = jitattn.BatchPrefillWithPagedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8, device="cuda"))
+    indptr = torch.tensor([0, 6], dtype=torch.int32)
+    wrapper.plan(torch.tensor([0, 4], dtype=torch.int32), indptr, torch.arange(6, dtype=torch.int32),
+                 torch.tensor([1], dtype=torch.int32), 4, 4, 128, 1, q_data_type=e4m3, kv_data_type=e4m3,
+                 o_data_type=bf16)
+    with pytest.raises(RuntimeError, match="loads whole pages by TMA"):
+        wrapper.run(q, cache)

@@ -33,9 +33,9 @@ SUPPORTED = {
     "e5m2_full_g1_f16": _spec(dtype=e5m2, causal=False, hq=8, hkv=8, o_dtype=torch.float16),
     "e4m3_window_cap_f32": _spec(window=True, soft_cap=True, o_dtype=torch.float32),
     "e4m3_alibi_sinks": _spec(pos=PosEncoding.ALIBI).replace(use_sinks=True),
+    "e4m3_paged": _spec(storage=KVStorage.PAGED),
 }
 UNSUPPORTED = {
-    "paged": (_spec(storage=KVStorage.PAGED), "ragged KV only"),
     "d64": (_spec(d=64), "head_dim 128"),
     "d256": (_spec(d=256, hq=16, hkv=2), "head_dim 128"),
     "custom_mask": (_spec(mask=MaskMode.CUSTOM), "custom mask"),
@@ -103,6 +103,7 @@ def test_fp8_layout(case_id):
     for name in ("kOffK", "kOffV", "kOffVt", "kOffBar"):
         assert lay[name] % 1024 == 0, name
     assert lay["kOffItems"] - lay["kOffBar"] >= 8 * (3 * lay["kQBufs"] + 6 * lay["kStages"] + 2 * lay["kItemRing"])
+    assert lay["kPagedTma"] == (1 if spec.kv_storage is KVStorage.PAGED else 0)  # fp8 pages: TMA, never gathers
     assert lay["kSmemBytes"] <= 227 << 10 and lay["kRowSumMma"] == 0
     # the producer transposes V in 56 registers; the consumers take the rest of the launch's 168 x 384
     assert lay["kProducerRegs"] == 56 and lay["kConsumerRegs"] == 224

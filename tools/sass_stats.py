@@ -70,7 +70,8 @@ SPECS = {
                 "p64alibi": _prefill(64, pos_encoding="alibi"), "p128mask": _prefill(128, mask="custom"),
                 "p64maskpaged": _prefill(64, mask="custom", storage="paged"), "p192x128c": _prefill(192, 1, dvo=128),
                 "p128fp8c": _prefill(128, q="e4m3", o="bf16"),
-                "p128fp8n": _prefill(128, 1, q="e4m3", o="bf16", mask="none")},
+                "p128fp8n": _prefill(128, 1, q="e4m3", o="bf16", mask="none"),
+                "p128fp8paged": _prefill(128, q="e4m3", o="bf16", storage="paged")},
     "mla": {"mla_bf16": _mla("bf16"), "mla_e4m3": _mla("bf16", "e4m3")},
 }
 

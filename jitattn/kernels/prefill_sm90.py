@@ -6,8 +6,8 @@ arch list is 9.0a only and ``sm90_unsupported(spec)`` is None (ragged or paged K
 and kv, a 16-bit or float32 output, head_dim_qk == head_dim_vo in 64/128/256, causal or not,
 sliding window, logits soft cap, attention sinks, ALiBi without a soft cap, custom masks, and
 custom variants with a softmax and no query / key transform; no in-kernel RoPE, no fp8 KV);
-every other spec keeps the sm80 tier. An fp8 query (q, k and v of one fp8 dtype: ragged, head_dim 128, no
-custom mask or variant) runs on this tier only (``tier`` raises elsewhere): fp8 wgmmas, V transposed by the
+every other spec keeps the sm80 tier. An fp8 query (q, k and v of one fp8 dtype: ragged or paged KV, head_dim
+128, no custom mask or variant) runs on this tier only (``tier`` raises elsewhere): fp8 wgmmas, V transposed by the
 producer. ``JITATTN_PREFILL_TIER``
 forces a tier: ``sm80`` always the generic one; ``sm90`` the Hopper one for every spec it
 supports even with an unknown arch list (an error with a non-Hopper one). The tier is in the
@@ -187,7 +187,7 @@ def sm90_unsupported(spec: VariantSpec) -> str | None:
 
 def _fp8_unsupported(spec: VariantSpec) -> str | None:
     """Why the sm90 tier cannot run ``spec``, whose query is fp8 (None when it can): the fp8 kernel takes k and v
-    of the query's dtype, ragged, at head_dim 128 (a row is one 128-byte swizzle atom; at 256 the accumulators of O
+    of the query's dtype, ragged or paged (pages TMA loads: a launch of other page sizes is refused), at head_dim 128 (a row is one 128-byte swizzle atom; at 256 the accumulators of O
     and of a 128-key block of S overflow the consumers' registers: ptxas serializes the wgmmas), with no custom
     mask, in-kernel RoPE or custom variant."""
     if spec.kv_dtype != spec.q_dtype:
@@ -196,8 +196,6 @@ def _fp8_unsupported(spec: VariantSpec) -> str | None:
         return "it writes a 16-bit or float32 output"
     if (spec.head_dim_qk, spec.head_dim_vo) != (128, 128):
         return "it takes an fp8 query at head_dim 128"
-    if spec.kv_storage is KVStorage.PAGED:
-        return "it takes an fp8 query over ragged KV only"
     if spec.mask_mode is MaskMode.CUSTOM or spec.variant is not None:
         return "it takes an fp8 query without a custom mask or variant"
     if spec.pos_encoding not in (PosEncoding.NONE, PosEncoding.ALIBI):
@@ -325,7 +323,7 @@ def sm90_layout(spec: VariantSpec) -> dict[str, int]:
                        and (spec.mask_mode is MaskMode.CAUSAL or spec.use_sliding_window)),
         "kGatherSync": tuning["gather_sync"], "kGatherL2": tuning["gather_l2"],
         "kSoftCapTanh": tuning["soft_cap_tanh"],
-        "kPagedTma": tuning["paged_tma"] if paged else 0,
+        "kPagedTma": (max(1, tuning["paged_tma"]) if fp8 else tuning["paged_tma"]) if paged else 0,  # fp8: no gathers
     }
 
 
