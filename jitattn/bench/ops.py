@@ -189,20 +189,29 @@ def run_block_sparse(case: BlockSparse, ctx: Context) -> list[dict]:
     fn()
     ctx.sync()
     row["max_rel_err"] = bsr_error(case, data)
+
+    def peer() -> dict:
+        out = torch.empty_like(data.out)
+        return run_peer(case, ctx, lambda fi: bsr_call(fi, case, data, ctx.device, out, on_device=True), [data.out],
+                        row["time_us"], needs=("BlockSparseAttentionWrapper",))
+
+    time_beside_dense(case, ctx, row, fn, peer)
+    row["sdpa_na"] = f"compared with {case.dense}" if case.dense else "block-sparse"
+    return [row]
+
+
+def time_beside_dense(case, ctx: Context, row: dict, fn: Callable, peer: Callable[[], dict]) -> None:
+    """Time ``fn`` into ``row``, with the dense twin's row as its ``baseline`` and, with ``--peer flashinfer``,
+    ``peer()``'s figures (a budget running out is the row's note)."""
     try:
         ctx.check_budget("timing")
         set_time(row, ctx.timer.measure(fn, ctx.measure_s), ctx, fn)
         if case.dense:
             row["baseline"] = dense_baseline(row, ctx.plain_rows.get(case.dense), case.dense)
         if "flashinfer" in ctx.peers:
-            out = torch.empty_like(data.out)
-            row["peers"] = {"flashinfer": run_peer(
-                case, ctx, lambda fi: bsr_call(fi, case, data, ctx.device, out, on_device=True), [data.out],
-                row["time_us"], needs=("BlockSparseAttentionWrapper",))}
+            row["peers"] = {"flashinfer": peer()}
     except BudgetExceeded as exc:
         row["note"] = join_notes(row["note"], str(exc))
-    row["sdpa_na"] = f"compared with {case.dense}" if case.dense else "block-sparse"
-    return [row]
 
 
 # --------------------------------------------------------------------------- #

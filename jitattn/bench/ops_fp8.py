@@ -14,9 +14,9 @@ from __future__ import annotations
 import torch
 
 from .inputs import random_tensor, seed_of
-from .ops import dense_baseline, run_peer
+from .ops import run_peer, time_beside_dense
 from .ops_cases import Fp8Prefill
-from .rows import REF_QUERIES, TORCH_DTYPES, BudgetExceeded, Context, join_notes, new_row, rel_err, set_time
+from .rows import REF_QUERIES, TORCH_DTYPES, Context, new_row, rel_err
 
 SCALES = (0.25, 0.5, 1.5)  # scale_q, scale_k, scale_v
 
@@ -60,16 +60,8 @@ def run_fp8_prefill(case: Fp8Prefill, ctx: Context) -> list[dict]:
     out = fn()
     ctx.sync()
     row["max_rel_err"] = _error(case, q, k, v, out)
-    try:
-        ctx.check_budget("timing")
-        set_time(row, ctx.timer.measure(fn, ctx.measure_s), ctx, fn)
-        if case.dense:
-            row["baseline"] = dense_baseline(row, ctx.plain_rows.get(case.dense), case.dense)
-        if "flashinfer" in ctx.peers:
-            row["peers"] = {"flashinfer": run_peer(
-                case, ctx, lambda fi: _call(fi, case, q, k, v, per_head=True), [out], row["time_us"],
-                needs=("single_prefill_with_kv_cache",))}
-    except BudgetExceeded as exc:
-        row["note"] = join_notes(row["note"], str(exc))
+    time_beside_dense(case, ctx, row, fn, lambda: run_peer(
+        case, ctx, lambda fi: _call(fi, case, q, k, v, per_head=True), [out], row["time_us"],
+        needs=("single_prefill_with_kv_cache",)))
     row["sdpa_na"] = f"compared with {case.dense}" if case.dense else "fp8 query"
     return [row]

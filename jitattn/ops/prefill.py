@@ -15,7 +15,7 @@ from ..runtime.rope_first import OPERAND_DTYPE, RopeFirst
 from ..runtime.wrapper import BatchWrapperBase, plan_arguments
 from ..runtime.checks import check_tensor, stream_capturing, target_of
 from ..runtime.compiled import rope_first_operands
-from ..runtime.options import (PAGE_TABLE_HINT, parse_kv_layout, per_tensor_scale, refuse_unsupported,
+from ..runtime.options import (PAGE_TABLE_HINT, hashable, parse_kv_layout, per_tensor_scale, refuse_unsupported,
                                  resolve_batch_invariant, resolve_flag)
 from ..page_table import PagedIndex, check_indptr, check_paged_index
 from ..kv_split import check_fixed_split_size, unsplit
@@ -446,7 +446,7 @@ def plan_single_prefill(
             "single_prefill_with_kv_cache() (also POD's prefill part) is being captured into a CUDA graph, but it "
             "plans its request on every call, which a replay would not repeat; call it outside the capture, or "
             "capture a BatchPrefillWithPagedKVCacheWrapper built with use_cuda_graph=True and planned before it")
-    if custom_mask is None and packed_custom_mask is None and _hashable(options):
+    if custom_mask is None and packed_custom_mask is None and hashable(options):
         wrapper = _single_request_plan(threading.get_ident(), *shape, *options)  # see _single_request_plan
     else:
         wrapper = _plan_single_request(*shape, *options, custom_mask=custom_mask,
@@ -484,11 +484,3 @@ def _plan_single_request(device, kv_layout, backend, qo_len, kv_len, num_qo_head
 @functools.lru_cache(maxsize=64)
 def _single_request_plan(thread: int, *shape_and_options):
     return _plan_single_request(*shape_and_options)
-
-
-def _hashable(values: tuple) -> bool:
-    try:
-        hash(values)
-    except TypeError:  # e.g. an sm_scale given as a numpy array: planned afresh
-        return False
-    return True

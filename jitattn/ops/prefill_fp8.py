@@ -12,7 +12,7 @@ from .. import hardware
 from ..kernels import prefill as prefill_family
 from ..runtime import fp8_prefill
 from ..runtime.checks import stream_capturing
-from ..runtime.options import parse_kv_layout
+from ..runtime.options import hashable, parse_kv_layout
 from ..runtime.specs import attention_spec
 from ..spec import KVLayout, KVStorage, MaskMode, Op, PosEncoding, Target
 
@@ -36,7 +36,7 @@ def single_prefill_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale_
         kv_len, kv_heads = (k.shape[0], k.shape[1]) if layout is KVLayout.NHD else (k.shape[1], k.shape[0])
         plan = (q.device, layout, q.shape[0], kv_len, q.shape[1], kv_heads, q.shape[2], bool(causal), pos_encoding_mode,
                 sm_scale, window_left, logits_soft_cap, q.dtype, fp8.kernel_o_dtype)
-        wrapper = _fp8_plan(threading.get_ident(), *plan) if _hashable(plan) else _plan(*plan)
+        wrapper = _fp8_plan(threading.get_ident(), *plan) if hashable(plan) else _plan(*plan)
         q_scale, k_scale, v_scale = fp8.scales
         result = wrapper.run(q, k, v, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, return_lse=return_lse,
                              sinks=sinks)
@@ -73,14 +73,6 @@ def fp8_kernel_runs(q, k, v, layout: KVLayout, custom_mask, packed_custom_mask, 
         return archs is not None and prefill_family.tier(spec, archs) == "sm90"
     except (ValueError, TypeError):
         return False
-
-
-def _hashable(values: tuple) -> bool:
-    try:
-        hash(values)
-    except TypeError:  # e.g. an sm_scale given as a numpy array: planned afresh
-        return False
-    return True
 
 
 # One planned ragged wrapper per thread and shapes / options, as single_prefill_with_kv_cache keeps its 16-bit plans

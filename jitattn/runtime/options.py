@@ -80,6 +80,16 @@ def resolve_dtypes(
     return q_dtype, kv_dtype
 
 
+def hashable(values: tuple) -> bool:
+    """Whether ``values`` (a plan's shapes and options) can key a cache of planned wrappers (an sm_scale given as a
+    numpy array cannot: planned afresh)."""
+    try:
+        hash(values)
+    except TypeError:
+        return False
+    return True
+
+
 def refuse_unsupported(what: str, hint: str = "leave it unset", **arguments: object) -> None:
     """Raise NotImplementedError naming each FlashInfer argument that was given but is not implemented.
 
