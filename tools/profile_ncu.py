@@ -10,7 +10,8 @@ mla128 (MLA b64 x 4096, 128 heads, page 64), mla16
 (MLA b128 x 4096, 16 heads, page 64), flat_shared (decode b128 over 8192 shared + 256 own tokens each: the
 cascade row's flat twin), window128 (gpt-oss prefill with its 128-key window: 64 / 8 heads d64, ragged causal
 b8 x 4096; tiles of a few KV blocks, where the tile's fixed cost shows), decode_window128 (gpt-oss decode, b64 x
-8192 with the 128-key window, page 16).
+8192 with the 128-key window, page 16), fp8_prefill / bf16_prefill (the sm90 fp8 kernel, q, k, v e4m3, non-causal
+1 x 8192 ragged, and its bf16 twin: the suite's ops/fp8_prefill_noncausal_s8192 and its dense row).
 Warm-up calls (the JIT build, the plan) run before the range; one call runs inside it.
 ``DECODE_TUNING='{"max_stages": 2}'`` renders the decode kernels with those overrides of
 ``jitattn.kernels.decode.TUNING`` (their own cache entries), to profile a layout beside the default.
@@ -134,6 +135,14 @@ def case_fn(name: str):
         w = jitattn.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD")
         w.plan(qo, indptr, indices, last, HQ, HKV, D, page, causal=True, q_data_type=torch.bfloat16)
         return lambda: w.run(q, cache, out=out)
+    if name in ("fp8_prefill", "bf16_prefill"):  # ops/fp8_prefill_noncausal_s8192 and its dense twin (1 x 8192)
+        n, dtype = 8192, torch.float8_e4m3fn if name == "fp8_prefill" else torch.bfloat16
+        q, k, v = (torch.randn(n, h, D, generator=gen).to(dtype).to(dev) for h in (HQ, HKV, HKV))
+        indptr = torch.tensor([0, n], dtype=torch.int32)
+        out = torch.empty(n, HQ, D, dtype=torch.bfloat16, device=dev)
+        w = jitattn.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD")
+        w.plan(indptr, indptr, HQ, HKV, D, q_data_type=dtype, kv_data_type=dtype, o_data_type=torch.bfloat16)
+        return lambda: w.run(q, k, v, out=out)
     if name in ("mla128", "mla16"):
         b, n, page, heads = (64, 4096, 64, 128) if name == "mla128" else (128, 4096, 64, 16)
         per = n // page
