@@ -311,3 +311,12 @@ def test_fp8_paged_refuses_pages_tma_cannot_load() -> None:
                  o_data_type=bf16)
     with pytest.raises(RuntimeError, match="loads whole pages by TMA"):
         wrapper.run(q, cache)
+
+
+def test_an_fp8_plan_off_hopper_says_why() -> None:
+    """A batch wrapper planned with fp8 q / kv where no fp8 kernel runs (the cpu target here) is refused at plan(),
+    saying where it runs and what to pass instead."""
+    wrapper = jitattn.BatchPrefillWithRaggedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8))
+    indptr = torch.tensor([0, 8], dtype=torch.int32)
+    with pytest.raises(ValueError, match="fp8 queries are only for op 'prefill' on target 'cuda'.*use f16 or bf16"):
+        wrapper.plan(indptr, indptr, 4, 4, 128, q_data_type=e4m3, kv_data_type=e4m3, o_data_type=bf16)
