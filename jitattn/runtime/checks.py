@@ -12,6 +12,8 @@ import torch
 
 from ..spec import Target
 
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)  # the fp8 dtypes jitattn takes (q / kv, as FlashInfer)
+
 
 def target_of(what: str, tensors: Iterable[torch.Tensor | None]) -> tuple[Target, torch.device]:
     """The (target, device) all ``tensors`` live on; a clear error if they are mixed."""

@@ -29,10 +29,9 @@ from dataclasses import dataclass
 import torch
 
 from ..spec import KVLayout
-from .checks import check_tensor, target_of
+from .checks import FP8_DTYPES, check_tensor, target_of
 from .options import fp8_scale
 
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 _SIXTEEN_BIT = (torch.float16, torch.bfloat16)
 
 

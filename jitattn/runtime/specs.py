@@ -15,6 +15,7 @@ import torch
 from .. import hardware
 from ..variant import AttentionVariant
 from ..spec import DType, KVLayout, KVStorage, MaskMode, Op, PosEncoding, Target, VariantSpec
+from .checks import FP8_DTYPES
 
 
 @functools.lru_cache(maxsize=512)  # plan() asks for the same spec every step; validation is not free
@@ -161,14 +162,13 @@ def mla_model_specs(
     specs.append(merge_spec(target, dtype))
     specs.append(append_spec(target, kv_dtype))
     if (target is Target.CUDA and hardware.hopper_only(hardware.known_arch_list()) and dtype in (torch.float16, torch.bfloat16)
-            and (kv_dtype == dtype or kv_dtype in MLA_FP8_CACHE)
+            and (kv_dtype == dtype or kv_dtype in FP8_DTYPES)
             and (kv_lora_rank, qk_rope_head_dim) == (MLA_CKV_DIM, MLA_KPE_DIM)):
         specs.append(mla_kernel_spec(dtype, kv_dtype))  # what the MLA wrapper plans on an H100/H200
     return list(dict.fromkeys(specs))
 
 
 MLA_CKV_DIM, MLA_KPE_DIM = 512, 64  # the dedicated MLA kernel's latent widths (jitattn.kernels.mla)
-MLA_FP8_CACHE = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 @functools.lru_cache(maxsize=16)

@@ -14,9 +14,9 @@ import struct
 import torch
 
 from .batch import AttentionPlan, run_plan, run_plan_or_compiled, workspace_target
-from .checks import target_of
+from .checks import FP8_DTYPES, target_of
 from .compiled import register_wrapper
-from .fp8_prefill import FP8_DTYPES, device_scales
+from .fp8_prefill import device_scales
 from .options import fp8_scale, parse_kv_layout, refuse_unsupported, resolve_window_left
 
 # The index arrays a captured launch reads, which CUDA-graph mode needs in fixed caller buffers.
