@@ -369,10 +369,7 @@ def test_short_items_layout_gives_the_default_layouts_bits(name):
     """The short-items layout (more resident blocks, two stages) computes every tile as the default one does:
     against the reference, and bit for bit the default layout's output, whole and split (the split-KV merge
     stages through its smaller shared memory)."""
-    check_short_items_bits(SHORT_ITEMS[name])
-
-
-def check_short_items_bits(spec: VariantSpec) -> None:
+    spec = SHORT_ITEMS[name]
     assert jitattn.jit.has_short_items_layout(spec)
     lens = [1, 0, 37, 300, 16, 129, 64, 65, 1000, 2]
     gen = torch.Generator().manual_seed(61)
@@ -387,48 +384,6 @@ def check_short_items_bits(spec: VariantSpec) -> None:
         short = run_decode(spec, q, kv, chunk=chunk, short_items=True, **kw)
         check(*short, ref, spec.q_dtype.torch_dtype)
         assert torch.equal(short[0], default[0]) and torch.equal(short[1], default[1])
-
-
-GPTOSS_WINDOW = dspec(hd=64, g=8, swa=True)  # gpt-oss's sliding-window layers (64 / 8 heads, d64)
-
-
-@pytest.fixture
-def four_short_blocks(monkeypatch, fresh_registry):
-    """Decode TUNING with a short-items layout of four resident blocks of 64-token stages at head dim 64."""
-    from jitattn.kernels import decode
-
-    monkeypatch.setitem(decode.TUNING, "mma_blocks_per_sm_short", 4)
-    monkeypatch.setitem(decode.TUNING, "mma_steps_short", 1)
-    decode.short_items_layout.cache_clear()
-    yield decode
-    decode.short_items_layout.cache_clear()
-
-
-@pytest.mark.parametrize("name", ["bf16_hd64_g8", "gptoss_window"])
-def test_four_short_items_blocks_give_the_default_layouts_bits(name, four_short_blocks):
-    spec = {"bf16_hd64_g8": SHORT_ITEMS["bf16_hd64_g8"], "gptoss_window": GPTOSS_WINDOW}[name]
-    assert four_short_blocks.short_items_layout(spec)["kMinBlocks"] == 4
-    check_short_items_bits(spec)
-
-
-def test_a_window_batch_that_four_short_blocks_hold_in_one_wave_takes_them(four_short_blocks):
-    """gpt-oss's window-128 decode shape: 4 x SMs / 8 requests x 8 KV heads of 8k tokens under a window of 128 fill
-    four blocks a SM in one wave (two waves of the default layout): the plan takes the short-items layout, and the
-    output matches the reference."""
-    gen = torch.Generator().manual_seed(71)
-    hkv, g, d, page = 8, 8, 64, 16
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    batch = 4 * sms // hkv
-    lens = torch.randint(1000, 8192, (batch,), generator=gen).tolist()
-    kv = Paged(lens, hkv, d, d, page, bf16, fmt="5d", gen=gen)
-    q = torch.randn(batch, hkv * g, d, generator=gen).to(bf16).cuda()
-    wrapper = jitattn.BatchDecodeWithPagedKVCacheWrapper(torch.empty(64 << 20, dtype=torch.uint8, device="cuda"))
-    wrapper.plan(kv.kv_indptr, kv.kv_indices, kv.kv_last_page_len, hkv * g, hkv, d, page, q_data_type=bf16,
-                 window_left=127)
-    assert wrapper._plan.split.short_items and wrapper._plan.launch.params.short_items == 1
-    out, lse = wrapper.run(q, kv.cache, return_lse=True)
-    torch.cuda.synchronize()
-    check(out, lse, ref_decode(GPTOSS_WINDOW, q, kv, window=127), bf16)
 
 
 def test_short_items_is_refused_by_a_module_without_that_layout():
