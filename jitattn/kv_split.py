@@ -136,16 +136,14 @@ SHORT_ITEMS_MAX_TOKENS = 1024  # ... a request of at most this many tokens is sh
 
 
 def short_items_split(split: KVSplit, index: PagedIndex, num_kv_heads: int, num_sms: int,
-                      window_left: int = -1, resident: tuple[int, int] = (0, 0)) -> KVSplit:
-    """``split`` with ``short_items`` set when it is unsplit, has ``SHORT_ITEMS_MIN_BLOCKS_PER_SM`` blocks per SM (or
-    ``resident`` = (the default layout's, the short-items layout's) resident blocks per SM and the short-items layout
-    runs in one wave what the default runs in two), and either every request is short (``SHORT_ITEMS_MAX_TOKENS``; a
-    sliding window of ``window_left`` >= 0 reads at most ``window_left + 1`` tokens of each) or the page table
-    references its pages at least twice over on average (its highest page id below half the references: the re-reads
-    come from L2). The caller checks that the module has the layout."""
+                      window_left: int = -1) -> KVSplit:
+    """``split`` with ``short_items`` set when it is unsplit, has ``SHORT_ITEMS_MIN_BLOCKS_PER_SM`` blocks per SM, and
+    either every request is short (``SHORT_ITEMS_MAX_TOKENS``; a sliding window of ``window_left`` >= 0 reads at most
+    ``window_left + 1`` tokens of each) or the page table references its pages at least twice over on average (its
+    highest page id below half the references: the re-reads come from L2). The caller checks that the module has
+    the layout."""
     blocks = index.batch_size * num_kv_heads
-    one_wave = resident[0] * num_sms < blocks <= resident[1] * num_sms
-    if split.kv_chunk_size or (blocks < SHORT_ITEMS_MIN_BLOCKS_PER_SM * num_sms and not one_wave):
+    if split.kv_chunk_size or blocks < SHORT_ITEMS_MIN_BLOCKS_PER_SM * num_sms:
         return split
     longest = int(index.kv_len_array.max())
     if window_left >= 0:

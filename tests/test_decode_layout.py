@@ -7,8 +7,7 @@ import torch
 
 from jitattn.jit import has_short_items_layout, render
 from jitattn.kernels.decode import LAYOUT_CONSTANTS, TUNING, cuda_layout, short_items_layout
-from jitattn.kv_split import (SHORT_ITEMS_MAX_TOKENS, SHORT_ITEMS_MIN_BLOCKS_PER_SM, decode_kv_split, short_items_split,
-                              unsplit)
+from jitattn.kv_split import SHORT_ITEMS_MAX_TOKENS, SHORT_ITEMS_MIN_BLOCKS_PER_SM, decode_kv_split, short_items_split
 from jitattn.page_table import check_paged_index
 from jitattn.spec import VariantSpec
 
@@ -133,22 +132,6 @@ def test_many_unsplit_blocks_of_short_or_shared_requests_take_the_short_items_la
     assert marked.short_items is expected
     assert marked.kv_chunk_size == split.kv_chunk_size and marked.split_indptr == split.split_indptr
     assert (SHORT_ITEMS_MIN_BLOCKS_PER_SM, SHORT_ITEMS_MAX_TOKENS) == (6, 1024)
-
-
-@pytest.mark.parametrize("batch,resident,expected", [
-    (64, (2, 4), True),    # 512 blocks: two waves of the default's 264 slots, one of the short layout's 528
-    (64, (2, 3), False),   # 396 slots: still two waves
-    (33, (2, 4), False),   # 264 blocks: one wave of the default already
-    (66, (2, 4), True),    # 528: every slot of the short layout's one wave
-    (67, (2, 4), False),   # 536: two waves either way
-])
-def test_the_short_items_layout_runs_in_one_wave_what_the_default_runs_in_two(batch, resident, expected):
-    """Fewer than SHORT_ITEMS_MIN_BLOCKS_PER_SM blocks per SM take the short-items layout when its resident blocks
-    hold them all and the default layout's do not (gpt-oss's window-128 decode: 64 requests x 8 KV heads)."""
-    index = _index([8192] * batch)
-    split = unsplit(batch)
-    assert short_items_split(split, index, 8, 132, 127, resident).short_items is expected
-    assert short_items_split(split, index, 8, 132, -1, resident).short_items is False  # long requests, own pages
 
 
 @pytest.mark.parametrize("window_left,expected", [(-1, False), (127, True), (1023, True), (1024, False)])

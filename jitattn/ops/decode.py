@@ -13,7 +13,7 @@ from ..runtime.wrapper import BatchWrapperBase, plan_arguments
 from ..runtime.checks import check_tensor, target_of
 from ..runtime.launch import PreparedAttention
 from ..runtime.options import PAGE_TABLE_HINT, parse_kv_layout, refuse_unsupported, resolve_batch_invariant
-from ..jit import load, resident_blocks, short_items_blocks
+from ..jit import has_short_items_layout, load, resident_blocks
 from ..page_table import PagedIndex, check_paged_index, to_host_int32
 from ..kv_split import (
     MAX_RESIDENT_BLOCKS, KVSplit, check_fixed_split_size, decode_kv_split, max_decode_chunks, short_items_split,
@@ -165,11 +165,9 @@ class BatchDecodeWithPagedKVCacheWrapper(BatchWrapperBase):
 
     def _with_layout(self, split: KVSplit, spec, num_kv_heads: int, index: PagedIndex, window_left: int) -> KVSplit:
         """``split``, marked for the module's short-items layout when it has one and the plan suits it."""
-        short = short_items_blocks(spec)
-        if not short:
+        if not has_short_items_layout(spec):
             return split
-        return short_items_split(split, index, num_kv_heads, num_workers(self._device), window_left,
-                                 (resident_blocks(spec), short))
+        return short_items_split(split, index, num_kv_heads, num_workers(self._device), window_left)
 
     def _launch_to_reuse(self, key: tuple, spec) -> PreparedAttention | None:
         """The last plan's launch when its struct was filled from ``key`` (kernel, options, batch, page size,
