@@ -54,32 +54,11 @@ def test_the_short_items_layout_differs_only_in_its_occupancy_constants(hd, grou
     spec = _spec(hd, group=group)
     default, short = cuda_layout(spec), short_items_layout(spec)
     assert short is not None
-    assert TUNING["mma_blocks_per_sm_short"] >= short["kMinBlocks"] > default["kMinBlocks"]
+    assert short["kMinBlocks"] == TUNING["mma_blocks_per_sm_short"] > default["kMinBlocks"]
     assert short["kStages"] < default["kStages"] and short["kStages"] >= 2
     assert short["kSmemBytes"] * short["kMinBlocks"] <= TUNING["smem_per_sm"]
     assert {k for k in default if default[k] != short[k]} <= set(LAYOUT_CONSTANTS)
     assert short["kQOffset"] == (short["kStages"] - 1) * short["kKStageBytes"]
-
-
-@pytest.fixture
-def short_tuning(monkeypatch):
-    """Sets decode TUNING entries for one test, the short-items layouts computed under them forgotten after it."""
-    short_items_layout.cache_clear()
-    yield lambda **kw: [monkeypatch.setitem(TUNING, k, v) for k, v in kw.items()]
-    monkeypatch.undo()
-    short_items_layout.cache_clear()
-
-
-def test_the_short_items_layout_takes_the_most_resident_blocks_that_fit(short_tuning):
-    """Up to mma_blocks_per_sm_short blocks: four at head dim 64 once its stages are 64 tokens (mma_steps_short 1),
-    three at head dim 128, whose stages four blocks cannot hold two of."""
-    short_tuning(mma_blocks_per_sm_short=4, mma_steps_short=1)
-    d64, d128 = short_items_layout(_spec(64, group=8)), short_items_layout(_spec(128, group=4))
-    assert (d64["kMinBlocks"], d64["kTileTokens"]) == (4, 64) and d64["kStages"] >= 2
-    assert d64["kSmemBytes"] * 4 <= TUNING["smem_per_sm"]
-    assert d128["kMinBlocks"] == 3 and d128["kStages"] >= 2
-    short_tuning(mma_steps_short=0)  # 128-token stages at head dim 64: four blocks do not fit two
-    assert short_items_layout.__wrapped__(_spec(64, group=8))["kMinBlocks"] == 3
 
 
 @pytest.mark.parametrize("case", ["hd96", "hd256", "fp8", "rope", "group16"])

@@ -86,9 +86,6 @@ TUNING: dict[str, int] = {
     # Resident blocks of the module's second tensor-core layout, for many short requests (see short_items_layout);
     # 0: modules have none.
     "mma_blocks_per_sm_short": 3,
-    # ... and its 16-token steps per warp per stage (0: the default layout's mma_steps / mma_steps_small_rows);
-    # 1 at head dim 64 makes 64-token stages, small enough for four blocks per SM
-    "mma_steps_short": 0,
     "mma_steps": 1,            # 16-token steps per warp per pipeline stage on the tensor-core path
     # ... when a token's K + V rows are at most 256 bytes (16-bit head dim 64): two steps make 32 KiB stages
     # as at head dim 128, halving the per-stage costs (barrier, softmax update, page lookups) per byte. H200,
@@ -181,13 +178,8 @@ def short_items_layout(spec: VariantSpec) -> dict[str, int] | None:
             or spec.variant is not None or spec.pos_encoding is PosEncoding.ROPE_LLAMA or spec.group_size > 8
             or spec.head_dim_qk not in (64, 128) or spec.head_dim_vo != spec.head_dim_qk):
         return None
-    steps = TUNING["mma_steps_short"]
-    over = {"mma_steps": steps, "mma_steps_small_rows": steps} if steps else {}
-    for b in range(blocks, base["kMinBlocks"], -1):  # the most resident blocks that fit, up to ``blocks``
-        short = cuda_layout(spec, {**over, "mma_blocks_per_sm": b})
-        if short["kMinBlocks"] == b:
-            return short
-    return None
+    short = cuda_layout(spec, {"mma_blocks_per_sm": blocks})
+    return short if short["kMinBlocks"] == blocks else None
 
 
 def _whole_lines(*row_bytes: int) -> bool:
