@@ -132,6 +132,8 @@ SM90_FP8_KV_BLOCK = 128
 # partial sums added as a tree, another order of the float additions).
 # exp_poly: every exp_poly-th group of 4 of a thread's softmax exponentials by a polynomial on the FMA pipes
 # (sm90::ex2_poly) instead of MUFU (0: all on MUFU). 16-bit d64 / d128 lost 8-17% with 2 or 4 (2026-12-02).
+# pv_overlap: 1 puts the block loop's softmax in a basic block of its own, so that ptxas keeps the wait for the
+# previous block's P V after it (0: ptxas hoists that wait above the softmax, which then starts only once P V is done).
 # wg_skip: 1 (causal or a sliding window, no custom mask, query heads not packed into the tile: its warpgroups hold 64
 # consecutive tokens each) lets each consumer warpgroup skip the KV blocks outside its own rows' keys, which only the tile's other
 # rows need (d64 causal b16 x 2048: 10% of the warpgroups' blocks); 0 computes them masked (the same bits).
@@ -139,7 +141,7 @@ SM90_TUNING: dict[str, int] = {"gather_sync": 0, "gather_l2": 0, "paged_kv_block
                                "paged_tma": 1, "consumers_d64": 3, "kv_block": 0, "kv_stages": 0,
                                "q_buffers": 1, "tile_search": 1, "stage_o": 1, "lazy_rescale": 8, "trace": 0,
                                "row_sum_mma": 0, "max_chains": 1, "sum_chains": 1, "exp_poly": 0,
-                               "wg_skip": 1}
+                               "pv_overlap": 1, "wg_skip": 1}
 ROW_SUM_MMA_DIMS = (64,)  # the wgmma_sm90.cuh row-sum wrappers' N (tools/gen_wgmma.py ROW_SUM_NS)
 _ONES_BYTES = 16 * 128  # row_sum_mma's block of ones: one k-step (16 rows) of a 64-column block
 
@@ -231,11 +233,11 @@ def _check_tuning(tuning: dict[str, int]) -> None:
             tuning["lazy_rescale"] not in range(0, 16) or tuning["trace"] not in (0, 1) or \
             tuning["row_sum_mma"] not in (0, 1) or tuning["max_chains"] not in (1, 2, 4, 8) or \
             tuning["sum_chains"] not in (1, 2, 4, 8) or tuning["wg_skip"] not in (0, 1) or \
-            tuning["exp_poly"] not in range(0, 9):
+            tuning["exp_poly"] not in range(0, 9) or tuning["pv_overlap"] not in (0, 1):
         raise ValueError(f"SM90_TUNING={tuning}: gather_sync takes 0 to 3, gather_l2 0, 64, 128 or 256, "
                          "soft_cap_tanh 0 or 1, paged_tma 0 to 2, consumers_d64 2 or 3, q_buffers 1 or 2, "
-                         "tile_search / stage_o / trace / row_sum_mma / wg_skip 0 or 1, max_chains / sum_chains 1, 2, "
-                         "4 or 8, exp_poly 0 to 8 and lazy_rescale 0 to 15")
+                         "tile_search / stage_o / trace / row_sum_mma / pv_overlap / wg_skip 0 or 1, max_chains / "
+                         "sum_chains 1, 2, 4 or 8, exp_poly 0 to 8 and lazy_rescale 0 to 15")
 
 
 def _kv_block(dim: int, consumers: int, paged: bool, fp8: bool) -> int:
@@ -327,6 +329,7 @@ def sm90_layout(spec: VariantSpec) -> dict[str, int]:
         "kMaxChains": tuning["max_chains"],
         "kSumChains": tuning["sum_chains"],
         "kExpPoly": tuning["exp_poly"],
+        "kPvOverlap": tuning["pv_overlap"],
         "kWgSkip": int(bool(tuning["wg_skip"]) and spec.mask_mode is not MaskMode.CUSTOM and sm90_pack(spec, bm) == 1
                        and (spec.mask_mode is MaskMode.CAUSAL or spec.use_sliding_window)),
         "kGatherSync": tuning["gather_sync"], "kGatherL2": tuning["gather_l2"],
