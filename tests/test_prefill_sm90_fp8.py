@@ -119,6 +119,20 @@ def test_16_bit_layouts_keep_their_constants():
     assert (lay["kProducerRegs"], lay["kConsumerRegs"], lay["kOffVt"]) == (24, 240, lay["kOffBar"])
 
 
+@pytest.mark.parametrize("knob,fp8,bf16", [(0, 0, 0), (1, 0, 1), (2, 1, 1)])
+def test_pv_overlap_leaves_the_fp8_kernel_out_unless_asked(monkeypatch, knob, fp8, bf16):
+    """pv_overlap 1 (the default): the 16-bit kernels' softmax in its own basic block, not the fp8 kernel's (slower
+    with it on the H200); 2: both."""
+    monkeypatch.setitem(prefill_sm90.SM90_TUNING, "pv_overlap", knob)
+    sixteen = attention_spec(
+        Op.PREFILL, Target.CUDA, q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16, o_dtype=torch.bfloat16,
+        head_dim_qk=128, head_dim_vo=128, num_qo_heads=32, num_kv_heads=8, pos_encoding=PosEncoding.NONE,
+        use_sliding_window=False, use_logits_soft_cap=False, mask_mode=MaskMode.CAUSAL, kv_layout=KVLayout.NHD,
+        kv_storage=KVStorage.RAGGED)
+    assert prefill_sm90.sm90_layout(SUPPORTED["e4m3_causal_g4"])["kPvOverlap"] == fp8
+    assert prefill_sm90.sm90_layout(sixteen)["kPvOverlap"] == bf16
+
+
 def test_fp8_lazy_rescale_keeps_p_inside_e4m3(monkeypatch):
     """P reaches 2^lazy_rescale; e4m3's largest value is 448, so an e4m3 kernel takes at most 8 (e5m2: any)."""
     monkeypatch.setitem(prefill_sm90.SM90_TUNING, "lazy_rescale", 12)

@@ -132,8 +132,10 @@ SM90_FP8_KV_BLOCK = 128
 # partial sums added as a tree, another order of the float additions).
 # exp_poly: every exp_poly-th group of 4 of a thread's softmax exponentials by a polynomial on the FMA pipes
 # (sm90::ex2_poly) instead of MUFU (0: all on MUFU). 16-bit d64 / d128 lost 8-17% with 2 or 4 (2026-12-02).
-# pv_overlap: 1 puts the block loop's softmax in a basic block of its own, so that ptxas keeps the wait for the
-# previous block's P V after it (0: ptxas hoists that wait above the softmax, which then starts only once P V is done).
+# pv_overlap: 1 puts the 16-bit block loop's softmax in a basic block of its own, so that ptxas keeps the wait for the
+# previous block's P V after it (0: ptxas hoists that wait above the softmax, which then starts only once P V is
+# done; 2: the fp8 kernel's too). H200, 2026-12-05 (c), events: d128 causal b8 x 4096 -1 to -3%, non-causal -0.6%,
+# paged within noise; the fp8 kernel 2-4% slower with it (1389-1403 -> 1423-1441 us), so 1 leaves it out.
 # wg_skip: 1 (causal or a sliding window, no custom mask, query heads not packed into the tile: its warpgroups hold 64
 # consecutive tokens each) lets each consumer warpgroup skip the KV blocks outside its own rows' keys, which only the tile's other
 # rows need (d64 causal b16 x 2048: 10% of the warpgroups' blocks); 0 computes them masked (the same bits).
@@ -233,10 +235,10 @@ def _check_tuning(tuning: dict[str, int]) -> None:
             tuning["lazy_rescale"] not in range(0, 16) or tuning["trace"] not in (0, 1) or \
             tuning["row_sum_mma"] not in (0, 1) or tuning["max_chains"] not in (1, 2, 4, 8) or \
             tuning["sum_chains"] not in (1, 2, 4, 8) or tuning["wg_skip"] not in (0, 1) or \
-            tuning["exp_poly"] not in range(0, 9) or tuning["pv_overlap"] not in (0, 1):
+            tuning["exp_poly"] not in range(0, 9) or tuning["pv_overlap"] not in (0, 1, 2):
         raise ValueError(f"SM90_TUNING={tuning}: gather_sync takes 0 to 3, gather_l2 0, 64, 128 or 256, "
                          "soft_cap_tanh 0 or 1, paged_tma 0 to 2, consumers_d64 2 or 3, q_buffers 1 or 2, "
-                         "tile_search / stage_o / trace / row_sum_mma / pv_overlap / wg_skip 0 or 1, max_chains / "
+                         "tile_search / stage_o / trace / row_sum_mma / wg_skip 0 or 1, pv_overlap 0 to 2, max_chains / "
                          "sum_chains 1, 2, 4 or 8, exp_poly 0 to 8 and lazy_rescale 0 to 15")
 
 
@@ -329,7 +331,7 @@ def sm90_layout(spec: VariantSpec) -> dict[str, int]:
         "kMaxChains": tuning["max_chains"],
         "kSumChains": tuning["sum_chains"],
         "kExpPoly": tuning["exp_poly"],
-        "kPvOverlap": tuning["pv_overlap"],
+        "kPvOverlap": int(tuning["pv_overlap"] > (1 if fp8 else 0)),
         "kWgSkip": int(bool(tuning["wg_skip"]) and spec.mask_mode is not MaskMode.CUSTOM and sm90_pack(spec, bm) == 1
                        and (spec.mask_mode is MaskMode.CAUSAL or spec.use_sliding_window)),
         "kGatherSync": tuning["gather_sync"], "kGatherL2": tuning["gather_l2"],
