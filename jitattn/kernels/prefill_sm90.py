@@ -328,9 +328,7 @@ def sm90_layout(spec: VariantSpec) -> dict[str, int]:
         "kQChunkBytes": q_chunk, "kKVChunkBytes": kv_chunk, "kQBytes": q_bytes, "kKBytes": k_bytes, "kVBytes": v_bytes,
         "kOffQ": 0, "kItemRing": ring, **offsets, "kTileSearch": tuning["tile_search"],
         "kLazyRescale": lazy, "kRowSumMma": int(row_sum),
-        "kMaxChains": tuning["max_chains"],
-        "kSumChains": tuning["sum_chains"],
-        "kExpPoly": tuning["exp_poly"],
+        "kMaxChains": tuning["max_chains"], "kSumChains": tuning["sum_chains"], "kExpPoly": tuning["exp_poly"],
         "kPvOverlap": int(tuning["pv_overlap"] > (1 if fp8 else 0)),
         "kWgSkip": int(bool(tuning["wg_skip"]) and spec.mask_mode is not MaskMode.CUSTOM and sm90_pack(spec, bm) == 1
                        and (spec.mask_mode is MaskMode.CAUSAL or spec.use_sliding_window)),
