@@ -131,7 +131,8 @@ SM90_FP8_KV_BLOCK = 128
 # sum_chains: the same for the row sums (1: one chain of adds through a thread's kBN / 8 pairs of a row; 2, 4, 8:
 # partial sums added as a tree, another order of the float additions).
 # exp_poly: every exp_poly-th group of 4 of a thread's softmax exponentials by a polynomial on the FMA pipes
-# (sm90::ex2_poly) instead of MUFU (0: all on MUFU). 16-bit d64 / d128 lost 8-17% with 2 or 4 (2026-12-02).
+# (sm90::ex2_poly) instead of MUFU (0: all on MUFU). 16-bit d64 / d128 lost 8-17% with 2 or 4 (2026-12-02), the fp8
+# kernel 5-9% with 4 (2026-12-05 (c)).
 # pv_overlap: 1 puts the 16-bit block loop's softmax in a basic block of its own, so that ptxas keeps the wait for the
 # previous block's P V after it (0: ptxas hoists that wait above the softmax, which then starts only once P V is
 # done; 2: the fp8 kernel's too). H200, 2026-12-05 (c), events: d128 causal b8 x 4096 -1 to -3%, non-causal -0.6%,
@@ -238,8 +239,8 @@ def _check_tuning(tuning: dict[str, int]) -> None:
             tuning["exp_poly"] not in range(0, 9) or tuning["pv_overlap"] not in (0, 1, 2):
         raise ValueError(f"SM90_TUNING={tuning}: gather_sync takes 0 to 3, gather_l2 0, 64, 128 or 256, "
                          "soft_cap_tanh 0 or 1, paged_tma 0 to 2, consumers_d64 2 or 3, q_buffers 1 or 2, "
-                         "tile_search / stage_o / trace / row_sum_mma / wg_skip 0 or 1, pv_overlap 0 to 2, max_chains / "
-                         "sum_chains 1, 2, 4 or 8, exp_poly 0 to 8 and lazy_rescale 0 to 15")
+                         "tile_search / stage_o / trace / row_sum_mma / wg_skip 0 or 1, pv_overlap 0 to 2, "
+                         "max_chains / sum_chains 1, 2, 4 or 8, exp_poly 0 to 8 and lazy_rescale 0 to 15")
 
 
 def _kv_block(dim: int, consumers: int, paged: bool, fp8: bool) -> int:
