@@ -128,11 +128,6 @@ SM90_FP8_KV_BLOCK = 128
 # thread); the sums are then of the 16-bit P that O's numerator takes (LSE within 2^-9 relative of the fp32 sum's).
 # max_chains: independent chains of maxima per row and thread in softmax (1: one chain through all kBN / 4 of a
 # thread's scores of a row, whose length the exponentials wait on; 2, 4, 8: shorter chains, more registers live).
-# sum_chains: the same for the row sums (1: one chain of adds through a thread's kBN / 8 pairs of a row; 2, 4, 8:
-# partial sums added as a tree, another order of the float additions).
-# exp_poly: every exp_poly-th group of 4 of a thread's softmax exponentials by a polynomial on the FMA pipes
-# (sm90::ex2_poly) instead of MUFU (0: all on MUFU). 16-bit d64 / d128 lost 8-17% with 2 or 4 (2026-12-02), the fp8
-# kernel 5-9% with 4 (2026-12-05 (c)).
 # pv_overlap: 1 puts the 16-bit block loop's softmax in a basic block of its own, so that ptxas keeps the wait for the
 # previous block's P V after it (0: ptxas hoists that wait above the softmax, which then starts only once P V is
 # done; 2: the fp8 kernel's too). H200, 2026-12-05 (c), events: d128 causal b8 x 4096 -1 to -3%, non-causal -0.6%,
@@ -143,8 +138,7 @@ SM90_FP8_KV_BLOCK = 128
 SM90_TUNING: dict[str, int] = {"gather_sync": 0, "gather_l2": 0, "paged_kv_block": 0, "soft_cap_tanh": 0,
                                "paged_tma": 1, "consumers_d64": 3, "kv_block": 0, "kv_stages": 0,
                                "q_buffers": 1, "tile_search": 1, "stage_o": 1, "lazy_rescale": 8, "trace": 0,
-                               "row_sum_mma": 0, "max_chains": 1, "sum_chains": 1, "exp_poly": 0,
-                               "pv_overlap": 1, "wg_skip": 1}
+                               "row_sum_mma": 0, "max_chains": 1, "pv_overlap": 1, "wg_skip": 1}
 ROW_SUM_MMA_DIMS = (64,)  # the wgmma_sm90.cuh row-sum wrappers' N (tools/gen_wgmma.py ROW_SUM_NS)
 _ONES_BYTES = 16 * 128  # row_sum_mma's block of ones: one k-step (16 rows) of a 64-column block
 
@@ -235,12 +229,11 @@ def _check_tuning(tuning: dict[str, int]) -> None:
             tuning["tile_search"] not in (0, 1) or tuning["stage_o"] not in (0, 1) or \
             tuning["lazy_rescale"] not in range(0, 16) or tuning["trace"] not in (0, 1) or \
             tuning["row_sum_mma"] not in (0, 1) or tuning["max_chains"] not in (1, 2, 4, 8) or \
-            tuning["sum_chains"] not in (1, 2, 4, 8) or tuning["wg_skip"] not in (0, 1) or \
-            tuning["exp_poly"] not in range(0, 9) or tuning["pv_overlap"] not in (0, 1, 2):
+            tuning["wg_skip"] not in (0, 1) or tuning["pv_overlap"] not in (0, 1, 2):
         raise ValueError(f"SM90_TUNING={tuning}: gather_sync takes 0 to 3, gather_l2 0, 64, 128 or 256, "
                          "soft_cap_tanh 0 or 1, paged_tma 0 to 2, consumers_d64 2 or 3, q_buffers 1 or 2, "
                          "tile_search / stage_o / trace / row_sum_mma / wg_skip 0 or 1, pv_overlap 0 to 2, "
-                         "max_chains / sum_chains 1, 2, 4 or 8, exp_poly 0 to 8 and lazy_rescale 0 to 15")
+                         "max_chains 1, 2, 4 or 8 and lazy_rescale 0 to 15")
 
 
 def _kv_block(dim: int, consumers: int, paged: bool, fp8: bool) -> int:
@@ -329,7 +322,7 @@ def sm90_layout(spec: VariantSpec) -> dict[str, int]:
         "kQChunkBytes": q_chunk, "kKVChunkBytes": kv_chunk, "kQBytes": q_bytes, "kKBytes": k_bytes, "kVBytes": v_bytes,
         "kOffQ": 0, "kItemRing": ring, **offsets, "kTileSearch": tuning["tile_search"],
         "kLazyRescale": lazy, "kRowSumMma": int(row_sum),
-        "kMaxChains": tuning["max_chains"], "kSumChains": tuning["sum_chains"], "kExpPoly": tuning["exp_poly"],
+        "kMaxChains": tuning["max_chains"],
         "kPvOverlap": int(tuning["pv_overlap"] > (1 if fp8 else 0)),
         "kWgSkip": int(bool(tuning["wg_skip"]) and spec.mask_mode is not MaskMode.CUSTOM and sm90_pack(spec, bm) == 1
                        and (spec.mask_mode is MaskMode.CAUSAL or spec.use_sliding_window)),

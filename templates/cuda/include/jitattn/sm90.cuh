@@ -215,17 +215,5 @@ __device__ __forceinline__ float ex2(float x) {
   return y;
 }
 
-// 2^x on the FMA and integer pipes instead of the MUFU unit (16 results a clock per SM, which an fp8 softmax at
-// head_dim 128 keeps as busy as the tensor cores): x rounded to the integer j by adding 1.5 * 2^23, 2^(x - j) by a
-// degree-3 polynomial on [-0.5, 0.5] (relative error < 7.5e-5), j added to its exponent. For x <= -127 and -inf 0,
-// as ex2.approx.ftz gives; NaN gives 0 (a NaN row still turns NaN through its rescale factor, which stays on ex2).
-__device__ __forceinline__ float ex2_poly(float x) {
-  x = fmaxf(x, -127.0f);
-  const float t = x + 12582912.0f;  // j in the low mantissa bits of t
-  const float f = x - (t - 12582912.0f);
-  const float p = fmaf(fmaf(fmaf(0.0551716685f, f, 0.2426111400f), f, 0.6932609677f), f, 0.9999280572f);
-  return __int_as_float(max(__float_as_int(p) + (__float_as_int(t) << 23), 0));
-}
-
 }  // namespace sm90
 }  // namespace jitattn
