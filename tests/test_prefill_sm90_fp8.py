@@ -141,16 +141,8 @@ def test_fp8_lazy_rescale_keeps_p_inside_e4m3(monkeypatch):
 
 
 def test_fp8_kv_block_knob(monkeypatch):
-    """fp8_kv_block sets the fp8 kernel's ragged KV block (128 or 192), kv_block the 16-bit kernels' only."""
     monkeypatch.setitem(prefill_sm90.SM90_TUNING, "kv_block", 176)
-    assert prefill_sm90.sm90_layout(SUPPORTED["e4m3_causal_g4"])["kBN"] == prefill_sm90.SM90_FP8_KV_BLOCK
-    monkeypatch.setitem(prefill_sm90.SM90_TUNING, "fp8_kv_block", 192)
-    layout = prefill_sm90.sm90_layout(SUPPORTED["e4m3_causal_g4"])
-    # V^T in two atoms of 128 keys; the producer's transpose at 64 registers, the consumers' S at 216
-    assert (layout["kBN"], layout["kVtBytes"], layout["kProducerRegs"], layout["kConsumerRegs"]) == \
-        (192, 2 * 128 * 128, 64, 216)
-    monkeypatch.setitem(prefill_sm90.SM90_TUNING, "fp8_kv_block", 176)
-    with pytest.raises(ValueError, match="fp8_kv_block 0, 128 or 192"):
+    with pytest.raises(ValueError, match="an fp8 query takes KV blocks of 128"):
         prefill_sm90.sm90_layout(SUPPORTED["e4m3_causal_g4"])
 
 

@@ -94,7 +94,7 @@ SM90_HEAD_DIMS = ((64, 64), (128, 128), (256, 256), (192, 128))
 SM90_PAGED_KV_BLOCK = {64: 192, 128: 128, 256: 64}
 SM90_KV_BLOCK_3WG = 128  # head_dim 64 with three consumer warpgroups (SM90_TUNING consumers_d64)
 # An fp8 query: the P V GEMM's B operand (V^T, keys along K, fp8 wgmma takes K-major operands only) is a row of 128
-# keys per swizzle atom, so blocks of 128 or 192 (1.5 atoms; 256 would overflow the consumers' registers).
+# keys per swizzle atom, so blocks of 128 (256, two atoms, would overflow the consumers' registers); not yet measured.
 SM90_FP8_KV_BLOCK = 128
 
 # Knobs of the sm90 tier's cp.async gathers (paged KV, repeated query rows), for experiments
@@ -132,16 +132,13 @@ SM90_FP8_KV_BLOCK = 128
 # previous block's P V after it (0: ptxas hoists that wait above the softmax, which then starts only once P V is
 # done; 2: the fp8 kernel's too). H200, 2026-12-05 (c), events: d128 causal b8 x 4096 -1 to -3%, non-causal -0.6%,
 # paged within noise; the fp8 kernel 2-4% slower with it (1389-1403 -> 1423-1441 us), so 1 leaves it out.
-# fp8_kv_block: KV tokens per stage of the fp8 kernel over ragged KV (0: SM90_FP8_KV_BLOCK; 128 or 192: S's 96
-# columns per thread, the producer at 64 registers and the consumers at 216).
 # wg_skip: 1 (causal or a sliding window, no custom mask, query heads not packed into the tile: its warpgroups hold 64
 # consecutive tokens each) lets each consumer warpgroup skip the KV blocks outside its own rows' keys, which only the tile's other
 # rows need (d64 causal b16 x 2048: 10% of the warpgroups' blocks); 0 computes them masked (the same bits).
 SM90_TUNING: dict[str, int] = {"gather_sync": 0, "gather_l2": 0, "paged_kv_block": 0, "soft_cap_tanh": 0,
                                "paged_tma": 1, "consumers_d64": 3, "kv_block": 0, "kv_stages": 0,
                                "q_buffers": 1, "tile_search": 1, "stage_o": 1, "lazy_rescale": 8, "trace": 0,
-                               "row_sum_mma": 0, "max_chains": 1, "pv_overlap": 1, "wg_skip": 1,
-                               "fp8_kv_block": 0}
+                               "row_sum_mma": 0, "max_chains": 1, "pv_overlap": 1, "wg_skip": 1}
 ROW_SUM_MMA_DIMS = (64,)  # the wgmma_sm90.cuh row-sum wrappers' N (tools/gen_wgmma.py ROW_SUM_NS)
 _ONES_BYTES = 16 * 128  # row_sum_mma's block of ones: one k-step (16 rows) of a 64-column block
 
@@ -232,12 +229,11 @@ def _check_tuning(tuning: dict[str, int]) -> None:
             tuning["tile_search"] not in (0, 1) or tuning["stage_o"] not in (0, 1) or \
             tuning["lazy_rescale"] not in range(0, 16) or tuning["trace"] not in (0, 1) or \
             tuning["row_sum_mma"] not in (0, 1) or tuning["max_chains"] not in (1, 2, 4, 8) or \
-            tuning["wg_skip"] not in (0, 1) or tuning["pv_overlap"] not in (0, 1, 2) or \
-            tuning["fp8_kv_block"] not in (0, 128, 192):
+            tuning["wg_skip"] not in (0, 1) or tuning["pv_overlap"] not in (0, 1, 2):
         raise ValueError(f"SM90_TUNING={tuning}: gather_sync takes 0 to 3, gather_l2 0, 64, 128 or 256, "
                          "soft_cap_tanh 0 or 1, paged_tma 0 to 2, consumers_d64 2 or 3, q_buffers 1 or 2, "
                          "tile_search / stage_o / trace / row_sum_mma / wg_skip 0 or 1, pv_overlap 0 to 2, "
-                         "max_chains 1, 2, 4 or 8, lazy_rescale 0 to 15 and fp8_kv_block 0, 128 or 192")
+                         "max_chains 1, 2, 4 or 8 and lazy_rescale 0 to 15")
 
 
 def _kv_block(dim: int, consumers: int, paged: bool, fp8: bool) -> int:
@@ -245,14 +241,13 @@ def _kv_block(dim: int, consumers: int, paged: bool, fp8: bool) -> int:
     # three consumers: S, the last block's P and O in 160 registers, so KV blocks of 128
     paged_block, ragged_block = (SM90_KV_BLOCK_3WG, SM90_KV_BLOCK_3WG) if consumers == 3 else \
         (SM90_PAGED_KV_BLOCK.get(dim), SM90_KV_BLOCK[dim])  # (no paged KV at head_dim_qk 192)
-    ragged_tuned = SM90_TUNING["kv_block"]
-    if fp8:  # V^T's rows: atoms of 128 keys (the P V GEMM's K-major B)
-        ragged_block, ragged_tuned = SM90_FP8_KV_BLOCK, SM90_TUNING["fp8_kv_block"]
-    bn = (SM90_TUNING["paged_kv_block"] or paged_block) if paged else (ragged_tuned or ragged_block)
+    if fp8:  # V^T's rows: one 128-byte swizzle atom of keys (the P V GEMM's K-major B)
+        ragged_block = SM90_FP8_KV_BLOCK
+    bn = (SM90_TUNING["paged_kv_block"] or paged_block) if paged else (SM90_TUNING["kv_block"] or ragged_block)
     if bn not in (64, 80, 96, 128, 176, 192, 256):  # the wgmma N of wgmma_sm90.cuh
         raise ValueError(f"SM90_TUNING kv_block / paged_kv_block={bn}: take one of 64, 80, 96, 128, 176, 192, 256")
-    if fp8 and bn not in (128, 192):  # (V^T's atoms take 256 too, but S's 256 columns and O overflow the registers)
-        raise ValueError(f"SM90_TUNING kv_block / fp8_kv_block={bn}: an fp8 query takes KV blocks of 128 or 192")
+    if fp8 and bn != 128:  # (V^T's atoms take 256 too, but S's 256 columns and O overflow the registers)
+        raise ValueError(f"SM90_TUNING kv_block={bn}: an fp8 query takes KV blocks of 128")
     return bn
 
 
@@ -276,7 +271,7 @@ def sm90_layout(spec: VariantSpec) -> dict[str, int]:
     chunks, chunks_v = dim // box, spec.head_dim_vo // box  # boxes per q / k row, per v row
     q_chunk, kv_chunk = bm * 128, bn * 128   # bytes of one box
     q_bytes, k_bytes, v_bytes = chunks * q_chunk, chunks * kv_chunk, chunks_v * kv_chunk
-    vt_bytes = spec.head_dim_vo * 128 * -(-bn // 128) if fp8 else 0  # fp8: V^T of a stage (atoms of 128 keys)
+    vt_bytes = spec.head_dim_vo * bn if fp8 else 0  # fp8: V^T of a stage, written by the producer warps
     ring = 4                                 # item slots: how far the item taker may run ahead of its readers
     row_sum = bool(tuning["row_sum_mma"]) and spec.head_dim_vo in ROW_SUM_MMA_DIMS and not fp8
 
@@ -314,9 +309,9 @@ def sm90_layout(spec: VariantSpec) -> dict[str, int]:
     # lazy rescale lets P reach 2^lazy_rescale: an e4m3 P saturates at 448, so at most 2^8 there
     lazy = min(tuning["lazy_rescale"], 8) if spec.q_dtype is DType.E4M3 else tuning["lazy_rescale"]
     # registers per thread: 24 for the producer (56 when it transposes fp8 V: at 40 its per-thread addresses and
-    # the item's state spill around the transpose; 64 with blocks of 192, which spill 48 bytes at 56), the rest of
-    # the launch's 168 x 384 over the consumers (multiples of 8)
-    producer_regs = (64 if bn > 128 else 56) if fp8 else 24
+    # the item's state spill around the transpose), the rest of the launch's 168 x 384
+    # over the consumers (multiples of 8)
+    producer_regs = 56 if fp8 else 24
     return {
         "kThreads": 128 * (1 + consumers), "kProducerRegs": producer_regs,
         "kConsumerRegs": (168 * 384 - 128 * producer_regs) // 256 // 8 * 8 if consumers == 2 else 160,
