@@ -444,31 +444,6 @@ def test_sm90_wg_skip_gives_the_same_bits(case_id, hopper, monkeypatch, fresh_re
     assert torch.equal(skipped[0], computed[0]) and torch.equal(skipped[1], computed[1])
 
 
-# SM90_TUNING tail_n: the cases of 128- or 176-key blocks (P V of a tile's last block over the keys some row sees)
-TAIL_N_CASES = [case_id for case_id, c in CASES.items() if prefill_sm90.sm90_layout(_spec(c))["kBN"] in (128, 176)]
-
-
-def test_tail_n_takes_the_16_bit_kernels_of_128_or_176_key_blocks(monkeypatch) -> None:
-    monkeypatch.setitem(prefill_sm90.SM90_TUNING, "tail_n", 1)
-    assert len(TAIL_N_CASES) >= 5 and any(CASES[c].paged for c in TAIL_N_CASES)
-    for case_id, c in CASES.items():
-        assert prefill_sm90.sm90_layout(_spec(c))["kTailN"] == int(case_id in TAIL_N_CASES), case_id
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("case_id", TAIL_N_CASES)
-def test_sm90_tail_n_gives_the_same_bits(case_id, hopper, monkeypatch, fresh_registry):
-    """A tile's last P V over the k-steps some row sees (tail_n 1) and over the whole block (0): P is 0 past them,
-    so the same bits, both the reference's."""
-    results = []
-    for tail_n in (1, 0):
-        monkeypatch.setitem(prefill_sm90.SM90_TUNING, "tail_n", tail_n)
-        jitattn.jit._registry.clear()
-        assert prefill_sm90.sm90_layout(_spec(CASES[case_id]))["kTailN"] == tail_n
-        results.append(_check_against_reference(case_id))
-    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("case_id", AGREE_WITH_SM80)
 def test_sm90_and_sm80_tiers_agree_on_the_variant_axes(case_id, hopper, monkeypatch, fresh_registry):

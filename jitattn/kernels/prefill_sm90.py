@@ -132,17 +132,13 @@ SM90_FP8_KV_BLOCK = 128
 # previous block's P V after it (0: ptxas hoists that wait above the softmax, which then starts only once P V is
 # done; 2: the fp8 kernel's too). H200, 2026-12-05 (c), events: d128 causal b8 x 4096 -1 to -3%, non-causal -0.6%,
 # paged within noise; the fp8 kernel 2-4% slower with it (1389-1403 -> 1423-1441 us), so 1 leaves it out.
-# tail_n: 1 runs P V of a block whose far keys no row of the warpgroup sees (a tile's last block: its causal bound
-# or the request's end) over the first 64, 96 or 128 keys that hold the rest (16-bit kernels of 128- or 176-key
-# blocks without row_sum_mma or a custom variant); 0: every P V over the whole block.
 # wg_skip: 1 (causal or a sliding window, no custom mask, query heads not packed into the tile: its warpgroups hold 64
 # consecutive tokens each) lets each consumer warpgroup skip the KV blocks outside its own rows' keys, which only the tile's other
 # rows need (d64 causal b16 x 2048: 10% of the warpgroups' blocks); 0 computes them masked (the same bits).
 SM90_TUNING: dict[str, int] = {"gather_sync": 0, "gather_l2": 0, "paged_kv_block": 0, "soft_cap_tanh": 0,
                                "paged_tma": 1, "consumers_d64": 3, "kv_block": 0, "kv_stages": 0,
                                "q_buffers": 1, "tile_search": 1, "stage_o": 1, "lazy_rescale": 8, "trace": 0,
-                               "row_sum_mma": 0, "max_chains": 1, "pv_overlap": 1, "wg_skip": 1,
-                               "tail_n": 0}
+                               "row_sum_mma": 0, "max_chains": 1, "pv_overlap": 1, "wg_skip": 1}
 ROW_SUM_MMA_DIMS = (64,)  # the wgmma_sm90.cuh row-sum wrappers' N (tools/gen_wgmma.py ROW_SUM_NS)
 _ONES_BYTES = 16 * 128  # row_sum_mma's block of ones: one k-step (16 rows) of a 64-column block
 
@@ -233,10 +229,10 @@ def _check_tuning(tuning: dict[str, int]) -> None:
             tuning["tile_search"] not in (0, 1) or tuning["stage_o"] not in (0, 1) or \
             tuning["lazy_rescale"] not in range(0, 16) or tuning["trace"] not in (0, 1) or \
             tuning["row_sum_mma"] not in (0, 1) or tuning["max_chains"] not in (1, 2, 4, 8) or \
-            tuning["wg_skip"] not in (0, 1) or tuning["pv_overlap"] not in (0, 1, 2) or tuning["tail_n"] not in (0, 1):
+            tuning["wg_skip"] not in (0, 1) or tuning["pv_overlap"] not in (0, 1, 2):
         raise ValueError(f"SM90_TUNING={tuning}: gather_sync takes 0 to 3, gather_l2 0, 64, 128 or 256, "
                          "soft_cap_tanh 0 or 1, paged_tma 0 to 2, consumers_d64 2 or 3, q_buffers 1 or 2, "
-                         "tile_search / stage_o / trace / row_sum_mma / wg_skip / tail_n 0 or 1, pv_overlap 0 to 2, "
+                         "tile_search / stage_o / trace / row_sum_mma / wg_skip 0 or 1, pv_overlap 0 to 2, "
                          "max_chains 1, 2, 4 or 8 and lazy_rescale 0 to 15")
 
 
@@ -328,7 +324,6 @@ def sm90_layout(spec: VariantSpec) -> dict[str, int]:
         "kLazyRescale": lazy, "kRowSumMma": int(row_sum),
         "kMaxChains": tuning["max_chains"],
         "kPvOverlap": int(tuning["pv_overlap"] > (1 if fp8 else 0)),
-        "kTailN": int(bool(tuning["tail_n"]) and not fp8 and not row_sum and spec.variant is None and bn in (128, 176)),
         "kWgSkip": int(bool(tuning["wg_skip"]) and spec.mask_mode is not MaskMode.CUSTOM and sm90_pack(spec, bm) == 1
                        and (spec.mask_mode is MaskMode.CAUSAL or spec.use_sliding_window)),
         "kGatherSync": tuning["gather_sync"], "kGatherL2": tuning["gather_l2"],
