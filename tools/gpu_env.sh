@@ -13,6 +13,9 @@ if [ -f .whl/prebuilt.tar.xz ]; then mkdir -p "$JITATTN_CACHE_DIR" && tar xJf .w
 gpu_begin() { OUT=${OUT:-/tmp/out}; R=/tmp/$1; mkdir -p "$OUT" "$R"; T0=$(date +%s); }
 gpu_time() { echo "t=$(( $(date +%s) - T0 ))"; }
 gpu_pack() { tar czf "$OUT/$1.tgz" -C /tmp "$1"; gpu_time; }
+# gpu_manifests: the manifests of every kernel in the cache (what this run built or unpacked) into $R/manifests.tgz,
+# for tools/prebuild_cache.py --manifests: the next run's archive then holds the kernels tests built one at a time.
+gpu_manifests() { (cd "$JITATTN_CACHE_DIR" && find . -name manifest.json | tar czf "$R/manifests.tgz" -T -); }
 # gpu_tests SECONDS PATH...: the GPU tests of PATHs into $R/pytest.log, its summary, the time.
 gpu_tests() { local s=$1; shift; timeout "$s" python3 -m pytest -m gpu -q -p no:cacheprovider -rf "$@" > "$R/pytest.log" 2>&1
   tail -4 "$R/pytest.log"; gpu_time; }

@@ -3,7 +3,13 @@ list, and pack the cache for a GPU machine: the machine then starts with them bu
 ``.whl/prebuilt.tar.xz`` into its cache) instead of spending its first seconds of each test run on nvcc.
 
     JITATTN_CUDA_ARCH_LIST=9.0a python3 tools/prebuild_cache.py OUT.tar.xz tests/test_a.py ... \
-        [--bench 'ops/fp8_*,prefill/llama8b_*'] [--env 'JITATTN_DEV_SM90_TUNING={"wg_skip": 0}'] [--jobs N]
+        [--bench 'ops/fp8_*,prefill/llama8b_*'] [--manifests manifests.tgz] \
+        [--env 'JITATTN_DEV_SM90_TUNING={"wg_skip": 0}'] [--jobs N]
+
+A test file's ``GPU_SPECS`` are what its session pre-builds in parallel; the kernels its tests meet beyond them
+(other tiers, tunings set by a test, a wrapper's own choices) are built one at a time as the tests reach them.
+``--manifests`` adds the specs of every ``manifest.json`` in a cache directory or in an archive of one: what a GPU
+run really built (``gpu_manifests`` in tools/gpu_env.sh packs its cache's manifests into the results).
 
 Entries are content-keyed (the spec, the rendered sources, the flags and the arch list), so the archive helps only
 a machine running the same tree with the same toolkit flags; any other tree or arch just misses and builds. The
@@ -16,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -27,11 +34,26 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def gpu_specs(paths: list[str], bench: str | None) -> list:
-    """The GPU_SPECS of the test files at ``paths`` (tests/ on sys.path, as pytest has it), and the kernels of
-    the benchmark rows ``bench`` selects (``--only``'s syntax)."""
+def manifest_specs(path: Path) -> list:
+    """The cuda specs of the cache entries' ``manifest.json`` files under ``path`` (a directory, or a tar archive of
+    one, compressed or not)."""
+    from jitattn.spec import Target, VariantSpec
+
+    if path.is_dir():
+        texts = [m.read_text() for m in sorted(path.rglob("manifest.json"))]
+    else:
+        with tarfile.open(path) as tar:
+            texts = [tar.extractfile(m).read().decode() for m in tar.getmembers()
+                     if m.isfile() and Path(m.name).name == "manifest.json"]
+    specs = [VariantSpec.from_dict(json.loads(text)["spec"]) for text in texts]
+    return [s for s in specs if s.target is Target.CUDA]
+
+
+def gpu_specs(paths: list[str], bench: str | None, manifests: list[str] = ()) -> list:
+    """The GPU_SPECS of the test files at ``paths`` (tests/ on sys.path, as pytest has it), the kernels of the
+    benchmark rows ``bench`` selects (``--only``'s syntax) and the specs of the cache manifests ``manifests``."""
     sys.path.insert(0, str(ROOT / "tests"))
-    specs = []
+    specs = [s for m in manifests for s in manifest_specs(Path(m))]
     if bench:
         from jitattn.bench.configs import select
         from jitattn.bench.inputs import specs_of
@@ -46,12 +68,12 @@ def gpu_specs(paths: list[str], bench: str | None) -> list:
     return specs
 
 
-def build(paths: list[str], bench: str | None, jobs: int) -> int:
+def build(paths: list[str], bench: str | None, manifests: list[str], jobs: int) -> int:
     """Build the specs into JITATTN_CACHE_DIR; the number that failed."""
     import jitattn.jit
 
     started = time.perf_counter()
-    results = jitattn.jit.build_many(gpu_specs(paths, bench), jobs=jobs)
+    results = jitattn.jit.build_many(list(dict.fromkeys(gpu_specs(paths, bench, manifests))), jobs=jobs)
     failed = [r for r in results if r.status == "failed"]
     counts = {s: sum(r.status == s for r in results) for s in sorted({r.status for r in results})}
     print(f"{len(results)} specs {counts} in {time.perf_counter() - started:.0f} s "
@@ -66,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out", type=Path, help="the archive to write (.tar.xz)")
     parser.add_argument("tests", nargs="*", help="test files whose GPU_SPECS to build")
     parser.add_argument("--bench", help="benchmark rows whose kernels to build too (python -m jitattn.bench's --only)")
+    parser.add_argument("--manifests", action="append", default=[],
+                        help="a cache directory, or an archive of one, whose manifests' specs to build too")
     parser.add_argument("--env", action="append", default=[], help="NAME=VALUE: one more build with it set")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -73,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     if not os.environ.get("JITATTN_CUDA_ARCH_LIST"):
         raise SystemExit("set JITATTN_CUDA_ARCH_LIST to the GPU machine's arch list (e.g. 9.0a for an H200)")
     if args.child:
-        return build(args.tests, args.bench, args.jobs)
+        return build(args.tests, args.bench, [str(Path(m).resolve()) for m in args.manifests], args.jobs)
     with tempfile.TemporaryDirectory() as cache:
         env = {**os.environ, "JITATTN_CACHE_DIR": cache, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
         failed = 0
@@ -83,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
                 name, _, value = setting.partition("=")
                 child_env[name] = value
             command = [sys.executable, __file__, str(args.out), *args.tests, "--jobs", str(args.jobs), "--child",
-                       *(["--bench", args.bench] if args.bench else [])]
+                       *(["--bench", args.bench] if args.bench else []),
+                       *(a for m in args.manifests for a in ("--manifests", str(Path(m).resolve())))]
             failed += subprocess.run(command, env=child_env, cwd=ROOT).returncode
         with tarfile.open(args.out, "w:xz", preset=9) as tar:
             tar.add(cache, arcname=".")
