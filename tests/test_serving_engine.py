@@ -174,6 +174,26 @@ def test_bad_requests_are_refused_clearly(model) -> None:
     assert request.prompt == [3, 4, 5] and len(engine.waiting) == queued + 1
 
 
+@pytest.mark.parametrize("arrival", [float("nan"), float("inf"), None, "0", True])
+def test_an_arrival_that_is_not_a_finite_number_is_refused_and_stalls_no_one(model, arrival) -> None:
+    """A NaN arrival passes every order check and an infinite one is never due: either would keep run() from
+    returning; None or a string would break every later step's comparisons."""
+    engine = Engine(model, num_pages=8, page_size=PAGE)
+    with pytest.raises(ValueError, match=f"arrival={arrival!r} must be a finite number"):
+        engine.add_request([1, 2], 2, arrival=arrival)
+    good = engine.add_request([3, 4], 2)
+    engine.run()
+    assert good.output == reference_generate(model, [3, 4], 2)[0] and not engine.waiting
+
+
+@pytest.mark.parametrize("name", ["num_pages", "page_size", "max_batch_size", "prefill_chunk_tokens", "max_seq_len"])
+@pytest.mark.parametrize("bad", [8.0, 2.5, "8", 0, True])
+def test_engine_sizes_must_be_positive_ints(model, name, bad) -> None:
+    sizes = dict(num_pages=8, page_size=PAGE)
+    with pytest.raises(ValueError, match=f"{name}={bad!r} must be an int >= 1"):
+        Engine(model, **{**sizes, name: bad})
+
+
 @OVERLAP
 def test_teacher_forced_logits_match_the_reference(model, shared_workload, overlap) -> None:
     prompts, _ = shared_workload

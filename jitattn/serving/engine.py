@@ -30,7 +30,6 @@ reads the step in flight back first, and its decode starts on an idle GPU.
 from __future__ import annotations
 
 import itertools
-import numbers
 import time
 from collections.abc import Sequence
 from collections import deque
@@ -49,7 +48,7 @@ from .in_flight import InFlight, timing_event, to_host
 from .kv_pool import KVPool
 from .model import LlamaModel
 from .radix import RadixCache
-from .request import EngineStats, Request, token_ids
+from .request import EngineStats, Request, arrival_time, positive_int, token_ids
 
 
 class Engine:
@@ -71,8 +70,9 @@ class Engine:
                  prefill_chunk_tokens: int = 512, cascade: bool = True, cuda_graphs: bool = False,
                  max_seq_len: int = 4096, overlap: bool | None = None, cascade_depth: int | None = None,
                  clock: Callable[[], float] | None = None) -> None:
-        if prefill_chunk_tokens < 1 or max_batch_size < 1:
-            raise ValueError("prefill_chunk_tokens and max_batch_size must be positive")
+        num_pages, page_size, max_batch_size, prefill_chunk_tokens, max_seq_len = (positive_int(n, v) for n, v in (
+            ("num_pages", num_pages), ("page_size", page_size), ("max_batch_size", max_batch_size),
+            ("prefill_chunk_tokens", prefill_chunk_tokens), ("max_seq_len", max_seq_len)))
         if cascade_depth is not None and (isinstance(cascade_depth, bool) or not isinstance(cascade_depth, int)
                                           or cascade_depth < 1):
             raise ValueError(f"cascade_depth={cascade_depth!r} must be None (the prefix tree's depth) or an int >= 1")
@@ -131,9 +131,7 @@ class Engine:
         including one that could never fit the KV pool."""
         vocab = self.model.config.vocab_size
         prompt = token_ids("prompt", prompt, vocab)
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an int >= 1")
-        max_new_tokens = int(max_new_tokens)
+        max_new_tokens, arrival = positive_int("max_new_tokens", max_new_tokens), arrival_time(arrival)
         if not prompt:
             raise ValueError("a request needs a non-empty prompt")
         if len(prompt) + max_new_tokens > self.max_seq_len:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -101,3 +102,18 @@ def token_ids(name: str, tokens, vocab_size: int) -> list[int]:
                              f"[0, {vocab_size})")
         ids.append(int(token))
     return ids
+
+
+def positive_int(name: str, value) -> int:
+    """``value`` as an int >= 1 (a bool, a float or a string is refused)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"{name}={value!r} must be an int >= 1")
+    return int(value)
+
+
+def arrival_time(arrival) -> float:
+    """``arrival`` (seconds on the engine's clock) as a finite float: None, a string, NaN or an infinity is
+    refused (a NaN passes every order check and an infinite one is never due: either would stall the queue)."""
+    if isinstance(arrival, bool) or not isinstance(arrival, numbers.Real) or not math.isfinite(arrival):
+        raise ValueError(f"arrival={arrival!r} must be a finite number of seconds on the engine's clock")
+    return float(arrival)
