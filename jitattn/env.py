@@ -138,8 +138,8 @@ def _truthy(value: str | None) -> bool:
 def cache_dir() -> Path:
     """The writable cache root."""
     explicit = CACHE_DIR.value()
-    if explicit is not None:
-        return Path(explicit).expanduser()
+    if explicit is not None:  # a relative root is taken from the working directory (ninja runs in another)
+        return Path(explicit).expanduser().absolute()
     import platformdirs
 
     return Path(platformdirs.user_cache_dir("jitattn"))
@@ -150,7 +150,7 @@ def cache_path() -> list[Path]:
     raw = CACHE_PATH.value()
     if raw is None:
         return []
-    return [Path(p).expanduser() for p in raw.split(os.pathsep) if p]
+    return [Path(p).expanduser().absolute() for p in raw.split(os.pathsep) if p]
 
 
 def max_jobs_override() -> int | None:

@@ -265,3 +265,14 @@ def test_the_compile_disabled_hint_is_a_command_that_works(spec, fresh_cache, mo
     before = compile_count()
     jitattn.load(spec)  # warm now, with compiles forbidden
     assert compile_count() == before
+
+
+def test_a_relative_cache_dir_is_taken_from_the_working_directory(tmp_path, monkeypatch):
+    """JITATTN_CACHE_DIR=relcache: builds land in ./relcache (ninja runs in the build's own directory, so a relative
+    root used to name sources that were not there: a 'compile failed' for a working toolchain)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("JITATTN_CACHE_DIR", "relcache")
+    jitattn.jit._registry.clear()
+    [result] = build_many([SPEC])
+    assert result.status == "built", result.error
+    assert _entry(tmp_path / "relcache").is_dir()
