@@ -176,6 +176,13 @@ def test_bad_inputs_get_clear_errors() -> None:
         jitattn.fused_add_rmsnorm(x, x, w)
     with pytest.raises(ValueError, match="residual has shape"):
         jitattn.fused_add_rmsnorm(x, torch.randn(3, 64), w)
+    for fused in (jitattn.fused_add_rmsnorm, jitattn.gemma_fused_add_rmsnorm):  # None is no plain rmsnorm
+        before = x.clone()
+        with pytest.raises(TypeError, match="residual must be a torch.Tensor .* got NoneType"):
+            fused(x, None, w)
+        assert torch.equal(x, before)
+    with pytest.raises(ValueError, match=r"input has shape \(4, 0\); its last dimension \(hidden\) must be >= 1"):
+        jitattn.rmsnorm(torch.randn(4, 0), torch.randn(0))
     with pytest.raises(ValueError, match="out overlaps input"):
         buf = torch.randn(5, 64)
         jitattn.rmsnorm(buf[:4], w, out=buf[1:])

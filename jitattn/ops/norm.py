@@ -36,10 +36,18 @@ def rmsnorm(input: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, out: O
     return _normed("rmsnorm", input, weight, eps, out, 0.0)
 
 
+def _fused(what: str, input: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps,
+           weight_offset: float) -> None:
+    if not isinstance(residual, torch.Tensor):  # None would make it a plain rmsnorm, silently
+        raise TypeError(f"{what}: residual must be a torch.Tensor (written in place: residual += input), got "
+                        f"{type(residual).__name__}; without a residual call rmsnorm")
+    rms_norm(what, input, weight, eps, input, residual=residual, weight_offset=weight_offset)
+
+
 def fused_add_rmsnorm(input: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
                       enable_pdl: Optional[bool] = None) -> None:
     """``residual += input``, then ``input = residual / RMS(residual) * weight``; both in place."""
-    rms_norm("fused_add_rmsnorm", input, weight, eps, input, residual=residual)
+    _fused("fused_add_rmsnorm", input, residual, weight, eps, 0.0)
 
 
 def gemma_rmsnorm(input: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, out: Optional[torch.Tensor] = None,
@@ -51,4 +59,4 @@ def gemma_rmsnorm(input: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, 
 def gemma_fused_add_rmsnorm(input: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
                             enable_pdl: Optional[bool] = None) -> None:
     """:func:`fused_add_rmsnorm` with Gemma's ``(1 + weight)``."""
-    rms_norm("gemma_fused_add_rmsnorm", input, weight, eps, input, residual=residual, weight_offset=1.0)
+    _fused("gemma_fused_add_rmsnorm", input, residual, weight, eps, 1.0)

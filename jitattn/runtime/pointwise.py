@@ -88,6 +88,8 @@ def rms_norm(what: str, input: torch.Tensor, weight: torch.Tensor, eps, out: tor
     _check("input", input)
     _check("out", out)
     hidden = input.shape[-1]
+    if hidden == 0:
+        raise ValueError(f"{what}: input has shape {tuple(input.shape)}; its last dimension (hidden) must be >= 1")
     if tuple(out.shape) != tuple(input.shape):
         raise ValueError(f"{what}: out has shape {tuple(out.shape)}; expected the input's {tuple(input.shape)}")
     check_tensor("weight", weight, ndim=1, dtypes=DTYPES)
