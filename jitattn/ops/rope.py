@@ -33,6 +33,7 @@ from typing import Optional, Tuple
 import torch
 
 from ..runtime.checks import check_tensor
+from ..runtime.options import resolve_flag
 from ..runtime.rope import Angles, Positions, llama31_angles, rope_angles, rotate, split_heads
 
 __all__ = [
@@ -143,7 +144,8 @@ def apply_rope_with_cos_sin_cache(
     q, k = split_heads("query", query, head_size), split_heads("key", key, head_size)
     query_out, key_out = _like(query, key)
     q_out, k_out = split_heads("query", query_out, head_size), split_heads("key", key_out, head_size)
-    rotate(q, k, q_out, k_out, Positions(pos_ids=positions), None, not is_neox, Angles(cos_sin_cache=cos_sin_cache))
+    rotate(q, k, q_out, k_out, Positions(pos_ids=positions), None, not resolve_flag(is_neox, "is_neox"),
+           Angles(cos_sin_cache=cos_sin_cache))
     return query_out, key_out
 
 
@@ -153,4 +155,5 @@ def apply_rope_with_cos_sin_cache_inplace(
 ) -> None:
     """:func:`apply_rope_with_cos_sin_cache` written into ``query`` and ``key``."""
     q, k = split_heads("query", query, head_size), split_heads("key", key, head_size)
-    rotate(q, k, q, k, Positions(pos_ids=positions), None, not is_neox, Angles(cos_sin_cache=cos_sin_cache))
+    rotate(q, k, q, k, Positions(pos_ids=positions), None, not resolve_flag(is_neox, "is_neox"),
+           Angles(cos_sin_cache=cos_sin_cache))

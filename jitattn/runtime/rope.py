@@ -22,6 +22,7 @@ import torch
 from ..abi import ROPE_POSITION_CODES
 from ..jit import load
 from .checks import check_no_overlap, check_tensor, cpu_threads, launch_on, target_of
+from .options import resolve_flag
 from .specs import rope_spec
 
 __all__ = ["Angles", "Positions", "llama31_angles", "rope_angles", "rotate", "rotary_dim_of", "split_heads"]
@@ -120,9 +121,10 @@ def _check_qk(q: torch.Tensor, k: torch.Tensor, q_out: torch.Tensor, k_out: torc
                          "with the same nnz")
     if k.shape[2] != q.shape[2]:
         raise ValueError(f"q has head_dim {q.shape[2]} but k has {k.shape[2]}; they must match")
-    if q_out is q and k.data_ptr() == q.data_ptr() and k.numel() and q.numel():
-        raise ValueError("q and k are the same memory, so rotating both in place would rotate it twice; pass "
-                         "separate query and key tensors")
+    if q_out is q and _heads_overlap(q, k):
+        raise ValueError("q and k share head rows (views of one buffer that overlap), so rotating both in place would "
+                         "rotate those rows twice; pass separate query and key heads (e.g. qkv[:, :Hq] and "
+                         "qkv[:, Hq:Hq + Hk])")
     for name, t in (("the rotated q", q_out), ("the rotated k", k_out)):
         check_no_overlap(name, t)
         if t.dtype != q.dtype and ({t.dtype, q.dtype} != {torch.float16, torch.bfloat16} or t is q or t is k):
@@ -131,6 +133,24 @@ def _check_qk(q: torch.Tensor, k: torch.Tensor, q_out: torch.Tensor, k_out: torc
     if q_out.dtype != k_out.dtype:
         raise TypeError(f"the rotated q is {_name(q_out.dtype)} but the rotated k {_name(k_out.dtype)}; give them one "
                         "dtype")
+
+
+def _heads_overlap(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether views ``q`` and ``k`` (``[nnz, heads, head_dim]``, unit stride in head_dim) share an element: in one
+    storage with one token stride, a head row of q's token 0 against those of k's tokens that can reach it."""
+    if q.numel() == 0 or k.numel() == 0 or q.untyped_storage().data_ptr() != k.untyped_storage().data_ptr():
+        return False
+    size = q.element_size()
+    d, s = (k.data_ptr() - q.data_ptr()) // size, q.stride(0)
+
+    def rows(t: torch.Tensor, base: int) -> list[tuple[int, int]]:
+        return [(base + h * t.stride(1), base + h * t.stride(1) + t.shape[2]) for h in range(t.shape[1])]
+    if k.stride(0) != s or s <= 0 or q.shape[0] == 1:  # one token, or no common step: each view's first token
+        shifts = [0]
+    else:
+        shifts = [t for t in range(-d // s - 1, -d // s + 2) if -q.shape[0] < t < q.shape[0]]
+    q_rows = rows(q, 0)
+    return any(a0 < b1 and b0 < a1 for t in shifts for b0, b1 in rows(k, d + t * s) for a0, a1 in q_rows)
 
 
 def _check_index(name: str, t: torch.Tensor, device: torch.device, length: int | None = None) -> torch.Tensor:
@@ -154,7 +174,10 @@ def _index_arrays(positions: Positions, nnz: int, device: torch.device) -> tuple
         ptrs = dict(indptr=None, offsets=None, pos_ids=pos_ids)
         return ptrs, 0, ROPE_POSITION_CODES["pos_ids"], pos_ids.element_size()
     offsets = _check_index("offsets", positions.offsets, device)
-    indptr = _check_index("indptr", positions.indptr, device, offsets.shape[0] + 1)
+    indptr = _check_index("indptr", positions.indptr, device)
+    if indptr.shape[0] != offsets.shape[0] + 1:
+        raise ValueError(f"indptr has {indptr.shape[0]} entries and offsets {offsets.shape[0]}: a batch of B requests "
+                         "takes B + 1 entries of indptr and B of offsets (each request's first position)")
     if indptr.dtype != offsets.dtype:
         raise TypeError(f"indptr is {_name(indptr.dtype)} but offsets is {_name(offsets.dtype)}; give them one dtype")
     if device.type == "cpu":
@@ -194,6 +217,7 @@ def rotate(q: torch.Tensor, k: torch.Tensor, q_out: torch.Tensor, k_out: torch.T
 
     ``rotary_dim`` None rotates the whole head, or as many dimensions as ``cos_sin_cache`` is wide."""
     _check_qk(q, k, q_out, k_out)
+    interleave = resolve_flag(interleave, "interleave")
     target, device = target_of("rope", [q, k, q_out, k_out])
     nnz, head_dim = q.shape[0], q.shape[2]
     ptrs, batch_size, pos_source, index_bytes = _index_arrays(positions, nnz, device)
@@ -215,7 +239,7 @@ def rotate(q: torch.Tensor, k: torch.Tensor, q_out: torch.Tensor, k_out: torch.T
         k_out_stride_n=k_out.stride(0), k_out_stride_h=k_out.stride(1),
         cache_rows=cache.shape[0] if cache is not None else 0, cache_stride=cache.stride(0) if cache is not None else 0,
         rope_rcp_scale=1.0 / angles.rope_scale, rope_theta=angles.rope_theta, smooth_a=angles.smooth_a,
-        smooth_b=angles.smooth_b, pos_source=pos_source, index_bytes=index_bytes, interleave=int(bool(interleave)),
+        smooth_b=angles.smooth_b, pos_source=pos_source, index_bytes=index_bytes, interleave=int(interleave),
         copy_unrotated=int(q_out is not q), num_threads=cpu_threads(),
     )
     launch_on(module, "rope", device, **params)
