@@ -139,6 +139,15 @@ def test_single_decode_matches_reference(device: str, layout: str) -> None:
 
 
 @pytest.mark.parametrize("device", devices())
+def test_single_decode_q_scale_multiplies_sm_scale(device: str) -> None:
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(*shape, generator=gen).to(f16).to(device) for shape in ((8, 64), (40, 2, 64), (40, 2, 64)))
+    ref_o, _ = reference.single_attention(q.unsqueeze(0), k, v, sm_scale=64 ** -0.5 * 0.5)
+    for q_scale in (0.5, torch.tensor(0.5)):
+        assert_close_out(jitattn.single_decode_with_kv_cache(q, k, v, q_scale=q_scale), ref_o[0], f16)
+
+
+@pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("fixed_split_size", [1, 3, 8])
 def test_any_split_gives_the_same_answer_as_no_split(device: str, fixed_split_size: int) -> None:
     gen = torch.Generator().manual_seed(fixed_split_size)

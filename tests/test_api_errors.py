@@ -189,3 +189,14 @@ def test_plan_options_memo_returns_what_parsing_gives() -> None:
                                       kw["pos_encoding_mode"], mask, kw["window_left"], kw["logits_soft_cap"],
                                       kw["sm_scale"], kw["rope_scale"], kw["rope_theta"], None)
             assert got == expected, kw
+
+
+def test_single_decode_names_its_own_arguments() -> None:
+    """q_scale is checked as q_scale (it used to surface as the sm_scale it multiplies), and k / v of two dtypes
+    as such (it used to name a plan() the single call never showed)."""
+    q, k = torch.randn(4, 64), torch.randn(6, 2, 64)
+    for bad in (-2.0, 0, float("nan"), float("inf"), True, "1"):
+        with pytest.raises(ValueError, match=f"q_scale={bad!r} must be a positive finite number"):
+            jitattn.single_decode_with_kv_cache(q, k, k, q_scale=bad)
+    with pytest.raises(TypeError, match="k is torch.float16 but v is torch.float32"):
+        jitattn.single_decode_with_kv_cache(q.half(), k.half(), k)

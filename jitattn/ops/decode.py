@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+import math
+import numbers
 
 import numpy as np
 import torch
@@ -425,8 +427,13 @@ def single_decode_with_kv_cache(
     check_tensor("v", v, ndim=3)
     target_of("single_decode_with_kv_cache", (q, k, v))
     kv_len, num_kv_heads = (k.shape[0], k.shape[1]) if layout is KVLayout.NHD else (k.shape[1], k.shape[0])
+    if k.dtype != v.dtype:
+        raise TypeError(f"single_decode_with_kv_cache: k is {k.dtype} but v is {v.dtype}; pass k and v of one dtype")
     if q_scale is not None:
-        sm_scale = (sm_scale if sm_scale is not None else q.shape[-1] ** -0.5) * float(q_scale)
+        scale = float(q_scale) if isinstance(q_scale, (numbers.Real, torch.Tensor)) and q_scale is not True else 0.0
+        if not 0 < scale < math.inf:
+            raise ValueError(f"q_scale={q_scale!r} must be a positive finite number (it multiplies sm_scale)")
+        sm_scale = (sm_scale if sm_scale is not None else q.shape[-1] ** -0.5) * scale
     # Room for the largest split the planner can choose (chunks of >= 256 tokens).
     max_chunks = kv_len // 256 + 2
     workspace = torch.empty(split_workspace_bytes(max_chunks, q.shape[0], v.shape[-1]), dtype=torch.uint8,
