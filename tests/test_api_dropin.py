@@ -146,6 +146,17 @@ def test_a_refused_graph_step_keeps_the_batch_guard_and_the_last_steps_arrays(fa
             plan(1, 3)
 
 
+def test_a_graph_buffer_of_the_wrong_dtype_is_told_to_be_int32() -> None:
+    i32, i64 = dict(dtype=torch.int32), dict(dtype=torch.int64)
+    wrapper = jitattn.BatchDecodeWithPagedKVCacheWrapper(
+        _workspace("cpu"), use_cuda_graph=True, paged_kv_indptr_buffer=torch.zeros(9, **i64),
+        paged_kv_indices_buffer=torch.zeros(8, **i32), paged_kv_last_page_len_buffer=torch.zeros(8, **i32))
+    with pytest.raises(ValueError, match=r"kv_indptr buffer \(9 x torch.int64 on cpu\) cannot hold 3 x torch.int32 "
+                                         r"on cpu; allocate it as torch.int32"):
+        wrapper.plan(torch.tensor([0, 1, 2], **i32), torch.tensor([0, 1], **i32), torch.tensor([1, 1], **i32),
+                     HQ, HKV, D, PAGE, q_data_type=torch.float32)
+
+
 @pytest.mark.parametrize("device", devices())
 def test_fast_decode_plan_on_a_graph_wrapper_refills_its_buffers(device: str) -> None:
     gen = torch.Generator().manual_seed(4)

@@ -139,9 +139,11 @@ def share_queries(plan: AttentionPlan, q_rows: int) -> None:
 def check_fits(host: torch.Tensor, device: torch.device, buffer: torch.Tensor, name: str) -> None:
     """Raise unless the fixed ``buffer`` can take ``host`` (its dtype, its device, enough entries)."""
     if buffer.dtype != host.dtype or buffer.device != device or buffer.numel() < host.numel():
+        fix = (f"allocate it as {host.dtype}" if buffer.dtype != host.dtype else
+               f"allocate it on {device}" if buffer.device != device else "allocate it for the largest batch")
         raise ValueError(
             f"{name} buffer ({buffer.numel()} x {buffer.dtype} on {buffer.device}) cannot hold "
-            f"{host.numel()} x {host.dtype} on {device}; allocate it for the largest batch"
+            f"{host.numel()} x {host.dtype} on {device}; {fix}"
         )
 
 
