@@ -105,6 +105,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     out = Path(args.file)
     if not out.parent.is_dir():
         raise UsageError(f"cannot write {out}: {out.parent} is not a directory")
+    if out.is_dir():
+        raise UsageError(f"cannot write {out}: it is a directory; name the bundle file, e.g. {out / 'jitattn.tar.gz'}")
     chosen, problems = _selected_entries(args)
     if problems:
         for p in problems:

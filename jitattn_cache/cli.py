@@ -57,14 +57,16 @@ def cmd_info(args: argparse.Namespace) -> int:
     if not found:
         print(f"no cache entry matches {query!r} (see `jitattn-cache ls`)", file=sys.stderr)
         return EXIT_FAILED
+    bad = 0
     for e in found:
         problem = foreign_entry_problem(e.path)
+        bad += problem is not None
         print(f"# {e.path}")
         print(f"layer:  {'writable' if e.writable else 'read-only'} ({e.base.parent})")
         print(f"size:   {human_size(e.size)}")
         print(f"status: {'ok' if problem is None else 'BAD: ' + problem}")
         print(json.dumps(e.manifest, indent=2, sort_keys=True) if e.manifest is not None else "(no manifest)")
-    return EXIT_OK
+    return EXIT_FAILED if bad else EXIT_OK  # (a script checking one entry reads the exit status)
 
 
 def cmd_verify(args: argparse.Namespace) -> int:

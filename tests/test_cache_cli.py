@@ -340,11 +340,19 @@ def test_ls_info_verify_and_fix(cache_copy, capsys) -> None:
     rc, out, _ = run_cli(capsys, "verify")
     assert rc == 1 and f"BAD {victim}: library checksum does not match" in out and "6 ok, 1 bad" in out
     rc, out, _ = run_cli(capsys, "info", "decode_cpu_bf16")
-    assert "status: BAD" in out
+    assert rc == 1 and "status: BAD" in out, "a bad entry's info exits 1"
     rc, out, _ = run_cli(capsys, "verify", "--fix")
     assert rc == 0 and "removed" in out
     assert not victim.exists()
     assert run_cli(capsys, "verify")[1].endswith("6 entries, 6 ok, 0 bad\n")
+
+
+def test_export_to_a_directory_says_to_name_the_file(cache_copy, tmp_path, capsys) -> None:
+    folder = tmp_path / "bundles"
+    folder.mkdir()
+    rc, _, err = run_cli(capsys, "export", str(folder))
+    assert rc != 0 and f"cannot write {folder}: it is a directory; name the bundle file" in err
+    assert not list(folder.iterdir()) and not list(tmp_path.glob(".bundles.partial*")), "nothing written"
 
 
 def test_verify_fix_never_touches_a_read_only_layer(cache_copy, tmp_path, monkeypatch, capsys) -> None:
