@@ -10,7 +10,7 @@ from jitattn.jit.loader import Module
 
 from attention_cases import random_paged_batch
 
-_real_call = Module.call
+_real_call, _real_bind = Module.call, Module.bind
 
 
 @pytest.fixture(autouse=True)
@@ -18,8 +18,12 @@ def no_launch(monkeypatch):
     """Any launch during these tests is a failure: errors must come first."""
     def refuse(self, entry, *args, **values):
         raise AssertionError(f"{entry} was launched despite bad input")
+
+    def bind(self, entry, params):  # the hot path's bound call (PreparedAttention), launched later
+        return lambda stream: refuse(self, entry)
     monkeypatch.setattr(Module, "launch", refuse)
     monkeypatch.setattr(Module, "call", refuse)
+    monkeypatch.setattr(Module, "bind", bind)
 
 
 def _decode(**overrides):
@@ -137,9 +141,10 @@ def test_ragged_kv_shape_is_checked() -> None:
 
 
 def test_checks_run_again_when_the_tensors_change_shape(monkeypatch) -> None:
+    monkeypatch.setattr(Module, "call", _real_call)  # this test launches: the first call passes and is remembered
+    monkeypatch.setattr(Module, "bind", _real_bind)  # (plan() binds the launch)
     wrapper, batch = _decode()
     q = torch.randn(2, 8, 64).to(torch.bfloat16)
-    monkeypatch.setattr(Module, "call", _real_call)  # this test launches: the first call passes and is remembered
     wrapper.run(q, batch.cache)
     with pytest.raises(ValueError, match="q has shape"):
         wrapper.run(torch.randn(2, 4, 64).to(torch.bfloat16), batch.cache)
@@ -189,6 +194,12 @@ def test_plan_options_memo_returns_what_parsing_gives() -> None:
                                       kw["pos_encoding_mode"], mask, kw["window_left"], kw["logits_soft_cap"],
                                       kw["sm_scale"], kw["rope_scale"], kw["rope_theta"], None)
             assert got == expected, kw
+
+
+def test_the_launch_guard_sees_the_bound_hot_path() -> None:
+    q, k = torch.randn(4, 64), torch.randn(6, 2, 64)
+    with pytest.raises(AssertionError, match="was launched despite bad input"):
+        jitattn.single_decode_with_kv_cache(q, k, k)
 
 
 def test_single_decode_names_its_own_arguments() -> None:
