@@ -30,14 +30,16 @@ specs = [kernel_spec(torch.bfloat16), kernel_spec(torch.float16), kernel_spec(to
          kernel_spec(torch.float16, torch.float8_e5m2)]
 with cf.ThreadPoolExecutor(4) as ex: list(ex.map(jit.load, specs))
 " 2>&1 | tail -3; gpu_time; }
-# gpu_ncu SECONDS CASE...: Nsight Compute (--set full) of tools/profile_ncu.py's CASEs into $R/ncu_CASE.txt (details)
-# and _raw.txt (every metric), the headline lines, the time; the reports themselves are removed (large).
+# gpu_ncu SECONDS CASE...: Nsight Compute (--set full) of tools/profile_ncu.py's CASEs into $R/ncu_CASE.txt (details),
+# _raw.txt (every metric) and _sass.csv (per-instruction samples: tools/ncu_stalls.py), the headline lines, the time;
+# the reports themselves are removed (large).
 # NCU_TAG=x names the files ncu_CASEx (two tunings of one case, e.g. with DECODE_TUNING set).
 gpu_ncu() { local s=$1; shift; local c n; for c in "$@"; do n="$c${NCU_TAG:-}"
   timeout "$s" ncu --profile-from-start off --set full --import-source no -f -o "$R/ncu_$n" \
     python3 tools/profile_ncu.py "$c" > "$R/ncu_$n.log" 2>&1
   ncu -i "$R/ncu_$n.ncu-rep" --page details > "$R/ncu_$n.txt" 2>&1
   ncu -i "$R/ncu_$n.ncu-rep" --page raw > "$R/ncu_${n}_raw.txt" 2>&1
+  ncu -i "$R/ncu_$n.ncu-rep" --page source --csv --print-source sass > "$R/ncu_${n}_sass.csv" 2>&1  # ncu_stalls.py
   grep -E "Duration|DRAM Throughput|L2 Hit Rate|Issued Ipc Active|Warp Cycles Per Issued|Registers Per|Grid Size" "$R/ncu_$n.txt" | head -12
   grep -E "pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active" "$R/ncu_${n}_raw.txt" | head -1
   rm -f "$R/ncu_$n.ncu-rep"; echo "$(gpu_time) $n"; done; }
