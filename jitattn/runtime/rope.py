@@ -136,21 +136,26 @@ def _check_qk(q: torch.Tensor, k: torch.Tensor, q_out: torch.Tensor, k_out: torc
 
 
 def _heads_overlap(q: torch.Tensor, k: torch.Tensor) -> bool:
-    """Whether views ``q`` and ``k`` (``[nnz, heads, head_dim]``, unit stride in head_dim) share an element: in one
-    storage with one token stride, a head row of q's token 0 against those of k's tokens that can reach it."""
-    if q.numel() == 0 or k.numel() == 0 or q.untyped_storage().data_ptr() != k.untyped_storage().data_ptr():
+    """Whether views ``q`` and ``k`` (``[nnz, heads, head_dim]`` of one nnz, unit stride in head_dim) share an
+    element. Views of one fused qkv buffer (one token stride, each view's heads side by side) take O(1)
+    arithmetic: k's token t starts d + t s elements after q's token 0, and overlaps it when that span crosses
+    q's first token's; other layouts compare head rows."""
+    if q.numel() == 0 or k.numel() == 0:
         return False
-    size = q.element_size()
-    d, s = (k.data_ptr() - q.data_ptr()) // size, q.stride(0)
+    nnz, s, d = q.shape[0], q.stride(0), (k.data_ptr() - q.data_ptr()) // q.element_size()
+    qw, kw = q.shape[1] * q.shape[2], k.shape[1] * k.shape[2]
+    if k.stride(0) == s > 0 and q.stride(1) == q.shape[2] and k.stride(1) == k.shape[2]:
+        t = max((-kw - d) // s + 1, 1 - nnz)  # the first token of k whose span ends past q's start
+        return t < nnz and t * s < qw - d
+    q_end = (nnz - 1) * q.stride(0) + (q.shape[1] - 1) * q.stride(1) + q.shape[2]
+    k_end = (nnz - 1) * k.stride(0) + (k.shape[1] - 1) * k.stride(1) + k.shape[2]
+    if d >= q_end or -d >= k_end:  # the views' whole spans are apart
+        return False
 
     def rows(t: torch.Tensor, base: int) -> list[tuple[int, int]]:
         return [(base + h * t.stride(1), base + h * t.stride(1) + t.shape[2]) for h in range(t.shape[1])]
-    if k.stride(0) != s or s <= 0 or q.shape[0] == 1:  # one token, or no common step: each view's first token
-        shifts = [0]
-    else:
-        shifts = [t for t in range(-d // s - 1, -d // s + 2) if -q.shape[0] < t < q.shape[0]]
-    q_rows = rows(q, 0)
-    return any(a0 < b1 and b0 < a1 for t in shifts for b0, b1 in rows(k, d + t * s) for a0, a1 in q_rows)
+    shifts = [t for t in range(-nnz + 1, nnz)] if s > 0 and k.stride(0) == s else [0]
+    return any(a0 < b1 and b0 < a1 for t in shifts for b0, b1 in rows(k, d + t * s) for a0, a1 in rows(q, 0))
 
 
 def _check_index(name: str, t: torch.Tensor, device: torch.device, length: int | None = None) -> torch.Tensor:
