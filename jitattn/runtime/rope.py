@@ -139,7 +139,7 @@ def _heads_overlap(q: torch.Tensor, k: torch.Tensor) -> bool:
     """Whether views ``q`` and ``k`` (``[nnz, heads, head_dim]`` of one nnz, unit stride in head_dim) share an
     element. Views of one fused qkv buffer (one token stride, each view's heads side by side) take O(1)
     arithmetic: k's token t starts d + t s elements after q's token 0, and overlaps it when that span crosses
-    q's first token's; other layouts compare head rows."""
+    q's first token's; other layouts compare the head rows of the tokens near q's first."""
     if q.numel() == 0 or k.numel() == 0:
         return False
     nnz, s, d = q.shape[0], q.stride(0), (k.data_ptr() - q.data_ptr()) // q.element_size()
@@ -154,7 +154,9 @@ def _heads_overlap(q: torch.Tensor, k: torch.Tensor) -> bool:
 
     def rows(t: torch.Tensor, base: int) -> list[tuple[int, int]]:
         return [(base + h * t.stride(1), base + h * t.stride(1) + t.shape[2]) for h in range(t.shape[1])]
-    shifts = [t for t in range(-nnz + 1, nnz)] if s > 0 and k.stride(0) == s else [0]
+    # (k's tokens near q's token 0 only: other layouts may hide an overlap further off, never report a false one)
+    near = range(-d // s - 1, -d // s + 2) if s > 0 and k.stride(0) == s else ()
+    shifts = {0} | {t for t in near if -nnz < t < nnz}
     return any(a0 < b1 and b0 < a1 for t in shifts for b0, b1 in rows(k, d + t * s) for a0, a1 in rows(q, 0))
 
 
