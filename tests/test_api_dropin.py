@@ -203,6 +203,35 @@ def test_forward_options_replace_the_planned_ones(device: str) -> None:
         wrapper.run(q, batch.cache, window_left=100)
 
 
+def test_a_failed_plan_leaves_the_planned_options_and_forward_re_plans() -> None:
+    """A plan() that raises leaves the wrapper on its last plan and reports that plan's options (vLLM reads
+    _logits_soft_cap; forward() re-plans only for options that differ from them), for every wrapper that records
+    its plan() arguments."""
+    gen = torch.Generator().manual_seed(9)
+    batch = random_paged_batch([50, 7], HKV, D, PAGE, torch.float32, generator=gen)
+    q = torch.randn(2, HQ, D, generator=gen)
+    bad_indptr = torch.tensor([0, 2, 1], dtype=torch.int32)
+    decode = jitattn.BatchDecodeWithPagedKVCacheWrapper(_workspace("cpu"))
+    decode.plan(batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len, HQ, HKV, D, PAGE, q_data_type=torch.float32)
+    with pytest.raises(ValueError, match="indptr"):
+        decode.plan(bad_indptr, batch.kv_indices, batch.kv_last_page_len, HQ, HKV, D, PAGE, q_data_type=torch.float32,
+                    logits_soft_cap=0.5, window_left=7)
+    assert (decode._logits_soft_cap, decode._window_left) == (0.0, -1)
+    assert_close_out(decode.forward(q, batch.cache, logits_soft_cap=0.5),
+                     _decode_reference(q, batch, logits_soft_cap=0.5)[0], torch.float32)
+
+    qo_indptr = torch.tensor([0, 3, 4], dtype=torch.int32)
+    k, v, kv_indptr = reference.paged_kv_to_ragged(batch.cache, batch.kv_indptr, batch.kv_indices,
+                                                   batch.kv_last_page_len)
+    ragged = jitattn.BatchPrefillWithRaggedKVCacheWrapper(_workspace("cpu"))
+    ragged.plan(qo_indptr, kv_indptr.int(), HQ, HKV, D, q_data_type=torch.float32)
+    with pytest.raises(ValueError, match="kv_indptr"):
+        ragged.plan(qo_indptr, bad_indptr, HQ, HKV, D, q_data_type=torch.float32, causal=True)
+    qp = torch.randn(4, HQ, D, generator=gen)
+    want = reference.batch_ragged_attention(qp, k, v, qo_indptr, kv_indptr, causal=True)[0]
+    assert_close_out(ragged.forward(qp, k, v, causal=True), want, torch.float32)  # re-planned: causal
+
+
 @pytest.mark.parametrize("device", devices())
 def test_run_q_scale_multiplies_sm_scale(device: str) -> None:
     gen = torch.Generator().manual_seed(6)

@@ -11,7 +11,7 @@ import torch
 
 from ..runtime.batch import check_workspace, upload_int32
 from ..runtime.builder import HostIndex, attention_options, build_plan, kernel_spec, make_plan, num_workers
-from ..runtime.wrapper import BatchWrapperBase, plan_arguments
+from ..runtime.wrapper import BatchWrapperBase, keeps_plan_call, plan_arguments
 from ..runtime.checks import check_tensor, target_of
 from ..runtime.launch import PreparedAttention
 from ..runtime.options import PAGE_TABLE_HINT, parse_kv_layout, refuse_unsupported, resolve_batch_invariant
@@ -80,6 +80,7 @@ class BatchDecodeWithPagedKVCacheWrapper(BatchWrapperBase):
     def use_tensor_cores(self) -> bool:
         return self._use_tensor_cores
 
+    @keeps_plan_call
     def plan(
         self, indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tensor, num_qo_heads: int,
         num_kv_heads: int, head_dim: int, page_size: int, pos_encoding_mode: str = "NONE", window_left: int = -1,
@@ -399,15 +400,16 @@ def fast_decode_plan(
     """
     if not isinstance(self, BatchDecodeWithPagedKVCacheWrapper):
         raise TypeError(f"fast_decode_plan needs a BatchDecodeWithPagedKVCacheWrapper; got {type(self).__name__}")
-    # forward() compares its options with these; it cannot re-plan (the arrays are used in place, not kept)
-    self._plan_call = dict(fast_decode_plan=True, pos_encoding_mode=pos_encoding_mode, window_left=window_left,
-                           logits_soft_cap=logits_soft_cap, sm_scale=sm_scale, rope_scale=rope_scale,
-                           rope_theta=rope_theta)
     self._fast_plan(
         indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size, pos_encoding_mode,
         window_left, logits_soft_cap, q_data_type, kv_data_type, data_type, sm_scale, rope_scale, rope_theta,
         fixed_split_size, disable_split_kv, global_override_indptr_cpu, resolve_batch_invariant(batch_invariant),
     )
+    # forward() compares its options with these (once planned: a failed plan keeps the last one's); it cannot
+    # re-plan (the arrays are used in place, not kept)
+    self._plan_call = dict(fast_decode_plan=True, pos_encoding_mode=pos_encoding_mode, window_left=window_left,
+                           logits_soft_cap=logits_soft_cap, sm_scale=sm_scale, rope_scale=rope_scale,
+                           rope_theta=rope_theta)
 
 
 def single_decode_with_kv_cache(

@@ -9,6 +9,7 @@ own ``plan()`` and ``run()``.
 
 from __future__ import annotations
 
+import functools
 import struct
 
 import torch
@@ -176,6 +177,21 @@ class BatchWrapperBase:
     def _run_eager(self, q, k, v, *, k_scale, v_scale, out, lse, return_lse, q_scale=1.0):
         return run_plan(self._plan, self._NAME, self._workspace, q, (k, v), k_scale=k_scale, v_scale=v_scale,
                         out=out, lse=lse, return_lse=return_lse, q_scale=q_scale)
+
+
+def keeps_plan_call(plan):
+    """For a ``plan()`` that records its arguments first thing (``plan_arguments``): when it raises, the record
+    returns to the last plan that succeeded, which the wrapper still runs; else ``forward()`` would take the
+    failed call's options as planned and run the old plan without re-planning."""
+    @functools.wraps(plan)
+    def recorded(self, *args, **kwargs):
+        previous = self._plan_call
+        try:
+            return plan(self, *args, **kwargs)
+        except BaseException:
+            self._plan_call = previous
+            raise
+    return recorded
 
 
 def plan_arguments(plan_locals: dict) -> dict:
