@@ -186,6 +186,17 @@ def test_an_arrival_that_is_not_a_finite_number_is_refused_and_stalls_no_one(mod
     assert good.output == reference_generate(model, [3, 4], 2)[0] and not engine.waiting
 
 
+def test_a_clock_that_is_not_a_function_of_finite_seconds_is_refused(model) -> None:
+    """A NaN clock made run() spin for good (no arrival is ever due, and no wait is ever positive)."""
+    with pytest.raises(TypeError, match="clock=5 must be a function"):
+        Engine(model, num_pages=8, page_size=PAGE, clock=5)
+    for reading in (float("nan"), "now", None):
+        engine = Engine(model, num_pages=8, page_size=PAGE, clock=lambda: reading)
+        engine.add_request([1, 2], 2)
+        with pytest.raises(ValueError, match=f"clock\\(\\)={reading!r} must be a finite number"):
+            engine.run()
+
+
 @pytest.mark.parametrize("name", ["num_pages", "page_size", "max_batch_size", "prefill_chunk_tokens", "max_seq_len"])
 @pytest.mark.parametrize("bad", [8.0, 2.5, "8", 0, True])
 def test_engine_sizes_must_be_positive_ints(model, name, bad) -> None:
@@ -205,6 +216,36 @@ def test_teacher_forced_logits_match_the_reference(model, shared_workload, overl
         tokens, logits = reference_generate(model, p, NEW_TOKENS, forced_tokens=f)
         assert r.output == tokens
         torch.testing.assert_close(torch.stack(r.logits), torch.stack(logits), rtol=1e-4, atol=1e-4)
+
+
+def test_models_the_kernels_cannot_run_are_refused_when_built(tmp_path) -> None:
+    """A config or model the attention kernels cannot run used to be taken, and its first request then stayed in
+    prefilling for good, holding its pages; a bad checkpoint said which file."""
+    from dataclasses import asdict
+
+    from jitattn.serving.config import ModelConfig
+
+    for field, bad, match in (("head_dim", 6, "head_dim=6 is not a head dim the attention kernels take"),
+                              ("rope_theta", 0.0, "rope_theta=0.0 must be a finite number > 0"),
+                              ("rms_norm_eps", float("nan"), "rms_norm_eps=nan must be a finite number >= 0")):
+        with pytest.raises(ValueError, match=match):
+            ModelConfig(**{**asdict(CONFIG), field: bad})
+    weights = random_weights(CONFIG)
+    with pytest.raises(TypeError, match="dtype=torch.float64 is not one the kernels take"):
+        LlamaModel(CONFIG, weights, dtype=torch.float64)
+    with pytest.raises(ValueError, match="LlamaModel: 1 weights missing, e.g. model.norm.weight"):
+        LlamaModel(CONFIG, {n: t for n, t in weights.items() if n != "model.norm.weight"})
+    with pytest.raises(ValueError, match=r"model.norm.weight is of shape \(3,\); the config says"):
+        LlamaModel(CONFIG, {**weights, "model.norm.weight": torch.ones(3)})
+    with pytest.raises(TypeError, match="weights must be a dict"):
+        save_checkpoint(CONFIG, None, tmp_path / "ckpt")
+    assert not (tmp_path / "ckpt").exists(), "nothing half-written"
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="config.json is not valid JSON"):
+        LlamaModel.from_checkpoint(tmp_path / "bad")
+    with pytest.raises(ValueError, match="unknown model"):
+        preset(["tiny"])
 
 
 def test_checkpoint_directory_round_trip(model, tmp_path) -> None:

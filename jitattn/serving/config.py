@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+
+from ..spec import SUPPORTED_HEAD_DIMS
 
 
 @dataclass(frozen=True)
@@ -31,8 +34,15 @@ class ModelConfig:
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"num_attention_heads={self.num_attention_heads} must be a multiple of "
                              f"num_key_value_heads={self.num_key_value_heads} (GQA)")
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim={self.head_dim} must be even (RoPE rotates pairs)")
+        if self.head_dim not in SUPPORTED_HEAD_DIMS:
+            raise ValueError(f"head_dim={self.head_dim} is not a head dim the attention kernels take (multiples of 8 "
+                             f"from {SUPPORTED_HEAD_DIMS[0]} to {SUPPORTED_HEAD_DIMS[-1]})")
+        for name, positive in (("rope_theta", True), ("rms_norm_eps", False)):
+            value = getattr(self, name)
+            number = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+            if not number or value < 0 or positive and value == 0:
+                bound = "> 0" if positive else ">= 0"
+                raise ValueError(f"ModelConfig.{name}={value!r} must be a finite number {bound}")
 
     @property
     def group_size(self) -> int:
@@ -61,6 +71,10 @@ class ModelConfig:
             data = json.loads(path.read_text())
         except FileNotFoundError:
             raise ValueError(f"{path} does not exist; expected a Hugging Face config.json") from None
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path} is not valid JSON ({exc}); expected a Hugging Face config.json") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"{path} holds a JSON {type(data).__name__}; expected a Hugging Face config.json object")
         missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                                "num_attention_heads") if k not in data]
         if missing:
@@ -83,6 +97,9 @@ class ModelConfig:
         if rope_type != "default":
             raise ValueError(f"{path}: rope_type {rope_type!r} is not supported by this small engine (plain RoPE only)")
         theta = rope.get("rope_theta", data.get("rope_theta", 10000.0))
+        if not data.get("head_dim") and isinstance(heads, int) and heads > 0 and data["hidden_size"] % heads:
+            raise ValueError(f"{path}: hidden_size={data['hidden_size']} is not a multiple of num_attention_heads="
+                             f"{heads} and no head_dim is given; give head_dim")
         return cls(
             vocab_size=data["vocab_size"], hidden_size=data["hidden_size"],
             intermediate_size=data["intermediate_size"], num_hidden_layers=data["num_hidden_layers"],
@@ -107,6 +124,6 @@ PRESETS: dict[str, ModelConfig] = {
 
 
 def preset(name: str) -> ModelConfig:
-    if name not in PRESETS:
+    if not isinstance(name, str) or name not in PRESETS:
         raise ValueError(f"unknown model {name!r}; choose one of {', '.join(PRESETS)} or give a checkpoint directory")
     return PRESETS[name]

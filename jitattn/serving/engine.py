@@ -76,6 +76,8 @@ class Engine:
         if cascade_depth is not None and (isinstance(cascade_depth, bool) or not isinstance(cascade_depth, int)
                                           or cascade_depth < 1):
             raise ValueError(f"cascade_depth={cascade_depth!r} must be None (the prefix tree's depth) or an int >= 1")
+        if clock is not None and not callable(clock):
+            raise TypeError(f"clock={clock!r} must be a function returning seconds (or None: since startup)")
         if cuda_graphs and model.device.type != "cuda":
             raise ValueError("cuda_graphs=True needs a model on a CUDA device")
         c = model.config
@@ -157,7 +159,8 @@ class Engine:
     def clock(self) -> float:
         """Seconds on the engine's clock: the caller's ``clock``, else since startup (``capture_graphs``
         restarts it), the time base of arrivals, TTFT and finish times."""
-        return self._clock() if self._clock is not None else time.perf_counter() - self._clock_origin
+        return arrival_time(self._clock(), "clock()") if self._clock is not None else \
+            time.perf_counter() - self._clock_origin
 
     def capture_graphs(self, shared_levels: Sequence[int] = (1, 2)) -> int:
         """Capture every batch-size bucket's decode graphs now, as a serving engine does at startup (cuda_graphs

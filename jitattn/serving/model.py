@@ -87,11 +87,11 @@ def load_checkpoint(directory: str | Path) -> tuple[ModelConfig, dict[str, torch
         if not bins:
             raise ValueError(f"{directory} has neither *.safetensors nor pytorch_model*.bin files")
         for path in bins:
-            weights.update(torch.load(path, map_location="cpu", weights_only=True))
-    expected = hf_weight_shapes(config)
-    missing = [n for n in expected if n not in weights]
-    if missing:
-        raise ValueError(f"{directory}: {len(missing)} weights missing, e.g. {missing[0]}")
+            loaded = torch.load(path, map_location="cpu", weights_only=True)
+            if not isinstance(loaded, dict):
+                raise ValueError(f"{path} holds a {type(loaded).__name__}; expected a state dict (name -> tensor)")
+            weights.update(loaded)
+    expected = check_weights(config, weights, str(directory))
     # Weights the Llama block has no use for (biases, another architecture's parts) would be dropped
     # silently and change the tokens: refuse them (a tied lm_head copy and rotary buffers are fine).
     unused = [n for n in weights if n not in expected and not n.endswith("rotary_emb.inv_freq")
@@ -99,15 +99,29 @@ def load_checkpoint(directory: str | Path) -> tuple[ModelConfig, dict[str, torch
     if unused:
         raise ValueError(f"{directory}: {len(unused)} weights this Llama engine does not use, e.g. {unused[0]}; "
                          "is this a Llama checkpoint (no biases)?")
-    for name, shape in expected.items():
-        if tuple(weights[name].shape) != shape:
-            raise ValueError(f"{directory}: {name} has shape {tuple(weights[name].shape)}; config.json says {shape}")
     return config, {n: weights[n] for n in expected}
+
+
+def check_weights(config: ModelConfig, weights, where: str) -> dict[str, tuple[int, ...]]:
+    """Raise unless ``weights`` holds every tensor of ``config`` at its shape; returns the shapes by name."""
+    if not isinstance(weights, dict):
+        raise TypeError(f"{where}: weights must be a dict of name -> tensor, got {type(weights).__name__}")
+    expected = hf_weight_shapes(config)
+    missing = [n for n in expected if n not in weights]
+    if missing:
+        raise ValueError(f"{where}: {len(missing)} weights missing, e.g. {missing[0]}")
+    for name, shape in expected.items():
+        t = weights[name]
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape:
+            got = f"of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else f"a {type(t).__name__}"
+            raise ValueError(f"{where}: {name} is {got}; the config says a tensor of shape {shape}")
+    return expected
 
 
 def save_checkpoint(config: ModelConfig, weights: dict[str, torch.Tensor], directory: str | Path) -> None:
     """Write ``config.json`` and ``pytorch_model.bin`` (Hugging Face Llama names)."""
     directory = Path(directory)
+    check_weights(config, weights, "save_checkpoint")  # before writing anything: no half-written checkpoint
     config.save(directory)
     torch.save({n: t.contiguous() for n, t in weights.items()}, directory / "pytorch_model.bin")
 
@@ -117,6 +131,11 @@ class LlamaModel:
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], *, dtype: torch.dtype = torch.float32,
                  device: str | torch.device = "cpu", group: TPGroup | None = None) -> None:
+        if not isinstance(config, ModelConfig):
+            raise TypeError(f"config must be a ModelConfig (e.g. preset('tiny')), got {type(config).__name__}")
+        if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            raise TypeError(f"dtype={dtype} is not one the kernels take; use torch.float16, bfloat16 or float32")
+        check_weights(config, weights, "LlamaModel")
         self.config = config
         self.group = group or TPGroup()
         self.dtype, self.device = dtype, torch.device(device)

@@ -111,9 +111,10 @@ def positive_int(name: str, value) -> int:
     return int(value)
 
 
-def arrival_time(arrival) -> float:
-    """``arrival`` (seconds on the engine's clock) as a finite float: None, a string, NaN or an infinity is
-    refused (a NaN passes every order check and an infinite one is never due: either would stall the queue)."""
+def arrival_time(arrival, name: str = "arrival") -> float:
+    """``arrival`` (seconds on the engine's clock, or the clock's own reading) as a finite float: None, a string,
+    NaN or an infinity is refused (a NaN passes every order check and an infinite one is never due: either would
+    stall the queue)."""
     if isinstance(arrival, bool) or not isinstance(arrival, numbers.Real) or not math.isfinite(arrival):
-        raise ValueError(f"arrival={arrival!r} must be a finite number of seconds on the engine's clock")
+        raise ValueError(f"{name}={arrival!r} must be a finite number of seconds on the engine's clock")
     return float(arrival)
