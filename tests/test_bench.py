@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import sys
 import time
 import types
@@ -508,6 +509,22 @@ def test_the_results_page_takes_each_cases_newest_successful_row(tmp_path) -> No
     assert "| `x` | 200.0 us | 1000 GB/s | 0.50 | 240.0 us (1.20x) cudnn | 250.0 us (1.25x) | [2026-12-02](b.json) |" in text
 
 
+@pytest.mark.parametrize("content, match", [
+    ("{not json", "not a readable JSON file"),
+    ('{"schema": "jitattn-bench/1", "rows": [{"status": "ok", "time_us": 1.0}]}', r"rows\[0\] is not a bench row"),
+    ('{"schema": "jitattn-bench/1", "rows": [{"name": "decode/x", "status": "ok", "time_us": "1"}]}',
+     "time_us='1' is not a number"),
+])
+def test_a_run_the_results_page_cannot_read_is_named_not_dropped(tmp_path, capsys, content, match) -> None:
+    from jitattn.bench import results
+
+    (tmp_path / "bad.json").write_text(content)
+    (tmp_path / "list.json").write_text("[1, 2]")  # valid JSON but no run: skipped, as other notes are
+    assert results.main(["--runs", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "bad.json" in err and re.search(match, err) and not (tmp_path / "RESULTS.md").exists()
+
+
 @pytest.mark.parametrize("name", list(ROPE_BYTES))
 def test_rope_bytes(name: str) -> None:
     case = configs.BY_NAME[name]
@@ -636,3 +653,30 @@ def test_ops_suite_on_the_cpu(tmp_path) -> None:
         base, separate = rows[name]["baseline"], [rows[name + ":prefill"], rows[name + ":decode"]]
         assert base["time_us"] == pytest.approx(sum(r["time_us"] for r in separate))
         assert base["ratio"] == pytest.approx(base["time_us"] / rows[name]["time_us"])
+
+
+def test_bad_arguments_are_refused_before_any_case_runs(tmp_path, capsys) -> None:
+    """A --json that is a directory used to fail after the first case (a raw IsADirectoryError, a stray temp
+    file); --list with an unknown pattern printed a traceback; negative or NaN budgets ran or skipped silently."""
+    folder = tmp_path / "out"
+    folder.mkdir()
+    assert main(["--target", "cpu", "--json", str(folder), "--only", "decode/llama8b_b64_s2048"]) == 2
+    assert "is a directory; name a file" in capsys.readouterr().err and not list(tmp_path.glob(".bench-*"))
+    (tmp_path / "file").write_text("x")
+    assert main(["--target", "cpu", "--json", str(tmp_path / "file" / "b.json")]) == 2
+    assert "is a file, not a directory" in capsys.readouterr().err
+    assert main(["--list", "--only", "nosuch*"]) == 2
+    assert "no case matches nosuch*" in capsys.readouterr().err
+    for flag, value in (("--measure-s", "nan"), ("--deadline", "-1"), ("--case-budget", "-5"), ("--jobs", "-3")):
+        with pytest.raises(SystemExit):
+            main([flag, value])
+        assert "must be a finite number >= 0" in capsys.readouterr().err
+
+
+def test_results_json_is_readable_and_leaves_no_temp_file(tmp_path) -> None:
+    path = tmp_path / "r.json"
+    report.write_json({"rows": [], "x": float("nan")}, str(path))
+    assert json.loads(path.read_text())["x"] is None and (path.stat().st_mode & 0o777) == 0o644
+    with pytest.raises(TypeError):
+        report.write_json({"bad": object()}, str(path))
+    assert [p.name for p in tmp_path.iterdir()] == ["r.json"], "the temp file of a failed write is removed"

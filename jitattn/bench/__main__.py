@@ -50,6 +50,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--ceilings-json", default=None, help=argparse.SUPPRESS)  # a resumed child reuses the ceilings
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     opts = ap.parse_args(argv)
+    for name in ("jobs", "measure_s", "case_budget", "deadline"):
+        value = getattr(opts, name)
+        if not 0 <= value < float("inf"):  # (NaN fails too) 0: the default
+            ap.error(f"--{name.replace('_', '-')}={value} must be a finite number >= 0 (0: the default)")
     opts.only = [s for s in opts.only.split(",") if s.strip()] if opts.only else []
     return opts
 
@@ -58,18 +62,23 @@ def main(argv: list[str] | None = None) -> int:
     opts = parse_args(argv)
     from . import configs
 
+    try:
+        cases = configs.select(opts.suite, opts.only or None, opts.quick)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     if opts.list:
-        for case in configs.select(opts.suite, opts.only or None, opts.quick):
+        for case in cases:
             names = configs.row_names(case)
             extra = f"  -> rows {', '.join(names)}" if names != (case.name,) else ""
             print(f"{case.name}{extra}")
         return 0
-    try:
-        configs.select(opts.suite, opts.only or None, opts.quick)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
     from . import compare, report, suite
+
+    problem = report.check_json_path(opts.json)
+    if problem is not None:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
 
     baseline = None
     if opts.baseline and not opts.child:

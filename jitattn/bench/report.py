@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -181,10 +182,32 @@ def write_json(doc: dict, path: str | None) -> None:
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=".bench-", suffix=".json")
-    with os.fdopen(fd, "w") as f:
-        json.dump(_clean(doc), f, indent=1, allow_nan=False)
-        f.write("\n")
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(_clean(doc), f, indent=1, allow_nan=False)
+            f.write("\n")
+        os.chmod(tmp, 0o644)  # a results file, readable as any other (mkstemp makes it 0600)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def check_json_path(path: str | None) -> str | None:
+    """Why ``--json path`` cannot be written (None: it can), checked before a run rather than after its first case."""
+    if not path:
+        return None
+    if os.path.isdir(path):
+        return f"--json {path} is a directory; name a file (e.g. {os.path.join(path, 'bench.json')})"
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        return f"--json {path}: {parent} is a file, not a directory"
+    if not os.access(parent, os.W_OK):
+        return f"--json {path}: {parent} is not writable"
+    return None
 
 
 def plot(doc: dict, path: str, log: Callable[[str], None] = print) -> bool:

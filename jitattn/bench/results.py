@@ -25,13 +25,17 @@ def newest_rows(runs_dir: Path) -> dict[str, tuple[dict, dict, str]]:
     for path in sorted(runs_dir.glob("*.json")):
         try:
             run = json.loads(path.read_text())
-        except (OSError, ValueError):
+        except (OSError, ValueError) as exc:  # a run dropped silently would leave its rows out of the page
+            raise ValueError(f"{path}: not a readable JSON file ({exc}); fix or remove it") from None
+        if not isinstance(run, dict) or not str(run.get("schema", "")).startswith(SCHEMA_PREFIX):
             continue
-        if not str(run.get("schema", "")).startswith(SCHEMA_PREFIX):
-            continue
-        for row in run.get("rows", []):
+        for i, row in enumerate(run.get("rows", [])):
+            if not isinstance(row, dict) or not isinstance(row.get("name"), str):
+                raise ValueError(f"{path}: rows[{i}] is not a bench row (no name)")
             if row.get("status") != "ok" or row.get("time_us") is None:
                 continue
+            if isinstance(row["time_us"], bool) or not isinstance(row["time_us"], (int, float)):
+                raise ValueError(f"{path}: {row['name']}: time_us={row['time_us']!r} is not a number")
             held = newest.get(row["name"])
             if held is None or run.get("created", "") > held[1].get("created", ""):
                 newest[row["name"]] = (row, run, path.name)
@@ -100,7 +104,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--runs {args.runs}: no such folder (from an installed package, name the checkout's "
                      "docs/benchmarks)")
     target = args.runs / "RESULTS.md"
-    text = page(args.runs)
+    try:
+        text = page(args.runs)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     if args.check:
         if not target.exists() or target.read_text() != text:
             print(f"{target} is out of date: run python -m jitattn.bench.results", file=sys.stderr)
