@@ -29,16 +29,45 @@ from pathlib import Path
 import torch
 
 
+def count(low: int):
+    """An argparse type: an int >= ``low``."""
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{value} must be >= {low}")
+        return value
+    parse.__name__ = f"int >= {low}"
+    return parse
+
+
+def rate(text: str) -> float:
+    """An argparse type: a finite number >= 0."""
+    value = float(text)
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} must be a finite number >= 0")
+    return value
+
+
+def ints(low: int):
+    """An argparse type: comma-separated ints >= ``low``."""
+    def parse(text: str) -> list[int]:
+        return [count(low)(part) for part in text.split(",")]
+    parse.__name__ = f"comma-separated ints >= {low}"
+    return parse
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--device", default="auto", help="cpu, cuda or auto (cuda when visible)")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="cpu, cuda or auto (cuda when "
+                   "visible)")
     p.add_argument("--model", default="tiny", help="tiny, small, llama-3-8b-shapes, or a checkpoint directory")
-    p.add_argument("--layers", type=int, help="override the preset's layer count")
-    p.add_argument("--dtype", help="float32 (default on cpu) or bfloat16 (default on cuda)")
-    p.add_argument("--num-requests", type=int, default=16)
-    p.add_argument("--rate", type=float, default=0.0, help="arrivals per second (0: all at once)")
-    p.add_argument("--system-prompt-len", type=int, default=64, help="tokens every prompt starts with")
-    p.add_argument("--prompt-len", type=int, default=24, help="mean own prompt tokens per request (uniform in "
+    p.add_argument("--layers", type=count(1), help="override the preset's layer count")
+    p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"),
+                   help="float32 (default on cpu) or bfloat16 (default on cuda)")
+    p.add_argument("--num-requests", type=count(1), default=16)
+    p.add_argument("--rate", type=rate, default=0.0, help="arrivals per second (0: all at once)")
+    p.add_argument("--system-prompt-len", type=count(0), default=64, help="tokens every prompt starts with")
+    p.add_argument("--prompt-len", type=count(1), default=24, help="mean own prompt tokens per request (uniform in "
                    "[mean / 2, mean * 3 / 2])")
     p.add_argument("--prompt-len-range", type=int, nargs=2, metavar=("MIN", "MAX"),
                    help="own prompt tokens uniform in [MIN, MAX] instead")
@@ -46,21 +75,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="a prefix tree: after the system prompt, request i continues with branch i %% N's block "
                    "(an agent's fork; 0: none)")
     p.add_argument("--branch-len", type=int, default=0, help="tokens of each branch's block")
-    p.add_argument("--output-len", type=int, default=16, help="mean output tokens per request")
+    p.add_argument("--output-len", type=count(1), default=16, help="mean output tokens per request")
     p.add_argument("--cascade", action=argparse.BooleanOptionalAction, default=True,
                    help="cascade attention for requests sharing prefix pages (default on)")
     p.add_argument("--cascade-depth", type=int, help="at most this many shared levels per cascade step (default: "
                    "the prefix tree's depth on the cpu, its cheapest cut on cuda; 1: one node per prefix group, the "
                    "two-level cascade)")
     p.add_argument("--graphs", action="store_true", help="replay CUDA graphs of the flat decode step (cuda)")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (launch with torchrun)")
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--num-pages", type=int, help="KV pool pages (default: room for every request at once without "
+    p.add_argument("--tp", type=count(1), default=1, help="tensor-parallel degree (launch with torchrun)")
+    p.add_argument("--page-size", type=count(1), default=16)
+    p.add_argument("--num-pages", type=count(2), help="KV pool pages (default: room for every request at once without "
                    "prefix sharing, capped by --kv-memory-fraction)")
     p.add_argument("--kv-memory-fraction", type=float, default=0.85,
                    help="cuda: the KV pool's share of the GPU memory free once the model is loaded (default 0.85)")
-    p.add_argument("--max-batch-size", type=int, default=64)
-    p.add_argument("--chunk", type=int, default=512, help="prefill tokens per step")
+    p.add_argument("--max-batch-size", type=count(1), default=64)
+    p.add_argument("--chunk", type=count(1), default=512, help="prefill tokens per step")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     return p.parse_args(argv)
@@ -137,6 +166,10 @@ def main(argv: list[str] | None = None) -> dict:
 
     args = parse_args(argv)
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    if device == "cuda" and not torch.cuda.is_available():
+        sys.exit("--device cuda: no CUDA device is visible here (use --device cpu or auto)")
+    if args.json and not Path(args.json).resolve().parent.is_dir():  # before the run, not after it
+        sys.exit(f"--json {args.json}: {Path(args.json).resolve().parent} is not a directory")
     group, device = setup_parallel(args, device)
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.startswith("cuda") else torch.float32)
     if Path(args.model).is_dir():
@@ -144,7 +177,7 @@ def main(argv: list[str] | None = None) -> dict:
         model = LlamaModel(config, weights, dtype=dtype, device=device, group=group)
     else:
         config = preset(args.model)
-        if args.layers:
+        if args.layers is not None:
             config = config.with_layers(args.layers)
         model = LlamaModel.random(config, seed=args.seed, dtype=dtype, device=device, group=group)
     work = workload(args, config.vocab_size)

@@ -272,8 +272,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", required=True, help="markdown file to write")
     parser.add_argument("--preset", choices=[*PRESETS, "all"], help="a workload (its serve.py flags come first; "
                         "flags given here override them)")
-    parser.add_argument("--sweep-prefix", help="comma-separated shared-prefix lengths: time the decode step against them")
-    parser.add_argument("--sweep-requests", default="64,128", help="request counts of the sweep (default 64,128)")
+    parser.add_argument("--sweep-prefix", type=serve.ints(1),
+                        help="comma-separated shared-prefix lengths: time the decode step against them")
+    parser.add_argument("--sweep-requests", type=serve.ints(1), default=[64, 128],
+                        help="request counts of the sweep (default 64,128)")
     parser.add_argument("--plot", help="the sweep's PNG (needs matplotlib)")
     parser.add_argument("--repeat", type=int, default=1, help="runs per row, made interleaved; a row is their "
                         "median with the min-max beside it (default 1)")
@@ -283,13 +285,15 @@ def main(argv: list[str] | None = None) -> None:
     args, rest = parser.parse_known_args(argv)
     if args.repeat < 1:
         parser.error(f"--repeat {args.repeat}: give at least 1 run per row")
+    if not Path(args.out).resolve().parent.is_dir():  # before the runs, not after them
+        parser.error(f"--out {args.out}: {Path(args.out).resolve().parent} is not a directory")
     on_cuda = "cuda" in " ".join(rest)
     if args.sweep_prefix:
-        prefixes = [int(x) for x in args.sweep_prefix.split(",")]
-        counts = [int(x) for x in args.sweep_requests.split(",")]
+        prefixes, counts = args.sweep_prefix, args.sweep_requests
         flags = " --graphs-only" if args.graphs_only else ""
+        listed = lambda values: ",".join(map(str, values))  # noqa: E731
         lines = [f"# Decode step time against the shared prefix (`python3 examples/serve_bench.py "
-                 f"--sweep-prefix {args.sweep_prefix} --sweep-requests {args.sweep_requests}{flags} {' '.join(rest)}`)",
+                 f"--sweep-prefix {listed(prefixes)} --sweep-requests {listed(counts)}{flags} {' '.join(rest)}`)",
                  "", ("Each row: one run" if args.repeat == 1 else f"Each row: the median of {args.repeat} runs "
                        "(made interleaved, min-max in brackets)") + " of the workload (its decode steps' wall time "
                  "over their count, as in the presets' table), after "

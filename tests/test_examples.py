@@ -122,3 +122,21 @@ def test_serve_bench_refuses_no_runs(tmp_path):
                            "--repeat", "0", "--device", "cpu"], env=child_env(), capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 2 and "--repeat 0" in proc.stderr
+
+
+@pytest.mark.parametrize("script, flags, message", [
+    ("serve.py", ["--num-requests", "0"], "argument --num-requests: 0 must be >= 1"),
+    ("serve.py", ["--page-size", "0"], "argument --page-size: 0 must be >= 1"),
+    ("serve.py", ["--rate", "nan"], "argument --rate: nan must be a finite number >= 0"),
+    ("serve.py", ["--dtype", "foo"], "argument --dtype: invalid choice"),
+    ("serve.py", ["--layers", "0"], "argument --layers: 0 must be >= 1"),
+    ("serve_bench.py", ["--out", "x.md", "--sweep-prefix", "a,b"], "argument --sweep-prefix: invalid"),
+    ("serve_bench.py", ["--out", "x.md", "--sweep-requests", "0"], "argument --sweep-requests: 0 must be >= 1"),
+    ("serve_bench.py", ["--out", "no/such/dir/x.md", "--preset", "system-2k"], "is not a directory"),
+])
+def test_serving_examples_refuse_bad_flags_before_running(script, flags, message, tmp_path):
+    """Each used to end in a raw traceback (an empty max(), a division by zero, torch's own messages) or to be
+    ignored (--layers 0, a negative or NaN --rate), some only after the whole run."""
+    proc = subprocess.run([sys.executable, str(EXAMPLES / script), *flags], env=child_env(), capture_output=True,
+                          text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
