@@ -159,6 +159,19 @@ def test_training_with_gradients_is_refused() -> None:
         model(ids, labels=ids).loss.backward()
 
 
+def test_what_the_backend_cannot_serve_is_refused_with_what_to_use() -> None:
+    """output_attentions=True returned an empty tuple silently; an additive (float) 4-D mask was blamed on how the
+    model was built."""
+    model = _model("llama", NAME)
+    ids = torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        with pytest.raises(ValueError, match="output_attentions=True cannot be served; use attn_implementation='eager'"):
+            model(ids, output_attentions=True)
+        additive = torch.zeros(1, 1, 8, 8).masked_fill(torch.ones(8, 8, dtype=torch.bool).triu(1), float("-inf"))
+        with pytest.raises(TypeError, match=r"an additive one, such as a 4-D float attention_mask .*\(additive == 0\)"):
+            model(ids, attention_mask=additive)
+
+
 def test_serving_engine_refuses_checkpoints_it_would_compute_wrong(tmp_path) -> None:
     from jitattn.serving import LlamaModel, preset
 

@@ -50,6 +50,9 @@ def jitattn_attention_forward(
         raise ValueError("jitattn attention has no dropout; use attn_implementation='eager' for training with dropout")
     if kwargs.get("position_bias") is not None:
         raise ValueError("jitattn attention does not take a position_bias; use attn_implementation='eager'")
+    if kwargs.get("output_attentions"):  # the model would return no weights, silently
+        raise ValueError("jitattn attention never materialises the attention weights, so output_attentions=True "
+                         "cannot be served; use attn_implementation='eager' to get them")
     if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
         raise RuntimeError("the jitattn backend is inference-only (its kernels have no backward); run under "
                            "torch.no_grad()/torch.inference_mode(), or use attn_implementation='eager' to train")
@@ -68,9 +71,11 @@ def jitattn_attention_forward(
             key, value, kv_len = key[:, :, :q_len], value[:, :, :q_len], q_len
     else:
         if attention_mask.dtype != torch.bool:
-            raise TypeError(f"the jitattn backend takes boolean masks (True: attend) from its registered mask "
-                            f"builder; got a {attention_mask.dtype} mask. Build the model with "
-                            f"attn_implementation='{NAME}' after importing jitattn.integrations.transformers")
+            raise TypeError(f"the jitattn backend takes boolean masks (True: attend); got a {attention_mask.dtype} "
+                            "mask (an additive one, such as a 4-D float attention_mask passed to the model, or the "
+                            "mask of another attention implementation). Pass the 2-D padding mask (1: a token) and "
+                            "let the model build its mask, or a boolean 4-D one (additive == 0); build the model "
+                            f"with attn_implementation='{NAME}' after importing jitattn.integrations.transformers")
         custom_mask = attention_mask.expand(batch, 1, q_len, kv_len)[:, 0].reshape(-1).cpu()
         causal = False  # the mask holds the causal pattern
     q = query.transpose(1, 2).reshape(batch * q_len, heads, head_dim)
