@@ -246,6 +246,8 @@ def test_models_the_kernels_cannot_run_are_refused_when_built(tmp_path) -> None:
         LlamaModel.from_checkpoint(tmp_path / "bad")
     with pytest.raises(ValueError, match="unknown model"):
         preset(["tiny"])
+    with pytest.raises(TypeError, match="config must be a ModelConfig"):
+        random_weights({"hidden_size": 64})
 
 
 def test_checkpoint_directory_round_trip(model, tmp_path) -> None:

@@ -52,6 +52,8 @@ def random_weights(config: ModelConfig, seed: int = 0, device: str | torch.devic
     Drawn in float32 on ``device`` (the same values on every rank for one seed and device type; draw
     Llama-3-8B-sized weights on the GPU: the host takes minutes), then cast to ``dtype``.
     """
+    if not isinstance(config, ModelConfig):
+        raise TypeError(f"config must be a ModelConfig (e.g. preset('tiny')), got {type(config).__name__}")
     gen = torch.Generator(device=device).manual_seed(seed)
     weights = {}
     for name, shape in hf_weight_shapes(config).items():
