@@ -19,7 +19,7 @@ import torch
 
 from .. import env, hardware
 from .batch import pinned_staging
-from .checks import raw_stream, stream_capturing
+from .checks import FP8_DTYPES, raw_stream, stream_capturing
 from .specs import mla_kernel_spec
 from ..kernels import mla as family
 from ..kernels.mla_plan import MLAWork, graph_item_capacity, padded, plan_work, workspace_row_bytes
@@ -43,7 +43,7 @@ def unsupported_reason(device: torch.device, q_dtype: torch.dtype, kv_dtype: tor
         return f"it is built for 9.0a only, and the arch list is {shown!r} (JITATTN_CUDA_ARCH_LIST)"
     if q_dtype not in (torch.float16, torch.bfloat16):
         return "it takes f16 or bf16 queries"
-    if kv_dtype != q_dtype and kv_dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+    if kv_dtype != q_dtype and kv_dtype not in FP8_DTYPES:
         return "it takes a latent cache of the queries' dtype or fp8 (e4m3 / e5m2)"
     if (head_dim_ckv, head_dim_kpe) != (family.CKV_DIM, family.KPE_DIM):
         return f"it takes head_dim_ckv={family.CKV_DIM}, head_dim_kpe={family.KPE_DIM}"
