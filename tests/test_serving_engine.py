@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -425,17 +427,17 @@ def test_the_engine_estimate_counts_the_flat_steps_rereads_that_l2_serves() -> N
                     page_size=16, max_batch_size=64, cascade=True)
     # Llama-3-8B's terms: weight bytes, KV bytes per token (32 layers x 8 heads x 128 x K and V x 2 bytes),
     # attention FLOPs per (query, key) pair (4 x 32 heads x 128 x 32 layers), layers, L2 bytes for shared pages
-    engine._estimate_terms = (16.06e9, 32 * 8 * 128 * 2 * 2, 4 * 32 * 128 * 32, 32, 30 * 2.0**20)
+    llama = dataclasses.replace(engine.costs, weight_bytes=16.06e9, kv_bytes_per_token=32 * 8 * 128 * 2 * 2,
+                                flops_per_pair=4 * 32 * 128 * 32, layers=32, l2_bytes=30 * 2.0**20)
     chooser, paths = DecodePathChooser(), {}
     for prefix in (2048, 4096, 16384):
         pages = prefix // 16
         seqs = [SeqView(tuple(range(pages)) + (pages + i, pages + 64 + i), prefix + 20, 1) for i in range(64)]
         tree = [[SharedNode(0, 64, 0, pages)]]
-        estimate = engine._cascade_estimate(seqs, tree, sum(s.kv_len for s in seqs))
+        estimate = llama.cascade_estimate(seqs, tree, sum(s.kv_len for s in seqs))
         paths[prefix] = "measured" if chooser.flat_below < estimate < chooser.trust else chooser.choose(64, estimate)
-        engine._estimate_terms = (*engine._estimate_terms[:4], 0)
-        assert engine._cascade_estimate(seqs, tree, sum(s.kv_len for s in seqs)) > estimate  # every re-read in DRAM
-        engine._estimate_terms = (*engine._estimate_terms[:4], 30 * 2.0**20)
+        no_l2 = dataclasses.replace(llama, l2_bytes=0)
+        assert no_l2.cascade_estimate(seqs, tree, sum(s.kv_len for s in seqs)) > estimate  # every re-read in DRAM
     assert paths == {2048: "flat", 4096: "measured", 16384: "cascade"}
 
 
@@ -474,10 +476,11 @@ def test_a_cuda_engine_cuts_the_prefix_tree_where_a_level_costs_more_than_its_re
     model = LlamaModel.random(preset("tiny"), seed=0, dtype=torch.float32, device="cpu")
     for depth, expected in ((None, {512: 1, 2048: 2}), (1, {512: 1, 2048: 1})):
         engine = Engine(model, num_pages=8, page_size=16, max_batch_size=128, cascade=True, cascade_depth=depth)
-        assert engine._cascade_depth(tree_of(512), 128) == (2 if depth is None else 1)  # cpu: no level cost
-        engine._estimate_terms = (16.06e9, 32 * 8 * 128 * 2 * 2, 4 * 32 * 128 * 32, 32, 30 * 2.0**20)
-        engine._level_seconds = LEVEL_SECONDS
-        assert {root: engine._cascade_depth(tree_of(root), 128) for root in (512, 2048)} == expected
+        assert engine.costs.depth(tree_of(512), 128) == (2 if depth is None else 1)  # cpu: no level cost
+        cuda = dataclasses.replace(engine.costs, weight_bytes=16.06e9, kv_bytes_per_token=32 * 8 * 128 * 2 * 2,
+                                   flops_per_pair=4 * 32 * 128 * 32, layers=32, l2_bytes=30 * 2.0**20,
+                                   level_seconds=LEVEL_SECONDS)
+        assert {root: cuda.depth(tree_of(root), 128) for root in (512, 2048)} == expected
 
 
 def test_decode_path_chooser_measures_each_path_then_keeps_the_faster() -> None:

@@ -39,16 +39,16 @@ import torch
 
 from ..jit import compile_count
 from .attention import (
-    AttentionPlanner, SeqView, SharedNode, kv_tokens_read, limit_levels, pages_saved, prefix_tree, shared_tokens,
-    to_device,
+    AttentionPlanner, SeqView, SharedNode, kv_tokens_read, limit_levels, pages_saved, prefix_tree, to_device,
 )
-from .decode_path import LEVEL_SECONDS, DecodePathChooser, cascade_estimate, cheapest_depth, flat_reread_fraction
+from .decode_path import LEVEL_SECONDS, DecodePathChooser
 from .graphs import MAX_SHARED_LEVELS, CascadeGraph, DecodeGraph, bucket_sizes, padded_cascade_levels
 from .in_flight import InFlight, timing_event, to_host
 from .kv_pool import KVPool
 from .model import LlamaModel
 from .radix import RadixCache
 from .request import EngineStats, Request, arrival_time, positive_int, token_ids
+from .step_cost import StepCosts
 
 
 class Engine:
@@ -91,14 +91,14 @@ class Engine:
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.cuda_graphs = cuda_graphs
         self.overlap = model.device.type == "cuda" if overlap is None else bool(overlap)
-        self.cascade_depth = cascade_depth
-        # the step-independent terms of _cascade_estimate: weight bytes, KV bytes per token (every layer's K and
-        # V), attention FLOPs per (query, shared token) pair over every head and layer, the layer count, and the
-        # L2 bytes that keep a layer's shared pages between its requests' reads (half the L2: the weights and
-        # the requests' own pages stream through it too; 0 off cuda)
-        l2 = torch.cuda.get_device_properties(model.device).L2_cache_size if model.device.type == "cuda" else 0
-        self._estimate_terms = (model.weight_bytes, self.pool.bytes_per_page / page_size,
-                                4 * model.num_q_heads * c.head_dim * c.num_hidden_layers, c.num_hidden_layers, l2 / 2)
+        # Half the L2 keeps a layer's shared pages between its requests' reads (the weights and the requests' own
+        # pages stream through it too). Off cuda no L2 and no level cost are modelled: the tree is never cut.
+        on_cuda = model.device.type == "cuda"
+        l2 = torch.cuda.get_device_properties(model.device).L2_cache_size if on_cuda else 0
+        self.costs = StepCosts(model.weight_bytes, self.pool.bytes_per_page / page_size,
+                               4 * model.num_q_heads * c.head_dim * c.num_hidden_layers, c.num_hidden_layers, l2 / 2,
+                               page_size, LEVEL_SECONDS if on_cuda else 0.0, cascade_depth,
+                               MAX_SHARED_LEVELS if cuda_graphs else None)
         self._pending: InFlight | None = None  # the decode step whose tokens are not read back yet (overlap)
         self._last_ready = 0.0  # perf_counter when the last decode step's tokens reached the host
         self._graphs: dict[int, DecodeGraph] = {}
@@ -110,7 +110,6 @@ class Engine:
         # Off cuda no step is taken as flat unmeasured: the byte model is of a GPU's DRAM and L2 (the cpu target's
         # steps are timed, and its tests run the cascade path).
         self.decode_paths = DecodePathChooser() if model.device.type == "cuda" else DecodePathChooser(flat_below=0.0)
-        self._level_seconds = LEVEL_SECONDS if model.device.type == "cuda" else 0.0  # cheapest_depth's level cost
         self._clock_origin = time.perf_counter()  # the default clock's zero (capture_graphs moves it past capture)
         self._clock = clock  # None: seconds since startup (no closure over self: the engine frees on its last reference)
         self.waiting: deque[Request] = deque()
@@ -350,7 +349,7 @@ class Engine:
         if saved > self.stats.peak_pages_saved:
             self.stats.peak_pages_saved = saved
             self.stats.peak_bytes_saved = saved * self.pool.bytes_per_page
-        depth = self._cascade_depth(shared, len(seqs))
+        depth = self.costs.depth(shared, len(seqs))
         if depth < len(shared):
             shared = limit_levels(shared, len(seqs), depth)
         builds, begin = compile_count(), timing_event(self.model.device)
@@ -428,8 +427,8 @@ class Engine:
             flat_tokens = kv_tokens_read(seqs, [], ps)  # what a flat step's attention reads per layer
             if tree is not None:
                 # rank 0's choice under tensor parallelism: every rank runs the same step (under CUDA graphs the
-                # tree is already cut to MAX_SHARED_LEVELS: _cascade_depth)
-                estimate = self._cascade_estimate(seqs, tree, flat_tokens)
+                # tree is already cut to MAX_SHARED_LEVELS: StepCosts.depth)
+                estimate = self.costs.cascade_estimate(seqs, tree, flat_tokens)
                 chosen = self.group.broadcast(self.decode_paths.choose(bucket, estimate))
                 if chosen == "flat":
                     tree = None
@@ -452,34 +451,6 @@ class Engine:
             positions = to_device(torch.tensor([s.kv_len - 1 for s in seqs]), dev)
             logits = self.model.logits(self.model.forward(ids, positions, attention))
             return logits, chosen, self.planner.last_decode_kv_tokens
-
-    def _cascade_estimate(self, seqs: list[SeqView], tree, flat_kv_tokens: int) -> float:
-        """``decode_path.cascade_estimate`` of this step: the weights and each path's KV bytes (``flat_kv_tokens``:
-        the flat step's), the shared levels' FLOPs (each member's queries against each node's tokens)."""
-        ps = self.pool.page_size
-        weights, per_token, flops_per_pair, layers, l2_bytes = self._estimate_terms
-        shared_pairs = sum((node.end - node.first) * (node.page_end - node.page_begin) * ps
-                           for nodes in tree for node in nodes)
-        once = shared_tokens(tree, ps)  # each node's tokens
-        cascade_tokens = kv_tokens_read(seqs, tree, ps)
-        reread = flat_kv_tokens - cascade_tokens  # what the flat step reads again, per member after the first
-        flat_dram = flat_kv_tokens - reread * (1.0 - flat_reread_fraction(once * per_token / layers, l2_bytes))
-        return cascade_estimate(weights + flat_dram * per_token, weights + cascade_tokens * per_token,
-                                shared_pairs * flops_per_pair)
-
-    def _cascade_depth(self, tree: list[list[SharedNode]], num_seqs: int) -> int:
-        """Shared levels a cascade step over ``tree`` takes: at most ``cascade_depth`` (and ``MAX_SHARED_LEVELS``
-        under CUDA graphs); without ``cascade_depth``, the cheapest cut of the tree by
-        ``decode_path.cheapest_depth`` on cuda, the whole tree elsewhere (no level cost known there)."""
-        most = len(tree) if self.cascade_depth is None else min(len(tree), self.cascade_depth)
-        if self.cuda_graphs:
-            most = min(most, MAX_SHARED_LEVELS)
-        if self.cascade_depth is not None or most <= 1 or not self._level_seconds:
-            return most
-        _, per_token, _, layers, l2_bytes = self._estimate_terms
-        ps = self.pool.page_size
-        cuts = [shared_tokens(limit_levels(tree, num_seqs, d), ps) for d in range(1, most + 1)]
-        return cheapest_depth(cuts, shared_tokens(tree, ps), per_token / layers, l2_bytes, self._level_seconds)
 
     def _bucket(self, batch_size: int) -> int:
         return next(b for b in self._buckets if b >= batch_size)
