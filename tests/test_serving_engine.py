@@ -336,7 +336,7 @@ def test_with_graphs_shared_prefix_steps_take_the_faster_path(model, shared_work
         bucket, path, (graph_ms if path == "flat" else cascade_ms) / 1e3))
     requests = _serve(engine, prompts, new_tokens=16)
     assert [r.output[:NEW_TOKENS] for r in requests] == expected
-    assert engine._graphs and engine._cascade_graphs, "both paths are captured and replayed"
+    assert engine.graphs.flat and engine.graphs.cascade, "both paths are captured and replayed"
     faster = "flat" if graph_ms < cascade_ms else "cascade"
     assert taken[4:] and all(path == faster for path in taken[4:]), ("after two timed steps of each (the first "
                                                                      "of each is the warm-up), the faster path", taken)
@@ -358,7 +358,7 @@ def test_without_graphs_shared_prefix_steps_take_the_faster_path(model, shared_w
     faster = "flat" if flat_ms < cascade_ms else "cascade"
     assert taken[4:] and all(path == faster for path in taken[4:]), ("after two timed steps of each (the first "
                                                                      "of each is the warm-up), the faster path", taken)
-    assert engine.stats.cascade_steps >= 2 and not engine._graphs, "cascade steps were measured, nothing captured"
+    assert engine.stats.cascade_steps >= 2 and not engine.graphs.flat, "cascade steps were measured, nothing captured"
 
 
 def test_under_tensor_parallelism_every_rank_takes_rank_0s_path(model, shared_workload, monkeypatch) -> None:
@@ -599,7 +599,7 @@ def test_with_graphs_a_deep_tree_replays_captured_cascade_steps(model, monkeypat
     assert [r.output for r in requests] == expected
     assert engine.stats.max_cascade_levels == 4 and engine.stats.cascade_steps > 0
     assert engine.stats.graph_steps == engine.stats.decode_steps, "every decode step replayed a graph"
-    assert any(len(capacities) == 3 for _, capacities in engine._cascade_graphs)
+    assert any(len(capacities) == 3 for _, capacities in engine.graphs.cascade)
 
 
 def test_graphs_captured_at_startup_serve_a_tree_without_capturing_again(model, monkeypatch) -> None:
@@ -617,14 +617,14 @@ def test_graphs_captured_at_startup_serve_a_tree_without_capturing_again(model, 
     engine = Engine(model, num_pages=64, page_size=PAGE, max_batch_size=8, cascade=True, overlap=True)
     engine.cuda_graphs = True
     monkeypatch.setattr(engine.decode_paths, "choose", lambda bucket, estimate=None: "cascade")
-    assert engine.capture_graphs() == 3 * len(engine._buckets)  # buckets 1, 2, 4, 8
+    assert engine.capture_graphs() == 3 * len(engine.graphs.buckets)  # buckets 1, 2, 4, 8
     assert engine.clock() < 0.5, "the clock starts when startup capture ends"
-    assert sorted(engine._cascade_graphs) == sorted((b, (min(8, b),) * d) for b in (1, 2, 4, 8) for d in (1, 2))
-    graphs = (dict(engine._graphs), dict(engine._cascade_graphs))
+    assert sorted(engine.graphs.cascade) == sorted((b, (min(8, b),) * d) for b in (1, 2, 4, 8) for d in (1, 2))
+    graphs = (dict(engine.graphs.flat), dict(engine.graphs.cascade))
     requests = _serve(engine, prompts, 6)
     assert [r.output for r in requests] == expected
     assert engine.stats.max_cascade_levels == 3 and engine.stats.graph_steps == engine.stats.decode_steps
-    assert (engine._graphs, engine._cascade_graphs) == graphs, "no graph captured while serving"
+    assert (engine.graphs.flat, engine.graphs.cascade) == graphs, "no graph captured while serving"
     with pytest.raises(RuntimeError, match="before any request"):
         engine.add_request(prompts[0], 2)
         engine.capture_graphs()

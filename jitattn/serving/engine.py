@@ -38,11 +38,12 @@ from typing import Callable
 import torch
 
 from ..jit import compile_count
+from ..log import get_logger
 from .attention import (
-    AttentionPlanner, SeqView, SharedNode, kv_tokens_read, limit_levels, pages_saved, prefix_tree, to_device,
+    AttentionPlanner, SeqView, kv_tokens_read, limit_levels, pages_saved, prefix_tree, to_device,
 )
 from .decode_path import LEVEL_SECONDS, DecodePathChooser
-from .graphs import MAX_SHARED_LEVELS, CascadeGraph, DecodeGraph, bucket_sizes, padded_cascade_levels
+from .graphs import MAX_SHARED_LEVELS, StepGraphs, padded_cascade_levels
 from .in_flight import InFlight, timing_event, to_host
 from .kv_pool import KVPool
 from .model import LlamaModel
@@ -92,19 +93,16 @@ class Engine:
         self.cuda_graphs = cuda_graphs
         self.overlap = model.device.type == "cuda" if overlap is None else bool(overlap)
         # Half the L2 keeps a layer's shared pages between its requests' reads (the weights and the requests' own
-        # pages stream through it too). Off cuda no L2 and no level cost are modelled: the tree is never cut.
+        # pages stream through it too). Off cuda no L2 and no level cost are modelled (no cut by cost).
         on_cuda = model.device.type == "cuda"
         l2 = torch.cuda.get_device_properties(model.device).L2_cache_size if on_cuda else 0
         self.costs = StepCosts(model.weight_bytes, self.pool.bytes_per_page / page_size,
                                4 * model.num_q_heads * c.head_dim * c.num_hidden_layers, c.num_hidden_layers, l2 / 2,
-                               page_size, LEVEL_SECONDS if on_cuda else 0.0, cascade_depth,
-                               MAX_SHARED_LEVELS if cuda_graphs else None)
+                               page_size, LEVEL_SECONDS if on_cuda else 0.0, cascade_depth)
         self._pending: InFlight | None = None  # the decode step whose tokens are not read back yet (overlap)
         self._last_ready = 0.0  # perf_counter when the last decode step's tokens reached the host
-        self._graphs: dict[int, DecodeGraph] = {}
-        self._cascade_graphs: dict[tuple[int, tuple[int, ...]], CascadeGraph] = {}  # by (bucket, node counts)
-        self._buckets = bucket_sizes(max_batch_size)
-        self._graph_pool = torch.cuda.graph_pool_handle() if cuda_graphs else None
+        self.graphs = StepGraphs(model, self.pool, self.planner.workspace, max_batch_size,
+                                 self._pages_for(max_seq_len), torch.cuda.graph_pool_handle() if cuda_graphs else None)
         # A step whose requests share prefix pages runs the faster of the flat step and the cascade step (both
         # captured with graphs on), as measured.
         # Off cuda no step is taken as flat unmeasured: the byte model is of a GPU's DRAM and L2 (the cpu target's
@@ -116,6 +114,7 @@ class Engine:
         self.prefilling: list[Request] = []
         self.running: list[Request] = []
         self.finished: list[Request] = []
+        self.failed: list[Request] = []  # given up: aborted, or their prefill raised (``Request.error`` says which)
         self.stats = EngineStats()
         self._next_rid = 0
         self._order: list[Request] = []  # _batch_order's cache: the running requests sorted by pages
@@ -172,18 +171,7 @@ class Engine:
         if self.has_work:
             raise RuntimeError("capture_graphs() runs before any request is served (its replays write the KV pool's "
                                "scratch page only, but a step in flight would race them)")
-        ids = torch.zeros(0, dtype=torch.long, device=self.model.device)
-        ps, captured = self.pool.page_size, 0
-        with torch.no_grad():
-            for bucket in self._buckets:  # every row on the scratch page; an empty node per shared level
-                if bucket not in self._graphs:
-                    self._graph(bucket).run([], ids)
-                    captured += 1
-                for depth in shared_levels if self.planner.use_cascade else ():
-                    levels, capacities = padded_cascade_levels([], [[SharedNode(0, bucket, 0, 0)]] * depth, bucket, ps)
-                    if (bucket, capacities) not in self._cascade_graphs:
-                        self._cascade_graph(bucket, capacities).run([], ids, levels)
-                        captured += 1
+        captured = self.graphs.capture(shared_levels if self.planner.use_cascade else ())
         self._clock_origin = time.perf_counter()  # arrivals (and TTFT) count from the end of startup
         return captured
 
@@ -202,24 +190,52 @@ class Engine:
     # --- one step ---------------------------------------------------------------------------
 
     def step(self) -> list[Request]:
-        """Admit, prefill one chunk budget, decode one token for the running batch; returns requests finished now."""
+        """Admit, prefill one chunk budget, decode one token for the running batch; returns the requests that ended
+        now: those finished and those given up, with ``error`` set, because their prefill chunk raised (the error is
+        logged; the other requests go on). A decode step that raises leaves every request as it was: ``step()``
+        again retries it; requests it finished before it raised are in ``finished``."""
         self.stats.steps += 1
+        failed_before = len(self.failed)
         self._admit()
         done = []
-        if self.prefilling:  # a prefill chunk runs alone on the GPU: the step in flight finishes first
-            done += self._read_back()
-        done += self._prefill()
-        done += self._decode()
-        for request in done:
-            request.finish_time = self.clock()
-            self.pool.decref(request.pages)
-            request.pages, request.page_tuple = [], ()
-        self.finished += done
+        try:
+            if self.prefilling:  # a prefill chunk runs alone on the GPU: the step in flight finishes first
+                done += self._read_back()
+            done += self._prefill()
+            done += self._decode()
+        finally:
+            for request in done:
+                request.finish_time = self.clock()
+                self.pool.decref(request.pages)
+                request.pages, request.page_tuple = [], ()
+            self.finished += done
         if not done and not self.prefilling and not self.running and self.waiting:
             wait = self.waiting[0].arrival - self.clock()
             if wait > 0:
                 time.sleep(min(wait, 0.05))  # nothing to do before the next arrival
-        return done
+        return done + self.failed[failed_before:]
+
+    def abort(self, request: Request, reason: str = "aborted by the caller") -> bool:
+        """Give ``request`` up (its client went away): it leaves the queue or the batch at once, its KV pages go
+        back to the pool (the prompt pages the radix tree cached stay cached), and it is listed in ``failed`` with
+        ``error`` = ``reason``. Returns False when it had already ended (or is not this engine's). Under tensor
+        parallelism every rank aborts it, as every rank added it."""
+        if not isinstance(request, Request):
+            raise TypeError(f"abort() takes a Request (as add_request returns it); got {type(request).__name__}")
+        for queue in (self.waiting, self.prefilling, self.running):
+            if request in queue:
+                queue.remove(request)
+                self._give_up(request, str(reason))
+                return True
+        return False
+
+    def _give_up(self, request: Request, reason: str) -> None:
+        """End ``request`` (taken out of its queue by the caller) without finishing it. A decode step in flight may
+        still read its pages: anything that writes them again is launched after it, on the same stream."""
+        request.error, request.finish_time, request.unread = reason, self.clock(), 0
+        self.pool.decref(request.pages)
+        request.pages, request.page_tuple = [], ()
+        self.failed.append(request)
 
     def _pages_for(self, tokens: int) -> int:
         return -(-tokens // self.pool.page_size)
@@ -279,6 +295,8 @@ class Engine:
         return pages
 
     def _prefill(self) -> list[Request]:
+        """Compute one chunk budget of prompt tokens, oldest request first; returns the requests finished by it (their
+        one output). When the chunk raises, its requests are given up (``error``) and the others go on."""
         budget, chunk = self.prefill_chunk_tokens, []
         for request in self.prefilling:
             if budget == 0:
@@ -288,6 +306,31 @@ class Engine:
             budget -= n
         if not chunk:
             return []
+        try:
+            logits = self._prefill_logits(chunk)
+        except Exception as error:  # a request's failure must not hold up the others (nor itself be retried forever)
+            rids = [request.rid for request, _ in chunk]
+            get_logger().warning("prefill of requests %s raised; they are given up", rids, exc_info=True)
+            for request, _ in chunk:
+                self.prefilling.remove(request)
+                self._give_up(request, f"prefill failed: {type(error).__name__}: {error}")
+            return []
+        done, tokens = [], None
+        for i, (request, n) in enumerate(chunk):
+            request.num_computed += n
+            full = request.num_computed // self.pool.page_size
+            self.radix.insert(request.prompt, request.pages[:full])
+            if request.num_computed == len(request.prompt):
+                self.prefilling.remove(request)
+                request.first_token_time = self.clock()
+                if tokens is None:  # the greedy tokens of the whole chunk: one argmax, one read-back
+                    tokens = logits.argmax(-1).tolist()
+                self._emit(request, logits[i], tokens[i])
+                (done if request.done else self.running).append(request)
+        return done
+
+    def _prefill_logits(self, chunk: list[tuple[Request, int]]) -> torch.Tensor:
+        """The logits of the last token of each (request, tokens) of ``chunk``, its KV written to the pool."""
         seqs, ids, positions = [], [], []
         for request, n in chunk:
             start, end = request.num_computed, request.num_computed + n
@@ -304,19 +347,7 @@ class Engine:
             torch.cuda.synchronize(dev)
         self.stats.prefill_steps += 1
         self.stats.prefill_tokens += len(ids)
-        done, tokens = [], None
-        for i, (request, n) in enumerate(chunk):
-            request.num_computed += n
-            full = request.num_computed // self.pool.page_size
-            self.radix.insert(request.prompt, request.pages[:full])
-            if request.num_computed == len(request.prompt):
-                self.prefilling.remove(request)
-                request.first_token_time = self.clock()
-                if tokens is None:  # the greedy tokens of the whole chunk: one argmax, one read-back
-                    tokens = logits.argmax(-1).tolist()
-                self._emit(request, logits[i], tokens[i])
-                (done if request.done else self.running).append(request)
-        return done
+        return logits
 
     def _emit(self, request: Request, logits: torch.Tensor, token: int) -> None:
         request.output.append(token)
@@ -349,7 +380,7 @@ class Engine:
         if saved > self.stats.peak_pages_saved:
             self.stats.peak_pages_saved = saved
             self.stats.peak_bytes_saved = saved * self.pool.bytes_per_page
-        depth = self.costs.depth(shared, len(seqs))
+        depth = self.costs.depth(shared, len(seqs), MAX_SHARED_LEVELS if self.cuda_graphs else None)
         if depth < len(shared):
             shared = limit_levels(shared, len(seqs), depth)
         builds, begin = compile_count(), timing_event(self.model.device)
@@ -364,7 +395,7 @@ class Engine:
         self.stats.decode_kv_tokens += kv_tokens
         self.stats.decode_tokens += len(seqs)
         step = InFlight(batch, {r.rid: i for i, r in enumerate(batch)}, tokens, to_host(tokens), kept,
-                         dict(zip(keep, range(len(keep)))), started, chosen, self._bucket(len(seqs)), builds,
+                         dict(zip(keep, range(len(keep)))), started, chosen, self.graphs.bucket(len(seqs)), builds,
                          time.perf_counter() - started, (begin, end) if begin is not None else None)
         done = self._read_back()  # the step before: its tokens while this one runs
         for request in batch:
@@ -390,6 +421,8 @@ class Engine:
         ready = time.perf_counter()
         done = []
         for i, request in enumerate(step.batch):
+            if request.error is not None:
+                continue  # aborted while the step ran
             request.unread = 0
             request.output.append(tokens[i])
             if request.keep_logits:
@@ -423,7 +456,7 @@ class Engine:
         with torch.no_grad():
             tree = self.planner.cascade_tree(seqs, shared)
             chosen = None
-            bucket = self._bucket(len(seqs))
+            bucket = self.graphs.bucket(len(seqs))
             flat_tokens = kv_tokens_read(seqs, [], ps)  # what a flat step's attention reads per layer
             if tree is not None:
                 # rank 0's choice under tensor parallelism: every rank runs the same step (under CUDA graphs the
@@ -434,37 +467,20 @@ class Engine:
                     tree = None
             if self.cuda_graphs and tree is None:
                 self.stats.graph_steps += 1
-                if bucket not in self._graphs:
+                if bucket not in self.graphs.flat:
                     chosen = None  # a step that captures says nothing of its path's replays
-                return self._graph(len(seqs)).run(seqs, ids), chosen, flat_tokens
+                return self.graphs.flat_graph(bucket).run(seqs, ids), chosen, flat_tokens
             self.stats.cascade_steps += tree is not None
             if self.cuda_graphs:  # a captured cascade step: any number of groups and levels
                 levels, capacities = padded_cascade_levels(seqs, tree, bucket, ps)
                 self.stats.graph_steps += 1
                 self.stats.max_cascade_levels = max(self.stats.max_cascade_levels, len(capacities) + 1)
-                if (bucket, capacities) not in self._cascade_graphs:
+                if (bucket, capacities) not in self.graphs.cascade:
                     chosen = None
-                graph = self._cascade_graph(bucket, capacities)
+                graph = self.graphs.cascade_graph(bucket, capacities)
                 return graph.run(seqs, ids, levels), chosen, kv_tokens_read(seqs, tree[: len(capacities)], ps)
             attention = self.planner.decode_step(seqs, tree)
             self.stats.max_cascade_levels = max(self.stats.max_cascade_levels, self.planner.last_decode_levels)
             positions = to_device(torch.tensor([s.kv_len - 1 for s in seqs]), dev)
             logits = self.model.logits(self.model.forward(ids, positions, attention))
             return logits, chosen, self.planner.last_decode_kv_tokens
-
-    def _bucket(self, batch_size: int) -> int:
-        return next(b for b in self._buckets if b >= batch_size)
-
-    def _cascade_graph(self, bucket: int, capacities: tuple[int, ...]) -> CascadeGraph:
-        key = (bucket, capacities)
-        if key not in self._cascade_graphs:
-            self._cascade_graphs[key] = CascadeGraph(self.model, self.pool, self.planner.workspace, bucket,
-                                                     self._pages_for(self.max_seq_len), capacities, self._graph_pool)
-        return self._cascade_graphs[key]
-
-    def _graph(self, batch_size: int) -> DecodeGraph:
-        bucket = self._bucket(batch_size)
-        if bucket not in self._graphs:
-            self._graphs[bucket] = DecodeGraph(self.model, self.pool, self.planner.workspace, bucket,
-                                               self._pages_for(self.max_seq_len), self._graph_pool)
-        return self._graphs[bucket]

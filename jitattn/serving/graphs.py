@@ -17,6 +17,8 @@ levels replays a graph, none runs eagerly.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 import jitattn
@@ -176,3 +178,52 @@ class CascadeGraph(_CapturedStep):
         self.wrapper.plan(*levels, self.model.num_q_heads, self.model.num_kv_heads, c.head_dim, ps, causal=False,
                           q_data_type=self.model.dtype, kv_data_type=self.model.dtype)
         return self._replay(rows, input_ids, n, append_positions)
+
+
+class StepGraphs:
+    """An engine's captured decode steps: ``flat`` by batch-size bucket, ``cascade`` by (bucket, node counts of
+    its shared levels), each captured on first use; all in one memory pool (None: the default)."""
+
+    def __init__(self, model: LlamaModel, pool: KVPool, workspace: torch.Tensor, max_batch_size: int,
+                 max_pages_per_seq: int, memory_pool=None) -> None:
+        self.model, self.pool, self.workspace, self.memory_pool = model, pool, workspace, memory_pool
+        self.buckets = bucket_sizes(max_batch_size)
+        self.max_pages_per_seq = max_pages_per_seq
+        self.flat: dict[int, DecodeGraph] = {}
+        self.cascade: dict[tuple[int, tuple[int, ...]], CascadeGraph] = {}
+
+    def bucket(self, batch_size: int) -> int:
+        """The smallest bucket of at least ``batch_size`` rows."""
+        return next(b for b in self.buckets if b >= batch_size)
+
+    def flat_graph(self, bucket: int) -> DecodeGraph:
+        if bucket not in self.flat:
+            self.flat[bucket] = DecodeGraph(self.model, self.pool, self.workspace, bucket, self.max_pages_per_seq,
+                                            self.memory_pool)
+        return self.flat[bucket]
+
+    def cascade_graph(self, bucket: int, capacities: tuple[int, ...]) -> CascadeGraph:
+        key = (bucket, capacities)
+        if key not in self.cascade:
+            self.cascade[key] = CascadeGraph(self.model, self.pool, self.workspace, bucket, self.max_pages_per_seq,
+                                             capacities, self.memory_pool)
+        return self.cascade[key]
+
+    def capture(self, shared_levels: Sequence[int]) -> int:
+        """Capture every bucket's flat step and its cascade steps of each count in ``shared_levels`` (one empty
+        node a level: sized by ``node_capacity``) not captured yet, every row on the scratch page; returns how many
+        were captured."""
+        ids = torch.zeros(0, dtype=torch.long, device=self.model.device)
+        captured = 0
+        with torch.no_grad():
+            for bucket in self.buckets:
+                if bucket not in self.flat:
+                    self.flat_graph(bucket).run([], ids)
+                    captured += 1
+                for depth in shared_levels:
+                    tree = [[SharedNode(0, bucket, 0, 0)]] * depth
+                    levels, capacities = padded_cascade_levels([], tree, bucket, self.pool.page_size)
+                    if (bucket, capacities) not in self.cascade:
+                        self.cascade_graph(bucket, capacities).run([], ids, levels)
+                        captured += 1
+        return captured

@@ -28,7 +28,8 @@ class Request:
     num_computed: int = 0  # prompt tokens whose KV is in the pool
     unread: int = 0  # 1 while this request's greedy token of a decode step in flight is not on the host yet
     first_token_time: float | None = None
-    finish_time: float | None = None
+    finish_time: float | None = None  # when it finished or was given up
+    error: str | None = None  # why the engine gave it up (``Engine.abort``, a failed prefill); None: it ran or runs
 
     @property
     def fed_tokens(self) -> list[int]:

@@ -16,8 +16,7 @@ class StepCosts:
     ``kv_bytes_per_token``: every layer's K and V of one token; ``flops_per_pair``: attention FLOPs per (query,
     shared token) pair over every head and layer; ``l2_bytes``: the L2 that keeps a layer's shared pages between its
     requests' reads (0: none modelled); ``level_seconds``: one more shared level's fixed cost (0: none known, the
-    tree is not cut); ``cascade_depth``: the user's cap on shared levels (None: none); ``max_levels``: the cap of
-    captured cascade steps (None: none)."""
+    tree is not cut); ``cascade_depth``: the user's cap on shared levels (None: none)."""
 
     weight_bytes: float
     kv_bytes_per_token: float
@@ -27,7 +26,6 @@ class StepCosts:
     page_size: int
     level_seconds: float = 0.0
     cascade_depth: int | None = None
-    max_levels: int | None = None
 
     def cascade_estimate(self, seqs: list[SeqView], tree: list[list[SharedNode]], flat_kv_tokens: int) -> float:
         """``decode_path.cascade_estimate`` of a step: the weights and each path's KV bytes (``flat_kv_tokens``: the
@@ -44,13 +42,13 @@ class StepCosts:
                                 self.weight_bytes + cascade_tokens * self.kv_bytes_per_token,
                                 shared_pairs * self.flops_per_pair)
 
-    def depth(self, tree: list[list[SharedNode]], num_seqs: int) -> int:
-        """Shared levels a cascade step over ``tree`` takes: at most ``cascade_depth`` and ``max_levels``; without
-        ``cascade_depth``, the cheapest cut by ``decode_path.cheapest_depth`` where a level's cost is known, else
-        the whole tree."""
+    def depth(self, tree: list[list[SharedNode]], num_seqs: int, max_levels: int | None = None) -> int:
+        """Shared levels a cascade step over ``tree`` takes: at most ``cascade_depth`` and ``max_levels`` (that of
+        captured cascade steps; None: no cap); without ``cascade_depth``, the cheapest cut by
+        ``decode_path.cheapest_depth`` where a level's cost is known, else the whole tree."""
         most = len(tree) if self.cascade_depth is None else min(len(tree), self.cascade_depth)
-        if self.max_levels is not None:
-            most = min(most, self.max_levels)
+        if max_levels is not None:
+            most = min(most, max_levels)
         if self.cascade_depth is not None or most <= 1 or not self.level_seconds:
             return most
         ps = self.page_size
