@@ -48,7 +48,7 @@ from .in_flight import InFlight, timing_event, to_host
 from .kv_pool import KVPool
 from .model import LlamaModel
 from .radix import RadixCache
-from .request import EngineStats, Request, arrival_time, positive_int, token_ids
+from .request import EngineStats, Request, arrival_time, positive_int, request_tokens
 from .step_cost import StepCosts
 
 
@@ -129,23 +129,14 @@ class Engine:
         ``prompt`` (and ``forced_tokens``): token ids, a sequence of ints or a 1-D integer tensor. Everything is
         checked here, so a bad request is refused at once and never holds up the requests queued around it,
         including one that could never fit the KV pool."""
-        vocab = self.model.config.vocab_size
-        prompt = token_ids("prompt", prompt, vocab)
-        max_new_tokens, arrival = positive_int("max_new_tokens", max_new_tokens), arrival_time(arrival)
-        if not prompt:
-            raise ValueError("a request needs a non-empty prompt")
-        if len(prompt) + max_new_tokens > self.max_seq_len:
-            raise ValueError(f"prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) exceeds "
-                             f"max_seq_len={self.max_seq_len}")
+        prompt, max_new_tokens, forced_tokens = request_tokens(prompt, max_new_tokens, forced_tokens,
+                                                               self.model.config.vocab_size, self.max_seq_len)
+        arrival = arrival_time(arrival)
         needed = self._pages_for(len(prompt) + max_new_tokens - 1)  # every output but the last is fed
         if needed > self.pool.num_pages - 1:
             raise ValueError(f"the request needs {needed} KV pages of {self.pool.page_size} tokens (prompt "
                              f"{len(prompt)} + {max_new_tokens - 1} fed outputs) but the whole pool holds "
                              f"{self.pool.num_pages - 1}; shorten it or give the engine more pages (num_pages)")
-        if forced_tokens is not None:
-            forced_tokens = token_ids("forced_tokens", forced_tokens, vocab)
-            if len(forced_tokens) < max_new_tokens - 1:
-                raise ValueError("forced_tokens needs max_new_tokens - 1 tokens (the last output is never fed)")
         if self.waiting and arrival < self.waiting[-1].arrival:
             raise ValueError(f"arrival={arrival} is before the last queued request's ({self.waiting[-1].arrival}); "
                              "add requests in arrival order")
@@ -180,7 +171,8 @@ class Engine:
         return bool(self.waiting or self.prefilling or self.running or self._pending)
 
     def run(self, on_finish: Callable[[Request], None] | None = None) -> list[Request]:
-        """Step until every queued request has finished; returns them in finishing order."""
+        """Step until every queued request has ended; returns the finished ones in finishing order (those given up
+        are in ``failed``, ``error`` set). ``on_finish`` is called with each as it ends, either way."""
         while self.has_work:
             for request in self.step():
                 if on_finish is not None:
@@ -296,7 +288,7 @@ class Engine:
 
     def _prefill(self) -> list[Request]:
         """Compute one chunk budget of prompt tokens, oldest request first; returns the requests finished by it (their
-        one output). When the chunk raises, its requests are given up (``error``) and the others go on."""
+        one output). A request whose prefill raises is given up (``error``); the others go on."""
         budget, chunk = self.prefill_chunk_tokens, []
         for request in self.prefilling:
             if budget == 0:
@@ -306,15 +298,7 @@ class Engine:
             budget -= n
         if not chunk:
             return []
-        try:
-            logits = self._prefill_logits(chunk)
-        except Exception as error:  # a request's failure must not hold up the others (nor itself be retried forever)
-            rids = [request.rid for request, _ in chunk]
-            get_logger().warning("prefill of requests %s raised; they are given up", rids, exc_info=True)
-            for request, _ in chunk:
-                self.prefilling.remove(request)
-                self._give_up(request, f"prefill failed: {type(error).__name__}: {error}")
-            return []
+        chunk, logits = self._prefill_isolating_failures(chunk)
         done, tokens = [], None
         for i, (request, n) in enumerate(chunk):
             request.num_computed += n
@@ -328,6 +312,33 @@ class Engine:
                 self._emit(request, logits[i], tokens[i])
                 (done if request.done else self.running).append(request)
         return done
+
+    def _prefill_isolating_failures(self, chunk: list[tuple[Request, int]]) -> tuple[list, torch.Tensor | None]:
+        """``chunk`` and its logits (``_prefill_logits``); when it raises, each request's part again alone, and those
+        that still raise given up: returns the parts that ran and their logits (None when none did). A part that is
+        run again rewrites the KV its failed run may have written (only the request's own pages)."""
+        try:
+            return chunk, self._prefill_logits(chunk)
+        except Exception as error:  # a request's failure must not hold up the others (nor itself be retried forever)
+            if len(chunk) == 1:
+                self._give_up_prefill(chunk[0][0], error)
+                return [], None
+            get_logger().warning("prefill of requests %s raised; running each alone", [r.rid for r, _ in chunk],
+                                 exc_info=True)
+        ran, rows = [], []
+        for part in chunk:
+            try:
+                rows.append(self._prefill_logits([part]))
+                ran.append(part)
+            except Exception as error:
+                self._give_up_prefill(part[0], error)
+        return ran, torch.cat(rows) if rows else None
+
+    def _give_up_prefill(self, request: Request, error: Exception) -> None:
+        """Give up ``request``, whose prefill raised ``error`` (called while it is handled: the log has its trace)."""
+        get_logger().warning("prefill of request %d raised; it is given up", request.rid, exc_info=True)
+        self.prefilling.remove(request)
+        self._give_up(request, f"prefill failed: {type(error).__name__}: {error}")
 
     def _prefill_logits(self, chunk: list[tuple[Request, int]]) -> torch.Tensor:
         """The logits of the last token of each (request, tokens) of ``chunk``, its KV written to the pool."""

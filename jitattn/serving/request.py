@@ -105,6 +105,23 @@ def token_ids(name: str, tokens, vocab_size: int) -> list[int]:
     return ids
 
 
+def request_tokens(prompt, max_new_tokens, forced_tokens, vocab_size: int,
+                   max_seq_len: int) -> tuple[list[int], int, list[int] | None]:
+    """A new request's ``prompt``, ``max_new_tokens`` and ``forced_tokens`` (None or every fed output's token),
+    checked against the vocabulary and ``max_seq_len``."""
+    prompt = token_ids("prompt", prompt, vocab_size)
+    max_new_tokens = positive_int("max_new_tokens", max_new_tokens)
+    if not prompt:
+        raise ValueError("a request needs a non-empty prompt")
+    if len(prompt) + max_new_tokens > max_seq_len:
+        raise ValueError(f"prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) exceeds max_seq_len={max_seq_len}")
+    if forced_tokens is not None:
+        forced_tokens = token_ids("forced_tokens", forced_tokens, vocab_size)
+        if len(forced_tokens) < max_new_tokens - 1:
+            raise ValueError("forced_tokens needs max_new_tokens - 1 tokens (the last output is never fed)")
+    return prompt, max_new_tokens, forced_tokens
+
+
 def positive_int(name: str, value) -> int:
     """``value`` as an int >= 1 (a bool, a float or a string is refused)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:

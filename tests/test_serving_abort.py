@@ -1,0 +1,146 @@
+"""Requests the engine gives up: ``Engine.abort`` in every state, a prefill chunk that raises (its requests end with
+an error, the others' tokens stay the reference's), a decode step that raises (retried by the next ``step()``)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from jitattn.serving import Engine, LlamaModel, preset, reference_generate
+
+CONFIG = preset("tiny")
+PAGE = 8
+
+
+@pytest.fixture(scope="module")
+def model() -> LlamaModel:
+    return LlamaModel.random(CONFIG, seed=0)
+
+
+def _prompts(seed: int, lens: list[int], system_len: int = 19) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    system = torch.randint(0, CONFIG.vocab_size, (system_len,), generator=gen).tolist()
+    return [system + torch.randint(0, CONFIG.vocab_size, (n,), generator=gen).tolist() for n in lens]
+
+
+def _pages_back(engine: Engine) -> None:
+    """Every page a request held is free again: those in use are the radix tree's cached prompt pages."""
+    assert not engine.has_work
+    assert engine.pool.num_used == engine.radix.num_cached_pages
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["read-each-step", "overlap"])
+@pytest.mark.parametrize("state", ["waiting", "prefilling", "running"])
+def test_an_aborted_request_frees_its_pages_and_the_others_finish_exactly(model, state, overlap) -> None:
+    prompts = _prompts(3, [5, 21, 9, 14])
+    expected = [reference_generate(model, p, 5)[0] for p in prompts]
+    engine = Engine(model, num_pages=64, page_size=PAGE, max_batch_size=8, prefill_chunk_tokens=16,
+                    cascade=True, overlap=overlap)
+    requests = [engine.add_request(p, 5) for p in prompts]
+    victim = requests[1]
+    for _ in range(40):
+        queue = {"waiting": engine.waiting, "prefilling": engine.prefilling, "running": engine.running}[state]
+        if victim in queue and (state != "running" or victim.output):
+            break
+        engine.step()
+    else:
+        pytest.fail(f"request 1 never reached {state}")
+    assert engine.abort(victim, "client went away")
+    assert victim.error == "client went away" and victim in engine.failed and not victim.pages
+    assert not engine.abort(victim), "a request ends once"
+    engine.run()
+    assert victim not in engine.finished
+    outputs = [r.output for r in requests]
+    assert outputs[:1] + outputs[2:] == expected[:1] + expected[2:]
+    assert expected[1][: len(victim.output)] == victim.output, "what it produced before the abort is exact"
+    assert not engine.abort(requests[0]), "a finished request cannot be aborted"
+    _pages_back(engine)
+
+
+def test_abort_refuses_what_is_not_a_request(model) -> None:
+    engine = Engine(model, num_pages=16, page_size=PAGE)
+    request = engine.add_request([1, 2, 3], 2)
+    with pytest.raises(TypeError, match="abort\\(\\) takes a Request"):
+        engine.abort(request.rid)
+    other = Engine(model, num_pages=16, page_size=PAGE).add_request([1, 2, 3], 2)
+    assert not engine.abort(other), "another engine's request is not this engine's to end"
+    assert engine.waiting[0] is request
+
+
+def _failing_prefill(monkeypatch, model: LlamaModel, poison: list[int]) -> list[int]:
+    """model.forward raises on a chunk whose token ids hold ``poison`` (consecutively); returns a list that counts
+    the calls it failed."""
+    real, failures = model.forward, []
+
+    def forward(ids, positions, attention):
+        flat = ids.tolist()
+        if any(flat[i: i + len(poison)] == poison for i in range(len(flat) - len(poison) + 1)):
+            failures.append(1)
+            raise RuntimeError("CUDA out of memory (simulated)")
+        return real(ids, positions, attention)
+    monkeypatch.setattr(model, "forward", forward)
+    return failures
+
+
+@pytest.mark.parametrize("bad_first", [False, True], ids=["bad-second", "bad-first"])
+@pytest.mark.parametrize("chunk", [8, 512], ids=["chunked", "whole-prompt"])
+def test_a_prefill_that_raises_gives_up_its_chunks_requests_and_the_rest_go_on(model, monkeypatch, caplog, chunk,
+                                                                                bad_first) -> None:
+    """The bad request ends with the error (returned by that step, listed in ``failed``, logged), its pages back in
+    the pool; requests that shared its chunk (each run again alone) or came after it are served exactly. With chunks
+    of 8 tokens the bad request fails in a chunk of its own when it comes first, else beside the first request's
+    last tokens."""
+    prompts = _prompts(5, [6, 11, 3])
+    expected = [reference_generate(model, p, 4)[0] for p in prompts]
+    bad = prompts[0][:19] + [7, 7, 7, 7, 7, 7, 7, 7, 7, 7]  # the shared system prompt, then the poison
+    engine = Engine(model, num_pages=64, page_size=PAGE, max_batch_size=8, prefill_chunk_tokens=chunk,
+                    cascade=True, overlap=True)
+    failures = _failing_prefill(monkeypatch, model, [7, 7, 7, 7])
+    if bad_first:
+        bad_request = engine.add_request(bad, 4)
+    first = engine.add_request(prompts[0], 4)
+    if not bad_first:
+        bad_request = engine.add_request(bad, 4)
+    rest = [engine.add_request(p, 4) for p in prompts[1:]]
+    ended = []
+    with caplog.at_level(logging.WARNING, logger="jitattn"):
+        while engine.has_work:
+            ended += engine.step()
+    assert failures, "the poisoned chunk ran"
+    assert bad_request.error.startswith("prefill failed: RuntimeError: CUDA out of memory")
+    assert bad_request in ended and engine.failed == [bad_request] and bad_request not in engine.finished
+    assert any(f"prefill of request {bad_request.rid} raised" in r.getMessage() and r.exc_info
+               for r in caplog.records)
+    assert [first.output] + [r.output for r in rest] == expected
+    alone = any("running each alone" in r.getMessage() for r in caplog.records)
+    # first, the bad request runs alone (the others wait for the system prompt pages it will cache)
+    assert alone == (not bad_first), "a chunk of several requests runs each alone"
+    _pages_back(engine)
+
+
+def test_a_decode_step_that_raises_is_retried_by_the_next_step(model, monkeypatch) -> None:
+    """Nothing a failed decode step touched is kept: the next ``step()`` runs it again and every token is exact."""
+    prompts = _prompts(7, [4, 9, 13])
+    expected = [reference_generate(model, p, 6)[0] for p in prompts]
+    engine = Engine(model, num_pages=64, page_size=PAGE, max_batch_size=8, cascade=True, overlap=True)
+    requests = [engine.add_request(p, 6) for p in prompts]
+    real, calls = engine.planner.decode_step, []
+
+    def decode_step(seqs, tree=None):
+        calls.append(1)
+        if len(calls) in (2, 3):
+            raise RuntimeError("a launch failed (simulated)")
+        return real(seqs, tree)
+    monkeypatch.setattr(engine.planner, "decode_step", decode_step)
+    raised = 0
+    while engine.has_work:
+        try:
+            engine.step()
+        except RuntimeError as error:
+            assert "simulated" in str(error)
+            raised += 1
+    assert raised == 2 and not engine.failed
+    assert [r.output for r in requests] == expected
+    _pages_back(engine)
