@@ -202,13 +202,16 @@ def main(argv: list[str] | None = None) -> dict:
         torch.cuda.synchronize()
     wall = time.perf_counter() - started
     bar.close()
-    ttft = [r.first_token_time - r.arrival for r in requests]
-    tpot = [(r.finish_time - r.first_token_time) / (len(r.output) - 1) for r in requests if len(r.output) > 1]
+    served = [r for r in requests if r.error is None]  # a request given up (its prefill raised) is in engine.failed
+    if not served:
+        raise SystemExit(f"every request failed; the first: {engine.failed[0].error}")
+    ttft = [r.first_token_time - r.arrival for r in served]
+    tpot = [(r.finish_time - r.first_token_time) / (len(r.output) - 1) for r in served if len(r.output) > 1]
     s = engine.stats
     results = {
         "model": args.model, "layers": config.num_hidden_layers, "device": device, "dtype": str(dtype).split(".")[-1],
         "tp": group.size, "cascade": args.cascade, "cascade_depth": args.cascade_depth, "graphs": args.graphs,
-        "requests": len(requests),
+        "requests": len(requests), "failed_requests": len(engine.failed),
         "wall_s": wall, "output_tokens_per_s": s.generated_tokens / wall,
         "ttft_mean_ms": 1e3 * statistics.mean(ttft), "ttft_p99_ms": 1e3 * sorted(ttft)[int(0.99 * (len(ttft) - 1))],
         "tpot_mean_ms": 1e3 * statistics.mean(tpot) if tpot else None,
@@ -223,6 +226,8 @@ def main(argv: list[str] | None = None) -> dict:
     if leader:
         print(f"{len(requests)} requests on {device} (tp {group.size}, cascade {'on' if args.cascade else 'off'}, "
               f"graphs {'on' if args.graphs else 'off'}), {config.num_hidden_layers} layers, {results['dtype']}")
+        if engine.failed:
+            print(f"  FAILED            {len(engine.failed)} requests; the first: {engine.failed[0].error}")
         print(f"  output tokens/s   {results['output_tokens_per_s']:.1f} ({s.generated_tokens} tokens in {wall:.2f} s)")
         print(f"  TTFT              mean {results['ttft_mean_ms']:.1f} ms, p99 {results['ttft_p99_ms']:.1f} ms")
         if tpot:
