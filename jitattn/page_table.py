@@ -8,6 +8,7 @@ arrays it holds on the host.
 from __future__ import annotations
 
 import functools
+import numbers
 from dataclasses import dataclass
 
 import numpy as np
@@ -133,8 +134,9 @@ def _int32_values(name: str, values: np.ndarray) -> np.ndarray:
 def _check_page_table(indptr, indices, last_page_len, page_size: int, num_pages: int | None,
                       names: tuple[str, str, str]) -> tuple[int, np.ndarray | None]:
     """``check_page_table``, also returning each request's page count (None without ``indptr``)."""
-    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
+    if isinstance(page_size, bool) or not isinstance(page_size, numbers.Integral) or page_size < 1:
         raise ValueError(f"page_size={page_size!r} must be a positive int")
+    page_size = int(page_size)
     highest = -1
     if indptr is None:
         return highest, None
@@ -184,8 +186,9 @@ def check_paged_index(
     kv_len = (num_pages - 1) * page_size + last_page_len, and 0 for a request with no pages.
     The arrays may be on the host or the device (copied to the host once).
     """
-    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
+    if isinstance(page_size, bool) or not isinstance(page_size, numbers.Integral) or page_size < 1:
         raise ValueError(f"page_size={page_size!r} must be a positive int")
+    page_size = int(page_size)
     indptr_h, indices_h, last_h = to_host_int32_many(names, (indptr, indices, last_page_len))
     highest, pages = _check_page_table(indptr_h, indices_h, last_h, page_size, None, names)
     kv_lens = (pages - 1) * page_size + last_h.numpy()  # pages: int64

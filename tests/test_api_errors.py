@@ -109,7 +109,7 @@ def test_unsupported_device_is_refused() -> None:
 
 def test_run_before_plan() -> None:
     wrapper = jitattn.BatchDecodeWithPagedKVCacheWrapper(torch.empty(16, dtype=torch.uint8))
-    with pytest.raises(RuntimeError, match="before plan"):
+    with pytest.raises(RuntimeError, match="without a plan"):
         wrapper.run(torch.randn(1, 4, 64), torch.randn(1, 2, 16, 4, 64))
 
 

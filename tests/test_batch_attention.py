@@ -164,7 +164,7 @@ def test_plan_and_run_refuse_bad_input() -> None:
     indptr, indices = torch.tensor([0, 2, 3], dtype=torch.int32), torch.tensor([0, 1, 2], dtype=torch.int32)
     qo = torch.tensor([0, 1, 4], dtype=torch.int32)
     q, cache = torch.randn(4, 4, 64).to(bf16), torch.randn(3, 2, 16, 2, 64).to(bf16)
-    with pytest.raises(RuntimeError, match="before plan"):
+    with pytest.raises(RuntimeError, match="without a plan"):
         wrapper.run(q, cache)
     with pytest.raises(ValueError, match=r"kv_len_arr\[0\] = 10 tokens fill 1 pages of 16, but kv_indptr gives "
                                          r"request 0 2 pages"):

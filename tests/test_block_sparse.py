@@ -290,7 +290,7 @@ def test_bsr_plan_refuses_bad_patterns(change: dict, error: type, match: str) ->
 def test_bsr_run_refuses_before_plan_and_mismatched_tensors() -> None:
     wrapper, args = _planned_bsr()
     q, k = torch.randn(8, 2, 64).half(), torch.randn(8, 2, 64).half()
-    with pytest.raises(RuntimeError, match="before plan"):
+    with pytest.raises(RuntimeError, match="without a plan"):
         wrapper.run(q, k, k)
     wrapper.plan(**args)
     with pytest.raises(ValueError, match="N=8 keys"):
@@ -303,7 +303,7 @@ def test_bsr_run_refuses_before_plan_and_mismatched_tensors() -> None:
         wrapper.run(torch.randn(8, 3, 64).half(), k, k)
     with pytest.raises(ValueError, match="block rows"):
         wrapper.plan(**{**args, "R": 3})
-    with pytest.raises(RuntimeError, match="before plan"):  # a failed plan leaves the wrapper unplanned
+    with pytest.raises(RuntimeError, match="without a plan"):  # a failed plan leaves the wrapper unplanned
         wrapper.run(q, k, k)
 
 
@@ -313,7 +313,7 @@ def test_variable_plan_and_run_refuse_bad_input() -> None:
     rows = torch.tensor([[3, 2], [1, 4]], dtype=torch.int32)
     cols = torch.tensor([[2, 2, 2], [1, 1, 4]], dtype=torch.int32)
     q, kv = torch.randn(4, 5, 64).half(), torch.randn(2, 6, 64).half()
-    with pytest.raises(RuntimeError, match="before plan"):
+    with pytest.raises(RuntimeError, match="without a plan"):
         wrapper.run(q, kv, kv)
     with pytest.raises(ValueError, match="every head's blocks must cover the same length"):
         wrapper.plan(blocks, torch.tensor([[3, 2], [1, 5]], dtype=torch.int32), cols, 4, 2, 64)

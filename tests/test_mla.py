@@ -502,7 +502,7 @@ def test_mla_run_rules() -> None:
     ckv, kpe, indptr, indices, lens = _latent_cache([10], 16, torch.float32, "cpu", gen, joined=True)
     q_nope, q_pe = _queries([1], 16, torch.float32, "cpu", gen)
     wrapper = _wrapper("cpu")
-    with pytest.raises(RuntimeError, match="before plan"):
+    with pytest.raises(RuntimeError, match="without a plan"):
         wrapper.run(q_nope, q_pe, ckv, kpe)
     _one_request_plan(wrapper, kv_indices=indices)
     with pytest.raises(ValueError, match="q_pe has head dim 32; the plan has 64"):

@@ -364,7 +364,7 @@ def test_a_failed_plan_leaves_nothing_to_run(monkeypatch: pytest.MonkeyPatch) ->
     b.plan()
     with pytest.raises(ValueError, match="sm_scale"):
         b.plan(sm_scale=None)
-    with pytest.raises(RuntimeError, match="before plan"):
+    with pytest.raises(RuntimeError, match="without a plan"):
         b.run(b.q_nope)
 
 

@@ -146,7 +146,7 @@ def test_pod_refuses_bad_input() -> None:
     with pytest.raises(NotImplementedError, match="jit_args"):
         jitattn.PODWithPagedKVCacheWrapper(workspace, jit_args=["x"])
     wrapper = jitattn.PODWithPagedKVCacheWrapper(workspace)
-    with pytest.raises(RuntimeError, match="before plan"):
+    with pytest.raises(RuntimeError, match="without a plan"):
         wrapper.run(q_p, k_p, k_p, q_d, batch.cache)
     wrapper.plan(batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len, HQ, HKV, D, PAGE, sm_scale=0.1)
     with pytest.raises(NotImplementedError, match="custom_mask_d"):
@@ -158,7 +158,7 @@ def test_pod_refuses_bad_input() -> None:
     out_p, out_d = wrapper.run(q_p, k_p, k_p, q_d, batch.cache, sm_scale_d=0.1, causal_d=True)  # the planned ones
     assert out_p.shape == q_p.shape and out_d.shape == q_d.shape
     batch_wrapper = jitattn.BatchPODWithPagedKVCacheWrapper(workspace)
-    with pytest.raises(RuntimeError, match="before plan"):
+    with pytest.raises(RuntimeError, match="without a plan"):
         batch_wrapper.run(q_p, batch.cache, q_d, batch.cache)
     with pytest.raises(ValueError, match="qo_indptr_p describes 2 prefill requests but kv_indptr_p 4"):
         batch_wrapper.plan(torch.tensor([0, 2, 4], dtype=torch.int32), batch.kv_indptr, batch.kv_indices,

@@ -153,7 +153,7 @@ def test_a_failed_cascade_plan_leaves_the_wrapper_unplanned() -> None:
     try:
         wrapper.run(q, cache)
     except RuntimeError as e:
-        assert "before plan()" in str(e)
+        assert "without a plan" in str(e)
     else:
         raise AssertionError("run() after a failed plan() ran the previous plan's launches")
 

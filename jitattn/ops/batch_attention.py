@@ -15,8 +15,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..runtime.checks import check_tensor
-from ..runtime.options import refuse_unsupported
+from ..runtime.checks import check_tensor, not_planned
+from ..runtime.options import positive_int, refuse_unsupported
 from ..runtime.side_by_side import prefill_blocks, side_by_side
 from ..page_table import check_indptr, to_host_int32
 from .decode import BatchDecodeWithPagedKVCacheWrapper
@@ -28,8 +28,7 @@ __all__ = ["BatchAttention"]
 def last_page_lens(kv_indptr: torch.Tensor, kv_len_arr: torch.Tensor, page_size: int) -> torch.Tensor:
     """Each request's last-page length (host int32) from its page count and token count; a request's token
     count must need exactly its pages (``ceil(kv_len / page_size)``)."""
-    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
-        raise ValueError(f"page_size={page_size!r} must be a positive int")
+    page_size = positive_int(page_size, "page_size")
     pages = np.diff(check_indptr("kv_indptr", kv_indptr).numpy().astype(np.int64))
     lens = to_host_int32("kv_len_arr", kv_len_arr).numpy().astype(np.int64)
     if lens.size != pages.size:
@@ -184,7 +183,7 @@ class BatchAttention:
         floats or one-element tensors). ``logits_soft_cap``: 0 (the default) runs the planned cap; another
         value must equal it (the cap is planned)."""
         if self._logits_soft_cap is None:
-            raise RuntimeError(f"{self._NAME}.run() called before plan(); call plan() once per batch first")
+            raise not_planned(self._NAME)
         refuse_unsupported(f"{self._NAME}.run", "profile with nsys / ncu (kernels carry readable names)",
                            profiler_buffer=profiler_buffer)
         cap = float(logits_soft_cap)

@@ -26,8 +26,11 @@ import torch
 from ..runtime.batch import WorkspaceTooSmall, share_queries
 from ..runtime.builder import attention_options, kernel_spec, num_workers
 from ..runtime.cascade_states import LevelStates
+from ..runtime.checks import not_planned
 from ..runtime.merge import merge_state, merge_state_in_place, merge_states, merge_states_with_sinks
-from ..runtime.options import fp8_scale, parse_pos_encoding, resolve_batch_invariant, resolve_flag, resolve_window_left
+from ..runtime.options import (
+    fp8_scale, parse_pos_encoding, positive_int, resolve_batch_invariant, resolve_flag, resolve_window_left,
+)
 from ..kv_split import (
     batch_invariant_chunk, cascade_chunk_pages, cascade_level_chunks, check_fixed_split_size, concat_level_tables,
     graph_level_chunks, split_level_page_table,
@@ -59,9 +62,7 @@ class MultiLevelCascadeAttentionWrapper:
         paged_kv_indices_buf_arr: list[torch.Tensor] | None = None,
         paged_kv_last_page_len_buf_arr: list[torch.Tensor] | None = None,
     ) -> None:
-        if not isinstance(num_levels, int) or num_levels < 1:
-            raise ValueError(f"num_levels={num_levels!r} must be a positive int")
-        self._num_levels = num_levels
+        self._num_levels = positive_int(num_levels, "num_levels")
         if not isinstance(float_workspace_buffer, torch.Tensor):
             raise TypeError("MultiLevelCascadeAttentionWrapper: float_workspace_buffer must be a torch.Tensor "
                             "(e.g. torch.empty(128 << 20, dtype=torch.uint8))")
@@ -432,7 +433,7 @@ class MultiLevelCascadeAttentionWrapper:
         final output (the levels and chunks merge without them; the lse returned is the keys' alone).
         ``variant_args``: the planned custom variant's parameters, by name (the same for every level)."""
         if not self._level_chunks:
-            raise RuntimeError("MultiLevelCascadeAttentionWrapper.run() called before plan(); call plan() first")
+            raise not_planned("MultiLevelCascadeAttentionWrapper")
         states = self._states
         if states is None:  # one state and no batch-invariant mode: the level's launch writes the output
             return self._wrappers[0].run(q, paged_kv_cache, k_scale=k_scale, v_scale=v_scale, return_lse=return_lse,

@@ -41,9 +41,10 @@ import numbers
 import numpy as np
 import torch
 
-from ..runtime.checks import check_tensor, stream_capturing
-from ..runtime.options import (f32_scale, fp8_scale, parse_dtype, refuse_unsupported, resolve_batch_invariant,
-                                 resolve_flag)
+from ..runtime.checks import check_tensor, not_planned, stream_capturing
+from ..runtime.options import (
+    f32_scale, fp8_scale, parse_dtype, positive_int, refuse_unsupported, resolve_batch_invariant, resolve_flag,
+)
 from ..log import logger
 from ..env import mla_kernel as mla_kernel_choice
 from ..hardware import num_sms
@@ -165,8 +166,7 @@ class BatchMLAPagedAttentionWrapper:
         indptr, lens = _batch_prefixes(qo_indptr, to_host_int32("kv_indptr", kv_indptr),
                                        to_host_int32("kv_len_arr", kv_len_arr))
         kv_indices = to_host_int32("kv_indices", kv_indices)
-        if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
-            raise ValueError(f"page_size={page_size!r} must be a positive int")
+        page_size = positive_int(page_size, "page_size")
         # numpy views of the host tensors: a few microseconds per operation, where torch's take several times that
         indptr_np, lens_np = indptr.numpy(), lens.numpy().astype(np.int64)
         pages = indptr_np[1:].astype(np.int64) - indptr_np[:-1]
@@ -239,7 +239,7 @@ class BatchMLAPagedAttentionWrapper:
                     or out is not None and out.data_ptr() & 3):
                 return self._relaunch_sm90(q_nope, q_pe, ckv_cache, kpe_cache, out, lse, return_lse, k_scale, v_scale)
         if self._dims is None:
-            raise RuntimeError(f"{_NAME}.run() called before plan(); call plan() once per batch first")
+            raise not_planned(_NAME)
         ckv_dim, kpe_dim = self._dims
         for name, t, dim in (("q_nope", q_nope, ckv_dim), ("q_pe", q_pe, kpe_dim)):
             check_tensor(name, t, ndim=3)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from ..runtime.checks import not_planned
 from ..runtime.options import (parse_kv_layout, parse_pos_encoding, refuse_unsupported, resolve_dtypes,
                                  resolve_flag, resolve_window_left)
 from .decode import BatchDecodeWithPagedKVCacheWrapper
@@ -108,7 +109,7 @@ class PODWithPagedKVCacheWrapper:
         the planned decode batch (q_d ``[batch, H_qo, D]`` over ``paged_kv_cache_d``); see the module for the
         return value."""
         if self._planned is None:
-            raise RuntimeError(f"{self._NAME}.run() called before plan(); call plan() once per batch first")
+            raise not_planned(self._NAME)
         if args:
             raise TypeError(f"{self._NAME}.run() takes no extra positional arguments; got {len(args)}")
         self._check_decode_options(custom_mask_d, packed_custom_mask_d, causal_d, kv_layout_d, _planned_options(
@@ -224,7 +225,7 @@ class BatchPODWithPagedKVCacheWrapper:
         over ``paged_kv_cache_d``): ``(out_p, out_d)``, or ``((out_p, out_d), (lse_p, lse_d))`` with
         ``return_lse``."""
         if self._decode is None:
-            raise RuntimeError(f"{self._NAME}.run() called before plan(); call plan() once per batch first")
+            raise not_planned(self._NAME)
         self._plan_prefill_mask(resolve_flag(causal_p, "causal_p"), custom_mask_p, packed_custom_mask_p)
         launch = self._prefill.current_plan.launch
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from ..runtime.checks import check_tensor
-from ..runtime.options import parse_pos_encoding, per_tensor_scale
+from ..runtime.checks import check_tensor, not_planned
+from ..runtime.options import parse_pos_encoding, per_tensor_scale, positive_int
 from ..runtime.wrapper import plan_arguments
 from .prefill import BatchPrefillWithPagedKVCacheWrapper
 from ..runtime.sparse_layout import (SparsePageTable, VariableGeometry, bsr_packed_mask, bsr_page_table, check_bsr,
@@ -60,7 +60,7 @@ class _SparseWrapperBase:
 
     def _check_planned(self) -> None:
         if self._prefill.current_plan is None or not self._plan_call:
-            raise RuntimeError(f"{self._NAME}.run() called before plan(); call plan() once per sparsity pattern first")
+            raise not_planned(self._NAME, first="plan() once per sparsity pattern")
 
     def _replan_for_forward(self, options: dict) -> None:
         """FlashInfer's ``forward`` sets these plan options (defaults included): plan again when they differ."""
@@ -187,9 +187,8 @@ class VariableBlockSparseAttentionWrapper(_SparseWrapperBase):
         call = plan_arguments(locals())
         self._geometry, self._plan_call = None, {}  # unplanned until the launch is planned
         _no_positions(self._NAME, pos_encoding_mode)
-        for name, value in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r} must be a positive int")
+        num_qo_heads, num_kv_heads = positive_int(num_qo_heads, "num_qo_heads"), positive_int(num_kv_heads,
+                                                                                             "num_kv_heads")
         if num_qo_heads % num_kv_heads:
             raise ValueError(f"num_qo_heads={num_qo_heads} must be a multiple of num_kv_heads={num_kv_heads}")
         table, geometry = variable_page_table(block_mask_map, block_row_sz, block_col_sz, num_kv_heads)

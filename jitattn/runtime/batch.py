@@ -18,7 +18,7 @@ from ..log import get_logger
 from ..page_table import PagedIndex, check_page_pool
 from ..kv_split import KVSplit, split_workspace_bytes
 from ..spec import KVLayout, Op, Target, VariantSpec
-from .checks import check_no_overlap, check_tensor, stream_capturing, target_of
+from .checks import check_no_overlap, check_tensor, not_planned, stream_capturing, target_of
 from .kv import check_kv_pair, split_paged_kv_cache
 from .launch import PreparedAttention
 from .options import AttentionOptions
@@ -264,7 +264,7 @@ def run_plan_or_compiled(
                 "outside the compiled region (torch.compiler.disable)"
             )
         if plan is None:
-            raise RuntimeError(f"{wrapper}.run() called before plan(); call plan() once per batch first")
+            raise not_planned(wrapper)
         from .compiled import run_compiled
 
         k, v = split_paged_kv_cache(kv, plan.kv_layout) if plan.page_size is not None else kv
@@ -310,7 +310,7 @@ def _output_signature(t: torch.Tensor | None) -> tuple | None:
 def _launch_for(plan: AttentionPlan | None, wrapper: str, q, variant_args: dict | None, sinks):
     """The launch this call takes (the plan's, or its sink twin's), after the checks that need no tensor shape."""
     if plan is None:
-        raise RuntimeError(f"{wrapper}.run() called before plan(); call plan() once per batch first")
+        raise not_planned(wrapper)
     if plan.variant_args is not None:
         plan.variant_args.fill(variant_args or {}, q.device)
     elif variant_args:

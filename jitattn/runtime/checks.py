@@ -83,6 +83,13 @@ def cpu_threads() -> int:
     return max(1, torch.get_num_threads())
 
 
+def not_planned(wrapper: str, method: str = "run", first: str = "plan() once per batch") -> RuntimeError:
+    """The error of a wrapper's ``method`` called without a plan: none was made yet, or the last ``plan()`` raised
+    (a refused plan leaves none, so the previous batch's is never run by mistake)."""
+    return RuntimeError(f"{wrapper}.{method}() called without a plan: call {first} first (a plan() that raised "
+                        "leaves none; fix what it reported and call it again)")
+
+
 def check_tensor(
     name: str, tensor: torch.Tensor, *, ndim: int | None = None, dtypes: tuple[torch.dtype, ...] | None = None,
     last_dim_contiguous: bool = True,

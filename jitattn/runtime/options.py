@@ -102,6 +102,13 @@ def refuse_unsupported(what: str, hint: str = "leave it unset", **arguments: obj
         )
 
 
+def positive_int(value, name: str) -> int:
+    """``value`` as an int >= 1: Python's and numpy's ints are taken, a bool, a float or a string is refused."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"{name}={value!r} must be a positive int")
+    return int(value)
+
+
 def check_head_dim(head_dim: object, name: str = "head_dim") -> int:
     if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 1:
         raise ValueError(f"{name}={head_dim!r} must be a positive int (a multiple of 8 from 8 to 256, "

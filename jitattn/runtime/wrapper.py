@@ -15,7 +15,7 @@ import struct
 import torch
 
 from .batch import AttentionPlan, run_plan, run_plan_or_compiled, workspace_target
-from .checks import FP8_DTYPES, target_of
+from .checks import FP8_DTYPES, not_planned, target_of
 from .compiled import register_wrapper
 from .fp8_prefill import device_scales
 from .options import fp8_scale, parse_kv_layout, refuse_unsupported, resolve_window_left
@@ -124,7 +124,7 @@ class BatchWrapperBase:
         never accepted and ignored.
         """
         if self._plan is None:
-            raise RuntimeError(f"{self._NAME}.forward() called before plan(); call plan() (or begin_forward()) first")
+            raise not_planned(self._NAME, "forward", "plan() (or begin_forward())")
         head_dim = self._plan.head_dim_qk
         changed = {name: value for name, value in options.items()
                    if _as_planned(name, self._plan_call.get(name), head_dim) != _as_planned(name, value, head_dim)}
