@@ -203,20 +203,26 @@ def test_forward_options_replace_the_planned_ones(device: str) -> None:
         wrapper.run(q, batch.cache, window_left=100)
 
 
-def test_a_failed_plan_leaves_the_planned_options_and_forward_re_plans() -> None:
-    """A plan() that raises leaves the wrapper on its last plan and reports that plan's options (vLLM reads
-    _logits_soft_cap; forward() re-plans only for options that differ from them), for every wrapper that records
-    its plan() arguments."""
+def test_a_failed_plan_leaves_no_plan_and_no_planned_options() -> None:
+    """A plan() that raises leaves the wrapper without a plan, as every wrapper is after a refused plan: run() and
+    forward() say so (the last batch's plan is not run on this batch's tensors), no option is reported as planned
+    (vLLM reads _logits_soft_cap), and the next plan() serves as usual; for every wrapper that records its plan()
+    arguments, fast_decode_plan included."""
     gen = torch.Generator().manual_seed(9)
     batch = random_paged_batch([50, 7], HKV, D, PAGE, torch.float32, generator=gen)
     q = torch.randn(2, HQ, D, generator=gen)
     bad_indptr = torch.tensor([0, 2, 1], dtype=torch.int32)
     decode = jitattn.BatchDecodeWithPagedKVCacheWrapper(_workspace("cpu"))
-    decode.plan(batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len, HQ, HKV, D, PAGE, q_data_type=torch.float32)
-    with pytest.raises(ValueError, match="indptr"):
-        decode.plan(bad_indptr, batch.kv_indices, batch.kv_last_page_len, HQ, HKV, D, PAGE, q_data_type=torch.float32,
-                    logits_soft_cap=0.5, window_left=7)
-    assert (decode._logits_soft_cap, decode._window_left) == (0.0, -1)
+    table = (batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len, HQ, HKV, D, PAGE)
+    for plan in (decode.plan, functools.partial(jitattn.fast_decode_plan, decode)):
+        plan(*table, q_data_type=torch.float32, logits_soft_cap=0.25)
+        with pytest.raises(ValueError, match="indptr|page"):
+            plan(bad_indptr, *table[1:6], 0, q_data_type=torch.float32, logits_soft_cap=0.5, window_left=7)
+        assert (decode._logits_soft_cap, decode._window_left) == (0.0, -1)
+        for call in (lambda: decode.run(q, batch.cache), lambda: decode.forward(q, batch.cache, logits_soft_cap=0.5)):
+            with pytest.raises(RuntimeError, match="without a plan"):
+                call()
+    decode.plan(*table, q_data_type=torch.float32)
     assert_close_out(decode.forward(q, batch.cache, logits_soft_cap=0.5),
                      _decode_reference(q, batch, logits_soft_cap=0.5)[0], torch.float32)
 
@@ -228,6 +234,9 @@ def test_a_failed_plan_leaves_the_planned_options_and_forward_re_plans() -> None
     with pytest.raises(ValueError, match="kv_indptr"):
         ragged.plan(qo_indptr, bad_indptr, HQ, HKV, D, q_data_type=torch.float32, causal=True)
     qp = torch.randn(4, HQ, D, generator=gen)
+    with pytest.raises(RuntimeError, match="without a plan"):
+        ragged.run(qp, k, v)
+    ragged.plan(qo_indptr, kv_indptr.int(), HQ, HKV, D, q_data_type=torch.float32)
     want = reference.batch_ragged_attention(qp, k, v, qo_indptr, kv_indptr, causal=True)[0]
     assert_close_out(ragged.forward(qp, k, v, causal=True), want, torch.float32)  # re-planned: causal
 

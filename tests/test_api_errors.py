@@ -113,6 +113,28 @@ def test_run_before_plan() -> None:
         wrapper.run(torch.randn(1, 4, 64), torch.randn(1, 2, 16, 4, 64))
 
 
+def test_run_after_a_refused_plan_says_the_plan_was_dropped() -> None:
+    """A plan() that raised leaves no plan (the last batch's is not run by mistake): run() says so, not that plan()
+    was never called."""
+    wrapper, batch = _decode()
+    with pytest.raises(ValueError):
+        wrapper.plan(batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len, 8, 2, 64, 0)
+    with pytest.raises(RuntimeError, match="without a plan.*a plan\\(\\) that raised leaves none"):
+        wrapper.run(torch.randn(2, 8, 64, dtype=torch.bfloat16), batch.cache)
+
+
+def test_sizes_take_numpy_ints_and_refuse_bools() -> None:
+    import numpy as np
+
+    workspace = torch.empty(1 << 20, dtype=torch.uint8)
+    assert jitattn.MultiLevelCascadeAttentionWrapper(np.int64(2), workspace)._num_levels == 2
+    for bad in (True, 2.0, "2", 0):
+        with pytest.raises(ValueError, match="num_levels=.* must be a positive int"):
+            jitattn.MultiLevelCascadeAttentionWrapper(bad, workspace)
+    assert jitattn.get_seq_lens(torch.tensor([0, 1], dtype=torch.int32), torch.tensor([3], dtype=torch.int32),
+                                np.int64(16)).tolist() == [3]
+
+
 def test_bad_options() -> None:
     with pytest.raises(ValueError, match="pos_encoding_mode"):
         _decode(pos_encoding_mode="ROPE_GPTJ")

@@ -11,10 +11,12 @@ import torch
 
 from ..runtime.batch import check_workspace, upload_int32
 from ..runtime.builder import HostIndex, attention_options, build_plan, kernel_spec, make_plan, num_workers
-from ..runtime.wrapper import BatchWrapperBase, keeps_plan_call, plan_arguments
+from ..runtime.wrapper import BatchWrapperBase, drops_plan_on_failure, plan_arguments
 from ..runtime.checks import check_tensor, target_of
 from ..runtime.launch import PreparedAttention
-from ..runtime.options import PAGE_TABLE_HINT, parse_kv_layout, refuse_unsupported, resolve_batch_invariant
+from ..runtime.options import (
+    PAGE_TABLE_HINT, parse_kv_layout, positive_int, refuse_unsupported, resolve_batch_invariant,
+)
 from ..jit import has_short_items_layout, load, resident_blocks
 from ..page_table import PagedIndex, check_paged_index, to_host_int32
 from ..kv_split import (
@@ -80,7 +82,7 @@ class BatchDecodeWithPagedKVCacheWrapper(BatchWrapperBase):
     def use_tensor_cores(self) -> bool:
         return self._use_tensor_cores
 
-    @keeps_plan_call
+    @drops_plan_on_failure
     def plan(
         self, indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tensor, num_qo_heads: int,
         num_kv_heads: int, head_dim: int, page_size: int, pos_encoding_mode: str = "NONE", window_left: int = -1,
@@ -243,6 +245,7 @@ class BatchDecodeWithPagedKVCacheWrapper(BatchWrapperBase):
         disable_split_kv, indptr_host: torch.Tensor | None, batch_invariant: bool = False,
     ) -> None:
         """``fast_decode_plan``: no device sync, no page-table validation, device arrays used in place."""
+        page_size = positive_int(page_size, "page_size")  # the kernels divide by it
         options = attention_options(
             Op.DECODE, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim_qk=head_dim,
             q_data_type=q_data_type, kv_data_type=kv_data_type, data_type=data_type,
@@ -400,13 +403,17 @@ def fast_decode_plan(
     """
     if not isinstance(self, BatchDecodeWithPagedKVCacheWrapper):
         raise TypeError(f"fast_decode_plan needs a BatchDecodeWithPagedKVCacheWrapper; got {type(self).__name__}")
-    self._fast_plan(
-        indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size, pos_encoding_mode,
-        window_left, logits_soft_cap, q_data_type, kv_data_type, data_type, sm_scale, rope_scale, rope_theta,
-        fixed_split_size, disable_split_kv, global_override_indptr_cpu, resolve_batch_invariant(batch_invariant),
-    )
-    # forward() compares its options with these (once planned: a failed plan keeps the last one's); it cannot
-    # re-plan (the arrays are used in place, not kept)
+    try:
+        self._fast_plan(
+            indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size, pos_encoding_mode,
+            window_left, logits_soft_cap, q_data_type, kv_data_type, data_type, sm_scale, rope_scale, rope_theta,
+            fixed_split_size, disable_split_kv, global_override_indptr_cpu, resolve_batch_invariant(batch_invariant),
+        )
+    except BaseException:
+        self._plan, self._plan_call = None, {}  # as plan(): a refused plan leaves none
+        raise
+    # forward() compares its options with these (once planned: a failed plan leaves none); it cannot re-plan (the
+    # arrays are used in place, not kept)
     self._plan_call = dict(fast_decode_plan=True, pos_encoding_mode=pos_encoding_mode, window_left=window_left,
                            logits_soft_cap=logits_soft_cap, sm_scale=sm_scale, rope_scale=rope_scale,
                            rope_theta=rope_theta)

@@ -12,7 +12,7 @@ from ..runtime.builder import HostIndex, attention_options, build_plan
 from ..runtime.fp8_prefill import is_fp8
 from ..runtime.kv_upcast import KVUpcast, ragged_indptr
 from ..runtime.rope_first import OPERAND_DTYPE, RopeFirst
-from ..runtime.wrapper import BatchWrapperBase, keeps_plan_call, plan_arguments
+from ..runtime.wrapper import BatchWrapperBase, drops_plan_on_failure, plan_arguments
 from ..runtime.checks import check_tensor, stream_capturing, target_of
 from ..runtime.compiled import rope_first_operands
 from ..runtime.options import (PAGE_TABLE_HINT, hashable, parse_kv_layout, per_tensor_scale, refuse_unsupported,
@@ -136,7 +136,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapperBase):
             "kv_last_page_len": "paged_kv_last_page_len_buf"}, jit_args=jit_args, jit_kwargs=jit_kwargs)
         self._upcast: KVUpcast | None = None  # JITATTN_PREFILL_FP8_UPCAST's gather of the current plan
 
-    @keeps_plan_call
+    @drops_plan_on_failure
     def plan(
         self, qo_indptr: torch.Tensor, paged_kv_indptr: torch.Tensor, paged_kv_indices: torch.Tensor,
         paged_kv_last_page_len: torch.Tensor, num_qo_heads: int, num_kv_heads: int, head_dim_qk: int,
@@ -294,7 +294,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapperBase):
         self._ragged_layout = self._kv_layout
         self._kv_layout = KVLayout.NHD  # HND k/v are passed to the kernel as [tokens, heads, dim] views
 
-    @keeps_plan_call
+    @drops_plan_on_failure
     def plan(
         self, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, num_qo_heads: int, num_kv_heads: int,
         head_dim_qk: int, head_dim_vo: int | None = None, custom_mask: torch.Tensor | None = None,

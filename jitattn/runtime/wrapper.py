@@ -179,19 +179,19 @@ class BatchWrapperBase:
                         out=out, lse=lse, return_lse=return_lse, q_scale=q_scale)
 
 
-def keeps_plan_call(plan):
-    """For a ``plan()`` that records its arguments first thing (``plan_arguments``): when it raises, the record
-    returns to the last plan that succeeded, which the wrapper still runs; else ``forward()`` would take the
-    failed call's options as planned and run the old plan without re-planning."""
+def drops_plan_on_failure(plan):
+    """For a ``plan()`` that records its arguments first thing (``plan_arguments``): when it raises, the wrapper is
+    left without a plan (and without recorded options), as every wrapper is after a refused plan: running the last
+    batch's plan on this batch's tensors would be silently wrong, and ``forward()`` must not take the failed call's
+    options as planned."""
     @functools.wraps(plan)
-    def recorded(self, *args, **kwargs):
-        previous = self._plan_call
+    def planned(self, *args, **kwargs):
         try:
             return plan(self, *args, **kwargs)
         except BaseException:
-            self._plan_call = previous
+            self._plan, self._plan_call = None, {}
             raise
-    return recorded
+    return planned
 
 
 def plan_arguments(plan_locals: dict) -> dict:
