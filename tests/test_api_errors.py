@@ -228,8 +228,11 @@ def test_single_decode_names_its_own_arguments() -> None:
     """q_scale is checked as q_scale (it used to surface as the sm_scale it multiplies), and k / v of two dtypes
     as such (it used to name a plan() the single call never showed)."""
     q, k = torch.randn(4, 64), torch.randn(6, 2, 64)
-    for bad in (-2.0, 0, float("nan"), float("inf"), True, "1"):
-        with pytest.raises(ValueError, match=f"q_scale={bad!r} must be a positive finite number"):
+    for bad in (-2.0, 0, float("nan"), float("inf"), torch.tensor([0.5, 0.5])):
+        with pytest.raises(ValueError, match="q_scale.* must be a positive finite number|q_scale must be a float"):
+            jitattn.single_decode_with_kv_cache(q, k, k, q_scale=bad)
+    for bad in (True, "1"):  # as run(q_scale=...) refuses them
+        with pytest.raises(TypeError, match=f"q_scale={bad!r} must be a number"):
             jitattn.single_decode_with_kv_cache(q, k, k, q_scale=bad)
     with pytest.raises(TypeError, match="k is torch.float16 but v is torch.float32"):
         jitattn.single_decode_with_kv_cache(q.half(), k.half(), k)

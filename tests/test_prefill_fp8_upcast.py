@@ -131,8 +131,11 @@ def test_fp8_upcast_refuses_bad_input() -> None:
     short = batch.cache[: int(batch.kv_indices.max())]  # the pool without the highest page the table names
     with pytest.raises(ValueError, match="page"):
         wrapper.run(q, short)
-    with pytest.raises(ValueError):  # a plan() that fails keeps the last plan and its gather together
+    with pytest.raises(ValueError):  # a plan() that fails leaves neither a plan nor its gather
         _plan(wrapper, e4m3, fp8_upcast=False, window_left=-7)
+    with pytest.raises(RuntimeError, match="without a plan"):
+        wrapper.run(q, batch.cache)
+    batch = _plan(wrapper, e4m3, fp8_upcast=True)
     ok = wrapper.run(q, batch.cache)
     assert not torch.isnan(ok.float()).any()
     graphs = jitattn.BatchPrefillWithPagedKVCacheWrapper(

@@ -168,8 +168,11 @@ def test_rope_first_refuses_bad_input() -> None:
     gen = torch.Generator().manual_seed(3)
     q = torch.randn(sum(QO_LENS), HQ, DIM, generator=gen).to(bf16)
     k, v = (torch.randn(sum(KV_LENS), HKV, DIM, generator=gen).to(bf16) for _ in range(2))
-    with pytest.raises(ValueError):  # a plan() that fails keeps the last plan and its rotation together
+    with pytest.raises(ValueError):  # a plan() that fails leaves neither a plan nor its rotation
         _plan_ragged(wrapper, rope_first=False, window_left=-7)
+    with pytest.raises(RuntimeError, match="without a plan"):
+        wrapper.run(q, k, v)
+    _plan_ragged(wrapper, rope_first=True)
     ok = wrapper.run(q, k, v)
     expected, _ = reference.batch_ragged_attention(q, k, v, _indptr(QO_LENS), _indptr(KV_LENS), causal=True,
                                                    pos_encoding_mode="ROPE_LLAMA")

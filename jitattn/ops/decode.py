@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import functools
-import math
-import numbers
 
 import numpy as np
 import torch
@@ -15,7 +13,7 @@ from ..runtime.wrapper import BatchWrapperBase, drops_plan_on_failure, plan_argu
 from ..runtime.checks import check_tensor, target_of
 from ..runtime.launch import PreparedAttention
 from ..runtime.options import (
-    PAGE_TABLE_HINT, parse_kv_layout, positive_int, refuse_unsupported, resolve_batch_invariant,
+    PAGE_TABLE_HINT, fp8_scale, parse_kv_layout, positive_int, refuse_unsupported, resolve_batch_invariant,
 )
 from ..jit import has_short_items_layout, load, resident_blocks
 from ..page_table import PagedIndex, check_paged_index, to_host_int32
@@ -410,7 +408,7 @@ def fast_decode_plan(
             fixed_split_size, disable_split_kv, global_override_indptr_cpu, resolve_batch_invariant(batch_invariant),
         )
     except BaseException:
-        self._plan, self._plan_call = None, {}  # as plan(): a refused plan leaves none
+        self.drop_plan()  # as plan(): a refused plan leaves none
         raise
     # forward() compares its options with these (once planned: a failed plan leaves none); it cannot re-plan (the
     # arrays are used in place, not kept)
@@ -438,11 +436,8 @@ def single_decode_with_kv_cache(
     kv_len, num_kv_heads = (k.shape[0], k.shape[1]) if layout is KVLayout.NHD else (k.shape[1], k.shape[0])
     if k.dtype != v.dtype:
         raise TypeError(f"single_decode_with_kv_cache: k is {k.dtype} but v is {v.dtype}; pass k and v of one dtype")
-    if q_scale is not None:
-        scale = float(q_scale) if isinstance(q_scale, (numbers.Real, torch.Tensor)) and q_scale is not True else 0.0
-        if not 0 < scale < math.inf:
-            raise ValueError(f"q_scale={q_scale!r} must be a positive finite number (it multiplies sm_scale)")
-        sm_scale = (sm_scale if sm_scale is not None else q.shape[-1] ** -0.5) * scale
+    if q_scale is not None:  # the rules of run()'s scales: a number or a one-element host tensor
+        sm_scale = (sm_scale if sm_scale is not None else q.shape[-1] ** -0.5) * fp8_scale(q_scale, "q_scale")
     # Room for the largest split the planner can choose (chunks of >= 256 tokens).
     max_chunks = kv_len // 256 + 2
     workspace = torch.empty(split_workspace_bytes(max_chunks, q.shape[0], v.shape[-1]), dtype=torch.uint8,

@@ -211,7 +211,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapperBase):
             kv_indptr_host=gather.kv_indptr, index=None, kv_lens=list(index.kv_lens), num_qo_heads=num_qo_heads,
             num_kv_heads=num_kv_heads, head_dim_qk=head_dim_qk, buffers=self._buffers,
             use_cuda_graph=self._use_cuda_graph, **options)
-        self._plan, self._upcast, self._rope = plan, gather, rope  # together: a plan() that fails keeps the last
+        self._plan, self._upcast, self._rope = plan, gather, rope  # together: a plan() that fails drops all three
 
     def plan_checked(self, qo_indptr: torch.Tensor, index: PagedIndex, num_qo_heads: int, num_kv_heads: int,
                      head_dim_qk: int, **options) -> None:
@@ -226,6 +226,10 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapperBase):
         self._plan, self._upcast, self._rope = plan, None, None
 
     begin_forward = plan
+
+    def drop_plan(self) -> None:
+        super().drop_plan()
+        self._upcast = self._rope = None
 
     def run(
         self, q: torch.Tensor, paged_kv_cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor], *args,
@@ -336,6 +340,10 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapperBase):
         self._plan, self._rope = plan, rope
 
     begin_forward = plan
+
+    def drop_plan(self) -> None:
+        super().drop_plan()
+        self._rope = None
 
     def run(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args, out: torch.Tensor | None = None,

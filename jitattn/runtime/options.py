@@ -209,6 +209,8 @@ def fp8_scale(value: float | torch.Tensor | None, name: str) -> float:
         if value.device.type != "cpu":
             raise ValueError(f"{name} on {value.device} would need a device sync; pass a Python float")
         value = value.item()
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name}={value!r} must be a number, not a bool")
     value = _number(value, name)
     if not f32_scale(value):
         raise ValueError(f"{name}={value} must be a positive finite number (a dequantization scale)")

@@ -106,6 +106,10 @@ class BatchWrapperBase:
     def _sm_scale(self) -> float | None:
         return self._plan_call.get("sm_scale")
 
+    def drop_plan(self) -> None:
+        """Leave the wrapper without a plan (what a ``plan()`` that raised leaves): ``run()`` then says so."""
+        self._plan, self._plan_call = None, {}
+
     def reset_workspace_buffer(self, float_workspace_buffer: torch.Tensor, int_workspace_buffer=None) -> None:
         """Use another float workspace (on the same device); the int workspace is not needed (plan metadata
         lives in the wrapper's own buffers)."""
@@ -189,7 +193,7 @@ def drops_plan_on_failure(plan):
         try:
             return plan(self, *args, **kwargs)
         except BaseException:
-            self._plan, self._plan_call = None, {}
+            self.drop_plan()
             raise
     return planned
 
