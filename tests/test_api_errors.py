@@ -236,3 +236,7 @@ def test_single_decode_names_its_own_arguments() -> None:
             jitattn.single_decode_with_kv_cache(q, k, k, q_scale=bad)
     with pytest.raises(TypeError, match="k is torch.float16 but v is torch.float32"):
         jitattn.single_decode_with_kv_cache(q.half(), k.half(), k)
+    for bad, message in ((torch.zeros(4, dtype=torch.float16), "sinks has dtype float16"),
+                         (torch.zeros(3), "sinks has shape \\(3,\\)")):
+        with pytest.raises(ValueError, match=f"^single_decode_with_kv_cache: {message}"):
+            jitattn.single_decode_with_kv_cache(q, k, k, sinks=bad)

@@ -7,7 +7,7 @@ import functools
 import numpy as np
 import torch
 
-from ..runtime.batch import check_workspace, upload_int32
+from ..runtime.batch import check_sinks, check_workspace, upload_int32
 from ..runtime.builder import HostIndex, attention_options, build_plan, kernel_spec, make_plan, num_workers
 from ..runtime.wrapper import BatchWrapperBase, drops_plan_on_failure, plan_arguments
 from ..runtime.checks import check_tensor, target_of
@@ -436,6 +436,8 @@ def single_decode_with_kv_cache(
     kv_len, num_kv_heads = (k.shape[0], k.shape[1]) if layout is KVLayout.NHD else (k.shape[1], k.shape[0])
     if k.dtype != v.dtype:
         raise TypeError(f"single_decode_with_kv_cache: k is {k.dtype} but v is {v.dtype}; pass k and v of one dtype")
+    if sinks is not None:  # checked here too, so that errors name this function rather than the wrapper under it
+        check_sinks("single_decode_with_kv_cache", sinks, q.shape[0], q.device)
     if q_scale is not None:  # the rules of run()'s scales: a number or a one-element host tensor
         sm_scale = (sm_scale if sm_scale is not None else q.shape[-1] ** -0.5) * fp8_scale(q_scale, "q_scale")
     # Room for the largest split the planner can choose (chunks of >= 256 tokens).
