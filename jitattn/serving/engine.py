@@ -44,7 +44,7 @@ from .attention import (
 )
 from .decode_path import LEVEL_SECONDS, DecodePathChooser
 from .graphs import MAX_SHARED_LEVELS, StepGraphs, padded_cascade_levels
-from .in_flight import InFlight, timing_event, to_host
+from .in_flight import InFlight, input_ids, timing_event, to_host
 from .kv_pool import KVPool
 from .model import LlamaModel
 from .radix import RadixCache
@@ -123,14 +123,17 @@ class Engine:
     # --- requests ---------------------------------------------------------------------------
 
     def add_request(self, prompt: list[int], max_new_tokens: int, arrival: float = 0.0,
-                    forced_tokens: list[int] | None = None, keep_logits: bool = False) -> Request:
+                    forced_tokens: list[int] | None = None, keep_logits: bool = False,
+                    stop_token_ids: Sequence[int] | None = None) -> Request:
         """Queue a request (``arrival`` in the engine clock's seconds; requests must arrive in order).
 
-        ``prompt`` (and ``forced_tokens``): token ids, a sequence of ints or a 1-D integer tensor. Everything is
+        ``prompt`` (and ``forced_tokens``, ``stop_token_ids``): token ids, a sequence of ints or a 1-D integer
+        tensor. The request finishes after ``max_new_tokens`` outputs or at its first greedy token in
+        ``stop_token_ids`` (an end-of-sequence id: kept as its last output), whichever comes first. Everything is
         checked here, so a bad request is refused at once and never holds up the requests queued around it,
         including one that could never fit the KV pool."""
-        prompt, max_new_tokens, forced_tokens = request_tokens(prompt, max_new_tokens, forced_tokens,
-                                                               self.model.config.vocab_size, self.max_seq_len)
+        prompt, max_new_tokens, forced_tokens, stop = request_tokens(
+            prompt, max_new_tokens, forced_tokens, stop_token_ids, self.model.config.vocab_size, self.max_seq_len)
         arrival = arrival_time(arrival)
         needed = self._pages_for(len(prompt) + max_new_tokens - 1)  # every output but the last is fed
         if needed > self.pool.num_pages - 1:
@@ -140,7 +143,7 @@ class Engine:
         if self.waiting and arrival < self.waiting[-1].arrival:
             raise ValueError(f"arrival={arrival} is before the last queued request's ({self.waiting[-1].arrival}); "
                              "add requests in arrival order")
-        request = Request(self._next_rid, prompt, max_new_tokens, arrival, forced_tokens, keep_logits)
+        request = Request(self._next_rid, prompt, max_new_tokens, arrival, forced_tokens, keep_logits, stop)
         self._next_rid += 1
         self.waiting.append(request)
         return request
@@ -197,7 +200,8 @@ class Engine:
             done += self._decode()
         finally:
             for request in done:
-                request.finish_time = self.clock()
+                request.finish_time, request.unread = self.clock(), 0
+                request.finish_reason = "stop" if request.stopped else "length"
                 self.pool.decref(request.pages)
                 request.pages, request.page_tuple = [], ()
             self.finished += done
@@ -217,14 +221,15 @@ class Engine:
         for queue in (self.waiting, self.prefilling, self.running):
             if request in queue:
                 queue.remove(request)
-                self._give_up(request, str(reason))
+                self._give_up(request, str(reason), "abort")
                 return True
         return False
 
-    def _give_up(self, request: Request, reason: str) -> None:
-        """End ``request`` (taken out of its queue by the caller) without finishing it. A decode step in flight may
-        still read its pages: anything that writes them again is launched after it, on the same stream."""
-        request.error, request.finish_time, request.unread = reason, self.clock(), 0
+    def _give_up(self, request: Request, reason: str, kind: str) -> None:
+        """End ``request`` (taken out of its queue by the caller) without finishing it (``kind``: its finish_reason).
+        A decode step in flight may still read its pages: anything that writes them again is launched after it, on
+        the same stream."""
+        request.error, request.finish_reason, request.finish_time, request.unread = reason, kind, self.clock(), 0
         self.pool.decref(request.pages)
         request.pages, request.page_tuple = [], ()
         self.failed.append(request)
@@ -338,7 +343,7 @@ class Engine:
         """Give up ``request``, whose prefill raised ``error`` (called while it is handled: the log has its trace)."""
         get_logger().warning("prefill of request %d raised; it is given up", request.rid, exc_info=True)
         self.prefilling.remove(request)
-        self._give_up(request, f"prefill failed: {type(error).__name__}: {error}")
+        self._give_up(request, f"prefill failed: {type(error).__name__}: {error}", "error")
 
     def _prefill_logits(self, chunk: list[tuple[Request, int]]) -> torch.Tensor:
         """The logits of the last token of each (request, tokens) of ``chunk``, its KV written to the pool."""
@@ -395,7 +400,7 @@ class Engine:
         if depth < len(shared):
             shared = limit_levels(shared, len(seqs), depth)
         builds, begin = compile_count(), timing_event(self.model.device)
-        ids = self._input_ids(host_ids, from_device)
+        ids = input_ids(host_ids, from_device, self._pending, self.model.device)
         logits, chosen, kv_tokens = self._decode_logits(seqs, ids, shared)
         with torch.no_grad():
             tokens = logits.argmax(-1)
@@ -414,15 +419,6 @@ class Engine:
         self._pending = step
         return done + ([] if self.overlap else self._read_back())
 
-    def _input_ids(self, host_ids: list[int], from_device: list[int]) -> torch.Tensor:
-        """The step's input ids on the device: ``host_ids[i]``, or where ``from_device[i]`` >= 0 the token at
-        that row of the step in flight (still on the device)."""
-        dev = self.model.device
-        table = to_device(torch.tensor([host_ids, from_device], dtype=torch.long), dev)
-        if self._pending is None or max(from_device) < 0:
-            return table[0]
-        return torch.where(table[1] >= 0, self._pending.tokens[table[1].clamp(min=0)], table[0])
-
     def _read_back(self) -> list[Request]:
         """The step in flight's tokens (and kept logits) to the host, its requests' outputs; those that are done."""
         step, self._pending = self._pending, None
@@ -432,8 +428,8 @@ class Engine:
         ready = time.perf_counter()
         done = []
         for i, request in enumerate(step.batch):
-            if request.error is not None:
-                continue  # aborted while the step ran
+            if request.finish_reason is not None:
+                continue  # ended while the step ran: aborted, or its last token (read back before) was a stop token
             request.unread = 0
             request.output.append(tokens[i])
             if request.keep_logits:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .attention import to_device
 from .request import Request
 
 
@@ -60,3 +61,13 @@ def timing_event(device: torch.device) -> torch.cuda.Event | None:
     event = torch.cuda.Event(enable_timing=True)
     event.record(torch.cuda.current_stream(device))
     return event
+
+
+def input_ids(host_ids: list[int], from_device: list[int], pending: InFlight | None,
+              device: torch.device) -> torch.Tensor:
+    """A decode step's input ids on ``device``: ``host_ids[i]``, or where ``from_device[i]`` >= 0 the token at that
+    row of the step in flight (``pending``: its tokens are still on the device)."""
+    table = to_device(torch.tensor([host_ids, from_device], dtype=torch.long), device)
+    if pending is None or max(from_device) < 0:
+        return table[0]
+    return torch.where(table[1] >= 0, pending.tokens[table[1].clamp(min=0)], table[0])

@@ -20,6 +20,7 @@ class Request:
     arrival: float = 0.0
     forced_tokens: list[int] | None = None  # teacher forcing: fed instead of the greedy tokens
     keep_logits: bool = False
+    stop_token_ids: frozenset[int] = frozenset()  # a greedy token among these ends the request (it is kept)
     output: list[int] = field(default_factory=list)  # greedy tokens
     logits: list[torch.Tensor] = field(default_factory=list)  # float32 on the host, when keep_logits
     pages: list[int] = field(default_factory=list)
@@ -30,6 +31,7 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None  # when it finished or was given up
     error: str | None = None  # why the engine gave it up (``Engine.abort``, a failed prefill); None: it ran or runs
+    finish_reason: str | None = None  # "stop", "length"; "abort" or "error" when given up; None while it runs
 
     @property
     def fed_tokens(self) -> list[int]:
@@ -56,13 +58,19 @@ class Request:
         return None if self.unread else self.output[-1]
 
     @property
+    def stopped(self) -> bool:
+        """Its last greedy token on the host is a stop token."""
+        return bool(self.output) and self.output[-1] in self.stop_token_ids
+
+    @property
     def exhausted(self) -> bool:
-        """Every output produced, the unread one included: no further decode step."""
-        return len(self.output) + self.unread >= self.max_new_tokens
+        """No further decode step: done, or every output produced with the unread one (which may yet be a stop
+        token: a step launched before it was read back is then dropped for this request)."""
+        return self.stopped or len(self.output) + self.unread >= self.max_new_tokens
 
     @property
     def done(self) -> bool:
-        return len(self.output) >= self.max_new_tokens
+        return self.stopped or len(self.output) >= self.max_new_tokens
 
 
 @dataclass
@@ -105,10 +113,10 @@ def token_ids(name: str, tokens, vocab_size: int) -> list[int]:
     return ids
 
 
-def request_tokens(prompt, max_new_tokens, forced_tokens, vocab_size: int,
-                   max_seq_len: int) -> tuple[list[int], int, list[int] | None]:
-    """A new request's ``prompt``, ``max_new_tokens`` and ``forced_tokens`` (None or every fed output's token),
-    checked against the vocabulary and ``max_seq_len``."""
+def request_tokens(prompt, max_new_tokens, forced_tokens, stop_token_ids, vocab_size: int,
+                   max_seq_len: int) -> tuple[list[int], int, list[int] | None, frozenset[int]]:
+    """A new request's ``prompt``, ``max_new_tokens``, ``forced_tokens`` (None or every fed output's token) and
+    ``stop_token_ids`` (:func:`stop_tokens`), checked against the vocabulary and ``max_seq_len``."""
     prompt = token_ids("prompt", prompt, vocab_size)
     max_new_tokens = positive_int("max_new_tokens", max_new_tokens)
     if not prompt:
@@ -119,7 +127,21 @@ def request_tokens(prompt, max_new_tokens, forced_tokens, vocab_size: int,
         forced_tokens = token_ids("forced_tokens", forced_tokens, vocab_size)
         if len(forced_tokens) < max_new_tokens - 1:
             raise ValueError("forced_tokens needs max_new_tokens - 1 tokens (the last output is never fed)")
-    return prompt, max_new_tokens, forced_tokens
+    return prompt, max_new_tokens, forced_tokens, stop_tokens(stop_token_ids, vocab_size, forced_tokens is not None)
+
+
+def stop_tokens(stop_token_ids, vocab_size: int, forced: bool) -> frozenset[int]:
+    """``stop_token_ids`` (None, or token ids: a sequence or a 1-D integer tensor) as a frozenset; refused beside
+    teacher forcing (``forced``), which feeds every forced token whatever the greedy ones are."""
+    if stop_token_ids is None:
+        return frozenset()
+    if isinstance(stop_token_ids, (set, frozenset)):
+        stop_token_ids = list(stop_token_ids)
+    ids = frozenset(token_ids("stop_token_ids", stop_token_ids, vocab_size))
+    if ids and forced:
+        raise ValueError("stop_token_ids with forced_tokens: teacher forcing feeds every forced token, so nothing "
+                         "stops it; pass one or the other")
+    return ids
 
 
 def positive_int(name: str, value) -> int:

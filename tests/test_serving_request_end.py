@@ -1,5 +1,6 @@
-"""Requests the engine gives up: ``Engine.abort`` in every state, a prefill chunk that raises (its requests end with
-an error, the others' tokens stay the reference's), a decode step that raises (retried by the next ``step()``)."""
+"""How requests end: at a stop token or after ``max_new_tokens``; given up by ``Engine.abort`` in every state or
+because their prefill raised (the others' tokens stay the reference's); a decode step that raises is retried by the
+next ``step()``."""
 
 from __future__ import annotations
 
@@ -31,6 +32,50 @@ def _pages_back(engine: Engine) -> None:
     assert engine.pool.num_used == engine.radix.num_cached_pages
 
 
+def _stopped_reference(reference: list[int], stop: set[int]) -> list[int]:
+    """The greedy tokens up to and including the first stop token."""
+    for i, token in enumerate(reference):
+        if token in stop:
+            return reference[: i + 1]
+    return reference
+
+
+@pytest.mark.parametrize("cascade", [True, False], ids=["cascade", "flat"])
+@pytest.mark.parametrize("overlap", [False, True], ids=["read-each-step", "overlap"])
+def test_a_request_ends_at_its_first_stop_token(model, overlap, cascade) -> None:
+    """Stop tokens at the first output (the prefill's), mid-way, at the last output, never met, and a set of two;
+    each request's output is the reference's up to its first stop token (kept), the others run their length, and
+    a stopped request's pages go back to the pool at once (with overlap, after the step launched before its stop
+    token was read back)."""
+    prompts = _prompts(11, [5, 12, 3, 20, 8, 1])
+    references = [reference_generate(model, p, 7)[0] for p in prompts]
+    stops = [{references[0][0]}, {references[1][3]}, {references[2][6]}, None, {references[4][2], references[4][4]},
+             set()]
+    engine = Engine(model, num_pages=64, page_size=PAGE, max_batch_size=8, cascade=cascade, overlap=overlap)
+    requests = [engine.add_request(p, 7, stop_token_ids=stop) for p, stop in zip(prompts, stops)]
+    engine.run()
+    expected = [_stopped_reference(ref, stop or set()) for ref, stop in zip(references, stops)]
+    assert [r.output for r in requests] == expected
+    assert [r.finish_reason for r in requests] == ["stop" if len(e) < 7 or e[-1] in (s or ()) else "length"
+                                                   for e, s in zip(expected, stops)]
+    assert len(requests[0].output) == 1 and requests[3].finish_reason == "length"
+    _pages_back(engine)
+
+
+def test_stop_token_ids_are_checked_at_add_request(model) -> None:
+    engine = Engine(model, num_pages=16, page_size=PAGE)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.add_request([1, 2], 3, stop_token_ids=[CONFIG.vocab_size])
+    with pytest.raises(TypeError, match="stop_token_ids\\[0\\] = 2.5 is not a token id"):
+        engine.add_request([1, 2], 3, stop_token_ids=[2.5])
+    with pytest.raises(TypeError, match="stop_token_ids must be a list of token ids"):
+        engine.add_request([1, 2], 3, stop_token_ids=7)
+    with pytest.raises(ValueError, match="teacher forcing"):
+        engine.add_request([1, 2], 3, forced_tokens=[4, 5], stop_token_ids=[9])
+    request = engine.add_request([1, 2], 3, stop_token_ids=torch.tensor([9, 4]))
+    assert request.stop_token_ids == {4, 9} and not engine.failed
+
+
 @pytest.mark.parametrize("overlap", [False, True], ids=["read-each-step", "overlap"])
 @pytest.mark.parametrize("state", ["waiting", "prefilling", "running"])
 def test_an_aborted_request_frees_its_pages_and_the_others_finish_exactly(model, state, overlap) -> None:
@@ -48,7 +93,8 @@ def test_an_aborted_request_frees_its_pages_and_the_others_finish_exactly(model,
     else:
         pytest.fail(f"request 1 never reached {state}")
     assert engine.abort(victim, "client went away")
-    assert victim.error == "client went away" and victim in engine.failed and not victim.pages
+    assert victim.error == "client went away" and victim.finish_reason == "abort"
+    assert victim in engine.failed and not victim.pages
     assert not engine.abort(victim), "a request ends once"
     engine.run()
     assert victim not in engine.finished
@@ -110,6 +156,7 @@ def test_a_prefill_that_raises_gives_up_its_chunks_requests_and_the_rest_go_on(m
             ended += engine.step()
     assert failures, "the poisoned chunk ran"
     assert bad_request.error.startswith("prefill failed: RuntimeError: CUDA out of memory")
+    assert bad_request.finish_reason == "error" and first.finish_reason == "length"
     assert bad_request in ended and engine.failed == [bad_request] and bad_request not in engine.finished
     assert any(f"prefill of request {bad_request.rid} raised" in r.getMessage() and r.exc_info
                for r in caplog.records)
