@@ -190,3 +190,54 @@ def test_plan_and_run_refuse_bad_input() -> None:
 def test_default_cuda_device_without_a_gpu_says_how_to_use_the_cpu() -> None:
     with pytest.raises(RuntimeError, match="device='cpu'"):
         jitattn.BatchAttention()
+
+
+def _planned_mixed(logits_soft_cap: float | None = None):
+    """A wrapper planned over MIXED (its decode rows 0, 1 and 22 are not contiguous: both parts gather and
+    scatter their rows), and the q / cache to run."""
+    case = CASES["g4_bf16_p16_nhd_causal"]
+    batch, qo_indptr, kv_len_arr, q = _batch(case, "cpu", torch.Generator().manual_seed(43))
+    wrapper = jitattn.BatchAttention(device="cpu")
+    wrapper.plan(qo_indptr, batch.kv_indptr, batch.kv_indices, kv_len_arr, case[0], case[1], case[2], case[2],
+                 case[4], causal=True, logits_soft_cap=logits_soft_cap)
+    return wrapper, q, batch.cache
+
+
+@pytest.mark.parametrize("name,dtype", [("out", torch.float32), ("out", torch.int16), ("lse", bf16),
+                                        ("lse", torch.float64)])
+def test_mixed_batch_refuses_an_out_or_lse_of_another_dtype_before_writing(name: str, dtype) -> None:
+    wrapper, q, cache = _planned_mixed()
+    rows, heads, dim = q.shape
+    out = torch.full((rows, heads, dim), 7.0, dtype=dtype if name == "out" else bf16)
+    lse = torch.full((rows, heads), 7.0, dtype=dtype if name == "lse" else torch.float32)
+    with pytest.raises(TypeError, match=f"^{name} has dtype {str(dtype).removeprefix('torch.')}"):
+        wrapper.run(q, cache, out=out, lse=lse)
+    assert torch.all(out == 7) and torch.all(lse == 7), "a refused run() wrote no output"
+
+
+@pytest.mark.parametrize("name", ["out", "lse"])
+@pytest.mark.parametrize("batch_kind", ["mixed", "all_prefill", "all_decode"])
+def test_run_refuses_an_out_or_lse_that_is_not_a_tensor(batch_kind: str, name: str) -> None:
+    if batch_kind == "mixed":
+        wrapper, q, cache = _planned_mixed()
+    else:
+        qo = torch.tensor([0, 2, 4] if batch_kind == "all_prefill" else [0, 1, 2], dtype=torch.int32)
+        wrapper = jitattn.BatchAttention(device="cpu")
+        wrapper.plan(qo, torch.tensor([0, 2, 3], dtype=torch.int32), torch.tensor([0, 1, 2], dtype=torch.int32),
+                     torch.tensor([20, 5], dtype=torch.int32), 4, 2, 64, 64, 16)
+        q, cache = torch.randn(int(qo[-1]), 4, 64).to(bf16), torch.randn(3, 2, 16, 2, 64).to(bf16)
+    with pytest.raises(TypeError, match=f"{name} must be a torch.Tensor, got list"):
+        wrapper.run(q, cache, **{name: [0.0]})
+
+
+@pytest.mark.parametrize("planned", [None, 20.0], ids=["no_cap", "cap_20"])
+@pytest.mark.parametrize("cap,error", [(float("nan"), ValueError), (-3.0, ValueError), (float("inf"), ValueError),
+                                       (5.0, ValueError), ("20", TypeError), ([20.0], TypeError)],
+                         ids=["nan", "negative", "inf", "another", "string", "list"])
+def test_run_soft_cap_must_be_zero_or_the_planned_one(planned: float | None, cap, error: type) -> None:
+    wrapper, q, cache = _planned_mixed(logits_soft_cap=planned)
+    with pytest.raises(error, match="logits_soft_cap="):
+        wrapper.run(q, cache, logits_soft_cap=cap)
+    expected, _ = wrapper.run(q, cache)
+    for same in (0, 0.0, None, planned or 0.0):
+        assert torch.equal(wrapper.run(q, cache, logits_soft_cap=same)[0], expected)

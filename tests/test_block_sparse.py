@@ -328,3 +328,80 @@ def test_variable_plan_and_run_refuse_bad_input() -> None:
         wrapper.run(torch.randn(4, 6, 64).half(), kv, kv)
     with pytest.raises(ValueError, match="out is"):
         wrapper.run(q, kv, kv, out=torch.empty(4, 5, 32).half())
+
+
+def _variable_wrapper():
+    """A variable-block wrapper planned for 2 kv heads (group 2) of 5 query rows and 6 keys, head_dim 64."""
+    wrapper = jitattn.VariableBlockSparseAttentionWrapper(torch.empty(128 << 20, dtype=torch.uint8))
+    wrapper.plan(torch.ones(2, 2, 3, dtype=torch.bool), torch.tensor([[3, 2], [1, 4]], dtype=torch.int32),
+                 torch.tensor([[2, 2, 2], [1, 1, 4]], dtype=torch.int32), 4, 2, 64, q_data_type=f16)
+    return wrapper, torch.randn(4, 5, 64).half(), torch.randn(2, 6, 64).half()
+
+
+@pytest.mark.parametrize("block_mask_map,block_row_sz", [
+    (torch.ones(2, 3, 2, dtype=torch.bool), torch.zeros(2, 3, dtype=torch.int32)),
+    (torch.ones(2, 0, 2, dtype=torch.bool), torch.zeros(2, 0, dtype=torch.int32)),
+], ids=["row_blocks_of_no_rows", "no_row_blocks"])
+def test_variable_pattern_of_no_query_rows_returns_empty_outputs(block_mask_map, block_row_sz) -> None:
+    wrapper = jitattn.VariableBlockSparseAttentionWrapper(torch.empty(128 << 20, dtype=torch.uint8))
+    wrapper.plan(block_mask_map, block_row_sz, torch.tensor([[10, 20], [5, 25]], dtype=torch.int32), 4, 2, 64,
+                 q_data_type=f16)
+    q, kv = torch.randn(4, 0, 64).half(), torch.randn(2, 30, 64).half()
+    out, lse = wrapper.run(q, kv, kv, return_lse=True)
+    assert out.shape == (4, 0, 64) and out.dtype == f16 and lse.shape == (4, 0) and lse.dtype == torch.float32
+    out_buffer, lse_buffer = torch.empty(4, 0, 64, dtype=f16), torch.empty(4, 0)
+    out, lse = wrapper.run(q, kv, kv, out=out_buffer, lse=lse_buffer, return_lse=True)
+    assert out is out_buffer and lse is lse_buffer
+
+
+def _re_shape(shape: tuple) -> str:
+    """``shape`` as a regular expression matching its tuple's text."""
+    return r"\(" + ", ".join(map(str, shape)) + r"\)"
+
+
+@pytest.mark.parametrize("name,shape,expected", [
+    ("q", (4, 5, 128), (4, 5, 64)),
+    ("k", (2, 6, 32), (2, 6, 64)),
+    ("v", (2, 6, 32), (2, 6, 64)),
+])
+def test_variable_run_quotes_the_callers_shapes_on_a_head_dim_mismatch(name: str, shape: tuple,
+                                                                       expected: tuple) -> None:
+    wrapper, q, kv = _variable_wrapper()
+    tensors = {"q": q, "k": kv, "v": kv, name: torch.randn(shape).half()}
+    expected_message = rf"^{name} has shape {_re_shape(shape)}; the plan expects {_re_shape(expected)}"
+    with pytest.raises(ValueError, match=expected_message):
+        wrapper.run(tensors["q"], tensors["k"], tensors["v"])
+
+
+@pytest.mark.parametrize("name,buffer,error,match", [
+    ("out", torch.empty(4, 5, 64), TypeError, "out has dtype float32; expected one of float16"),
+    ("lse", torch.empty(4, 5, dtype=f16), TypeError, "lse has dtype float16; expected one of float32"),
+    ("lse", torch.empty(5, 4), ValueError, r"lse is \(5, 4\)"),
+    ("out", [0.0], TypeError, "out must be a torch.Tensor, got list"),
+])
+def test_variable_run_refuses_a_wrong_out_or_lse(name: str, buffer, error: type, match: str) -> None:
+    wrapper, q, kv = _variable_wrapper()
+    with pytest.raises(error, match=match):
+        wrapper.run(q, kv, kv, return_lse=True, **{name: buffer})
+
+
+@pytest.mark.parametrize("name", ["out", "lse"])
+def test_bsr_run_refuses_an_out_or_lse_that_is_not_a_tensor(name: str) -> None:
+    wrapper, args = _planned_bsr()
+    wrapper.plan(**args)
+    q, k = torch.randn(8, 2, 64).half(), torch.randn(8, 2, 64).half()
+    with pytest.raises(TypeError, match=f"{name} must be a torch.Tensor, got list"):
+        wrapper.run(q, k, k, return_lse=True, **{name: [0.0]})
+
+
+@pytest.mark.parametrize("return_lse", ["no", None, 2, torch.tensor(True)])
+@pytest.mark.parametrize("variable", [False, True], ids=["bsr", "variable"])
+def test_sparse_return_lse_must_be_a_bool(variable: bool, return_lse) -> None:
+    if variable:
+        wrapper, q, k = _variable_wrapper()
+    else:
+        wrapper, args = _planned_bsr()
+        wrapper.plan(**args)
+        q, k = torch.randn(8, 2, 64).half(), torch.randn(8, 2, 64).half()
+    with pytest.raises(TypeError, match="return_lse=.* must be True or False"):
+        wrapper.run(q, k, k, return_lse=return_lse)

@@ -164,3 +164,73 @@ def test_pod_refuses_bad_input() -> None:
         batch_wrapper.plan(torch.tensor([0, 2, 4], dtype=torch.int32), batch.kv_indptr, batch.kv_indices,
                            batch.kv_last_page_len, torch.arange(5, dtype=torch.int32), batch.kv_indptr,
                            batch.kv_indices, batch.kv_last_page_len, HQ, HKV, D, PAGE)
+
+
+def _planned_batch_pod(qo_indptr_d: torch.Tensor | None = None):
+    """A BatchPOD wrapper planned over two prefill requests and DECODE_KV's decode requests (cpu), its inputs."""
+    gen = torch.Generator().manual_seed(31)
+    prefill = random_paged_batch([20, 9], HKV, D, PAGE, f16, generator=gen)
+    decode, q_d = _decode_batch("NHD", f16, "cpu", gen)
+    qo_indptr_p = torch.tensor([0, 5, 12], dtype=torch.int32)
+    wrapper = jitattn.BatchPODWithPagedKVCacheWrapper(torch.empty(128 << 20, dtype=torch.uint8))
+    wrapper.plan(qo_indptr_p, prefill.kv_indptr, prefill.kv_indices, prefill.kv_last_page_len,
+                 torch.arange(len(DECODE_KV) + 1, dtype=torch.int32) if qo_indptr_d is None else qo_indptr_d,
+                 decode.kv_indptr, decode.kv_indices, decode.kv_last_page_len, HQ, HKV, D, PAGE, q_data_type=f16)
+    return wrapper, dict(q_p=torch.randn(12, HQ, D, generator=gen).half(), paged_kv_cache_p=prefill.cache, q_d=q_d,
+                         paged_kv_cache_d=decode.cache)
+
+
+@pytest.mark.parametrize("decode_requests", [2, 3, 5], ids=["fewer", "one_fewer", "more"])
+def test_batch_pod_plan_refuses_a_qo_indptr_d_of_another_batch_size(decode_requests: int) -> None:
+    """One query per decode request runs the decode kernel, which reads no qo_indptr_d: it must still describe
+    the decode batch the kv index does."""
+    with pytest.raises(ValueError, match=f"qo_indptr_d describes {decode_requests} decode requests but kv_indptr_d "
+                                         f"{len(DECODE_KV)}"):
+        _planned_batch_pod(torch.arange(decode_requests + 1, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("change,error,match", [
+    (dict(q_p=torch.randn(10, HQ, D).half()), ValueError, r"^q_p has shape \(10, 8, 64\); the plan expects \(12,"),
+    (dict(q_d=torch.randn(3, HQ, D).half()), ValueError, r"^q_d has shape \(3, 8, 64\); the plan expects \(4,"),
+    (dict(q_p=torch.randn(12, HQ, D)), TypeError, "^q_p has dtype float32"),
+    (dict(q_d=torch.randn(4, HQ, D).bfloat16()), TypeError, "^q_d has dtype bfloat16"),
+    (dict(paged_kv_cache_d=torch.zeros(2, 2, PAGE, HKV, D, dtype=f16)), ValueError,
+     r"decode part \(q_d, paged_kv_cache_d, kv_indices_d\): indices references page"),
+], ids=["q_p_rows", "q_d_rows", "q_p_dtype", "q_d_dtype", "kv_indices_d_past_the_cache"])
+def test_batch_pod_run_names_the_argument_that_is_wrong(change: dict, error: type, match: str) -> None:
+    wrapper, inputs = _planned_batch_pod()
+    with pytest.raises(error, match=match):
+        wrapper.run(**{**inputs, **change})
+
+
+@pytest.mark.parametrize("change,error,match", [
+    (dict(q_d=torch.randn(3, HQ, D).half()), ValueError, r"^q_d has shape \(3, 8, 64\); the plan expects \(4,"),
+    (dict(q_d=torch.randn(4, HQ, D)), TypeError, "^q_d has dtype float32"),
+    (dict(q_p=torch.randn(4, D).half()), ValueError, "^q_p must have 3 dimensions"),
+    (dict(paged_kv_cache_d=torch.zeros(2, 2, PAGE, HKV, D, dtype=f16)), ValueError,
+     r"decode part \(q_d, paged_kv_cache_d, indices\): indices references page"),
+], ids=["q_d_rows", "q_d_dtype", "q_p_2d", "indices_past_the_cache"])
+def test_pod_run_names_the_argument_that_is_wrong(change: dict, error: type, match: str) -> None:
+    gen = torch.Generator().manual_seed(37)
+    batch, q_d = _decode_batch("NHD", f16, "cpu", gen)
+    wrapper = jitattn.PODWithPagedKVCacheWrapper(torch.empty(128 << 20, dtype=torch.uint8))
+    wrapper.plan(batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len, HQ, HKV, D, PAGE)
+    inputs = dict(q_p=torch.randn(4, HQ, D).half(), k_p=torch.randn(6, HKV, D).half(),
+                  v_p=torch.randn(6, HKV, D).half(), q_d=q_d, paged_kv_cache_d=batch.cache)
+    with pytest.raises(error, match=match):
+        wrapper.run(**{**inputs, **change})
+
+
+@pytest.mark.parametrize("value", ["no", None, 2, torch.tensor(False)])
+@pytest.mark.parametrize("flag", ["return_lse_p", "return_lse_d", "return_lse"])
+def test_pod_return_lse_flags_must_be_bools(flag: str, value) -> None:
+    if flag == "return_lse":
+        wrapper, inputs = _planned_batch_pod()
+    else:
+        batch, q_d = _decode_batch("NHD", f16, "cpu", torch.Generator().manual_seed(41))
+        wrapper = jitattn.PODWithPagedKVCacheWrapper(torch.empty(128 << 20, dtype=torch.uint8))
+        wrapper.plan(batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len, HQ, HKV, D, PAGE)
+        inputs = dict(q_p=torch.randn(4, HQ, D).half(), k_p=torch.randn(6, HKV, D).half(),
+                      v_p=torch.randn(6, HKV, D).half(), q_d=q_d, paged_kv_cache_d=batch.cache)
+    with pytest.raises(TypeError, match=f"{flag}=.* must be True or False"):
+        wrapper.run(**inputs, **{flag: value})

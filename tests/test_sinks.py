@@ -348,3 +348,25 @@ def test_after_a_run_with_sinks_later_plans_prepare_the_sink_launch() -> None:
     wrapper.plan(*args, q_data_type=f16)
     assert wrapper._plan.sink_launch is not None
     assert torch.equal(wrapper.run(q, batch.cache, sinks=torch.ones(8)), first)
+
+
+@pytest.mark.parametrize("sm_scale,error,match", [
+    ("0.1", TypeError, r"sm_scale='0\.1' must be a number, not a string"),
+    ([0.1], TypeError, r"sm_scale=\[0\.1\] must be a number"),
+    (1e300, ValueError, r"sm_scale=1e\+300 must be a positive finite number within float32's normal range"),
+    (1e-300, ValueError, r"sm_scale=1e-300 must be a positive finite number within float32's normal range"),
+    (float("nan"), ValueError, "sm_scale=nan must be a positive finite number"),
+    (-0.1, ValueError, r"sm_scale=-0\.1 must be a positive finite number"),
+    (3e38, ValueError, r"sm_scale=3e\+38 is too far from the planned sm_scale"),
+], ids=["string", "list", "huge", "tiny", "nan", "negative", "ratio_out_of_range"])
+def test_sink_wrapper_checks_its_positional_sm_scale(sm_scale, error: type, match: str) -> None:
+    """``run(q, kv, sinks, sm_scale)``: sm_scale's own errors, as plan()'s (never one naming q_scale)."""
+    gen = torch.Generator().manual_seed(9)
+    batch, qo_indptr, q = _prefill_batch(gen, 8, 2, 64, f16, "cpu")
+    wrapper = jitattn.BatchAttentionWithAttentionSinkWrapper(
+        torch.empty(128 << 20, dtype=torch.uint8), kv_layout="NHD", q_data_type=f16, kv_data_type=f16,
+        head_dim_qk=64, head_dim_vo=64)
+    wrapper.plan(qo_indptr, batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len, 8, 2, 64, PAGE, causal=True,
+                 q_data_type=f16, kv_data_type=f16)
+    with pytest.raises(error, match=match):
+        wrapper.run(q, batch.cache, _sinks(8, gen, "cpu"), sm_scale)

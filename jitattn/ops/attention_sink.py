@@ -11,11 +11,10 @@ Every other wrapper takes the same sinks as ``run(..., sinks=...)``.
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 
-from ..runtime.options import parse_pos_encoding
+from ..runtime.options import f32_scale, number, parse_pos_encoding
 from .prefill import BatchPrefillWithPagedKVCacheWrapper
 from ..spec import PosEncoding
 
@@ -85,11 +84,22 @@ class BatchAttentionWithAttentionSinkWrapper(BatchPrefillWithPagedKVCacheWrapper
             raise TypeError(f"{self._NAME}.run() needs the sinks: run(q, paged_kv_cache, sinks) "
                             "(float32 [num_qo_heads])")
         if len(args) == 2 and args[1] is not None and self._plan is not None:
-            sm_scale = float(args[1])
-            if not (sm_scale > 0 and math.isfinite(sm_scale)):
-                raise ValueError(f"{self._NAME}.run(): sm_scale={args[1]!r} must be a positive finite number")
             # The scale is a run-time scalar of the kernel: a different one is a factor on q_scale.
-            q_scale = (1.0 if q_scale is None else float(q_scale)) * sm_scale / self._plan.scalars.sm_scale
+            q_scale = (1.0 if q_scale is None else float(q_scale)) * self._scale_factor(args[1])
         return self._run(q, paged_kv_cache, k_scale, v_scale, out, lse, return_lse, {}, (), q_scale, window_left,
                          sinks)
+
+    def _scale_factor(self, sm_scale) -> float:
+        """``run``'s positional ``sm_scale`` as the factor on the planned scale, checked as ``plan()`` checks its
+        ``sm_scale``: a number (a string is a TypeError) within float32's normal range, the factor too."""
+        scale = number(sm_scale, "sm_scale")
+        if not f32_scale(scale):
+            raise ValueError(f"{self._NAME}.run(): sm_scale={sm_scale!r} must be a positive finite number within "
+                             "float32's normal range")
+        factor = scale / self._plan.scalars.sm_scale
+        if not f32_scale(factor):  # the kernel takes it as a factor on the planned scale
+            raise ValueError(f"{self._NAME}.run(): sm_scale={sm_scale!r} is too far from the planned sm_scale="
+                             f"{self._plan.scalars.sm_scale} (their ratio leaves float32's normal range); pass it "
+                             "to plan() instead")
+        return factor
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..runtime.checks import check_tensor, not_planned
-from ..runtime.options import positive_int, refuse_unsupported
+from ..runtime.checks import check_no_overlap, check_tensor, not_planned
+from ..runtime.options import number, positive_int, refuse_unsupported
 from ..runtime.side_by_side import prefill_blocks, side_by_side
 from ..page_table import check_indptr, to_host_int32
 from .decode import BatchDecodeWithPagedKVCacheWrapper
@@ -186,22 +186,20 @@ class BatchAttention:
             raise not_planned(self._NAME)
         refuse_unsupported(f"{self._NAME}.run", "profile with nsys / ncu (kernels carry readable names)",
                            profiler_buffer=profiler_buffer)
-        cap = float(logits_soft_cap)
-        if cap > 0 and cap != self._logits_soft_cap:
-            planned = "no cap" if self._logits_soft_cap == 0 else f"logits_soft_cap={self._logits_soft_cap}"
-            raise ValueError(f"{self._NAME}.run(logits_soft_cap={cap}) differs from the plan ({planned}); the cap is "
-                             "part of the plan: pass it to plan()")
+        self._check_run_cap(logits_soft_cap)
+        for name, given in (("out", out), ("lse", lse)):
+            if given is not None:  # a tensor; its shape, dtype and device are checked with q's below
+                check_tensor(name, given, last_dim_contiguous=False)
         if len(self._parts) == 1 and self._parts[0][1] is self._prefill:
             return self._prefill.run(q, kv_cache, k_scale=k_scale, v_scale=v_scale, out=out, lse=lse, return_lse=True)
         rows, heads, dqk, dvo = self._shape
         check_tensor("q", q, ndim=3)
         if tuple(q.shape) != (rows, heads, dqk):
             raise ValueError(f"q has shape {tuple(q.shape)}; the plan expects {(rows, heads, dqk)}")
-        for name, given, shape in (("out", out, (rows, heads, dvo)), ("lse", lse, (rows, heads))):
-            if given is not None and tuple(given.shape) != shape:
-                raise ValueError(f"{name} has shape {tuple(given.shape)}; the plan expects {shape}")
+        o_dtype = self._parts[0][1].current_plan.o_dtype
+        self._check_outputs(q, out, lse, o_dtype)
         if out is None:
-            out = torch.empty((rows, heads, dvo), dtype=q.dtype, device=q.device)
+            out = torch.empty((rows, heads, dvo), dtype=o_dtype, device=q.device)
         if lse is None:
             lse = torch.empty((rows, heads), dtype=torch.float32, device=q.device)
 
@@ -220,3 +218,29 @@ class BatchAttention:
             part.put(out, part_out)
             part.put(lse, part_lse)
         return out, lse
+
+    def _check_run_cap(self, logits_soft_cap) -> None:
+        """``run``'s ``logits_soft_cap``: 0 / None (the planned cap) or the planned cap itself."""
+        if logits_soft_cap is None:
+            return
+        cap = number(logits_soft_cap, "logits_soft_cap")
+        if cap != 0 and cap != self._logits_soft_cap:  # NaN equals neither: refused
+            planned = "no cap" if self._logits_soft_cap == 0 else f"logits_soft_cap={self._logits_soft_cap}"
+            raise ValueError(f"{self._NAME}.run(logits_soft_cap={cap}) differs from the plan ({planned}); the cap is "
+                             "part of the plan: pass it to plan() (run() takes 0 / None or the planned cap)")
+
+    def _check_outputs(self, q: torch.Tensor, out: torch.Tensor | None, lse: torch.Tensor | None,
+                       o_dtype: torch.dtype) -> None:
+        """The caller's out / lse against the plan, before any part writes its rows of them (a part whose rows
+        are not contiguous writes them by a scatter, which would fail half-way)."""
+        rows, heads, _, dvo = self._shape
+        for name, given, shape, dtype in (("out", out, (rows, heads, dvo), o_dtype),
+                                          ("lse", lse, (rows, heads), torch.float32)):
+            if given is None:
+                continue
+            check_tensor(name, given, dtypes=(dtype,), last_dim_contiguous=False)
+            if tuple(given.shape) != shape:
+                raise ValueError(f"{name} has shape {tuple(given.shape)}; the plan expects {shape}")
+            if given.device != q.device:
+                raise ValueError(f"{name} is on {given.device} but q is on {q.device}; pass {name} on q's device")
+            check_no_overlap(name, given)

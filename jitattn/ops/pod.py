@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ..runtime.checks import not_planned
+from ..runtime.checks import check_tensor, not_planned
 from ..runtime.options import (parse_kv_layout, parse_pos_encoding, refuse_unsupported, resolve_dtypes,
                                  resolve_flag, resolve_window_left)
 from .decode import BatchDecodeWithPagedKVCacheWrapper
@@ -37,6 +37,24 @@ def _planned_options(pos_encoding_mode, window_left, sm_scale, rope_scale, rope_
 
 def _pod_result(out_p, out_d, lse_p, lse_d, with_lse: bool):
     return ((out_p, out_d), (lse_p, lse_d)) if with_lse else (out_p, out_d)
+
+
+def _check_query(name: str, q: torch.Tensor, plan) -> None:
+    """``q`` (``q_p`` or ``q_d``) against its part's plan, named as the caller passed it."""
+    check_tensor(name, q, ndim=3, dtypes=(plan.q_dtype,))
+    expected = (plan.q_rows, plan.num_qo_heads, plan.head_dim_qk)
+    if tuple(q.shape) != expected:
+        raise ValueError(f"{name} has shape {tuple(q.shape)}; the plan expects {expected}")
+
+
+def _named_refusals(wrapper: str, part: str, run):
+    """``run()``; a ValueError / TypeError it raises is prefixed with ``part`` (the part and its arguments): the
+    part's wrapper names its own arguments (q, indices), not the ones the caller passed (q_d, kv_indices_d)."""
+    try:
+        return run()
+    except (ValueError, TypeError) as exc:
+        kind = ValueError if isinstance(exc, ValueError) else TypeError
+        raise kind(f"{wrapper}.run(), the {part}: {exc}") from exc
 
 
 class PODWithPagedKVCacheWrapper:
@@ -112,12 +130,18 @@ class PODWithPagedKVCacheWrapper:
             raise not_planned(self._NAME)
         if args:
             raise TypeError(f"{self._NAME}.run() takes no extra positional arguments; got {len(args)}")
+        return_lse_p, return_lse_d = resolve_flag(return_lse_p, "return_lse_p"), resolve_flag(return_lse_d,
+                                                                                                "return_lse_d")
         self._check_decode_options(custom_mask_d, packed_custom_mask_d, causal_d, kv_layout_d, _planned_options(
             pos_encoding_mode_d, window_left_d, sm_scale_d, rope_scale_d, rope_theta_d))
-        wrapper, kv_p = plan_single_prefill(
+        for name, t in (("q_p", q_p), ("k_p", k_p), ("v_p", v_p)):
+            check_tensor(name, t, ndim=3)
+        _check_query("q_d", q_d, self._decode.current_plan)
+        prefill_part = "prefill part (q_p, k_p, v_p)"
+        wrapper, kv_p = _named_refusals(self._NAME, prefill_part, lambda: plan_single_prefill(
             q_p, k_p, v_p, custom_mask=custom_mask_p, packed_custom_mask=packed_custom_mask_p, causal=causal_p,
             kv_layout=kv_layout_p, pos_encoding_mode=pos_encoding_mode_p, sm_scale=sm_scale_p,
-            window_left=window_left_p, rope_scale=rope_scale_p, rope_theta=rope_theta_p)
+            window_left=window_left_p, rope_scale=rope_scale_p, rope_theta=rope_theta_p))
         launch = wrapper.current_plan.launch
         if self._blocks_for is not wrapper.current_plan:  # a prefill plan's cap is the same on every run()
             self._blocks = prefill_blocks(wrapper.current_plan, [q_p.shape[0]], self._decode.current_plan)
@@ -126,10 +150,12 @@ class PODWithPagedKVCacheWrapper:
 
         def run_prefill():
             with launch.grid_at_most(blocks):  # the plan may be shared: capped for this launch only
-                return wrapper.run(q_p, kv_p, return_lse=return_lse_p)
+                return _named_refusals(self._NAME, prefill_part,
+                                       lambda: wrapper.run(q_p, kv_p, return_lse=return_lse_p))
 
-        prefill, decode = side_by_side(run_prefill, lambda: self._decode.run(
-            q_d, paged_kv_cache_d, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, return_lse=return_lse_d),
+        prefill, decode = side_by_side(run_prefill, lambda: _named_refusals(
+            self._NAME, "decode part (q_d, paged_kv_cache_d, indices)", lambda: self._decode.run(
+                q_d, paged_kv_cache_d, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, return_lse=return_lse_d)),
             q_p.device)
         out_p, lse_p = prefill if return_lse_p else (prefill, None)
         out_d, lse_d = decode if return_lse_d else (decode, None)
@@ -198,7 +224,10 @@ class BatchPODWithPagedKVCacheWrapper:
         if qo_p.numel() != index_p.batch_size + 1:
             raise ValueError(f"qo_indptr_p describes {qo_p.numel() - 1} prefill requests but kv_indptr_p "
                              f"{index_p.batch_size}")
-        qo_d = check_indptr("qo_indptr_d", qo_indptr_d)
+        qo_d, kv_d = check_indptr("qo_indptr_d", qo_indptr_d), check_indptr("kv_indptr_d", kv_indptr_d)
+        if qo_d.numel() != kv_d.numel():  # else the decode kernel's path would ignore qo_indptr_d
+            raise ValueError(f"qo_indptr_d describes {qo_d.numel() - 1} decode requests but kv_indptr_d "
+                             f"{kv_d.numel() - 1}; pass one entry per decode request to both")
         if torch.equal(qo_d, torch.arange(qo_d.numel(), dtype=torch.int32)):  # one query per decode request
             self._decode_kernel.plan(kv_indptr_d, kv_indices_d, last_page_len_d, num_qo_heads, num_kv_heads, head_dim,
                                      page_size, **options)
@@ -226,16 +255,21 @@ class BatchPODWithPagedKVCacheWrapper:
         ``return_lse``."""
         if self._decode is None:
             raise not_planned(self._NAME)
+        return_lse = resolve_flag(return_lse, "return_lse")
         self._plan_prefill_mask(resolve_flag(causal_p, "causal_p"), custom_mask_p, packed_custom_mask_p)
+        _check_query("q_p", q_p, self._prefill.current_plan)
+        _check_query("q_d", q_d, self._decode.current_plan)
         launch = self._prefill.current_plan.launch
 
         def run_prefill():
             with launch.grid_at_most(self._prefill_blocks):
-                return self._prefill.run(q_p, paged_kv_cache_p, return_lse=return_lse)
+                return _named_refusals(self._NAME, "prefill part (q_p, paged_kv_cache_p, kv_indices_p)",
+                                       lambda: self._prefill.run(q_p, paged_kv_cache_p, return_lse=return_lse))
 
         def run_decode():
-            return self._decode.run(q_d, paged_kv_cache_d, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale,
-                                    return_lse=return_lse)
+            return _named_refusals(self._NAME, "decode part (q_d, paged_kv_cache_d, kv_indices_d)",
+                                   lambda: self._decode.run(q_d, paged_kv_cache_d, q_scale=q_scale, k_scale=k_scale,
+                                                            v_scale=v_scale, return_lse=return_lse))
 
         if self._decode is self._decode_kernel:
             prefill, decode = side_by_side(run_prefill, run_decode, q_p.device)

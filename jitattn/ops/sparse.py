@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from ..runtime.checks import check_tensor, not_planned
-from ..runtime.options import parse_pos_encoding, per_tensor_scale, positive_int
+from ..runtime.options import parse_pos_encoding, per_tensor_scale, positive_int, resolve_flag
 from ..runtime.wrapper import plan_arguments
 from .prefill import BatchPrefillWithPagedKVCacheWrapper
 from ..runtime.sparse_layout import (SparsePageTable, VariableGeometry, bsr_packed_mask, bsr_page_table, check_bsr,
@@ -140,7 +140,11 @@ class BlockSparseAttentionWrapper(_SparseWrapperBase):
         head_dim]`` (and the natural-log lse ``[M, num_qo_heads]``). ``scale_q``/``scale_k``/``scale_v``: one
         per-tensor dequantization scale each (a float or a one-element tensor; per-head scales are refused)."""
         self._check_planned()
+        return_lse = resolve_flag(return_lse, "return_lse")
         table = self._table
+        for name, buffer in (("out", out), ("lse", lse)):
+            if buffer is not None:  # its shape, dtype and device: checked with q's before the launch
+                check_tensor(name, buffer, last_dim_contiguous=False)
         for name, t in (("k", k), ("v", v)):
             check_tensor(name, t, ndim=3)
             if t.shape[0] != self.N:
@@ -220,31 +224,37 @@ class VariableBlockSparseAttentionWrapper(_SparseWrapperBase):
         -> out ``[num_qo_heads, qo_len, head_dim]`` (and the natural-log lse ``[num_qo_heads, qo_len]``);
         ``out``/``lse`` buffers take those shapes."""
         self._check_planned()
+        return_lse = resolve_flag(return_lse, "return_lse")
+        plan = self._prefill.current_plan
         heads, group, qo_len, kv_len = self._num_kv_heads, self._group, self._geometry.qo_len, self._geometry.kv_len
-        for name, t, shape in (("q", q, (heads * group, qo_len)), ("k", k, (heads, kv_len)), ("v", v, (heads, kv_len))):
-            check_tensor(name, t, ndim=3)
-            if tuple(t.shape[:2]) != shape:
-                raise ValueError(f"{name} has shape {tuple(t.shape)}; the plan expects {shape + (t.shape[2],)} "
+        for name, t, shape, dtype in (("q", q, (heads * group, qo_len, plan.head_dim_qk), plan.q_dtype),
+                                      ("k", k, (heads, kv_len, plan.head_dim_qk), plan.kv_dtype),
+                                      ("v", v, (heads, kv_len, plan.head_dim_vo), plan.kv_dtype)):
+            check_tensor(name, t, ndim=3, dtypes=(dtype,))
+            if tuple(t.shape) != shape:
+                raise ValueError(f"{name} has shape {tuple(t.shape)}; the plan expects {shape} "
                                  "(HND: [heads, tokens, head_dim])")
+        _check_buffer("out", out, (heads * group, qo_len, plan.head_dim_vo), plan.o_dtype, q.device)
+        _check_buffer("lse", lse, (heads * group, qo_len), torch.float32, q.device)
         # The kernel's batch: kv head h's queries are rows h * qo_len.. of [H_kv * qo_len, group, D] (a copy
         # when group > 1), its keys tokens h * kv_len.. of a one-head token pool (a view of contiguous k/v).
         q_rows = q.unflatten(0, (heads, group)).transpose(1, 2).reshape(heads * qo_len, group, q.shape[2])
         pool = (k.reshape(heads * kv_len, 1, k.shape[2]), v.reshape(heads * kv_len, 1, v.shape[2]))
         out_rows, lse_rows = self._prefill.run(q_rows, pool, return_lse=True)
-        result = out_rows.view(heads, qo_len, group, -1).transpose(1, 2).reshape(heads * group, qo_len, -1)
+        # Every size spelled out: with qo_len == 0 (or no row blocks) a -1 could be any size.
+        result = out_rows.view(heads, qo_len, group, plan.head_dim_vo).transpose(1, 2)
+        result = result.reshape(heads * group, qo_len, plan.head_dim_vo)
         result_lse = lse_rows.view(heads, qo_len, group).transpose(1, 2).reshape(heads * group, qo_len)
-        result = _into("out", out, result)
-        result_lse = _into("lse", lse, result_lse)
+        result = result if out is None else out.copy_(result)
+        result_lse = result_lse if lse is None else lse.copy_(result_lse)
         return (result, result_lse) if return_lse else result
 
 
-def _into(name: str, buffer: torch.Tensor | None, value: torch.Tensor) -> torch.Tensor:
-    """``value`` written into the caller's ``buffer`` (checked), or ``value`` itself without one."""
+def _check_buffer(name: str, buffer: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype,
+                  device: torch.device) -> None:
+    """Refuse a caller's ``out``/``lse`` buffer that is not a ``dtype`` tensor of ``shape`` on ``device``."""
     if buffer is None:
-        return value
-    if not isinstance(buffer, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(buffer).__name__}")
-    if tuple(buffer.shape) != tuple(value.shape) or buffer.dtype != value.dtype or buffer.device != value.device:
-        raise ValueError(f"{name} is {tuple(buffer.shape)} {buffer.dtype} on {buffer.device}; expected "
-                         f"{tuple(value.shape)} {value.dtype} on {value.device}")
-    return buffer.copy_(value)
+        return
+    check_tensor(name, buffer, dtypes=(dtype,), last_dim_contiguous=False)
+    if tuple(buffer.shape) != shape or buffer.device != device:
+        raise ValueError(f"{name} is {tuple(buffer.shape)} on {buffer.device}; expected {shape} on {device}")

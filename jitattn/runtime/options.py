@@ -126,7 +126,7 @@ _F32_MAX = 3.4028234663852886e38
 _F32_MIN_NORMAL = 1.1754943508222875e-38
 
 
-def _number(value, name: str) -> float:
+def number(value, name: str) -> float:
     """``value`` as a float; a clear TypeError for what is not a number (strings included)."""
     if isinstance(value, (str, bytes)):
         raise TypeError(f"{name}={value!r} must be a number, not a string")
@@ -170,14 +170,14 @@ def resolve_scalars(
     """Validate run-time scalars and apply FlashInfer's defaults."""
     check_head_dim(head_dim_qk, "head_dim_qk")
     window_left = resolve_window_left(window_left)
-    cap = 0.0 if logits_soft_cap is None else _number(logits_soft_cap, "logits_soft_cap")
+    cap = 0.0 if logits_soft_cap is None else number(logits_soft_cap, "logits_soft_cap")
     if not (cap == 0 or f32_scale(cap)):
         raise ValueError(f"logits_soft_cap={logits_soft_cap} must be None, 0 (off) or a positive finite number")
-    scale = 1.0 / math.sqrt(head_dim_qk) if sm_scale is None else _number(sm_scale, "sm_scale")
+    scale = 1.0 / math.sqrt(head_dim_qk) if sm_scale is None else number(sm_scale, "sm_scale")
     if not f32_scale(scale):
         raise ValueError(f"sm_scale={sm_scale} must be a positive finite number within float32's normal range")
-    rope_scale = 1.0 if rope_scale is None else _number(rope_scale, "rope_scale")
-    rope_theta = 1e4 if rope_theta is None else _number(rope_theta, "rope_theta")
+    rope_scale = 1.0 if rope_scale is None else number(rope_scale, "rope_scale")
+    rope_theta = 1e4 if rope_theta is None else number(rope_theta, "rope_theta")
     for name, value in (("rope_scale", rope_scale), ("rope_theta", rope_theta)):
         # the kernels take the reciprocal in float32: both must be normal float32 numbers
         if not (f32_scale(value) and f32_scale(1.0 / value)):
@@ -211,7 +211,7 @@ def fp8_scale(value: float | torch.Tensor | None, name: str) -> float:
         value = value.item()
     if isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name}={value!r} must be a number, not a bool")
-    value = _number(value, name)
+    value = number(value, name)
     if not f32_scale(value):
         raise ValueError(f"{name}={value} must be a positive finite number (a dequantization scale)")
     return value
