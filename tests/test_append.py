@@ -435,7 +435,7 @@ def _mutations(case):
         ("index rank", dict(kv_indptr=case.kv_indptr[None]), ValueError, "kv_indptr must be 1-D"),
         ("positions length", dict(positions=pos[:-1]), ValueError, "positions has .* entries; expected nnz="),
         ("last_page_len length", dict(kv_last_page_len=case.kv_last_page_len[:-1]), ValueError,
-         "kv_last_page_len has .* entries; expected batch_size"),
+         r"kv_indptr has .* entries \(.* requests\) but kv_last_page_len has .* entries"),
         ("position beyond pages", dict(positions=bad_pos), IndexError, "beyond request .*'s pages"),
         ("negative position", dict(positions=-pos - 1), IndexError, "is negative"),
         ("batch index", dict(batch_indices=bad_bi), IndexError, r"batch_indices\[0\]=.* outside \[0, batch_size"),

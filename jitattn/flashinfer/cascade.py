@@ -12,6 +12,7 @@ import torch
 
 from ..ops import cascade as native
 from ..runtime import merge as native_merge
+from ..runtime.checks import check_tensor
 from ..ops.cascade import BatchDecodeWithSharedPrefixPagedKVCacheWrapper, BatchPrefillWithSharedPrefixPagedKVCacheWrapper
 from .convention import LOG2E, lse_to_natural, returns_base2
 
@@ -19,10 +20,18 @@ __all__ = ["BatchDecodeWithSharedPrefixPagedKVCacheWrapper", "BatchPrefillWithSh
            "MultiLevelCascadeAttentionWrapper", "merge_state", "merge_state_in_place", "merge_states"]
 
 
+def _natural(name: str, lse) -> torch.Tensor:
+    """The caller's base-2 ``lse`` in natural log, its dtype checked first: the conversion would turn an
+    integer tensor into a float one that the native merge takes (and an in-place merge writes back truncated)."""
+    if isinstance(lse, torch.Tensor):
+        check_tensor(name, lse, dtypes=(torch.float32,), last_dim_contiguous=False)
+    return lse_to_natural(name, lse)
+
+
 def merge_state(v_a: torch.Tensor, s_a: torch.Tensor, v_b: torch.Tensor,
                 s_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The state over the union of two disjoint key sets; ``s_a``, ``s_b`` and the result's LSE in base 2."""
-    v, s = native_merge.merge_state(v_a, lse_to_natural("s_a", s_a), v_b, lse_to_natural("s_b", s_b))
+    v, s = native_merge.merge_state(v_a, _natural("s_a", s_a), v_b, _natural("s_b", s_b))
     return v, s.mul_(LOG2E)
 
 
@@ -30,8 +39,8 @@ def merge_state_in_place(v: torch.Tensor, s: torch.Tensor, v_other: torch.Tensor
                          mask: torch.Tensor | None = None) -> None:
     """Merge ``(v_other, s_other)`` into ``(v, s)`` in place (rows where ``mask`` is False keep theirs);
     ``s`` and ``s_other`` in base 2."""
-    s_natural = lse_to_natural("s", s)
-    native_merge.merge_state_in_place(v, s_natural, v_other, lse_to_natural("s_other", s_other), mask)
+    s_natural = _natural("s", s)
+    native_merge.merge_state_in_place(v, s_natural, v_other, _natural("s_other", s_other), mask)
     merged = s_natural.mul_(LOG2E)
     if mask is not None:  # rows left alone keep their exact bits (no round trip through natural log)
         merged = torch.where(mask.reshape(-1, *([1] * (s.dim() - 1))).to(torch.bool), merged, s)
@@ -40,7 +49,7 @@ def merge_state_in_place(v: torch.Tensor, s: torch.Tensor, v_other: torch.Tensor
 
 def merge_states(v: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge ``[seq_len, num_states, ...]`` states into one per row; ``s`` and the result's LSE in base 2."""
-    v_merged, s_merged = native_merge.merge_states(v, lse_to_natural("s", s))
+    v_merged, s_merged = native_merge.merge_states(v, _natural("s", s))
     return v_merged, s_merged.mul_(LOG2E)
 
 

@@ -431,7 +431,10 @@ class MultiLevelCascadeAttentionWrapper:
 
         ``sinks`` (a jitattn extension): float32 ``[num_qo_heads]`` attention sinks, applied once to the
         final output (the levels and chunks merge without them; the lse returned is the keys' alone).
-        ``variant_args``: the planned custom variant's parameters, by name (the same for every level)."""
+        ``variant_args``: the planned custom variant's parameters, by name (the same for every level; no out/lse)."""
+        if variant_args and ("out" in variant_args or "lse" in variant_args):
+            raise TypeError("MultiLevelCascadeAttentionWrapper.run() takes no out= or lse= (FlashInfer's takes (q, "
+                            "paged_kv_cache) only): it returns a new output; for the lse pass return_lse=True")
         if not self._level_chunks:
             raise not_planned("MultiLevelCascadeAttentionWrapper")
         states = self._states

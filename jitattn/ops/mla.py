@@ -226,6 +226,8 @@ class BatchMLAPagedAttentionWrapper:
         fp8 latent cache (a float or a one-element cpu tensor); ``k_scale`` multiplies the logits (ckv and
         kpe share it), ``v_scale`` the output. Default 1.
         """
+        if return_lse is not False and return_lse is not True:  # the hot path passes a bool: two identity tests
+            return_lse = resolve_flag(return_lse, "return_lse")
         if profiler_buffer is not None or kv_len is not None or page_table is not None:
             refuse_unsupported(f"{_NAME}.run", "the batch is described by plan()", profiler_buffer=profiler_buffer,
                                kv_len=kv_len, page_table=page_table)

@@ -5,12 +5,37 @@ from __future__ import annotations
 
 import torch
 
+from ..runtime.checks import check_tensor
 from ..runtime.merge import merge_state_in_place
-from ..runtime.options import resolve_batch_invariant
+from ..runtime.options import parse_kv_layout, resolve_batch_invariant
+from ..spec import KVLayout
 from .decode import BatchDecodeWithPagedKVCacheWrapper
 from .prefill import BatchPrefillWithPagedKVCacheWrapper, single_prefill_with_kv_cache
 
 __all__ = ["BatchDecodeWithSharedPrefixPagedKVCacheWrapper", "BatchPrefillWithSharedPrefixPagedKVCacheWrapper"]
+
+_SHAPES = {KVLayout.NHD: "[kv_len, num_kv_heads, head_dim]", KVLayout.HND: "[num_kv_heads, kv_len, head_dim]"}
+
+
+def check_shared_kv(k_shared: torch.Tensor, v_shared: torch.Tensor, kv_layout: str, num_kv_heads: int) -> None:
+    """The shared prefix's k/v against the wrapper's layout and the planned ``num_kv_heads`` (the single prefill
+    over them would take their own head count, another GQA grouping, and give a wrong result)."""
+    layout = parse_kv_layout(kv_layout)
+    heads_dim, len_dim = (1, 0) if layout is KVLayout.NHD else (0, 1)
+    for name, t in (("k_shared", k_shared), ("v_shared", v_shared)):
+        check_tensor(name, t, ndim=3)
+        if t.shape[heads_dim] == num_kv_heads:
+            continue
+        name_of = layout.value.upper()
+        if t.shape[len_dim] == num_kv_heads:  # the other layout's shape
+            raise ValueError(f"{name} has shape {tuple(t.shape)}, which does not fit kv_layout {name_of}: this "
+                             f"wrapper expects {_SHAPES[layout]} (num_kv_heads={num_kv_heads}); transpose it, or "
+                             "construct the wrapper with the kv_layout it has")
+        raise ValueError(f"{name} has {t.shape[heads_dim]} kv heads; the plan has num_kv_heads={num_kv_heads} "
+                         f"({name} is {_SHAPES[layout]} for kv_layout {name_of}: shape {tuple(t.shape)})")
+    if k_shared.shape[len_dim] != v_shared.shape[len_dim]:
+        raise ValueError(f"k_shared has {k_shared.shape[len_dim]} tokens but v_shared has {v_shared.shape[len_dim]}; "
+                         "give both the shared prefix's length")
 
 
 class BatchDecodeWithSharedPrefixPagedKVCacheWrapper:
@@ -23,6 +48,7 @@ class BatchDecodeWithSharedPrefixPagedKVCacheWrapper:
     def __init__(self, float_workspace_buffer: torch.Tensor, kv_layout: str = "NHD") -> None:
         self._kv_layout = kv_layout
         self._batch_decode_wrapper = BatchDecodeWithPagedKVCacheWrapper(float_workspace_buffer, kv_layout)
+        self._num_kv_heads: int | None = None  # the plan's
 
     def reset_workspace_buffer(self, float_workspace_buffer: torch.Tensor, int_workspace_buffer=None) -> None:
         self._batch_decode_wrapper.reset_workspace_buffer(float_workspace_buffer, int_workspace_buffer)
@@ -34,10 +60,12 @@ class BatchDecodeWithSharedPrefixPagedKVCacheWrapper:
     ) -> None:
         """Plan the unique (paged) part; ``data_type`` is the q and kv dtype. ``batch_invariant``: as the
         decode wrapper's (the shared part is one prefill, merged with the unique part in a fixed order)."""
+        self._num_kv_heads = None  # a plan that raises leaves none
         self._batch_decode_wrapper.plan(
             unique_kv_indptr, unique_kv_indices, unique_kv_last_page_len, num_qo_heads, num_kv_heads, head_dim,
             page_size, q_data_type=data_type, kv_data_type=data_type, batch_invariant=batch_invariant,
         )
+        self._num_kv_heads = int(num_kv_heads)
 
     plan = begin_forward
 
@@ -46,6 +74,8 @@ class BatchDecodeWithSharedPrefixPagedKVCacheWrapper:
         unique_kv_cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
     ) -> torch.Tensor:
         """q ``[batch, H_qo, D]``, k/v_shared ``[shared_len, H_kv, D]`` (NHD) / ``[H_kv, shared_len, D]`` (HND)."""
+        if self._num_kv_heads is not None:  # without a plan, the decode wrapper's run() says so
+            check_shared_kv(k_shared, v_shared, self._kv_layout, self._num_kv_heads)
         out, lse = single_prefill_with_kv_cache(q, k_shared, v_shared, causal=False, kv_layout=self._kv_layout,
                                                 return_lse=True)
         unique_out, unique_lse = self._batch_decode_wrapper.run(q, unique_kv_cache, return_lse=True)
@@ -103,6 +133,7 @@ class BatchPrefillWithSharedPrefixPagedKVCacheWrapper:
         if options != self._planned:  # plan once per batch and option set, as every layer passes the same
             self._batch_prefill_wrapper.plan(*self._plan_args, **options)
             self._planned = options
+        check_shared_kv(k_shared, v_shared, self._kv_layout, self._plan_args[5])  # [5]: num_kv_heads
         out, lse = single_prefill_with_kv_cache(q, k_shared, v_shared, causal=False, kv_layout=self._kv_layout,
                                                 sm_scale=sm_scale, return_lse=True)
         unique_out, unique_lse = self._batch_prefill_wrapper.run(q, unique_kv_cache, return_lse=True)

@@ -130,6 +130,9 @@ class PreparedMerge:
 
 def _merge_states_eager(v: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Eager implementation (see the public function of the same name)."""
+    if not isinstance(v, torch.Tensor) or not isinstance(s, torch.Tensor):  # before the signature reads .shape
+        check_tensor("v", v)
+        check_tensor("s", s, last_dim_contiguous=False)
     signature = (v.shape, v.stride(), v.dtype, v.device, s.shape, s.stride(), s.dtype, s.device)
     cache = getattr(_prepared, "merges", None)
     if cache is None:

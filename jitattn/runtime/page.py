@@ -65,7 +65,7 @@ class _CacheView:
         return self.k.device
 
 
-def _check_index(name: str, tensor: torch.Tensor, cache_device: torch.device) -> None:
+def _check_index(name: str, tensor: torch.Tensor, cache_device: torch.device, cache: str = "paged_kv_cache") -> None:
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor (int32), got {type(tensor).__name__}")
     if tensor.dim() != 1:
@@ -74,7 +74,7 @@ def _check_index(name: str, tensor: torch.Tensor, cache_device: torch.device) ->
         raise TypeError(f"{name} has dtype {_name(tensor.dtype)}; index arrays must be int32 (use .int())")
     if tensor.device.type != "cpu" and tensor.device != cache_device:
         raise ValueError(
-            f"{name} is on {tensor.device} but paged_kv_cache is on {cache_device}; index arrays must be on "
+            f"{name} is on {tensor.device} but {cache} is on {cache_device}; index arrays must be on "
             "the cache's device or on the host (cpu)"
         )
 
@@ -225,25 +225,26 @@ def _check_appended(append_key: torch.Tensor, append_value: torch.Tensor, cache:
     return nnz
 
 
-def _check_append_indices(index_arrays: dict[str, torch.Tensor], nnz: int, device) -> int:
-    """The index arrays' dtypes, devices and lengths; returns the batch size (len(kv_indptr) - 1)."""
+def _check_append_indices(index_arrays: dict[str, torch.Tensor], nnz: int, device, rows: str = "append_key",
+                          cache: str = "paged_kv_cache") -> int:
+    """The index arrays' dtypes, devices and lengths (``rows``: the appended tensor whose rows they index, ``cache``
+    the cache they write); returns the batch size (len(kv_indptr) - 1)."""
     for name, t in index_arrays.items():
-        _check_index(name, t, device)
+        _check_index(name, t, device, cache)
     for name in ("batch_indices", "positions"):
         if index_arrays[name].shape[0] != nnz:
-            raise ValueError(
-                f"{name} has {index_arrays[name].shape[0]} entries; expected nnz={nnz} (append_key's rows)"
-            )
+            raise ValueError(f"{name} has {index_arrays[name].shape[0]} entries; expected nnz={nnz} ({rows}'s rows)")
     kv_indptr, kv_last_page_len = index_arrays["kv_indptr"], index_arrays["kv_last_page_len"]
     if kv_indptr.shape[0] < 1:
         raise ValueError("kv_indptr must have batch_size + 1 entries; it is empty")
-    batch_size = kv_indptr.shape[0] - 1
-    if kv_last_page_len.shape[0] != batch_size:
+    entries, requests = kv_indptr.shape[0], kv_last_page_len.shape[0]
+    if entries - 1 != requests:  # neither array is known to be the wrong one: both named
         raise ValueError(
-            f"kv_last_page_len has {kv_last_page_len.shape[0]} entries; expected batch_size={batch_size} "
-            "(len(kv_indptr) - 1)"
+            f"kv_indptr has {entries} entries ({entries - 1} request{'s' * (entries != 2)}) but kv_last_page_len "
+            f"has {requests} entries ({requests} request{'s' * (requests != 1)}): kv_indptr needs batch_size + 1 "
+            "entries and kv_last_page_len batch_size; pass the page table of one batch"
         )
-    return batch_size
+    return entries - 1
 
 
 def get_batch_indices_positions(
@@ -313,6 +314,11 @@ def get_seq_lens(kv_indptr: torch.Tensor, kv_last_page_len: torch.Tensor, page_s
     ``len[r] = (num_pages[r] - 1) * page_size + kv_last_page_len[r]`` when request ``r`` has pages,
     else 0. No host synchronisation. A ``kv_last_page_len`` longer than the batch (a buffer sized for the
     largest one) is read up to ``batch_size``, as FlashInfer does.
+
+    Arrays on the host are checked with the page-table rules ``plan()`` and ``append_paged_kv_cache``
+    apply (``kv_indptr`` starts at 0 and never decreases; ``1 <= kv_last_page_len <= page_size`` for a
+    request with pages), with the same messages. Arrays on a CUDA device are **not** checked: that would
+    need a host synchronisation (``plan()`` checks them later).
     """
     for name, t in (("kv_indptr", kv_indptr), ("kv_last_page_len", kv_last_page_len)):
         if not isinstance(t, torch.Tensor):
@@ -329,6 +335,9 @@ def get_seq_lens(kv_indptr: torch.Tensor, kv_last_page_len: torch.Tensor, page_s
         raise ValueError("kv_indptr must have batch_size + 1 entries; it is empty")
     if kv_last_page_len.shape[0] < batch_size:
         raise ValueError(f"kv_last_page_len has {kv_last_page_len.shape[0]} entries; expected batch_size={batch_size}")
+    if kv_indptr.device.type == "cpu" and kv_last_page_len.device.type == "cpu":
+        check_page_table(kv_indptr, None, kv_last_page_len[:batch_size], page_size,
+                         names=("kv_indptr", "kv_indices", "kv_last_page_len"))
     device = kv_indptr.device
     num_pages = kv_indptr[1:].to(torch.int64) - kv_indptr[:-1].to(torch.int64)
     last = kv_last_page_len[:batch_size].to(device=device, dtype=torch.int64, non_blocking=True)
@@ -351,11 +360,56 @@ def append_paged_mla_kv_cache(
 
     ``ckv_cache`` ``[pages, page_size, ckv]`` and ``kpe_cache`` ``[pages, page_size, kpe]`` (they may be
     slices of one buffer); everything else as in :func:`append_paged_kv_cache`, with the same checks
-    and rounding rules.
+    and rounding rules. Both halves are checked before either cache is written: a refused call leaves
+    both unchanged.
     """
-    for name, src, cache in (("append_ckv", append_ckv, ckv_cache), ("append_kpe", append_kpe, kpe_cache)):
-        check_tensor(name, src, ndim=2)
-        check_tensor(name.replace("append_", "") + "_cache", cache, ndim=3)
-        rows, views = src.unsqueeze(1), cache.unsqueeze(2)  # one latent head
+    _check_mla_half("append_ckv", append_ckv, "ckv_cache", ckv_cache)
+    _check_mla_half("append_kpe", append_kpe, "kpe_cache", kpe_cache)
+    nnz = _check_mla_shapes(append_ckv, append_kpe, ckv_cache, kpe_cache)
+    target, device = target_of("append_paged_mla_kv_cache", (append_ckv, append_kpe, ckv_cache, kpe_cache))
+    for name, cache in (("ckv_cache", ckv_cache), ("kpe_cache", kpe_cache)):
+        if target is Target.CUDA and cache.dtype == torch.float32:
+            raise TypeError(f"{name} is float32, which the cpu target alone supports; on a CUDA device use a "
+                            "float16, bfloat16 or fp8 cache")
+    index_arrays = {"batch_indices": batch_indices, "positions": positions, "kv_indices": kv_indices,
+                    "kv_indptr": kv_indptr, "kv_last_page_len": kv_last_page_len}
+    _check_append_indices(index_arrays, nnz, device, rows="append_ckv", cache="ckv_cache")
+    # Everything that differs between the halves is checked above; they share the index arrays, the page size
+    # and the page count, so the first write's own checks of the index values refuse both halves or neither.
+    for appended, cache in ((append_ckv, ckv_cache), (append_kpe, kpe_cache)):
+        rows, views = appended.unsqueeze(1), cache.unsqueeze(2)  # one latent head
         append_paged_kv_cache(rows, rows, batch_indices, positions, (views, views), kv_indices, kv_indptr,
                               kv_last_page_len, kv_layout="NHD")
+
+
+def _check_mla_half(append_name: str, appended, cache_name: str, cache) -> None:
+    """One half of an MLA append (``append_ckv`` into ``ckv_cache`` or the kpe pair): ranks, dtypes, strides."""
+    check_tensor(append_name, appended, ndim=2)
+    check_tensor(cache_name, cache, ndim=3, dtypes=_CACHE_DTYPES)
+    if appended.dtype not in _SRC_CODES and appended.dtype != cache.dtype:
+        raise TypeError(f"{append_name} has dtype {_name(appended.dtype)}; use float32, float16, bfloat16 or "
+                        f"{cache_name}'s dtype ({_name(cache.dtype)})")
+    check_no_overlap(cache_name, cache)  # written in place
+    if cache.shape[1] < 1:
+        raise ValueError(f"{cache_name} has shape {tuple(cache.shape)}: page_size 0; it must be at least 1")
+
+
+def _check_mla_shapes(append_ckv, append_kpe, ckv_cache, kpe_cache) -> int:
+    """The two halves' shapes against each other and their caches; returns nnz."""
+    if tuple(ckv_cache.shape[:2]) != tuple(kpe_cache.shape[:2]):
+        what = "page_size" if ckv_cache.shape[1] != kpe_cache.shape[1] else "page count"
+        raise ValueError(f"ckv_cache and kpe_cache differ in {what}: shapes {tuple(ckv_cache.shape)} and "
+                         f"{tuple(kpe_cache.shape)}; the two caches share one page table, so give them the same "
+                         "[pages, page_size]")
+    nnz = append_ckv.shape[0]
+    if append_kpe.shape[0] != nnz:
+        raise ValueError(f"append_kpe has {append_kpe.shape[0]} rows but append_ckv has {nnz}; give both one row "
+                         "per appended token")
+    swapped = (append_ckv.shape[1], append_kpe.shape[1]) == (kpe_cache.shape[2], ckv_cache.shape[2])
+    for name, appended, cache_name, cache in (("append_ckv", append_ckv, "ckv_cache", ckv_cache),
+                                              ("append_kpe", append_kpe, "kpe_cache", kpe_cache)):
+        if appended.shape[1] != cache.shape[2]:
+            hint = " (are ckv_cache and kpe_cache swapped?)" if swapped else ""
+            raise ValueError(f"{name} has shape {tuple(appended.shape)}; expected [nnz, {cache_name}'s last dim] = "
+                             f"{(nnz, cache.shape[2])} to match {cache_name} (shape {tuple(cache.shape)}){hint}")
+    return nnz
