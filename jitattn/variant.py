@@ -90,6 +90,9 @@ _INDEX_VARIABLES = frozenset({"request", "qo_len", "kv_len", "qo_head", "kv_head
 RESERVED_NAMES = frozenset(
     _INDEX_VARIABLES | {"q", "k", "v", "logits", "out", "o", "lse", "vp", "p", "params"}
     | {"paged_kv_cache", "k_scale", "v_scale", "return_lse", "self", "kwargs"}
+    # the keyword arguments of every wrapper's run() and forward(): a parameter so named could not be passed
+    | {"q_scale", "window_left", "sinks", "enable_pdl", "args", "variant_args", "sm_scale", "logits_soft_cap",
+       "rope_scale", "rope_theta", "causal", "pos_encoding_mode", "use_fp16_qk_reduction", "q_len_per_req"}
     | {"float", "double", "int", "bool", "char", "short", "long", "unsigned", "signed", "void", "auto", "const",
        "return", "if", "else", "for", "while", "do", "true", "false", "nullptr", "new", "delete", "class",
        "struct", "union", "enum", "template", "typename", "namespace", "using", "static", "inline", "operator",

@@ -209,6 +209,30 @@ def test_single_prefill_custom_mask_2d(device: str) -> None:
     assert_close_out(out, ref_o, f16)
 
 
+@pytest.mark.parametrize("device", devices())
+def test_with_both_masks_given_the_packed_one_is_used(device: str) -> None:
+    """FlashInfer's precedence (its single and batch prefill pack custom_mask only when packed_custom_mask is
+    None): with both, the packed mask is the one applied."""
+    gen = torch.Generator().manual_seed(8)
+    q = torch.randn(5, 4, 64, generator=gen).to(f16).to(device)
+    k, v = (torch.randn(12, 4, 64, generator=gen).to(f16).to(device) for _ in range(2))
+    mask = torch.rand(5, 12, generator=gen) > 0.5
+    packed = reference.pack_custom_mask(mask.reshape(-1)).to(device)
+    out = jitattn.single_prefill_with_kv_cache(q, k, v, custom_mask=(~mask).to(device), packed_custom_mask=packed)
+    assert_close_out(out, reference.single_attention(q, k, v, custom_mask=mask)[0], f16)
+
+
+def test_single_prefill_names_k_and_v_that_disagree() -> None:
+    """Its errors speak of k and v, not of the plan and pages it builds underneath."""
+    q, k = torch.randn(5, 4, 64), torch.randn(9, 4, 64)
+    with pytest.raises(ValueError, match="single_prefill_with_kv_cache: k has shape \\(9, 4, 64\\) but v \\(8, "):
+        jitattn.single_prefill_with_kv_cache(q, k, k[:8])
+    with pytest.raises(TypeError, match="single_prefill_with_kv_cache: k is torch.float32 but v is torch.float16"):
+        jitattn.single_prefill_with_kv_cache(q, k, k.half())
+    with pytest.raises(ValueError, match="single_decode_with_kv_cache: k has shape"):
+        jitattn.single_decode_with_kv_cache(q[0], k, k[:, :2])
+
+
 GPU_SPECS += [
     attention_spec(Op.PREFILL, Target.CUDA, q_dtype=bf16, kv_dtype=bf16, o_dtype=bf16, head_dim_qk=128,
                    head_dim_vo=128, num_qo_heads=8, num_kv_heads=2, pos_encoding=PosEncoding.NONE,

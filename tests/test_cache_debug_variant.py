@@ -174,3 +174,14 @@ def test_the_cuda_debug_render_compiles_for_sm90a(op, debug, monkeypatch):
     assert hasattr(library, "jitattn_variant_debug_fault")
     manifest = json.loads((find_entry(plan) / "manifest.json").read_text())
     assert manifest["archs"] == ["9.0a"]
+
+
+def test_a_debug_build_error_says_the_debug_accessors_take_no_pointer_arithmetic(debug):
+    """A snippet that adds to a tensor parameter compiles as a pointer, not as a debug build's checked accessor:
+    the error says so (instead of suggesting the JITATTN_DEBUG=1 that is already set)."""
+    from jitattn.jit import BuildError
+
+    shifted = AttentionVariant("ptrarith", logits_transform="logits + *(bias + qo_head)",
+                               params=(VariantParam("bias", "f32", rank=1),))
+    with pytest.raises(BuildError, match="(?s)JITATTN_DEBUG=1 build.*write x\\[i\\] for \\*\\(x \\+ i\\)"):
+        _ragged(shifted)

@@ -72,6 +72,8 @@ def test_stop_token_ids_are_checked_at_add_request(model) -> None:
         engine.add_request([1, 2], 3, stop_token_ids=7)
     with pytest.raises(ValueError, match="teacher forcing"):
         engine.add_request([1, 2], 3, forced_tokens=[4, 5], stop_token_ids=[9])
+    with pytest.raises(TypeError, match="keep_logits='no' must be True or False"):
+        engine.add_request([1, 2], 3, keep_logits="no")
     request = engine.add_request([1, 2], 3, stop_token_ids=torch.tensor([9, 4]))
     assert request.stop_token_ids == {4, 9} and not engine.failed
 

@@ -277,6 +277,9 @@ def test_warm_spec_file_builds_a_variant(tmp_path, capsys, fresh_cache):
     (dict(name="v"), "changes nothing"),
     (dict(name="v", logits_transform="logits", params=[dict(name="q_idx", dtype="f32")]), "reserved"),
     (dict(name="v", logits_transform="logits", params=[dict(name="k_scale", dtype="f32")]), "reserved"),
+    # names of run() / forward() keywords: a parameter so named could never be passed
+    *[(dict(name="v", logits_transform="logits", params=[dict(name=n, dtype="f32")]), "reserved")
+      for n in ("q_scale", "window_left", "sinks", "enable_pdl", "sm_scale", "logits_soft_cap", "causal")],
     (dict(name="v", logits_transform="logits", params=[dict(name="x", dtype="f16", rank=1)]), "dtype='f16'"),
     (dict(name="v", logits_transform="logits", params=[dict(name="x", dtype="u8")]), "for a scalar"),
     (dict(name="v", logits_transform="logits", params=[dict(name="x", dtype="f32", rank=7)]), "rank=7"),
@@ -371,6 +374,35 @@ def test_run_checks_variant_arguments_before_launch(args, error, message):
     wrapper, (q, k, v) = _planned_ragged(OUT_GATE)
     with pytest.raises(error, match=message):
         wrapper.run(q, k, v, **args)
+
+
+@pytest.mark.parametrize("slope", [1e40, -1e39, float("nan")])
+def test_a_float_parameter_beyond_float32_is_refused(slope):
+    """It would become inf (or stay NaN) in the kernel and turn the output to NaN without a word."""
+    wrapper, (q, k, v) = _planned_ragged(POS_BIAS)
+    with pytest.raises(ValueError, match="slope=.* does not fit in f32"):
+        wrapper.run(q, k, v, slope=slope)
+    wrapper.run(q, k, v, slope=3e38)  # within float32's range: taken
+    wrapper.run(q, k, v, slope=float("-inf"))  # an infinity passes as given
+
+
+def test_forward_takes_the_variants_parameters():
+    """forward() (and forward_return_lse()) pass a variant's parameters to run(), as run() takes them."""
+    gen = torch.Generator().manual_seed(4)
+    wrapper, _ = _planned_ragged(POS_BIAS)
+    q, k, v = torch.randn(2, HQ, DIM, generator=gen), torch.randn(3, HKV, DIM, generator=gen), \
+        torch.randn(3, HKV, DIM, generator=gen)
+    want = wrapper.run(q, k, v, slope=0.3)
+    torch.testing.assert_close(wrapper.forward(q, k, v, slope=0.3), want)
+    torch.testing.assert_close(wrapper.forward_return_lse(q, k, v, slope=0.3)[0], want)
+    assert not torch.equal(wrapper.forward(q, k, v, slope=-0.3), want)
+
+
+def test_variant_given_as_a_dict_names_the_fix():
+    wrapper = jitattn.BatchPrefillWithRaggedKVCacheWrapper(torch.empty(1024, dtype=torch.uint8))
+    with pytest.raises(TypeError, match="AttentionVariant.from_dict"):
+        wrapper.plan(_indptr([2]), _indptr([3]), HQ, HKV, DIM, q_data_type=torch.float32,
+                     variant=POS_BIAS.to_dict())
 
 
 def test_extra_arguments_without_a_variant_are_refused():

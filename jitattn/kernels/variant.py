@@ -241,6 +241,10 @@ _HEADER_LOCATION = re.compile(
 DEBUG_HINT = ("a snippet that compiles but crashes the process (an index out of bounds) can be run with "
               "JITATTN_DEBUG=1: parameter reads are then bounds-checked and reported with the hook, the parameter "
               "and the index")
+# What a failed JITATTN_DEBUG=1 build says instead: its tensor parameters are checked accessors, not pointers.
+DEBUG_BUILD_HINT = ("this is a JITATTN_DEBUG=1 build, whose tensor parameters are bounds-checked accessors: they take "
+                    "x[i], *x, x ? ... : ... and comparison with nullptr, not pointer arithmetic (write x[i] for "
+                    "*(x + i)); the same snippet may compile without JITATTN_DEBUG")
 
 
 def _clean(message: str) -> str:
@@ -292,11 +296,12 @@ def explain_build_error(spec: VariantSpec, message: str, header_text: str | None
                 f"    | {code}{pointer}")
         if item not in found:
             found.append(item)
+    hint = DEBUG_BUILD_HINT if header_text is not None and "JitattnChecked" in header_text else DEBUG_HINT
     if not found:
-        return message + "\n(" + DEBUG_HINT + ")" if "compile failed" in message else message
+        return message + "\n(" + hint + ")" if "compile failed" in message else message
     return (
         f"variant {variant.name!r} does not compile for target {spec.target.value!r}:\n" + "\n".join(found)
-        + "\n(snippets are C++ expressions over the variables documented in jitattn.variant; " + DEBUG_HINT + ")\n"
+        + "\n(snippets are C++ expressions over the variables documented in jitattn.variant; " + hint + ")\n"
         + _source_note(message)
     )
 

@@ -347,23 +347,27 @@ class BatchDecodeWithPagedKVCacheWrapper(BatchWrapperBase):
         pos_encoding_mode: str = "NONE", q_scale: float | None = None, k_scale: float | None = None,
         v_scale: float | None = None, window_left: int = -1, logits_soft_cap: float | None = None,
         sm_scale: float | None = None, rope_scale: float | None = None, rope_theta: float | None = None,
+        **variant_args,
     ) -> torch.Tensor:
-        """Older spelling of ``run``: the options given here replace the planned ones (re-planning if needed)."""
+        """Older spelling of ``run``: the options given here replace the planned ones (re-planning if needed);
+        ``variant_args``: the planned custom variant's parameters, as ``run`` takes them."""
         options = dict(pos_encoding_mode=pos_encoding_mode, window_left=window_left, logits_soft_cap=logits_soft_cap,
                        sm_scale=sm_scale, rope_scale=rope_scale, rope_theta=rope_theta)
-        return self._forward(options, (q, paged_kv_cache), dict(q_scale=q_scale, k_scale=k_scale, v_scale=v_scale))
+        return self._forward(options, (q, paged_kv_cache),
+                             dict(q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, **variant_args))
 
     def forward_return_lse(
         self, q: torch.Tensor, paged_kv_cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
         pos_encoding_mode: str = "NONE", q_scale: float | None = None, k_scale: float | None = None,
         v_scale: float | None = None, window_left: int = -1, logits_soft_cap: float | None = None,
         sm_scale: float | None = None, rope_scale: float | None = None, rope_theta: float | None = None,
+        **variant_args,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Older spelling of ``run(..., return_lse=True)``, with ``forward``'s options."""
         options = dict(pos_encoding_mode=pos_encoding_mode, window_left=window_left, logits_soft_cap=logits_soft_cap,
                        sm_scale=sm_scale, rope_scale=rope_scale, rope_theta=rope_theta)
         return self._forward(options, (q, paged_kv_cache),
-                             dict(q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, return_lse=True))
+                             dict(q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, return_lse=True, **variant_args))
 
 
 class CUDAGraphBatchDecodeWithPagedKVCacheWrapper(BatchDecodeWithPagedKVCacheWrapper):
@@ -433,9 +437,8 @@ def single_decode_with_kv_cache(
     check_tensor("k", k, ndim=3)
     check_tensor("v", v, ndim=3)
     target_of("single_decode_with_kv_cache", (q, k, v))
+    check_single_kv("single_decode_with_kv_cache", k, v, layout)
     kv_len, num_kv_heads = (k.shape[0], k.shape[1]) if layout is KVLayout.NHD else (k.shape[1], k.shape[0])
-    if k.dtype != v.dtype:
-        raise TypeError(f"single_decode_with_kv_cache: k is {k.dtype} but v is {v.dtype}; pass k and v of one dtype")
     if sinks is not None:  # checked here too, so that errors name this function rather than the wrapper under it
         check_sinks("single_decode_with_kv_cache", sinks, q.shape[0], q.device)
     if q_scale is not None:  # the rules of run()'s scales: a number or a one-element host tensor
@@ -459,6 +462,16 @@ def single_decode_with_kv_cache(
     if return_lse:
         return result[0][0], result[1][0]
     return result[0]
+
+
+def check_single_kv(what: str, k: torch.Tensor, v: torch.Tensor, layout: KVLayout) -> None:
+    """One request's k and v (3-D tensors, checked) against each other: one dtype, one kv_len, one head count."""
+    if k.dtype != v.dtype:
+        raise TypeError(f"{what}: k is {k.dtype} but v is {v.dtype}; pass k and v of one dtype")
+    shape = "[kv_len, num_kv_heads, head_dim]" if layout is KVLayout.NHD else "[num_kv_heads, kv_len, head_dim]"
+    if k.shape[:2] != v.shape[:2]:
+        raise ValueError(f"{what}: k has shape {tuple(k.shape)} but v {tuple(v.shape)}; both are {shape} "
+                         f"({layout.value.upper()}) with the same kv_len and num_kv_heads")
 
 
 def single_request_pages(k: torch.Tensor, v: torch.Tensor, layout: KVLayout) -> tuple[torch.Tensor, torch.Tensor]:

@@ -65,9 +65,7 @@ def _plan_prefill(
     elif multi_item is not None and multi_item.get("token_pos_in_items_ptr") is not None:
         raise ValueError("token_pos_in_items_ptr needs prefix_len_ptr (multi-item scoring takes both)")
     mask_host = mask_indptr_host = None
-    if custom_mask is not None:
-        mask_host, mask_indptr_host = segment_packbits(custom_mask, qo_lens, kv_lens)
-    elif packed_custom_mask is not None:
+    if packed_custom_mask is not None:  # FlashInfer's precedence: with both given, the packed mask is used
         check_tensor("packed_custom_mask", packed_custom_mask, ndim=1, dtypes=(torch.uint8,))
         mask_indptr_host = packed_mask_indptr(qo_lens, kv_lens)
         if packed_custom_mask.numel() != int(mask_indptr_host[-1]):
@@ -76,6 +74,8 @@ def _plan_prefill(
                 "(each request's qo_len*kv_len bits packed little-endian, starting on a byte)"
             )
         mask_host = packed_custom_mask.detach().to("cpu")
+    elif custom_mask is not None:
+        mask_host, mask_indptr_host = segment_packbits(custom_mask, qo_lens, kv_lens)
     mask_mode = MaskMode.CUSTOM if mask_host is not None else (MaskMode.CAUSAL if causal else MaskMode.NONE)
     options = attention_options(
         Op.PREFILL, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim_qk=head_dim_qk,
@@ -259,22 +259,24 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapperBase):
         causal: bool = False, pos_encoding_mode: str = "NONE", use_fp16_qk_reduction: bool = False,
         k_scale: float | None = None, v_scale: float | None = None, window_left: int = -1,
         logits_soft_cap: float | None = None, sm_scale: float | None = None, rope_scale: float | None = None,
-        rope_theta: float | None = None,
+        rope_theta: float | None = None, **variant_args,
     ) -> torch.Tensor:
-        """Older spelling of ``run``: the options given here replace the planned ones (re-planning if needed)."""
+        """Older spelling of ``run``: the options given here replace the planned ones (re-planning if needed);
+        ``variant_args``: the planned custom variant's parameters, as ``run`` takes them."""
         options = _forward_options(locals())
-        return self._forward(options, (q, paged_kv_cache), dict(k_scale=k_scale, v_scale=v_scale))
+        return self._forward(options, (q, paged_kv_cache), dict(k_scale=k_scale, v_scale=v_scale, **variant_args))
 
     def forward_return_lse(
         self, q: torch.Tensor, paged_kv_cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
         causal: bool = False, pos_encoding_mode: str = "NONE", use_fp16_qk_reduction: bool = False,
         k_scale: float | None = None, v_scale: float | None = None, window_left: int = -1,
         logits_soft_cap: float | None = None, sm_scale: float | None = None, rope_scale: float | None = None,
-        rope_theta: float | None = None,
+        rope_theta: float | None = None, **variant_args,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Older spelling of ``run(..., return_lse=True)``, with ``forward``'s options."""
         options = _forward_options(locals())
-        return self._forward(options, (q, paged_kv_cache), dict(k_scale=k_scale, v_scale=v_scale, return_lse=True))
+        return self._forward(options, (q, paged_kv_cache),
+                             dict(k_scale=k_scale, v_scale=v_scale, return_lse=True, **variant_args))
 
 
 class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapperBase):
@@ -370,21 +372,22 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapperBase):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
         pos_encoding_mode: str = "NONE", use_fp16_qk_reduction: bool = False, window_left: int = -1,
         logits_soft_cap: float | None = None, sm_scale: float | None = None, rope_scale: float | None = None,
-        rope_theta: float | None = None,
+        rope_theta: float | None = None, **variant_args,
     ) -> torch.Tensor:
-        """Older spelling of ``run``: the options given here replace the planned ones (re-planning if needed)."""
+        """Older spelling of ``run``: the options given here replace the planned ones (re-planning if needed);
+        ``variant_args``: the planned custom variant's parameters, as ``run`` takes them."""
         options = _forward_options(locals())
-        return self._forward(options, (q, k, v), {})
+        return self._forward(options, (q, k, v), variant_args)
 
     def forward_return_lse(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
         pos_encoding_mode: str = "NONE", use_fp16_qk_reduction: bool = False, window_left: int = -1,
         logits_soft_cap: float | None = None, sm_scale: float | None = None, rope_scale: float | None = None,
-        rope_theta: float | None = None,
+        rope_theta: float | None = None, **variant_args,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Older spelling of ``run(..., return_lse=True)``, with ``forward``'s options."""
         options = _forward_options(locals())
-        return self._forward(options, (q, k, v), dict(return_lse=True))
+        return self._forward(options, (q, k, v), dict(return_lse=True, **variant_args))
 
 
 def _forward_options(arguments: dict) -> dict:
@@ -436,12 +439,13 @@ def plan_single_prefill(
     """What ``single_prefill_with_kv_cache`` runs for these tensors and options: a paged prefill wrapper planned
     for one request (shared by calls with equal shapes and options, see ``_single_request_plan``) and k/v as
     its one page; ``wrapper.run(q, kv, ...)`` computes the attention."""
-    from .decode import single_request_pages
+    from .decode import check_single_kv, single_request_pages
 
     layout = parse_kv_layout(kv_layout)
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(name, t, ndim=3)
     target_of("single_prefill_with_kv_cache", (q, k, v))
+    check_single_kv("single_prefill_with_kv_cache", k, v, layout)
     kv_len, num_kv_heads = (k.shape[0], k.shape[1]) if layout is KVLayout.NHD else (k.shape[1], k.shape[0])
     if isinstance(custom_mask, torch.Tensor) and custom_mask.dim() == 2:
         if tuple(custom_mask.shape) != (q.shape[0], kv_len):

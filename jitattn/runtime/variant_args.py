@@ -9,6 +9,7 @@ writes them into it -- no allocation, no device sync.
 from __future__ import annotations
 
 import ctypes
+import math
 
 import torch
 
@@ -75,6 +76,9 @@ class VariantArgs:
                 setattr(s, f"{name}_size{d}", value.shape[d])
 
 
+_F32_MAX = 3.4028234663852886e38
+
+
 def _describe(param) -> str:
     return f"a {param.dtype} scalar" if param.rank == 0 else f"a rank-{param.rank} {param.dtype} tensor"
 
@@ -87,7 +91,11 @@ def _scalar(where: str, param, value):
         raise TypeError(f"{where}: {param.name} must be a Python {'float' if param.dtype == 'f32' else 'int'}; "
                         f"got {value!r}")
     if param.dtype == "f32":
-        return float(value)
+        value = float(value)
+        if math.isnan(value) or (math.isfinite(value) and abs(value) > _F32_MAX):
+            raise ValueError(f"{where}: {param.name}={value} does not fit in f32 (a finite value beyond float32's "
+                             "range would become inf in the kernel; an infinity passes as given)")
+        return value
     if isinstance(value, float):
         raise TypeError(f"{where}: {param.name} is declared {param.dtype}; got the float {value!r}")
     lo, hi = _INT_RANGE[param.dtype]

@@ -135,6 +135,8 @@ class Engine:
         prompt, max_new_tokens, forced_tokens, stop = request_tokens(
             prompt, max_new_tokens, forced_tokens, stop_token_ids, self.model.config.vocab_size, self.max_seq_len)
         arrival = arrival_time(arrival)
+        if not isinstance(keep_logits, bool):  # a string such as "no" would be taken as True
+            raise TypeError(f"keep_logits={keep_logits!r} must be True or False")
         needed = self._pages_for(len(prompt) + max_new_tokens - 1)  # every output but the last is fed
         if needed > self.pool.num_pages - 1:
             raise ValueError(f"the request needs {needed} KV pages of {self.pool.page_size} tokens (prompt "
