@@ -193,3 +193,28 @@ def test_a_decode_step_that_raises_is_retried_by_the_next_step(model, monkeypatc
     assert raised == 2 and not engine.failed
     assert [r.output for r in requests] == expected
     _pages_back(engine)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["read-each-step", "overlap"])
+def test_on_finish_sees_every_request_end_aborted_ones_included(model, overlap) -> None:
+    """run(on_finish) reports each request once as it ends: finished, aborted from inside a callback, or aborted
+    while waiting; with stop tokens and kept logits under overlap, each output has its logits."""
+    prompts = _prompts(13, [4, 9, 6, 11])
+    engine = Engine(model, num_pages=64, page_size=PAGE, max_batch_size=2, overlap=overlap)
+    first_tokens = reference_generate(model, prompts[0], 6)[0]
+    requests = [engine.add_request(p, 6, keep_logits=True, stop_token_ids=[first_tokens[3]] if i == 0 else None)
+                for i, p in enumerate(prompts)]
+    seen = []
+
+    def on_finish(request) -> None:
+        seen.append(request.rid)
+        if request is requests[0]:
+            assert engine.abort(requests[3], "not needed any more")  # still waiting (two at a time)
+
+    engine.run(on_finish)
+    assert sorted(seen) == [0, 1, 2, 3] and len(set(seen)) == 4
+    assert requests[0].output == first_tokens[:4] and requests[0].finish_reason == "stop"
+    assert requests[3].finish_reason == "abort" and not requests[3].output
+    assert all(len(r.logits) == len(r.output) for r in requests)
+    assert not engine.has_work
+    _pages_back(engine)

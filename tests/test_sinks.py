@@ -370,3 +370,17 @@ def test_sink_wrapper_checks_its_positional_sm_scale(sm_scale, error: type, matc
                  q_data_type=f16, kv_data_type=f16)
     with pytest.raises(error, match=match):
         wrapper.run(q, batch.cache, _sinks(8, gen, "cpu"), sm_scale)
+
+
+def test_a_sink_wrapper_plan_that_raises_leaves_no_plan() -> None:
+    """Its plan() loads the sink build after the paged plan; when that raises (a custom variant has no sink
+    build), no plan is left, as after any refused plan()."""
+    wrapper = jitattn.BatchAttentionWithAttentionSinkWrapper(torch.empty(1 << 20, dtype=torch.uint8), "NHD")
+    i32 = lambda *v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    table = (i32(0, 3), i32(0, 2), i32(0, 1), i32(3), 2, 2, 64, 4)
+    gate = jitattn.AttentionVariant("sinkgate", output_transform="out * 0.5f")
+    with pytest.raises(Exception, match="variant"):
+        wrapper.plan(*table, q_data_type=torch.float32, kv_data_type=torch.float32, variant=gate)
+    assert wrapper._plan is None and wrapper._plan_call == {}
+    with pytest.raises(RuntimeError, match="without a plan"):
+        wrapper.run(torch.randn(3, 2, 64), torch.randn(2, 2, 4, 2, 64), torch.zeros(2))

@@ -55,7 +55,11 @@ class BatchAttentionWithAttentionSinkWrapper(BatchPrefillWithPagedKVCacheWrapper
         if self._default_pos_encoding is not PosEncoding.NONE and "pos_encoding_mode" not in kwargs and len(args) < 13:
             kwargs["pos_encoding_mode"] = self._default_pos_encoding.value
         super().plan(*args, **kwargs)
-        self._plan.sink_launch_ready()
+        try:
+            self._plan.sink_launch_ready()
+        except BaseException:
+            self.drop_plan()  # as every plan() that raises: no plan is left
+            raise
 
     plan.__doc__ = ("The paged prefill wrapper's ``plan`` (the same arguments); the sink build of the kernel is "
                     "loaded here, not at the first run.")

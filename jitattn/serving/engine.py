@@ -115,6 +115,7 @@ class Engine:
         self.running: list[Request] = []
         self.finished: list[Request] = []
         self.failed: list[Request] = []  # given up: aborted, or their prefill raised (``Request.error`` says which)
+        self._reported = (0, 0)  # of ``finished`` and ``failed``, how many step() has returned
         self.stats = EngineStats()
         self._next_rid = 0
         self._order: list[Request] = []  # _batch_order's cache: the running requests sorted by pages
@@ -173,7 +174,8 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.prefilling or self.running or self._pending)
+        return bool(self.waiting or self.prefilling or self.running or self._pending
+                    or self._reported != (len(self.finished), len(self.failed)))  # one step() has not returned
 
     def run(self, on_finish: Callable[[Request], None] | None = None) -> list[Request]:
         """Step until every queued request has ended; returns the finished ones in finishing order (those given up
@@ -188,11 +190,11 @@ class Engine:
 
     def step(self) -> list[Request]:
         """Admit, prefill one chunk budget, decode one token for the running batch; returns the requests that ended
-        now: those finished and those given up, with ``error`` set, because their prefill chunk raised (the error is
-        logged; the other requests go on). A decode step that raises leaves every request as it was: ``step()``
-        again retries it; requests it finished before it raised are in ``finished``."""
+        now: those finished, and those given up (``error`` set: aborted since the last step, or their prefill raised
+        -- logged; the other requests go on). A decode step that raises leaves every request as it was: ``step()``
+        again retries it, and returns what the failed one ended too. Under tensor parallelism a failure must be the
+        same on every rank (one rank giving a request up alone would leave the ranks' collectives unmatched)."""
         self.stats.steps += 1
-        failed_before = len(self.failed)
         self._admit()
         done = []
         try:
@@ -211,7 +213,9 @@ class Engine:
             wait = self.waiting[0].arrival - self.clock()
             if wait > 0:
                 time.sleep(min(wait, 0.05))  # nothing to do before the next arrival
-        return done + self.failed[failed_before:]
+        ended = self.finished[self._reported[0]:] + self.failed[self._reported[1]:]
+        self._reported = (len(self.finished), len(self.failed))
+        return ended
 
     def abort(self, request: Request, reason: str = "aborted by the caller") -> bool:
         """Give ``request`` up (its client went away): it leaves the queue or the batch at once, its KV pages go
@@ -423,10 +427,11 @@ class Engine:
 
     def _read_back(self) -> list[Request]:
         """The step in flight's tokens (and kept logits) to the host, its requests' outputs; those that are done."""
-        step, self._pending = self._pending, None
+        step = self._pending
         if step is None:
             return []
-        tokens = step.host_tokens().tolist()
+        tokens = step.host_tokens().tolist()  # (a device error surfaces here: the step stays pending)
+        self._pending = None
         ready = time.perf_counter()
         done = []
         for i, request in enumerate(step.batch):

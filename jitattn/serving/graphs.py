@@ -83,9 +83,10 @@ class _CapturedStep:
         self.append_positions.copy_(staged[1])
         if self.graph is None:
             self.logits = self._forward()  # warm-up outside the capture (loads kernels, same writes)
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph, pool=self.memory_pool):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.memory_pool):
                 self.logits = self._forward()
+            self.graph = graph  # kept once captured: a capture that raised is tried again, never replayed
         self.graph.replay()
         return self.logits[:n]
 
