@@ -214,7 +214,7 @@ def test_decode_fixed_split_size_must_be_an_int():
 def test_kv_pair_errors_name_both_values():
     gen = torch.Generator().manual_seed(14)
     q, k, v = (torch.randn(n, h, D, generator=gen) for n, h in ((3, HQ), (7, HKV), (5, HKV)))
-    with pytest.raises(ValueError, match=r"page size is 7 \(k\) / 5 \(v\)"):
+    with pytest.raises(ValueError, match=r"k has shape \(7, 2, 64\) but v \(5, 2, 64\)"):
         jitattn.single_prefill_with_kv_cache(q, k, v)
 
 
