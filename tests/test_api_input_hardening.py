@@ -314,3 +314,26 @@ def test_fixed_split_size_is_checked_alike_by_every_wrapper(value, error):
     with pytest.raises(error, match=message):
         jitattn.MultiLevelCascadeAttentionWrapper(2, _workspace()).plan([t, t], [t, t], [t[:1], t[:1]], [t[1:], t[1:]],
                                                                          HQ, HKV, D, PAGE, fixed_split_size=value)
+
+
+def test_return_lse_takes_a_bool_only():
+    """A string is not read by its truthiness ('False' gave a tuple): refused, as causal= is, by the batch
+    wrappers' run() and the single-request calls."""
+    batch, q = _decode_batch()
+    wrapper = _decode_wrapper(batch)
+    for bad in ("False", "no", None, 2):
+        with pytest.raises(TypeError, match="return_lse=.* must be True or False"):
+            wrapper.run(q, batch.cache, return_lse=bad)
+        with pytest.raises(TypeError, match="return_lse=.* must be True or False"):
+            jitattn.single_prefill_with_kv_cache(q, q[:, :HKV], q[:, :HKV], return_lse=bad)
+    assert isinstance(wrapper.run(q, batch.cache, return_lse=1), tuple)  # 0 / 1 are taken, as for causal=
+
+
+def test_out_and_lse_that_share_memory_are_refused():
+    batch, q = _decode_batch()
+    wrapper = _decode_wrapper(batch)
+    buffer = torch.empty(3, HQ, D)
+    with pytest.raises(ValueError, match="out and lse share memory"):
+        wrapper.run(q, batch.cache, out=buffer, lse=buffer[..., 0], return_lse=True)
+    out, lse = wrapper.run(q, batch.cache, out=buffer, lse=torch.empty(3, HQ), return_lse=True)
+    assert out is buffer and not lse.isnan().any()

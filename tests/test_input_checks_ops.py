@@ -255,6 +255,14 @@ def test_mla_run_refuses_a_non_bool_return_lse() -> None:
     out, lse = w.run(q_nope, q_pe, ckv_cache, kpe_cache, return_lse=True)
     assert isinstance(w.run(q_nope, q_pe, ckv_cache, kpe_cache, return_lse=False), torch.Tensor)
     assert out.shape == (2, heads, ckv_dim) and lse.shape == (2, heads)
+    # jitattn.flashinfer's base-2 LSE unless return_lse_base_on_e: a string would pick the base by its truthiness
+    fw = fi.BatchMLAPagedAttentionWrapper(_ws())
+    fw.plan(_i32([0, 1, 2]), _i32([0, 1, 3]), _i32([0, 1, 2]), _i32([5, 20]), heads, ckv_dim, kpe_dim, page_size,
+            False, 1 / math.sqrt(192), torch.float32, torch.float32)
+    with pytest.raises(TypeError, match="return_lse_base_on_e='False' must be True or False"):
+        fw.run(q_nope, q_pe, ckv_cache, kpe_cache, return_lse=True, return_lse_base_on_e="False")
+    base2 = fw.run(q_nope, q_pe, ckv_cache, kpe_cache, return_lse=True)[1]
+    torch.testing.assert_close(base2, lse / math.log(2))
 
 
 # ---------------------------------------------------------------------------------------------------------------

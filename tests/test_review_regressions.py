@@ -138,6 +138,27 @@ def test_cascade_decode_level_whose_split_does_not_fit_the_workspace_runs_whole(
     torch.testing.assert_close(wrapper.run(q, cache).float(), expected.float(), atol=4e-3, rtol=4e-3)
 
 
+def test_a_cascade_plan_refused_by_its_first_checks_leaves_no_plan() -> None:
+    """Refused before any level is planned (a window, a level count, a flag), the plan leaves none either: the
+    last batch's plan must not run on this batch's tensors."""
+    wrapper, args, q, cache, _ = _two_level_decode_case(1 << 22, [30, 70])
+    for bad in (dict(window_left=5), dict(causal="yes")):
+        wrapper.plan(*args, q_data_type=torch.float16)
+        wrapper.run(q, cache)
+        try:
+            wrapper.plan(*args, q_data_type=torch.float16, **bad)
+        except (ValueError, TypeError):
+            pass
+        else:
+            raise AssertionError(f"{bad} was accepted")
+        try:
+            wrapper.run(q, cache)
+        except RuntimeError as e:
+            assert "without a plan" in str(e)
+        else:
+            raise AssertionError(f"run() after a plan refused for {bad} ran the previous plan")
+
+
 def test_a_failed_cascade_plan_leaves_the_wrapper_unplanned() -> None:
     wrapper, args, q, cache, _ = _two_level_decode_case(1 << 22, [30, 70])
     wrapper.plan(*args, q_data_type=torch.float16)

@@ -139,11 +139,11 @@ class MultiLevelCascadeAttentionWrapper:
         ``variant``: a custom variant run at every level (its ``q_idx``/``kv_idx`` are relative to
         the level's node); the levels are merged by LSE, so it must use softmax and have no output
         transform."""
+        self._level_chunks = []  # unplanned until every check and level plan below has succeeded
         causal, total_q = self._check_plan(qo_indptr_arr, paged_kv_indptr_arr, paged_kv_indices_arr,
                                            paged_kv_last_page_len, causal, pos_encoding_mode, window_left, variant,
                                            fixed_split_size)
         self._batch_invariant = resolve_batch_invariant(batch_invariant)
-        self._level_chunks = []  # unplanned until every level's plan below has succeeded
         rules = self._level_rules(total_q, causal, variant, fixed_split_size, num_qo_heads, num_kv_heads, head_dim,
                                   page_size, q_data_type, kv_data_type, logits_soft_cap)
         tables: list[tuple[torch.Tensor, PagedIndex, bool]] = []  # per level: (qo_indptr, page table, causal)

@@ -228,6 +228,8 @@ class BatchMLAPagedAttentionWrapper:
         """
         if return_lse is not False and return_lse is not True:  # the hot path passes a bool: two identity tests
             return_lse = resolve_flag(return_lse, "return_lse")
+        if return_lse_base_on_e is not False and return_lse_base_on_e is not True:  # jitattn.flashinfer reads it
+            resolve_flag(return_lse_base_on_e, "return_lse_base_on_e")
         if profiler_buffer is not None or kv_len is not None or page_table is not None:
             refuse_unsupported(f"{_NAME}.run", "the batch is described by plan()", profiler_buffer=profiler_buffer,
                                kv_len=kv_len, page_table=page_table)

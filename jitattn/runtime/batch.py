@@ -18,7 +18,7 @@ from ..log import get_logger
 from ..page_table import PagedIndex, check_page_pool
 from ..kv_split import KVSplit, split_workspace_bytes
 from ..spec import KVLayout, Op, Target, VariantSpec
-from .checks import check_no_overlap, check_tensor, not_planned, stream_capturing, target_of
+from .checks import check_no_overlap, check_tensor, not_planned, spans_overlap, stream_capturing, target_of
 from .kv import check_kv_pair, split_paged_kv_cache
 from .launch import PreparedAttention
 from .options import AttentionOptions
@@ -381,6 +381,7 @@ def run_plan(
             "stale or freed memory. Construct it with use_cuda_graph=True and fixed index buffers"
         )
     k_ptr, v_ptr = _kv_pointers(plan, kv, device_index)
+    both_given = out is not None and lse is not None
     if out is None:
         out = torch.empty((plan.total_qo, plan.num_qo_heads, plan.head_dim_vo), dtype=plan.o_dtype, device=q.device)
     if lse is None and return_lse:
@@ -392,6 +393,9 @@ def run_plan(
             for prepared in plan.launches():
                 prepared.set_outputs(out, lse)
             plan.checked_outputs = outputs
+    if both_given and spans_overlap(out, lse):  # (addresses: checked on every call)
+        raise ValueError(f"{wrapper}.run(): out and lse share memory, so one would overwrite the other; pass "
+                         "separate buffers")
     if plan.split.kv_chunk_size and workspace is not plan.checked_workspace:
         target_of(wrapper, (workspace, q))
         check_workspace(workspace, split_workspace_bytes(plan.split.num_chunks, plan.num_qo_heads, plan.head_dim_vo),

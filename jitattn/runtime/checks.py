@@ -118,6 +118,17 @@ def check_no_overlap(name: str, tensor: torch.Tensor) -> None:
         )
 
 
+def spans_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the bytes two tensors span (from their first to their last element) overlap."""
+    spans = []
+    for t in (a, b):
+        if t.numel() == 0:
+            return False
+        last = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+        spans.append((t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()))
+    return spans[0][0] < spans[1][1] and spans[1][0] < spans[0][1]
+
+
 def check_shape(name: str, tensor: torch.Tensor, expected: tuple[int, ...]) -> None:
     if tuple(tensor.shape) != tuple(expected):
         raise ValueError(f"{name} has shape {tuple(tensor.shape)}; expected {tuple(expected)}")

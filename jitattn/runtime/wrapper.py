@@ -18,7 +18,7 @@ from .batch import AttentionPlan, run_plan, run_plan_or_compiled, workspace_targ
 from .checks import FP8_DTYPES, not_planned, target_of
 from .compiled import register_wrapper
 from .fp8_prefill import device_scales
-from .options import fp8_scale, parse_kv_layout, refuse_unsupported, resolve_window_left
+from .options import fp8_scale, parse_kv_layout, refuse_unsupported, resolve_flag, resolve_window_left
 
 # The index arrays a captured launch reads, which CUDA-graph mode needs in fixed caller buffers.
 _GRAPH_ROLES = ("qo_indptr", "kv_indptr", "kv_indices", "kv_last_page_len")
@@ -146,6 +146,8 @@ class BatchWrapperBase:
         """``kv``: the paged cache as given (paged plans) or the ``(k, v)`` pair (ragged); ``sinks``: float32
         ``[num_qo_heads]`` attention sinks (None: none)."""
         plan = self._plan
+        if return_lse is not False and return_lse is not True:  # the hot path passes a bool: two identity tests
+            return_lse = resolve_flag(return_lse, "return_lse")
         if sinks is not None:
             self._uses_sinks = True
         if (window_left is not None and plan is not None  # rare: run() takes it for FlashInfer's signature
