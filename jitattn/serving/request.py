@@ -122,7 +122,8 @@ def request_tokens(prompt, max_new_tokens, forced_tokens, stop_token_ids, vocab_
     if not prompt:
         raise ValueError("a request needs a non-empty prompt")
     if len(prompt) + max_new_tokens > max_seq_len:
-        raise ValueError(f"prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) exceeds max_seq_len={max_seq_len}")
+        raise ValueError(f"prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) exceeds "
+                         f"max_seq_len={max_seq_len}")
     if forced_tokens is not None:
         forced_tokens = token_ids("forced_tokens", forced_tokens, vocab_size)
         if len(forced_tokens) < max_new_tokens - 1:
