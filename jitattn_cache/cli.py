@@ -70,9 +70,10 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    """Re-checksum every entry of every layer and check the trust rule; --fix removes bad entries
-    from the writable cache (permission problems are reported with their fix, never changed)."""
-    from jitattn.jit.admin import foreign_entry_problem, layers, remove_entry
+    """Re-checksum every entry of every layer, load its library (it must load here, as its module) and check the
+    trust rule; --fix removes bad entries from the writable cache (permission problems are reported with their
+    fix, never changed)."""
+    from jitattn.jit.admin import LIBRARY_NAME, foreign_entry_problem, layers, library_problem, remove_entry
 
     from .store import cache_violations, entries
 
@@ -87,6 +88,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
     bad = unfixed = 0
     for e in rows:
         problem = foreign_entry_problem(e.path)
+        if problem is None:  # consistent: does it load here as its module (the libraries it links, its uri)?
+            problem = library_problem(e.path / LIBRARY_NAME, e.manifest["uri"])
         if problem is None:
             continue
         bad += 1

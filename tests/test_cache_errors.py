@@ -14,6 +14,7 @@ import os
 import re
 import shlex
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -276,3 +277,76 @@ def test_a_relative_cache_dir_is_taken_from_the_working_directory(tmp_path, monk
     [result] = build_many([SPEC])
     assert result.status == "built", result.error
     assert _entry(tmp_path / "relcache").is_dir()
+
+
+def test_a_cache_under_a_path_with_a_space_and_a_quote_builds(tmp_path, monkeypatch):
+    """The include directories and the compiler sit in ninja's command lines: they are quoted for the shell that
+    runs them (unquoted, a space split the path and every build failed as a 'compile failed')."""
+    root = tmp_path / "it's a cache"
+    monkeypatch.setenv("JITATTN_CACHE_DIR", str(root))
+    jitattn.jit._registry.clear()
+    [result] = build_many([SPEC])
+    assert result.status == "built", result.error
+    assert jitattn.jit.load(SPEC) is not None and _entry(root).is_dir()
+
+
+def _published(fresh_cache, spec: VariantSpec = SPEC) -> tuple[Path, dict]:
+    """``spec``'s entry, built but not loaded in this process (glibc would hand a later load of the same path the
+    library it mapped then, whatever the file holds now)."""
+    import json
+
+    [result] = build_many([spec])
+    assert result.status == "built", result.error
+    entry = _entry(fresh_cache, spec)
+    return entry, json.loads((entry / "manifest.json").read_text())
+
+
+@pytest.mark.parametrize("manifest", ["[1, 2]", "42", "null", "library-elsewhere", "library-null"])
+def test_a_manifest_that_is_not_ours_is_rebuilt_and_reported(manifest, fresh_cache, capsys):
+    """A manifest that is JSON but not an object, or that names another file than the loader opens, is a bad entry:
+    the next load rebuilds it (before: an AttributeError from every load and every CLI command, or a checksum of
+    one file and a load of another), and verify reports it."""
+    import json
+    import shutil
+
+    entry, good = _published(fresh_cache)
+    text = manifest
+    if manifest.startswith("library"):
+        shutil.copy(entry / "lib.so", entry / "real.so")
+        text = json.dumps({**good, "library": None if manifest == "library-null" else "real.so"})
+        (entry / "lib.so").unlink()  # a new file: the build's own check mapped this one into the process
+        (entry / "lib.so").write_bytes(b"not a library")
+    (entry / "manifest.json").write_text(text)
+    rc, out, _ = _cli(capsys, "verify")
+    assert rc != 0 and "BAD" in out
+    assert _cli(capsys, "ls")[0] == 0
+    jitattn.jit.load(SPEC)  # rebuilt
+    assert json.loads((entry / "manifest.json").read_text())["library"] == "lib.so"
+    assert _cli(capsys, "verify")[0] == 0
+
+
+def test_an_entry_whose_library_is_another_modules_is_a_clear_error_and_verify_fix_removes_it(fresh_cache, capsys):
+    """Checksum and manifest consistent, library of another module (or built against libraries this machine lacks):
+    load raises a CacheError naming the entry and the fix instead of a raw ctypes error; verify --fix removes it
+    and the next load rebuilds."""
+    import hashlib
+    import json
+    import shutil
+
+    other, _ = _published(fresh_cache, VariantSpec("merge", "cpu", o_dtype="f32"))
+    entry, good = _published(fresh_cache)
+    (entry / "lib.so").unlink()  # a new file: the build's own check mapped this one into the process
+    shutil.copy(other / "lib.so", entry / "lib.so")
+    digest = hashlib.sha256((entry / "lib.so").read_bytes()).hexdigest()
+    (entry / "manifest.json").write_text(json.dumps({**good, "sha256": digest}))
+    with pytest.raises(CacheError, match="passes its checksum but does not load here.*verify --fix"):
+        jitattn.jit.load(SPEC)
+    rc, out, _ = _cli(capsys, "verify", "--fix")
+    assert "does not load here" in out and "removed" in out and not entry.exists()
+    # the next load, in a process of its own (this one has the bad library mapped under the entry's path)
+    code = ("import jitattn.jit; from jitattn.spec import VariantSpec; "
+            "jitattn.jit.load(VariantSpec('merge', 'cpu', o_dtype='f16'))")
+    subprocess.run([sys.executable, "-c", code], check=True, env=os.environ.copy(), timeout=300)
+    verify = subprocess.run([sys.executable, "-m", "jitattn_cache", "verify"], env=os.environ.copy(), timeout=300,
+                            capture_output=True, text=True)
+    assert verify.returncode == 0 and entry.exists(), verify.stdout

@@ -110,7 +110,14 @@ def load(spec: VariantSpec) -> Module:
             if entry_dir is None:
                 _refuse_compile_if_asked(spec)
                 entry_dir = build_entry(plan, jobs=default_jobs())
-            module = Module(spec, entry_dir / "lib.so", plan.entries)
+            try:
+                module = Module(spec, entry_dir / "lib.so", plan.entries)
+            except (OSError, AttributeError, RuntimeError) as exc:  # its checksum matched: not a torn write
+                raise CacheError(
+                    f"the cache entry {entry_dir} passes its checksum but does not load here: {exc}. It was built "
+                    "against other libraries or toolchain (a cache shared between machines, or imported) or changed "
+                    "after it was built; `jitattn-cache verify --fix` removes it, and the next load rebuilds it"
+                ) from exc
             _registry[spec] = module
     return module
 

@@ -9,7 +9,8 @@ and the wrappers go through ``jitattn.jit``'s face (``load``, ``build_many``) ov
   ``read_manifest``, ``entry_dirs``, ``ENTRY_NAME_RE``, ``LIBRARY_NAME``, ``SCHEMA`` (the layout version);
 - the roots: ``writable_root`` and ``layers`` (the read-only layers first);
 - trust: ``chain_violations`` (every directory from a root to a path owned by you, not group / world
-  writable), ``foreign_entry_problem`` (an entry built for another machine or arch list);
+  writable), ``foreign_entry_problem`` (an entry built for another machine or arch list), ``library_problem``
+  (a library that does not load here as its module);
 - changes, each under the entry's lock: ``publish_entry`` (one atomic rename), ``remove_entry``;
 - builds: ``cancel_builds`` / ``reset_cancel`` (Ctrl-C), ``default_jobs``;
 - the toolchain: ``probe``, ``cuda_arch_list``, ``ninja_path``, ``CPU_FLAGS``; errors ``JitError``,
@@ -19,6 +20,7 @@ and the wrappers go through ``jitattn.jit``'s face (``load``, ``build_many``) ov
 from __future__ import annotations
 
 from .build import LIBRARY_NAME, cancel_builds, ninja_path, reset_cancel
+from .loader import library_problem
 from .cache import (ENTRY_NAME_RE, entry_dirs, find_entry, foreign_entry_problem, layers, publish_entry, read_manifest,
                     remove_entry, writable_root)
 from .errors import BuildError, JitError
@@ -29,6 +31,6 @@ from .trust import chain_violations
 __all__ = [
     "BuildError", "CPU_FLAGS", "ENTRY_NAME_RE", "JitError", "LIBRARY_NAME", "SCHEMA", "ToolchainError", "build_inputs",
     "cancel_builds", "chain_violations", "cuda_arch_list", "default_jobs", "entry_dirs", "find_entry",
-    "foreign_entry_problem", "layers", "ninja_path", "probe", "publish_entry", "read_manifest", "remove_entry",
-    "reset_cancel", "writable_root",
+    "foreign_entry_problem", "layers", "library_problem", "ninja_path", "probe", "publish_entry", "read_manifest",
+    "remove_entry", "reset_cancel", "writable_root",
 ]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -39,7 +40,14 @@ def ninja_path() -> str:
 
 
 def _quote(path: Path | str) -> str:
+    """A path in a ninja build line (ninja shell-quotes it itself where it becomes ``$in`` / ``$out``)."""
     return str(path).replace("$", "$$").replace(" ", "$ ").replace(":", "$:")
+
+
+def _shell_word(path: Path | str) -> str:
+    """A path inside a ninja command (the compiler, an include directory): quoted for the shell that runs it,
+    then ninja's ``$`` escaped (a cache under a directory with a space or a quote must build too)."""
+    return shlex.quote(str(path)).replace("$", "$$")
 
 
 def write_ninja(
@@ -47,8 +55,8 @@ def write_ninja(
     cflags: tuple[str, ...], ldflags: tuple[str, ...], include_dir: Path,
 ) -> Path:
     """build.ninja with absolute paths: one object per source, one shared library."""
-    compiler = _quote(toolchain.compiler)
-    include = f"-I{_quote(work_dir / 'sources')} -I{_quote(include_dir)}"
+    compiler = _shell_word(toolchain.compiler)
+    include = f"-I{_shell_word(work_dir / 'sources')} -I{_shell_word(include_dir)}"
     lines = [
         "ninja_required_version = 1.3",
         f"cflags = {' '.join(cflags)} {include}",

@@ -84,10 +84,13 @@ def sha256_file(path: Path) -> str:
 
 
 def read_manifest(entry_dir: Path) -> dict | None:
+    """The entry's manifest, or None when it is missing or not a JSON object (``[1, 2]`` or ``42`` is as unreadable
+    as a truncated file: every reader expects an object)."""
     try:
-        return json.loads((entry_dir / MANIFEST).read_text())
+        manifest = json.loads((entry_dir / MANIFEST).read_text())
     except (OSError, ValueError):
         return None
+    return manifest if isinstance(manifest, dict) else None
 
 
 def entry_problem(entry_dir: Path, key: str | None = None) -> str | None:
@@ -97,7 +100,9 @@ def entry_problem(entry_dir: Path, key: str | None = None) -> str | None:
         return "no readable manifest"
     if key is not None and manifest.get("key") != key:
         return "manifest key does not match"
-    library = entry_dir / manifest.get("library", LIBRARY_NAME)
+    if manifest.get("library", LIBRARY_NAME) != LIBRARY_NAME:  # the loader opens LIBRARY_NAME: check that file
+        return f"manifest names library {manifest.get('library')!r}, not {LIBRARY_NAME!r}"
+    library = entry_dir / LIBRARY_NAME
     try:
         actual = sha256_file(library)
     except OSError:

@@ -20,6 +20,7 @@ class Module:
         self.spec = spec
         self.path = Path(path)
         self._lib = ctypes.CDLL(str(path), mode=os.RTLD_NOW | os.RTLD_LOCAL)
+        check_library(path, spec.uri, ())  # this module, of this ABI (the same handle: no second load)
         self._functions: dict[str, tuple[ctypes._CFuncPtr, type[ctypes.Structure], frozenset[str]]] = {}
         for entry in entries:
             function = getattr(self._lib, entry.symbol)
@@ -81,6 +82,16 @@ class Module:
 
     def __repr__(self) -> str:
         return f"Module({self.spec.uri!r}, {str(self.path)!r})"
+
+
+def library_problem(path: Path, uri: str) -> str | None:
+    """Why the library at ``path`` is not a loadable module of ``uri`` here (it does not load: built against other
+    libraries or damaged; another ABI version; another module), or None."""
+    try:
+        check_library(path, uri, ())
+    except (OSError, AttributeError, RuntimeError) as exc:
+        return f"its library does not load here: {exc}"
+    return None
 
 
 def check_library(path: Path, uri: str, entries: tuple[Entry, ...]) -> None:
