@@ -87,10 +87,19 @@ class Knob:
             if os.path.isfile(raw) and os.access(raw, os.X_OK):
                 return None
             return f"{shown} is not an executable file; point it at nvcc or unset it"
-        if self.kind == "path":
-            path = Path(raw).expanduser()
-            if path.exists() and not path.is_dir():
-                return f"{shown} is not a directory; point it at one (or a new path)"
+        if self.kind in ("path", "paths"):
+            for part in raw.split(os.pathsep) if self.kind == "paths" else [raw]:
+                try:
+                    path = Path(part).expanduser()
+                except RuntimeError:  # pathlib: "Could not determine home directory"
+                    return f"{shown}: {part!r} starts with a ~user that names no user here; give the path in full"
+                if self.kind == "path":
+                    existing = next((p for p in (path, *path.absolute().parents) if p.exists()), None)
+                    if existing == path and not path.is_dir():
+                        return f"{shown} is not a directory; point it at one (or a new path)"
+                    if existing is not None and not existing.is_dir():
+                        return f"{shown}: {existing} is a file, so no directory can be made under it; point it " \
+                               "at a directory (or a new path)"
         return None
 
 
@@ -139,7 +148,7 @@ def cache_dir() -> Path:
     """The writable cache root."""
     explicit = CACHE_DIR.value()
     if explicit is not None:  # a relative root is taken from the working directory (ninja runs in another)
-        return Path(explicit).expanduser().absolute()
+        return _expanded(explicit, CACHE_DIR)
     import platformdirs
 
     return Path(platformdirs.user_cache_dir("jitattn"))
@@ -150,7 +159,16 @@ def cache_path() -> list[Path]:
     raw = CACHE_PATH.value()
     if raw is None:
         return []
-    return [Path(p).expanduser().absolute() for p in raw.split(os.pathsep) if p]
+    return [_expanded(p, CACHE_PATH) for p in raw.split(os.pathsep) if p]
+
+
+def _expanded(raw: str, knob: Knob) -> Path:
+    """``raw`` (a path of ``knob``'s setting) with ``~`` expanded, absolute; a ValueError for a ``~user`` that names
+    no user (pathlib's RuntimeError said only that it could not find a home directory)."""
+    try:
+        return Path(raw).expanduser().absolute()
+    except RuntimeError:
+        raise ValueError(knob.problem() or f"{knob.name}: cannot expand {raw!r}") from None
 
 
 def max_jobs_override() -> int | None:

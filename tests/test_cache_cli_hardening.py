@@ -142,3 +142,37 @@ def test_show_config_and_doctor_flag_an_invalid_setting(name, value, wrong, fres
     assert rc == 1
     line = next(line for line in out.splitlines() if "invalid setting" in line)
     assert "FAIL" in line and f"{name}={value!r}" in line and wrong in line
+
+
+def test_a_cache_dir_of_an_unknown_users_home_is_an_invalid_setting(monkeypatch, capsys):
+    """JITATTN_CACHE_DIR=~nosuchuser/x: pathlib's 'Could not determine home directory' came as a traceback from
+    every load and every command, show-config and doctor included."""
+    import jitattn.jit
+    from jitattn.spec import VariantSpec
+
+    monkeypatch.setenv("JITATTN_CACHE_DIR", "~jitattn_no_such_user/x")
+    rc, out, err = _cli(capsys, "show-config")
+    assert rc == 1 and "names no user" in out and "1 invalid setting" in err
+    rc, out, err = _cli(capsys, "doctor")
+    assert rc != 0 and "names no user" in out + err
+    jitattn.jit._registry.clear()
+    with pytest.raises(jitattn.jit.CacheError, match="JITATTN_CACHE_DIR=.*names no user here; give the path"):
+        jitattn.jit.load(VariantSpec("merge", "cpu", o_dtype="f32"))
+
+
+@pytest.mark.parametrize("under", ["", "sub"], ids=["the-file", "under-the-file"])
+def test_a_cache_dir_at_or_under_a_file_is_refused_by_every_command(under, tmp_path, monkeypatch, capsys):
+    """ls said '0 entries', clear 'removed 0 entries' and verify gave a bare 'Not a directory' for a cache dir that
+    is (or is under) a regular file; each now says what is wrong, as a load does."""
+    import jitattn.jit
+    from jitattn.spec import VariantSpec
+
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    monkeypatch.setenv("JITATTN_CACHE_DIR", str(afile / under) if under else str(afile))
+    for command in ("ls", "verify", "clear"):
+        rc, out, err = _cli(capsys, command)
+        assert rc != 0 and ("is not a directory" in err or "is a file" in err), (command, out, err)
+    jitattn.jit._registry.clear()
+    with pytest.raises(jitattn.jit.CacheError, match="JITATTN_CACHE_DIR"):
+        jitattn.jit.load(VariantSpec("merge", "cpu", o_dtype="f32"))

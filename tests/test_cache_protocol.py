@@ -431,3 +431,31 @@ def test_build_many_reports_failures_and_raises_when_asked(fresh_cache, monkeypa
     with pytest.raises(BuildError) as info:
         build_many([SPEC, cuda_spec], raise_on_error=True)
     assert cuda_spec.uri in str(info.value) and "1 of 2" in str(info.value)
+
+
+def test_a_wait_behind_a_held_lock_warns_with_the_lock_file(fresh_cache, monkeypatch, caplog):
+    """A builder that was stopped or hangs holds its entry's lock for good: the process waiting for it says so at
+    WARNING (the INFO line is hidden by default), naming the lock file, instead of waiting in silence."""
+    import threading
+
+    import filelock
+
+    from jitattn.jit import cache as jit_cache
+
+    build = importlib.import_module("jitattn.jit.build_and_publish")
+    monkeypatch.setattr(build, "LOCK_WARN_SECONDS", 0.5)
+    spec = VariantSpec("merge", "cpu", o_dtype="f32")
+    plan = build_inputs(spec)
+    holder = filelock.FileLock(str(jit_cache.entry_lock(jit_cache.writable_root(), plan.name).lock_file))
+    holder.acquire()
+    loader = threading.Thread(target=jitattn.jit.load, args=(spec,))
+    with caplog.at_level(logging.WARNING, logger="jitattn"):
+        loader.start()
+        deadline = time.monotonic() + 30
+        while not any("still waiting" in r.getMessage() for r in caplog.records) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        holder.release()
+        loader.join(timeout=120)
+    warned = [r.getMessage() for r in caplog.records if "still waiting" in r.getMessage()]
+    assert warned and plan.name in warned[0] and ".lock" in warned[0]
+    assert not loader.is_alive() and find_entry(plan) is not None

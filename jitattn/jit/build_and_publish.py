@@ -50,6 +50,11 @@ def build_entry(plan: BuildInputs, jobs: int = 1) -> Path:
     return build_or_find_entry(plan, jobs)[0]
 
 
+# A build that holds its entry's lock this long is worth a warning to whoever waits for it (a cuda build of a
+# large spec takes a minute or two; the next warnings come at 4x the wait).
+LOCK_WARN_SECONDS = 120
+
+
 def build_or_find_entry(plan: BuildInputs, jobs: int = 1) -> tuple[Path, bool]:
     """(entry dir, True if this call built it) -- False: another process published it while we waited."""
     base = writable_root()
@@ -61,13 +66,18 @@ def build_or_find_entry(plan: BuildInputs, jobs: int = 1) -> tuple[Path, bool]:
         lock.acquire(timeout=2)
     except filelock.Timeout:
         log.info("waiting for another process building %s", plan.spec.uri)
+        waited, warn_at = time.perf_counter(), LOCK_WARN_SECONDS
         while True:  # poll so that a cancelled build (Ctrl-C in `jitattn-cache warm`) stops waiting
             raise_if_cancelled(plan.spec.uri)
             try:
                 lock.acquire(timeout=0.2)
                 break
             except filelock.Timeout:
-                continue
+                if time.perf_counter() - waited >= warn_at:  # a stopped or hung holder keeps it for good
+                    log.warning("still waiting after %d s for the process that holds %s (building %s); if none is "
+                                "building it (a stopped or hung process), end that process", warn_at,
+                                lock.lock_file, plan.spec.uri)
+                    warn_at *= 4
     try:
         if (entry_dir / MANIFEST).exists() and entry_problem(entry_dir, plan.key) is None:
             trust.require_trusted(root, entry_dir / LIBRARY_NAME, action="load a kernel from")

@@ -51,7 +51,7 @@ def writable_root() -> Path:
     trust rule anywhere from the root to ``locks/`` and ``tmp/`` (checked before
     every build and every write).
     """
-    root = env.cache_dir()
+    root = _cache_dir()
     base = root / SCHEMA
     try:
         root.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -71,8 +71,17 @@ def writable_root() -> Path:
 def layers() -> list[Path]:
     """Schema dirs to search for entries, read-only layers first (they need not exist)."""
     found = [layer / SCHEMA for layer in env.cache_path()]
-    found.append(env.cache_dir() / SCHEMA)
+    found.append(_cache_dir() / SCHEMA)
     return found
+
+
+def _cache_dir() -> Path:
+    """``env.cache_dir()``, refused as a CacheError when the setting cannot be a directory (it or a parent of it is a
+    regular file; a ~user that names no user): every load and every command then says so, not 'Not a directory'."""
+    problem = env.CACHE_DIR.problem()  # (one stat where the directory exists)
+    if problem is not None:
+        raise CacheError(problem)
+    return env.cache_dir()
 
 
 def sha256_file(path: Path) -> str:
