@@ -154,6 +154,10 @@ def test_violations_lists_owner_and_mode_problems_of_each_path_once(tmp_path):
     found = trust.chain_violations(root, leaf, root / "a")
     assert [v.path for v in found] == [root / "a"]
     assert found[0].fix == f"chmod go-w {root / 'a'}"
+    (root / "a").chmod(0o1777)  # a shared sticky directory such as /tmp: a private directory under it, no chmod
+    [sticky] = trust.chain_violations(root, leaf, root / "a")
+    assert "chmod" not in sticky.fix and "mkdir -m 700" in sticky.fix and str(root / "a") in sticky.fix
+    (root / "a").chmod(0o700)
     link = root / "link"
     link.symlink_to(leaf)
     assert "symbolic link" in trust.violations(link)[0].reason

@@ -60,8 +60,12 @@ def violations(path: Path, follow_links: bool = False) -> list[Violation]:
         found.append(Violation(path, f"{path} is owned by uid {st.st_uid}, not by you (uid {os.getuid()}) or root",
                                f"chown {shlex.quote(_user_name())} {quoted}"))
     if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        found.append(Violation(path, f"{path} is writable by other users (mode {stat.filemode(st.st_mode)})",
-                               f"chmod go-w {quoted}"))
+        # A shared sticky directory (/tmp, /dev/shm) is meant to be world-writable: the fix is a private
+        # directory under it, not a chmod of it.
+        fix = (f"point JITATTN_CACHE_DIR at a private directory of yours under it (mkdir -m 700 "
+               f"{shlex.quote(str(path / (_user_name() + '-jitattn')))})" if st.st_mode & stat.S_ISVTX
+               else f"chmod go-w {quoted}")
+        found.append(Violation(path, f"{path} is writable by other users (mode {stat.filemode(st.st_mode)})", fix))
     return found
 
 
