@@ -130,8 +130,9 @@ def _not_writable(exc: OSError, base: Path, progress: str) -> int:
 
 
 def cmd_clear(args: argparse.Namespace) -> int:
-    """Remove every entry (and kept failed builds) of the writable cache, each under its lock."""
-    from jitattn.jit.admin import remove_entry
+    """Remove every entry (and kept failed builds, and what killed builds left) of the writable cache, each under
+    its lock."""
+    from jitattn.jit.admin import remove_entry, remove_stale_builds
 
     from .store import entries, writable_base
 
@@ -145,9 +146,11 @@ def cmd_clear(args: argparse.Namespace) -> int:
                 busy.append(e.name)
         if (base / "failed").exists():
             shutil.rmtree(base / "failed")
+        leftovers = remove_stale_builds(base)
     except OSError as exc:
         return _not_writable(exc, base, f"removed {removed} entries before that")
-    print(f"cleared {base}: removed {removed} entries")
+    print(f"cleared {base}: removed {removed} entries"
+          + (f" and {leftovers} directories that killed builds left" if leftovers else ""))
     for name in busy:
         print(f"  kept {name}: a build of it is running (its lock is held)", file=sys.stderr)
     return EXIT_FAILED if busy else EXIT_OK

@@ -350,3 +350,28 @@ def test_an_entry_whose_library_is_another_modules_is_a_clear_error_and_verify_f
     verify = subprocess.run([sys.executable, "-m", "jitattn_cache", "verify"], env=os.environ.copy(), timeout=300,
                             capture_output=True, text=True)
     assert verify.returncode == 0 and entry.exists(), verify.stdout
+
+
+def test_clear_removes_what_killed_builds_left_but_not_a_running_builds_directory(fresh_cache, capsys):
+    """A build whose process was killed leaves tmp/<entry>.<id> (its compiler may even finish into it): clear removes
+    such directories while no build of that entry holds its lock; a running build's is kept."""
+    import filelock
+
+    from jitattn.jit.cache import entry_lock
+
+    [result] = build_many([SPEC])
+    assert result.status == "built", result.error
+    base = fresh_cache / SCHEMA
+    name = build_inputs(SPEC).name
+    other = build_inputs(VariantSpec("merge", "cpu", o_dtype="f32")).name
+    for leftover in (f"{name}.killed1", f"{name}.trash-0badc0de", f"{other}.running"):
+        (base / "tmp" / leftover / "obj").mkdir(parents=True)
+        (base / "tmp" / leftover / "obj" / "x.o").write_bytes(b"\0" * 64)
+    running = filelock.FileLock(entry_lock(base, other).lock_file)
+    running.acquire()
+    try:
+        rc, out, _ = _cli(capsys, "clear")
+    finally:
+        running.release()
+    assert rc == 0 and "2 directories that killed builds left" in out
+    assert _leftovers(fresh_cache) == [f"{other}.running"]

@@ -240,6 +240,32 @@ def install_entry(base: Path, staged: Path, name: str) -> str:
     return status
 
 
+def remove_stale_builds(base: Path) -> int:
+    """Delete what builds of schema dir ``base`` left in ``tmp/`` when their process was killed (``<entry>.<id>``
+    build and trash directories), each only while its entry's lock is free (no build of it is running); returns
+    how many were deleted. A killed build's compiler may still finish into its directory: the lock is its owner's."""
+    removed = 0
+    try:
+        leftovers = sorted((base / "tmp").iterdir())
+    except OSError:
+        return 0
+    for leftover in leftovers:
+        name = leftover.name.split(".", 1)[0]
+        if not ENTRY_NAME_RE.match(name) or not leftover.is_dir():
+            continue
+        lock = entry_lock(base, name)
+        try:
+            lock.acquire(timeout=0)
+        except filelock.Timeout:
+            continue
+        try:
+            shutil.rmtree(leftover, ignore_errors=True)
+            removed += not leftover.exists()
+        finally:
+            lock.release()
+    return removed
+
+
 def remove_entry(base: Path, entry_dir: Path, timeout: float = 10.0) -> bool:
     """Remove an entry of the writable schema dir ``base`` under its per-key lock.
 
