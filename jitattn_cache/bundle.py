@@ -323,6 +323,17 @@ def _remove_old_staging(base: Path) -> None:
             pass
 
 
+def _truncated_plain_tar(archive: Path, tar: tarfile.TarFile) -> bool:
+    """Whether ``archive`` (its members read) is an uncompressed tar cut short at a member boundary: tarfile then
+    stops quietly at the last whole member. A complete tar ends with two zero blocks; a compressed one's own
+    checksum catches a cut."""
+    with open(archive, "rb") as f:
+        magic = f.read(6)
+    if magic.startswith((b"\x1f\x8b", b"BZh", b"\xfd7zXZ")):
+        return False
+    return archive.stat().st_size - tar.offset < 2 * tarfile.BLOCKSIZE
+
+
 def cmd_import(args: argparse.Namespace) -> int:
     archive = Path(args.file)
     if not archive.is_file():
@@ -341,6 +352,10 @@ def cmd_import(args: argparse.Namespace) -> int:
             return EXIT_FAILED
         except (tarfile.TarError, OSError, EOFError, zlib.error) as exc:
             print(f"jitattn-cache import: {archive} is damaged: {exc}; nothing was imported", file=sys.stderr)
+            return EXIT_FAILED
+        if _truncated_plain_tar(archive, tar):
+            print(f"jitattn-cache import: {archive} ends without a tar end-of-archive marker (cut short in a copy?); "
+                  "nothing was imported: copy the bundle again", file=sys.stderr)
             return EXIT_FAILED
         base = _prepare_destination(args.to)
         needed = sum(m.size for m, _ in members if m.isreg())

@@ -615,6 +615,26 @@ def test_import_refuses_a_damaged_or_empty_archive(tmp_path, fresh_cache, capsys
     assert rc == 1 and "holds no cache entries" in err
 
 
+def test_import_refuses_a_plain_tar_cut_at_a_member_boundary(tmp_path, fresh_cache, capsys) -> None:
+    """tarfile reads an uncompressed tar cut after a whole member as if it ended there: import took the entries
+    before the cut and said nothing; the missing end-of-archive marker gives it away."""
+    plain = tmp_path / "plain.tar"
+    with tarfile.open(plain, "w") as tar:
+        for name, data in GOOD.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    with tarfile.open(plain) as tar:
+        first = tar.getmembers()[0]
+        cut = first.offset_data + -(-first.size // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE  # after the first member
+    (tmp_path / "cut.tar").write_bytes(plain.read_bytes()[:cut])
+    rc, _, err = run_cli(capsys, "import", tmp_path / "cut.tar", "--to", tmp_path / "dest")
+    assert rc == 1 and "end-of-archive marker" in err and "nothing was imported" in err, err
+    assert not entry_dirs(tmp_path / "dest" / SCHEMA)
+    rc, out, err = run_cli(capsys, "import", plain, "--to", tmp_path / "dest")  # the whole one imports
+    assert rc == 0 and "imported 1 entries" in out, (out, err)
+
+
 def test_import_refuses_tampered_entries(warmed, tmp_path, monkeypatch, capsys) -> None:
     monkeypatch.setenv("JITATTN_CACHE_DIR", str(warmed[0]))
     bundle = tmp_path / "b.tar.gz"
