@@ -137,6 +137,20 @@ def test_assert_no_compile_refuses_a_cold_spec_naming_it(value, fresh_cache, mon
     assert _published(fresh_cache) == []
 
 
+def test_assert_no_compile_says_when_the_entry_is_there_but_damaged(fresh_cache, monkeypatch):
+    """A corrupted entry is not 'not in the cache': the refusal names the entry and what is wrong with it."""
+    [result] = build_many([SPEC])
+    assert result.status == "built", result.error
+    entry = fresh_cache / SCHEMA / build_inputs(SPEC).name
+    library = entry / "lib.so"
+    library.unlink()  # a new file (a loaded library must not change in place)
+    library.write_bytes(b"corrupted")
+    monkeypatch.setenv("JITATTN_ASSERT_NO_COMPILE", "1")
+    jitattn.jit._registry.clear()
+    with pytest.raises(CompileDisabledError, match="its cache entry .* is damaged \\(library checksum"):
+        jitattn.load(SPEC)
+
+
 def test_assert_no_compile_allows_a_warm_spec(fresh_cache, monkeypatch):
     jitattn.load(SPEC)
     jitattn.jit._registry.clear()  # as a new process would: the cache, not the registry, must answer

@@ -18,7 +18,7 @@ from ..kernels import family
 from ..spec import Target, VariantSpec
 from .build import compile_count
 from .build_and_publish import build_entry, build_or_find_entry
-from .cache import find_entry
+from .cache import MANIFEST, entry_problem, find_entry, layers
 from .key import BuildInputs, build_inputs
 from .errors import BuildError, CacheError, CompileDisabledError, JitError, KernelError
 from .loader import Module
@@ -69,12 +69,18 @@ def warm_command(spec: VariantSpec) -> str:
     return f"jitattn-cache warm --spec {shlex.quote(text)}"
 
 
-def _refuse_compile_if_asked(spec: VariantSpec) -> None:
-    if env.assert_no_compile():
-        raise CompileDisabledError(
-            f"{spec.uri} is not in the cache and JITATTN_ASSERT_NO_COMPILE=1 forbids compiling it; "
-            f"pre-build it ({warm_command(spec)}) or unset JITATTN_ASSERT_NO_COMPILE"
-        )
+def _refuse_compile_if_asked(plan: BuildInputs) -> None:
+    if not env.assert_no_compile():
+        return
+    spec = plan.spec
+    damaged = [(entry, problem) for entry in (base / plan.name for base in layers())
+               if (entry / MANIFEST).exists() and (problem := entry_problem(entry, plan.key)) is not None]
+    where = (f"its cache entry {damaged[0][0]} is damaged ({damaged[0][1]})" if damaged
+             else "it is not in the cache")
+    raise CompileDisabledError(
+        f"{spec.uri}: {where} and JITATTN_ASSERT_NO_COMPILE=1 forbids compiling it; "
+        f"pre-build it ({warm_command(spec)}) or unset JITATTN_ASSERT_NO_COMPILE"
+    )
 
 
 def _ensure_built(plan: BuildInputs, jobs: int) -> tuple[str, float]:
@@ -85,7 +91,7 @@ def _ensure_built(plan: BuildInputs, jobs: int) -> tuple[str, float]:
     """
     if find_entry(plan) is not None:
         return "cached", 0.0
-    _refuse_compile_if_asked(plan.spec)
+    _refuse_compile_if_asked(plan)
     started = time.perf_counter()
     _, built = build_or_find_entry(plan, jobs=jobs)
     return ("built" if built else "built-by-other"), time.perf_counter() - started
@@ -108,7 +114,7 @@ def load(spec: VariantSpec) -> Module:
             plan = build_inputs(spec)
             entry_dir = find_entry(plan)
             if entry_dir is None:
-                _refuse_compile_if_asked(spec)
+                _refuse_compile_if_asked(plan)
                 entry_dir = build_entry(plan, jobs=default_jobs())
             try:
                 module = Module(spec, entry_dir / "lib.so", plan.entries)
