@@ -175,12 +175,14 @@ def test_a_decode_step_that_raises_is_retried_by_the_next_step(model, monkeypatc
     expected = [reference_generate(model, p, 6)[0] for p in prompts]
     engine = Engine(model, num_pages=64, page_size=PAGE, max_batch_size=8, cascade=True, overlap=True)
     requests = [engine.add_request(p, 6) for p in prompts]
-    real, calls = engine.planner.decode_step, []
+    real, failed, ran = engine.planner.decode_step, set(), {"flat": 0, "cascade": 0}
 
     def decode_step(seqs, tree=None):
-        calls.append(1)
-        if len(calls) in (2, 3):
-            raise RuntimeError("a launch failed (simulated)")
+        kind = "cascade" if tree else "flat"
+        if kind not in failed:  # the first step of each kind raises once
+            failed.add(kind)
+            raise RuntimeError(f"a launch failed (simulated, {kind})")
+        ran[kind] += 1
         return real(seqs, tree)
     monkeypatch.setattr(engine.planner, "decode_step", decode_step)
     raised = 0
@@ -190,9 +192,11 @@ def test_a_decode_step_that_raises_is_retried_by_the_next_step(model, monkeypatc
         except RuntimeError as error:
             assert "simulated" in str(error)
             raised += 1
-    assert raised == 2 and not engine.failed
+    assert raised == 2 and failed == {"flat", "cascade"} and not engine.failed
     assert [r.output for r in requests] == expected
     _pages_back(engine)
+    # a step that raised is counted when it runs again, once
+    assert (engine.stats.decode_steps, engine.stats.cascade_steps) == (ran["flat"] + ran["cascade"], ran["cascade"])
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["read-each-step", "overlap"])

@@ -102,12 +102,10 @@ class Engine:
         self._pending: InFlight | None = None  # the decode step whose tokens are not read back yet (overlap)
         self._last_ready = 0.0  # perf_counter when the last decode step's tokens reached the host
         self.graphs = StepGraphs(model, self.pool, self.planner.workspace, max_batch_size,
-                                 self._pages_for(max_seq_len), torch.cuda.graph_pool_handle() if cuda_graphs else None)
-        # A step whose requests share prefix pages runs the faster of the flat step and the cascade step (both
-        # captured with graphs on), as measured.
-        # Off cuda no step is taken as flat unmeasured: the byte model is of a GPU's DRAM and L2 (the cpu target's
-        # steps are timed, and its tests run the cascade path).
-        self.decode_paths = DecodePathChooser() if model.device.type == "cuda" else DecodePathChooser(flat_below=0.0)
+                                 self.pool.pages_for(max_seq_len), torch.cuda.graph_pool_handle() if cuda_graphs else None)
+        # A step whose requests share prefix pages runs the faster of the flat and the cascade step, as measured. Off
+        # cuda none is taken as flat unmeasured: the byte model is of a GPU's DRAM and L2 (cpu steps are timed).
+        self.decode_paths = DecodePathChooser() if on_cuda else DecodePathChooser(flat_below=0.0)
         self._clock_origin = time.perf_counter()  # the default clock's zero (capture_graphs moves it past capture)
         self._clock = clock  # None: seconds since startup (no closure over self: the engine frees on its last reference)
         self.waiting: deque[Request] = deque()
@@ -138,7 +136,7 @@ class Engine:
         arrival = arrival_time(arrival)
         if not isinstance(keep_logits, bool):  # a string such as "no" would be taken as True
             raise TypeError(f"keep_logits={keep_logits!r} must be True or False")
-        needed = self._pages_for(len(prompt) + max_new_tokens - 1)  # every output but the last is fed
+        needed = self.pool.pages_for(len(prompt) + max_new_tokens - 1)  # every output but the last is fed
         if needed > self.pool.num_pages - 1:
             raise ValueError(f"the request needs {needed} KV pages of {self.pool.page_size} tokens (prompt "
                              f"{len(prompt)} + {max_new_tokens - 1} fed outputs) but the whole pool holds "
@@ -240,9 +238,6 @@ class Engine:
         request.pages, request.page_tuple = [], ()
         self.failed.append(request)
 
-    def _pages_for(self, tokens: int) -> int:
-        return -(-tokens // self.pool.page_size)
-
     def _admit(self) -> None:
         now = self.clock()
         arrived = 0
@@ -260,7 +255,7 @@ class Engine:
                                                 for r in self.prefilling):
                 return  # a request being prefilled will cache more of this prompt: share it, do not recompute it
             # KV the request will ever hold: the prompt and every output but the last (never fed)
-            own = self._pages_for(len(request.prompt) + request.max_new_tokens - 1) - len(shared)
+            own = self.pool.pages_for(len(request.prompt) + request.max_new_tokens - 1) - len(shared)
             self.pool.incref(shared)
             pages = self._alloc(own)
             if pages is None:
@@ -356,7 +351,7 @@ class Engine:
         seqs, ids, positions = [], [], []
         for request, n in chunk:
             start, end = request.num_computed, request.num_computed + n
-            seqs.append(SeqView(request.page_tuple[: self._pages_for(end)], end, n))
+            seqs.append(SeqView(request.page_tuple[: self.pool.pages_for(end)], end, n))
             ids += request.prompt[start:end]
             positions += range(start, end)
         attention = self.planner.prefill_step(seqs)
@@ -393,7 +388,7 @@ class Engine:
         rows = self._pending.rows if self._pending is not None else {}
         for request in batch:
             fed = request.num_fed
-            seqs.append(SeqView(request.page_tuple[: self._pages_for(fed)], fed, 1))
+            seqs.append(SeqView(request.page_tuple[: self.pool.pages_for(fed)], fed, 1))
             token = request.last_fed_token
             host_ids.append(0 if token is None else token)
             from_device.append(-1 if token is not None else rows[request.rid])
@@ -480,21 +475,26 @@ class Engine:
                 if chosen == "flat":
                     tree = None
             if self.cuda_graphs and tree is None:
-                self.stats.graph_steps += 1
                 if bucket not in self.graphs.flat:
                     chosen = None  # a step that captures says nothing of its path's replays
-                return self.graphs.flat_graph(bucket).run(seqs, ids), chosen, flat_tokens
-            self.stats.cascade_steps += tree is not None
+                logits = self.graphs.flat_graph(bucket).run(seqs, ids)
+                self.stats.graph_steps += 1  # (counted once it ran: a step that raised is retried)
+                return logits, chosen, flat_tokens
             if self.cuda_graphs:  # a captured cascade step: any number of groups and levels
                 levels, capacities = padded_cascade_levels(seqs, tree, bucket, ps)
-                self.stats.graph_steps += 1
-                self.stats.max_cascade_levels = max(self.stats.max_cascade_levels, len(capacities) + 1)
                 if (bucket, capacities) not in self.graphs.cascade:
                     chosen = None
-                graph = self.graphs.cascade_graph(bucket, capacities)
-                return graph.run(seqs, ids, levels), chosen, kv_tokens_read(seqs, tree[: len(capacities)], ps)
+                logits = self.graphs.cascade_graph(bucket, capacities).run(seqs, ids, levels)
+                self._count_step(True, len(capacities) + 1)
+                return logits, chosen, kv_tokens_read(seqs, tree[: len(capacities)], ps)
             attention = self.planner.decode_step(seqs, tree)
-            self.stats.max_cascade_levels = max(self.stats.max_cascade_levels, self.planner.last_decode_levels)
             positions = to_device(torch.tensor([s.kv_len - 1 for s in seqs]), dev)
             logits = self.model.logits(self.model.forward(ids, positions, attention))
+            self._count_step(False, self.planner.last_decode_levels)
             return logits, chosen, self.planner.last_decode_kv_tokens
+
+    def _count_step(self, graph: bool, levels: int) -> None:
+        """Count a decode step once it ran (a retried step counts then): a replay or not, of ``levels`` (0: flat)."""
+        self.stats.graph_steps += graph
+        self.stats.cascade_steps += levels > 0
+        self.stats.max_cascade_levels = max(self.stats.max_cascade_levels, levels)

@@ -49,6 +49,10 @@ class KVPool:
         """KV bytes of one page over every layer."""
         return sum(c[0].numel() * c.element_size() for c in self.caches)
 
+    def pages_for(self, tokens: int) -> int:
+        """Pages that hold ``tokens`` tokens."""
+        return -(-tokens // self.page_size)
+
     def refcount(self, page: int) -> int:
         return self._refs[page]
 
