@@ -101,8 +101,9 @@ class Engine:
                                page_size, LEVEL_SECONDS if on_cuda else 0.0, cascade_depth)
         self._pending: InFlight | None = None  # the decode step whose tokens are not read back yet (overlap)
         self._last_ready = 0.0  # perf_counter when the last decode step's tokens reached the host
+        graph_pool = torch.cuda.graph_pool_handle() if cuda_graphs else None
         self.graphs = StepGraphs(model, self.pool, self.planner.workspace, max_batch_size,
-                                 self.pool.pages_for(max_seq_len), torch.cuda.graph_pool_handle() if cuda_graphs else None)
+                                 self.pool.pages_for(max_seq_len), graph_pool)
         # A step whose requests share prefix pages runs the faster of the flat and the cascade step, as measured. Off
         # cuda none is taken as flat unmeasured: the byte model is of a GPU's DRAM and L2 (cpu steps are timed).
         self.decode_paths = DecodePathChooser() if on_cuda else DecodePathChooser(flat_below=0.0)
@@ -460,8 +461,7 @@ class Engine:
     def _decode_logits(self, seqs: list[SeqView], ids: torch.Tensor, shared=None) -> tuple[torch.Tensor, str | None, int]:
         """The step's logits, the path it took when it had a choice (prefix pages shared), and the KV tokens its
         attention reads per layer; ``ids``: the input ids on the device."""
-        dev = self.model.device
-        ps = self.pool.page_size
+        dev, ps = self.model.device, self.pool.page_size
         with torch.no_grad():
             tree = self.planner.cascade_tree(seqs, shared)
             chosen = None
