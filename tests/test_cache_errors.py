@@ -375,3 +375,31 @@ def test_clear_removes_what_killed_builds_left_but_not_a_running_builds_director
         running.release()
     assert rc == 0 and "2 directories that killed builds left" in out
     assert _leftovers(fresh_cache) == [f"{other}.running"]
+
+
+def test_threads_waiting_for_a_build_that_fails_get_its_error_without_compiling_again(fresh_cache):
+    """Six threads ask at once for a variant that does not compile: one compile, six clear BuildErrors (each waiting
+    thread used to compile it again in turn: N builds of a broken cuda spec). A later call tries again."""
+    import threading
+
+    broken = _cpu_spec(AttentionVariant("brokenthreads", logits_transform="logits * no_such_function(2.0f)"))
+    errors, barrier = [], threading.Barrier(6)
+
+    def ask() -> None:
+        barrier.wait()
+        try:
+            jitattn.jit.load(broken)
+        except BuildError as exc:
+            errors.append(str(exc))
+
+    before = compile_count()
+    threads = [threading.Thread(target=ask) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert len(errors) == 6 and all("no_such_function" in e for e in errors)
+    assert compile_count() == before + 1
+    with pytest.raises(BuildError):
+        jitattn.jit.load(broken)
+    assert compile_count() == before + 2

@@ -34,6 +34,9 @@ __all__ = [
 _registry: dict[VariantSpec, Module] = {}
 _registry_lock = threading.Lock()  # guards _spec_locks; never held during a build
 _spec_locks: dict[VariantSpec, threading.Lock] = {}
+# The last build of a spec that failed in this process, and when (time.monotonic): threads that waited for that
+# build get its error instead of each compiling again (a later call, after the wait, does try again).
+_failed_builds: dict[VariantSpec, tuple[BuildError, float]] = {}
 
 
 def resident_blocks(spec: VariantSpec) -> int:
@@ -108,14 +111,22 @@ def load(spec: VariantSpec) -> Module:
         return module
     with _registry_lock:
         spec_lock = _spec_locks.setdefault(spec, threading.Lock())
+    asked = time.monotonic()
     with spec_lock:  # one thread builds a given spec; loads of other specs proceed
         module = _registry.get(spec)
         if module is None:
+            failed = _failed_builds.get(spec)
+            if failed is not None and failed[1] >= asked:  # the build this call waited for failed
+                raise BuildError(str(failed[0]))
             plan = build_inputs(spec)
             entry_dir = find_entry(plan)
             if entry_dir is None:
                 _refuse_compile_if_asked(plan)
-                entry_dir = build_entry(plan, jobs=default_jobs())
+                try:
+                    entry_dir = build_entry(plan, jobs=default_jobs())
+                except BuildError as exc:
+                    _failed_builds[spec] = (exc, time.monotonic())
+                    raise
             try:
                 module = Module(spec, entry_dir / "lib.so", plan.entries)
             except (OSError, AttributeError, RuntimeError) as exc:  # its checksum matched: not a torn write
