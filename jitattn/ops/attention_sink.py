@@ -15,6 +15,7 @@ import functools
 import torch
 
 from ..runtime.options import f32_scale, number, parse_pos_encoding
+from ..runtime.wrapper import drops_plan_on_failure
 from .prefill import BatchPrefillWithPagedKVCacheWrapper
 from ..spec import PosEncoding
 
@@ -50,16 +51,13 @@ class BatchAttentionWithAttentionSinkWrapper(BatchPrefillWithPagedKVCacheWrapper
         )
         self._default_pos_encoding = parse_pos_encoding(pos_encoding_mode)
 
+    @drops_plan_on_failure  # the sink build's load too: a plan() that raises leaves none
     @functools.wraps(BatchPrefillWithPagedKVCacheWrapper.plan)  # its signature, for inspect and IDEs
     def plan(self, *args, **kwargs) -> None:
         if self._default_pos_encoding is not PosEncoding.NONE and "pos_encoding_mode" not in kwargs and len(args) < 13:
             kwargs["pos_encoding_mode"] = self._default_pos_encoding.value
         super().plan(*args, **kwargs)
-        try:
-            self._plan.sink_launch_ready()
-        except BaseException:
-            self.drop_plan()  # as every plan() that raises: no plan is left
-            raise
+        self._plan.sink_launch_ready()
 
     plan.__doc__ = ("The paged prefill wrapper's ``plan`` (the same arguments); the sink build of the kernel is "
                     "loaded here, not at the first run.")

@@ -236,6 +236,7 @@ class BatchDecodeWithPagedKVCacheWrapper(BatchWrapperBase):
                 split_indptr = upload_int32([("split_indptr", split.host_indptr(), None)], device)[0]
         return arrays, qo_indptr, split_indptr
 
+    @drops_plan_on_failure  # as plan(): a refused plan leaves none
     def _fast_plan(
         self, indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tensor, num_qo_heads: int,
         num_kv_heads: int, head_dim: int, page_size: int, pos_encoding_mode, window_left, logits_soft_cap,
@@ -405,15 +406,11 @@ def fast_decode_plan(
     """
     if not isinstance(self, BatchDecodeWithPagedKVCacheWrapper):
         raise TypeError(f"fast_decode_plan needs a BatchDecodeWithPagedKVCacheWrapper; got {type(self).__name__}")
-    try:
-        self._fast_plan(
-            indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size, pos_encoding_mode,
-            window_left, logits_soft_cap, q_data_type, kv_data_type, data_type, sm_scale, rope_scale, rope_theta,
-            fixed_split_size, disable_split_kv, global_override_indptr_cpu, resolve_batch_invariant(batch_invariant),
-        )
-    except BaseException:
-        self.drop_plan()  # as plan(): a refused plan leaves none
-        raise
+    self._fast_plan(
+        indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size, pos_encoding_mode,
+        window_left, logits_soft_cap, q_data_type, kv_data_type, data_type, sm_scale, rope_scale, rope_theta,
+        fixed_split_size, disable_split_kv, global_override_indptr_cpu, resolve_batch_invariant(batch_invariant),
+    )
     # forward() compares its options with these (once planned: a failed plan leaves none); it cannot re-plan (the
     # arrays are used in place, not kept)
     self._plan_call = dict(fast_decode_plan=True, pos_encoding_mode=pos_encoding_mode, window_left=window_left,
