@@ -68,8 +68,7 @@ class _LatentPrefill(BatchPrefillWithPagedKVCacheWrapper):
 
 def _check_plan_scalars(num_heads, head_dim_ckv, head_dim_kpe, sm_scale, causal) -> None:
     for name, value in (("num_heads", num_heads), ("head_dim_ckv", head_dim_ckv), ("head_dim_kpe", head_dim_kpe)):
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-            raise ValueError(f"{name}={value!r} must be a positive int")
+        positive_int(value, name)
     try:  # the attention runs with head_dim_qk = ckv + kpe and head_dim_vo = ckv
         check_head_dims(int(head_dim_ckv) + int(head_dim_kpe), int(head_dim_ckv))
     except ValueError:

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .options import positive_int
+
 _INT32_MAX = 2**31 - 1
 _MASK_CHUNK = 1 << 22  # mask elements placed per step (bounds the index arrays' memory)
 
@@ -37,12 +39,6 @@ class SparsePageTable:
     last_page_len: torch.Tensor  # [requests]
     page_size: int
     num_pages: int  # pages in the KV view (the pool)
-
-
-def _positive_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{name}={value!r} must be a positive int")
-    return int(value)
 
 
 def _int_array(name: str, tensor, ndim: int) -> np.ndarray:
@@ -86,7 +82,7 @@ def check_bsr(indptr, indices, M, N, R, C) -> BsrGeometry:
     """Validate a BSR pattern: ``MB = ceil(M / R)`` block rows, ``NB = ceil(N / C)`` block columns,
     ``indptr`` of MB + 1 offsets from 0, non-decreasing, ending at ``len(indices)``; each index in
     ``[0, NB)``, at most once per block row."""
-    M, N, R, C = (_positive_int(n, v) for n, v in (("M", M), ("N", N), ("R", R), ("C", C)))
+    M, N, R, C = (positive_int(v, n) for n, v in (("M", M), ("N", N), ("R", R), ("C", C)))
     num_block_rows, num_block_cols = -(-M // R), -(-N // C)
     ptr, idx = _int_array("indptr", indptr, 1), _int_array("indices", indices, 1)
     if ptr.size != num_block_rows + 1:
