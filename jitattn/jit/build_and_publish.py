@@ -27,7 +27,7 @@ from . import toolchain as tc
 from . import trust
 from .build import LIBRARY_NAME, BuildKilled, build_cancelled, raise_if_cancelled, run_ninja, write_ninja
 from .cache import (
-    MANIFEST, entry_lock, entry_problem, install_entry, sha256_file, write_error, writable_root,
+    MANIFEST, entry_lock, entry_problem, install_entry, remove_stale_temps, sha256_file, write_error, writable_root,
 )
 from .errors import BuildError
 from .key import SCHEMA, BuildInputs
@@ -83,7 +83,7 @@ def build_or_find_entry(plan: BuildInputs, jobs: int = 1) -> tuple[Path, bool]:
             trust.require_trusted(root, entry_dir / LIBRARY_NAME, action="load a kernel from")
             _forget_failure(base, plan.name)
             return entry_dir, False
-        _remove_stale_temps(base, plan.name)
+        remove_stale_temps(base, plan.name)
         started = time.perf_counter()
         work_dir = _build_in_temp(base, plan, jobs)
         try:
@@ -109,12 +109,6 @@ def build_or_find_entry(plan: BuildInputs, jobs: int = 1) -> tuple[Path, bool]:
 def _forget_failure(base: Path, name: str) -> None:
     # Once the entry exists, a failure kept from an earlier attempt only misleads.
     shutil.rmtree(base / "failed" / name, ignore_errors=True)
-
-
-def _remove_stale_temps(base: Path, name: str) -> None:
-    # We hold the key's lock, so any temp dir of this key is left over from a killed build.
-    for leftover in (base / "tmp").glob(name + ".*"):
-        shutil.rmtree(leftover, ignore_errors=True)
 
 
 def _build_in_temp(base: Path, plan: BuildInputs, jobs: int) -> Path:

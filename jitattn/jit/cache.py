@@ -244,25 +244,31 @@ def remove_stale_builds(base: Path) -> int:
     """Delete what builds of schema dir ``base`` left in ``tmp/`` when their process was killed (``<entry>.<id>``
     build and trash directories), each only while its entry's lock is free (no build of it is running); returns
     how many were deleted. A killed build's compiler may still finish into its directory: the lock is its owner's."""
-    removed = 0
     try:
-        leftovers = sorted((base / "tmp").iterdir())
+        names = {p.name.split(".", 1)[0] for p in (base / "tmp").iterdir() if p.is_dir()}
     except OSError:
         return 0
-    for leftover in leftovers:
-        name = leftover.name.split(".", 1)[0]
-        if not ENTRY_NAME_RE.match(name) or not leftover.is_dir():
-            continue
+    removed = 0
+    for name in sorted(n for n in names if ENTRY_NAME_RE.match(n)):
         lock = entry_lock(base, name)
         try:
             lock.acquire(timeout=0)
         except filelock.Timeout:
             continue
         try:
-            shutil.rmtree(leftover, ignore_errors=True)
-            removed += not leftover.exists()
+            removed += remove_stale_temps(base, name)
         finally:
             lock.release()
+    return removed
+
+
+def remove_stale_temps(base: Path, name: str) -> int:
+    """Delete ``tmp/``'s directories of entry ``name`` (the caller holds its lock, so they are left over from a killed
+    build or removal); returns how many went."""
+    removed = 0
+    for leftover in (base / "tmp").glob(name + ".*"):
+        shutil.rmtree(leftover, ignore_errors=True)
+        removed += not leftover.exists()
     return removed
 
 
