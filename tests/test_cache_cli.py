@@ -718,3 +718,25 @@ def test_show_config_lists_every_knob_and_its_source(fresh_cache, monkeypatch, c
     from jitattn import env
 
     assert {k.name for k in env.KNOBS} <= set(rows)
+
+
+def test_a_custom_variant_entry_is_listed_verified_exported_cleared_and_imported(cache_copy, tmp_path, capsys) -> None:
+    # a variant's uri ends in "_v<name>-<hash8>" (the name may hold capitals): every command must see its entry
+    spec = VariantSpec.from_dict({"op": "prefill", "target": "cpu", "q_dtype": "f32", "kv_dtype": "f32",
+                                  "o_dtype": "f32", "variant": {"name": "Sig_2", "use_softmax": False, "params": [],
+                                                                "logits_transform": "1.0f/(1.0f+expf(-logits))"}})
+    jitattn.jit.load(spec)
+    assert "_vSig_2-" in spec.uri
+    rc, out, _ = run_cli(capsys, "ls")
+    assert rc == 0 and spec.uri in out and out.splitlines()[-1].startswith("8 entries")
+    rc, out, _ = run_cli(capsys, "info", spec.uri)
+    assert rc == 0 and "status: ok" in out
+    assert run_cli(capsys, "verify")[1].endswith("8 entries, 8 ok, 0 bad\n")
+    bundle = tmp_path / "v.tgz"
+    rc, out, err = run_cli(capsys, "export", bundle, "--spec", json.dumps(spec.to_dict()))
+    assert rc == 0 and "exported 1 entries" in out, err
+    rc, out, _ = run_cli(capsys, "clear")
+    assert rc == 0 and "removed 8 entries" in out and _names(cache_copy) == []
+    rc, out, err = run_cli(capsys, "import", bundle)
+    assert rc == 0 and "imported 1 entries" in out, err
+    assert _names(cache_copy) == [spec.uri]
