@@ -59,7 +59,7 @@ def _effective_default(name: str) -> str:
             return "(unset: each test run builds into a temp dir it removes)"
     except Exception as exc:  # noqa: BLE001 - show-config must always print
         return f"(error: {exc})"
-    return ""
+    return next((knob.default for knob in env.KNOBS if knob.name == name), "")
 
 
 def config_rows() -> list[tuple[str, str, str]]:
@@ -77,7 +77,9 @@ def config_rows() -> list[tuple[str, str, str]]:
             source = "env" if variable == knob.name else f"env {variable}"
         rows.append((knob.name, value, source))
     for name in sorted(os.environ):
-        if name.startswith("JITATTN_") and name not in known:
+        if name.startswith("JITATTN_DEV_"):  # development knobs (JITATTN_DEV_SM90_TUNING): read, not documented here
+            rows.append((name, os.environ[name], "env (development only)"))
+        elif name.startswith("JITATTN_") and name not in known:
             rows.append((name, os.environ[name], "env (unknown to jitattn: a typo?)"))
     return rows
 

@@ -718,6 +718,17 @@ def test_show_config_lists_every_knob_and_its_source(fresh_cache, monkeypatch, c
     from jitattn import env
 
     assert {k.name for k in env.KNOBS} <= set(rows)
+    # a knob left unset shows the value jitattn uses, never an empty one
+    assert rows["JITATTN_PREFILL_TIER"].split()[1:] == ["auto", "[default]"]
+    assert rows["JITATTN_BATCH_INVARIANT"].split()[1:] == ["0", "[default]"]
+    assert all(len(line.split()) >= 3 for line in rows.values()), out
+
+
+def test_show_config_names_a_development_knob_as_such(fresh_cache, monkeypatch, capsys) -> None:
+    monkeypatch.setenv("JITATTN_DEV_SM90_TUNING", "{}")
+    rc, out, _ = run_cli(capsys, "show-config")
+    line = next(line for line in out.splitlines() if line.startswith("JITATTN_DEV_SM90_TUNING"))
+    assert rc == 0 and line.endswith("[env (development only)]") and "typo" not in line
 
 
 def test_a_custom_variant_entry_is_listed_verified_exported_cleared_and_imported(cache_copy, tmp_path, capsys) -> None:
