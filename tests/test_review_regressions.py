@@ -15,6 +15,7 @@ import random
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 import jitattn
@@ -258,3 +259,17 @@ def test_decode_layout_page_ids_in_shared_memory() -> None:
     assert with_ids["kStages"] == without["kStages"] == 3
     assert with_ids["kSmemBytes"] - without["kSmemBytes"] == 1024 * 4
     assert 2 * (with_ids["kSmemBytes"] + 1024) <= 227 << 10  # still two resident blocks
+
+
+@pytest.mark.parametrize("head_dim, kv_dtype, page_ids", [(128, "bf16", 1024), (64, "bf16", 0), (96, "f16", 0),
+                                                          (256, "bf16", 0), (128, "e4m3", 1024), (64, "e4m3", 1024)])
+def test_decode_keeps_page_ids_in_shared_memory_at_head_dim_128_and_with_fp8_kv(head_dim, kv_dtype, page_ids) -> None:
+    """16-bit KV at other head dims reads each stage's page ids from the page table (measured faster there)."""
+    from jitattn.kernels.decode import cuda_layout
+    from jitattn.spec import VariantSpec
+
+    q = "f16" if kv_dtype == "f16" else "bf16"
+    spec = VariantSpec(op="decode", target="cuda", q_dtype=q, kv_dtype=kv_dtype, o_dtype=q, head_dim_qk=head_dim,
+                       head_dim_vo=head_dim, group_size=4, pos_encoding="none", use_sliding_window=False,
+                       use_logits_soft_cap=False, kv_layout="nhd", kv_storage="paged")
+    assert cuda_layout(spec)["kPageIds"] == page_ids
