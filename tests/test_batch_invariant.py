@@ -368,3 +368,60 @@ def test_fast_decode_plan_batch_invariant_gives_the_plan_bits(device: str) -> No
                              q_data_type=f16, global_override_indptr_cpu=indptr, batch_invariant=True)
     assert wrapper._plan.split.num_chunks == 3 + 1 + 1 + 1
     assert torch.equal(wrapper.run(q, pool.cache), planned)
+
+
+def _batch_attention(device: str, members, position: int, rng, causal: bool, pod: bool = False):
+    """The out / lse rows of member ``position`` (``members``: (q [n, HQ, D], kv [2, len, HKV, D])) of one
+    ``BatchAttention`` call with ``batch_invariant=True`` (``pod``: the decode members through
+    ``BatchPODWithPagedKVCacheWrapper``, the prefill ones its prefill part)."""
+    pool = Pool(sum((kv.shape[1] + PAGE - 1) // PAGE for _, kv in members) + 7, f16, device, rng)
+    pages = [pool.place(kv) for _, kv in members]
+    lens = [kv.shape[1] for _, kv in members]
+    indptr, indices, _ = _page_table(pages, lens)
+    qo = torch.tensor([0] + torch.tensor([q.shape[0] for q, _ in members]).cumsum(0).tolist(), dtype=torch.int32)
+    q = torch.cat([m[0] for m in members])
+    wrapper = jitattn.BatchAttention(kv_layout="NHD", device=device)
+    wrapper.plan(qo, indptr, indices, torch.tensor(lens, dtype=torch.int32), HQ, HKV, D, D, PAGE, causal=causal,
+                 q_data_type=f16, kv_data_type=f16, batch_invariant=True)
+    out, lse = wrapper.run(q, pool.cache)
+    rows = slice(int(qo[position]), int(qo[position + 1]))
+    return out[rows], lse[rows]
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("queries, target_len", [(1, 2 * BATCH_INVARIANT_CHUNK_TOKENS + 333), (1, 700), (5, 900)],
+                         ids=["decode_split", "decode", "prefill"])
+def test_batch_attention_request_is_bitwise_the_same_in_any_batch(device: str, queries: int, target_len: int) -> None:
+    rng = random.Random(queries * 7919 + target_len)
+    gen = torch.Generator().manual_seed(target_len)
+    target = (torch.randn(queries, HQ, D, generator=gen).to(f16).to(device), _random_kv(target_len, f16, device, gen))
+    alone = _batch_attention(device, [target], 0, rng, causal=True)
+    for trial in range(TRIALS // 2):
+        members = [(torch.randn(rng.choice([1, 1, 3, 40]), HQ, D, generator=gen).to(f16).to(device),
+                    _random_kv(rng.choice([40, rng.randrange(40, 300), rng.randrange(300, 4000)]), f16, device, gen))
+                   for _ in range(rng.choice([1, 3, 9]))]
+        position = rng.randrange(len(members) + 1)
+        members.insert(position, target)
+        out, lse = _batch_attention(device, members, position, rng, causal=True)
+        assert torch.equal(out, alone[0]), f"trial {trial}: the output changed with the batch"
+        assert torch.equal(lse, alone[1]), f"trial {trial}: the lse changed with the batch"
+
+
+@pytest.mark.parametrize("make", ["BatchAttention", "PODWithPagedKVCacheWrapper", "BatchPODWithPagedKVCacheWrapper",
+                                  "BlockSparseAttentionWrapper", "VariableBlockSparseAttentionWrapper"])
+def test_the_mixed_and_sparse_plans_take_batch_invariant_after_flashinfers_arguments(make: str) -> None:
+    import inspect
+
+    parameter = inspect.signature(getattr(jitattn, make).plan).parameters["batch_invariant"]
+    assert parameter.kind is inspect.Parameter.KEYWORD_ONLY and parameter.default is None
+
+
+def test_batch_attention_refuses_a_batch_invariant_that_is_not_a_bool() -> None:
+    rng = random.Random(3)
+    target = (torch.randn(1, HQ, D).to(f16), _random_kv(50, f16, "cpu", torch.Generator().manual_seed(3)))
+    pool = Pool(8, f16, "cpu", rng)
+    indptr, indices, _ = _page_table([pool.place(target[1])], [50])
+    with pytest.raises(TypeError, match="batch_invariant='yes' must be True, False or None"):
+        jitattn.BatchAttention(device="cpu").plan(torch.tensor([0, 1], dtype=torch.int32), indptr, indices,
+                                                  torch.tensor([50], dtype=torch.int32), HQ, HKV, D, D, PAGE,
+                                                  batch_invariant="yes")

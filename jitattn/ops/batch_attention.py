@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from ..runtime.checks import check_no_overlap, check_tensor, not_planned
-from ..runtime.options import number, positive_int, refuse_unsupported
+from ..runtime.options import number, positive_int, refuse_unsupported, resolve_batch_invariant
 from ..runtime.side_by_side import prefill_blocks, side_by_side
 from ..page_table import check_indptr, to_host_int32
 from .decode import BatchDecodeWithPagedKVCacheWrapper
@@ -101,7 +101,7 @@ class BatchAttention:
         self._prefill = BatchPrefillWithPagedKVCacheWrapper(self.float_workspace_buffer, kv_layout)
         self._decode_workspace = torch.empty(0, dtype=torch.uint8, device=where)  # the decode part's split-KV
         self._decode = BatchDecodeWithPagedKVCacheWrapper(self._decode_workspace, kv_layout)
-        self._decode_limits: tuple | None = None  # (head counts, head_dim, page size), batch, KV tokens sized for
+        self._decode_limits: tuple | None = None  # (heads, head_dim, page size, invariant), batch, KV tokens sized
         self._kv_layout = kv_layout
         self._device = where
         self._logits_soft_cap: float | None = None  # the planned cap (None: not planned)
@@ -114,10 +114,12 @@ class BatchAttention:
         num_qo_heads: int, num_kv_heads: int, head_dim_qk: int, head_dim_vo: int, page_size: int,
         causal: bool = False, sm_scale: float | None = None, logits_soft_cap: float | None = None,
         q_data_type: torch.dtype = torch.bfloat16, kv_data_type: torch.dtype = torch.bfloat16,
-        use_profiler: bool = False,
+        use_profiler: bool = False, *, batch_invariant: bool | None = None,
     ) -> None:
         """Plan one batch: request r's queries are rows ``qo_indptr[r]:qo_indptr[r+1]`` of q, its KV the
-        ``kv_len_arr[r]`` tokens on pages ``kv_indices[kv_indptr[r]:kv_indptr[r+1]]``."""
+        ``kv_len_arr[r]`` tokens on pages ``kv_indices[kv_indptr[r]:kv_indptr[r+1]]``. ``batch_invariant`` (a
+        jitattn extension): each request's bits independent of the rest of the batch, as the decode and prefill
+        wrappers' (a request takes the decode or the prefill kernels by its own query count)."""
         self._logits_soft_cap, self._parts = None, []
         refuse_unsupported(f"{self._NAME}.plan", "profile with nsys / ncu (kernels carry readable names)",
                            use_profiler=True if use_profiler else None)
@@ -145,10 +147,10 @@ class BatchAttention:
                     part.qo_indptr, part.kv_indptr, part.kv_indices, part.last_page_len, num_qo_heads, num_kv_heads,
                     head_dim_qk, page_size, head_dim_vo=head_dim_vo, causal=causal, sm_scale=sm_scale,
                     logits_soft_cap=logits_soft_cap, q_data_type=q_data_type, kv_data_type=kv_data_type,
-                    fp8_upcast=False)  # its two-part launch reads the paged cache
+                    fp8_upcast=False, batch_invariant=batch_invariant)  # its two-part launch reads the paged cache
             else:
                 self._plan_decode(part, num_qo_heads, num_kv_heads, head_dim_qk, page_size, sm_scale,
-                                  logits_soft_cap, q_data_type, kv_data_type)
+                                  logits_soft_cap, q_data_type, kv_data_type, batch_invariant)
         self._parts = parts
         self._prefill_blocks = 0 if len(parts) < 2 else prefill_blocks(
             self._prefill.current_plan, np.diff(parts[0][0].qo_indptr.numpy()), self._decode.current_plan)
@@ -156,21 +158,22 @@ class BatchAttention:
         self._logits_soft_cap = 0.0 if logits_soft_cap is None else float(logits_soft_cap)
 
     def _plan_decode(self, part: _Part, num_qo_heads, num_kv_heads, head_dim, page_size, sm_scale, logits_soft_cap,
-                     q_data_type, kv_data_type) -> None:
+                     q_data_type, kv_data_type, batch_invariant: bool | None) -> None:
         """The decode part, with a float workspace its split-KV fits (grown, never shrunk; sized again only for a
         batch beyond the limits it was last sized for, as ``workspace_size`` bounds every plan within them)."""
         batch, tokens = part.last_page_len.numel(), int(part.kv_indptr[-1]) * page_size  # the part's KV, at most
-        shape = (num_qo_heads, num_kv_heads, head_dim, page_size)
+        invariant = resolve_batch_invariant(batch_invariant)  # (its own bound: chunks of a fixed length)
+        shape = (num_qo_heads, num_kv_heads, head_dim, page_size, invariant)
         sized = self._decode_limits
         if sized is None or sized[0] != shape or batch > sized[1] or tokens > sized[2]:
-            need = self._decode.workspace_size(batch, tokens, *shape)[0]
+            need = self._decode.workspace_size(batch, tokens, *shape[:4], batch_invariant=invariant)[0]
             if self._decode_workspace.numel() < need:
                 self._decode_workspace = torch.empty(need, dtype=torch.uint8, device=self._device)
                 self._decode.reset_workspace_buffer(self._decode_workspace)
             self._decode_limits = (shape, batch, tokens)
         self._decode.plan(part.kv_indptr, part.kv_indices, part.last_page_len, num_qo_heads, num_kv_heads, head_dim,
                           page_size, logits_soft_cap=logits_soft_cap, q_data_type=q_data_type,
-                          kv_data_type=kv_data_type, sm_scale=sm_scale)
+                          kv_data_type=kv_data_type, sm_scale=sm_scale, batch_invariant=invariant)
 
     def run(
         self, q: torch.Tensor, kv_cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor],

@@ -97,15 +97,17 @@ class PODWithPagedKVCacheWrapper:
         num_kv_heads: int, head_dim: int, page_size: int, pos_encoding_mode: str = "NONE", window_left: int = -1,
         q_data_type: str | torch.dtype | None = "float16", kv_data_type: str | torch.dtype | None = None,
         data_type: str | torch.dtype | None = None, sm_scale: float | None = None, rope_scale: float | None = None,
-        rope_theta: float | None = None, non_blocking: bool = True,
+        rope_theta: float | None = None, non_blocking: bool = True, *, batch_invariant: bool | None = None,
     ) -> None:
         """Plan the decode part (a paged decode batch); ``data_type`` fills only the dtypes not given, as in
-        FlashInfer's POD."""
+        FlashInfer's POD. ``batch_invariant`` (a jitattn extension): the decode part's, as the decode wrapper's
+        (the single prefill part is batch-invariant by construction)."""
         self._planned, self._blocks_for = None, None
         q_dtype, kv_dtype = resolve_dtypes(q_data_type, kv_data_type, data_type)
         self._decode.plan(indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
                           pos_encoding_mode=pos_encoding_mode, window_left=window_left, q_data_type=q_dtype,
-                          kv_data_type=kv_dtype, sm_scale=sm_scale, rope_scale=rope_scale, rope_theta=rope_theta)
+                          kv_data_type=kv_dtype, sm_scale=sm_scale, rope_scale=rope_scale, rope_theta=rope_theta,
+                          batch_invariant=batch_invariant)
         self._planned = _planned_options(pos_encoding_mode, window_left, sm_scale, rope_scale, rope_theta)
 
     begin_forward = plan
@@ -211,9 +213,11 @@ class BatchPODWithPagedKVCacheWrapper:
         head_dim: int, page_size: int, pos_encoding_mode: str = "NONE", window_left: int = -1,
         q_data_type: str | torch.dtype | None = "float16", kv_data_type: str | torch.dtype | None = None,
         data_type: str | torch.dtype | None = None, sm_scale: float | None = None, rope_scale: float | None = None,
-        rope_theta: float | None = None, non_blocking: bool = True,
+        rope_theta: float | None = None, non_blocking: bool = True, *, batch_invariant: bool | None = None,
     ) -> None:
-        """Plan the decode part and check the prefill part's batch (planned at ``run`` with its mask)."""
+        """Plan the decode part and check the prefill part's batch (planned at ``run`` with its mask);
+        ``batch_invariant`` (a jitattn extension): the decode part's, as the decode wrapper's (the prefill part is
+        batch-invariant by construction)."""
         self._decode = self._prefill_batch = self._prefill_mask = None
         q_dtype, kv_dtype = resolve_dtypes(q_data_type, kv_data_type, data_type)
         options = dict(pos_encoding_mode=pos_encoding_mode, window_left=window_left, sm_scale=sm_scale,
@@ -230,12 +234,12 @@ class BatchPODWithPagedKVCacheWrapper:
                              f"{kv_d.numel() - 1}; pass one entry per decode request to both")
         if torch.equal(qo_d, torch.arange(qo_d.numel(), dtype=torch.int32)):  # one query per decode request
             self._decode_kernel.plan(kv_indptr_d, kv_indices_d, last_page_len_d, num_qo_heads, num_kv_heads, head_dim,
-                                     page_size, **options)
+                                     page_size, batch_invariant=batch_invariant, **options)
             decode = self._decode_kernel
         else:
             self._decode_queries.plan(qo_d, kv_indptr_d, kv_indices_d, last_page_len_d, num_qo_heads, num_kv_heads,
                                       head_dim, page_size, causal=False, fp8_upcast=False, rope_first=False,
-                                      **options)
+                                      batch_invariant=batch_invariant, **options)
             decode = self._decode_queries
         self._prefill_batch = (qo_p, index_p, num_qo_heads, num_kv_heads, head_dim, options)
         self._decode = decode

@@ -99,9 +99,10 @@ class BlockSparseAttentionWrapper(_SparseWrapperBase):
         logits_soft_cap: float | None = None, sm_scale: float | None = None, rope_scale: float | None = None,
         rope_theta: float | None = None, q_data_type: str | torch.dtype = "float16",
         kv_data_type: str | torch.dtype | None = None, o_data_type: str | torch.dtype = "float16",
-        non_blocking: bool = True,
+        non_blocking: bool = True, *, batch_invariant: bool | None = None,
     ) -> None:
-        """Plan one sparsity pattern (see the class); later ``run()`` calls reuse it."""
+        """Plan one sparsity pattern (see the class); later ``run()`` calls reuse it. ``batch_invariant`` (a
+        jitattn extension) is accepted for a uniform API: the prefill kernels it runs on are batch-invariant."""
         call = plan_arguments(locals())
         self._table, self._plan_call = None, {}  # unplanned until the launch is planned
         _no_positions(self._NAME, pos_encoding_mode)
@@ -114,6 +115,7 @@ class BlockSparseAttentionWrapper(_SparseWrapperBase):
             head_dim, table.page_size, packed_custom_mask=packed_mask, causal=causal,
             logits_soft_cap=logits_soft_cap, sm_scale=sm_scale, rope_scale=rope_scale, rope_theta=rope_theta,
             q_data_type=q_data_type, kv_data_type=kv_data_type, o_data_type=o_data_type,
+            batch_invariant=batch_invariant,
         )
         self._table, self._plan_call = table, call
         self.M, self.N, self.R, self.C = int(M), int(N), int(R), int(C)
@@ -185,9 +187,11 @@ class VariableBlockSparseAttentionWrapper(_SparseWrapperBase):
         num_qo_heads: int, num_kv_heads: int, head_dim: int, causal: bool = False, pos_encoding_mode: str = "NONE",
         use_fp16_qk_reduction: bool = False, logits_soft_cap: float | None = None, sm_scale: float | None = None,
         rope_scale: float | None = None, rope_theta: float | None = None, non_blocking: bool = True,
-        q_data_type: str | torch.dtype = "float16", kv_data_type: str | torch.dtype | None = None,
+        q_data_type: str | torch.dtype = "float16", kv_data_type: str | torch.dtype | None = None, *,
+        batch_invariant: bool | None = None,
     ) -> None:
-        """Plan one pattern (see the class); later ``run()`` calls reuse it."""
+        """Plan one pattern (see the class); later ``run()`` calls reuse it. ``batch_invariant``: as the block-sparse
+        wrapper's."""
         call = plan_arguments(locals())
         self._geometry, self._plan_call = None, {}  # unplanned until the launch is planned
         _no_positions(self._NAME, pos_encoding_mode)
@@ -200,6 +204,7 @@ class VariableBlockSparseAttentionWrapper(_SparseWrapperBase):
             table.qo_indptr, table.kv_indptr, table.kv_indices, table.last_page_len, num_qo_heads // num_kv_heads, 1,
             head_dim, 1, causal=causal, logits_soft_cap=logits_soft_cap, sm_scale=sm_scale, rope_scale=rope_scale,
             rope_theta=rope_theta, q_data_type=q_data_type, kv_data_type=kv_data_type,
+            batch_invariant=batch_invariant,
         )
         self._geometry, self._plan_call = geometry, call
         self._num_kv_heads, self._group = num_kv_heads, num_qo_heads // num_kv_heads
