@@ -261,10 +261,15 @@ def test_decode_layout_page_ids_in_shared_memory() -> None:
     assert 2 * (with_ids["kSmemBytes"] + 1024) <= 227 << 10  # still two resident blocks
 
 
-@pytest.mark.parametrize("head_dim, kv_dtype, page_ids", [(128, "bf16", 1024), (64, "bf16", 0), (96, "f16", 0),
-                                                          (256, "bf16", 0), (128, "e4m3", 1024), (64, "e4m3", 1024)])
-def test_decode_keeps_page_ids_in_shared_memory_at_head_dim_128_and_with_fp8_kv(head_dim, kv_dtype, page_ids) -> None:
-    """16-bit KV at other head dims reads each stage's page ids from the page table (measured faster there)."""
+@pytest.mark.parametrize("head_dim, kv_dtype, page_ids, tuning", [
+    (128, "bf16", 1024, None), (64, "bf16", 0, None), (96, "f16", 0, None), (256, "bf16", 1024, None),
+    (128, "e4m3", 1024, None), (64, "e4m3", 1024, None), (64, "bf16", 1024, {"page_ids": 1024}),
+    (72, "bf16", 1024, None),  # the CUDA-core path (head dim 72): unchanged
+])
+def test_decode_keeps_page_ids_in_shared_memory_but_at_16_bit_d64_and_d96(head_dim, kv_dtype, page_ids,
+                                                                          tuning) -> None:
+    """Tensor-core decode of 16-bit KV at head dims 64 and 96 reads each stage's page ids from the page table
+    (measured faster there); an explicit ``page_ids`` tuning wins (tools/decode_tunings.py relies on it)."""
     from jitattn.kernels.decode import cuda_layout
     from jitattn.spec import VariantSpec
 
@@ -272,4 +277,5 @@ def test_decode_keeps_page_ids_in_shared_memory_at_head_dim_128_and_with_fp8_kv(
     spec = VariantSpec(op="decode", target="cuda", q_dtype=q, kv_dtype=kv_dtype, o_dtype=q, head_dim_qk=head_dim,
                        head_dim_vo=head_dim, group_size=4, pos_encoding="none", use_sliding_window=False,
                        use_logits_soft_cap=False, kv_layout="nhd", kv_storage="paged")
-    assert cuda_layout(spec)["kPageIds"] == page_ids
+    layout = cuda_layout(spec, tuning)
+    assert layout["kMma"] == (head_dim != 72) and layout["kPageIds"] == page_ids

@@ -112,12 +112,12 @@ TUNING: dict[str, int] = {
     # Page ids of a work item kept in shared memory (loaded once at its start, beside the query) when
     # the item spans at most this many pages; longer items read them from the page table a stage ahead.
     "page_ids": 1024,
-    # ... for 16-bit KV at head dims other than 128, which read them a stage ahead always (0). H100, events, L2
-    # evicted, two alternated rounds each (docs/benchmarks/h100-2026-12-05-page-ids.txt), 1024 -> 0 (us):
-    # phi-3 d96 b64 x 4096 1112.7 -> 1093.0, gpt-oss d64 b64 x 8192 372.1 -> 365.0, gemma-2 d256 720.0 ->
-    # 712.7; at d128 MHA 704.9 -> 701.7, llama-8B b64 x 2048 / b256 x 4096 / page 1, cascade within 0.3%, but
-    # b1 x 32k 55.3 -> 57.4 in plain launches (the 2026-12-01 reason for the table); fp8 KV 752.0 -> 769.7.
-    "page_ids_not_d128": 0,
+    # ... on the tensor-core path with 16-bit KV at head dims 64 and 96 (unless the tuning sets page_ids), which
+    # read them a stage ahead always (0). H100, events, L2 evicted, two alternated rounds in each of two runs
+    # (docs/benchmarks/h100-2026-12-05-page-ids.txt), 1024 -> 0 (us): phi-3 d96 b64 x 4096 1112.7 -> 1093.0,
+    # gpt-oss d64 b64 x 8192 372.1 -> 365.0. Elsewhere one run: gemma-2 d256 720.0 -> 712.7, d128 within 0.5%
+    # but b1 x 32k 55.3 -> 57.4 in plain launches (the 2026-12-01 reason for the table), fp8 KV 752.0 -> 769.7.
+    "page_ids_d64_d96": 0,
     # Development only: 1 stamps each block's first work item with %globaltimer at its phases
     # (``jitattn_decode_trace`` copies them out; tools/trace_decode.py). 0 renders no trace code. The
     # stamps cost registers (bf16 d128: 164 -> 171), which can spill under a tight blocks-per-SM cap.
@@ -211,12 +211,11 @@ def cuda_layout(spec: VariantSpec, tuning: dict[str, int] | None = None) -> dict
     t = dict(TUNING)
     if tuning:
         t.update(tuning)
-    if not spec.kv_dtype.is_fp8 and spec.head_dim_qk != 128:
-        t["page_ids"] = t["page_ids_not_d128"]
-    simt = _simt_layout(spec, t)
     if not (t["mma"] and mma_eligible(spec, t)):
-        return simt
-    return {**simt, **_mma_layout(spec, t)}
+        return _simt_layout(spec, t)
+    if "page_ids" not in (tuning or {}) and not spec.kv_dtype.is_fp8 and spec.head_dim_qk in (64, 96):
+        t["page_ids"] = t["page_ids_d64_d96"]
+    return {**_simt_layout(spec, t), **_mma_layout(spec, t)}
 
 
 def _mma_layout(spec: VariantSpec, t: dict[str, int]) -> dict[str, int]:
