@@ -135,6 +135,9 @@ PREFILL_ROPE_FIRST = Knob(
 TEST_CACHE_DIR = Knob("JITATTN_TEST_CACHE_DIR", "path", "unset: each test run builds into a temp dir it removes",
                       "the test suite's shared cache (tests/conftest.py; .ci/run sets it after warming)")
 
+# Development knobs: read where they apply (kernel experiments), listed by show-config only when set.
+DEV_KNOBS = ("JITATTN_DEV_SM90_TUNING",)
+
 KNOBS: tuple[Knob, ...] = (CACHE_DIR, CACHE_PATH, MAX_JOBS, CUDA_ARCH_LIST, ASSERT_NO_COMPILE, LOG_LEVEL, DEBUG,
                            NVCC, CXX, CUDA_HOME, BATCH_INVARIANT, PREFILL_TIER, MLA_KERNEL,
                            PREFILL_FP8_UPCAST, PREFILL_ROPE_FIRST, TEST_CACHE_DIR)

@@ -77,7 +77,7 @@ def config_rows() -> list[tuple[str, str, str]]:
             source = "env" if variable == knob.name else f"env {variable}"
         rows.append((knob.name, value, source))
     for name in sorted(os.environ):
-        if name.startswith("JITATTN_DEV_"):  # development knobs (JITATTN_DEV_SM90_TUNING): read, not documented here
+        if name in env.DEV_KNOBS:
             rows.append((name, os.environ[name], "env (development only)"))
         elif name.startswith("JITATTN_") and name not in known:
             rows.append((name, os.environ[name], "env (unknown to jitattn: a typo?)"))

@@ -729,6 +729,21 @@ def test_show_config_names_a_development_knob_as_such(fresh_cache, monkeypatch, 
     rc, out, _ = run_cli(capsys, "show-config")
     line = next(line for line in out.splitlines() if line.startswith("JITATTN_DEV_SM90_TUNING"))
     assert rc == 0 and line.endswith("[env (development only)]") and "typo" not in line
+    monkeypatch.setenv("JITATTN_DEV_SM90_TUNNING", "{}")  # a misspelt one is still a likely typo
+    rc, out, _ = run_cli(capsys, "show-config")
+    typo = next(line for line in out.splitlines() if line.startswith("JITATTN_DEV_SM90_TUNNING"))
+    assert typo.endswith("[env (unknown to jitattn: a typo?)]")
+
+
+@pytest.mark.parametrize("name, ok", [
+    ("decode_cuda_bf16-0123456789abcdef", True), ("prefill_cpu_f32_vSig_2-7e0074a5-0123456789abcdef", True),
+    ("decode_cuda_bf16-0123456789abcdef\n", False), ("../x-0123456789abcdef", False),
+    ("prefill_cpu_f32_vSig-7e0074a-0123456789abcdef", False), ("Decode-0123456789abcdef", False),
+    ("prefill_cpu_f32_v1x-7e0074a5-0123456789abcdef", False)])
+def test_entry_names(name: str, ok: bool) -> None:
+    from jitattn.jit.cache import ENTRY_NAME_RE
+
+    assert bool(ENTRY_NAME_RE.match(name)) is ok
 
 
 def test_a_custom_variant_entry_is_listed_verified_exported_cleared_and_imported(cache_copy, tmp_path, capsys) -> None:

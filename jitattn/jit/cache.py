@@ -175,7 +175,7 @@ def write_error(exc: OSError, what: str, where: Path) -> CacheError:
 
 # An entry dir is named "<uri>-<key16>", where a custom variant's uri ends in "_v<name>-<hash8>" (its name may hold
 # capitals); the schema dir also holds locks/, tmp/ and failed/.
-ENTRY_NAME_RE = re.compile(r"^[a-z0-9_]+(?:_v[A-Za-z][A-Za-z0-9_]*-[0-9a-f]{8})?-[0-9a-f]{16}$")
+ENTRY_NAME_RE = re.compile(r"^[a-z0-9_]+(?:_v[A-Za-z][A-Za-z0-9_]*-[0-9a-f]{8})?-[0-9a-f]{16}\Z")
 
 
 def entry_lock(base: Path, name: str) -> filelock.FileLock:
