@@ -370,10 +370,9 @@ def test_fast_decode_plan_batch_invariant_gives_the_plan_bits(device: str) -> No
     assert torch.equal(wrapper.run(q, pool.cache), planned)
 
 
-def _batch_attention(device: str, members, position: int, rng, causal: bool, pod: bool = False):
+def _batch_attention(device: str, members, position: int, rng, causal: bool):
     """The out / lse rows of member ``position`` (``members``: (q [n, HQ, D], kv [2, len, HKV, D])) of one
-    ``BatchAttention`` call with ``batch_invariant=True`` (``pod``: the decode members through
-    ``BatchPODWithPagedKVCacheWrapper``, the prefill ones its prefill part)."""
+    ``BatchAttention`` call with ``batch_invariant=True``."""
     pool = Pool(sum((kv.shape[1] + PAGE - 1) // PAGE for _, kv in members) + 7, f16, device, rng)
     pages = [pool.place(kv) for _, kv in members]
     lens = [kv.shape[1] for _, kv in members]
@@ -405,6 +404,37 @@ def test_batch_attention_request_is_bitwise_the_same_in_any_batch(device: str, q
         out, lse = _batch_attention(device, members, position, rng, causal=True)
         assert torch.equal(out, alone[0]), f"trial {trial}: the output changed with the batch"
         assert torch.equal(lse, alone[1]), f"trial {trial}: the lse changed with the batch"
+
+
+def _pod_decode(device: str, members, position: int, rng, prefill):
+    """The decode out / lse of member ``position`` of a ``PODWithPagedKVCacheWrapper`` run with
+    ``batch_invariant=True`` (``prefill``: its (q, k, v) part, the same in every call)."""
+    pool = Pool(sum((kv.shape[1] + PAGE - 1) // PAGE for _, kv in members) + 7, f16, device, rng)
+    pages = [pool.place(kv) for _, kv in members]
+    indptr, indices, last = _page_table(pages, [kv.shape[1] for _, kv in members])
+    wrapper = jitattn.PODWithPagedKVCacheWrapper(torch.empty(64 << 20, dtype=torch.uint8, device=device))
+    wrapper.plan(indptr, indices, last, HQ, HKV, D, PAGE, q_data_type=f16, batch_invariant=True)
+    (_, out_d), (_, lse_d) = wrapper.run(*prefill, torch.stack([q for q, _ in members]), pool.cache, causal_p=True,
+                                         return_lse_p=True, return_lse_d=True)
+    return out_d[position], lse_d[position]
+
+
+@pytest.mark.parametrize("device", devices())
+def test_pod_decode_request_is_bitwise_the_same_in_any_batch(device: str) -> None:
+    rng = random.Random(11)
+    gen = torch.Generator().manual_seed(11)
+    prefill = tuple(torch.randn(n, h, D, generator=gen).to(f16).to(device) for n, h in ((32, HQ), (96, HKV), (96, HKV)))
+    target = (torch.randn(HQ, D, generator=gen).to(f16).to(device),
+              _random_kv(2 * BATCH_INVARIANT_CHUNK_TOKENS + 333, f16, device, gen))
+    alone = _pod_decode(device, [target], 0, rng, prefill)
+    for trial in range(TRIALS // 2):
+        members = [(torch.randn(HQ, D, generator=gen).to(f16).to(device),
+                    _random_kv(rng.choice([1, rng.randrange(1, 300), rng.randrange(300, 5000)]), f16, device, gen))
+                   for _ in range(rng.choice([1, 3, 9]))]
+        position = rng.randrange(len(members) + 1)
+        members.insert(position, target)
+        out, lse = _pod_decode(device, members, position, rng, prefill)
+        assert torch.equal(out, alone[0]) and torch.equal(lse, alone[1]), f"trial {trial}: changed with the batch"
 
 
 @pytest.mark.parametrize("make", ["BatchAttention", "PODWithPagedKVCacheWrapper", "BatchPODWithPagedKVCacheWrapper",
