@@ -112,8 +112,9 @@ TUNING: dict[str, int] = {
     # Page ids of a work item kept in shared memory (loaded once at its start, beside the query) when
     # the item spans at most this many pages; longer items read them from the page table a stage ahead.
     "page_ids": 1024,
-    # ... on the tensor-core path with 16-bit KV at head dims 64 and 96 (unless the tuning sets page_ids), which
-    # read them a stage ahead always (0). H100, events, L2 evicted, two alternated rounds in each of two runs
+    # ... on the tensor-core path with 16-bit KV at head dims 64 and 96 (unless cuda_layout's ``tuning`` argument sets
+    # page_ids; tools/decode_tunings.py updates TUNING itself, so its A/B of those specs sets this key), which read
+    # them a stage ahead always (0). H100, events, L2 evicted, two alternated rounds in each of two runs
     # (docs/benchmarks/h100-2026-12-05-page-ids.txt), 1024 -> 0 (us): phi-3 d96 b64 x 4096 1112.7 -> 1093.0,
     # gpt-oss d64 b64 x 8192 372.1 -> 365.0. Elsewhere one run: gemma-2 d256 720.0 -> 712.7, d128 within 0.5%
     # but b1 x 32k 55.3 -> 57.4 in plain launches (the 2026-12-01 reason for the table), fp8 KV 752.0 -> 769.7.
