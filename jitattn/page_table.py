@@ -131,12 +131,17 @@ def _int32_values(name: str, values: np.ndarray) -> np.ndarray:
     return values.astype(np.int32)
 
 
+def positive_int(value, name: str) -> int:
+    """``value`` as an int >= 1: Python's and numpy's ints are taken, a bool, a float or a string is refused."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"{name}={value!r} must be a positive int")
+    return int(value)
+
+
 def _check_page_table(indptr, indices, last_page_len, page_size: int, num_pages: int | None,
                       names: tuple[str, str, str]) -> tuple[int, np.ndarray | None]:
     """``check_page_table``, also returning each request's page count (None without ``indptr``)."""
-    if isinstance(page_size, bool) or not isinstance(page_size, numbers.Integral) or page_size < 1:
-        raise ValueError(f"page_size={page_size!r} must be a positive int")
-    page_size = int(page_size)
+    page_size = positive_int(page_size, "page_size")
     highest = -1
     if indptr is None:
         return highest, None
@@ -186,9 +191,7 @@ def check_paged_index(
     kv_len = (num_pages - 1) * page_size + last_page_len, and 0 for a request with no pages.
     The arrays may be on the host or the device (copied to the host once).
     """
-    if isinstance(page_size, bool) or not isinstance(page_size, numbers.Integral) or page_size < 1:
-        raise ValueError(f"page_size={page_size!r} must be a positive int")
-    page_size = int(page_size)
+    page_size = positive_int(page_size, "page_size")
     indptr_h, indices_h, last_h = to_host_int32_many(names, (indptr, indices, last_page_len))
     highest, pages = _check_page_table(indptr_h, indices_h, last_h, page_size, None, names)
     kv_lens = (pages - 1) * page_size + last_h.numpy()  # pages: int64

@@ -16,6 +16,7 @@ import torch
 
 from .. import env
 from ..abi import POS_ENCODING_CODES
+from ..page_table import positive_int  # noqa: F401  (the base layer's check, shared by the ops through here)
 from ..spec import DType, KVLayout, MaskMode, Op, PosEncoding
 from ..variant import AttentionVariant
 from .launch import AttentionScalars
@@ -100,13 +101,6 @@ def refuse_unsupported(what: str, hint: str = "leave it unset", **arguments: obj
         raise NotImplementedError(
             f"{what}: {', '.join(given)} {'is' if len(given) == 1 else 'are'} not supported by jitattn; {hint}"
         )
-
-
-def positive_int(value, name: str) -> int:
-    """``value`` as an int >= 1: Python's and numpy's ints are taken, a bool, a float or a string is refused."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise ValueError(f"{name}={value!r} must be a positive int")
-    return int(value)
 
 
 def check_head_dim(head_dim: object, name: str = "head_dim") -> int:
