@@ -461,13 +461,16 @@ def single_decode_with_kv_cache(
     return result[0]
 
 
+# One request's k / v shape in each layout, as error messages name it.
+KV_SHAPES = {KVLayout.NHD: "[kv_len, num_kv_heads, head_dim]", KVLayout.HND: "[num_kv_heads, kv_len, head_dim]"}
+
+
 def check_single_kv(what: str, k: torch.Tensor, v: torch.Tensor, layout: KVLayout) -> None:
     """One request's k and v (3-D tensors, checked) against each other: one dtype, one kv_len, one head count."""
     if k.dtype != v.dtype:
         raise TypeError(f"{what}: k is {k.dtype} but v is {v.dtype}; pass k and v of one dtype")
-    shape = "[kv_len, num_kv_heads, head_dim]" if layout is KVLayout.NHD else "[num_kv_heads, kv_len, head_dim]"
     if k.shape[:2] != v.shape[:2]:
-        raise ValueError(f"{what}: k has shape {tuple(k.shape)} but v {tuple(v.shape)}; both are {shape} "
+        raise ValueError(f"{what}: k has shape {tuple(k.shape)} but v {tuple(v.shape)}; both are {KV_SHAPES[layout]} "
                          f"({layout.value.upper()}) with the same kv_len and num_kv_heads")
 
 

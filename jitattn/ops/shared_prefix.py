@@ -9,12 +9,10 @@ from ..runtime.checks import check_tensor
 from ..runtime.merge import merge_state_in_place
 from ..runtime.options import parse_kv_layout, resolve_batch_invariant
 from ..spec import KVLayout
-from .decode import BatchDecodeWithPagedKVCacheWrapper
+from .decode import KV_SHAPES, BatchDecodeWithPagedKVCacheWrapper
 from .prefill import BatchPrefillWithPagedKVCacheWrapper, single_prefill_with_kv_cache
 
 __all__ = ["BatchDecodeWithSharedPrefixPagedKVCacheWrapper", "BatchPrefillWithSharedPrefixPagedKVCacheWrapper"]
-
-_SHAPES = {KVLayout.NHD: "[kv_len, num_kv_heads, head_dim]", KVLayout.HND: "[num_kv_heads, kv_len, head_dim]"}
 
 
 def check_shared_kv(k_shared: torch.Tensor, v_shared: torch.Tensor, kv_layout: str, num_kv_heads: int) -> None:
@@ -29,10 +27,10 @@ def check_shared_kv(k_shared: torch.Tensor, v_shared: torch.Tensor, kv_layout: s
         name_of = layout.value.upper()
         if t.shape[len_dim] == num_kv_heads:  # the other layout's shape
             raise ValueError(f"{name} has shape {tuple(t.shape)}, which does not fit kv_layout {name_of}: this "
-                             f"wrapper expects {_SHAPES[layout]} (num_kv_heads={num_kv_heads}); transpose it, or "
+                             f"wrapper expects {KV_SHAPES[layout]} (num_kv_heads={num_kv_heads}); transpose it, or "
                              "construct the wrapper with the kv_layout it has")
         raise ValueError(f"{name} has {t.shape[heads_dim]} kv heads; the plan has num_kv_heads={num_kv_heads} "
-                         f"({name} is {_SHAPES[layout]} for kv_layout {name_of}: shape {tuple(t.shape)})")
+                         f"({name} is {KV_SHAPES[layout]} for kv_layout {name_of}: shape {tuple(t.shape)})")
     if k_shared.shape[len_dim] != v_shared.shape[len_dim]:
         raise ValueError(f"k_shared has {k_shared.shape[len_dim]} tokens but v_shared has {v_shared.shape[len_dim]}; "
                          "give both the shared prefix's length")
