@@ -21,7 +21,7 @@ from .build_and_publish import build_entry, build_or_find_entry
 from .cache import MANIFEST, entry_problem, find_entry, layers
 from .key import BuildInputs, build_inputs
 from .errors import BuildError, CacheError, CompileDisabledError, JitError, KernelError
-from .loader import Module
+from .loader import LOAD_ERRORS, Module
 from .render import render
 from .toolchain import ToolchainError, default_jobs
 
@@ -129,7 +129,7 @@ def load(spec: VariantSpec) -> Module:
                     raise
             try:
                 module = Module(spec, entry_dir / "lib.so", plan.entries)
-            except (OSError, AttributeError, RuntimeError) as exc:  # its checksum matched: not a torn write
+            except LOAD_ERRORS as exc:  # its checksum matched: not a torn write
                 raise CacheError(
                     f"the cache entry {entry_dir} passes its checksum but does not load here: {exc}. It was built "
                     "against other libraries or toolchain (a cache shared between machines, or imported) or changed "

@@ -84,12 +84,16 @@ class Module:
         return f"Module({self.spec.uri!r}, {str(self.path)!r})"
 
 
+# What loading a library that cannot be this module raises (dlopen, a missing symbol, another ABI or module).
+LOAD_ERRORS = (OSError, AttributeError, RuntimeError)
+
+
 def library_problem(path: Path, uri: str) -> str | None:
     """Why the library at ``path`` is not a loadable module of ``uri`` here (it does not load: built against other
     libraries or damaged; another ABI version; another module), or None."""
     try:
         check_library(path, uri, ())
-    except (OSError, AttributeError, RuntimeError) as exc:
+    except LOAD_ERRORS as exc:
         return f"its library does not load here: {exc}"
     return None
 
