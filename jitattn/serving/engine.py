@@ -203,10 +203,7 @@ class Engine:
             done += self._decode()
         finally:
             for request in done:
-                request.finish_time, request.unread = self.clock(), 0
-                request.finish_reason = "stop" if request.stopped else "length"
-                self.pool.decref(request.pages)
-                request.pages, request.page_tuple = [], ()
+                self._end(request, "stop" if request.stopped else "length")
             self.finished += done
         if not done and not self.prefilling and not self.running and self.waiting:
             wait = self.waiting[0].arrival - self.clock()
@@ -226,18 +223,20 @@ class Engine:
         for queue in (self.waiting, self.prefilling, self.running):
             if request in queue:
                 queue.remove(request)
-                self._give_up(request, str(reason), "abort")
+                self._end(request, "abort", str(reason))
                 return True
         return False
 
-    def _give_up(self, request: Request, reason: str, kind: str) -> None:
-        """End ``request`` (taken out of its queue by the caller) without finishing it (``kind``: its finish_reason).
-        A decode step in flight may still read its pages: anything that writes them again is launched after it, on
-        the same stream."""
-        request.error, request.finish_reason, request.finish_time, request.unread = reason, kind, self.clock(), 0
+    def _end(self, request: Request, finish_reason: str, error: str | None = None) -> None:
+        """Mark ``request`` (taken out of its queue by the caller) ended now and give its KV pages back to the pool (a
+        decode step in flight may still read them: anything that writes them again is launched after it, on the same
+        stream); with an ``error`` it was given up, and is listed in ``failed``."""
+        request.finish_reason, request.finish_time, request.unread = finish_reason, self.clock(), 0
         self.pool.decref(request.pages)
         request.pages, request.page_tuple = [], ()
-        self.failed.append(request)
+        if error is not None:
+            request.error = error
+            self.failed.append(request)
 
     def _admit(self) -> None:
         now = self.clock()
@@ -345,7 +344,7 @@ class Engine:
         """Give up ``request``, whose prefill raised ``error`` (called while it is handled: the log has its trace)."""
         get_logger().warning("prefill of request %d raised; it is given up", request.rid, exc_info=True)
         self.prefilling.remove(request)
-        self._give_up(request, f"prefill failed: {type(error).__name__}: {error}", "error")
+        self._end(request, "error", f"prefill failed: {type(error).__name__}: {error}")
 
     def _prefill_logits(self, chunk: list[tuple[Request, int]]) -> torch.Tensor:
         """The logits of the last token of each (request, tokens) of ``chunk``, its KV written to the pool."""
@@ -478,7 +477,7 @@ class Engine:
                 if bucket not in self.graphs.flat:
                     chosen = None  # a step that captures says nothing of its path's replays
                 logits = self.graphs.flat_graph(bucket).run(seqs, ids)
-                self.stats.graph_steps += 1  # (counted once it ran: a step that raised is retried)
+                self._count_step(True, 0)
                 return logits, chosen, flat_tokens
             if self.cuda_graphs:  # a captured cascade step: any number of groups and levels
                 levels, capacities = padded_cascade_levels(seqs, tree, bucket, ps)
