@@ -50,7 +50,8 @@ def test_row_shift_off_gives_the_padded_pitch():
 @pytest.mark.parametrize("hd,group", [(128, 1), (128, 4), (64, 8), (128, 8)])
 def test_the_short_items_layout_differs_only_in_its_occupancy_constants(hd, group):
     """16-bit KV at head dims 64 / 128: a second layout of more resident blocks, fewer stages and less shared memory
-    (its pipeline and merge staging), every other constant (tiles, pitches, threads) the default's."""
+    (its pipeline and merge staging), every other constant (by default its tiles too; pitches, threads) the
+    default's."""
     spec = _spec(hd, group=group)
     default, short = cuda_layout(spec), short_items_layout(spec)
     assert short is not None
@@ -69,6 +70,31 @@ def test_specs_outside_the_short_items_set_have_one_layout(case):
                                 pos_encoding="rope", use_sliding_window=False, use_logits_soft_cap=False)}[case]
     assert short_items_layout(spec) is None
     assert not has_short_items_layout(spec)
+
+
+def test_the_short_items_layout_of_small_rows_may_take_shorter_tiles(monkeypatch):
+    """16-bit KV at head dim 64 (a token's K + V rows 256 bytes): the short-items layout's own blocks and steps per
+    stage (``mma_*_short_small_rows``), so four blocks of 64-token stages sit beside the default's two of 128; the
+    kernel takes every tile constant from its layout (each struct holds its own)."""
+    monkeypatch.setitem(TUNING, "mma_blocks_per_sm_short_small_rows", 4)
+    monkeypatch.setitem(TUNING, "mma_steps_short_small_rows", 1)
+    short_items_layout.cache_clear()
+    try:
+        spec = _spec(64, group=8)
+        default, short = cuda_layout(spec), short_items_layout(spec)
+        assert short is not None and short["kMinBlocks"] == 4 and default["kMinBlocks"] == 2
+        assert (short["kTileTokens"], default["kTileTokens"]) == (64, 128) and short["kSteps"] == 1
+        assert short["kSmemBytes"] * 4 <= TUNING["smem_per_sm"] and short["kStages"] >= 2
+        assert {k for k in default if default[k] != short[k]} <= set(LAYOUT_CONSTANTS)
+        source = render(spec)["kernel.cu"]
+        for name, lay in (("DefaultLayout", default), ("ShortItemsLayout", short)):
+            struct = source.split(f"struct {name} {{")[1].split("};")[0]
+            assert f"kTileTokens = {lay['kTileTokens']};" in struct and f"kSteps = {lay['kSteps']};" in struct
+        assert "constexpr int kTileTokens" not in source.split("struct DefaultLayout")[0]
+        # head dim 128 keeps its short layout (the small-rows knobs do not reach it)
+        assert short_items_layout(_spec(128, group=4))["kMinBlocks"] == TUNING["mma_blocks_per_sm_short"]
+    finally:
+        short_items_layout.cache_clear()
 
 
 def test_the_short_items_layout_is_rendered_beside_the_default():

@@ -84,8 +84,12 @@ TUNING: dict[str, int] = {
     "mma_blocks_per_sm": 2,    # resident blocks the tensor-core path is sized for (shared memory, registers)
     "mma_blocks_per_sm_fp8": 3,  # ... with fp8 KV (half the bytes per stage: more blocks keep as many in flight)
     # Resident blocks of the module's second tensor-core layout, for many short requests (see short_items_layout);
-    # 0: modules have none.
+    # 0: modules have none (the next knob's specs: set that one).
     "mma_blocks_per_sm_short": 3,
+    # ... and its resident blocks and 16-token steps per warp and stage where a token's K + V rows are at most 256
+    # bytes (16-bit head dim 64; see mma_steps_small_rows): the layout's tiles may be shorter than the default's.
+    "mma_blocks_per_sm_short_small_rows": 3,
+    "mma_steps_short_small_rows": 2,
     "mma_steps": 1,            # 16-token steps per warp per pipeline stage on the tensor-core path
     # ... when a token's K + V rows are at most 256 bytes (16-bit head dim 64): two steps make 32 KiB stages
     # as at head dim 128, halving the per-stage costs (barrier, softmax update, page lookups) per byte. H200,
@@ -163,14 +167,17 @@ def resident_blocks(spec: VariantSpec) -> int:
 
 
 # The constants in which a module's two tensor-core layouts differ (the rest are the module's).
-LAYOUT_CONSTANTS = ("kMinBlocks", "kStages", "kQOffset", "kPipeBytes", "kSmemBytes", "kMergeStageFloats")
+LAYOUT_CONSTANTS = ("kMinBlocks", "kStages", "kQOffset", "kPipeBytes", "kSmemBytes", "kMergeStageFloats", "kSteps",
+                    "kTileTokens", "kLoadsK", "kLoadsV", "kTabPerThread", "kKStageBytes", "kVStageBytes")
 
 
 @functools.lru_cache(maxsize=256)
 def short_items_layout(spec: VariantSpec) -> dict[str, int] | None:
     """The module's second tensor-core layout, for a plan of many short requests (None: the module has one layout).
 
-    ``mma_blocks_per_sm_short`` resident blocks of two stages each instead of two blocks of three: a request of a
+    ``mma_blocks_per_sm_short`` (``_small_rows`` at 16-bit head dim 64, with its own ``mma_steps_short_small_rows``
+    per stage: the layouts may differ in tile length too) resident blocks of two stages each instead of two blocks
+    of three: a request of a
     few tiles spends most of its block's time in the prologue's chain of memory latencies (page ids, row
     addresses, the first stages), and a third block per SM streams meanwhile. H200, 2026-12-04 (x) (events, L2
     evicted): 128 requests x 96 / 256 / 2048 tokens 31.6 -> 28.8, 48.1 -> 44.3, 255 -> 247 us; 128 requests
@@ -179,14 +186,24 @@ def short_items_layout(spec: VariantSpec) -> dict[str, int] | None:
     requests or shared pages (``kv_split.short_items_split``). Only for 16-bit KV at head dims 64 and 128 without
     RoPE or a variant, one head tile: their kernels fit the three blocks' register cap (156-168 registers in this
     layout, no spills)."""
-    blocks = TUNING["mma_blocks_per_sm_short"]
+    small_rows = _small_rows(spec)
+    blocks = TUNING["mma_blocks_per_sm_short_small_rows" if small_rows else "mma_blocks_per_sm_short"]
     base = cuda_layout(spec)
     if (not blocks or not base["kMma"] or blocks <= base["kMinBlocks"] or spec.kv_dtype.is_fp8
             or spec.variant is not None or spec.pos_encoding is PosEncoding.ROPE_LLAMA or spec.group_size > 8
             or spec.head_dim_qk not in (64, 128) or spec.head_dim_vo != spec.head_dim_qk):
         return None
-    short = cuda_layout(spec, {"mma_blocks_per_sm": blocks})
+    tuning = {"mma_blocks_per_sm": blocks}
+    if small_rows:
+        tuning["mma_steps_small_rows"] = TUNING["mma_steps_short_small_rows"]
+    short = cuda_layout(spec, tuning)
     return short if short["kMinBlocks"] == blocks else None
+
+
+def _small_rows(spec: VariantSpec) -> bool:
+    """Whether a token's K + V rows are at most 256 bytes (16-bit KV at head dim 64 or less): the tensor-core path
+    then takes ``mma_steps_small_rows`` steps per stage."""
+    return not spec.kv_dtype.is_fp8 and (spec.head_dim_qk + spec.head_dim_vo) * spec.kv_dtype.itemsize <= 256
 
 
 def _whole_lines(*row_bytes: int) -> bool:
@@ -242,8 +259,7 @@ def _mma_layout(spec: VariantSpec, t: dict[str, int]) -> dict[str, int]:
     else:
         k_pitch, v_pitch = _pitch(dqk * elem), _pitch(dvo * elem)
     q_pitch = _pitch(dqk * 2)
-    small_rows = not spec.kv_dtype.is_fp8 and (dqk + dvo) * elem <= 256
-    steps = t["mma_steps_small_rows"] if small_rows else t["mma_steps"]
+    steps = t["mma_steps_small_rows"] if _small_rows(spec) else t["mma_steps"]
     tile_tokens = nw * 16 * steps  # a barrier per stage: per `steps` 16-token steps of each warp
     k_stage, v_stage = tile_tokens * k_pitch, tile_tokens * v_pitch
     stage_bytes = k_stage + v_stage + tile_tokens * 16  # + the stage's row-offset table
