@@ -175,11 +175,10 @@ LAYOUT_CONSTANTS = ("kMinBlocks", "kStages", "kQOffset", "kPipeBytes", "kSmemByt
 def short_items_layout(spec: VariantSpec) -> dict[str, int] | None:
     """The module's second tensor-core layout, for a plan of many short requests (None: the module has one layout).
 
-    ``mma_blocks_per_sm_short`` (``_small_rows`` at 16-bit head dim 64, with its own ``mma_steps_short_small_rows``
-    per stage: the layouts may differ in tile length too) resident blocks of two stages each instead of two blocks
-    of three: a request of a
-    few tiles spends most of its block's time in the prologue's chain of memory latencies (page ids, row
-    addresses, the first stages), and a third block per SM streams meanwhile. H200, 2026-12-04 (x) (events, L2
+    ``mma_blocks_per_sm_short`` resident blocks of two stages each instead of two blocks of three (at 16-bit head
+    dim 64 ``mma_blocks_per_sm_short_small_rows``, and ``mma_steps_short_small_rows`` steps per stage: the layouts
+    may differ in tile length too): a request of a few tiles spends most of its block's time in the prologue's chain
+    of memory latencies (page ids, row addresses, the first stages), and a third block per SM streams meanwhile. H200, 2026-12-04 (x) (events, L2
     evicted): 128 requests x 96 / 256 / 2048 tokens 31.6 -> 28.8, 48.1 -> 44.3, 255 -> 247 us; 128 requests
     over 8k shared pages 554 -> 465 us; but 32 requests (split) up to 35% slower, b64 x 2048 (512 blocks, 1.3
     waves of three) 129 -> 141, b1 x 32k 46 -> 55. The plan takes it for unsplit batches of many blocks of short
