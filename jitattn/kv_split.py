@@ -133,17 +133,26 @@ def decode_kv_split(
 # (fewer, longer blocks) lose up to 35%.
 SHORT_ITEMS_MIN_BLOCKS_PER_SM = 6
 SHORT_ITEMS_MAX_TOKENS = 1024  # ... a request of at most this many tokens is short
+# ... or, with a short-items layout of at least this many resident blocks (16-bit head dim 64: four blocks of 64-token
+# stages), fewer blocks that its one wave holds and the default layout's does not. H200, 2026-12-05 (h) (events, L2
+# evicted): gpt-oss window 128, 64 requests x 8 KV heads (3.9 blocks per SM): 16.6 us in the default layout, 15.7
+# in three blocks of 128-token stages, 13.0 in four of 64 (SDPA 13.8); with sinks 17.2 -> 13.3.
+SHORT_ITEMS_ONE_WAVE_MIN_BLOCKS = 4
 
 
 def short_items_split(split: KVSplit, index: PagedIndex, num_kv_heads: int, num_sms: int,
-                      window_left: int = -1) -> KVSplit:
-    """``split`` with ``short_items`` set when it is unsplit, has ``SHORT_ITEMS_MIN_BLOCKS_PER_SM`` blocks per SM, and
-    either every request is short (``SHORT_ITEMS_MAX_TOKENS``; a sliding window of ``window_left`` >= 0 reads at most
-    ``window_left + 1`` tokens of each) or the page table references its pages at least twice over on average (its
-    highest page id below half the references: the re-reads come from L2). The caller checks that the module has
-    the layout."""
+                      window_left: int = -1, blocks_per_sm: tuple[int, int] = (0, 0)) -> KVSplit:
+    """``split`` with ``short_items`` set when it is unsplit, has ``SHORT_ITEMS_MIN_BLOCKS_PER_SM`` blocks per SM (or
+    fits one wave of a short-items layout of ``SHORT_ITEMS_ONE_WAVE_MIN_BLOCKS`` and not one of the default's:
+    ``blocks_per_sm`` is the module's (default, short-items) resident blocks), and either every request is short
+    (``SHORT_ITEMS_MAX_TOKENS``; a sliding window of ``window_left`` >= 0 reads at most ``window_left + 1`` tokens of
+    each) or the page table references its pages at least twice over on average (its highest page id below half the
+    references: the re-reads come from L2). The caller checks that the module has the layout."""
     blocks = index.batch_size * num_kv_heads
-    if split.kv_chunk_size or blocks < SHORT_ITEMS_MIN_BLOCKS_PER_SM * num_sms:
+    default_blocks, short_blocks = blocks_per_sm
+    one_wave = (short_blocks >= SHORT_ITEMS_ONE_WAVE_MIN_BLOCKS
+                and default_blocks * num_sms < blocks <= short_blocks * num_sms)
+    if split.kv_chunk_size or (blocks < SHORT_ITEMS_MIN_BLOCKS_PER_SM * num_sms and not one_wave):
         return split
     longest = int(index.kv_len_array.max())
     if window_left >= 0:

@@ -86,6 +86,7 @@ HD256 = {"bf16_g1": dspec(hd=256, g=1), "f16_g8_hnd_window": dspec(q=f16, hd=256
          "bf16_g5_alibi_cap": dspec(hd=256, g=5, pos="alibi", cap=True)}
 # Specs whose module has the short-items layout (three blocks of two stages): head dims 64 / 128, 16-bit KV, no RoPE.
 SHORT_ITEMS = {"bf16_g4": BASE, "f16_g1": dspec(q=f16, g=1), "bf16_hd64_g8": dspec(hd=64, g=8), "window": SWA,
+               "hd64_g8_window": dspec(hd=64, g=8, swa=True),
                "softcap": SOFTCAP, "alibi_g7_hnd": dspec(g=7, pos="alibi", layout="hnd")}
 COMBO = dspec(pos="rope", swa=True, cap=True)
 COMBO_ALIBI = dspec(q=f16, hd=96, g=5, pos="alibi", swa=True, cap=True, layout="hnd")
@@ -366,7 +367,8 @@ def test_alibi_window_softcap_hnd():
 
 @pytest.mark.parametrize("name", list(SHORT_ITEMS))
 def test_short_items_layout_gives_the_default_layouts_bits(name):
-    """The short-items layout (more resident blocks, two stages) computes every tile as the default one does:
+    """The short-items layout (more resident blocks; fewer stages, or at head dim 64 shorter ones whose tokens each
+    warp takes in the default layout's order) computes every tile as the default one does:
     against the reference, and bit for bit the default layout's output, whole and split (the split-KV merge
     stages through its smaller shared memory)."""
     spec = SHORT_ITEMS[name]

@@ -7,7 +7,10 @@ import torch
 
 from jitattn.jit import has_short_items_layout, render
 from jitattn.kernels.decode import LAYOUT_CONSTANTS, TUNING, cuda_layout, short_items_layout
-from jitattn.kv_split import SHORT_ITEMS_MAX_TOKENS, SHORT_ITEMS_MIN_BLOCKS_PER_SM, decode_kv_split, short_items_split
+from jitattn.kv_split import (
+    SHORT_ITEMS_MAX_TOKENS, SHORT_ITEMS_MIN_BLOCKS_PER_SM, SHORT_ITEMS_ONE_WAVE_MIN_BLOCKS, decode_kv_split,
+    short_items_split, unsplit,
+)
 from jitattn.page_table import check_paged_index
 from jitattn.spec import VariantSpec
 
@@ -49,14 +52,16 @@ def test_row_shift_off_gives_the_padded_pitch():
 
 @pytest.mark.parametrize("hd,group", [(128, 1), (128, 4), (64, 8), (128, 8)])
 def test_the_short_items_layout_differs_only_in_its_occupancy_constants(hd, group):
-    """16-bit KV at head dims 64 / 128: a second layout of more resident blocks, fewer stages and less shared memory
-    (its pipeline and merge staging), every other constant (by default its tiles too; pitches, threads) the
-    default's."""
+    """16-bit KV at head dims 64 / 128: a second layout of more resident blocks and less shared memory (its
+    pipeline and merge staging: fewer stages, or at head dim 64 shorter ones), every other constant (pitches,
+    threads) the default's."""
     spec = _spec(hd, group=group)
     default, short = cuda_layout(spec), short_items_layout(spec)
     assert short is not None
-    assert short["kMinBlocks"] == TUNING["mma_blocks_per_sm_short"] > default["kMinBlocks"]
-    assert short["kStages"] < default["kStages"] and short["kStages"] >= 2
+    knob = "mma_blocks_per_sm_short_small_rows" if hd == 64 else "mma_blocks_per_sm_short"
+    assert short["kMinBlocks"] == TUNING[knob] > default["kMinBlocks"]
+    assert short["kPipeBytes"] < default["kPipeBytes"] and short["kStages"] >= 2
+    assert short["kStages"] < default["kStages"] or short["kTileTokens"] < default["kTileTokens"]
     assert short["kSmemBytes"] * short["kMinBlocks"] <= TUNING["smem_per_sm"]
     assert {k for k in default if default[k] != short[k]} <= set(LAYOUT_CONSTANTS)
     assert short["kQOffset"] == (short["kStages"] - 1) * short["kKStageBytes"]
@@ -137,6 +142,25 @@ def test_many_unsplit_blocks_of_short_or_shared_requests_take_the_short_items_la
     assert marked.short_items is expected
     assert marked.kv_chunk_size == split.kv_chunk_size and marked.split_indptr == split.split_indptr
     assert (SHORT_ITEMS_MIN_BLOCKS_PER_SM, SHORT_ITEMS_MAX_TOKENS) == (6, 1024)
+
+
+@pytest.mark.parametrize("batch,blocks_per_sm,window_left,expected", [
+    (64, (2, 4), 127, True),     # 512 blocks: one wave of four (528), not of two (264): gpt-oss's window 128
+    (64, (2, 3), 127, False),    # ... a layout of three blocks would take 1.3 waves
+    (66, (2, 4), 127, True),     # 528: exactly one wave of four
+    (67, (2, 4), 127, False),    # 536: more than one wave of four, under 6 a SM
+    (33, (2, 4), 127, False),    # 264: one wave of the default layout already
+    (34, (2, 4), 127, True),     # 272
+    (64, (2, 4), -1, False),     # long requests of their own pages
+    (64, (0, 0), 127, False),    # the layouts not given: the 6-a-SM rule alone
+])
+def test_a_short_items_layout_of_four_blocks_takes_the_batches_its_one_wave_holds(batch, blocks_per_sm, window_left,
+                                                                                  expected):
+    """Fewer than SHORT_ITEMS_MIN_BLOCKS_PER_SM blocks a SM take the short-items layout when it has at least
+    SHORT_ITEMS_ONE_WAVE_MIN_BLOCKS resident blocks and its one wave holds every block where the default's does not."""
+    index = _index([8192] * batch)
+    assert short_items_split(unsplit(batch), index, 8, 132, window_left, blocks_per_sm).short_items is expected
+    assert SHORT_ITEMS_ONE_WAVE_MIN_BLOCKS == 4
 
 
 @pytest.mark.parametrize("window_left,expected", [(-1, False), (127, True), (1023, True), (1024, False)])

@@ -331,6 +331,8 @@ DECODE: list[Attn] = [
     *_with_twins(_decode("gptoss_window128_b64_s8192", 64, 8192, num_qo_heads=64, head_dim=64, window_left=127,
                          note="SDPA over the window's 128 keys"), batch_invariant=False),
     *_with_twins(_decode("gptoss_b64_s8192", 64, 8192, num_qo_heads=64, head_dim=64)),
+    _decode("gptoss_b128_s1024", 128, 1024, num_qo_heads=64, head_dim=64,
+            note="short requests: 1024 blocks, the short-items layout"),
     _decode("fp8kv_b256_s4096", 256, 4096, kv_dtype="e4m3"),
     _decode("llama8b_b64_s2048_page1", 64, 2048, page_size=1),
     _decode("llama8b_b64_s2048_rope", 64, 2048, pos_encoding="ROPE_LLAMA"),

@@ -28,7 +28,7 @@ from .toolchain import ToolchainError, default_jobs
 __all__ = [
     "BuildError", "BuildResult", "CacheError", "CompileDisabledError", "JitError", "KernelError", "Module",
     "ToolchainError", "build_many", "compile_count", "has_short_items_layout", "load", "render", "resident_blocks",
-    "warm_command",
+    "short_items_blocks", "warm_command",
 ]
 
 _registry: dict[VariantSpec, Module] = {}
@@ -45,11 +45,17 @@ def resident_blocks(spec: VariantSpec) -> int:
     return facts(spec) if facts is not None else 2
 
 
-def has_short_items_layout(spec: VariantSpec) -> bool:
-    """Whether the cuda module of ``spec`` has a second layout for plans of many short requests (the decode
-    kernel's, ``kernels.decode.short_items_layout``)."""
+def short_items_blocks(spec: VariantSpec) -> int:
+    """Resident blocks per SM of the cuda module's second layout for plans of many short requests (the decode
+    kernel's, ``kernels.decode.short_items_layout``); 0: the module has none."""
     facts = getattr(family(spec.op), "short_items_layout", None)
-    return spec.target is Target.CUDA and facts is not None and facts(spec) is not None
+    layout = facts(spec) if spec.target is Target.CUDA and facts is not None else None
+    return layout["kMinBlocks"] if layout is not None else 0
+
+
+def has_short_items_layout(spec: VariantSpec) -> bool:
+    """Whether the cuda module of ``spec`` has a second layout for plans of many short requests."""
+    return short_items_blocks(spec) > 0
 
 
 def warm_command(spec: VariantSpec) -> str:

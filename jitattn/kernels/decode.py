@@ -88,6 +88,10 @@ TUNING: dict[str, int] = {
     "mma_blocks_per_sm_short": 3,
     # ... and its resident blocks and 16-token steps per warp and stage where a token's K + V rows are at most 256
     # bytes (16-bit head dim 64; see mma_steps_small_rows): the layout's tiles may be shorter than the default's.
+    # H200, 2026-12-05 (h): gpt-oss window 128 (64 requests x 8 KV heads, one wave of four: kv_split's
+    # SHORT_ITEMS_ONE_WAVE_MIN_BLOCKS) 16.6 us in the default layout, 15.7 in three blocks of 128-token stages, 13.0
+    # in four of 64 (SDPA 13.8). ptxas: 128 registers, 8 bytes of spill at d64 g8 window. Not the default until the
+    # decode GPU tests have run in that form (tests/test_decode_cuda.py's short-items cases at head dim 64).
     "mma_blocks_per_sm_short_small_rows": 3,
     "mma_steps_short_small_rows": 2,
     "mma_steps": 1,            # 16-token steps per warp per pipeline stage on the tensor-core path
@@ -122,6 +126,8 @@ TUNING: dict[str, int] = {
     # (docs/benchmarks/h100-2026-12-05-page-ids.txt), 1024 -> 0 (us): phi-3 d96 b64 x 4096 1112.7 -> 1093.0,
     # gpt-oss d64 b64 x 8192 372.1 -> 365.0. Elsewhere one run: gemma-2 d256 720.0 -> 712.7, d128 within 0.5%
     # but b1 x 32k 55.3 -> 57.4 in plain launches (the 2026-12-01 reason for the table), fp8 KV 752.0 -> 769.7.
+    # H200 (2026-12-05 (h), one run): phi-3 766.8 -> 763.9, but gpt-oss d64 256.9 -> 260.5 and gemma-2 497.8 ->
+    # 499.6: d64 stays at 0 until a second H200 run confirms it, with its short-items layout (measured with 0).
     "page_ids_d64_d96": 0,
     # Development only: 1 stamps each block's first work item with %globaltimer at its phases
     # (``jitattn_decode_trace`` copies them out; tools/trace_decode.py). 0 renders no trace code. The

@@ -15,7 +15,7 @@ from ..runtime.launch import PreparedAttention
 from ..runtime.options import (
     PAGE_TABLE_HINT, fp8_scale, parse_kv_layout, positive_int, refuse_unsupported, resolve_batch_invariant,
 )
-from ..jit import has_short_items_layout, load, resident_blocks
+from ..jit import load, resident_blocks, short_items_blocks
 from ..page_table import PagedIndex, check_paged_index, to_host_int32
 from ..kv_split import (
     MAX_RESIDENT_BLOCKS, KVSplit, check_fixed_split_size, decode_kv_split, max_decode_chunks, short_items_split,
@@ -168,9 +168,11 @@ class BatchDecodeWithPagedKVCacheWrapper(BatchWrapperBase):
 
     def _with_layout(self, split: KVSplit, spec, num_kv_heads: int, index: PagedIndex, window_left: int) -> KVSplit:
         """``split``, marked for the module's short-items layout when it has one and the plan suits it."""
-        if not has_short_items_layout(spec):
+        short_blocks = short_items_blocks(spec)
+        if not short_blocks:
             return split
-        return short_items_split(split, index, num_kv_heads, num_workers(self._device), window_left)
+        return short_items_split(split, index, num_kv_heads, num_workers(self._device), window_left,
+                                 (resident_blocks(spec), short_blocks))
 
     def _launch_to_reuse(self, key: tuple, spec) -> PreparedAttention | None:
         """The last plan's launch when its struct was filled from ``key`` (kernel, options, batch, page size,
