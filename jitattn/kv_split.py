@@ -54,7 +54,7 @@ class KVSplit:
     split_indptr: tuple[int, ...]  # first chunk index of each request; len batch + 1
     # split_indptr as int32 when the planner computed it so (host_indptr then converts nothing)
     indptr_array: np.ndarray | None = field(default=None, compare=False, repr=False)
-    # the cuda decode module's short-items layout (more resident blocks, fewer stages): see short_items_split
+    # the cuda decode module's short-items layout (more resident blocks, fewer or shorter stages): see short_items_split
     short_items: bool = False
 
     @property
@@ -143,7 +143,7 @@ SHORT_ITEMS_ONE_WAVE_MIN_BLOCKS = 4
 def short_items_split(split: KVSplit, index: PagedIndex, num_kv_heads: int, num_sms: int,
                       window_left: int = -1, blocks_per_sm: tuple[int, int] = (0, 0)) -> KVSplit:
     """``split`` with ``short_items`` set when it is unsplit, has ``SHORT_ITEMS_MIN_BLOCKS_PER_SM`` blocks per SM (or
-    fits one wave of a short-items layout of ``SHORT_ITEMS_ONE_WAVE_MIN_BLOCKS`` and not one of the default's:
+    fits one wave of a short-items layout of at least ``SHORT_ITEMS_ONE_WAVE_MIN_BLOCKS`` and not the default's:
     ``blocks_per_sm`` is the module's (default, short-items) resident blocks), and either every request is short
     (``SHORT_ITEMS_MAX_TOKENS``; a sliding window of ``window_left`` >= 0 reads at most ``window_left + 1`` tokens of
     each) or the page table references its pages at least twice over on average (its highest page id below half the

@@ -51,7 +51,7 @@ def test_row_shift_off_gives_the_padded_pitch():
 
 
 @pytest.mark.parametrize("hd,group", [(128, 1), (128, 4), (64, 8), (128, 8)])
-def test_the_short_items_layout_differs_only_in_its_occupancy_constants(hd, group):
+def test_the_short_items_layout_differs_only_in_its_layout_constants(hd, group):
     """16-bit KV at head dims 64 / 128: a second layout of more resident blocks and less shared memory (its
     pipeline and merge staging: fewer stages, or at head dim 64 shorter ones), every other constant (pitches,
     threads) the default's."""

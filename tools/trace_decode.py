@@ -52,7 +52,8 @@ def run_case(name: str, lens: list[int], hq: int, hkv: int, d: int, window: int)
     times, scrub = evicted_event_times(lambda: w.run(q, cache, out=out), dev)
     spec = w._plan.spec  # the planned kernel's spec: its module (the loader returns the loaded one)
     lib = jitattn.load(spec)._lib
-    layout = decode.cuda_layout(spec)
+    # the layout the plan launched (the short-items one may have shorter tiles)
+    layout = (decode.short_items_layout(spec) if w._plan.split.short_items else None) or decode.cuda_layout(spec)
     tile_bytes = layout["kTileTokens"] * (layout["kDQK"] + layout["kDVO"]) * layout["kElemBytes"]  # K + V read
     torch.cuda.synchronize()
     lib.jitattn_decode_trace_clear()  # the last launch below is the one read back

@@ -448,10 +448,8 @@ BY_NAME: dict[str, Case] = {c.name: c for c in ALL_CASES}
 
 QUICK: tuple[str, ...] = (
     "decode/llama8b_b64_s2048", "decode/llama8b_b1_s32768", "decode/skewed_b64", "decode/fp8kv_b256_s4096",
-    "prefill/llama8b_causal_b8_s4096", "prefill/llama8b_causal_varlen",
-    "cascade/b128_shared8192_u256",
-    "variants/plain_decode_b64_s4096", "variants/decode_softcap_b64_s4096",
-    "mla/b64_s4096_p64",
+    "prefill/llama8b_causal_b8_s4096", "prefill/llama8b_causal_varlen", "cascade/b128_shared8192_u256",
+    "variants/plain_decode_b64_s4096", "variants/decode_softcap_b64_s4096", "mla/b64_s4096_p64",
     "jit/import_jitattn", "jit/build", "jit/run_overhead_decode", "jit/plan_decode_b256",
 )
 

@@ -70,8 +70,8 @@ kernels ignore it): null, or float32 device scales multiplying the scalar ones -
 read; FlashInfer's fp8 prefill takes per-head ones).
 
 ``short_items`` (the cuda decode kernel; others ignore it): 1 launches the module's short-items layout (more
-resident blocks with fewer stages: ``kernels.decode.short_items_layout``), which a plan of many short requests
-takes; a module without one refuses it.
+resident blocks with fewer or shorter stages: ``kernels.decode.short_items_layout``), which a plan of many short
+requests takes; a module without one refuses it.
 """
 
 from __future__ import annotations

@@ -91,7 +91,7 @@ TUNING: dict[str, int] = {
     # H200, 2026-12-05 (h): gpt-oss window 128 (64 requests x 8 KV heads, one wave of four: kv_split's
     # SHORT_ITEMS_ONE_WAVE_MIN_BLOCKS) 16.6 us in the default layout, 15.7 in three blocks of 128-token stages, 13.0
     # in four of 64 (SDPA 13.8). ptxas: 128 registers, 8 bytes of spill at d64 g8 window. Not the default until the
-    # decode GPU tests have run in that form (tests/test_decode_cuda.py's short-items cases at head dim 64).
+    # decode GPU tests have run in that form and the other plans it changes are timed (docs/kernels/decode.md).
     "mma_blocks_per_sm_short_small_rows": 3,
     "mma_steps_short_small_rows": 2,
     "mma_steps": 1,            # 16-token steps per warp per pipeline stage on the tensor-core path
@@ -184,13 +184,14 @@ def short_items_layout(spec: VariantSpec) -> dict[str, int] | None:
     ``mma_blocks_per_sm_short`` resident blocks of two stages each instead of two blocks of three (at 16-bit head
     dim 64 ``mma_blocks_per_sm_short_small_rows``, and ``mma_steps_short_small_rows`` steps per stage: the layouts
     may differ in tile length too): a request of a few tiles spends most of its block's time in the prologue's chain
-    of memory latencies (page ids, row addresses, the first stages), and a third block per SM streams meanwhile. H200, 2026-12-04 (x) (events, L2
-    evicted): 128 requests x 96 / 256 / 2048 tokens 31.6 -> 28.8, 48.1 -> 44.3, 255 -> 247 us; 128 requests
-    over 8k shared pages 554 -> 465 us; but 32 requests (split) up to 35% slower, b64 x 2048 (512 blocks, 1.3
-    waves of three) 129 -> 141, b1 x 32k 46 -> 55. The plan takes it for unsplit batches of many blocks of short
-    requests or shared pages (``kv_split.short_items_split``). Only for 16-bit KV at head dims 64 and 128 without
-    RoPE or a variant, one head tile: their kernels fit the three blocks' register cap (156-168 registers in this
-    layout, no spills)."""
+    of memory latencies (page ids, row addresses, the first stages), and a third block per SM streams meanwhile.
+    H200, 2026-12-04 (x) (events, L2 evicted): 128 requests x 96 / 256 / 2048 tokens 31.6 -> 28.8, 48.1 -> 44.3, 255
+    -> 247 us; 128 requests over 8k shared pages 554 -> 465 us; but 32 requests (split) up to 35% slower, b64 x 2048
+    (512 blocks, 1.3 waves of three) 129 -> 141, b1 x 32k 46 -> 55. The plan takes it for unsplit batches of many
+    blocks of short requests or shared pages (``kv_split.short_items_split``). Only for 16-bit KV at head dims 64
+    and 128 without RoPE or a variant, one head tile: their kernels fit the three blocks' register cap (156-168
+    registers in this layout, no spills; four blocks of 64-token stages at d64 g8 with a window: 128 registers, 8
+    bytes of spill)."""
     small_rows = _small_rows(spec)
     blocks = TUNING["mma_blocks_per_sm_short_small_rows" if small_rows else "mma_blocks_per_sm_short"]
     base = cuda_layout(spec)
