@@ -84,7 +84,7 @@ TUNING: dict[str, int] = {
     "mma_blocks_per_sm": 2,    # resident blocks the tensor-core path is sized for (shared memory, registers)
     "mma_blocks_per_sm_fp8": 3,  # ... with fp8 KV (half the bytes per stage: more blocks keep as many in flight)
     # Resident blocks of the module's second tensor-core layout, for many short requests (see short_items_layout);
-    # 0: modules have none (the next knob's specs: set that one).
+    # 0: modules have none (at 16-bit head dim 64 the next knob decides instead).
     "mma_blocks_per_sm_short": 3,
     # ... and its resident blocks and 16-token steps per warp and stage where a token's K + V rows are at most 256
     # bytes (16-bit head dim 64; see mma_steps_small_rows): the layout's tiles may be shorter than the default's.
