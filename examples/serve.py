@@ -81,7 +81,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cascade-depth", type=int, help="at most this many shared levels per cascade step (default: "
                    "the prefix tree's depth on the cpu, its cheapest cut on cuda; 1: one node per prefix group, the "
                    "two-level cascade)")
-    p.add_argument("--graphs", action="store_true", help="replay CUDA graphs of the decode step, flat and cascade (cuda)")
+    p.add_argument("--graphs", action="store_true",
+                   help="replay CUDA graphs of the decode step, flat and cascade (cuda)")
     p.add_argument("--tp", type=count(1), default=1, help="tensor-parallel degree (launch with torchrun)")
     p.add_argument("--page-size", type=count(1), default=16)
     p.add_argument("--num-pages", type=count(2), help="KV pool pages (default: room for every request at once without "
