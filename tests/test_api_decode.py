@@ -173,6 +173,30 @@ def test_any_split_gives_the_same_answer_as_no_split(device: str, fixed_split_si
     torch.testing.assert_close(results[0][0].float(), results[1][0].float(), atol=1e-2, rtol=1e-2)
 
 
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("window_left", [0, 40, 100])
+def test_a_windowed_split_cuts_only_the_window(device: str, window_left: int) -> None:
+    """Under a sliding window the split plan cuts the tokens each request reads (min(kv_len, window_left + 1)), and
+    the kernels count those chunks from the window's first token (mid-page): exact, with fewer chunks."""
+    gen = torch.Generator().manual_seed(window_left)
+    lens, pages, chunk = [1, 100, 0, 700, 33, 1500], 3, 3 * 16
+    batch = random_paged_batch(lens, 2, 64, 16, bf16, device=device, generator=gen)
+    q = torch.randn(len(lens), 8, 64, generator=gen).to(bf16).to(device)
+    wrapper = jitattn.BatchDecodeWithPagedKVCacheWrapper(torch.empty(16 << 20, dtype=torch.uint8, device=device))
+    wrapper.plan(batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len, 8, 2, 64, 16, q_data_type=bf16,
+                 window_left=window_left, fixed_split_size=pages)
+    indptr = wrapper._plan.split.split_indptr
+    assert [indptr[i + 1] - indptr[i] for i in range(len(lens))] == [max(1, -(-min(n, window_left + 1) // chunk))
+                                                                     for n in lens]
+    out = torch.full((len(lens), 8, 64), float("nan"), dtype=bf16, device=device)
+    lse = torch.full((len(lens), 8), float("nan"), device=device)
+    wrapper.run(q, batch.cache, out=out, lse=lse)
+    ref_o, ref_lse = reference.batch_decode_paged(q, batch.cache, batch.kv_indptr, batch.kv_indices,
+                                                  batch.kv_last_page_len, window_left=window_left)
+    assert_close_out(out, ref_o, bf16)
+    assert_close_lse(lse, ref_lse)
+
+
 def test_workspace_too_small_for_the_split_is_refused_at_plan() -> None:
     batch = random_paged_batch([700], 2, 128, 16, bf16)
     wrapper = jitattn.BatchDecodeWithPagedKVCacheWrapper(torch.empty(1000, dtype=torch.uint8))
