@@ -67,6 +67,12 @@ class KVSplit:
         return torch.from_numpy(array)
 
 
+def window_lens(kv_lens: np.ndarray, window_left: int) -> np.ndarray:
+    """The tokens each decode request reads under a sliding window of ``window_left`` (-1: none): what its split
+    chunks cover (the kernels count a windowed request's chunks from the window's first token)."""
+    return np.minimum(kv_lens, window_left + 1) if window_left >= 0 else kv_lens
+
+
 @functools.lru_cache(maxsize=64)
 def unsplit(batch: int) -> KVSplit:
     """The plan of ``batch`` requests each in one piece (one immutable value per batch size)."""

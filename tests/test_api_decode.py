@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import pytest
 import torch
 
@@ -171,6 +172,56 @@ def test_any_split_gives_the_same_answer_as_no_split(device: str, fixed_split_si
         assert_close_out(out, ref_o, bf16)
         assert_close_lse(lse, ref_lse)
     torch.testing.assert_close(results[0][0].float(), results[1][0].float(), atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("window_left", [100, 250])
+@pytest.mark.parametrize("fast", [False, True], ids=["plan", "fast_decode_plan"])
+def test_a_windowed_split_puts_every_chunk_on_window_tokens(device: str, window_left: int, fast: bool) -> None:
+    """Under a sliding window the split plan cuts the tokens each request reads (ceil(min(kv_len, window_left + 1) /
+    chunk) chunks) and the kernels count them from the window's first token (mid-page): exact, and each chunk's
+    partial state (the float workspace's documented layout: o[chunks, H, D], then lse[chunks, H]) is the
+    logsumexp over its own window tokens, the last chunk running to the end."""
+    hq, hkv, d, page, pages = 8, 2, 64, 16, 3
+    chunk = pages * page
+    gen = torch.Generator().manual_seed(window_left)
+    lens = [1, 100, 0, 700, 33, 1500, 250, 251]
+    batch = random_paged_batch(lens, hkv, d, page, bf16, device=device, generator=gen)
+    q = torch.randn(len(lens), hq, d, generator=gen).to(bf16).to(device)
+    buf = torch.empty(16 << 20, dtype=torch.uint8, device=device)
+    wrapper = jitattn.BatchDecodeWithPagedKVCacheWrapper(buf)
+    args = (hq, hkv, d, page)
+    kw = dict(q_data_type=bf16, window_left=window_left, fixed_split_size=pages)
+    if fast:
+        jitattn.fast_decode_plan(wrapper, batch.kv_indptr.to(device), batch.kv_indices.to(device),
+                                 batch.kv_last_page_len.to(device), *args, global_override_indptr_cpu=batch.kv_indptr,
+                                 **kw)
+    else:
+        wrapper.plan(batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len, *args, **kw)
+    out = torch.full((len(lens), hq, d), float("nan"), dtype=bf16, device=device)
+    lse = torch.full((len(lens), hq), float("nan"), device=device)
+    wrapper.run(q, batch.cache, out=out, lse=lse)
+    ref_o, ref_lse = reference.batch_decode_paged(q, batch.cache, batch.kv_indptr, batch.kv_indices,
+                                                  batch.kv_last_page_len, window_left=window_left)
+    assert_close_out(out, ref_o, bf16)
+    assert_close_lse(lse, ref_lse)
+    counts = [max(1, -(-min(n, window_left + 1) // chunk)) for n in lens]
+    assert sum(c > 1 for c in counts) >= 3, "the window must leave requests of several chunks"
+    total = sum(counts)
+    ws_lse = buf[: total * hq * (d + 1) * 4].view(torch.float32).cpu()[total * hq * d:].view(total, hq)
+    keys = batch.cache.cpu()[:, 0].double()  # [pages, page, H_kv, D] (NHD)
+    qd, first = q.cpu().double(), 0
+    for r, (n, c) in enumerate(zip(lens, counts)):
+        if c > 1:
+            ids = batch.kv_indices[batch.kv_indptr[r]:batch.kv_indptr[r + 1]].long().cpu()
+            k = keys[ids].reshape(-1, hkv, d)[:n].repeat_interleave(hq // hkv, dim=1)  # [n, H, D]
+            base = max(0, n - 1 - window_left)
+            for i in range(c):
+                lo, hi = base + i * chunk, n if i == c - 1 else base + (i + 1) * chunk
+                want = torch.logsumexp(torch.einsum("hd,jhd->hj", qd[r], k[lo:hi]) / math.sqrt(d), dim=1)
+                torch.testing.assert_close(ws_lse[first + i], want.float(), atol=2e-2, rtol=2e-2,
+                                           msg=f"request {r} chunk {i}")
+        first += c
 
 
 def test_workspace_too_small_for_the_split_is_refused_at_plan() -> None:

@@ -4,8 +4,9 @@ Every test draws fresh random inputs (never zeros) and poisons the outputs
 with NaN before the launch, so an unwritten element fails. ``GPU_SPECS`` lists
 every spec these tests load, for the parallel pre-build.
 
-The split-KV plan used here (``split_plan``) is the planner's formula: request r
-gets ``max(1, ceil(kv_len[r] / kv_chunk_size))`` chunks, ``split_indptr`` is
+The split-KV plan used here (``split_plan``) is the planner's formula without a window: request r
+gets ``max(1, ceil(kv_len[r] / kv_chunk_size))`` chunks (under a window, more than the planner's, counted from the
+window's first token: the trailing ones are empty, which the kernel must handle too), ``split_indptr`` is
 their exclusive prefix sum, and the workspace needs ``4 * num_qo_heads * (head_dim_vo + 1) * split_indptr[batch]``
 bytes (``jitattn.kernels.decode.split_workspace_bytes``).
 """

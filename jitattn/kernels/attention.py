@@ -40,8 +40,10 @@ scale of the logits after sm_scale and the soft cap). Partial states (split-KV
 chunks) and the returned LSE are those of the keys alone; only the final output
 is scaled by ``1 / (1 + exp(sinks[h] - lse))`` (0 when no key is visible).
 
-Split-KV (used by kernels that support it; the cpu kernel ignores it): when
-``kv_chunk_size`` > 0, request r's KV is cut into chunks of that many tokens;
+Split-KV (the decode kernels, both targets): when ``kv_chunk_size`` > 0, request
+r's KV is cut into chunks of that many tokens (under a window, ``window_left`` >= 0,
+counted from its first token ``max(0, kv_len - 1 - window_left)``; the last chunk
+runs to the end of the KV either way);
 ``split_indptr[r]`` (int32, batch+1 entries) is the index of r's first chunk
 among all chunks (every request has at least one, an empty request too: its
 chunk writes o = 0 and lse = -inf), and ``workspace`` (``workspace_bytes`` long, from the

@@ -19,7 +19,7 @@ from ..jit import load, resident_blocks, short_items_blocks
 from ..page_table import PagedIndex, check_paged_index, to_host_int32
 from ..kv_split import (
     MAX_RESIDENT_BLOCKS, KVSplit, check_fixed_split_size, decode_kv_split, max_decode_chunks, short_items_split,
-    split_workspace_bytes, unsplit,
+    split_workspace_bytes, unsplit, window_lens,
 )
 from ..variant import AttentionVariant
 from ..spec import KVLayout, KVStorage, Op, Target
@@ -124,8 +124,8 @@ class BatchDecodeWithPagedKVCacheWrapper(BatchWrapperBase):
         if variant is not None and not variant.splittable:
             disable_split_kv = True  # partial states of such a variant cannot be merged by LSE
         batch_invariant = resolve_batch_invariant(batch_invariant)
-        split = self._split(spec, index.kv_len_array, num_kv_heads, page_size, fixed_split_size, disable_split_kv,
-                            batch_invariant)
+        lens = window_lens(index.kv_len_array, options.scalars.window_left)
+        split = self._split(spec, lens, num_kv_heads, page_size, fixed_split_size, disable_split_kv, batch_invariant)
         split = self._with_layout(split, spec, num_kv_heads, index, options.scalars.window_left)
         workspace_bytes = split_workspace_bytes(split.num_chunks, num_qo_heads, head_dim) if split.kv_chunk_size else 0
         check_workspace(self._workspace, workspace_bytes, _WRAPPER)
@@ -269,11 +269,12 @@ class BatchDecodeWithPagedKVCacheWrapper(BatchWrapperBase):
         if batch < 0 or last_page_len.numel() != batch:
             raise ValueError(f"indptr describes {batch} requests but last_page_len has {last_page_len.numel()}")
         self._check_graph_batch(batch)
-        # Without last_page_len on the host every request counts its full last page. Chunks end on
-        # page boundaries, so the chunk counts are the same as with the exact lengths.
+        # Without last_page_len on the host every request counts its full last page. Chunks are whole pages, so
+        # the chunk counts are the same as with the exact lengths (under a window too: min(len, window_left + 1)
+        # keeps both lengths in one page).
         upper_lens = np.diff(indptr_host.numpy()).astype(np.int64) * page_size
-        split = self._split(spec, upper_lens, num_kv_heads, page_size, fixed_split_size, disable_split_kv,
-                            batch_invariant)
+        lens = window_lens(upper_lens, options.scalars.window_left)
+        split = self._split(spec, lens, num_kv_heads, page_size, fixed_split_size, disable_split_kv, batch_invariant)
         workspace_bytes = split_workspace_bytes(split.num_chunks, num_qo_heads, head_dim) if split.kv_chunk_size else 0
         check_workspace(self._workspace, workspace_bytes, _WRAPPER)
         arrays, qo_indptr, split_indptr = self._fast_arrays(indptr, indices, last_page_len, batch, split)
