@@ -85,7 +85,8 @@ SOFTCAP_HD256 = dspec(hd=256, g=2, cap=True)  # gemma-2
 # (16-bit KV, groups up to 8, no RoPE; 512-byte rows swizzled within each 128-byte line, one block per SM).
 HD256 = {"bf16_g1": dspec(hd=256, g=1), "f16_g8_hnd_window": dspec(q=f16, hd=256, g=8, swa=True, layout="hnd"),
          "bf16_g5_alibi_cap": dspec(hd=256, g=5, pos="alibi", cap=True)}
-# Specs whose module has the short-items layout (three blocks of two stages): head dims 64 / 128, 16-bit KV, no RoPE.
+# Specs whose module has the short-items layout (three blocks of two stages; at head dim 64 four blocks of three
+# 64-token stages): head dims 64 / 128, 16-bit KV, no RoPE.
 SHORT_ITEMS = {"bf16_g4": BASE, "f16_g1": dspec(q=f16, g=1), "bf16_hd64_g8": dspec(hd=64, g=8), "window": SWA,
                "hd64_g8_window": dspec(hd=64, g=8, swa=True),
                "softcap": SOFTCAP, "alibi_g7_hnd": dspec(g=7, pos="alibi", layout="hnd")}

@@ -88,12 +88,14 @@ TUNING: dict[str, int] = {
     "mma_blocks_per_sm_short": 3,
     # ... and its resident blocks and 16-token steps per warp and stage where a token's K + V rows are at most 256
     # bytes (16-bit head dim 64; see mma_steps_small_rows): the layout's tiles may be shorter than the default's.
-    # H200, 2026-12-05 (h): gpt-oss window 128 (64 requests x 8 KV heads, one wave of four: kv_split's
-    # SHORT_ITEMS_ONE_WAVE_MIN_BLOCKS) 16.6 us in the default layout, 15.7 in three blocks of 128-token stages, 13.0
-    # in four of 64 (SDPA 13.8). ptxas: 128 registers, 8 bytes of spill at d64 g8 window. Not the default until the
-    # decode GPU tests have run in that form and the other plans it changes are timed (docs/kernels/decode.md).
-    "mma_blocks_per_sm_short_small_rows": 3,
-    "mma_steps_short_small_rows": 2,
+    # Four blocks of three 64-token stages (128 registers, 8 bytes of spill at d64 g8 window). H200, 2026-12-05 (h):
+    # gpt-oss window 128 (64 requests x 8 KV heads, one wave of four: kv_split's SHORT_ITEMS_ONE_WAVE_MIN_BLOCKS)
+    # 16.6 us in the default layout, 15.7 in three blocks of 128-token stages, 13.0 in four of 64 (SDPA 13.8).
+    # H100, 2026-12-05 (i), four of 64 against three of 128: window 128 14.8 vs 18.0 us (SDPA 15.2), 64 x 1024
+    # tokens 55 vs 58 (one wave against the default layout), 128 x 1024 103.4 vs 101.7 (both short layouts; the
+    # default layout 105.8).
+    "mma_blocks_per_sm_short_small_rows": 4,
+    "mma_steps_short_small_rows": 1,
     "mma_steps": 1,            # 16-token steps per warp per pipeline stage on the tensor-core path
     # ... when a token's K + V rows are at most 256 bytes (16-bit head dim 64): two steps make 32 KiB stages
     # as at head dim 128, halving the per-stage costs (barrier, softmax update, page lookups) per byte. H200,
