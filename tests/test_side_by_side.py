@@ -28,6 +28,24 @@ def test_prefill_flops_count_the_visible_pairs(qo: int, kv: int, causal: bool) -
     assert sbs.prefill_flops([qo, qo], [kv, kv], 3, 16, 8, causal) == 4 * pairs * 3 * (16 + 8)
 
 
+@pytest.mark.parametrize("qo,kv", [(1, 1), (5, 9), (9, 5), (1, 40), (40, 40), (0, 7), (7, 0)])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("window", [0, 3, 100])
+def test_prefill_flops_under_a_window_count_the_keys_it_shows(qo: int, kv: int, causal: bool, window: int) -> None:
+    # query i at position p = kv - qo + i sees keys j >= p - window (and j <= p when causal)
+    def pairs(qo, kv):
+        return sum(1 for i in range(qo) for j in range(kv)
+                   if j >= kv - qo + i - window and (not causal or j <= kv - qo + i))
+    assert sbs.prefill_flops([qo], [kv], 3, 16, 8, causal, window) == 2 * pairs(qo, kv) * 3 * (16 + 8)
+    both = sbs.prefill_flops([qo, 3], [kv, 11], 3, 16, 8, causal, window)
+    assert both == 2 * (pairs(qo, kv) + pairs(3, 11)) * 3 * (16 + 8)
+
+
+def test_decode_bytes_under_a_window_count_the_windows_keys() -> None:
+    assert sbs.decode_bytes([4096, 100], 8, 128, 128, 2) == (4096 + 100) * 8 * 256 * 2
+    assert sbs.decode_bytes([4096, 100], 8, 128, 128, 2, window_left=127) == (128 + 100) * 8 * 256 * 2
+
+
 def test_prefill_sms_share_the_sms_by_the_parts_estimated_times() -> None:
     decode = sbs.DECODE_BYTES_PER_S * 1e-4  # 100 us of decode reads
     half = sbs.PREFILL_FLOPS_PER_S * 0.5e-4  # 50 us of prefill
@@ -46,11 +64,17 @@ def test_prefill_blocks_read_the_plans_of_both_parts(monkeypatch) -> None:
 
     monkeypatch.setattr(sbs, "num_sms", lambda index: 132)
     prefill = NS(qo_indptr=NS(device=torch.device("cuda", 0)), index=NS(kv_lens=(2048,)), num_qo_heads=32,
-                 head_dim_qk=128, head_dim_vo=128, scalars=NS(causal=True))
-    decode = NS(index=NS(kv_lens=(4096,) * 64), num_kv_heads=8, head_dim_qk=128, head_dim_vo=128, kv_dtype=bf16)
+                 head_dim_qk=128, head_dim_vo=128, scalars=NS(causal=True, window_left=-1))
+    decode = NS(index=NS(kv_lens=(4096,) * 64), num_kv_heads=8, head_dim_qk=128, head_dim_vo=128, kv_dtype=bf16,
+                scalars=NS(window_left=-1))
     flops = sbs.prefill_flops([2048], [2048], 32, 128, 128, True)
     read = 64 * 4096 * 8 * 256 * 2
     assert sbs.prefill_blocks(prefill, np.array([2048]), decode) == sbs.prefill_sms(flops, read, 132) == 67
+    # under a window (gpt-oss's 128 tokens) both parts shrink: the decode reads 128 keys a request
+    prefill.scalars.window_left = decode.scalars.window_left = 127
+    flops = sbs.prefill_flops([2048], [2048], 32, 128, 128, True, 127)
+    read = 64 * 128 * 8 * 256 * 2
+    assert sbs.prefill_blocks(prefill, np.array([2048]), decode) == sbs.prefill_sms(flops, read, 132)
     prefill.qo_indptr = NS(device=torch.device("cpu"))
     assert sbs.prefill_blocks(prefill, np.array([2048]), decode) == 0
 

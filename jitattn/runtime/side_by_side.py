@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from ..hardware import num_sms
+from ..kv_split import window_lens
 from .batch import AttentionPlan
 
 A = TypeVar("A")
@@ -46,21 +47,32 @@ def prefill_sms(prefill_flops: float, decode_bytes: float, sms: int) -> int:
     return max(min(MIN_PREFILL_SMS, sms), min(sms, math.ceil(sms * prefill_s / decode_s)))
 
 
-def prefill_flops(qo_lens, kv_lens, num_qo_heads: int, head_dim_qk: int, head_dim_vo: int, causal: bool) -> float:
+def prefill_flops(qo_lens, kv_lens, num_qo_heads: int, head_dim_qk: int, head_dim_vo: int, causal: bool,
+                  window_left: int = -1) -> float:
     """FLOPs of a prefill batch: 2 per multiply-add of q.k and of p.v over the visible pairs (bottom-right
-    causal: query i of a request with q queries and k keys sees k - q + i + 1 keys)."""
+    causal: query i of a request with q queries and k keys is at position k - q + i and sees the keys up to it;
+    a window of ``window_left`` >= 0 hides the keys before position - window_left, causal or not)."""
     q = np.asarray(qo_lens, dtype=np.int64).reshape(-1)
     k = np.asarray(kv_lens, dtype=np.int64).reshape(-1)
-    if causal:  # k >= q: q (k - q + 1) + q (q - 1) / 2; else the last k queries see 1..k keys
-        pairs = np.where(k >= q, q * (k - q + 1) + q * (q - 1) // 2, k * (k + 1) // 2)
-    else:
-        pairs = q * k
-    return 2.0 * float(pairs.sum()) * num_qo_heads * (head_dim_qk + head_dim_vo)
+    if window_left < 0:
+        if causal:  # k >= q: q (k - q + 1) + q (q - 1) / 2; else the last k queries see 1..k keys
+            pairs = np.where(k >= q, q * (k - q + 1) + q * (q - 1) // 2, k * (k + 1) // 2)
+        else:
+            pairs = q * k
+        return 2.0 * float(pairs.sum()) * num_qo_heads * (head_dim_qk + head_dim_vo)
+    # one entry per query: its position, then its keys [max(0, pos - window_left), min(k, pos + 1)) (causal) or up to k
+    pos = np.arange(int(q.sum()), dtype=np.int64) - np.repeat(np.cumsum(q) - q, q) + np.repeat(k - q, q)
+    keys = np.repeat(k, q)
+    hi = np.minimum(keys, pos + 1) if causal else keys
+    visible = np.maximum(0, hi - np.maximum(0, pos - window_left))
+    return 2.0 * float(visible.sum()) * num_qo_heads * (head_dim_qk + head_dim_vo)
 
 
-def decode_bytes(kv_lens, num_kv_heads: int, head_dim_qk: int, head_dim_vo: int, kv_element_bytes: int) -> float:
-    """Bytes a decode batch reads: each request's K and V once."""
-    tokens = float(np.asarray(kv_lens, dtype=np.int64).sum())
+def decode_bytes(kv_lens, num_kv_heads: int, head_dim_qk: int, head_dim_vo: int, kv_element_bytes: int,
+                 window_left: int = -1) -> float:
+    """Bytes a decode batch reads: each request's K and V once (under a window of ``window_left`` >= 0, the
+    window's keys)."""
+    tokens = float(window_lens(np.asarray(kv_lens, dtype=np.int64).reshape(-1), window_left).sum())
     return tokens * num_kv_heads * (head_dim_qk + head_dim_vo) * kv_element_bytes
 
 
@@ -71,9 +83,9 @@ def prefill_blocks(prefill: AttentionPlan, qo_lens, decode: AttentionPlan) -> in
     if device.type != "cuda":
         return 0
     flops = prefill_flops(qo_lens, prefill.index.kv_lens, prefill.num_qo_heads, prefill.head_dim_qk,
-                          prefill.head_dim_vo, prefill.scalars.causal)
+                          prefill.head_dim_vo, prefill.scalars.causal, prefill.scalars.window_left)
     read = decode_bytes(decode.index.kv_lens, decode.num_kv_heads, decode.head_dim_qk, decode.head_dim_vo,
-                        decode.kv_dtype.itemsize)
+                        decode.kv_dtype.itemsize, decode.scalars.window_left)
     index = device.index if device.index is not None else torch.cuda.current_device()
     return prefill_sms(flops, read, num_sms(index))
 
