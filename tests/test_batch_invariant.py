@@ -26,10 +26,11 @@ HQ, HKV, D = 8, 2, 64
 TRIALS = 12
 
 
-def _spec(op: Op, dtype: torch.dtype, storage: KVStorage, mask: MaskMode | None, sinks: bool) -> object:
+def _spec(op: Op, dtype: torch.dtype, storage: KVStorage, mask: MaskMode | None, sinks: bool,
+          window: bool = False) -> object:
     return attention_spec(
         op, Target.CUDA, q_dtype=dtype, kv_dtype=dtype, o_dtype=dtype, head_dim_qk=D, head_dim_vo=D,
-        num_qo_heads=HQ, num_kv_heads=HKV, pos_encoding=PosEncoding.NONE, use_sliding_window=False,
+        num_qo_heads=HQ, num_kv_heads=HKV, pos_encoding=PosEncoding.NONE, use_sliding_window=window,
         use_logits_soft_cap=False, mask_mode=mask, kv_layout=KVLayout.NHD, kv_storage=storage,
     ).replace(use_sinks=sinks)
 
@@ -38,8 +39,10 @@ GPU_SPECS = (
     [_spec(Op.DECODE, dt, KVStorage.PAGED, None, s) for dt in (f16, bf16) for s in (False, True)]
     + [attention_spec(Op.DECODE, Target.CUDA, q_dtype=bf16, kv_dtype=bf16, o_dtype=bf16, head_dim_qk=72,
                       head_dim_vo=72, num_qo_heads=6, num_kv_heads=2, pos_encoding=PosEncoding.NONE,
-                      use_sliding_window=False, use_logits_soft_cap=False, mask_mode=None, kv_layout=KVLayout.NHD,
-                      kv_storage=KVStorage.PAGED).replace(use_sinks=s) for s in (False, True)]
+                      use_sliding_window=w, use_logits_soft_cap=False, mask_mode=None, kv_layout=KVLayout.NHD,
+                      kv_storage=KVStorage.PAGED).replace(use_sinks=s) for s, w in ((False, False), (True, False),
+                                                                                   (False, True))]
+    + [_spec(Op.DECODE, f16, KVStorage.PAGED, None, False, window=True)]
     + [_spec(Op.PREFILL, f16, st, m, s) for st in (KVStorage.PAGED, KVStorage.RAGGED)
        for m in (MaskMode.CAUSAL, MaskMode.NONE) for s in (False, True)]
     + [merge_spec(Target.CUDA, f16), merge_spec(Target.CUDA, f16, True)]
@@ -73,8 +76,9 @@ def _page_table(requests: list[list[int]], lens: list[int]):
 
 
 def _decode(device: str, dtype: torch.dtype, target_q: torch.Tensor, target_kv: torch.Tensor, companions, rng,
-            sinks: torch.Tensor | None, position: int | None = None):
-    """The target's (out, lse) decoded in one batch with ``companions`` (list of (q, kv)), at ``position``."""
+            sinks: torch.Tensor | None, position: int | None = None, window_left: int = -1):
+    """The target's (out, lse) decoded in one batch with ``companions`` (list of (q, kv)), at ``position``, under a
+    sliding window of ``window_left`` (-1: none)."""
     members = list(companions)
     position = rng.randrange(len(members) + 1) if position is None else position
     members.insert(position, (target_q, target_kv))
@@ -85,7 +89,8 @@ def _decode(device: str, dtype: torch.dtype, target_q: torch.Tensor, target_kv: 
     indptr, indices, last = _page_table(pages, lens)
     q = torch.stack([m[0] for m in members])
     wrapper = jitattn.BatchDecodeWithPagedKVCacheWrapper(torch.empty(64 << 20, dtype=torch.uint8, device=device))
-    wrapper.plan(indptr, indices, last, hq, hkv, d, PAGE, q_data_type=dtype, batch_invariant=True)
+    wrapper.plan(indptr, indices, last, hq, hkv, d, PAGE, q_data_type=dtype, batch_invariant=True,
+                 window_left=window_left)
     out, lse = wrapper.run(q, pool.cache, return_lse=True, sinks=sinks)
     return out[position], lse[position], wrapper._plan.split
 
@@ -125,6 +130,34 @@ def test_decode_request_is_bitwise_the_same_in_any_batch(device: str, shape: str
         assert torch.equal(lse, alone_lse), f"trial {trial}: the lse changed with the batch"
     again, again_lse, _ = _decode(device, dtype, target_q, target_kv, [], rng, sinks)
     assert torch.equal(again, alone_out) and torch.equal(again_lse, alone_lse), "not run-to-run reproducible"
+
+
+WINDOW_LEFT = 2 * BATCH_INVARIANT_CHUNK_TOKENS + 100  # a window of 2149 tokens: three chunks counted from its start
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("shape", list(DECODE_SHAPES))
+@pytest.mark.parametrize("target_len", [700, 3 * BATCH_INVARIANT_CHUNK_TOKENS + 333])
+def test_windowed_decode_request_is_bitwise_the_same_in_any_batch(device: str, shape: str, target_len: int) -> None:
+    """Under a sliding window the split chunks start at the window's first token (``kv_len - 1 - window_left``),
+    which depends on the request alone: its bits do not change with the batch either."""
+    hq, hkv, d, dtype = DECODE_SHAPES[shape]
+    rng = random.Random(target_len + 1)
+    gen = torch.Generator().manual_seed(target_len + 1)
+    target_q = torch.randn(hq, d, generator=gen).to(dtype).to(device)
+    target_kv = _random_kv(target_len, dtype, device, gen, hkv, d)
+    alone_out, alone_lse, split = _decode(device, dtype, target_q, target_kv, [], rng, None, window_left=WINDOW_LEFT)
+    if target_len > WINDOW_LEFT:
+        assert split.num_chunks == 3, "the window's 2149 tokens make three chunks of the fixed size"
+    for trial in range(TRIALS // 2):
+        companions = []
+        for _ in range(rng.choice([1, 3, 9])):
+            n = rng.choice([1, rng.randrange(1, WINDOW_LEFT), rng.randrange(WINDOW_LEFT, 6000)])
+            companions.append((torch.randn(hq, d, generator=gen).to(dtype).to(device),
+                               _random_kv(n, dtype, device, gen, hkv, d)))
+        out, lse, _ = _decode(device, dtype, target_q, target_kv, companions, rng, None, window_left=WINDOW_LEFT)
+        assert torch.equal(out, alone_out), f"trial {trial}: the output changed with the batch"
+        assert torch.equal(lse, alone_lse), f"trial {trial}: the lse changed with the batch"
 
 
 def test_batch_invariant_knob_sets_the_plan_default(monkeypatch: pytest.MonkeyPatch) -> None:
