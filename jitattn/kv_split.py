@@ -70,7 +70,7 @@ class KVSplit:
 def window_lens(kv_lens: np.ndarray, window_left: int) -> np.ndarray:
     """The tokens each decode request reads under a sliding window of ``window_left`` (-1: none): what its split
     chunks cover (the kernels count a windowed request's chunks from the window's first token)."""
-    return np.minimum(kv_lens, window_left + 1) if window_left >= 0 else kv_lens
+    return np.minimum(kv_lens, np.int64(window_left) + 1) if window_left >= 0 else kv_lens  # int32 lens too
 
 
 @functools.lru_cache(maxsize=64)

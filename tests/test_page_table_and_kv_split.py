@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
 from jitattn import reference
 from jitattn.page_table import check_page_table, check_paged_index
-from jitattn.kv_split import decode_kv_split, max_decode_chunks, split_workspace_bytes
+from jitattn.kv_split import decode_kv_split, max_decode_chunks, split_workspace_bytes, window_lens
 from jitattn.masks import segment_packbits
 
 
@@ -59,6 +60,15 @@ def test_int64_tables_get_the_same_checks(indices, last, match) -> None:
 def test_float_page_tables_are_refused() -> None:
     with pytest.raises(TypeError, match="must be int32"):
         check_page_table(_i32([0, 1, 2]), torch.tensor([0.0, 5.7]), _i32([3, 5]), 16)
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int64])
+def test_window_lens_are_the_tokens_a_window_reads(dtype) -> None:
+    lens = np.array([0, 5, 128, 129, 5000], dtype=dtype)
+    assert window_lens(lens, -1) is lens
+    assert window_lens(lens, 127).tolist() == [0, 5, 128, 128, 128]
+    assert window_lens(lens, 0).tolist() == [0, 1, 1, 1, 1]
+    assert window_lens(lens, 2**31 - 1).tolist() == lens.tolist()  # the widest window, int32 lengths too
 
 
 def test_no_split_when_the_batch_fills_the_gpu() -> None:
