@@ -157,6 +157,24 @@ def test_a_graph_buffer_of_the_wrong_dtype_is_told_to_be_int32() -> None:
                      HQ, HKV, D, PAGE, q_data_type=torch.float32)
 
 
+@pytest.mark.parametrize("indptr,error,match", [
+    (torch.tensor([0, 1]), TypeError, "indptr has dtype int64; expected one of int32"),
+    ([0, 1], TypeError, "indptr must be a torch.Tensor"),
+    (torch.tensor([[0, 1]], dtype=torch.int32), ValueError, "indptr must have 1 dimensions"),
+])
+def test_fast_decode_plan_names_the_bad_indptr(indptr, error, match) -> None:
+    """Without global_override_indptr_cpu the error names indptr (the argument the caller passed), as plan()'s."""
+    wrapper = jitattn.BatchDecodeWithPagedKVCacheWrapper(_workspace("cpu"))
+    i32 = dict(dtype=torch.int32)
+    with pytest.raises(error, match=match):
+        jitattn.fast_decode_plan(wrapper, indptr, torch.tensor([0], **i32), torch.tensor([3], **i32), HQ, HKV, D, PAGE,
+                                 q_data_type=torch.float32)
+    with pytest.raises(TypeError, match="global_override_indptr_cpu has dtype torch.int64"):
+        jitattn.fast_decode_plan(wrapper, torch.tensor([0, 1], **i32), torch.tensor([0], **i32),
+                                 torch.tensor([3], **i32), HQ, HKV, D, PAGE, q_data_type=torch.float32,
+                                 global_override_indptr_cpu=torch.tensor([0, 1]))
+
+
 @pytest.mark.parametrize("device", devices())
 def test_fast_decode_plan_on_a_graph_wrapper_refills_its_buffers(device: str) -> None:
     gen = torch.Generator().manual_seed(4)

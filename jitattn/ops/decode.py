@@ -259,12 +259,12 @@ class BatchDecodeWithPagedKVCacheWrapper(BatchWrapperBase):
             spec = kernel_spec(options, self._target, self._kv_layout, KVStorage.PAGED)
             self._fast_specs[key] = (spec, load(spec))
         spec, module = self._fast_specs[key]
-        if indptr_host is None:
-            indptr_host = indptr if indptr.device.type == "cpu" else indptr.to("cpu")  # FlashInfer copies too
-        indptr_host = to_host_int32("global_override_indptr_cpu", indptr_host)
         # dtype and rank only (no sync): the kernel reads these buffers as int32
         for name, array in (("indptr", indptr), ("indices", indices), ("last_page_len", last_page_len)):
             check_tensor(name, array, ndim=1, dtypes=(torch.int32,), last_dim_contiguous=False)
+        if indptr_host is None:  # FlashInfer copies indptr to the host too
+            indptr_host = to_host_int32("indptr", indptr)
+        indptr_host = to_host_int32("global_override_indptr_cpu", indptr_host)
         batch = indptr_host.numel() - 1
         if batch < 0 or last_page_len.numel() != batch:
             raise ValueError(f"indptr describes {batch} requests but last_page_len has {last_page_len.numel()}")
