@@ -70,7 +70,8 @@ class KVSplit:
 def window_lens(kv_lens: np.ndarray, window_left: int) -> np.ndarray:
     """The tokens each decode request reads under a sliding window of ``window_left`` (-1: none): what its split
     chunks cover (the kernels count a windowed request's chunks from the window's first token)."""
-    return np.minimum(kv_lens, np.int64(window_left) + 1) if window_left >= 0 else kv_lens  # int32 lens too
+    # min(len, window_left + 1) without forming window_left + 1 (int32 lengths, a window up to int64's max)
+    return np.minimum(kv_lens - 1, np.int64(window_left)) + 1 if window_left >= 0 else kv_lens
 
 
 @functools.lru_cache(maxsize=64)

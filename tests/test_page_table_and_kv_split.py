@@ -69,6 +69,7 @@ def test_window_lens_are_the_tokens_a_window_reads(dtype) -> None:
     assert window_lens(lens, 127).tolist() == [0, 5, 128, 128, 128]
     assert window_lens(lens, 0).tolist() == [0, 1, 1, 1, 1]
     assert window_lens(lens, 2**31 - 1).tolist() == lens.tolist()  # the widest window, int32 lengths too
+    assert window_lens(lens, 2**63 - 1).tolist() == lens.tolist()  # no overflow past it either
 
 
 def test_no_split_when_the_batch_fills_the_gpu() -> None:

@@ -41,6 +41,12 @@ def test_prefill_flops_under_a_window_count_the_keys_it_shows(qo: int, kv: int, 
     assert both == 2 * (pairs(qo, kv) + pairs(3, 11)) * 3 * (16 + 8)
 
 
+def test_prefill_flops_refuse_lengths_of_two_batch_sizes() -> None:
+    for window in (-1, 2):
+        with pytest.raises(ValueError, match="qo_lens has 2 requests but kv_lens has 1"):
+            sbs.prefill_flops([1, 2], [3], 1, 64, 64, True, window)
+
+
 def test_decode_bytes_under_a_window_count_the_windows_keys() -> None:
     assert sbs.decode_bytes([4096, 100], 8, 128, 128, 2) == (4096 + 100) * 8 * 256 * 2
     assert sbs.decode_bytes([4096, 100], 8, 128, 128, 2, window_left=127) == (128 + 100) * 8 * 256 * 2

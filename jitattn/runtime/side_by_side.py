@@ -54,6 +54,8 @@ def prefill_flops(qo_lens, kv_lens, num_qo_heads: int, head_dim_qk: int, head_di
     a window of ``window_left`` >= 0 hides the keys before position - window_left, causal or not)."""
     q = np.asarray(qo_lens, dtype=np.int64).reshape(-1)
     k = np.asarray(kv_lens, dtype=np.int64).reshape(-1)
+    if q.shape != k.shape:
+        raise ValueError(f"qo_lens has {q.size} requests but kv_lens has {k.size}")
     if window_left < 0:
         if causal:  # k >= q: q (k - q + 1) + q (q - 1) / 2; else the last k queries see 1..k keys
             pairs = np.where(k >= q, q * (k - q + 1) + q * (q - 1) // 2, k * (k + 1) // 2)
