@@ -153,6 +153,26 @@ def test_custom_mask_size_is_checked() -> None:
                      custom_mask=torch.ones(7, dtype=torch.bool))
 
 
+def test_out_and_lse_that_share_memory_with_an_input_are_refused() -> None:
+    """The kernel reads q and the KV while it writes out / lse: a buffer over either would corrupt the result."""
+    wrapper, batch = _decode()
+    q = torch.randn(2, 8, 64).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="out shares memory with q"):
+        wrapper.run(q, batch.cache, out=q)
+    cache_view = batch.cache.view(-1)[:2 * 8 * 64].view(2, 8, 64)
+    with pytest.raises(ValueError, match="out shares memory with the kv cache"):
+        wrapper.run(q, batch.cache, out=cache_view)
+    lse_in_q = q.view(-1).view(torch.float32)[:16].view(2, 8)
+    with pytest.raises(ValueError, match="lse shares memory with q"):
+        wrapper.run(q, batch.cache, lse=lse_in_q)
+    ragged = jitattn.BatchPrefillWithRaggedKVCacheWrapper(torch.empty(16, dtype=torch.uint8))
+    ragged.plan(torch.tensor([0, 3], dtype=torch.int32), torch.tensor([0, 3], dtype=torch.int32), 4, 4, 64,
+                q_data_type=torch.float16)
+    q, k, v = (torch.randn(3, 4, 64).half() for _ in range(3))
+    with pytest.raises(ValueError, match="out shares memory with v"):
+        ragged.run(q, k, v, out=v)
+
+
 def test_ragged_kv_shape_is_checked() -> None:
     wrapper = jitattn.BatchPrefillWithRaggedKVCacheWrapper(torch.empty(16, dtype=torch.uint8))
     wrapper.plan(torch.tensor([0, 2], dtype=torch.int32), torch.tensor([0, 3], dtype=torch.int32), 4, 2, 64,

@@ -389,7 +389,7 @@ def run_plan(
     if not (fixed_outputs and plan.checked_outputs is not None):
         outputs = (_output_signature(out), _output_signature(lse))
         if outputs != plan.checked_outputs:
-            _check_outputs(plan, wrapper, q, out, lse)
+            _check_outputs(plan, wrapper, q, kv, out, lse)
             for prepared in plan.launches():
                 prepared.set_outputs(out, lse)
             plan.checked_outputs = outputs
@@ -436,8 +436,10 @@ def _check_inputs(plan: AttentionPlan, wrapper: str, workspace: torch.Tensor, q:
     return k, v
 
 
-def _check_outputs(plan: AttentionPlan, wrapper: str, q: torch.Tensor, out: torch.Tensor,
+def _check_outputs(plan: AttentionPlan, wrapper: str, q: torch.Tensor, kv, out: torch.Tensor,
                    lse: torch.Tensor | None) -> None:
+    """out / lse against the plan, and against the inputs the kernel reads while it writes them (checked with the
+    rest when out's or lse's signature changes: a call of the previous signature is not looked at again)."""
     o_shape = (plan.total_qo, plan.num_qo_heads, plan.head_dim_vo)
     target_of(wrapper, (q, out, lse))
     check_tensor("out", out, ndim=3, dtypes=(plan.o_dtype,))
@@ -449,6 +451,12 @@ def _check_outputs(plan: AttentionPlan, wrapper: str, q: torch.Tensor, out: torc
         if tuple(lse.shape) != o_shape[:2]:
             raise ValueError(f"lse has shape {tuple(lse.shape)}; expected {o_shape[:2]}")
         check_no_overlap("lse", lse)
+    inputs = (("q", q), *((("the kv cache", kv),) if isinstance(kv, torch.Tensor) else (("k", kv[0]), ("v", kv[1]))))
+    for name, written in (("out", out), ("lse", lse)):
+        for input_name, read in inputs:
+            if written is not None and isinstance(read, torch.Tensor) and spans_overlap(written, read):
+                raise ValueError(f"{wrapper}.run(): {name} shares memory with {input_name}, which the kernel reads "
+                                 f"while it writes {name}; pass a separate {name} buffer (torch.empty_like)")
 
 
 def kv_alignment(plan: AttentionPlan) -> tuple[int, int]:
