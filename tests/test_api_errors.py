@@ -76,7 +76,8 @@ def test_indices_past_the_page_pool() -> None:
 
 def test_wrong_q_dtype_shape_and_kv_dtype() -> None:
     wrapper, batch = _decode()
-    with pytest.raises(TypeError, match="q has dtype float16"):
+    with pytest.raises(TypeError, match=r"q has dtype float16 but the plan has q_data_type=bfloat16; pass "
+                                        r"q_data_type=torch.float16 to plan\(\)"):
         wrapper.run(torch.randn(2, 8, 64).half(), batch.cache)
     with pytest.raises(ValueError, match="q has shape"):
         wrapper.run(torch.randn(3, 8, 64).to(torch.bfloat16), batch.cache)

@@ -416,7 +416,11 @@ def _check_inputs(plan: AttentionPlan, wrapper: str, workspace: torch.Tensor, q:
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{wrapper}.run(): {name} must be a torch.Tensor, got {type(t).__name__}")
     target_of(wrapper, (workspace, q, k, v))  # raises when they are on different devices
-    check_tensor("q", q, ndim=3, dtypes=(plan.q_dtype,))
+    check_tensor("q", q, ndim=3)
+    if q.dtype != plan.q_dtype:
+        given, planned = (str(d).removeprefix("torch.") for d in (q.dtype, plan.q_dtype))
+        raise TypeError(f"q has dtype {given} but the plan has q_data_type={planned}; pass q_data_type=torch.{given} "
+                        f"to plan() (or cast q to {planned})")
     if tuple(q.shape) != (plan.q_rows, plan.num_qo_heads, plan.head_dim_qk):
         raise ValueError(
             f"q has shape {tuple(q.shape)}; the plan expects {(plan.q_rows, plan.num_qo_heads, plan.head_dim_qk)}"
