@@ -350,7 +350,10 @@ BAD_INPUTS = [
         c.pos_ids, c.q.flatten(1), c.k.flatten(1), 64, c.table[:, :31]), ValueError, "must be even"),
     ("position past the cache", lambda c: jitattn.apply_rope_with_cos_sin_cache(
         c.pos_ids.clamp(max=9), c.q.flatten(1), c.k.flatten(1), 64, c.table[:9]), IndexError,
-     "outside cos_sin_cache's 9 rows"),
+     "outside cos_sin_cache's 9 rows; extend the cache"),
+    ("negative position", lambda c: jitattn.apply_rope_with_cos_sin_cache(
+        torch.cat([c.pos_ids[:1] * 0 - 1, c.pos_ids[1:]]), c.q.flatten(1), c.k.flatten(1), 64, c.table), IndexError,
+     r"positions\[0\]=-1 is outside cos_sin_cache's \d+ rows; positions index the cache's rows from 0"),
     ("head_size not dividing", lambda c: jitattn.apply_rope_with_cos_sin_cache(
         c.pos_ids, c.q.flatten(1), c.k.flatten(1), 48, c.table), ValueError, "num_heads \\* head_size"),
 ]

@@ -212,8 +212,10 @@ def _check_cache(cache: torch.Tensor, head_dim: int, device: torch.device, pos_i
         bad = (pos_ids < 0) | (pos_ids >= cache.shape[0])
         if bool(bad.any()):
             t = int(torch.nonzero(bad)[0])
+            fix = "positions index the cache's rows from 0" if int(pos_ids[t]) < 0 else \
+                "extend the cache to the longest position"
             raise IndexError(f"positions[{t}]={int(pos_ids[t])} is outside cos_sin_cache's {cache.shape[0]} rows; "
-                             "extend the cache to the longest position")
+                             f"{fix}")
 
 
 def rotate(q: torch.Tensor, k: torch.Tensor, q_out: torch.Tensor, k_out: torch.Tensor, positions: Positions,
