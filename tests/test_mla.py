@@ -496,6 +496,23 @@ def test_mla_plan_checks_lengths_against_the_pages() -> None:
         _one_request_plan(wrapper, head_dim_kpe=8)
 
 
+@pytest.mark.parametrize("bad", [dict(kv_len_arr=torch.tensor([20], dtype=torch.int32)),
+                                 dict(kv_indices=torch.zeros(1, dtype=torch.int64)), dict(page_size=0),
+                                 dict(sm_scale=None)], ids=["lengths", "int64", "page_size", "sm_scale"])
+def test_a_refused_mla_plan_leaves_none(bad) -> None:
+    """After a plan() that raised, run() says there is no plan (it must not run the previous batch's)."""
+    gen = torch.Generator().manual_seed(7)
+    ckv, kpe, indptr, indices, lens = _latent_cache([10], 16, torch.float32, "cpu", gen, joined=True)
+    q_nope, q_pe = _queries([1], 16, torch.float32, "cpu", gen)
+    wrapper = _wrapper("cpu")
+    _one_request_plan(wrapper, kv_indices=indices)
+    wrapper.run(q_nope, q_pe, ckv, kpe)
+    with pytest.raises((ValueError, TypeError)):
+        _one_request_plan(wrapper, **{"kv_indices": indices, **bad})
+    with pytest.raises(RuntimeError, match="without a plan"):
+        wrapper.run(q_nope, q_pe, ckv, kpe)
+
+
 def test_mla_run_rules() -> None:
     """run() before plan(), wrong shapes, dtypes and devices: errors that name the MLA wrapper and the fix."""
     gen = torch.Generator().manual_seed(6)

@@ -152,13 +152,14 @@ class BatchMLAPagedAttentionWrapper:
         ``batch_invariant`` (default ``JITATTN_BATCH_INVARIANT``): the sm90 MLA kernel then never splits a
         request's KV (its split depends on the batch), so each request's bits are those it gets alone; the
         prefill kernels never split it anyway."""
+        # Unplanned until this plan succeeds: a plan() that raises leaves none (run() would run the last batch's).
+        # A refused batch leaves the fixed buffers as they were (checked before anything is written).
+        self._kernel, self._dims, self._prefill_args = None, None, None
+        self._launched = None
         invariant = resolve_batch_invariant(batch_invariant)
         refuse_unsupported(f"{_NAME}.plan", "leave use_profiler off", use_profiler=use_profiler or None)
-        try:  # for both kernels (the prefill kernels would take a None sm_scale as 1/sqrt(576))
-            _check_plan_scalars(num_heads, head_dim_ckv, head_dim_kpe, sm_scale, causal)
-        except (ValueError, TypeError):
-            self._kernel, self._dims, self._prefill_args = None, None, None  # refused: nothing left to run
-            raise
+        # for both kernels (the prefill kernels would take a None sm_scale as 1/sqrt(576))
+        _check_plan_scalars(num_heads, head_dim_ckv, head_dim_kpe, sm_scale, causal)
         num_heads, head_dim_ckv, head_dim_kpe = int(num_heads), int(head_dim_ckv), int(head_dim_kpe)  # numpy ints too
         sm_scale, causal = float(sm_scale), bool(causal)  # numpy bools / 0 / 1 (checked above) as a bool
         qo_indptr = to_host_int32("qo_indptr", qo_indptr)
@@ -176,15 +177,13 @@ class BatchMLAPagedAttentionWrapper:
             raise ValueError(f"request {r}: kv_len_arr[{r}] = {int(lens_np[r])} needs {int(needed[r])} pages of "
                              f"{page_size}, but kv_indptr gives it {int(pages[r])}")
         last_page_len = torch.from_numpy(np.where(pages > 0, lens_np - (pages - 1) * page_size, 0).astype(np.int32))
-        # Checked before anything is written, so a batch too large leaves the buffers (and the last plan) intact.
+        # Checked before anything is written, so a batch too large leaves the buffers intact.
         needed = dict(qo_indptr=qo_indptr.numel(), kv_indptr=indptr.numel(), kv_indices=kv_indices.numel(),
                       kv_len_arr=lens.numel())
         for name, buffer in self._graph_buffers.items():
             if buffer.numel() < needed[name]:
                 raise ValueError(f"{name} buffer holds {buffer.numel()} entries but this batch needs {needed[name]}; "
                                  "allocate the fixed buffers for the largest batch")
-        self._kernel, self._dims, self._prefill_args = None, None, None  # unplanned until this plan succeeds
-        self._launched = None
         prefill_args = dict(
             qo_indptr=qo_indptr, paged_kv_indptr=indptr, paged_kv_indices=kv_indices,
             paged_kv_last_page_len=last_page_len, num_qo_heads=num_heads, num_kv_heads=1,
