@@ -224,6 +224,19 @@ def test_merge_state_in_place_refuses_an_expanded_destination():
         jitattn.merge_state_in_place(v, t["s_a"], t["v_b"], t["s_b"])
 
 
+def test_merge_state_in_place_refuses_other_states_shifted_over_its_own():
+    """A v_other (s_other) over v's (s's) memory a row off would be overwritten before it is read; the very same
+    tensor is fine (each row reads itself, then writes it)."""
+    v, s = torch.randn(5, 2, 8), torch.randn(5, 2)
+    with pytest.raises(ValueError, match="v and v_other share memory but not row for row"):
+        jitattn.merge_state_in_place(v[1:], s[1:], v[:-1], s[:-1].clone())
+    with pytest.raises(ValueError, match="s and s_other share memory but not row for row"):
+        jitattn.merge_state_in_place(v[1:], s[1:], v[:-1].clone(), s[:-1])
+    expected_v, expected_s = jitattn.merge_state(v, s, v, s)
+    jitattn.merge_state_in_place(v, s, v, s)
+    assert torch.allclose(v, expected_v) and torch.allclose(s, expected_s)
+
+
 @pytest.mark.parametrize("mask, error, message", [
     (torch.ones(3, dtype=torch.bool), ValueError, "mask has shape"),
     (torch.ones(4, dtype=torch.float32), TypeError, "mask has dtype float32"),

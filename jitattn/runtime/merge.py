@@ -17,7 +17,8 @@ import torch
 from ..jit import load
 from ..spec import Target
 from .specs import merge_spec
-from .checks import check_no_overlap, check_shape, check_tensor, cpu_threads, stream_handle, target_of
+from .checks import (check_no_overlap, check_shape, check_tensor, cpu_threads, spans_overlap, stream_handle,
+                     target_of)
 
 _VALUE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -71,6 +72,11 @@ def _merge_state_in_place_eager(
     _check_pair(v, s, v_other, s_other, ("v", "s", "v_other", "s_other"))
     check_no_overlap("v", v)  # written in place
     check_no_overlap("s", s)
+    for name, written, read in (("v", v, v_other), ("s", s, s_other)):  # the same tensor is fine: each row reads
+        same = (written.data_ptr(), written.stride()) == (read.data_ptr(), read.stride())  # itself, then writes it
+        if not same and spans_overlap(written, read):
+            raise ValueError(f"{name} and {name}_other share memory but not row for row, so a merged row would "
+                             f"overwrite another row's {name}_other before it is read; pass a copy of {name}_other")
     if mask is not None:
         check_tensor("mask", mask, ndim=1, dtypes=(torch.bool, torch.uint8))
         check_shape("mask", mask, (v.shape[0],))
