@@ -482,6 +482,8 @@ def test_mla_plan_checks_lengths_against_the_pages() -> None:
     with pytest.raises(ValueError, match="needs 3 pages"):
         _one_request_plan(wrapper, kv_indptr=_indptr([2]), kv_indices=torch.tensor([0, 1], dtype=torch.int32),
                           kv_len_arr=torch.tensor([40], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"kv_len_arr\[0\] = -1 is negative"):
+        _one_request_plan(wrapper, kv_len_arr=torch.tensor([-1], dtype=torch.int32))
     with pytest.raises(ValueError, match="kv_len_arr has 0 entries, but qo_indptr describes 1 requests"):
         _one_request_plan(wrapper, kv_len_arr=torch.zeros(0, dtype=torch.int32))
     with pytest.raises(ValueError, match="kv_indptr has 1 entries, but qo_indptr describes 1 requests, which need 2"):

@@ -171,7 +171,10 @@ class BatchMLAPagedAttentionWrapper:
         indptr_np, lens_np = indptr.numpy(), lens.numpy().astype(np.int64)
         pages = indptr_np[1:].astype(np.int64) - indptr_np[:-1]
         needed = (lens_np + page_size - 1) // page_size
-        bad = (lens_np < 0) | (needed != pages)
+        if (lens_np < 0).any():
+            r = int(np.flatnonzero(lens_np < 0)[0])
+            raise ValueError(f"kv_len_arr[{r}] = {int(lens_np[r])} is negative; it holds each request's KV length")
+        bad = needed != pages
         if bad.any():
             r = int(np.flatnonzero(bad)[0])
             raise ValueError(f"request {r}: kv_len_arr[{r}] = {int(lens_np[r])} needs {int(needed[r])} pages of "
