@@ -344,6 +344,8 @@ def test_index_helpers_reject_bad_input():
         page.get_batch_indices_positions(_i32([0, 2, 5]), _i32([3, 3]), 4)
     with pytest.raises(ValueError, match="request 1 appends 3 tokens but seq_lens"):
         page.get_batch_indices_positions(_i32([0, 2, 5]), _i32([3, 2]), 5)
+    with pytest.raises(ValueError, match=r"append_indptr must never decrease: append_indptr\[2\]=2 < append_indptr"):
+        page.get_batch_indices_positions(_i32([0, 3, 2]), _i32([6, 3]), 2)
     with pytest.raises(ValueError, match="1-D integer"):
         page.get_seq_lens(torch.zeros(3), _i32([1, 1]), 4)
     with pytest.raises(ValueError, match="page_size=0"):

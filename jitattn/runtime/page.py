@@ -291,7 +291,11 @@ def get_batch_indices_positions(
         if int(indptr[-1]) != nnz:
             raise ValueError(f"nnz={nnz} must equal append_indptr[-1]={int(indptr[-1])}")
         counts = indptr[1:] - indptr[:-1]
-        bad = (counts < 0) | (counts > lens)
+        if bool((counts < 0).any()):
+            r = int(torch.nonzero(counts < 0)[0])
+            raise ValueError(f"append_indptr must never decrease: append_indptr[{r + 1}]={int(indptr[r + 1])} < "
+                             f"append_indptr[{r}]={int(indptr[r])}")
+        bad = counts > lens
         if bool(bad.any()):
             r = int(torch.nonzero(bad)[0])
             raise ValueError(
