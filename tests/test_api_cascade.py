@@ -142,6 +142,11 @@ def test_cascade_refuses_a_level_whose_arrays_disagree_on_its_nodes() -> None:
                      [torch.tensor([0, 1], **i32), torch.arange(5, **i32)],
                      [torch.tensor([0], **i32), torch.arange(1, 5, **i32)],
                      [torch.tensor([16], **i32), torch.full((4,), 3, **i32)], 8, 2, 64, 16, q_data_type=torch.float16)
+    with pytest.raises(ValueError, match=r"paged_kv_last_page_len\[1\]\[0\] = 0 is out of range"):  # names its level
+        wrapper.plan([torch.tensor([0, 2], **i32), torch.tensor([0, 1, 2], **i32)],
+                     [torch.tensor([0, 1], **i32), torch.tensor([0, 1, 2], **i32)],
+                     [torch.tensor([0], **i32), torch.tensor([1, 2], **i32)],
+                     [torch.tensor([3], **i32), torch.tensor([0, 2], **i32)], 4, 2, 64, 4, q_data_type=torch.float32)
 
 
 @pytest.mark.parametrize("device", devices())

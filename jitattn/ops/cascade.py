@@ -223,10 +223,10 @@ class MultiLevelCascadeAttentionWrapper:
         chunks, whether it runs on the decode kernel)."""
         last = level == self._num_levels - 1
         level_causal = rules.causal if last else False
-        qo_host = check_indptr("qo_indptr_arr[i]", qo_indptr)
+        qo_host = check_indptr(f"qo_indptr_arr[{level}]", qo_indptr)
         index = check_paged_index(kv_indptr, kv_indices, last_page_len, rules.page_size,
-                                  names=("paged_kv_indptr_arr[i]", "paged_kv_indices_arr[i]",
-                                         "paged_kv_last_page_len[i]"))
+                                  names=(f"paged_kv_indptr_arr[{level}]", f"paged_kv_indices_arr[{level}]",
+                                         f"paged_kv_last_page_len[{level}]"))
         qo_lens = (qo_host[1:] - qo_host[:-1]).tolist()
         if len(qo_lens) != index.batch_size:
             raise ValueError(f"level {level}: qo_indptr_arr[{level}] has {len(qo_lens)} nodes but "
