@@ -174,6 +174,20 @@ def test_out_and_lse_that_share_memory_with_an_input_are_refused() -> None:
         ragged.run(q, k, v, out=v)
 
 
+def test_hnd_ragged_kv_and_single_prefill_sinks_are_reported_as_the_caller_passed_them() -> None:
+    """An HND ragged wrapper shows k's shape as given (not the transposed view it runs on) and says the layout;
+    single_prefill_with_kv_cache's sinks errors name that function, not the wrapper under it."""
+    wrapper = jitattn.BatchPrefillWithRaggedKVCacheWrapper(torch.empty(16, dtype=torch.uint8), "HND")
+    wrapper.plan(torch.tensor([0, 4], dtype=torch.int32), torch.tensor([0, 11], dtype=torch.int32), 8, 2, 64,
+                 q_data_type=torch.float32)
+    k = torch.randn(11, 2, 64)  # NHD by mistake
+    with pytest.raises(ValueError, match=r"k has shape \(11, 2, 64\); this wrapper's kv_layout is HND, so k is "
+                                         r"\[num_kv_heads=2, >= 11 tokens, 64\]"):
+        wrapper.run(torch.randn(4, 8, 64), k, k)
+    with pytest.raises(ValueError, match="single_prefill_with_kv_cache: sinks has dtype float16"):
+        jitattn.single_prefill_with_kv_cache(torch.randn(4, 8, 64), k, k, sinks=torch.zeros(8, dtype=torch.float16))
+
+
 def test_ragged_kv_shape_is_checked() -> None:
     wrapper = jitattn.BatchPrefillWithRaggedKVCacheWrapper(torch.empty(16, dtype=torch.uint8))
     wrapper.plan(torch.tensor([0, 2], dtype=torch.int32), torch.tensor([0, 3], dtype=torch.int32), 4, 2, 64,

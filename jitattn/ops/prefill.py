@@ -7,7 +7,7 @@ import threading
 
 import torch
 
-from ..runtime.batch import AttentionPlan
+from ..runtime.batch import AttentionPlan, check_sinks
 from ..runtime.builder import HostIndex, attention_options, build_plan
 from ..runtime.fp8_prefill import is_fp8
 from ..runtime.kv_upcast import KVUpcast, ragged_indptr
@@ -358,8 +358,14 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapperBase):
         dequantization. ``sinks`` (a jitattn extension): float32 ``[num_qo_heads]`` attention sinks, as in
         the paged wrapper. ``args``/``variant_args``: the planned custom variant's parameters."""
         if self._ragged_layout is KVLayout.HND:
-            for name, t in (("k", k), ("v", v)):
+            plan = self._plan
+            for name, t, dim in (("k", k, plan and plan.head_dim_qk), ("v", v, plan and plan.head_dim_vo)):
                 check_tensor(name, t, ndim=3)
+                if plan is not None and (t.shape[0] != plan.num_kv_heads or t.shape[2] != dim
+                                         or t.shape[1] < plan.total_kv):  # checked here in the caller's order
+                    raise ValueError(f"{name} has shape {tuple(t.shape)}; this wrapper's kv_layout is HND, so {name} "
+                                     f"is [num_kv_heads={plan.num_kv_heads}, >= {plan.total_kv} tokens, {dim}] "
+                                     "(NHD tensors need a wrapper built with kv_layout='NHD')")
             k, v = k.transpose(0, 1), v.transpose(0, 1)
         if self._rope is not None:  # RoPE first: the plan is of the rotated copies made here
             q, k, v = rope_first_operands(self._op_key, self._rope, q, k, v)
@@ -419,6 +425,8 @@ def single_prefill_with_kv_cache(
             packed_custom_mask=packed_custom_mask, causal=causal, pos_encoding_mode=pos_encoding_mode,
             sm_scale=sm_scale, window_left=window_left, logits_soft_cap=logits_soft_cap, rope_scale=rope_scale,
             rope_theta=rope_theta, return_lse=return_lse, sinks=sinks, single_prefill=single_prefill_with_kv_cache)
+    if sinks is not None and isinstance(q, torch.Tensor) and q.dim() == 3:  # errors name this function, not the
+        check_sinks("single_prefill_with_kv_cache", sinks, q.shape[1], q.device)  # wrapper under it
     wrapper, kv = plan_single_prefill(
         q, k, v, custom_mask=custom_mask, packed_custom_mask=packed_custom_mask, causal=causal, kv_layout=kv_layout,
         pos_encoding_mode=pos_encoding_mode, sm_scale=sm_scale, window_left=window_left,
