@@ -175,6 +175,20 @@ def test_fast_decode_plan_names_the_bad_indptr(indptr, error, match) -> None:
                                  global_override_indptr_cpu=torch.tensor([0, 1]))
 
 
+def test_out_interleaved_with_q_in_one_buffer_is_taken() -> None:
+    """q and out as two halves of one [batch, 2, heads, dim] buffer: their spans interleave, their elements do not
+    (the aliasing check refuses only dense tensors that share bytes)."""
+    gen = torch.Generator().manual_seed(11)
+    batch = random_paged_batch([5, 20], HKV, D, PAGE, torch.float32, generator=gen)
+    buffer = torch.randn(2, 2, HQ, D, generator=gen)
+    wrapper = jitattn.BatchDecodeWithPagedKVCacheWrapper(_workspace("cpu"))
+    wrapper.plan(batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len, HQ, HKV, D, PAGE,
+                 q_data_type=torch.float32)
+    expected = wrapper.run(buffer[:, 0].clone(), batch.cache)
+    out = wrapper.run(buffer[:, 0], batch.cache, out=buffer[:, 1])
+    assert out.data_ptr() == buffer[:, 1].data_ptr() and torch.equal(out, expected)
+
+
 @pytest.mark.parametrize("device", devices())
 def test_fast_decode_plan_on_a_graph_wrapper_refills_its_buffers(device: str) -> None:
     gen = torch.Generator().manual_seed(4)

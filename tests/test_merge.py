@@ -235,6 +235,11 @@ def test_merge_state_in_place_refuses_other_states_shifted_over_its_own():
     expected_v, expected_s = jitattn.merge_state(v, s, v, s)
     jitattn.merge_state_in_place(v, s, v, s)
     assert torch.allclose(v, expected_v) and torch.allclose(s, expected_s)
+    # two states stacked in one buffer ([n, 2, ...]): their spans interleave, their elements do not
+    vv, ss = torch.randn(5, 2, 2, 8), torch.randn(5, 2, 2)
+    expected_v, expected_s = jitattn.merge_state(vv[:, 0], ss[:, 0], vv[:, 1], ss[:, 1])
+    jitattn.merge_state_in_place(vv[:, 0], ss[:, 0], vv[:, 1], ss[:, 1])
+    assert torch.allclose(vv[:, 0], expected_v) and torch.allclose(ss[:, 0], expected_s)
 
 
 @pytest.mark.parametrize("mask, error, message", [

@@ -18,7 +18,8 @@ from ..log import get_logger
 from ..page_table import PagedIndex, check_page_pool
 from ..kv_split import KVSplit, split_workspace_bytes
 from ..spec import KVLayout, Op, Target, VariantSpec
-from .checks import check_no_overlap, check_tensor, not_planned, spans_overlap, stream_capturing, target_of
+from .checks import (check_no_overlap, check_tensor, dense_overlap, not_planned, spans_overlap, stream_capturing,
+                     target_of)
 from .kv import check_kv_pair, split_paged_kv_cache
 from .launch import PreparedAttention
 from .options import AttentionOptions
@@ -458,7 +459,7 @@ def _check_outputs(plan: AttentionPlan, wrapper: str, q: torch.Tensor, kv, out: 
     inputs = (("q", q), *((("the kv cache", kv),) if isinstance(kv, torch.Tensor) else (("k", kv[0]), ("v", kv[1]))))
     for name, written in (("out", out), ("lse", lse)):
         for input_name, read in inputs:
-            if written is not None and isinstance(read, torch.Tensor) and spans_overlap(written, read):
+            if written is not None and isinstance(read, torch.Tensor) and dense_overlap(written, read):
                 raise ValueError(f"{wrapper}.run(): {name} shares memory with {input_name}, which the kernel reads "
                                  f"while it writes {name}; pass a separate {name} buffer (torch.empty_like)")
 

@@ -129,6 +129,13 @@ def spans_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     return spans[0][0] < spans[1][1] and spans[1][0] < spans[0][1]
 
 
+def dense_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors that are each dense (contiguous) share bytes; False when either is not dense: the
+    elements of two strided views of one buffer may interleave without sharing any (two states of a stacked
+    layout), which this check, cheap enough for every signature change, cannot tell apart."""
+    return a.is_contiguous() and b.is_contiguous() and spans_overlap(a, b)
+
+
 def check_shape(name: str, tensor: torch.Tensor, expected: tuple[int, ...]) -> None:
     if tuple(tensor.shape) != tuple(expected):
         raise ValueError(f"{name} has shape {tuple(tensor.shape)}; expected {tuple(expected)}")
