@@ -10,6 +10,7 @@ import torch
 from ..runtime.batch import AttentionPlan, check_sinks
 from ..runtime.builder import HostIndex, attention_options, build_plan
 from ..runtime.fp8_prefill import is_fp8
+from ..runtime.kv import hnd_ragged_views
 from ..runtime.kv_upcast import KVUpcast, ragged_indptr
 from ..runtime.rope_first import OPERAND_DTYPE, RopeFirst
 from ..runtime.wrapper import BatchWrapperBase, drops_plan_on_failure, plan_arguments
@@ -357,16 +358,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapperBase):
         ``[H_kv, total_kv, D]``) -> out (and lse). ``k_scale``/``v_scale`` (jitattn extensions): fp8
         dequantization. ``sinks`` (a jitattn extension): float32 ``[num_qo_heads]`` attention sinks, as in
         the paged wrapper. ``args``/``variant_args``: the planned custom variant's parameters."""
-        if self._ragged_layout is KVLayout.HND:
-            plan = self._plan
-            for name, t, dim in (("k", k, plan and plan.head_dim_qk), ("v", v, plan and plan.head_dim_vo)):
-                check_tensor(name, t, ndim=3)
-                if plan is not None and (t.shape[0] != plan.num_kv_heads or t.shape[2] != dim
-                                         or t.shape[1] < plan.total_kv):  # checked here in the caller's order
-                    raise ValueError(f"{name} has shape {tuple(t.shape)}; this wrapper's kv_layout is HND, so {name} "
-                                     f"is [num_kv_heads={plan.num_kv_heads}, >= {plan.total_kv} tokens, {dim}] "
-                                     "(NHD tensors need a wrapper built with kv_layout='NHD')")
-            k, v = k.transpose(0, 1), v.transpose(0, 1)
+        k, v = hnd_ragged_views(self._plan, k, v) if self._ragged_layout is KVLayout.HND else (k, v)
         if self._rope is not None:  # RoPE first: the plan is of the rotated copies made here
             q, k, v = rope_first_operands(self._op_key, self._rope, q, k, v)
         return self._run(q, (k, v), k_scale, v_scale, out, lse, return_lse, variant_args, args, q_scale, window_left,

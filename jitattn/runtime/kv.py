@@ -107,3 +107,16 @@ def check_kv_pair(
     if k.stride(-1) != 1 or v.stride(-1) != 1:
         raise ValueError("kv cache must be contiguous in its last (head_dim) dimension")
     return k_pages
+
+
+def hnd_ragged_views(plan, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """HND ragged k / v ``[H_kv, total_kv, D]`` as the ``[total_kv, H_kv, D]`` views the kernels read, checked
+    against ``plan`` (None: unplanned, run() says so) in the caller's order first, so an error shows the shape the
+    caller passed."""
+    for name, t, dim in (("k", k, plan and plan.head_dim_qk), ("v", v, plan and plan.head_dim_vo)):
+        check_tensor(name, t, ndim=3)
+        if plan is not None and (t.shape[0] != plan.num_kv_heads or t.shape[2] != dim or t.shape[1] < plan.total_kv):
+            raise ValueError(f"{name} has shape {tuple(t.shape)}; this wrapper's kv_layout is HND, so {name} is "
+                             f"[num_kv_heads={plan.num_kv_heads}, >= {plan.total_kv} tokens, {dim}] (NHD tensors "
+                             "need a wrapper built with kv_layout='NHD')")
+    return k.transpose(0, 1), v.transpose(0, 1)
