@@ -186,6 +186,12 @@ def test_hnd_ragged_kv_and_single_prefill_sinks_are_reported_as_the_caller_passe
         wrapper.run(torch.randn(4, 8, 64), k, k)
     with pytest.raises(ValueError, match="single_prefill_with_kv_cache: sinks has dtype float16"):
         jitattn.single_prefill_with_kv_cache(torch.randn(4, 8, 64), k, k, sinks=torch.zeros(8, dtype=torch.float16))
+    k = torch.randn(5, 2, 64)  # NHD, passed as HND: 5 kv heads for 8 query heads
+    for call, q in ((jitattn.single_prefill_with_kv_cache, torch.randn(4, 8, 64)),
+                    (jitattn.single_decode_with_kv_cache, torch.randn(8, 64))):
+        with pytest.raises(ValueError, match=r"k has shape \(5, 2, 64\), read as \[num_kv_heads, kv_len, head_dim\] "
+                                             r"\(kv_layout='HND'\): 5 kv heads, which do not divide q's 8"):
+            call(q, k, k, kv_layout="HND")
 
 
 def test_ragged_kv_shape_is_checked() -> None:

@@ -437,7 +437,7 @@ def single_decode_with_kv_cache(
     check_tensor("k", k, ndim=3)
     check_tensor("v", v, ndim=3)
     target_of("single_decode_with_kv_cache", (q, k, v))
-    check_single_kv("single_decode_with_kv_cache", k, v, layout)
+    check_single_kv("single_decode_with_kv_cache", k, v, layout, q.shape[0])
     kv_len, num_kv_heads = (k.shape[0], k.shape[1]) if layout is KVLayout.NHD else (k.shape[1], k.shape[0])
     if sinks is not None:  # checked here too, so that errors name this function rather than the wrapper under it
         check_sinks("single_decode_with_kv_cache", sinks, q.shape[0], q.device)
@@ -468,13 +468,19 @@ def single_decode_with_kv_cache(
 KV_SHAPES = {KVLayout.NHD: "[kv_len, num_kv_heads, head_dim]", KVLayout.HND: "[num_kv_heads, kv_len, head_dim]"}
 
 
-def check_single_kv(what: str, k: torch.Tensor, v: torch.Tensor, layout: KVLayout) -> None:
-    """One request's k and v (3-D tensors, checked) against each other: one dtype, one kv_len, one head count."""
+def check_single_kv(what: str, k: torch.Tensor, v: torch.Tensor, layout: KVLayout, num_qo_heads: int) -> None:
+    """One request's k and v (3-D tensors, checked) against each other and q's ``num_qo_heads``: one dtype, one
+    kv_len, one head count that divides q's (read in ``layout``: a mistaken layout shows here)."""
     if k.dtype != v.dtype:
         raise TypeError(f"{what}: k is {k.dtype} but v is {v.dtype}; pass k and v of one dtype")
     if k.shape[:2] != v.shape[:2]:
         raise ValueError(f"{what}: k has shape {tuple(k.shape)} but v {tuple(v.shape)}; both are {KV_SHAPES[layout]} "
                          f"({layout.value.upper()}) with the same kv_len and num_kv_heads")
+    kv_heads = k.shape[1] if layout is KVLayout.NHD else k.shape[0]
+    if kv_heads == 0 or num_qo_heads % kv_heads:
+        raise ValueError(f"{what}: k has shape {tuple(k.shape)}, read as {KV_SHAPES[layout]} (kv_layout="
+                         f"'{layout.value.upper()}'): {kv_heads} kv heads, which do not divide q's {num_qo_heads}; "
+                         "check kv_layout and the tensors' shapes")
 
 
 def single_request_pages(k: torch.Tensor, v: torch.Tensor, layout: KVLayout) -> tuple[torch.Tensor, torch.Tensor]:
