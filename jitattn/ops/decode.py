@@ -269,9 +269,9 @@ class BatchDecodeWithPagedKVCacheWrapper(BatchWrapperBase):
         if batch < 0 or last_page_len.numel() != batch:
             raise ValueError(f"indptr describes {batch} requests but last_page_len has {last_page_len.numel()}")
         self._check_graph_batch(batch)
-        # Without last_page_len on the host every request counts its full last page. Chunks are whole pages, so
-        # the chunk counts are the same as with the exact lengths (under a window too: min(len, window_left + 1)
-        # keeps both lengths in one page).
+        # Without last_page_len on the host every request counts its full last page. Chunk sizes are whole pages,
+        # so the chunk counts are the same as with the exact lengths (under a window too, where chunks start
+        # mid-page: min(len, window_left + 1) of both lengths rounds up to the same pages).
         upper_lens = np.diff(indptr_host.numpy()).astype(np.int64) * page_size
         lens = window_lens(upper_lens, options.scalars.window_left)
         split = self._split(spec, lens, num_kv_heads, page_size, fixed_split_size, disable_split_kv, batch_invariant)

@@ -382,13 +382,14 @@ def run_plan(
             "stale or freed memory. Construct it with use_cuda_graph=True and fixed index buffers"
         )
     k_ptr, v_ptr = _kv_pointers(plan, kv, device_index)
-    both_given = out is not None and lse is not None
+    given = (out is not None, lse is not None)  # the caller's buffers (checked against q and the KV) or ours
+    both_given = given[0] and given[1]
     if out is None:
         out = torch.empty((plan.total_qo, plan.num_qo_heads, plan.head_dim_vo), dtype=plan.o_dtype, device=q.device)
     if lse is None and return_lse:
         lse = torch.empty((plan.total_qo, plan.num_qo_heads), dtype=torch.float32, device=q.device)
     if not (fixed_outputs and plan.checked_outputs is not None):
-        outputs = (_output_signature(out), _output_signature(lse))
+        outputs = (_output_signature(out), _output_signature(lse), given)
         if outputs != plan.checked_outputs:
             _check_outputs(plan, wrapper, q, kv, out, lse)
             for prepared in plan.launches():
