@@ -262,9 +262,9 @@ class BatchDecodeWithPagedKVCacheWrapper(BatchWrapperBase):
         # dtype and rank only (no sync): the kernel reads these buffers as int32
         for name, array in (("indptr", indptr), ("indices", indices), ("last_page_len", last_page_len)):
             check_tensor(name, array, ndim=1, dtypes=(torch.int32,), last_dim_contiguous=False)
-        if indptr_host is None:  # FlashInfer copies indptr to the host too
-            indptr_host = to_host_int32("indptr", indptr)
-        indptr_host = to_host_int32("global_override_indptr_cpu", indptr_host)
+        # the host copy (FlashInfer copies indptr too), named as the caller passed it
+        indptr_host = (to_host_int32("indptr", indptr) if indptr_host is None
+                       else to_host_int32("global_override_indptr_cpu", indptr_host))
         batch = indptr_host.numel() - 1
         if batch < 0 or last_page_len.numel() != batch:
             raise ValueError(f"indptr describes {batch} requests but last_page_len has {last_page_len.numel()}")
@@ -437,8 +437,7 @@ def single_decode_with_kv_cache(
     check_tensor("k", k, ndim=3)
     check_tensor("v", v, ndim=3)
     target_of("single_decode_with_kv_cache", (q, k, v))
-    check_single_kv("single_decode_with_kv_cache", k, v, layout, q.shape[0])
-    kv_len, num_kv_heads = (k.shape[0], k.shape[1]) if layout is KVLayout.NHD else (k.shape[1], k.shape[0])
+    kv_len, num_kv_heads = check_single_kv("single_decode_with_kv_cache", k, v, layout, q.shape[0])
     if sinks is not None:  # checked here too, so that errors name this function rather than the wrapper under it
         check_sinks("single_decode_with_kv_cache", sinks, q.shape[0], q.device)
     if q_scale is not None:  # the rules of run()'s scales: a number or a one-element host tensor
@@ -468,19 +467,22 @@ def single_decode_with_kv_cache(
 KV_SHAPES = {KVLayout.NHD: "[kv_len, num_kv_heads, head_dim]", KVLayout.HND: "[num_kv_heads, kv_len, head_dim]"}
 
 
-def check_single_kv(what: str, k: torch.Tensor, v: torch.Tensor, layout: KVLayout, num_qo_heads: int) -> None:
+def check_single_kv(what: str, k: torch.Tensor, v: torch.Tensor, layout: KVLayout,
+                    num_qo_heads: int) -> tuple[int, int]:
     """One request's k and v (3-D tensors, checked) against each other and q's ``num_qo_heads``: one dtype, one
-    kv_len, one head count that divides q's (read in ``layout``: a mistaken layout shows here)."""
+    kv_len, one head count that divides q's (read in ``layout``: a mistaken layout shows here). Returns
+    (kv_len, num_kv_heads)."""
     if k.dtype != v.dtype:
         raise TypeError(f"{what}: k is {k.dtype} but v is {v.dtype}; pass k and v of one dtype")
     if k.shape[:2] != v.shape[:2]:
         raise ValueError(f"{what}: k has shape {tuple(k.shape)} but v {tuple(v.shape)}; both are {KV_SHAPES[layout]} "
                          f"({layout.value.upper()}) with the same kv_len and num_kv_heads")
-    kv_heads = k.shape[1] if layout is KVLayout.NHD else k.shape[0]
+    kv_len, kv_heads = (k.shape[0], k.shape[1]) if layout is KVLayout.NHD else (k.shape[1], k.shape[0])
     if kv_heads == 0 or num_qo_heads % kv_heads:
         raise ValueError(f"{what}: k has shape {tuple(k.shape)}, read as {KV_SHAPES[layout]} (kv_layout="
                          f"'{layout.value.upper()}'): {kv_heads} kv heads, which do not divide q's {num_qo_heads}; "
                          "check kv_layout and the tensors' shapes")
+    return kv_len, kv_heads
 
 
 def single_request_pages(k: torch.Tensor, v: torch.Tensor, layout: KVLayout) -> tuple[torch.Tensor, torch.Tensor]:
