@@ -3,15 +3,15 @@
     ncu --profile-from-start off --set full -o OUT/decode_b1 python3 tools/profile_ncu.py decode_b1
 
 Cases (the suite's decode and prefill rows; llama8b shapes 32 / 8 heads d128 bf16 page 16 unless said):
-decode_b1 (1 x 32768), decode_b256 (256 x 4096), sdpa_b1 / sdpa_b256 (PyTorch SDPA on contiguous KV, the rows'
-peer), fi_b1 / fi_b256 (FlashInfer's tensor-core decode on the same tables; PEER=1), phi3 (MHA d96 b64 x 4096),
-paged16 / paged64 / ragged (sm90 prefill causal b8 x 4096), ragged_d64 (causal b16 x 2048, d64),
-mla128 (MLA b64 x 4096, 128 heads, page 64), mla16
-(MLA b128 x 4096, 16 heads, page 64), flat_shared (decode b128 over 8192 shared + 256 own tokens each: the
-cascade row's flat twin), window128 (gpt-oss prefill with its 128-key window: 64 / 8 heads d64, ragged causal
-b8 x 4096; tiles of a few KV blocks, where the tile's fixed cost shows), decode_window128 (gpt-oss decode, b64 x
-8192 with the 128-key window, page 16), fp8_prefill / bf16_prefill (the sm90 fp8 kernel, q, k, v e4m3, non-causal
-1 x 8192 ragged, and its bf16 twin: the suite's ops/fp8_prefill_noncausal_s8192 and its dense row).
+decode_b1 (1 x 32768), decode_b256 (256 x 4096), sdpa_b1 / sdpa_b256 / sdpa_gptoss1024 (PyTorch SDPA on
+contiguous KV, the rows' peer), fi_b1 / fi_b256 (FlashInfer's tensor-core decode on the same tables; PEER=1), phi3
+(MHA d96 b64 x 4096), paged16 / paged64 / ragged (sm90 prefill causal b8 x 4096), ragged_d64 (causal b16 x 2048,
+d64), mla128 (MLA b64 x 4096, 128 heads, page 64), mla16 (MLA b128 x 4096, 16 heads, page 64), flat_shared (decode
+b128 over 8192 shared + 256 own tokens each: the cascade row's flat twin), window128 (gpt-oss prefill with its
+128-key window: 64 / 8 heads d64, ragged causal b8 x 4096; tiles of a few KV blocks, where the tile's fixed cost
+shows), decode_window128 / decode_gptoss1024 (gpt-oss decode, b64 x 8192 with the 128-key window / b64 x 1024,
+page 16), fp8_prefill / bf16_prefill (the sm90 fp8 kernel, q, k, v e4m3, non-causal 1 x 8192 ragged, and its bf16
+twin: the suite's ops/fp8_prefill_noncausal_s8192 and its dense row).
 Warm-up calls (the JIT build, the plan) run before the range; one call runs inside it.
 ``DECODE_TUNING='{"max_stages": 2}'`` renders the decode kernels with those overrides of
 ``jitattn.kernels.decode.TUNING`` (their own cache entries), to profile a layout beside the default.
@@ -91,11 +91,12 @@ def case_fn(name: str):
         w = jitattn.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD")
         w.plan(indptr, table.reshape(-1).contiguous(), last, HQ, HKV, D, page, q_data_type=torch.bfloat16)
         return lambda: w.run(q, cache, out=out)
-    if name in ("sdpa_b1", "sdpa_b256"):
-        b, n = (1, 32768) if name == "sdpa_b1" else (256, 4096)
-        q = torch.randn(b, HQ, 1, D, generator=gen).to(torch.bfloat16).to(dev)
-        k = torch.randn(b, HKV, n, D, generator=gen).to(torch.bfloat16).to(dev)
-        v = torch.randn(b, HKV, n, D, generator=gen).to(torch.bfloat16).to(dev)
+    if name in ("sdpa_b1", "sdpa_b256", "sdpa_gptoss1024"):
+        b, n, hq, d = {"sdpa_b1": (1, 32768, HQ, D), "sdpa_b256": (256, 4096, HQ, D),
+                       "sdpa_gptoss1024": (64, 1024, 64, 64)}[name]
+        q = torch.randn(b, hq, 1, d, generator=gen).to(torch.bfloat16).to(dev)
+        k = torch.randn(b, HKV, n, d, generator=gen).to(torch.bfloat16).to(dev)
+        v = torch.randn(b, HKV, n, d, generator=gen).to(torch.bfloat16).to(dev)
         return lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
     if name == "phi3":  # MHA d96, b64 x 4096 (the suite's decode/phi3_d96_b64_s4096)
         b, n, h, d, page = 64, 4096, 32, 96, 16
@@ -112,8 +113,9 @@ def case_fn(name: str):
         return ragged_prefill(16, 2048, HQ, 64, gen, dev, ws)
     if name == "window128":  # the suite's prefill/gptoss_causal_b8_s4096_window128
         return ragged_prefill(8, 4096, 64, 64, gen, dev, ws, window_left=127)
-    if name == "decode_window128":  # the suite's decode/gptoss_window128_b64_s8192
-        b, n, hq, d, page = 64, 8192, 64, 64, 16
+    if name in ("decode_window128", "decode_gptoss1024"):  # the suite's decode/gptoss_window128_b64_s8192, _b64_s1024
+        b, n, hq, d, page = 64, 8192 if name == "decode_window128" else 1024, 64, 64, 16
+        window = 127 if name == "decode_window128" else -1
         cache = torch.randn(b * n // page, 2, page, HKV, d, generator=gen).to(torch.bfloat16).to(dev)
         indices = torch.randperm(b * n // page, generator=gen).to(torch.int32)
         indptr = (torch.arange(b + 1) * (n // page)).to(torch.int32)
@@ -121,7 +123,7 @@ def case_fn(name: str):
         q = torch.randn(b, hq, d, generator=gen).to(torch.bfloat16).to(dev)
         out = torch.empty_like(q)
         w = jitattn.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD")
-        w.plan(indptr, indices, last, hq, HKV, d, page, window_left=127, q_data_type=torch.bfloat16)
+        w.plan(indptr, indices, last, hq, HKV, d, page, window_left=window, q_data_type=torch.bfloat16)
         return lambda: w.run(q, cache, out=out)
     if name in ("paged16", "paged64", "ragged"):
         b, n = 8, 4096

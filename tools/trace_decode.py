@@ -4,7 +4,8 @@
 
 Cases (llama8b shapes: 32 / 8 heads, d128, bf16, page 16, pages in random order): b1 (1 x 32768, the
 planner's one-wave split), tails (128 x 256: the cascade row's per-request level alone), skewed
-(1 x 32768 + 63 x 512), b64 (64 x 2048); window128 (gpt-oss's sliding-window layers: 64 / 8 heads, d64,
+(1 x 32768 + 63 x 512), b64 (64 x 2048); gptoss1024 (64 / 8 heads, d64, 64 x 1024: the suite's
+decode/gptoss_b64_s1024, one wave of the short-items layout); window128 (gpt-oss's sliding-window layers: 64 / 8 heads, d64,
 64 x 8192 with a window of 128 keys: the suite's decode/gptoss_window128_b64_s8192). For each: the launch's
 GPU time by CUDA events (L2 evicted before it, as the suite does), then per block the phases of its first
 item -- prologue (page ids, query, row tables), first tile's wait, main loop, result write, split merge -- as
@@ -32,7 +33,7 @@ PAGE = 16
 # case -> (KV lengths, query heads, KV heads, head dim, window_left)
 CASES = {"b1": ([32768], 32, 8, 128, -1), "tails": ([256] * 128, 32, 8, 128, -1),
          "skewed": ([32768] + [512] * 63, 32, 8, 128, -1), "b64": ([2048] * 64, 32, 8, 128, -1),
-         "window128": ([8192] * 64, 64, 8, 64, 127)}
+         "window128": ([8192] * 64, 64, 8, 64, 127), "gptoss1024": ([1024] * 64, 64, 8, 64, -1)}
 FIELDS = 8
 
 
