@@ -56,6 +56,8 @@ CASCADE_BYTES = {
     # a tree: the root once, each of 4 branches once, every tail
     "cascade/agent_fork_b128_root8192_4x2048_u128": 2 * (8192 + 4 * 2048 + 128 * 128) * 8 * 128 * 2
     + 2 * 128 * 32 * 128 * 2,
+    "cascade/agent_fork_b128_root32768_4x2048_u128": 2 * (32768 + 4 * 2048 + 128 * 128) * 8 * 128 * 2
+    + 2 * 128 * 32 * 128 * 2,
 }
 
 # MLA FLOPs = 2 * B * H * L * (576 + 512); bytes = B * L * 576 * bytes/elem

@@ -31,9 +31,7 @@ from .ops_cases import (BSR_CASES, DENSE_PREFILL, FP8_CASES, MIXED_CASES, ROPE_C
 SUITES = ("decode", "prefill", "cascade", "variants", "mla", "jit", "ops")
 
 
-# --------------------------------------------------------------------------- #
-# Cases
-# --------------------------------------------------------------------------- #
+# ---- Cases ---------------------------------------------------------------- #
 @dataclass(frozen=True)
 class Attn:
     """A decode (one query per request) or prefill batch over paged or ragged KV."""
@@ -366,8 +364,10 @@ PREFILL: list[Attn] = [
 CASCADE: list[Cascade] = [
     Cascade("cascade/b128_shared8192_u256", 128, 8192, 256),
     Cascade("cascade/b32_shared32768_u128", 32, 32768, 128),
-    # an agent's fork: an 8k root shared by 128 requests, 4 branches of 2k shared by 32 each, 128-token tails
-    Cascade("cascade/agent_fork_b128_root8192_4x2048_u128", 128, 8192, 128, branches=4, branch_len=2048),
+    # an agent's fork: an 8k (32k: a root larger than L2) root shared by 128 requests, 4 branches of 2k shared by 32
+    # each, 128-token tails
+    *(Cascade(f"cascade/agent_fork_b128_root{n}_4x2048_u128", 128, n, 128, branches=4, branch_len=2048)
+      for n in (8192, 32768)),
 ]
 
 # Variants: each beside the plain kernel at equal work (the same tokens read / the same batch).
