@@ -441,46 +441,56 @@ def test_the_engine_estimate_counts_the_flat_steps_rereads_that_l2_serves() -> N
     assert paths == {2048: "flat", 4096: "measured", 16384: "cascade"}
 
 
-def test_cheapest_depth_cuts_a_tree_whose_rereads_l2_serves_and_keeps_one_past_it() -> None:
-    """Llama-3-8B shapes (4 KiB of K and V per token and layer), 30 MiB of L2 for shared pages: 128 requests
-    under an 8k root with 4 branches of 2k read the root again for three branches with two levels (partly from
-    L2), which costs less than a third level; under a 32k root the re-reads cost more and the tree keeps its
-    levels."""
-    from jitattn.serving.decode_path import LEVEL_SECONDS, cheapest_depth
+def test_cheapest_depth_keeps_the_tree_only_where_its_rereads_outlast_the_shared_levels_flops() -> None:
+    """Llama-3-8B shapes (4 KiB of K and V per token and layer, 16 KiFLOP per query-token pair), 30 MiB of L2 for
+    shared pages: 128 requests under 4 branches of 2k, 32 each, make the shared levels compute-bound whether the
+    root is 8k or 32k (past L2): the two-level cascade's root re-reads hide under its FLOPs, and a third level only
+    adds its cost (as measured: 113.1 against 100.5 us at 8k, 204.3 against 198.9 at 32k). Under 32 branches of 4
+    requests the re-reads outlast the FLOPs and the tree keeps its levels; without the FLOPs (0) the re-reads alone
+    decide, and both roots keep the tree."""
+    from jitattn.serving.decode_path import LEVEL_SECONDS, SHARED_FLOPS_PER_SECOND, cheapest_depth
 
-    token, l2 = 4096, 30 * 2.0**20
-    assert cheapest_depth([4 * (8192 + 2048), 8192 + 4 * 2048], 8192 + 4 * 2048, token, l2, LEVEL_SECONDS) == 1
-    assert cheapest_depth([4 * (32768 + 2048), 32768 + 4 * 2048], 32768 + 4 * 2048, token, l2, LEVEL_SECONDS) == 2
+    token, l2, pair = 4096, 30 * 2.0**20, 4 * 32 * 128
+
+    def depth(root: int, branches: int, compute: bool = True) -> int:
+        cuts = [branches * (root + 2048), root + branches * 2048]
+        seconds = 128 * (root + 2048) * pair / SHARED_FLOPS_PER_SECOND if compute else 0.0
+        return cheapest_depth(cuts, cuts[1], token, l2, LEVEL_SECONDS, seconds)
+
+    assert [depth(8192, 4), depth(32768, 4), depth(32768, 32)] == [1, 1, 2]
+    assert [depth(8192, 4, compute=False), depth(32768, 4, compute=False)] == [2, 2]
     # no level cost and no L2: the whole tree (each page once); a tie takes the fewer levels
     assert cheapest_depth([40960, 20000, 16384], 16384, token, 0, 0.0) == 3
     assert cheapest_depth([16384, 16384], 16384, token, l2, LEVEL_SECONDS) == 1
 
 
 def test_a_cuda_engine_cuts_the_prefix_tree_where_a_level_costs_more_than_its_rereads() -> None:
-    """The engine's cut of a three-level tree (the agent-fork shape: a root over 128 requests, 4 branches of 32,
-    own pages) with Llama-3-8B's terms and the cuda level cost: two levels under an 8k root, three under a 32k
-    root; ``cascade_depth`` is a cap the cut never exceeds, and on the cpu (no level cost) the tree stays whole."""
+    """The engine's cut of a three-level tree (a root over 128 requests, branches, own pages) with Llama-3-8B's
+    terms and the cuda level cost: agent-fork's 4 branches of 32 take two levels under an 8k and a 32k root
+    (compute-bound shared levels), 32 branches of 4 keep the tree under a 32k root; ``cascade_depth`` is a cap the
+    cut never exceeds, and on the cpu (no level cost) the tree stays whole."""
     from jitattn.serving.decode_path import LEVEL_SECONDS
 
-    def tree_of(root_pages: int) -> list:
+    def tree_of(root_pages: int, branches: int) -> list:
         seqs = []
         for i in range(128):
-            branch = root_pages + 1000 * (i // 32)
-            own = root_pages + 5000 + 10 * i
+            branch = root_pages + 1000 * (i // (128 // branches))
+            own = root_pages + 50000 + 10 * i
             pages = tuple(range(root_pages)) + tuple(range(branch, branch + 128)) + tuple(range(own, own + 5))
             seqs.append(SeqView(pages, len(pages) * 16 - 3, 1))
         tree = prefix_tree(seqs)
-        assert [len(level) for level in tree] == [1, 4]
+        assert [len(level) for level in tree] == [1, branches]
         return tree
 
     model = LlamaModel.random(preset("tiny"), seed=0, dtype=torch.float32, device="cpu")
-    for depth, expected in ((None, {512: 1, 2048: 2}), (1, {512: 1, 2048: 1})):
+    shapes = ((512, 4), (2048, 4), (2048, 32))
+    for depth, expected in ((None, [1, 1, 2]), (1, [1, 1, 1])):
         engine = Engine(model, num_pages=8, page_size=16, max_batch_size=128, cascade=True, cascade_depth=depth)
-        assert engine.costs.depth(tree_of(512), 128) == (2 if depth is None else 1)  # cpu: no level cost
+        assert engine.costs.depth(tree_of(512, 4), 128) == (2 if depth is None else 1)  # cpu: no level cost
         cuda = dataclasses.replace(engine.costs, weight_bytes=16.06e9, kv_bytes_per_token=32 * 8 * 128 * 2 * 2,
                                    flops_per_pair=4 * 32 * 128 * 32, layers=32, l2_bytes=30 * 2.0**20,
                                    level_seconds=LEVEL_SECONDS)
-        assert {root: cuda.depth(tree_of(root), 128) for root in (512, 2048)} == expected
+        assert [cuda.depth(tree_of(root, branches), 128) for root, branches in shapes] == expected
 
 
 def test_decode_path_chooser_measures_each_path_then_keeps_the_faster() -> None:

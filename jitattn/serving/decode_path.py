@@ -151,28 +151,35 @@ def flat_reread_fraction(working_set_bytes: float, l2_bytes: float) -> float:
 
 
 # The fixed cost of one more shared level in a cascade step, per layer: its prefill launch over the level's nodes
-# and one more state per query to merge. Fitted to the H200 with Llama-3-8B shapes: an 8k root shared by 128
-# requests under 4 branches of 2k (``cascade/agent_fork_b128_root8192_4x2048_u128``) took 113.1 us a layer as a
-# three-level tree and 100.5 us as the two-level cascade of the same pages, which reads the root again for three
-# branches (101 MB a layer; at the tree's 64 MiB working set :func:`flat_reread_fraction` counts 0.59 of it, 13.6
-# us of reading): a level costs 12.6 + 13.6 us. Counted as the bytes a decode step reads in that time.
-LEVEL_SECONDS = 2.6e-5
+# and one more state per query to merge. The shared levels of a cut run at the slower of their reads and their
+# FLOPs, which every cut has alike (each query meets each shared token once); with tens of queries per node
+# they are compute-bound, and then a level's cost is the whole difference. Fitted to the H200 with Llama-3-8B
+# shapes: an 8k root shared by 128 requests under 4 branches of 2k (``cascade/agent_fork_b128_root8192_4x2048_u128``)
+# took 113.1 us a layer as a three-level tree and 100.5 us as the two-level cascade of the same pages (which reads
+# the root again for three branches, 101 MB a layer). Under a 32k root, past L2, the tree still lost (H100: 204.3
+# against 198.9 us; 8.0 at the 8k root there): the 4 branches' 32 queries each make even the two-level
+# cascade's root re-reads compute-bound.
+LEVEL_SECONDS = 1.26e-5
 READ_BYTES_PER_SECOND = 4.4e12
+# The shared levels' attention rate on the prefill kernels (H200: 128 queries over a 16k prefix, 34.4 GFLOP a
+# layer in 82 us; the 8k agent-fork tree's levels 415 TFLOP/s).
+SHARED_FLOPS_PER_SECOND = 4.2e14
 
 
 def cheapest_depth(shared_tokens: list[int], once_tokens: int, token_bytes: float, l2_bytes: float,
-                   level_seconds: float) -> int:
+                   level_seconds: float, compute_seconds: float = 0.0) -> int:
     """The number of shared levels (1 .. ``len(shared_tokens)``) of the cheapest cascade step over a prefix tree.
 
     ``shared_tokens[d - 1]``: the shared KV tokens a layer reads with the tree cut to ``d`` levels
     (``attention.limit_levels``: the last level reads each member's deeper shared pages with its node's, so a
     shallower cut reads a node's pages again for each of its children); ``once_tokens``: the whole tree's, each
     shared page once. ``token_bytes``: one token's K and V bytes in a layer. The re-reads cost
-    :func:`flat_reread_fraction` of their bytes (L2 may keep the tree's pages between them), each level
-    ``level_seconds`` of reading; a tie takes fewer levels."""
+    :func:`flat_reread_fraction` of their bytes (L2 may keep the tree's pages between them) at
+    ``READ_BYTES_PER_SECOND``; a cut's shared levels take the longer of that reading and ``compute_seconds`` (their
+    FLOPs, the same for every cut), plus ``level_seconds`` a level; a tie takes fewer levels."""
     once = once_tokens
     reread = flat_reread_fraction(once * token_bytes, l2_bytes)
-    level_tokens = level_seconds * READ_BYTES_PER_SECOND / token_bytes
-    costs = [once + (tokens - once) * reread + level_tokens * depth for depth, tokens in enumerate(shared_tokens, 1)]
+    seconds_per_token = token_bytes / READ_BYTES_PER_SECOND
+    costs = [max((once + (tokens - once) * reread) * seconds_per_token, compute_seconds) + level_seconds * depth
+             for depth, tokens in enumerate(shared_tokens, 1)]
     return 1 + costs.index(min(costs))
-

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .attention import SeqView, SharedNode, kv_tokens_read, limit_levels, shared_tokens
-from .decode_path import cascade_estimate, cheapest_depth, flat_reread_fraction
+from .decode_path import SHARED_FLOPS_PER_SECOND, cascade_estimate, cheapest_depth, flat_reread_fraction
 
 
 @dataclass(frozen=True)
@@ -31,8 +31,7 @@ class StepCosts:
         """``decode_path.cascade_estimate`` of a step: the weights and each path's KV bytes (``flat_kv_tokens``: the
         flat step's), the shared levels' FLOPs (each member's queries against each node's tokens)."""
         ps = self.page_size
-        shared_pairs = sum((node.end - node.first) * (node.page_end - node.page_begin) * ps
-                           for nodes in tree for node in nodes)
+        shared_pairs = self.shared_pairs(tree)
         once = shared_tokens(tree, ps)  # each node's tokens
         cascade_tokens = kv_tokens_read(seqs, tree, ps)
         reread = flat_kv_tokens - cascade_tokens  # what the flat step reads again, per member after the first
@@ -41,6 +40,12 @@ class StepCosts:
         return cascade_estimate(self.weight_bytes + flat_dram * self.kv_bytes_per_token,
                                 self.weight_bytes + cascade_tokens * self.kv_bytes_per_token,
                                 shared_pairs * self.flops_per_pair)
+
+    def shared_pairs(self, tree: list[list[SharedNode]]) -> int:
+        """(query, shared token) pairs of a step over ``tree``: each member's query against each node's tokens (the
+        same for every cut of the tree)."""
+        return sum((node.end - node.first) * (node.page_end - node.page_begin) * self.page_size
+                   for nodes in tree for node in nodes)
 
     def depth(self, tree: list[list[SharedNode]], num_seqs: int, max_levels: int | None = None) -> int:
         """Shared levels a cascade step over ``tree`` takes: at most ``cascade_depth`` and ``max_levels`` (that of
@@ -53,5 +58,6 @@ class StepCosts:
             return most
         ps = self.page_size
         cuts = [shared_tokens(limit_levels(tree, num_seqs, d), ps) for d in range(1, most + 1)]
+        compute = self.shared_pairs(tree) * self.flops_per_pair / self.layers / SHARED_FLOPS_PER_SECOND
         return cheapest_depth(cuts, shared_tokens(tree, ps), self.kv_bytes_per_token / self.layers, self.l2_bytes,
-                              self.level_seconds)
+                              self.level_seconds, compute)
