@@ -356,6 +356,17 @@ BAD_INPUTS = [
      r"positions\[0\]=-1 is outside cos_sin_cache's \d+ rows; positions index the cache's rows from 0"),
     ("head_size not dividing", lambda c: jitattn.apply_rope_with_cos_sin_cache(
         c.pos_ids, c.q.flatten(1), c.k.flatten(1), 48, c.table), ValueError, "num_heads \\* head_size"),
+    # the vLLM / SGLang signature's errors name its arguments (positions, query, key), not pos_ids / q / k
+    ("cache positions float", lambda c: jitattn.apply_rope_with_cos_sin_cache(
+        c.pos_ids.float(), c.q.flatten(1), c.k.flatten(1), 64, c.table), TypeError,
+     "^positions has dtype float32; use int32 or int64"),
+    ("cache positions short", lambda c: jitattn.apply_rope_with_cos_sin_cache(
+        c.pos_ids[1:], c.q.flatten(1), c.k.flatten(1), 64, c.table), ValueError, "^positions has .* entries; expected"),
+    ("cache key tokens", lambda c: jitattn.apply_rope_with_cos_sin_cache(
+        c.pos_ids, c.q.flatten(1), c.k.flatten(1)[1:], 64, c.table), ValueError,
+     "^query has .* tokens but key has"),
+    ("cache key dtype", lambda c: jitattn.apply_rope_with_cos_sin_cache_inplace(
+        c.pos_ids, c.q.flatten(1), c.k.flatten(1).double(), 64, c.table), TypeError, "^(key|query) .*float64"),
 ]
 
 

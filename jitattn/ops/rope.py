@@ -144,8 +144,8 @@ def apply_rope_with_cos_sin_cache(
     q, k = split_heads("query", query, head_size), split_heads("key", key, head_size)
     query_out, key_out = _like(query, key)
     q_out, k_out = split_heads("query", query_out, head_size), split_heads("key", key_out, head_size)
-    rotate(q, k, q_out, k_out, Positions(pos_ids=positions), None, not resolve_flag(is_neox, "is_neox"),
-           Angles(cos_sin_cache=cos_sin_cache))
+    rotate(q, k, q_out, k_out, Positions(pos_ids=positions, pos_ids_name="positions"), None,
+           not resolve_flag(is_neox, "is_neox"), Angles(cos_sin_cache=cos_sin_cache), ("query", "key"))
     return query_out, key_out
 
 
@@ -155,5 +155,5 @@ def apply_rope_with_cos_sin_cache_inplace(
 ) -> None:
     """:func:`apply_rope_with_cos_sin_cache` written into ``query`` and ``key``."""
     q, k = split_heads("query", query, head_size), split_heads("key", key, head_size)
-    rotate(q, k, q, k, Positions(pos_ids=positions), None, not resolve_flag(is_neox, "is_neox"),
-           Angles(cos_sin_cache=cos_sin_cache))
+    rotate(q, k, q, k, Positions(pos_ids=positions, pos_ids_name="positions"), None,
+           not resolve_flag(is_neox, "is_neox"), Angles(cos_sin_cache=cos_sin_cache), ("query", "key"))

@@ -43,6 +43,7 @@ class Positions:
     indptr: torch.Tensor | None = None
     offsets: torch.Tensor | None = None
     pos_ids: torch.Tensor | None = None
+    pos_ids_name: str = "pos_ids"  # what the caller calls it (vLLM / SGLang's signature: ``positions``)
 
 
 @dataclass(frozen=True)
@@ -111,28 +112,30 @@ def split_heads(name: str, x: torch.Tensor, head_size) -> torch.Tensor:
                          f"[nnz, num_heads, {head_size}]; pass a tensor whose heads are contiguous rows") from None
 
 
-def _check_qk(q: torch.Tensor, k: torch.Tensor, q_out: torch.Tensor, k_out: torch.Tensor) -> None:
-    for name, t in (("q", q), ("k", k)):
+def _check_qk(q: torch.Tensor, k: torch.Tensor, q_out: torch.Tensor, k_out: torch.Tensor,
+              names: tuple[str, str]) -> None:
+    qn, kn = names
+    for name, t in ((qn, q), (kn, k)):
         check_tensor(name, t, ndim=3, dtypes=ELEMENT_DTYPES)
     if k.dtype != q.dtype:
-        raise TypeError(f"q is {_name(q.dtype)} but k is {_name(k.dtype)}; q and k must have one dtype")
+        raise TypeError(f"{qn} is {_name(q.dtype)} but {kn} is {_name(k.dtype)}; {qn} and {kn} must have one dtype")
     if k.shape[0] != q.shape[0]:
-        raise ValueError(f"q has {q.shape[0]} tokens but k has {k.shape[0]}; q and k are [nnz, heads, head_dim] "
-                         "with the same nnz")
+        raise ValueError(f"{qn} has {q.shape[0]} tokens but {kn} has {k.shape[0]}; both take one row per token "
+                         "(the same nnz)")
     if k.shape[2] != q.shape[2]:
-        raise ValueError(f"q has head_dim {q.shape[2]} but k has {k.shape[2]}; they must match")
+        raise ValueError(f"{qn} has head_dim {q.shape[2]} but {kn} has {k.shape[2]}; they must match")
     if q_out is q and _heads_overlap(q, k):
-        raise ValueError("q and k share head rows (views of one buffer that overlap), so rotating both in place would "
-                         "rotate those rows twice; pass separate query and key heads (e.g. qkv[:, :Hq] and "
+        raise ValueError(f"{qn} and {kn} share head rows (views of one buffer that overlap), so rotating both in place "
+                         "would rotate those rows twice; pass separate query and key heads (e.g. qkv[:, :Hq] and "
                          "qkv[:, Hq:Hq + Hk])")
-    for name, t in (("the rotated q", q_out), ("the rotated k", k_out)):
+    for name, t in ((f"the rotated {qn}", q_out), (f"the rotated {kn}", k_out)):
         check_no_overlap(name, t)
         if t.dtype != q.dtype and ({t.dtype, q.dtype} != {torch.float16, torch.bfloat16} or t is q or t is k):
-            raise TypeError(f"{name} is {_name(t.dtype)} but q and k are {_name(q.dtype)}; the outputs take the "
-                            "inputs' dtype, or out of place the other 16-bit one (float16 <-> bfloat16)")
+            raise TypeError(f"{name} is {_name(t.dtype)} but {qn} and {kn} are {_name(q.dtype)}; the outputs take "
+                            "the inputs' dtype, or out of place the other 16-bit one (float16 <-> bfloat16)")
     if q_out.dtype != k_out.dtype:
-        raise TypeError(f"the rotated q is {_name(q_out.dtype)} but the rotated k {_name(k_out.dtype)}; give them one "
-                        "dtype")
+        raise TypeError(f"the rotated {qn} is {_name(q_out.dtype)} but the rotated {kn} {_name(k_out.dtype)}; give "
+                        "them one dtype")
 
 
 def _heads_overlap(q: torch.Tensor, k: torch.Tensor) -> bool:
@@ -160,7 +163,8 @@ def _heads_overlap(q: torch.Tensor, k: torch.Tensor) -> bool:
     return any(a0 < b1 and b0 < a1 for t in shifts for b0, b1 in rows(k, d + t * s) for a0, a1 in rows(q, 0))
 
 
-def _check_index(name: str, t: torch.Tensor, device: torch.device, length: int | None = None) -> torch.Tensor:
+def _check_index(name: str, t: torch.Tensor, device: torch.device, length: int | None = None,
+                 q_name: str = "q") -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor (int32 or int64), got {type(t).__name__}")
     if t.dim() != 1:
@@ -168,16 +172,17 @@ def _check_index(name: str, t: torch.Tensor, device: torch.device, length: int |
     if t.dtype not in INDEX_DTYPES:
         raise TypeError(f"{name} has dtype {_name(t.dtype)}; use int32 or int64")
     if t.device != device:
-        raise ValueError(f"{name} is on {t.device} but q is on {device}; move it to q's device")
+        raise ValueError(f"{name} is on {t.device} but {q_name} is on {device}; move it to {q_name}'s device")
     if length is not None and t.shape[0] != length:
         raise ValueError(f"{name} has {t.shape[0]} entries; expected {length}")
     return t.contiguous()
 
 
-def _index_arrays(positions: Positions, nnz: int, device: torch.device) -> tuple[dict, int, int, int]:
+def _index_arrays(positions: Positions, nnz: int, device: torch.device,
+                  q_name: str = "q") -> tuple[dict, int, int, int]:
     """The index pointers, the batch size, the position source code and the index width in bytes."""
     if positions.pos_ids is not None:
-        pos_ids = _check_index("pos_ids", positions.pos_ids, device, nnz)
+        pos_ids = _check_index(positions.pos_ids_name, positions.pos_ids, device, nnz, q_name)
         ptrs = dict(indptr=None, offsets=None, pos_ids=pos_ids)
         return ptrs, 0, ROPE_POSITION_CODES["pos_ids"], pos_ids.element_size()
     offsets = _check_index("offsets", positions.offsets, device)
@@ -196,14 +201,16 @@ def _index_arrays(positions: Positions, nnz: int, device: torch.device) -> tuple
     return ptrs, offsets.shape[0], ROPE_POSITION_CODES["indptr"], indptr.element_size()
 
 
-def _check_cache(cache: torch.Tensor, head_dim: int, device: torch.device, pos_ids: torch.Tensor | None) -> None:
+def _check_cache(cache: torch.Tensor, head_dim: int, device: torch.device, pos_ids: torch.Tensor | None,
+                 q_name: str = "q") -> None:
     if not isinstance(cache, torch.Tensor):
         raise TypeError(f"cos_sin_cache must be a torch.Tensor, got {type(cache).__name__}")
     if cache.dtype != torch.float32:
         raise ValueError(f"cos_sin_cache is {_name(cache.dtype)}; it must be float32 (as FlashInfer's)")
     check_tensor("cos_sin_cache", cache, ndim=2)
     if cache.device != device:
-        raise ValueError(f"cos_sin_cache is on {cache.device} but q is on {device}; move it to q's device")
+        raise ValueError(f"cos_sin_cache is on {cache.device} but {q_name} is on {device}; move it to {q_name}'s "
+                         "device")
     rotary_dim = cache.shape[1]
     if rotary_dim < 2 or rotary_dim % 2 or rotary_dim > head_dim:
         raise ValueError(f"cos_sin_cache has shape {tuple(cache.shape)}: its width is the rotary dim (cos then sin "
@@ -219,20 +226,21 @@ def _check_cache(cache: torch.Tensor, head_dim: int, device: torch.device, pos_i
 
 
 def rotate(q: torch.Tensor, k: torch.Tensor, q_out: torch.Tensor, k_out: torch.Tensor, positions: Positions,
-           rotary_dim: int | None, interleave: bool, angles: Angles) -> None:
+           rotary_dim: int | None, interleave: bool, angles: Angles, names: tuple[str, str] = ("q", "k")) -> None:
     """Rotate ``q`` into ``q_out`` and ``k`` into ``k_out`` (``[nnz, heads, head_dim]``; the outputs may be the
     inputs, which leaves the dimensions past ``rotary_dim`` as they are; otherwise they are copied, and may be of
     the other 16-bit dtype than the inputs').
 
-    ``rotary_dim`` None rotates the whole head, or as many dimensions as ``cos_sin_cache`` is wide."""
-    _check_qk(q, k, q_out, k_out)
+    ``rotary_dim`` None rotates the whole head, or as many dimensions as ``cos_sin_cache`` is wide. ``names``: what
+    the caller calls ``q`` and ``k`` (its errors say those)."""
+    _check_qk(q, k, q_out, k_out, names)
     interleave = resolve_flag(interleave, "interleave")
     target, device = target_of("rope", [q, k, q_out, k_out])
     nnz, head_dim = q.shape[0], q.shape[2]
-    ptrs, batch_size, pos_source, index_bytes = _index_arrays(positions, nnz, device)
+    ptrs, batch_size, pos_source, index_bytes = _index_arrays(positions, nnz, device, names[0])
     cache = angles.cos_sin_cache
     if cache is not None:
-        _check_cache(cache, head_dim, device, ptrs["pos_ids"])
+        _check_cache(cache, head_dim, device, ptrs["pos_ids"], names[0])
         rotary_dim = cache.shape[1] if rotary_dim is None else rotary_dim
     rotary_dim = rotary_dim_of(rotary_dim, head_dim)
     if nnz == 0 or q.shape[1] + k.shape[1] == 0:
