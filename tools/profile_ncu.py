@@ -2,16 +2,16 @@
 
     ncu --profile-from-start off --set full -o OUT/decode_b1 python3 tools/profile_ncu.py decode_b1
 
-Cases (the suite's decode and prefill rows; llama8b shapes 32 / 8 heads d128 bf16 page 16 unless said):
-decode_b1 (1 x 32768), decode_b256 (256 x 4096), sdpa_b1 / sdpa_b256 / sdpa_gptoss1024 (PyTorch SDPA on
-contiguous KV, the rows' peer), fi_b1 / fi_b256 (FlashInfer's tensor-core decode on the same tables; PEER=1), phi3
-(MHA d96 b64 x 4096), paged16 / paged64 / ragged (sm90 prefill causal b8 x 4096), ragged_d64 (causal b16 x 2048,
-d64), mla128 (MLA b64 x 4096, 128 heads, page 64), mla16 (MLA b128 x 4096, 16 heads, page 64), flat_shared (decode
-b128 over 8192 shared + 256 own tokens each: the cascade row's flat twin), window128 (gpt-oss prefill with its
-128-key window: 64 / 8 heads d64, ragged causal b8 x 4096; tiles of a few KV blocks, where the tile's fixed cost
-shows), decode_window128 / decode_gptoss1024 (gpt-oss decode, b64 x 8192 with the 128-key window / b64 x 1024,
-page 16), fp8_prefill / bf16_prefill (the sm90 fp8 kernel, q, k, v e4m3, non-causal 1 x 8192 ragged, and its bf16
-twin: the suite's ops/fp8_prefill_noncausal_s8192 and its dense row).
+Cases (the suite's decode and prefill rows; llama8b shapes 32 / 8 heads d128 bf16 page 16 unless said): decode_b1 (1
+x 32768), decode_b256 (256 x 4096), sdpa_b1 / sdpa_b256 / sdpa_gptoss1024 (PyTorch SDPA on contiguous KV, the rows'
+peer), fi_b1 / fi_b256 (FlashInfer's tensor-core decode on the same tables; PEER=1), phi3 (MHA d96 b64 x 4096),
+paged16 / paged64 / ragged (sm90 prefill causal b8 x 4096), ragged_d64 (causal b16 x 2048, d64), mla128 (MLA b64 x
+4096, 128 heads, page 64), mla16 (MLA b128 x 4096, 16 heads, page 64), fi_mla128 / fi_mla16 (FlashInfer's MLA on the
+same tables; PEER=1), flat_shared (decode b128 over 8192 shared + 256 own tokens each: the cascade row's flat twin),
+window128 (gpt-oss prefill with its 128-key window: 64 / 8 heads d64, ragged causal b8 x 4096; tiles of a few KV
+blocks, where the tile's fixed cost shows), decode_window128 / decode_gptoss1024 (gpt-oss decode, b64 x 8192 with
+the 128-key window / b64 x 1024, page 16), fp8_prefill / bf16_prefill (the sm90 fp8 kernel, q, k, v e4m3, non-causal
+1 x 8192 ragged, and its bf16 twin: the suite's ops/fp8_prefill_noncausal_s8192 and its dense row).
 Warm-up calls (the JIT build, the plan) run before the range; one call runs inside it.
 ``DECODE_TUNING='{"max_stages": 2}'`` renders the decode kernels with those overrides of
 ``jitattn.kernels.decode.TUNING`` (their own cache entries), to profile a layout beside the default.
@@ -145,8 +145,8 @@ def case_fn(name: str):
         w = jitattn.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD")
         w.plan(indptr, indptr, HQ, HKV, D, q_data_type=dtype, kv_data_type=dtype, o_data_type=torch.bfloat16)
         return lambda: w.run(q, k, v, out=out)
-    if name in ("mla128", "mla16"):
-        b, n, page, heads = (64, 4096, 64, 128) if name == "mla128" else (128, 4096, 64, 16)
+    if name in ("mla128", "mla16", "fi_mla128", "fi_mla16"):  # fi_: FlashInfer's MLA on the same tables (PEER=1)
+        b, n, page, heads = (64, 4096, 64, 128) if name.endswith("mla128") else (128, 4096, 64, 16)
         per = n // page
         buf = torch.randn(b * per + 1, page, 576, generator=gen).to(torch.bfloat16).to(dev)
         indices = torch.randperm(b * per + 1, generator=gen)[: b * per].to(torch.int32)
@@ -155,6 +155,13 @@ def case_fn(name: str):
         q_nope = torch.randn(b, heads, 512, generator=gen).to(torch.bfloat16).to(dev)
         q_pe = torch.randn(b, heads, 64, generator=gen).to(torch.bfloat16).to(dev)
         out = torch.empty_like(q_nope)
+        if name.startswith("fi_"):
+            import flashinfer
+
+            w = flashinfer.mla.BatchMLAPagedAttentionWrapper(torch.empty(256 << 20, dtype=torch.uint8, device=dev))
+            w.plan(torch.arange(b + 1, dtype=torch.int32, device=dev), indptr.to(dev), indices.to(dev), lens.to(dev),
+                   heads, 512, 64, page, False, 1.0 / math.sqrt(192), torch.bfloat16, torch.bfloat16)
+            return lambda: w.run(q_nope, q_pe, buf[..., :512], buf[..., 512:], out=out)
         w = jitattn.BatchMLAPagedAttentionWrapper(torch.empty(128 << 20, dtype=torch.uint8, device=dev))
         w.plan(torch.arange(b + 1, dtype=torch.int32), indptr, indices, lens, heads, 512, 64, page, False,
                1.0 / math.sqrt(192), torch.bfloat16, torch.bfloat16)
