@@ -404,6 +404,32 @@ def test_the_template_renders_the_layout() -> None:
     assert "kFp8Kind = __NV_E5M2;" in render(kernel_spec(torch.float16, torch.float8_e5m2))["kernel.cu"]
 
 
+def test_the_trace_renders_only_when_set(monkeypatch: pytest.MonkeyPatch, fresh_cache) -> None:
+    """mla TUNING trace (tools/trace_mla.py): off, the source has no stamps (the tested kernel); on, every phase of
+    both warpgroups is stamped and the module (built where nvcc is) exports the copy and clear entry points; other
+    values are refused."""
+    import ctypes
+    import shutil
+
+    from jitattn.jit.render import render
+
+    spec = kernel_spec(torch.bfloat16)
+    plain = render(spec)["kernel.cu"]
+    assert "trace_stamp" not in plain and "clock64" not in plain
+    monkeypatch.setitem(family.TUNING, "trace", 1)
+    traced = render(spec)["kernel.cu"]
+    assert all(f"trace_stamp(traced, j, {field}" in traced for field in (1, 2, 3, 7, 8, 11))
+    assert all(f"wg ? {b} : {a}" in traced for a, b in ((0, 6), (4, 9), (5, 10)))
+    assert "jitattn_mla_trace(void* dst)" in traced and "jitattn_mla_trace_clear()" in traced
+    if shutil.which("nvcc") is not None:
+        monkeypatch.setenv("JITATTN_CUDA_ARCH_LIST", "9.0a")
+        library = ctypes.CDLL(str(jitattn.load(spec).path))
+        assert hasattr(library, "jitattn_mla_trace") and hasattr(library, "jitattn_mla_trace_clear")
+    monkeypatch.setitem(family.TUNING, "trace", 2)
+    with pytest.raises(ValueError, match="trace=2 must be 0 or 1"):
+        family.layout(spec)
+
+
 # -- gpu: the kernel against the reference ---------------------------------------------------------------
 _CASES = {  # (kv_lens, qo_lens, causal)
     "decode": ([37, 0, 130, 5, 64], [1, 1, 1, 1, 1], False),
@@ -693,3 +719,36 @@ def test_sm90_graph_plans_with_no_query_rows_capture_and_replay(monkeypatch: pyt
     graph.replay()
     torch.cuda.synchronize()
     assert out.shape == (0, heads, CKV)
+
+
+@pytest.mark.gpu
+def test_sm90_traced_build_is_exact_and_its_stamps_ordered(monkeypatch: pytest.MonkeyPatch, fresh_registry) -> None:
+    """mla TUNING trace=1 (tools/trace_mla.py): the traced kernel gives the reference's result, and the stamps of
+    each traced KV block come in phase order in each warpgroup (block in, S issued, S done, P shared, P V issued,
+    P V done, next block in; block in, loads issued, P received, P V issued, P V done, next block in), warpgroup 1
+    receiving P after warpgroup 0 shared it, with the item's block count filled in."""
+    import ctypes
+
+    import numpy as np
+
+    monkeypatch.setenv("JITATTN_MLA_KERNEL", "sm90")
+    monkeypatch.setitem(family.TUNING, "trace", 1)
+    kv_lens, qo_lens = [1280 + 64 * (i % 3) for i in range(64)], [1] * 64  # 128 items of 20-22 blocks: no split
+    wrapper, out, lse, (q_nope, q_pe, ckv, kpe, indptr, indices) = _run_case(
+        kv_lens, qo_lens, False, 128, 64, torch.bfloat16, 11)
+    assert wrapper.kernel == "sm90" and wrapper._kernel.work.num_merges == 0
+    ref_out, ref_lse = _reference(q_nope, q_pe, ckv, kpe, indptr, indices, qo_lens, kv_lens, False)
+    assert_close_out(out, ref_out, torch.bfloat16)
+    assert_close_lse(lse, ref_lse)
+    lib = ctypes.CDLL(str(jitattn.load(kernel_spec(torch.bfloat16)).path))
+    raw = (ctypes.c_longlong * (1024 * 8 * 12))()
+    assert lib.jitattn_mla_trace(ctypes.byref(raw)) == 1024
+    t = np.frombuffer(raw, dtype=np.int64).reshape(1024, 8, 12)
+    ran = t[(t[:, :, 0] > 0).all(axis=1)]
+    assert len(ran) >= 64, "every CTA's first item has the traced blocks"
+    for fields in ((0, 1, 2, 3, 4, 5), (6, 7, 8, 9, 10)):
+        phases = ran[:, :, list(fields)]
+        assert (np.diff(phases, axis=2) >= 0).all(), f"stamps {fields} out of phase order"
+        assert (ran[:, 1:, fields[0]] >= ran[:, :-1, fields[-1]]).all(), "a block in before the last one was done"
+    assert (ran[:, :, 8] >= ran[:, :, 3]).all(), "P received before it was shared"
+    assert np.isin(ran[:, :, 11], [20, 21, 22]).all()

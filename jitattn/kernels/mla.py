@@ -58,6 +58,9 @@ TUNING: dict[str, int] = {
     # a row keeps its running max while a block's is at most this much above it (log2 units), and a warp whose rows
     # all kept theirs skips O's rescale (128 multiplies per thread per block); 0 rescales at every new max
     "lazy_rescale": 8,
+    # 1 (development): clock64 stamps of each block's phases, both warpgroups, for a window of KV blocks of each
+    # CTA's first item (``jitattn_mla_trace`` copies them out; tools/trace_mla.py). 0 renders no trace code.
+    "trace": 0,
 }
 
 
@@ -79,6 +82,8 @@ def layout(spec: VariantSpec) -> dict[str, int]:
     reason = unsupported(spec)
     if reason is not None:
         raise ValueError(f"{spec.uri}: the MLA kernel cannot run this spec: {reason}")
+    if TUNING["trace"] not in (0, 1):
+        raise ValueError(f"mla TUNING trace={TUNING['trace']!r} must be 0 or 1")
     chunks = (CKV_DIM + KPE_DIM) // 64       # 128-byte swizzle boxes per row
     chunk_bytes = KV_BLOCK * 128             # one box of 64 rows (tokens or query rows)
     tile_bytes = chunks * chunk_bytes        # Q tile or one KV stage (ROWS == KV_BLOCK)
@@ -116,4 +121,5 @@ def context(spec: VariantSpec) -> dict[str, Any]:
         "kv_ctype": c_type(spec.kv_dtype, spec.target),
         "o_ctype": c_type(spec.o_dtype, spec.target),
         "constants": constants,
+        "trace": bool(TUNING["trace"]),
     }

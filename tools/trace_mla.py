@@ -1,0 +1,99 @@
+"""Where the sm90 MLA kernel's time goes per KV block: clock64 stamps of both warpgroups (mla TUNING trace=1).
+
+    python3 tools/trace_mla.py [CASE ...]
+
+Cases (latent cache as views of one 576-wide buffer, pages of 64, bf16 queries): h128 (64 x 4096 tokens, 128 heads:
+the suite's mla/b64_s4096_p64), h16 (128 x 4096, 16 heads), h128_fp8 (h128 over an e4m3 cache). For each: the
+launch's GPU time by CUDA events (median of 10 back-to-back calls after warm-up), then, over KV blocks 8 .. 15 of
+every CTA's first item, each phase's p10 / p50 / p90 in SM cycles. Warpgroup 0 (S, softmax, O[:, :256]): the
+block in (after the CTA barrier) -> S issued -> S done -> P shared -> P V issued (O rescaled) -> P V done -> the
+next block in; warpgroup 1 (loads, O[:, 256:]): block in -> next block's loads issued -> P received -> P V issued
+-> P V done -> next block in. The period is block in to block in; the launch time over the blocks per CTA gives
+the scale in microseconds.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import statistics
+import sys
+
+import numpy as np
+import torch
+
+from jitattn.kernels import mla as family
+
+family.TUNING["trace"] = 1
+
+import jitattn  # noqa: E402
+from jitattn.runtime.mla_kernel import kernel_spec  # noqa: E402
+
+CTAS, COUNT, FIELDS = 1024, 8, 12  # as the template's kTraceCtas, kTraceCount, kTraceFields
+CASES = {"h128": (64, 4096, 128, torch.bfloat16), "h16": (128, 4096, 16, torch.bfloat16),
+         "h128_fp8": (64, 4096, 128, torch.float8_e4m3fn)}
+PHASES = [("wg0 S issue", 0, 1), ("wg0 S wait", 1, 2), ("wg0 softmax, P shared", 2, 3),
+          ("wg0 rescale, P V issue", 3, 4), ("wg0 P V wait", 4, 5), ("wg0 to next block", 5, None),
+          ("wg1 loads issue", 6, 7), ("wg1 waits for P", 7, 8), ("wg1 rescale, P V issue", 8, 9),
+          ("wg1 P V wait", 9, 10), ("wg1 to next block", 10, None)]
+
+
+def run_case(name: str, batch: int, kv_len: int, heads: int, kv_dtype: torch.dtype) -> None:
+    dev, page = torch.device("cuda"), 64
+    gen = torch.Generator().manual_seed(0)
+    per = kv_len // page
+    buf = torch.randn(batch * per + 1, page, 576, generator=gen).to(kv_dtype).to(dev)
+    indices = torch.randperm(batch * per + 1, generator=gen)[: batch * per].to(torch.int32)
+    indptr = (torch.arange(batch + 1) * per).to(torch.int32)
+    lens = torch.full((batch,), kv_len, dtype=torch.int32)
+    q_nope = torch.randn(batch, heads, 512, generator=gen).to(torch.bfloat16).to(dev)
+    q_pe = torch.randn(batch, heads, 64, generator=gen).to(torch.bfloat16).to(dev)
+    out = torch.empty_like(q_nope)
+    w = jitattn.BatchMLAPagedAttentionWrapper(torch.empty(128 << 20, dtype=torch.uint8, device=dev))
+    w.plan(torch.arange(batch + 1, dtype=torch.int32), indptr, indices, lens, heads, 512, 64, page, False,
+           1.0 / math.sqrt(192), torch.bfloat16, kv_dtype)
+    run = lambda: w.run(q_nope, q_pe, buf[..., :512], buf[..., 512:], out=out)  # noqa: E731
+    for _ in range(3):
+        run()
+    times = []
+    for _ in range(10):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    lib = ctypes.CDLL(str(jitattn.load(kernel_spec(torch.bfloat16, kv_dtype)).path))  # the loaded module
+    assert lib.jitattn_mla_trace_clear() == 0
+    run()
+    torch.cuda.synchronize()
+    raw = (ctypes.c_longlong * (CTAS * COUNT * FIELDS))()
+    assert lib.jitattn_mla_trace(ctypes.byref(raw)) == CTAS
+    t = np.frombuffer(raw, dtype=np.int64).reshape(CTAS, COUNT, FIELDS)
+    ran = t[(t[:, :, 0] > 0).all(axis=1)]  # CTAs whose first item had every traced block
+    blocks = int(ran[0, 0, 11]) if len(ran) else 0
+    launch = statistics.median(times)
+    print(f"== {name}: {batch} x {kv_len} tokens, {heads} heads, {kv_dtype}; events {launch:.1f} us; "
+          f"{len(ran)} CTAs traced, {blocks} blocks in their first item")
+    if not len(ran):
+        return
+    period = (ran[:, 1:, 0] - ran[:, :-1, 0]).ravel()
+    q = lambda x: " / ".join(f"{v:7.0f}" for v in np.quantile(x, [0.1, 0.5, 0.9]))  # noqa: E731
+    print(f"  {'period (block in -> next)':28s} {q(period)}   cycles, p10 / p50 / p90")
+    for label, a, b in PHASES:
+        span = (ran[:, 1:, 0 if a < 6 else 6] - ran[:, :-1, a]) if b is None else (ran[:, :, b] - ran[:, :, a])
+        print(f"  {label:28s} {q(span.ravel())}")
+    items = -(-batch * -(-heads // 64) // max(1, len(ran)))  # items per CTA (one wave or more)
+    print(f"  scale: ~{launch / max(1, items * blocks):.2f} us a block ({items} item(s) of {blocks} blocks per CTA)")
+
+
+def main() -> None:
+    for name in sys.argv[1:] or list(CASES):
+        if name not in CASES:
+            raise SystemExit(f"unknown case {name!r}: {', '.join(CASES)}")
+        run_case(name, *CASES[name])
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
