@@ -419,6 +419,7 @@ def test_the_trace_renders_only_when_set(monkeypatch: pytest.MonkeyPatch, fresh_
     monkeypatch.setitem(family.TUNING, "trace", 1)
     traced = render(spec)["kernel.cu"]
     assert all(f"trace_stamp(traced, j, {field}" in traced for field in (1, 2, 3, 7, 8, 11))
+    assert all(f"constexpr int {name} = {value};" in traced for name, value in family.TRACE.items())
     assert all(f"wg ? {b} : {a}" in traced for a, b in ((0, 6), (4, 9), (5, 10)))
     assert "jitattn_mla_trace(void* dst)" in traced and "jitattn_mla_trace_clear()" in traced
     if shutil.which("nvcc") is not None:
@@ -733,6 +734,8 @@ def test_sm90_traced_build_is_exact_and_its_stamps_ordered(monkeypatch: pytest.M
 
     monkeypatch.setenv("JITATTN_MLA_KERNEL", "sm90")
     monkeypatch.setitem(family.TUNING, "trace", 1)
+    lib = ctypes.CDLL(str(jitattn.load(kernel_spec(torch.bfloat16)).path))  # the traced module (a spec of its own)
+    assert lib.jitattn_mla_trace_clear() == 0
     kv_lens, qo_lens = [1280 + 64 * (i % 3) for i in range(64)], [1] * 64  # 128 items of 20-22 blocks: no split
     wrapper, out, lse, (q_nope, q_pe, ckv, kpe, indptr, indices) = _run_case(
         kv_lens, qo_lens, False, 128, 64, torch.bfloat16, 11)
@@ -740,10 +743,10 @@ def test_sm90_traced_build_is_exact_and_its_stamps_ordered(monkeypatch: pytest.M
     ref_out, ref_lse = _reference(q_nope, q_pe, ckv, kpe, indptr, indices, qo_lens, kv_lens, False)
     assert_close_out(out, ref_out, torch.bfloat16)
     assert_close_lse(lse, ref_lse)
-    lib = ctypes.CDLL(str(jitattn.load(kernel_spec(torch.bfloat16)).path))
-    raw = (ctypes.c_longlong * (1024 * 8 * 12))()
-    assert lib.jitattn_mla_trace(ctypes.byref(raw)) == 1024
-    t = np.frombuffer(raw, dtype=np.int64).reshape(1024, 8, 12)
+    ctas, count, fields = (family.TRACE[k] for k in ("kTraceCtas", "kTraceCount", "kTraceFields"))
+    raw = (ctypes.c_longlong * (ctas * count * fields))()
+    assert lib.jitattn_mla_trace(ctypes.byref(raw)) == ctas
+    t = np.frombuffer(raw, dtype=np.int64).reshape(ctas, count, fields)
     ran = t[(t[:, :, 0] > 0).all(axis=1)]
     assert len(ran) >= 64, "every CTA's first item has the traced blocks"
     for fields in ((0, 1, 2, 3, 4, 5), (6, 7, 8, 9, 10)):

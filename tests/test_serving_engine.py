@@ -445,7 +445,8 @@ def test_cheapest_depth_keeps_the_tree_only_where_its_rereads_outlast_the_shared
     """Llama-3-8B shapes (4 KiB of K and V per token and layer, 16 KiFLOP per query-token pair), 30 MiB of L2 for
     shared pages: 128 requests under 4 branches of 2k, 32 each, make the shared levels compute-bound whether the
     root is 8k or 32k (past L2): the two-level cascade's root re-reads hide under its FLOPs, and a third level only
-    adds its cost (as measured: 113.1 against 100.5 us at 8k, 204.3 against 198.9 at 32k). Under 32 branches of 4
+    adds its cost (as measured: 113.1 against 100.5 us at 8k on the H200, 204.3 against 198.9 at 32k on the H100).
+    Under 32 branches of 4
     requests the re-reads outlast the FLOPs and the tree keeps its levels; without the FLOPs (0) the re-reads alone
     decide, and both roots keep the tree."""
     from jitattn.serving.decode_path import LEVEL_SECONDS, SHARED_FLOPS_PER_SECOND, cheapest_depth
@@ -464,7 +465,7 @@ def test_cheapest_depth_keeps_the_tree_only_where_its_rereads_outlast_the_shared
     assert cheapest_depth([16384, 16384], 16384, token, l2, LEVEL_SECONDS) == 1
 
 
-def test_a_cuda_engine_cuts_the_prefix_tree_where_a_level_costs_more_than_its_rereads() -> None:
+def test_a_cuda_engine_keeps_a_tree_level_only_where_its_rereads_outlast_the_flops() -> None:
     """The engine's cut of a three-level tree (a root over 128 requests, branches, own pages) with Llama-3-8B's
     terms and the cuda level cost: agent-fork's 4 branches of 32 take two levels under an 8k and a 32k root
     (compute-bound shared levels), 32 branches of 4 keep the tree under a 32k root; ``cascade_depth`` is a cap the

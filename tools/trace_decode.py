@@ -2,15 +2,14 @@
 
     python3 tools/trace_decode.py [CASE ...]
 
-Cases (llama8b shapes: 32 / 8 heads, d128, bf16, page 16, pages in random order): b1 (1 x 32768, the
-planner's one-wave split), tails (128 x 256: the cascade row's per-request level alone), skewed
-(1 x 32768 + 63 x 512), b64 (64 x 2048); gptoss1024 (64 / 8 heads, d64, 64 x 1024: the suite's
-decode/gptoss_b64_s1024, one wave of the short-items layout); window128 (gpt-oss's sliding-window layers: 64 / 8 heads, d64,
-64 x 8192 with a window of 128 keys: the suite's decode/gptoss_window128_b64_s8192). For each: the launch's
-GPU time by CUDA events (L2 evicted before it, as the suite does), then per block the phases of its first
-item -- prologue (page ids, query, row tables), first tile's wait, main loop, result write, split merge -- as
-quantiles over the blocks, the spread of the block starts (launch ramp) and ends (tail), and the main loop's
-bytes per microsecond.
+Cases (llama8b shapes: 32 / 8 heads, d128, bf16, page 16, pages in random order): b1 (1 x 32768, the planner's
+one-wave split), tails (128 x 256: the cascade row's per-request level alone), skewed (1 x 32768 + 63 x 512), b64
+(64 x 2048); gptoss1024 (64 / 8 heads, d64, 64 x 1024: the suite's decode/gptoss_b64_s1024, one wave of the
+short-items layout); window128 (gpt-oss's sliding-window layers: 64 / 8 heads, d64, 64 x 8192 with a window of 128
+keys: the suite's decode/gptoss_window128_b64_s8192). For each: the launch's GPU time by CUDA events (L2 evicted
+before it, as the suite does), then per block the phases of its first item -- prologue (page ids, query, row
+tables), first tile's wait, main loop, result write, split merge -- as quantiles over the blocks, the spread of the
+block starts (launch ramp) and ends (tail), and the main loop's bytes per microsecond.
 """
 
 from __future__ import annotations

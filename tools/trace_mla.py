@@ -8,8 +8,10 @@ launch's GPU time by CUDA events (median of 10 back-to-back calls after warm-up)
 every CTA's first item, each phase's p10 / p50 / p90 in SM cycles. Warpgroup 0 (S, softmax, O[:, :256]): the
 block in (after the CTA barrier) -> S issued -> S done -> P shared -> P V issued (O rescaled) -> P V done -> the
 next block in; warpgroup 1 (loads, O[:, 256:]): block in -> next block's loads issued -> P received -> P V issued
--> P V done -> next block in. The period is block in to block in; the launch time over the blocks per CTA gives
-the scale in microseconds.
+-> P V done -> next block in. With an fp8 cache the block-in stamps come before the conversion into the tile, which
+falls in "S issue" and "loads issue". The period is block in to block in; the launch time over the blocks per CTA
+gives the scale in microseconds. The traced build has the registers of the plain one and no spills (ptxas), but
+the stamps between wgmma issue and wait may move instructions: compare its event time with the plain kernel's.
 """
 
 from __future__ import annotations
@@ -27,9 +29,10 @@ from jitattn.kernels import mla as family
 family.TUNING["trace"] = 1
 
 import jitattn  # noqa: E402
+from jitattn.hardware import num_sms  # noqa: E402
 from jitattn.runtime.mla_kernel import kernel_spec  # noqa: E402
 
-CTAS, COUNT, FIELDS = 1024, 8, 12  # as the template's kTraceCtas, kTraceCount, kTraceFields
+CTAS, COUNT, FIELDS = (family.TRACE[k] for k in ("kTraceCtas", "kTraceCount", "kTraceFields"))
 CASES = {"h128": (64, 4096, 128, torch.bfloat16), "h16": (128, 4096, 16, torch.bfloat16),
          "h128_fp8": (64, 4096, 128, torch.float8_e4m3fn)}
 PHASES = [("wg0 S issue", 0, 1), ("wg0 S wait", 1, 2), ("wg0 softmax, P shared", 2, 3),
@@ -83,8 +86,9 @@ def run_case(name: str, batch: int, kv_len: int, heads: int, kv_dtype: torch.dty
     for label, a, b in PHASES:
         span = (ran[:, 1:, 0 if a < 6 else 6] - ran[:, :-1, a]) if b is None else (ran[:, :, b] - ran[:, :, a])
         print(f"  {label:28s} {q(span.ravel())}")
-    items = -(-batch * -(-heads // 64) // max(1, len(ran)))  # items per CTA (one wave or more)
-    print(f"  scale: ~{launch / max(1, items * blocks):.2f} us a block ({items} item(s) of {blocks} blocks per CTA)")
+    tiles = batch * -(-heads // 64)  # the work items when no request is split (these cases' plans)
+    per_cta = -(-tiles // min(tiles, num_sms(torch.cuda.current_device()))) * blocks
+    print(f"  scale: ~{launch / per_cta:.2f} us a block ({tiles} items of {blocks} blocks, {per_cta} blocks per SM)")
 
 
 def main() -> None:

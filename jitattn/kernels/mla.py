@@ -62,6 +62,9 @@ TUNING: dict[str, int] = {
     # CTA's first item (``jitattn_mla_trace`` copies them out; tools/trace_mla.py). 0 renders no trace code.
     "trace": 0,
 }
+# The trace's shape (TUNING trace=1): CTAs, the first traced KV block of each CTA's first item, the blocks traced, the
+# stamps per block (the template's field numbers: tools/trace_mla.py).
+TRACE = {"kTraceCtas": 1024, "kTraceFrom": 8, "kTraceCount": 8, "kTraceFields": 12}
 
 
 def unsupported(spec: VariantSpec) -> str | None:
@@ -116,6 +119,8 @@ def context(spec: VariantSpec) -> dict[str, Any]:
     constants.append(("float", "kLog2e", repr(_LOG2E) + "f"))
     constants.append(("bool", "kKVFp8", "true" if spec.kv_dtype.is_fp8 else "false"))
     constants.append(("__nv_fp8_interpretation_t", "kFp8Kind", "__NV_E5M2" if spec.kv_dtype is DType.E5M2 else "__NV_E4M3"))
+    if TUNING["trace"]:
+        constants += [("int", name, str(value)) for name, value in TRACE.items()]
     return {
         "q_ctype": c_type(spec.q_dtype, spec.target),
         "kv_ctype": c_type(spec.kv_dtype, spec.target),

@@ -119,10 +119,14 @@ class DecodePathChooser:
         return dict(state.average) if state is not None else {}
 
 
-# Bytes a decode step could read in the time the GPU does one FLOP of the shared levels' attention (H200: ~4.4 TB/s
-# read-stream over ~500 TFLOP/s reached by the prefill kernel on those levels): a shared level is compute-bound
-# (every request's queries against the node's KV), so its FLOPs count as this many bytes in the estimate.
-BYTES_PER_SHARED_FLOP = 4.4e12 / 5e14
+# The rates of a decode step's reads and of the shared levels' attention on the prefill kernels (H200: read-stream
+# ~4.4 TB/s; the estimate below was fitted with 500 TFLOP/s for the levels, which measured 415-420 at 128 queries
+# over a 16k prefix and on the 8k agent-fork tree).
+READ_BYTES_PER_SECOND = 4.4e12
+SHARED_FLOPS_PER_SECOND = 5e14
+# Bytes a decode step could read in the time the GPU does one FLOP of the shared levels' attention: a shared level
+# is compute-bound (every request's queries against the node's KV), so its FLOPs count as this many bytes.
+BYTES_PER_SHARED_FLOP = READ_BYTES_PER_SECOND / SHARED_FLOPS_PER_SECOND
 
 
 def cascade_estimate(flat_bytes: float, cascade_bytes: float, shared_flops: float) -> float:
@@ -152,18 +156,16 @@ def flat_reread_fraction(working_set_bytes: float, l2_bytes: float) -> float:
 
 # The fixed cost of one more shared level in a cascade step, per layer: its prefill launch over the level's nodes
 # and one more state per query to merge. The shared levels of a cut run at the slower of their reads and their
-# FLOPs, which every cut has alike (each query meets each shared token once); with tens of queries per node
-# they are compute-bound, and then a level's cost is the whole difference. Fitted to the H200 with Llama-3-8B
-# shapes: an 8k root shared by 128 requests under 4 branches of 2k (``cascade/agent_fork_b128_root8192_4x2048_u128``)
-# took 113.1 us a layer as a three-level tree and 100.5 us as the two-level cascade of the same pages (which reads
-# the root again for three branches, 101 MB a layer). Under a 32k root, past L2, the tree still lost (H100: 204.3
-# against 198.9 us; 8.0 at the 8k root there): the 4 branches' 32 queries each make even the two-level
-# cascade's root re-reads compute-bound.
+# FLOPs, which every cut has alike (each query meets each shared token once; a node of few queries fills its prefill
+# tiles partly, so its FLOPs take longer than counted, which only matters near the balance); with tens of queries
+# per node they are compute-bound, and then a level's cost is the whole difference between two cuts. Fitted to the
+# H200 with Llama-3-8B shapes: an 8k root shared by 128 requests under 4 branches of 2k
+# (``cascade/agent_fork_b128_root8192_4x2048_u128``) took 113.1 us a layer as a three-level tree and 100.5 us as the
+# two-level cascade of the same pages (which reads the root again for three branches, 101 MB a layer). Under a 32k
+# root, past L2, the tree still lost (H100: 204.3 against 198.9 us; 8.0 us slower at the 8k root there): with 32
+# queries a node, the two-level cascade's root re-reads (partly from L2, its branches reading the root together) cost
+# no more than its FLOPs.
 LEVEL_SECONDS = 1.26e-5
-READ_BYTES_PER_SECOND = 4.4e12
-# The shared levels' attention rate on the prefill kernels (H200: 128 queries over a 16k prefix, 34.4 GFLOP a
-# layer in 82 us; the 8k agent-fork tree's levels 415 TFLOP/s).
-SHARED_FLOPS_PER_SECOND = 4.2e14
 
 
 def cheapest_depth(shared_tokens: list[int], once_tokens: int, token_bytes: float, l2_bytes: float,
@@ -176,7 +178,7 @@ def cheapest_depth(shared_tokens: list[int], once_tokens: int, token_bytes: floa
     shared page once. ``token_bytes``: one token's K and V bytes in a layer. The re-reads cost
     :func:`flat_reread_fraction` of their bytes (L2 may keep the tree's pages between them) at
     ``READ_BYTES_PER_SECOND``; a cut's shared levels take the longer of that reading and ``compute_seconds`` (their
-    FLOPs, the same for every cut), plus ``level_seconds`` a level; a tie takes fewer levels."""
+    FLOPs in a layer, the same for every cut), plus ``level_seconds`` a level; a tie takes fewer levels."""
     once = once_tokens
     reread = flat_reread_fraction(once * token_bytes, l2_bytes)
     seconds_per_token = token_bytes / READ_BYTES_PER_SECOND

@@ -13,7 +13,8 @@ Each :meth:`Engine.step` does, in order:
 3. **decode** one token for every running request, ordered by pages so that the requests under each
    node of the batch's prefix tree sit together (a cascade step has a level per tree level:
    ``attention.prefix_tree``; on cuda the tree may be cut to fewer levels where re-reading a node for each of
-   its children costs less than a level: ``decode_path.cheapest_depth``), with one plan for every layer; on cuda a flat step may replay a
+   its children costs less than a level, its FLOPs counted too: ``decode_path.cheapest_depth``), with one plan
+   for every layer; on cuda a flat step may replay a
    captured CUDA graph of its batch-size bucket, and so may a cascade step of any number of prefix
    groups and levels (``graphs.CascadeGraph``, one graph per bucket and level shape). A step whose
    requests share prefix pages takes the faster of the flat step and the cascade step, as timed per
