@@ -277,7 +277,9 @@ def _planned_bsr():
     (dict(R=0), ValueError, "R=0 must be a positive int"),
     (dict(mask=torch.ones(2, 4, 3, dtype=torch.bool)), ValueError, r"expected \[nnz, R, C\]"),
     (dict(mask=torch.ones(2, 4, 4)), TypeError, "bool"),
-    (dict(packed_mask=torch.zeros(3, dtype=torch.uint8)), ValueError, "packed_custom_mask has 3 bytes"),
+    # the block-sparse signature's own name (not the paged prefill's packed_custom_mask), and what to pass
+    (dict(packed_mask=torch.zeros(3, dtype=torch.uint8)), ValueError, "^packed_mask has 3 bytes; expected .* mask"),
+    (dict(packed_mask=torch.zeros(3, dtype=torch.int32)), TypeError, "^packed_mask has dtype int32"),
     (dict(pos_encoding_mode="ROPE_LLAMA"), ValueError, "apply RoPE to q and k before"),
     (dict(num_qo_heads=3), ValueError, "multiple"),
 ])

@@ -18,7 +18,7 @@ from ..runtime.options import parse_pos_encoding, per_tensor_scale, positive_int
 from ..runtime.wrapper import plan_arguments
 from .prefill import BatchPrefillWithPagedKVCacheWrapper
 from ..runtime.sparse_layout import (SparsePageTable, VariableGeometry, bsr_packed_mask, bsr_page_table, check_bsr,
-                            convert_bsr_mask_layout, variable_page_table)
+                                     check_bsr_packed_mask, convert_bsr_mask_layout, variable_page_table)
 from ..spec import PosEncoding
 
 __all__ = ["BlockSparseAttentionWrapper", "VariableBlockSparseAttentionWrapper", "convert_bsr_mask_layout"]
@@ -108,7 +108,9 @@ class BlockSparseAttentionWrapper(_SparseWrapperBase):
         _no_positions(self._NAME, pos_encoding_mode)
         geometry = check_bsr(indptr, indices, M, N, R, C)
         table = bsr_page_table(geometry, M, N, R, C)
-        if packed_mask is None and mask is not None:
+        if packed_mask is not None:  # FlashInfer's precedence: with both given, the packed mask is used
+            check_bsr_packed_mask(packed_mask, geometry)
+        elif mask is not None:
             packed_mask = bsr_packed_mask(mask, geometry, R, C)
         self._prefill.plan(
             table.qo_indptr, table.kv_indptr, table.kv_indices, table.last_page_len, num_qo_heads, num_kv_heads,

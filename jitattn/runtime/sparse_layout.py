@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .checks import check_tensor
 from .options import positive_int
 
 _INT32_MAX = 2**31 - 1
@@ -129,6 +130,16 @@ def bsr_page_table(geometry: BsrGeometry, M: int, N: int, R: int, C: int) -> Spa
     return SparsePageTable(_as_int32("qo_indptr", qo_indptr), _as_int32("kv_indptr", kv_indptr),
                            _as_int32("kv_indices", kv_indices), _as_int32("last_page_len", last_page_len),
                            page_size, N // page_size)
+
+
+def check_bsr_packed_mask(packed_mask, geometry: BsrGeometry) -> None:
+    """``packed_mask`` (the caller's, bit-packed as :func:`bsr_packed_mask` packs) of the bytes ``geometry`` reads."""
+    check_tensor("packed_mask", packed_mask, ndim=1, dtypes=(torch.uint8,))
+    expected = int(((geometry.qo_lens * geometry.kv_lens + 7) // 8).sum())
+    if packed_mask.numel() != expected:
+        raise ValueError(f"packed_mask has {packed_mask.numel()} bytes; expected {expected}: each block row's "
+                         "[rows, its blocks x C] bits of mask [nnz, R, C], packed little-endian and starting on a "
+                         "byte (or pass mask and let plan() pack it)")
 
 
 def bsr_packed_mask(mask, geometry: BsrGeometry, R: int, C: int) -> torch.Tensor:
