@@ -208,6 +208,16 @@ def test_ragged_kv_shape_is_checked() -> None:
         wrapper.run(q, torch.randn(2, 2, 64).half(), torch.randn(3, 2, 64).half())
 
 
+def test_ragged_plan_given_a_paged_caches_arguments_says_so() -> None:
+    """A paged cache's plan arguments on the ragged wrapper (indices where num_qo_heads goes) name the mix-up, not
+    the mask arguments the shifted sizes land in."""
+    wrapper = jitattn.BatchPrefillWithRaggedKVCacheWrapper(torch.empty(16, dtype=torch.uint8))
+    i32 = dict(dtype=torch.int32)
+    indptr, indices, last = torch.tensor([0, 1, 2], **i32), torch.tensor([0, 1], **i32), torch.tensor([4, 4], **i32)
+    with pytest.raises(TypeError, match=r"got a tensor as num_qo_heads: .*\(BatchPrefillWithPagedKVCacheWrapper\)"):
+        wrapper.plan(torch.tensor([0, 4, 8], **i32), indptr, indices, last, 8, 8, 64, 16)
+
+
 def test_checks_run_again_when_the_tensors_change_shape(monkeypatch) -> None:
     monkeypatch.setattr(Module, "call", _real_call)  # this test launches: the first call passes and is remembered
     monkeypatch.setattr(Module, "bind", _real_bind)  # (plan() binds the launch)

@@ -14,7 +14,7 @@ from ..runtime.kv import hnd_ragged_views
 from ..runtime.kv_upcast import KVUpcast, ragged_indptr
 from ..runtime.rope_first import OPERAND_DTYPE, RopeFirst
 from ..runtime.wrapper import BatchWrapperBase, drops_plan_on_failure, plan_arguments
-from ..runtime.checks import check_tensor, stream_capturing, target_of
+from ..runtime.checks import check_tensor, refuse_paged_arguments, stream_capturing, target_of
 from ..runtime.compiled import rope_first_operands
 from ..runtime.options import (PAGE_TABLE_HINT, hashable, parse_kv_layout, per_tensor_scale, refuse_unsupported,
                                  resolve_batch_invariant, resolve_flag)
@@ -323,6 +323,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapperBase):
         self._plan_call = plan_arguments(locals())
         resolve_batch_invariant(batch_invariant)  # validated; prefill is batch-invariant by construction
         check_fixed_split_size(fixed_split_size)
+        refuse_paged_arguments(self._NAME, num_qo_heads)
         kv_host = check_indptr("kv_indptr", kv_indptr)
         options = dict(
             head_dim_vo=head_dim_vo, custom_mask=custom_mask, packed_custom_mask=packed_custom_mask, causal=causal,

@@ -139,3 +139,12 @@ def dense_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
 def check_shape(name: str, tensor: torch.Tensor, expected: tuple[int, ...]) -> None:
     if tuple(tensor.shape) != tuple(expected):
         raise ValueError(f"{name} has shape {tuple(tensor.shape)}; expected {tuple(expected)}")
+
+
+def refuse_paged_arguments(api: str, num_qo_heads) -> None:
+    """A ragged wrapper's ``plan`` given a paged cache's arguments (its third is then the page indices): say so,
+    not what the shifted arguments break further on."""
+    if isinstance(num_qo_heads, torch.Tensor):
+        raise TypeError(f"{api}.plan got a tensor as num_qo_heads: it takes (qo_indptr, kv_indptr, num_qo_heads, "
+                        "num_kv_heads, head_dim_qk, ...) over contiguous k / v; a paged cache's (indptr, indices, "
+                        "last_page_len) plan on the paged wrapper (BatchPrefillWithPagedKVCacheWrapper)")
