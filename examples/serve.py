@@ -222,6 +222,7 @@ def main(argv: list[str] | None = None) -> dict:
         "cascade_steps": s.cascade_steps, "graph_steps": s.graph_steps, "evicted_pages": s.evicted_pages,
         "kv_pool_pages": num_pages, "max_cascade_levels": s.max_cascade_levels,
         "decode_s": s.decode_seconds, "decode_kv_tokens": s.decode_kv_tokens, "decode_tokens": s.decode_tokens,
+        "decode_pairs": s.decode_pairs, "attention_flops_per_pair": engine.costs.flops_per_pair,
         "weight_bytes": model.weight_bytes, "kv_bytes_per_token": engine.pool.bytes_per_page // args.page_size,
     }
     if leader:

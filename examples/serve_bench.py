@@ -23,7 +23,9 @@ differences a short-prefix workload is judged by.
 The roofline column: the decode steps' time cannot be below max(bytes / read-stream bandwidth, FLOPs / GEMM
 rate) over the run's decode steps, where bytes = the weights once per step + the KV the chosen path read
 (a cascade reads a shared node's pages once, flat decode every request's whole history) and FLOPs = 2 x
-weights' parameters per decoded token; both ceilings are measured in the same run (``jitattn.bench``).
+weights' parameters per decoded token + the attention's 4 x query heads x head_dim x layers per (query, key) pair
+(each decoded token against its whole context, either path); both ceilings are measured in the same run
+(``jitattn.bench``).
 The column is that bound over the measured decode time (1.0 = at the roofline).
 """
 
@@ -79,6 +81,7 @@ def roofline_fraction(row: dict, peaks: dict | None) -> float | None:
     element = 2 if row["dtype"] in ("bfloat16", "float16") else 4
     nbytes = row["decode_steps"] * row["weight_bytes"] + row["decode_kv_tokens"] * row["kv_bytes_per_token"]
     flops = 2 * (row["weight_bytes"] // element) * row["decode_tokens"]
+    flops += row.get("decode_pairs", 0) * row.get("attention_flops_per_pair", 0)  # rows of older runs lack them
     ideal = max(nbytes / (peaks["read_gbps"] * 1e9), flops / (peaks["gemm_tflops"] * 1e12))
     return ideal / row["decode_s"]
 

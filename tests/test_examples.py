@@ -76,9 +76,17 @@ def test_serve_bench_presets_and_roofline() -> None:
     assert all(64 <= len(p) - 8192 - 2048 <= 256 for p in prompts)
     # 10 steps over 1 GB of weights and 1M KV tokens of 128 KiB at 4 TB/s: bytes bound the floor (1 GFLOP each)
     row = {"decode_s": 0.1, "dtype": "bfloat16", "decode_steps": 10, "weight_bytes": 10**9, "decode_kv_tokens": 10**6,
-           "kv_bytes_per_token": 131072, "decode_tokens": 640}
+           "kv_bytes_per_token": 131072, "decode_tokens": 640, "decode_pairs": 640 * 8192,
+           "attention_flops_per_pair": 4 * 32 * 128 * 32}
     ideal = (10 * 10**9 + 10**6 * 131072) / 4e12
-    assert serve_bench.roofline_fraction(row, {"read_gbps": 4000.0, "gemm_tflops": 800.0}) == pytest.approx(ideal / 0.1)
+    peaks = {"read_gbps": 4000.0, "gemm_tflops": 800.0}
+    assert serve_bench.roofline_fraction(row, peaks) == pytest.approx(ideal / 0.1)
+    # a cascade over the same tokens reading 1/100 of the KV: the attention's FLOPs (each query against its whole
+    # context, 640 x 8192 pairs of 524k FLOPs) bound the floor now
+    cascade = dict(row, decode_kv_tokens=10**4)
+    flops = 2 * (10**9 // 2) * 640 + 640 * 8192 * 4 * 32 * 128 * 32
+    assert flops / 800e12 > (10 * 10**9 + 10**4 * 131072) / 4e12
+    assert serve_bench.roofline_fraction(cascade, peaks) == pytest.approx(flops / 800e12 / 0.1)
     assert serve_bench.roofline_fraction(row, None) is None
 
 

@@ -64,6 +64,10 @@ def test_greedy_tokens_equal_the_per_request_reference(model, shared_workload, c
     requests = _serve(engine, prompts)
     assert [r.output for r in requests] == expected
     assert engine.stats.decode_steps > 0
+    # every decoded token against its whole context (the prompt and the tokens before it), whichever path
+    decoded = [(len(p), len(r.output)) for p, r in zip(prompts, requests)]
+    assert engine.stats.decode_tokens == sum(n - 1 for _, n in decoded)
+    assert engine.stats.decode_pairs == sum(length + k for length, n in decoded for k in range(1, n))
     assert (engine.stats.cascade_steps > 0) == cascade
     if chunk == 16:
         assert engine.stats.prefill_steps > len(prompts)  # prompts really took several chunks

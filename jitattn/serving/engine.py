@@ -409,9 +409,7 @@ class Engine:
             keep = [i for i, r in enumerate(batch) if r.keep_logits]
             kept = logits[keep].float() if keep else None  # a copy: a graph's next replay rewrites its logits
         end = timing_event(self.model.device)
-        self.stats.decode_steps += 1
-        self.stats.decode_kv_tokens += kv_tokens
-        self.stats.decode_tokens += len(seqs)
+        self.stats.count_decode_step(kv_tokens, len(seqs), sum(s.kv_len for s in seqs))
         step = InFlight(batch, {r.rid: i for i, r in enumerate(batch)}, tokens, to_host(tokens), kept,
                          dict(zip(keep, range(len(keep)))), started, chosen, self.graphs.bucket(len(seqs)), builds,
                          time.perf_counter() - started, (begin, end) if begin is not None else None)

@@ -89,8 +89,17 @@ class EngineStats:
     decode_tokens: int = 0  # tokens the decode steps produced (the sum of their batch sizes)
     decode_kv_tokens: int = 0  # KV tokens the decode steps' attention read (per layer): a cascade reads a
     #                            shared node's once, a flat step every request's whole history
+    decode_pairs: int = 0  # (query, key) pairs the decode steps' attention computed: each token's whole context
     peak_pages_saved: int = 0  # max over decode steps of (pages the batch references - distinct pages)
     peak_bytes_saved: int = 0
+
+    def count_decode_step(self, kv_tokens: int, batch: int, pairs: int) -> None:
+        """One more decode step of ``batch`` tokens that read ``kv_tokens`` KV tokens a layer over ``pairs``
+        (query, key) pairs."""
+        self.decode_steps += 1
+        self.decode_kv_tokens += kv_tokens
+        self.decode_tokens += batch
+        self.decode_pairs += pairs
 
 
 def token_ids(name: str, tokens, vocab_size: int) -> list[int]:
