@@ -1,6 +1,8 @@
 """Where the sm90 MLA kernel's time goes per KV block: clock64 stamps of both warpgroups (mla TUNING trace=1).
 
-    python3 tools/trace_mla.py [CASE ...]
+    python3 tools/trace_mla.py [CASE ...] [key=value ...]
+
+``key=value``: other entries of ``jitattn.kernels.mla.TUNING`` for the traced build (e.g. ``handover=1``).
 
 Cases (latent cache as views of one 576-wide buffer, pages of 64, bf16 queries): h128 (64 x 4096 tokens, 128 heads:
 the suite's mla/b64_s4096_p64), h16 (128 x 4096, 16 heads), h128_fp8 (h128 over an e4m3 cache). For each: the
@@ -92,7 +94,9 @@ def run_case(name: str, batch: int, kv_len: int, heads: int, kv_dtype: torch.dty
 
 
 def main() -> None:
-    for name in sys.argv[1:] or list(CASES):
+    names = [a for a in sys.argv[1:] if "=" not in a]
+    family.TUNING.update({k: int(v) for k, v in (a.split("=", 1) for a in sys.argv[1:] if "=" in a)})
+    for name in names or list(CASES):
         if name not in CASES:
             raise SystemExit(f"unknown case {name!r}: {', '.join(CASES)}")
         run_case(name, *CASES[name])
