@@ -120,8 +120,29 @@ def test_append_refuses_an_expanded_cache_and_one_buffer_for_k_and_v():
     with pytest.raises(ValueError, match="the k cache .*share memory"):
         jitattn.append_paged_kv_cache(*_append_args((pages, pages.clone())))
     same = torch.randn(4, PAGE, HKV, D)
-    with pytest.raises(ValueError, match="k and v are the same memory"):
+    with pytest.raises(ValueError, match="k and v share memory"):
         jitattn.append_paged_kv_cache(*_append_args((same, same)))
+
+
+def test_append_refuses_k_and_v_caches_that_overlap_and_keeps_ones_that_interleave():
+    """Caches cut from one buffer: pages (or heads) of one that are the other's are refused, since the appended
+    values would overwrite keys; views that interleave without sharing an element write what a pair of separate
+    caches gets."""
+    buffer = torch.randn(5, PAGE, 2 * HKV, D)
+    heads = buffer[:, :, :HKV]
+    for k_cache, v_cache in ((heads[:4], heads[1:]), (heads[1:], heads[:4]), (heads[:4], buffer[:4, :, 1:HKV + 1])):
+        with pytest.raises(ValueError, match="k and v share memory, so the appended values would overwrite keys"):
+            jitattn.append_paged_kv_cache(*_append_args((k_cache, v_cache)))
+    stacked = torch.randn(4, 2, PAGE, HKV, D)
+    for k_cache, v_cache in ((stacked[:, 0], stacked[:, 1]), (buffer[:4, :, :HKV], buffer[:4, :, HKV:]),
+                             (heads[:4, : PAGE // 2], heads[:4, PAGE // 2:])):
+        args = list(_append_args((k_cache, v_cache)))  # 3 tokens on page 0 (half pages: 8 slots each)
+        expected = (k_cache.clone(), v_cache.clone())
+        jitattn.append_paged_kv_cache(*args)
+        k, v, positions = args[0], args[1], args[3].long()
+        expected[0][0, positions], expected[1][0, positions] = k, v
+        torch.testing.assert_close(k_cache, expected[0], rtol=0, atol=0)
+        torch.testing.assert_close(v_cache, expected[1], rtol=0, atol=0)
 
 
 def test_batch_indices_positions_need_append_indptr_to_start_at_zero():

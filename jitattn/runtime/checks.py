@@ -6,6 +6,8 @@ target on that device, tensors on the CPU the ``cpu`` target.
 
 from __future__ import annotations
 
+import functools
+
 from typing import Iterable
 
 import torch
@@ -134,6 +136,39 @@ def dense_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     elements of two strided views of one buffer may interleave without sharing any (two states of a stacked
     layout), which this check, cheap enough for every signature change, cannot tell apart."""
     return a.is_contiguous() and b.is_contiguous() and spans_overlap(a, b)
+
+
+def _reachable(offset: int, dims: list[tuple[int, int, int]]) -> bool:
+    """Whether ``offset`` is ``sum(j * stride)`` with ``lo <= j <= hi`` for each (lo, hi, stride) of ``dims`` (largest
+    stride first, each above the reach of the smaller ones: then only the two multiples around it can work)."""
+    if not dims:
+        return offset == 0
+    (lo, hi, stride), rest = dims[0], dims[1:]
+    reach = sum(max(-low, high) * st for low, high, st in rest)
+    return any(lo <= j <= hi and abs(offset - j * stride) <= reach and _reachable(offset - j * stride, rest)
+               for j in (offset // stride, offset // stride + 1))
+
+
+def views_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two views of one page shape, strides and dtype (two caches cut from one buffer) share an element:
+    element i of ``b`` is at ``d`` + i's offset in ``a``, so they share one when ``d`` is the difference of two element
+    offsets (page p of ``a`` against page q of ``b``: p - q from -(pages of b - 1) to pages of a - 1). The K and V
+    views of one ``[pages, 2, ...]`` tensor, or two heads of one page, interleave without sharing any. Views of
+    other shapes, or strides that do not nest (each dimension's above the span of the smaller ones): False."""
+    if a.dtype != b.dtype or a.stride() != b.stride() or a.shape[1:] != b.shape[1:] or a.numel() == 0 or b.numel() == 0:
+        return False
+    offset, rest = divmod(b.data_ptr() - a.data_ptr(), a.element_size())
+    return not rest and _offset_shared(offset, a.shape[0], b.shape[0], tuple(a.shape[1:]), a.stride())
+
+
+@functools.lru_cache(maxsize=256)  # a serving loop appends to the same few caches every step
+def _offset_shared(offset: int, pages_a: int, pages_b: int, page_shape: tuple[int, ...],
+                   strides: tuple[int, ...]) -> bool:
+    bounds = [(1 - pages_b, pages_a - 1)] + [(1 - n, n - 1) for n in page_shape]
+    dims = sorted(((lo, hi, st) for (lo, hi), st in zip(bounds, strides) if hi > lo), key=lambda d: -d[2])
+    if any(st <= sum(max(-lo, hi) * t for lo, hi, t in dims[i + 1:]) for i, (_, _, st) in enumerate(dims)):
+        return False
+    return _reachable(offset, dims)
 
 
 def check_shape(name: str, tensor: torch.Tensor, expected: tuple[int, ...]) -> None:

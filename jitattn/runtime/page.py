@@ -25,7 +25,7 @@ from ..abi import APPEND_SOURCE_CODES
 from ..jit import load
 from ..page_table import check_page_table
 from ..spec import KVLayout, Target
-from .checks import check_no_overlap, check_tensor, cpu_threads, launch_on, target_of
+from .checks import check_no_overlap, check_tensor, cpu_threads, launch_on, target_of, views_overlap
 from .specs import append_spec
 from .kv import cache_geometry, check_kv_tensors, kv_strides, split_paged_kv_cache
 
@@ -165,9 +165,9 @@ def append_paged_kv_cache(
     """
     layout = KVLayout.parse(kv_layout, "kv_layout")
     cache = _CacheView(paged_kv_cache, layout)
-    if cache.k.data_ptr() == cache.v.data_ptr() and append_key is not append_value:
-        raise ValueError("paged_kv_cache's k and v are the same memory, so the appended values would overwrite "
-                         "the keys: pass two caches (or one [pages, 2, ...] tensor)")
+    if append_key is not append_value and (cache.k.data_ptr() == cache.v.data_ptr() or views_overlap(cache.k, cache.v)):
+        raise ValueError("paged_kv_cache's k and v share memory, so the appended values would overwrite keys: pass "
+                         "two caches that do not overlap (or one [pages, 2, ...] tensor)")
     nnz = _check_appended(append_key, append_value, cache)
     target, device = target_of("append_paged_kv_cache", (append_key, append_value, cache.k, cache.v))
     if target is Target.CUDA and cache.dtype == torch.float32:
