@@ -145,6 +145,42 @@ def test_append_refuses_k_and_v_caches_that_overlap_and_keeps_ones_that_interlea
         torch.testing.assert_close(v_cache, expected[1], rtol=0, atol=0)
 
 
+def test_views_overlap_agrees_with_the_elements_the_views_share():
+    """``checks.views_overlap`` against brute force over random pairs of views of one buffer (one page shape and
+    strides, pages and offsets at random): it never reports an overlap the views do not have, and finds every one
+    the views have when their strides nest (each above the span of the smaller ones; others it does not tell)."""
+    import itertools
+    import random
+
+    from jitattn.runtime.checks import views_overlap
+
+    rng = random.Random(5)
+    buffer = torch.zeros(4096)
+    found = 0
+    for _ in range(3000):
+        page_shape = tuple(rng.randint(1, 4) for _ in range(rng.randint(1, 3)))
+        inner = [rng.choice([1, 2, 3, 5, 8, 16]) for _ in page_shape]
+        step = rng.randint(1, 200)
+        strides = (step, *inner)
+        pages = rng.randint(1, 4), rng.randint(1, 4)
+        first = rng.randint(400, 600)  # the second view near the first (within two pages) or anywhere
+        starts = first, (first + rng.randint(-2 * step, 2 * step) if rng.random() < 0.7 else rng.randint(0, 600))
+        a, b = (buffer.as_strided((n, *page_shape), strides, start) for n, start in zip(pages, starts))
+        elements = [{start + sum(i * st for i, st in zip(index, strides))
+                     for index in itertools.product(*(range(n) for n in t.shape))} for t, start in zip((a, b), starts)]
+        shared = bool(elements[0] & elements[1])
+        dims = sorted((st for n, st in zip((max(pages), *page_shape), strides) if n > 1), reverse=True)
+        sizes = {st: n for n, st in zip((max(pages), *page_shape), strides) if n > 1}
+        nested = len(set(dims)) == len(dims) and all(
+            st > sum((sizes[t] - 1) * t for t in dims[i + 1:]) for i, st in enumerate(dims))
+        told = views_overlap(a, b)
+        assert not told or shared, (page_shape, strides, pages, starts)
+        if nested:
+            assert told == shared, (page_shape, strides, pages, starts)
+        found += told
+    assert found > 100, "the draw must hit overlapping pairs"
+
+
 def test_batch_indices_positions_need_append_indptr_to_start_at_zero():
     with pytest.raises(ValueError, match=r"append_indptr\[0\]=1 must be 0"):
         jitattn.get_batch_indices_positions(torch.tensor([1, 3, 5], dtype=torch.int32),
