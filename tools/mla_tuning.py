@@ -35,7 +35,7 @@ SHAPES = [  # (name, batch, kv_len, heads, latent cache dtype)
 ]
 
 
-def _inputs(batch: int, kv_len: int, heads: int, kv_dtype: torch.dtype, page: int = 64):
+def mla_inputs(batch: int, kv_len: int, heads: int, kv_dtype: torch.dtype, page: int = 64):
     gen = torch.Generator(device="cuda").manual_seed(batch * 7 + kv_len + heads)
     pages_per = kv_len // page
     pool = batch * pages_per + 1
@@ -48,7 +48,7 @@ def _inputs(batch: int, kv_len: int, heads: int, kv_dtype: torch.dtype, page: in
     return buffer, indices, indptr, lens, q_nope, q_pe
 
 
-def _time(fn) -> float:
+def median_call_us(fn) -> float:
     for _ in range(3):
         fn()
     groups = []
@@ -66,7 +66,7 @@ def _time(fn) -> float:
 def main(choices: list[str]) -> None:
     workspace = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
     for name, batch, kv_len, heads, kv_dtype in SHAPES:
-        buffer, indices, indptr, lens, q_nope, q_pe = _inputs(batch, kv_len, heads, kv_dtype)
+        buffer, indices, indptr, lens, q_nope, q_pe = mla_inputs(batch, kv_len, heads, kv_dtype)
         ckv, kpe = buffer[..., :512], buffer[..., 512:]
         qo = torch.arange(batch + 1, dtype=torch.int32)
         args = (qo, indptr, indices, lens, heads, 512, 64, 64, False, 1 / math.sqrt(192), torch.bfloat16, kv_dtype)
@@ -74,7 +74,7 @@ def main(choices: list[str]) -> None:
         ref = jitattn.BatchMLAPagedAttentionWrapper(workspace)
         ref.plan(*args)
         expected = ref.run(q_nope, q_pe, ckv, kpe).float()
-        t_ref = _time(lambda: ref.run(q_nope, q_pe, ckv, kpe))
+        t_ref = median_call_us(lambda: ref.run(q_nope, q_pe, ckv, kpe))
         flops = 2 * batch * heads * kv_len * (576 + 512)
         nbytes = batch * kv_len * 576 * kv_dtype.itemsize
         print(f"{name:24s} prefill kernels  {t_ref:9.1f} us {flops / t_ref / 1e6:7.1f} TFLOP/s "
@@ -90,7 +90,7 @@ def main(choices: list[str]) -> None:
             w.plan(*args)
             out = w.run(q_nope, q_pe, ckv, kpe).float()
             err = ((out - expected).norm() / expected.norm()).item()
-            t = _time(lambda: w.run(q_nope, q_pe, ckv, kpe))
+            t = median_call_us(lambda: w.run(q_nope, q_pe, ckv, kpe))
             work = w._kernel.work
             print(f"{name:24s} sm90 {choice:<14s} {t:9.1f} us {flops / t / 1e6:7.1f} TFLOP/s "
                   f"{nbytes / t / 1e6:6.2f} TB/s  rel err vs prefill {err:.2e}  items {work.num_items} "

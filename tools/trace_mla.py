@@ -6,21 +6,21 @@
 
 Cases (latent cache as views of one 576-wide buffer, pages of 64, bf16 queries): h128 (64 x 4096 tokens, 128 heads:
 the suite's mla/b64_s4096_p64), h16 (128 x 4096, 16 heads), h128_fp8 (h128 over an e4m3 cache). For each: the
-launch's GPU time by CUDA events (median of 10 back-to-back calls after warm-up), then, over KV blocks 8 .. 15 of
-every CTA's first item, each phase's p10 / p50 / p90 in SM cycles. Warpgroup 0 (S, softmax, O[:, :256]): the
-block in (after the CTA barrier) -> S issued -> S done -> P shared -> P V issued (O rescaled) -> P V done -> the
-next block in; warpgroup 1 (loads, O[:, 256:]): block in -> next block's loads issued -> P received -> P V issued
--> P V done -> next block in. With an fp8 cache the block-in stamps come before the conversion into the tile, which
-falls in "S issue" and "loads issue". The period is block in to block in; the launch time over the blocks per CTA
-gives the scale in microseconds. The traced build has the registers of the plain one and no spills (ptxas), but
-the stamps between wgmma issue and wait may move instructions: compare its event time with the plain kernel's.
+launch's GPU time (tools/mla_tuning.py's timer: CUDA events around 20 back-to-back calls, median of 5 groups), then,
+over KV blocks 8 .. 15 of every CTA's first item, each phase's p10 / p50 / p90 in SM cycles. Warpgroup 0 (S,
+softmax, O[:, :256]): the block in (after the CTA barrier) -> S issued -> S done -> P shared -> P V issued (O
+rescaled) -> P V done -> the next block in; warpgroup 1 (loads, O[:, 256:]): block in -> next block's loads issued
+-> P received -> P V issued -> P V done -> next block in. With an fp8 cache the block-in stamps come before the
+conversion into the tile, which falls in "S issue" and "loads issue". The period is block in to block in; the launch
+time over the blocks per CTA gives the scale in microseconds. The traced build has the registers of the plain one
+and no spills (ptxas), but the stamps between wgmma issue and wait may move instructions: compare its event time
+with the plain kernel's.
 """
 
 from __future__ import annotations
 
 import ctypes
 import math
-import statistics
 import sys
 
 import numpy as np
@@ -33,6 +33,7 @@ family.TUNING["trace"] = 1
 import jitattn  # noqa: E402
 from jitattn.hardware import num_sms  # noqa: E402
 from jitattn.runtime.mla_kernel import kernel_spec  # noqa: E402
+from mla_tuning import median_call_us, mla_inputs  # noqa: E402
 
 CTAS, COUNT, FIELDS = (family.TRACE[k] for k in ("kTraceCtas", "kTraceCount", "kTraceFields"))
 CASES = {"h128": (64, 4096, 128, torch.bfloat16), "h16": (128, 4096, 16, torch.bfloat16),
@@ -44,30 +45,14 @@ PHASES = [("wg0 S issue", 0, 1), ("wg0 S wait", 1, 2), ("wg0 softmax, P shared",
 
 
 def run_case(name: str, batch: int, kv_len: int, heads: int, kv_dtype: torch.dtype) -> None:
-    dev, page = torch.device("cuda"), 64
-    gen = torch.Generator().manual_seed(0)
-    per = kv_len // page
-    buf = torch.randn(batch * per + 1, page, 576, generator=gen).to(kv_dtype).to(dev)
-    indices = torch.randperm(batch * per + 1, generator=gen)[: batch * per].to(torch.int32)
-    indptr = (torch.arange(batch + 1) * per).to(torch.int32)
-    lens = torch.full((batch,), kv_len, dtype=torch.int32)
-    q_nope = torch.randn(batch, heads, 512, generator=gen).to(torch.bfloat16).to(dev)
-    q_pe = torch.randn(batch, heads, 64, generator=gen).to(torch.bfloat16).to(dev)
+    page = 64
+    buf, indices, indptr, lens, q_nope, q_pe = mla_inputs(batch, kv_len, heads, kv_dtype, page)
     out = torch.empty_like(q_nope)
-    w = jitattn.BatchMLAPagedAttentionWrapper(torch.empty(128 << 20, dtype=torch.uint8, device=dev))
+    w = jitattn.BatchMLAPagedAttentionWrapper(torch.empty(128 << 20, dtype=torch.uint8, device="cuda"))
     w.plan(torch.arange(batch + 1, dtype=torch.int32), indptr, indices, lens, heads, 512, 64, page, False,
            1.0 / math.sqrt(192), torch.bfloat16, kv_dtype)
     run = lambda: w.run(q_nope, q_pe, buf[..., :512], buf[..., 512:], out=out)  # noqa: E731
-    for _ in range(3):
-        run()
-    times = []
-    for _ in range(10):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
+    launch = median_call_us(run)
     lib = ctypes.CDLL(str(jitattn.load(kernel_spec(torch.bfloat16, kv_dtype)).path))  # the loaded module
     assert lib.jitattn_mla_trace_clear() == 0
     run()
@@ -77,7 +62,6 @@ def run_case(name: str, batch: int, kv_len: int, heads: int, kv_dtype: torch.dty
     t = np.frombuffer(raw, dtype=np.int64).reshape(CTAS, COUNT, FIELDS)
     ran = t[(t[:, :, 0] > 0).all(axis=1)]  # CTAs whose first item had every traced block
     blocks = int(ran[0, 0, 11]) if len(ran) else 0
-    launch = statistics.median(times)
     print(f"== {name}: {batch} x {kv_len} tokens, {heads} heads, {kv_dtype}; events {launch:.1f} us; "
           f"{len(ran)} CTAs traced, {blocks} blocks in their first item")
     if not len(ran):
