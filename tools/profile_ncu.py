@@ -146,14 +146,10 @@ def case_fn(name: str):
         w.plan(indptr, indptr, HQ, HKV, D, q_data_type=dtype, kv_data_type=dtype, o_data_type=torch.bfloat16)
         return lambda: w.run(q, k, v, out=out)
     if name in ("mla128", "mla16", "fi_mla128", "fi_mla16"):  # fi_: FlashInfer's MLA on the same tables (PEER=1)
+        from mla_tuning import mla_inputs
+
         b, n, page, heads = (64, 4096, 64, 128) if name.endswith("mla128") else (128, 4096, 64, 16)
-        per = n // page
-        buf = torch.randn(b * per + 1, page, 576, generator=gen).to(torch.bfloat16).to(dev)
-        indices = torch.randperm(b * per + 1, generator=gen)[: b * per].to(torch.int32)
-        indptr = (torch.arange(b + 1) * per).to(torch.int32)
-        lens = torch.full((b,), n, dtype=torch.int32)
-        q_nope = torch.randn(b, heads, 512, generator=gen).to(torch.bfloat16).to(dev)
-        q_pe = torch.randn(b, heads, 64, generator=gen).to(torch.bfloat16).to(dev)
+        buf, indices, indptr, lens, q_nope, q_pe = mla_inputs(b, n, heads, torch.bfloat16, page)
         out = torch.empty_like(q_nope)
         if name.startswith("fi_"):
             import flashinfer
