@@ -132,10 +132,15 @@ def bsr_page_table(geometry: BsrGeometry, M: int, N: int, R: int, C: int) -> Spa
                            page_size, N // page_size)
 
 
+def _block_row_mask_bytes(geometry: BsrGeometry) -> np.ndarray:
+    """Bytes of each block row's bit-packed [rows, its blocks x C] mask (each starting on a byte)."""
+    return (geometry.qo_lens * geometry.kv_lens + 7) // 8
+
+
 def check_bsr_packed_mask(packed_mask, geometry: BsrGeometry) -> None:
     """``packed_mask`` (the caller's, bit-packed as :func:`bsr_packed_mask` packs) of the bytes ``geometry`` reads."""
     check_tensor("packed_mask", packed_mask, ndim=1, dtypes=(torch.uint8,))
-    expected = int(((geometry.qo_lens * geometry.kv_lens + 7) // 8).sum())
+    expected = int(_block_row_mask_bytes(geometry).sum())
     if packed_mask.numel() != expected:
         raise ValueError(f"packed_mask has {packed_mask.numel()} bytes; expected {expected}: each block row's "
                          "[rows, its blocks x C] bits of mask [nnz, R, C], packed little-endian and starting on a "
@@ -154,8 +159,7 @@ def bsr_packed_mask(mask, geometry: BsrGeometry, R: int, C: int) -> torch.Tensor
                         "packed_mask")
     if tuple(mask.shape) != (nnz, R, C):
         raise ValueError(f"mask has shape {tuple(mask.shape)}; expected [nnz, R, C] = {(nnz, R, C)}")
-    request_bits = geometry.qo_lens * geometry.kv_lens
-    request_bytes = (request_bits + 7) // 8
+    request_bytes = _block_row_mask_bytes(geometry)
     first_bit = (np.cumsum(request_bytes) - request_bytes) * 8
     bits = torch.zeros(int(request_bytes.sum()) * 8, dtype=torch.bool)
     host = mask.detach().to("cpu")
