@@ -18,6 +18,7 @@ from .mla import ITEM_INTS, KV_BLOCK, MERGE_INTS, ROWS
 MIN_CHUNK_BLOCKS = 4  # a split chunk covers at least this many KV blocks (256 tokens): its fixed cost amortised
 ITEM_COST = 2         # fixed cost of an item in KV-block times (the Q load, the first block's latency, the epilogue)
 MERGE_COST = 1        # cost of merging one chunk's partial state, in KV-block times (and once for the launch)
+_NO_MERGES = torch.zeros(0, MERGE_INTS, dtype=torch.int32)  # the merges of an unsplit plan (no elements to write)
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,9 @@ def _tiles(qo_lens, kv_lens, num_heads: int, causal: bool) -> tuple[np.ndarray, 
     if per_request.size and tiles == per_request.max():  # as many tiles each (a decode batch): no gathers
         tile = np.arange(qo.size * tiles, dtype=np.int64)
         request, row0 = tile // tiles, tile % tiles * ROWS
+        if not causal or qo.max() == 1:  # every tile sees all its request's keys: count them once a request
+            blocks = _ceil_div(np.maximum(kv, 0), KV_BLOCK)
+            return request, row0, blocks if tiles == 1 else np.repeat(blocks, tiles)
         qo_r, kv_r = (qo, kv) if tiles == 1 else (np.repeat(qo, tiles), np.repeat(kv, tiles))
     else:
         request = np.repeat(np.arange(qo.size, dtype=np.int64), per_request)
@@ -90,8 +94,7 @@ def plan_work(qo_lens, kv_lens, num_heads: int, causal: bool, num_sms: int, work
         else:
             order = np.argsort(-nblk, kind="stable")
             items[:, 0], items[:, 1], items[:, 3], items[:, 4] = request[order], row0[order], nblk[order], -1
-        return MLAWork(torch.from_numpy(items), torch.zeros(0, MERGE_INTS, dtype=torch.int32), 0,
-                       max(1, min(int(nblk.size), num_sms)), 0)
+        return MLAWork(torch.from_numpy(items), _NO_MERGES, 0, max(1, min(int(nblk.size), num_sms)), 0)
     chunks = _chunks(nblk, chunk)
     is_split = chunks > 1
     size = _ceil_div(nblk, chunks)  # a tile's chunks balanced: sizes differ by at most one block
