@@ -431,30 +431,6 @@ def test_the_trace_renders_only_when_set(monkeypatch: pytest.MonkeyPatch, fresh_
         family.layout(spec)
 
 
-def test_the_overlapped_fp8_conversion_renders_only_for_an_fp8_cache(monkeypatch: pytest.MonkeyPatch) -> None:
-    """mla TUNING fp8_overlap: on, an fp8 cache's block is converted in three groups with S issued after each
-    (by warpgroup 0, inside its own branch); a 16-bit cache renders the same source either way; it takes
-    warpgroup 1 as the loader; other values are refused."""
-    from jitattn.jit.render import render
-
-    fp8, bf16 = kernel_spec(torch.bfloat16, torch.float8_e4m3fn), kernel_spec(torch.bfloat16)
-    plain_fp8, plain_bf16 = render(fp8)["kernel.cu"], render(bf16)["kernel.cu"]
-    assert "issue_s<" not in plain_fp8 and "kBarConvert" not in plain_fp8
-    monkeypatch.setitem(family.TUNING, "fp8_overlap", 1)
-    overlapped = render(fp8)["kernel.cu"]
-    assert [f"issue_s<{a}, {b}>(sc" in overlapped for a, b in ((0, 3), (3, 6), (6, 9))] == [True] * 3
-    assert overlapped.count("named_barrier(kBarConvert, 256)") == 6  # three groups, both warpgroups
-    assert render(bf16)["kernel.cu"] == plain_bf16
-    monkeypatch.setitem(family.TUNING, "load_threads", 256)
-    with pytest.raises(ValueError, match="fp8_overlap=1 takes load_threads=128"):
-        family.layout(fp8)
-    family.layout(bf16)  # a 16-bit cache ignores it
-    monkeypatch.setitem(family.TUNING, "load_threads", 128)
-    monkeypatch.setitem(family.TUNING, "fp8_overlap", 2)
-    with pytest.raises(ValueError, match="fp8_overlap=2 must be 0 or 1"):
-        family.layout(bf16)
-
-
 # -- gpu: the kernel against the reference ---------------------------------------------------------------
 _CASES = {  # (kv_lens, qo_lens, causal)
     "decode": ([37, 0, 130, 5, 64], [1, 1, 1, 1, 1], False),

@@ -61,9 +61,6 @@ TUNING: dict[str, int] = {
     # 1 (development): clock64 stamps of each block's phases, both warpgroups, for a window of KV blocks of each
     # CTA's first item (``jitattn_mla_trace`` copies them out; tools/trace_mla.py). 0 renders no trace code.
     "trace": 0,
-    # fp8 cache only: 1 converts each block in three groups of three boxes, warpgroup 0 issuing S over each group
-    # as it lands in the tile (the tensor pipe busy during the rest of the conversion); 0 converts it whole first
-    "fp8_overlap": 0,
 }
 # The trace's shape (TUNING trace=1): CTAs, the first traced KV block of each CTA's first item, the blocks traced, the
 # stamps per block (the template's field numbers: tools/trace_mla.py).
@@ -88,11 +85,8 @@ def layout(spec: VariantSpec) -> dict[str, int]:
     reason = unsupported(spec)
     if reason is not None:
         raise ValueError(f"{spec.uri}: the MLA kernel cannot run this spec: {reason}")
-    for knob in ("trace", "fp8_overlap"):
-        if TUNING[knob] not in (0, 1):
-            raise ValueError(f"mla TUNING {knob}={TUNING[knob]!r} must be 0 or 1")
-    if TUNING["fp8_overlap"] and spec.kv_dtype.is_fp8 and TUNING["load_threads"] != 128:
-        raise ValueError("mla TUNING fp8_overlap=1 takes load_threads=128 (warpgroup 1 loads between the groups)")
+    if TUNING["trace"] not in (0, 1):
+        raise ValueError(f"mla TUNING trace={TUNING['trace']!r} must be 0 or 1")
     chunks = (CKV_DIM + KPE_DIM) // 64       # 128-byte swizzle boxes per row
     chunk_bytes = KV_BLOCK * 128             # one box of 64 rows (tokens or query rows)
     tile_bytes = chunks * chunk_bytes        # Q tile or one KV stage (ROWS == KV_BLOCK)
@@ -133,5 +127,4 @@ def context(spec: VariantSpec) -> dict[str, Any]:
         "o_ctype": c_type(spec.o_dtype, spec.target),
         "constants": constants,
         "trace": bool(TUNING["trace"]),
-        "fp8_overlap": bool(TUNING["fp8_overlap"]) and spec.kv_dtype.is_fp8,
     }
