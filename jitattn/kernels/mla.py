@@ -61,10 +61,6 @@ TUNING: dict[str, int] = {
     # 1 (development): clock64 stamps of each block's phases, both warpgroups, for a window of KV blocks of each
     # CTA's first item (``jitattn_mla_trace`` copies them out; tools/trace_mla.py). 0 renders no trace code.
     "trace": 0,
-    # fp8 cache only (development): 1 stages each block in warpgroup 1's registers (fetched a block ahead, converted
-    # and stored once into the free one of two 16-bit tiles) instead of cp.async into raw shared-memory buffers
-    # converted by all threads on the chain; 0 renders none of it
-    "fp8_staging": 0,
 }
 # The trace's shape (TUNING trace=1): CTAs, the first traced KV block of each CTA's first item, the blocks traced, the
 # stamps per block (the template's field numbers: tools/trace_mla.py).
@@ -89,21 +85,17 @@ def layout(spec: VariantSpec) -> dict[str, int]:
     reason = unsupported(spec)
     if reason is not None:
         raise ValueError(f"{spec.uri}: the MLA kernel cannot run this spec: {reason}")
-    for knob in ("trace", "fp8_staging"):
-        if TUNING[knob] not in (0, 1):
-            raise ValueError(f"mla TUNING {knob}={TUNING[knob]!r} must be 0 or 1")
-    staging = bool(TUNING["fp8_staging"]) and spec.kv_dtype.is_fp8
-    if staging and TUNING["load_threads"] != 128:
-        raise ValueError("mla TUNING fp8_staging=1 takes load_threads=128 (warpgroup 1 holds the next block)")
+    if TUNING["trace"] not in (0, 1):
+        raise ValueError(f"mla TUNING trace={TUNING['trace']!r} must be 0 or 1")
     chunks = (CKV_DIM + KPE_DIM) // 64       # 128-byte swizzle boxes per row
     chunk_bytes = KV_BLOCK * 128             # one box of 64 rows (tokens or query rows)
     tile_bytes = chunks * chunk_bytes        # Q tile or one KV stage (ROWS == KV_BLOCK)
     fp8 = spec.kv_dtype.is_fp8
-    raw_row = (CKV_DIM + KPE_DIM) if fp8 and not staging else 0  # fp8: row-major staging of raw blocks, two
+    raw_row = (CKV_DIM + KPE_DIM) if fp8 else 0  # fp8: row-major staging of the raw block, two stages
     raw_bytes = KV_BLOCK * raw_row
     off_kv = tile_bytes
-    off_raw = off_kv + tile_bytes if raw_row else 0
-    off_p = off_kv + tile_bytes + 2 * raw_bytes if raw_row else off_kv + 2 * tile_bytes
+    off_raw = off_kv + tile_bytes if fp8 else 0
+    off_p = off_kv + tile_bytes + 2 * raw_bytes if fp8 else off_kv + 2 * tile_bytes
     p_bytes = (KV_BLOCK // 16) * 4 * 128 * 4  # P words of warpgroup 0: [k16 steps][4][128 threads]
     off_alpha = off_p + p_bytes
     smem = off_alpha + 128 * 8 + 1024        # + slack to align the base to 1 KiB (swizzle atoms)
@@ -135,5 +127,4 @@ def context(spec: VariantSpec) -> dict[str, Any]:
         "o_ctype": c_type(spec.o_dtype, spec.target),
         "constants": constants,
         "trace": bool(TUNING["trace"]),
-        "fp8_staging": bool(TUNING["fp8_staging"]) and spec.kv_dtype.is_fp8,
     }
