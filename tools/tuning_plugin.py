@@ -1,8 +1,8 @@
 """A pytest plugin that runs a test session under development knobs: ``JITATTN_DEV_TUNING`` (JSON) updates the
 ``TUNING`` dicts of kernel families before any test runs, so the GPU tests check the kernels those knobs render.
 
-    JITATTN_DEV_TUNING='{"mla": {"fp8_producer": 1}}' PYTHONPATH=tools python3 -m pytest -m gpu -p tuning_plugin \\
-        tests/test_mla_kernel.py -k "fp8 or e5m2"
+    JITATTN_DEV_TUNING='{"mla": {"lazy_rescale": 0}}' PYTHONPATH=tools python3 -m pytest -m gpu -p tuning_plugin \\
+        tests/test_mla_kernel.py
 
 Keys: ``decode``, ``mla``, ``prefill`` (``jitattn.kernels.<name>.TUNING``) and ``prefill_sm90`` (its
 ``SM90_TUNING``); every knob must already exist in its dict. Tests that set a knob themselves (monkeypatch) still
