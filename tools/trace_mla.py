@@ -2,7 +2,7 @@
 
     python3 tools/trace_mla.py [CASE ...] [key=value ...]
 
-``key=value``: other entries of ``jitattn.kernels.mla.TUNING`` for the traced build (e.g. ``handover=1``).
+``key=value``: other entries of ``jitattn.kernels.mla.TUNING`` for the traced build (e.g. ``lazy_rescale=0``).
 
 Cases (latent cache as views of one 576-wide buffer, pages of 64, bf16 queries): h128 (64 x 4096 tokens, 128 heads:
 the suite's mla/b64_s4096_p64), h16 (128 x 4096, 16 heads), h128_fp8 (h128 over an e4m3 cache). For each: the
