@@ -92,6 +92,7 @@ def _reference(q_nope, q_pe, ckv, kpe, indptr, indices, qo_lens, kv_lens, causal
     """float32 (out, lse) of the whole batch, request by request."""
     outs, lses = [], []
     qo_indptr = _indptr(qo_lens)
+    ckv, kpe = ckv.cpu().float(), kpe.cpu().float()  # once: _request_kv's conversions are then no-ops
     for r, kv_len in enumerate(kv_lens):
         lo, hi = int(qo_indptr[r]), int(qo_indptr[r + 1])
         keys, values = _request_kv(ckv, kpe, indptr, indices, kv_len, r)
