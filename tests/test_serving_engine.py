@@ -154,6 +154,16 @@ def test_a_request_larger_than_the_pool_is_refused_at_once_and_stalls_no_one(mod
                                                    reference_generate(model, list(range(7, 12)), 3)[0]]
 
 
+def test_bad_engine_arguments_are_refused_clearly(model) -> None:
+    """Flags are booleans (a string such as "no" is truthy, so it would turn the feature on); the model is one."""
+    for name in ("cascade", "cuda_graphs", "overlap"):
+        with pytest.raises(TypeError, match=f"{name}='no' must be True or False"):
+            Engine(model, num_pages=8, page_size=PAGE, **{name: "no"})
+    with pytest.raises(TypeError, match="model is NoneType; pass a jitattn.serving.LlamaModel"):
+        Engine(None, num_pages=8)
+    assert not Engine(model, num_pages=8, page_size=PAGE, overlap=0, cascade=False).overlap
+
+
 def test_bad_requests_are_refused_clearly(model) -> None:
     engine = Engine(model, num_pages=8, page_size=PAGE, max_seq_len=64)
     with pytest.raises(ValueError, match="outside the vocabulary"):

@@ -49,23 +49,22 @@ from .in_flight import InFlight, input_ids, timing_event, to_host
 from .kv_pool import KVPool
 from .model import LlamaModel
 from .radix import RadixCache
-from .request import EngineStats, Request, arrival_time, positive_int, request_tokens
+from .request import EngineStats, Request, arrival_time, flag, positive_int, request_tokens
 from .step_cost import StepCosts
 
 
 class Engine:
     """A continuous-batching engine over one model shard (see the module docstring).
 
-    ``num_pages`` pages of ``page_size`` tokens form the KV pool (per layer); at most
-    ``max_batch_size`` requests are admitted at once; a prefill step computes at most
-    ``prefill_chunk_tokens`` prompt tokens; ``cascade`` turns cascade decode on; ``cuda_graphs``
-    replays captured decode steps (cuda only): flat ones and, with ``cascade``, cascade ones of any
-    shape, each step of shared prefixes taking the path measured
-    faster for its batch bucket; ``overlap`` (default: on cuda) reads each decode step's tokens back only
-    after the next step is launched (see the module docstring); ``cascade_depth`` caps a cascade step's shared
-    levels (None: the prefix tree's depth on the cpu, its cheapest cut on cuda; 1: the two-level cascade of one
-    node per prefix group, ``attention.limit_levels``); ``clock`` gives the time in seconds
-    (default: since the engine was made) that request arrivals are compared with.
+    ``num_pages`` pages of ``page_size`` tokens form the KV pool (per layer); at most ``max_batch_size`` requests
+    are admitted at once; a prefill step computes at most ``prefill_chunk_tokens`` prompt tokens; ``cascade`` turns
+    cascade decode on; ``cuda_graphs`` replays captured decode steps (cuda only): flat ones and, with ``cascade``,
+    cascade ones of any shape, each step of shared prefixes taking the path measured faster for its batch bucket;
+    ``overlap`` (default: on cuda) reads each decode step's tokens back only after the next step is launched (see
+    the module docstring); ``cascade_depth`` caps a cascade step's shared levels (None: the prefix tree's depth on
+    the cpu, its cheapest cut on cuda; 1: the two-level cascade of one node per prefix group,
+    ``attention.limit_levels``); ``clock`` gives the time in seconds (default: since the engine was made) that
+    request arrivals are compared with.
     """
 
     def __init__(self, model: LlamaModel, *, num_pages: int, page_size: int = 16, max_batch_size: int = 64,
@@ -80,6 +79,9 @@ class Engine:
             raise ValueError(f"cascade_depth={cascade_depth!r} must be None (the prefix tree's depth) or an int >= 1")
         if clock is not None and not callable(clock):
             raise TypeError(f"clock={clock!r} must be a function returning seconds (or None: since startup)")
+        if not isinstance(model, LlamaModel):
+            raise TypeError(f"model is {type(model).__name__}; pass a jitattn.serving.LlamaModel")
+        cascade, cuda_graphs = flag(cascade, "cascade"), flag(cuda_graphs, "cuda_graphs")
         if cuda_graphs and model.device.type != "cuda":
             raise ValueError("cuda_graphs=True needs a model on a CUDA device")
         c = model.config
@@ -92,7 +94,7 @@ class Engine:
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.cuda_graphs = cuda_graphs
-        self.overlap = model.device.type == "cuda" if overlap is None else bool(overlap)
+        self.overlap = model.device.type == "cuda" if overlap is None else flag(overlap, "overlap")
         # Half the L2 keeps a layer's shared pages between its requests' reads (the weights and the requests' own
         # pages stream through it too). Off cuda no L2 and no level cost are modelled (no cut by cost).
         on_cuda = model.device.type == "cuda"
