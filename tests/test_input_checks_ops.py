@@ -89,6 +89,31 @@ def test_shared_prefix_hnd_wrapper_names_the_layout_it_expects(kind) -> None:
     torch.testing.assert_close(out.float(), batch.reference(), atol=2e-3, rtol=2e-3)
 
 
+def test_shared_prefix_prefill_keeps_its_page_table_at_begin_forward_and_checks_it_there() -> None:
+    """begin_forward() keeps host copies (forward() plans them: the caller may refill its arrays meanwhile) and
+    refuses a bad page table or head counts at once; forward() names a missing q or cache."""
+    batch = SharedPrefixBatch()
+    indptr, indices = batch.indptr.clone(), batch.indices.clone()
+    w = jitattn.BatchPrefillWithSharedPrefixPagedKVCacheWrapper(_ws())
+    w.begin_forward(_i32([0, 1, 2, 3]), indptr, indices, batch.last, HQ, HKV, D, P)
+    indices[:] = _i32([9, 8, 7, 6, 5])  # the caller's next batch
+    out = w.forward(batch.q, batch.k_shared, batch.v_shared, batch.cache)
+    torch.testing.assert_close(out.float(), batch.reference(), atol=2e-3, rtol=2e-3)
+    with pytest.raises(ValueError, match="paged_kv_indices"):
+        w.begin_forward(_i32([0, 1, 2, 3]), batch.indptr, _i32([0, 1, -2, 3, 4]), batch.last, HQ, HKV, D, P)
+    with pytest.raises(RuntimeError, match="before begin_forward"):  # the refused batch left no plan
+        w.forward(batch.q, batch.k_shared, batch.v_shared, batch.cache)
+    with pytest.raises(ValueError, match="num_qo_heads=5 must be a multiple of num_kv_heads=2"):
+        w.begin_forward(_i32([0, 1, 2, 3]), batch.indptr, batch.indices, batch.last, 5, HKV, D, P)
+    with pytest.raises(ValueError, match="qo_indptr describes 2 requests but paged_kv_indptr 3"):
+        w.begin_forward(_i32([0, 1, 2]), batch.indptr, batch.indices, batch.last, HQ, HKV, D, P)
+    w.begin_forward(_i32([0, 1, 2, 3]), batch.indptr, batch.indices, batch.last, HQ, HKV, D, P)
+    with pytest.raises(TypeError, match="q must be a torch.Tensor, got NoneType"):
+        w.forward(None, batch.k_shared, batch.v_shared, batch.cache)
+    with pytest.raises(TypeError, match="unique_kv_cache must be a torch.Tensor, got NoneType"):
+        w.forward(batch.q, batch.k_shared, batch.v_shared, None)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Merges
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from ..page_table import check_indptr, check_page_table, positive_int, to_host_int32
 from ..runtime.checks import check_tensor
 from ..runtime.merge import merge_state_in_place
 from ..runtime.options import parse_kv_layout, resolve_batch_invariant
@@ -106,13 +107,26 @@ class BatchPrefillWithSharedPrefixPagedKVCacheWrapper:
         paged_kv_last_page_len: torch.Tensor, num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
         *, batch_invariant: bool | None = None,
     ) -> None:
-        """Record the unique part's page table; ``forward`` plans it with the dtypes and options it is given.
+        """Check and keep (host copies) the unique part's page table; ``forward`` plans it with the dtypes and options
+        it is given, so the caller may refill its arrays for the next batch meanwhile.
 
         ``batch_invariant`` is accepted and changes nothing (prefill never splits the KV)."""
+        self._plan_args, self._planned = (), None  # a begin_forward that raises leaves none
         resolve_batch_invariant(batch_invariant)
-        self._plan_args = (qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads,
-                           num_kv_heads, head_dim, page_size)
-        self._planned = None
+        names = ("qo_indptr", "paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len")
+        arrays = [to_host_int32(name, t).clone() for name, t in zip(names, (
+            qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len))]
+        num_qo_heads, num_kv_heads, head_dim, page_size = (positive_int(v, n) for v, n in (
+            (num_qo_heads, "num_qo_heads"), (num_kv_heads, "num_kv_heads"), (head_dim, "head_dim"),
+            (page_size, "page_size")))
+        check_indptr(names[0], arrays[0])
+        check_page_table(*arrays[1:], page_size, names=names[1:])
+        if arrays[0].numel() != arrays[1].numel():
+            raise ValueError(f"qo_indptr describes {arrays[0].numel() - 1} requests but paged_kv_indptr "
+                             f"{arrays[1].numel() - 1}")
+        if num_qo_heads % num_kv_heads:
+            raise ValueError(f"num_qo_heads={num_qo_heads} must be a multiple of num_kv_heads={num_kv_heads}")
+        self._plan_args = (*arrays, num_qo_heads, num_kv_heads, head_dim, page_size)
 
     plan = begin_forward
 
@@ -126,7 +140,9 @@ class BatchPrefillWithSharedPrefixPagedKVCacheWrapper:
         if not self._plan_args:
             raise RuntimeError("BatchPrefillWithSharedPrefixPagedKVCacheWrapper.forward() called before "
                                "begin_forward(); call begin_forward() once per batch first")
+        check_tensor("q", q, ndim=3)
         unique_k = unique_kv_cache[0] if isinstance(unique_kv_cache, (tuple, list)) else unique_kv_cache
+        check_tensor("unique_kv_cache", unique_k)
         options = dict(causal=causal, sm_scale=sm_scale, q_data_type=q.dtype, kv_data_type=unique_k.dtype)
         if options != self._planned:  # plan once per batch and option set, as every layer passes the same
             self._batch_prefill_wrapper.plan(*self._plan_args, **options)
