@@ -234,6 +234,15 @@ def max_decode_chunks(
     return max_batch + math.ceil(max_kv_tokens / chunk)
 
 
+def check_workspace_limits(**limits) -> None:
+    """The limits a ``workspace_size()`` is given: ints >= 1 (``max_kv_tokens`` / ``max_qo_tokens`` >= 0; None, an
+    optional one left out, passes)."""
+    for name, value in limits.items():
+        low = 0 if name in ("max_kv_tokens", "max_qo_tokens") else 1
+        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low):
+            raise ValueError(f"{name}={value!r} must be an int >= {low}")
+
+
 def split_workspace_bytes(num_chunks: int, num_qo_heads: int, head_dim_vo: int) -> int:
     """Bytes of float workspace a split plan needs: fp32 partial o and lse per chunk and head."""
     return num_chunks * num_qo_heads * (head_dim_vo + 1) * 4

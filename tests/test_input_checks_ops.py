@@ -319,3 +319,37 @@ def test_activations_take_a_1d_input_and_out(name, dtype) -> None:
         fn(x[:15])
     with pytest.raises(ValueError, match="input is 0-d"):
         fn(torch.tensor(1.0, dtype=dtype))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Sizes and head counts given before any array
+
+def test_workspace_size_refuses_limits_that_are_not_counts() -> None:
+    """workspace_size() of the decode, prefill and cascade wrappers: a negative, fractional, string or zero limit is
+    named (it returned byte counts of nothing, float bytes, or a ZeroDivisionError)."""
+    decode = jitattn.BatchDecodeWithPagedKVCacheWrapper(_ws())
+    prefill = jitattn.BatchPrefillWithPagedKVCacheWrapper(_ws())
+    cascade = jitattn.MultiLevelCascadeAttentionWrapper(2, _ws())
+    assert decode.workspace_size(8, 1000, HQ, HKV, D, P)[1] > 0 and prefill.workspace_size(8, 8, 0, HQ, HKV, D, P)
+    for args, message in (((-1, 100, HQ, HKV, D, P), "max_batch_size=-1 must be an int >= 1"),
+                          ((4.5, 100, HQ, HKV, D, P), "max_batch_size=4.5 must be an int >= 1"),
+                          (("4", 100, HQ, HKV, D, P), "max_batch_size='4' must be an int >= 1"),
+                          ((4, -1, HQ, HKV, D, P), "max_kv_tokens=-1 must be an int >= 0"),
+                          ((4, 100, HQ, 0, D, P), "num_kv_heads=0 must be an int >= 1"),
+                          ((4, 100, HQ, HKV, D, 0), "page_size=0 must be an int >= 1")):
+        with pytest.raises(ValueError, match=message):
+            decode.workspace_size(*args)
+    with pytest.raises(ValueError, match="page_size=0 must be an int >= 1"):
+        cascade.workspace_size(4, 8, 100, HQ, HKV, D, 0)
+    with pytest.raises(ValueError, match="head_dim_vo=0 must be an int >= 1"):
+        prefill.workspace_size(4, 8, 100, HQ, HKV, D, P, 0)
+
+
+@pytest.mark.parametrize("name", ["num_qo_heads", "head_dim_vo"])
+def test_batch_attention_names_a_missing_head_count(name) -> None:
+    args = dict(num_qo_heads=HQ, num_kv_heads=HKV, head_dim_qk=D, head_dim_vo=D, page_size=P)
+    args[name] = None
+    attention = jitattn.BatchAttention(device="cpu")
+    with pytest.raises((TypeError, ValueError), match=f"{name}=None"):
+        attention.plan(_i32([0, 1, 2]), _i32([0, 1, 2]), _i32([0, 1]), _i32([3, 4]), args["num_qo_heads"],
+                       args["num_kv_heads"], args["head_dim_qk"], args["head_dim_vo"], args["page_size"])

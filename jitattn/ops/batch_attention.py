@@ -123,6 +123,9 @@ class BatchAttention:
         self._logits_soft_cap, self._parts = None, []
         refuse_unsupported(f"{self._NAME}.plan", "profile with nsys / ncu (kernels carry readable names)",
                            use_profiler=True if use_profiler else None)
+        for name, value in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads),
+                            ("head_dim_qk", head_dim_qk), ("head_dim_vo", head_dim_vo)):
+            positive_int(value, name)  # before the split into parts reads them
         last_page_len = last_page_lens(kv_indptr, kv_len_arr, page_size)
         qo = check_indptr("qo_indptr", qo_indptr).numpy().astype(np.int64)
         kv = to_host_int32("kv_indptr", kv_indptr).numpy().astype(np.int64)

@@ -18,8 +18,8 @@ from ..runtime.options import (
 from ..jit import load, resident_blocks, short_items_blocks
 from ..page_table import PagedIndex, check_paged_index, to_host_int32
 from ..kv_split import (
-    MAX_RESIDENT_BLOCKS, KVSplit, check_fixed_split_size, decode_kv_split, max_decode_chunks, short_items_split,
-    split_workspace_bytes, unsplit, window_lens,
+    MAX_RESIDENT_BLOCKS, KVSplit, check_fixed_split_size, check_workspace_limits, decode_kv_split, max_decode_chunks,
+    short_items_split, split_workspace_bytes, unsplit, window_lens,
 )
 from ..variant import AttentionVariant
 from ..spec import KVLayout, KVStorage, Op, Target
@@ -303,15 +303,16 @@ class BatchDecodeWithPagedKVCacheWrapper(BatchWrapperBase):
         self, max_batch_size: int, max_kv_tokens: int, num_qo_heads: int, num_kv_heads: int, head_dim: int,
         page_size: int, fixed_split_size: int | None = None, *, batch_invariant: bool | None = None,
     ) -> tuple[int, int]:
-        """(float_bytes, int_bytes) that any plan within these limits needs on this wrapper's device:
-        at most ``max_batch_size`` requests holding ``max_kv_tokens`` KV tokens together (the batch's total).
-
+        """(float_bytes, int_bytes) that any plan within these limits needs on this wrapper's device: at most
+        ``max_batch_size`` requests holding ``max_kv_tokens`` KV tokens together (the batch's total).
         ``batch_invariant``: the bound for plans made with it (default ``JITATTN_BATCH_INVARIANT``).
 
-        float_bytes is what ``float_workspace_buffer`` must hold (split-KV partial outputs:
-        ``chunks * num_qo_heads * (head_dim + 1) * 4``); int_bytes is the plan metadata this
-        wrapper keeps in its own buffers (never in the shared float workspace).
-        """
+        float_bytes is what ``float_workspace_buffer`` must hold (split-KV partial outputs: ``chunks * num_qo_heads
+        * (head_dim + 1) * 4``); int_bytes is the plan metadata this wrapper keeps in its own buffers (never in the
+        shared float workspace)."""
+        check_workspace_limits(max_batch_size=max_batch_size, max_kv_tokens=max_kv_tokens, num_qo_heads=num_qo_heads,
+                               num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size,
+                               fixed_split_size=fixed_split_size)
         int_bytes = 2 * (max_batch_size + 1) * 4
         chunks = max_decode_chunks(max_batch_size, max_kv_tokens, num_kv_heads=num_kv_heads,
                                    num_sms=num_workers(self._device),

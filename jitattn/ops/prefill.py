@@ -19,7 +19,7 @@ from ..runtime.compiled import rope_first_operands
 from ..runtime.options import (PAGE_TABLE_HINT, hashable, parse_kv_layout, per_tensor_scale, refuse_unsupported,
                                  resolve_batch_invariant, resolve_flag)
 from ..page_table import PagedIndex, check_indptr, check_paged_index
-from ..kv_split import check_fixed_split_size, unsplit
+from ..kv_split import check_fixed_split_size, check_workspace_limits, unsplit
 from ..masks import multi_item_mask, packed_mask_indptr, segment_packbits
 from ..variant import AttentionVariant
 from ..spec import KVLayout, MaskMode, Op, Target
@@ -106,13 +106,13 @@ class _PrefillWrapperBase(BatchWrapperBase):
         self, max_batch_size: int, max_qo_tokens: int, max_kv_tokens: int, num_qo_heads: int, num_kv_heads: int,
         head_dim_qk: int, page_size: int = 1, head_dim_vo: int | None = None,
     ) -> tuple[int, int]:
-        """(float_bytes, int_bytes) that any plan within these limits needs.
-
-        Prefill does not split the KV, so it needs no float workspace; int_bytes is the
-        page table and indptr arrays this wrapper keeps in its own buffers (never in the
-        shared float workspace), without a custom mask (add ``ceil(qo_len * kv_len / 8)``
-        bytes per request for one).
-        """
+        """(float_bytes, int_bytes) that any plan within these limits needs. Prefill does not split the KV, so it
+        needs no float workspace; int_bytes is the page table and indptr arrays this wrapper keeps in its own buffers
+        (never in the shared float workspace), without a custom mask (add ``ceil(qo_len * kv_len / 8)`` bytes per
+        request for one)."""
+        check_workspace_limits(max_batch_size=max_batch_size, max_qo_tokens=max_qo_tokens, max_kv_tokens=max_kv_tokens,
+                               num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim_qk=head_dim_qk,
+                               page_size=page_size, head_dim_vo=head_dim_vo)
         max_pages = (max_kv_tokens + page_size - 1) // page_size + max_batch_size
         return 0, 4 * (3 * (max_batch_size + 1) + max_pages)
 
