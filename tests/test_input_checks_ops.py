@@ -353,3 +353,16 @@ def test_batch_attention_names_a_missing_head_count(name) -> None:
     with pytest.raises((TypeError, ValueError), match=f"{name}=None"):
         attention.plan(_i32([0, 1, 2]), _i32([0, 1, 2]), _i32([0, 1]), _i32([3, 4]), args["num_qo_heads"],
                        args["num_kv_heads"], args["head_dim_qk"], args["head_dim_vo"], args["page_size"])
+
+
+@pytest.mark.parametrize("make", [
+    lambda flag: jitattn.BatchDecodeWithPagedKVCacheWrapper(_ws(), "NHD", use_cuda_graph=flag),
+    lambda flag: jitattn.BatchPrefillWithPagedKVCacheWrapper(_ws(), "NHD", use_cuda_graph=flag),
+    lambda flag: jitattn.BatchMLAPagedAttentionWrapper(_ws(), use_cuda_graph=flag),
+    lambda flag: jitattn.MultiLevelCascadeAttentionWrapper(2, _ws(), "NHD", use_cuda_graph=flag),
+], ids=["decode", "prefill", "mla", "cascade"])
+def test_use_cuda_graph_is_a_boolean(make) -> None:
+    """A string such as "False" is truthy: it asked for the fixed buffers instead of being refused by name."""
+    with pytest.raises(TypeError, match="use_cuda_graph='False' must be True or False"):
+        make("False")
+    make(False)

@@ -96,6 +96,7 @@ class BatchMLAPagedAttentionWrapper:
         qo_indptr: torch.Tensor | None = None, kv_indptr: torch.Tensor | None = None,
         kv_indices: torch.Tensor | None = None, kv_len_arr: torch.Tensor | None = None, backend: str = "auto",
     ) -> None:
+        use_cuda_graph = resolve_flag(use_cuda_graph, "use_cuda_graph")
         if use_cuda_graph:
             for name, buffer in (("qo_indptr", qo_indptr), ("kv_indptr", kv_indptr), ("kv_indices", kv_indices),
                                  ("kv_len_arr", kv_len_arr)):

@@ -40,7 +40,7 @@ class BatchWrapperBase:
         if backend not in ("auto", "fa2", "fa3"):
             raise ValueError(f"backend={backend!r} is not supported; use 'auto' (or 'fa2'/'fa3', which pick the same "
                              "kernels)")
-        self._use_cuda_graph = bool(use_cuda_graph)
+        self._use_cuda_graph = resolve_flag(use_cuda_graph, "use_cuda_graph")  # a string such as "False" is truthy
         missing = [buffer_args[role] for role in _GRAPH_ROLES if role in buffer_args and buffers.get(role) is None]
         if self._use_cuda_graph and missing:
             raise ValueError(f"use_cuda_graph=True needs the fixed index buffers {', '.join(missing)} "
