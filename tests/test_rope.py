@@ -367,6 +367,17 @@ BAD_INPUTS = [
      "^query has .* tokens but key has"),
     ("cache key dtype", lambda c: jitattn.apply_rope_with_cos_sin_cache_inplace(
         c.pos_ids, c.q.flatten(1), c.k.flatten(1).double(), 64, c.table), TypeError, "^(key|query) .*float64"),
+    # a missing position array is named as the caller's signature names it (not as offsets)
+    ("pos_ids None", lambda c: jitattn.apply_rope_pos_ids(c.q, c.k, None), TypeError,
+     "^pos_ids must be a torch.Tensor"),
+    ("llama31 pos_ids None", lambda c: jitattn.apply_llama31_rope_pos_ids_inplace(c.q, c.k, None), TypeError,
+     "^pos_ids must be a torch.Tensor"),
+    ("cache positions None", lambda c: jitattn.apply_rope_with_cos_sin_cache(
+        None, c.q.flatten(1), c.k.flatten(1), 64, c.table), TypeError, "^positions must be a torch.Tensor"),
+    ("offsets None", lambda c: jitattn.apply_rope(c.q, c.k, c.indptr, None), TypeError,
+     "^offsets must be a torch.Tensor"),
+    ("odd head_dim", lambda c: jitattn.apply_rope_pos_ids(c.q[..., :63], c.k[..., :63], c.pos_ids), ValueError,
+     "head_dim=63 is odd: .* pass an even rotary_dim"),
 ]
 
 

@@ -77,7 +77,7 @@ def apply_rope_pos_ids(
     """Rotate token ``t`` of ``q``/``k`` by position ``pos_ids[t]``; returns ``(q_rope, k_rope)``."""
     angles = rope_angles(rope_scale, rope_theta)
     q_rope, k_rope = _like(q, k)
-    rotate(q, k, q_rope, k_rope, Positions(pos_ids=pos_ids), rotary_dim, interleave, angles)
+    rotate(q, k, q_rope, k_rope, Positions(pos_ids=pos_ids, pos_ids_name="pos_ids"), rotary_dim, interleave, angles)
     return q_rope, k_rope
 
 
@@ -87,7 +87,7 @@ def apply_rope_pos_ids_inplace(
 ) -> None:
     """:func:`apply_rope_pos_ids` written into ``q`` and ``k``."""
     angles = rope_angles(rope_scale, rope_theta)
-    rotate(q, k, q, k, Positions(pos_ids=pos_ids), rotary_dim, interleave, angles)
+    rotate(q, k, q, k, Positions(pos_ids=pos_ids, pos_ids_name="pos_ids"), rotary_dim, interleave, angles)
 
 
 def apply_llama31_rope(
@@ -120,7 +120,7 @@ def apply_llama31_rope_pos_ids(
     """:func:`apply_rope_pos_ids` with Llama 3.1's frequencies; returns ``(q_rope, k_rope)``."""
     angles = llama31_angles(rope_scale, rope_theta, low_freq_factor, high_freq_factor, old_context_len)
     q_rope, k_rope = _like(q, k)
-    rotate(q, k, q_rope, k_rope, Positions(pos_ids=pos_ids), rotary_dim, interleave, angles)
+    rotate(q, k, q_rope, k_rope, Positions(pos_ids=pos_ids, pos_ids_name="pos_ids"), rotary_dim, interleave, angles)
     return q_rope, k_rope
 
 
@@ -131,7 +131,7 @@ def apply_llama31_rope_pos_ids_inplace(
 ) -> None:
     """:func:`apply_llama31_rope_pos_ids` written into ``q`` and ``k``."""
     angles = llama31_angles(rope_scale, rope_theta, low_freq_factor, high_freq_factor, old_context_len)
-    rotate(q, k, q, k, Positions(pos_ids=pos_ids), rotary_dim, interleave, angles)
+    rotate(q, k, q, k, Positions(pos_ids=pos_ids, pos_ids_name="pos_ids"), rotary_dim, interleave, angles)
 
 
 def apply_rope_with_cos_sin_cache(

@@ -38,12 +38,14 @@ def _name(dtype: torch.dtype) -> str:
 @dataclass(frozen=True)
 class Positions:
     """Where each token's position comes from: ``indptr`` + ``offsets`` (token ``t`` of request ``r``
-    sits at ``offsets[r] + t - indptr[r]``), or ``pos_ids`` (one position per token)."""
+    sits at ``offsets[r] + t - indptr[r]``), or ``pos_ids`` (one position per token). ``pos_ids_name``, what the
+    caller calls it (``pos_ids``, or ``positions`` in vLLM / SGLang's signature), marks ``pos_ids`` as the source
+    even when it is missing (so the error names it)."""
 
     indptr: torch.Tensor | None = None
     offsets: torch.Tensor | None = None
     pos_ids: torch.Tensor | None = None
-    pos_ids_name: str = "pos_ids"  # what the caller calls it (vLLM / SGLang's signature: ``positions``)
+    pos_ids_name: str | None = None
 
 
 @dataclass(frozen=True)
@@ -88,6 +90,9 @@ def llama31_angles(rope_scale, rope_theta, low_freq_factor, high_freq_factor, ol
 def rotary_dim_of(rotary_dim, head_dim: int) -> int:
     """``rotary_dim`` checked against ``head_dim`` (None: the whole head)."""
     if rotary_dim is None:
+        if head_dim % 2:
+            raise ValueError(f"head_dim={head_dim} is odd: RoPE turns pairs of dimensions, so the whole head cannot "
+                             "be rotated; pass an even rotary_dim (the leading dimensions rotated)")
         rotary_dim = head_dim
     if isinstance(rotary_dim, bool) or not isinstance(rotary_dim, numbers.Integral):
         raise TypeError(f"rotary_dim={rotary_dim!r} must be an int or None (the whole head_dim)")
@@ -181,8 +186,8 @@ def _check_index(name: str, t: torch.Tensor, device: torch.device, length: int |
 def _index_arrays(positions: Positions, nnz: int, device: torch.device,
                   q_name: str = "q") -> tuple[dict, int, int, int]:
     """The index pointers, the batch size, the position source code and the index width in bytes."""
-    if positions.pos_ids is not None:
-        pos_ids = _check_index(positions.pos_ids_name, positions.pos_ids, device, nnz, q_name)
+    if positions.pos_ids is not None or positions.pos_ids_name is not None:
+        pos_ids = _check_index(positions.pos_ids_name or "pos_ids", positions.pos_ids, device, nnz, q_name)
         ptrs = dict(indptr=None, offsets=None, pos_ids=pos_ids)
         return ptrs, 0, ROPE_POSITION_CODES["pos_ids"], pos_ids.element_size()
     offsets = _check_index("offsets", positions.offsets, device)
