@@ -79,6 +79,10 @@ def test_wrong_q_dtype_shape_and_kv_dtype() -> None:
     with pytest.raises(TypeError, match=r"q has dtype float16 but the plan has q_data_type=bfloat16; pass "
                                         r"q_data_type=torch.float16 to plan\(\)"):
         wrapper.run(torch.randn(2, 8, 64).half(), batch.cache)
+    for dtype in (torch.float64, torch.int32):  # no plan() takes these: the fix is a cast, not another q_data_type
+        with pytest.raises(TypeError, match=f"q has dtype {str(dtype)[6:]}; attention takes a float16, bfloat16 or "
+                                            "float32 .* cast q to the plan's bfloat16"):
+            wrapper.run(torch.randn(2, 8, 64).to(dtype), batch.cache)
     with pytest.raises(ValueError, match="q has shape"):
         wrapper.run(torch.randn(3, 8, 64).to(torch.bfloat16), batch.cache)
     with pytest.raises(TypeError, match="kv cache dtype"):
