@@ -249,6 +249,13 @@ def test_models_the_kernels_cannot_run_are_refused_when_built(tmp_path) -> None:
     weights = random_weights(CONFIG)
     with pytest.raises(TypeError, match="dtype=torch.float64 is not one the kernels take"):
         LlamaModel(CONFIG, weights, dtype=torch.float64)
+    with pytest.raises(TypeError, match="dtype='bf16' is not one the kernels take; use .*torch.bfloat16"):
+        LlamaModel.random(CONFIG, dtype="bf16")  # refused before the weights are drawn
+    with pytest.raises(ValueError, match="device='gpu0' is not a device"):
+        LlamaModel.random(CONFIG, device="gpu0")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="this machine has no CUDA device; use device='cpu'"):
+            LlamaModel.random(CONFIG, device="cuda")
     with pytest.raises(ValueError, match="LlamaModel: 1 weights missing, e.g. model.norm.weight"):
         LlamaModel(CONFIG, {n: t for n, t in weights.items() if n != "model.norm.weight"})
     with pytest.raises(ValueError, match=r"model.norm.weight is of shape \(3,\); the config says"):

@@ -128,6 +128,20 @@ def save_checkpoint(config: ModelConfig, weights: dict[str, torch.Tensor], direc
     torch.save({n: t.contiguous() for n, t in weights.items()}, directory / "pytorch_model.bin")
 
 
+def check_placement(dtype, device) -> torch.device:
+    """The model's device, once ``dtype`` is one the kernels take and ``device`` one this machine has."""
+    if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TypeError(f"dtype={dtype!r} is not one the kernels take; use torch.float16, torch.bfloat16 or "
+                        "torch.float32")
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device={device!r} is not a device ({e}); use 'cpu' or 'cuda'") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={str(device)!r}, but this machine has no CUDA device; use device='cpu'")
+    return device
+
+
 class LlamaModel:
     """One tensor-parallel rank's shard of a Llama decoder (the whole model when tp is 1)."""
 
@@ -135,12 +149,11 @@ class LlamaModel:
                  device: str | torch.device = "cpu", group: TPGroup | None = None) -> None:
         if not isinstance(config, ModelConfig):
             raise TypeError(f"config must be a ModelConfig (e.g. preset('tiny')), got {type(config).__name__}")
-        if dtype not in (torch.float16, torch.bfloat16, torch.float32):
-            raise TypeError(f"dtype={dtype} is not one the kernels take; use torch.float16, bfloat16 or float32")
+        device = check_placement(dtype, device)
         check_weights(config, weights, "LlamaModel")
         self.config = config
         self.group = group or TPGroup()
-        self.dtype, self.device = dtype, torch.device(device)
+        self.dtype, self.device = dtype, device
         shard = head_shard(config.num_attention_heads, config.num_key_value_heads, self.group.rank, self.group.size)
         self.num_q_heads, self.num_kv_heads = shard.num_q, shard.num_kv
         d = config.head_dim
@@ -179,6 +192,7 @@ class LlamaModel:
     def random(cls, config: ModelConfig, seed: int = 0, **kwargs) -> "LlamaModel":
         """A model with :func:`random_weights` drawn on its device (the same on every rank for one seed)."""
         device, dtype = kwargs.get("device", "cpu"), kwargs.get("dtype", torch.float32)
+        check_placement(dtype, device)  # before drawing weights there
         return cls(config, random_weights(config, seed, device=device, dtype=dtype), **kwargs)
 
     @classmethod
