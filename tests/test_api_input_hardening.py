@@ -50,6 +50,19 @@ def test_fast_decode_plan_page_outside_the_cache_is_a_kernel_error(page):
         wrapper.run(q, batch.cache)
 
 
+@pytest.mark.parametrize("last", [0, PAGE + 1])
+def test_fast_decode_plan_checks_host_last_page_lengths(last):
+    """Host last_page_len is checked without a sync (a 0 for a request with pages was computed over a page too few
+    keys); device ones are trusted, as FlashInfer's fast path trusts them."""
+    batch, _ = _decode_batch()
+    lengths = batch.kv_last_page_len.clone()
+    lengths[0] = last
+    wrapper = jitattn.BatchDecodeWithPagedKVCacheWrapper(_workspace())
+    with pytest.raises(ValueError, match=f"last_page_len\\[0\\] = {last} is out of range: a request with pages needs"):
+        jitattn.fast_decode_plan(wrapper, batch.kv_indptr, batch.kv_indices, lengths, HQ, HKV, D, PAGE,
+                                 q_data_type=torch.float32)
+
+
 @pytest.mark.parametrize("which", ["indices", "last_page_len"])
 def test_fast_decode_plan_refuses_int64_tables(which):
     batch, _ = _decode_batch()
