@@ -366,3 +366,13 @@ def test_use_cuda_graph_is_a_boolean(make) -> None:
     with pytest.raises(TypeError, match="use_cuda_graph='False' must be True or False"):
         make("False")
     make(False)
+
+
+def test_append_into_a_cache_of_the_other_layout_suggests_kv_layout() -> None:
+    cache = torch.zeros(8, 2, P, HKV, D, dtype=DT)  # NHD: heads after the page's slots
+    k = torch.randn(5, HKV, D).to(DT)
+    with pytest.raises(ValueError, match=r"append_key has shape \(5, 2, 64\); expected .* \(5, 4, 64\) .* read as "
+                                         r"kv_layout=HND .* pass kv_layout='NHD'"):
+        jitattn.append_paged_kv_cache(k, k.clone(), _i32([0, 0, 0, 1, 1]), _i32([0, 1, 2, 0, 1]), cache,
+                                      _i32([0, 1, 2, 3]), _i32([0, 1, 2]), _i32([3, 2]), kv_layout="HND")
+    assert not cache.any(), "a refused append wrote nothing"

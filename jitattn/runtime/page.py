@@ -46,6 +46,7 @@ class _CacheView:
     """A paged cache as the append kernel sees it: k/v views, geometry, (page, slot, head) strides."""
 
     def __init__(self, paged_kv_cache: PagedKVCache, layout: KVLayout) -> None:
+        self.layout = layout
         self.k, self.v = split_paged_kv_cache(paged_kv_cache, layout)
         check_kv_tensors(self.k, self.v, _CACHE_DTYPES)
         check_no_overlap("the k cache", self.k)  # written in place
@@ -218,10 +219,13 @@ def _check_appended(append_key: torch.Tensor, append_value: torch.Tensor, cache:
     expected = (nnz, cache.num_heads, cache.head_dim)
     for name, t in (("append_key", append_key), ("append_value", append_value)):
         if tuple(t.shape) != expected:
-            raise ValueError(
-                f"{name} has shape {tuple(t.shape)}; expected [nnz, num_kv_heads, head_dim] = {expected} "
-                "to match paged_kv_cache"
-            )
+            hint = ""
+            if t.shape[1:] == (cache.page_size, cache.head_dim) and cache.page_size != cache.num_heads:
+                other = "NHD" if cache.layout is KVLayout.HND else "HND"
+                hint = (f"; read as kv_layout={cache.layout.name} the cache has {cache.num_heads} heads and pages of "
+                        f"{cache.page_size}: if its heads are the other dimension, pass kv_layout='{other}'")
+            raise ValueError(f"{name} has shape {tuple(t.shape)}; expected [nnz, num_kv_heads, head_dim] = {expected} "
+                             f"to match paged_kv_cache{hint}")
     return nnz
 
 
