@@ -535,7 +535,8 @@ def test_mla_run_rules() -> None:
         wrapper.run(q_nope, q_pe, ckv, kpe[:1])
     with pytest.raises(TypeError, match="same dtype"):
         wrapper.run(q_nope, q_pe, ckv, kpe.double())
-    with pytest.raises(ValueError, match="page size is 8"):
+    with pytest.raises(ValueError, match=r"ckv_cache has shape \(\d+, 8, 512\): pages of 8 tokens, but the plan has "
+                                         r"page_size=16"):
         wrapper.run(q_nope, q_pe, ckv.reshape(-1, 8, CKV), kpe.reshape(-1, 8, KPE))
     with pytest.raises(NotImplementedError, match="kv_len is not supported by jitattn; the batch is described"):
         wrapper.run(q_nope, q_pe, ckv, kpe, kv_len=lens)

@@ -121,6 +121,7 @@ class BatchMLAPagedAttentionWrapper:
         self._workspace = float_workspace_buffer
         self._use_cuda_graph = use_cuda_graph
         self._dims: tuple[int, int] | None = None  # (head_dim_ckv, head_dim_kpe) of the plan
+        self._page_size = 0  # the plan's
         self._rows: tuple[int, int] = (0, 0)  # (total query tokens, num_heads) of the plan
         self._kernel: KernelPlan | None = None  # the sm90 MLA kernel's plan, None: the prefill kernels'
         self._highest_page = -1  # the highest page the sm90 plan reads (checked against the cache at run)
@@ -212,7 +213,7 @@ class BatchMLAPagedAttentionWrapper:
             self._graph_kernel = kernel
         if self._kv_len_arr_buf is not None:  # FlashInfer keeps the lengths in the caller's buffer too
             self._kv_len_arr_buf[: lens.numel()].copy_(lens)
-        self._dims = (head_dim_ckv, head_dim_kpe)
+        self._dims, self._page_size = (head_dim_ckv, head_dim_kpe), page_size
         self._rows = (int(qo_indptr.numpy()[-1]), num_heads)
 
     def run(
@@ -258,6 +259,9 @@ class BatchMLAPagedAttentionWrapper:
             check_tensor(name, t, ndim=3)
             if t.shape[-1] != dim:
                 raise ValueError(f"{name} has shape {tuple(t.shape)}; expected [pages, page_size, {dim}]")
+            if t.shape[1] != self._page_size:
+                raise ValueError(f"{name} has shape {tuple(t.shape)}: pages of {t.shape[1]} tokens, but the plan has "
+                                 f"page_size={self._page_size}")
         if self._kernel is not None:
             return self._run_sm90(q_nope, q_pe, ckv_cache, kpe_cache, out, lse, return_lse, k_scale, v_scale,
                                   signature)
