@@ -376,3 +376,17 @@ def test_append_into_a_cache_of_the_other_layout_suggests_kv_layout() -> None:
         jitattn.append_paged_kv_cache(k, k.clone(), _i32([0, 0, 0, 1, 1]), _i32([0, 1, 2, 0, 1]), cache,
                                       _i32([0, 1, 2, 3]), _i32([0, 1, 2]), _i32([3, 2]), kv_layout="HND")
     assert not cache.any(), "a refused append wrote nothing"
+
+
+def test_append_refuses_a_position_past_the_requests_length() -> None:
+    """A position inside the request's pages but at or past its length (kv_last_page_len counts the appended
+    tokens) was written where attention never reads."""
+    cache = torch.zeros(8, 2, P, HKV, D, dtype=DT)
+    k = torch.randn(5, HKV, D).to(DT)
+    args = (_i32([0, 1, 2, 3]), _i32([0, 2, 3]), _i32([2, 4]))  # request 0: 2 pages, 6 tokens; request 1: 4
+    with pytest.raises(IndexError, match=r"positions\[2\]=7 is past request 0's length 6 \(kv_indptr and "
+                                         "kv_last_page_len, which count the appended tokens too\\)"):
+        jitattn.append_paged_kv_cache(k, k.clone(), _i32([0, 0, 0, 1, 1]), _i32([4, 5, 7, 2, 3]), cache, *args)
+    assert not cache.any(), "a refused append wrote nothing"
+    jitattn.append_paged_kv_cache(k, k.clone(), _i32([0, 0, 0, 1, 1]), _i32([3, 4, 5, 2, 3]), cache, *args)
+    assert cache.any()

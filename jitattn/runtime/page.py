@@ -117,6 +117,15 @@ def _validate_host_indices(
                     f"{int(capacity[r]) // page_size} pages of {page_size} tokens (capacity {int(capacity[r])}); "
                     "allocate the pages (kv_indices/kv_indptr) before appending"
                 )
+            if host(kv_last_page_len):  # the request's length: what attention reads of its pages
+                length = torch.where(capacity > 0, capacity - page_size + kv_last_page_len.to(torch.int64), 0)
+                bad = pos >= length[batch_indices.to(torch.int64)]
+                if bool(bad.any()):
+                    t = int(torch.nonzero(bad)[0])
+                    r = int(batch_indices[t])
+                    raise IndexError(f"positions[{t}]={int(pos[t])} is past request {r}'s length {int(length[r])} "
+                                     "(kv_indptr and kv_last_page_len, which count the appended tokens too): "
+                                     "attention would never read it")
 
 
 def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
