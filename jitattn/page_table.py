@@ -168,18 +168,28 @@ def _check_page_table(indptr, indices, last_page_len, page_size: int, num_pages:
             raise IndexError(f"{names[1]}[{i}] = {int(used[i])} references a page past the end of the kv cache "
                              f"(it has {num_pages} pages)")
     if last_page_len is not None and batch:
-        last = _int32_values(names[2], last_page_len.numpy())
-        # As unsigned, last - 1 < page_size is 1 <= last <= page_size (an int32 is at most _INT32_MAX): one
-        # pass when every entry is in range, the usual case; otherwise only requests with pages must be.
-        if (last - 1).view(np.uint32).max() >= min(page_size, _INT32_MAX):
-            bad = (pages > 0) & ((last < 1) | (last > page_size))
-            if bad.any():
-                r = int(np.flatnonzero(bad)[0])
-                raise ValueError(
-                    f"{names[2]}[{r}] = {int(last[r])} is out of range: a request with pages needs 1 <= "
-                    f"last_page_len <= page_size ({page_size})"
-                )
+        _check_last_page_lens(pages, _int32_values(names[2], last_page_len.numpy()), page_size, names[2])
     return highest, pages
+
+
+def _check_last_page_lens(pages: np.ndarray, last: np.ndarray, page_size: int, name: str) -> None:
+    # As unsigned, last - 1 < page_size is 1 <= last <= page_size (an int32 is at most _INT32_MAX): one
+    # pass when every entry is in range, the usual case; otherwise only requests with pages must be.
+    if last.size and (last - 1).view(np.uint32).max() >= min(page_size, _INT32_MAX):
+        bad = (pages > 0) & ((last < 1) | (last > page_size))
+        if bad.any():
+            r = int(np.flatnonzero(bad)[0])
+            raise ValueError(f"{name}[{r}] = {int(last[r])} is out of range: a request with pages needs 1 <= "
+                             f"last_page_len <= page_size ({page_size})")
+
+
+def check_host_last_page_lens(indptr: torch.Tensor, last_page_len: torch.Tensor, page_size: int) -> None:
+    """``last_page_len``'s rule (``check_page_table``'s), when it is on the host: no device sync (``indptr``: host
+    int32, one entry more; a device ``last_page_len`` is not checked)."""
+    if last_page_len.is_cpu:
+        last = last_page_len.numpy()
+        if last.size and (last - 1).view(np.uint32).max() >= min(page_size, _INT32_MAX):  # else all in range
+            _check_last_page_lens(np.diff(indptr.numpy()), last, page_size, "last_page_len")
 
 
 def check_paged_index(

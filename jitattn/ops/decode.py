@@ -16,7 +16,7 @@ from ..runtime.options import (
     PAGE_TABLE_HINT, fp8_scale, parse_kv_layout, positive_int, refuse_unsupported, resolve_batch_invariant,
 )
 from ..jit import load, resident_blocks, short_items_blocks
-from ..page_table import PagedIndex, check_page_table, check_paged_index, to_host_int32
+from ..page_table import PagedIndex, check_host_last_page_lens, check_paged_index, to_host_int32
 from ..kv_split import (
     MAX_RESIDENT_BLOCKS, KVSplit, check_fixed_split_size, check_workspace_limits, decode_kv_split, max_decode_chunks,
     short_items_split, split_workspace_bytes, unsplit, window_lens,
@@ -268,7 +268,7 @@ class BatchDecodeWithPagedKVCacheWrapper(BatchWrapperBase):
         batch = indptr_host.numel() - 1
         if batch < 0 or last_page_len.numel() != batch:
             raise ValueError(f"indptr describes {batch} requests but last_page_len has {last_page_len.numel()}")
-        check_page_table(indptr_host, None, last_page_len if last_page_len.is_cpu else None, page_size)  # no sync
+        check_host_last_page_lens(indptr_host, last_page_len, page_size)
         self._check_graph_batch(batch)
         # Without last_page_len on the host every request counts its full last page. Chunk sizes are whole pages,
         # so the chunk counts are the same as with the exact lengths (under a window too, where chunks start
