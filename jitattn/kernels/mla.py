@@ -61,7 +61,11 @@ TUNING: dict[str, int] = {
     # 1 (development): clock64 stamps of each block's phases, both warpgroups, for a window of KV blocks of each
     # CTA's first item (``jitattn_mla_trace`` copies them out; tools/trace_mla.py). 0 renders no trace code.
     "trace": 0,
+    # 1 (development, 16-bit cache): the narrow-row kernel for tiles of at most 16 rows (heads x query tokens, e.g.
+    # 16 heads): S^T = K Q^T and O^T = V^T P^T as m64n16 products, a quarter of the 64-row tile's tensor work
+    "narrow": 0,
 }
+NARROW_ROWS = 16  # the rows a tile of the narrow kernel holds
 # The trace's shape (TUNING trace=1): CTAs, the first traced KV block of each CTA's first item, the blocks traced, the
 # stamps per block (the template's field numbers: tools/trace_mla.py).
 TRACE = {"kTraceCtas": 1024, "kTraceFrom": 8, "kTraceCount": 8, "kTraceFields": 12}
@@ -85,8 +89,11 @@ def layout(spec: VariantSpec) -> dict[str, int]:
     reason = unsupported(spec)
     if reason is not None:
         raise ValueError(f"{spec.uri}: the MLA kernel cannot run this spec: {reason}")
-    if TUNING["trace"] not in (0, 1):
-        raise ValueError(f"mla TUNING trace={TUNING['trace']!r} must be 0 or 1")
+    for knob in ("trace", "narrow"):
+        if TUNING[knob] not in (0, 1):
+            raise ValueError(f"mla TUNING {knob}={TUNING[knob]!r} must be 0 or 1")
+    if TUNING["narrow"] and (TUNING["trace"] or TUNING["load_threads"] != 128):
+        raise ValueError("mla TUNING narrow=1 takes load_threads=128 and no trace")
     chunks = (CKV_DIM + KPE_DIM) // 64       # 128-byte swizzle boxes per row
     chunk_bytes = KV_BLOCK * 128             # one box of 64 rows (tokens or query rows)
     tile_bytes = chunks * chunk_bytes        # Q tile or one KV stage (ROWS == KV_BLOCK)
@@ -127,4 +134,5 @@ def context(spec: VariantSpec) -> dict[str, Any]:
         "o_ctype": c_type(spec.o_dtype, spec.target),
         "constants": constants,
         "trace": bool(TUNING["trace"]),
+        "narrow": bool(TUNING["narrow"]) and not spec.kv_dtype.is_fp8,
     }
