@@ -1,6 +1,6 @@
 """Times the sm90 MLA kernel (through BatchMLAPagedAttentionWrapper) for tuning choices of jitattn/kernels/mla.py.
 
-Run on an H100/H200: ``python3 tools/mla_tuning.py [choice ...]``, a choice being ``key=value[,key=value]`` of
+Run on an H100/H200: ``python3 tools/mla_tuning.py [--only NAME,...] [choice ...]``, a choice being ``key=value[,key=value]`` of
 ``family.TUNING`` (default ``load_threads=128 load_threads=256``). Each choice renders distinct sources (its own cache entry).
 Shapes: the benchmark's mla/* cases (bf16, page 64) and two small
 batches that split. Timing: CUDA events around 20 back-to-back run() calls after 3 warm-ups, median of 5
@@ -64,8 +64,14 @@ def median_call_us(fn) -> float:
 
 
 def main(choices: list[str]) -> None:
+    # --only A,B: the shapes whose name contains A or B (e.g. h16 for the narrow-row kernel, which takes 16 heads)
+    only = choices.pop(choices.index("--only") + 1).split(",") if "--only" in choices else None
+    if only is not None:
+        choices.remove("--only")
     workspace = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
     for name, batch, kv_len, heads, kv_dtype in SHAPES:
+        if only is not None and not any(part in name for part in only):
+            continue
         buffer, indices, indptr, lens, q_nope, q_pe = mla_inputs(batch, kv_len, heads, kv_dtype)
         ckv, kpe = buffer[..., :512], buffer[..., 512:]
         qo = torch.arange(batch + 1, dtype=torch.int32)

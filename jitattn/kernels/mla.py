@@ -61,7 +61,7 @@ TUNING: dict[str, int] = {
     # 1 (development): clock64 stamps of each block's phases, both warpgroups, for a window of KV blocks of each
     # CTA's first item (``jitattn_mla_trace`` copies them out; tools/trace_mla.py). 0 renders no trace code.
     "trace": 0,
-    # 1 (development, 16-bit cache): the narrow-row kernel for tiles of at most 16 rows (heads x query tokens, e.g.
+    # 1 (development): the narrow-row kernel for tiles of at most 16 rows (heads x query tokens, e.g.
     # 16 heads): S^T = K Q^T and O^T = V^T P^T as m64n16 products, a quarter of the 64-row tile's tensor work
     "narrow": 0,
 }
@@ -134,5 +134,5 @@ def context(spec: VariantSpec) -> dict[str, Any]:
         "o_ctype": c_type(spec.o_dtype, spec.target),
         "constants": constants,
         "trace": bool(TUNING["trace"]),
-        "narrow": bool(TUNING["narrow"]) and not spec.kv_dtype.is_fp8,
+        "narrow": bool(TUNING["narrow"]),
     }

@@ -151,7 +151,7 @@ class KernelPlan:
         index = device.index if device.index is not None else torch.cuda.current_device()
         capacity = workspace.numel() * workspace.element_size() // workspace_row_bytes(family.CKV_DIM)
         qo = qo_indptr.numpy()
-        if family.TUNING["narrow"] and kv_dtype not in FP8_DTYPES and qo.size > 1 and \
+        if family.TUNING["narrow"] and qo.size > 1 and \
                 int((qo[1:] - qo[:-1]).max()) * num_heads > family.NARROW_ROWS:
             raise ValueError(f"mla TUNING narrow=1 takes tiles of at most {family.NARROW_ROWS} rows (heads x query "
                              f"tokens); this batch has up to {int((qo[1:] - qo[:-1]).max()) * num_heads}")
