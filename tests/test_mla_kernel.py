@@ -492,6 +492,45 @@ def test_sm90_kernel_matches_the_reference(monkeypatch: pytest.MonkeyPatch, head
     assert_close_lse(lse, ref_lse)
 
 
+_NARROW_CASES = {  # (kv_lens, qo_lens, causal, heads): tiles of at most 16 rows (heads x query tokens)
+    "decode_h16": ([37, 0, 130, 5, 64], [1] * 5, False, 16),
+    "split_h16": ([4100, 1], [1, 1], False, 16),
+    "many_items_h16": ([1000, 1001, 1063, 1064] * 70, [1] * 280, False, 16),
+    "speculative_h8": ([37, 9, 130, 8], [2, 2, 2, 2], True, 8),
+    "chunk_h4": ([37, 9, 130, 5], [4, 3, 4, 1], True, 4),
+    "decode_h12": ([200, 65, 1], [1, 1, 1], False, 12),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [1, 64])
+@pytest.mark.parametrize("case", list(_NARROW_CASES))
+@pytest.mark.parametrize("kv", ["bf16", "f16", "e4m3"])
+def test_sm90_narrow_matches_the_reference(monkeypatch: pytest.MonkeyPatch, fresh_registry, page_size: int, case: str,
+                                           kv: str) -> None:
+    """mla TUNING narrow=1 (the m64n16 kernel for tiles of at most 16 rows): the reference's result, split plans,
+    causal multi-token rows, several items per CTA and an fp8 cache with its scales included."""
+    from jitattn.jit.render import render
+
+    monkeypatch.setenv("JITATTN_MLA_KERNEL", "sm90")
+    monkeypatch.setitem(family.TUNING, "narrow", 1)
+    kv_lens, qo_lens, causal, heads = _NARROW_CASES[case]
+    dtype = torch.float16 if kv == "f16" else torch.bfloat16
+    fp8 = kv == "e4m3"
+    kv_dtype = torch.float8_e4m3fn if fp8 else dtype
+    scales = (0.3, 1.7) if fp8 else (None, None)
+    wrapper, out, lse, (q_nope, q_pe, ckv, kpe, indptr, indices) = _run_case(
+        kv_lens, qo_lens, causal, heads, page_size, dtype, 5 * heads + page_size + len(case), kv_dtype=kv_dtype,
+        scales=scales)
+    assert wrapper.kernel == "sm90"
+    assert "m64n16k16" in render(kernel_spec(dtype, kv_dtype if fp8 else None))["kernel.cu"]
+    ref_out, ref_lse = _reference(q_nope, q_pe, ckv, kpe, indptr, indices, qo_lens, kv_lens, causal,
+                                  *((0.3, 1.7) if fp8 else ()))
+    v_scale = 1.7 if fp8 else 1.0
+    assert_close_out(out / v_scale, ref_out / v_scale, dtype)
+    assert_close_lse(lse, ref_lse)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", ["decode", "speculative", "long_split"])
 def test_sm90_kernel_f16_and_separate_tensors(monkeypatch: pytest.MonkeyPatch, case: str) -> None:
