@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -18,7 +19,8 @@ import jitattn
 from jitattn import env
 from jitattn.kernels import mla as family
 from jitattn.ops.mla import BatchMLAPagedAttentionWrapper
-from jitattn.runtime.mla_kernel import GraphArrays, kernel_spec, layout_problem, select_kernel, unsupported_reason
+from jitattn.runtime.mla_kernel import (GraphArrays, kernel_spec, layout_problem, narrow_kernel, select_kernel,
+                                        unsupported_reason)
 from jitattn.kernels.mla_plan import MIN_CHUNK_BLOCKS, graph_item_capacity, padded, plan_work
 from jitattn.spec import VariantSpec
 
@@ -431,22 +433,28 @@ def test_the_trace_renders_only_when_set(monkeypatch: pytest.MonkeyPatch, fresh_
         family.layout(spec)
 
 
-def test_the_narrow_kernel_renders_only_when_set(monkeypatch: pytest.MonkeyPatch) -> None:
-    """mla TUNING narrow (development): on, a 16-bit cache's kernel computes S^T = K Q^T and O^T = V^T P^T as
-    m64n16 products, over a 16-bit or an fp8 cache; with the trace it is refused."""
+def test_the_module_holds_the_narrow_kernel_and_a_plan_picks_it_by_its_tile_rows(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every MLA module holds the 64-row kernel and the narrow one (S^T = K Q^T, O^T = V^T P^T as m64n16
+    products); a plan launches the narrow one when its tiles hold at most TUNING narrow_rows rows (heads x query
+    tokens of a request, at most 64 a tile): 0 never, 64 always."""
     from jitattn.jit.render import render
 
-    bf16, fp8 = kernel_spec(torch.bfloat16), kernel_spec(torch.bfloat16, torch.float8_e4m3fn)
-    plain, plain_fp8 = render(bf16)["kernel.cu"], render(fp8)["kernel.cu"]
-    assert "m64n16k16" not in plain
-    monkeypatch.setitem(family.TUNING, "narrow", 1)
-    narrow = render(bf16)["kernel.cu"]
-    assert "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16" in narrow and "mma_n16<1>(o[m]" in narrow
-    narrow_fp8 = render(fp8)["kernel.cu"]
-    assert "mma_ss<kBN, q_t, 0>(sc" not in narrow and "mma_n16<0>(sc" in narrow_fp8 and narrow_fp8 != plain_fp8
-    monkeypatch.setitem(family.TUNING, "trace", 1)
-    with pytest.raises(ValueError, match="narrow=1 takes load_threads=128 and no trace"):
-        family.layout(bf16)
+    for spec in (kernel_spec(torch.bfloat16), kernel_spec(torch.float16, torch.float8_e5m2)):
+        source = render(spec)["kernel.cu"]
+        assert "_narrow(const MlaParams p" in source and "mma_n16<1>(o[m]" in source
+        assert "wgmma.mma_async.sync.aligned.m64n16k16" in source and "mma_ss<kBN, q_t, 0>(sc" in source
+    lens = np.array
+    assert narrow_kernel(lens([1, 1, 1]), 16) and narrow_kernel(lens([2, 1]), 8) and narrow_kernel(lens([4]), 4)
+    assert not narrow_kernel(lens([1, 2]), 16) and not narrow_kernel(lens([1]), 128)
+    monkeypatch.setitem(family.TUNING, "narrow_rows", 0)
+    assert not narrow_kernel(lens([1]), 1)
+    monkeypatch.setitem(family.TUNING, "narrow_rows", 64)
+    assert narrow_kernel(lens([8, 1]), 128) and narrow_kernel(lens([1]), 64)
+    for bad in (-1, 65, True, 1.5):
+        monkeypatch.setitem(family.TUNING, "narrow_rows", bad)
+        with pytest.raises(ValueError, match="narrow_rows=.* must be an int in \\[0, 64\\]"):
+            narrow_kernel(lens([1]), 16)
 
 
 # -- gpu: the kernel against the reference ---------------------------------------------------------------
@@ -480,11 +488,13 @@ def _run_case(kv_lens, qo_lens, causal, heads, page_size, dtype, seed, joined=Tr
 @pytest.mark.parametrize("case", list(_CASES))
 def test_sm90_kernel_matches_the_reference(monkeypatch: pytest.MonkeyPatch, heads: int, page_size: int,
                                            case: str) -> None:
+    """The 64-row kernel (narrow_rows 0: also for tiles of at most 16 rows) against the reference."""
     monkeypatch.setenv("JITATTN_MLA_KERNEL", "sm90")
+    monkeypatch.setitem(family.TUNING, "narrow_rows", 0)
     kv_lens, qo_lens, causal = _CASES[case]
     wrapper, out, lse, (q_nope, q_pe, ckv, kpe, indptr, indices) = _run_case(
         kv_lens, qo_lens, causal, heads, page_size, torch.bfloat16, heads + page_size + len(case))
-    assert wrapper.kernel == "sm90"
+    assert wrapper.kernel == "sm90" and not wrapper._kernel.narrow
     if case.startswith("long_split"):
         assert wrapper._kernel.work.num_merges > 0, "the case must exercise the split-KV merge"
     ref_out, ref_lse = _reference(q_nope, q_pe, ckv, kpe, indptr, indices, qo_lens, kv_lens, causal)
@@ -492,13 +502,17 @@ def test_sm90_kernel_matches_the_reference(monkeypatch: pytest.MonkeyPatch, head
     assert_close_lse(lse, ref_lse)
 
 
-_NARROW_CASES = {  # (kv_lens, qo_lens, causal, heads): tiles of at most 16 rows (heads x query tokens)
+_NARROW_CASES = {  # (kv_lens, qo_lens, causal, heads): tiles of at most 16 rows (heads x query tokens), then wider
     "decode_h16": ([37, 0, 130, 5, 64], [1] * 5, False, 16),
     "split_h16": ([4100, 1], [1, 1], False, 16),
     "many_items_h16": ([1000, 1001, 1063, 1064] * 70, [1] * 280, False, 16),
     "speculative_h8": ([37, 9, 130, 8], [2, 2, 2, 2], True, 8),
     "chunk_h4": ([37, 9, 130, 5], [4, 3, 4, 1], True, 4),
     "decode_h12": ([200, 65, 1], [1, 1, 1], False, 12),
+    # narrow_rows 64: 16-row sub-tiles of 64-row tiles (a request of 128 rows spans two), split or not
+    "wide_speculative_h16": ([37, 9, 130, 8], [2, 8, 4, 3], True, 16),
+    "wide_split_h64": ([4100, 1], [1, 1], False, 64),
+    "wide_decode_h128": ([37, 0, 130, 5, 64], [1] * 5, False, 128),
 }
 
 
@@ -506,14 +520,14 @@ _NARROW_CASES = {  # (kv_lens, qo_lens, causal, heads): tiles of at most 16 rows
 @pytest.mark.parametrize("page_size", [1, 64])
 @pytest.mark.parametrize("case", list(_NARROW_CASES))
 @pytest.mark.parametrize("kv", ["bf16", "f16", "e4m3"])
-def test_sm90_narrow_matches_the_reference(monkeypatch: pytest.MonkeyPatch, fresh_registry, page_size: int, case: str,
+def test_sm90_narrow_matches_the_reference(monkeypatch: pytest.MonkeyPatch, page_size: int, case: str,
                                            kv: str) -> None:
-    """mla TUNING narrow=1 (the m64n16 kernel for tiles of at most 16 rows): the reference's result, split plans,
-    causal multi-token rows, several items per CTA and an fp8 cache with its scales included."""
-    from jitattn.jit.render import render
-
+    """The narrow kernel (m64n16 products; plans of tiles of at most 16 rows take it): the reference's result, split
+    plans, causal multi-token rows, several items per CTA and an fp8 cache with its scales included; and wider tiles
+    as 16-row sub-tiles (narrow_rows 64)."""
     monkeypatch.setenv("JITATTN_MLA_KERNEL", "sm90")
-    monkeypatch.setitem(family.TUNING, "narrow", 1)
+    if case.startswith("wide"):
+        monkeypatch.setitem(family.TUNING, "narrow_rows", 64)
     kv_lens, qo_lens, causal, heads = _NARROW_CASES[case]
     dtype = torch.float16 if kv == "f16" else torch.bfloat16
     fp8 = kv == "e4m3"
@@ -522,8 +536,7 @@ def test_sm90_narrow_matches_the_reference(monkeypatch: pytest.MonkeyPatch, fres
     wrapper, out, lse, (q_nope, q_pe, ckv, kpe, indptr, indices) = _run_case(
         kv_lens, qo_lens, causal, heads, page_size, dtype, 5 * heads + page_size + len(case), kv_dtype=kv_dtype,
         scales=scales)
-    assert wrapper.kernel == "sm90"
-    assert "m64n16k16" in render(kernel_spec(dtype, kv_dtype if fp8 else None))["kernel.cu"]
+    assert wrapper.kernel == "sm90" and wrapper._kernel.narrow
     ref_out, ref_lse = _reference(q_nope, q_pe, ckv, kpe, indptr, indices, qo_lens, kv_lens, causal,
                                   *((0.3, 1.7) if fp8 else ()))
     v_scale = 1.7 if fp8 else 1.0
@@ -747,6 +760,42 @@ def test_sm90_kernel_under_cuda_graphs_replays_after_replanning(monkeypatch: pyt
         wrapper.plan(_indptr(qo_lens[:-1]), _indptr([1] * (batch - 1)), torch.zeros(batch, dtype=torch.int32),
                      torch.ones(batch - 1, dtype=torch.int32), heads, CKV, KPE, page_size, causal, SM_SCALE, dtype,
                      dtype)
+
+
+@pytest.mark.gpu
+def test_sm90_graph_captured_on_the_narrow_kernel_replays_wider_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CUDA-graph wrapper whose first plan took the narrow kernel (8 heads, one token a request) keeps it: a later
+    plan of the batch shape whose tiles hold more rows (one request's 4 tokens: 32 rows) replays as 16-row
+    sub-tiles, equal to the reference."""
+    monkeypatch.setenv("JITATTN_MLA_KERNEL", "sm90")
+    gen = torch.Generator().manual_seed(21)
+    heads, page_size, dtype = 8, 16, torch.bfloat16
+    ckv, kpe, indptr, indices, lens = _latent_cache([300, 41, 77, 2], page_size, dtype, "cuda", gen, joined=True)
+    buffers = dict(qo_indptr=torch.empty(5, dtype=torch.int32, device="cuda"),
+                   kv_indptr=torch.empty(5, dtype=torch.int32, device="cuda"),
+                   kv_indices=torch.empty(indices.numel(), dtype=torch.int32, device="cuda"),
+                   kv_len_arr=torch.empty(4, dtype=torch.int32, device="cuda"))
+    wrapper = jitattn.BatchMLAPagedAttentionWrapper(torch.empty(64 << 20, dtype=torch.uint8, device="cuda"), True,
+                                                    **buffers)
+    q_nope, q_pe = _queries([1] * 4, heads, dtype, "cuda", gen)
+    out = torch.empty(4, heads, CKV, dtype=dtype, device="cuda")
+    lse = torch.empty(4, heads, dtype=torch.float32, device="cuda")
+    graph = None
+    for qo_lens in ([1, 1, 1, 1], [4, 0, 0, 0], [1, 1, 1, 1]):
+        wrapper.plan(_indptr(qo_lens), indptr, indices, lens, heads, CKV, KPE, page_size, True, SM_SCALE, dtype, dtype)
+        assert wrapper.kernel == "sm90" and wrapper._kernel.narrow
+        if graph is None:
+            wrapper.run(q_nope, q_pe, ckv, kpe, out=out, lse=lse)  # loads the module outside the capture
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                wrapper.run(q_nope, q_pe, ckv, kpe, out=out, lse=lse)
+        out.fill_(float("nan"))
+        lse.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref_out, ref_lse = _reference(q_nope, q_pe, ckv, kpe, indptr, indices, qo_lens, lens.tolist(), True)
+        assert_close_out(out, ref_out, dtype)
+        assert_close_lse(lse, ref_lse)
 
 
 @pytest.mark.gpu

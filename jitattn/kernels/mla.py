@@ -15,7 +15,9 @@ Params (``MLA``; strides in elements, index arrays int32 on the device):
   pages are ``kv_indices[kv_indptr[r]:kv_indptr[r+1]]``, its length ``kv_len[r]``; query i of a request
   with qo_len q sits at position kv_len - q + i (``causal``: bottom-right).
 - ``items``: ``num_items`` work items of 8 int32 (request, first row, first KV block, end KV block,
-  first partial row or -1, three unused), heaviest first; the kernel's grid is ``grid`` blocks.
+  first partial row or -1, three unused), heaviest first; the kernel's grid is ``grid`` blocks. ``narrow``
+  (0 / 1): launch the narrow kernel, which computes an item as 16-row sub-tiles (the plan sets it for plans whose
+  tiles hold at most ``TUNING["narrow_rows"]`` rows).
 - Split items (a request's KV cut into block ranges) write a normalised fp32 partial output
   ``[workspace_rows, 512]`` at byte 0 of ``workspace`` and its natural-log LSE ``[workspace_rows]``
   after it; ``merges``: ``num_merges`` entries of 4 int32 (request, first row, chunks, first partial
@@ -41,7 +43,7 @@ MLA = Entry("mla", fields(
     "q_nope_stride_n:i64 q_nope_stride_h:i64 q_pe_stride_n:i64 q_pe_stride_h:i64 "
     "ckv_stride_page:i64 ckv_stride_n:i64 kpe_stride_page:i64 kpe_stride_n:i64 "
     "o_stride_n:i64 o_stride_h:i64 lse_stride_n:i64 lse_stride_h:i64 "
-    "causal:i32 grid:i32 sm_scale:f32 k_scale:f32 v_scale:f32"
+    "causal:i32 grid:i32 narrow:i32 sm_scale:f32 k_scale:f32 v_scale:f32"
 ))
 
 CKV_DIM, KPE_DIM = 512, 64  # the widths the kernel is written for (DeepSeek-V2/V3: kv_lora_rank, qk_rope_head_dim)
@@ -61,11 +63,12 @@ TUNING: dict[str, int] = {
     # 1 (development): clock64 stamps of each block's phases, both warpgroups, for a window of KV blocks of each
     # CTA's first item (``jitattn_mla_trace`` copies them out; tools/trace_mla.py). 0 renders no trace code.
     "trace": 0,
-    # 1 (development): the narrow-row kernel for tiles of at most 16 rows (heads x query tokens, e.g.
-    # 16 heads): S^T = K Q^T and O^T = V^T P^T as m64n16 products, a quarter of the 64-row tile's tensor work
-    "narrow": 0,
+    # a plan whose tiles hold at most this many rows (heads x query tokens) launches the narrow kernel (S^T = K Q^T,
+    # O^T = V^T P^T as m64n16 products); 0: never, 64: always (a 64-row item as four 16-row sub-tiles). Plan-time
+    # only: the module holds both kernels.
+    "narrow_rows": 16,
 }
-NARROW_ROWS = 16  # the rows a tile of the narrow kernel holds
+NARROW_ROWS = 16  # the rows of one sub-tile of the narrow kernel (its wgmma N)
 # The trace's shape (TUNING trace=1): CTAs, the first traced KV block of each CTA's first item, the blocks traced, the
 # stamps per block (the template's field numbers: tools/trace_mla.py).
 TRACE = {"kTraceCtas": 1024, "kTraceFrom": 8, "kTraceCount": 8, "kTraceFields": 12}
@@ -89,11 +92,8 @@ def layout(spec: VariantSpec) -> dict[str, int]:
     reason = unsupported(spec)
     if reason is not None:
         raise ValueError(f"{spec.uri}: the MLA kernel cannot run this spec: {reason}")
-    for knob in ("trace", "narrow"):
-        if TUNING[knob] not in (0, 1):
-            raise ValueError(f"mla TUNING {knob}={TUNING[knob]!r} must be 0 or 1")
-    if TUNING["narrow"] and (TUNING["trace"] or TUNING["load_threads"] != 128):
-        raise ValueError("mla TUNING narrow=1 takes load_threads=128 and no trace")
+    if TUNING["trace"] not in (0, 1):
+        raise ValueError(f"mla TUNING trace={TUNING['trace']!r} must be 0 or 1")
     chunks = (CKV_DIM + KPE_DIM) // 64       # 128-byte swizzle boxes per row
     chunk_bytes = KV_BLOCK * 128             # one box of 64 rows (tokens or query rows)
     tile_bytes = chunks * chunk_bytes        # Q tile or one KV stage (ROWS == KV_BLOCK)
@@ -134,5 +134,4 @@ def context(spec: VariantSpec) -> dict[str, Any]:
         "o_ctype": c_type(spec.o_dtype, spec.target),
         "constants": constants,
         "trace": bool(TUNING["trace"]),
-        "narrow": bool(TUNING["narrow"]),
     }

@@ -115,6 +115,9 @@ class GraphArrays:
         self.sizes = [self.items * family.ITEM_INTS, self.merges * family.MERGE_INTS, batch + 2, batch + 1, batch + 1,
                       pages]
         self.buffer = torch.zeros(sum(_padded_size(n) for n in self.sizes) + 4, dtype=torch.int32, device=device)
+        # the kernel of the captured launch, chosen by the first plan (``narrow_kernel``): the narrow one computes
+        # any later plan's wider tiles as 16-row sub-tiles; the 64-row one computes every tile
+        self.narrow: bool | None = None
 
     def refuse(self, batch: int, total_q: int, pages: int, baked: tuple) -> None:
         """Raise naming what differs from the captured launch's plan (nothing: return)."""
@@ -129,6 +132,16 @@ class GraphArrays:
                              "captured run() keeps them: use one wrapper per setting")
         if pages > self.pages:
             raise ValueError(f"this plan references {pages} pages but the fixed kv_indices buffer holds {self.pages}")
+
+
+def narrow_kernel(qo_lens: np.ndarray, num_heads: int) -> bool:
+    """Whether a plan of these query lengths launches the narrow kernel: its tiles (heads x query tokens of a
+    request, at most 64) hold at most ``TUNING["narrow_rows"]`` rows."""
+    limit = family.TUNING["narrow_rows"]
+    if isinstance(limit, bool) or not isinstance(limit, int) or not 0 <= limit <= family.ROWS:
+        raise ValueError(f"mla TUNING narrow_rows={limit!r} must be an int in [0, {family.ROWS}]")
+    rows = int(qo_lens.max()) * num_heads if qo_lens.size else 0
+    return limit > 0 and min(rows, family.ROWS) <= limit
 
 
 def _padded_size(n: int) -> int:
@@ -151,10 +164,12 @@ class KernelPlan:
         index = device.index if device.index is not None else torch.cuda.current_device()
         capacity = workspace.numel() * workspace.element_size() // workspace_row_bytes(family.CKV_DIM)
         qo = qo_indptr.numpy()
-        if family.TUNING["narrow"] and qo.size > 1 and \
-                int((qo[1:] - qo[:-1]).max()) * num_heads > family.NARROW_ROWS:
-            raise ValueError(f"mla TUNING narrow=1 takes tiles of at most {family.NARROW_ROWS} rows (heads x query "
-                             f"tokens); this batch has up to {int((qo[1:] - qo[:-1]).max()) * num_heads}")
+        narrow = narrow_kernel(qo[1:] - qo[:-1], num_heads)
+        if graph is not None:
+            if graph.narrow is None:
+                graph.narrow = narrow
+            narrow = graph.narrow
+        self.narrow = narrow
         self.work: MLAWork = plan_work(qo[1:] - qo[:-1], kv_lens.numpy(), num_heads, causal, hardware.num_sms(index),
                                        capacity, split=split)
         self.module = load(kernel_spec(dtype, kv_dtype))
@@ -204,7 +219,8 @@ class KernelPlan:
             q_nope_stride_n=0, q_nope_stride_h=0, q_pe_stride_n=0, q_pe_stride_h=0,
             ckv_stride_page=0, ckv_stride_n=0, kpe_stride_page=0, kpe_stride_n=0,
             o_stride_n=0, o_stride_h=0, lse_stride_n=0, lse_stride_h=0,
-            causal=int(causal), grid=graph.grid if graph is not None else launched.grid, sm_scale=sm_scale,
+            causal=int(causal), grid=graph.grid if graph is not None else launched.grid, narrow=int(narrow),
+            sm_scale=sm_scale,
             k_scale=1.0, v_scale=1.0,
         )
         self._call = self.module.bind("mla", self.params)
