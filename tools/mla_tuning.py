@@ -64,7 +64,7 @@ def median_call_us(fn) -> float:
 
 
 def main(choices: list[str]) -> None:
-    # --only A,B: the shapes whose name contains A or B (e.g. h16 for the narrow-row kernel, which takes 16 heads)
+    # --only A,B: the shapes whose name contains A or B (e.g. h16: the rows the narrow kernel takes)
     only = choices.pop(choices.index("--only") + 1).split(",") if "--only" in choices else None
     if only is not None:
         choices.remove("--only")
@@ -100,7 +100,7 @@ def main(choices: list[str]) -> None:
             work = w._kernel.work
             print(f"{name:24s} sm90 {choice:<14s} {t:9.1f} us {flops / t / 1e6:7.1f} TFLOP/s "
                   f"{nbytes / t / 1e6:6.2f} TB/s  rel err vs prefill {err:.2e}  items {work.num_items} "
-                  f"merges {work.num_merges}", flush=True)
+                  f"merges {work.num_merges}{' narrow' if w._kernel.narrow else ''}", flush=True)
 
 
 if __name__ == "__main__":
