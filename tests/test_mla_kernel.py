@@ -447,6 +447,9 @@ def test_the_module_holds_the_narrow_kernel_and_a_plan_picks_it_by_its_tile_rows
     lens = np.array
     assert narrow_kernel(lens([1, 1, 1]), 16) and narrow_kernel(lens([2, 1]), 8) and narrow_kernel(lens([4]), 4)
     assert not narrow_kernel(lens([1, 2]), 16) and not narrow_kernel(lens([1]), 128)
+    # batch-invariant plans: by the head count alone (a request's kernel, hence its bits, whatever the batch)
+    assert narrow_kernel(lens([1, 2]), 16, batch_invariant=True) and narrow_kernel(lens([1]), 16, batch_invariant=True)
+    assert not narrow_kernel(lens([1]), 32, batch_invariant=True)
     monkeypatch.setitem(family.TUNING, "narrow_rows", 0)
     assert not narrow_kernel(lens([1]), 1)
     monkeypatch.setitem(family.TUNING, "narrow_rows", 64)
@@ -671,7 +674,8 @@ def test_sm90_kernel_e5m2_cache_with_f16_queries(monkeypatch: pytest.MonkeyPatch
 
 @pytest.mark.gpu
 def test_batch_invariant_plans_do_not_split_and_keep_each_requests_bits(monkeypatch: pytest.MonkeyPatch) -> None:
-    """batch_invariant=True: a long request alone (which would split) and inside a large batch gives the same bits."""
+    """batch_invariant=True: a long request alone (which would split), inside a large batch and beside a request of
+    two query tokens (32 rows a tile: the narrow kernel's sub-tiles, not the 64-row kernel) gives the same bits."""
     monkeypatch.setenv("JITATTN_MLA_KERNEL", "sm90")
     gen = torch.Generator().manual_seed(17)
     kv_lens = [3000] + [300] * 199
@@ -679,14 +683,16 @@ def test_batch_invariant_plans_do_not_split_and_keep_each_requests_bits(monkeypa
     q_nope, q_pe = _queries([1] * 200, 16, torch.bfloat16, "cuda", gen)
     workspace = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
     outs = []
-    for batch in (1, 200):
+    for qo_lens in ([1], [1] * 200, [1, 2]):
+        batch, tokens = len(qo_lens), sum(qo_lens)
         wrapper = jitattn.BatchMLAPagedAttentionWrapper(workspace)
-        wrapper.plan(_indptr([1] * batch), indptr[: batch + 1], indices, lens[:batch], 16, CKV, KPE, 16, False,
+        wrapper.plan(_indptr(qo_lens), indptr[: batch + 1], indices, lens[:batch], 16, CKV, KPE, 16, False,
                      SM_SCALE, torch.bfloat16, torch.bfloat16, batch_invariant=True)
         assert wrapper.kernel == "sm90" and wrapper._kernel.work.num_merges == 0
-        out, lse = wrapper.run(q_nope[:batch], q_pe[:batch], ckv, kpe, return_lse=True)
+        out, lse = wrapper.run(q_nope[:tokens], q_pe[:tokens], ckv, kpe, return_lse=True)
         outs.append((out[:1].clone(), lse[:1].clone()))
-    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    for out, lse in outs[1:]:
+        assert torch.equal(outs[0][0], out) and torch.equal(outs[0][1], lse)
     split = jitattn.BatchMLAPagedAttentionWrapper(workspace)
     split.plan(_indptr([1]), indptr[:2], indices, lens[:1], 16, CKV, KPE, 16, False, SM_SCALE, torch.bfloat16,
                torch.bfloat16)

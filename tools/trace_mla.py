@@ -2,7 +2,8 @@
 
     python3 tools/trace_mla.py [CASE ...] [key=value ...]
 
-``key=value``: other entries of ``jitattn.kernels.mla.TUNING`` for the traced build (e.g. ``lazy_rescale=0``).
+``key=value``: other entries of ``jitattn.kernels.mla.TUNING`` for the traced build (e.g. ``lazy_rescale=0``). The
+64-row kernel is traced, also where a plan would take the narrow kernel (16 heads): ``narrow_rows`` is 0.
 
 Cases (latent cache as views of one 576-wide buffer, pages of 64, bf16 queries): h128 (64 x 4096 tokens, 128 heads:
 the suite's mla/b64_s4096_p64), h16 (128 x 4096, 16 heads), h128_fp8 (h128 over an e4m3 cache). For each: the
@@ -29,6 +30,7 @@ import torch
 from jitattn.kernels import mla as family
 
 family.TUNING["trace"] = 1
+family.TUNING["narrow_rows"] = 0  # the stamps are the 64-row kernel's (the narrow kernel has none): every plan takes it
 
 import jitattn  # noqa: E402
 from jitattn.hardware import num_sms  # noqa: E402

@@ -99,7 +99,7 @@ def layout(spec: VariantSpec) -> dict[str, int]:
     for knob in ("trace", "narrow_fp8_regs"):
         if TUNING[knob] not in (0, 1):
             raise ValueError(f"mla TUNING {knob}={TUNING[knob]!r} must be 0 or 1")
-    if TUNING["narrow_fp8_regs"] and TUNING["load_threads"] != 128:
+    if TUNING["narrow_fp8_regs"] and spec.kv_dtype.is_fp8 and TUNING["load_threads"] != 128:
         raise ValueError("mla TUNING narrow_fp8_regs=1 takes load_threads=128 (warpgroup 1 fetches and converts)")
     chunks = (CKV_DIM + KPE_DIM) // 64       # 128-byte swizzle boxes per row
     chunk_bytes = KV_BLOCK * 128             # one box of 64 rows (tokens or query rows)

@@ -134,13 +134,18 @@ class GraphArrays:
             raise ValueError(f"this plan references {pages} pages but the fixed kv_indices buffer holds {self.pages}")
 
 
-def narrow_kernel(qo_lens: np.ndarray, num_heads: int) -> bool:
+def narrow_kernel(qo_lens: np.ndarray, num_heads: int, batch_invariant: bool = False) -> bool:
     """Whether a plan of these query lengths launches the narrow kernel: its tiles (heads x query tokens of a
-    request, at most 64) hold at most ``TUNING["narrow_rows"]`` rows."""
+    request, at most 64) hold at most ``TUNING["narrow_rows"]`` rows. ``batch_invariant``: decided by the head count
+    alone (the rows of one query token), so a request takes the same kernel, hence the same bits, in any batch (the
+    two kernels round differently); its wider tiles then run as 16-row sub-tiles."""
     limit = family.TUNING["narrow_rows"]
     if isinstance(limit, bool) or not isinstance(limit, int) or not 0 <= limit <= family.ROWS:
         raise ValueError(f"mla TUNING narrow_rows={limit!r} must be an int in [0, {family.ROWS}]")
-    rows = int(qo_lens.max()) * num_heads if qo_lens.size else 0
+    if batch_invariant:
+        rows = num_heads
+    else:
+        rows = int(qo_lens.max()) * num_heads if qo_lens.size else 0
     return limit > 0 and min(rows, family.ROWS) <= limit
 
 
@@ -164,7 +169,7 @@ class KernelPlan:
         index = device.index if device.index is not None else torch.cuda.current_device()
         capacity = workspace.numel() * workspace.element_size() // workspace_row_bytes(family.CKV_DIM)
         qo = qo_indptr.numpy()
-        narrow = narrow_kernel(qo[1:] - qo[:-1], num_heads)
+        narrow = narrow_kernel(qo[1:] - qo[:-1], num_heads, batch_invariant=not split)
         if graph is not None:
             if graph.narrow is None:
                 graph.narrow = narrow
