@@ -460,26 +460,6 @@ def test_the_module_holds_the_narrow_kernel_and_a_plan_picks_it_by_its_tile_rows
             narrow_kernel(lens([1]), 16)
 
 
-def test_the_narrow_fp8_register_path_renders_only_when_set(monkeypatch: pytest.MonkeyPatch) -> None:
-    """mla TUNING narrow_fp8_regs (development): on, the narrow kernel over an fp8 cache fetches each raw block into
-    warpgroup 1's registers and converts it into the free one of two tiles; a 16-bit cache renders as before."""
-    from jitattn.jit.render import render
-
-    bf16, fp8 = kernel_spec(torch.bfloat16), kernel_spec(torch.bfloat16, torch.float8_e4m3fn)
-    plain_bf16, plain_fp8 = render(bf16)["kernel.cu"], render(fp8)["kernel.cu"]
-    assert "fetch_block(" not in plain_fp8
-    monkeypatch.setitem(family.TUNING, "narrow_fp8_regs", 1)
-    regs = render(fp8)["kernel.cu"]
-    assert "fetch_block(p, v, blk + 2, t0, unit, pg);" in regs and "store_block(v, smem + kOffKV, t0, unit);" in regs
-    assert render(bf16)["kernel.cu"] == plain_bf16
-    monkeypatch.setitem(family.TUNING, "load_threads", 256)
-    with pytest.raises(ValueError, match="narrow_fp8_regs=1 takes load_threads=128"):
-        family.layout(fp8)
-    monkeypatch.setitem(family.TUNING, "narrow_fp8_regs", 2)
-    with pytest.raises(ValueError, match="narrow_fp8_regs=2 must be 0 or 1"):
-        family.layout(fp8)
-
-
 # -- gpu: the kernel against the reference ---------------------------------------------------------------
 _CASES = {  # (kv_lens, qo_lens, causal)
     "decode": ([37, 0, 130, 5, 64], [1, 1, 1, 1, 1], False),

@@ -67,10 +67,6 @@ TUNING: dict[str, int] = {
     # O^T = V^T P^T as m64n16 products); 0: never, 64: always (a 64-row item as four 16-row sub-tiles). Plan-time
     # only: the module holds both kernels.
     "narrow_rows": 16,
-    # 1 (development): the narrow kernel over an fp8 cache fetches each raw block into warpgroup 1's registers, which
-    # converts it into the free one of two 16-bit tiles (the 64-row kernel's raw stages) while warpgroup 0 computes
-    # the previous block's S^T and softmax: the conversion off the block's chain. 0 renders none of it.
-    "narrow_fp8_regs": 0,
 }
 NARROW_ROWS = 16  # the rows of one sub-tile of the narrow kernel (its wgmma N)
 # The trace's shape (TUNING trace=1): CTAs, the first traced KV block of each CTA's first item, the blocks traced, the
@@ -96,11 +92,8 @@ def layout(spec: VariantSpec) -> dict[str, int]:
     reason = unsupported(spec)
     if reason is not None:
         raise ValueError(f"{spec.uri}: the MLA kernel cannot run this spec: {reason}")
-    for knob in ("trace", "narrow_fp8_regs"):
-        if TUNING[knob] not in (0, 1):
-            raise ValueError(f"mla TUNING {knob}={TUNING[knob]!r} must be 0 or 1")
-    if TUNING["narrow_fp8_regs"] and spec.kv_dtype.is_fp8 and TUNING["load_threads"] != 128:
-        raise ValueError("mla TUNING narrow_fp8_regs=1 takes load_threads=128 (warpgroup 1 fetches and converts)")
+    if TUNING["trace"] not in (0, 1):
+        raise ValueError(f"mla TUNING trace={TUNING['trace']!r} must be 0 or 1")
     chunks = (CKV_DIM + KPE_DIM) // 64       # 128-byte swizzle boxes per row
     chunk_bytes = KV_BLOCK * 128             # one box of 64 rows (tokens or query rows)
     tile_bytes = chunks * chunk_bytes        # Q tile or one KV stage (ROWS == KV_BLOCK)
@@ -141,5 +134,4 @@ def context(spec: VariantSpec) -> dict[str, Any]:
         "o_ctype": c_type(spec.o_dtype, spec.target),
         "constants": constants,
         "trace": bool(TUNING["trace"]),
-        "narrow_fp8_regs": bool(TUNING["narrow_fp8_regs"]) and spec.kv_dtype.is_fp8,
     }
