@@ -68,7 +68,6 @@ TUNING: dict[str, int] = {
     # only: the module holds both kernels.
     "narrow_rows": 16,
 }
-NARROW_ROWS = 16  # the rows of one sub-tile of the narrow kernel (its wgmma N)
 # The trace's shape (TUNING trace=1): CTAs, the first traced KV block of each CTA's first item, the blocks traced, the
 # stamps per block (the template's field numbers: tools/trace_mla.py).
 TRACE = {"kTraceCtas": 1024, "kTraceFrom": 8, "kTraceCount": 8, "kTraceFields": 12}
