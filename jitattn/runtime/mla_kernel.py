@@ -169,13 +169,14 @@ class KernelPlan:
         index = device.index if device.index is not None else torch.cuda.current_device()
         capacity = workspace.numel() * workspace.element_size() // workspace_row_bytes(family.CKV_DIM)
         qo = qo_indptr.numpy()
-        narrow = narrow_kernel(qo[1:] - qo[:-1], num_heads, batch_invariant=not split)
+        qo_lens = qo[1:] - qo[:-1]
+        narrow = narrow_kernel(qo_lens, num_heads, batch_invariant=not split)
         if graph is not None:
             if graph.narrow is None:
                 graph.narrow = narrow
             narrow = graph.narrow
         self.narrow = narrow
-        self.work: MLAWork = plan_work(qo[1:] - qo[:-1], kv_lens.numpy(), num_heads, causal, hardware.num_sms(index),
+        self.work: MLAWork = plan_work(qo_lens, kv_lens.numpy(), num_heads, causal, hardware.num_sms(index),
                                        capacity, split=split)
         self.module = load(kernel_spec(dtype, kv_dtype))
         self.dtype, self.kv_dtype = dtype, kv_dtype
