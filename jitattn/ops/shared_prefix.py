@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ..page_table import check_indptr, check_page_table, positive_int, to_host_int32
+from ..page_table import check_indptr, check_page_table, positive_int, to_host_int32_many
 from ..runtime.checks import check_tensor
 from ..runtime.merge import merge_state_in_place
 from ..runtime.options import parse_kv_layout, resolve_batch_invariant
@@ -114,7 +114,7 @@ class BatchPrefillWithSharedPrefixPagedKVCacheWrapper:
         self._plan_args, self._planned = (), None  # a begin_forward that raises leaves none
         resolve_batch_invariant(batch_invariant)
         names = ("qo_indptr", "paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len")
-        arrays = [to_host_int32(name, t).clone() for name, t in zip(names, (
+        arrays = [t.clone() for t in to_host_int32_many(names, (  # one transfer from a GPU
             qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len))]
         num_qo_heads, num_kv_heads, head_dim, page_size = (positive_int(v, n) for v, n in (
             (num_qo_heads, "num_qo_heads"), (num_kv_heads, "num_kv_heads"), (head_dim, "head_dim"),

@@ -40,16 +40,15 @@ import torch
 
 from ..jit import compile_count
 from ..log import get_logger
-from .attention import (
-    AttentionPlanner, SeqView, kv_tokens_read, limit_levels, pages_saved, prefix_tree, to_device,
-)
+from ..runtime.options import resolve_flag
+from .attention import AttentionPlanner, SeqView, kv_tokens_read, limit_levels, pages_saved, prefix_tree, to_device
 from .decode_path import LEVEL_SECONDS, DecodePathChooser
 from .graphs import MAX_SHARED_LEVELS, StepGraphs, padded_cascade_levels
 from .in_flight import InFlight, input_ids, timing_event, to_host
 from .kv_pool import KVPool
 from .model import LlamaModel
 from .radix import RadixCache
-from .request import EngineStats, Request, arrival_time, flag, positive_int, request_tokens
+from .request import EngineStats, Request, arrival_time, positive_int, request_tokens
 from .step_cost import StepCosts
 
 
@@ -81,7 +80,7 @@ class Engine:
             raise TypeError(f"clock={clock!r} must be a function returning seconds (or None: since startup)")
         if not isinstance(model, LlamaModel):
             raise TypeError(f"model is {type(model).__name__}; pass a jitattn.serving.LlamaModel")
-        cascade, cuda_graphs = flag(cascade, "cascade"), flag(cuda_graphs, "cuda_graphs")
+        cascade, cuda_graphs = resolve_flag(cascade, "cascade"), resolve_flag(cuda_graphs, "cuda_graphs")
         if cuda_graphs and model.device.type != "cuda":
             raise ValueError("cuda_graphs=True needs a model on a CUDA device")
         c = model.config
@@ -94,7 +93,7 @@ class Engine:
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.cuda_graphs = cuda_graphs
-        self.overlap = model.device.type == "cuda" if overlap is None else flag(overlap, "overlap")
+        self.overlap = model.device.type == "cuda" if overlap is None else resolve_flag(overlap, "overlap")
         # Half the L2 keeps a layer's shared pages between its requests' reads (the weights and the requests' own
         # pages stream through it too). Off cuda no L2 and no level cost are modelled (no cut by cost).
         on_cuda = model.device.type == "cuda"

@@ -161,13 +161,6 @@ def positive_int(name: str, value) -> int:
     return int(value)
 
 
-def flag(value, name: str) -> bool:
-    """``value`` as a bool: True / False or the ints 0 / 1; a string such as "no" (truthy) is refused."""
-    if isinstance(value, bool) or isinstance(value, numbers.Integral) and value in (0, 1):
-        return bool(value)
-    raise TypeError(f"{name}={value!r} must be True or False")
-
-
 def arrival_time(arrival, name: str = "arrival") -> float:
     """``arrival`` (seconds on the engine's clock, or the clock's own reading) as a finite float: None, a string,
     NaN or an infinity is refused (a NaN passes every order check and an infinite one is never due: either would
