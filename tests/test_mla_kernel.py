@@ -406,6 +406,26 @@ def test_the_template_renders_the_layout() -> None:
     assert "kFp8Kind = __NV_E5M2;" in render(kernel_spec(torch.float16, torch.float8_e5m2))["kernel.cu"]
 
 
+@pytest.mark.parametrize("knob", [0, 1])
+def test_fp8_f16_renders_f16_products_over_an_fp8_cache_only(monkeypatch: pytest.MonkeyPatch, knob: int) -> None:
+    """TUNING fp8_f16: an fp8 cache's products in f16, bf16 queries converted (kQConvert, their row scales after the
+    rescale factors); a 16-bit cache, and f16 queries, unchanged."""
+    from jitattn.jit.render import render
+
+    monkeypatch.setitem(family.TUNING, "fp8_f16", knob)
+    cases = [(torch.bfloat16, torch.float8_e4m3fn, "__half" if knob else "__nv_bfloat16", knob),
+             (torch.float16, torch.float8_e4m3fn, "__half", 0), (torch.bfloat16, None, "__nv_bfloat16", 0)]
+    for q, kv, mma, convert in cases:
+        spec = kernel_spec(q, kv)
+        lay = family.layout(spec)
+        assert f"using mma_t = {mma};" in render(spec)["kernel.cu"]
+        assert lay["kQConvert"] == convert and lay["kSmemBytes"] <= 227 << 10
+        assert lay["kSmemBytes"] - lay["kOffAlpha"] == 128 * 8 + 1024 + 256 * convert
+    monkeypatch.setitem(family.TUNING, "fp8_f16", 2)
+    with pytest.raises(ValueError, match="fp8_f16=2 must be 0 or 1"):
+        family.layout(kernel_spec(torch.bfloat16))
+
+
 def test_the_trace_renders_only_when_set(monkeypatch: pytest.MonkeyPatch, fresh_cache) -> None:
     """mla TUNING trace (tools/trace_mla.py): off, the source has no stamps (the tested kernel); on, every phase of
     both warpgroups is stamped and the module (built where nvcc is) exports the copy and clear entry points; other
@@ -443,7 +463,7 @@ def test_the_module_holds_the_narrow_kernel_and_a_plan_picks_it_by_its_tile_rows
     for spec in (kernel_spec(torch.bfloat16), kernel_spec(torch.float16, torch.float8_e5m2)):
         source = render(spec)["kernel.cu"]
         assert "_narrow(const MlaParams p" in source and "mma_n16<1>(o[m]" in source
-        assert "wgmma.mma_async.sync.aligned.m64n16k16" in source and "mma_ss<kBN, q_t, 0>(sc" in source
+        assert "wgmma.mma_async.sync.aligned.m64n16k16" in source and "mma_ss<kBN, mma_t, 0>(sc" in source
     lens = np.array
     assert narrow_kernel(lens([1, 1, 1]), 16) and narrow_kernel(lens([2, 1]), 8) and narrow_kernel(lens([4]), 4)
     assert not narrow_kernel(lens([1, 2]), 16) and not narrow_kernel(lens([1]), 128)
@@ -649,6 +669,30 @@ def test_sm90_kernel_e5m2_cache_with_f16_queries(monkeypatch: pytest.MonkeyPatch
     assert wrapper.kernel == "sm90" and wrapper._kernel.work.num_merges > 0
     ref_out, ref_lse = _reference(q_nope, q_pe, ckv, kpe, indptr, indices, qo_lens, kv_lens, causal, 0.5, 2.0)
     assert_close_out(out / 2.0, ref_out / 2.0, torch.float16)
+    assert_close_lse(lse, ref_lse)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", [16, 128])
+def test_sm90_fp8_cache_with_queries_of_every_magnitude(monkeypatch: pytest.MonkeyPatch, heads: int) -> None:
+    """bf16 queries whose heads span 1e-12 .. 1e12 (beyond f16's 65504) over an e4m3 cache: with TUNING fp8_f16 the
+    kernel converts each query row to f16 under a power-of-two scale; the result is the reference's either way."""
+    monkeypatch.setenv("JITATTN_MLA_KERNEL", "sm90")
+    kv_lens, qo_lens, causal = [300, 65, 1000], [1, 1, 1], False
+    gen = torch.Generator().manual_seed(heads)
+    ckv, kpe, indptr, indices, lens = _latent_cache(kv_lens, 16, torch.float8_e4m3fn, "cuda", gen, joined=True)
+    q_nope, q_pe = _queries(qo_lens, heads, torch.bfloat16, "cuda", gen)
+    factors = torch.tensor([1e-12, 1e-3, 1.0, 3e3, 1e5, 1e12, 7.0, 0.01])[torch.arange(heads) % 8]
+    q_nope, q_pe = (x * factors.to("cuda")[None, :, None].to(x.dtype) for x in (q_nope, q_pe))
+    wrapper = jitattn.BatchMLAPagedAttentionWrapper(torch.empty(64 << 20, dtype=torch.uint8, device="cuda"))
+    wrapper.plan(_indptr(qo_lens), indptr, indices, lens, heads, CKV, KPE, 16, causal, SM_SCALE, torch.bfloat16,
+                 torch.float8_e4m3fn)
+    out = torch.full((sum(qo_lens), heads, CKV), float("nan"), dtype=torch.bfloat16, device="cuda")
+    lse = torch.full((sum(qo_lens), heads), float("nan"), dtype=torch.float32, device="cuda")
+    wrapper.run(q_nope, q_pe, ckv, kpe, out=out, lse=lse, k_scale=0.3, v_scale=1.7)
+    assert wrapper.kernel == "sm90" and wrapper._kernel.narrow == (heads == 16)
+    ref_out, ref_lse = _reference(q_nope, q_pe, ckv, kpe, indptr, indices, qo_lens, kv_lens, causal, 0.3, 1.7)
+    assert_close_out(out / 1.7, ref_out / 1.7, torch.bfloat16)
     assert_close_lse(lse, ref_lse)
 
 

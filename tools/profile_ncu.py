@@ -149,7 +149,7 @@ def case_fn(name: str):
         from mla_tuning import mla_inputs
 
         b, n, page, heads = (64, 4096, 64, 128) if name.endswith("mla128") else (128, 4096, 64, 16)
-        buf, indices, indptr, lens, q_nope, q_pe = mla_inputs(b, n, heads, torch.bfloat16, page)
+        buf, indices, indptr, lens, q_nope, q_pe = mla_inputs(b, n, heads, torch.bfloat16, torch.bfloat16, page)
         out = torch.empty_like(q_nope)
         if name.startswith("fi_"):
             import flashinfer

@@ -48,7 +48,7 @@ PHASES = [("wg0 S issue", 0, 1), ("wg0 S wait", 1, 2), ("wg0 softmax, P shared",
 
 def run_case(name: str, batch: int, kv_len: int, heads: int, kv_dtype: torch.dtype) -> None:
     page = 64
-    buf, indices, indptr, lens, q_nope, q_pe = mla_inputs(batch, kv_len, heads, kv_dtype, page)
+    buf, indices, indptr, lens, q_nope, q_pe = mla_inputs(batch, kv_len, heads, kv_dtype, torch.bfloat16, page)
     out = torch.empty_like(q_nope)
     w = jitattn.BatchMLAPagedAttentionWrapper(torch.empty(128 << 20, dtype=torch.uint8, device="cuda"))
     w.plan(torch.arange(batch + 1, dtype=torch.int32), indptr, indices, lens, heads, 512, 64, page, False,
