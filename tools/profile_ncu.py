@@ -6,15 +6,17 @@ Cases (the suite's decode and prefill rows; llama8b shapes 32 / 8 heads d128 bf1
 x 32768), decode_b256 (256 x 4096), sdpa_b1 / sdpa_b256 / sdpa_gptoss1024 (PyTorch SDPA on contiguous KV, the rows'
 peer), fi_b1 / fi_b256 (FlashInfer's tensor-core decode on the same tables; PEER=1), phi3 (MHA d96 b64 x 4096),
 paged16 / paged64 / ragged (sm90 prefill causal b8 x 4096), ragged_d64 (causal b16 x 2048, d64), mla128 (MLA b64 x
-4096, 128 heads, page 64), mla16 (MLA b128 x 4096, 16 heads, page 64), fi_mla128 / fi_mla16 (FlashInfer's MLA on the
-same tables; PEER=1), flat_shared (decode b128 over 8192 shared + 256 own tokens each: the cascade row's flat twin),
-window128 (gpt-oss prefill with its 128-key window: 64 / 8 heads d64, ragged causal b8 x 4096; tiles of a few KV
-blocks, where the tile's fixed cost shows), decode_window128 / decode_gptoss1024 (gpt-oss decode, b64 x 8192 with
+4096, 128 heads, page 64), mla16 (MLA b128 x 4096, 16 heads, page 64), mla128_fp8 / mla16_fp8 (the same over an e4m3
+latent cache), fi_mla128 / fi_mla16 (FlashInfer's MLA on the same tables; PEER=1), flat_shared (decode b128 over
+8192 shared + 256 own tokens each: the cascade row's flat twin), window128 (gpt-oss prefill with its 128-key
+window: 64 / 8 heads d64, ragged causal b8 x 4096; tiles of a few KV blocks, where the tile's fixed cost shows),
+decode_window128 / decode_gptoss1024 (gpt-oss decode, b64 x 8192 with
 the 128-key window / b64 x 1024, page 16), fp8_prefill / bf16_prefill (the sm90 fp8 kernel, q, k, v e4m3, non-causal
 1 x 8192 ragged, and its bf16 twin: the suite's ops/fp8_prefill_noncausal_s8192 and its dense row).
 Warm-up calls (the JIT build, the plan) run before the range; one call runs inside it.
 ``DECODE_TUNING='{"max_stages": 2}'`` renders the decode kernels with those overrides of
-``jitattn.kernels.decode.TUNING`` (their own cache entries), to profile a layout beside the default.
+``jitattn.kernels.decode.TUNING`` (their own cache entries), to profile a layout beside the default;
+``MLA_TUNING='{"fp8_f16": 1}'`` the same for ``jitattn.kernels.mla.TUNING``.
 """
 
 from __future__ import annotations
@@ -145,11 +147,12 @@ def case_fn(name: str):
         w = jitattn.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD")
         w.plan(indptr, indptr, HQ, HKV, D, q_data_type=dtype, kv_data_type=dtype, o_data_type=torch.bfloat16)
         return lambda: w.run(q, k, v, out=out)
-    if name in ("mla128", "mla16", "fi_mla128", "fi_mla16"):  # fi_: FlashInfer's MLA on the same tables (PEER=1)
+    if name in ("mla128", "mla16", "fi_mla128", "fi_mla16", "mla128_fp8", "mla16_fp8"):  # fi_: FlashInfer's (PEER=1)
         from mla_tuning import mla_inputs
 
-        b, n, page, heads = (64, 4096, 64, 128) if name.endswith("mla128") else (128, 4096, 64, 16)
-        buf, indices, indptr, lens, q_nope, q_pe = mla_inputs(b, n, heads, torch.bfloat16, torch.bfloat16, page)
+        b, n, page, heads = (64, 4096, 64, 128) if "mla128" in name else (128, 4096, 64, 16)
+        kv = torch.float8_e4m3fn if name.endswith("_fp8") else torch.bfloat16
+        buf, indices, indptr, lens, q_nope, q_pe = mla_inputs(b, n, heads, kv, torch.bfloat16, page)
         out = torch.empty_like(q_nope)
         if name.startswith("fi_"):
             import flashinfer
@@ -160,21 +163,24 @@ def case_fn(name: str):
             return lambda: w.run(q_nope, q_pe, buf[..., :512], buf[..., 512:], out=out)
         w = jitattn.BatchMLAPagedAttentionWrapper(torch.empty(128 << 20, dtype=torch.uint8, device=dev))
         w.plan(torch.arange(b + 1, dtype=torch.int32), indptr, indices, lens, heads, 512, 64, page, False,
-               1.0 / math.sqrt(192), torch.bfloat16, torch.bfloat16)
+               1.0 / math.sqrt(192), torch.bfloat16, kv)
         return lambda: w.run(q_nope, q_pe, buf[..., :512], buf[..., 512:], out=out)
     raise SystemExit(f"unknown case {name!r}")
 
 
 def main() -> None:
-    tuning = os.environ.get("DECODE_TUNING", "").strip()
-    if tuning:
-        from jitattn.kernels import decode
+    import importlib
 
+    for family in ("decode", "mla"):
+        tuning = os.environ.get(f"{family.upper()}_TUNING", "").strip()
+        if not tuning:
+            continue
+        table = importlib.import_module(f"jitattn.kernels.{family}").TUNING
         overrides = json.loads(tuning)
-        unknown = set(overrides) - set(decode.TUNING)
+        unknown = set(overrides) - set(table)
         if unknown:
-            sys.exit(f"DECODE_TUNING: unknown keys {sorted(unknown)} (decode.TUNING has {sorted(decode.TUNING)})")
-        decode.TUNING.update(overrides)
+            sys.exit(f"{family.upper()}_TUNING: unknown keys {sorted(unknown)} ({family}.TUNING has {sorted(table)})")
+        table.update(overrides)
     fn = case_fn(sys.argv[1])
     for _ in range(3):
         fn()
