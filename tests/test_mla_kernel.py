@@ -421,6 +421,13 @@ def test_fp8_f16_renders_f16_products_over_an_fp8_cache_only(monkeypatch: pytest
         assert f"using mma_t = {mma};" in render(spec)["kernel.cu"]
         assert lay["kQConvert"] == convert and lay["kSmemBytes"] <= 227 << 10
         assert lay["kSmemBytes"] - lay["kOffAlpha"] == 128 * 8 + 1024 + 256 * convert
+    monkeypatch.setitem(family.TUNING, "lazy_rescale", 16)  # P up to 2^16 overflows f16
+    for q, kv, mma, _ in cases:
+        if mma == "__half":
+            with pytest.raises(ValueError, match="lazy_rescale=16 must be at most 15 where P is f16"):
+                family.layout(kernel_spec(q, kv))
+        else:
+            family.layout(kernel_spec(q, kv))
     monkeypatch.setitem(family.TUNING, "fp8_f16", 2)
     with pytest.raises(ValueError, match="fp8_f16=2 must be 0 or 1"):
         family.layout(kernel_spec(torch.bfloat16))
@@ -673,25 +680,30 @@ def test_sm90_kernel_e5m2_cache_with_f16_queries(monkeypatch: pytest.MonkeyPatch
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fp8_f16", [0, 1])
+@pytest.mark.parametrize("k_scale", [0.3, 1e-30])
 @pytest.mark.parametrize("heads", [16, 128])
-def test_sm90_fp8_cache_with_queries_of_every_magnitude(monkeypatch: pytest.MonkeyPatch, heads: int) -> None:
-    """bf16 queries whose heads span 1e-30 .. 1e30 (f16 holds 6e-8 .. 65504) over an e4m3 cache: with TUNING fp8_f16 the
-    kernel converts each query row to f16 under a power-of-two scale; the result is the reference's either way."""
+def test_sm90_fp8_cache_with_queries_of_every_magnitude(monkeypatch: pytest.MonkeyPatch, fresh_registry, heads: int,
+                                                        k_scale: float, fp8_f16: int) -> None:
+    """bf16 queries whose heads span 0 and 1e-30 .. 1e30 (f16 holds 6e-8 .. 65504) over an e4m3 cache, blocks cut by
+    kv_len, a logit scale down to ~1e-31: the reference's result with both product dtypes (TUNING fp8_f16 1: the rows
+    converted to f16 under power-of-two scales, a zero row's 2^-126 times that logit scale kept above 0)."""
     monkeypatch.setenv("JITATTN_MLA_KERNEL", "sm90")
+    monkeypatch.setitem(family.TUNING, "fp8_f16", fp8_f16)
     kv_lens, qo_lens, causal = [300, 65, 1000], [1, 1, 1], False
     gen = torch.Generator().manual_seed(heads)
     ckv, kpe, indptr, indices, lens = _latent_cache(kv_lens, 16, torch.float8_e4m3fn, "cuda", gen, joined=True)
     q_nope, q_pe = _queries(qo_lens, heads, torch.bfloat16, "cuda", gen)
-    factors = torch.tensor([1e-30, 1e-3, 1.0, 3e3, 1e5, 1e12, 1e30, 0.01])[torch.arange(heads) % 8]
+    factors = torch.tensor([1e-30, 1e-3, 1.0, 3e3, 1e5, 1e12, 1e30, 0.0])[torch.arange(heads) % 8]
     q_nope, q_pe = (x * factors.to("cuda")[None, :, None].to(x.dtype) for x in (q_nope, q_pe))
     wrapper = jitattn.BatchMLAPagedAttentionWrapper(torch.empty(64 << 20, dtype=torch.uint8, device="cuda"))
     wrapper.plan(_indptr(qo_lens), indptr, indices, lens, heads, CKV, KPE, 16, causal, SM_SCALE, torch.bfloat16,
                  torch.float8_e4m3fn)
     out = torch.full((sum(qo_lens), heads, CKV), float("nan"), dtype=torch.bfloat16, device="cuda")
     lse = torch.full((sum(qo_lens), heads), float("nan"), dtype=torch.float32, device="cuda")
-    wrapper.run(q_nope, q_pe, ckv, kpe, out=out, lse=lse, k_scale=0.3, v_scale=1.7)
+    wrapper.run(q_nope, q_pe, ckv, kpe, out=out, lse=lse, k_scale=k_scale, v_scale=1.7)
     assert wrapper.kernel == "sm90" and wrapper._kernel.narrow == (heads == 16)
-    ref_out, ref_lse = _reference(q_nope, q_pe, ckv, kpe, indptr, indices, qo_lens, kv_lens, causal, 0.3, 1.7)
+    ref_out, ref_lse = _reference(q_nope, q_pe, ckv, kpe, indptr, indices, qo_lens, kv_lens, causal, k_scale, 1.7)
     assert_close_out(out / 1.7, ref_out / 1.7, torch.bfloat16)
     assert_close_lse(lse, ref_lse)
 

@@ -98,6 +98,9 @@ def layout(spec: VariantSpec) -> dict[str, int]:
     for knob in ("trace", "fp8_f16"):
         if TUNING[knob] not in (0, 1):
             raise ValueError(f"mla TUNING {knob}={TUNING[knob]!r} must be 0 or 1")
+    if _mma_dtype(spec) is DType.F16 and TUNING["lazy_rescale"] > 15:  # P up to 2^lazy_rescale must fit f16 (65504)
+        raise ValueError(f"{spec.uri}: mla TUNING lazy_rescale={TUNING['lazy_rescale']} must be at most 15 where P is "
+                         "f16 (f16 queries, or fp8_f16 over an fp8 cache)")
     chunks = (CKV_DIM + KPE_DIM) // 64       # 128-byte swizzle boxes per row
     chunk_bytes = KV_BLOCK * 128             # one box of 64 rows (tokens or query rows)
     tile_bytes = chunks * chunk_bytes        # Q tile or one KV stage (ROWS == KV_BLOCK)
