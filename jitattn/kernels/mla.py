@@ -67,10 +67,6 @@ TUNING: dict[str, int] = {
     # O^T = V^T P^T as m64n16 products); 0: never, 64: always (a 64-row item as four 16-row sub-tiles). Plan-time
     # only: the module holds both kernels.
     "narrow_rows": 16,
-    # 1: an fp8 cache is converted to f16 and both products run in f16 whatever the queries' dtype (one conversion
-    # instruction per pair of values instead of four for bf16); bf16 queries are converted once per tile, each row
-    # scaled by a power of two that brings its largest value to [2^14, 2^15) (the logits' scale undoes it).
-    "fp8_f16": 0,
 }
 # The trace's shape (TUNING trace=1): CTAs, the first traced KV block of each CTA's first item, the blocks traced, the
 # stamps per block (the template's field numbers: tools/trace_mla.py).
@@ -95,12 +91,8 @@ def layout(spec: VariantSpec) -> dict[str, int]:
     reason = unsupported(spec)
     if reason is not None:
         raise ValueError(f"{spec.uri}: the MLA kernel cannot run this spec: {reason}")
-    for knob in ("trace", "fp8_f16"):
-        if TUNING[knob] not in (0, 1):
-            raise ValueError(f"mla TUNING {knob}={TUNING[knob]!r} must be 0 or 1")
-    if _mma_dtype(spec) is DType.F16 and TUNING["lazy_rescale"] > 15:  # P up to 2^lazy_rescale must fit f16 (65504)
-        raise ValueError(f"{spec.uri}: mla TUNING lazy_rescale={TUNING['lazy_rescale']} must be at most 15 where P is "
-                         "f16 (f16 queries, or fp8_f16 over an fp8 cache)")
+    if TUNING["trace"] not in (0, 1):
+        raise ValueError(f"mla TUNING trace={TUNING['trace']!r} must be 0 or 1")
     chunks = (CKV_DIM + KPE_DIM) // 64       # 128-byte swizzle boxes per row
     chunk_bytes = KV_BLOCK * 128             # one box of 64 rows (tokens or query rows)
     tile_bytes = chunks * chunk_bytes        # Q tile or one KV stage (ROWS == KV_BLOCK)
@@ -112,9 +104,7 @@ def layout(spec: VariantSpec) -> dict[str, int]:
     off_p = off_kv + tile_bytes + 2 * raw_bytes if fp8 else off_kv + 2 * tile_bytes
     p_bytes = (KV_BLOCK // 16) * 4 * 128 * 4  # P words of warpgroup 0: [k16 steps][4][128 threads]
     off_alpha = off_p + p_bytes
-    convert_q = _convert_queries(spec)
-    off_q_scale = off_alpha + 128 * 8        # convert_q: each query row's 2^-e, [ROWS] float
-    smem = off_q_scale + (ROWS * 4 if convert_q else 0) + 1024  # + slack to align the base to 1 KiB (swizzle atoms)
+    smem = off_alpha + 128 * 8 + 1024        # + slack to align the base to 1 KiB (swizzle atoms)
     if smem > _SMEM_LIMIT:
         raise ValueError(f"{spec.uri}: the MLA tile needs {smem} B of shared memory, over {_SMEM_LIMIT}")
     return {
@@ -123,18 +113,7 @@ def layout(spec: VariantSpec) -> dict[str, int]:
         "kOffQ": 0, "kOffKV": off_kv, "kOffP": off_p, "kOffAlpha": off_alpha, "kOffStat": 0, "kSmemBytes": smem,
         "kLoadThreads": TUNING["load_threads"], "kLazyRescale": TUNING["lazy_rescale"],
         "kRawRowBytes": raw_row, "kRawBytes": raw_bytes, "kOffRaw": off_raw,
-        "kOffQScale": off_q_scale, "kQConvert": int(convert_q),
     }
-
-
-def _mma_dtype(spec: VariantSpec) -> DType:
-    """The 16-bit dtype of both products' operands: the queries', or f16 over an fp8 cache with TUNING fp8_f16."""
-    return DType.F16 if spec.kv_dtype.is_fp8 and TUNING["fp8_f16"] else spec.q_dtype
-
-
-def _convert_queries(spec: VariantSpec) -> bool:
-    """Whether the kernel converts the query tile to the products' dtype (bf16 queries over an f16 product)."""
-    return _mma_dtype(spec) is not spec.q_dtype
 
 
 def entries(spec: VariantSpec) -> tuple[Entry, ...]:
@@ -150,7 +129,6 @@ def context(spec: VariantSpec) -> dict[str, Any]:
         constants += [("int", name, str(value)) for name, value in TRACE.items()]
     return {
         "q_ctype": c_type(spec.q_dtype, spec.target),
-        "mma_ctype": c_type(_mma_dtype(spec), spec.target),
         "kv_ctype": c_type(spec.kv_dtype, spec.target),
         "o_ctype": c_type(spec.o_dtype, spec.target),
         "constants": constants,
