@@ -254,6 +254,12 @@ def test_graph_mode_needs_fixed_buffers_and_uses_them() -> None:
     with pytest.raises(ValueError, match="keeps its batch size"):
         batch = random_paged_batch([3, 4], 2, 64, 16, f16, generator=gen)
         wrapper.plan(batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len, 8, 2, 64, 16, q_data_type=f16)
+    small = jitattn.BatchDecodeWithPagedKVCacheWrapper(  # a batch beyond the caller's buffer names that buffer
+        torch.empty(1 << 20, dtype=torch.uint8), use_cuda_graph=True, paged_kv_indptr_buffer=buffers[0][:3],
+        paged_kv_indices_buffer=buffers[1], paged_kv_last_page_len_buffer=buffers[2])
+    with pytest.raises(ValueError, match=r"kv_indptr buffer \(3 x torch.int32 on cpu\) cannot hold 5 x"):
+        batch = random_paged_batch([3, 40, 1, 17], 2, 64, 16, f16, generator=gen)
+        small.plan(batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len, 8, 2, 64, 16, q_data_type=f16)
 
 
 def test_plan_owns_its_index_arrays_on_the_cpu_target() -> None:

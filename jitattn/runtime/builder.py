@@ -147,7 +147,9 @@ def build_plan(
         spec = kernel_spec(options, target, kv_layout, storage)
     module = load(spec)
     paged = host.paged
-    arrays = [("qo_indptr", host.qo_indptr), ("kv_indptr", host.kv_indptr)]
+    # kv_indptr checked first: a decode wrapper's own qo_indptr buffer is sized by the caller's kv_indptr buffer,
+    # so a batch too large for both is reported as the caller's
+    arrays = [("kv_indptr", host.kv_indptr), ("qo_indptr", host.qo_indptr)]
     if paged is not None:
         arrays += [("kv_indices", paged.indices), ("kv_last_page_len", paged.last_page_len)]
     if host.mask_indptr is not None:
