@@ -263,6 +263,16 @@ def test_cascade_run_refuses_out_and_lse_buffers(wrapper_class, keyword) -> None
     assert w.run(q, cache).shape == (3, HQ, D)  # the plan is intact
 
 
+@pytest.mark.parametrize("q", [None, "q", [[1.0]]])
+def test_cascade_run_names_itself_for_a_query_that_is_not_a_tensor(q) -> None:
+    cache = torch.randn(8, 2, P, HKV, D, generator=torch.Generator().manual_seed(3)).to(DT)
+    w = jitattn.MultiLevelCascadeAttentionWrapper(2, _ws())
+    w.plan([_i32([0, 3]), _i32([0, 1, 2, 3])], [_i32([0, 2]), _i32([0, 1, 2, 3])], [_i32([0, 1]), _i32([2, 3, 4])],
+           [_i32([1]), _i32([4, 3, 2])], HQ, HKV, D, P, q_data_type=DT)
+    with pytest.raises(TypeError, match=r"^MultiLevelCascadeAttentionWrapper\.run\(\): q must be a torch\.Tensor"):
+        w.run(q, cache)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # MLA run: return_lse is a bool
 

@@ -26,7 +26,7 @@ import torch
 from ..runtime.batch import WorkspaceTooSmall, share_queries
 from ..runtime.builder import attention_options, kernel_spec, num_workers
 from ..runtime.cascade_states import LevelStates
-from ..runtime.checks import not_planned
+from ..runtime.checks import check_tensor, not_planned
 from ..runtime.merge import merge_state, merge_state_in_place, merge_states, merge_states_with_sinks
 from ..runtime.options import (
     fp8_scale, parse_pos_encoding, positive_int, resolve_batch_invariant, resolve_flag, resolve_window_left,
@@ -385,8 +385,7 @@ class MultiLevelCascadeAttentionWrapper:
         return wrapper
 
     def _graph_decoder(self, batch: int) -> BatchDecodeWithPagedKVCacheWrapper:
-        """Under graphs, the decode wrapper of a last level of one query per request (buffers of its own, the
-        same ones for every plan of that batch size)."""
+        """Under graphs, the decode wrapper of a last level of one query per request (its own buffers, per batch)."""
         decoder = self._graph_decoders.get(batch)
         if decoder is None:
             i32 = dict(dtype=torch.int32, device=self._device)
@@ -437,6 +436,7 @@ class MultiLevelCascadeAttentionWrapper:
                             "paged_kv_cache) only): it returns a new output; for the lse pass return_lse=True")
         if not self._level_chunks:
             raise not_planned("MultiLevelCascadeAttentionWrapper")
+        check_tensor("MultiLevelCascadeAttentionWrapper.run(): q", q, last_dim_contiguous=False)
         states = self._states
         if states is None:  # one state and no batch-invariant mode: the level's launch writes the output
             return self._wrappers[0].run(q, paged_kv_cache, k_scale=k_scale, v_scale=v_scale, return_lse=return_lse,
