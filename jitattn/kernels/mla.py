@@ -67,8 +67,6 @@ TUNING: dict[str, int] = {
     # O^T = V^T P^T as m64n16 products); 0: never, 64: always (a 64-row item as four 16-row sub-tiles). Plan-time
     # only: the module holds both kernels.
     "narrow_rows": 16,
-    # 1: an fp8 cache's cp.async gathers by 8 threads a latent row (128 contiguous bytes a quarter-warp) instead of 4
-    "fp8_lanes8": 0,
 }
 # The trace's shape (TUNING trace=1): CTAs, the first traced KV block of each CTA's first item, the blocks traced, the
 # stamps per block (the template's field numbers: tools/trace_mla.py).
@@ -115,7 +113,6 @@ def layout(spec: VariantSpec) -> dict[str, int]:
         "kOffQ": 0, "kOffKV": off_kv, "kOffP": off_p, "kOffAlpha": off_alpha, "kOffStat": 0, "kSmemBytes": smem,
         "kLoadThreads": TUNING["load_threads"], "kLazyRescale": TUNING["lazy_rescale"],
         "kRawRowBytes": raw_row, "kRawBytes": raw_bytes, "kOffRaw": off_raw,
-        "kFp8Lanes8": int(bool(TUNING["fp8_lanes8"]) and fp8),
     }
 
 
