@@ -260,6 +260,20 @@ def test_fp8_kv_bf16_queries_of_any_scale(q_mult):
                q_mult=q_mult)
 
 
+@pytest.mark.parametrize("hd", [128, 72])  # the tensor-core and the CUDA-core path
+def test_queries_of_every_magnitude(hd):
+    """Query heads scaled 0, 1e-30 .. 1e30 (logits to ~1e31: one-hot rows), split and not: the reference's output
+    and LSE, no inf or NaN."""
+    spec = HEAD_DIMS[hd]
+    gen = torch.Generator().manual_seed(34)
+    kv = Paged(LENS, 2, hd, hd, 16, bf16, "nhd", "tuple", gen)
+    factors = torch.tensor([0.0, 1e-30, 1e-3, 1.0, 3e3, 1e5, 1e12, 1e30])
+    q = (torch.randn(len(LENS), 2 * spec.group_size, hd, generator=gen) * factors[:, None]).to(bf16).cuda()
+    ref = ref_decode(spec, q, kv)
+    for chunk in (0, 64):
+        check(*run_decode(spec, q, kv, chunk=chunk), ref, bf16)
+
+
 @pytest.mark.parametrize("layout", ["nhd", "hnd"])
 @pytest.mark.parametrize("page_size", [1, 16, 64])
 def test_layouts_page_sizes_5d_cache(layout, page_size):
