@@ -374,6 +374,11 @@ BAD_INPUTS = [
      "^pos_ids must be a torch.Tensor"),
     ("cache positions None", lambda c: jitattn.apply_rope_with_cos_sin_cache(
         None, c.q.flatten(1), c.k.flatten(1), 64, c.table), TypeError, "^positions must be a torch.Tensor"),
+    # a missing cache is refused (it once rotated as plain RoPE with the default theta, silently)
+    ("cos_sin_cache None", lambda c: jitattn.apply_rope_with_cos_sin_cache(
+        c.pos_ids, c.q.flatten(1), c.k.flatten(1), 64, None), TypeError, "^cos_sin_cache must be a torch.Tensor"),
+    ("cos_sin_cache None inplace", lambda c: jitattn.apply_rope_with_cos_sin_cache_inplace(
+        c.pos_ids, c.q.flatten(1), c.k.flatten(1), 64, None), TypeError, "^cos_sin_cache must be a torch.Tensor"),
     ("offsets None", lambda c: jitattn.apply_rope(c.q, c.k, c.indptr, None), TypeError,
      "^offsets must be a torch.Tensor"),
     ("odd head_dim", lambda c: jitattn.apply_rope_pos_ids(c.q[..., :63], c.k[..., :63], c.pos_ids), ValueError,

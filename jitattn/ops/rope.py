@@ -141,6 +141,7 @@ def apply_rope_with_cos_sin_cache(
     """vLLM / SGLang style: ``query`` ``[nnz, num_q_heads * head_size]``, ``key`` ``[nnz, num_k_heads *
     head_size]``, each token turned by row ``positions[t]`` of ``cos_sin_cache`` (float32 ``[max_pos,
     rotary_dim]``, cos then sin); ``is_neox`` picks the halves layout. Returns ``(query_out, key_out)``."""
+    check_tensor("cos_sin_cache", cos_sin_cache, last_dim_contiguous=False)  # (None would mean plain RoPE below)
     q, k = split_heads("query", query, head_size), split_heads("key", key, head_size)
     query_out, key_out = _like(query, key)
     q_out, k_out = split_heads("query", query_out, head_size), split_heads("key", key_out, head_size)
@@ -154,6 +155,7 @@ def apply_rope_with_cos_sin_cache_inplace(
     is_neox: bool = True,
 ) -> None:
     """:func:`apply_rope_with_cos_sin_cache` written into ``query`` and ``key``."""
+    check_tensor("cos_sin_cache", cos_sin_cache, last_dim_contiguous=False)
     q, k = split_heads("query", query, head_size), split_heads("key", key, head_size)
     rotate(q, k, q, k, Positions(pos_ids=positions, pos_ids_name="positions"), None,
            not resolve_flag(is_neox, "is_neox"), Angles(cos_sin_cache=cos_sin_cache), ("query", "key"))
