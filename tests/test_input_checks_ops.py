@@ -273,6 +273,23 @@ def test_cascade_run_names_itself_for_a_query_that_is_not_a_tensor(q) -> None:
         w.run(q, cache)
 
 
+def test_out_sharing_memory_with_v_is_refused_after_a_run_with_another_out() -> None:
+    """The address checks hold on every call, not only when out's shape changes: a first run with a separate out
+    buffer of the same shape must not let a second run write over the v it reads."""
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(8, HQ, D, generator=g).to(DT)
+    k = torch.randn(12, HKV, D, generator=g).to(DT)
+    store = torch.randn(8 * HQ * D, generator=g).to(DT)
+    out, v = store.view(8, HQ, D), store[:12 * HKV * D].view(12, HKV, D)
+    w = jitattn.BatchPrefillWithRaggedKVCacheWrapper(_ws())
+    w.plan(_i32([0, 5, 8]), _i32([0, 7, 12]), HQ, HKV, D, q_data_type=DT)
+    w.run(q, k, v.clone(), out=torch.empty(8, HQ, D, dtype=DT))
+    before = store.clone()
+    with pytest.raises(ValueError, match="out shares memory with v"):
+        w.run(q, k, v, out=out)
+    assert torch.equal(store, before)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # MLA run: return_lse is a bool
 

@@ -395,7 +395,9 @@ def run_plan(
             for prepared in plan.launches():
                 prepared.set_outputs(out, lse)
             plan.checked_outputs = outputs
-    if both_given and spans_overlap(out, lse):  # (addresses: checked on every call)
+    if given[0] or given[1]:  # addresses: checked on every call
+        _check_reads_kept(wrapper, q, kv, out if given[0] else None, lse if given[1] else None)
+    if both_given and spans_overlap(out, lse):
         raise ValueError(f"{wrapper}.run(): out and lse share memory, so one would overwrite the other; pass "
                          "separate buffers")
     if plan.split.kv_chunk_size and workspace is not plan.checked_workspace:
@@ -447,8 +449,8 @@ def _check_inputs(plan: AttentionPlan, wrapper: str, workspace: torch.Tensor, q:
 
 def _check_outputs(plan: AttentionPlan, wrapper: str, q: torch.Tensor, kv, out: torch.Tensor,
                    lse: torch.Tensor | None) -> None:
-    """out / lse against the plan, and against the inputs the kernel reads while it writes them (checked with the
-    rest when out's or lse's signature changes: a call of the previous signature is not looked at again)."""
+    """out / lse against the plan (checked when out's or lse's signature changes: a call of the previous signature
+    is not looked at again; their addresses against the inputs', on every call: ``_check_reads_kept``)."""
     o_shape = (plan.total_qo, plan.num_qo_heads, plan.head_dim_vo)
     target_of(wrapper, (q, out, lse))
     check_tensor("out", out, ndim=3, dtypes=(plan.o_dtype,))
@@ -460,6 +462,10 @@ def _check_outputs(plan: AttentionPlan, wrapper: str, q: torch.Tensor, kv, out: 
         if tuple(lse.shape) != o_shape[:2]:
             raise ValueError(f"lse has shape {tuple(lse.shape)}; expected {o_shape[:2]}")
         check_no_overlap("lse", lse)
+
+
+def _check_reads_kept(wrapper: str, q: torch.Tensor, kv, out: torch.Tensor | None, lse: torch.Tensor | None) -> None:
+    """The caller's out / lse against the inputs the kernel reads while it writes them (dense ones: dense_overlap)."""
     inputs = (("q", q), *((("the kv cache", kv),) if isinstance(kv, torch.Tensor) else (("k", kv[0]), ("v", kv[1]))))
     for name, written in (("out", out), ("lse", lse)):
         for input_name, read in inputs:

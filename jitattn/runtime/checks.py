@@ -134,8 +134,11 @@ def spans_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
 def dense_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether two tensors that are each dense (contiguous) share bytes; False when either is not dense: the
     elements of two strided views of one buffer may interleave without sharing any (two states of a stacked
-    layout), which this check, cheap enough for every signature change, cannot tell apart."""
-    return a.is_contiguous() and b.is_contiguous() and spans_overlap(a, b)
+    layout), which this check, cheap enough for every call (~0.4 us), cannot tell apart."""
+    if not (a.is_contiguous() and b.is_contiguous()):
+        return False
+    pa, pb = a.data_ptr(), b.data_ptr()
+    return pa < pb + b.nbytes and pb < pa + a.nbytes
 
 
 def _reachable(offset: int, dims: list[tuple[int, int, int]]) -> bool:
