@@ -256,6 +256,10 @@ def test_merges_take_and_return_base2_lse(device: str) -> None:
     assert torch.equal(v_in[~mask], v_a[~mask])
     with pytest.raises(TypeError, match="s_b must be a float32 torch.Tensor"):
         fi.merge_state(v_a, s_a, v_b, [0.0])
+    v_in, s_in = v_a.clone(), s_a[:1].expand_as(s_a)  # an s whose rows share memory: refused before v is written
+    with pytest.raises(ValueError, match="^s .* has elements that share memory"):
+        fi.merge_state_in_place(v_in, s_in, v_b, s_b)
+    assert torch.equal(v_in, v_a)
 
 
 # -- the namespace itself --------------------------------------------------------------------------

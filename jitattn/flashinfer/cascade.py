@@ -12,7 +12,7 @@ import torch
 
 from ..ops import cascade as native
 from ..runtime import merge as native_merge
-from ..runtime.checks import check_tensor
+from ..runtime.checks import check_no_overlap, check_tensor
 from ..ops.cascade import BatchDecodeWithSharedPrefixPagedKVCacheWrapper, BatchPrefillWithSharedPrefixPagedKVCacheWrapper
 from .convention import LOG2E, lse_to_natural, returns_base2
 
@@ -40,6 +40,7 @@ def merge_state_in_place(v: torch.Tensor, s: torch.Tensor, v_other: torch.Tensor
     """Merge ``(v_other, s_other)`` into ``(v, s)`` in place (rows where ``mask`` is False keep theirs);
     ``s`` and ``s_other`` in base 2."""
     s_natural = _natural("s", s)
+    check_no_overlap("s", s)  # before v is written: s is written back last (the native merge writes s_natural)
     native_merge.merge_state_in_place(v, s_natural, v_other, _natural("s_other", s_other), mask)
     merged = s_natural.mul_(LOG2E)
     if mask is not None:  # rows left alone keep their exact bits (no round trip through natural log)
