@@ -3,6 +3,7 @@ return shapes (with and without LSE, base 2 in ``jitattn.flashinfer``), refusals
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -187,6 +188,19 @@ def test_batch_pod_plan_refuses_a_qo_indptr_d_of_another_batch_size(decode_reque
     with pytest.raises(ValueError, match=f"qo_indptr_d describes {decode_requests} decode requests but kv_indptr_d "
                                          f"{len(DECODE_KV)}"):
         _planned_batch_pod(torch.arange(decode_requests + 1, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("kv_indices_d,last_page_len_d,error,match", [
+    ([1], [0], ValueError, r"^last_page_len_d\[0\] = 0 is out of range"),
+    ([-1], [3], ValueError, r"^kv_indices_d\[0\] = -1 is a negative page index"),
+    ([], [3], ValueError, r"^kv_indptr_d\[-1\] = 1 exceeds len\(kv_indices_d\) = 0"),
+], ids=["last_page_len_d", "kv_indices_d_negative", "kv_indices_d_short"])
+def test_batch_pod_plan_names_the_decode_page_table_as_the_caller_does(kv_indices_d, last_page_len_d, error, match):
+    i32 = functools.partial(torch.tensor, dtype=torch.int32)
+    wrapper = jitattn.BatchPODWithPagedKVCacheWrapper(torch.empty(8 << 20, dtype=torch.uint8))
+    with pytest.raises(error, match=match):
+        wrapper.plan(i32([0, 3]), i32([0, 1]), i32([0]), i32([5]), i32([0, 1]), i32([0, 1]), i32(kv_indices_d),
+                     i32(last_page_len_d), HQ, HKV, D, PAGE)
 
 
 @pytest.mark.parametrize("change,error,match", [

@@ -232,6 +232,8 @@ class BatchPODWithPagedKVCacheWrapper:
         if qo_d.numel() != kv_d.numel():  # else the decode kernel's path would ignore qo_indptr_d
             raise ValueError(f"qo_indptr_d describes {qo_d.numel() - 1} decode requests but kv_indptr_d "
                              f"{kv_d.numel() - 1}; pass one entry per decode request to both")
+        check_paged_index(kv_indptr_d, kv_indices_d, last_page_len_d, page_size,  # errors in the caller's names
+                          names=("kv_indptr_d", "kv_indices_d", "last_page_len_d"))
         if torch.equal(qo_d, torch.arange(qo_d.numel(), dtype=torch.int32)):  # one query per decode request
             self._decode_kernel.plan(kv_indptr_d, kv_indices_d, last_page_len_d, num_qo_heads, num_kv_heads, head_dim,
                                      page_size, batch_invariant=batch_invariant, **options)
