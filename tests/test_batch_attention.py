@@ -171,6 +171,9 @@ def test_plan_and_run_refuse_bad_input() -> None:
         wrapper.plan(qo, indptr, indices, torch.tensor([10, 5], dtype=torch.int32), 4, 2, 64, 64, 16)
     with pytest.raises(ValueError, match="kv_len_arr has 3 entries"):
         wrapper.plan(qo, indptr, indices, torch.tensor([20, 5, 1], dtype=torch.int32), 4, 2, 64, 64, 16)
+    with pytest.raises(ValueError, match=r"^kv_indices\[2\] = -9 is a negative page index"):  # the batch's position
+        wrapper.plan(qo, indptr, torch.tensor([0, 1, -9], dtype=torch.int32), torch.tensor([20, 5], dtype=torch.int32),
+                     4, 2, 64, 64, 16)
     with pytest.raises(NotImplementedError, match="use_profiler"):
         wrapper.plan(qo, indptr, indices, torch.tensor([20, 5], dtype=torch.int32), 4, 2, 64, 64, 16, use_profiler=True)
     wrapper.plan(qo, indptr, indices, torch.tensor([20, 5], dtype=torch.int32), 4, 2, 64, 64, 16)

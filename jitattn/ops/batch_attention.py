@@ -135,6 +135,9 @@ class BatchAttention:
         indices = to_host_int32("kv_indices", kv_indices).numpy()
         if kv[-1] > indices.size:
             raise ValueError(f"kv_indptr[-1] = {int(kv[-1])} exceeds len(kv_indices) = {indices.size}")
+        if kv[-1] and indices[:kv[-1]].min() < 0:  # (here: the parts' wrappers would name their own positions)
+            i = int(np.flatnonzero(indices[:kv[-1]] < 0)[0])
+            raise ValueError(f"kv_indices[{i}] = {int(indices[i])} is a negative page index")
         # Decode rows: one query over some KV, when the decode kernels take the head dims (they have one).
         decode = ((qo[1:] - qo[:-1]) == 1) & (kv[1:] > kv[:-1]) & (int(head_dim_qk) == int(head_dim_vo))
         lpl = last_page_len.numpy()
