@@ -176,7 +176,8 @@ def test_plan_and_run_refuse_bad_input() -> None:
                      4, 2, 64, 64, 16)
     with pytest.raises(NotImplementedError, match="use_profiler"):
         wrapper.plan(qo, indptr, indices, torch.tensor([20, 5], dtype=torch.int32), 4, 2, 64, 64, 16, use_profiler=True)
-    wrapper.plan(qo, indptr, indices, torch.tensor([20, 5], dtype=torch.int32), 4, 2, 64, 64, 16)
+    wrapper.plan(qo, indptr, indices, torch.tensor([20, 5], dtype=torch.int32), 4, 2, 64, 64, 16,
+                 q_data_type=None)  # None: the signature's default, bf16 (as kv_data_type's)
     with pytest.raises(ValueError, match="logits_soft_cap=50.0.*no cap"):
         wrapper.run(q, cache, logits_soft_cap=50.0)
     with pytest.raises(NotImplementedError, match="profiler_buffer"):

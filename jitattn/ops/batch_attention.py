@@ -121,6 +121,7 @@ class BatchAttention:
         jitattn extension): each request's bits independent of the rest of the batch, as the decode and prefill
         wrappers' (a request takes the decode or the prefill kernels by its own query count)."""
         self._logits_soft_cap, self._parts = None, []
+        q_data_type = torch.bfloat16 if q_data_type is None else q_data_type  # None: this signature's default
         refuse_unsupported(f"{self._NAME}.plan", "profile with nsys / ncu (kernels carry readable names)",
                            use_profiler=True if use_profiler else None)
         for name, value in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads),
