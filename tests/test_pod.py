@@ -146,6 +146,9 @@ def test_pod_refuses_bad_input() -> None:
     q_p, k_p = torch.randn(4, HQ, D).half(), torch.randn(6, HKV, D).half()
     with pytest.raises(NotImplementedError, match="jit_args"):
         jitattn.PODWithPagedKVCacheWrapper(workspace, jit_args=["x"])
+    for cls in (jitattn.PODWithPagedKVCacheWrapper, jitattn.BatchPODWithPagedKVCacheWrapper):
+        with pytest.raises(TypeError, match=f"^{cls.__name__}: float_workspace_buffer must be a torch.Tensor"):
+            cls(None)
     wrapper = jitattn.PODWithPagedKVCacheWrapper(workspace)
     with pytest.raises(RuntimeError, match="without a plan"):
         wrapper.run(q_p, k_p, k_p, q_d, batch.cache)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from ..runtime.batch import workspace_target
 from ..runtime.checks import check_tensor, not_planned
 from ..runtime.options import (parse_kv_layout, parse_pos_encoding, refuse_unsupported, resolve_dtypes,
                                  resolve_flag, resolve_window_left)
@@ -75,6 +76,7 @@ class PODWithPagedKVCacheWrapper:
         paged_kv_last_page_len_buffer: torch.Tensor | None = None, jit_args=None,
     ) -> None:
         refuse_unsupported(f"{self._NAME}()", _JIT_HINT, jit_args=jit_args)
+        workspace_target(float_workspace_buffer, self._NAME)  # (the inner wrapper would name itself)
         self._decode = BatchDecodeWithPagedKVCacheWrapper(
             float_workspace_buffer, kv_layout, use_cuda_graph, paged_kv_indptr_buffer=paged_kv_indptr_buffer,
             paged_kv_indices_buffer=paged_kv_indices_buffer,
@@ -191,6 +193,7 @@ class BatchPODWithPagedKVCacheWrapper:
     _NAME = "BatchPODWithPagedKVCacheWrapper"
 
     def __init__(self, float_workspace_buffer: torch.Tensor, kv_layout: str = "NHD") -> None:
+        workspace_target(float_workspace_buffer, self._NAME)  # (the inner wrappers would name themselves)
         self._prefill = BatchPrefillWithPagedKVCacheWrapper(float_workspace_buffer, kv_layout)
         self._decode_kernel = BatchDecodeWithPagedKVCacheWrapper(float_workspace_buffer, kv_layout)
         self._decode_queries = BatchPrefillWithPagedKVCacheWrapper(float_workspace_buffer, kv_layout)
