@@ -368,6 +368,10 @@ def test_get_seq_lens_page_size_must_be_an_int():
     assert jitattn.get_seq_lens(indptr, last, 16).tolist() == [19]
     with pytest.raises(TypeError, match="page_size=16.5 must be an int"):
         jitattn.get_seq_lens(indptr, last, 16.5)
+    with pytest.raises(TypeError, match=r"must be an int \(pass \.item\(\) of a 0-d tensor\)"):
+        jitattn.get_seq_lens(indptr, last, torch.tensor(16))
+    with pytest.raises(TypeError, match=r"must be an int .*append_indptr\[-1\] pass \.item\(\)"):
+        jitattn.get_batch_indices_positions(indptr, torch.tensor([2], dtype=torch.int32), indptr[-1])
 
 
 @pytest.mark.parametrize("value, error", [(1.5, TypeError), (True, TypeError), (0, ValueError)],

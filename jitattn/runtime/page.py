@@ -286,7 +286,8 @@ def get_batch_indices_positions(
         if t.dim() != 1 or t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
             raise ValueError(f"{name} must be a 1-D integer tensor, got {_name(t.dtype)} of shape {tuple(t.shape)}")
     if isinstance(nnz, bool) or not isinstance(nnz, numbers.Integral):
-        raise TypeError(f"nnz={nnz!r} must be an int (the number of appended tokens)")
+        hint = "; for a 0-d tensor such as append_indptr[-1] pass .item()" if isinstance(nnz, torch.Tensor) else ""
+        raise TypeError(f"nnz={nnz!r} must be an int (the number of appended tokens){hint}")
     nnz = int(nnz)
     device = append_indptr.device
     batch_size = append_indptr.shape[0] - 1
@@ -343,7 +344,8 @@ def get_seq_lens(kv_indptr: torch.Tensor, kv_last_page_len: torch.Tensor, page_s
         if t.dim() != 1 or t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
             raise ValueError(f"{name} must be a 1-D integer tensor, got {_name(t.dtype)} of shape {tuple(t.shape)}")
     if isinstance(page_size, bool) or not isinstance(page_size, numbers.Integral):
-        raise TypeError(f"page_size={page_size!r} must be an int")
+        raise TypeError(f"page_size={page_size!r} must be an int" + (" (pass .item() of a 0-d tensor)"
+                                                                    if isinstance(page_size, torch.Tensor) else ""))
     page_size = int(page_size)
     if page_size < 1:
         raise ValueError(f"page_size={page_size} must be >= 1")
