@@ -282,6 +282,7 @@ def _planned_bsr():
     (dict(packed_mask=torch.zeros(3, dtype=torch.int32)), TypeError, "^packed_mask has dtype int32"),
     (dict(pos_encoding_mode="ROPE_LLAMA"), ValueError, "apply RoPE to q and k before"),
     (dict(num_qo_heads=3), ValueError, "multiple"),
+    (dict(head_dim="64"), ValueError, "^head_dim='64' must be a positive int"),  # the signature's name
 ])
 def test_bsr_plan_refuses_bad_patterns(change: dict, error: type, match: str) -> None:
     wrapper, args = _planned_bsr()

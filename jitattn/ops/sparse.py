@@ -106,6 +106,7 @@ class BlockSparseAttentionWrapper(_SparseWrapperBase):
         call = plan_arguments(locals())
         self._table, self._plan_call = None, {}  # unplanned until the launch is planned
         _no_positions(self._NAME, pos_encoding_mode)
+        positive_int(head_dim, "head_dim")  # (the prefill wrapper calls it head_dim_qk)
         geometry = check_bsr(indptr, indices, M, N, R, C)
         table = bsr_page_table(geometry, M, N, R, C)
         if packed_mask is not None:  # FlashInfer's precedence: with both given, the packed mask is used
@@ -199,6 +200,7 @@ class VariableBlockSparseAttentionWrapper(_SparseWrapperBase):
         _no_positions(self._NAME, pos_encoding_mode)
         num_qo_heads, num_kv_heads = positive_int(num_qo_heads, "num_qo_heads"), positive_int(num_kv_heads,
                                                                                              "num_kv_heads")
+        positive_int(head_dim, "head_dim")  # (the prefill wrapper calls it head_dim_qk)
         if num_qo_heads % num_kv_heads:
             raise ValueError(f"num_qo_heads={num_qo_heads} must be a multiple of num_kv_heads={num_kv_heads}")
         table, geometry = variable_page_table(block_mask_map, block_row_sz, block_col_sz, num_kv_heads)
