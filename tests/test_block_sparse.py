@@ -376,6 +376,15 @@ def test_variable_run_quotes_the_callers_shapes_on_a_head_dim_mismatch(name: str
         wrapper.run(tensors["q"], tensors["k"], tensors["v"])
 
 
+@pytest.mark.parametrize("name,plan_arg", [("q", "q_data_type"), ("k", "kv_data_type")])
+def test_variable_run_says_how_to_agree_on_a_dtype(name: str, plan_arg: str) -> None:
+    wrapper, q, kv = _variable_wrapper()
+    tensors = {"q": q, "k": kv, "v": kv, name: {"q": q, "k": kv}[name].float()}
+    with pytest.raises(TypeError, match=rf"^{name} has dtype float32 but the plan has {plan_arg}=float16; pass "
+                                        rf"{plan_arg}=torch.float32 to plan\(\) \(or cast {name} to float16\)"):
+        wrapper.run(tensors["q"], tensors["k"], tensors["v"])
+
+
 @pytest.mark.parametrize("name,buffer,error,match", [
     ("out", torch.empty(4, 5, 64), TypeError, "out has dtype float32; expected one of float16"),
     ("lse", torch.empty(4, 5, dtype=f16), TypeError, "lse has dtype float16; expected one of float32"),

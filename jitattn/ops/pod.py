@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from ..runtime.batch import workspace_target
-from ..runtime.checks import check_tensor, not_planned
+from ..runtime.checks import check_planned_dtype, check_tensor, not_planned
 from ..runtime.options import (parse_kv_layout, parse_pos_encoding, refuse_unsupported, resolve_dtypes,
                                  resolve_flag, resolve_window_left)
 from .decode import BatchDecodeWithPagedKVCacheWrapper
@@ -42,7 +42,8 @@ def _pod_result(out_p, out_d, lse_p, lse_d, with_lse: bool):
 
 def _check_query(name: str, q: torch.Tensor, plan) -> None:
     """``q`` (``q_p`` or ``q_d``) against its part's plan, named as the caller passed it."""
-    check_tensor(name, q, ndim=3, dtypes=(plan.q_dtype,))
+    check_tensor(name, q, ndim=3)
+    check_planned_dtype(name, q, plan.q_dtype, "q_data_type")
     expected = (plan.q_rows, plan.num_qo_heads, plan.head_dim_qk)
     if tuple(q.shape) != expected:
         raise ValueError(f"{name} has shape {tuple(q.shape)}; the plan expects {expected}")

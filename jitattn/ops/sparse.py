@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ..runtime.checks import check_tensor, not_planned
+from ..runtime.checks import check_planned_dtype, check_tensor, not_planned
 from ..runtime.options import parse_pos_encoding, per_tensor_scale, positive_int, resolve_flag
 from ..runtime.wrapper import plan_arguments
 from .prefill import BatchPrefillWithPagedKVCacheWrapper
@@ -239,7 +239,8 @@ class VariableBlockSparseAttentionWrapper(_SparseWrapperBase):
         for name, t, shape, dtype in (("q", q, (heads * group, qo_len, plan.head_dim_qk), plan.q_dtype),
                                       ("k", k, (heads, kv_len, plan.head_dim_qk), plan.kv_dtype),
                                       ("v", v, (heads, kv_len, plan.head_dim_vo), plan.kv_dtype)):
-            check_tensor(name, t, ndim=3, dtypes=(dtype,))
+            check_tensor(name, t, ndim=3)
+            check_planned_dtype(name, t, dtype, "q_data_type" if name == "q" else "kv_data_type")
             if tuple(t.shape) != shape:
                 raise ValueError(f"{name} has shape {tuple(t.shape)}; the plan expects {shape} "
                                  "(HND: [heads, tokens, head_dim])")

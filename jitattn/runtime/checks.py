@@ -109,6 +109,14 @@ def check_tensor(
                          "call .contiguous() on it")
 
 
+def check_planned_dtype(name: str, tensor: torch.Tensor, planned: torch.dtype, plan_arg: str) -> None:
+    """``tensor``'s dtype against the one plan() was given as ``plan_arg``; the error says both ways to agree."""
+    if tensor.dtype != planned:
+        given, want = (str(d).removeprefix("torch.") for d in (tensor.dtype, planned))
+        raise TypeError(f"{name} has dtype {given} but the plan has {plan_arg}={want}; pass {plan_arg}=torch.{given} "
+                        f"to plan() (or cast {name} to {want})")
+
+
 def check_no_overlap(name: str, tensor: torch.Tensor) -> None:
     """Refuse a tensor to be written whose elements share memory (a stride of 0 over a dimension longer
     than 1, as ``expand()`` makes): the writes would overwrite each other."""
