@@ -213,7 +213,9 @@ def test_batch_pod_plan_names_the_decode_page_table_as_the_caller_does(kv_indice
     (dict(q_d=torch.randn(4, HQ, D).bfloat16()), TypeError, "^q_d has dtype bfloat16"),
     (dict(paged_kv_cache_d=torch.zeros(2, 2, PAGE, HKV, D, dtype=f16)), ValueError,
      r"decode part \(q_d, paged_kv_cache_d, kv_indices_d\): indices references page"),
-], ids=["q_p_rows", "q_d_rows", "q_p_dtype", "q_d_dtype", "kv_indices_d_past_the_cache"])
+    (dict(custom_mask_p=torch.ones(10, dtype=torch.bool)), ValueError,
+     r"prefill part's mask \(custom_mask_p, packed_custom_mask_p\): custom_mask has 10 elements"),
+], ids=["q_p_rows", "q_d_rows", "q_p_dtype", "q_d_dtype", "kv_indices_d_past_the_cache", "custom_mask_p_size"])
 def test_batch_pod_run_names_the_argument_that_is_wrong(change: dict, error: type, match: str) -> None:
     wrapper, inputs = _planned_batch_pod()
     with pytest.raises(error, match=match):

@@ -296,8 +296,10 @@ class BatchPODWithPagedKVCacheWrapper:
             return
         self._prefill_mask = None
         qo_indptr, index, num_qo_heads, num_kv_heads, head_dim, options = self._prefill_batch
-        self._prefill.plan_checked(qo_indptr, index, num_qo_heads, num_kv_heads, head_dim, causal=causal,
-                                   custom_mask=custom_mask, packed_custom_mask=packed_custom_mask, **options)
+        _named_refusals(self._NAME, "prefill part's mask (custom_mask_p, packed_custom_mask_p)",
+                        lambda: self._prefill.plan_checked(qo_indptr, index, num_qo_heads, num_kv_heads, head_dim,
+                                                           causal=causal, custom_mask=custom_mask,
+                                                           packed_custom_mask=packed_custom_mask, **options))
         # Side by side when the decode part is the decode kernel's (a multi-query decode part runs on the
         # prefill kernel, as persistent as the prefill part: then one after the other).
         qo_lens = (qo_indptr[1:] - qo_indptr[:-1]).numpy()
