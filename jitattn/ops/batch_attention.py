@@ -18,7 +18,7 @@ import torch
 from ..runtime.checks import check_no_overlap, check_tensor, not_planned
 from ..runtime.options import number, positive_int, refuse_unsupported, resolve_batch_invariant
 from ..runtime.side_by_side import prefill_blocks, side_by_side
-from ..page_table import check_indptr, to_host_int32
+from ..page_table import check_indptr, check_page_table, to_host_int32
 from .decode import BatchDecodeWithPagedKVCacheWrapper
 from .prefill import BatchPrefillWithPagedKVCacheWrapper
 
@@ -129,16 +129,14 @@ class BatchAttention:
             positive_int(value, name)  # before the split into parts reads them
         last_page_len = last_page_lens(kv_indptr, kv_len_arr, page_size)
         qo = check_indptr("qo_indptr", qo_indptr).numpy().astype(np.int64)
-        kv = to_host_int32("kv_indptr", kv_indptr).numpy().astype(np.int64)
+        kv_host, indices_host = to_host_int32("kv_indptr", kv_indptr), to_host_int32("kv_indices", kv_indices)
+        kv = kv_host.numpy().astype(np.int64)
         if qo.size != kv.size:
             raise ValueError(f"qo_indptr describes {qo.size - 1} requests but kv_indptr {kv.size - 1}; pass one "
                              "entry per request to both")
-        indices = to_host_int32("kv_indices", kv_indices).numpy()
-        if kv[-1] > indices.size:
-            raise ValueError(f"kv_indptr[-1] = {int(kv[-1])} exceeds len(kv_indices) = {indices.size}")
-        if kv[-1] and indices[:kv[-1]].min() < 0:  # (here: the parts' wrappers would name their own positions)
-            i = int(np.flatnonzero(indices[:kv[-1]] < 0)[0])
-            raise ValueError(f"kv_indices[{i}] = {int(indices[i])} is a negative page index")
+        # the whole batch's page table, before the parts' wrappers check theirs (under their own names and positions)
+        check_page_table(kv_host, indices_host, None, page_size, names=("kv_indptr", "kv_indices", "kv_len_arr"))
+        indices = indices_host.numpy()
         # Decode rows: one query over some KV, when the decode kernels take the head dims (they have one).
         decode = ((qo[1:] - qo[:-1]) == 1) & (kv[1:] > kv[:-1]) & (int(head_dim_qk) == int(head_dim_vo))
         lpl = last_page_len.numpy()
