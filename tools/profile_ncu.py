@@ -16,7 +16,7 @@ the 128-key window / b64 x 1024, page 16), fp8_prefill / bf16_prefill (the sm90 
 Warm-up calls (the JIT build, the plan) run before the range; one call runs inside it.
 ``DECODE_TUNING='{"max_stages": 2}'`` renders the decode kernels with those overrides of
 ``jitattn.kernels.decode.TUNING`` (their own cache entries), to profile a layout beside the default;
-``MLA_TUNING='{"fp8_f16": 1}'`` the same for ``jitattn.kernels.mla.TUNING``.
+``MLA_TUNING='{"narrow_rows": 0}'`` the same for ``jitattn.kernels.mla.TUNING``.
 """
 
 from __future__ import annotations
