@@ -18,8 +18,8 @@ from ..log import get_logger
 from ..page_table import PagedIndex, check_page_pool
 from ..kv_split import KVSplit, split_workspace_bytes
 from ..spec import KVLayout, Op, Target, VariantSpec
-from .checks import (FP8_DTYPES, check_no_overlap, check_tensor, dense_overlap, not_planned, spans_overlap,
-                     stream_capturing, target_of)
+from .checks import (FP8_DTYPES, check_no_overlap, check_planned_dtype, check_tensor, dense_overlap, not_planned,
+                     spans_overlap, stream_capturing, target_of)
 from .kv import check_kv_pair, split_paged_kv_cache
 from .launch import PreparedAttention
 from .options import AttentionOptions
@@ -422,10 +422,9 @@ def _check_inputs(plan: AttentionPlan, wrapper: str, workspace: torch.Tensor, q:
     target_of(wrapper, (workspace, q, k, v))  # raises when they are on different devices
     check_tensor("q", q, ndim=3)
     if q.dtype != plan.q_dtype:
-        given, planned = (str(d).removeprefix("torch.") for d in (q.dtype, plan.q_dtype))
         if q.dtype in (torch.float16, torch.bfloat16, torch.float32) or q.dtype in FP8_DTYPES:
-            raise TypeError(f"q has dtype {given} but the plan has q_data_type={planned}; pass "
-                            f"q_data_type=torch.{given} to plan() (or cast q to {planned})")
+            check_planned_dtype("q", q, plan.q_dtype, "q_data_type")
+        given, planned = (str(d).removeprefix("torch.") for d in (q.dtype, plan.q_dtype))
         raise TypeError(f"q has dtype {given}; attention takes a float16, bfloat16 or float32 (cpu) query: cast q to "
                         f"the plan's {planned}")
     if tuple(q.shape) != (plan.q_rows, plan.num_qo_heads, plan.head_dim_qk):
