@@ -308,6 +308,24 @@ def test_sm90_and_sm80_tiers_agree(monkeypatch, fresh_registry):
     assert_close_lse(results["sm90"][1], results["sm80"][1])
 
 
+@pytest.mark.parametrize("tier", ["sm90", "sm80"])
+def test_queries_of_every_magnitude(tier, monkeypatch, fresh_registry):
+    """Query heads scaled 0, 1e-30 .. 1e5 (logits to ~1e6: one-hot rows; the range the fused exponent keeps exact is
+    README's "Logit range"), on both tiers: the reference's output and LSE, no inf or NaN."""
+    d, hq, hkv, dtype, causal, qo_lens, kv_lens = CASES["d128_g4_bf16_causal_short_queries"]
+    q, k, v = _inputs("magnitude", d, hq, hkv, dtype, qo_lens, kv_lens)
+    factors = torch.tensor([0.0, 1e-30, 1e-3, 1.0, 30.0, 3e3, 3e4, 1e5])
+    q = (q.float() * factors.cuda()[None, :, None]).to(dtype)
+    monkeypatch.setenv("JITATTN_PREFILL_TIER", tier)
+    jitattn.jit._registry.clear()
+    assert ("sm90 tier" in render(_spec(d, hq, hkv, dtype, causal))["kernel.cu"]) == (tier == "sm90")
+    out, lse = _run(q, k, v, qo_lens, kv_lens, causal)
+    ref_o, ref_lse = reference.batch_ragged_attention(q, k, v, _indptr(qo_lens), _indptr(kv_lens), causal=causal)
+    assert bool(out.isfinite().all()) and bool(lse.isfinite().all())
+    assert_close_out(out, ref_o, dtype)
+    assert_close_lse(lse, ref_lse)
+
+
 # ---- paged KV (cp.async gathers) and repeated query rows (q_row_period) ----------------------
 
 # (head_dim, qo heads, kv heads, dtype, causal, page_size, layout, cache format, qo_lens, kv_lens)
