@@ -1,7 +1,8 @@
 """Every environment knob jitattn reads, declared once: name, aliases, kind, default, doc.
 
 Values are read when used, never at import, so a test or a server can change them between
-calls. ``KNOBS`` is what ``jitattn-cache show-config`` and ``doctor`` list and check; the
+calls (a kernel module already loaded in the process is reloaded for a changed JITATTN_DEBUG, prefill tier or arch
+list where they change its source; the arch list of other cuda modules is the one of their first load). ``KNOBS`` is what ``jitattn-cache show-config`` and ``doctor`` list and check; the
 accessors below are what the library calls. A knob's aliases are read, in order, when the knob
 itself is unset (``MAX_JOBS`` for ``JITATTN_MAX_JOBS``, ...).
 """
@@ -147,6 +148,30 @@ def _truthy(value: str | None) -> bool:
     return value is not None and value.strip().lower() in _TRUE
 
 
+def _flag(knob: Knob) -> bool:
+    """An on / off knob's value; a value that is neither is an error, not a silent "off"."""
+    problem = knob.problem()
+    if problem is not None:
+        raise ValueError(problem)
+    return _truthy(knob.value())
+
+
+_BUILD_VARIABLES = (DEBUG.name, CUDA_ARCH_LIST.name, *CUDA_ARCH_LIST.aliases, PREFILL_TIER.name, *DEV_KNOBS)
+_build_settings_seen: dict[tuple[str | None, ...], tuple] = {}
+
+
+def build_settings() -> tuple:
+    """The settings a module's rendered source or build flags depend on (JITATTN_DEBUG, the arch list, the prefill
+    tier, the development knobs), as their meaning (``jit.load`` keeps a module per spec and these where they change
+    it). The raw values are looked up, their meaning parsed once per distinct set."""
+    raw = tuple(map(os.environ.get, _BUILD_VARIABLES))
+    settings = _build_settings_seen.get(raw)
+    if settings is None:
+        settings = (debug(), cuda_arch_list(), prefill_tier()) + tuple(_get(name) for name in DEV_KNOBS)
+        _build_settings_seen[raw] = settings
+    return settings
+
+
 def cache_dir() -> Path:
     """The writable cache root."""
     explicit = CACHE_DIR.value()
@@ -189,16 +214,18 @@ def cuda_arch_list() -> str | None:
 
 
 def assert_no_compile() -> bool:
-    return _truthy(ASSERT_NO_COMPILE.value())
+    """JITATTN_ASSERT_NO_COMPILE=1: a cache miss is an error; a value neither on nor off is one too (a deployment
+    proving its cache warm must not lose the check to a typo)."""
+    return _flag(ASSERT_NO_COMPILE)
 
 
 def debug() -> bool:
     """JITATTN_DEBUG=1: compile custom-variant parameter accessors with bounds checks.
 
     The checks are in the rendered source, so a debug build is its own cache
-    entry (its key differs) and never replaces the fast one.
+    entry (its key differs) and never replaces the fast one. A value neither on nor off is an error.
     """
-    return _truthy(DEBUG.value())
+    return _flag(DEBUG)
 
 
 _batch_invariant_seen: tuple[str | None, bool] | None = None  # (the raw value, what it means)
@@ -223,8 +250,25 @@ def batch_invariant() -> bool:
 
 
 def log_level() -> str | None:
+    """JITATTN_LOG_LEVEL: 'info', 'debug' or None (unset); a level jitattn does not know warns once and logs nothing
+    (a typo there should not stop a server)."""
+    problem = LOG_LEVEL.problem()
+    if problem is not None:
+        _warn_once(problem + "; jitattn logs nothing")
+        return None
     raw = LOG_LEVEL.value()
     return raw.lower() if raw else None
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        import warnings
+
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
 def _choice(knob: Knob, default: str) -> str:

@@ -76,6 +76,26 @@ def test_debug_mode_is_part_of_the_key_and_leaves_the_normal_render_alone(monkey
     assert build_inputs(plain).key == plain_key
 
 
+def test_setting_debug_between_loads_in_one_process_loads_the_debug_build(monkeypatch, fresh_cache):
+    """Settings are read when used: a process that loaded the fast build and then sets JITATTN_DEBUG=1 gets the
+    checked build (its own entry) from the next load, and the fast one back once it is unset."""
+    spec = _spec(DOC_MASK)
+    monkeypatch.delenv("JITATTN_DEBUG", raising=False)
+    fast = jitattn.jit.load(spec)
+    monkeypatch.setenv("JITATTN_DEBUG", "1")
+    checked = jitattn.jit.load(spec)
+    assert checked.path != fast.path and checked._fault is not None and fast._fault is None
+    monkeypatch.setenv("JITATTN_DEBUG", "0")
+    assert jitattn.jit.load(spec) is fast
+
+
+@pytest.mark.parametrize("name", ["JITATTN_DEBUG", "JITATTN_ASSERT_NO_COMPILE"])
+def test_an_on_off_setting_of_another_value_is_an_error(name, monkeypatch, fresh_cache):
+    monkeypatch.setenv(name, "maybe")
+    with pytest.raises(ValueError, match=f"{name}='maybe' is neither on nor off; set it to 1 or 0"):
+        jitattn.jit.load(_spec(DOC_MASK))
+
+
 def test_an_out_of_bounds_read_is_reported_with_hook_parameter_and_index(debug, monkeypatch):
     wrapper, (q, k, v) = _ragged(DOC_MASK)
     doc_ids = torch.zeros(5, dtype=torch.int32)

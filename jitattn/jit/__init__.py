@@ -15,7 +15,7 @@ from typing import Callable, Iterable
 
 from .. import env
 from ..kernels import family
-from ..spec import Target, VariantSpec
+from ..spec import Op, Target, VariantSpec
 from .build import compile_count
 from .build_and_publish import build_entry, build_or_find_entry
 from .cache import MANIFEST, entry_problem, find_entry, layers
@@ -31,12 +31,15 @@ __all__ = [
     "short_items_blocks", "warm_command",
 ]
 
-_registry: dict[VariantSpec, Module] = {}
+# Loaded modules by (spec, _settings(spec)): the settings a module's source and flags depend on are read on every load
+# of a spec they change, so changing one between calls loads that build.
+_Key = tuple[VariantSpec, tuple]
+_registry: dict[_Key, Module] = {}
 _registry_lock = threading.Lock()  # guards _spec_locks; never held during a build
-_spec_locks: dict[VariantSpec, threading.Lock] = {}
-# The last build of a spec that failed in this process, and when (time.monotonic): threads that waited for that
+_spec_locks: dict[_Key, threading.Lock] = {}
+# The last build of a key that failed in this process, and when (time.monotonic): threads that waited for that
 # build get its error instead of each compiling again (a later call, after the wait, does try again).
-_failed_builds: dict[VariantSpec, tuple[BuildError, float]] = {}
+_failed_builds: dict[_Key, tuple[BuildError, float]] = {}
 
 
 def resident_blocks(spec: VariantSpec) -> int:
@@ -106,22 +109,39 @@ def _ensure_built(plan: BuildInputs, jobs: int) -> tuple[str, float]:
     return ("built" if built else "built-by-other"), time.perf_counter() - started
 
 
+def _settings(spec: VariantSpec) -> tuple:
+    """The settings beyond ``spec`` that its module depends on and a process may change between loads: JITATTN_DEBUG
+    (custom variants' checks), the prefill tier and arch list (prefill kernels). Other specs take none: their
+    per-call loads (the per-layer ops) stay a dict lookup, and their arch list is the one of their first load."""
+    if spec.variant is None and spec.op is not Op.PREFILL:
+        return ()
+    return env.build_settings()
+
+
+def _check_spec(where: str, spec) -> None:
+    if not isinstance(spec, VariantSpec):
+        raise TypeError(f"{where}() takes VariantSpec objects, not {type(spec).__name__} {spec!r}; make one with "
+                        "jitattn.VariantSpec(...), or jitattn.spec.parse_spec_text(uri) from a uri")
+
+
 def load(spec: VariantSpec) -> Module:
     """The loaded module for ``spec``: a dict hit after the first call in a process.
 
     On a cache miss this renders, builds (one INFO log line) and publishes the
     module first; with JITATTN_ASSERT_NO_COMPILE=1 a miss raises instead.
     """
-    module = _registry.get(spec)
+    _check_spec("load", spec)
+    key = (spec, _settings(spec))
+    module = _registry.get(key)
     if module is not None:
         return module
     with _registry_lock:
-        spec_lock = _spec_locks.setdefault(spec, threading.Lock())
+        spec_lock = _spec_locks.setdefault(key, threading.Lock())
     asked = time.monotonic()
     with spec_lock:  # one thread builds a given spec; loads of other specs proceed
-        module = _registry.get(spec)
+        module = _registry.get(key)
         if module is None:
-            failed = _failed_builds.get(spec)
+            failed = _failed_builds.get(key)
             if failed is not None and failed[1] >= asked:  # the build this call waited for failed
                 raise BuildError(str(failed[0]))
             plan = build_inputs(spec)
@@ -131,7 +151,7 @@ def load(spec: VariantSpec) -> Module:
                 try:
                     entry_dir = build_entry(plan, jobs=default_jobs())
                 except BuildError as exc:
-                    _failed_builds[spec] = (exc, time.monotonic())
+                    _failed_builds[key] = (exc, time.monotonic())
                     raise
             try:
                 module = Module(spec, entry_dir / "lib.so", plan.entries)
@@ -141,7 +161,7 @@ def load(spec: VariantSpec) -> Module:
                     "against other libraries or toolchain (a cache shared between machines, or imported) or changed "
                     "after it was built; `jitattn-cache verify --fix` removes it, and the next load rebuilds it"
                 ) from exc
-            _registry[spec] = module
+            _registry[key] = module
     return module
 
 
@@ -165,6 +185,12 @@ def build_many(
     compiler processes running at once across all specs. ``on_done`` is
     called once per spec as it finishes (the CLI's progress bar).
     """
+    if isinstance(specs, (str, VariantSpec)):
+        raise TypeError(f"build_many() takes an iterable of VariantSpecs, not one {type(specs).__name__}: pass "
+                        f"[{specs!r}]" + (" parsed by jitattn.spec.parse_spec_text" if isinstance(specs, str) else ""))
+    specs = list(specs)
+    for spec in specs:
+        _check_spec("build_many", spec)
     unique = list(dict.fromkeys(specs))
     jobs = jobs or default_jobs()
     results: list[BuildResult] = []

@@ -19,7 +19,7 @@ def _init(rank: int, world: int, init_file: str, env: dict[str, str]) -> None:
 def _loaded_specs() -> list[str]:
     import jitattn.jit
 
-    return sorted(spec.uri for spec in jitattn.jit._registry)
+    return sorted(spec.uri for spec, _ in jitattn.jit._registry)
 
 
 def serve(rank: int, world: int, init_file: str, env: dict[str, str], config: dict, prompts: list[list[int]],
