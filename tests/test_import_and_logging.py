@@ -47,3 +47,15 @@ def test_log_level_info_logs_each_cold_build_and_each_plan(fresh_cache, monkeypa
     plans = [r.getMessage() for r in caplog.records if ".plan: kernel" in r.getMessage()]
     assert len(builds) == 1 and "decode_cpu_f16" in builds[0] and str(fresh_cache) in builds[0]
     assert len(plans) == 2 and "jitattn_decode_f16" in plans[0] and "workspace" in plans[0]
+
+
+def test_an_unknown_log_level_warns_once_and_logs_nothing(monkeypatch, recwarn) -> None:
+    from jitattn import env
+    from jitattn.log import get_logger
+
+    monkeypatch.setenv("JITATTN_LOG_LEVEL", "verbose-for-this-test")
+    assert env.log_level() is None
+    get_logger()
+    warned = [str(w.message) for w in recwarn if "JITATTN_LOG_LEVEL" in str(w.message)]
+    assert warned == ["JITATTN_LOG_LEVEL='verbose-for-this-test' is not a level jitattn knows; set it to info or "
+                      "debug, or unset it; jitattn logs nothing"]
