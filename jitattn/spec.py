@@ -423,18 +423,34 @@ def parse_spec_text(text: str) -> VariantSpec:
     if text.startswith("@"):
         return _spec_from_file(text[1:])
     if "=" in text:
-        values: dict[str, Any] = {}
-        for pair in text.split(","):
-            key, _, raw = pair.partition("=")
-            key, raw = key.strip(), raw.strip()
-            if key in ("head_dim_qk", "head_dim_vo", "group_size"):
-                values[key] = int(raw)
-            elif key in ("use_sliding_window", "use_logits_soft_cap", "use_sinks"):
-                values[key] = raw.lower() in ("1", "true", "yes", "on")
-            else:
-                values[key] = raw
-        return VariantSpec.from_dict(values)
+        return VariantSpec.from_dict(_key_values(text))
     return _parse_uri(text)
+
+
+_ON, _OFF = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def _key_values(text: str) -> dict[str, Any]:
+    """``key=value,...`` as spec fields: integers and on / off words parsed, a key given twice or a value that is
+    not of its kind an error (a misspelt ``use_sinks=ture`` must not build the kernel without sinks)."""
+    values: dict[str, Any] = {}
+    for pair in text.split(","):
+        key, _, raw = pair.partition("=")
+        key, raw = key.strip(), raw.strip()
+        if key in values:
+            raise ValueError(f"{key} is given twice; give each key once")
+        if key in ("head_dim_qk", "head_dim_vo", "group_size"):
+            try:
+                values[key] = int(raw)
+            except ValueError:
+                raise ValueError(f"{key}={raw!r} is not an integer") from None
+        elif key in ("use_sliding_window", "use_logits_soft_cap", "use_sinks"):
+            if raw.lower() not in _ON + _OFF:
+                raise ValueError(f"{key}={raw!r} is neither on nor off; give 1 or 0 (true / false)")
+            values[key] = raw.lower() in _ON
+        else:
+            values[key] = raw
+    return values
 
 
 def _spec_from_file(path: str) -> VariantSpec:

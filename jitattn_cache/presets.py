@@ -130,8 +130,9 @@ def from_hf_config(path: str | Path) -> ModelShape | MLAShape:
         if missing:
             raise ValueError(f"{path}: an MLA config (kv_lora_rank is set) needs {', '.join(missing)} too")
         return MLAShape(heads, *(_positive_int(config, name, path) for name in _MLA_FIELDS))
-    kv_heads = _positive_int(config, "num_key_value_heads", path) if config.get("num_key_value_heads") else heads
-    if config.get("head_dim"):
+    kv_heads = _positive_int(config, "num_key_value_heads", path) \
+        if config.get("num_key_value_heads") is not None else heads
+    if config.get("head_dim") is not None:
         head_dim = _positive_int(config, "head_dim", path)
     elif config.get("hidden_size"):
         hidden = _positive_int(config, "hidden_size", path)
@@ -143,6 +144,8 @@ def from_hf_config(path: str | Path) -> ModelShape | MLAShape:
     if heads % kv_heads:
         raise ValueError(f"{path}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
     window = config.get("sliding_window")
+    if window is not None and window is not False:  # null / false: no window; else its length in tokens
+        _positive_int(config, "sliding_window", path)
     uses_window = bool(window) and bool(config.get("use_sliding_window", True))
     layer_types = [str(t) for t in config.get("layer_types") or []]
     if layer_types and "sliding_attention" not in layer_types:

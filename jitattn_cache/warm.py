@@ -46,6 +46,7 @@ def _targets(specs: list) -> str:
 
 
 def dry_run(specs: list) -> int:
+    """List each spec's cache status; exit 1 where some spec is unavailable or its lookup fails (as the warm would)."""
     counts: dict[str, int] = {}
     width = max(len(s.uri) for s in specs) + 2
     for spec in specs:
@@ -54,7 +55,8 @@ def dry_run(specs: list) -> int:
         print(f"{spec.uri:{width}s} {status:12s} {detail}")
     summary = ", ".join(f"{n} {status}" for status, n in counts.items())
     print(f"{len(specs)} specs (target {_targets(specs)}): {summary}")
-    return EXIT_OK
+    # exit as the warm would: a spec that cannot be built (or looked up) fails it
+    return EXIT_FAILED if counts.get("unavailable") or counts.get("error") else EXIT_OK
 
 
 def _short_error(error: str | None, lines: int = 12) -> str:

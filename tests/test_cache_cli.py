@@ -135,6 +135,9 @@ def test_dry_run_lists_specs_and_cache_status_without_building(warmed, monkeypat
     (["warm", "--spec", "decode_cpu_bf16_bogus"], "unknown token 'bogus'"),
     (["warm", "--spec", "op=merge,target=cpu"], "o_dtype is required"),
     (["warm", "--spec", "op=merge,target=cpu,o_dtype=int4"], "o_dtype='int4' is not supported"),
+    (["warm", "--spec", "op=merge,target=cpu,o_dtype=f32,use_sinks=ture"], "use_sinks='ture' is neither on nor off"),
+    (["warm", "--spec", "op=merge,target=cpu,o_dtype=f32,o_dtype=f16"], "o_dtype is given twice"),
+    (["warm", "--spec", "op=decode,target=cpu,q_dtype=f32,head_dim_qk=abc"], "head_dim_qk='abc' is not an integer"),
     (["warm", "--config", "/nonexistent/config.json"], "does not exist"),
     (["warm", "--preset", "llama-3-8b", "--arch", "9.x"], "'9.x' is not an arch"),
     pytest.param(["warm", "--preset", "llama-3-8b", "--target", "cuda"], "pass --arch",
@@ -181,7 +184,7 @@ def test_a_spec_without_a_kernel_template_is_listed_then_fails_with_the_reason(f
     monkeypatch.setattr("jitattn.jit.build_inputs", no_template)
     monkeypatch.setattr("jitattn.jit.admin.build_inputs", no_template)  # the CLI's view of the cache
     rc, out, _ = run_cli(capsys, "warm", "--spec", "decode_cpu_f16", "--spec", "merge_cpu_f32", "--dry-run")
-    assert rc == 0
+    assert rc == 1  # as the warm itself
     assert out.splitlines()[0].split()[:2] == ["decode_cpu_f16", "unavailable"] and "no kernel template" in out
     rc, out, err = run_cli(capsys, "warm", "--spec", "decode_cpu_f16", "--spec", "merge_cpu_f32", "-q")
     assert rc == 1
@@ -232,7 +235,12 @@ def test_hf_config_variants(tmp_path) -> None:
     assert gpt_oss == ModelShape(64, 8, 64, sliding_window=True, full_attention_too=True, attention_sinks=True)
     for bad, message in [({"hidden_size": 4096}, "no num_attention_heads"),
                          ({"num_attention_heads": 32}, "neither head_dim nor hidden_size"),
-                         ({"num_attention_heads": 32, "num_key_value_heads": 5, "head_dim": 64}, "not a multiple")]:
+                         ({"num_attention_heads": 32, "num_key_value_heads": 5, "head_dim": 64}, "not a multiple"),
+                         ({"num_attention_heads": 32, "num_key_value_heads": 0, "head_dim": 64},
+                          "num_key_value_heads=0 must be a positive integer"),
+                         ({"num_attention_heads": 32, "head_dim": 0}, "head_dim=0 must be a positive integer"),
+                         ({"num_attention_heads": 32, "head_dim": 64, "sliding_window": "abc"},
+                          "sliding_window='abc' must be a positive integer")]:
         with pytest.raises(ValueError, match=message):
             shape(bad)
 
