@@ -21,20 +21,27 @@ class CacheEntry:
     def name(self) -> str:
         return self.path.name
 
+    def _text(self, field: str) -> str | None:
+        """The manifest's ``field`` when it is a string (a hand-edited or foreign manifest may hold anything;
+        `jitattn-cache verify` reports such an entry, listing it must not fail)."""
+        value = (self.manifest or {}).get(field)
+        return value if isinstance(value, str) and value else None
+
     @property
     def uri(self) -> str:
-        return (self.manifest or {}).get("uri") or self.name.rsplit("-", 1)[0]
+        return self._text("uri") or self.name.rsplit("-", 1)[0]
 
     @property
     def target(self) -> str:
-        return (self.manifest or {}).get("target", "?")
+        return self._text("target") or "?"
 
     @property
     def arch(self) -> str:
-        m = self.manifest or {}
-        if m.get("target") == "cuda":
-            return ";".join(m.get("archs") or []) or "?"
-        return m.get("machine") or "host"
+        if self._text("target") == "cuda":
+            archs = (self.manifest or {}).get("archs")
+            ok = isinstance(archs, list) and archs and all(isinstance(a, str) for a in archs)
+            return ";".join(archs) if ok else "?"
+        return self._text("machine") or "host"
 
     @property
     def size(self) -> int:
@@ -42,7 +49,7 @@ class CacheEntry:
 
     @property
     def built_at(self) -> datetime.datetime | None:
-        return parse_time((self.manifest or {}).get("built_at"))
+        return parse_time(self._text("built_at"))
 
 
 def tree_size(path: Path) -> int:

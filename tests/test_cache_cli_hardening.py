@@ -118,6 +118,24 @@ def test_version_and_the_list_alias(fresh_cache, capsys):
     assert rc == rc2 == 0 and listed == ls and SPECS[0] in listed and "1 entries" in listed
 
 
+@pytest.mark.parametrize("field, value", [("uri", 5), ("target", None), ("archs", 5), ("machine", 7),
+                                          ("built_at", 3)])
+def test_ls_lists_an_entry_whose_manifest_holds_odd_types(field, value, fresh_cache, capsys):
+    import json
+
+    rc, _, _ = _cli(capsys, "warm", "-q", "--spec", SPECS[0])
+    manifest = entry_dirs(fresh_cache / SCHEMA)[0] / "manifest.json"
+    data = json.loads(manifest.read_text())
+    data[field] = value
+    if field == "archs":
+        data["target"] = "cuda"
+    manifest.write_text(json.dumps(data))
+    rc, out, err = _cli(capsys, "ls")
+    assert rc == 0 and SPECS[0] in out and "1 entries" in out, (out, err)
+    rc, out, err = _cli(capsys, "ls", "--json")
+    assert rc == 0 and [e["uri"] for e in json.loads(out)] == [SPECS[0]], (out, err)
+
+
 @pytest.mark.parametrize("name, value, wrong", [
     ("MAX_JOBS", "abc", "is not a positive integer"),
     ("JITATTN_MAX_JOBS", "0", "is not a positive integer"),
