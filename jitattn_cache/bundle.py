@@ -313,14 +313,30 @@ def _prepare_destination(to: str | None) -> Path:
     return base
 
 
-def _remove_old_staging(base: Path) -> None:
-    cutoff = time.time() - 86400
+def remove_stale_imports(base: Path) -> int:
+    """Delete the staging directories of imports into schema dir ``base`` whose process is gone (``import-PID-*``;
+    one of another name older than a day); returns how many went. A running import's own is kept."""
+    removed = 0
     for old in (base / "tmp").glob("import-*"):
+        pid = old.name.split("-")[1]
         try:
-            if old.stat().st_mtime < cutoff:
-                shutil.rmtree(old, ignore_errors=True)
+            stale = not _alive(int(pid)) if pid.isdigit() else old.stat().st_mtime < time.time() - 86400
         except OSError:
-            pass
+            continue
+        if stale:
+            shutil.rmtree(old, ignore_errors=True)
+            removed += not old.exists()
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def _truncated_plain_tar(archive: Path, tar: tarfile.TarFile) -> bool:
@@ -364,8 +380,8 @@ def cmd_import(args: argparse.Namespace) -> int:
             print(f"jitattn-cache import: {archive} needs {human_size(needed)} but {base} has only "
                   f"{human_size(free)} free; nothing was imported", file=sys.stderr)
             return EXIT_FAILED
-        _remove_old_staging(base)
-        staging = Path(tempfile.mkdtemp(prefix="import-", dir=base / "tmp"))
+        remove_stale_imports(base)
+        staging = Path(tempfile.mkdtemp(prefix=f"import-{os.getpid()}-", dir=base / "tmp"))
         try:
             try:
                 _extract(tar, members, staging)

@@ -134,6 +134,7 @@ def cmd_clear(args: argparse.Namespace) -> int:
     its lock."""
     from jitattn.jit.admin import remove_entry, remove_stale_builds
 
+    from .bundle import remove_stale_imports
     from .store import entries, writable_base
 
     base = writable_base()
@@ -146,11 +147,11 @@ def cmd_clear(args: argparse.Namespace) -> int:
                 busy.append(e.name)
         if (base / "failed").exists():
             shutil.rmtree(base / "failed")
-        leftovers = remove_stale_builds(base)
+        leftovers = remove_stale_builds(base) + remove_stale_imports(base)
     except OSError as exc:
         return _not_writable(exc, base, f"removed {removed} entries before that")
     print(f"cleared {base}: removed {removed} entries"
-          + (f" and {leftovers} directories that killed builds left" if leftovers else ""))
+          + (f" and {leftovers} directories that killed builds or imports left" if leftovers else ""))
     for name in busy:
         print(f"  kept {name}: a build of it is running (its lock is held)", file=sys.stderr)
     return EXIT_FAILED if busy else EXIT_OK

@@ -364,7 +364,10 @@ def test_clear_removes_what_killed_builds_left_but_not_a_running_builds_director
     base = fresh_cache / SCHEMA
     name = build_inputs(SPEC).name
     other = build_inputs(VariantSpec("merge", "cpu", o_dtype="f32")).name
-    for leftover in (f"{name}.killed1", f"{name}.trash-0badc0de", f"{other}.running"):
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # a pid whose process has ended: a killed import's staging
+    killed_import, running_import = f"import-{gone.pid}-k1", f"import-{os.getpid()}-r1"
+    for leftover in (f"{name}.killed1", f"{name}.trash-0badc0de", f"{other}.running", killed_import, running_import):
         (base / "tmp" / leftover / "obj").mkdir(parents=True)
         (base / "tmp" / leftover / "obj" / "x.o").write_bytes(b"\0" * 64)
     running = filelock.FileLock(entry_lock(base, other).lock_file)
@@ -373,8 +376,8 @@ def test_clear_removes_what_killed_builds_left_but_not_a_running_builds_director
         rc, out, _ = _cli(capsys, "clear")
     finally:
         running.release()
-    assert rc == 0 and "2 directories that killed builds left" in out
-    assert _leftovers(fresh_cache) == [f"{other}.running"]
+    assert rc == 0 and "3 directories that killed builds or imports left" in out
+    assert sorted(_leftovers(fresh_cache)) == sorted([f"{other}.running", running_import])
 
 
 def test_threads_waiting_for_a_build_that_fails_get_its_error_without_compiling_again(fresh_cache):
