@@ -2,16 +2,19 @@
 
 Exit codes: 0 ok; 1 some builds or checks failed (or something was refused);
 2 usage error (bad arguments, unknown preset, bad spec text, missing file,
-bad --arch); 130 interrupted (Ctrl-C; the cache stays consistent).
+bad --arch); 130 interrupted (Ctrl-C, SIGTERM or SIGHUP; the cache stays consistent).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import shutil
+import signal
 import sys
+import threading
 from pathlib import Path
 
 from .selection import UsageError, add_selection_args
@@ -328,7 +331,8 @@ def main(argv: list[str] | None = None) -> int:
     from jitattn.jit import JitError, ToolchainError
 
     try:
-        return args.func(args)
+        with _stopped_as_by_ctrl_c():
+            return args.func(args)
     except UsageError as exc:
         print(f"jitattn-cache: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -342,6 +346,25 @@ def main(argv: list[str] | None = None) -> int:
         print("\njitattn-cache: interrupted; the cache is consistent (nothing half-built is published)",
               file=sys.stderr)
         return EXIT_INTERRUPTED
+
+
+@contextlib.contextmanager
+def _stopped_as_by_ctrl_c():
+    """SIGTERM and SIGHUP (``kill``, a closed terminal) stop a command as Ctrl-C does: the running compilers are
+    killed and nothing half-built is published (by default the process would end and leave ninja compiling)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = {number: signal.signal(number, interrupt) for number in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
 
 
 if __name__ == "__main__":
