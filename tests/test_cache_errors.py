@@ -406,3 +406,24 @@ def test_threads_waiting_for_a_build_that_fails_get_its_error_without_compiling_
     with pytest.raises(BuildError):
         jitattn.jit.load(broken)
     assert compile_count() == before + 2
+
+
+def test_an_entry_cleared_between_its_lookup_and_its_load_is_built_again(fresh_cache, monkeypatch, capsys):
+    """`jitattn-cache clear` (or prune) in another shell right after a load found the entry: the load looks it up
+    again (and builds it) instead of calling a removed library a damaged one."""
+    [result] = build_many([SPEC])
+    assert result.status == "built", result.error
+    looked_up = []
+
+    def then_cleared(plan):
+        entry = find_entry(plan)
+        if not looked_up:
+            looked_up.append(entry)
+            assert _cli(capsys, "clear")[0] == 0
+        return entry
+
+    monkeypatch.setattr(jitattn.jit, "find_entry", then_cleared)
+    before = compile_count()
+    module = jitattn.jit.load(SPEC)
+    assert looked_up[0] is not None and module.path == looked_up[0] / "lib.so"  # the same entry, built again
+    assert compile_count() == before + 1

@@ -124,6 +124,29 @@ def _check_spec(where: str, spec) -> None:
                         "jitattn.VariantSpec(...), or jitattn.spec.parse_spec_text(uri) from a uri")
 
 
+def _load_built(key: _Key, plan: BuildInputs, again: bool = True) -> Module:
+    """``plan``'s module from its cache entry, built first when there is none. An entry removed between its lookup
+    and its load (a concurrent `jitattn-cache clear` or prune) is looked up (or built) ``again`` once."""
+    entry_dir = find_entry(plan)
+    if entry_dir is None:
+        _refuse_compile_if_asked(plan)
+        try:
+            entry_dir = build_entry(plan, jobs=default_jobs())
+        except BuildError as exc:
+            _failed_builds[key] = (exc, time.monotonic())
+            raise
+    try:
+        return Module(plan.spec, entry_dir / "lib.so", plan.entries)
+    except LOAD_ERRORS as exc:  # its checksum matched: not a torn write
+        if again and not (entry_dir / "lib.so").exists():
+            return _load_built(key, plan, again=False)
+        raise CacheError(
+            f"the cache entry {entry_dir} passes its checksum but does not load here: {exc}. It was built "
+            "against other libraries or toolchain (a cache shared between machines, or imported) or changed "
+            "after it was built; `jitattn-cache verify --fix` removes it, and the next load rebuilds it"
+        ) from exc
+
+
 def load(spec: VariantSpec) -> Module:
     """The loaded module for ``spec``: a dict hit after the first call in a process.
 
@@ -144,23 +167,7 @@ def load(spec: VariantSpec) -> Module:
             failed = _failed_builds.get(key)
             if failed is not None and failed[1] >= asked:  # the build this call waited for failed
                 raise BuildError(str(failed[0]))
-            plan = build_inputs(spec)
-            entry_dir = find_entry(plan)
-            if entry_dir is None:
-                _refuse_compile_if_asked(plan)
-                try:
-                    entry_dir = build_entry(plan, jobs=default_jobs())
-                except BuildError as exc:
-                    _failed_builds[key] = (exc, time.monotonic())
-                    raise
-            try:
-                module = Module(spec, entry_dir / "lib.so", plan.entries)
-            except LOAD_ERRORS as exc:  # its checksum matched: not a torn write
-                raise CacheError(
-                    f"the cache entry {entry_dir} passes its checksum but does not load here: {exc}. It was built "
-                    "against other libraries or toolchain (a cache shared between machines, or imported) or changed "
-                    "after it was built; `jitattn-cache verify --fix` removes it, and the next load rebuilds it"
-                ) from exc
+            module = _load_built(key, build_inputs(spec))
             _registry[key] = module
     return module
 
