@@ -171,6 +171,13 @@ def test_failed_build_exits_1_with_the_reason(fresh_cache, monkeypatch, capsys) 
     assert "merge_cpu_f16" in err and "host C++ compiler '/nonexistent/c++' not found" in err
 
 
+def test_a_compiler_command_line_in_cxx_is_named_as_such(fresh_cache, monkeypatch, capsys) -> None:
+    monkeypatch.delenv("JITATTN_CXX", raising=False)
+    monkeypatch.setenv("CXX", "ccache g++")
+    rc, out, err = run_cli(capsys, "warm", "--spec", "merge_cpu_f16", "-q")
+    assert rc == 1 and "CXX='ccache g++' is a command line" in err and "/usr/lib/ccache/g++" in err
+
+
 def test_a_spec_without_a_kernel_template_is_listed_then_fails_with_the_reason(fresh_cache, monkeypatch,
                                                                                 capsys) -> None:
     real = build_inputs

@@ -70,6 +70,13 @@ def _find_cxx() -> str:
     name = env.cxx()
     path = name if os.path.isabs(name) else shutil.which(name)
     if not path or not os.access(path, os.X_OK):
+        variable = env.CXX.setting()[1] or "JITATTN_CXX"
+        if len(name.split()) > 1:  # e.g. CXX="ccache g++", a command line rather than one program
+            raise ToolchainError(
+                f"{variable}={name!r} is a command line; jitattn runs one program as the host C++ compiler: set "
+                "JITATTN_CXX to a compiler's path (a ccache wrapper too: its masquerade link, e.g. "
+                "/usr/lib/ccache/g++)"
+            )
         raise ToolchainError(
             f"host C++ compiler {name!r} not found: install g++ (or clang++) or set JITATTN_CXX to its path. "
             "The cpu target is built with it"
