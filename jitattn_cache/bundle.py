@@ -107,6 +107,8 @@ def cmd_export(args: argparse.Namespace) -> int:
         raise UsageError(f"cannot write {out}: {out.parent} is not a directory")
     if out.is_dir():
         raise UsageError(f"cannot write {out}: it is a directory; name the bundle file, e.g. {out / 'jitattn.tar.gz'}")
+    if out.suffix.lower() in (".zip", ".7z", ".rar"):
+        raise UsageError(f"cannot write {out}: bundles are tar archives; name it .tar.gz (or .tar.xz, .tar.bz2, .tar)")
     chosen, problems = _selected_entries(args)
     if problems:
         for p in problems:
@@ -352,6 +354,9 @@ def _truncated_plain_tar(archive: Path, tar: tarfile.TarFile) -> bool:
 
 def cmd_import(args: argparse.Namespace) -> int:
     archive = Path(args.file)
+    if archive.is_dir():
+        raise UsageError(f"{archive} is a directory; import takes a bundle file (`jitattn-cache export` writes one). "
+                         "An extracted bundle is used as it is: add it to JITATTN_CACHE_PATH")
     if not archive.is_file():
         raise UsageError(f"{archive}: no such file")
     try:

@@ -154,6 +154,8 @@ def test_dry_run_lists_specs_and_cache_status_without_building(warmed, monkeypat
     (["prune", "--older-than", "30 days"], "duration '30 days' is not understood"),
     (["import", "/nonexistent/bundle.tar.gz"], "no such file"),
     (["export", "/nonexistent/dir/b.tar.gz"], "is not a directory"),
+    (["export", "/tmp/b.zip"], "bundles are tar archives"),
+    (["import", "/tmp"], "/tmp is a directory; import takes a bundle file"),
 ], ids=lambda v: "-".join(v) if isinstance(v, list) else None)
 def test_usage_errors_exit_2(argv, message, fresh_cache, capsys) -> None:
     rc, out, err = run_cli(capsys, *argv)

@@ -195,3 +195,10 @@ def test_a_cache_dir_at_or_under_a_file_is_refused_by_every_command(under, tmp_p
     jitattn.jit._registry.clear()
     with pytest.raises(jitattn.jit.CacheError, match="JITATTN_CACHE_DIR"):
         jitattn.jit.load(VariantSpec("merge", "cpu", o_dtype="f32"))
+
+
+def test_the_writable_cache_named_in_cache_path_too_is_listed_once(fresh_cache, monkeypatch, capsys):
+    rc, _, _ = _cli(capsys, "warm", "-q", "--spec", SPECS[0])
+    monkeypatch.setenv("JITATTN_CACHE_PATH", os.pathsep.join([str(fresh_cache), str(fresh_cache)]))
+    rc, out, err = _cli(capsys, "ls")
+    assert rc == 0 and out.count(SPECS[0]) == 1 and "1 entries" in out and " rw" in out, (out, err)

@@ -70,8 +70,10 @@ def writable_root() -> Path:
 
 def layers() -> list[Path]:
     """Schema dirs to search for entries, read-only layers first (they need not exist)."""
-    found = [layer / SCHEMA for layer in env.cache_path()]
-    found.append(_cache_dir() / SCHEMA)
+    writable = _cache_dir() / SCHEMA
+    found = [layer / SCHEMA for layer in dict.fromkeys(env.cache_path())]
+    found = [base for base in found if base != writable]  # the writable cache listed as a layer too: once, writable
+    found.append(writable)
     return found
 
 
