@@ -165,7 +165,11 @@ def cmd_warm(args: argparse.Namespace) -> int:
             print("jitattn-cache: note: --arch only applies to the cuda target", file=sys.stderr)
         if args.dry_run:
             return dry_run(specs)
+        from jitattn import env
         from jitattn.jit.admin import default_jobs
+
+        if env.CACHE_DIR.problem() is not None:  # once, not as every spec's failed build
+            raise UsageError(env.CACHE_DIR.problem())
 
         jobs = args.jobs or default_jobs()
         started = time.perf_counter()

@@ -192,6 +192,8 @@ def test_a_cache_dir_at_or_under_a_file_is_refused_by_every_command(under, tmp_p
     for command in ("ls", "verify", "clear"):
         rc, out, err = _cli(capsys, command)
         assert rc != 0 and ("is not a directory" in err or "is a file" in err), (command, out, err)
+    rc, out, err = _cli(capsys, "warm", "--spec", SPECS[0], "--spec", SPECS[1])
+    assert rc == 2 and err.count("JITATTN_CACHE_DIR") == 1 and "failed" not in out + err, (out, err)
     jitattn.jit._registry.clear()
     with pytest.raises(jitattn.jit.CacheError, match="JITATTN_CACHE_DIR"):
         jitattn.jit.load(VariantSpec("merge", "cpu", o_dtype="f32"))
