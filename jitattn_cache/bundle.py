@@ -17,6 +17,7 @@ import argparse
 import os
 import platform
 import posixpath
+import re
 import shutil
 import stat
 import sys
@@ -30,7 +31,8 @@ from .selection import UsageError, arch_env, has_selection, resolve_specs
 from .store import entries, human_size
 
 EXIT_OK, EXIT_FAILED = 0, 1
-_ENTRY_FILES = ("manifest.json", "build.ninja", "lib.so")
+_EXPORTED_FILES = ("manifest.json", "build.ninja", "lib.so")  # an entry's files a bundle carries (and sources/)
+_ENTRY_FILES = _EXPORTED_FILES + ("build.log", ".ninja_log")  # what a build writes: a hand-made tar of a cache has them
 
 
 def _write_mode(path: Path) -> str:
@@ -128,7 +130,7 @@ def cmd_export(args: argparse.Namespace) -> int:
             for entry in sorted(chosen, key=lambda p: p.name):
                 prefix = f"{SCHEMA}/{entry.name}"
                 _add(tar, prefix, None, mode=0o755)
-                for name in _ENTRY_FILES:
+                for name in _EXPORTED_FILES:
                     if (entry / name).is_file() and not (entry / name).is_symlink():
                         _add(tar, f"{prefix}/{name}", entry / name, mode=0o755 if name == "lib.so" else 0o644)
                         total += (entry / name).stat().st_size
@@ -177,9 +179,13 @@ def _member_problem(member: tarfile.TarInfo, name: str) -> str | None:
     if any(p in ("", ".", "..") for p in parts):
         return "has a '..', '.' or empty path component"
     if parts[0] != SCHEMA:
+        if re.fullmatch(r"v\d+", parts[0]):
+            return f"is of cache layout {parts[0]} (this jitattn reads {SCHEMA}); export it with this version"
         return f"is outside {SCHEMA}/"
     if len(parts) == 1:
         return None if member.isdir() else f"{SCHEMA} must be a directory"
+    if parts[1] in ("locks", "tmp", "failed"):
+        return "is the cache's working state, not an entry; make bundles with `jitattn-cache export`"
     if not ENTRY_NAME_RE.match(parts[1]):
         return f"{parts[1]!r} is not a cache entry name (<uri>-<key16>)"
     if len(parts) == 2:

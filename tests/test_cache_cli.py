@@ -602,7 +602,9 @@ UNSAFE = {
     "device": ([_member(f"{ENTRY}/sources/null", tarfile.CHRTYPE)], "device file"),
     "fifo": ([_member(f"{ENTRY}/sources/fifo", tarfile.FIFOTYPE)], "fifo"),
     "outside-schema": ([_member("evil.sh")], "outside v1/"),
-    "not-an-entry": ([_member(f"{SCHEMA}/locks/x.lock")], "not a cache entry name"),
+    "cache-state": ([_member(f"{SCHEMA}/locks/x.lock")], "the cache's working state, not an entry"),
+    "not-an-entry": ([_member(f"{SCHEMA}/my-notes")], "not a cache entry name"),
+    "other-layout": ([_member("v2/x")], "is of cache layout v2 (this jitattn reads v1)"),
     "stray-file": ([_member(f"{ENTRY}/run_me.sh")], "not part of a cache entry"),
     "duplicate": ([_member(f"{ENTRY}/lib.so")], "appears twice"),
 }
@@ -676,6 +678,13 @@ def test_import_refuses_tampered_entries(warmed, tmp_path, monkeypatch, capsys) 
     files[manifest_name] = json.dumps(manifest).encode()
     rc, _, err = run_cli(capsys, "import", _write_tar(tmp_path / "liar.tgz", files), "--to", tmp_path / "dest")
     assert rc == 1 and "do not match the entry's name" in err
+
+
+def test_import_takes_an_entrys_build_logs(tmp_path, fresh_cache, capsys) -> None:
+    """A tar of a cache's entries made by hand carries the build.log and .ninja_log each build writes."""
+    logs = {f"{ENTRY}/build.log": b"[1/2] c++ ...", f"{ENTRY}/.ninja_log": b"# ninja log v5"}
+    rc, out, err = run_cli(capsys, "import", _write_tar(tmp_path / "b.tgz", {**GOOD, **logs}), "--to", tmp_path / "d")
+    assert rc == 0 and "imported 1 entries" in out, (out, err)
 
 
 def test_import_refuses_entries_for_another_machine(tmp_path, fresh_cache, monkeypatch, capsys) -> None:
