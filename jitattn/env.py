@@ -156,18 +156,18 @@ def _flag(knob: Knob) -> bool:
     return _truthy(knob.value())
 
 
-_BUILD_VARIABLES = (DEBUG.name, CUDA_ARCH_LIST.name, *CUDA_ARCH_LIST.aliases, PREFILL_TIER.name, *DEV_KNOBS)
+_BUILD_VARIABLES = (DEBUG.name, CUDA_ARCH_LIST.name, *CUDA_ARCH_LIST.aliases, PREFILL_TIER.name)
 _build_settings_seen: dict[tuple[str | None, ...], tuple] = {}
 
 
 def build_settings() -> tuple:
     """The settings a module's rendered source or build flags depend on (JITATTN_DEBUG, the arch list, the prefill
-    tier, the development knobs), as their meaning (``jit.load`` keeps a module per spec and these where they change
+    tier; the development knobs are read at import), as their meaning (``jit.load`` keeps a module per spec and these where they change
     it). The raw values are looked up, their meaning parsed once per distinct set."""
     raw = tuple(map(os.environ.get, _BUILD_VARIABLES))
     settings = _build_settings_seen.get(raw)
     if settings is None:
-        settings = (debug(), cuda_arch_list(), prefill_tier()) + tuple(_get(name) for name in DEV_KNOBS)
+        settings = (debug(), cuda_arch_list(), prefill_tier())
         _build_settings_seen[raw] = settings
     return settings
 
