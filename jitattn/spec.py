@@ -235,7 +235,7 @@ class VariantSpec:
     # -- validation ---------------------------------------------------------
 
     def _validate(self) -> None:
-        axes = _axes(self.op, self.target)
+        axes = spec_axes(self.op, self.target)
         for field in dataclasses.fields(self):
             name = field.name
             if name in ("op", "target", "idtype", "variant", "use_sinks"):
@@ -373,7 +373,7 @@ class VariantSpec:
         return dataclasses.replace(self, **changes)
 
 
-def _axes(op: Op, target: Target) -> frozenset[str]:
+def spec_axes(op: Op, target: Target) -> frozenset[str]:
     axes = SPECIALIZED_AXES.get((op, target))
     if axes is None:
         targets = [t.value for (o, t) in SPECIALIZED_AXES if o is op]
@@ -403,113 +403,3 @@ def _plain(value: Any) -> Any:
 
 def _show(value: Any) -> str:
     return repr(_plain(value))
-
-
-_ATTENTION_DEFAULTS: dict[str, Any] = {
-    "pos_encoding": PosEncoding.NONE, "use_sliding_window": False, "use_logits_soft_cap": False,
-    "mask_mode": MaskMode.NONE,
-}
-
-
-def parse_spec_text(text: str) -> VariantSpec:
-    """A spec from its text form: a uri (``decode_paged_cuda_bf16_hd128_g4_nhd``) or
-    ``key=value`` pairs separated by commas (``op=merge,target=cpu,o_dtype=bf16``), or
-    ``@path/to/spec.json`` (the spec's ``to_dict()``; the only form that carries a custom variant).
-
-    In the uri form, boolean and enum axes a kernel specialises on default to
-    off/none when their token is absent, as the grammar prints them.
-    """
-    text = text.strip()
-    if text.startswith("@"):
-        return _spec_from_file(text[1:])
-    if "=" in text:
-        return VariantSpec.from_dict(_key_values(text))
-    return _parse_uri(text)
-
-
-_ON, _OFF = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
-
-
-def _key_values(text: str) -> dict[str, Any]:
-    """``key=value,...`` as spec fields: integers and on / off words parsed, a key given twice or a value that is
-    not of its kind an error (a misspelt ``use_sinks=ture`` must not build the kernel without sinks)."""
-    values: dict[str, Any] = {}
-    for pair in text.split(","):
-        key, _, raw = pair.partition("=")
-        key, raw = key.strip(), raw.strip()
-        if key in values:
-            raise ValueError(f"{key} is given twice; give each key once")
-        if key in ("head_dim_qk", "head_dim_vo", "group_size"):
-            try:
-                values[key] = int(raw)
-            except ValueError:
-                raise ValueError(f"{key}={raw!r} is not an integer") from None
-        elif key in ("use_sliding_window", "use_logits_soft_cap", "use_sinks"):
-            if raw.lower() not in _ON + _OFF:
-                raise ValueError(f"{key}={raw!r} is neither on nor off; give 1 or 0 (true / false)")
-            values[key] = raw.lower() in _ON
-        else:
-            values[key] = raw
-    return values
-
-
-def _spec_from_file(path: str) -> VariantSpec:
-    """``@path``: a JSON file holding one spec's fields (``VariantSpec.to_dict``), a variant included."""
-    from pathlib import Path
-
-    try:
-        data = json.loads(Path(path).read_text())
-    except OSError as exc:
-        raise ValueError(f"cannot read spec file {path!r}: {exc.strerror}") from None
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"spec file {path!r} is not valid JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"spec file {path!r} must hold one JSON object (the spec's fields)")
-    return VariantSpec.from_dict(data)
-
-
-def _parse_uri(uri: str) -> VariantSpec:
-    if "-" in uri:
-        raise ValueError(
-            f"uri {uri!r} names a custom variant, whose snippets a uri cannot carry; give the spec as a "
-            "JSON file instead: --spec @path/to/spec.json (VariantSpec.to_dict() written with json.dump)"
-        )
-    tokens = uri.split("_")
-    values: dict[str, Any] = {"op": Op.parse(tokens.pop(0), "op")}
-    if tokens and tokens[0] in ("paged", "ragged"):
-        values["kv_storage"] = tokens.pop(0)
-    values["target"] = Target.parse(tokens.pop(0) if tokens else "", "target")
-    base = DType.parse(tokens.pop(0), "dtype") if tokens else None
-    for token in tokens:
-        if token.startswith("kv") and token not in ("kv",):
-            values["kv_dtype"] = DType.parse(token[2:], "kv_dtype")
-        elif token.startswith("o") and token[1:] in {d.value for d in DType}:
-            values["o_dtype"] = DType.parse(token[1:], "o_dtype")
-        elif token.startswith("hd"):
-            qk, _, vo = token[2:].partition("x")
-            values["head_dim_qk"], values["head_dim_vo"] = int(qk), int(vo or qk)
-        elif token.startswith("g") and token[1:].isdigit():
-            values["group_size"] = int(token[1:])
-        elif token in ("rope", "alibi"):
-            values["pos_encoding"] = token
-        elif token == "swa":
-            values["use_sliding_window"] = True
-        elif token == "softcap":
-            values["use_logits_soft_cap"] = True
-        elif token in ("causal", "custom"):
-            values["mask_mode"] = token
-        elif token in ("nhd", "hnd"):
-            values["kv_layout"] = token
-        elif token == "sink":
-            values["use_sinks"] = True
-        else:
-            raise ValueError(f"uri {uri!r}: unknown token {token!r} (see the grammar in jitattn.spec)")
-    axes = _axes(values["op"], values["target"])
-    if base is not None:
-        for name in ("q_dtype", "kv_dtype", "o_dtype"):
-            if name in axes:
-                values.setdefault(name, base)
-    for name, default in _ATTENTION_DEFAULTS.items():
-        if name in axes:
-            values.setdefault(name, default)
-    return VariantSpec(**values)

@@ -85,7 +85,8 @@ def _spec_from_text(text: str):
     anything ``parse_spec_text`` reads (a uri, ``key=value,...``, ``@spec.json``)."""
     import json
 
-    from jitattn.spec import VariantSpec, parse_spec_text
+    from jitattn.spec import VariantSpec
+    from jitattn.spec_text import parse_spec_text
 
     if text.lstrip().startswith("{"):
         try:

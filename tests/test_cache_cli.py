@@ -31,7 +31,8 @@ import jitattn.jit
 from jitattn.runtime.specs import model_specs
 from jitattn.jit.key import SCHEMA, build_inputs
 from jitattn.jit.cache import entry_dirs, entry_lock, read_manifest, remove_entry
-from jitattn.spec import Target, VariantSpec, parse_spec_text
+from jitattn.spec import Target, VariantSpec
+from jitattn.spec_text import parse_spec_text
 from jitattn_cache.cli import main
 from jitattn_cache.presets import PRESETS, ModelShape, from_hf_config
 

@@ -64,7 +64,7 @@ def test_variants_with_qk_transforms_have_a_layout(dim: int, q: str) -> None:
     "prefill_paged_cuda_bf16_kve4m3_of32_hd224_g4_rope_softcap_causal_hnd",  # was: 134528 B
 ])
 def test_previously_refused_tiles_keep_two_blocks_per_sm(uri: str) -> None:
-    from jitattn.spec import parse_spec_text
+    from jitattn.spec_text import parse_spec_text
 
     layout = _check(parse_spec_text(uri))
     assert layout["kMinBlocks"] == 2 and layout["kCtaKV"] == 16

@@ -22,7 +22,8 @@ from jitattn import reference as ref
 from jitattn.kernels.rope import ROPE
 from jitattn.jit import KernelError, load
 from jitattn.runtime.rope import Angles, Positions, rotate
-from jitattn.spec import VariantSpec, parse_spec_text
+from jitattn.spec import VariantSpec
+from jitattn.spec_text import parse_spec_text
 
 SEED = int(os.environ.get("JITATTN_TEST_SEED", random.randrange(2**31)))
 

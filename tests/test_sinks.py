@@ -16,7 +16,8 @@ import torch
 import jitattn
 from jitattn import reference
 from jitattn.runtime.specs import attention_spec, merge_spec
-from jitattn.spec import KVLayout, KVStorage, MaskMode, Op, PosEncoding, Target, VariantSpec, parse_spec_text
+from jitattn.spec import KVLayout, KVStorage, MaskMode, Op, PosEncoding, Target, VariantSpec
+from jitattn.spec_text import parse_spec_text
 
 from attention_cases import (
     assert_close_lse, assert_close_out, cascade_level, devices, random_paged_batch, stable_seed,

@@ -13,7 +13,8 @@ from jitattn import AttentionVariant, VariantParam, reference
 from jitattn.runtime.specs import attention_spec
 from jitattn.jit import BuildError, compile_count
 from jitattn.jit.key import build_inputs
-from jitattn.spec import KVLayout, KVStorage, MaskMode, Op, PosEncoding, Target, VariantSpec, parse_spec_text
+from jitattn.spec import KVLayout, KVStorage, MaskMode, Op, PosEncoding, Target, VariantSpec
+from jitattn.spec_text import parse_spec_text
 
 from attention_cases import devices, random_paged_batch
 from helpers.procs import load_at_once

@@ -70,7 +70,7 @@ def warm_command(spec: VariantSpec) -> str:
     import json
     import shlex
 
-    from ..spec import parse_spec_text
+    from ..spec_text import parse_spec_text
 
     try:
         if parse_spec_text(spec.uri) == spec:
@@ -121,7 +121,7 @@ def _settings(spec: VariantSpec) -> tuple:
 def _check_spec(where: str, spec) -> None:
     if not isinstance(spec, VariantSpec):
         raise TypeError(f"{where}() takes VariantSpec objects, not {type(spec).__name__} {spec!r}; make one with "
-                        "jitattn.VariantSpec(...), or jitattn.spec.parse_spec_text(uri) from a uri")
+                        "jitattn.VariantSpec(...), or jitattn.spec_text.parse_spec_text(uri) from a uri")
 
 
 def _load_built(key: _Key, plan: BuildInputs, again: bool = True) -> Module:
@@ -194,7 +194,7 @@ def build_many(
     """
     if isinstance(specs, (str, VariantSpec)):
         raise TypeError(f"build_many() takes an iterable of VariantSpecs, not one {type(specs).__name__}: pass "
-                        f"[{specs!r}]" + (" parsed by jitattn.spec.parse_spec_text" if isinstance(specs, str) else ""))
+                        f"[{specs!r}]" + (" parsed by jitattn.spec_text.parse_spec_text" if isinstance(specs, str) else ""))
     specs = list(specs)
     for spec in specs:
         _check_spec("build_many", spec)
