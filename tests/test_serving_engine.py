@@ -103,13 +103,14 @@ def test_requests_arriving_together_wait_for_the_shared_prefix(model, shared_wor
     assert [r.num_shared_pages for r in requests] == [0] + [4] * (len(prompts) - 1)
 
 
-def test_a_request_waits_only_for_a_prefill_that_caches_its_next_page(model) -> None:
-    engine = Engine(model, num_pages=8, page_size=4)
+def test_a_request_waits_only_for_a_prefill_that_caches_its_next_page() -> None:
+    from jitattn.serving.radix import caches_next_page
+
     base = list(range(100, 120))  # 5 pages of 4
-    assert engine._caches_next_page(base, base[:12] + [7], 2)  # pages 0-2 agree: page 2 is the tree's next
-    assert not engine._caches_next_page(base, base[:8] + [7, 7, 7, 7], 2)  # page 2 differs
-    assert not engine._caches_next_page(base, [7] + base[1:], 2)  # an earlier page differs
-    assert not engine._caches_next_page(base[:11], base, 2)  # the other prompt has no whole page 2
+    assert caches_next_page(base, base[:12] + [7], 2, 4)  # pages 0-2 agree: page 2 is the tree's next
+    assert not caches_next_page(base, base[:8] + [7, 7, 7, 7], 2, 4)  # page 2 differs
+    assert not caches_next_page(base, [7] + base[1:], 2, 4)  # an earlier page differs
+    assert not caches_next_page(base[:11], base, 2, 4)  # the other prompt has no whole page 2
 
 
 def test_cascade_and_flat_decode_give_the_same_tokens(model) -> None:

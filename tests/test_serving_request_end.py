@@ -222,3 +222,58 @@ def test_on_finish_sees_every_request_end_aborted_ones_included(model, overlap) 
     assert all(len(r.logits) == len(r.output) for r in requests)
     assert not engine.has_work
     _pages_back(engine)
+
+
+@pytest.mark.parametrize("failing_call", range(2, 16))
+def test_a_clock_that_fails_once_loses_no_request_and_no_page(model, failing_call) -> None:
+    """The caller's clock raising at any one of its reads (admission, a prefill's first token, the end of requests,
+    an abort) raises that step; the next steps finish every request exactly, ended once, all pages back."""
+    calls = 0
+
+    def clock() -> float:
+        nonlocal calls
+        calls += 1
+        if calls == failing_call:
+            raise OSError("the clock's source went away")
+        return calls * 1e-3
+
+    prompts = _prompts(41, [10, 11, 12, 13, 14])
+    engine = Engine(model, num_pages=40, page_size=4, max_batch_size=8, clock=clock)
+    requests = [engine.add_request(p, 4) for p in prompts]
+    raised = 0
+    while engine.has_work:
+        try:
+            engine.step()
+        except OSError:
+            raised += 1
+    assert raised == (failing_call <= calls)
+    assert [r.output for r in requests] == [reference_generate(model, p, 4)[0] for p in prompts]
+    assert [r.finish_reason for r in requests] == ["length"] * 5 and engine.finished == requests
+    _pages_back(engine)
+
+
+def test_on_finish_raising_still_reports_the_steps_other_requests(model) -> None:
+    engine = Engine(model, num_pages=40, page_size=4)
+    requests = [engine.add_request(p, 3) for p in _prompts(42, [3, 4, 5])]
+    seen = []
+
+    def on_finish(request) -> None:
+        seen.append(request.rid)
+        if request is requests[0]:
+            raise RuntimeError("a bug in the caller's callback")
+
+    with pytest.raises(RuntimeError, match="callback"):
+        engine.run(on_finish=on_finish)
+    engine.run(on_finish=on_finish)
+    assert sorted(seen) == sorted(r.rid for r in requests)
+
+
+def test_step_returns_every_request_that_ended_when_the_caller_clears_finished(model) -> None:
+    """A long-running server bounds its memory by clearing ``finished`` after reading each step's results."""
+    engine = Engine(model, num_pages=64, page_size=4, max_batch_size=3)
+    requests = [engine.add_request(p, 2 + i % 3) for i, p in enumerate(_prompts(43, [3, 5, 4, 6, 2, 7, 3, 4]))]
+    delivered = []
+    while engine.has_work:
+        delivered += engine.step()
+        engine.finished.clear()
+    assert sorted(r.rid for r in delivered) == [r.rid for r in requests]

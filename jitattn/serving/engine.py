@@ -47,8 +47,8 @@ from .graphs import MAX_SHARED_LEVELS, StepGraphs, padded_cascade_levels
 from .in_flight import InFlight, input_ids, timing_event, to_host
 from .kv_pool import KVPool
 from .model import LlamaModel
-from .radix import RadixCache
-from .request import EngineStats, Request, arrival_time, positive_int, request_tokens
+from .radix import RadixCache, caches_next_page
+from .request import EngineStats, Request, arrival_time, clock_or_error, positive_int, request_tokens
 from .step_cost import StepCosts
 
 
@@ -116,7 +116,7 @@ class Engine:
         self.running: list[Request] = []
         self.finished: list[Request] = []
         self.failed: list[Request] = []  # given up: aborted, or their prefill raised (``Request.error`` says which)
-        self._reported = (0, 0)  # of ``finished`` and ``failed``, how many step() has returned
+        self._unreported: list[Request] = []  # ended, not yet returned by step() (``finished`` is the caller's too)
         self.stats = EngineStats()
         self._next_rid = 0
         self._order: list[Request] = []  # _batch_order's cache: the running requests sorted by pages
@@ -176,15 +176,22 @@ class Engine:
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.prefilling or self.running or self._pending
-                    or self._reported != (len(self.finished), len(self.failed)))  # one step() has not returned
+                    or self._unreported)
 
     def run(self, on_finish: Callable[[Request], None] | None = None) -> list[Request]:
         """Step until every queued request has ended; returns the finished ones in finishing order (those given up
-        are in ``failed``, ``error`` set). ``on_finish`` is called with each as it ends, either way."""
+        are in ``failed``, ``error`` set). ``on_finish`` is called with each as it ends, either way; when it raises,
+        the step's other requests still get their call, then the first error is raised."""
         while self.has_work:
+            errors = []
             for request in self.step():
-                if on_finish is not None:
-                    on_finish(request)
+                try:
+                    if on_finish is not None:
+                        on_finish(request)
+                except Exception as exc:  # noqa: BLE001 - the caller's; raised once the others were called
+                    errors.append(exc)
+            if errors:
+                raise errors[0]
         return self.finished
 
     # --- one step ---------------------------------------------------------------------------
@@ -204,15 +211,17 @@ class Engine:
             done += self._prefill()
             done += self._decode()
         finally:
+            now, clock_error = clock_or_error(self.clock)
             for request in done:
-                self._end(request, "stop" if request.stopped else "length")
+                self._end(request, "stop" if request.stopped else "length", now=now)
             self.finished += done
+            if clock_error is not None:  # raised once every request that ended is listed as such
+                raise clock_error
         if not done and not self.prefilling and not self.running and self.waiting:
             wait = self.waiting[0].arrival - self.clock()
             if wait > 0:
                 time.sleep(min(wait, 0.05))  # nothing to do before the next arrival
-        ended = self.finished[self._reported[0]:] + self.failed[self._reported[1]:]
-        self._reported = (len(self.finished), len(self.failed))
+        ended, self._unreported = self._unreported, []
         return ended
 
     def abort(self, request: Request, reason: str = "aborted by the caller") -> bool:
@@ -224,18 +233,21 @@ class Engine:
             raise TypeError(f"abort() takes a Request (as add_request returns it); got {type(request).__name__}")
         for queue in (self.waiting, self.prefilling, self.running):
             if request in queue:
+                now = self.clock()  # before anything changes: a failing clock leaves the request where it was
                 queue.remove(request)
-                self._end(request, "abort", str(reason))
+                self._end(request, "abort", str(reason), now=now)
                 return True
         return False
 
-    def _end(self, request: Request, finish_reason: str, error: str | None = None) -> None:
-        """Mark ``request`` (taken out of its queue by the caller) ended now and give its KV pages back to the pool (a
-        decode step in flight may still read them: anything that writes them again is launched after it, on the same
-        stream); with an ``error`` it was given up, and is listed in ``failed``."""
-        request.finish_reason, request.finish_time, request.unread = finish_reason, self.clock(), 0
+    def _end(self, request: Request, finish_reason: str, error: str | None = None, *, now: float) -> None:
+        """Mark ``request`` (taken out of its queue by the caller) ended at ``now`` (the caller reads the clock before
+        it takes the request out) and give its KV pages back to the pool (a decode step in flight may still read them:
+        anything that writes them again is launched after it, on the same stream); with an ``error`` it was given up,
+        and is listed in ``failed``."""
+        request.finish_reason, request.finish_time, request.unread = finish_reason, now, 0
         self.pool.decref(request.pages)
         request.pages, request.page_tuple = [], ()
+        self._unreported.append(request)
         if error is not None:
             request.error = error
             self.failed.append(request)
@@ -253,7 +265,7 @@ class Engine:
             ps = self.pool.page_size
             max_shared = (len(request.prompt) - 1) // ps
             shared = self.radix.match(request.prompt, max_pages=max_shared)
-            if len(shared) < max_shared and any(self._caches_next_page(r.prompt, request.prompt, len(shared))
+            if len(shared) < max_shared and any(caches_next_page(r.prompt, request.prompt, len(shared), ps)
                                                 for r in self.prefilling):
                 return  # a request being prefilled will cache more of this prompt: share it, do not recompute it
             # KV the request will ever hold: the prompt and every output but the last (never fed)
@@ -275,18 +287,6 @@ class Engine:
             self.stats.reused_prompt_tokens += request.num_computed
             self.prefilling.append(request)
 
-    def _caches_next_page(self, other: list[int], prompt: list[int], cached: int) -> bool:
-        """Whether ``other`` (a prompt being prefilled) starts with the same ``cached + 1`` whole pages as
-        ``prompt``, whose first ``cached`` pages the radix tree holds: then it will cache a page of ``prompt``
-        that the tree lacks. The next page first (it rejects most pairs at once): comparing whole common
-        prefixes page by page for every pair cost ~1 ms each, 4-10 s when 128 requests over a 16k prefix were
-        admitted together."""
-        ps = self.pool.page_size
-        end = (cached + 1) * ps
-        if len(other) < end or other[end - ps: end] != prompt[end - ps: end]:
-            return False
-        return other[: end - ps] == prompt[: end - ps]
-
     def _alloc(self, count: int) -> list[int] | None:
         pages = self.pool.alloc(count)
         if pages is None:
@@ -307,14 +307,14 @@ class Engine:
         if not chunk:
             return []
         chunk, logits = self._prefill_isolating_failures(chunk)
-        done, tokens = [], None
+        done, tokens, now = [], None, self.clock()  # read before any request moves: a failing clock changes nothing
         for i, (request, n) in enumerate(chunk):
             request.num_computed += n
             full = request.num_computed // self.pool.page_size
             self.radix.insert(request.prompt, request.pages[:full])
             if request.num_computed == len(request.prompt):
                 self.prefilling.remove(request)
-                request.first_token_time = self.clock()
+                request.first_token_time = now
                 if tokens is None:  # the greedy tokens of the whole chunk: one argmax, one read-back
                     tokens = logits.argmax(-1).tolist()
                 self._emit(request, logits[i], tokens[i])
@@ -345,8 +345,9 @@ class Engine:
     def _give_up_prefill(self, request: Request, error: Exception) -> None:
         """Give up ``request``, whose prefill raised ``error`` (called while it is handled: the log has its trace)."""
         get_logger().warning("prefill of request %d raised; it is given up", request.rid, exc_info=True)
+        now, _ = clock_or_error(self.clock)  # given up either way (a failing clock is raised by the step's next read)
         self.prefilling.remove(request)
-        self._end(request, "error", f"prefill failed: {type(error).__name__}: {error}")
+        self._end(request, "error", f"prefill failed: {type(error).__name__}: {error}", now=now)
 
     def _prefill_logits(self, chunk: list[tuple[Request, int]]) -> torch.Tensor:
         """The logits of the last token of each (request, tokens) of ``chunk``, its KV written to the pool."""

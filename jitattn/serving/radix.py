@@ -139,3 +139,14 @@ class RadixCache:
             total += len(node.pages)
             stack.extend(node.children.values())
         return total
+
+
+def caches_next_page(other: list[int], prompt: list[int], cached: int, ps: int) -> bool:
+    """Whether ``other`` (a prompt being prefilled) starts with the same ``cached + 1`` whole pages (of ``ps``
+    tokens) as ``prompt``, whose first ``cached`` pages the radix tree holds: then it will cache a page of ``prompt``
+    that the tree lacks. The next page first (it rejects most pairs at once): comparing whole common prefixes page
+    by page for every pair cost ~1 ms each, 4-10 s when 128 requests over a 16k prefix were admitted together."""
+    end = (cached + 1) * ps
+    if len(other) < end or other[end - ps: end] != prompt[end - ps: end]:
+        return False
+    return other[: end - ps] == prompt[: end - ps]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -168,3 +168,11 @@ def arrival_time(arrival, name: str = "arrival") -> float:
     if isinstance(arrival, bool) or not isinstance(arrival, numbers.Real) or not math.isfinite(arrival):
         raise ValueError(f"{name}={arrival!r} must be a finite number of seconds on the engine's clock")
     return float(arrival)
+
+
+def clock_or_error(clock: Callable[[], float]) -> tuple[float, Exception | None]:
+    """(``clock()``, None), or (NaN, what it raised): requests that ended are ended either way, the caller raises."""
+    try:
+        return clock(), None
+    except Exception as exc:  # noqa: BLE001 - the caller's clock; re-raised by the caller
+        return math.nan, exc
