@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import pytest
 import torch
@@ -174,6 +175,8 @@ def test_bad_requests_are_refused_clearly(model) -> None:
     engine.add_request([1, 2], 2, arrival=1.0)
     with pytest.raises(ValueError, match="arrival order"):
         engine.add_request([1, 2], 2, arrival=0.5)
+    with pytest.raises(ValueError, match=r"after the engine's clock\(\) .* not time.time\(\)"):
+        engine.add_request([1, 2], 2, arrival=time.time())  # another time base: would wait for decades
     for prompt, match in (([1.0, 2.0], r"prompt\[0\] = 1.0 is not a token id \(float\)"),
                           ([1, True], r"prompt\[1\] = True is not a token id"),
                           ([1, torch.tensor(2)], r"prompt\[1\] = tensor\(2\) is not a token id"),
@@ -209,9 +212,8 @@ def test_a_clock_that_is_not_a_function_of_finite_seconds_is_refused(model) -> N
         Engine(model, num_pages=8, page_size=PAGE, clock=5)
     for reading in (float("nan"), "now", None):
         engine = Engine(model, num_pages=8, page_size=PAGE, clock=lambda: reading)
-        engine.add_request([1, 2], 2)
         with pytest.raises(ValueError, match=f"clock\\(\\)={reading!r} must be a finite number"):
-            engine.run()
+            engine.add_request([1, 2], 2)  # (its arrival is checked against the clock)
 
 
 @pytest.mark.parametrize("name", ["num_pages", "page_size", "max_batch_size", "prefill_chunk_tokens", "max_seq_len"])

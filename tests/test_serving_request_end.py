@@ -228,11 +228,11 @@ def test_on_finish_sees_every_request_end_aborted_ones_included(model, overlap) 
 def test_a_clock_that_fails_once_loses_no_request_and_no_page(model, failing_call) -> None:
     """The caller's clock raising at any one of its reads (admission, a prefill's first token, the end of requests,
     an abort) raises that step; the next steps finish every request exactly, ended once, all pages back."""
-    calls = 0
+    calls, armed = 0, False
 
     def clock() -> float:
         nonlocal calls
-        calls += 1
+        calls += armed
         if calls == failing_call:
             raise OSError("the clock's source went away")
         return calls * 1e-3
@@ -240,7 +240,7 @@ def test_a_clock_that_fails_once_loses_no_request_and_no_page(model, failing_cal
     prompts = _prompts(41, [10, 11, 12, 13, 14])
     engine = Engine(model, num_pages=40, page_size=4, max_batch_size=8, clock=clock)
     requests = [engine.add_request(p, 4) for p in prompts]
-    raised = 0
+    armed, raised = True, 0
     while engine.has_work:
         try:
             engine.step()

@@ -48,7 +48,7 @@ from .in_flight import InFlight, input_ids, timing_event, to_host
 from .kv_pool import KVPool
 from .model import LlamaModel
 from .radix import RadixCache, caches_next_page
-from .request import EngineStats, Request, arrival_time, clock_or_error, positive_int, request_tokens
+from .request import EngineStats, Request, arrival_time, clock_or_error, on_engine_clock, positive_int, request_tokens
 from .step_cost import StepCosts
 
 
@@ -136,7 +136,7 @@ class Engine:
         including one that could never fit the KV pool."""
         prompt, max_new_tokens, forced_tokens, stop = request_tokens(
             prompt, max_new_tokens, forced_tokens, stop_token_ids, self.model.config.vocab_size, self.max_seq_len)
-        arrival = arrival_time(arrival)
+        arrival = on_engine_clock(arrival_time(arrival), self.clock())
         if not isinstance(keep_logits, bool):  # a string such as "no" would be taken as True
             raise TypeError(f"keep_logits={keep_logits!r} must be True or False")
         needed = self.pool.pages_for(len(prompt) + max_new_tokens - 1)  # every output but the last is fed

@@ -176,3 +176,16 @@ def clock_or_error(clock: Callable[[], float]) -> tuple[float, Exception | None]
         return clock(), None
     except Exception as exc:  # noqa: BLE001 - the caller's clock; re-raised by the caller
         return math.nan, exc
+
+
+MAX_ARRIVAL_AHEAD = 86400.0  # seconds: an arrival further ahead of the engine's clock is on another time base
+
+
+def on_engine_clock(arrival: float, now: float) -> float:
+    """``arrival``, refused when it is more than a day after the engine's clock reads ``now`` (``time.time()`` passed
+    for an engine counting from its startup: the request would wait for decades and hold up those behind it)."""
+    if arrival - now > MAX_ARRIVAL_AHEAD:
+        raise ValueError(f"arrival={arrival} is {arrival - now:.3g} s after the engine's clock() (now {now:.3g}): "
+                         "arrivals count on that clock (seconds since startup, or your clock=), not time.time(); "
+                         "pass engine.clock() + a delay, or 0 for now")
+    return arrival
