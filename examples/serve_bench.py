@@ -91,6 +91,24 @@ def roofline_fraction(row: dict, peaks: dict | None) -> float | None:
 PRESET_VARIANTS = {"agent-fork": [("--cascade", "--cascade-depth", "1"), ("--cascade", "--cascade-depth", "6")]}
 
 
+# flags of serve.py that set the same thing: a preset's one gives way to the other given on the command line
+ALTERNATIVES = {"--prompt-len": "--prompt-len-range", "--prompt-len-range": "--prompt-len"}
+
+
+def with_overrides(preset: list[str], rest: list[str]) -> list[str]:
+    """A preset's flags (options each followed by their values) less those ``rest`` gives, or their alternative
+    (``--prompt-len`` for ``--prompt-len-range``), then ``rest``."""
+    given = {flag.split("=", 1)[0] for flag in rest if flag.startswith("--")}
+    given |= {ALTERNATIVES[flag] for flag in given if flag in ALTERNATIVES}
+    kept, keep = [], True
+    for token in preset:
+        if token.startswith("--"):
+            keep = token not in given
+        if keep:
+            kept.append(token)
+    return kept + rest
+
+
 def run_workload(rest: list[str], on_cuda: bool, graphs_only: bool = False,
                  extra: list[tuple[str, ...]] = (), repeat: int = 1) -> list[dict]:
     """The workload's runs, cascade on and off, graphs off and (on cuda) on; ``graphs_only``: graphs on only,
@@ -290,7 +308,12 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--repeat {args.repeat}: give at least 1 run per row")
     if not Path(args.out).resolve().parent.is_dir():  # before the runs, not after them
         parser.error(f"--out {args.out}: {Path(args.out).resolve().parent} is not a directory")
-    on_cuda = "cuda" in " ".join(rest)
+    if "--json" in rest or any(flag.startswith("--json=") for flag in rest):
+        parser.error("--json is serve.py's file of one run, rewritten by each of the bench's runs; the bench's "
+                     "table goes to --out")
+    device = argparse.ArgumentParser(add_help=False)
+    device.add_argument("--device", default="auto")
+    on_cuda = device.parse_known_args(rest)[0].device == "cuda"  # auto: run_workload asks the first run
     if args.sweep_prefix:
         prefixes, counts = args.sweep_prefix, args.sweep_requests
         flags = " --graphs-only" if args.graphs_only else ""
@@ -308,7 +331,7 @@ def main(argv: list[str] | None = None) -> None:
         print("\n".join(lines))
         return
     names = list(PRESETS) if args.preset == "all" else [args.preset] if args.preset else [None]
-    workloads = [(name or "custom", run_workload(PRESETS.get(name, []) + rest, on_cuda,
+    workloads = [(name or "custom", run_workload(with_overrides(PRESETS.get(name, []), rest), on_cuda,
                                                  args.graphs_only, PRESET_VARIANTS.get(name, []), args.repeat))
                  for name in names]
     peaks = ceilings(workloads[0][1][0]["device"])

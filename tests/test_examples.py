@@ -88,6 +88,12 @@ def test_serve_bench_presets_and_roofline() -> None:
     assert flops / 800e12 > (10 * 10**9 + 10**4 * 131072) / 4e12
     assert serve_bench.roofline_fraction(cascade, peaks) == pytest.approx(flops / 800e12 / 0.1)
     assert serve_bench.roofline_fraction(row, None) is None
+    with pytest.raises(SystemExit):  # --json is one serve.py run's file: each of the bench's runs would rewrite it
+        serve_bench.main(["--out", "/tmp/b.md", "--device", "cpu", "--json", "/tmp/cuda/r.json"])
+    # flags on the command line override the preset's, --prompt-len its --prompt-len-range too
+    flags = serve_bench.with_overrides(serve_bench.PRESETS["no-sharing"], ["--prompt-len", "8", "--num-requests", "2"])
+    parsed = serve.parse_args(flags)
+    assert parsed.num_requests == 2 and parsed.prompt_len == 8 and "--prompt-len-range" not in flags
 
 
 def test_serve_bench_sweeps_the_shared_prefix(tmp_path):
