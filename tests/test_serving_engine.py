@@ -177,6 +177,8 @@ def test_bad_requests_are_refused_clearly(model) -> None:
         engine.add_request([1, 2], 2, arrival=0.5)
     with pytest.raises(ValueError, match=r"after the engine's clock\(\) .* not time.time\(\)"):
         engine.add_request([1, 2], 2, arrival=time.time())  # another time base: would wait for decades
+    numpy = pytest.importorskip("numpy")
+    assert engine.add_request(numpy.array([1, 2]), 2, 1.0, stop_token_ids=numpy.array([3])).prompt == [1, 2]
     for prompt, match in (([1.0, 2.0], r"prompt\[0\] = 1.0 is not a token id \(float\)"),
                           ([1, True], r"prompt\[1\] = True is not a token id"),
                           ([1, torch.tensor(2)], r"prompt\[1\] = tensor\(2\) is not a token id"),

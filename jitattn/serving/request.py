@@ -103,11 +103,14 @@ class EngineStats:
 
 
 def token_ids(name: str, tokens, vocab_size: int) -> list[int]:
-    """``tokens`` (a sequence of ints or a 1-D integer tensor) as a list of ints in ``[0, vocab_size)``."""
+    """``tokens`` (a sequence of ints, or a 1-D integer tensor or numpy array, as tokenizers return them) as a list
+    of ints in ``[0, vocab_size)``."""
+    if type(tokens).__name__ == "ndarray" and hasattr(tokens, "__array__"):
+        tokens = torch.as_tensor(tokens)
     if isinstance(tokens, torch.Tensor):
         if tokens.dim() != 1 or tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == torch.bool:
-            raise TypeError(f"{name} as a tensor must be 1-D with an integer dtype; got shape {tuple(tokens.shape)} "
-                            f"{str(tokens.dtype).removeprefix('torch.')}")
+            raise TypeError(f"{name} as a tensor or array must be 1-D with an integer dtype; got shape "
+                            f"{tuple(tokens.shape)} {str(tokens.dtype).removeprefix('torch.')}")
         tokens = tokens.tolist()
     elif isinstance(tokens, (str, bytes)) or not isinstance(tokens, Sequence):
         raise TypeError(f"{name} must be a list of token ids (ints); got {type(tokens).__name__}")
