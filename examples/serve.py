@@ -250,4 +250,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except ValueError as exc:  # the library's own refusals (a flag it cannot take): the message, not a traceback
+        sys.exit(f"serve.py: {exc}")

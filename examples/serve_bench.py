@@ -344,4 +344,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except ValueError as exc:  # a serve.py flag the library refuses: the message, not a traceback
+        sys.exit(f"serve_bench.py: {exc}")
