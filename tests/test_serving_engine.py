@@ -803,3 +803,18 @@ def test_pages_in_budget_counts_every_layers_k_and_v() -> None:
     assert pages_in_budget(0, 32, 16, 8, 128, torch.float32) == 0
     pool = KVPool(2, 3, 4, 2, 8, torch.float32, "cpu")
     assert pages_in_budget(3 * pool.bytes_per_page, 2, 4, 2, 8, torch.float32) == 3
+
+
+def test_pool_and_group_shapes_are_checked_where_they_are_made() -> None:
+    from jitattn.serving.kv_pool import KVPool, pages_in_budget
+    from jitattn.serving.parallel import TPGroup
+
+    for args, error, match in [((0, "2"), TypeError, "size='2' must be an int"),
+                               ((0, 0), ValueError, r"rank must be in \[0, size\)"),
+                               ((3, 1), ValueError, r"rank must be in \[0, size\)")]:
+        with pytest.raises(error, match=match):
+            TPGroup(*args)
+    with pytest.raises(TypeError, match="num_pages=4.5 must be an int"):
+        KVPool(1, 4.5, 4, 1, 8, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="page_size=0, .* holds nothing"):
+        pages_in_budget(10**9, 1, 0, 1, 8, torch.float32)

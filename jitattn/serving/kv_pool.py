@@ -9,12 +9,17 @@ scratch page that padded CUDA-graph rows point at.
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 
 def pages_in_budget(budget_bytes: int, num_layers: int, page_size: int, num_kv_heads: int, head_dim: int,
                     dtype: torch.dtype) -> int:
     """How many pages (scratch page included) a pool of these shapes can have in ``budget_bytes`` of memory."""
+    if min(num_layers, page_size, num_kv_heads, head_dim) < 1:
+        raise ValueError(f"a KV page of num_layers={num_layers}, page_size={page_size}, num_kv_heads={num_kv_heads}, "
+                         f"head_dim={head_dim} holds nothing: each must be >= 1")
     page_bytes = num_layers * 2 * page_size * num_kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
     return max(0, int(budget_bytes) // page_bytes)
 
@@ -26,6 +31,9 @@ class KVPool:
 
     def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: str | torch.device) -> None:
+        for name, value in (("num_pages", num_pages), ("page_size", page_size)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise TypeError(f"{name}={value!r} must be an int")
         if num_pages < 2:
             raise ValueError(f"num_pages={num_pages} must be at least 2 (page 0 is the scratch page)")
         if page_size < 1:

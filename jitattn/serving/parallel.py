@@ -10,6 +10,7 @@ and ``torch.distributed`` is never touched.
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -51,6 +52,11 @@ class TPGroup:
     """The engine's view of its tensor-parallel group (``torch.distributed``'s default group when tp > 1)."""
 
     def __init__(self, rank: int = 0, size: int = 1) -> None:
+        for name, value in (("rank", rank), ("size", size)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise TypeError(f"TPGroup {name}={value!r} must be an int")
+        if not 0 <= rank < size:
+            raise ValueError(f"TPGroup(rank={rank}, size={size}): the rank must be in [0, size) and size >= 1")
         if size > 1:
             import torch.distributed as dist
 
