@@ -732,6 +732,8 @@ def test_engine_refuses_a_cascade_depth_below_one(model) -> None:
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match="cascade_depth"):
             Engine(model, num_pages=8, page_size=PAGE, cascade_depth=bad)
+    numpy = pytest.importorskip("numpy")
+    Engine(model, num_pages=8, page_size=PAGE, cascade_depth=numpy.int64(2))  # as num_pages takes one
 
 
 def test_pages_saved_counts_every_repeated_page_reference() -> None:

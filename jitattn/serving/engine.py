@@ -73,9 +73,8 @@ class Engine:
         num_pages, page_size, max_batch_size, prefill_chunk_tokens, max_seq_len = (positive_int(n, v) for n, v in (
             ("num_pages", num_pages), ("page_size", page_size), ("max_batch_size", max_batch_size),
             ("prefill_chunk_tokens", prefill_chunk_tokens), ("max_seq_len", max_seq_len)))
-        if cascade_depth is not None and (isinstance(cascade_depth, bool) or not isinstance(cascade_depth, int)
-                                          or cascade_depth < 1):
-            raise ValueError(f"cascade_depth={cascade_depth!r} must be None (the prefix tree's depth) or an int >= 1")
+        if cascade_depth is not None:  # None: the prefix tree's depth
+            cascade_depth = positive_int("cascade_depth", cascade_depth)
         if clock is not None and not callable(clock):
             raise TypeError(f"clock={clock!r} must be a function returning seconds (or None: since startup)")
         if not isinstance(model, LlamaModel):
