@@ -367,6 +367,9 @@ class VariantSpec:
         unknown = set(data) - known
         if unknown:
             raise ValueError(f"unknown spec field(s) {sorted(unknown)}; known fields: {sorted(known)}")
+        missing = [name for name in ("op", "target") if name not in data]
+        if missing:
+            raise ValueError(f"a spec needs {' and '.join(missing)} (e.g. op=decode, target=cuda)")
         return cls(**data)
 
     def replace(self, **changes: Any) -> "VariantSpec":
