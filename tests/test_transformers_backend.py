@@ -170,6 +170,25 @@ def test_what_the_backend_cannot_serve_is_refused_with_what_to_use() -> None:
         additive = torch.zeros(1, 1, 8, 8).masked_fill(torch.ones(8, 8, dtype=torch.bool).triu(1), float("-inf"))
         with pytest.raises(TypeError, match=r"an additive one, such as a 4-D float attention_mask .*\(additive == 0\)"):
             model(ids, attention_mask=additive)
+        per_head = torch.ones(8, 8, dtype=torch.bool).tril().expand(1, 2, 8, 8).clone()  # one mask per head
+        per_head[:, 1, 5:, :5] = False
+        with pytest.raises(ValueError, match=r"one mask for every head \(\[B, 1, T, S\]\); got shape \(1, 2, 8, 8\)"):
+            model(ids, attention_mask=per_head)
+
+
+def test_each_thread_plans_on_its_own_wrapper() -> None:
+    """A model used from two threads: a layer's plan and run on one shared wrapper interleaved with another thread's
+    (wrong outputs with different padding, a shape error with different lengths)."""
+    import threading
+
+    from jitattn.integrations.transformers import _wrapper
+
+    seen = []
+    thread = threading.Thread(target=lambda: seen.append(_wrapper(torch.device("cpu"))))
+    thread.start()
+    thread.join()
+    assert seen[0] is not _wrapper(torch.device("cpu")) and _wrapper(torch.device("cpu")) is _wrapper(
+        torch.device("cpu"))
 
 
 def test_serving_engine_refuses_checkpoints_it_would_compute_wrong(tmp_path) -> None:

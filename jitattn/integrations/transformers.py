@@ -20,20 +20,23 @@ integration registers on import; :func:`register` is idempotent and may be calle
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 import jitattn
 
 NAME = "jitattn"
 _WORKSPACE_BYTES = 16 << 20
-_wrappers: dict[torch.device, jitattn.BatchPrefillWithRaggedKVCacheWrapper] = {}
+_local = threading.local()  # a wrapper per thread and device: a layer's plan and run must not interleave with another's
 
 
 def _wrapper(device: torch.device) -> jitattn.BatchPrefillWithRaggedKVCacheWrapper:
-    if device not in _wrappers:
+    wrappers = _local.__dict__.setdefault("wrappers", {})
+    if device not in wrappers:
         workspace = torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        _wrappers[device] = jitattn.BatchPrefillWithRaggedKVCacheWrapper(workspace)
-    return _wrappers[device]
+        wrappers[device] = jitattn.BatchPrefillWithRaggedKVCacheWrapper(workspace)
+    return wrappers[device]
 
 
 def jitattn_attention_forward(
@@ -76,6 +79,9 @@ def jitattn_attention_forward(
                             "mask of another attention implementation). Pass the 2-D padding mask (1: a token) and "
                             "let the model build its mask, or a boolean 4-D one (additive == 0); build the model "
                             f"with attn_implementation='{NAME}' after importing jitattn.integrations.transformers")
+        if attention_mask.dim() != 4 or attention_mask.shape[1] != 1:
+            raise ValueError(f"the jitattn backend takes one mask for every head ([B, 1, T, S]); got shape "
+                             f"{tuple(attention_mask.shape)} (a mask per head); use attn_implementation='sdpa'")
         custom_mask = attention_mask.expand(batch, 1, q_len, kv_len)[:, 0].reshape(-1).cpu()
         causal = False  # the mask holds the causal pattern
     q = query.transpose(1, 2).reshape(batch * q_len, heads, head_dim)
