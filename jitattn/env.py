@@ -1,10 +1,10 @@
 """Every environment knob jitattn reads, declared once: name, aliases, kind, default, doc.
 
-Values are read when used, never at import, so a test or a server can change them between
-calls (a kernel module already loaded in the process is reloaded for a changed JITATTN_DEBUG, prefill tier or arch
-list where they change its source; the arch list of other cuda modules is the one of their first load). ``KNOBS`` is what ``jitattn-cache show-config`` and ``doctor`` list and check; the
-accessors below are what the library calls. A knob's aliases are read, in order, when the knob
-itself is unset (``MAX_JOBS`` for ``JITATTN_MAX_JOBS``, ...).
+Values are read when used, never at import, so a test or a server can change them between calls (a kernel module
+already loaded in the process is reloaded for a changed JITATTN_DEBUG, prefill tier or arch list where they change
+its source; the arch list of other cuda modules is the one of their first load). ``KNOBS`` is what
+``jitattn-cache show-config`` and ``doctor`` list and check; the accessors below are what the library calls. A
+knob's aliases are read, in order, when the knob itself is unset (``MAX_JOBS`` for ``JITATTN_MAX_JOBS``, ...).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("0", "false", "no", "off")
+ON_WORDS = ("1", "true", "yes", "on")  # what an on / off setting takes (spec_text reads its flags the same)
+OFF_WORDS = ("0", "false", "no", "off")
 LOG_LEVELS = ("info", "debug")
 PREFILL_TIERS = ("auto", "sm80", "sm90")
 MLA_KERNELS = ("auto", "sm90", "prefill")
@@ -67,7 +67,7 @@ class Knob:
                 ok = False
             return None if ok else f"{shown} is not a positive integer; set it to a job count such as 4, or unset it"
         if self.kind == "flag":
-            if raw.strip().lower() in _TRUE + _FALSE:
+            if raw.strip().lower() in ON_WORDS + OFF_WORDS:
                 return None
             return f"{shown} is neither on nor off; set it to 1 or 0"
         if self.kind == "log_level":
@@ -145,7 +145,7 @@ KNOBS: tuple[Knob, ...] = (CACHE_DIR, CACHE_PATH, MAX_JOBS, CUDA_ARCH_LIST, ASSE
 
 
 def _truthy(value: str | None) -> bool:
-    return value is not None and value.strip().lower() in _TRUE
+    return value is not None and value.strip().lower() in ON_WORDS
 
 
 def _flag(knob: Knob) -> bool:
@@ -162,8 +162,8 @@ _build_settings_seen: dict[tuple[str | None, ...], tuple] = {}
 
 def build_settings() -> tuple:
     """The settings a module's rendered source or build flags depend on (JITATTN_DEBUG, the arch list, the prefill
-    tier; the development knobs are read at import), as their meaning (``jit.load`` keeps a module per spec and these where they change
-    it). The raw values are looked up, their meaning parsed once per distinct set."""
+    tier; the development knobs are read at import), as their meaning (``jit.load`` keeps a module per spec and
+    these where they change it). The raw values are looked up, their meaning parsed once per distinct set."""
     raw = tuple(map(os.environ.get, _BUILD_VARIABLES))
     settings = _build_settings_seen.get(raw)
     if settings is None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from .env import OFF_WORDS, ON_WORDS
 from .spec import DType, MaskMode, Op, PosEncoding, Target, VariantSpec, spec_axes
 
 _ATTENTION_DEFAULTS: dict[str, Any] = {
@@ -30,9 +31,6 @@ def parse_spec_text(text: str) -> VariantSpec:
     return _parse_uri(text)
 
 
-_ON, _OFF = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
-
-
 def _key_values(text: str) -> dict[str, Any]:
     """``key=value,...`` as spec fields: integers and on / off words parsed, a key given twice or a value that is
     not of its kind an error (a misspelt ``use_sinks=ture`` must not build the kernel without sinks)."""
@@ -48,9 +46,9 @@ def _key_values(text: str) -> dict[str, Any]:
             except ValueError:
                 raise ValueError(f"{key}={raw!r} is not an integer") from None
         elif key in ("use_sliding_window", "use_logits_soft_cap", "use_sinks"):
-            if raw.lower() not in _ON + _OFF:
+            if raw.lower() not in ON_WORDS + OFF_WORDS:
                 raise ValueError(f"{key}={raw!r} is neither on nor off; give 1 or 0 (true / false)")
-            values[key] = raw.lower() in _ON
+            values[key] = raw.lower() in ON_WORDS
         else:
             values[key] = raw
     return values

@@ -193,8 +193,9 @@ def build_many(
     called once per spec as it finishes (the CLI's progress bar).
     """
     if isinstance(specs, (str, VariantSpec)):
+        parsed = " parsed by jitattn.spec_text.parse_spec_text" if isinstance(specs, str) else ""
         raise TypeError(f"build_many() takes an iterable of VariantSpecs, not one {type(specs).__name__}: pass "
-                        f"[{specs!r}]" + (" parsed by jitattn.spec_text.parse_spec_text" if isinstance(specs, str) else ""))
+                        f"[{specs!r}]{parsed}")
     specs = list(specs)
     for spec in specs:
         _check_spec("build_many", spec)
