@@ -18,6 +18,7 @@ import os
 import platform
 import posixpath
 import re
+import shlex
 import shutil
 import stat
 import sys
@@ -446,7 +447,7 @@ def _publish_staged(archive: Path, staging: Path, base: Path, args: argparse.Nam
           f"{', ' + str(counts['replaced']) + ' damaged ones replaced' if counts['replaced'] else ''}"
           f", {len(refused)} refused)")
     if args.to:
-        print(f"  use it read-only: JITATTN_CACHE_PATH={base.parent}")
+        print(f"  use it read-only: JITATTN_CACHE_PATH={shlex.quote(str(base.parent.absolute()))}")  # pasteable
     return EXIT_FAILED if refused else EXIT_OK
 
 

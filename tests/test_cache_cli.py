@@ -687,6 +687,8 @@ def test_import_takes_an_entrys_build_logs(tmp_path, fresh_cache, capsys) -> Non
     logs = {f"{ENTRY}/build.log": b"[1/2] c++ ...", f"{ENTRY}/.ninja_log": b"# ninja log v5"}
     rc, out, err = run_cli(capsys, "import", _write_tar(tmp_path / "b.tgz", {**GOOD, **logs}), "--to", tmp_path / "d")
     assert rc == 0 and "imported 1 entries" in out, (out, err)
+    rc, out, err = run_cli(capsys, "import", tmp_path / "b.tgz", "--to", tmp_path / "a layer")  # pasteable
+    assert rc == 0 and f"JITATTN_CACHE_PATH='{tmp_path / 'a layer'}'" in out, (out, err)
 
 
 def test_import_refuses_entries_for_another_machine(tmp_path, fresh_cache, monkeypatch, capsys) -> None:
