@@ -241,10 +241,7 @@ def batch_invariant() -> bool:
     raw = os.environ.get(BATCH_INVARIANT.name)
     if _batch_invariant_seen is not None and _batch_invariant_seen[0] == raw:
         return _batch_invariant_seen[1]
-    problem = BATCH_INVARIANT.problem()
-    if problem is not None:
-        raise ValueError(problem)
-    value = _truthy(BATCH_INVARIANT.value())
+    value = _flag(BATCH_INVARIANT)
     _batch_invariant_seen = (raw, value)
     return value
 
