@@ -130,6 +130,19 @@ def make_plan(
     return plan
 
 
+def upload_mask(host: torch.Tensor, device: torch.device, buffer: torch.Tensor | None = None) -> torch.Tensor:
+    """``upload`` of a packed custom mask (uint8). The sm90 prefill kernel reads a mask row in aligned 4-byte words,
+    the last of which may reach up to 3 bytes past the mask's end (its bits there are never used), so a copy of the
+    plan's own is 4 zero bytes longer: no read leaves the allocation (compute-sanitizer memcheck). A caller's fixed
+    ``buffer`` (CUDA graphs) is used as it is."""
+    if buffer is not None:
+        return upload(host, device, buffer, "custom_mask")
+    n = host.numel()
+    padded = torch.zeros(n + 4, dtype=torch.uint8)
+    padded[:n] = host.reshape(-1)
+    return upload(padded, device)[: max(n, 1)]
+
+
 def build_plan(
     wrapper: str, target: Target, device: torch.device, kv_layout: KVLayout, options: AttentionOptions,
     host: HostIndex, split: KVSplit, buffers: dict[str, torch.Tensor | None], use_cuda_graph: bool,
@@ -158,7 +171,7 @@ def build_plan(
         arrays.append(("split_indptr", split.host_indptr()))
     on_device = dict(zip((name for name, _ in arrays), upload_int32(
         [(name, array, buffers.get(name)) for name, array in arrays], device)))
-    mask = upload(host.mask, device, buffers.get("custom_mask"), "custom_mask") if host.mask is not None else None
+    mask = upload_mask(host.mask, device, buffers.get("custom_mask")) if host.mask is not None else None
     # Read through numpy (an int32 tensor never requires grad): indexing the tensor costs a few µs more.
     total_qo = int(host.qo_indptr.numpy()[-1])
     total_kv = None if paged is not None else int(host.kv_indptr.numpy()[-1])
