@@ -373,14 +373,15 @@ def test_row_sum_mma_layout():
 @pytest.mark.parametrize("case_id", ROW_SUM_CASES)
 def test_sm90_row_sum_mma_matches_reference(case_id, hopper, monkeypatch, fresh_registry):
     """Every head-dim-64 case (sinks, ALiBi, masks, windows, soft caps, paged, other output dtypes) with the row sums
-    taken by the P V GEMM: the output and the LSE (now of the 16-bit P) still the float reference's."""
+    taken by the P V GEMM: the output the float reference's; the LSE is of the 16-bit P, so its bound is the plain
+    kernel's 2e-3 plus P's rounding (2^-9 relative in the sum: ALiBi d64 measured 2.6e-3 on 2 of 8796 rows)."""
     monkeypatch.setitem(prefill_sm90.SM90_TUNING, "row_sum_mma", 1)
     jitattn.jit._registry.clear()
     assert prefill_sm90.sm90_layout(_spec(CASES[case_id]))["kRowSumMma"] == 1
-    _check_against_reference(case_id)
+    _check_against_reference(case_id, lse_atol=2e-3 + 2.0 ** -9)
 
 
-def _check_against_reference(case_id: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _check_against_reference(case_id: str, lse_atol: float = 2e-3) -> tuple[torch.Tensor, torch.Tensor]:
     """Case ``case_id`` on the sm90 tier against the float reference (K / V no tile may load poisoned); its output
     and LSE."""
     c = CASES[case_id]
@@ -405,7 +406,7 @@ def _check_against_reference(case_id: str) -> tuple[torch.Tensor, torch.Tensor]:
         ref_o = reference.apply_sinks(ref_o, ref_lse, sinks)
     assert out.dtype == (c.out or c.dtype)
     assert_close_out(out, ref_o, c.dtype)
-    assert_close_lse(lse, ref_lse)
+    assert_close_lse(lse, ref_lse, atol=lse_atol)
     return out, lse
 
 
