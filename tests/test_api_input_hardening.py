@@ -74,6 +74,51 @@ def test_fast_decode_plan_refuses_int64_tables(which):
                                  D, PAGE, q_data_type=torch.float32)
 
 
+def test_fast_decode_plan_reads_strided_tables_as_their_values():
+    """Index arrays that are strided views (a column of a wider table) were read by the kernel as if packed: the
+    pages of other rows, a silently wrong result (2026-12-06 sweep)."""
+    batch, q = _decode_batch()
+    expected = _decode_wrapper(batch).run(q, batch.cache)
+    strided = {name: torch.stack([t, t.flip(0)], 1)[:, 0] for name, t in
+               (("indptr", batch.kv_indptr), ("indices", batch.kv_indices), ("last", batch.kv_last_page_len))}
+    assert all(t.stride(0) == 2 for t in strided.values())
+    wrapper = jitattn.BatchDecodeWithPagedKVCacheWrapper(_workspace())
+    jitattn.fast_decode_plan(wrapper, strided["indptr"], strided["indices"], strided["last"], HQ, HKV, D, PAGE,
+                             q_data_type=torch.float32)
+    torch.testing.assert_close(wrapper.run(q, batch.cache), expected, atol=0, rtol=0)
+
+
+def test_fast_decode_plan_refuses_indices_shorter_than_the_page_table():
+    batch, _ = _decode_batch()
+    wrapper = jitattn.BatchDecodeWithPagedKVCacheWrapper(_workspace())
+    n = int(batch.kv_indptr[-1])
+    with pytest.raises(ValueError, match=f"indptr\[-1\] = {n} pages but indices has {n - 2} entries"):
+        jitattn.fast_decode_plan(wrapper, batch.kv_indptr, batch.kv_indices[: n - 2], batch.kv_last_page_len, HQ,
+                                 HKV, D, PAGE, q_data_type=torch.float32)
+
+
+def test_fast_decode_plan_names_a_host_indptr_that_disagrees_with_indptr():
+    batch, _ = _decode_batch()
+    wrapper = jitattn.BatchDecodeWithPagedKVCacheWrapper(_workspace())
+    args = (batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len, HQ, HKV, D, PAGE)
+    with pytest.raises(ValueError, match="global_override_indptr_cpu has 3 entries but indptr has 4"):
+        jitattn.fast_decode_plan(wrapper, *args, q_data_type=torch.float32,
+                                 global_override_indptr_cpu=batch.kv_indptr[:3].clone())
+
+
+def test_mla_plan_errors_name_its_own_arrays():
+    wrapper = jitattn.BatchMLAPagedAttentionWrapper(_workspace())
+    i32 = lambda *v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    args = (i32(0, 1, 2), i32(0, 1, 2), i32(0, 1), i32(5, 9), 16, 512, 64, 16, False, 0.07, torch.bfloat16,
+            torch.bfloat16)
+    with pytest.raises(ValueError, match="kv_indptr must be non-decreasing"):
+        wrapper.plan(args[0], i32(0, 2, 1), *args[2:])
+    with pytest.raises(ValueError, match="kv_indices\[1\] = -3 is a negative page index"):
+        wrapper.plan(args[0], args[1], i32(0, -3), *args[3:])
+    with pytest.raises(ValueError, match="kv_indptr\[0\] must be 0"):
+        wrapper.plan(args[0], i32(1, 2, 3), *args[2:])
+
+
 @pytest.mark.parametrize("options, error, message", [
     (dict(window_left=2**32 + 1), ValueError, r"window_left=4294967297 must be -1"),  # was truncated to 1
     (dict(window_left=2**31), ValueError, r"window_left=2147483648 must be -1"),  # was negative: no window

@@ -10,13 +10,13 @@ import torch
 from ..runtime.batch import check_sinks, check_workspace, upload_int32
 from ..runtime.builder import HostIndex, attention_options, build_plan, kernel_spec, make_plan, num_workers
 from ..runtime.wrapper import BatchWrapperBase, drops_plan_on_failure, plan_arguments
-from ..runtime.checks import check_tensor, target_of
+from ..runtime.checks import check_tensor, fast_page_table, target_of
 from ..runtime.launch import PreparedAttention
 from ..runtime.options import (
     PAGE_TABLE_HINT, fp8_scale, parse_kv_layout, positive_int, refuse_unsupported, resolve_batch_invariant,
 )
 from ..jit import load, resident_blocks, short_items_blocks
-from ..page_table import PagedIndex, check_host_last_page_lens, check_paged_index, to_host_int32
+from ..page_table import PagedIndex, check_host_last_page_lens, check_paged_index
 from ..kv_split import (
     MAX_RESIDENT_BLOCKS, KVSplit, check_fixed_split_size, check_workspace_limits, decode_kv_split, max_decode_chunks,
     short_items_split, split_workspace_bytes, unsplit, window_lens,
@@ -259,15 +259,8 @@ class BatchDecodeWithPagedKVCacheWrapper(BatchWrapperBase):
             spec = kernel_spec(options, self._target, self._kv_layout, KVStorage.PAGED)
             self._fast_specs[key] = (spec, load(spec))
         spec, module = self._fast_specs[key]
-        # dtype and rank only (no sync): the kernel reads these buffers as int32
-        for name, array in (("indptr", indptr), ("indices", indices), ("last_page_len", last_page_len)):
-            check_tensor(name, array, ndim=1, dtypes=(torch.int32,), last_dim_contiguous=False)
-        # the host copy (FlashInfer copies indptr too), named as the caller passed it
-        indptr_host = (to_host_int32("indptr", indptr) if indptr_host is None
-                       else to_host_int32("global_override_indptr_cpu", indptr_host))
-        batch = indptr_host.numel() - 1
-        if batch < 0 or last_page_len.numel() != batch:
-            raise ValueError(f"indptr describes {batch} requests but last_page_len has {last_page_len.numel()}")
+        indptr, indices, last_page_len, indptr_host, batch = fast_page_table(indptr, indices, last_page_len,
+                                                                             indptr_host)
         check_host_last_page_lens(indptr_host, last_page_len, page_size)
         self._check_graph_batch(batch)
         # Without last_page_len on the host every request counts its full last page. Chunk sizes are whole pages,

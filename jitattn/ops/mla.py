@@ -168,6 +168,11 @@ class BatchMLAPagedAttentionWrapper:
         indptr, lens = _batch_prefixes(qo_indptr, to_host_int32("kv_indptr", kv_indptr),
                                        to_host_int32("kv_len_arr", kv_len_arr))
         kv_indices = to_host_int32("kv_indices", kv_indices)
+        check_indptr("kv_indptr", indptr)  # (the prefill kernels' plan would name its paged_kv_* arguments)
+        negative = np.flatnonzero(kv_indices.numpy() < 0)
+        if negative.size:
+            raise ValueError(f"kv_indices[{int(negative[0])}] = {int(kv_indices.numpy()[negative[0]])} is a negative "
+                             "page index; kv_indices lists each request's pages of the latent cache")
         page_size = positive_int(page_size, "page_size")
         # numpy views of the host tensors: a few microseconds per operation, where torch's take several times that
         indptr_np, lens_np = indptr.numpy(), lens.numpy().astype(np.int64)

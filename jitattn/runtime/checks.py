@@ -12,6 +12,7 @@ from typing import Iterable
 
 import torch
 
+from ..page_table import to_host_int32
 from ..spec import Target
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)  # the fp8 dtypes jitattn takes (q / kv, as FlashInfer)
@@ -194,3 +195,26 @@ def refuse_paged_arguments(api: str, num_qo_heads) -> None:
         raise TypeError(f"{api}.plan got a tensor as num_qo_heads: it takes (qo_indptr, kv_indptr, num_qo_heads, "
                         "num_kv_heads, head_dim_qk, ...) over contiguous k / v; a paged cache's (indptr, indices, "
                         "last_page_len) plan on the paged wrapper (BatchPrefillWithPagedKVCacheWrapper)")
+
+
+def fast_page_table(indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tensor,
+                    override: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """``fast_decode_plan``'s page table, checked without a device sync: (indptr, indices, last_page_len as packed
+    int32 (a strided view's copy: the kernel reads them packed), indptr on the host (``override``,
+    ``global_override_indptr_cpu``, when given), the batch size). Dtypes, ranks and lengths only: the page indices
+    are trusted (their values stay on the device)."""
+    for name, array in (("indptr", indptr), ("indices", indices), ("last_page_len", last_page_len)):
+        check_tensor(name, array, ndim=1, dtypes=(torch.int32,), last_dim_contiguous=False)
+    indptr, indices, last_page_len = indptr.contiguous(), indices.contiguous(), last_page_len.contiguous()
+    source = "indptr" if override is None else "global_override_indptr_cpu"
+    host = to_host_int32(source, indptr if override is None else override)  # FlashInfer copies indptr too
+    if host.numel() != indptr.numel():
+        raise ValueError(f"global_override_indptr_cpu has {host.numel()} entries but indptr has {indptr.numel()}; "
+                         "pass the host copy of this step's indptr")
+    batch = host.numel() - 1
+    if batch < 0 or last_page_len.numel() != batch:
+        raise ValueError(f"{source} describes {batch} requests but last_page_len has {last_page_len.numel()}")
+    if indices.numel() < int(host.numpy()[-1]):
+        raise ValueError(f"{source}[-1] = {int(host.numpy()[-1])} pages but indices has {indices.numel()} entries: "
+                         "the last requests' pages would be read past its end")
+    return indptr, indices, last_page_len, host, batch
