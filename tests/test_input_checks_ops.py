@@ -194,6 +194,20 @@ def test_mla_append_refused_kpe_leaves_the_ckv_cache_unchanged(change, error, me
     assert not case.ckv_cache.any() and not case.kpe_cache.any()
 
 
+def test_mla_append_refuses_caches_that_share_memory_and_takes_disjoint_columns_of_one_buffer() -> None:
+    """kpe columns overlapping the ckv ones were written over the latent values, silently (2026-12-06 sweep);
+    SGLang's layout, both cut from one 24-wide buffer, shares no element."""
+    case = MlaAppend()
+    buf = torch.zeros(6, P, 24)
+    with pytest.raises(ValueError, match="ckv_cache and kpe_cache share memory"):
+        case.run(ckv_cache=buf[..., :16], kpe_cache=buf[..., 12:20])
+    with pytest.raises(ValueError, match="ckv_cache and kpe_cache share memory"):
+        case.run(ckv_cache=buf[..., :8], kpe_cache=buf[..., :8], append_ckv=case.ckv[:, :8])
+    assert not buf.any()
+    case.run(ckv_cache=buf[..., :16], kpe_cache=buf[..., 16:])
+    assert torch.equal(buf[1, 1, :16], case.ckv[0]) and torch.equal(buf[2, 1, 16:], case.kpe[2])
+
+
 @pytest.mark.parametrize("change, message", [
     (lambda c: dict(batch_indices=_i32([0, 0, 1, 1])),
      r"batch_indices has 4 entries; expected nnz=3 \(append_ckv's rows\)"),

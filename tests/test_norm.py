@@ -157,6 +157,26 @@ def test_gated_activations_match_the_float64_reference(device, dtype, shape, act
     _check(f"{act} (new output)", fn(x), want, dtype)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_disjoint_column_slices_of_one_buffer_are_separate_tensors(device) -> None:
+    """Input, residual and out cut from disjoint columns of one buffer share no element: accepted and computed as
+    separate tensors (they were refused as "sharing memory" by a check of their spans; 2026-12-06 sweep)."""
+    g = _gen(77)
+    buf = torch.randn(5, 3 * 96, generator=g).to(device)
+    w = (torch.randn(96, generator=g) * 0.5 + 1).to(device)
+    x, r, out = buf[:, :96], buf[:, 96:192], buf[:, 192:]
+    want = _rms_ref(x, w, 1e-6)
+    assert jitattn.rmsnorm(x, w, out=out) is out
+    _check("rmsnorm into a column slice", out, want, torch.float32)
+    total = x.double().cpu() + r.double().cpu()
+    jitattn.fused_add_rmsnorm(x, r, w)
+    _check("fused_add_rmsnorm over column slices", x, _rms_ref(total, w, 1e-6), torch.float32)
+    gate = torch.randn(5, 3 * 80, generator=g).to(device)
+    want = ACTS["silu"][1](gate[:, :80].double().cpu()) * gate[:, 80:160].double().cpu()
+    assert jitattn.silu_and_mul(gate[:, :160], out=gate[:, 160:]) is not None
+    _check("silu_and_mul into a column slice", gate[:, 160:], want, torch.float32)
+
+
 def test_bad_inputs_get_clear_errors() -> None:
     x = torch.randn(4, 64)
     w = torch.randn(64)

@@ -167,19 +167,28 @@ def views_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     offsets (page p of ``a`` against page q of ``b``: p - q from -(pages of b - 1) to pages of a - 1). The K and V
     views of one ``[pages, 2, ...]`` tensor, or two heads of one page, interleave without sharing any. Views of
     other shapes, or strides that do not nest (each dimension's above the span of the smaller ones): False."""
-    if a.dtype != b.dtype or a.stride() != b.stride() or a.shape[1:] != b.shape[1:] or a.numel() == 0 or b.numel() == 0:
+    return a.shape[1:] == b.shape[1:] and shares_element(a, b) is True
+
+
+def shares_element(a: torch.Tensor, b: torch.Tensor) -> bool | None:
+    """Whether two views of one dtype, rank and strides share an element (their extents may differ: column slices
+    of one buffer, ``buf[..., :512]`` and ``buf[..., 512:]``, interleave without sharing any); None when this cannot
+    tell (other dtypes, ranks or strides, offsets not a whole element apart, strides that do not nest)."""
+    if a.numel() == 0 or b.numel() == 0:
         return False
+    if a.dtype != b.dtype or a.dim() != b.dim() or a.stride() != b.stride():
+        return None
     offset, rest = divmod(b.data_ptr() - a.data_ptr(), a.element_size())
-    return not rest and _offset_shared(offset, a.shape[0], b.shape[0], tuple(a.shape[1:]), a.stride())
+    return None if rest else _offset_shared(offset, tuple(a.shape), tuple(b.shape), a.stride())
 
 
 @functools.lru_cache(maxsize=256)  # a serving loop appends to the same few caches every step
-def _offset_shared(offset: int, pages_a: int, pages_b: int, page_shape: tuple[int, ...],
-                   strides: tuple[int, ...]) -> bool:
-    bounds = [(1 - pages_b, pages_a - 1)] + [(1 - n, n - 1) for n in page_shape]
+def _offset_shared(offset: int, shape_a: tuple[int, ...], shape_b: tuple[int, ...],
+                   strides: tuple[int, ...]) -> bool | None:
+    bounds = [(1 - nb, na - 1) for na, nb in zip(shape_a, shape_b)]  # index of a minus index of b, per dimension
     dims = sorted(((lo, hi, st) for (lo, hi), st in zip(bounds, strides) if hi > lo), key=lambda d: -d[2])
     if any(st <= sum(max(-lo, hi) * t for lo, hi, t in dims[i + 1:]) for i, (_, _, st) in enumerate(dims)):
-        return False
+        return None
     return _reachable(offset, dims)
 
 

@@ -25,7 +25,8 @@ from ..abi import APPEND_SOURCE_CODES
 from ..jit import load
 from ..page_table import check_page_table
 from ..spec import KVLayout, Target
-from .checks import check_no_overlap, check_tensor, cpu_threads, launch_on, target_of, views_overlap
+from .checks import (check_no_overlap, check_tensor, cpu_threads, launch_on, shares_element, spans_overlap, target_of,
+                     views_overlap)
 from .specs import append_spec
 from .kv import cache_geometry, check_kv_tensors, kv_strides, split_paged_kv_cache
 
@@ -385,6 +386,11 @@ def append_paged_mla_kv_cache(
     _check_mla_half("append_ckv", append_ckv, "ckv_cache", ckv_cache)
     _check_mla_half("append_kpe", append_kpe, "kpe_cache", kpe_cache)
     nnz = _check_mla_shapes(append_ckv, append_kpe, ckv_cache, kpe_cache)
+    shared = shares_element(ckv_cache, kpe_cache)
+    if shared or (shared is None and spans_overlap(ckv_cache, kpe_cache)):
+        raise ValueError("ckv_cache and kpe_cache share memory, so the kpe writes would overwrite latent values: cut "
+                         "them from disjoint columns of one buffer (buf[..., :512] and buf[..., 512:]) or pass two "
+                         "tensors")
     target, device = target_of("append_paged_mla_kv_cache", (append_ckv, append_kpe, ckv_cache, kpe_cache))
     for name, cache in (("ckv_cache", ckv_cache), ("kpe_cache", kpe_cache)):
         if target is Target.CUDA and cache.dtype == torch.float32:

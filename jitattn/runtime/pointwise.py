@@ -18,7 +18,7 @@ import torch
 from ..abi import ACT_CODES
 from ..jit import load
 from ..spec import Op
-from .checks import check_no_overlap, check_tensor, cpu_threads, launch_on, target_of
+from .checks import check_no_overlap, check_tensor, cpu_threads, launch_on, shares_element, target_of
 from .specs import dtype_spec
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -74,6 +74,11 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
 
 
 def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors share an element: exactly for views of one buffer with the same strides (disjoint column
+    slices of one buffer share none), else whether their spans overlap."""
+    shared = shares_element(a, b)
+    if shared is not None:
+        return shared
     if a.numel() == 0 or b.numel() == 0:
         return False
     a0, a1 = _span(a)
