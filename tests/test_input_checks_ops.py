@@ -257,6 +257,15 @@ def test_get_seq_lens_takes_the_arrays_flashinfer_takes() -> None:
     assert jitattn.get_seq_lens(torch.tensor([0, 2, 3]), torch.tensor([3, 2]), P).tolist() == [7, 2]  # int64
 
 
+def test_int64_lengths_past_int32_are_refused_not_wrapped() -> None:
+    """int64 host arrays are taken (as FlashInfer takes them); lengths past 2^31 wrapped around in the int32 result
+    (2026-12-06 sweep: get_seq_lens gave 17 for 2^33 + 17 tokens)."""
+    with pytest.raises(ValueError, match="lengths .* reach 8589934609, past the int32"):
+        jitattn.get_seq_lens(torch.tensor([0, 2**31 + 5]), torch.tensor([1]), P)
+    with pytest.raises(ValueError, match="seq_lens reach 8589934592, past the int32"):
+        jitattn.get_batch_indices_positions(torch.tensor([0, 2]), torch.tensor([2**33]), 2)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # MultiLevelCascadeAttentionWrapper.run: no out= / lse=
 

@@ -317,6 +317,7 @@ def get_batch_indices_positions(
                 f"request {r} appends {int(counts[r])} tokens but seq_lens[{r}]={int(lens[r])}; "
                 "seq_lens must count the tokens after the append"
             )
+        _fits_int32("seq_lens", lens)
     tokens = torch.arange(nnz, dtype=torch.int64, device=device)
     if batch_size == 0:
         empty = torch.zeros(nnz, dtype=torch.int32, device=device)
@@ -361,8 +362,17 @@ def get_seq_lens(kv_indptr: torch.Tensor, kv_last_page_len: torch.Tensor, page_s
     device = kv_indptr.device
     num_pages = kv_indptr[1:].to(torch.int64) - kv_indptr[:-1].to(torch.int64)
     last = kv_last_page_len[:batch_size].to(device=device, dtype=torch.int64, non_blocking=True)
-    lens = (num_pages - 1) * page_size + last
-    return torch.where(num_pages > 0, lens, torch.zeros_like(lens)).to(torch.int32)
+    lens = torch.where(num_pages > 0, (num_pages - 1) * page_size + last, torch.zeros_like(last))
+    if device.type == "cpu":
+        _fits_int32("the lengths (kv_indptr's pages x page_size)", lens)
+    return lens.to(torch.int32)
+
+
+def _fits_int32(what: str, values: torch.Tensor) -> None:
+    """Refuse int64 host values that an int32 result would wrap around (no check on a GPU: it would sync)."""
+    if values.numel() and int(values.max()) > 2**31 - 1:
+        raise ValueError(f"{what} reach {int(values.max())}, past the int32 the results are: a request of over 2^31 "
+                         "tokens, or an index array that is not one")
 
 
 def append_paged_mla_kv_cache(
