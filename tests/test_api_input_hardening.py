@@ -106,6 +106,16 @@ def test_fast_decode_plan_names_a_host_indptr_that_disagrees_with_indptr():
                                  global_override_indptr_cpu=batch.kv_indptr[:3].clone())
 
 
+@pytest.mark.parametrize("single", ["prefill", "decode"])
+def test_single_calls_name_q_and_k_of_different_head_dims(single):
+    """The plan took q's head dim and the run then blamed "the kv cache" against "the plan" (or advised padding),
+    which the caller of a single call never made (2026-12-06 sweep; POD's prefill part prefixes its own names)."""
+    q = torch.randn(10, 4, 32) if single == "prefill" else torch.randn(4, 32)
+    fn = getattr(jitattn, f"single_{single}_with_kv_cache")
+    with pytest.raises(ValueError, match=f"single_{single}_with_kv_cache: q has head_dim 32 but k has 64"):
+        fn(q, torch.randn(12, 2, 64), torch.randn(12, 2, 64))
+
+
 def test_mla_plan_errors_name_its_own_arrays():
     wrapper = jitattn.BatchMLAPagedAttentionWrapper(_workspace())
     i32 = lambda *v: torch.tensor(v, dtype=torch.int32)  # noqa: E731

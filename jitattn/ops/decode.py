@@ -432,7 +432,7 @@ def single_decode_with_kv_cache(
     check_tensor("k", k, ndim=3)
     check_tensor("v", v, ndim=3)
     target_of("single_decode_with_kv_cache", (q, k, v))
-    kv_len, num_kv_heads = check_single_kv("single_decode_with_kv_cache", k, v, layout, q.shape[0])
+    kv_len, num_kv_heads = check_single_kv("single_decode_with_kv_cache", k, v, layout, q.shape[0], q.shape[1])
     if sinks is not None:  # checked here too, so that errors name this function rather than the wrapper under it
         check_sinks("single_decode_with_kv_cache", sinks, q.shape[0], q.device)
     if q_scale is not None:  # the rules of run()'s scales: a number or a one-element host tensor
@@ -462,11 +462,13 @@ def single_decode_with_kv_cache(
 KV_SHAPES = {KVLayout.NHD: "[kv_len, num_kv_heads, head_dim]", KVLayout.HND: "[num_kv_heads, kv_len, head_dim]"}
 
 
-def check_single_kv(what: str, k: torch.Tensor, v: torch.Tensor, layout: KVLayout,
-                    num_qo_heads: int) -> tuple[int, int]:
-    """One request's k and v (3-D tensors, checked) against each other and q's ``num_qo_heads``: one dtype, one
-    kv_len, one head count that divides q's (read in ``layout``: a mistaken layout shows here). Returns
-    (kv_len, num_kv_heads)."""
+def check_single_kv(what: str, k: torch.Tensor, v: torch.Tensor, layout: KVLayout, num_qo_heads: int,
+                    head_dim: int) -> tuple[int, int]:
+    """One request's k and v (3-D tensors, checked) against each other and q's ``num_qo_heads`` and ``head_dim``: one
+    dtype, one kv_len, one head count that divides q's (read in ``layout``: a mistaken layout shows here), k's head
+    dim q's (v's may differ). Returns (kv_len, num_kv_heads)."""
+    if k.shape[2] != head_dim:
+        raise ValueError(f"{what}: q has head_dim {head_dim} but k has {k.shape[2]}; q and k must share it")
     if k.dtype != v.dtype:
         raise TypeError(f"{what}: k is {k.dtype} but v is {v.dtype}; pass k and v of one dtype")
     if k.shape[:2] != v.shape[:2]:

@@ -446,7 +446,7 @@ def plan_single_prefill(
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(name, t, ndim=3)
     target_of("single_prefill_with_kv_cache", (q, k, v))
-    kv_len, num_kv_heads = check_single_kv("single_prefill_with_kv_cache", k, v, layout, q.shape[1])
+    kv_len, num_kv_heads = check_single_kv("single_prefill_with_kv_cache", k, v, layout, q.shape[1], q.shape[2])
     if isinstance(custom_mask, torch.Tensor) and custom_mask.dim() == 2:
         if tuple(custom_mask.shape) != (q.shape[0], kv_len):
             raise ValueError(f"custom_mask has shape {tuple(custom_mask.shape)}; a 2-D mask must be [qo_len, kv_len] = "
