@@ -191,6 +191,18 @@ def test_plan_and_run_refuse_bad_input() -> None:
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the error of a machine without a GPU")
+def test_run_errors_from_a_part_name_batch_attention_and_the_part() -> None:
+    """An error raised by the part's wrapper named that wrapper and its own arguments (indices), not the call the
+    user made (2026-12-06 sweep)."""
+    i32 = lambda *v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    wrapper = jitattn.BatchAttention(device="cpu")
+    wrapper.plan(i32(0, 1, 6), i32(0, 2, 4), i32(0, 1, 2, 99), i32(20, 30), 4, 2, 64, 64, 16)
+    q, cache = torch.randn(6, 4, 64, dtype=torch.bfloat16), torch.randn(40, 2, 16, 2, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"^BatchAttention\.run\(\), the prefill part .*references page 99 but the "
+                                         "kv cache has only 40 pages"):
+        wrapper.run(q, cache)
+
+
 def test_default_cuda_device_without_a_gpu_says_how_to_use_the_cpu() -> None:
     with pytest.raises(RuntimeError, match="device='cpu'"):
         jitattn.BatchAttention()

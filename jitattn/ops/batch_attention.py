@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..runtime.checks import check_no_overlap, check_tensor, not_planned
+from ..runtime.checks import check_no_overlap, check_tensor, named_refusals, not_planned
 from ..runtime.options import number, positive_int, refuse_unsupported, resolve_batch_invariant
 from ..runtime.side_by_side import prefill_blocks, side_by_side
 from ..page_table import check_indptr, check_page_table, to_host_int32
@@ -199,7 +199,9 @@ class BatchAttention:
             if given is not None:  # a tensor; its shape, dtype and device are checked with q's below
                 check_tensor(name, given, last_dim_contiguous=False)
         if len(self._parts) == 1 and self._parts[0][1] is self._prefill:
-            return self._prefill.run(q, kv_cache, k_scale=k_scale, v_scale=v_scale, out=out, lse=lse, return_lse=True)
+            return named_refusals(self._NAME, "batch on the paged prefill kernels (q, kv_cache, out, lse)",
+                                  lambda: self._prefill.run(q, kv_cache, k_scale=k_scale, v_scale=v_scale, out=out,
+                                                            lse=lse, return_lse=True))
         rows, heads, dqk, dvo = self._shape
         check_tensor("q", q, ndim=3)
         if tuple(q.shape) != (rows, heads, dqk):
@@ -213,9 +215,10 @@ class BatchAttention:
 
         def launch(part: _Part, wrapper):
             sliced = isinstance(part.rows, slice)  # then the part writes its rows of out / lse in place
-            return wrapper.run(part.take(q), kv_cache, k_scale=k_scale, v_scale=v_scale,
-                               out=out[part.rows] if sliced else None, lse=lse[part.rows] if sliced else None,
-                               return_lse=True)
+            which = "prefill" if wrapper is self._prefill else "decode"
+            return named_refusals(self._NAME, f"{which} part (its rows of q, kv_cache, out, lse)", lambda: wrapper.run(
+                part.take(q), kv_cache, k_scale=k_scale, v_scale=v_scale, out=out[part.rows] if sliced else None,
+                lse=lse[part.rows] if sliced else None, return_lse=True))
 
         if len(self._parts) == 2:  # the prefill part on the SMs its estimate needs, the decode part beside it
             with self._prefill.current_plan.launch.grid_at_most(self._prefill_blocks):

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from ..runtime.batch import workspace_target
-from ..runtime.checks import check_planned_dtype, check_tensor, not_planned
+from ..runtime.checks import check_planned_dtype, check_tensor, named_refusals, not_planned
 from ..runtime.options import (parse_kv_layout, parse_pos_encoding, refuse_unsupported, resolve_dtypes,
                                  resolve_flag, resolve_window_left)
 from .decode import BatchDecodeWithPagedKVCacheWrapper
@@ -47,16 +47,6 @@ def _check_query(name: str, q: torch.Tensor, plan) -> None:
     expected = (plan.q_rows, plan.num_qo_heads, plan.head_dim_qk)
     if tuple(q.shape) != expected:
         raise ValueError(f"{name} has shape {tuple(q.shape)}; the plan expects {expected}")
-
-
-def _named_refusals(wrapper: str, part: str, run):
-    """``run()``; a ValueError / TypeError it raises is prefixed with ``part`` (the part and its arguments): the
-    part's wrapper names its own arguments (q, indices), not the ones the caller passed (q_d, kv_indices_d)."""
-    try:
-        return run()
-    except (ValueError, TypeError) as exc:
-        kind = ValueError if isinstance(exc, ValueError) else TypeError
-        raise kind(f"{wrapper}.run(), the {part}: {exc}") from exc
 
 
 class PODWithPagedKVCacheWrapper:
@@ -143,7 +133,7 @@ class PODWithPagedKVCacheWrapper:
             check_tensor(name, t, ndim=3)
         _check_query("q_d", q_d, self._decode.current_plan)
         prefill_part = "prefill part (q_p, k_p, v_p)"
-        wrapper, kv_p = _named_refusals(self._NAME, prefill_part, lambda: plan_single_prefill(
+        wrapper, kv_p = named_refusals(self._NAME, prefill_part, lambda: plan_single_prefill(
             q_p, k_p, v_p, custom_mask=custom_mask_p, packed_custom_mask=packed_custom_mask_p, causal=causal_p,
             kv_layout=kv_layout_p, pos_encoding_mode=pos_encoding_mode_p, sm_scale=sm_scale_p,
             window_left=window_left_p, rope_scale=rope_scale_p, rope_theta=rope_theta_p))
@@ -155,10 +145,10 @@ class PODWithPagedKVCacheWrapper:
 
         def run_prefill():
             with launch.grid_at_most(blocks):  # the plan may be shared: capped for this launch only
-                return _named_refusals(self._NAME, prefill_part,
+                return named_refusals(self._NAME, prefill_part,
                                        lambda: wrapper.run(q_p, kv_p, return_lse=return_lse_p))
 
-        prefill, decode = side_by_side(run_prefill, lambda: _named_refusals(
+        prefill, decode = side_by_side(run_prefill, lambda: named_refusals(
             self._NAME, "decode part (q_d, paged_kv_cache_d, indices)", lambda: self._decode.run(
                 q_d, paged_kv_cache_d, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, return_lse=return_lse_d)),
             q_p.device)
@@ -273,11 +263,11 @@ class BatchPODWithPagedKVCacheWrapper:
 
         def run_prefill():
             with launch.grid_at_most(self._prefill_blocks):
-                return _named_refusals(self._NAME, "prefill part (q_p, paged_kv_cache_p, kv_indices_p)",
+                return named_refusals(self._NAME, "prefill part (q_p, paged_kv_cache_p, kv_indices_p)",
                                        lambda: self._prefill.run(q_p, paged_kv_cache_p, return_lse=return_lse))
 
         def run_decode():
-            return _named_refusals(self._NAME, "decode part (q_d, paged_kv_cache_d, kv_indices_d)",
+            return named_refusals(self._NAME, "decode part (q_d, paged_kv_cache_d, kv_indices_d)",
                                    lambda: self._decode.run(q_d, paged_kv_cache_d, q_scale=q_scale, k_scale=k_scale,
                                                             v_scale=v_scale, return_lse=return_lse))
 
@@ -296,7 +286,7 @@ class BatchPODWithPagedKVCacheWrapper:
             return
         self._prefill_mask = None
         qo_indptr, index, num_qo_heads, num_kv_heads, head_dim, options = self._prefill_batch
-        _named_refusals(self._NAME, "prefill part's mask (custom_mask_p, packed_custom_mask_p)",
+        named_refusals(self._NAME, "prefill part's mask (custom_mask_p, packed_custom_mask_p)",
                         lambda: self._prefill.plan_checked(qo_indptr, index, num_qo_heads, num_kv_heads, head_dim,
                                                            causal=causal, custom_mask=custom_mask,
                                                            packed_custom_mask=packed_custom_mask, **options))

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ..runtime.checks import check_planned_dtype, check_tensor, not_planned
+from ..runtime.checks import check_planned_dtype, check_tensor, named_refusals, not_planned
 from ..runtime.options import parse_pos_encoding, per_tensor_scale, positive_int, resolve_flag
 from ..runtime.wrapper import plan_arguments
 from .prefill import BatchPrefillWithPagedKVCacheWrapper
@@ -160,9 +160,11 @@ class BlockSparseAttentionWrapper(_SparseWrapperBase):
             raise ValueError(f"q has shape {tuple(q.shape)}; the plan has M={self.M} queries: pass "
                              "[M, num_qo_heads, head_dim]")
         pages = (k.unflatten(0, (table.num_pages, table.page_size)), v.unflatten(0, (table.num_pages, table.page_size)))
-        return self._prefill.run(q, pages, q_scale=per_tensor_scale(scale_q, "scale_q"),
-                                 k_scale=per_tensor_scale(scale_k, "scale_k"), v_scale=per_tensor_scale(scale_v, "scale_v"),
-                                 out=out, lse=lse, return_lse=return_lse)
+        return named_refusals(self._NAME, "block rows' prefill over k / v as pages (q, k, v, out, lse)",
+                              lambda: self._prefill.run(q, pages, q_scale=per_tensor_scale(scale_q, "scale_q"),
+                                                        k_scale=per_tensor_scale(scale_k, "scale_k"),
+                                                        v_scale=per_tensor_scale(scale_v, "scale_v"),
+                                                        out=out, lse=lse, return_lse=return_lse))
 
 
 class VariableBlockSparseAttentionWrapper(_SparseWrapperBase):
@@ -250,7 +252,8 @@ class VariableBlockSparseAttentionWrapper(_SparseWrapperBase):
         # when group > 1), its keys tokens h * kv_len.. of a one-head token pool (a view of contiguous k/v).
         q_rows = q.unflatten(0, (heads, group)).transpose(1, 2).reshape(heads * qo_len, group, q.shape[2])
         pool = (k.reshape(heads * kv_len, 1, k.shape[2]), v.reshape(heads * kv_len, 1, v.shape[2]))
-        out_rows, lse_rows = self._prefill.run(q_rows, pool, return_lse=True)
+        out_rows, lse_rows = named_refusals(self._NAME, "prefill of every kv head's rows (q, k, v)",
+                                            lambda: self._prefill.run(q_rows, pool, return_lse=True))
         # Every size spelled out: with qo_len == 0 (or no row blocks) a -1 could be any size.
         result = out_rows.view(heads, qo_len, group, plan.head_dim_vo).transpose(1, 2)
         result = result.reshape(heads * group, qo_len, plan.head_dim_vo)

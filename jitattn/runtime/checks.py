@@ -227,3 +227,14 @@ def fast_page_table(indptr: torch.Tensor, indices: torch.Tensor, last_page_len: 
         raise ValueError(f"{source}[-1] = {int(host.numpy()[-1])} pages but indices has {indices.numel()} entries: "
                          "the last requests' pages would be read past its end")
     return indptr, indices, last_page_len, host, batch
+
+
+def named_refusals(wrapper: str, part: str, run):
+    """``run()``; a ValueError / TypeError it raises is prefixed with ``wrapper``'s run and ``part`` (what the caller
+    passed to it): the inner wrapper that ``run`` calls names its own arguments (q, indices), not the caller's
+    (q_d, kv_indices_d)."""
+    try:
+        return run()
+    except (ValueError, TypeError) as exc:
+        kind = ValueError if isinstance(exc, ValueError) else TypeError
+        raise kind(f"{wrapper}.run(), the {part}: {exc}") from exc
