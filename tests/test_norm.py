@@ -188,6 +188,8 @@ def test_bad_inputs_get_clear_errors() -> None:
         jitattn.rmsnorm(torch.randn(64), w)
     with pytest.raises(ValueError, match="eps=-1"):
         jitattn.rmsnorm(x, w, eps=-1)
+    with pytest.raises(TypeError, match=r"must be a Python float \(for a one-element tensor pass .item\(\)\)"):
+        jitattn.rmsnorm(x, w, eps=torch.tensor(1e-6))
     with pytest.raises(TypeError, match="dtype int64"):
         jitattn.rmsnorm(torch.ones(4, 64, dtype=torch.int64), w)
     with pytest.raises(ValueError, match="out has shape"):

@@ -172,7 +172,9 @@ def append_paged_kv_cache(
     cpu and cuda targets; NaN stays NaN. Index arrays may live on the host or
     on the cache's device; host-side ones are range-checked before the launch (a position beyond the
     request's pages raises ``IndexError``). On a CUDA device the kernel runs on the current stream;
-    out-of-range entries of device-side index arrays are skipped, never written out of bounds.
+    out-of-range entries of device-side index arrays are skipped, never written out of bounds. Two tokens bound for
+    one cache slot (a repeated (batch index, position), a page listed twice, two requests appending into a page they
+    share) are not detected: which of them lands varies from run to run.
     """
     layout = KVLayout.parse(kv_layout, "kv_layout")
     cache = _CacheView(paged_kv_cache, layout)

@@ -54,7 +54,10 @@ def _rowwise(t: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 
 def _eps(eps) -> float:
-    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not math.isfinite(eps) or eps < 0:
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
+        hint = " (for a one-element tensor pass .item())" if isinstance(eps, torch.Tensor) else ""
+        raise TypeError(f"eps={eps!r} must be a Python float{hint}")
+    if not math.isfinite(eps) or eps < 0:
         raise ValueError(f"eps={eps!r} must be a finite number >= 0")
     return float(eps)
 
