@@ -168,12 +168,11 @@ class BatchMLAPagedAttentionWrapper:
         indptr, lens = _batch_prefixes(qo_indptr, to_host_int32("kv_indptr", kv_indptr),
                                        to_host_int32("kv_len_arr", kv_len_arr))
         kv_indices = to_host_int32("kv_indices", kv_indices)
-        check_indptr("kv_indptr", indptr)  # (the prefill kernels' plan would name its paged_kv_* arguments)
-        negative = np.flatnonzero(kv_indices.numpy() < 0)
-        if negative.size:
-            raise ValueError(f"kv_indices[{int(negative[0])}] = {int(kv_indices.numpy()[negative[0]])} is a negative "
-                             "page index; kv_indices lists each request's pages of the latent cache")
         page_size = positive_int(page_size, "page_size")
+        # For both kernels, in this wrapper's names (the prefill kernels' plan would name its paged_kv_* arguments);
+        # last_page_len is derived below from kv_len_arr checked against the page counts: in range by construction.
+        self._highest_page = check_page_table(indptr, kv_indices, None, page_size,
+                                              names=("kv_indptr", "kv_indices", "kv_len_arr"))
         # numpy views of the host tensors: a few microseconds per operation, where torch's take several times that
         indptr_np, lens_np = indptr.numpy(), lens.numpy().astype(np.int64)
         pages = indptr_np[1:].astype(np.int64) - indptr_np[:-1]
@@ -310,9 +309,6 @@ class BatchMLAPagedAttentionWrapper:
         if qo_indptr.numel() != indptr.numel():
             raise ValueError(f"qo_indptr describes {qo_indptr.numel() - 1} requests but kv_indptr "
                              f"{indptr.numel() - 1}")
-        # (last_page_len is plan()'s, from kv_len_arr checked against the page counts: in range by construction)
-        self._highest_page = check_page_table(indptr, kv_indices, None, page_size,
-                                              names=("kv_indptr", "kv_indices", "kv_len_arr"))
         graph = None
         if self._use_cuda_graph:
             baked = (num_heads, page_size, bool(causal), float(sm_scale), q_dtype, kv_dtype)
