@@ -206,8 +206,9 @@ def refuse_paged_arguments(api: str, num_qo_heads) -> None:
                         "last_page_len) plan on the paged wrapper (BatchPrefillWithPagedKVCacheWrapper)")
 
 
-def fast_page_table(indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tensor, override: torch.Tensor | None
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
+def fast_page_table(
+    indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tensor, override: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """``fast_decode_plan``'s page table, checked without a device sync: (indptr, indices, last_page_len as packed
     int32 (a strided view's copy: the kernel reads them packed), indptr on the host (``override``,
     ``global_override_indptr_cpu``, when given), the batch size). Dtypes, ranks and lengths only: the page indices
