@@ -81,6 +81,20 @@ def _fault_record(spec: VariantSpec) -> list[str]:
     return lines + ["}"]
 
 
+# A snippet's value as its hook's type: any number (nonzero is true for logits_mask), but not a pointer (a tensor
+# parameter named without its index: never null, so a mask of it hid nothing) and, for logits_mask, not a float.
+SNIPPET_VALUE = [
+    "template <typename R, typename T>",
+    "JITATTN_VARIANT_FN R jitattn_snippet_value(T x) {",
+    '  static_assert(std::is_arithmetic<T>::value, "jitattn: the snippet is not a number (a tensor parameter needs '
+    'its index: name[i])");',
+    '  static_assert(!std::is_same<R, bool>::value || !std::is_floating_point<T>::value, "jitattn: logits_mask must '
+    'be a bool (or integer) expression, not a float");',
+    "  return static_cast<R>(x);",
+    "}",
+    "",
+]
+
 # The bounds-checked accessor a tensor parameter becomes under JITATTN_DEBUG=1.
 CHECKED_ACCESSOR = [
     "template <typename T>",
@@ -150,11 +164,12 @@ def header(spec: VariantSpec, debug: bool = False) -> str:
         "#pragma once",
         "#include <stdint.h>",
         "#include <math.h>",
+        "#include <type_traits>",
         "",
         f"struct {entry.struct_name} {{",
     ]
     lines += [f"  {c_type(f.kind)} {f.name};" for f in entry.fields]
-    lines += ["};", "", f"#define JITATTN_VARIANT_FN {_QUALIFIER[spec.target]}", ""]
+    lines += ["};", "", f"#define JITATTN_VARIANT_FN {_QUALIFIER[spec.target]}", ""] + SNIPPET_VALUE
     if debug:
         lines += _debug_support(spec)
 
@@ -185,7 +200,7 @@ def header(spec: VariantSpec, debug: bool = False) -> str:
         args += [f"[[maybe_unused]] int64_t {name}" for name in indices]
         lines.append(f"JITATTN_VARIANT_FN {ret} variant_{hook}({', '.join(args)}) {{")
         lines += bindings(hook_id)
-        lines.append(f"  return static_cast<{ret}>(")
+        lines.append(f"  return jitattn_snippet_value<{ret}>(")
         lines.append(f'#line 1 "{hook}"')
         lines += text.splitlines()
         lines.append(f'#line {len(lines) + 2} "{HEADER_NAME}"')
@@ -212,6 +227,38 @@ def snippet_ends(header_text: str) -> dict[int, str]:
             if line == "}":
                 hook = None
     return ends
+
+
+def snippet_values(header_text: str) -> dict[int, str]:
+    """{line of variant.h: hook} for the lines that return a snippet's value (``jitattn_snippet_value``): a snippet
+    of the wrong type is reported where that template is instantiated from them."""
+    values: dict[int, str] = {}
+    hook = None
+    for number, line in enumerate(header_text.splitlines(), start=1):
+        match = re.match(r"^JITATTN_VARIANT_FN \w+ variant_(\w+)\(", line)
+        if match:
+            hook = match.group(1)
+        elif hook is not None and line.startswith("  return jitattn_snippet_value<"):
+            values[number] = hook
+    return values
+
+
+_ASSERTION = re.compile(r'static assertion failed(?: with)?:?\s*"?jitattn: (?P<why>[^"\n]*)')
+# where the failed assertion was instantiated: gcc/clang "variant.h:24:37:   required from here", nvcc "at line 24"
+_INSTANTIATED = re.compile(re.escape(HEADER_NAME) + r":(?P<line>\d+)(?::\d+)?:\s*required from here"
+                           r"|at line (?P<nline>\d+)")
+
+
+def _value_error(variant: AttentionVariant, message: str, header_text: str) -> str | None:
+    """A snippet whose value is not a number (or a float for logits_mask), as "hook: why" and its first line."""
+    assertion = _ASSERTION.search(message)
+    if assertion is None:
+        return None
+    where = _INSTANTIATED.search(message)
+    hook = snippet_values(header_text).get(int(where["line"] or where["nline"])) if where else None
+    if hook is None:
+        return f"  a snippet: {assertion['why']}"
+    return f"  {hook}: {assertion['why']}\n    | {(getattr(variant, hook) or '').splitlines()[0]}"
 
 
 def context(spec: VariantSpec) -> dict[str, Any]:
@@ -266,7 +313,8 @@ def explain_build_error(spec: VariantSpec, message: str, header_text: str | None
     if variant is None:
         return message
     ends = snippet_ends(header_text or header(spec)) if HEADER_NAME in message else {}
-    found: list[str] = []
+    value = _value_error(variant, message, header_text or header(spec))
+    found: list[str] = [value] if value else []
     for raw in message.splitlines():
         text = raw.strip()
         match = _LOCATION.match(text)
