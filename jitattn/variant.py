@@ -99,6 +99,19 @@ RESERVED_NAMES = frozenset(
        "this", "sizeof", "switch", "case", "default", "break", "continue", "goto", "volatile", "register",
        "extern", "friend", "virtual", "public", "private", "protected", "typedef", "mutable", "explicit",
        "and", "or", "not", "xor", "INFINITY", "NAN"}
+    # the rest of C++'s keywords and alternative tokens, macros and names of the headers snippets see
+    | {"alignas", "alignof", "asm", "bitand", "bitor", "catch", "char8_t", "char16_t", "char32_t", "compl", "concept",
+       "const_cast", "consteval", "constexpr", "constinit", "co_await", "co_return", "co_yield", "decltype",
+       "dynamic_cast", "export", "noexcept", "not_eq", "and_eq", "or_eq", "xor_eq", "reinterpret_cast", "requires",
+       "static_assert", "static_cast", "thread_local", "throw", "try", "typeid", "wchar_t", "NULL", "std",
+       "M_E", "M_PI", "M_PI_2", "M_PI_4", "M_LN2", "M_LN10", "M_LOG2E", "M_LOG10E", "M_SQRT2", "M_SQRT1_2",
+       "HUGE_VAL", "HUGE_VALF", "FLT_MAX", "FLT_MIN", "VariantParams", "assert", "min", "max", "abs",
+       "isnan", "isinf", "isfinite", "signbit", "copysign", "copysignf"}
+    | {f"{fn}{suffix}" for fn in ("exp", "exp2", "expm1", "log", "log2", "log10", "log1p", "pow", "sqrt", "rsqrt",
+                                  "cbrt", "sin", "cos", "tan", "asin", "acos", "atan", "atan2", "sinh", "cosh", "tanh",
+                                  "erf", "erfc", "fabs", "fmax", "fmin", "fmod", "floor", "ceil", "round", "trunc",
+                                  "rint", "fma", "hypot", "ldexp", "frexp", "modf", "lgamma", "tgamma")
+       for suffix in ("", "f")}
 )
 
 
@@ -123,7 +136,7 @@ class VariantParam:
                 f"variant parameter name {self.name!r} must be a C identifier: a letter, then letters, "
                 "digits or '_', at most 32 characters"
             )
-        if self.name in RESERVED_NAMES or keyword.iskeyword(self.name) or self.name.startswith("jitattn"):
+        if self.name in RESERVED_NAMES or keyword.iskeyword(self.name) or self.name.startswith(("jitattn", "variant_")):
             raise ValueError(
                 f"variant parameter name {self.name!r} is reserved (a snippet variable, a run() argument or a "
                 "C++ word); rename it"
@@ -187,11 +200,19 @@ class AttentionVariant:
                     f"variant {self.name!r}: {hook} must be one C++ expression (no ';' and no preprocessor "
                     f"lines); got {text!r}. Use the ternary operator for choices"
                 )
+            if "//" in text:  # (a Python floor division; the snippet's rest of the line silently dropped)
+                raise ValueError(f"variant {self.name!r}: {hook} has '//', which starts a C++ comment that drops the "
+                                 f"rest of the line; got {text!r}. Snippets are C++: floor division of floats is "
+                                 "floorf(a / b); a comment is /* ... */")
         if self.use_softmax and all(getattr(self, hook) is None for hook in HOOKS):
             raise ValueError(
                 f"variant {self.name!r} changes nothing: give at least one snippet ({', '.join(HOOKS)}) or "
                 "use_softmax=False"
             )
+        if isinstance(self.params, (VariantParam, dict, str)) or not isinstance(self.params, (tuple, list)) or \
+                not all(isinstance(p, (VariantParam, dict)) for p in self.params):
+            raise TypeError(f"variant {self.name!r}: params must be a tuple of VariantParam (or dicts of its fields); "
+                            f"got {self.params!r}")
         params = tuple(p if isinstance(p, VariantParam) else VariantParam(**p) for p in self.params)
         object.__setattr__(self, "params", params)
         seen: set[str] = set()

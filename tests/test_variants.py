@@ -419,6 +419,34 @@ def test_optional_parameter_may_be_omitted():
     torch.testing.assert_close(biased, plain + 0.25)
 
 
+@pytest.mark.parametrize("name", ["constexpr", "static_cast", "NULL", "M_PI", "expf", "tanh", "std", "VariantParams",
+                                  "variant_logits_transform", "decltype", "min"])
+def test_parameter_names_that_the_snippets_headers_or_cpp_own_are_reserved(name):
+    """Such names passed the declaration and failed at build with compiler errors that named no parameter
+    (2026-12-06 sweep)."""
+    with pytest.raises(ValueError, match=f"variant parameter name '{name}' is reserved"):
+        VariantParam(name, "f32")
+
+
+def test_a_double_slash_is_refused_it_would_comment_out_the_rest_of_the_snippet():
+    with pytest.raises(ValueError, match=r"'//', which starts a C\+\+ comment .* floorf\(a / b\)"):
+        AttentionVariant("halve", logits_transform="logits // 2.0f")
+    assert AttentionVariant("halve", logits_transform="logits /* halved */ / 2.0f").logits_transform
+
+
+@pytest.mark.parametrize("params", [("a",), VariantParam("a", "f32"), "a", [3]], ids=["str", "bare", "text", "int"])
+def test_params_of_another_form_name_the_form(params):
+    with pytest.raises(TypeError, match="params must be a tuple of VariantParam"):
+        AttentionVariant("t", logits_transform="logits + a", params=params)
+
+
+def test_an_empty_required_tensor_parameter_is_refused_before_the_launch():
+    """Its null pointer crashed the process (a segfault) on the first read (2026-12-06 sweep)."""
+    wrapper, (q, k, v) = _planned_ragged(OUT_GATE)
+    with pytest.raises(ValueError, match=r"gate is empty \(shape \(0, 8\)\); a required tensor"):
+        wrapper.run(q, k, v, gate=torch.ones(0, HQ))
+
+
 # -- compile errors in user code --------------------------------------------------
 
 def test_a_snippet_compile_error_names_the_snippet_line_and_the_compiler_message(fresh_cache):

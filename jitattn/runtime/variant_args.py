@@ -71,6 +71,9 @@ class VariantArgs:
             if not value.is_contiguous():
                 raise ValueError(f"{where}: {name} must be contiguous (snippets index it row-major); pass "
                                  f"{name}.contiguous()")
+            if not value.numel() and not param.optional:  # a null pointer its snippets would read through
+                raise ValueError(f"{where}: {name} is empty (shape {tuple(value.shape)}); a required tensor must hold "
+                                 "what the snippets read (declare it optional=True to pass none)")
             setattr(s, name, value.data_ptr() if value.numel() else None)
             for d in range(param.rank):
                 setattr(s, f"{name}_size{d}", value.shape[d])
