@@ -215,6 +215,8 @@ def merge_state(
 
     Returns:
         ``(v, s)``: the merged output (v_a's dtype) and its natural-log LSE.
+
+    LSEs from ``jitattn.flashinfer`` (FlashInfer's base 2) merge with ``jitattn.flashinfer``'s twin of this function.
     """
     if torch.compiler.is_compiling():
         return _merge_state_op(v_a, s_a, v_b, s_b)
@@ -227,7 +229,10 @@ def merge_state_in_place(
 ) -> None:
     """Merge ``(v_other, s_other)`` into ``(v, s)`` in place.
 
-    ``mask`` (optional, bool ``[seq_len]``): rows where it is False are left unchanged.
+    ``mask`` (optional, bool ``[seq_len]``): rows where it is False are left unchanged. ``s`` and ``s_other`` are
+    natural-log LSEs.
+
+    LSEs from ``jitattn.flashinfer`` (FlashInfer's base 2) merge with ``jitattn.flashinfer``'s twin of this function.
     """
     if torch.compiler.is_compiling():
         return _merge_state_in_place_op(v, s, v_other, s_other, mask)
@@ -243,6 +248,8 @@ def merge_states(v: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.
 
     Returns:
         ``(v, s)`` of shapes ``[seq_len, num_heads, head_dim]`` and ``[seq_len, num_heads]``.
+
+    LSEs from ``jitattn.flashinfer`` (FlashInfer's base 2) merge with ``jitattn.flashinfer``'s twin of this function.
     """
     if torch.compiler.is_compiling():
         return _merge_states_op(v, s)
