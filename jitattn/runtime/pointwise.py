@@ -77,16 +77,13 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
 
 
 def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two tensors share an element: exactly for views of one buffer with the same strides (disjoint column
-    slices of one buffer share none), else whether their spans overlap."""
-    shared = shares_element(a, b)
-    if shared is not None:
-        return shared
+    """Whether two tensors share an element: their spans overlap and, for views of one buffer with the same
+    strides (disjoint column slices share none), exactly."""
     if a.numel() == 0 or b.numel() == 0:
         return False
     a0, a1 = _span(a)
     b0, b1 = _span(b)
-    return a0 < b1 and b0 < a1
+    return a0 < b1 and b0 < a1 and shares_element(a, b) is not False
 
 
 def rms_norm(what: str, input: torch.Tensor, weight: torch.Tensor, eps, out: torch.Tensor,
