@@ -116,6 +116,26 @@ def test_single_calls_name_q_and_k_of_different_head_dims(single):
         fn(q, torch.randn(12, 2, 64), torch.randn(12, 2, 64))
 
 
+def test_a_strided_workspace_or_fixed_buffer_is_refused():
+    """The kernels address both packed from data_ptr: a strided workspace had its gaps overwritten, a strided
+    CUDA-graph buffer was written through its strides and read packed (another batch's pages; 2026-12-06 sweep)."""
+    with pytest.raises(ValueError, match=r"float_workspace_buffer \(strides \(2,\)\) is not contiguous"):
+        jitattn.BatchDecodeWithPagedKVCacheWrapper(torch.zeros(2 << 20, dtype=torch.uint8)[::2])
+    batch, _ = _decode_batch()
+    n = batch.kv_indptr.numel()
+    wrapper = jitattn.BatchDecodeWithPagedKVCacheWrapper(
+        _workspace(), use_cuda_graph=True, paged_kv_indptr_buffer=torch.empty(n, dtype=torch.int32),
+        paged_kv_indices_buffer=torch.zeros(256, dtype=torch.int32)[::2],
+        paged_kv_last_page_len_buffer=torch.empty(n - 1, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"kv_indices buffer \(strides \(2,\)\) is not contiguous"):
+        wrapper.plan(batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len, HQ, HKV, D, PAGE,
+                     q_data_type=torch.float32)
+    i32 = lambda *v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    with pytest.raises(ValueError, match=r"kv_indices buffer \(strides \(2,\)\) is not contiguous"):
+        jitattn.BatchMLAPagedAttentionWrapper(_workspace(), True, i32(0, 1), i32(0, 1),
+                                              torch.zeros(64, dtype=torch.int32)[::2], i32(1))
+
+
 def test_mla_plan_errors_name_its_own_arrays():
     wrapper = jitattn.BatchMLAPagedAttentionWrapper(_workspace())
     i32 = lambda *v: torch.tensor(v, dtype=torch.int32)  # noqa: E731

@@ -105,6 +105,9 @@ class BatchMLAPagedAttentionWrapper:
                 if not isinstance(buffer, torch.Tensor) or buffer.dim() != 1 or buffer.dtype != torch.int32:
                     raise ValueError(f"{name} buffer must be a 1-D int32 tensor (sized for the largest batch); got "
                                      f"{_describe(buffer)}")
+                if not buffer.is_contiguous():
+                    raise ValueError(f"{name} buffer (strides {tuple(buffer.stride())}) is not contiguous: the kernels "
+                                     "read it packed; allocate it with torch.empty")
                 if isinstance(float_workspace_buffer, torch.Tensor) and buffer.device != float_workspace_buffer.device:
                     raise ValueError(f"{name} buffer is on {buffer.device} but float_workspace_buffer is on "
                                      f"{float_workspace_buffer.device}; allocate the fixed buffers on the same device")

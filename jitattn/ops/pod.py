@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ..runtime.batch import workspace_target
+from ..runtime.wrapper import workspace_target
 from ..runtime.checks import check_planned_dtype, check_tensor, named_refusals, not_planned
 from ..runtime.options import (parse_kv_layout, parse_pos_encoding, refuse_unsupported, resolve_dtypes,
                                  resolve_flag, resolve_window_left)

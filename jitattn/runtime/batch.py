@@ -17,7 +17,7 @@ from ..jit import Module, load
 from ..log import get_logger
 from ..page_table import PagedIndex, check_page_pool
 from ..kv_split import KVSplit, split_workspace_bytes
-from ..spec import KVLayout, Op, Target, VariantSpec
+from ..spec import KVLayout, Op, VariantSpec
 from .checks import (FP8_DTYPES, check_no_overlap, check_planned_dtype, check_tensor, dense_overlap, not_planned,
                      spans_overlap, stream_capturing, target_of)
 from .kv import check_kv_pair, split_paged_kv_cache
@@ -139,6 +139,9 @@ def share_queries(plan: AttentionPlan, q_rows: int) -> None:
 
 def check_fits(host: torch.Tensor, device: torch.device, buffer: torch.Tensor, name: str) -> None:
     """Raise unless the fixed ``buffer`` can take ``host`` (its dtype, its device, enough entries)."""
+    if not buffer.is_contiguous():  # written through its strides, read by the kernels as packed from data_ptr
+        raise ValueError(f"{name} buffer (strides {tuple(buffer.stride())}) is not contiguous: the kernels read it "
+                         "packed; allocate it with torch.empty")
     if buffer.dtype != host.dtype or buffer.device != device or buffer.numel() < host.numel():
         fix = (f"allocate it as {host.dtype}" if buffer.dtype != host.dtype else
                f"allocate it on {device}" if buffer.device != device else "allocate it for the largest batch")
@@ -239,12 +242,6 @@ def log_plan(wrapper: str, plan: AttentionPlan, workspace_bytes: int) -> None:
         wrapper, plan.spec.kernel_name, plan.qo_indptr.numel() - 1, plan.split.num_chunks,
         plan.split.kv_chunk_size, workspace_bytes,
     )
-
-
-def workspace_target(workspace: torch.Tensor, wrapper: str) -> tuple[Target, torch.device]:
-    if not isinstance(workspace, torch.Tensor):
-        raise TypeError(f"{wrapper}: float_workspace_buffer must be a torch.Tensor (e.g. torch.empty(128 << 20, dtype=torch.uint8))")
-    return target_of(wrapper, (workspace,))
 
 
 def run_plan_or_compiled(

@@ -14,7 +14,8 @@ import struct
 
 import torch
 
-from .batch import AttentionPlan, run_plan, run_plan_or_compiled, workspace_target
+from ..spec import Target
+from .batch import AttentionPlan, run_plan, run_plan_or_compiled
 from .checks import FP8_DTYPES, not_planned, target_of
 from .compiled import register_wrapper
 from .fp8_prefill import device_scales
@@ -22,6 +23,15 @@ from .options import fp8_scale, parse_kv_layout, refuse_unsupported, resolve_fla
 
 # The index arrays a captured launch reads, which CUDA-graph mode needs in fixed caller buffers.
 _GRAPH_ROLES = ("qo_indptr", "kv_indptr", "kv_indices", "kv_last_page_len")
+
+
+def workspace_target(workspace: torch.Tensor, wrapper: str) -> tuple[Target, torch.device]:
+    if not isinstance(workspace, torch.Tensor):
+        raise TypeError(f"{wrapper}: float_workspace_buffer must be a torch.Tensor (e.g. torch.empty(128 << 20, dtype=torch.uint8))")
+    if not workspace.is_contiguous():  # the kernels write its bytes from data_ptr on, gaps included
+        raise ValueError(f"{wrapper}: float_workspace_buffer (strides {tuple(workspace.stride())}) is not contiguous: "
+                         "the kernels would write into the memory between its elements; pass a tensor of its own")
+    return target_of(wrapper, (workspace,))
 
 
 class BatchWrapperBase:
