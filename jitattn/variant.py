@@ -105,13 +105,9 @@ RESERVED_NAMES = frozenset(
        "dynamic_cast", "export", "noexcept", "not_eq", "and_eq", "or_eq", "xor_eq", "reinterpret_cast", "requires",
        "static_assert", "static_cast", "thread_local", "throw", "try", "typeid", "wchar_t", "NULL", "std",
        "M_E", "M_PI", "M_PI_2", "M_PI_4", "M_LN2", "M_LN10", "M_LOG2E", "M_LOG10E", "M_SQRT2", "M_SQRT1_2",
-       "HUGE_VAL", "HUGE_VALF", "FLT_MAX", "FLT_MIN", "VariantParams", "assert", "min", "max", "abs",
-       "isnan", "isinf", "isfinite", "signbit", "copysign", "copysignf"}
-    | {f"{fn}{suffix}" for fn in ("exp", "exp2", "expm1", "log", "log2", "log10", "log1p", "pow", "sqrt", "rsqrt",
-                                  "cbrt", "sin", "cos", "tan", "asin", "acos", "atan", "atan2", "sinh", "cosh", "tanh",
-                                  "erf", "erfc", "fabs", "fmax", "fmin", "fmod", "floor", "ceil", "round", "trunc",
-                                  "rint", "fma", "hypot", "ldexp", "frexp", "modf", "lgamma", "tgamma")
-       for suffix in ("", "f")}
+       "HUGE_VAL", "HUGE_VALF", "FLT_MAX", "FLT_MIN", "VariantParams", "assert", "isnan", "isinf", "isfinite",
+       "signbit"}
+    # (a math function's name shadows the function where the parameter is bound: cos / sin tables are fine)
 )
 
 
@@ -200,20 +196,26 @@ class AttentionVariant:
                     f"variant {self.name!r}: {hook} must be one C++ expression (no ';' and no preprocessor "
                     f"lines); got {text!r}. Use the ternary operator for choices"
                 )
-            if "//" in text:  # (a Python floor division; the snippet's rest of the line silently dropped)
+            if "//" in text and "\n" not in text.strip():  # (a Python floor division: the rest dropped, silently)
                 raise ValueError(f"variant {self.name!r}: {hook} has '//', which starts a C++ comment that drops the "
                                  f"rest of the line; got {text!r}. Snippets are C++: floor division of floats is "
-                                 "floorf(a / b); a comment is /* ... */")
+                                 "floorf(a / b); a comment is /* ... */ (or // at the end of a line of a multi-line "
+                                 "snippet)")
         if self.use_softmax and all(getattr(self, hook) is None for hook in HOOKS):
             raise ValueError(
                 f"variant {self.name!r} changes nothing: give at least one snippet ({', '.join(HOOKS)}) or "
                 "use_softmax=False"
             )
-        if isinstance(self.params, (VariantParam, dict, str)) or not isinstance(self.params, (tuple, list)) or \
-                not all(isinstance(p, (VariantParam, dict)) for p in self.params):
+        given = self.params
+        if not isinstance(given, (VariantParam, dict, str, bytes)):
+            try:
+                given = tuple(given)
+            except TypeError:
+                pass
+        if not isinstance(given, tuple) or not all(isinstance(p, (VariantParam, dict)) for p in given):
             raise TypeError(f"variant {self.name!r}: params must be a tuple of VariantParam (or dicts of its fields); "
                             f"got {self.params!r}")
-        params = tuple(p if isinstance(p, VariantParam) else VariantParam(**p) for p in self.params)
+        params = tuple(p if isinstance(p, VariantParam) else VariantParam(**p) for p in given)
         object.__setattr__(self, "params", params)
         seen: set[str] = set()
         for param in params:

@@ -419,25 +419,30 @@ def test_optional_parameter_may_be_omitted():
     torch.testing.assert_close(biased, plain + 0.25)
 
 
-@pytest.mark.parametrize("name", ["constexpr", "static_cast", "NULL", "M_PI", "expf", "tanh", "std", "VariantParams",
-                                  "variant_logits_transform", "decltype", "min"])
+@pytest.mark.parametrize("name", ["constexpr", "static_cast", "NULL", "M_PI", "std", "VariantParams",
+                                  "variant_logits_transform", "decltype", "isnan"])
 def test_parameter_names_that_the_snippets_headers_or_cpp_own_are_reserved(name):
     """Such names passed the declaration and failed at build with compiler errors that named no parameter
-    (2026-12-06 sweep)."""
+    (2026-12-06 sweep). A math function's name (cos, max) is a fine parameter: it shadows the function."""
     with pytest.raises(ValueError, match=f"variant parameter name '{name}' is reserved"):
         VariantParam(name, "f32")
+    assert VariantParam("cos", "f32", rank=1) and VariantParam("max", "f32")
 
 
-def test_a_double_slash_is_refused_it_would_comment_out_the_rest_of_the_snippet():
+def test_a_double_slash_on_a_one_line_snippet_is_refused_it_would_comment_out_the_rest():
     with pytest.raises(ValueError, match=r"'//', which starts a C\+\+ comment .* floorf\(a / b\)"):
         AttentionVariant("halve", logits_transform="logits // 2.0f")
     assert AttentionVariant("halve", logits_transform="logits /* halved */ / 2.0f").logits_transform
+    assert AttentionVariant("near", logits_mask="kv_idx <= q_idx + 1  // near keys\n|| kv_idx == 0").logits_mask
 
 
-@pytest.mark.parametrize("params", [("a",), VariantParam("a", "f32"), "a", [3]], ids=["str", "bare", "text", "int"])
+@pytest.mark.parametrize("params", [("a",), VariantParam("a", "f32"), "a", [3], 3], ids=["str", "bare", "text", "int",
+                                                                                      "number"])
 def test_params_of_another_form_name_the_form(params):
     with pytest.raises(TypeError, match="params must be a tuple of VariantParam"):
         AttentionVariant("t", logits_transform="logits + a", params=params)
+    generated = AttentionVariant("t", logits_transform="logits + a", params=(p for p in [VariantParam("a", "f32")]))
+    assert generated.params == (VariantParam("a", "f32"),)
 
 
 def test_an_empty_required_tensor_parameter_is_refused_before_the_launch():
@@ -445,6 +450,10 @@ def test_an_empty_required_tensor_parameter_is_refused_before_the_launch():
     wrapper, (q, k, v) = _planned_ragged(OUT_GATE)
     with pytest.raises(ValueError, match=r"gate is empty \(shape \(0, 8\)\); a required tensor"):
         wrapper.run(q, k, v, gate=torch.ones(0, HQ))
+    # a launch without query rows reads nothing: an empty tensor sized to the batch is fine there
+    wrapper = jitattn.BatchPrefillWithRaggedKVCacheWrapper(torch.empty(1024, dtype=torch.uint8))
+    wrapper.plan(_indptr([0]), _indptr([3]), HQ, HKV, DIM, q_data_type=torch.float32, variant=OUT_GATE)
+    assert wrapper.run(q[:0], k, v, gate=torch.ones(0, HQ)).shape == (0, HQ, DIM)
 
 
 # -- compile errors in user code --------------------------------------------------

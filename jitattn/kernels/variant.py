@@ -82,14 +82,12 @@ def _fault_record(spec: VariantSpec) -> list[str]:
 
 
 # A snippet's value as its hook's type: any number (nonzero is true for logits_mask), but not a pointer (a tensor
-# parameter named without its index: never null, so a mask of it hid nothing) and, for logits_mask, not a float.
+# parameter named without its index: never null, so a mask of it hid nothing).
 SNIPPET_VALUE = [
     "template <typename R, typename T>",
     "JITATTN_VARIANT_FN R jitattn_snippet_value(T x) {",
     '  static_assert(std::is_arithmetic<T>::value, "jitattn: the snippet is not a number (a tensor parameter needs '
     'its index: name[i])");',
-    '  static_assert(!std::is_same<R, bool>::value || !std::is_floating_point<T>::value, "jitattn: logits_mask must '
-    'be a bool (or integer) expression, not a float");',
     "  return static_cast<R>(x);",
     "}",
     "",
@@ -200,18 +198,18 @@ def header(spec: VariantSpec, debug: bool = False) -> str:
         args += [f"[[maybe_unused]] int64_t {name}" for name in indices]
         lines.append(f"JITATTN_VARIANT_FN {ret} variant_{hook}({', '.join(args)}) {{")
         lines += bindings(hook_id)
-        lines.append(f"  return jitattn_snippet_value<{ret}>(")
+        lines.append(f"  return jitattn_snippet_value<{ret}>((")  # (a comma expression stays one argument)
         lines.append(f'#line 1 "{hook}"')
         lines += text.splitlines()
         lines.append(f'#line {len(lines) + 2} "{HEADER_NAME}"')
-        lines.append("  );")
+        lines.append("  ));")
         lines.append("}")
         lines.append("")
     return "\n".join(lines) + "\n"
 
 
 def snippet_ends(header_text: str) -> dict[int, str]:
-    """{line of variant.h: hook} for the lines that close a snippet's expression (``  );`` and ``}``).
+    """{line of variant.h: hook} for the lines that close a snippet's expression (``  ));`` and ``}``).
 
     A snippet that ends too early (``logits * (2.0f +``) makes the compiler
     report the closing line; this maps it back to the hook.
@@ -222,7 +220,7 @@ def snippet_ends(header_text: str) -> dict[int, str]:
         match = re.match(r"^JITATTN_VARIANT_FN \w+ variant_(\w+)\(", line)
         if match:
             hook = match.group(1)
-        elif hook is not None and line in ("  );", "}"):
+        elif hook is not None and line in ("  ));", "}"):
             ends[number] = hook
             if line == "}":
                 hook = None

@@ -395,10 +395,10 @@ def fast_decode_plan(
 
     ``batch_invariant`` (default ``JITATTN_BATCH_INVARIANT``): as ``plan()``'s.
 
-    The page table is not validated or copied to the host: the device arrays are used in place
-    (copied into the fixed buffers of a CUDA-graph wrapper), so the caller must keep them
-    unchanged until the step's ``run()`` calls are done, and their page indices must lie inside
-    the KV cache. Only ``indptr`` is read on the host, from ``global_override_indptr_cpu`` when
+    The page indices are not validated or copied to the host: the device arrays are used in place
+    (copied into the fixed buffers of a CUDA-graph wrapper; a strided view into a packed copy), so the
+    caller must keep them unchanged until the step's ``run()`` calls are done, and their page indices must
+    lie inside the KV cache. The arrays' dtypes, ranks and lengths are checked. Only ``indptr`` is read on the host, from ``global_override_indptr_cpu`` when
     given (no device sync); otherwise it is copied once. Compiled kernels are looked up once
     per option set. Everything else is as ``plan()``.
     """

@@ -160,11 +160,10 @@ class BlockSparseAttentionWrapper(_SparseWrapperBase):
             raise ValueError(f"q has shape {tuple(q.shape)}; the plan has M={self.M} queries: pass "
                              "[M, num_qo_heads, head_dim]")
         pages = (k.unflatten(0, (table.num_pages, table.page_size)), v.unflatten(0, (table.num_pages, table.page_size)))
+        scales = dict(q_scale=per_tensor_scale(scale_q, "scale_q"), k_scale=per_tensor_scale(scale_k, "scale_k"),
+                      v_scale=per_tensor_scale(scale_v, "scale_v"))
         return named_refusals(self._NAME, "block rows' prefill over k / v as pages (q, k, v, out, lse)",
-                              lambda: self._prefill.run(q, pages, q_scale=per_tensor_scale(scale_q, "scale_q"),
-                                                        k_scale=per_tensor_scale(scale_k, "scale_k"),
-                                                        v_scale=per_tensor_scale(scale_v, "scale_v"),
-                                                        out=out, lse=lse, return_lse=return_lse))
+                              lambda: self._prefill.run(q, pages, **scales, out=out, lse=lse, return_lse=return_lse))
 
 
 class VariableBlockSparseAttentionWrapper(_SparseWrapperBase):

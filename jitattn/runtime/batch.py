@@ -310,7 +310,7 @@ def _launch_for(plan: AttentionPlan | None, wrapper: str, q, variant_args: dict 
     if plan is None:
         raise not_planned(wrapper)
     if plan.variant_args is not None:
-        plan.variant_args.fill(variant_args or {}, q.device)
+        plan.variant_args.fill(variant_args or {}, q.device, plan.total_qo)
     elif variant_args:
         raise TypeError(
             f"{wrapper}.run() got unexpected keyword argument(s) {sorted(variant_args)}; extra arguments are the "

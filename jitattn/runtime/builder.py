@@ -131,16 +131,17 @@ def make_plan(
 
 
 def upload_mask(host: torch.Tensor, device: torch.device, buffer: torch.Tensor | None = None) -> torch.Tensor:
-    """``upload`` of a packed custom mask (uint8). The sm90 prefill kernel reads a mask row in aligned 4-byte words,
-    the last of which may reach up to 3 bytes past the mask's end (its bits there are never used), so a copy of the
-    plan's own is 4 zero bytes longer: no read leaves the allocation (compute-sanitizer memcheck). A caller's fixed
-    ``buffer`` (CUDA graphs) is used as it is."""
-    if buffer is not None:
+    """``upload`` of a packed custom mask (uint8). On cuda the sm90 prefill kernel reads a mask row in aligned 4-byte
+    words, the last of which may reach up to 3 bytes past the mask's end (its bits there are never used), so a
+    copy of the plan's own is 4 zero bytes longer: no read leaves the allocation (compute-sanitizer memcheck). A
+    caller's fixed ``buffer`` (CUDA graphs) is used as it is."""
+    if buffer is not None or device.type != "cuda":
         return upload(host, device, buffer, "custom_mask")
     n = host.numel()
-    padded = torch.zeros(n + 4, dtype=torch.uint8)
-    padded[:n] = host.reshape(-1)
-    return upload(padded, device)[: max(n, 1)]
+    padded = torch.empty(n + 4, dtype=torch.uint8, device=device)
+    padded[:n].copy_(host.reshape(-1))
+    padded[n:].zero_()
+    return padded[: max(n, 1)]
 
 
 def build_plan(

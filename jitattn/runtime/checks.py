@@ -171,15 +171,36 @@ def views_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def shares_element(a: torch.Tensor, b: torch.Tensor) -> bool | None:
-    """Whether two views of one dtype, rank and strides share an element (their extents may differ: column slices
-    of one buffer, ``buf[..., :512]`` and ``buf[..., 512:]``, interleave without sharing any); None when this cannot
-    tell (other dtypes, ranks or strides, offsets not a whole element apart, strides that do not nest)."""
+    """Whether two views of one rank share a byte, exactly when their dimensions step alike in bytes (the extents
+    and dtypes may differ: column slices of one buffer, ``buf[..., :512]`` and ``buf[..., 512:]``, interleave without
+    sharing any, also as an fp8 and a bf16 view of one byte buffer); None when this cannot tell (other ranks, steps
+    that differ or do not nest). A dimension of size 1 steps nowhere: its stride is not compared."""
     if a.numel() == 0 or b.numel() == 0:
         return False
-    if a.dtype != b.dtype or a.dim() != b.dim() or a.stride() != b.stride():
+    if a.dim() != b.dim():
         return None
-    offset, rest = divmod(b.data_ptr() - a.data_ptr(), a.element_size())
-    return None if rest else _offset_shared(offset, tuple(a.shape), tuple(b.shape), a.stride())
+    dims = []
+    for (na, sa), (nb, sb) in zip(_byte_dims(a), _byte_dims(b)):
+        if na == 1 and nb == 1:
+            continue
+        sa, sb = (sb, sb) if na == 1 else (sa, sa) if nb == 1 else (sa, sb)
+        if sa != sb:
+            return None
+        dims.append((na, nb, sa))
+    return _offset_shared(b.data_ptr() - a.data_ptr(), tuple(d[0] for d in dims), tuple(d[1] for d in dims),
+                          tuple(d[2] for d in dims))
+
+
+def _byte_dims(t: torch.Tensor) -> list[tuple[int, int]]:
+    """(extent, step in bytes) of each dimension; a last dimension of one element steps as its bytes, else the
+    bytes of an element follow as a dimension of their own."""
+    e = t.element_size()
+    dims = [(n, s * e) for n, s in zip(t.shape, t.stride())]
+    if t.dim() and t.stride(-1) == 1:
+        dims[-1] = (t.shape[-1] * e, 1)
+    else:
+        dims.append((e, 1))
+    return dims
 
 
 @functools.lru_cache(maxsize=256)  # a serving loop appends to the same few caches every step
@@ -237,5 +258,9 @@ def named_refusals(wrapper: str, part: str, run):
     try:
         return run()
     except (ValueError, TypeError) as exc:
-        kind = ValueError if isinstance(exc, ValueError) else TypeError
-        raise kind(f"{wrapper}.run(), the {part}: {exc}") from exc
+        message = f"{wrapper}.run(), the {part}: {exc}"
+        try:  # the error's own type (WorkspaceTooSmall, which callers catch), else its base
+            prefixed = type(exc)(message)
+        except Exception:
+            prefixed = (ValueError if isinstance(exc, ValueError) else TypeError)(message)
+        raise prefixed from exc

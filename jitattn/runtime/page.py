@@ -398,8 +398,10 @@ def append_paged_mla_kv_cache(
     _check_mla_half("append_ckv", append_ckv, "ckv_cache", ckv_cache)
     _check_mla_half("append_kpe", append_kpe, "kpe_cache", kpe_cache)
     nnz = _check_mla_shapes(append_ckv, append_kpe, ckv_cache, kpe_cache)
-    if spans_overlap(ckv_cache, kpe_cache) and shares_element(ckv_cache, kpe_cache) is not False:
-        raise ValueError("ckv_cache and kpe_cache share memory, so the kpe writes would overwrite latent values: cut "
+    shared = spans_overlap(ckv_cache, kpe_cache) and shares_element(ckv_cache, kpe_cache)
+    if shared is not False:
+        what = "share memory" if shared else "overlap in a layout whose bytes this check cannot tell apart"
+        raise ValueError(f"ckv_cache and kpe_cache {what}, so the kpe writes could overwrite latent values: cut "
                          "them from disjoint columns of one buffer (buf[..., :512] and buf[..., 512:]) or pass two "
                          "tensors")
     target, device = target_of("append_paged_mla_kv_cache", (append_ckv, append_kpe, ckv_cache, kpe_cache))

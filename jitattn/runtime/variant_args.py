@@ -32,8 +32,9 @@ class VariantArgs:
     def address(self) -> int:
         return ctypes.addressof(self.struct)
 
-    def fill(self, args: dict, device: torch.device) -> None:
-        """Check ``args`` (the extra keyword arguments of run()) and write them into the struct."""
+    def fill(self, args: dict, device: torch.device, rows: int = 1) -> None:
+        """Check ``args`` (the extra keyword arguments of run()) and write them into the struct (``rows``: the launch's
+        query rows; with none nothing reads a parameter)."""
         where = f"{self.wrapper}.run() (variant {self.variant.name!r})"
         unknown = sorted(set(args) - set(self._declared))
         if unknown:
@@ -71,7 +72,7 @@ class VariantArgs:
             if not value.is_contiguous():
                 raise ValueError(f"{where}: {name} must be contiguous (snippets index it row-major); pass "
                                  f"{name}.contiguous()")
-            if not value.numel() and not param.optional:  # a null pointer its snippets would read through
+            if not value.numel() and not param.optional and rows:  # a null pointer its snippets would read
                 raise ValueError(f"{where}: {name} is empty (shape {tuple(value.shape)}); a required tensor must hold "
                                  "what the snippets read (declare it optional=True to pass none)")
             setattr(s, name, value.data_ptr() if value.numel() else None)
