@@ -269,6 +269,41 @@ def test_views_overlap_agrees_with_the_elements_the_views_share():
     assert found > 100, "the draw must hit overlapping pairs"
 
 
+def test_shares_element_agrees_with_the_bytes_the_views_share():
+    """``checks.shares_element`` against brute force over random views of one byte buffer (ranks 1-3, dtypes of 1,
+    2 and 4 bytes, extents, strides and offsets at random, size-1 dimensions of any stride): whenever it answers,
+    the answer is whether the views share a byte; column slices of one buffer, also of two dtypes, are told apart."""
+    import itertools
+    import random
+
+    from jitattn.runtime.checks import shares_element
+
+    rng = random.Random(6)
+    storage = torch.zeros(4096, dtype=torch.uint8).untyped_storage()
+    answered = 0
+    for _ in range(3000):
+        rank, views = rng.randint(1, 3), []
+        for _ in range(2):
+            dtype = rng.choice([torch.uint8, torch.int16, torch.float32])
+            size = torch.tensor([], dtype=dtype).element_size()
+            shape = [rng.randint(1, 4) for _ in range(rank)]
+            strides = [rng.choice([0, 1, 2, 3, 5, 8, 16, 24]) for _ in range(rank)]
+            views.append(torch.empty(0, dtype=dtype).set_(storage, rng.randint(0, 200 // size), shape, strides))
+        touched = [{t.data_ptr() + sum(i * st for i, st in zip(index, t.stride())) * t.element_size() + byte
+                    for index in itertools.product(*(range(n) for n in t.shape)) for byte in range(t.element_size())}
+                   for t in views]
+        told = shares_element(*views)
+        if told is not None:
+            answered += 1
+            assert told == bool(touched[0] & touched[1]), [(t.shape, t.stride(), t.dtype, t.data_ptr()) for t in views]
+    assert answered > 300
+    buffer = torch.zeros(8, 1, 656, dtype=torch.uint8)
+    latent, rope = buffer[..., :512].view(torch.float8_e4m3fn), buffer[..., 528:].view(torch.bfloat16)
+    assert shares_element(latent, rope) is False and shares_element(latent, buffer[..., 500:520]) is True
+    rows = torch.zeros(8, 576)
+    assert shares_element(rows[:, :512].unsqueeze(1), rows[:, 512:].unsqueeze(1)) is False  # page size 1
+
+
 def test_batch_indices_positions_need_append_indptr_to_start_at_zero():
     with pytest.raises(ValueError, match=r"append_indptr\[0\]=1 must be 0"):
         jitattn.get_batch_indices_positions(torch.tensor([1, 3, 5], dtype=torch.int32),
