@@ -196,7 +196,8 @@ class AttentionVariant:
                     f"variant {self.name!r}: {hook} must be one C++ expression (no ';' and no preprocessor "
                     f"lines); got {text!r}. Use the ternary operator for choices"
                 )
-            if "//" in text and "\n" not in text.strip():  # (a Python floor division: the rest dropped, silently)
+            spliced = any(line.split("//", 1)[1].rstrip().endswith("\\") for line in text.splitlines() if "//" in line)
+            if "//" in text and ("\n" not in text.strip() or spliced):  # the rest of the line (or the next) dropped
                 raise ValueError(f"variant {self.name!r}: {hook} has '//', which starts a C++ comment that drops the "
                                  f"rest of the line; got {text!r}. Snippets are C++: floor division of floats is "
                                  "floorf(a / b); a comment is /* ... */ (or // at the end of a line of a multi-line "
@@ -207,7 +208,7 @@ class AttentionVariant:
                 "use_softmax=False"
             )
         given = self.params
-        if not isinstance(given, (VariantParam, dict, str, bytes)):
+        if not isinstance(given, (VariantParam, dict, str, bytes, set, frozenset)):  # (a set's order is the hash's)
             try:
                 given = tuple(given)
             except TypeError:

@@ -434,10 +434,12 @@ def test_a_double_slash_on_a_one_line_snippet_is_refused_it_would_comment_out_th
         AttentionVariant("halve", logits_transform="logits // 2.0f")
     assert AttentionVariant("halve", logits_transform="logits /* halved */ / 2.0f").logits_transform
     assert AttentionVariant("near", logits_mask="kv_idx <= q_idx + 1  // near keys\n|| kv_idx == 0").logits_mask
+    with pytest.raises(ValueError, match="starts a C\\+\\+ comment"):  # a comment whose backslash splices the next line
+        AttentionVariant("spliced", logits_transform="logits\n // note \\\n * 2.0f")
 
 
-@pytest.mark.parametrize("params", [("a",), VariantParam("a", "f32"), "a", [3], 3], ids=["str", "bare", "text", "int",
-                                                                                      "number"])
+@pytest.mark.parametrize("params", [("a",), VariantParam("a", "f32"), "a", [3], 3, {VariantParam("a", "f32")}],
+                         ids=["str", "bare", "text", "int", "number", "set"])
 def test_params_of_another_form_name_the_form(params):
     with pytest.raises(TypeError, match="params must be a tuple of VariantParam"):
         AttentionVariant("t", logits_transform="logits + a", params=params)

@@ -198,6 +198,7 @@ def _byte_dims(t: torch.Tensor) -> list[tuple[int, int]]:
     dims = [(n, s * e) for n, s in zip(t.shape, t.stride())]
     if t.dim() and t.stride(-1) == 1:
         dims[-1] = (t.shape[-1] * e, 1)
+        dims.append((1, 1))  # (every view has rank + 1 entries, paired by position)
     else:
         dims.append((e, 1))
     return dims
