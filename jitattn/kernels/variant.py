@@ -208,37 +208,33 @@ def header(spec: VariantSpec, debug: bool = False) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _hook_lines(header_text: str):
+    """(line number, text, hook) of each line of variant.h inside a snippet's function."""
+    hook = None
+    for number, line in enumerate(header_text.splitlines(), start=1):
+        match = re.match(r"^JITATTN_VARIANT_FN \w+ variant_(\w+)\(", line)
+        if match:
+            hook = match.group(1)
+        elif hook is not None:
+            yield number, line, hook
+            if line == "}":
+                hook = None
+
+
 def snippet_ends(header_text: str) -> dict[int, str]:
     """{line of variant.h: hook} for the lines that close a snippet's expression (``  ));`` and ``}``).
 
     A snippet that ends too early (``logits * (2.0f +``) makes the compiler
     report the closing line; this maps it back to the hook.
     """
-    ends: dict[int, str] = {}
-    hook = None
-    for number, line in enumerate(header_text.splitlines(), start=1):
-        match = re.match(r"^JITATTN_VARIANT_FN \w+ variant_(\w+)\(", line)
-        if match:
-            hook = match.group(1)
-        elif hook is not None and line in ("  ));", "}"):
-            ends[number] = hook
-            if line == "}":
-                hook = None
-    return ends
+    return {number: hook for number, line, hook in _hook_lines(header_text) if line in ("  ));", "}")}
 
 
 def snippet_values(header_text: str) -> dict[int, str]:
     """{line of variant.h: hook} for the lines that return a snippet's value (``jitattn_snippet_value``): a snippet
     of the wrong type is reported where that template is instantiated from them."""
-    values: dict[int, str] = {}
-    hook = None
-    for number, line in enumerate(header_text.splitlines(), start=1):
-        match = re.match(r"^JITATTN_VARIANT_FN \w+ variant_(\w+)\(", line)
-        if match:
-            hook = match.group(1)
-        elif hook is not None and line.startswith("  return jitattn_snippet_value<"):
-            values[number] = hook
-    return values
+    return {number: hook for number, line, hook in _hook_lines(header_text)
+            if line.startswith("  return jitattn_snippet_value<")}
 
 
 _ASSERTION = re.compile(r'static assertion failed(?: with)?:?\s*"?jitattn: (?P<why>[^"\n]*)')
