@@ -196,8 +196,9 @@ class AttentionVariant:
                     f"variant {self.name!r}: {hook} must be one C++ expression (no ';' and no preprocessor "
                     f"lines); got {text!r}. Use the ternary operator for choices"
                 )
-            spliced = any(line.split("//", 1)[1].rstrip().endswith("\\") for line in text.splitlines() if "//" in line)
-            if "//" in text and ("\n" not in text.strip() or spliced):  # the rest of the line (or the next) dropped
+            comments = [line.split("//", 1)[1] for line in text.splitlines() if "//" in line]
+            # a one-line snippet's rest, or (a comment ending in a backslash) the next line, dropped
+            if comments and ("\n" not in text.strip() or any(c.rstrip().endswith("\\") for c in comments)):
                 raise ValueError(f"variant {self.name!r}: {hook} has '//', which starts a C++ comment that drops the "
                                  f"rest of the line; got {text!r}. Snippets are C++: floor division of floats is "
                                  "floorf(a / b); a comment is /* ... */ (or // at the end of a line of a multi-line "

@@ -168,8 +168,9 @@ def cmd_warm(args: argparse.Namespace) -> int:
         from jitattn import env
         from jitattn.jit.admin import default_jobs
 
-        if env.CACHE_DIR.problem() is not None:  # once, not as every spec's failed build
-            raise UsageError(env.CACHE_DIR.problem())
+        problem = env.CACHE_DIR.problem()
+        if problem is not None:  # once, not as every spec's failed build
+            raise UsageError(problem)
 
         jobs = args.jobs or default_jobs()
         started = time.perf_counter()

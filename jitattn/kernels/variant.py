@@ -244,7 +244,8 @@ _INSTANTIATED = re.compile(re.escape(HEADER_NAME) + r":(?P<line>\d+)(?::\d+)?:\s
 
 
 def _value_error(variant: AttentionVariant, message: str, header_text: str) -> str | None:
-    """A snippet whose value is not a number (or a float for logits_mask), as "hook: why" and its first line."""
+    """A snippet whose value is not a number (``jitattn_snippet_value``'s assertion), as "hook: why" and its first
+    line."""
     assertion = _ASSERTION.search(message)
     if assertion is None:
         return None
@@ -306,8 +307,9 @@ def explain_build_error(spec: VariantSpec, message: str, header_text: str | None
     variant = spec.variant
     if variant is None:
         return message
-    ends = snippet_ends(header_text or header(spec)) if HEADER_NAME in message else {}
-    value = _value_error(variant, message, header_text or header(spec))
+    compiled = header_text or header(spec)
+    ends = snippet_ends(compiled) if HEADER_NAME in message else {}
+    value = _value_error(variant, message, compiled)
     found: list[str] = [value] if value else []
     for raw in message.splitlines():
         text = raw.strip()

@@ -398,9 +398,9 @@ def fast_decode_plan(
     The page indices are not validated or copied to the host: the device arrays are used in place
     (copied into the fixed buffers of a CUDA-graph wrapper; a strided view into a packed copy), so the
     caller must keep them unchanged until the step's ``run()`` calls are done, and their page indices must
-    lie inside the KV cache. The arrays' dtypes, ranks and lengths are checked. Only ``indptr`` is read on the host, from ``global_override_indptr_cpu`` when
-    given (no device sync); otherwise it is copied once. Compiled kernels are looked up once
-    per option set. Everything else is as ``plan()``.
+    lie inside the KV cache. The arrays' dtypes, ranks and lengths are checked. Only ``indptr`` is read on
+    the host, from ``global_override_indptr_cpu`` when given (no device sync); otherwise it is copied once.
+    Compiled kernels are looked up once per option set. Everything else is as ``plan()``.
     """
     if not isinstance(self, BatchDecodeWithPagedKVCacheWrapper):
         raise TypeError(f"fast_decode_plan needs a BatchDecodeWithPagedKVCacheWrapper; got {type(self).__name__}")

@@ -246,9 +246,10 @@ def fast_page_table(
     batch = host.numel() - 1
     if batch < 0 or last_page_len.numel() != batch:
         raise ValueError(f"{source} describes {batch} requests but last_page_len has {last_page_len.numel()}")
-    if indices.numel() < int(host.numpy()[-1]):
-        raise ValueError(f"{source}[-1] = {int(host.numpy()[-1])} pages but indices has {indices.numel()} entries: "
-                         "the last requests' pages would be read past its end")
+    pages = int(host.numpy()[-1])
+    if indices.numel() < pages:
+        raise ValueError(f"{source}[-1] = {pages} pages but indices has {indices.numel()} entries: the last "
+                         "requests' pages would be read past its end")
     return indptr, indices, last_page_len, host, batch
 
 
