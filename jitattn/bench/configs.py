@@ -368,6 +368,9 @@ CASCADE: list[Cascade] = [
     # each, 128-token tails
     *(Cascade(f"cascade/agent_fork_b128_root{n}_4x2048_u128", 128, n, 128, branches=4, branch_len=2048)
       for n in (8192, 32768)),
+    # a wide fork: the 32k root under 32 branches of 512 shared by 4 requests each; its two-level twin reads the root
+    # once per branch (4 GiB a layer), the tree once
+    Cascade("cascade/agent_fork_b128_root32768_32x512_u128", 128, 32768, 128, branches=32, branch_len=512),
 ]
 
 # Variants: each beside the plain kernel at equal work (the same tokens read / the same batch).
