@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import sys
 import time
 
 import pytest
@@ -129,6 +131,42 @@ def test_cascade_and_flat_decode_give_the_same_tokens(model) -> None:
         assert sorted(r.num_shared_pages for r in requests) == [0, 0, 0, 2, 6, 6, 6]
         assert (engine.stats.cascade_steps > 0) == cascade
     assert outputs[True] == outputs[False]
+
+
+def _calls_per_step(model, prompts: list[list[int]], cascade: bool) -> tuple[list, list]:
+    """Each step's count of calls of every jitattn function (module.function), and the requests' tokens."""
+    engine = Engine(model, num_pages=256, page_size=PAGE, prefill_chunk_tokens=64, cascade=cascade, overlap=False)
+    requests = [engine.add_request(p, NEW_TOKENS) for p in prompts]
+    steps = []
+
+    def count(frame, event, arg) -> None:
+        name = frame.f_globals.get("__name__", "")
+        if event == "call" and name.startswith("jitattn"):
+            calls[f"{name}.{frame.f_code.co_name}"] += 1
+    while engine.waiting or engine.prefilling or engine.running:
+        calls = collections.Counter()
+        sys.setprofile(count)
+        try:
+            engine.step()
+        finally:
+            sys.setprofile(None)
+        steps.append(calls)
+    return steps, [r.output for r in requests]
+
+
+def test_cascade_on_adds_no_host_work_to_a_batch_that_shares_nothing(model) -> None:
+    """Requests sharing no prefix page (chunked prefill beside decode): with cascade on every step calls the same
+    jitattn functions as many times as with it off, so a workload without sharing pays nothing for the option."""
+    gen = torch.Generator().manual_seed(21)
+    prompts = [torch.randint(0, CONFIG.vocab_size, (n,), generator=gen).tolist()
+               for n in torch.randint(20, 120, (12,), generator=gen).tolist()]
+    for cascade in (True, False):  # the kernels loaded (their first calls differ) before the traced runs
+        _calls_per_step(model, prompts, cascade)
+    on, off = _calls_per_step(model, prompts, True), _calls_per_step(model, prompts, False)
+    assert on[1] == off[1]
+    assert len(on[0]) == len(off[0]) > 10
+    for step, (a, b) in enumerate(zip(on[0], off[0])):
+        assert a == b, f"step {step}: cascade on only {dict(a - b)}, off only {dict(b - a)}"
 
 
 def test_eviction_frees_lru_prefixes_when_the_pool_is_full(model) -> None:
