@@ -96,7 +96,9 @@ def _notes(row: dict) -> str:
         if "error" in base:
             parts.append(f"baseline: {base['error']}")
         elif base.get("speedup") is not None:
-            parts.append(f"{base['speedup']:.2f}x faster than flat decode ({fmt_time(base['time_us'])})")
+            speedup, than = base["speedup"], base.get("than", "flat decode")  # (older runs' rows: flat decode)
+            faster = f"{speedup:.2f}x faster" if speedup >= 1 else f"{1 / speedup:.2f}x slower"
+            parts.append(f"{faster} than {than} ({fmt_time(base['time_us'])})")
         elif base.get("ratio") is not None:
             of = base.get("of", "the plain kernel")
             possessive = "'" if of.endswith("s") else "'s"  # "the separate launches' rate"
