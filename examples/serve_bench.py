@@ -9,7 +9,8 @@ Presets (the workloads a user of prefix caching has): ``system-2k`` (64 requests
 prompt), ``system-16k`` (128 requests over 16,384 shared tokens + 64 own, 32 out: the prefix no longer fits
 in L2), ``agent-fork`` (128 requests in a three-level tree: an 8,192-token root shared by all, 4 branches of
 2,048 shared by 32 each, own tails of 64-256), ``no-sharing`` (64 random prompts of 512-4,096: cascade has
-nothing to share); ``all`` runs the four. Every other flag goes to serve.py unchanged. Each workload first
+nothing to share), ``agent-fork-wide`` (128 requests under a 32,768-token root and 32 branches of 512 shared by 4
+each, own tails of 64-256: the tree whose levels save the root's re-reads); ``all`` runs the five. Every other flag goes to serve.py unchanged. Each workload first
 runs twice untimed (cascade on, then off) to load the kernels.
 
 ``--sweep-prefix 1024,2048,...`` (with ``--sweep-requests 64,128``) instead times one workload per shared-prefix
@@ -48,6 +49,9 @@ PRESETS = {
                    "--branch-len", "2048", "--prompt-len-range", "64", "256", "--output-len", "32"],
     "no-sharing": ["--num-requests", "64", "--system-prompt-len", "0", "--prompt-len-range", "512", "4096",
                    "--output-len", "64"],
+    "agent-fork-wide": ["--num-requests", "128", "--max-batch-size", "128", "--system-prompt-len", "32768",
+                        "--branches", "32", "--branch-len", "512", "--prompt-len-range", "64", "256",
+                        "--output-len", "32"],
 }
 
 
@@ -86,9 +90,10 @@ def roofline_fraction(row: dict, peaks: dict | None) -> float | None:
     return ideal / row["decode_s"]
 
 
-# Runs a preset adds to the cascade on / off pair (whose cascade takes the tree's cheapest cut on cuda): agent-fork's
-# tree as a two-level cascade (one node per branch, the root read once per branch) and as every level of the tree.
-PRESET_VARIANTS = {"agent-fork": [("--cascade", "--cascade-depth", "1"), ("--cascade", "--cascade-depth", "6")]}
+# Runs a preset adds to the cascade on / off pair (whose cascade takes the tree's cheapest cut on cuda): the forks' trees
+# as a two-level cascade (one node per branch, the root read once per branch), agent-fork's as every level too.
+PRESET_VARIANTS = {"agent-fork": [("--cascade", "--cascade-depth", "1"), ("--cascade", "--cascade-depth", "6")],
+                   "agent-fork-wide": [("--cascade", "--cascade-depth", "1")]}
 
 
 # flags of serve.py that set the same thing: a preset's one gives way to the other given on the command line

@@ -65,7 +65,7 @@ def test_serve_bench_presets_and_roofline() -> None:
         import serve_bench
     finally:
         sys.path.remove(str(EXAMPLES))
-    assert set(serve_bench.PRESETS) == {"system-2k", "system-16k", "agent-fork", "no-sharing"}
+    assert set(serve_bench.PRESETS) == {"system-2k", "system-16k", "agent-fork", "no-sharing", "agent-fork-wide"}
     for flags in serve_bench.PRESETS.values():
         serve.parse_args(flags)  # every preset is valid serve.py input
     fork = serve.parse_args(serve_bench.PRESETS["agent-fork"])
@@ -74,6 +74,8 @@ def test_serve_bench_presets_and_roofline() -> None:
     assert len(work) == 128 and all(p[:8192] == prompts[0][:8192] for p in prompts)
     assert len({tuple(p[8192:8192 + 2048]) for p in prompts}) == 4  # four branches
     assert all(64 <= len(p) - 8192 - 2048 <= 256 for p in prompts)
+    wide = [p for _, p, _ in serve.workload(serve.parse_args(serve_bench.PRESETS["agent-fork-wide"]), 1000)]
+    assert len(wide) == 128 and len({tuple(p[32768:32768 + 512]) for p in wide}) == 32  # 32 branches of 4
     # 10 steps over 1 GB of weights and 1M KV tokens of 128 KiB at 4 TB/s: bytes bound the floor (1 GFLOP each)
     row = {"decode_s": 0.1, "dtype": "bfloat16", "decode_steps": 10, "weight_bytes": 10**9, "decode_kv_tokens": 10**6,
            "kv_bytes_per_token": 131072, "decode_tokens": 640, "decode_pairs": 640 * 8192,
