@@ -365,12 +365,9 @@ CASCADE: list[Cascade] = [
     Cascade("cascade/b128_shared8192_u256", 128, 8192, 256),
     Cascade("cascade/b32_shared32768_u128", 32, 32768, 128),
     # an agent's fork: an 8k (32k: a root larger than L2) root shared by 128 requests, 4 branches of 2k shared by 32
-    # each, 128-token tails
-    *(Cascade(f"cascade/agent_fork_b128_root{n}_4x2048_u128", 128, n, 128, branches=4, branch_len=2048)
-      for n in (8192, 32768)),
-    # a wide fork: the 32k root under 32 branches of 512 shared by 4 requests each; its two-level twin reads the root
-    # once per branch (4 GiB a layer), the tree once
-    Cascade("cascade/agent_fork_b128_root32768_32x512_u128", 128, 32768, 128, branches=32, branch_len=512),
+    # each, 128-token tails; a wide one: 32 branches of 512 shared by 4 (two levels read the root once per branch)
+    *(Cascade(f"cascade/agent_fork_b128_root{n}_{k}x{m}_u128", 128, n, 128, branches=k, branch_len=m)
+      for n, k, m in ((8192, 4, 2048), (32768, 4, 2048), (32768, 32, 512))),
 ]
 
 # Variants: each beside the plain kernel at equal work (the same tokens read / the same batch).
