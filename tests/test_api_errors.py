@@ -300,3 +300,38 @@ def test_single_decode_names_its_own_arguments() -> None:
                          (torch.zeros(3), "sinks has shape \\(3,\\)")):
         with pytest.raises(ValueError, match=f"^single_decode_with_kv_cache: {message}"):
             jitattn.single_decode_with_kv_cache(q, k, k, sinks=bad)
+
+
+def _wrappers() -> dict:
+    ws = torch.empty(1 << 20, dtype=torch.uint8)
+    i32 = torch.zeros(8, dtype=torch.int32)
+    return {
+        "decode": lambda: jitattn.BatchDecodeWithPagedKVCacheWrapper(ws),
+        "cuda_graph_decode": lambda: jitattn.CUDAGraphBatchDecodeWithPagedKVCacheWrapper(ws, i32, i32, i32),
+        "paged_prefill": lambda: jitattn.BatchPrefillWithPagedKVCacheWrapper(ws),
+        "ragged_prefill": lambda: jitattn.BatchPrefillWithRaggedKVCacheWrapper(ws),
+        "sinks": lambda: jitattn.BatchAttentionWithAttentionSinkWrapper(ws),
+        "cascade": lambda: jitattn.MultiLevelCascadeAttentionWrapper(2, ws),
+        "mla": lambda: jitattn.BatchMLAPagedAttentionWrapper(ws),
+        "pod": lambda: jitattn.PODWithPagedKVCacheWrapper(ws),
+        "batch_pod": lambda: jitattn.BatchPODWithPagedKVCacheWrapper(ws),
+        "batch_attention": lambda: jitattn.BatchAttention(device="cpu"),
+        "shared_prefix_decode": lambda: jitattn.BatchDecodeWithSharedPrefixPagedKVCacheWrapper(ws),
+        "shared_prefix_prefill": lambda: jitattn.BatchPrefillWithSharedPrefixPagedKVCacheWrapper(ws),
+        "block_sparse": lambda: jitattn.BlockSparseAttentionWrapper(ws),
+        "variable_block_sparse": lambda: jitattn.VariableBlockSparseAttentionWrapper(ws),
+    }
+
+
+@pytest.mark.parametrize("name", list(_wrappers()))
+@pytest.mark.parametrize("how", ["copy", "deepcopy", "pickle"])
+def test_a_wrapper_is_not_copied_or_pickled(name: str, how: str) -> None:
+    """A copy would share the plan's buffers, kernels and torch.compile registration (re-planning one would change
+    the other); deepcopy and pickle failed inside ctypes. Each is refused, saying what to do."""
+    import copy
+    import pickle
+
+    wrapper = _wrappers()[name]()
+    do = {"copy": copy.copy, "deepcopy": copy.deepcopy, "pickle": pickle.dumps}[how]
+    with pytest.raises(TypeError, match=f"{type(wrapper).__name__} cannot be copied or pickled.*new wrapper"):
+        do(wrapper)

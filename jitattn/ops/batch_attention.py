@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..runtime.checks import check_no_overlap, check_tensor, named_refusals, not_planned
+from ..runtime.checks import NotCopyable, check_no_overlap, check_tensor, named_refusals, not_planned
 from ..runtime.options import number, positive_int, refuse_unsupported, resolve_batch_invariant
 from ..runtime.side_by_side import prefill_blocks, side_by_side
 from ..page_table import check_indptr, check_page_table, to_host_int32
@@ -75,7 +75,7 @@ class _Part:
             dest.index_copy_(0, self.rows, part)
 
 
-class BatchAttention:
+class BatchAttention(NotCopyable):
     """Mixed prefill + decode attention over a paged KV cache, FlashInfer's ``BatchAttention``.
 
     ``device`` is where the attention runs (``"cuda"`` or ``"cpu"``); the float workspace the decode part's

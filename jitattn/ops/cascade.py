@@ -26,7 +26,7 @@ import torch
 from ..runtime.batch import WorkspaceTooSmall, share_queries
 from ..runtime.builder import attention_options, kernel_spec, num_workers
 from ..runtime.cascade_states import LevelStates
-from ..runtime.checks import check_tensor, not_planned
+from ..runtime.checks import NotCopyable, check_tensor, not_planned
 from ..runtime.merge import merge_state, merge_state_in_place, merge_states, merge_states_with_sinks
 from ..runtime.options import (
     fp8_scale, parse_pos_encoding, positive_int, resolve_batch_invariant, resolve_flag, resolve_window_left,
@@ -52,7 +52,7 @@ __all__ = [
 ]
 
 
-class MultiLevelCascadeAttentionWrapper:
+class MultiLevelCascadeAttentionWrapper(NotCopyable):
     """Multi-level cascade attention over a paged KV cache (FlashInfer-compatible)."""
 
     def __init__(

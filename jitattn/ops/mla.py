@@ -41,7 +41,7 @@ import numbers
 import numpy as np
 import torch
 
-from ..runtime.checks import check_tensor, not_planned, stream_capturing
+from ..runtime.checks import NotCopyable, check_tensor, not_planned, stream_capturing
 from ..runtime.options import (
     f32_scale, fp8_scale, parse_dtype, positive_int, refuse_unsupported, resolve_batch_invariant, resolve_flag,
 )
@@ -82,7 +82,7 @@ def _check_plan_scalars(num_heads, head_dim_ckv, head_dim_kpe, sm_scale, causal)
     resolve_flag(causal, "causal")
 
 
-class BatchMLAPagedAttentionWrapper:
+class BatchMLAPagedAttentionWrapper(NotCopyable):
     """MLA attention: queries ``q_nope`` ``[tokens, heads, ckv]`` and ``q_pe`` ``[tokens, heads, kpe]`` over a
     paged latent cache ``ckv_cache`` ``[pages, page_size, ckv]``, ``kpe_cache`` ``[pages, page_size, kpe]``.
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from ..runtime.wrapper import workspace_target
-from ..runtime.checks import check_planned_dtype, check_tensor, named_refusals, not_planned
+from ..runtime.checks import NotCopyable, check_planned_dtype, check_tensor, named_refusals, not_planned
 from ..runtime.options import (parse_kv_layout, parse_pos_encoding, refuse_unsupported, resolve_dtypes,
                                  resolve_flag, resolve_window_left)
 from .decode import BatchDecodeWithPagedKVCacheWrapper
@@ -49,7 +49,7 @@ def _check_query(name: str, q: torch.Tensor, plan) -> None:
         raise ValueError(f"{name} has shape {tuple(q.shape)}; the plan expects {expected}")
 
 
-class PODWithPagedKVCacheWrapper:
+class PODWithPagedKVCacheWrapper(NotCopyable):
     """One prefill request (contiguous k/v, its options given to ``run``) and a decode batch over a paged KV
     cache (planned by ``plan``, FlashInfer's decode ``plan`` arguments), computed together.
 
@@ -171,7 +171,7 @@ class PODWithPagedKVCacheWrapper:
                              "options are planned: pass them to plan()")
 
 
-class BatchPODWithPagedKVCacheWrapper:
+class BatchPODWithPagedKVCacheWrapper(NotCopyable):
     """A batch of prefill requests and a batch of decode requests, each over a paged KV cache.
 
     ``plan`` takes both page tables (and each part's ``qo_indptr``) with shared options; ``run``'s

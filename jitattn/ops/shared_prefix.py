@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ..page_table import check_indptr, check_page_table, positive_int, to_host_int32_many
-from ..runtime.checks import check_tensor
+from ..runtime.checks import NotCopyable, check_tensor
 from ..runtime.merge import merge_state_in_place
 from ..runtime.options import parse_kv_layout, resolve_batch_invariant
 from ..spec import KVLayout
@@ -37,7 +37,7 @@ def check_shared_kv(k_shared: torch.Tensor, v_shared: torch.Tensor, kv_layout: s
                          "give both the shared prefix's length")
 
 
-class BatchDecodeWithSharedPrefixPagedKVCacheWrapper:
+class BatchDecodeWithSharedPrefixPagedKVCacheWrapper(NotCopyable):
     """Decode over a shared prefix kept in plain tensors plus each request's own paged KV (FlashInfer's older API).
 
     ``forward`` attends every query to ``k_shared``/``v_shared`` (one single-request prefill
@@ -87,7 +87,7 @@ class BatchDecodeWithSharedPrefixPagedKVCacheWrapper:
         """No-op kept for older FlashInfer call sites."""
 
 
-class BatchPrefillWithSharedPrefixPagedKVCacheWrapper:
+class BatchPrefillWithSharedPrefixPagedKVCacheWrapper(NotCopyable):
     """Prefill/append over a shared prefix in plain tensors plus each request's own paged KV (FlashInfer's older API).
 
     The shared prefix precedes every request's own KV, so ``causal`` applies to the unique part only.

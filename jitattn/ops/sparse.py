@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ..runtime.checks import check_planned_dtype, check_tensor, named_refusals, not_planned
+from ..runtime.checks import NotCopyable, check_planned_dtype, check_tensor, named_refusals, not_planned
 from ..runtime.options import parse_pos_encoding, per_tensor_scale, positive_int, resolve_flag
 from ..runtime.wrapper import plan_arguments
 from .prefill import BatchPrefillWithPagedKVCacheWrapper
@@ -36,7 +36,7 @@ def _no_positions(wrapper: str, pos_encoding_mode) -> None:
         )
 
 
-class _SparseWrapperBase:
+class _SparseWrapperBase(NotCopyable):
     """What both block-sparse wrappers share: the paged prefill wrapper they plan, the workspace,
     ``forward``'s re-plan."""
 

@@ -16,7 +16,7 @@ import torch
 
 from ..spec import Target
 from .batch import AttentionPlan, run_plan, run_plan_or_compiled
-from .checks import FP8_DTYPES, not_planned, target_of
+from .checks import FP8_DTYPES, NotCopyable, not_planned, target_of
 from .compiled import register_wrapper
 from .fp8_prefill import device_scales
 from .options import fp8_scale, parse_kv_layout, refuse_unsupported, resolve_flag, resolve_window_left
@@ -34,7 +34,7 @@ def workspace_target(workspace: torch.Tensor, wrapper: str) -> tuple[Target, tor
     return target_of(wrapper, (workspace,))
 
 
-class BatchWrapperBase:
+class BatchWrapperBase(NotCopyable):
     _NAME = ""
 
     def __init__(
