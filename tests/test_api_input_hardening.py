@@ -373,6 +373,15 @@ def test_a_workspace_that_is_not_a_tensor_is_refused_where_it_is_given():
         jitattn.MultiLevelCascadeAttentionWrapper(2, _workspace()).reset_workspace_buffer([1])
 
 
+def test_the_cascade_names_itself_refusing_a_strided_workspace():
+    """The cascade's levels are wrappers of their own; a strided workspace was refused in their name."""
+    strided = torch.zeros(2 << 20, dtype=torch.uint8)[::2]
+    with pytest.raises(ValueError, match=r"^MultiLevelCascadeAttentionWrapper: float_workspace_buffer \(strides"):
+        jitattn.MultiLevelCascadeAttentionWrapper(2, strided)
+    with pytest.raises(ValueError, match=r"^MultiLevelCascadeAttentionWrapper.reset_workspace_buffer: float_workspace"):
+        jitattn.MultiLevelCascadeAttentionWrapper(2, _workspace()).reset_workspace_buffer(strided)
+
+
 def test_cascade_level_offsets_must_be_one_dimensional_and_not_empty():
     wrapper = jitattn.MultiLevelCascadeAttentionWrapper(2, _workspace())
     t, empty = torch.tensor([0, 1], dtype=torch.int32), torch.empty(0, dtype=torch.int32)

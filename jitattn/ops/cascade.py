@@ -26,8 +26,9 @@ import torch
 from ..runtime.batch import WorkspaceTooSmall, share_queries
 from ..runtime.builder import attention_options, kernel_spec, num_workers
 from ..runtime.cascade_states import LevelStates
-from ..runtime.checks import NotCopyable, check_tensor, not_planned
+from ..runtime.checks import NotCopyable, check_tensor, not_planned, target_of
 from ..runtime.merge import merge_state, merge_state_in_place, merge_states, merge_states_with_sinks
+from ..runtime.wrapper import workspace_target
 from ..runtime.options import (
     fp8_scale, parse_pos_encoding, positive_int, resolve_batch_invariant, resolve_flag, resolve_window_left,
 )
@@ -63,10 +64,7 @@ class MultiLevelCascadeAttentionWrapper(NotCopyable):
         paged_kv_last_page_len_buf_arr: list[torch.Tensor] | None = None,
     ) -> None:
         self._num_levels = positive_int(num_levels, "num_levels")
-        if not isinstance(float_workspace_buffer, torch.Tensor):
-            raise TypeError("MultiLevelCascadeAttentionWrapper: float_workspace_buffer must be a torch.Tensor "
-                            "(e.g. torch.empty(128 << 20, dtype=torch.uint8))")
-        self._device = float_workspace_buffer.device
+        _, self._device = workspace_target(float_workspace_buffer, "MultiLevelCascadeAttentionWrapper")
         self._level_chunks: list[int] = []  # KV chunks per level of the last plan (empty: not planned)
         # (wrapper, states it writes): prefill wrappers, then the decode wrapper of a one-query-per-request last level
         self._launches: list[tuple[BatchPrefillWithPagedKVCacheWrapper | BatchDecodeWithPagedKVCacheWrapper, int]] = []
@@ -100,9 +98,9 @@ class MultiLevelCascadeAttentionWrapper(NotCopyable):
         ]
 
     def reset_workspace_buffer(self, float_workspace_buffer: torch.Tensor, int_workspace_buffers=None) -> None:
-        if not isinstance(float_workspace_buffer, torch.Tensor):
-            raise TypeError("MultiLevelCascadeAttentionWrapper.reset_workspace_buffer: float_workspace_buffer must "
-                            "be a torch.Tensor")
+        name = "MultiLevelCascadeAttentionWrapper.reset_workspace_buffer"  # (its levels' wrappers check it again)
+        workspace_target(float_workspace_buffer, name)
+        target_of(name, (float_workspace_buffer, self._workspace))
         self._workspace = float_workspace_buffer
         for wrapper in (self._wrappers + ([self._decode] if self._decode is not None else [])
                         + list(self._graph_levels.values()) + list(self._graph_decoders.values())):
