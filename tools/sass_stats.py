@@ -63,6 +63,7 @@ SPECS = {
                "d256rope": _decode(256, 2, pos_encoding="rope"), "d128sinks": _decode(128, use_sinks=True)},
     "prefill": {"p128c": _prefill(128), "p128n": _prefill(128, mask="none"), "p64c": _prefill(64),
                 "p256c": _prefill(256), "p128paged": _prefill(128, storage="paged"),
+                "p256paged": _prefill(256, 2, storage="paged"), "p128maskpaged": _prefill(128, mask="custom", storage="paged"),
                 "p128cap": _prefill(128, use_logits_soft_cap=True), "p128win": _prefill(128, use_sliding_window=True),
                 "p64win": _prefill(64, 8, use_sliding_window=True),
                 "p256win": _prefill(256, 1, use_sliding_window=True),

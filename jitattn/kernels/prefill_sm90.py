@@ -312,9 +312,11 @@ def sm90_layout(spec: VariantSpec) -> dict[str, int]:
     # lazy rescale lets P reach 2^lazy_rescale: an e4m3 P saturates at 448, so at most 2^8 there
     lazy = min(tuning["lazy_rescale"], 8) if spec.q_dtype is DType.E4M3 else tuning["lazy_rescale"]
     # registers per thread: 24 for the producer (56 when it transposes fp8 V: at 40 its per-thread addresses and
-    # the item's state spill around the transpose), the rest of the launch's 168 x 384
-    # over the consumers (multiples of 8)
-    producer_regs = 56 if fp8 else 24
+    # the item's state spill around the transpose; 56 for paged KV up to head_dim 128 beside two consumer
+    # warpgroups: at 24 its page ids and box operands spill, at 56 nothing, and d256's consumers would spill at the
+    # 224 left to them), the rest of the launch's 168 x 384 over the consumers (multiples of 8; three consumer
+    # warpgroups take 160 each, leaving the producer 24)
+    producer_regs = 56 if fp8 or (paged and consumers == 2 and spec.head_dim_vo <= 128) else 24
     return {
         "kThreads": 128 * (1 + consumers), "kProducerRegs": producer_regs,
         "kConsumerRegs": (168 * 384 - 128 * producer_regs) // 256 // 8 * 8 if consumers == 2 else 160,
