@@ -137,10 +137,12 @@ SM90_FP8_KV_BLOCK = 128
 # wg_skip: 1 (causal or a sliding window, no custom mask, query heads not packed into the tile: its warpgroups hold 64
 # consecutive tokens each) lets each consumer warpgroup skip the KV blocks outside its own rows' keys, which only the tile's other
 # rows need (d64 causal b16 x 2048: 10% of the warpgroups' blocks); 0 computes them masked (the same bits).
+# producer_regs: the producer warpgroup's registers beside two consumer warpgroups, which share the rest of 168 x 384
+# (0: sm90_layout's rule; 24 to 120 in steps of 8; three consumer warpgroups keep it at 24).
 SM90_TUNING: dict[str, int] = {"gather_sync": 0, "gather_l2": 0, "paged_kv_block": 0, "soft_cap_tanh": 0,
                                "paged_tma": 1, "consumers_d64": 3, "kv_block": 0, "kv_stages": 0,
                                "q_buffers": 1, "tile_search": 1, "stage_o": 1, "lazy_rescale": 8, "trace": 0,
-                               "row_sum_mma": 0, "max_chains": 1, "pv_overlap": 1, "wg_skip": 1}
+                               "row_sum_mma": 0, "max_chains": 1, "pv_overlap": 1, "wg_skip": 1, "producer_regs": 0}
 ROW_SUM_MMA_DIMS = (64,)  # the wgmma_sm90.cuh row-sum wrappers' N (tools/gen_wgmma.py ROW_SUM_NS)
 _ONES_BYTES = 16 * 128  # row_sum_mma's block of ones: one k-step (16 rows) of a 64-column block
 
@@ -231,11 +233,12 @@ def _check_tuning(tuning: dict[str, int]) -> None:
             tuning["tile_search"] not in (0, 1) or tuning["stage_o"] not in (0, 1) or \
             tuning["lazy_rescale"] not in range(0, 16) or tuning["trace"] not in (0, 1) or \
             tuning["row_sum_mma"] not in (0, 1) or tuning["max_chains"] not in (1, 2, 4, 8) or \
-            tuning["wg_skip"] not in (0, 1) or tuning["pv_overlap"] not in (0, 1, 2):
+            tuning["wg_skip"] not in (0, 1) or tuning["pv_overlap"] not in (0, 1, 2) or \
+            tuning["producer_regs"] not in (0, *range(24, 121, 8)):
         raise ValueError(f"SM90_TUNING={tuning}: gather_sync takes 0 to 3, gather_l2 0, 64, 128 or 256, "
                          "soft_cap_tanh 0 or 1, paged_tma 0 to 2, consumers_d64 2 or 3, q_buffers 1 or 2, "
                          "tile_search / stage_o / trace / row_sum_mma / wg_skip 0 or 1, pv_overlap 0 to 2, "
-                         "max_chains 1, 2, 4 or 8 and lazy_rescale 0 to 15")
+                         "max_chains 1, 2, 4 or 8, lazy_rescale 0 to 15 and producer_regs 0 or 24 to 120 by 8")
 
 
 def _kv_block(dim: int, consumers: int, paged: bool, fp8: bool, custom_mask: bool) -> int:
@@ -317,6 +320,8 @@ def sm90_layout(spec: VariantSpec) -> dict[str, int]:
     # 224 left to them), the rest of the launch's 168 x 384 over the consumers (multiples of 8; three consumer
     # warpgroups take 160 each, leaving the producer 24)
     producer_regs = 56 if fp8 or (paged and consumers == 2 and spec.head_dim_vo <= 128) else 24
+    if tuning["producer_regs"] and consumers == 2:
+        producer_regs = tuning["producer_regs"]
     return {
         "kThreads": 128 * (1 + consumers), "kProducerRegs": producer_regs,
         "kConsumerRegs": (168 * 384 - 128 * producer_regs) // 256 // 8 * 8 if consumers == 2 else 160,
