@@ -54,14 +54,14 @@ class Case:
     out: torch.dtype | None = None  # plan(o_data_type=...): an output dtype other than q's
 
 
-# KV blocks: 128 tokens at head_dim 64 (three consumer warpgroups, 192-row tiles), 176 at 128, 64 at 256 (paged: 128 at
-# 64 and 128).
+# KV blocks: 128 tokens at head_dim 64 (three consumer warpgroups, 192-row tiles) and 128 (176 with a custom mask), 80
+# at 256 (paged: 128 at 64 and 128, 64 at 256).
 CASES = {
     # ragged
     "d128_g4_bf16_causal_w40_cap30_batch": Case(128, 16, 4, bf16, True, 40, 30.0, (1000, 1, 129, 0, 300, 64),
                                                 (1000, 700, 129, 5, 401, 64)),
     "d128_g4_bf16_full_w300": Case(128, 16, 4, bf16, False, 300, None, (513, 7, 256, 40), (77, 1300, 0, 900)),
-    "d128_g3_f16_causal_w352_unpacked": Case(128, 6, 2, f16, True, 352, None, (300, 5), (310, 900)),
+    "d128_g3_f16_causal_w384_unpacked": Case(128, 6, 2, f16, True, 384, None, (300, 5), (310, 900)),
     "d128_g8_bf16_causal_w200_q_head_major": Case(128, 16, 2, bf16, True, 200, None, (333, 20), (1000, 600),
                                                   q_head_major=True),
     "d128_g4_bf16_causal_w0_short_queries": Case(128, 8, 2, bf16, True, 0, None, (200, 16, 3), (200, 4096, 100)),

@@ -241,6 +241,19 @@ def _check_tuning(tuning: dict[str, int]) -> None:
                          "max_chains 1, 2, 4 or 8, lazy_rescale 0 to 15 and producer_regs 0 or 24 to 120 by 8")
 
 
+def _producer_regs(spec: VariantSpec, consumers: int, paged: bool, fp8: bool) -> int:
+    """Registers per producer thread: 24 (56 when it transposes fp8 V: at 40 its per-thread addresses and the item's
+    state spill around the transpose; 56 for paged KV up to head_dim 128 beside two consumer warpgroups: at 24 its
+    page ids and box operands spill, at 56 nothing, and d256's consumers would spill at the 224 left to them), or
+    SM90_TUNING's producer_regs. The consumers share the rest of the launch's 168 x 384 (multiples of 8); three
+    consumer warpgroups take 160 each, leaving the producer 24."""
+    if consumers == 3:
+        return 24
+    if SM90_TUNING["producer_regs"]:
+        return SM90_TUNING["producer_regs"]
+    return 56 if fp8 or (paged and spec.head_dim_vo <= 128) else 24
+
+
 def _kv_block(dim: int, consumers: int, paged: bool, fp8: bool, custom_mask: bool) -> int:
     """KV tokens per stage: the tables', or SM90_TUNING's kv_block / paged_kv_block."""
     # three consumers: S, the last block's P and O in 160 registers, so KV blocks of 128
@@ -314,14 +327,7 @@ def sm90_layout(spec: VariantSpec) -> dict[str, int]:
                          f"(KV block {bn}, {offsets['kQBufs']} query buffers)")
     # lazy rescale lets P reach 2^lazy_rescale: an e4m3 P saturates at 448, so at most 2^8 there
     lazy = min(tuning["lazy_rescale"], 8) if spec.q_dtype is DType.E4M3 else tuning["lazy_rescale"]
-    # registers per thread: 24 for the producer (56 when it transposes fp8 V: at 40 its per-thread addresses and
-    # the item's state spill around the transpose; 56 for paged KV up to head_dim 128 beside two consumer
-    # warpgroups: at 24 its page ids and box operands spill, at 56 nothing, and d256's consumers would spill at the
-    # 224 left to them), the rest of the launch's 168 x 384 over the consumers (multiples of 8; three consumer
-    # warpgroups take 160 each, leaving the producer 24)
-    producer_regs = 56 if fp8 or (paged and consumers == 2 and spec.head_dim_vo <= 128) else 24
-    if tuning["producer_regs"] and consumers == 2:
-        producer_regs = tuning["producer_regs"]
+    producer_regs = _producer_regs(spec, consumers, paged, fp8)
     return {
         "kThreads": 128 * (1 + consumers), "kProducerRegs": producer_regs,
         "kConsumerRegs": (168 * 384 - 128 * producer_regs) // 256 // 8 * 8 if consumers == 2 else 160,
