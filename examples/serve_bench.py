@@ -10,8 +10,8 @@ prompt), ``system-16k`` (128 requests over 16,384 shared tokens + 64 own, 32 out
 in L2), ``agent-fork`` (128 requests in a three-level tree: an 8,192-token root shared by all, 4 branches of
 2,048 shared by 32 each, own tails of 64-256), ``no-sharing`` (64 random prompts of 512-4,096: cascade has
 nothing to share), ``agent-fork-wide`` (128 requests under a 32,768-token root and 32 branches of 512 shared by 4
-each, own tails of 64-256: the tree whose levels save the root's re-reads); ``all`` runs the five. Every other flag goes to serve.py unchanged. Each workload first
-runs twice untimed (cascade on, then off) to load the kernels.
+each, own tails of 64-256: the tree whose levels save the root's re-reads); ``all`` runs the five. Every other
+flag goes to serve.py unchanged. Each workload first runs twice untimed (cascade on, then off) to load the kernels.
 
 ``--sweep-prefix 1024,2048,...`` (with ``--sweep-requests 64,128``) instead times one workload per shared-prefix
 length and request count (64 own tokens, 32 out), cascade on and off, and writes the decode step time against the
