@@ -90,8 +90,8 @@ def roofline_fraction(row: dict, peaks: dict | None) -> float | None:
     return ideal / row["decode_s"]
 
 
-# Runs a preset adds to the cascade on / off pair (whose cascade takes the tree's cheapest cut on cuda): the forks' trees
-# as a two-level cascade (one node per branch, the root read once per branch), agent-fork's as every level too.
+# Runs a preset adds to the cascade on / off pair (whose cascade takes the tree's cheapest cut on cuda): the forks'
+# trees as a two-level cascade (one node per branch, the root read once per branch), agent-fork's as every level too.
 PRESET_VARIANTS = {"agent-fork": [("--cascade", "--cascade-depth", "1"), ("--cascade", "--cascade-depth", "6")],
                    "agent-fork-wide": [("--cascade", "--cascade-depth", "1")]}
 

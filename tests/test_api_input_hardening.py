@@ -373,13 +373,20 @@ def test_a_workspace_that_is_not_a_tensor_is_refused_where_it_is_given():
         jitattn.MultiLevelCascadeAttentionWrapper(2, _workspace()).reset_workspace_buffer([1])
 
 
-def test_the_cascade_names_itself_refusing_a_strided_workspace():
-    """The cascade's levels are wrappers of their own; a strided workspace was refused in their name."""
+@pytest.mark.parametrize("make", [
+    lambda ws: jitattn.MultiLevelCascadeAttentionWrapper(2, ws), jitattn.PODWithPagedKVCacheWrapper,
+    jitattn.BatchDecodeWithSharedPrefixPagedKVCacheWrapper, jitattn.BatchPrefillWithSharedPrefixPagedKVCacheWrapper,
+    jitattn.BlockSparseAttentionWrapper, jitattn.VariableBlockSparseAttentionWrapper,
+], ids=["cascade", "pod", "shared_prefix_decode", "shared_prefix_prefill", "block_sparse", "variable_block_sparse"])
+def test_a_composite_wrapper_names_itself_refusing_a_strided_workspace(make):
+    """These wrappers run others of their own; a strided workspace was refused in the inner wrapper's name."""
     strided = torch.zeros(2 << 20, dtype=torch.uint8)[::2]
-    with pytest.raises(ValueError, match=r"^MultiLevelCascadeAttentionWrapper: float_workspace_buffer \(strides"):
-        jitattn.MultiLevelCascadeAttentionWrapper(2, strided)
-    with pytest.raises(ValueError, match=r"^MultiLevelCascadeAttentionWrapper.reset_workspace_buffer: float_workspace"):
-        jitattn.MultiLevelCascadeAttentionWrapper(2, _workspace()).reset_workspace_buffer(strided)
+    wrapper = make(_workspace())
+    name = type(wrapper).__name__
+    with pytest.raises(ValueError, match=rf"^{name}.reset_workspace_buffer: float_workspace_buffer \(strides"):
+        wrapper.reset_workspace_buffer(strided)
+    with pytest.raises(ValueError, match=rf"^{name}: float_workspace_buffer \(strides"):
+        make(strided)
 
 
 def test_cascade_level_offsets_must_be_one_dimensional_and_not_empty():

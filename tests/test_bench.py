@@ -261,6 +261,17 @@ def test_tree_cascade_case_times_the_tree_the_two_level_cascade_and_flat_decode(
     assert " than the tree cascade (" in report._notes(two)
 
 
+def test_report_reads_two_level_rows_of_earlier_runs() -> None:
+    """Runs before the two-level row named its baseline kept the inverted ratio (two-level / tree time) and no
+    'than': the note still says which is faster, against the tree."""
+    old = {"baseline": {"name": "cascade/t", "time_us": 100.0, "speedup": 2.0,
+                        "what": "two-level time / tree cascade time"}}
+    assert "2.00x slower than the tree cascade (100.0 us)" in report._notes(old)
+    flat = {"baseline": {"name": "cascade/t:flat", "time_us": 400.0, "speedup": 4.0,
+                         "what": "flat decode time / cascade time"}}
+    assert "4.00x faster than flat decode (400.0 us)" in report._notes(flat)
+
+
 def test_no_sdpa_times_jitattn_alone_with_given_ceilings(tmp_path) -> None:
     """--no-sdpa (tools/bench_settings.py --fast): each row says SDPA was not timed, a cascade row too, and
     --ceilings-json's ceilings are the document's (none measured)."""

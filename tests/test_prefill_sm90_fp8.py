@@ -115,7 +115,8 @@ def test_16_bit_layouts_keep_their_constants():
         Op.PREFILL, Target.CUDA, q_dtype=bf16, kv_dtype=bf16, o_dtype=bf16, head_dim_qk=128, head_dim_vo=128,
         num_qo_heads=32, num_kv_heads=8, pos_encoding=PosEncoding.NONE, use_sliding_window=False,
         use_logits_soft_cap=False, mask_mode=MaskMode.CAUSAL, kv_layout=KVLayout.NHD, kv_storage=KVStorage.RAGGED))
-    assert (lay["kFp8"], lay["kBoxCols"], lay["kKSteps"], lay["kPvSteps"], lay["kVtBytes"]) == (0, 64, 8, 8, 0)  # 128 keys
+    # (P V steps: 128-key blocks of 16 keys a step)
+    assert (lay["kFp8"], lay["kBoxCols"], lay["kKSteps"], lay["kPvSteps"], lay["kVtBytes"]) == (0, 64, 8, 8, 0)
     assert (lay["kProducerRegs"], lay["kConsumerRegs"], lay["kOffVt"]) == (24, 240, lay["kOffBar"])
 
 

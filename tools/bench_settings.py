@@ -1,7 +1,7 @@
 """Suite rows under several settings of the environment, one subprocess each, alternated, printed side by side.
 
     python3 tools/bench_settings.py OUT.json --only 'variants/plain_prefill*,variants/prefill_softcap*' \\
-        '' 'JITATTN_DEV_SM90_TUNING={"kv_block": 128}'
+        '' 'JITATTN_DEV_SM90_TUNING={"kv_block": 176}'
     python3 tools/bench_settings.py OUT.json --only 'prefill/llama8b_causal_paged*' \\
         JITATTN_PREFILL_FP8_UPCAST=off JITATTN_PREFILL_FP8_UPCAST=on --rounds 3
 

@@ -96,7 +96,9 @@ def _notes(row: dict) -> str:
         if "error" in base:
             parts.append(f"baseline: {base['error']}")
         elif base.get("speedup") is not None:
-            speedup, than = base["speedup"], base.get("than", "flat decode")  # (older runs' rows: flat decode)
+            speedup, than = base["speedup"], base.get("than", "flat decode")
+            if "than" not in base and base.get("what", "").startswith("two-level time / tree"):  # runs before it
+                speedup, than = 1 / speedup, "the tree cascade"
             faster = f"{speedup:.2f}x faster" if speedup >= 1 else f"{1 / speedup:.2f}x slower"
             parts.append(f"{faster} than {than} ({fmt_time(base['time_us'])})")
         elif base.get("ratio") is not None:

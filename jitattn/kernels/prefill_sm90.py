@@ -19,7 +19,8 @@ rendered source, hence in the cache key.
   group of one KV head packed into the rows (row = (token, head in group), ``128 // group``
   tokens; one Q TMA box of 64 columns x group heads x tokens) when the group divides 128 and
   head_dim >= 128, else 128 tokens of one query head (``sm90_pack`` has the measurements).
-- KV blocks of ``kBN`` tokens (128 at head_dim 64 and 128, 176 at 128 with a custom mask, 80 at 256) go through a
+- KV blocks of ``kBN`` tokens (ragged: 128 at head_dim 64 and 128, 176 at 128 with a custom mask, 80 at 256;
+  paged: 128 at 64 and 128, 64 at 256) go through a
   2-stage pipeline (4 stages at head_dim 64); each 64-column slice of a row is one 128-byte-swizzled TMA box
   (ragged KV).
   Paged KV: the whole producer warpgroup gathers each block with ``cp.async`` -- a table of the

@@ -15,9 +15,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..runtime.checks import NotCopyable, check_no_overlap, check_tensor, named_refusals, not_planned
+from ..runtime.checks import check_no_overlap, check_tensor, named_refusals, not_planned
 from ..runtime.options import number, positive_int, refuse_unsupported, resolve_batch_invariant
 from ..runtime.side_by_side import prefill_blocks, side_by_side
+from ..runtime.wrapper import NotCopyable
 from ..page_table import check_indptr, check_page_table, to_host_int32
 from .decode import BatchDecodeWithPagedKVCacheWrapper
 from .prefill import BatchPrefillWithPagedKVCacheWrapper

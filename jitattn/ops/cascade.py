@@ -26,9 +26,9 @@ import torch
 from ..runtime.batch import WorkspaceTooSmall, share_queries
 from ..runtime.builder import attention_options, kernel_spec, num_workers
 from ..runtime.cascade_states import LevelStates
-from ..runtime.checks import NotCopyable, check_tensor, not_planned, target_of
+from ..runtime.checks import check_tensor, not_planned, target_of
 from ..runtime.merge import merge_state, merge_state_in_place, merge_states, merge_states_with_sinks
-from ..runtime.wrapper import workspace_target
+from ..runtime.wrapper import NotCopyable, workspace_target
 from ..runtime.options import (
     fp8_scale, parse_pos_encoding, positive_int, resolve_batch_invariant, resolve_flag, resolve_window_left,
 )

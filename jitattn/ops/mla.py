@@ -41,7 +41,7 @@ import numbers
 import numpy as np
 import torch
 
-from ..runtime.checks import NotCopyable, check_tensor, not_planned, stream_capturing
+from ..runtime.checks import check_tensor, not_planned, stream_capturing
 from ..runtime.options import (
     f32_scale, fp8_scale, parse_dtype, positive_int, refuse_unsupported, resolve_batch_invariant, resolve_flag,
 )
@@ -49,6 +49,7 @@ from ..log import logger
 from ..env import mla_kernel as mla_kernel_choice
 from ..hardware import num_sms
 from ..kernels.mla import CKV_DIM
+from ..runtime.wrapper import NotCopyable
 from ..runtime.mla_kernel import GraphArrays, KernelPlan, device_facts, layout_problem, select_kernel, unsupported_reason
 from ..kernels.mla_plan import workspace_row_bytes
 from ..page_table import check_indptr, check_page_table, to_host_int32

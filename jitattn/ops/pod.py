@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from ..runtime.wrapper import workspace_target
-from ..runtime.checks import NotCopyable, check_planned_dtype, check_tensor, named_refusals, not_planned
+from ..runtime.wrapper import NotCopyable, workspace_target
+from ..runtime.checks import check_planned_dtype, check_tensor, named_refusals, not_planned
 from ..runtime.options import (parse_kv_layout, parse_pos_encoding, refuse_unsupported, resolve_dtypes,
                                  resolve_flag, resolve_window_left)
 from .decode import BatchDecodeWithPagedKVCacheWrapper
@@ -80,6 +80,7 @@ class PODWithPagedKVCacheWrapper(NotCopyable):
         return self._decode.is_cuda_graph_enabled
 
     def reset_workspace_buffer(self, float_workspace_buffer: torch.Tensor, int_workspace_buffer=None) -> None:
+        workspace_target(float_workspace_buffer, f"{self._NAME}.reset_workspace_buffer")  # in this wrapper's name
         self._decode.reset_workspace_buffer(float_workspace_buffer)
 
     def end_forward(self) -> None:

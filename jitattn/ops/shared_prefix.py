@@ -6,9 +6,10 @@ from __future__ import annotations
 import torch
 
 from ..page_table import check_indptr, check_page_table, positive_int, to_host_int32_many
-from ..runtime.checks import NotCopyable, check_tensor
+from ..runtime.checks import check_tensor
 from ..runtime.merge import merge_state_in_place
 from ..runtime.options import parse_kv_layout, resolve_batch_invariant
+from ..runtime.wrapper import NotCopyable, workspace_target
 from ..spec import KVLayout
 from .decode import KV_SHAPES, BatchDecodeWithPagedKVCacheWrapper
 from .prefill import BatchPrefillWithPagedKVCacheWrapper, single_prefill_with_kv_cache
@@ -45,11 +46,13 @@ class BatchDecodeWithSharedPrefixPagedKVCacheWrapper(NotCopyable):
     """
 
     def __init__(self, float_workspace_buffer: torch.Tensor, kv_layout: str = "NHD") -> None:
+        workspace_target(float_workspace_buffer, type(self).__name__)  # (the inner wrapper would name itself)
         self._kv_layout = kv_layout
         self._batch_decode_wrapper = BatchDecodeWithPagedKVCacheWrapper(float_workspace_buffer, kv_layout)
         self._num_kv_heads: int | None = None  # the plan's
 
     def reset_workspace_buffer(self, float_workspace_buffer: torch.Tensor, int_workspace_buffer=None) -> None:
+        workspace_target(float_workspace_buffer, f"{type(self).__name__}.reset_workspace_buffer")  # in its own name
         self._batch_decode_wrapper.reset_workspace_buffer(float_workspace_buffer, int_workspace_buffer)
 
     def begin_forward(
@@ -94,12 +97,14 @@ class BatchPrefillWithSharedPrefixPagedKVCacheWrapper(NotCopyable):
     """
 
     def __init__(self, float_workspace_buffer: torch.Tensor, kv_layout: str = "NHD") -> None:
+        workspace_target(float_workspace_buffer, type(self).__name__)  # (the inner wrapper would name itself)
         self._kv_layout = kv_layout
         self._batch_prefill_wrapper = BatchPrefillWithPagedKVCacheWrapper(float_workspace_buffer, kv_layout)
         self._plan_args: tuple = ()
         self._planned: dict | None = None  # the options the unique part was last planned with
 
     def reset_workspace_buffer(self, float_workspace_buffer: torch.Tensor, int_workspace_buffer=None) -> None:
+        workspace_target(float_workspace_buffer, f"{type(self).__name__}.reset_workspace_buffer")  # in its own name
         self._batch_prefill_wrapper.reset_workspace_buffer(float_workspace_buffer, int_workspace_buffer)
 
     def begin_forward(

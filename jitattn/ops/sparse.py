@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from ..runtime.checks import NotCopyable, check_planned_dtype, check_tensor, named_refusals, not_planned
+from ..runtime.checks import check_planned_dtype, check_tensor, named_refusals, not_planned
 from ..runtime.options import parse_pos_encoding, per_tensor_scale, positive_int, resolve_flag
-from ..runtime.wrapper import plan_arguments
+from ..runtime.wrapper import NotCopyable, plan_arguments, workspace_target
 from .prefill import BatchPrefillWithPagedKVCacheWrapper
 from ..runtime.sparse_layout import (SparsePageTable, VariableGeometry, bsr_packed_mask, bsr_page_table, check_bsr,
                                      check_bsr_packed_mask, convert_bsr_mask_layout, variable_page_table)
@@ -46,6 +46,7 @@ class _SparseWrapperBase(NotCopyable):
         if not isinstance(float_workspace_buffer, torch.Tensor):
             raise TypeError(f"{self._NAME}: float_workspace_buffer must be a torch.Tensor (its device is where the "
                             "attention runs)")
+        workspace_target(float_workspace_buffer, self._NAME)  # (the inner wrapper would name itself)
         self._prefill = BatchPrefillWithPagedKVCacheWrapper(float_workspace_buffer, "NHD", backend=backend)
         self.device = float_workspace_buffer.device
         self._plan_call: dict = {}  # the last plan()'s arguments (forward() re-plans with them)
@@ -53,6 +54,7 @@ class _SparseWrapperBase(NotCopyable):
     def reset_workspace_buffer(self, float_workspace_buffer: torch.Tensor, int_workspace_buffer=None,
                                vector_sparse_indices_buffer=None, vector_sparse_indptr_buffer=None) -> None:
         """Use another float workspace (same device); the int and vector-sparse buffers are not needed here."""
+        workspace_target(float_workspace_buffer, f"{self._NAME}.reset_workspace_buffer")  # in this wrapper's name
         self._prefill.reset_workspace_buffer(float_workspace_buffer)
 
     def end_forward(self) -> None:

@@ -267,15 +267,3 @@ def named_refusals(wrapper: str, part: str, run):
             prefixed = (ValueError if isinstance(exc, ValueError) else TypeError)(message)
         raise prefixed from exc
 
-
-class NotCopyable:
-    """A wrapper's copy or pickle is refused: it holds its plan's device buffers, loaded kernels and (under
-    torch.compile) a registration by which compiled code finds it, so a copy would share them and re-planning one
-    would change the other."""
-
-    def _refuse_copy(self, *args):
-        raise TypeError(f"{type(self).__name__} cannot be copied or pickled: its plan's buffers and kernels belong to "
-                        "it. Make a new wrapper and plan() it (wrappers may share one workspace when they do not run "
-                        "concurrently)")
-
-    __copy__ = __deepcopy__ = __reduce_ex__ = __reduce__ = _refuse_copy

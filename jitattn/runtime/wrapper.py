@@ -16,7 +16,7 @@ import torch
 
 from ..spec import Target
 from .batch import AttentionPlan, run_plan, run_plan_or_compiled
-from .checks import FP8_DTYPES, NotCopyable, not_planned, target_of
+from .checks import FP8_DTYPES, not_planned, target_of
 from .compiled import register_wrapper
 from .fp8_prefill import device_scales
 from .options import fp8_scale, parse_kv_layout, refuse_unsupported, resolve_flag, resolve_window_left
@@ -32,6 +32,19 @@ def workspace_target(workspace: torch.Tensor, wrapper: str) -> tuple[Target, tor
         raise ValueError(f"{wrapper}: float_workspace_buffer (strides {tuple(workspace.stride())}) is not contiguous: "
                          "the kernels would write into the memory between its elements; pass a tensor of its own")
     return target_of(wrapper, (workspace,))
+
+
+class NotCopyable:
+    """A wrapper's copy or pickle is refused: it holds its plan's device buffers, loaded kernels and (under
+    torch.compile) a registration by which compiled code finds it, so a copy would share them and re-planning one
+    would change the other."""
+
+    def _refuse_copy(self, *args):
+        raise TypeError(f"{type(self).__name__} cannot be copied or pickled: its plan's buffers and kernels belong to "
+                        "it. Make a new wrapper and plan() it (wrappers may share one workspace when they do not run "
+                        "concurrently)")
+
+    __copy__ = __deepcopy__ = __reduce_ex__ = __reduce__ = _refuse_copy
 
 
 class BatchWrapperBase(NotCopyable):
