@@ -16,8 +16,8 @@ gpu_pack() { tar czf "$OUT/$1.tgz" -C /tmp "$1"; gpu_time; }
 # gpu_manifests: the manifests of every kernel in the cache (what this run built or unpacked) into $R/manifests.tgz,
 # for tools/prebuild_cache.py --manifests: the next run's archive then holds the kernels tests built one at a time.
 gpu_manifests() { (cd "$JITATTN_CACHE_DIR" && find . -name manifest.json | tar czf "$R/manifests.tgz" -T -); }
-# gpu_tree DIR: this checkout's jitattn, templates and tools copied to DIR (.pysite linked), for tools/bench_settings.py's
-# TREE=DIR setting: change one line or template in DIR, then time it against this tree in one run.
+# gpu_tree DIR: this checkout's jitattn, templates and tools copied to DIR (.pysite linked), for
+# tools/bench_settings.py's TREE=DIR setting: change one line or template in DIR, then time it against this tree.
 gpu_tree() { rm -rf "$1" && mkdir -p "$1" && cp -r jitattn templates tools "$1"/ && ln -s "$PWD/.pysite" "$1/.pysite"; }
 # gpu_tests SECONDS PATH...: the GPU tests of PATHs into $R/pytest.log, its summary, the time.
 gpu_tests() { local s=$1; shift; timeout "$s" python3 -m pytest -m gpu -q -p no:cacheprovider -rf "$@" > "$R/pytest.log" 2>&1
