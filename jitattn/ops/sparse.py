@@ -43,12 +43,9 @@ class _SparseWrapperBase(NotCopyable):
     _NAME = ""
 
     def __init__(self, float_workspace_buffer: torch.Tensor, backend: str) -> None:
-        if not isinstance(float_workspace_buffer, torch.Tensor):
-            raise TypeError(f"{self._NAME}: float_workspace_buffer must be a torch.Tensor (its device is where the "
-                            "attention runs)")
-        workspace_target(float_workspace_buffer, self._NAME)  # (the inner wrapper would name itself)
+        # its device is where the attention runs (checked here: the inner wrapper would name itself)
+        _, self.device = workspace_target(float_workspace_buffer, self._NAME)
         self._prefill = BatchPrefillWithPagedKVCacheWrapper(float_workspace_buffer, "NHD", backend=backend)
-        self.device = float_workspace_buffer.device
         self._plan_call: dict = {}  # the last plan()'s arguments (forward() re-plans with them)
 
     def reset_workspace_buffer(self, float_workspace_buffer: torch.Tensor, int_workspace_buffer=None,

@@ -18,7 +18,7 @@ import torch
 from ..abi import ACT_CODES
 from ..jit import load
 from ..spec import Op
-from .checks import check_no_overlap, check_tensor, cpu_threads, launch_on, shares_element, target_of
+from .checks import check_no_overlap, check_tensor, cpu_threads, launch_on, shares_element, spans_overlap, target_of
 from .specs import dtype_spec
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -68,22 +68,10 @@ def _same(name: str, t: torch.Tensor, like: torch.Tensor, like_name: str) -> Non
                         f"{str(like.dtype).removeprefix('torch.')}; give them one dtype")
 
 
-def _span(t: torch.Tensor) -> tuple[int, int]:
-    """The bytes [first, last + 1) that ``t``'s elements lie in."""
-    first = t.data_ptr()
-    if t.is_contiguous():
-        return first, first + t.numel() * t.element_size()
-    return first, first + t.element_size() * (1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride())))
-
-
 def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether two tensors share an element: their spans overlap and, for views of one buffer with the same
     strides (disjoint column slices share none), exactly."""
-    if a.numel() == 0 or b.numel() == 0:
-        return False
-    a0, a1 = _span(a)
-    b0, b1 = _span(b)
-    return a0 < b1 and b0 < a1 and shares_element(a, b) is not False
+    return spans_overlap(a, b) and shares_element(a, b) is not False
 
 
 def rms_norm(what: str, input: torch.Tensor, weight: torch.Tensor, eps, out: torch.Tensor,
