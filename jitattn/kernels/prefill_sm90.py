@@ -245,7 +245,8 @@ def _check_tuning(tuning: dict[str, int]) -> None:
 def _producer_regs(spec: VariantSpec, consumers: int, paged: bool, fp8: bool) -> int:
     """Registers per producer thread: 24 (56 when it transposes fp8 V: at 40 its per-thread addresses and the item's
     state spill around the transpose; 56 for paged KV up to head_dim 128 beside two consumer warpgroups: at 24 its
-    page ids and box operands spill, at 56 nothing, and d256's consumers would spill at the 224 left to them), or
+    page ids and box operands spill, at 56 nothing, and d256's consumers would spill at the 224 left to them; ragged
+    KV at 40 removes its producer's spills but was no faster, docs/kernels/sm90_prefill.md), or
     SM90_TUNING's producer_regs. The consumers share the rest of the launch's 168 x 384 (multiples of 8); three
     consumer warpgroups take 160 each, leaving the producer 24."""
     if consumers == 3:
