@@ -335,3 +335,67 @@ def test_a_wrapper_is_not_copied_or_pickled(name: str, how: str) -> None:
     do = {"copy": copy.copy, "deepcopy": copy.deepcopy, "pickle": pickle.dumps}[how]
     with pytest.raises(TypeError, match=f"{type(wrapper).__name__} cannot be copied or pickled.*new wrapper"):
         do(wrapper)
+
+
+def test_a_numpy_head_dim_is_taken_as_the_other_int_arguments_are() -> None:
+    import numpy as np
+
+    wrapper, _ = _decode(head_dim=np.int64(64))
+    assert wrapper._plan is not None
+
+
+@pytest.mark.parametrize("name", ["sm_scale", "logits_soft_cap"])
+def test_a_bool_is_not_a_scale(name: str) -> None:
+    with pytest.raises(TypeError, match=f"{name}=True must be a number, not a bool"):
+        _decode(**{name: True})
+
+
+def test_speed_flags_given_as_strings_are_refused() -> None:
+    """bool("False") is True: such a flag would silently do the opposite of what was written."""
+    ws = torch.empty(1 << 20, dtype=torch.uint8)
+    with pytest.raises(TypeError, match="use_tensor_cores='no' must be True or False"):
+        jitattn.BatchDecodeWithPagedKVCacheWrapper(ws, use_tensor_cores="no")
+    with pytest.raises(TypeError, match="disable_split_kv='False' must be True or False"):
+        _decode(disable_split_kv="False")
+    with pytest.raises(TypeError, match="non_blocking='no' must be True or False"):
+        _decode(non_blocking="no")
+    wrapper, batch = _decode()
+    with pytest.raises(TypeError, match="enable_pdl='no' must be True or False"):
+        wrapper.run(torch.randn(2, 8, 64, dtype=torch.bfloat16), batch.cache, enable_pdl="no")
+    q, k = torch.randn(3, 4, 64), torch.randn(7, 2, 64)
+    with pytest.raises(TypeError, match="use_fp16_qk_reduction='no' must be True or False"):
+        jitattn.single_prefill_with_kv_cache(q, k, k, use_fp16_qk_reduction="no")
+    with pytest.raises(TypeError, match="enable_pdl='no' must be True or False"):
+        jitattn.rmsnorm(torch.randn(2, 64), torch.randn(64), enable_pdl="no")
+
+
+@pytest.mark.parametrize("kwargs", [{"rope_scale": 1e-40}, {"rope_theta": 1e-300}, {"rope_scale": 1e39}])
+def test_rope_ops_refuse_parameters_float32_cannot_hold(kwargs: dict) -> None:
+    """As the attention wrappers do: the kernels take these and their reciprocals in float32 (they gave NaN)."""
+    q, k = torch.randn(5, 4, 64), torch.randn(5, 2, 64)
+    name = next(iter(kwargs))
+    with pytest.raises(ValueError, match=f"{name}=.*its reciprocal too, in float32"):
+        jitattn.apply_rope_pos_ids(q, k, torch.arange(5, dtype=torch.int32), **kwargs)
+
+
+def test_a_norm_weight_in_the_memory_it_writes_is_refused() -> None:
+    """Rows after the first would read a weight the call had already overwritten."""
+    x, buf = torch.randn(2, 64), torch.randn(2, 64)
+    with pytest.raises(ValueError, match="rmsnorm: weight shares memory with out"):
+        jitattn.rmsnorm(x, buf[0], out=buf)
+    x, residual = torch.randn(1, 64), torch.randn(1, 64)
+    with pytest.raises(ValueError, match="fused_add_rmsnorm: weight shares memory with residual"):
+        jitattn.fused_add_rmsnorm(x, residual, residual.view(64))
+    with pytest.raises(ValueError, match="fused_add_rmsnorm: weight shares memory with input"):
+        jitattn.fused_add_rmsnorm(x, residual, x.view(64))
+
+
+def test_appended_tokens_that_live_in_the_cache_are_refused() -> None:
+    cache = torch.randn(4, 2, 4, 2, 64)
+    i32 = lambda *values: torch.tensor(values, dtype=torch.int32)  # noqa: E731
+    with pytest.raises(ValueError, match="append_key lies in paged_kv_cache's memory.*clone"):
+        jitattn.append_paged_kv_cache(cache[1, 0, :3], torch.randn(3, 2, 64), i32(0, 0, 0), i32(1, 2, 3), cache,
+                                      i32(0, 1), i32(0, 1, 2), i32(4, 1))
+    with pytest.raises(ValueError, match="append_value lies in paged_kv_cache's memory"):
+        jitattn.append_paged_kv_cache(torch.randn(3, 2, 64), cache[2, 1, :3], i32(0, 0, 0), i32(1, 2, 3), cache,
+                                      i32(0, 1), i32(0, 1, 2), i32(4, 1))

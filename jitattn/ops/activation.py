@@ -12,6 +12,8 @@ from typing import Optional
 
 import torch
 
+from ..runtime.checks import no_backward
+from ..runtime.options import check_flag
 from ..runtime.pointwise import act_and_mul
 
 __all__ = ["gelu_and_mul", "gelu_tanh_and_mul", "silu_and_mul"]
@@ -39,17 +41,23 @@ def _act_and_mul(what: str, act: str, input: torch.Tensor, out: torch.Tensor | N
     return result[0] if out is None else out
 
 
+@no_backward
 def silu_and_mul(input: torch.Tensor, out: torch.Tensor = None, enable_pdl: Optional[bool] = None) -> torch.Tensor:
     """``silu(input[..., :d]) * input[..., d:]``."""
+    check_flag(enable_pdl, "enable_pdl")
     return _act_and_mul("silu_and_mul", "silu", input, out)
 
 
+@no_backward
 def gelu_and_mul(input: torch.Tensor, out: torch.Tensor = None, enable_pdl: Optional[bool] = None) -> torch.Tensor:
     """``gelu(input[..., :d]) * input[..., d:]`` (the ``erf`` GeLU)."""
+    check_flag(enable_pdl, "enable_pdl")
     return _act_and_mul("gelu_and_mul", "gelu", input, out)
 
 
+@no_backward
 def gelu_tanh_and_mul(input: torch.Tensor, out: torch.Tensor = None,
                       enable_pdl: Optional[bool] = None) -> torch.Tensor:
     """``gelu_tanh(input[..., :d]) * input[..., d:]`` (GeLU's tanh approximation)."""
+    check_flag(enable_pdl, "enable_pdl")
     return _act_and_mul("gelu_tanh_and_mul", "gelu_tanh", input, out)

@@ -14,7 +14,8 @@ import functools
 
 import torch
 
-from ..runtime.options import f32_scale, number, parse_pos_encoding
+from ..runtime.checks import no_backward
+from ..runtime.options import check_flag, f32_scale, number, parse_pos_encoding
 from ..runtime.wrapper import drops_plan_on_failure
 from .prefill import BatchPrefillWithPagedKVCacheWrapper
 from ..spec import PosEncoding
@@ -43,6 +44,7 @@ class BatchAttentionWithAttentionSinkWrapper(BatchPrefillWithPagedKVCacheWrapper
         q_data_type: torch.dtype = torch.bfloat16, kv_data_type: torch.dtype = torch.bfloat16,
         head_dim_qk: int = 128, head_dim_vo: int = 128, window_left: int = -1,
     ) -> None:
+        check_flag(use_fp16_qk_reduction, "use_fp16_qk_reduction")
         super().__init__(
             float_workspace_buffer, kv_layout, use_cuda_graph=use_cuda_graph, qo_indptr_buf=qo_indptr_buf,
             paged_kv_indptr_buf=paged_kv_indptr_buf, paged_kv_indices_buf=paged_kv_indices_buf,
@@ -63,6 +65,7 @@ class BatchAttentionWithAttentionSinkWrapper(BatchPrefillWithPagedKVCacheWrapper
                     "loaded here, not at the first run.")
     begin_forward = plan
 
+    @no_backward
     def run(
         self, q: torch.Tensor, paged_kv_cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor], *args,
         q_scale: float | None = None, k_scale: float | None = None, v_scale: float | None = None,
@@ -73,6 +76,7 @@ class BatchAttentionWithAttentionSinkWrapper(BatchPrefillWithPagedKVCacheWrapper
         """``run(q, paged_kv_cache, sink, sm_scale)`` as FlashInfer's: ``sink`` float32 ``[num_qo_heads]``
         (or ``sinks=`` by keyword); ``sm_scale`` (optional) replaces the planned scale for this call.
         Other arguments as the paged prefill wrapper's ``run``."""
+        check_flag(enable_pdl, "enable_pdl")
         if variant_args:
             raise TypeError(f"{self._NAME}.run() got unexpected keyword argument(s) {sorted(variant_args)}")
         if len(args) > 2:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..runtime.checks import check_no_overlap, check_tensor, named_refusals, not_planned
+from ..runtime.checks import check_no_overlap, check_tensor, named_refusals, no_backward, not_planned
 from ..runtime.options import number, positive_int, refuse_unsupported, resolve_batch_invariant
 from ..runtime.side_by_side import prefill_blocks, side_by_side
 from ..runtime.wrapper import NotCopyable
@@ -181,6 +181,7 @@ class BatchAttention(NotCopyable):
                           page_size, logits_soft_cap=logits_soft_cap, q_data_type=q_data_type,
                           kv_data_type=kv_data_type, sm_scale=sm_scale, batch_invariant=invariant)
 
+    @no_backward
     def run(
         self, q: torch.Tensor, kv_cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
         out: torch.Tensor | None = None, lse: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,

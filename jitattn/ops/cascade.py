@@ -26,11 +26,11 @@ import torch
 from ..runtime.batch import WorkspaceTooSmall, share_queries
 from ..runtime.builder import attention_options, kernel_spec, num_workers
 from ..runtime.cascade_states import LevelStates
-from ..runtime.checks import check_tensor, not_planned, target_of
+from ..runtime.checks import check_tensor, no_backward, not_planned, target_of
 from ..runtime.merge import merge_state, merge_state_in_place, merge_states, merge_states_with_sinks
 from ..runtime.wrapper import NotCopyable, workspace_target
 from ..runtime.options import (
-    fp8_scale, parse_pos_encoding, positive_int, resolve_batch_invariant, resolve_flag, resolve_window_left,
+    check_flag, fp8_scale, parse_pos_encoding, positive_int, resolve_batch_invariant, resolve_flag, resolve_window_left,
 )
 from ..kv_split import (
     batch_invariant_chunk, cascade_chunk_pages, cascade_level_chunks, check_fixed_split_size, concat_level_tables,
@@ -137,6 +137,7 @@ class MultiLevelCascadeAttentionWrapper(NotCopyable):
         ``variant``: a custom variant run at every level (its ``q_idx``/``kv_idx`` are relative to
         the level's node); the levels are merged by LSE, so it must use softmax and have no output
         transform."""
+        check_flag(use_fp16_qk_reduction, "use_fp16_qk_reduction")
         self._level_chunks = []  # unplanned until every check and level plan below has succeeded
         causal, total_q = self._check_plan(qo_indptr_arr, paged_kv_indptr_arr, paged_kv_indices_arr,
                                            paged_kv_last_page_len, causal, pos_encoding_mode, window_left, variant,
@@ -419,6 +420,7 @@ class MultiLevelCascadeAttentionWrapper(NotCopyable):
     def is_cuda_graph_enabled(self) -> bool:
         return self._wrappers[0].is_cuda_graph_enabled
 
+    @no_backward
     def run(
         self, q: torch.Tensor, paged_kv_cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor], *,
         k_scale: float | None = None, v_scale: float | None = None, return_lse: bool = False,

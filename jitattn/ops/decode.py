@@ -10,10 +10,11 @@ import torch
 from ..runtime.batch import check_sinks, check_workspace, upload_int32
 from ..runtime.builder import HostIndex, attention_options, build_plan, kernel_spec, make_plan, num_workers
 from ..runtime.wrapper import BatchWrapperBase, drops_plan_on_failure, plan_arguments
-from ..runtime.checks import check_tensor, fast_page_table, target_of
+from ..runtime.checks import check_tensor, fast_page_table, no_backward, target_of
 from ..runtime.launch import PreparedAttention
 from ..runtime.options import (
-    PAGE_TABLE_HINT, fp8_scale, parse_kv_layout, positive_int, refuse_unsupported, resolve_batch_invariant,
+    PAGE_TABLE_HINT, check_flag, check_flags, fp8_scale, parse_kv_layout, positive_int, refuse_unsupported,
+    resolve_batch_invariant,
 )
 from ..jit import load, resident_blocks, short_items_blocks
 from ..page_table import PagedIndex, check_host_last_page_lens, check_paged_index
@@ -58,6 +59,7 @@ class BatchDecodeWithPagedKVCacheWrapper(BatchWrapperBase):
         paged_kv_indices_buffer: torch.Tensor | None = None,
         paged_kv_last_page_len_buffer: torch.Tensor | None = None, backend: str = "auto", jit_args=None,
     ) -> None:
+        check_flag(use_tensor_cores, "use_tensor_cores")
         self._use_tensor_cores = bool(use_tensor_cores)
         super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph, backend, {
             "kv_indptr": paged_kv_indptr_buffer, "kv_indices": paged_kv_indices_buffer,
@@ -337,7 +339,7 @@ class BatchDecodeWithPagedKVCacheWrapper(BatchWrapperBase):
             refuse_unsupported(f"{_WRAPPER}.run", "several queries per request (q_len_per_req) are not implemented "
                                "yet", q_len_per_req=q_len_per_req)
         return self._run(q, paged_kv_cache, k_scale, v_scale, out, lse, return_lse, variant_args, args, q_scale,
-                         window_left, sinks)
+                         window_left, sinks, enable_pdl)
 
     run_return_lse = functools.partialmethod(run, return_lse=True)
 
@@ -402,6 +404,7 @@ def fast_decode_plan(
     the host, from ``global_override_indptr_cpu`` when given (no device sync); otherwise it is copied once.
     Compiled kernels are looked up once per option set. Everything else is as ``plan()``.
     """
+    check_flags(disable_split_kv=disable_split_kv, non_blocking=non_blocking)
     if not isinstance(self, BatchDecodeWithPagedKVCacheWrapper):
         raise TypeError(f"fast_decode_plan needs a BatchDecodeWithPagedKVCacheWrapper; got {type(self).__name__}")
     self._fast_plan(
@@ -416,6 +419,7 @@ def fast_decode_plan(
                            rope_theta=rope_theta)
 
 
+@no_backward
 def single_decode_with_kv_cache(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layout: str = "NHD", pos_encoding_mode: str = "NONE",
     use_tensor_cores: bool = False, q_scale: float | None = None, k_scale: float | None = None,
@@ -427,6 +431,7 @@ def single_decode_with_kv_cache(
 
     ``sinks`` (a jitattn extension): float32 ``[num_qo_heads]`` attention sinks, as in
     ``BatchDecodeWithPagedKVCacheWrapper.run`` (the lse returned is the keys' alone)."""
+    check_flag(use_tensor_cores, "use_tensor_cores")
     layout = parse_kv_layout(kv_layout)
     check_tensor("q", q, ndim=2)
     check_tensor("k", k, ndim=3)

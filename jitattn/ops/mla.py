@@ -41,7 +41,7 @@ import numbers
 import numpy as np
 import torch
 
-from ..runtime.checks import check_tensor, not_planned, stream_capturing
+from ..runtime.checks import check_tensor, no_backward, not_planned, stream_capturing
 from ..runtime.options import (
     f32_scale, fp8_scale, parse_dtype, positive_int, refuse_unsupported, resolve_batch_invariant, resolve_flag,
 )
@@ -224,6 +224,7 @@ class BatchMLAPagedAttentionWrapper(NotCopyable):
         self._dims, self._page_size = (head_dim_ckv, head_dim_kpe), page_size
         self._rows = (int(qo_indptr.numpy()[-1]), num_heads)
 
+    @no_backward
     def run(
         self, q_nope: torch.Tensor, q_pe: torch.Tensor, ckv_cache: torch.Tensor, kpe_cache: torch.Tensor,
         out: torch.Tensor | None = None, lse: torch.Tensor | None = None, return_lse: bool = False,

@@ -15,6 +15,8 @@ from typing import Optional
 
 import torch
 
+from ..runtime.checks import no_backward
+from ..runtime.options import check_flag
 from ..runtime.pointwise import rms_norm
 
 __all__ = ["fused_add_rmsnorm", "gemma_fused_add_rmsnorm", "gemma_rmsnorm", "rmsnorm"]
@@ -30,9 +32,11 @@ def _normed(what: str, input: torch.Tensor, weight: torch.Tensor, eps, out: Opti
     return out
 
 
+@no_backward
 def rmsnorm(input: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, out: Optional[torch.Tensor] = None,
             enable_pdl: Optional[bool] = None) -> torch.Tensor:
     """``input / RMS(input) * weight`` per row; into ``out`` when given (it may be ``input``), else a new tensor."""
+    check_flag(enable_pdl, "enable_pdl")
     return _normed("rmsnorm", input, weight, eps, out, 0.0)
 
 
@@ -47,16 +51,20 @@ def _fused(what: str, input: torch.Tensor, residual: torch.Tensor, weight: torch
 def fused_add_rmsnorm(input: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
                       enable_pdl: Optional[bool] = None) -> None:
     """``residual += input``, then ``input = residual / RMS(residual) * weight``; both in place."""
+    check_flag(enable_pdl, "enable_pdl")
     _fused("fused_add_rmsnorm", input, residual, weight, eps, 0.0)
 
 
+@no_backward
 def gemma_rmsnorm(input: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, out: Optional[torch.Tensor] = None,
                   enable_pdl: Optional[bool] = None) -> torch.Tensor:
     """:func:`rmsnorm` with Gemma's ``(1 + weight)``."""
+    check_flag(enable_pdl, "enable_pdl")
     return _normed("gemma_rmsnorm", input, weight, eps, out, 1.0)
 
 
 def gemma_fused_add_rmsnorm(input: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
                             enable_pdl: Optional[bool] = None) -> None:
     """:func:`fused_add_rmsnorm` with Gemma's ``(1 + weight)``."""
+    check_flag(enable_pdl, "enable_pdl")
     _fused("gemma_fused_add_rmsnorm", input, residual, weight, eps, 1.0)

@@ -17,9 +17,9 @@ from __future__ import annotations
 import torch
 
 from ..runtime.wrapper import NotCopyable, workspace_target
-from ..runtime.checks import check_planned_dtype, check_tensor, named_refusals, not_planned
-from ..runtime.options import (parse_kv_layout, parse_pos_encoding, refuse_unsupported, resolve_dtypes,
-                                 resolve_flag, resolve_window_left)
+from ..runtime.checks import check_planned_dtype, check_tensor, named_refusals, no_backward, not_planned
+from ..runtime.options import (check_flag, check_flags, parse_kv_layout, parse_pos_encoding, refuse_unsupported,
+                                 resolve_dtypes, resolve_flag, resolve_window_left)
 from .decode import BatchDecodeWithPagedKVCacheWrapper
 from ..page_table import check_indptr, check_paged_index
 from ..runtime.side_by_side import prefill_blocks, side_by_side
@@ -96,6 +96,7 @@ class PODWithPagedKVCacheWrapper(NotCopyable):
         """Plan the decode part (a paged decode batch); ``data_type`` fills only the dtypes not given, as in
         FlashInfer's POD. ``batch_invariant`` (a jitattn extension): the decode part's, as the decode wrapper's
         (the single prefill part is batch-invariant by construction)."""
+        check_flag(non_blocking, "non_blocking")
         self._planned, self._blocks_for = None, None
         q_dtype, kv_dtype = resolve_dtypes(q_data_type, kv_data_type, data_type)
         self._decode.plan(indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
@@ -106,6 +107,7 @@ class PODWithPagedKVCacheWrapper(NotCopyable):
 
     begin_forward = plan
 
+    @no_backward
     def run(
         self, q_p: torch.Tensor, k_p: torch.Tensor, v_p: torch.Tensor, q_d: torch.Tensor,
         paged_kv_cache_d: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
@@ -122,6 +124,7 @@ class PODWithPagedKVCacheWrapper(NotCopyable):
         """The prefill request (q_p ``[qo_len, H_qo, D]``, k_p/v_p ``[kv_len, H_kv, D]`` in ``kv_layout_p``) and
         the planned decode batch (q_d ``[batch, H_qo, D]`` over ``paged_kv_cache_d``); see the module for the
         return value."""
+        check_flags(enable_pdl=enable_pdl, use_fp16_qk_reduction=use_fp16_qk_reduction)
         if self._planned is None:
             raise not_planned(self._NAME)
         if args:
@@ -213,6 +216,7 @@ class BatchPODWithPagedKVCacheWrapper(NotCopyable):
         """Plan the decode part and check the prefill part's batch (planned at ``run`` with its mask);
         ``batch_invariant`` (a jitattn extension): the decode part's, as the decode wrapper's (the prefill part is
         batch-invariant by construction)."""
+        check_flag(non_blocking, "non_blocking")
         self._decode = self._prefill_batch = self._prefill_mask = None
         q_dtype, kv_dtype = resolve_dtypes(q_data_type, kv_data_type, data_type)
         options = dict(pos_encoding_mode=pos_encoding_mode, window_left=window_left, sm_scale=sm_scale,
@@ -243,6 +247,7 @@ class BatchPODWithPagedKVCacheWrapper(NotCopyable):
 
     begin_forward = plan
 
+    @no_backward
     def run(
         self, q_p: torch.Tensor, paged_kv_cache_p: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
         q_d: torch.Tensor, paged_kv_cache_d: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
@@ -254,6 +259,7 @@ class BatchPODWithPagedKVCacheWrapper(NotCopyable):
         """The prefill batch (q_p ``[total_qo_p, H_qo, D]`` over ``paged_kv_cache_p``) and the decode batch (q_d
         over ``paged_kv_cache_d``): ``(out_p, out_d)``, or ``((out_p, out_d), (lse_p, lse_d))`` with
         ``return_lse``."""
+        check_flags(enable_pdl=enable_pdl, use_fp16_qk_reduction=use_fp16_qk_reduction)
         if self._decode is None:
             raise not_planned(self._NAME)
         return_lse = resolve_flag(return_lse, "return_lse")

@@ -14,10 +14,10 @@ from ..runtime.kv import hnd_ragged_views
 from ..runtime.kv_upcast import KVUpcast, ragged_indptr
 from ..runtime.rope_first import OPERAND_DTYPE, RopeFirst
 from ..runtime.wrapper import BatchWrapperBase, drops_plan_on_failure, plan_arguments
-from ..runtime.checks import check_tensor, refuse_paged_arguments, stream_capturing, target_of
+from ..runtime.checks import check_tensor, no_backward, refuse_paged_arguments, stream_capturing, target_of
 from ..runtime.compiled import rope_first_operands
-from ..runtime.options import (PAGE_TABLE_HINT, hashable, parse_kv_layout, per_tensor_scale, refuse_unsupported,
-                                 resolve_batch_invariant, resolve_flag)
+from ..runtime.options import (PAGE_TABLE_HINT, check_flag, hashable, parse_kv_layout, per_tensor_scale,
+                                 refuse_unsupported, resolve_batch_invariant, resolve_flag)
 from ..page_table import PagedIndex, check_indptr, check_paged_index
 from ..kv_split import check_fixed_split_size, check_workspace_limits, unsplit
 from ..masks import multi_item_mask, packed_mask_indptr, segment_packbits
@@ -86,8 +86,7 @@ def _plan_prefill(
         variant=variant,
     )
     host = HostIndex(qo_host, kv_indptr_host, index, mask_host, mask_indptr_host)
-    return build_plan(wrapper, target, device, kv_layout, options, host, unsplit(len(kv_lens)),
-                      buffers, use_cuda_graph)
+    return build_plan(wrapper, target, device, kv_layout, options, host, unsplit(len(kv_lens)), buffers, use_cuda_graph)
 
 
 class _PrefillWrapperBase(BatchWrapperBase):
@@ -251,7 +250,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapperBase):
             q, k, v = rope_first_operands(self._op_key, self._rope, q, *paged_kv_cache)
             paged_kv_cache = (k, v)
         return self._run(q, paged_kv_cache, k_scale, v_scale, out, lse, return_lse, variant_args, args, q_scale,
-                         window_left, sinks)
+                         window_left, sinks, enable_pdl)
 
     run_return_lse = functools.partialmethod(run, return_lse=True)
 
@@ -363,7 +362,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapperBase):
         if self._rope is not None:  # RoPE first: the plan is of the rotated copies made here
             q, k, v = rope_first_operands(self._op_key, self._rope, q, k, v)
         return self._run(q, (k, v), k_scale, v_scale, out, lse, return_lse, variant_args, args, q_scale, window_left,
-                         sinks)
+                         sinks, enable_pdl)
 
     run_return_lse = functools.partialmethod(run, return_lse=True)
 
@@ -394,6 +393,7 @@ def _forward_options(arguments: dict) -> dict:
     return {name: arguments[name] for name in _FORWARD_OPTIONS if name in arguments}
 
 
+@no_backward
 def single_prefill_with_kv_cache(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale_q: torch.Tensor | float | None = None,
     scale_k: torch.Tensor | float | None = None, scale_v: torch.Tensor | float | None = None,
@@ -412,6 +412,7 @@ def single_prefill_with_kv_cache(
     ``sinks`` (a jitattn extension): float32 ``[num_qo_heads]`` attention sinks, as in
     ``BatchPrefillWithPagedKVCacheWrapper.run`` (the lse returned is the keys' alone).
     """
+    check_flag(use_fp16_qk_reduction, "use_fp16_qk_reduction")
     if is_fp8(q):  # ops/prefill_fp8.py: the sm90 fp8 kernel, or this op over operands converted to 16 bits
         return single_prefill_fp8(
             q, k, v, scale_q, scale_k, scale_v, o_dtype, kv_layout=kv_layout, custom_mask=custom_mask,
@@ -463,8 +464,7 @@ def plan_single_prefill(
     if custom_mask is None and packed_custom_mask is None and hashable(options):
         wrapper = _single_request_plan(threading.get_ident(), *shape, *options)  # see _single_request_plan
     else:
-        wrapper = _plan_single_request(*shape, *options, custom_mask=custom_mask,
-                                       packed_custom_mask=packed_custom_mask)
+        wrapper = _plan_single_request(*shape, *options, custom_mask=custom_mask, packed_custom_mask=packed_custom_mask)
     return wrapper, single_request_pages(k, v, layout)
 
 

@@ -32,7 +32,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from ..runtime.checks import check_tensor
+from ..runtime.checks import check_tensor, no_backward
 from ..runtime.options import resolve_flag
 from ..runtime.rope import Angles, Positions, llama31_angles, rope_angles, rotate, split_heads
 
@@ -50,6 +50,7 @@ def _like(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     return torch.empty_like(q), torch.empty_like(k)
 
 
+@no_backward
 def apply_rope(
     q: torch.Tensor, k: torch.Tensor, indptr: torch.Tensor, offsets: torch.Tensor, rotary_dim: Optional[int] = None,
     interleave: bool = False, rope_scale: float = 1, rope_theta: float = 1e4,
@@ -70,6 +71,7 @@ def apply_rope_inplace(
     rotate(q, k, q, k, Positions(indptr=indptr, offsets=offsets), rotary_dim, interleave, angles)
 
 
+@no_backward
 def apply_rope_pos_ids(
     q: torch.Tensor, k: torch.Tensor, pos_ids: torch.Tensor, rotary_dim: Optional[int] = None,
     interleave: bool = False, rope_scale: float = 1, rope_theta: float = 1e4,
@@ -90,6 +92,7 @@ def apply_rope_pos_ids_inplace(
     rotate(q, k, q, k, Positions(pos_ids=pos_ids, pos_ids_name="pos_ids"), rotary_dim, interleave, angles)
 
 
+@no_backward
 def apply_llama31_rope(
     q: torch.Tensor, k: torch.Tensor, indptr: torch.Tensor, offsets: torch.Tensor, rotary_dim: Optional[int] = None,
     interleave: bool = False, rope_scale: float = 8, rope_theta: float = 5e5, low_freq_factor: float = 1,
@@ -112,6 +115,7 @@ def apply_llama31_rope_inplace(
     rotate(q, k, q, k, Positions(indptr=indptr, offsets=offsets), rotary_dim, interleave, angles)
 
 
+@no_backward
 def apply_llama31_rope_pos_ids(
     q: torch.Tensor, k: torch.Tensor, pos_ids: torch.Tensor, rotary_dim: Optional[int] = None,
     interleave: bool = False, rope_scale: float = 8, rope_theta: float = 5e5, low_freq_factor: float = 1,
@@ -134,6 +138,7 @@ def apply_llama31_rope_pos_ids_inplace(
     rotate(q, k, q, k, Positions(pos_ids=pos_ids, pos_ids_name="pos_ids"), rotary_dim, interleave, angles)
 
 
+@no_backward
 def apply_rope_with_cos_sin_cache(
     positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, head_size: int, cos_sin_cache: torch.Tensor,
     is_neox: bool = True,

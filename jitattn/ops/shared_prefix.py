@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ..page_table import check_indptr, check_page_table, positive_int, to_host_int32_many
-from ..runtime.checks import check_tensor
+from ..runtime.checks import check_tensor, no_backward
 from ..runtime.merge import merge_state_in_place
 from ..runtime.options import parse_kv_layout, resolve_batch_invariant
 from ..runtime.wrapper import NotCopyable, workspace_target
@@ -71,6 +71,7 @@ class BatchDecodeWithSharedPrefixPagedKVCacheWrapper(NotCopyable):
 
     plan = begin_forward
 
+    @no_backward
     def forward(
         self, q: torch.Tensor, k_shared: torch.Tensor, v_shared: torch.Tensor,
         unique_kv_cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
@@ -135,6 +136,7 @@ class BatchPrefillWithSharedPrefixPagedKVCacheWrapper(NotCopyable):
 
     plan = begin_forward
 
+    @no_backward
     def forward(
         self, q: torch.Tensor, k_shared: torch.Tensor, v_shared: torch.Tensor,
         unique_kv_cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor], causal: bool = False,

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from ..runtime.checks import check_planned_dtype, check_tensor, named_refusals, not_planned
-from ..runtime.options import parse_pos_encoding, per_tensor_scale, positive_int, resolve_flag
+from ..runtime.checks import check_planned_dtype, check_tensor, named_refusals, no_backward, not_planned
+from ..runtime.options import check_flag, parse_pos_encoding, per_tensor_scale, positive_int, resolve_flag
 from ..runtime.wrapper import NotCopyable, plan_arguments, workspace_target
 from .prefill import BatchPrefillWithPagedKVCacheWrapper
 from ..runtime.sparse_layout import (SparsePageTable, VariableGeometry, bsr_packed_mask, bsr_page_table, check_bsr,
@@ -135,6 +135,7 @@ class BlockSparseAttentionWrapper(_SparseWrapperBase):
                                       sm_scale=sm_scale, rope_scale=rope_scale, rope_theta=rope_theta))
         return self.run(q, k, v, scale_q, scale_k, scale_v)
 
+    @no_backward
     def run(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale_q: torch.Tensor | None = None,
         scale_k: torch.Tensor | None = None, scale_v: torch.Tensor | None = None, out: torch.Tensor | None = None,
@@ -143,6 +144,7 @@ class BlockSparseAttentionWrapper(_SparseWrapperBase):
         """q ``[M, num_qo_heads, head_dim]``, k/v ``[N, num_kv_heads, head_dim]`` -> out ``[M, num_qo_heads,
         head_dim]`` (and the natural-log lse ``[M, num_qo_heads]``). ``scale_q``/``scale_k``/``scale_v``: one
         per-tensor dequantization scale each (a float or a one-element tensor; per-head scales are refused)."""
+        check_flag(enable_pdl, "enable_pdl")
         self._check_planned()
         return_lse = resolve_flag(return_lse, "return_lse")
         table = self._table
@@ -225,6 +227,7 @@ class VariableBlockSparseAttentionWrapper(_SparseWrapperBase):
                                       sm_scale=sm_scale, rope_scale=rope_scale, rope_theta=rope_theta))
         return self.run(q, k, v)
 
+    @no_backward
     def run(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor | None = None,
         lse: torch.Tensor | None = None, return_lse: bool = False, enable_pdl: bool | None = None,
@@ -232,6 +235,7 @@ class VariableBlockSparseAttentionWrapper(_SparseWrapperBase):
         """q ``[num_qo_heads, qo_len, head_dim]``, k/v ``[num_kv_heads, kv_len, head_dim]`` (HND, as FlashInfer's)
         -> out ``[num_qo_heads, qo_len, head_dim]`` (and the natural-log lse ``[num_qo_heads, qo_len]``);
         ``out``/``lse`` buffers take those shapes."""
+        check_flag(enable_pdl, "enable_pdl")
         self._check_planned()
         return_lse = resolve_flag(return_lse, "return_lse")
         plan = self._prefill.current_plan

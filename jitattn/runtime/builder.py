@@ -67,7 +67,7 @@ def _parse_options(op, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo, q_d
     if variant is not None and not isinstance(variant, AttentionVariant):  # (before the spec caches hash it)
         hint = " (AttentionVariant.from_dict(d) makes one of a dict)" if isinstance(variant, dict) else ""
         raise TypeError(f"variant must be a jitattn.AttentionVariant or None; got {type(variant).__name__}{hint}")
-    check_head_dim(head_dim_qk, "head_dim_qk" if op is Op.PREFILL else "head_dim")
+    head_dim_qk = check_head_dim(head_dim_qk, "head_dim_qk" if op is Op.PREFILL else "head_dim")  # numpy ints too
     head_dim_vo = head_dim_qk if head_dim_vo is None else check_head_dim(head_dim_vo, "head_dim_vo")
     q_dtype, kv_dtype = resolve_dtypes(q_data_type, kv_data_type, data_type)
     o_dtype = parse_dtype(o_data_type, "o_data_type") if o_data_type is not None else q_dtype

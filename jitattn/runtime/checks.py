@@ -267,3 +267,54 @@ def named_refusals(wrapper: str, part: str, run):
             prefixed = (ValueError if isinstance(exc, ValueError) else TypeError)(message)
         raise prefixed from exc
 
+
+
+def needs_grad(*values) -> bool:
+    """Whether one of ``values`` (tensors, tuples or lists of them, anything else) requires grad: with grad mode
+    on, autograd would record a call on them. Cheap (a loop of attribute reads: run() calls it in grad mode)."""
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            if value.requires_grad:
+                return True
+        elif isinstance(value, (tuple, list)) and any(isinstance(t, torch.Tensor) and t.requires_grad for t in value):
+            return True
+    return False
+
+
+class _NoBackward(torch.autograd.Function):
+    """Runs a kernel call inside autograd's record of it: its outputs then hang off a node whose backward says the
+    call cannot be differentiated, instead of being tensors without a grad_fn (whose backward fails with torch's
+    generic message, far from the call)."""
+
+    @staticmethod
+    def forward(ctx, what: str, call, *inputs):  # inputs: only to tie the outputs to them
+        ctx.what = what
+        return call()
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError(f"{ctx.what} is inference-only: jitattn's kernels have no backward. Train with an "
+                           "attention that has one (torch's scaled_dot_product_attention), or run this under "
+                           "torch.no_grad() / torch.inference_mode()")
+
+
+def inference_only(what: str, call, inputs) -> object:
+    """``call()``, whose results (tensors, or a tuple of them) autograd ties to those of ``inputs`` that require
+    grad, with a backward that raises a clear error naming ``what``. For callers that found ``needs_grad`` true in
+    grad mode; with nothing requiring grad it is just ``call()``."""
+    needing = [t for v in inputs for t in (v if isinstance(v, (tuple, list)) else (v,))
+               if isinstance(t, torch.Tensor) and t.requires_grad]
+    return _NoBackward.apply(what, call, *needing) if needing else call()
+
+
+def no_backward(fn):
+    """Decorator of a public op or ``run()``: in grad mode, with an argument that requires grad (a tensor, or one in
+    a tuple or list argument), its results through ``inference_only``, named by the function's qualified name."""
+    what = fn.__qualname__
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        if torch.is_grad_enabled() and needs_grad(*args, *kwargs.values()):
+            return inference_only(what, lambda: fn(*args, **kwargs), (*args, *kwargs.values()))
+        return fn(*args, **kwargs)
+    return call

@@ -17,8 +17,8 @@ import torch
 from ..jit import load
 from ..spec import Target
 from .specs import merge_spec
-from .checks import (check_no_overlap, check_shape, check_tensor, cpu_threads, dense_overlap, stream_handle,
-                     target_of)
+from .checks import (check_no_overlap, check_shape, check_tensor, cpu_threads, dense_overlap, no_backward,
+                     stream_handle, target_of)
 
 _VALUE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -204,6 +204,7 @@ def _(v, s, v_other, s_other, mask=None):
     return None
 
 
+@no_backward
 def merge_state(
     v_a: torch.Tensor, s_a: torch.Tensor, v_b: torch.Tensor, s_b: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -239,6 +240,7 @@ def merge_state_in_place(
     return _merge_state_in_place_eager(v, s, v_other, s_other, mask)
 
 
+@no_backward
 def merge_states(v: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge ``num_states`` attention states per row.
 

@@ -104,10 +104,11 @@ def refuse_unsupported(what: str, hint: str = "leave it unset", **arguments: obj
 
 
 def check_head_dim(head_dim: object, name: str = "head_dim") -> int:
-    if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 1:
+    """``head_dim`` as an int (Python's or numpy's; a bool, a float or a string is refused)."""
+    if isinstance(head_dim, bool) or not isinstance(head_dim, numbers.Integral) or head_dim < 1:
         raise ValueError(f"{name}={head_dim!r} must be a positive int (a multiple of 8 from 8 to 256, "
                          "or 192/128, 576/512)")
-    return head_dim
+    return int(head_dim)
 
 
 def parse_kv_layout(value: str | KVLayout) -> KVLayout:
@@ -121,9 +122,12 @@ _F32_MIN_NORMAL = 1.1754943508222875e-38
 
 
 def number(value, name: str) -> float:
-    """``value`` as a float; a clear TypeError for what is not a number (strings included)."""
+    """``value`` as a float; a clear TypeError for what is not a number (strings and bools included: True would
+    pass as 1.0)."""
     if isinstance(value, (str, bytes)):
         raise TypeError(f"{name}={value!r} must be a number, not a string")
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name}={value!r} must be a number, not a bool")
     try:
         return float(value)
     except (TypeError, ValueError):
@@ -143,6 +147,24 @@ def resolve_flag(value, name: str) -> bool:
     if isinstance(value, numbers.Integral) and value in (0, 1):
         return bool(value)
     raise TypeError(f"{name}={value!r} must be True or False")
+
+
+# Boolean arguments that only tune speed or are taken for FlashInfer's signatures (disable_split_kv is the one with
+# an effect): plan_arguments checks those a plan() takes.
+FLAG_ARGUMENTS = ("disable_split_kv", "non_blocking", "use_tensor_cores", "use_fp16_qk_reduction", "enable_pdl")
+
+
+def check_flag(value, name: str) -> None:
+    """One of FLAG_ARGUMENTS: None or what ``resolve_flag`` takes, so a string such as "False" is a TypeError rather
+    than silently its truthiness (two identity tests on the hot path)."""
+    if value is not None and value is not True and value is not False:
+        resolve_flag(value, name)
+
+
+def check_flags(**flags) -> None:
+    """``check_flag`` of each."""
+    for name, value in flags.items():
+        check_flag(value, name)
 
 
 def resolve_window_left(value) -> int:
@@ -203,8 +225,6 @@ def fp8_scale(value: float | torch.Tensor | None, name: str) -> float:
         if value.device.type != "cpu":
             raise ValueError(f"{name} on {value.device} would need a device sync; pass a Python float")
         value = value.item()
-    if isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name}={value!r} must be a number, not a bool")
     value = number(value, name)
     if not f32_scale(value):
         raise ValueError(f"{name}={value} must be a positive finite number (a dequantization scale)")

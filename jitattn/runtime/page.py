@@ -25,8 +25,8 @@ from ..abi import APPEND_SOURCE_CODES
 from ..jit import load
 from ..page_table import check_page_table
 from ..spec import KVLayout, Target
-from .checks import (check_no_overlap, check_tensor, cpu_threads, launch_on, shares_element, spans_overlap, target_of,
-                     views_overlap)
+from .checks import (check_no_overlap, check_tensor, cpu_threads, dense_overlap, launch_on, shares_element,
+                     spans_overlap, target_of, views_overlap)
 from .specs import append_spec
 from .kv import cache_geometry, check_kv_tensors, kv_strides, split_paged_kv_cache
 
@@ -142,6 +142,19 @@ def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     return tensor.to(device, non_blocking=True).contiguous()
 
 
+def _refuse_sources_in_cache(append_key: torch.Tensor, append_value: torch.Tensor, paged_kv_cache) -> None:
+    """The appended tokens must not live in the cache's own bytes (a slice of a page): the launch would read
+    slots it is writing. Dense tensors (a cache, the step's new K / V) by a pointer compare, as this runs on every
+    call; others by their spans."""
+    caches = paged_kv_cache if isinstance(paged_kv_cache, (tuple, list)) else (paged_kv_cache,)
+    for name, source in (("append_key", append_key), ("append_value", append_value)):
+        for cache in caches:
+            dense = source.is_contiguous() and cache.is_contiguous()
+            if dense_overlap(source, cache) if dense else spans_overlap(source, cache):
+                raise ValueError(f"{name} lies in paged_kv_cache's memory, which the append writes (it would read "
+                                 f"slots as they are overwritten); pass {name}.clone()")
+
+
 def append_paged_kv_cache(
     append_key: torch.Tensor,
     append_value: torch.Tensor,
@@ -182,6 +195,7 @@ def append_paged_kv_cache(
         raise ValueError("paged_kv_cache's k and v share memory, so the appended values would overwrite keys: pass "
                          "two caches that do not overlap (or one [pages, 2, ...] tensor)")
     nnz = _check_appended(append_key, append_value, cache)
+    _refuse_sources_in_cache(append_key, append_value, paged_kv_cache)
     target, device = target_of("append_paged_kv_cache", (append_key, append_value, cache.k, cache.v))
     if target is Target.CUDA and cache.dtype == torch.float32:
         raise TypeError(

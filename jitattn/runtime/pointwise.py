@@ -18,7 +18,8 @@ import torch
 from ..abi import ACT_CODES
 from ..jit import load
 from ..spec import Op
-from .checks import check_no_overlap, check_tensor, cpu_threads, launch_on, shares_element, spans_overlap, target_of
+from .checks import (check_no_overlap, check_tensor, cpu_threads, dense_overlap, launch_on, shares_element,
+                     spans_overlap, target_of)
 from .specs import dtype_spec
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -105,6 +106,12 @@ def rms_norm(what: str, input: torch.Tensor, weight: torch.Tensor, eps, out: tor
     elif out is not input and _shares_memory(out, input):
         raise ValueError(f"{what}: out overlaps input without being it; pass input itself (in place) or a "
                          "tensor of its own")
+    for name, written in (("input" if out is input else "out", out), ("residual", residual)):
+        # (dense operands, the common case, by a pointer compare: this runs on every call)
+        dense = weight.is_contiguous() and written is not None and written.is_contiguous()
+        if written is not None and (dense_overlap(weight, written) if dense else _shares_memory(weight, written)):
+            raise ValueError(f"{what}: weight shares memory with {name}, which this call writes; pass a weight of "
+                             "its own (weight.clone())")
     target, device = target_of(what, [input, weight, out, residual])
     eps = _eps(eps)
     rows = math.prod(input.shape[:-1])

@@ -22,7 +22,7 @@ import torch
 from ..abi import ROPE_POSITION_CODES
 from ..jit import load
 from .checks import check_no_overlap, check_tensor, cpu_threads, launch_on, target_of
-from .options import resolve_flag
+from .options import f32_scale, resolve_flag
 from .specs import rope_spec
 
 __all__ = ["Angles", "Positions", "llama31_angles", "rope_angles", "rotate", "rotary_dim_of", "split_heads"]
@@ -62,10 +62,14 @@ class Angles:
 
 
 def _positive(name: str, value) -> float:
+    """A positive number whose float32 reciprocal is finite too (the kernels take both in float32), as the attention
+    wrappers check rope_scale and rope_theta."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name}={value!r} must be a number")
     if not (math.isfinite(value) and value > 0):
         raise ValueError(f"{name}={value!r} must be a finite number > 0")
+    if not (f32_scale(float(value)) and f32_scale(1.0 / float(value))):
+        raise ValueError(f"{name}={value!r} must be a positive finite number (its reciprocal too, in float32)")
     return float(value)
 
 

@@ -16,10 +16,11 @@ import torch
 
 from ..spec import Target
 from .batch import AttentionPlan, run_plan, run_plan_or_compiled
-from .checks import FP8_DTYPES, not_planned, target_of
+from .checks import FP8_DTYPES, inference_only, needs_grad, not_planned, target_of
 from .compiled import register_wrapper
 from .fp8_prefill import device_scales
-from .options import fp8_scale, parse_kv_layout, refuse_unsupported, resolve_flag, resolve_window_left
+from .options import (FLAG_ARGUMENTS, check_flag, check_flags, fp8_scale, parse_kv_layout, refuse_unsupported,
+                      resolve_flag, resolve_window_left)
 
 # The index arrays a captured launch reads, which CUDA-graph mode needs in fixed caller buffers.
 _GRAPH_ROLES = ("qo_indptr", "kv_indptr", "kv_indices", "kv_last_page_len")
@@ -165,9 +166,15 @@ class BatchWrapperBase(NotCopyable):
         return self.run(*run_args, **run_kwargs)
 
     def _run(self, q, kv, k_scale, v_scale, out, lse, return_lse, variant_args, variant_positional=(),
-             q_scale=None, window_left=None, sinks=None):
+             q_scale=None, window_left=None, sinks=None, enable_pdl=None):
         """``kv``: the paged cache as given (paged plans) or the ``(k, v)`` pair (ragged); ``sinks``: float32
-        ``[num_qo_heads]`` attention sinks (None: none)."""
+        ``[num_qo_heads]`` attention sinks (None: none); ``enable_pdl`` only checked (speed only, ignored)."""
+        if torch.is_grad_enabled() and needs_grad(q, kv, sinks):  # re-entered under autograd's record, grad mode off
+            return inference_only(f"{self._NAME}.run", lambda: self._run(
+                q, kv, k_scale, v_scale, out, lse, return_lse, variant_args, variant_positional, q_scale, window_left,
+                sinks, enable_pdl), (q, kv, sinks))
+        if enable_pdl is not None and enable_pdl is not True and enable_pdl is not False:  # (two identity tests)
+            check_flag(enable_pdl, "enable_pdl")
         plan = self._plan
         if return_lse is not False and return_lse is not True:  # the hot path passes a bool: two identity tests
             return_lse = resolve_flag(return_lse, "return_lse")
@@ -228,6 +235,7 @@ def plan_arguments(plan_locals: dict) -> dict:
     call = dict(plan_locals)
     del call["self"]
     call.pop("__class__", None)  # present when the method uses super()
+    check_flags(**{name: call[name] for name in FLAG_ARGUMENTS if name in call})
     return call
 
 
