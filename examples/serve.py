@@ -48,6 +48,14 @@ def rate(text: str) -> float:
     return value
 
 
+def fraction(text: str) -> float:
+    """An argparse type: a number in (0, 1]."""
+    value = float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{text} must be in (0, 1]")
+    return value
+
+
 def ints(low: int):
     """An argparse type: comma-separated ints >= ``low``."""
     def parse(text: str) -> list[int]:
@@ -87,7 +95,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--page-size", type=count(1), default=16)
     p.add_argument("--num-pages", type=count(2), help="KV pool pages (default: room for every request at once without "
                    "prefix sharing, capped by --kv-memory-fraction)")
-    p.add_argument("--kv-memory-fraction", type=float, default=0.85,
+    p.add_argument("--kv-memory-fraction", type=fraction, default=0.85,
                    help="cuda: the KV pool's share of the GPU memory free once the model is loaded (default 0.85)")
     p.add_argument("--max-batch-size", type=count(1), default=64)
     p.add_argument("--chunk", type=count(1), default=512, help="prefill tokens per step")
@@ -146,8 +154,6 @@ def default_num_pages(args: argparse.Namespace, model, pages_per_request: int, d
     unshared = pages_per_request * min(args.num_requests, args.max_batch_size) + 2
     if not device.startswith("cuda"):
         return unshared
-    if not 0.0 < args.kv_memory_fraction <= 1.0:
-        raise SystemExit(f"--kv-memory-fraction={args.kv_memory_fraction} must be in (0, 1]")
     torch.cuda.empty_cache()  # memory an earlier run in this process freed goes back to the device first
     free, _ = torch.cuda.mem_get_info(torch.device(device))
     c = model.config

@@ -316,6 +316,10 @@ def main(argv: list[str] | None = None) -> None:
     if "--json" in rest or any(flag.startswith("--json=") for flag in rest):
         parser.error("--json is serve.py's file of one run, rewritten by each of the bench's runs; the bench's "
                      "table goes to --out")
+    own = [flag for flag in rest if flag.split("=", 1)[0] in ("--cascade", "--no-cascade", "--graphs")]
+    if own:  # the bench gives these to each run itself (its rows are cascade on / off, graphs off / on)
+        parser.error(f"{own[0]}: the bench sets cascade and graphs per row itself (--graphs-only for graph rows "
+                     "alone); leave it out")
     device = argparse.ArgumentParser(add_help=False)
     device.add_argument("--device", default="auto")
     on_cuda = device.parse_known_args(rest)[0].device == "cuda"  # auto: run_workload asks the first run

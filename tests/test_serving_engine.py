@@ -217,9 +217,9 @@ def test_bad_requests_are_refused_clearly(model) -> None:
         engine.add_request([CONFIG.vocab_size], 2)
     with pytest.raises(ValueError, match="exceeds max_seq_len=64"):
         engine.add_request([1] * 60, 5)
-    engine.add_request([1, 2], 2, arrival=1.0)
-    with pytest.raises(ValueError, match="arrival order"):
-        engine.add_request([1, 2], 2, arrival=0.5)
+    later = engine.add_request([1, 2], 2, arrival=1.0)
+    earlier = engine.add_request([1, 2], 2, arrival=0.5)  # added after, arrived before: queued ahead of it
+    assert list(engine.waiting) == [earlier, later]
     with pytest.raises(ValueError, match=r"after the engine's clock\(\) .* not time.time\(\)"):
         engine.add_request([1, 2], 2, arrival=time.time())  # another time base: would wait for decades
     numpy = pytest.importorskip("numpy")
@@ -241,16 +241,30 @@ def test_bad_requests_are_refused_clearly(model) -> None:
     assert request.prompt == [3, 4, 5] and len(engine.waiting) == queued + 1
 
 
-@pytest.mark.parametrize("arrival", [float("nan"), float("inf"), None, "0", True])
+@pytest.mark.parametrize("arrival", [float("nan"), float("inf"), "0", True])
 def test_an_arrival_that_is_not_a_finite_number_is_refused_and_stalls_no_one(model, arrival) -> None:
     """A NaN arrival passes every order check and an infinite one is never due: either would keep run() from
-    returning; None or a string would break every later step's comparisons."""
+    returning; a string would break every later step's comparisons."""
     engine = Engine(model, num_pages=8, page_size=PAGE)
     with pytest.raises(ValueError, match=f"arrival={arrival!r} must be a finite number"):
         engine.add_request([1, 2], 2, arrival=arrival)
     good = engine.add_request([3, 4], 2)
     engine.run()
     assert good.output == reference_generate(model, [3, 4], 2)[0] and not engine.waiting
+
+
+def test_a_request_without_an_arrival_arrives_when_it_is_added(model) -> None:
+    """The default arrival is the engine's clock at add_request (it was 0: the engine's start, so a request added
+    later had its waiting time counted from startup), and such a request goes ahead of those queued for later."""
+    now = [100.0]
+    engine = Engine(model, num_pages=16, page_size=PAGE, clock=lambda: now[0])
+    scheduled = engine.add_request([1, 2, 3], 2, arrival=now[0] + 5)
+    request = engine.add_request([4, 5], 2)
+    assert request.arrival == 100.0 and list(engine.waiting) == [request, scheduled]
+    now[0] = 107.0
+    engine.run()
+    assert request.output == reference_generate(model, [4, 5], 2)[0] and request.first_token_time - request.arrival \
+        == pytest.approx(7.0)
 
 
 def test_a_clock_that_is_not_a_function_of_finite_seconds_is_refused(model) -> None:
@@ -721,6 +735,48 @@ def test_pool_refcounts_and_double_release() -> None:
     assert pool.decref(pages) == 2 and pool.decref(pages[:1]) == 1
     with pytest.raises(RuntimeError, match="already free"):
         pool.decref(pages[:1])
+
+
+def test_pool_refuses_pages_it_does_not_hand_out_and_changes_nothing() -> None:
+    """A negative id indexed from the end (decref([-1]) freed the last page and put -1 on the free list); a call
+    with one bad page among good ones changed the good ones' counts before it raised."""
+    pool = KVPool(1, 6, 2, 1, 8, torch.float32, "cpu")
+    held = pool.alloc(2)
+    for call, error, match in ((lambda: pool.decref([-1]), ValueError, "page -1 is not one this pool hands out"),
+                               (lambda: pool.decref([99]), ValueError, "page 99 is not one"),
+                               (lambda: pool.incref([0]), ValueError, "page 0 is the scratch page"),
+                               (lambda: pool.incref([held[0], 5]), RuntimeError, "page 5 is free"),
+                               (lambda: pool.decref([held[0], held[0]]), RuntimeError, "listed 2 times"),
+                               (lambda: pool.decref([1.5]), TypeError, "must be an int"),
+                               (lambda: pool.alloc(-2), ValueError, "alloc\\(-2\\)"),
+                               (lambda: pool.alloc(1.5), ValueError, "must be an int >= 0")):
+        with pytest.raises(error, match=match):
+            call()
+    assert [pool.refcount(p) for p in held] == [1, 1] and pool.num_free == 3
+
+
+def test_radix_insert_of_a_free_page_leaves_the_tree_as_it_was() -> None:
+    pool = KVPool(1, 6, 2, 1, 8, torch.float32, "cpu")
+    tree = RadixCache(pool)
+    page = pool.alloc(1)[0]
+    with pytest.raises(RuntimeError, match="page 4 is free"):
+        tree.insert([1, 2, 3, 4], [page, 4])
+    assert tree.match([1, 2, 3, 4]) == [] and pool.refcount(page) == 1 and tree.num_cached_pages == 0
+
+
+def test_a_model_whose_weights_hold_nan_is_refused() -> None:
+    """It served every request garbage (argmax of NaN logits: token 0) without an error."""
+    weights = random_weights(CONFIG)
+    weights["model.layers.0.mlp.down_proj.weight"][0, 0] = float("nan")
+    with pytest.raises(ValueError, match="weight model.layers.0.mlp.down_proj.weight holds NaN or inf"):
+        LlamaModel(CONFIG, weights)
+
+
+@pytest.mark.parametrize("prompt, match", [(bytearray(b"ab"), "got bytearray"), (memoryview(b"ab"), "got memoryview"),
+                                           (torch.tensor([1, 2], device="meta"), "meta tensor")])
+def test_prompts_of_bytes_or_without_data_are_refused(model, prompt, match) -> None:
+    with pytest.raises(TypeError, match=match):
+        Engine(model, num_pages=8, page_size=PAGE).add_request(prompt, 2)
 
 
 def test_radix_tree_splits_shares_and_evicts_lru() -> None:

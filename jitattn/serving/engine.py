@@ -123,10 +123,10 @@ class Engine:
 
     # --- requests ---------------------------------------------------------------------------
 
-    def add_request(self, prompt: list[int], max_new_tokens: int, arrival: float = 0.0,
+    def add_request(self, prompt: list[int], max_new_tokens: int, arrival: float | None = None,
                     forced_tokens: list[int] | None = None, keep_logits: bool = False,
                     stop_token_ids: Sequence[int] | None = None) -> Request:
-        """Queue a request (``arrival`` in the engine clock's seconds; requests must arrive in order).
+        """Queue a request (``arrival``: seconds on the engine's clock, None for now; queued in arrival order).
 
         ``prompt`` (and ``forced_tokens``, ``stop_token_ids``): token ids, a sequence of ints or a 1-D integer
         tensor. The request finishes after ``max_new_tokens`` outputs or at its first greedy token in
@@ -135,7 +135,7 @@ class Engine:
         including one that could never fit the KV pool."""
         prompt, max_new_tokens, forced_tokens, stop = request_tokens(
             prompt, max_new_tokens, forced_tokens, stop_token_ids, self.model.config.vocab_size, self.max_seq_len)
-        arrival = on_engine_clock(arrival_time(arrival), self.clock())
+        arrival = self.clock() if arrival is None else on_engine_clock(arrival_time(arrival), self.clock())
         if not isinstance(keep_logits, bool):  # a string such as "no" would be taken as True
             raise TypeError(f"keep_logits={keep_logits!r} must be True or False")
         needed = self.pool.pages_for(len(prompt) + max_new_tokens - 1)  # every output but the last is fed
@@ -143,12 +143,12 @@ class Engine:
             raise ValueError(f"the request needs {needed} KV pages of {self.pool.page_size} tokens (prompt "
                              f"{len(prompt)} + {max_new_tokens - 1} fed outputs) but the whole pool holds "
                              f"{self.pool.num_pages - 1}; shorten it or give the engine more pages (num_pages)")
-        if self.waiting and arrival < self.waiting[-1].arrival:
-            raise ValueError(f"arrival={arrival} is before the last queued request's ({self.waiting[-1].arrival}); "
-                             "add requests in arrival order")
+        at = len(self.waiting)  # ahead of the requests queued for later (after those of the same time)
+        while at and self.waiting[at - 1].arrival > arrival:
+            at -= 1
         request = Request(self._next_rid, prompt, max_new_tokens, arrival, forced_tokens, keep_logits, stop)
         self._next_rid += 1
-        self.waiting.append(request)
+        self.waiting.insert(at, request)
         return request
 
     def clock(self) -> float:

@@ -64,8 +64,25 @@ class KVPool:
     def refcount(self, page: int) -> int:
         return self._refs[page]
 
+    def _held(self, pages: list[int], what: str) -> None:
+        """Refuse, before anything changes, a page that is not one this pool hands out (1 to num_pages - 1: a
+        negative id would index from the end) or that holds no reference (``pages`` may repeat one: each use needs
+        a reference of its own only for ``decref``, which checks that itself)."""
+        n = self.num_pages
+        for p in pages:
+            if type(p) is not int and (isinstance(p, bool) or not isinstance(p, numbers.Integral)):
+                raise TypeError(f"{what}: page {p!r} must be an int")
+            if not 0 < p < n:
+                raise ValueError(f"{what}: page {p} is not one this pool hands out (1 to {n - 1}; page 0 is the "
+                                 "scratch page)")
+            if self._refs[p] < 1:
+                raise RuntimeError(f"incref: page {p} is free; only a held page can gain a reference"
+                                   if what == "incref" else f"{what}: page {p} is already free (a double release)")
+
     def alloc(self, count: int) -> list[int] | None:
         """``count`` fresh pages, each with one reference; None (nothing taken) when fewer are free."""
+        if isinstance(count, bool) or not isinstance(count, numbers.Integral) or count < 0:
+            raise ValueError(f"alloc({count!r}): the page count must be an int >= 0")
         if count > len(self._free):
             return None
         pages = [self._free.pop() for _ in range(count)]
@@ -74,17 +91,21 @@ class KVPool:
         return pages
 
     def incref(self, pages: list[int]) -> None:
+        self._held(pages, "incref")
         for p in pages:
-            if self._refs[p] < 1:
-                raise RuntimeError(f"page {p} is free; only a held page can gain a reference")
             self._refs[p] += 1
 
     def decref(self, pages: list[int]) -> int:
-        """Drop one reference to each page; returns how many became free."""
+        """Drop one reference to each page; returns how many became free. Every page is checked first, so a
+        refused call changes nothing."""
+        self._held(pages, "decref")
+        if len(set(pages)) != len(pages):  # a page listed twice needs two references
+            for p in set(pages):
+                if pages.count(p) > self._refs[p]:
+                    raise RuntimeError(f"decref: page {p} is listed {pages.count(p)} times but holds "
+                                       f"{self._refs[p]} reference(s) (a double release)")
         freed = 0
         for p in pages:
-            if self._refs[p] < 1:
-                raise RuntimeError(f"page {p} is already free (a double release)")
             self._refs[p] -= 1
             if self._refs[p] == 0:
                 self._free.append(p)

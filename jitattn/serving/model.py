@@ -150,7 +150,12 @@ class LlamaModel:
         if not isinstance(config, ModelConfig):
             raise TypeError(f"config must be a ModelConfig (e.g. preset('tiny')), got {type(config).__name__}")
         device = check_placement(dtype, device)
-        check_weights(config, weights, "LlamaModel")
+        names = check_weights(config, weights, "LlamaModel")
+        # a NaN or inf weight gives every request garbage tokens (argmax of NaN logits) without an error
+        bad = next((n for n in names if weights[n].is_floating_point() and not bool(weights[n].isfinite().all())), None)
+        if bad is not None:
+            raise ValueError(f"LlamaModel: weight {bad} holds NaN or inf values; check the checkpoint (or its dtype "
+                             "conversion)")
         self.config = config
         self.group = group or TPGroup()
         self.dtype, self.device = dtype, device

@@ -97,8 +97,8 @@ class RadixCache:
             child = node.children.get(tokens[at: at + ps])
             if child is None:
                 new = RadixNode(tokens[at:], list(pages[done:]), node)
+                self.pool.incref(new.pages)  # (checks every page first: a refused insert leaves the tree as it was)
                 node.children[tokens[at: at + ps]] = new
-                self.pool.incref(new.pages)
                 self._tick(new)
                 return len(new.pages)
             same = self._same_pages(child, tokens[at:])

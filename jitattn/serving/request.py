@@ -12,7 +12,9 @@ import torch
 
 @dataclass(eq=False)
 class Request:
-    """One generation request and its progress (times in seconds of the engine's clock)."""
+    """One generation request and its progress (times in seconds of the engine's clock). The fields up to
+    ``stop_token_ids`` are the request as added: the engine reserved its pages and schedules by them, so changing
+    one afterwards is not supported (abort the request and add a new one)."""
 
     rid: int
     prompt: list[int]
@@ -111,8 +113,10 @@ def token_ids(name: str, tokens, vocab_size: int) -> list[int]:
         if tokens.dim() != 1 or tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == torch.bool:
             raise TypeError(f"{name} as a tensor or array must be 1-D with an integer dtype; got shape "
                             f"{tuple(tokens.shape)} {str(tokens.dtype).removeprefix('torch.')}")
+        if tokens.is_meta:
+            raise TypeError(f"{name} is a meta tensor (no data); pass a tensor on the cpu or a GPU")
         tokens = tokens.tolist()
-    elif isinstance(tokens, (str, bytes)) or not isinstance(tokens, Sequence):
+    elif isinstance(tokens, (str, bytes, bytearray, memoryview)) or not isinstance(tokens, Sequence):
         raise TypeError(f"{name} must be a list of token ids (ints); got {type(tokens).__name__}")
     ids = []
     for i, token in enumerate(tokens):
@@ -190,5 +194,5 @@ def on_engine_clock(arrival: float, now: float) -> float:
     if arrival - now > MAX_ARRIVAL_AHEAD:
         raise ValueError(f"arrival={arrival} is {arrival - now:.3g} s after the engine's clock() (now {now:.3g}): "
                          "arrivals count on that clock (seconds since startup, or your clock=), not time.time(); "
-                         "pass engine.clock() + a delay, or 0 for now")
+                         "pass engine.clock() + a delay, or None for now")
     return arrival
