@@ -80,10 +80,12 @@ class Knob:
                 return None
             return f"{shown} is not {what}; set it to {', '.join(values)}, or unset it"
         if self.kind == "archs":
-            bad = [a for a in re.split(r"[;\s,]+", raw.strip()) if a and not _ARCH.match(a)]
-            if not bad:
-                return None
-            return f"{shown}: {', '.join(map(repr, bad))} is not an arch; use e.g. '8.0;9.0a' or '9.0a+PTX'"
+            archs = [a for a in re.split(r"[;\s,]+", raw.strip()) if a]
+            bad = [a for a in archs if not _ARCH.match(a)]
+            if bad:
+                return f"{shown}: {', '.join(map(repr, bad))} is not an arch; use e.g. '8.0;9.0a' or '9.0a+PTX'"
+            old = [a for a in archs if int(a.split(".")[0]) < 8]
+            return f"{shown}: {old[0]!r} is older than the kernels' sm_80 (Ampere); give 8.0 or newer" if old else None
         if self.kind == "executable":
             if os.path.isfile(raw) and os.access(raw, os.X_OK):
                 return None

@@ -49,6 +49,9 @@ def _parsed_arch_list(raw: str) -> tuple[str, ...]:
                 f"JITATTN_CUDA_ARCH_LIST entry {arch!r} is not an arch; use the TORCH_CUDA_ARCH_LIST "
                 "format, e.g. '8.0;9.0a' or '9.0a+PTX'"
             )
+        if int(re.match(r"\d+", arch).group()) < 8:
+            raise ArchListError(f"JITATTN_CUDA_ARCH_LIST entry {arch!r} is older than the kernels' sm_80 (Ampere); "
+                                "give 8.0 or newer, e.g. '8.0;9.0a'")
     return archs
 
 

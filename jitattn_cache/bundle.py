@@ -29,7 +29,7 @@ import zlib
 from pathlib import Path
 
 from .selection import UsageError, arch_env, has_selection, resolve_specs
-from .store import entries, human_size
+from .store import entries, entry_violations, human_size
 
 EXIT_OK, EXIT_FAILED = 0, 1
 _EXPORTED_FILES = ("manifest.json", "build.ninja", "lib.so")  # an entry's files a bundle carries (and sources/)
@@ -74,7 +74,12 @@ def _selected_entries(args: argparse.Namespace) -> tuple[list[Path], list[str]]:
             if entry.name in seen:
                 continue
             seen.add(entry.name)
-            chosen.append(entry.path)
+            unsafe = entry_violations(entry)  # (as a --spec selection refuses it: an import would trust it)
+            if unsafe:
+                problems.append(f"{entry.path}: on an unsafe path ({unsafe[0].path}: {unsafe[0].reason}); not "
+                                "exported (see `jitattn-cache verify`)")
+            else:
+                chosen.append(entry.path)
     good = []
     for path in dict.fromkeys(chosen):
         problem = foreign_entry_problem(path)

@@ -40,7 +40,11 @@ def cmd_ls(args: argparse.Namespace) -> int:
         width = max(len(e.uri) for e in rows) + 2
         print(f"{'URI':{width}s} {'TARGET':6s} {'ARCH':10s} {'SIZE':>10s}  {'BUILT (UTC)':19s}  LAYER")
         for e in rows:
-            built = e.built_at.astimezone(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S") if e.built_at else "?"
+            try:  # (a manifest's time at the calendar's ends does not convert to UTC)
+                built = e.built_at.astimezone(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S") if e.built_at \
+                    else "?"
+            except (OverflowError, ValueError):
+                built = "?"
             layer = "rw" if e.writable else f"ro {e.base.parent}"
             note = "" if e.manifest is not None else "  (no manifest: see `jitattn-cache verify`)"
             print(f"{e.uri:{width}s} {e.target:6s} {e.arch:10s} {human_size(e.size):>10s}  {built:19s}  {layer}{note}")
@@ -52,7 +56,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
 def cmd_info(args: argparse.Namespace) -> int:
     from jitattn.jit.admin import foreign_entry_problem
 
-    from .store import entries, human_size
+    from .store import entries, entry_violations, human_size
 
     query = args.uri
     found = [e for e in entries() if query in (e.uri, e.name)
@@ -63,6 +67,9 @@ def cmd_info(args: argparse.Namespace) -> int:
     bad = 0
     for e in found:
         problem = foreign_entry_problem(e.path)
+        unsafe = entry_violations(e) if problem is None else []
+        if unsafe:
+            problem = f"on an unsafe path ({unsafe[0].path}: {unsafe[0].reason}); jitattn will not load it"
         bad += problem is not None
         print(f"# {e.path}")
         print(f"layer:  {'writable' if e.writable else 'read-only'} ({e.base.parent})")
@@ -78,7 +85,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     fix, never changed)."""
     from jitattn.jit.admin import LIBRARY_NAME, foreign_entry_problem, layers, library_problem, remove_entry
 
-    from .store import cache_violations, entries
+    from .store import cache_violations, entries, entry_violations
 
     rows = entries()
     unsafe = []
@@ -91,6 +98,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
     bad = unfixed = 0
     for e in rows:
         problem = foreign_entry_problem(e.path)
+        if problem is None and entry_violations(e):  # never dlopen'ed: its constructors would run as you
+            problem = "on an unsafe path (above), so not loaded; fix the path or remove the entry"
         if problem is None:  # consistent: does it load here as its module (the libraries it links, its uri)?
             problem = library_problem(e.path / LIBRARY_NAME, e.manifest["uri"])
         if problem is None:

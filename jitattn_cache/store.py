@@ -95,6 +95,14 @@ def entries(include_readonly: bool = True) -> list[CacheEntry]:
     return found
 
 
+def entry_violations(entry: CacheEntry) -> list:
+    """Trust-rule violations on the paths from ``entry``'s layer root down to its library: an entry with any is
+    never loaded (its library's constructors would run as you), whatever a command reports of it."""
+    from jitattn.jit.admin import LIBRARY_NAME, chain_violations
+
+    return chain_violations(entry.base.parent, entry.path, entry.path / LIBRARY_NAME)
+
+
 def cache_violations(base: Path, entry_paths: list[Path], writable: bool) -> list:
     """Trust-rule violations of one layer (schema dir ``base``): its root, the schema dir, (for the
     writable cache) locks/ and tmp/, then each entry dir and library, each path once."""
@@ -134,4 +142,7 @@ def parse_duration(text: str) -> datetime.timedelta:
     match = _DURATION_RE.match(text)
     if not match:
         raise UsageError(f"duration {text!r} is not understood; use e.g. 30d, 12h, 2w, 90m or 45s")
-    return datetime.timedelta(seconds=float(match.group(1)) * _DURATION_UNITS[match.group(2).lower()])
+    try:
+        return datetime.timedelta(seconds=float(match.group(1)) * _DURATION_UNITS[match.group(2).lower()])
+    except OverflowError:  # past timedelta's ~2.7 million years
+        raise UsageError(f"duration {text!r} is too long; give at most a few thousand years (e.g. 36500d)") from None

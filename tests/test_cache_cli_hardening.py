@@ -120,7 +120,8 @@ def test_version_and_the_list_alias(fresh_cache, capsys):
 
 
 @pytest.mark.parametrize("field, value", [("uri", 5), ("target", None), ("archs", 5), ("machine", 7),
-                                          ("built_at", 3)])
+                                          ("built_at", 3), ("built_at", "9999-12-31T23:59:59-05:00"),
+                                          ("built_at", "0001-01-01T00:00:00+05:00")])
 def test_ls_lists_an_entry_whose_manifest_holds_odd_types(field, value, fresh_cache, capsys):
     import json
 
@@ -141,6 +142,7 @@ def test_ls_lists_an_entry_whose_manifest_holds_odd_types(field, value, fresh_ca
     ("MAX_JOBS", "abc", "is not a positive integer"),
     ("JITATTN_MAX_JOBS", "0", "is not a positive integer"),
     ("JITATTN_CUDA_ARCH_LIST", "9.0a;sm90", "'sm90' is not an arch"),
+    ("JITATTN_CUDA_ARCH_LIST", "7.0", "'7.0' is older than the kernels' sm_80"),
     ("JITATTN_LOG_LEVEL", "verbose", "is not a level jitattn knows"),
     ("JITATTN_ASSERT_NO_COMPILE", "maybe", "is neither on nor off"),
     ("JITATTN_DEBUG", "2", "is neither on nor off"),
@@ -204,3 +206,14 @@ def test_the_writable_cache_named_in_cache_path_too_is_listed_once(fresh_cache, 
     monkeypatch.setenv("JITATTN_CACHE_PATH", os.pathsep.join([str(fresh_cache), str(fresh_cache)]))
     rc, out, err = _cli(capsys, "ls")
     assert rc == 0 and out.count(SPECS[0]) == 1 and "1 entries" in out and " rw" in out, (out, err)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["prune", "--older-than", "1000000000d"], "is too long"),
+    (["warm", "--preset", "llama-3-8b", "--arch", "7.0", "--dry-run"], "older than the kernels' sm_80"),
+])
+def test_out_of_range_arguments_are_usage_errors(argv, message, fresh_cache, capsys):
+    """A duration past timedelta's range ended in an OverflowError traceback; an arch below the kernels' was
+    listed as cold specs that every build then failed."""
+    rc, _, err = _cli(capsys, *argv)
+    assert rc == 2 and message in err and "Traceback" not in err

@@ -162,3 +162,29 @@ def test_violations_lists_owner_and_mode_problems_of_each_path_once(tmp_path):
     link.symlink_to(leaf)
     assert "symbolic link" in trust.violations(link)[0].reason
     assert trust.violations(link, follow_links=True) == []
+
+
+def test_an_entry_on_an_unsafe_path_is_never_loaded_nor_exported(fresh_cache, monkeypatch, capsys, tmp_path):
+    """verify used to load every entry's library to check it (running its constructors as you) even one it had
+    just listed as UNSAFE, info called it ok, and an export of the whole cache bundled it (an import elsewhere
+    then trusted it); an export naming it by spec already refused it."""
+    import jitattn.jit.admin as admin
+
+    [result] = build_many([SPEC])
+    assert result.status == "built"
+    entry = fresh_cache / SCHEMA / build_inputs(SPEC).name
+    _make_world_writable(entry)
+    loaded = []
+    real = admin.library_problem
+    monkeypatch.setattr(admin, "library_problem", lambda path, uri: loaded.append(path) or real(path, uri))
+    rc, out, _ = _cli(capsys, "verify")
+    assert rc == 1 and not loaded
+    assert f"BAD {entry}: on an unsafe path (above), so not loaded" in out
+    rc, out, _ = _cli(capsys, "info", SPEC.uri)
+    assert rc == 1 and f"status: BAD: on an unsafe path ({entry}: {entry} is writable by other users" in out
+    bundle = tmp_path / "b.tar.gz"
+    rc, _, err = _cli(capsys, "export", str(bundle))
+    assert rc == 1 and f"{entry}: on an unsafe path" in err and not bundle.exists()
+    entry.chmod(0o755)
+    rc, out, _ = _cli(capsys, "verify")
+    assert rc == 0 and loaded  # safe again: loaded and checked

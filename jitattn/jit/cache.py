@@ -19,6 +19,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import uuid
 from pathlib import Path
 
@@ -86,9 +87,17 @@ def _cache_dir() -> Path:
     return env.cache_dir()
 
 
+def _regular(path: Path) -> Path:
+    """``path``, when it is a regular file: opening a FIFO (or a device) put there would block its reader for good
+    (an OSError otherwise, read as a missing or unreadable file)."""
+    if not stat.S_ISREG(os.lstat(path).st_mode):
+        raise OSError(f"{path} is not a regular file")
+    return path
+
+
 def sha256_file(path: Path) -> str:
     digest = hashlib.sha256()
-    with open(path, "rb") as f:
+    with open(_regular(path), "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
@@ -98,7 +107,7 @@ def read_manifest(entry_dir: Path) -> dict | None:
     """The entry's manifest, or None when it is missing or not a JSON object (``[1, 2]`` or ``42`` is as unreadable
     as a truncated file: every reader expects an object)."""
     try:
-        manifest = json.loads((entry_dir / MANIFEST).read_text())
+        manifest = json.loads(_regular(entry_dir / MANIFEST).read_text())
     except (OSError, ValueError):
         return None
     return manifest if isinstance(manifest, dict) else None
