@@ -97,6 +97,9 @@ class Knob:
                 except RuntimeError:  # pathlib: "Could not determine home directory"
                     return f"{shown}: {part!r} starts with a ~user that names no user here; give the path in full"
                 if self.kind == "path":
+                    if "|" in part or "\n" in part:  # ninja's build files cannot name such paths
+                        return f"{shown} holds a '|' or a newline, which the build files cannot name; choose " \
+                               "another path"
                     existing = next((p for p in (path, *path.absolute().parents) if p.exists()), None)
                     if existing == path and not path.is_dir():
                         return f"{shown} is not a directory; point it at one (or a new path)"

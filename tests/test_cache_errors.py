@@ -443,3 +443,46 @@ def test_an_entry_cleared_between_its_lookup_and_its_load_is_built_again(fresh_c
     module = jitattn.jit.load(SPEC)
     assert looked_up[0] is not None and module.path == looked_up[0] / "lib.so"  # the same entry, built again
     assert compile_count() == before + 1
+
+
+def test_things_in_the_caches_way_are_named_with_the_command_that_removes_them(fresh_cache, monkeypatch):
+    """A directory as a build lock raised a raw IsADirectoryError from inside filelock; a file where tmp/ belongs
+    said only 'cannot create the jitattn cache (File exists)'."""
+    [result] = build_many([SPEC])
+    entry = fresh_cache / SCHEMA / build_inputs(SPEC).name
+    (entry / "manifest.json").unlink()  # the next load rebuilds it, under its lock
+    lock = fresh_cache / SCHEMA / "locks" / f"{entry.name}.lock"
+    lock.unlink(missing_ok=True)
+    lock.mkdir()
+    jitattn.jit._registry.clear()
+    with pytest.raises(CacheError, match=rf"cannot take the build lock {re.escape(str(lock))} .*rm -rf"):
+        jitattn.load(SPEC)
+    lock.rmdir()
+    tmp = fresh_cache / SCHEMA / "tmp"
+    tmp.rmdir()
+    tmp.touch()
+    with pytest.raises(CacheError, match=rf"{re.escape(str(tmp))} is in the jitattn cache's way.*\(rm "):
+        jitattn.load(SPEC)
+    tmp.unlink()
+    jitattn.load(SPEC)
+
+
+def test_a_fifo_in_an_entry_reads_as_damaged_instead_of_blocking(fresh_cache):
+    [result] = build_many([SPEC])
+    entry = fresh_cache / SCHEMA / build_inputs(SPEC).name
+    (entry / "lib.so").unlink()
+    os.mkfifo(entry / "lib.so")  # open() of it would wait for a writer for good
+    jitattn.jit._registry.clear()
+    import threading
+
+    loader = threading.Thread(target=jitattn.load, args=(SPEC,), daemon=True)  # (a hang fails, not stalls, the run)
+    loader.start()
+    loader.join(timeout=60)
+    assert not loader.is_alive(), "load() blocked on the FIFO"
+    assert (entry / "lib.so").is_file()  # found damaged and rebuilt
+
+
+def test_a_cache_dir_that_build_files_cannot_name_is_refused(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("JITATTN_CACHE_DIR", str(tmp_path / "a|b"))
+    rc, _, err = _cli(capsys, "warm", "-q", "--spec", SPEC.uri)
+    assert rc == 2 and "holds a '|' or a newline" in err

@@ -29,7 +29,7 @@ from .build import LIBRARY_NAME, BuildKilled, build_cancelled, raise_if_cancelle
 from .cache import (
     MANIFEST, entry_lock, entry_problem, install_entry, remove_stale_temps, sha256_file, write_error, writable_root,
 )
-from .errors import BuildError
+from .errors import BuildError, CacheError
 from .key import SCHEMA, BuildInputs
 from .loader import check_library
 from .templates import include_dir
@@ -78,6 +78,9 @@ def build_or_find_entry(plan: BuildInputs, jobs: int = 1) -> tuple[Path, bool]:
                                 "building it (a stopped or hung process), end that process", warn_at,
                                 lock.lock_file, plan.spec.uri)
                     warn_at *= 4
+    except OSError as exc:  # (after Timeout, one too) a directory, a link loop or an unwritable file in its place
+        raise CacheError(f"cannot take the build lock {lock.lock_file} ({exc.strerror or exc}); it must be a file "
+                         f"you can write: remove it (rm -rf {lock.lock_file}) and retry") from None
     try:
         if (entry_dir / MANIFEST).exists() and entry_problem(entry_dir, plan.key) is None:
             trust.require_trusted(root, entry_dir / LIBRARY_NAME, action="load a kernel from")

@@ -58,6 +58,9 @@ def writable_root() -> Path:
         root.mkdir(mode=0o700, parents=True, exist_ok=True)
         for sub in (base, base / "locks", base / "tmp"):
             sub.mkdir(mode=0o700, exist_ok=True)
+    except FileExistsError as exc:  # a file or a dangling link where one of its directories belongs
+        raise CacheError(f"{exc.filename} is in the jitattn cache's way: it exists but is not a directory; remove "
+                         f"it (rm {exc.filename}) or set JITATTN_CACHE_DIR to another directory") from None
     except OSError as exc:
         raise CacheError(
             f"cannot create the jitattn cache at {root} ({exc.strerror}); set JITATTN_CACHE_DIR to a "
@@ -192,7 +195,11 @@ ENTRY_NAME_RE = re.compile(r"^[a-z0-9_]+(?:_v[A-Za-z][A-Za-z0-9_]*-[0-9a-f]{8})?
 def entry_lock(base: Path, name: str) -> filelock.FileLock:
     """The per-key lock of entry ``name`` in schema dir ``base`` (the lock ``build_entry`` takes)."""
     for sub in ("locks", "tmp"):
-        (base / sub).mkdir(mode=0o700, exist_ok=True)
+        try:
+            (base / sub).mkdir(mode=0o700, exist_ok=True)
+        except FileExistsError:  # a file (or a dangling link) where the cache's own directory belongs
+            raise CacheError(f"{base / sub} is in the cache's way: it exists but is not a directory; remove it "
+                             f"(rm {base / sub}) and retry") from None
     return filelock.FileLock(str(base / "locks" / (name + ".lock")))
 
 
