@@ -268,7 +268,6 @@ def named_refusals(wrapper: str, part: str, run):
         raise prefixed from exc
 
 
-
 def needs_grad(*values) -> bool:
     """Whether one of ``values`` (tensors, tuples or lists of them, anything else) requires grad: with grad mode
     on, autograd would record a call on them. Cheap (a loop of attribute reads: run() calls it in grad mode)."""

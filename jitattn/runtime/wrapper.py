@@ -173,8 +173,7 @@ class BatchWrapperBase(NotCopyable):
             return inference_only(f"{self._NAME}.run", lambda: self._run(
                 q, kv, k_scale, v_scale, out, lse, return_lse, variant_args, variant_positional, q_scale, window_left,
                 sinks, enable_pdl), (q, kv, sinks))
-        if enable_pdl is not None and enable_pdl is not True and enable_pdl is not False:  # (two identity tests)
-            check_flag(enable_pdl, "enable_pdl")
+        check_flag(enable_pdl, "enable_pdl")
         plan = self._plan
         if return_lse is not False and return_lse is not True:  # the hot path passes a bool: two identity tests
             return_lse = resolve_flag(return_lse, "return_lse")
