@@ -383,6 +383,37 @@ def test_a_damaged_layer_entry_is_rebuilt_in_the_writable_root_and_the_layer_lef
     assert jitattn.load(SPEC).path == _entry(fresh_cache) / "lib.so"
 
 
+def test_a_layer_entry_that_does_not_load_here_is_built_in_the_writable_root(built_layer, tmp_path, fresh_cache,
+                                                                             monkeypatch):
+    """A layer imported from another machine can hold a library whose checksum matches but that links a library
+    this one lacks: its every load raised, and `verify --fix` cannot remove it from a read-only layer."""
+    import json
+
+    gxx = shutil.which("g++") or shutil.which("c++")
+    if gxx is None:
+        pytest.skip("needs a C++ compiler")
+    layer = tmp_path / "A"
+    shutil.copytree(built_layer, layer)
+    entry = _entry(layer)
+    dep = tmp_path / "dep"
+    dep.mkdir()
+    (dep / "d.c").write_text("int missing_dep(void) { return 1; }\n")
+    (dep / "u.c").write_text("int missing_dep(void); int use(void) { return missing_dep(); }\n")
+    subprocess.run([gxx, "-shared", "-fPIC", "-o", str(dep / "libjadep.so"), str(dep / "d.c")], check=True)
+    library = entry / "lib.so"
+    library.unlink()
+    subprocess.run([gxx, "-shared", "-fPIC", "-o", str(library), str(dep / "u.c"), f"-L{dep}", "-ljadep"], check=True)
+    (dep / "libjadep.so").unlink()  # the library it links is not on this machine
+    manifest = json.loads((entry / "manifest.json").read_text())
+    manifest["sha256"] = _sha256(library)  # a consistent entry: only its load fails
+    (entry / "manifest.json").write_text(json.dumps(manifest))
+    before = _snapshot(layer)
+    monkeypatch.setenv("JITATTN_CACHE_PATH", str(layer))
+    jitattn.jit._registry.clear()
+    module = jitattn.load(SPEC)
+    assert module.path == _entry(fresh_cache) / "lib.so" and _snapshot(layer) == before
+
+
 @pytest.mark.parametrize("what, bit", [
     ("layer", stat.S_IWGRP),
     ("layer", stat.S_IWOTH),

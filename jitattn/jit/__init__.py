@@ -14,11 +14,12 @@ from dataclasses import dataclass
 from typing import Callable, Iterable
 
 from .. import env
+from ..log import get_logger
 from ..kernels import family
 from ..spec import Op, Target, VariantSpec
 from .build import compile_count
 from .build_and_publish import build_entry, build_or_find_entry
-from .cache import MANIFEST, entry_problem, find_entry, layers
+from .cache import MANIFEST, entry_problem, find_entry, layers, writable_root
 from .key import BuildInputs, build_inputs
 from .errors import BuildError, CacheError, CompileDisabledError, JitError, KernelError
 from .loader import LOAD_ERRORS, Module
@@ -140,6 +141,11 @@ def _load_built(key: _Key, plan: BuildInputs, again: bool = True) -> Module:
     except LOAD_ERRORS as exc:  # its checksum matched: not a torn write
         if again and not (entry_dir / "lib.so").exists():
             return _load_built(key, plan, again=False)
+        if again and entry_dir.parent != writable_root():  # a read-only layer's, built elsewhere: build this one's
+            get_logger().warning("the cache entry %s (a read-only layer) does not load here (%s); building the "
+                                 "kernel in the writable cache", entry_dir, exc)
+            _refuse_compile_if_asked(plan)
+            return Module(plan.spec, build_entry(plan, jobs=default_jobs()) / "lib.so", plan.entries)
         raise CacheError(
             f"the cache entry {entry_dir} passes its checksum but does not load here: {exc}. It was built "
             "against other libraries or toolchain (a cache shared between machines, or imported) or changed "
