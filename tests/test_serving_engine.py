@@ -764,9 +764,11 @@ def test_radix_insert_of_a_free_page_leaves_the_tree_as_it_was() -> None:
     assert tree.match([1, 2, 3, 4]) == [] and pool.refcount(page) == 1 and tree.num_cached_pages == 0
 
 
-def test_a_model_whose_weights_hold_nan_is_refused() -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float8_e4m3fn], ids=["f32", "e4m3"])  # e4m3: no isfinite
+def test_a_model_whose_weights_hold_nan_is_refused(dtype) -> None:
     """It served every request garbage (argmax of NaN logits: token 0) without an error."""
-    weights = random_weights(CONFIG)
+    weights = {name: w.to(dtype) for name, w in random_weights(CONFIG).items()}
+    LlamaModel(CONFIG, weights)  # finite: taken
     weights["model.layers.0.mlp.down_proj.weight"][0, 0] = float("nan")
     with pytest.raises(ValueError, match="weight model.layers.0.mlp.down_proj.weight holds NaN or inf"):
         LlamaModel(CONFIG, weights)

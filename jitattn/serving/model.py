@@ -142,6 +142,14 @@ def check_placement(dtype, device) -> torch.device:
     return device
 
 
+def _finite(t: torch.Tensor) -> bool:
+    """Whether every element of ``t`` is finite (e4m3 has no isfinite kernel: checked in float16, which holds it)."""
+    try:
+        return bool(t.isfinite().all())
+    except (NotImplementedError, RuntimeError):
+        return bool(t.to(torch.float16).isfinite().all())
+
+
 class LlamaModel:
     """One tensor-parallel rank's shard of a Llama decoder (the whole model when tp is 1)."""
 
@@ -152,7 +160,7 @@ class LlamaModel:
         device = check_placement(dtype, device)
         names = check_weights(config, weights, "LlamaModel")
         # a NaN or inf weight gives every request garbage tokens (argmax of NaN logits) without an error
-        bad = next((n for n in names if weights[n].is_floating_point() and not bool(weights[n].isfinite().all())), None)
+        bad = next((n for n in names if weights[n].is_floating_point() and not _finite(weights[n])), None)
         if bad is not None:
             raise ValueError(f"LlamaModel: weight {bad} holds NaN or inf values; check the checkpoint (or its dtype "
                              "conversion)")
