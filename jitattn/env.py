@@ -27,6 +27,17 @@ _CHOICES = {"tier": ("a prefill tier", PREFILL_TIERS), "mla": ("an MLA kernel ch
 _ARCH = re.compile(r"^\d+\.\d+[af]?(\+PTX)?$")
 
 
+def arch_list_problem(raw: str) -> str | None:
+    """What is wrong with an arch list ('8.0;9.0a'): an entry that is not an arch, or one older than the kernels'
+    sm_80; None when nothing is (the check of JITATTN_CUDA_ARCH_LIST's knob and of the archs a build parses)."""
+    archs = [a for a in re.split(r"[;\s,]+", raw.strip()) if a]
+    bad = [a for a in archs if not _ARCH.match(a)]
+    if bad:
+        return f"{', '.join(map(repr, bad))} is not an arch; use e.g. '8.0;9.0a' or '9.0a+PTX'"
+    old = [a for a in archs if int(a.split(".")[0]) < 8]
+    return f"{old[0]!r} is older than the kernels' sm_80 (Ampere); give 8.0 or newer" if old else None
+
+
 def _get(name: str) -> str | None:
     value = os.environ.get(name)
     return value if value not in (None, "") else None
@@ -80,12 +91,8 @@ class Knob:
                 return None
             return f"{shown} is not {what}; set it to {', '.join(values)}, or unset it"
         if self.kind == "archs":
-            archs = [a for a in re.split(r"[;\s,]+", raw.strip()) if a]
-            bad = [a for a in archs if not _ARCH.match(a)]
-            if bad:
-                return f"{shown}: {', '.join(map(repr, bad))} is not an arch; use e.g. '8.0;9.0a' or '9.0a+PTX'"
-            old = [a for a in archs if int(a.split(".")[0]) < 8]
-            return f"{shown}: {old[0]!r} is older than the kernels' sm_80 (Ampere); give 8.0 or newer" if old else None
+            problem = arch_list_problem(raw)
+            return None if problem is None else f"{shown}: {problem}"
         if self.kind == "executable":
             if os.path.isfile(raw) and os.access(raw, os.X_OK):
                 return None

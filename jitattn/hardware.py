@@ -42,17 +42,10 @@ def cuda_arch_list() -> tuple[str, ...]:
 @functools.cache
 def _parsed_arch_list(raw: str) -> tuple[str, ...]:
     """A JITATTN_CUDA_ARCH_LIST value's archs (parsed once per value: plan() asks on every call)."""
-    archs = tuple(a for a in re.split(r"[;\s,]+", raw.strip()) if a)
-    for arch in archs:
-        if not ARCH_PATTERN.match(arch):
-            raise ArchListError(
-                f"JITATTN_CUDA_ARCH_LIST entry {arch!r} is not an arch; use the TORCH_CUDA_ARCH_LIST "
-                "format, e.g. '8.0;9.0a' or '9.0a+PTX'"
-            )
-        if int(re.match(r"\d+", arch).group()) < 8:
-            raise ArchListError(f"JITATTN_CUDA_ARCH_LIST entry {arch!r} is older than the kernels' sm_80 (Ampere); "
-                                "give 8.0 or newer, e.g. '8.0;9.0a'")
-    return archs
+    problem = env.arch_list_problem(raw)
+    if problem is not None:
+        raise ArchListError(f"JITATTN_CUDA_ARCH_LIST entry {problem}")
+    return tuple(a for a in re.split(r"[;\s,]+", raw.strip()) if a)
 
 
 @functools.cache
