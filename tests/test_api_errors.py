@@ -399,3 +399,35 @@ def test_appended_tokens_that_live_in_the_cache_are_refused() -> None:
     with pytest.raises(ValueError, match="append_value lies in paged_kv_cache's memory"):
         jitattn.append_paged_kv_cache(torch.randn(3, 2, 64), cache[2, 1, :3], i32(0, 0, 0), i32(1, 2, 3), cache,
                                       i32(0, 1), i32(0, 1, 2), i32(4, 1))
+
+
+def test_strided_out_over_what_the_kernel_reads_is_refused(monkeypatch) -> None:
+    """An out that is a strided view into the memory the launch reads (the paged cache's K heads, MLA's latent
+    cache cut from one 576-wide buffer) is refused as a dense one is; an out beside q in one buffer (column slices
+    that share no element) runs, with the bits of a separate out."""
+    gen = torch.Generator().manual_seed(3)
+    ints = lambda values: torch.tensor(values, dtype=torch.int32)  # noqa: E731
+    kbig = torch.randn(4, 16, 8, 64, generator=gen).to(torch.bfloat16)
+    kc, vc = kbig[:, :, :4], torch.randn(4, 16, 4, 64, generator=gen).to(torch.bfloat16)  # K: strided heads
+    wrapper = jitattn.BatchPrefillWithPagedKVCacheWrapper(torch.empty(16 << 20, dtype=torch.uint8))
+    wrapper.plan(ints([0, 16, 32]), ints([0, 2, 4]), ints([0, 1, 0, 1]), ints([16, 16]), 4, 4, 64, 16,
+                 q_data_type=torch.bfloat16)
+    q = torch.randn(32, 4, 64, generator=gen).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="out shares memory with k,"):
+        wrapper.run(q, (kc, vc), out=kc[0:2].view(32, 4, 64))
+    mla = jitattn.BatchMLAPagedAttentionWrapper(torch.empty(64 << 20, dtype=torch.uint8))
+    plan = (ints([0, 1, 2, 3, 4]), ints([0, 4, 8, 12, 16]), ints([0, 1, 2, 3] * 4), ints([64] * 4), 16, 512, 64, 16,
+            False, 0.1, torch.bfloat16, torch.bfloat16)
+    mla.plan(*plan)
+    latent = torch.randn(4, 16, 576, generator=gen).to(torch.bfloat16)
+    ckv, kpe = latent[..., :512], latent[..., 512:]
+    both = torch.randn(4, 16, 1024, generator=gen).to(torch.bfloat16)  # [q_nope | out] in one buffer
+    q_nope, q_pe = both[..., :512], torch.randn(4, 16, 64, generator=gen).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="out shares memory with ckv_cache"):
+        mla.run(q_nope, q_pe, ckv, kpe, out=latent[..., :512])
+    with pytest.raises(ValueError, match="lse shares memory with (ckv|kpe)_cache"):
+        mla.run(q_nope, q_pe, ckv, kpe, lse=kpe[..., :2].view(torch.float32)[..., 0])
+    monkeypatch.undo()  # launches allowed from here (a plan binds its launch): the refusals above came first
+    mla.plan(*plan)
+    expected = mla.run(q_nope, q_pe, ckv, kpe)
+    assert torch.equal(mla.run(q_nope, q_pe, ckv, kpe, out=both[..., 512:]), expected)

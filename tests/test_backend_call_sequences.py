@@ -234,6 +234,7 @@ class VLLMStyleBackend:
         n = self.num_decode_tokens
         if self.has_prefill:
             # vLLM asserts FlashInfer's private plan attributes before every run()
+            assert self.prefill_wrapper._causal
             assert self.prefill_wrapper._window_left == -1
             assert self.prefill_wrapper._logits_soft_cap == 0.0
             assert self.prefill_wrapper._sm_scale == self.scale

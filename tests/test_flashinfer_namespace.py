@@ -167,7 +167,9 @@ def test_multi_level_cascade_returns_base2_lse_on_every_run(device: str) -> None
 
 
 @pytest.mark.parametrize("device", devices())
-def test_sink_wrapper_returns_base2_lse(device: str) -> None:
+def test_sink_wrapper_returns_flashinfers_lse_with_the_sink_in_it(device: str) -> None:
+    """FlashInfer's sink variant takes its LSE of the normaliser with the sink in it: base 2 of (the keys' sum +
+    e^sink); the native wrapper's is the keys' alone (natural log). Through the returned pair and an lse buffer."""
     gen = torch.Generator().manual_seed(5)
     dtype = torch.float16
     qo_indptr = torch.tensor([0, 5, 12], dtype=torch.int32)
@@ -181,7 +183,15 @@ def test_sink_wrapper_returns_base2_lse(device: str) -> None:
         wrapper.plan(qo_indptr, batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len, HQ, HKV, D, PAGE,
                      causal=True, q_data_type=dtype, kv_data_type=dtype)
         results.append(wrapper.run(q, batch.cache, sinks, return_lse=True))
-    _assert_base2_of(*results)
+        if module is fi:
+            lse = torch.full((12, HQ), float("nan"), device=device)
+            buffered = wrapper.run(q, batch.cache, sinks=sinks, lse=lse)
+    (fi_out, fi_lse), (native_out, native_lse) = results
+    assert torch.equal(fi_out, native_out) and torch.equal(buffered, fi_out)
+    with_sink = torch.logaddexp(native_lse, sinks)  # natural log of (the keys' sum + e^sink), per head
+    torch.testing.assert_close(fi_lse, with_sink * LOG2E, atol=1e-5, rtol=1e-6)
+    torch.testing.assert_close(lse, fi_lse, atol=1e-6, rtol=0)
+    assert (fi_lse - native_lse * LOG2E).max() > 0.1  # the sink counted (these sinks are not negligible)
 
 
 def _mla_case(device: str, gen: torch.Generator):
@@ -301,3 +311,40 @@ def test_install_over_an_imported_flashinfer_is_refused(monkeypatch) -> None:
     with pytest.raises(RuntimeError, match="already imported.*before anything imports flashinfer"):
         fi.install()
     assert sys.modules["flashinfer"] is not fi
+
+
+def test_the_helpers_engines_import_from_flashinfer_decode(monkeypatch) -> None:
+    """SGLang's and vLLM's FlashInfer backends import ``_get_range_buf`` and ``get_seq_lens`` from
+    ``flashinfer.decode``; ``get_seq_lens`` is FlashInfer's arithmetic (a request without pages gets its
+    last_page_len, the inputs' dtype kept), where ``jitattn.get_seq_lens`` gives the 0 tokens the kernels read."""
+    for name in [n for n in sys.modules if n == "flashinfer" or n.startswith("flashinfer.")]:
+        monkeypatch.delitem(sys.modules, name)
+    fi.install()
+    from flashinfer.decode import _get_range_buf, get_seq_lens
+
+    assert torch.equal(_get_range_buf(5, torch.device("cpu")), torch.arange(5, dtype=torch.int32))
+    assert _get_range_buf(0, "cpu").numel() == 0 and _get_range_buf(9, "cpu").tolist() == list(range(9))
+    indptr, last = torch.tensor([0, 0, 2, 5], dtype=torch.int32), torch.tensor([5, 3, 16], dtype=torch.int32)
+    assert get_seq_lens(indptr, last, 16).tolist() == [5, 19, 48]
+    assert jitattn.get_seq_lens(indptr, last, 16).tolist() == [0, 19, 48]
+    assert get_seq_lens(indptr.long(), last.long(), 16).dtype == torch.int64
+
+
+def test_packbits_and_segment_packbits_are_numpys() -> None:
+    np = pytest.importorskip("numpy")
+    gen = torch.Generator().manual_seed(7)
+    for _ in range(20):
+        n = int(torch.randint(0, 50, (1,), generator=gen))
+        x = torch.randint(0, 2, (n,), generator=gen).bool()
+        cuts = sorted(torch.randint(0, n + 1, (3,), generator=gen).tolist())
+        indptr = torch.tensor([0, *cuts, n])
+        for order in ("big", "little"):
+            assert fi.packbits(x, order).tolist() == np.packbits(x.numpy(), bitorder=order).tolist()
+            packed, new_indptr = fi.segment_packbits(x, indptr, order)
+            for i in range(len(cuts) + 1):
+                got = packed[new_indptr[i]:new_indptr[i + 1]].tolist()
+                assert got == np.packbits(x[indptr[i]:indptr[i + 1]].numpy(), bitorder=order).tolist()
+    with pytest.raises(ValueError, match="indptr must start at 0"):
+        fi.segment_packbits(torch.ones(4, dtype=torch.bool), torch.tensor([0, 5]))
+    with pytest.raises(ValueError, match="bitorder"):
+        fi.packbits(torch.ones(4, dtype=torch.bool), "middle")

@@ -310,6 +310,26 @@ def test_sinks_argument_is_checked() -> None:
         wrapper.run(q, batch.cache, sinks=[0.0] * 8)
 
 
+def test_cascade_sinks_are_checked_before_any_level_runs(monkeypatch) -> None:
+    """The cascade's merge applies the sinks: a bad one is refused under the wrapper's name before a level runs."""
+    gen = torch.Generator().manual_seed(4)
+    pool = torch.randperm(16, generator=gen).tolist()
+    levels = [cascade_level(nodes, pool, PAGE) for nodes in ([37], [5, 9])]
+    wrapper = jitattn.MultiLevelCascadeAttentionWrapper(2, torch.empty(1 << 20, dtype=torch.uint8))
+    wrapper.plan([torch.tensor([0, 2], dtype=torch.int32), torch.tensor([0, 1, 2], dtype=torch.int32)],
+                 [lv[0] for lv in levels], [lv[1] for lv in levels], [lv[2] for lv in levels], 8, 2, 64, PAGE,
+                 q_data_type=f16)
+    q, cache = torch.randn(2, 8, 64).to(f16), torch.randn(16, 2, PAGE, 2, 64).to(f16)
+    launched = []
+    monkeypatch.setattr(jitattn.BatchPrefillWithPagedKVCacheWrapper, "run", lambda *a, **k: launched.append(a))
+    monkeypatch.setattr(jitattn.BatchPrefillWithPagedKVCacheWrapper, "run_planned", lambda *a, **k: launched.append(a))
+    for bad, match in ((torch.zeros(3), r"MultiLevelCascadeAttentionWrapper.run\(\): sinks has shape \(3,\)"),
+                       (torch.zeros(8, dtype=f16), r"MultiLevelCascadeAttentionWrapper.run\(\): sinks has dtype")):
+        with pytest.raises(ValueError, match=match):
+            wrapper.run(q, cache, sinks=bad)
+    assert not launched
+
+
 def test_sinks_with_a_custom_variant_are_refused() -> None:
     variant = jitattn.AttentionVariant(name="scaled", logits_transform="logits * 0.5f")
     with pytest.raises(ValueError, match="use_sinks with a custom variant"):

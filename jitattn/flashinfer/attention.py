@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import functools
 
+import torch
+
 from ..ops import attention_sink as native
 from ..ops import batch_attention as native_batch
-from .convention import returns_base2, returns_base2_bound
+from .convention import LOG2E, lse_to_base2, returns_base2_bound
 
 __all__ = ["BatchAttention", "BatchAttentionWithAttentionSinkWrapper"]
 
@@ -18,5 +20,16 @@ class BatchAttention(native_batch.BatchAttention):
 
 class BatchAttentionWithAttentionSinkWrapper(native.BatchAttentionWithAttentionSinkWrapper):
     __doc__ = native.BatchAttentionWithAttentionSinkWrapper.__doc__
-    run = returns_base2(native.BatchAttentionWithAttentionSinkWrapper.run)
+
+    @functools.wraps(native.BatchAttentionWithAttentionSinkWrapper.run)
+    def run(self, q, paged_kv_cache, *args, **kwargs):
+        # FlashInfer's sink variant counts the sink in the normaliser its LSE is taken of:
+        # log2(sum_j 2^(s_j log2 e) + 2^(sink log2 e)); jitattn's native LSE is of the keys alone.
+        result = lse_to_base2(super().run(q, paged_kv_cache, *args, **kwargs), kwargs.get("lse"))
+        lse = result[1] if isinstance(result, tuple) else kwargs.get("lse")
+        if lse is not None:
+            sinks = args[0] if args else kwargs["sinks"]
+            torch.logaddexp2(lse, (sinks * LOG2E).to(lse.device), out=lse)
+        return result
+
     run_return_lse = functools.partialmethod(run, return_lse=True)

@@ -4,12 +4,29 @@ from __future__ import annotations
 
 import functools
 
+import torch
+
 from ..ops import decode as native
 from ..ops.decode import fast_decode_plan
 from .convention import returns_base2
+from .page import get_seq_lens
 
 __all__ = ["BatchDecodeWithPagedKVCacheWrapper", "CUDAGraphBatchDecodeWithPagedKVCacheWrapper", "fast_decode_plan",
-           "single_decode_with_kv_cache"]
+           "get_seq_lens", "single_decode_with_kv_cache"]
+
+# FlashInfer's flashinfer.decode also holds these; SGLang's and vLLM's FlashInfer backends import them from there.
+_RANGES: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def _get_range_buf(seq_len: int, device: torch.device) -> torch.Tensor:
+    """``arange(seq_len)`` in int32 on ``device``, a view of one cached buffer per power of two (FlashInfer's)."""
+    size = 1 << max(int(seq_len) - 1, 0).bit_length()
+    key = (size, torch.device(device))
+    buf = _RANGES.get(key)
+    if buf is None:
+        buf = _RANGES[key] = torch.arange(size, dtype=torch.int32, device=device)
+    return buf[:seq_len]
+
 
 single_decode_with_kv_cache = returns_base2(native.single_decode_with_kv_cache)
 

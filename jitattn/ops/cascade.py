@@ -23,19 +23,16 @@ from dataclasses import dataclass
 
 import torch
 
-from ..runtime.batch import WorkspaceTooSmall, share_queries
+from ..runtime.batch import WorkspaceTooSmall, check_sinks, share_queries
 from ..runtime.builder import attention_options, kernel_spec, num_workers
 from ..runtime.cascade_states import LevelStates
 from ..runtime.checks import check_tensor, no_backward, not_planned, target_of
 from ..runtime.merge import merge_state, merge_state_in_place, merge_states, merge_states_with_sinks
 from ..runtime.wrapper import NotCopyable, workspace_target
-from ..runtime.options import (
-    check_flag, fp8_scale, parse_pos_encoding, positive_int, resolve_batch_invariant, resolve_flag, resolve_window_left,
-)
-from ..kv_split import (
-    batch_invariant_chunk, cascade_chunk_pages, cascade_level_chunks, check_fixed_split_size, concat_level_tables,
-    graph_level_chunks, split_level_page_table,
-)
+from ..runtime.options import (check_flag, fp8_scale, parse_pos_encoding, positive_int, resolve_batch_invariant,
+                               resolve_flag, resolve_window_left)
+from ..kv_split import (batch_invariant_chunk, cascade_chunk_pages, cascade_level_chunks, check_fixed_split_size,
+                        concat_level_tables, graph_level_chunks, split_level_page_table)
 from ..page_table import PagedIndex, check_indptr, check_paged_index
 from .decode import BatchDecodeWithPagedKVCacheWrapper
 from ..kernels.prefill import query_tile_rows
@@ -441,6 +438,8 @@ class MultiLevelCascadeAttentionWrapper(NotCopyable):
         if states is None:  # one state and no batch-invariant mode: the level's launch writes the output
             return self._wrappers[0].run(q, paged_kv_cache, k_scale=k_scale, v_scale=v_scale, return_lse=return_lse,
                                          sinks=sinks, **variant_args)
+        if sinks is not None and q.dim() == 3:  # checked before any level runs (the final merge applies them)
+            check_sinks("MultiLevelCascadeAttentionWrapper.run()", sinks, q.shape[1], q.device)
         # Every level (each chunk of a split one) writes its state into the plan's chunk-major buffer;
         # one merge of all the states per query then gives the result (sinks applied there, once).
         # Batch-invariant mode always merges, so a query whose batch has one state gets the bits it

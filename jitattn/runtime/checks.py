@@ -106,8 +106,9 @@ def check_tensor(
         allowed = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
         raise TypeError(f"{name} has dtype {str(tensor.dtype).removeprefix('torch.')}; expected one of {allowed}")
     if last_dim_contiguous and tensor.dim() > 0 and tensor.shape[-1] > 1 and tensor.stride(-1) != 1:
-        raise ValueError(f"{name} must be contiguous in its last dimension (stride {tensor.stride(-1)}); "
-                         "call .contiguous() on it")
+        raise ValueError(f"{name} must be contiguous in its last dimension (stride {tensor.stride(-1)}); pass a "
+                         "tensor whose last dimension has stride 1 (.contiguous() makes a copy: for a tensor the call "
+                         "writes, allocate one with torch.empty)")
 
 
 def check_planned_dtype(name: str, tensor: torch.Tensor, planned: torch.dtype, plan_arg: str) -> None:
@@ -148,6 +149,28 @@ def dense_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
         return False
     pa, pb = a.data_ptr(), b.data_ptr()
     return pa < pb + b.nbytes and pb < pa + a.nbytes
+
+
+def shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors may share an element: dense ones by their byte ranges; otherwise their spans overlap and,
+    for views of one buffer with the same steps (disjoint column slices, the K and V of one cache share none),
+    exactly; views this cannot tell apart count as sharing."""
+    if a.is_contiguous() and b.is_contiguous():
+        return dense_overlap(a, b)
+    return spans_overlap(a, b) and shares_element(a, b) is not False
+
+
+def written_over(written: torch.Tensor, reads) -> str | None:
+    """The name of the first of ``reads`` ((name, tensor or None) pairs) that shares memory with ``written``, or None.
+    Cheap on the hot path: only a read that starts inside ``written``'s storage is compared (a tensor lies
+    within its storage, so one that starts outside it cannot share an element with it)."""
+    storage = written.untyped_storage()
+    lo = storage.data_ptr()
+    hi = lo + storage.nbytes()
+    for name, read in reads:
+        if isinstance(read, torch.Tensor) and lo <= read.data_ptr() < hi and shares_memory(written, read):
+            return name
+    return None
 
 
 def _reachable(offset: int, dims: list[tuple[int, int, int]]) -> bool:

@@ -344,7 +344,8 @@ def get_batch_indices_positions(
     return batch.to(torch.int32), positions.to(torch.int32)
 
 
-def get_seq_lens(kv_indptr: torch.Tensor, kv_last_page_len: torch.Tensor, page_size: int) -> torch.Tensor:
+def get_seq_lens(kv_indptr: torch.Tensor, kv_last_page_len: torch.Tensor, page_size: int, *,
+                 as_flashinfer: bool = False) -> torch.Tensor:
     """Per-request KV lengths of a paged cache: int32 ``[batch_size]`` on ``kv_indptr``'s device.
 
     ``len[r] = (num_pages[r] - 1) * page_size + kv_last_page_len[r]`` when request ``r`` has pages,
@@ -355,6 +356,10 @@ def get_seq_lens(kv_indptr: torch.Tensor, kv_last_page_len: torch.Tensor, page_s
     apply (``kv_indptr`` starts at 0 and never decreases; ``1 <= kv_last_page_len <= page_size`` for a
     request with pages), with the same messages. Arrays on a CUDA device are **not** checked: that would
     need a host synchronisation (``plan()`` checks them later).
+
+    ``as_flashinfer``: FlashInfer's Python arithmetic (``flashinfer.get_seq_lens``), ``clamp(num_pages - 1, min=0) *
+    page_size + kv_last_page_len`` in the inputs' promoted dtype: a request without pages gets its
+    ``kv_last_page_len`` (engines pad graph batches with such rows), where the kernels read 0 tokens.
     """
     for name, t in (("kv_indptr", kv_indptr), ("kv_last_page_len", kv_last_page_len)):
         if not isinstance(t, torch.Tensor):
@@ -378,6 +383,9 @@ def get_seq_lens(kv_indptr: torch.Tensor, kv_last_page_len: torch.Tensor, page_s
     device = kv_indptr.device
     num_pages = kv_indptr[1:].to(torch.int64) - kv_indptr[:-1].to(torch.int64)
     last = kv_last_page_len[:batch_size].to(device=device, dtype=torch.int64, non_blocking=True)
+    if as_flashinfer:
+        lens = (num_pages - 1).clamp_(min=0) * page_size + last
+        return lens.to(torch.promote_types(kv_indptr.dtype, kv_last_page_len.dtype))
     lens = torch.where(num_pages > 0, (num_pages - 1) * page_size + last, torch.zeros_like(last))
     if device.type == "cpu":
         _fits_int32("the lengths (kv_indptr's pages x page_size)", lens)

@@ -18,8 +18,8 @@ import torch
 from ..abi import ACT_CODES
 from ..jit import load
 from ..spec import Op
-from .checks import (check_no_overlap, check_tensor, cpu_threads, dense_overlap, launch_on, shares_element,
-                     spans_overlap, target_of)
+from .checks import (check_no_overlap, check_tensor, cpu_threads, launch_on, shares_memory, target_of,
+                     written_over)
 from .specs import dtype_spec
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -69,12 +69,6 @@ def _same(name: str, t: torch.Tensor, like: torch.Tensor, like_name: str) -> Non
                         f"{str(like.dtype).removeprefix('torch.')}; give them one dtype")
 
 
-def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two tensors share an element: their spans overlap and, for views of one buffer with the same
-    strides (disjoint column slices share none), exactly."""
-    return spans_overlap(a, b) and shares_element(a, b) is not False
-
-
 def rms_norm(what: str, input: torch.Tensor, weight: torch.Tensor, eps, out: torch.Tensor,
              residual: torch.Tensor | None = None, weight_offset: float = 0.0) -> None:
     """``out = input / rms(input) * (weight_offset + weight)`` per row; with ``residual``: ``residual += input``
@@ -100,16 +94,14 @@ def rms_norm(what: str, input: torch.Tensor, weight: torch.Tensor, eps, out: tor
                              f"{tuple(input.shape)}")
         _same("residual", residual, input, "input")
         check_no_overlap("residual", residual)
-        if _shares_memory(residual, input):
+        if shares_memory(residual, input):
             raise ValueError(f"{what}: residual and input share memory; both are written (the sum into residual, "
                              "the norm into input): pass two tensors")
-    elif out is not input and _shares_memory(out, input):
+    elif out is not input and shares_memory(out, input):
         raise ValueError(f"{what}: out overlaps input without being it; pass input itself (in place) or a "
                          "tensor of its own")
     for name, written in (("input" if out is input else "out", out), ("residual", residual)):
-        # (dense operands, the common case, by a pointer compare: this runs on every call)
-        dense = weight.is_contiguous() and written is not None and written.is_contiguous()
-        if written is not None and (dense_overlap(weight, written) if dense else _shares_memory(weight, written)):
+        if written is not None and written_over(written, (("weight", weight),)):
             raise ValueError(f"{what}: weight shares memory with {name}, which this call writes; pass a weight of "
                              "its own (weight.clone())")
     target, device = target_of(what, [input, weight, out, residual])
@@ -148,7 +140,7 @@ def act_and_mul(what: str, act: str, input: torch.Tensor, out: torch.Tensor | No
                              "dimension halved)")
         _same("out", out, input, "input")
         check_no_overlap("out", out)
-        if _shares_memory(out, input):
+        if shares_memory(out, input):
             raise ValueError(f"{what}: out shares memory with input; pass a tensor of its own")
     target, device = target_of(what, [input, out])
     rows = math.prod(input.shape[:-1])

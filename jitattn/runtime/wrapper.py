@@ -130,6 +130,22 @@ class BatchWrapperBase(NotCopyable):
     def _sm_scale(self) -> float | None:
         return self._plan_call.get("sm_scale")
 
+    @property
+    def _causal(self) -> bool:
+        return self._plan_call.get("causal", False)
+
+    @property
+    def _pos_encoding_mode(self) -> str:
+        return self._plan_call.get("pos_encoding_mode", "NONE")
+
+    @property
+    def _rope_scale(self) -> float | None:
+        return self._plan_call.get("rope_scale")
+
+    @property
+    def _rope_theta(self) -> float | None:
+        return self._plan_call.get("rope_theta")
+
     def drop_plan(self) -> None:
         """Leave the wrapper without a plan (what a ``plan()`` that raised leaves): ``run()`` then says so."""
         self._plan, self._plan_call = None, {}
