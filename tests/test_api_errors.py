@@ -427,7 +427,23 @@ def test_strided_out_over_what_the_kernel_reads_is_refused(monkeypatch) -> None:
         mla.run(q_nope, q_pe, ckv, kpe, out=latent[..., :512])
     with pytest.raises(ValueError, match="lse shares memory with (ckv|kpe)_cache"):
         mla.run(q_nope, q_pe, ckv, kpe, lse=kpe[..., :2].view(torch.float32)[..., 0])
+    np = pytest.importorskip("numpy")
+    arena = torch.randn(4096, generator=gen)  # out in another storage over the same memory (from_dlpack)
+    decode = jitattn.BatchDecodeWithPagedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8))
+    decode.plan(ints([0, 1]), ints([0]), ints([16]), 4, 4, 64, 16, q_data_type=torch.float32)
+    with pytest.raises(ValueError, match="out shares memory with q"):
+        decode.run(arena[:256].view(1, 4, 64), torch.randn(1, 2, 16, 4, 64),
+                   out=torch.from_dlpack(np.from_dlpack(arena)[64:320]).view(1, 4, 64))
+    rows = torch.randn(10, 4, 64, generator=gen)  # merged rows would overwrite rows still to be read
+    with pytest.raises(ValueError, match="v and v_other share memory but not row for row"):
+        jitattn.merge_state_in_place(rows[0:8:2], torch.randn(4, 4), rows[2:10:2], torch.randn(4, 4))
     monkeypatch.undo()  # launches allowed from here (a plan binds its launch): the refusals above came first
     mla.plan(*plan)
     expected = mla.run(q_nope, q_pe, ckv, kpe)
     assert torch.equal(mla.run(q_nope, q_pe, ckv, kpe, out=both[..., 512:]), expected)
+    ragged = jitattn.BatchPrefillWithRaggedKVCacheWrapper(torch.empty(16 << 20, dtype=torch.uint8))
+    ragged.plan(ints([0, 8]), ints([0, 8]), 4, 4, 192, head_dim_vo=128, q_data_type=torch.float32)
+    qo = torch.randn(8, 4 * (192 + 128), generator=gen)  # [q | out], heads of 192 and of 128 columns
+    k, v = torch.randn(8, 4, 192, generator=gen), torch.randn(8, 4, 128, generator=gen)
+    q = qo[:, :4 * 192].view(8, 4, 192)
+    assert torch.equal(ragged.run(q, k, v, out=qo[:, 4 * 192:].view(8, 4, 128)), ragged.run(q, k, v))

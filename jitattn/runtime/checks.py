@@ -157,18 +157,27 @@ def shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     exactly; views this cannot tell apart count as sharing."""
     if a.is_contiguous() and b.is_contiguous():
         return dense_overlap(a, b)
-    return spans_overlap(a, b) and shares_element(a, b) is not False
+    shared = shares_element(a, b)
+    return spans_overlap(a, b) if shared is None else shared
 
 
 def written_over(written: torch.Tensor, reads) -> str | None:
     """The name of the first of ``reads`` ((name, tensor or None) pairs) that shares memory with ``written``, or None.
-    Cheap on the hot path: only a read that starts inside ``written``'s storage is compared (a tensor lies
-    within its storage, so one that starts outside it cannot share an element with it)."""
+    Cheap on the hot path: a read that starts past ``written``'s storage, or that ends (its own storage does) before
+    it, is not compared (two tensors of separate allocations never are); only reads in the same memory are."""
+    if written.layout is not torch.strided:
+        return None  # (the callers' own checks refuse other layouts)
     storage = written.untyped_storage()
     lo = storage.data_ptr()
     hi = lo + storage.nbytes()
     for name, read in reads:
-        if isinstance(read, torch.Tensor) and lo <= read.data_ptr() < hi and shares_memory(written, read):
+        if not isinstance(read, torch.Tensor) or read.layout is not torch.strided or read.data_ptr() >= hi:
+            continue
+        if read.data_ptr() < lo:  # another storage; an alias of the same memory (from_dlpack, from_numpy) may reach in
+            other = read.untyped_storage()
+            if other.data_ptr() + other.nbytes() <= lo:
+                continue
+        if shares_memory(written, read):
             return name
     return None
 
@@ -194,37 +203,65 @@ def views_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def shares_element(a: torch.Tensor, b: torch.Tensor) -> bool | None:
-    """Whether two views of one rank share a byte, exactly when their dimensions step alike in bytes (the extents
+    """Whether two views of one buffer share a byte, exactly when their dimensions step alike in bytes (the extents
     and dtypes may differ: column slices of one buffer, ``buf[..., :512]`` and ``buf[..., 512:]``, interleave without
-    sharing any, also as an fp8 and a bf16 view of one byte buffer); None when this cannot tell (other ranks, steps
-    that differ or do not nest). A dimension of size 1 steps nowhere: its stride is not compared."""
+    sharing any, also as an fp8 and a bf16 view of one byte buffer), compared dimension by dimension or, where the
+    ranks or steps differ, after merging the dimensions each view walks as one (a head slice of a cache against a
+    token-major view of its pages; q and out as column slices of different widths); None when this cannot tell
+    (steps that still differ or do not nest). A dimension of size 1 steps nowhere: its stride is not compared."""
     if a.numel() == 0 or b.numel() == 0:
         return False
-    if a.dim() != b.dim():
+    return _views_share(b.data_ptr() - a.data_ptr(), _byte_dims(a.shape, a.stride(), a.element_size()),
+                        _byte_dims(b.shape, b.stride(), b.element_size()))
+
+
+@functools.lru_cache(maxsize=256)  # a layout that keeps its buffers pays the search once
+def _views_share(offset: int, dims_a: tuple[tuple[int, int], ...], dims_b: tuple[tuple[int, int], ...]) -> bool | None:
+    if len(dims_a) == len(dims_b):
+        dims = []
+        for (na, sa), (nb, sb) in zip(dims_a, dims_b):
+            if na == 1 and nb == 1:
+                continue
+            sa, sb = (sb, sb) if na == 1 else (sa, sa) if nb == 1 else (sa, sb)
+            if sa != sb:
+                break
+            dims.append((na, nb, sa))
+        else:
+            shared = _offset_shared(offset, tuple(d[0] for d in dims), tuple(d[1] for d in dims),
+                                    tuple(d[2] for d in dims))
+            if shared is not None:
+                return shared
+    merged_a, merged_b = _merged_dims(dims_a), _merged_dims(dims_b)
+    if len(merged_a) != len(merged_b) or any(sa != sb for (_, sa), (_, sb) in zip(merged_a, merged_b)):
         return None
-    dims = []
-    for (na, sa), (nb, sb) in zip(_byte_dims(a), _byte_dims(b)):
-        if na == 1 and nb == 1:
+    return _offset_shared(offset, tuple(n for n, _ in merged_a), tuple(n for n, _ in merged_b),
+                          tuple(st for _, st in merged_a))
+
+
+def _merged_dims(dims: tuple[tuple[int, int], ...]) -> list[tuple[int, int]]:
+    """``_byte_dims``' (extent, step) with the dimensions of one extent dropped and each dimension that steps by
+    the whole of the one inside it merged into that one (a contiguous run of heads and head dims is one row)."""
+    merged: list[tuple[int, int]] = []
+    for n, step in reversed(dims):
+        if n == 1:
             continue
-        sa, sb = (sb, sb) if na == 1 else (sa, sa) if nb == 1 else (sa, sb)
-        if sa != sb:
-            return None
-        dims.append((na, nb, sa))
-    return _offset_shared(b.data_ptr() - a.data_ptr(), tuple(d[0] for d in dims), tuple(d[1] for d in dims),
-                          tuple(d[2] for d in dims))
+        if merged and step == merged[-1][0] * merged[-1][1]:
+            merged[-1] = (n * merged[-1][0], merged[-1][1])
+        else:
+            merged.append((n, step))
+    return merged[::-1]
 
 
-def _byte_dims(t: torch.Tensor) -> list[tuple[int, int]]:
+def _byte_dims(shape: tuple[int, ...], stride: tuple[int, ...], e: int) -> tuple[tuple[int, int], ...]:
     """(extent, step in bytes) of each dimension; a last dimension of one element steps as its bytes, else the
     bytes of an element follow as a dimension of their own."""
-    e = t.element_size()
-    dims = [(n, s * e) for n, s in zip(t.shape, t.stride())]
-    if t.dim() and t.stride(-1) == 1:
-        dims[-1] = (t.shape[-1] * e, 1)
+    dims = [(n, st * e) for n, st in zip(shape, stride)]
+    if dims and stride[-1] == 1:
+        dims[-1] = (shape[-1] * e, 1)
         dims.append((1, 1))  # (every view has rank + 1 entries, paired by position)
     else:
         dims.append((e, 1))
-    return dims
+    return tuple(dims)
 
 
 @functools.lru_cache(maxsize=256)  # a serving loop appends to the same few caches every step

@@ -17,8 +17,8 @@ import torch
 from ..jit import load
 from ..spec import Target
 from .specs import merge_spec
-from .checks import (check_no_overlap, check_shape, check_tensor, cpu_threads, dense_overlap, no_backward,
-                     stream_handle, target_of)
+from .checks import (check_no_overlap, check_shape, check_tensor, cpu_threads, no_backward, stream_handle,
+                     target_of, written_over)
 
 _VALUE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -74,7 +74,7 @@ def _merge_state_in_place_eager(
     check_no_overlap("s", s)
     for name, written, read in (("v", v, v_other), ("s", s, s_other)):  # the same tensor is fine: each row reads
         same = (written.data_ptr(), written.stride()) == (read.data_ptr(), read.stride())  # itself, then writes it
-        if not same and dense_overlap(written, read):
+        if not same and written_over(written, ((name + "_other", read),)):
             raise ValueError(f"{name} and {name}_other share memory but not row for row, so a merged row would "
                              f"overwrite another row's {name}_other before it is read; pass a copy of {name}_other")
     if mask is not None:
