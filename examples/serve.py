@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -38,6 +39,14 @@ def count(low: int):
         return value
     parse.__name__ = f"int >= {low}"
     return parse
+
+
+def seed(text: str) -> int:
+    """An argparse type: an int in [0, 2^63) (torch's generator takes a 64-bit seed)."""
+    value = int(text)
+    if not 0 <= value < 2**63:
+        raise argparse.ArgumentTypeError(f"{text} must be in [0, 2^63)")
+    return value
 
 
 def rate(text: str) -> float:
@@ -99,7 +108,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="cuda: the KV pool's share of the GPU memory free once the model is loaded (default 0.85)")
     p.add_argument("--max-batch-size", type=count(1), default=64)
     p.add_argument("--chunk", type=count(1), default=512, help="prefill tokens per step")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=seed, default=0)
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     return p.parse_args(argv)
 
@@ -142,7 +151,28 @@ def workload(args: argparse.Namespace, vocab: int) -> list[tuple[float, list[int
         out = max(1, int(torch.randint(args.output_len // 2, args.output_len * 3 // 2 + 1, (1,), generator=gen)))
         prefix = system + (blocks[i % args.branches] if args.branches else [])
         requests.append((arrival, prefix + torch.randint(0, vocab, (own,), generator=gen).tolist(), out))
+    if arrival > 86400:  # the engine refuses arrivals more than a day ahead of its clock
+        sys.exit(f"--rate {args.rate:g}: the {args.num_requests} arrivals would span {arrival:.3g} s, over a day; "
+                 "give a higher rate (or 0: all at once)")
     return requests
+
+
+def unwritable(flag: str, path: str) -> str | None:
+    """Why ``path`` cannot be written as a file (None when it can): checked before a run, not after it."""
+    target = Path(path)
+    if target.is_dir():
+        return f"{flag} {path}: is a directory; give a file name"
+    if not target.resolve().parent.is_dir():
+        return f"{flag} {path}: {target.resolve().parent} is not a directory"
+    existed = target.exists()
+    try:
+        with open(target, "a"):
+            pass
+    except OSError as exc:
+        return f"{flag} {path}: cannot be written ({exc.strerror})"
+    if not existed:
+        target.unlink()
+    return None
 
 
 def default_num_pages(args: argparse.Namespace, model, pages_per_request: int, device: str) -> int:
@@ -175,8 +205,8 @@ def main(argv: list[str] | None = None) -> dict:
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     if device == "cuda" and not torch.cuda.is_available():
         sys.exit("--device cuda: no CUDA device is visible here (use --device cpu or auto)")
-    if args.json and not Path(args.json).resolve().parent.is_dir():  # before the run, not after it
-        sys.exit(f"--json {args.json}: {Path(args.json).resolve().parent} is not a directory")
+    if args.json and unwritable("--json", args.json):
+        sys.exit(unwritable("--json", args.json))
     group, device = setup_parallel(args, device)
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.startswith("cuda") else torch.float32)
     if Path(args.model).is_dir():
@@ -220,7 +250,7 @@ def main(argv: list[str] | None = None) -> dict:
         "tp": group.size, "cascade": args.cascade, "cascade_depth": args.cascade_depth, "graphs": args.graphs,
         "requests": len(requests), "failed_requests": len(engine.failed),
         "wall_s": wall, "output_tokens_per_s": s.generated_tokens / wall,
-        "ttft_mean_ms": 1e3 * statistics.mean(ttft), "ttft_p99_ms": 1e3 * sorted(ttft)[int(0.99 * (len(ttft) - 1))],
+        "ttft_mean_ms": 1e3 * statistics.mean(ttft), "ttft_p99_ms": 1e3 * sorted(ttft)[math.ceil(0.99 * len(ttft)) - 1],
         "tpot_mean_ms": 1e3 * statistics.mean(tpot) if tpot else None,
         "prompt_tokens_reused": s.reused_prompt_tokens, "prompt_tokens_computed": s.prefill_tokens,
         "kv_bytes_saved_peak": s.peak_bytes_saved, "kv_pages_saved_peak": s.peak_pages_saved,

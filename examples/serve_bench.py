@@ -294,7 +294,8 @@ def _plot(points: dict, path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    # no abbreviations: serve.py's flags pass through, and --graphs must not be read as --graphs-only
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--out", required=True, help="markdown file to write")
     parser.add_argument("--preset", choices=[*PRESETS, "all"], help="a workload (its serve.py flags come first; "
                         "flags given here override them)")
@@ -311,8 +312,8 @@ def main(argv: list[str] | None = None) -> None:
     args, rest = parser.parse_known_args(argv)
     if args.repeat < 1:
         parser.error(f"--repeat {args.repeat}: give at least 1 run per row")
-    if not Path(args.out).resolve().parent.is_dir():  # before the runs, not after them
-        parser.error(f"--out {args.out}: {Path(args.out).resolve().parent} is not a directory")
+    if serve.unwritable("--out", args.out):  # before the runs, not after them
+        parser.error(serve.unwritable("--out", args.out))
     if "--json" in rest or any(flag.startswith("--json=") for flag in rest):
         parser.error("--json is serve.py's file of one run, rewritten by each of the bench's runs; the bench's "
                      "table goes to --out")

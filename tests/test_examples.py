@@ -36,6 +36,24 @@ def test_serve_example_reports_its_measurements(flags, tmp_path):
     assert (results["cascade_steps"] > 0) == ("--no-cascade" not in flags)
 
 
+def test_serve_example_p99_is_a_nearest_rank_percentile(tmp_path):
+    """Two requests one at a time: the second waits for the first, so its TTFT is the larger and the p99 (by the
+    nearest rank, the largest of fewer than 100) is above the mean (the index int(0.99 (n - 1)) took the smaller).
+    A --json that is a directory is refused before the run."""
+    out = tmp_path / "serve.json"
+    proc = subprocess.run([sys.executable, str(EXAMPLES / "serve.py"), "--device", "cpu", "--num-requests", "2",
+                           "--max-batch-size", "1", "--output-len", "4", "--json", str(out)], env=child_env(),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    import json
+
+    results = json.loads(out.read_text())
+    assert results["ttft_p99_ms"] > results["ttft_mean_ms"]
+    proc = subprocess.run([sys.executable, str(EXAMPLES / "serve.py"), "--device", "cpu", "--json", str(tmp_path)],
+                          env=child_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "is a directory; give a file name" in proc.stderr, proc.stderr[-2000:]
+
+
 def test_serve_example_under_torchrun_with_tensor_parallelism():
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                            str(EXAMPLES / "serve.py"), "--tp", "2", "--device", "cpu", "--num-requests", "6"],
@@ -152,6 +170,9 @@ def test_serve_bench_refuses_no_runs(tmp_path):
     ("serve_bench.py", ["--out", "x.md", "--sweep-prefix", "a,b"], "argument --sweep-prefix: invalid"),
     ("serve_bench.py", ["--out", "x.md", "--sweep-requests", "0"], "argument --sweep-requests: 0 must be >= 1"),
     ("serve_bench.py", ["--out", "no/such/dir/x.md", "--preset", "system-2k"], "is not a directory"),
+    ("serve_bench.py", ["--out", ".", "--preset", "system-2k"], "--out .: is a directory; give a file name"),
+    ("serve_bench.py", ["--out", "x.md", "--graphs"], "--graphs: the bench sets cascade and graphs per row"),
+    ("serve.py", ["--seed", "99999999999999999999"], "argument --seed: 99999999999999999999 must be in [0, 2^63)"),
 ])
 def test_serving_examples_refuse_bad_flags_before_running(script, flags, message, tmp_path):
     """Each used to end in a raw traceback (an empty max(), a division by zero, torch's own messages) or to be

@@ -176,6 +176,23 @@ def test_what_the_backend_cannot_serve_is_refused_with_what_to_use() -> None:
             model(ids, attention_mask=per_head)
 
 
+def test_autocast_runs_and_alibi_in_the_mask_is_refused() -> None:
+    """Under torch.autocast RoPE gives float32 q and k beside a bf16 v: the backend refused the mixed dtypes; it now
+    runs them in the autocast dtype, as sdpa does. Falcon with alibi=True folds ALiBi into a per-head float mask:
+    refused with that reason (it was told to build the model with the name it was built with)."""
+    model, sdpa = _model("llama", NAME), _model("llama", "sdpa")
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        got, expected = model(ids).logits, sdpa(ids).logits
+    assert got.dtype == expected.dtype
+    torch.testing.assert_close(got.float(), expected.float(), atol=3e-2, rtol=3e-2)
+    falcon = transformers.AutoModelForCausalLM.from_config(
+        transformers.FalconConfig(vocab_size=128, hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                  alibi=True), attn_implementation=NAME).eval()
+    with torch.no_grad(), pytest.raises(ValueError, match="ALiBi folded into the mask.*attn_implementation='sdpa'"):
+        falcon(ids)
+
+
 def test_each_thread_plans_on_its_own_wrapper() -> None:
     """A model used from two threads: a layer's plan and run on one shared wrapper interleaved with another thread's
     (wrong outputs with different padding, a shape error with different lengths)."""

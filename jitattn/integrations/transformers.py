@@ -73,6 +73,10 @@ def jitattn_attention_forward(
             # only the first q_len keys exist yet (sdpa slices the same way)
             key, value, kv_len = key[:, :, :q_len], value[:, :, :q_len], q_len
     else:
+        if attention_mask.dtype != torch.bool and attention_mask.dim() == 4 and attention_mask.shape[1] > 1:
+            raise ValueError("the jitattn backend takes boolean masks, one for every head; got a float mask per head "
+                             f"(shape {tuple(attention_mask.shape)}: a bias such as ALiBi folded into the mask, as "
+                             "Falcon with alibi=True builds it), which it cannot apply; use attn_implementation='sdpa'")
         if attention_mask.dtype != torch.bool:
             raise TypeError(f"the jitattn backend takes boolean masks (True: attend); got a {attention_mask.dtype} "
                             "mask (an additive one, such as a 4-D float attention_mask passed to the model, or the "
@@ -84,6 +88,10 @@ def jitattn_attention_forward(
                              f"{tuple(attention_mask.shape)} (a mask per head); use attn_implementation='sdpa'")
         custom_mask = attention_mask.expand(batch, 1, q_len, kv_len)[:, 0].reshape(-1).cpu()
         causal = False  # the mask holds the causal pattern
+    if len({query.dtype, key.dtype, value.dtype}) > 1 and torch.is_autocast_enabled(query.device.type):
+        # under autocast (RoPE's float32 q and k beside a low-precision v): the autocast dtype, as sdpa runs
+        dtype = torch.get_autocast_dtype(query.device.type)
+        query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
     q = query.transpose(1, 2).reshape(batch * q_len, heads, head_dim)
     k = key.transpose(1, 2).reshape(batch * kv_len, kv_heads, head_dim)
     v = value.transpose(1, 2).reshape(batch * kv_len, kv_heads, value.shape[-1])
