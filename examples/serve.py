@@ -102,8 +102,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="replay CUDA graphs of the decode step, flat and cascade (cuda)")
     p.add_argument("--tp", type=count(1), default=1, help="tensor-parallel degree (launch with torchrun)")
     p.add_argument("--page-size", type=count(1), default=16)
-    p.add_argument("--num-pages", type=count(2), help="KV pool pages (default: room for every request at once without "
-                   "prefix sharing, capped by --kv-memory-fraction)")
+    p.add_argument("--num-pages", type=count(2), help="KV pool pages, one of them the engine's scratch page (default: "
+                   "room for every request at once without prefix sharing, capped by --kv-memory-fraction)")
     p.add_argument("--kv-memory-fraction", type=fraction, default=0.85,
                    help="cuda: the KV pool's share of the GPU memory free once the model is loaded (default 0.85)")
     p.add_argument("--max-batch-size", type=count(1), default=64)
@@ -137,8 +137,8 @@ def workload(args: argparse.Namespace, vocab: int) -> list[tuple[float, list[int
     """(arrival s, prompt, output tokens) per request: the same on every rank (seeded)."""
     gen = torch.Generator().manual_seed(args.seed)
     system = torch.randint(0, vocab, (args.system_prompt_len,), generator=gen).tolist()
-    if args.branches < 0 or (args.branches and args.branch_len < 1):
-        sys.exit("--branches N needs N >= 0 and, with N > 0, --branch-len >= 1")
+    if args.branches < 0 or (args.branches and args.branch_len < 1) or (not args.branches and args.branch_len):
+        sys.exit("--branches N needs N >= 0 and, with N > 0, --branch-len >= 1 (and --branch-len only with N > 0)")
     blocks = [torch.randint(0, vocab, (args.branch_len,), generator=gen).tolist() for _ in range(args.branches)]
     low, high = args.prompt_len_range or (args.prompt_len // 2, args.prompt_len * 3 // 2)
     if not 0 <= low <= high:
@@ -207,9 +207,14 @@ def main(argv: list[str] | None = None) -> dict:
         sys.exit("--device cuda: no CUDA device is visible here (use --device cpu or auto)")
     if args.json and unwritable("--json", args.json):
         sys.exit(unwritable("--json", args.json))
+    if not args.cascade and args.cascade_depth is not None:
+        sys.exit(f"--cascade-depth {args.cascade_depth} with --no-cascade: there are no cascade levels to bound")
     group, device = setup_parallel(args, device)
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.startswith("cuda") else torch.float32)
     if Path(args.model).is_dir():
+        if args.layers is not None:
+            sys.exit(f"--layers {args.layers}: it overrides a preset's layer count; the checkpoint {args.model} has "
+                     "its own")
         config, weights = load_checkpoint(args.model)
         model = LlamaModel(config, weights, dtype=dtype, device=device, group=group)
     else:
@@ -221,10 +226,15 @@ def main(argv: list[str] | None = None) -> dict:
     longest = max(len(p) + n for _, p, n in work)
     pages_per_request = -(-longest // args.page_size)
     num_pages = args.num_pages or default_num_pages(args, model, pages_per_request, device)
-    engine = Engine(model, num_pages=num_pages, page_size=args.page_size, max_batch_size=args.max_batch_size,
-                    prefill_chunk_tokens=args.chunk, cascade=args.cascade, cuda_graphs=args.graphs,
-                    cascade_depth=args.cascade_depth,
-                    max_seq_len=longest + 1)
+    try:
+        engine = Engine(model, num_pages=num_pages, page_size=args.page_size, max_batch_size=args.max_batch_size,
+                        prefill_chunk_tokens=args.chunk, cascade=args.cascade, cuda_graphs=args.graphs,
+                        cascade_depth=args.cascade_depth, max_seq_len=longest + 1)
+    except (torch.OutOfMemoryError, RuntimeError) as exc:  # the pool's one allocation (the CPU's says "allocate")
+        if not isinstance(exc, torch.OutOfMemoryError) and "allocate" not in str(exc):
+            raise
+        sys.exit(f"--num-pages {num_pages}: a KV pool of {num_pages} pages does not fit in {device}'s memory; give "
+                 "fewer pages")
     leader = group.rank == 0
     if args.graphs:  # at startup, as serving engines do: the timed run replays them
         capture_started = time.perf_counter()
