@@ -215,6 +215,7 @@ def test_mla_lse_is_base2_unless_return_lse_base_on_e(device: str) -> None:
         wrapper = module.BatchMLAPagedAttentionWrapper(_workspace(device))
         wrapper.plan(*plan)
         results.append(wrapper)
+    assert (results[0]._causal, results[0]._sm_scale, results[0]._page_size) == (plan[8], plan[9], plan[7])
     native = results[1].run(*tensors, return_lse=True)
     _assert_base2_of(results[0].run(*tensors, return_lse=True), native, ref_lse)
     _assert_base2_of(results[0].run_return_lse(*tensors), native)

@@ -222,6 +222,7 @@ class BatchMLAPagedAttentionWrapper(NotCopyable):
         if self._kv_len_arr_buf is not None:  # FlashInfer keeps the lengths in the caller's buffer too
             self._kv_len_arr_buf[: lens.numel()].copy_(lens)
         self._dims, self._page_size = (head_dim_ckv, head_dim_kpe), page_size
+        self._causal, self._sm_scale = causal, sm_scale  # FlashInfer's plan attributes, as engines read them
         self._rows = (int(qo_indptr.numpy()[-1]), num_heads)
 
     @no_backward
