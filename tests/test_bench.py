@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import sys
 import time
@@ -352,7 +353,7 @@ def test_a_failing_case_is_a_row_error_and_the_suite_goes_on(tmp_path, monkeypat
     monkeypatch.setattr(suite, "make_attn_data", broken)
     path = tmp_path / "bench.json"
     assert main(["--target", "cpu", "--only", "decode/llama8b_b64_s2048,decode/llama8b_b1_s32768,mla/*",
-                 "--json", str(path), "--measure-s", "0.02", "--ceilings-json", "{}"]) == 0
+                 "--json", str(path), "--measure-s", "0.02", "--ceilings-json", "{}"]) == 1  # a row failed
     rows = {r["name"]: r for r in json.loads(path.read_text())["rows"]}
     assert rows["decode/llama8b_b64_s2048"]["status"] == "error"
     assert "boom" in rows["decode/llama8b_b64_s2048"]["error"]
@@ -508,8 +509,8 @@ def test_the_results_page_is_what_the_dated_runs_give() -> None:
 def test_the_results_page_takes_each_cases_newest_successful_row(tmp_path) -> None:
     from jitattn.bench import results
 
-    def run(created: str, rows: list[dict]) -> dict:
-        return {"schema": "jitattn-bench/1", "created": created, "rows": rows,
+    def run(created: str, rows: list[dict], target: str = "cuda") -> dict:
+        return {"schema": "jitattn-bench/1", "created": created, "target": target, "rows": rows,
                 "environment": {"device": "NVIDIA H200", "torch": "2.11"}}
 
     def row(time_us: float, status: str = "ok", **extra) -> dict:
@@ -522,6 +523,7 @@ def test_the_results_page_takes_each_cases_newest_successful_row(tmp_path) -> No
             sdpa={"flash": {"time_us": 260.0, "speedup": 1.3}, "cudnn": {"time_us": 240.0, "speedup": 1.2}})])))
     (tmp_path / "c.json").write_text(json.dumps(run("2026-12-03T00:00:00", [row(100.0, status="error")])))
     (tmp_path / "notes.json").write_text("{}")  # not a run: skipped
+    (tmp_path / "d.json").write_text(json.dumps(run("2026-12-04T00:00:00", [row(50.0)], target="cpu")))  # not a GPU's
     picked = results.newest_rows(tmp_path)
     assert picked["decode/x"][2] == "b.json" and picked["decode/x"][0]["time_us"] == 200.0
     text = results.page(tmp_path)
@@ -530,9 +532,18 @@ def test_the_results_page_takes_each_cases_newest_successful_row(tmp_path) -> No
 
 @pytest.mark.parametrize("content, match", [
     ("{not json", "not a readable JSON file"),
-    ('{"schema": "jitattn-bench/1", "rows": [{"status": "ok", "time_us": 1.0}]}', r"rows\[0\] is not a bench row"),
-    ('{"schema": "jitattn-bench/1", "rows": [{"name": "decode/x", "status": "ok", "time_us": "1"}]}',
-     "time_us='1' is not a number"),
+    ('{"schema": "jitattn-bench/1", "target": "cuda", "rows": [{"status": "ok", "time_us": 1.0}]}',
+     r"rows\[0\] is not a bench row"),
+    ('{"schema": "jitattn-bench/1", "target": "cuda", "rows": [{"name": "decode/x", "status": "ok", "time_us": "1"}]}',
+     "time_us='1' is not a positive number"),
+    ('{"schema": "jitattn-bench/1", "target": "cuda", "rows": [{"name": "decode/x", "status": "ok", "time_us": -5}]}',
+     "time_us=-5 is not a positive number"),
+    ('{"schema": "jitattn-bench/1", "target": "cuda", "rows": null}', "needs a list of rows"),
+    ('{"schema": "jitattn-bench/1", "target": "cuda", "created": 2099, "rows": []}', "a created date string"),
+    ('{"schema": "jitattn-bench/1", "target": "cuda", "rows": [{"name": "decode/x", "status": "ok", "time_us": 1, '
+     '"peers": [1]}]}', "peers=\\[1\\] is not a mapping"),
+    ('{"schema": "jitattn-bench/1", "target": "cuda", "rows": [{"name": "decode/x", "status": "ok", "time_us": 1, '
+     '"rate": "fast"}]}', "rate='fast' is not a number"),
 ])
 def test_a_run_the_results_page_cannot_read_is_named_not_dropped(tmp_path, capsys, content, match) -> None:
     from jitattn.bench import results
@@ -684,6 +695,9 @@ def test_bad_arguments_are_refused_before_any_case_runs(tmp_path, capsys) -> Non
     (tmp_path / "file").write_text("x")
     assert main(["--target", "cpu", "--json", str(tmp_path / "file" / "b.json")]) == 2
     assert "is a file, not a directory" in capsys.readouterr().err
+    os.mkfifo(tmp_path / "fifo")  # the results replace the path: a FIFO (or /dev/null, as root) would be replaced
+    assert main(["--target", "cpu", "--json", str(tmp_path / "fifo"), "--only", "decode/llama8b_b64_s2048"]) == 2
+    assert "is not a regular file" in capsys.readouterr().err and (tmp_path / "fifo").is_fifo()
     assert main(["--list", "--only", "nosuch*"]) == 2
     assert "no case matches nosuch*" in capsys.readouterr().err
     for flag, value in (("--measure-s", "nan"), ("--deadline", "-1"), ("--case-budget", "-5"), ("--jobs", "-3")):

@@ -52,3 +52,20 @@ def test_load_rejects_what_is_not_a_results_file(tmp_path) -> None:
 def test_cli_fails_before_running_on_a_bad_baseline(tmp_path, capsys) -> None:
     assert main(["--only", "decode/llama8b_b64_s2048", "--baseline", str(tmp_path / "missing.json")]) == 2
     assert "--baseline" in capsys.readouterr().err
+
+
+def test_runs_of_another_target_are_not_compared_and_odd_rows_are_left_out() -> None:
+    """A cpu run beside an H200 one was reported all SLOWER (their shapes and units differ); a hand-edited row whose
+    time is not a number crashed the report after the whole run."""
+    gpu = {**BASELINE, "target": "cuda", "environment": {"device": "NVIDIA H200"}}
+    cpu = {**NOW, "target": "cpu", "environment": {"device": "vm"}}
+    assert compare.report(cpu, gpu) == ("beside the baseline (then): not compared: this run's target is cpu, the "
+                                        "baseline's cuda (other shapes and units)")
+    quick = {**cpu, "args": {"quick": True}}
+    assert "one run is --quick" in compare.report(quick, {**BASELINE, "target": "cpu"})
+    h100 = {**NOW, "target": "cuda", "environment": {"device": "NVIDIA H100"}}
+    assert "(the baseline ran on NVIDIA H200, this run on NVIDIA H100" in compare.report(h100, gpu)
+    odd = {"rows": [*BASELINE["rows"], {"name": "decode/x", "status": "ok", "fraction": 0.5, "time_us": "abc"},
+                    {"name": "decode/y", "status": "ok", "fraction": True, "time_us": 3.0}]}
+    assert sorted(c.name for c in compare.changes({"rows": odd["rows"]}, odd)) == \
+        ["decode/a", "decode/b", "decode/c", "decode/failed", "decode/gone"]

@@ -99,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"--plot {opts.plot}: failed ({type(exc).__name__}: {exc})", flush=True)
         if opts.json:
             print(f"results written to {opts.json}", flush=True)
-    return 0
+    # a run whose rows failed is not a success (a script that checks the exit code must see it); skipped rows are
+    return 1 if any(row.get("status") == "error" for row in doc.get("rows", [])) else 0
 
 
 if __name__ == "__main__":

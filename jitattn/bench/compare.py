@@ -41,9 +41,32 @@ def load(path: str) -> dict:
     return doc
 
 
+def _number(value) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and 0 < value < float("inf")
+
+
 def _comparable(rows: list) -> dict[str, dict]:
+    """The rows with a name, status ok and a positive fraction and time (a hand-edited file's others are left out)."""
     return {row["name"]: row for row in rows
-            if isinstance(row, dict) and row.get("status") == "ok" and row.get("fraction") and row.get("time_us")}
+            if isinstance(row, dict) and isinstance(row.get("name"), str) and row.get("status") == "ok"
+            and _number(row.get("fraction")) and _number(row.get("time_us"))}
+
+
+def _setup(doc: dict) -> tuple:
+    """What makes two runs' rows comparable: the target, the device and --quick (its smaller shapes and ceilings)."""
+    environment = doc.get("environment") if isinstance(doc.get("environment"), dict) else {}
+    args = doc.get("args") if isinstance(doc.get("args"), dict) else {}
+    return doc.get("target"), environment.get("device"), bool(args.get("quick"))
+
+
+def mismatch(doc: dict, baseline: dict) -> str | None:
+    """Why the two runs' rows do not compare (another target: other sizes), or None."""
+    (target, _, quick), (old_target, _, old_quick) = _setup(doc), _setup(baseline)
+    if target != old_target:
+        return f"this run's target is {target}, the baseline's {old_target} (other shapes and units)"
+    if quick != old_quick:
+        return "one run is --quick (smaller cpu shapes and ceilings), the other not" if target == "cpu" else None
+    return None
 
 
 def changes(doc: dict, baseline: dict) -> list[RowChange]:
@@ -60,11 +83,17 @@ def changes(doc: dict, baseline: dict) -> list[RowChange]:
 
 def report(doc: dict, baseline: dict, threshold: float = 0.05) -> str:
     """The rows that moved by more than ``threshold`` (of their fraction of the ceiling), slower first."""
+    problem = mismatch(doc, baseline)
+    if problem:
+        return f"beside the baseline ({baseline.get('created', 'undated')}): not compared: {problem}"
     rows = changes(doc, baseline)
     slower = sorted((c for c in rows if c.ratio < 1 - threshold), key=lambda c: c.ratio)
     faster = sorted((c for c in rows if c.ratio > 1 + threshold), key=lambda c: -c.ratio)
     lines = [f"beside the baseline ({baseline.get('created', 'undated')}): {len(rows)} rows in both, "
              f"{len(slower)} slower and {len(faster)} faster by over {threshold:.0%} of their fraction of the ceiling"]
+    if _setup(doc)[1] != _setup(baseline)[1]:
+        lines.append(f"  (the baseline ran on {_setup(baseline)[1]}, this run on {_setup(doc)[1]}: fractions of each "
+                     "machine's own ceilings)")
     for label, group in (("SLOWER", slower), ("faster", faster)):
         for c in group:
             lines.append(f"  {label:6s} {c.name:48s} {c.before:.2f} -> {c.after:.2f} of ceiling ({c.ratio:.2f}x; "

@@ -204,6 +204,8 @@ def check_json_path(path: str | None) -> str | None:
         return None
     if os.path.isdir(path):
         return f"--json {path} is a directory; name a file (e.g. {os.path.join(path, 'bench.json')})"
+    if os.path.lexists(path) and not os.path.isfile(path):  # write_json replaces the path: a device, FIFO or socket
+        return f"--json {path} is not a regular file (the results replace what is there); name a file"
     parent = os.path.dirname(os.path.abspath(path))
     while not os.path.exists(parent):
         parent = os.path.dirname(parent)
@@ -211,6 +213,13 @@ def check_json_path(path: str | None) -> str | None:
         return f"--json {path}: {parent} is a file, not a directory"
     if not os.access(parent, os.W_OK):
         return f"--json {path}: {parent} is not writable"
+    if os.path.exists(os.path.dirname(os.path.abspath(path))):  # try it: root passes os.access where /proc refuses
+        try:
+            fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=".bench-", suffix=".json")
+        except OSError as exc:
+            return f"--json {path}: cannot write in {os.path.dirname(os.path.abspath(path))} ({exc.strerror})"
+        os.close(fd)
+        os.unlink(tmp)
     return None
 
 

@@ -29,17 +29,43 @@ def newest_rows(runs_dir: Path) -> dict[str, tuple[dict, dict, str]]:
             raise ValueError(f"{path}: not a readable JSON file ({exc}); fix or remove it") from None
         if not isinstance(run, dict) or not str(run.get("schema", "")).startswith(SCHEMA_PREFIX):
             continue
-        for i, row in enumerate(run.get("rows", [])):
+        if run.get("target") != "cuda":  # the page is of GPU runs (a cpu run's rows are of other sizes and units)
+            continue
+        if not isinstance(run.get("rows"), list) or not isinstance(run.get("created", ""), str):
+            raise ValueError(f"{path}: a bench run needs a list of rows and a created date string")
+        for i, row in enumerate(run["rows"]):
             if not isinstance(row, dict) or not isinstance(row.get("name"), str):
                 raise ValueError(f"{path}: rows[{i}] is not a bench row (no name)")
             if row.get("status") != "ok" or row.get("time_us") is None:
                 continue
-            if isinstance(row["time_us"], bool) or not isinstance(row["time_us"], (int, float)):
-                raise ValueError(f"{path}: {row['name']}: time_us={row['time_us']!r} is not a number")
+            problem = _row_problem(row)
+            if problem:
+                raise ValueError(f"{path}: {row['name']}: {problem}")
             held = newest.get(row["name"])
             if held is None or run.get("created", "") > held[1].get("created", ""):
                 newest[row["name"]] = (row, run, path.name)
     return newest
+
+
+def _positive(value) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and 0 < value < float("inf")
+
+
+def _row_problem(row: dict) -> str | None:
+    """What in a row would not print as a figure (None when it all does): a hand-edited or foreign file."""
+    if not _positive(row["time_us"]):
+        return f"time_us={row['time_us']!r} is not a positive number"
+    for key in ("rate", "fraction"):
+        if row.get(key) is not None and (isinstance(row[key], bool) or not isinstance(row[key], (int, float))):
+            return f"{key}={row[key]!r} is not a number"
+    for field in ("peers", "sdpa"):
+        entries = row.get(field) or {}
+        if not isinstance(entries, dict):
+            return f"{field}={entries!r} is not a mapping of names to timings"
+        for name, entry in entries.items():
+            if not isinstance(entry, dict) or (entry.get("time_us") is not None and not _positive(entry["time_us"])):
+                return f"the {field} entry {name}={entry!r} has no positive time_us"
+    return None
 
 
 def _us(value: float | None) -> str:
