@@ -98,6 +98,16 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("set JITATTN_CUDA_ARCH_LIST to the GPU machine's arch list (e.g. 9.0a for an H200)")
     if args.child:
         return build(args.tests, args.bench, [str(Path(m).resolve()) for m in args.manifests], args.jobs)
+    if args.jobs < 1:
+        parser.error(f"--jobs {args.jobs}: give at least 1")
+    if args.out.is_dir() or not args.out.resolve().parent.is_dir():
+        parser.error(f"{args.out}: name an archive in an existing directory")
+    missing = [t for t in [*args.tests, *args.manifests] if not (ROOT / t).exists() and not Path(t).exists()]
+    if missing:
+        parser.error(f"{missing[0]}: no such file")
+    bad = [e for e in args.env if not e.partition("=")[0] or not e.partition("=")[1]]
+    if bad:
+        parser.error(f"--env {bad[0]!r}: give NAME=VALUE")
     with tempfile.TemporaryDirectory() as cache:
         env = {**os.environ, "JITATTN_CACHE_DIR": cache, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
         failed = 0
@@ -110,8 +120,13 @@ def main(argv: list[str] | None = None) -> int:
                        *(["--bench", args.bench] if args.bench else []),
                        *(a for m in args.manifests for a in ("--manifests", str(Path(m).resolve())))]
             failed += subprocess.run(command, env=child_env, cwd=ROOT).returncode
-        with tarfile.open(args.out, "w:xz", preset=9) as tar:
+        if failed and not any(Path(cache).rglob("manifest.json")):  # nothing built: keep the archive there is
+            print(f"no kernel built; {args.out} left as it was", file=sys.stderr)
+            return 1
+        partial = args.out.with_name(args.out.name + ".partial")
+        with tarfile.open(partial, "w:xz", preset=9) as tar:
             tar.add(cache, arcname=".")
+        partial.replace(args.out)  # whole or not at all
     print(f"wrote {args.out} ({args.out.stat().st_size / 1e6:.1f} MB)")
     return 1 if failed else 0
 
