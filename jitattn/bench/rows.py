@@ -106,7 +106,14 @@ def join_notes(a: str, b: str) -> str:
 
 def first_line(exc: BaseException) -> str:
     text = f"{type(exc).__name__}: {exc}".strip()
-    return text.splitlines()[0][:300] if text else type(exc).__name__
+    return error_summary(text) if text else type(exc).__name__
+
+
+def error_summary(text: str, limit: int = 600) -> str:
+    """An error's first lines joined (a refusal's "fix:" lines follow its first line), at most ``limit`` characters."""
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    joined = " / ".join(lines[:4])
+    return joined if len(joined) <= limit else joined[: limit - 3] + "..."
 
 
 def rel_err(got: list[torch.Tensor], ref: list[torch.Tensor]) -> float:

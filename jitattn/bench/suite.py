@@ -41,7 +41,8 @@ from . import configs, report
 from .configs import MLA, Attn, Cascade, Case
 from .timing import Timer
 from .rows import (
-    BudgetExceeded, Context, SCHEMA, TORCH_DTYPES, cuda_ok, first_line, join_notes, new_row, rel_err, set_time,
+    BudgetExceeded, Context, SCHEMA, TORCH_DTYPES, cuda_ok, error_summary, first_line, join_notes, new_row, rel_err,
+    set_time,
 )
 from .inputs import check_prebuilt, jitattn_fn, make_attn_data, random_tensor, reference_error, seed_of, specs_of
 from .cascade import run_cascade
@@ -283,7 +284,7 @@ def prebuild(cases: list[Case], target: str, jobs: int, log: Callable[[str], Non
     specs = list(dict.fromkeys(specs))
     started = time.perf_counter()
     results = jitattn.build_many(specs, jobs=jobs) if specs else []
-    failed = {r.spec: (r.error or "").strip().splitlines()[0][:300] if r.error else "failed"
+    failed = {r.spec: error_summary(r.error) if r.error and r.error.strip() else "failed"
               for r in results if r.status == "failed"}
     summary = {"specs": len(results), "built": sum(r.status == "built" for r in results),
                "cached": sum(r.status == "cached" for r in results), "failed": {s.uri: e for s, e in failed.items()},
