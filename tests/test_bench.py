@@ -700,6 +700,10 @@ def test_bad_arguments_are_refused_before_any_case_runs(tmp_path, capsys) -> Non
     assert "is not a regular file" in capsys.readouterr().err and (tmp_path / "fifo").is_fifo()
     assert main(["--list", "--only", "nosuch*"]) == 2
     assert "no case matches nosuch*" in capsys.readouterr().err
+    assert main(["--list", "--only", ","]) == 2  # it ran the whole suite
+    assert "--only names no case" in capsys.readouterr().err
+    assert main(["--list", "--suite", "decode", "--only", "prefill/*"]) == 2  # it measured the ceilings, then nothing
+    assert "no case is in --suite decode and --only prefill/*" in capsys.readouterr().err
     for flag, value in (("--measure-s", "nan"), ("--deadline", "-1"), ("--case-budget", "-5"), ("--jobs", "-3")):
         with pytest.raises(SystemExit):
             main([flag, value])

@@ -25,7 +25,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m jitattn.bench", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--suite", default="all", choices=("all", *SUITES))
-    ap.add_argument("--only", default="", help="comma-separated case names, suites or globs (overrides --quick's "
+    ap.add_argument("--only", default=None, help="comma-separated case names, suites or globs (overrides --quick's "
                                                 "selection; a variant brings its plain case)")
     ap.add_argument("--quick", action="store_true", help="a subset with shorter timing (under 2 minutes)")
     ap.add_argument("--json", default=None, metavar="FILE", help="write the results (rewritten after every case)")
@@ -54,7 +54,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         value = getattr(opts, name)
         if not 0 <= value < float("inf"):  # (NaN fails too) 0: the default
             ap.error(f"--{name.replace('_', '-')}={value} must be a finite number >= 0 (0: the default)")
-    opts.only = [s for s in opts.only.split(",") if s.strip()] if opts.only else []
+    opts.only = None if opts.only is None else [s for s in opts.only.split(",") if s.strip()]
     return opts
 
 
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     from . import configs
 
     try:
-        cases = configs.select(opts.suite, opts.only or None, opts.quick)
+        cases = configs.select(opts.suite, opts.only, opts.quick)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

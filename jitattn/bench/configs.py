@@ -475,8 +475,10 @@ def select(suite: str = "all", only: list[str] | None = None, quick: bool = Fals
     cases = [c for c in ALL_CASES if suite == "all" or c.suite == suite]
     if quick:
         cases = [c for c in cases if c.name in QUICK]
-    if only:
+    if only is not None:
         wanted = [w.strip() for w in only if w.strip()]
+        if not wanted:
+            raise ValueError("--only names no case (an empty list); leave it out for the whole suite")
         unknown = [w for w in wanted if not any(_matches(c, w, fnmatch) for c in ALL_CASES)]
         if unknown:
             raise ValueError(f"--only: no case matches {', '.join(unknown)} (see --list)")
@@ -490,6 +492,9 @@ def select(suite: str = "all", only: list[str] | None = None, quick: bool = Fals
                 cases.insert(0, BY_NAME[needs])
                 names.add(needs)
         cases.sort(key=ALL_CASES.index)
+    if not cases:
+        raise ValueError(f"no case is in --suite {suite}" + (" and --quick" if quick else "")
+                         + (f" and --only {','.join(only)}" if only else "") + " (see --list)")
     return cases
 
 
