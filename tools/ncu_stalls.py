@@ -22,8 +22,14 @@ ROLES = (("USETMAXREG.TRY_ALLOC", "consumer"), ("USETMAXREG.DEALLOC", "producer"
 
 def rows(path: Path) -> list[dict[str, str]]:
     """The source page's instruction rows (the CSV's first line names the kernel, the second the columns)."""
-    with open(path, newline="") as f:
-        lines = list(csv.reader(f))
+    try:
+        with open(path, newline="") as f:
+            lines = list(csv.reader(f))
+    except OSError as exc:
+        raise SystemExit(f"{path}: {exc.strerror}") from None
+    if len(lines) < 2 or "Source" not in lines[1]:
+        raise SystemExit(f"{path}: not an ncu source-page CSV (its second line names the columns, Source among them: "
+                         "ncu -i REPORT --page source --csv --print-source sass)")
     header = lines[1]
     return [dict(zip(header, line)) for line in lines[2:] if len(line) == len(header)]
 
@@ -69,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reason", help="rank instructions by this stall reason (e.g. wait, barrier, mio)")
     parser.add_argument("--top", type=int, default=20)
     args = parser.parse_args(argv)
+    if args.top < 1:
+        parser.error(f"--top {args.top}: give at least 1")
     for path in args.files:
         summary(path, args.reason, args.top)
     return 0

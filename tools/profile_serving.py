@@ -70,7 +70,8 @@ def _profile_step(engine: Engine) -> None:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--model", default="llama-3-8b-shapes")
+    ap.add_argument("--model", help="a serving preset (default: llama-3-8b-shapes on cuda, tiny on the cpu, where the "
+                    "8B shapes' float32 weights need ~32 GB)")
     ap.add_argument("--prefix", type=int, default=16384)
     ap.add_argument("--requests", type=int, default=128)
     ap.add_argument("--steps", type=int, default=8)
@@ -82,7 +83,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--profile-prefill", action="store_true", help="time the prefill phase's steps and profile the "
                     "first step that prefills several requests (cascade path only)")
     args = ap.parse_args(argv)
+    if args.steps < 1 or args.requests < 1 or args.prefix < 0:
+        ap.error("--steps and --requests must be >= 1, --prefix >= 0")
     cuda = args.device == "cuda"
+    args.model = args.model or ("llama-3-8b-shapes" if cuda else "tiny")
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     config = preset(args.model)
     model = LlamaModel.random(config, seed=0, dtype=torch.bfloat16 if cuda else torch.float32, device=args.device)

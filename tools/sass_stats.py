@@ -126,6 +126,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--against", type=Path, help="an earlier OUT_DIR: print the opcodes whose counts changed")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     args = parser.parse_args(argv)
+    if args.jobs < 1:
+        parser.error(f"--jobs {args.jobs}: give at least 1")
+    if args.out.exists() and not args.out.is_dir():
+        parser.error(f"{args.out}: a file; name a directory for the SASS")
+    if args.against is not None and not args.against.is_dir():
+        parser.error(f"--against {args.against}: no such directory (an earlier OUT)")
+    args.names = list(dict.fromkeys(args.names))  # one compile a name (two would write one folder at once)
     table = {n: s for fam, specs in SPECS.items() if args.family in (fam, "all") for n, s in specs.items()}
     unknown = [n for n in args.names if n not in table]
     if unknown:

@@ -105,6 +105,12 @@ METHOD = ("host wall time per call (time.perf_counter), median of rounds of back
 
 
 def main() -> int:
+    if any(a in ("-h", "--help") for a in sys.argv[1:]):
+        print(__doc__.strip() + "\n\nusage: python -m jitattn.bench.host_peer [OUT.json]")
+        return 0
+    if not torch.cuda.is_available():
+        print("jitattn.bench.host_peer times calls on a CUDA device; none is visible here", file=sys.stderr)
+        return 2
     libs = ["jitattn"] + (["flashinfer"] if importlib.util.find_spec("flashinfer") else [])
     ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     results: dict[str, dict[str, float]] = {}

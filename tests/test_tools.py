@@ -1,0 +1,58 @@
+"""The developer tools under tools/ refuse bad input with a message before doing work, and never destroy what
+they would replace (each case once ended in a traceback, a silent wrong table, or an overwritten archive)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers.procs import child_env
+
+TOOLS = Path(__file__).resolve().parents[1] / "tools"
+
+
+def _tool(name: str, *args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(TOOLS / name), *args], env={**child_env(), **(env or {})},
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_ncu_stalls_names_a_file_it_cannot_read(tmp_path) -> None:
+    (tmp_path / "one.csv").write_text("x\n")
+    for path, message in ((tmp_path / "missing.csv", "No such file"), (tmp_path / "one.csv", "not an ncu source")):
+        proc = _tool("ncu_stalls.py", str(path))
+        assert proc.returncode == 1 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_sass_stats_checks_its_arguments_before_compiling(tmp_path) -> None:
+    (tmp_path / "file").write_text("x")
+    for args, message in ((["--jobs", "0"], "--jobs 0: give at least 1"),
+                          (["--against", str(tmp_path / "none")], "no such directory"),
+                          ([], "a file; name a directory")):
+        out = str(tmp_path / ("file" if not args else "out"))
+        proc = _tool("sass_stats.py", out, *args)
+        assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+
+
+def test_prebuild_cache_keeps_the_archive_when_nothing_builds(tmp_path) -> None:
+    archive = tmp_path / "good.tar.xz"
+    archive.write_bytes(b"an earlier archive")
+    proc = _tool("prebuild_cache.py", str(archive), "--bench", "nosuch", env={"JITATTN_CUDA_ARCH_LIST": "9.0a"})
+    assert proc.returncode == 1 and "left as it was" in proc.stderr and archive.read_bytes() == b"an earlier archive"
+    for args, message in (([str(tmp_path / "no" / "x.tar.xz")], "name an archive in an existing directory"),
+                          ([str(archive), "tests/nosuch.py"], "tests/nosuch.py: no such file"),
+                          ([str(archive), "--env", "FOO"], "give NAME=VALUE")):
+        proc = _tool("prebuild_cache.py", *args, env={"JITATTN_CUDA_ARCH_LIST": "9.0a"})
+        assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the message of a machine without CUDA")
+def test_host_peer_says_it_needs_cuda() -> None:
+    proc = subprocess.run([sys.executable, "-m", "jitattn.bench.host_peer"], env=child_env(), capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2 and "none is visible here" in proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "jitattn.bench.host_peer", "--help"], env=child_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "usage: python -m jitattn.bench.host_peer" in proc.stdout
