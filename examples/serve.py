@@ -137,8 +137,8 @@ def workload(args: argparse.Namespace, vocab: int) -> list[tuple[float, list[int
     """(arrival s, prompt, output tokens) per request: the same on every rank (seeded)."""
     gen = torch.Generator().manual_seed(args.seed)
     system = torch.randint(0, vocab, (args.system_prompt_len,), generator=gen).tolist()
-    if args.branches < 0 or (args.branches and args.branch_len < 1) or (not args.branches and args.branch_len):
-        sys.exit("--branches N needs N >= 0 and, with N > 0, --branch-len >= 1 (and --branch-len only with N > 0)")
+    if args.branches < 0 or (args.branches and args.branch_len < 1):
+        sys.exit("--branches N needs N >= 0 and, with N > 0, --branch-len >= 1")
     blocks = [torch.randint(0, vocab, (args.branch_len,), generator=gen).tolist() for _ in range(args.branches)]
     low, high = args.prompt_len_range or (args.prompt_len // 2, args.prompt_len * 3 // 2)
     if not 0 <= low <= high:
@@ -207,8 +207,6 @@ def main(argv: list[str] | None = None) -> dict:
         sys.exit("--device cuda: no CUDA device is visible here (use --device cpu or auto)")
     if args.json and unwritable("--json", args.json):
         sys.exit(unwritable("--json", args.json))
-    if not args.cascade and args.cascade_depth is not None:
-        sys.exit(f"--cascade-depth {args.cascade_depth} with --no-cascade: there are no cascade levels to bound")
     group, device = setup_parallel(args, device)
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.startswith("cuda") else torch.float32)
     if Path(args.model).is_dir():

@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
                        *(["--bench", args.bench] if args.bench else []),
                        *(a for m in args.manifests for a in ("--manifests", str(Path(m).resolve())))]
             failed += subprocess.run(command, env=child_env, cwd=ROOT).returncode
-        if failed and not any(Path(cache).rglob("manifest.json")):  # nothing built: keep the archive there is
+        if not any(Path(cache).rglob("manifest.json")):  # nothing built: keep the archive there is
             print(f"no kernel built; {args.out} left as it was", file=sys.stderr)
             return 1
         partial = args.out.with_name(args.out.name + ".partial")

@@ -20,6 +20,7 @@ name, same shape of the problem, ~1/16 of the tokens); ``QUICK`` lists the
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import random
 from dataclasses import dataclass, field, replace
 from typing import Union
@@ -468,13 +469,10 @@ def row_names(case: Case) -> tuple[str, ...]:
 
 def select(suite: str = "all", only: list[str] | None = None, quick: bool = False) -> list[Case]:
     """The cases of ``suite`` (or ``all``), narrowed by ``--only`` (names, row names, suites or globs)."""
-    import fnmatch
-
     if suite != "all" and suite not in SUITES:
         raise ValueError(f"--suite {suite!r}: use one of all, {', '.join(SUITES)}")
-    cases = [c for c in ALL_CASES if suite == "all" or c.suite == suite]
-    if quick:
-        cases = [c for c in cases if c.name in QUICK]
+    pool = [c for c in ALL_CASES if suite == "all" or c.suite == suite]
+    cases = [c for c in pool if c.name in QUICK] if quick else pool
     if only is not None:
         wanted = [w.strip() for w in only if w.strip()]
         if not wanted:
@@ -482,7 +480,6 @@ def select(suite: str = "all", only: list[str] | None = None, quick: bool = Fals
         unknown = [w for w in wanted if not any(_matches(c, w, fnmatch) for c in ALL_CASES)]
         if unknown:
             raise ValueError(f"--only: no case matches {', '.join(unknown)} (see --list)")
-        pool = [c for c in ALL_CASES if suite == "all" or c.suite == suite]
         cases = [c for c in pool if any(_matches(c, w, fnmatch) for w in wanted)]
         # A variant needs its plain case first (a block-sparse row its dense twin).
         names = {c.name for c in cases}
@@ -493,13 +490,10 @@ def select(suite: str = "all", only: list[str] | None = None, quick: bool = Fals
                 names.add(needs)
         cases.sort(key=ALL_CASES.index)
     if not cases:
-        raise ValueError(f"no case is in --suite {suite}" + (" and --quick" if quick else "")
-                         + (f" and --only {','.join(only)}" if only else "") + " (see --list)")
+        raise ValueError(f"no case is in --suite {suite}{' and --quick' if quick else ''}"
+                         f"{' and --only ' + ','.join(only) if only else ''} (see --list)")
     return cases
 
 
 def _matches(case: Case, pattern: str, fnmatch) -> bool:
-    names = (case.name, *row_names(case))
-    if pattern == case.suite:
-        return True
-    return any(fnmatch.fnmatchcase(n, pattern) for n in names)
+    return pattern == case.suite or any(fnmatch.fnmatchcase(n, pattern) for n in (case.name, *row_names(case)))

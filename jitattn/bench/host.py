@@ -142,12 +142,11 @@ def _run_build(case: Jit, ctx: Context) -> list[dict]:
         rows.append(_host_row(case, f"jit/cold_build_{kind}", load["s"],
                               f"cold build: render + compile + link + publish + load, empty cache; {load['uri']}; "
                               f"fresh process (compiles there: {cold['compiles']})"))
-    first = {"decode": swapped["loads"][0]["s"], "prefill": warm["loads"][0]["s"]}  # (the prefill's, the decode's)
-    for kind, result in (("decode", swapped), ("prefill", warm)):
-        other, load = "prefill" if kind == "decode" else "decode", result["loads"][1]
+    for kind, result in (("decode", swapped), ("prefill", warm)):  # (swapped: the prefill's load, then the decode's)
+        (first, load), other = result["loads"], "prefill" if kind == "decode" else "decode"
         rows.append(_host_row(case, f"jit/warm_load_{kind}", load["s"],
                               f"warm load: render + key + checksum + dlopen, populated cache; {load['uri']}; the "
                               f"second load of a fresh process (its first, the {other}'s, took "
-                              f"{first[other] * 1e3:.1f} ms with the process's one-time setup; compiles there: "
+                              f"{first['s'] * 1e3:.1f} ms with the process's one-time setup; compiles there: "
                               f"{result['compiles']})"))
     return rows

@@ -3,9 +3,8 @@
 jitattn's own API (``jitattn``, ``jitattn.ops.decode``, ...) returns and takes the **natural-log** LSE.
 This namespace has FlashInfer 0.5.3's module layout (``decode``, ``prefill``, ``cascade``, ``mla``,
 ``page``, ``rope``, ``norm``, ``activation``, ``attention``, ``sparse``, ``pod``, ``quantization``) and names, and
-FlashInfer's **base-2** LSE wherever one is returned (``run(...,
-return_lse=True)``, ``*_return_lse``, an ``lse=`` buffer) or taken (``merge_state``,
-``merge_state_in_place``, ``merge_states``); MLA's ``run`` returns base 2 unless
+FlashInfer's **base-2** LSE wherever one is returned (``run(..., return_lse=True)``, ``*_return_lse``, an ``lse=``
+buffer) or taken (``merge_state``, ``merge_state_in_place``, ``merge_states``); MLA's ``run`` returns base 2 unless
 ``return_lse_base_on_e=True``, as FlashInfer's. Everything else -- arguments, defaults, the older
 ``begin_forward``/``forward`` spellings -- is the native API's, which already follows FlashInfer.
 

@@ -88,9 +88,8 @@ def jitattn_attention_forward(
                              f"{tuple(attention_mask.shape)} (a mask per head); use attn_implementation='sdpa'")
         custom_mask = attention_mask.expand(batch, 1, q_len, kv_len)[:, 0].reshape(-1).cpu()
         causal = False  # the mask holds the causal pattern
-    if len({query.dtype, key.dtype, value.dtype}) > 1 and torch.is_autocast_enabled(query.device.type):
-        # under autocast (RoPE's float32 q and k beside a low-precision v): the autocast dtype, as sdpa runs
-        dtype = torch.get_autocast_dtype(query.device.type)
+    dtype = _autocast_dtype(query.device.type) if len({query.dtype, key.dtype, value.dtype}) > 1 else None
+    if dtype is not None:  # under autocast (RoPE's float32 q and k beside a low-precision v): its dtype, as sdpa runs
         query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
     q = query.transpose(1, 2).reshape(batch * q_len, heads, head_dim)
     k = key.transpose(1, 2).reshape(batch * kv_len, kv_heads, head_dim)
@@ -101,6 +100,14 @@ def jitattn_attention_forward(
                  sm_scale=scaling, logits_soft_cap=softcap or None, q_data_type=query.dtype, kv_data_type=key.dtype)
     out = wrapper.run(q, k, v, sinks=sinks)
     return out.view(batch, q_len, heads, value.shape[-1]), None
+
+
+def _autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The dtype autocast runs ``device_type``'s ops in, None when it is off (or this torch cannot say: before 2.4)."""
+    try:
+        return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+    except (TypeError, AttributeError):
+        return None
 
 
 def jitattn_mask(*args, **kwargs) -> torch.Tensor | None:
