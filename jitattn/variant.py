@@ -106,7 +106,7 @@ RESERVED_NAMES = frozenset(
        "static_assert", "static_cast", "thread_local", "throw", "try", "typeid", "wchar_t", "NULL", "std",
        "M_E", "M_PI", "M_PI_2", "M_PI_4", "M_LN2", "M_LN10", "M_LOG2E", "M_LOG10E", "M_SQRT2", "M_SQRT1_2",
        "HUGE_VAL", "HUGE_VALF", "FLT_MAX", "FLT_MIN", "VariantParams", "assert", "isnan", "isinf", "isfinite",
-       "signbit"}
+       "signbit", "int8_t", "int16_t", "int32_t", "int64_t", "uint8_t", "uint16_t", "uint32_t", "uint64_t", "size_t"}
     # (a math function's name shadows the function where the parameter is bound: cos / sin tables are fine)
 )
 
@@ -127,12 +127,13 @@ class VariantParam:
     optional: bool = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not _IDENT.match(self.name):
+        if not isinstance(self.name, str) or not _IDENT.fullmatch(self.name):
             raise ValueError(
                 f"variant parameter name {self.name!r} must be a C identifier: a letter, then letters, "
                 "digits or '_', at most 32 characters"
             )
-        if self.name in RESERVED_NAMES or keyword.iskeyword(self.name) or self.name.startswith(("jitattn", "variant_")):
+        if (self.name in RESERVED_NAMES or keyword.iskeyword(self.name)
+                or self.name.lower().startswith(("jitattn", "variant_"))):
             raise ValueError(
                 f"variant parameter name {self.name!r} is reserved (a snippet variable, a run() argument or a "
                 "C++ word); rename it"
@@ -175,7 +176,7 @@ class AttentionVariant:
     params: tuple[VariantParam, ...] = field(default=())
 
     def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not _NAME.match(self.name):
+        if not isinstance(self.name, str) or not _NAME.fullmatch(self.name):
             raise ValueError(
                 f"variant name {self.name!r} must be a letter, then letters, digits or '_', at most 24 "
                 "characters (it becomes part of the uri and the kernel name)"
@@ -272,3 +273,10 @@ class AttentionVariant:
     @property
     def hooks(self) -> tuple[str, ...]:
         return tuple(h for h in HOOKS if getattr(self, h) is not None)
+
+    @property
+    def position_names(self) -> tuple[str, ...]:
+        """The index variables its snippets read that say where a query or key sits in its request (``request``,
+        ``q_idx``, ``kv_idx``, ``qo_len``, ``kv_len``): a cascade level gives them relative to its own node."""
+        words = set(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", " ".join(getattr(self, h) for h in self.hooks)))
+        return tuple(n for n in ("request", "q_idx", "kv_idx", "qo_len", "kv_len") if n in words)

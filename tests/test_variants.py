@@ -181,7 +181,9 @@ def test_decode_variant_matches_reference(name, split, device):
 
 
 @pytest.mark.parametrize("device", devices())
-def test_cascade_runs_a_variant_at_every_level_and_refuses_one_without_softmax(device):
+def test_cascade_runs_a_variant_at_every_level_and_refuses_one_without_softmax_or_reading_positions(device):
+    """A level's positions (request, q_idx, kv_idx, qo_len, kv_len) are its node's, not the request's: a variant
+    reading them gave wrong results (POS_BIAS with a nonzero slope, DOC_MASK's request) and is refused."""
     gen = torch.Generator().manual_seed(3)
     dtype = _dtype(device)
     shared, unique = 20, [7, 12]
@@ -200,16 +202,22 @@ def test_cascade_runs_a_variant_at_every_level_and_refuses_one_without_softmax(d
         [torch.tensor([4], dtype=i32), batch.kv_last_page_len[1:]],
         HQ, HKV, DIM, 4,
     )
-    wrapper.plan(*plan_args, causal=True, q_data_type=dtype, variant=POS_BIAS)
-    out = wrapper.run(q, batch.cache, slope=0.0)  # slope 0: plain causal attention over both levels
+    wrapper.plan(*plan_args, causal=True, q_data_type=dtype, variant=QUERY_SCALE)
+    head_scale, shift = (torch.rand(HQ, generator=gen) + 0.5).to(device), 0.3
+    out = wrapper.run(q, batch.cache, head_scale=head_scale, shift=shift)
     k, v = _ragged_kv(batch)
     ks = [torch.cat([k[:shared], k[shared + sum(unique[:i]): shared + sum(unique[:i + 1])]]) for i in range(2)]
     vs = [torch.cat([v[:shared], v[shared + sum(unique[:i]): shared + sum(unique[:i + 1])]]) for i in range(2)]
-    ref, _ = reference.variant_attention(q.cpu(), torch.cat(ks).cpu(), torch.cat(vs).cpu(), _indptr(qo),
+    q_ref = q.float().cpu() * head_scale.cpu()[None, :, None] + shift * (torch.arange(DIM) % 2 == 0)
+    ref, _ = reference.variant_attention(q_ref, torch.cat(ks).cpu(), torch.cat(vs).cpu(), _indptr(qo),
                                          _indptr([shared + u for u in unique]), causal=True)
     torch.testing.assert_close(out.float().cpu(), ref, atol=3e-2 if dtype != torch.float32 else 2e-4, rtol=1e-2)
-    with pytest.raises(ValueError, match="cannot run in cascade"):
+    with pytest.raises(ValueError, match="cannot run in cascade: its levels' LSE merge needs softmax"):
         wrapper.plan(*plan_args, q_data_type=dtype, variant=SIGMOID)
+    with pytest.raises(ValueError, match="cannot run in cascade: it reads q_idx, kv_idx, qo_len, kv_len, which"):
+        wrapper.plan(*plan_args, causal=True, q_data_type=dtype, variant=POS_BIAS)
+    with pytest.raises(ValueError, match="it reads request, q_idx, kv_idx, qo_len, kv_len"):
+        wrapper.plan(*plan_args, q_data_type=dtype, variant=DOC_MASK)
 
 
 # -- spec, uri and cache key --------------------------------------------------
@@ -420,13 +428,22 @@ def test_optional_parameter_may_be_omitted():
 
 
 @pytest.mark.parametrize("name", ["constexpr", "static_cast", "NULL", "M_PI", "std", "VariantParams",
-                                  "variant_logits_transform", "decltype", "isnan"])
+                                  "variant_logits_transform", "decltype", "isnan", "int64_t", "uint8_t",
+                                  "JITATTN_VARIANT_FN", "JitattnChecked"])
 def test_parameter_names_that_the_snippets_headers_or_cpp_own_are_reserved(name):
     """Such names passed the declaration and failed at build with compiler errors that named no parameter
     (2026-12-06 sweep). A math function's name (cos, max) is a fine parameter: it shadows the function."""
     with pytest.raises(ValueError, match=f"variant parameter name '{name}' is reserved"):
         VariantParam(name, "f32")
     assert VariantParam("cos", "f32", rank=1) and VariantParam("max", "f32")
+
+
+def test_names_ending_in_a_newline_are_refused() -> None:
+    """A regex's $ matches before a final newline: "name\\n" passed, then broke the build file (ninja) or run()."""
+    with pytest.raises(ValueError, match="must be a C identifier"):
+        VariantParam("s\n", "f32")
+    with pytest.raises(ValueError):
+        AttentionVariant("nlname\n", output_transform="out * 2.0f")
 
 
 def test_a_double_slash_on_a_one_line_snippet_is_refused_it_would_comment_out_the_rest():

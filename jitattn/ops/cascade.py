@@ -131,9 +131,9 @@ class MultiLevelCascadeAttentionWrapper(NotCopyable):
         level, chunk by chunk; a chunk past a node's end is an empty state, which adds exact zeros), so a
         query's output is bitwise the same in any batch.
 
-        ``variant``: a custom variant run at every level (its ``q_idx``/``kv_idx`` are relative to
-        the level's node); the levels are merged by LSE, so it must use softmax and have no output
-        transform."""
+        ``variant``: a custom variant run at every level: the levels are merged by LSE, so it must use softmax and
+        have no output transform, and it may not read positions (``request``, ``q_idx``, ``kv_idx``, ``qo_len``,
+        ``kv_len``: a level's are its node's)."""
         check_flag(use_fp16_qk_reduction, "use_fp16_qk_reduction")
         self._level_chunks = []  # unplanned until every check and level plan below has succeeded
         causal, total_q = self._check_plan(qo_indptr_arr, paged_kv_indptr_arr, paged_kv_indices_arr,
@@ -183,11 +183,10 @@ class MultiLevelCascadeAttentionWrapper(NotCopyable):
                 "windows would be wrong; apply RoPE before writing the cache and use pos_encoding_mode='NONE', "
                 "window_left=-1 (or use the flat wrappers)"
             )
-        if variant is not None and not variant.splittable:
-            raise ValueError(
-                f"variant {variant.name!r} cannot run in cascade: the levels are merged by their LSE, which needs "
-                "use_softmax=True and no output_transform; use the flat prefill wrapper for it"
-            )
+        if variant is not None and (not variant.splittable or variant.position_names):
+            why = (f"it reads {', '.join(variant.position_names)}, which each level gives relative to its own node"
+                   if variant.splittable else "its levels' LSE merge needs softmax and no output_transform")
+            raise ValueError(f"variant {variant.name!r} cannot run in cascade: {why}; use the flat prefill wrapper")
         totals = {int(qo[-1]) for qo in qo_indptr_arr}
         if len(totals) != 1:
             raise ValueError(f"every level's qo_indptr must end at the same token count; got {sorted(totals)}")
