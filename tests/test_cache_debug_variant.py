@@ -76,6 +76,16 @@ def test_debug_mode_is_part_of_the_key_and_leaves_the_normal_render_alone(monkey
     assert build_inputs(plain).key == plain_key
 
 
+def test_the_warm_command_of_a_debug_build_sets_debug(monkeypatch):
+    """The command a CompileDisabledError prints built the fast entry when pasted: the debug one kept missing."""
+    spec, plain = _spec(DOC_MASK), VariantSpec("merge", "cpu", o_dtype="f32")
+    monkeypatch.setenv("JITATTN_DEBUG", "1")
+    assert jitattn.jit.warm_command(spec).startswith("JITATTN_DEBUG=1 jitattn-cache warm --spec ")
+    assert jitattn.jit.warm_command(plain).startswith("jitattn-cache warm --spec ")  # no variant: one entry
+    monkeypatch.delenv("JITATTN_DEBUG")
+    assert jitattn.jit.warm_command(spec).startswith("jitattn-cache warm --spec ")
+
+
 def test_setting_debug_between_loads_in_one_process_loads_the_debug_build(monkeypatch, fresh_cache):
     """Settings are read when used: a process that loaded the fast build and then sets JITATTN_DEBUG=1 gets the
     checked build (its own entry) from the next load, and the fast one back once it is unset."""

@@ -73,13 +73,15 @@ def warm_command(spec: VariantSpec) -> str:
 
     from ..spec_text import parse_spec_text
 
+    # a variant built under JITATTN_DEBUG=1 is another cache entry: the command must build that one
+    command = ("JITATTN_DEBUG=1 " if spec.variant is not None and env.debug() else "") + "jitattn-cache warm --spec"
     try:
         if parse_spec_text(spec.uri) == spec:
-            return f"jitattn-cache warm --spec {shlex.quote(spec.uri)}"
+            return f"{command} {shlex.quote(spec.uri)}"
     except (ValueError, TypeError, KeyError, IndexError):
         pass
     text = json.dumps(spec.to_dict(), sort_keys=True, separators=(",", ":"))
-    return f"jitattn-cache warm --spec {shlex.quote(text)}"
+    return f"{command} {shlex.quote(text)}"
 
 
 def _refuse_compile_if_asked(plan: BuildInputs) -> None:
