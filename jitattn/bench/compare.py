@@ -41,7 +41,8 @@ def load(path: str) -> dict:
     return doc
 
 
-def _number(value) -> bool:
+def positive_number(value) -> bool:
+    """Whether a run file's figure is a positive finite number (not a bool, a string or NaN)."""
     return not isinstance(value, bool) and isinstance(value, (int, float)) and 0 < value < float("inf")
 
 
@@ -49,7 +50,7 @@ def _comparable(rows: list) -> dict[str, dict]:
     """The rows with a name, status ok and a positive fraction and time (a hand-edited file's others are left out)."""
     return {row["name"]: row for row in rows
             if isinstance(row, dict) and isinstance(row.get("name"), str) and row.get("status") == "ok"
-            and _number(row.get("fraction")) and _number(row.get("time_us"))}
+            and positive_number(row.get("fraction")) and positive_number(row.get("time_us"))}
 
 
 def _setup(doc: dict) -> tuple:

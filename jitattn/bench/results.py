@@ -14,6 +14,8 @@ import json
 import sys
 from pathlib import Path
 
+from .compare import positive_number
+
 RESULTS_DIR = Path(__file__).resolve().parents[2] / "docs" / "benchmarks"
 SCHEMA_PREFIX = "jitattn-bench/"
 SUITES = ("decode", "prefill", "cascade", "variants", "mla", "jit", "ops")
@@ -47,13 +49,9 @@ def newest_rows(runs_dir: Path) -> dict[str, tuple[dict, dict, str]]:
     return newest
 
 
-def _positive(value) -> bool:
-    return not isinstance(value, bool) and isinstance(value, (int, float)) and 0 < value < float("inf")
-
-
 def _row_problem(row: dict) -> str | None:
     """What in a row would not print as a figure (None when it all does): a hand-edited or foreign file."""
-    if not _positive(row["time_us"]):
+    if not positive_number(row["time_us"]):
         return f"time_us={row['time_us']!r} is not a positive number"
     for key in ("rate", "fraction"):
         if row.get(key) is not None and (isinstance(row[key], bool) or not isinstance(row[key], (int, float))):
@@ -63,7 +61,8 @@ def _row_problem(row: dict) -> str | None:
         if not isinstance(entries, dict):
             return f"{field}={entries!r} is not a mapping of names to timings"
         for name, entry in entries.items():
-            if not isinstance(entry, dict) or (entry.get("time_us") is not None and not _positive(entry["time_us"])):
+            timed = isinstance(entry, dict) and entry.get("time_us") is not None
+            if not isinstance(entry, dict) or (timed and not positive_number(entry["time_us"])):
                 return f"the {field} entry {name}={entry!r} has no positive time_us"
     return None
 
