@@ -41,7 +41,7 @@ import numbers
 import numpy as np
 import torch
 
-from ..runtime.checks import check_tensor, no_backward, not_planned, stream_capturing, written_over
+from ..runtime.checks import check_tensor, no_backward, not_planned, refuse_written_over, stream_capturing
 from ..runtime.options import (
     f32_scale, fp8_scale, parse_dtype, positive_int, refuse_unsupported, resolve_batch_invariant, resolve_flag,
 )
@@ -246,10 +246,8 @@ class BatchMLAPagedAttentionWrapper(NotCopyable):
         if profiler_buffer is not None or kv_len is not None or page_table is not None:
             refuse_unsupported(f"{_NAME}.run", "the batch is described by plan()", profiler_buffer=profiler_buffer,
                                kv_len=kv_len, page_table=page_table)
-        for name, written in (("out", out), ("lse", lse)):  # addresses: checked on every call
-            if isinstance(written, torch.Tensor):
-                _check_not_read(name, written, (("q_nope", q_nope), ("q_pe", q_pe), ("ckv_cache", ckv_cache),
-                                                ("kpe_cache", kpe_cache), ("out", out if name == "lse" else None)))
+        refuse_written_over(f"{_NAME}.run()", (("out", out), ("lse", lse)),  # addresses: checked on every call
+                            (("q_nope", q_nope), ("q_pe", q_pe), ("ckv_cache", ckv_cache), ("kpe_cache", kpe_cache)))
         signature = None
         if self._kernel is not None:
             # Tensors like those of this plan's last launch (shapes, strides, dtypes, devices) pass every check
@@ -399,15 +397,6 @@ class BatchMLAPagedAttentionWrapper(NotCopyable):
         self._kernel.relaunch(q_nope, q_pe, ckv_cache, kpe_cache, out, lse, fp8_scale(k_scale, "k_scale"),
                               fp8_scale(v_scale, "v_scale"), same_strides=True)
         return (out, lse) if return_lse else out
-
-
-def _check_not_read(name: str, written: torch.Tensor, reads) -> None:
-    """Refuse an out / lse that shares memory with what the launch reads (or with the other output)."""
-    read = written_over(written, reads)
-    if read is not None:
-        raise ValueError(f"{_NAME}.run(): {name} shares memory with {read}, which the kernel "
-                         f"{'writes' if read == 'out' else 'reads'} while it writes {name}; pass a separate {name} "
-                         "buffer (torch.empty_like)")
 
 
 def _signature(*args) -> tuple | None:

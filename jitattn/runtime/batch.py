@@ -18,8 +18,8 @@ from ..log import get_logger
 from ..page_table import PagedIndex, check_page_pool
 from ..kv_split import KVSplit, split_workspace_bytes
 from ..spec import KVLayout, Op, VariantSpec
-from .checks import (FP8_DTYPES, check_no_overlap, check_planned_dtype, check_tensor, not_planned, stream_capturing,
-                     target_of, written_over)
+from .checks import (FP8_DTYPES, check_no_overlap, check_planned_dtype, check_tensor, not_planned,
+                     refuse_written_over, stream_capturing, target_of)
 from .kv import check_kv_pair, split_paged_kv_cache
 from .launch import PreparedAttention
 from .options import AttentionOptions
@@ -380,7 +380,6 @@ def run_plan(
         )
     k_ptr, v_ptr = _kv_pointers(plan, kv, device_index)
     given = (out is not None, lse is not None)  # the caller's buffers (checked against q and the KV) or ours
-    both_given = given[0] and given[1]
     if out is None:
         out = torch.empty((plan.total_qo, plan.num_qo_heads, plan.head_dim_vo), dtype=plan.o_dtype, device=q.device)
     if lse is None and return_lse:
@@ -394,9 +393,6 @@ def run_plan(
             plan.checked_outputs = outputs
     if (given[0] or given[1]) and not fixed_outputs:  # addresses: checked on every call (not our own buffers')
         _check_reads_kept(wrapper, q, kv, out if given[0] else None, lse if given[1] else None)
-    if both_given and written_over(out, (("lse", lse),)):
-        raise ValueError(f"{wrapper}.run(): out and lse share memory, so one would overwrite the other; pass "
-                         "separate buffers")
     if plan.split.kv_chunk_size and workspace is not plan.checked_workspace:
         target_of(wrapper, (workspace, q))
         check_workspace(workspace, split_workspace_bytes(plan.split.num_chunks, plan.num_qo_heads, plan.head_dim_vo),
@@ -461,14 +457,10 @@ def _check_outputs(plan: AttentionPlan, wrapper: str, q: torch.Tensor, kv, out: 
 
 
 def _check_reads_kept(wrapper: str, q: torch.Tensor, kv, out: torch.Tensor | None, lse: torch.Tensor | None) -> None:
-    """The caller's out / lse against the inputs the kernel reads while it writes them (``written_over``: strided
-    views too, such as an out cut from the cache's own buffer)."""
+    """The caller's out / lse against the inputs the kernel reads while it writes them, and against each other
+    (``written_over``: strided views too, such as an out cut from the cache's own buffer)."""
     inputs = (("q", q), *((("the kv cache", kv),) if isinstance(kv, torch.Tensor) else (("k", kv[0]), ("v", kv[1]))))
-    for name, written in (("out", out), ("lse", lse)):
-        input_name = written_over(written, inputs) if written is not None else None
-        if input_name is not None:
-            raise ValueError(f"{wrapper}.run(): {name} shares memory with {input_name}, which the kernel reads "
-                             f"while it writes {name}; pass a separate {name} buffer (torch.empty_like)")
+    refuse_written_over(f"{wrapper}.run()", (("out", out), ("lse", lse)), inputs)
 
 
 def kv_alignment(plan: AttentionPlan) -> tuple[int, int]:

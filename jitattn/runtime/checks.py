@@ -182,6 +182,21 @@ def written_over(written: torch.Tensor, reads) -> str | None:
     return None
 
 
+def refuse_written_over(where: str, outputs, reads) -> None:
+    """Refuse the first of ``outputs`` ((name, tensor or None) pairs a launch writes) that shares memory with one of
+    ``reads`` (``written_over``), which the launch reads while it writes it, or with another output."""
+    written = [(name, t) for name, t in outputs if isinstance(t, torch.Tensor)]
+    for i, (name, tensor) in enumerate(written):
+        read = written_over(tensor, reads)
+        if read is not None:
+            raise ValueError(f"{where}: {name} shares memory with {read}, which the kernel reads while it writes "
+                             f"{name}; pass a separate {name} buffer (torch.empty_like)")
+        other = written_over(tensor, written[i + 1:])
+        if other is not None:
+            raise ValueError(f"{where}: {name} and {other} share memory, so one would overwrite the other; pass "
+                             "separate buffers")
+
+
 def _reachable(offset: int, dims: list[tuple[int, int, int]]) -> bool:
     """Whether ``offset`` is ``sum(j * stride)`` with ``lo <= j <= hi`` for each (lo, hi, stride) of ``dims`` (largest
     stride first, each above the reach of the smaller ones: then only the two multiples around it can work)."""
