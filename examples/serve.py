@@ -162,6 +162,8 @@ def unwritable(flag: str, path: str) -> str | None:
     target = Path(path)
     if target.is_dir():
         return f"{flag} {path}: is a directory; give a file name"
+    if target.exists() and not target.is_file():  # a FIFO would block the trial open below
+        return f"{flag} {path}: is not a regular file; give a file name"
     if not target.resolve().parent.is_dir():
         return f"{flag} {path}: {target.resolve().parent} is not a directory"
     existed = target.exists()
@@ -205,8 +207,8 @@ def main(argv: list[str] | None = None) -> dict:
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     if device == "cuda" and not torch.cuda.is_available():
         sys.exit("--device cuda: no CUDA device is visible here (use --device cpu or auto)")
-    if args.json and unwritable("--json", args.json):
-        sys.exit(unwritable("--json", args.json))
+    if args.json and (problem := unwritable("--json", args.json)):
+        sys.exit(problem)
     group, device = setup_parallel(args, device)
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.startswith("cuda") else torch.float32)
     if Path(args.model).is_dir():

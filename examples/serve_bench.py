@@ -312,8 +312,8 @@ def main(argv: list[str] | None = None) -> None:
     args, rest = parser.parse_known_args(argv)
     if args.repeat < 1:
         parser.error(f"--repeat {args.repeat}: give at least 1 run per row")
-    if serve.unwritable("--out", args.out):  # before the runs, not after them
-        parser.error(serve.unwritable("--out", args.out))
+    if problem := serve.unwritable("--out", args.out):  # before the runs, not after them
+        parser.error(problem)
     if "--json" in rest or any(flag.startswith("--json=") for flag in rest):
         parser.error("--json is serve.py's file of one run, rewritten by each of the bench's runs; the bench's "
                      "table goes to --out")

@@ -213,11 +213,12 @@ def check_json_path(path: str | None) -> str | None:
         return f"--json {path}: {parent} is a file, not a directory"
     if not os.access(parent, os.W_OK):
         return f"--json {path}: {parent} is not writable"
-    if os.path.exists(os.path.dirname(os.path.abspath(path))):  # try it: root passes os.access where /proc refuses
+    directory = os.path.dirname(os.path.abspath(path))
+    if os.path.exists(directory):  # try it: root passes os.access where /proc refuses
         try:
-            fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=".bench-", suffix=".json")
+            fd, tmp = tempfile.mkstemp(dir=directory, prefix=".bench-", suffix=".json")
         except OSError as exc:
-            return f"--json {path}: cannot write in {os.path.dirname(os.path.abspath(path))} ({exc.strerror})"
+            return f"--json {path}: cannot write in {directory} ({exc.strerror})"
         os.close(fd)
         os.unlink(tmp)
     return None
