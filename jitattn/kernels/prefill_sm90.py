@@ -345,7 +345,7 @@ def sm90_layout(spec: VariantSpec) -> dict[str, int]:
         "kWgSkip": int(bool(tuning["wg_skip"]) and spec.mask_mode is not MaskMode.CUSTOM and sm90_pack(spec, bm) == 1
                        and (spec.mask_mode is MaskMode.CAUSAL or spec.use_sliding_window)),
         "kGatherSync": tuning["gather_sync"], "kGatherL2": tuning["gather_l2"],
-        "kSoftCapTanh": tuning["soft_cap_tanh"],
+        "kSoftCapTanh": tuning["soft_cap_tanh"] if spec.use_logits_soft_cap else 0,  # other specs' sources unchanged
         "kPagedTma": (max(1, tuning["paged_tma"]) if fp8 else tuning["paged_tma"]) if paged else 0,  # fp8: no gathers
     }
 
