@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from .env import OFF_WORDS, ON_WORDS
@@ -81,30 +82,14 @@ def _parse_uri(uri: str) -> VariantSpec:
         values["kv_storage"] = tokens.pop(0)
     values["target"] = Target.parse(tokens.pop(0) if tokens else "", "target")
     base = DType.parse(tokens.pop(0), "dtype") if tokens else None
+    given: dict[str, str] = {}  # field -> the token that set it
     for token in tokens:
-        if token.startswith("kv") and token not in ("kv",):
-            values["kv_dtype"] = DType.parse(token[2:], "kv_dtype")
-        elif token.startswith("o") and token[1:] in {d.value for d in DType}:
-            values["o_dtype"] = DType.parse(token[1:], "o_dtype")
-        elif token.startswith("hd"):
-            qk, _, vo = token[2:].partition("x")
-            values["head_dim_qk"], values["head_dim_vo"] = int(qk), int(vo or qk)
-        elif token.startswith("g") and token[1:].isdigit():
-            values["group_size"] = int(token[1:])
-        elif token in ("rope", "alibi"):
-            values["pos_encoding"] = token
-        elif token == "swa":
-            values["use_sliding_window"] = True
-        elif token == "softcap":
-            values["use_logits_soft_cap"] = True
-        elif token in ("causal", "custom"):
-            values["mask_mode"] = token
-        elif token in ("nhd", "hnd"):
-            values["kv_layout"] = token
-        elif token == "sink":
-            values["use_sinks"] = True
-        else:
-            raise ValueError(f"uri {uri!r}: unknown token {token!r} (see the grammar in jitattn.spec)")
+        for field, value in _uri_token(uri, token).items():
+            if field in given:  # "_g4_g8" must not quietly mean g8
+                raise ValueError(f"uri {uri!r}: {token!r} sets {field} again (after {given[field]!r}); give each "
+                                 "axis once")
+            given[field] = token
+            values[field] = value
     axes = spec_axes(values["op"], values["target"])
     if base is not None:
         for name in ("q_dtype", "kv_dtype", "o_dtype"):
@@ -114,3 +99,29 @@ def _parse_uri(uri: str) -> VariantSpec:
         if name in axes:
             values.setdefault(name, default)
     return VariantSpec(**values)
+
+
+_NUMBER = r"(?:0|[1-9][0-9]*)"  # ASCII digits, no leading zero: the form the uri prints (hd0128 is not hd128's uri)
+
+
+def _uri_token(uri: str, token: str) -> dict[str, Any]:
+    """The spec fields one uri token after the dtype sets."""
+    if token.startswith("kv") and token != "kv":
+        return {"kv_dtype": DType.parse(token[2:], "kv_dtype")}
+    if token.startswith("o") and token[1:] in {d.value for d in DType}:
+        return {"o_dtype": DType.parse(token[1:], "o_dtype")}
+    if token.startswith("hd"):
+        dims = re.fullmatch(rf"hd({_NUMBER})(?:x({_NUMBER}))?", token)
+        if dims is None:
+            raise ValueError(f"uri {uri!r}: {token!r} is not a head dim token; write hd<qk> or hd<qk>x<vo> in "
+                             "decimal digits (hd128, hd192x128)")
+        return {"head_dim_qk": int(dims[1]), "head_dim_vo": int(dims[2] or dims[1])}
+    if re.fullmatch(rf"g{_NUMBER}", token):
+        return {"group_size": int(token[1:])}
+    flags = {"rope": ("pos_encoding", "rope"), "alibi": ("pos_encoding", "alibi"), "swa": ("use_sliding_window", True),
+             "softcap": ("use_logits_soft_cap", True), "causal": ("mask_mode", "causal"),
+             "custom": ("mask_mode", "custom"), "nhd": ("kv_layout", "nhd"), "hnd": ("kv_layout", "hnd"),
+             "sink": ("use_sinks", True)}
+    if token in flags:
+        return dict([flags[token]])
+    raise ValueError(f"uri {uri!r}: unknown token {token!r} (see the grammar in jitattn.spec)")

@@ -134,6 +134,11 @@ def test_dry_run_lists_specs_and_cache_status_without_building(warmed, monkeypat
 @pytest.mark.parametrize("argv,message", [
     (["warm", "--preset", "llama-9b"], "unknown preset 'llama-9b'"),
     (["warm", "--spec", "decode_cpu_bf16_bogus"], "unknown token 'bogus'"),
+    (["warm", "--spec", "decode_paged_cpu_f32_hd64_g4_g8_nhd"], "'g8' sets group_size again (after 'g4')"),
+    (["warm", "--spec", "decode_paged_cpu_f32_hd64_g4_rope_alibi_nhd"], "'alibi' sets pos_encoding again"),
+    (["warm", "--spec", "decode_paged_cpu_f32_hd0064_g4_nhd"], "'hd0064' is not a head dim token"),
+    (["warm", "--spec", "decode_paged_cpu_f32_hd_g4_nhd"], "'hd' is not a head dim token"),
+    (["warm", "--spec", "decode_paged_cpu_f32_hd64_g\u0664_nhd"], "unknown token 'g\u0664'"),
     (["warm", "--spec", "op=merge,target=cpu"], "o_dtype is required"),
     (["warm", "--spec", "op=merge,target=cpu,o_dtype=int4"], "o_dtype='int4' is not supported"),
     (["warm", "--spec", "op=merge,target=cpu,o_dtype=f32,use_sinks=ture"], "use_sinks='ture' is neither on nor off"),
