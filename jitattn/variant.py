@@ -192,14 +192,16 @@ class AttentionVariant:
                     f"variant {self.name!r}: {hook} must be a non-empty C++ expression or None (leave it out to "
                     "keep the default)"
                 )
-            if ";" in text or "#" in text:
+            if ";" in text or "#" in text or "%:" in text:  # %: is the digraph of #
                 raise ValueError(
                     f"variant {self.name!r}: {hook} must be one C++ expression (no ';' and no preprocessor "
                     f"lines); got {text!r}. Use the ternary operator for choices"
                 )
-            comments = [line.split("//", 1)[1] for line in text.splitlines() if "//" in line]
-            # a one-line snippet's rest, or (a comment ending in a backslash) the next line, dropped
-            if comments and ("\n" not in text.strip() or any(c.rstrip().endswith("\\") for c in comments)):
+            if any(line.rstrip(" \t").endswith("\\") for line in text.splitlines()):
+                raise ValueError(f"variant {self.name!r}: {hook} has a line ending in a backslash, which joins the "
+                                 f"next line (after the last, the generated code's) to it; got {text!r}. Remove it")
+            # a one-line snippet's rest dropped (a multi-line snippet's comment ends at its line's end)
+            if "//" in text and "\n" not in text.strip():
                 raise ValueError(f"variant {self.name!r}: {hook} has '//', which starts a C++ comment that drops the "
                                  f"rest of the line; got {text!r}. Snippets are C++: floor division of floats is "
                                  "floorf(a / b); a comment is /* ... */ (or // at the end of a line of a multi-line "

@@ -451,8 +451,16 @@ def test_a_double_slash_on_a_one_line_snippet_is_refused_it_would_comment_out_th
         AttentionVariant("halve", logits_transform="logits // 2.0f")
     assert AttentionVariant("halve", logits_transform="logits /* halved */ / 2.0f").logits_transform
     assert AttentionVariant("near", logits_mask="kv_idx <= q_idx + 1  // near keys\n|| kv_idx == 0").logits_mask
-    with pytest.raises(ValueError, match="starts a C\\+\\+ comment"):  # a comment whose backslash splices the next line
+    with pytest.raises(ValueError, match="ending in a backslash"):  # a comment whose backslash splices the next line
         AttentionVariant("spliced", logits_transform="logits\n // note \\\n * 2.0f")
+
+
+@pytest.mark.parametrize("snippet", ["logits * 2.0f \\", "logits \\ \n * 2.0f", "logits %:define X"])
+def test_line_splices_and_digraph_directives_are_refused(snippet):
+    """A snippet's last backslash joined the generated #line after it (the compiler's report then pointed
+    elsewhere); %: is the digraph of #, a preprocessor line the '#' check missed."""
+    with pytest.raises(ValueError, match="backslash|no preprocessor"):
+        AttentionVariant("spliced", logits_transform=snippet)
 
 
 @pytest.mark.parametrize("params", [("a",), VariantParam("a", "f32"), "a", [3], 3, {VariantParam("a", "f32")}],
