@@ -39,6 +39,9 @@ def _key_values(text: str) -> dict[str, Any]:
     for pair in text.split(","):
         key, _, raw = pair.partition("=")
         key, raw = key.strip(), raw.strip()
+        if not key:
+            raise ValueError(f"{text!r} has an empty key=value pair (two commas in a row, a trailing comma or '=' "
+                             "without a key); give key=value pairs separated by single commas")
         if key in values:
             raise ValueError(f"{key} is given twice; give each key once")
         if key in ("head_dim_qk", "head_dim_vo", "group_size"):

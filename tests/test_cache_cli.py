@@ -143,6 +143,7 @@ def test_dry_run_lists_specs_and_cache_status_without_building(warmed, monkeypat
     (["warm", "--spec", "op=merge,target=cpu,o_dtype=int4"], "o_dtype='int4' is not supported"),
     (["warm", "--spec", "op=merge,target=cpu,o_dtype=f32,use_sinks=ture"], "use_sinks='ture' is neither on nor off"),
     (["warm", "--spec", "op=merge,target=cpu,o_dtype=f32,o_dtype=f16"], "o_dtype is given twice"),
+    (["warm", "--spec", "op=merge,target=cpu,o_dtype=f32,,"], "has an empty key=value pair"),
     (["warm", "--spec", '{"op": "merge"}'], "a spec needs target (e.g. op=decode, target=cuda)"),
     (["warm", "--spec", "op=decode,target=cpu,q_dtype=f32,head_dim_qk=abc"], "head_dim_qk='abc' is not an integer"),
     (["warm", "--config", "/nonexistent/config.json"], "does not exist"),
