@@ -56,3 +56,8 @@ def test_host_peer_says_it_needs_cuda() -> None:
     proc = subprocess.run([sys.executable, "-m", "jitattn.bench.host_peer", "--help"], env=child_env(),
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "usage: python -m jitattn.bench.host_peer" in proc.stdout
+
+
+def test_profile_plan_names_an_unknown_kind() -> None:
+    proc = _tool("profile_plan.py", env={"KIND": "foo", "DEV": "cpu"}, timeout=120)
+    assert proc.returncode == 1 and "KIND='foo': give KIND=decode" in proc.stderr, proc.stderr
