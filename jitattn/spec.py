@@ -216,6 +216,8 @@ class VariantSpec:
             object.__setattr__(self, "variant", AttentionVariant.from_dict(self.variant))
         if self.variant is not None and not isinstance(self.variant, AttentionVariant):
             raise ValueError(f"variant={self.variant!r} must be a jitattn.AttentionVariant, a dict of one, or None")
+        if self.idtype is None:  # the default, as the uri prints it (None was a second cache entry under one uri)
+            object.__setattr__(self, "idtype", IndexDType.I32)
         for name, enum_type in _ENUM_FIELDS.items():
             value = getattr(self, name)
             if value is not None:

@@ -250,6 +250,9 @@ def test_specs_are_hashable_and_equal_by_value():
     assert a != c
     assert {a: 1, b: 2, c: 3} == {a: 2, c: 3}
     assert a.canonical_json() == b.canonical_json()
+    # idtype None is the default i32 its uri prints: one spec, one cache entry (it was a second key)
+    none = VariantSpec("merge", "cpu", o_dtype="bfloat16", idtype=None)
+    assert none == a and none.canonical_json() == a.canonical_json()
 
 
 def test_specs_are_frozen():
