@@ -17,7 +17,7 @@ import torch
 
 from jitattn.bench import configs, inputs, report, suite, units
 from jitattn.bench import rows as bench_rows
-from jitattn.bench.__main__ import main
+from jitattn.bench.__main__ import main, parse_args
 
 # decode bytes = 2 * tokens read * H_kv * D * bytes/elem (K and V) + q bytes + o bytes (B * H_q * D * 2 each, bf16)
 DECODE_BYTES = {
@@ -381,9 +381,10 @@ def test_a_failing_case_is_a_row_error_and_the_suite_goes_on(tmp_path, monkeypat
 def test_case_budget_and_deadline(tmp_path) -> None:
     path = tmp_path / "bench.json"
     assert main(["--target", "cpu", "--only", "decode/llama8b_b1_s32768", "--json", str(path),
-                 "--case-budget", "0", "--ceilings-json", "{}"]) == 0
+                 "--case-budget", "0.0001", "--ceilings-json", "{}"]) == 0
     row = json.loads(path.read_text())["rows"][0]
     assert row["time_us"] is None and "time budget" in row["note"]
+    assert parse_args(["--case-budget", "0"]).case_budget == 45.0  # 0 is the default, as for --deadline
     assert main(["--target", "cpu", "--only", "decode/llama8b_b1_s32768,mla/*", "--json", str(path),
                  "--deadline", "0.001", "--ceilings-json", "{}", "--no-prebuild"]) == 0
     rows = json.loads(path.read_text())["rows"]

@@ -36,7 +36,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--no-prebuild", action="store_true", help="skip the parallel pre-build (builds happen lazily)")
     ap.add_argument("--measure-s", type=float, default=0.0,
                     help="timing budget per measurement in seconds (default 0.5 cuda / 0.3 cpu; --quick 0.3 / 0.1)")
-    ap.add_argument("--case-budget", type=float, default=45.0,
+    ap.add_argument("--case-budget", type=float, default=0.0,
                     help="seconds per case; a case past it skips its remaining stages (default 45)")
     ap.add_argument("--deadline", type=float, default=0.0,
                     help="seconds for the whole run; cases after it are listed as skipped (default 210, --quick 100)")
@@ -54,6 +54,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         value = getattr(opts, name)
         if not 0 <= value < float("inf"):  # (NaN fails too) 0: the default
             ap.error(f"--{name.replace('_', '-')}={value} must be a finite number >= 0 (0: the default)")
+    opts.case_budget = opts.case_budget or 45.0  # 0 is the default, as for the other numbers (not zero seconds)
     opts.only = None if opts.only is None else [s for s in opts.only.split(",") if s.strip()]
     return opts
 
