@@ -336,6 +336,9 @@ BAD_INPUTS = [
     ("q and k overlap in place", lambda c: jitattn.apply_rope_pos_ids_inplace(
         c.qkv.view(c.nnz, -1, 64)[:, :4], c.qkv.view(c.nnz, -1, 64)[:, 2:4], c.pos_ids),
      ValueError, "q and k share head rows .* rotate those rows twice"),
+    ("q and k of two token strides in place", lambda c: jitattn.apply_rope_pos_ids_inplace(  # rows 2 and 4 both
+        c.qkv.view(-1, 1, 64)[1:c.nnz + 1], c.qkv.view(-1, 1, 64)[0:2 * c.nnz:2], c.pos_ids),
+     ValueError, "q and k share head rows"),
     ("interleave a string", lambda c: jitattn.apply_rope(c.q, c.k, c.indptr, c.offsets, interleave="no"), TypeError,
      "interleave='no' must be True or False"),
     ("is_neox a string", lambda c: jitattn.apply_rope_with_cos_sin_cache(

@@ -151,7 +151,9 @@ def _heads_overlap(q: torch.Tensor, k: torch.Tensor) -> bool:
     """Whether views ``q`` and ``k`` (``[nnz, heads, head_dim]`` of one nnz, unit stride in head_dim) share an
     element. Views of one fused qkv buffer (one token stride, each view's heads side by side) take O(1)
     arithmetic: k's token t starts d + t s elements after q's token 0, and overlaps it when that span crosses
-    q's first token's; other layouts compare the head rows of the tokens near q's first."""
+    q's first token's; other layouts compare every head row of the two (sorted by start) up to ``_EXACT_ROWS`` rows,
+    beyond it the rows of k's tokens near q's first (which may miss an overlap further off, never report a false
+    one)."""
     if q.numel() == 0 or k.numel() == 0:
         return False
     nnz, s, d = q.shape[0], q.stride(0), (k.data_ptr() - q.data_ptr()) // q.element_size()
@@ -163,13 +165,41 @@ def _heads_overlap(q: torch.Tensor, k: torch.Tensor) -> bool:
     k_end = (nnz - 1) * k.stride(0) + (k.shape[1] - 1) * k.stride(1) + k.shape[2]
     if d >= q_end or -d >= k_end:  # the views' whole spans are apart
         return False
+    if q.shape[0] * (q.shape[1] + k.shape[1]) <= _EXACT_ROWS:
+        return _rows_meet(_head_rows(q, 0), _head_rows(k, d), q.shape[2])
 
     def rows(t: torch.Tensor, base: int) -> list[tuple[int, int]]:
         return [(base + h * t.stride(1), base + h * t.stride(1) + t.shape[2]) for h in range(t.shape[1])]
-    # (k's tokens near q's token 0 only: other layouts may hide an overlap further off, never report a false one)
     near = range(-d // s - 1, -d // s + 2) if s > 0 and k.stride(0) == s else ()
     shifts = {0} | {t for t in near if -nnz < t < nnz}
     return any(a0 < b1 and b0 < a1 for t in shifts for b0, b1 in rows(k, d + t * s) for a0, a1 in rows(q, 0))
+
+
+_EXACT_ROWS = 1 << 20  # head rows compared exactly (int64 temporaries of ~50 bytes each)
+
+
+def _head_rows(t: torch.Tensor, base: int) -> torch.Tensor:
+    """The element offsets where the head rows of ``t`` start (``base`` plus each token's and head's stride)."""
+    tokens = torch.arange(t.shape[0], dtype=torch.int64).mul_(t.stride(0))
+    heads = torch.arange(t.shape[1], dtype=torch.int64).mul_(t.stride(1))
+    return (tokens[:, None] + heads[None, :]).flatten().add_(base)
+
+
+def _rows_meet(a: torch.Tensor, b: torch.Tensor, width: int) -> bool:
+    """Whether a row of ``width`` elements starting at an offset of ``a`` shares an element with one starting at an
+    offset of ``b``. Sorted together by start, two rows of the two sets meet exactly when one starts before the
+    furthest end among the other set's rows that start before it."""
+    starts = torch.cat([a, b])
+    from_b = torch.cat([torch.zeros_like(a, dtype=torch.bool), torch.ones_like(b, dtype=torch.bool)])
+    order = torch.sort(starts, stable=True).indices
+    starts, from_b = starts[order], from_b[order]
+    ends = starts + width
+    floor = torch.iinfo(torch.int64).min
+    end_a = torch.where(from_b, floor, ends).cummax(0).values  # the furthest end of a's rows so far
+    end_b = torch.where(from_b, ends, floor).cummax(0).values
+    before_a = torch.cat([end_a.new_full((1,), floor), end_a[:-1]])  # of the rows strictly before each one
+    before_b = torch.cat([end_b.new_full((1,), floor), end_b[:-1]])
+    return bool(torch.where(from_b, before_a > starts, before_b > starts).any())
 
 
 def _check_index(name: str, t: torch.Tensor, device: torch.device, length: int | None = None,
