@@ -433,7 +433,9 @@ def _mutations(case):
         ("value dtype", dict(append_value=v.float()), TypeError, "append_key is float16 but append_value is float32"),
         ("key last dim strided", dict(append_key=torch.cat([k, k], 2)[..., ::2]), ValueError,
          "contiguous in its last dimension"),
-        ("index dtype", dict(positions=i64(pos)), TypeError, "positions has dtype int64; index arrays must be int32"),
+        ("index dtype", dict(positions=pos.to(torch.int16)), TypeError,
+         "positions has dtype int16; index arrays must be int32"),
+        ("int64 index past int32", dict(positions=i64(pos) + 2**31), ValueError, "positions holds .* outside int32"),
         ("index rank", dict(kv_indptr=case.kv_indptr[None]), ValueError, "kv_indptr must be 1-D"),
         ("positions length", dict(positions=pos[:-1]), ValueError, "positions has .* entries; expected nnz="),
         ("last_page_len length", dict(kv_last_page_len=case.kv_last_page_len[:-1]), ValueError,
@@ -455,6 +457,31 @@ def _mutations(case):
         ("indices on another device", dict(kv_indices=case.kv_indices.to("meta")), ValueError,
          "kv_indices is on meta but paged_kv_cache is on cpu"),
     ]
+
+
+def test_int64_index_arrays_append_as_int32_ones_do():
+    """FlashInfer's append converts its index arrays with .int(); engines keep positions in int64."""
+    case = Case(page_size=16, salt=33)
+    bi, pos = case.indices()
+    want = _clone_cache(case.cache)
+    page.append_paged_kv_cache(case.key, case.value, bi, pos, want, case.kv_indices, case.kv_indptr,
+                               case.kv_last_page_len)
+    long = lambda t: t.to(torch.int64)  # noqa: E731
+    page.append_paged_kv_cache(case.key, case.value, long(bi), long(pos), case.cache, long(case.kv_indices),
+                               long(case.kv_indptr), long(case.kv_last_page_len))
+    assert torch.equal(_bits_cache(case.cache), _bits_cache(want))
+
+
+def test_an_empty_cache_is_not_taken_for_k_and_v_sharing_memory():
+    """Empty k and v tensors both have data_ptr 0: an append of nothing into them was refused as aliasing."""
+    none = torch.zeros(0, dtype=torch.int32)
+    caches = (torch.empty(0, 4, 2, 8), torch.empty(0, 4, 2, 8))
+    page.append_paged_kv_cache(torch.empty(0, 2, 8), torch.empty(0, 2, 8), none, none, caches, none,
+                               torch.zeros(1, dtype=torch.int32), none)
+    with pytest.raises(IndexError, match="beyond request 0's pages"):  # a token to append: the page table's error
+        one = torch.zeros(1, dtype=torch.int32)
+        page.append_paged_kv_cache(torch.randn(1, 2, 8), torch.randn(1, 2, 8), one, one, caches, none,
+                                   torch.zeros(2, dtype=torch.int32), one + 1)
 
 
 def test_append_rejects_bad_input_before_launch(monkeypatch):

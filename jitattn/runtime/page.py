@@ -172,7 +172,8 @@ def append_paged_kv_cache(
         append_key, append_value: ``[nnz, num_kv_heads, head_dim]``, float32/float16/bfloat16 or the
             cache's own dtype; strided views (e.g. slices of a fused qkv tensor) are read in place, but
             the last dimension must be contiguous.
-        batch_indices, positions: int32 ``[nnz]``: token ``t`` is position ``positions[t]`` of request
+        batch_indices, positions: int32 ``[nnz]`` (int64 index arrays are converted to int32, as FlashInfer
+            does): token ``t`` is position ``positions[t]`` of request
             ``batch_indices[t]`` (see :func:`get_batch_indices_positions`).
         paged_kv_cache: see the module docstring; float32/float16/bfloat16/float8_e4m3fn/float8_e5m2.
         kv_indices, kv_indptr, kv_last_page_len: int32 page table of the cache *after* the append
@@ -191,7 +192,9 @@ def append_paged_kv_cache(
     """
     layout = KVLayout.parse(kv_layout, "kv_layout")
     cache = _CacheView(paged_kv_cache, layout)
-    if append_key is not append_value and (cache.k.data_ptr() == cache.v.data_ptr() or views_overlap(cache.k, cache.v)):
+    empty = cache.k.numel() == 0 or cache.v.numel() == 0  # (an empty tensor's data_ptr is 0: no memory to share)
+    if append_key is not append_value and not empty and (cache.k.data_ptr() == cache.v.data_ptr()
+                                                         or views_overlap(cache.k, cache.v)):
         raise ValueError("paged_kv_cache's k and v share memory, so the appended values would overwrite keys: pass "
                          "two caches that do not overlap (or one [pages, 2, ...] tensor)")
     nnz = _check_appended(append_key, append_value, cache)
@@ -202,13 +205,14 @@ def append_paged_kv_cache(
             "float32 paged caches are supported on the cpu target only; on a CUDA device use a float16, "
             "bfloat16 or fp8 cache"
         )
-    index_arrays = {
+    index_arrays = _as_int32({
         "batch_indices": batch_indices, "positions": positions, "kv_indices": kv_indices,
         "kv_indptr": kv_indptr, "kv_last_page_len": kv_last_page_len,
-    }
+    })
     batch_size = _check_append_indices(index_arrays, nnz, device)
-    _validate_host_indices(batch_indices, positions, kv_indices, kv_indptr, kv_last_page_len,
-                           cache.num_pages, cache.page_size)
+    ix = index_arrays
+    _validate_host_indices(ix["batch_indices"], ix["positions"], ix["kv_indices"], ix["kv_indptr"],
+                           ix["kv_last_page_len"], cache.num_pages, cache.page_size)
     if nnz == 0 or cache.num_heads == 0 or cache.head_dim == 0:
         return
     src_code = APPEND_SOURCE_CODES["same"] if append_key.dtype == cache.dtype else _SRC_CODES[append_key.dtype]
@@ -253,6 +257,20 @@ def _check_appended(append_key: torch.Tensor, append_value: torch.Tensor, cache:
             raise ValueError(f"{name} has shape {tuple(t.shape)}; expected [nnz, num_kv_heads, head_dim] = {expected} "
                              f"to match paged_kv_cache{hint}")
     return nnz
+
+
+def _as_int32(index_arrays: dict[str, object]) -> dict[str, object]:
+    """The index arrays with int64 ones as int32, as FlashInfer's append converts them (engines keep positions in
+    int64); a host array whose values int32 cannot hold is refused (a device one is not read: that would sync)."""
+    converted = dict(index_arrays)
+    for name, t in index_arrays.items():
+        if isinstance(t, torch.Tensor) and t.dtype == torch.int64:
+            low, high = (int(t.min()), int(t.max())) if t.device.type == "cpu" and t.numel() else (0, 0)
+            if not -2**31 <= low <= high < 2**31:
+                raise ValueError(f"{name} holds {high if high >= 2**31 else low}, outside int32, the append's index "
+                                 "type; no cache has that many pages or tokens")
+            converted[name] = t.to(torch.int32)
+    return converted
 
 
 def _check_append_indices(index_arrays: dict[str, torch.Tensor], nnz: int, device, rows: str = "append_key",
@@ -431,15 +449,16 @@ def append_paged_mla_kv_cache(
         if target is Target.CUDA and cache.dtype == torch.float32:
             raise TypeError(f"{name} is float32, which the cpu target alone supports; on a CUDA device use a "
                             "float16, bfloat16 or fp8 cache")
-    index_arrays = {"batch_indices": batch_indices, "positions": positions, "kv_indices": kv_indices,
-                    "kv_indptr": kv_indptr, "kv_last_page_len": kv_last_page_len}
+    index_arrays = _as_int32({"batch_indices": batch_indices, "positions": positions, "kv_indices": kv_indices,
+                              "kv_indptr": kv_indptr, "kv_last_page_len": kv_last_page_len})
     _check_append_indices(index_arrays, nnz, device, rows="append_ckv", cache="ckv_cache")
     # Everything that differs between the halves is checked above; they share the index arrays, the page size
     # and the page count, so the first write's own checks of the index values refuse both halves or neither.
     for appended, cache in ((append_ckv, ckv_cache), (append_kpe, kpe_cache)):
         rows, views = appended.unsqueeze(1), cache.unsqueeze(2)  # one latent head
-        append_paged_kv_cache(rows, rows, batch_indices, positions, (views, views), kv_indices, kv_indptr,
-                              kv_last_page_len, kv_layout="NHD")
+        ix = index_arrays
+        append_paged_kv_cache(rows, rows, ix["batch_indices"], ix["positions"], (views, views), ix["kv_indices"],
+                              ix["kv_indptr"], ix["kv_last_page_len"], kv_layout="NHD")
 
 
 def _check_mla_half(append_name: str, appended, cache_name: str, cache) -> None:
