@@ -193,7 +193,7 @@ BAD_PAIRS = [
     ("s_b-float64", dict(s_b=lambda t: t["s_b"].double()), TypeError, "s_b has dtype float64"),
     ("v_a-int32", dict(v_a=lambda t: t["v_a"].int(), v_b=lambda t: t["v_b"].int()), TypeError,
      "v_a has dtype int32"),
-    ("v_b-dtype-differs", dict(v_b=lambda t: t["v_b"].half()), TypeError, "v_b has dtype float16"),
+    ("v_b-dtype-differs", dict(v_b=lambda t: t["v_b"].half()), TypeError, "v_b is float16 but v_a is float32"),
     ("v_b-shape", dict(v_b=lambda t: t["v_b"][:, :, :16]), ValueError, "v_b has shape"),
     ("s_a-shape", dict(s_a=lambda t: t["s_a"][:3]), ValueError, "s_a has shape"),
     ("s_b-shape", dict(s_b=lambda t: t["s_b"][:, :1]), ValueError, "s_b has shape"),

@@ -30,7 +30,10 @@ def _module(value_dtype: torch.dtype, target, use_sinks: bool = False):
 def _check_pair(v_a, s_a, v_b, s_b, names: tuple[str, str, str, str] = ("v_a", "s_a", "v_b", "s_b")) -> None:
     check_tensor(names[0], v_a, ndim=3, dtypes=_VALUE_DTYPES)
     check_tensor(names[1], s_a, ndim=2, dtypes=(torch.float32,), last_dim_contiguous=False)
-    check_tensor(names[2], v_b, dtypes=(v_a.dtype,))
+    check_tensor(names[2], v_b, dtypes=_VALUE_DTYPES)
+    if v_b.dtype != v_a.dtype:
+        raise TypeError(f"{names[2]} is {str(v_b.dtype).removeprefix('torch.')} but {names[0]} is "
+                        f"{str(v_a.dtype).removeprefix('torch.')}; the two states' values must have one dtype")
     check_tensor(names[3], s_b, dtypes=(torch.float32,), last_dim_contiguous=False)
     check_shape(names[2], v_b, tuple(v_a.shape))
     check_shape(names[1], s_a, tuple(v_a.shape[:2]))
