@@ -105,13 +105,18 @@ def _parse_uri(uri: str) -> VariantSpec:
 
 
 _NUMBER = r"(?:0|[1-9][0-9]*)"  # ASCII digits, no leading zero: the form the uri prints (hd0128 is not hd128's uri)
+_FLAG_TOKENS = {"rope": ("pos_encoding", "rope"), "alibi": ("pos_encoding", "alibi"),
+                "swa": ("use_sliding_window", True), "softcap": ("use_logits_soft_cap", True),
+                "causal": ("mask_mode", "causal"), "custom": ("mask_mode", "custom"), "nhd": ("kv_layout", "nhd"),
+                "hnd": ("kv_layout", "hnd"), "sink": ("use_sinks", True)}  # token -> (field, value)
+_DTYPE_NAMES = frozenset(d.value for d in DType)
 
 
 def _uri_token(uri: str, token: str) -> dict[str, Any]:
     """The spec fields one uri token after the dtype sets."""
     if token.startswith("kv") and token != "kv":
         return {"kv_dtype": DType.parse(token[2:], "kv_dtype")}
-    if token.startswith("o") and token[1:] in {d.value for d in DType}:
+    if token.startswith("o") and token[1:] in _DTYPE_NAMES:
         return {"o_dtype": DType.parse(token[1:], "o_dtype")}
     if token.startswith("hd"):
         dims = re.fullmatch(rf"hd({_NUMBER})(?:x({_NUMBER}))?", token)
@@ -121,10 +126,6 @@ def _uri_token(uri: str, token: str) -> dict[str, Any]:
         return {"head_dim_qk": int(dims[1]), "head_dim_vo": int(dims[2] or dims[1])}
     if re.fullmatch(rf"g{_NUMBER}", token):
         return {"group_size": int(token[1:])}
-    flags = {"rope": ("pos_encoding", "rope"), "alibi": ("pos_encoding", "alibi"), "swa": ("use_sliding_window", True),
-             "softcap": ("use_logits_soft_cap", True), "causal": ("mask_mode", "causal"),
-             "custom": ("mask_mode", "custom"), "nhd": ("kv_layout", "nhd"), "hnd": ("kv_layout", "hnd"),
-             "sink": ("use_sinks", True)}
-    if token in flags:
-        return dict([flags[token]])
+    if token in _FLAG_TOKENS:
+        return dict([_FLAG_TOKENS[token]])
     raise ValueError(f"uri {uri!r}: unknown token {token!r} (see the grammar in jitattn.spec)")

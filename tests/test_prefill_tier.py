@@ -256,10 +256,10 @@ def test_sm90_render_compiles_in_exactly_the_spec_axes(case_id, tier_env):
 def test_sm90_soft_cap_tanh_knob(monkeypatch):
     spec = SUPPORTED["d128_bf16_causal_soft_cap"]
     assert prefill_sm90.sm90_layout(spec)["kSoftCapTanh"] == 1  # the default: tanh.approx
-    monkeypatch.setitem(prefill_sm90.SM90_TUNING, "soft_cap_tanh", 0)
-    assert prefill_sm90.sm90_layout(spec)["kSoftCapTanh"] == 0
     # a spec without a soft cap renders the same source (the same cache entry) whatever the knob says
     assert prefill_sm90.sm90_layout(spec.replace(use_logits_soft_cap=False))["kSoftCapTanh"] == 0
+    monkeypatch.setitem(prefill_sm90.SM90_TUNING, "soft_cap_tanh", 0)
+    assert prefill_sm90.sm90_layout(spec)["kSoftCapTanh"] == 0
     monkeypatch.setitem(prefill_sm90.SM90_TUNING, "soft_cap_tanh", 2)
     with pytest.raises(ValueError, match="soft_cap_tanh"):
         prefill_sm90.sm90_layout(spec)

@@ -474,3 +474,39 @@ def test_cuda_mixed_devices_are_refused():
     with pytest.raises(ValueError, match="cos_sin_cache is on cpu"):
         jitattn.apply_rope_with_cos_sin_cache(case.pos_ids, case.q.flatten(1), case.k.flatten(1), 64,
                                               case.table.cpu())
+
+
+def _share_an_element(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Brute force: the element offsets (from q's start) of q's and k's head rows intersect."""
+    def elements(t: torch.Tensor) -> set[int]:
+        base = (t.data_ptr() - q.data_ptr()) // t.element_size()
+        return {base + i * t.stride(0) + h * t.stride(1) + e
+                for i in range(t.shape[0]) for h in range(t.shape[1]) for e in range(t.shape[2])}
+    return bool(elements(q) & elements(k))
+
+
+def test_in_place_rope_refuses_exactly_the_layouts_whose_rows_meet() -> None:
+    """q and k as random strided views of one buffer (one or two token strides, heads side by side or apart, NeoX's
+    interleaved [nnz, heads, 3, d]): rotated in place only when no element is in both, refused when one is."""
+    gen = random.Random(5)
+    buf = torch.randn(4096)
+    seen = {True: 0, False: 0}
+    for _ in range(300):
+        nnz, d = gen.randint(1, 5), gen.choice([2, 4, 8])
+        views = []
+        for heads in (gen.randint(1, 3), gen.randint(1, 3)):
+            head_stride = gen.choice([d, 2 * d, 3 * d])
+            token_stride = max(gen.randint(d, 4 * d * 3), (heads - 1) * head_stride + d)
+            views.append(buf.as_strided((nnz, heads, d), (token_stride, head_stride, 1), gen.randint(0, 40)))
+        q, k = views
+        meet = _share_an_element(q, k)
+        seen[meet] += 1
+        pos = torch.arange(nnz, dtype=torch.int32)
+        if meet:
+            with pytest.raises(ValueError, match="q and k share head rows"):
+                jitattn.apply_rope_pos_ids_inplace(q, k, pos)
+        else:
+            jitattn.apply_rope_pos_ids_inplace(q, k, pos)
+    assert min(seen.values()) > 50, seen  # both kinds of layout were tried
+    qkv = buf[:6 * 3 * 2 * 8].view(6, 2, 3, 8)  # NeoX: each head's q, k, v side by side
+    jitattn.apply_rope_pos_ids_inplace(qkv[:, :, 0], qkv[:, :, 1], torch.arange(6, dtype=torch.int32))

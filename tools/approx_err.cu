@@ -21,6 +21,11 @@ int main() {
   float *dx, *da, *db; cudaMalloc(&dx, n * 4); cudaMalloc(&da, n * 4); cudaMalloc(&db, n * 4);
   cudaMemcpy(dx, x.data(), n * 4, cudaMemcpyHostToDevice);
   k<<<n / 256, 256>>>(dx, da, db, n);
+  cudaError_t e = cudaDeviceSynchronize();
+  if (e != cudaSuccess) {  // e.g. not an sm_90a GPU
+    printf("CUDA error: %s\n", cudaGetErrorString(e));
+    return 1;
+  }
   cudaMemcpy(a.data(), da, n * 4, cudaMemcpyDeviceToHost); cudaMemcpy(b.data(), db, n * 4, cudaMemcpyDeviceToHost);
   const double edges[] = {0, 0.25, 0.5, 1, 2, 3, 4, 6, 12.01};
   printf("|x| range      tanh.approx: max abs   max rel   mean signed abs  | ex2+rcp: max abs   max rel   mean signed\n");

@@ -8,7 +8,7 @@ dev = os.environ.get("DEV", "cuda")
 kind = os.environ.get("KIND", "decode")
 if kind not in ("decode", "mla"):
     raise SystemExit(f"KIND={kind!r}: give KIND=decode (the default) or KIND=mla")
-if dev == "cuda" and not torch.cuda.is_available():
+if dev.startswith("cuda") and not torch.cuda.is_available():
     raise SystemExit("no CUDA device here: run it with DEV=cpu (the cpu target) or on a GPU machine")
 b = 256
 ws = torch.empty(128 << 20, dtype=torch.uint8, device=dev)

@@ -69,11 +69,11 @@ class _CacheView:
 
 def _check_index(name: str, tensor: torch.Tensor, cache_device: torch.device, cache: str = "paged_kv_cache") -> None:
     if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor (int32), got {type(tensor).__name__}")
+        raise TypeError(f"{name} must be a torch.Tensor (int32 or int64), got {type(tensor).__name__}")
     if tensor.dim() != 1:
         raise ValueError(f"{name} must be 1-D, got shape {tuple(tensor.shape)}")
     if tensor.dtype != torch.int32:
-        raise TypeError(f"{name} has dtype {_name(tensor.dtype)}; index arrays must be int32 (use .int())")
+        raise TypeError(f"{name} has dtype {_name(tensor.dtype)}; index arrays must be int32 or int64 (use .int())")
     if tensor.device.type != "cpu" and tensor.device != cache_device:
         raise ValueError(
             f"{name} is on {tensor.device} but {cache} is on {cache_device}; index arrays must be on "
@@ -268,7 +268,7 @@ def _as_int32(index_arrays: dict[str, object]) -> dict[str, object]:
             low, high = (int(t.min()), int(t.max())) if t.device.type == "cpu" and t.numel() else (0, 0)
             if not -2**31 <= low <= high < 2**31:
                 raise ValueError(f"{name} holds {high if high >= 2**31 else low}, outside int32, the append's index "
-                                 "type; no cache has that many pages or tokens")
+                                 "type (page ids, positions and lengths all fit it)")
             converted[name] = t.to(torch.int32)
     return converted
 

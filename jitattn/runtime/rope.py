@@ -17,6 +17,7 @@ import math
 import numbers
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..abi import ROPE_POSITION_CODES
@@ -133,8 +134,10 @@ def _check_qk(q: torch.Tensor, k: torch.Tensor, q_out: torch.Tensor, k_out: torc
                          "(the same nnz)")
     if k.shape[2] != q.shape[2]:
         raise ValueError(f"{qn} has head_dim {q.shape[2]} but {kn} has {k.shape[2]}; they must match")
-    if q_out is q and _heads_overlap(q, k):
-        raise ValueError(f"{qn} and {kn} share head rows (views of one buffer that overlap), so rotating both in place "
+    overlap = _heads_overlap(q, k) if q_out is q else False
+    if overlap is not False:
+        what = "share head rows" if overlap else "may share head rows (two token strides over too many rows to compare)"
+        raise ValueError(f"{qn} and {kn} {what} (views of one buffer that overlap), so rotating both in place "
                          "would rotate those rows twice; pass separate query and key heads (e.g. qkv[:, :Hq] and "
                          "qkv[:, Hq:Hq + Hk])")
     for name, t in ((f"the rotated {qn}", q_out), (f"the rotated {kn}", k_out)):
@@ -147,35 +150,37 @@ def _check_qk(q: torch.Tensor, k: torch.Tensor, q_out: torch.Tensor, k_out: torc
                         "them one dtype")
 
 
-def _heads_overlap(q: torch.Tensor, k: torch.Tensor) -> bool:
+def _heads_overlap(q: torch.Tensor, k: torch.Tensor) -> bool | None:
     """Whether views ``q`` and ``k`` (``[nnz, heads, head_dim]`` of one nnz, unit stride in head_dim) share an
-    element. Views of one fused qkv buffer (one token stride, each view's heads side by side) take O(1)
-    arithmetic: k's token t starts d + t s elements after q's token 0, and overlaps it when that span crosses
-    q's first token's; other layouts compare every head row of the two (sorted by start) up to ``_EXACT_ROWS`` rows,
-    beyond it the rows of k's tokens near q's first (which may miss an overlap further off, never report a false
-    one)."""
+    element; None when it cannot tell. Views of one token stride ``s`` whose heads lie side by side (fused qkv
+    buffers) take O(1) arithmetic on each token's span; other views of one token stride (NeoX's ``[nnz, heads, 3,
+    head_dim]``) are decided per pair of heads: k's row at ``b + t s`` meets q's at ``a`` (``head_dim`` = w wide)
+    when ``a - w < b + t s < a + w`` for a token shift ``t`` in (-nnz, nnz). Views of two token strides compare
+    every head row (sorted by start) up to ``_EXACT_ROWS`` rows; beyond that, None."""
     if q.numel() == 0 or k.numel() == 0:
         return False
-    nnz, s, d = q.shape[0], q.stride(0), (k.data_ptr() - q.data_ptr()) // q.element_size()
-    qw, kw = q.shape[1] * q.shape[2], k.shape[1] * k.shape[2]
-    if k.stride(0) == s > 0 and q.stride(1) == q.shape[2] and k.stride(1) == k.shape[2]:
-        t = max((-kw - d) // s + 1, 1 - nnz)  # the first token of k whose span ends past q's start
-        return t < nnz and t * s < qw - d
-    q_end = (nnz - 1) * q.stride(0) + (q.shape[1] - 1) * q.stride(1) + q.shape[2]
-    k_end = (nnz - 1) * k.stride(0) + (k.shape[1] - 1) * k.stride(1) + k.shape[2]
+    nnz, s, w, d = q.shape[0], q.stride(0), q.shape[2], (k.data_ptr() - q.data_ptr()) // q.element_size()
+    q_end = (nnz - 1) * q.stride(0) + (q.shape[1] - 1) * q.stride(1) + w
+    k_end = (nnz - 1) * k.stride(0) + (k.shape[1] - 1) * k.stride(1) + w
     if d >= q_end or -d >= k_end:  # the views' whole spans are apart
         return False
-    if q.shape[0] * (q.shape[1] + k.shape[1]) <= _EXACT_ROWS:
-        return _rows_meet(_head_rows(q, 0), _head_rows(k, d), q.shape[2])
+    qw, kw = q.shape[1] * w, k.shape[1] * w
+    if k.stride(0) == s > 0 and q.stride(1) == w and k.stride(1) == w:  # each token's heads one span: O(1)
+        t = max((-kw - d) // s + 1, 1 - nnz)  # the first token of k whose span ends past q's start
+        return t < nnz and t * s < qw - d
+    if nnz == 1 or k.stride(0) == s > 0:
+        a = np.arange(q.shape[1], dtype=np.int64)[:, None] * q.stride(1)  # q's head rows in token 0
+        b = d + np.arange(k.shape[1], dtype=np.int64)[None, :] * k.stride(1)
+        if nnz == 1:
+            return bool(((a - w < b) & (b < a + w)).any())
+        t = np.maximum((a - w - b) // s + 1, 1 - nnz)  # the least shift whose k row starts past a - w
+        return bool(((t < nnz) & (b + t * s < a + w)).any())
+    if nnz * (q.shape[1] + k.shape[1]) <= _EXACT_ROWS:
+        return _rows_meet(_head_rows(q, 0), _head_rows(k, d), w)
+    return None
 
-    def rows(t: torch.Tensor, base: int) -> list[tuple[int, int]]:
-        return [(base + h * t.stride(1), base + h * t.stride(1) + t.shape[2]) for h in range(t.shape[1])]
-    near = range(-d // s - 1, -d // s + 2) if s > 0 and k.stride(0) == s else ()
-    shifts = {0} | {t for t in near if -nnz < t < nnz}
-    return any(a0 < b1 and b0 < a1 for t in shifts for b0, b1 in rows(k, d + t * s) for a0, a1 in rows(q, 0))
 
-
-_EXACT_ROWS = 1 << 20  # head rows compared exactly (int64 temporaries of ~50 bytes each)
+_EXACT_ROWS = 1 << 22  # head rows compared one by one (int64 temporaries of ~50 bytes each)
 
 
 def _head_rows(t: torch.Tensor, base: int) -> torch.Tensor:
