@@ -109,7 +109,7 @@ SM90_FP8_KV_BLOCK = 128
 # paged_kv_block: KV tokens per stage for paged KV (0: SM90_PAGED_KV_BLOCK's);
 # soft_cap_tanh: the soft cap's tanh (1, the default: tanh.approx.f32, one MUFU op, as in FlashInfer and
 # FlashAttention-3; measured on an H100 within 1e-5 relative, 8e-6 absolute, of tanh over |x| < 12, though PTX
-# documents 2^-11; 0: 1 - 2 / (1 + e^2x) on ex2 + rcp, two MUFU ops, absolute error ~2.3e-7, 10-16% slower;
+# documents 2^-11; 0: 1 - 2 / (1 + e^2x) on ex2 + rcp, two MUFU ops, absolute error ~2.3e-7, 1.11-1.19x the time;
 # docs/kernels/sm90_prefill.md);
 # paged_tma: 1 loads paged KV blocks with one TMA box per page (64 columns x page_size rows, a 4-d tensor
 # map over the cache) when page_size is a multiple of 8 dividing the KV block, 0 always gathers, 2 (tests)
