@@ -454,9 +454,9 @@ def append_paged_mla_kv_cache(
     _check_append_indices(index_arrays, nnz, device, rows="append_ckv", cache="ckv_cache")
     # Everything that differs between the halves is checked above; they share the index arrays, the page size
     # and the page count, so the first write's own checks of the index values refuse both halves or neither.
+    ix = index_arrays
     for appended, cache in ((append_ckv, ckv_cache), (append_kpe, kpe_cache)):
         rows, views = appended.unsqueeze(1), cache.unsqueeze(2)  # one latent head
-        ix = index_arrays
         append_paged_kv_cache(rows, rows, ix["batch_indices"], ix["positions"], (views, views), ix["kv_indices"],
                               ix["kv_indptr"], ix["kv_last_page_len"], kv_layout="NHD")
 

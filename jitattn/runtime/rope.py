@@ -136,8 +136,9 @@ def _check_qk(q: torch.Tensor, k: torch.Tensor, q_out: torch.Tensor, k_out: torc
         raise ValueError(f"{qn} has head_dim {q.shape[2]} but {kn} has {k.shape[2]}; they must match")
     overlap = _heads_overlap(q, k) if q_out is q else False
     if overlap is not False:
-        what = "share head rows" if overlap else "may share head rows (two token strides over too many rows to compare)"
-        raise ValueError(f"{qn} and {kn} {what} (views of one buffer that overlap), so rotating both in place "
+        what = ("share head rows (views of one buffer that overlap)" if overlap else
+                "may share head rows (views of one buffer with two token strides, too many rows to compare)")
+        raise ValueError(f"{qn} and {kn} {what}, so rotating both in place "
                          "would rotate those rows twice; pass separate query and key heads (e.g. qkv[:, :Hq] and "
                          "qkv[:, Hq:Hq + Hk])")
     for name, t in ((f"the rotated {qn}", q_out), (f"the rotated {kn}", k_out)):
