@@ -2,7 +2,7 @@
 // sm90 prefill tier's default) and 1 - 2 / (1 + 2^(2 x log2 e)) on ex2.approx + rcp.approx (two MUFU ops,
 // SM90_TUNING soft_cap_tanh 0). 2^24 points evenly over -12 < x < 12, one thread each; per range of |x| the
 // largest absolute and relative error and the mean error times sign(x).
-// docs/benchmarks/h100-2026-12-06-z-softcap.txt has an H100's table.
+// docs/benchmarks/h100-2026-12-06-aa.txt has an H100's table.
 //   nvcc -O2 -gencode=arch=compute_90a,code=sm_90a tools/approx_err.cu -o /tmp/approx_err && /tmp/approx_err
 #include <cstdio>
 #include <cmath>
