@@ -436,3 +436,29 @@ def test_auto_split_shared_level_in_whole_kv_blocks(causal: bool, monkeypatch) -
         o, _ = reference.single_attention(q[qo_cum[r]:qo_cum[r + 1]], k, v, causal=causal)
         expected.append(o)
     torch.testing.assert_close(out, torch.cat(expected), atol=2e-5, rtol=2e-5)
+
+
+def test_per_level_buffers_are_one_per_level() -> None:
+    """A short *_buf_arr list raised a bare IndexError, none at all the level wrappers' argument names, and a
+    reset_workspace_buffer list of the wrong length was taken."""
+    ws, i32 = torch.empty(1 << 20, dtype=torch.uint8), dict(dtype=torch.int32)
+    one = [torch.empty(3, **i32)]
+    with pytest.raises(ValueError, match=r"qo_indptr_buf_arr has 1 entries; .* one entry per level \(num_levels=2\)"):
+        jitattn.MultiLevelCascadeAttentionWrapper(2, ws, use_cuda_graph=True, qo_indptr_buf_arr=one,
+                                                  paged_kv_indptr_buf_arr=one, paged_kv_indices_buf_arr=one,
+                                                  paged_kv_last_page_len_buf_arr=one)
+    with pytest.raises(ValueError, match="use_cuda_graph=True needs qo_indptr_buf_arr, paged_kv_indptr_buf_arr"):
+        jitattn.MultiLevelCascadeAttentionWrapper(2, ws, use_cuda_graph=True)
+    wrapper = jitattn.MultiLevelCascadeAttentionWrapper(2, ws)
+    with pytest.raises(ValueError, match="int_workspace_buffers has 3 entries"):
+        wrapper.reset_workspace_buffer(ws, [torch.empty(8, dtype=torch.uint8)] * 3)
+    wrapper.reset_workspace_buffer(ws, [torch.empty(8, dtype=torch.uint8)] * 2)
+
+
+def test_shared_prefix_decode_before_begin_forward_names_itself() -> None:
+    """It named the inner decode wrapper's run() and plan(), after running the shared part."""
+    wrapper = jitattn.BatchDecodeWithSharedPrefixPagedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8))
+    with pytest.raises(RuntimeError, match=r"BatchDecodeWithSharedPrefixPagedKVCacheWrapper.forward\(\) called "
+                                           r"without a plan: call begin_forward\(\)"):
+        wrapper.forward(torch.randn(2, 4, 64), torch.randn(7, 2, 64), torch.randn(7, 2, 64),
+                        torch.randn(4, 2, 3, 2, 64))

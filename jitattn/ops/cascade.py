@@ -29,8 +29,8 @@ from ..runtime.cascade_states import LevelStates
 from ..runtime.checks import check_tensor, no_backward, not_planned, target_of
 from ..runtime.merge import merge_state, merge_state_in_place, merge_states, merge_states_with_sinks
 from ..runtime.wrapper import NotCopyable, workspace_target
-from ..runtime.options import (check_flag, fp8_scale, parse_pos_encoding, positive_int, resolve_batch_invariant,
-                               resolve_flag, resolve_window_left)
+from ..runtime.options import (check_flag, fp8_scale, parse_pos_encoding, per_level, positive_int,
+                               resolve_batch_invariant, resolve_flag, resolve_window_left)
 from ..kv_split import (batch_invariant_chunk, cascade_chunk_pages, cascade_level_chunks, check_fixed_split_size,
                         concat_level_tables, graph_level_chunks, split_level_page_table)
 from ..page_table import PagedIndex, check_indptr, check_paged_index
@@ -80,24 +80,24 @@ class MultiLevelCascadeAttentionWrapper(NotCopyable):
         self._graph_decoders: dict[int, BatchDecodeWithPagedKVCacheWrapper] = {}
         self._graph_states: dict[tuple, LevelStates] = {}
 
-        def buf(arr, i):
-            return arr[i] if arr is not None else None
-
-        self._index_capacity = [buf(paged_kv_indices_buf_arr, i) for i in range(num_levels)]  # graph mode: pages
-        self._wrappers = [
-            BatchPrefillWithPagedKVCacheWrapper(
-                float_workspace_buffer, kv_layout, use_cuda_graph=use_cuda_graph,
-                qo_indptr_buf=buf(qo_indptr_buf_arr, i), paged_kv_indptr_buf=buf(paged_kv_indptr_buf_arr, i),
-                paged_kv_indices_buf=buf(paged_kv_indices_buf_arr, i),
-                paged_kv_last_page_len_buf=buf(paged_kv_last_page_len_buf_arr, i),
-            )
-            for i in range(num_levels)
-        ]
+        arrays = {"qo_indptr_buf_arr": qo_indptr_buf_arr, "paged_kv_indptr_buf_arr": paged_kv_indptr_buf_arr,
+                  "paged_kv_indices_buf_arr": paged_kv_indices_buf_arr,
+                  "paged_kv_last_page_len_buf_arr": paged_kv_last_page_len_buf_arr}
+        use_cuda_graph = resolve_flag(use_cuda_graph, "use_cuda_graph")
+        if use_cuda_graph and any(v is None for v in arrays.values()):  # (the levels would name their own)
+            raise ValueError(f"use_cuda_graph=True needs {', '.join(arrays)}: one fixed buffer per level, each sized "
+                             "for the largest batch")
+        bufs = [per_level(name, values, self._num_levels) for name, values in arrays.items()]
+        self._index_capacity = bufs[2]  # graph mode: pages
+        self._wrappers = [BatchPrefillWithPagedKVCacheWrapper(
+            float_workspace_buffer, kv_layout, use_cuda_graph=use_cuda_graph, qo_indptr_buf=qo, paged_kv_indptr_buf=kvp,
+            paged_kv_indices_buf=idx, paged_kv_last_page_len_buf=last) for qo, kvp, idx, last in zip(*bufs)]
 
     def reset_workspace_buffer(self, float_workspace_buffer: torch.Tensor, int_workspace_buffers=None) -> None:
         name = "MultiLevelCascadeAttentionWrapper.reset_workspace_buffer"  # (its levels' wrappers check it again)
         workspace_target(float_workspace_buffer, name)
         target_of(name, (float_workspace_buffer, self._workspace))
+        per_level("int_workspace_buffers", int_workspace_buffers, self._num_levels)  # (accepted, not used)
         self._workspace = float_workspace_buffer
         for wrapper in (self._wrappers + ([self._decode] if self._decode is not None else [])
                         + list(self._graph_levels.values()) + list(self._graph_decoders.values())):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ..page_table import check_indptr, check_page_table, positive_int, to_host_int32_many
-from ..runtime.checks import check_tensor, no_backward
+from ..runtime.checks import check_tensor, no_backward, not_planned
 from ..runtime.merge import merge_state_in_place
 from ..runtime.options import parse_kv_layout, resolve_batch_invariant
 from ..runtime.wrapper import NotCopyable, workspace_target
@@ -77,8 +77,9 @@ class BatchDecodeWithSharedPrefixPagedKVCacheWrapper(NotCopyable):
         unique_kv_cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
     ) -> torch.Tensor:
         """q ``[batch, H_qo, D]``, k/v_shared ``[shared_len, H_kv, D]`` (NHD) / ``[H_kv, shared_len, D]`` (HND)."""
-        if self._num_kv_heads is not None:  # without a plan, the decode wrapper's run() says so
-            check_shared_kv(k_shared, v_shared, self._kv_layout, self._num_kv_heads)
+        if self._num_kv_heads is None:  # (before the shared part runs: nothing is computed for a call refused)
+            raise not_planned(type(self).__name__, "forward", "begin_forward() once per batch")
+        check_shared_kv(k_shared, v_shared, self._kv_layout, self._num_kv_heads)
         out, lse = single_prefill_with_kv_cache(q, k_shared, v_shared, causal=False, kv_layout=self._kv_layout,
                                                 return_lse=True)
         unique_out, unique_lse = self._batch_decode_wrapper.run(q, unique_kv_cache, return_lse=True)

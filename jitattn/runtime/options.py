@@ -243,3 +243,13 @@ def resolve_batch_invariant(value: bool | None) -> bool:
 # The hint for FlashInfer's trtllm-gen page-table inputs (block_tables, seq_lens, ...).
 PAGE_TABLE_HINT = ("describe the batch with the page table arguments (indptr / indices / last_page_len) instead "
                    "of trtllm-gen's block_tables / seq_lens")
+
+
+def per_level(name: str, values, levels: int) -> list:
+    """A per-level argument (``qo_indptr_buf_arr`` and the like) as a list of ``levels`` entries; None: None each."""
+    if values is None:
+        return [None] * levels
+    if isinstance(values, torch.Tensor) or not hasattr(values, "__len__") or len(values) != levels:
+        got = f"{len(values)} entries" if hasattr(values, "__len__") else type(values).__name__
+        raise ValueError(f"{name} has {got}; give a list of one entry per level (num_levels={levels})")
+    return list(values)
