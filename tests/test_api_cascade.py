@@ -462,3 +462,17 @@ def test_shared_prefix_decode_before_begin_forward_names_itself() -> None:
                                            r"without a plan: call begin_forward\(\)"):
         wrapper.forward(torch.randn(2, 4, 64), torch.randn(7, 2, 64), torch.randn(7, 2, 64),
                         torch.randn(4, 2, 3, 2, 64))
+
+
+def test_shared_prefix_decode_checks_dtypes_against_its_plan() -> None:
+    """A q or shared k/v of another dtype than begin_forward's data_type was reported as a kv / q mismatch inside the
+    shared part's prefill, naming neither the tensor nor data_type."""
+    wrapper = jitattn.BatchDecodeWithSharedPrefixPagedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8))
+    i32 = lambda *v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    wrapper.begin_forward(i32(0, 1, 2), i32(0, 1), i32(3, 3), 4, 2, 64, 3, data_type=torch.float32)
+    q, k, v, cache = torch.randn(2, 4, 64), torch.randn(7, 2, 64), torch.randn(7, 2, 64), torch.randn(4, 2, 3, 2, 64)
+    with pytest.raises(TypeError, match="q has dtype bfloat16 but the plan has data_type=float32"):
+        wrapper.forward(q.bfloat16(), k, v, cache)
+    with pytest.raises(TypeError, match="v_shared has dtype bfloat16 but the plan has data_type=float32"):
+        wrapper.forward(q, k, v.bfloat16(), cache)
+    assert wrapper.forward(q, k, v, cache).shape == q.shape

@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 
 from ..page_table import check_indptr, check_page_table, positive_int, to_host_int32_many
-from ..runtime.checks import check_tensor, no_backward, not_planned
+from ..runtime.checks import check_planned_dtype, check_tensor, no_backward, not_planned
 from ..runtime.merge import merge_state_in_place
-from ..runtime.options import parse_kv_layout, resolve_batch_invariant
+from ..runtime.options import parse_dtype, parse_kv_layout, resolve_batch_invariant
 from ..runtime.wrapper import NotCopyable, workspace_target
 from ..spec import KVLayout
 from .decode import KV_SHAPES, BatchDecodeWithPagedKVCacheWrapper
@@ -68,6 +68,7 @@ class BatchDecodeWithSharedPrefixPagedKVCacheWrapper(NotCopyable):
             page_size, q_data_type=data_type, kv_data_type=data_type, batch_invariant=batch_invariant,
         )
         self._num_kv_heads = int(num_kv_heads)
+        self._data_type = parse_dtype(data_type, "data_type")
 
     plan = begin_forward
 
@@ -80,6 +81,9 @@ class BatchDecodeWithSharedPrefixPagedKVCacheWrapper(NotCopyable):
         if self._num_kv_heads is None:  # (before the shared part runs: nothing is computed for a call refused)
             raise not_planned(type(self).__name__, "forward", "begin_forward() once per batch")
         check_shared_kv(k_shared, v_shared, self._kv_layout, self._num_kv_heads)
+        check_tensor("q", q, ndim=3)
+        for name, t in (("q", q), ("k_shared", k_shared), ("v_shared", v_shared)):
+            check_planned_dtype(name, t, self._data_type, "data_type")
         out, lse = single_prefill_with_kv_cache(q, k_shared, v_shared, causal=False, kv_layout=self._kv_layout,
                                                 return_lse=True)
         unique_out, unique_lse = self._batch_decode_wrapper.run(q, unique_kv_cache, return_lse=True)
