@@ -250,6 +250,7 @@ def per_level(name: str, values, levels: int) -> list:
     if values is None:
         return [None] * levels
     if isinstance(values, torch.Tensor) or not hasattr(values, "__len__") or len(values) != levels:
-        got = f"{len(values)} entries" if hasattr(values, "__len__") else type(values).__name__
-        raise ValueError(f"{name} has {got}; give a list of one entry per level (num_levels={levels})")
+        got = ("is a tensor" if isinstance(values, torch.Tensor) else f"has {len(values)} entries"
+               if hasattr(values, "__len__") else f"is {type(values).__name__} {values!r}")
+        raise ValueError(f"{name} {got}; give a list of one entry per level (num_levels={levels})")
     return list(values)
