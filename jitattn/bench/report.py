@@ -206,15 +206,14 @@ def check_json_path(path: str | None) -> str | None:
         return f"--json {path} is a directory; name a file (e.g. {os.path.join(path, 'bench.json')})"
     if os.path.lexists(path) and not os.path.isfile(path):  # write_json replaces the path: a device, FIFO or socket
         return f"--json {path} is not a regular file (the results replace what is there); name a file"
-    parent = os.path.dirname(os.path.abspath(path))
+    directory = parent = os.path.dirname(os.path.abspath(path))
     while not os.path.exists(parent):
         parent = os.path.dirname(parent)
     if not os.path.isdir(parent):
         return f"--json {path}: {parent} is a file, not a directory"
     if not os.access(parent, os.W_OK):
         return f"--json {path}: {parent} is not writable"
-    directory = os.path.dirname(os.path.abspath(path))
-    if os.path.exists(directory):  # try it: root passes os.access where /proc refuses
+    if parent == directory:  # the directory exists: try it (root passes os.access where /proc refuses)
         try:
             fd, tmp = tempfile.mkstemp(dir=directory, prefix=".bench-", suffix=".json")
         except OSError as exc:
