@@ -397,6 +397,27 @@ def test_variable_run_refuses_a_wrong_out_or_lse(name: str, buffer, error: type,
         wrapper.run(q, kv, kv, return_lse=True, **{name: buffer})
 
 
+@pytest.mark.parametrize("overlap", ["lse_in_out", "out_in_k", "out_is_q", "expanded_out"])
+def test_variable_run_refuses_outputs_that_share_memory(overlap: str) -> None:
+    """out / lse over each other or over q, k, v are refused as every wrapper refuses them (they gave a wrong out, or
+    overwrote the caller's k), and so is an expand()ed out (it failed in torch's copy after the whole compute)."""
+    wrapper, q, kv = _variable_wrapper()
+    out, lse = torch.empty(4, 5, 64, dtype=f16), torch.empty(4, 5)
+    if overlap == "lse_in_out":
+        lse, match = out.view(-1)[:40].view(torch.float32).view(4, 5), "out and lse share memory"
+    elif overlap == "out_in_k":
+        buffer = torch.randn(2048).half()  # k: its first 768 elements; out: 1280 from element 256
+        kv, out, match = buffer[:768].view(2, 6, 64), buffer[256:1536].view(4, 5, 64), "out shares memory with k"
+    elif overlap == "out_is_q":
+        out, match = q, "out shares memory with q"
+    else:
+        out, match = torch.empty(1, 5, 64, dtype=f16).expand(4, 5, 64), "elements that share memory"
+    before = (q.clone(), kv.clone())
+    with pytest.raises(ValueError, match=match):
+        wrapper.run(q, kv, kv, out=out, lse=lse, return_lse=True)
+    assert torch.equal(q, before[0]) and torch.equal(kv, before[1]), "a refused run() wrote nothing"
+
+
 @pytest.mark.parametrize("name", ["out", "lse"])
 def test_bsr_run_refuses_an_out_or_lse_that_is_not_a_tensor(name: str) -> None:
     wrapper, args = _planned_bsr()

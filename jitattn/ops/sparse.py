@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from ..runtime.checks import check_planned_dtype, check_tensor, named_refusals, no_backward, not_planned
+from ..runtime.checks import (check_no_overlap, check_planned_dtype, check_tensor, named_refusals, no_backward,
+                              not_planned, refuse_outputs_over_inputs)
 from ..runtime.options import check_flag, parse_pos_encoding, per_tensor_scale, positive_int, resolve_flag
 from ..runtime.wrapper import NotCopyable, plan_arguments, workspace_target
 from .prefill import BatchPrefillWithPagedKVCacheWrapper
@@ -250,6 +251,8 @@ class VariableBlockSparseAttentionWrapper(_SparseWrapperBase):
                                  "(HND: [heads, tokens, head_dim])")
         _check_buffer("out", out, (heads * group, qo_len, plan.head_dim_vo), plan.o_dtype, q.device)
         _check_buffer("lse", lse, (heads * group, qo_len), torch.float32, q.device)
+        # as every wrapper: out / lse over q, k or v would overwrite the caller's inputs, out over lse the results
+        refuse_outputs_over_inputs(f"{self._NAME}.run()", q, (k, v), out, lse)
         # The kernel's batch: kv head h's queries are rows h * qo_len.. of [H_kv * qo_len, group, D] (a copy
         # when group > 1), its keys tokens h * kv_len.. of a one-head token pool (a view of contiguous k/v).
         q_rows = q.unflatten(0, (heads, group)).transpose(1, 2).reshape(heads * qo_len, group, q.shape[2])
@@ -273,3 +276,4 @@ def _check_buffer(name: str, buffer: torch.Tensor | None, shape: tuple[int, ...]
     check_tensor(name, buffer, dtypes=(dtype,), last_dim_contiguous=False)
     if tuple(buffer.shape) != shape or buffer.device != device:
         raise ValueError(f"{name} is {tuple(buffer.shape)} on {buffer.device}; expected {shape} on {device}")
+    check_no_overlap(name, buffer)

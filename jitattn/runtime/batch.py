@@ -19,7 +19,7 @@ from ..page_table import PagedIndex, check_page_pool
 from ..kv_split import KVSplit, split_workspace_bytes
 from ..spec import KVLayout, Op, VariantSpec
 from .checks import (FP8_DTYPES, check_no_overlap, check_planned_dtype, check_tensor, not_planned,
-                     refuse_written_over, stream_capturing, target_of)
+                     refuse_outputs_over_inputs, stream_capturing, target_of)
 from .kv import check_kv_pair, split_paged_kv_cache
 from .launch import PreparedAttention
 from .options import AttentionOptions
@@ -392,7 +392,7 @@ def run_plan(
                 prepared.set_outputs(out, lse)
             plan.checked_outputs = outputs
     if (given[0] or given[1]) and not fixed_outputs:  # addresses: checked on every call (not our own buffers')
-        _check_reads_kept(wrapper, q, kv, out if given[0] else None, lse if given[1] else None)
+        refuse_outputs_over_inputs(f"{wrapper}.run()", q, kv, out if given[0] else None, lse if given[1] else None)
     if plan.split.kv_chunk_size and workspace is not plan.checked_workspace:
         target_of(wrapper, (workspace, q))
         check_workspace(workspace, split_workspace_bytes(plan.split.num_chunks, plan.num_qo_heads, plan.head_dim_vo),
@@ -442,7 +442,7 @@ def _check_inputs(plan: AttentionPlan, wrapper: str, workspace: torch.Tensor, q:
 def _check_outputs(plan: AttentionPlan, wrapper: str, q: torch.Tensor, kv, out: torch.Tensor,
                    lse: torch.Tensor | None) -> None:
     """out / lse against the plan (checked when out's or lse's signature changes: a call of the previous signature
-    is not looked at again; their addresses against the inputs', on every call: ``_check_reads_kept``)."""
+    is not looked at again; their addresses against the inputs', on every call: ``refuse_outputs_over_inputs``)."""
     o_shape = (plan.total_qo, plan.num_qo_heads, plan.head_dim_vo)
     target_of(wrapper, (q, out, lse))
     check_tensor("out", out, ndim=3, dtypes=(plan.o_dtype,))
@@ -454,13 +454,6 @@ def _check_outputs(plan: AttentionPlan, wrapper: str, q: torch.Tensor, kv, out: 
         if tuple(lse.shape) != o_shape[:2]:
             raise ValueError(f"lse has shape {tuple(lse.shape)}; expected {o_shape[:2]}")
         check_no_overlap("lse", lse)
-
-
-def _check_reads_kept(wrapper: str, q: torch.Tensor, kv, out: torch.Tensor | None, lse: torch.Tensor | None) -> None:
-    """The caller's out / lse against the inputs the kernel reads while it writes them, and against each other
-    (``written_over``: strided views too, such as an out cut from the cache's own buffer)."""
-    inputs = (("q", q), *((("the kv cache", kv),) if isinstance(kv, torch.Tensor) else (("k", kv[0]), ("v", kv[1]))))
-    refuse_written_over(f"{wrapper}.run()", (("out", out), ("lse", lse)), inputs)
 
 
 def kv_alignment(plan: AttentionPlan) -> tuple[int, int]:

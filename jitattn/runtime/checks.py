@@ -197,6 +197,14 @@ def refuse_written_over(where: str, outputs, reads) -> None:
                              "separate buffers")
 
 
+def refuse_outputs_over_inputs(where: str, q: torch.Tensor, kv, out: torch.Tensor | None,
+                               lse: torch.Tensor | None) -> None:
+    """A caller's ``out`` / ``lse`` against the inputs a launch reads while it writes them (``q``, and ``kv``: a
+    cache tensor or a (k, v) pair) and against each other (``written_over``: strided views too, such as an out cut
+    from the cache's own buffer)."""
+    inputs = (("q", q), *((("the kv cache", kv),) if isinstance(kv, torch.Tensor) else (("k", kv[0]), ("v", kv[1]))))
+    refuse_written_over(where, (("out", out), ("lse", lse)), inputs)
+
 def _reachable(offset: int, dims: list[tuple[int, int, int]]) -> bool:
     """Whether ``offset`` is ``sum(j * stride)`` with ``lo <= j <= hi`` for each (lo, hi, stride) of ``dims`` (largest
     stride first, each above the reach of the smaller ones: then only the two multiples around it can work)."""
