@@ -169,7 +169,7 @@ def test_plan_and_run_refuse_bad_input() -> None:
     with pytest.raises(ValueError, match=r"kv_len_arr\[0\] = 10 tokens fill 1 pages of 16, but kv_indptr gives "
                                          r"request 0 2 pages"):
         wrapper.plan(qo, indptr, indices, torch.tensor([10, 5], dtype=torch.int32), 4, 2, 64, 64, 16)
-    with pytest.raises(ValueError, match="kv_len_arr has 3 entries"):
+    with pytest.raises(ValueError, match="qo_indptr has 3 entries, but kv_len_arr gives 3 requests"):
         wrapper.plan(qo, indptr, indices, torch.tensor([20, 5, 1], dtype=torch.int32), 4, 2, 64, 64, 16)
     with pytest.raises(ValueError, match=r"^kv_indices\[2\] = -9 is a negative page index"):  # the batch's position
         wrapper.plan(qo, indptr, torch.tensor([0, 1, -9], dtype=torch.int32), torch.tensor([20, 5], dtype=torch.int32),
@@ -229,6 +229,42 @@ def test_mixed_batch_refuses_an_out_or_lse_of_another_dtype_before_writing(name:
     with pytest.raises(TypeError, match=f"^{name} has dtype {str(dtype).removeprefix('torch.')}"):
         wrapper.run(q, cache, out=out, lse=lse)
     assert torch.all(out == 7) and torch.all(lse == 7), "a refused run() wrote no output"
+
+
+@pytest.mark.parametrize("overlap", ["lse_in_out", "out_is_q", "lse_in_cache"])
+def test_mixed_batch_refuses_outputs_over_each_other_or_the_inputs(overlap: str) -> None:
+    """Parts whose rows are not contiguous compute into buffers of their own and scatter: the overlap of the
+    caller's out / lse with each other or with q / the cache is checked before that (it gave wrong results)."""
+    wrapper, q, cache = _planned_mixed()
+    rows, heads, dim = q.shape
+    out, lse = torch.full((rows, heads, dim), 7.0, dtype=bf16), torch.full((rows, heads), 7.0)
+    if overlap == "lse_in_out":
+        lse = out.view(-1)[: 2 * rows * heads].view(torch.float32).view(rows, heads)  # out's first bytes
+        match = "out and lse share memory"
+    elif overlap == "out_is_q":
+        out, match = q, "out shares memory with q"
+    else:
+        cache = cache.float()
+        lse, match = cache.view(-1)[: rows * heads].view(rows, heads), "lse shares memory with the kv cache"
+    before = (q.clone(), cache.clone())
+    with pytest.raises(ValueError, match=rf"^BatchAttention\.run\(\): {match}"):
+        wrapper.run(q, cache, out=out, lse=lse)
+    assert torch.equal(q, before[0]) and torch.equal(cache, before[1]), "a refused run() wrote nothing"
+
+
+def test_plan_reads_longer_index_buffers_up_to_kv_len_arrs_batch() -> None:
+    """As FlashInfer's: the batch is kv_len_arr's, and qo_indptr / kv_indptr (fixed buffers sized for the largest
+    batch) may be longer."""
+    i32 = lambda *v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    q, cache = torch.randn(4, 4, 64).to(bf16), torch.randn(3, 2, 16, 2, 64).to(bf16)
+    exact = jitattn.BatchAttention(device="cpu")
+    exact.plan(i32(0, 1, 4), i32(0, 2, 3), i32(0, 1, 2), i32(20, 5), 4, 2, 64, 64, 16)
+    longer = jitattn.BatchAttention(device="cpu")
+    longer.plan(i32(0, 1, 4, 4, 4, 4), i32(0, 2, 3, 3, 3), i32(0, 1, 2, 0, 0), i32(20, 5), 4, 2, 64, 64, 16)
+    for a, b in zip(exact.run(q, cache), longer.run(q, cache)):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match=r"^qo_indptr has 2 entries, but kv_len_arr gives 2 requests, which need 3"):
+        longer.plan(i32(0, 1), i32(0, 2, 3), i32(0, 1, 2), i32(20, 5), 4, 2, 64, 64, 16)
 
 
 @pytest.mark.parametrize("name", ["out", "lse"])

@@ -15,7 +15,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..runtime.checks import check_no_overlap, check_tensor, named_refusals, no_backward, not_planned
+from ..runtime.checks import (check_no_overlap, check_tensor, named_refusals, no_backward, not_planned,
+                              refuse_outputs_over_inputs)
 from ..runtime.options import number, positive_int, refuse_unsupported, resolve_batch_invariant
 from ..runtime.side_by_side import prefill_blocks, side_by_side
 from ..runtime.wrapper import NotCopyable
@@ -44,6 +45,15 @@ def last_page_lens(kv_indptr: torch.Tensor, kv_len_arr: torch.Tensor, page_size:
         raise ValueError(f"kv_len_arr[{r}] = {int(lens[r])} tokens fill {int(needed[r])} pages of {page_size}, but "
                          f"kv_indptr gives request {r} {int(pages[r])} pages; they must agree")
     return torch.from_numpy(np.where(pages > 0, lens - (pages - 1) * page_size, 0).astype(np.int32))
+
+
+def _batch_prefix(name: str, indptr: torch.Tensor, batch: int) -> torch.Tensor:
+    """The first ``batch + 1`` entries of an indptr (host int32); fewer are refused."""
+    host = to_host_int32(name, indptr)
+    if host.numel() < batch + 1:
+        raise ValueError(f"{name} has {host.numel()} entries, but kv_len_arr gives {batch} requests, which need "
+                         f"{batch + 1}; pass batch_size + 1 entries ({name} buffers may be longer)")
+    return host[: batch + 1]
 
 
 class _Part:
@@ -128,6 +138,11 @@ class BatchAttention(NotCopyable):
         for name, value in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads),
                             ("head_dim_qk", head_dim_qk), ("head_dim_vo", head_dim_vo)):
             positive_int(value, name)  # before the split into parts reads them
+        # As FlashInfer's: the batch is kv_len_arr's; qo_indptr / kv_indptr may be longer (fixed buffers sized for the
+        # largest batch) and are read up to it.
+        batch = to_host_int32("kv_len_arr", kv_len_arr).numel()
+        qo_indptr, kv_indptr = (_batch_prefix(name, t, batch) for name, t in (("qo_indptr", qo_indptr),
+                                                                               ("kv_indptr", kv_indptr)))
         last_page_len = last_page_lens(kv_indptr, kv_len_arr, page_size)
         qo = check_indptr("qo_indptr", qo_indptr).numpy().astype(np.int64)
         kv_host, indices_host = to_host_int32("kv_indptr", kv_indptr), to_host_int32("kv_indices", kv_indices)
@@ -210,6 +225,8 @@ class BatchAttention(NotCopyable):
             raise ValueError(f"q has shape {tuple(q.shape)}; the plan expects {(rows, heads, dqk)}")
         o_dtype = self._parts[0][1].current_plan.o_dtype
         self._check_outputs(q, out, lse, o_dtype)
+        # (a part whose rows are not contiguous computes into its own buffers, then scatters into out / lse)
+        refuse_outputs_over_inputs(f"{self._NAME}.run()", q, kv_cache, out, lse)
         if out is None:
             out = torch.empty((rows, heads, dvo), dtype=o_dtype, device=q.device)
         if lse is None:
