@@ -150,6 +150,10 @@ def cmd_clear(args: argparse.Namespace) -> int:
     from .store import entries, writable_base
 
     base = writable_base()
+    if base.exists() and not base.is_dir():  # (entries() finds none in it: "removed 0" would read as done)
+        print(f"jitattn-cache: {base} is in the jitattn cache's way: it exists but is not a directory, so the cache "
+              f"cannot be used; remove it (rm {base}) or set JITATTN_CACHE_DIR to another directory", file=sys.stderr)
+        return EXIT_FAILED
     removed, busy = 0, []
     try:
         for e in entries(include_readonly=False):

@@ -105,14 +105,14 @@ def entry_violations(entry: CacheEntry) -> list:
 
 def cache_violations(base: Path, entry_paths: list[Path], writable: bool) -> list:
     """Trust-rule violations of one layer (schema dir ``base``): its root, the schema dir, (for the
-    writable cache) locks/ and tmp/, then each entry dir and library, each path once."""
+    writable cache) locks/ and tmp/, then each entry dir and library, each path once; a file where one of those
+    directories belongs is named too."""
     from jitattn.jit.admin import LIBRARY_NAME
     from jitattn.jit.admin import chain_violations
 
-    leaves = [base] + ([base / "locks", base / "tmp"] if writable else [])
-    for path in entry_paths:
-        leaves += [path, path / LIBRARY_NAME]
-    return chain_violations(base.parent, *leaves)
+    directories = [base] + ([base / "locks", base / "tmp"] if writable else []) + list(entry_paths)
+    leaves = directories + [path / LIBRARY_NAME for path in entry_paths]
+    return chain_violations(base.parent, *leaves, directories=tuple(directories))
 
 
 def human_size(n: float) -> str:

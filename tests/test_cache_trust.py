@@ -188,3 +188,24 @@ def test_an_entry_on_an_unsafe_path_is_never_loaded_nor_exported(fresh_cache, mo
     entry.chmod(0o755)
     rc, out, _ = _cli(capsys, "verify")
     assert rc == 0 and loaded  # safe again: loaded and checked
+
+
+@pytest.mark.parametrize("place", [SCHEMA, f"{SCHEMA}/locks"], ids=["schema", "locks"])
+def test_a_file_where_a_cache_directory_belongs_is_named_with_its_fix(place, fresh_cache, capsys):
+    """doctor and verify name a file in a cache directory's place with its fix (they stopped at 'Not a directory'),
+    a build says the same, and clear does not report success over it."""
+    target = fresh_cache / place
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text("")
+    for command in ("doctor", "verify"):
+        rc, message, err = _cli(capsys, command)
+        assert rc == 1 and f"{target} is in the jitattn cache's way: it exists but is not a directory" in message, \
+            message + err
+    with pytest.raises(CacheError, match="is in the jitattn cache's way"):
+        jitattn.jit.load(SPEC)
+    if place == SCHEMA:
+        rc, out, err = _cli(capsys, "clear")
+        assert rc == 1 and f"{target} is in the jitattn cache's way" in err and "removed" not in out
+    _run_fix(message, target)
+    rc, out, _ = _cli(capsys, "verify")
+    assert rc == 0 and "UNSAFE" not in out

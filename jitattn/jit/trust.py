@@ -49,7 +49,7 @@ def violations(path: Path, follow_links: bool = False) -> list[Violation]:
     """
     try:
         st = path.stat() if follow_links else path.lstat()
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # missing (a file above it: chain_violations names that)
         return []
     quoted = shlex.quote(str(path))
     found = []
@@ -78,16 +78,33 @@ def chain(root: Path, leaf: Path) -> list[Path]:
     return paths
 
 
-def chain_violations(root: Path, *leaves: Path) -> list[Violation]:
-    """Every violation on the paths from ``root`` down to each of ``leaves``, each path once."""
+def chain_violations(root: Path, *leaves: Path, directories: tuple[Path, ...] = ()) -> list[Violation]:
+    """Every violation on the paths from ``root`` down to each of ``leaves``, each path once; and a path that exists
+    but is not a directory where one belongs (above a leaf, or one of ``directories``) is in the cache's way."""
     seen: set[Path] = set()
+    blocked: set[Path] = set()
     found: list[Violation] = []
     for leaf in leaves or (root,):
         for path in chain(root, leaf):
             if path not in seen:
                 seen.add(path)
                 found += violations(path, follow_links=path == root)
+            if (path != leaf or path in directories) and _in_the_way(path, follow_links=path == root):
+                if path not in blocked:
+                    blocked.add(path)
+                    found.append(Violation(path, f"{path} is in the jitattn cache's way: it exists but is not a "
+                                                 "directory", f"rm {shlex.quote(str(path))}"))
+                break  # nothing below it can exist
     return found
+
+
+def _in_the_way(path: Path, follow_links: bool) -> bool:
+    """Whether ``path`` exists but is not a directory (a file, or a link where no link may be)."""
+    try:
+        st = path.stat() if follow_links else path.lstat()
+    except OSError:
+        return False
+    return not stat.S_ISDIR(st.st_mode) and not stat.S_ISLNK(st.st_mode)  # (a link: violations names it)
 
 
 def require_trusted(root: Path, *leaves: Path, action: str) -> None:
