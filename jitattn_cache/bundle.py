@@ -153,8 +153,11 @@ def cmd_export(args: argparse.Namespace) -> int:
                             _add(tar, f"{prefix}/{rel}", path, mode=0o644)
                             total += path.stat().st_size
         os.replace(partial, out)
-    except BaseException:
+    except BaseException as exc:
         partial.unlink(missing_ok=True)
+        if isinstance(exc, OSError) and exc.filename in (str(partial), str(out)):  # not the hidden partial's name
+            raise OSError(f"cannot write {out} ({exc.strerror}); write the bundle into a directory you can write "
+                          "to") from None
         raise
     print(f"exported {len(chosen)} entries ({human_size(total)} uncompressed) to {out} "
           f"({human_size(out.stat().st_size)})")

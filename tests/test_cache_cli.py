@@ -380,6 +380,12 @@ def test_export_to_a_directory_says_to_name_the_file(cache_copy, tmp_path, capsy
     assert not list(folder.iterdir()) and not list(tmp_path.glob(".bundles.partial*")), "nothing written"
 
 
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs a directory nobody can write in (Linux /proc)")
+def test_export_into_an_unwritable_directory_names_the_bundle_not_its_temporary_file(cache_copy, capsys) -> None:
+    rc, _, err = run_cli(capsys, "export", "/proc/jitattn.tar.gz")
+    assert rc == 1 and err.startswith("jitattn-cache: cannot write /proc/jitattn.tar.gz (") and "partial" not in err
+
+
 def test_verify_fix_never_touches_a_read_only_layer(cache_copy, tmp_path, monkeypatch, capsys) -> None:
     layer = tmp_path / "layer"
     shutil.copytree(cache_copy, layer)
