@@ -202,8 +202,14 @@ def refuse_outputs_over_inputs(where: str, q: torch.Tensor, kv, out: torch.Tenso
     """A caller's ``out`` / ``lse`` against the inputs a launch reads while it writes them (``q``, and ``kv``: a
     cache tensor or a (k, v) pair) and against each other (``written_over``: strided views too, such as an out cut
     from the cache's own buffer)."""
-    inputs = (("q", q), *((("the kv cache", kv),) if isinstance(kv, torch.Tensor) else (("k", kv[0]), ("v", kv[1]))))
-    refuse_written_over(where, (("out", out), ("lse", lse)), inputs)
+    if isinstance(kv, torch.Tensor):
+        caches = (("the kv cache", kv),)
+    elif isinstance(kv, (tuple, list)) and len(kv) == 2:
+        caches = (("k", kv[0]), ("v", kv[1]))
+    else:
+        caches = ()  # (the caller's own checks refuse it, by name)
+    refuse_written_over(where, (("out", out), ("lse", lse)), (("q", q), *caches))
+
 
 def _reachable(offset: int, dims: list[tuple[int, int, int]]) -> bool:
     """Whether ``offset`` is ``sum(j * stride)`` with ``lo <= j <= hi`` for each (lo, hi, stride) of ``dims`` (largest
