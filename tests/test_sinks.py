@@ -237,6 +237,9 @@ def test_single_prefill_and_sink_wrapper(device: str) -> None:
     assert_close_out(got, reference.apply_sinks(ref_o, ref_lse, sinks), dtype)
     with pytest.raises(TypeError, match="needs the sinks"):
         wrapper.run(q2, batch.cache)
+    got, got_lse = wrapper.run_return_lse(q2, batch.cache, sinks, scale)  # the same arguments (it took no sink)
+    assert_close_out(got, reference.apply_sinks(ref_o, ref_lse, sinks), dtype)
+    assert_close_lse(got_lse, ref_lse)  # the keys' own lse
 
 
 # -- cascade ---------------------------------------------------------------------------------------
@@ -308,6 +311,23 @@ def test_sinks_argument_is_checked() -> None:
         wrapper.run(q, batch.cache, sinks=torch.zeros(16)[::2])
     with pytest.raises(TypeError, match="torch.Tensor"):
         wrapper.run(q, batch.cache, sinks=[0.0] * 8)
+
+
+def test_sinks_inside_out_or_lse_are_refused() -> None:
+    """sinks that share memory with out or lse were accepted and read after the kernel had written there."""
+    gen = torch.Generator().manual_seed(3)
+    batch = random_paged_batch([5, 30], 2, 64, PAGE, f16, generator=gen)
+    q = torch.randn(2, 8, 64, generator=gen).to(f16)
+    wrapper = jitattn.BatchDecodeWithPagedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8))
+    wrapper.plan(batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len, 8, 2, 64, PAGE, q_data_type=f16)
+    lse = torch.randn(2, 8)
+    with pytest.raises(ValueError, match=r"lse shares memory with sinks"):
+        wrapper.run(q, batch.cache, sinks=lse[0], lse=lse, return_lse=True)
+    out = torch.zeros(2, 8, 64, dtype=f16)
+    with pytest.raises(ValueError, match=r"out shares memory with sinks"):
+        wrapper.run(q, batch.cache, sinks=out.view(-1)[:16].view(torch.float32), out=out)
+    assert torch.all(out == 0), "a refused run() wrote nothing"
+    wrapper.run(q, batch.cache, sinks=torch.randn(8), out=out, lse=lse, return_lse=True)  # apart: taken
 
 
 def test_cascade_sinks_are_checked_before_any_level_runs(monkeypatch) -> None:

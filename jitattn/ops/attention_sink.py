@@ -95,6 +95,8 @@ class BatchAttentionWithAttentionSinkWrapper(BatchPrefillWithPagedKVCacheWrapper
         return self._run(q, paged_kv_cache, k_scale, v_scale, out, lse, return_lse, {}, (), q_scale, window_left,
                          sinks)
 
+    run_return_lse = functools.partialmethod(run, return_lse=True)  # this run (the parent's takes no sink)
+
     def _scale_factor(self, sm_scale) -> float:
         """``run``'s positional ``sm_scale`` as the factor on the planned scale, checked as ``plan()`` checks its
         ``sm_scale``: a number (a string is a TypeError) within float32's normal range, the factor too."""

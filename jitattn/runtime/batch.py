@@ -392,7 +392,8 @@ def run_plan(
                 prepared.set_outputs(out, lse)
             plan.checked_outputs = outputs
     if (given[0] or given[1]) and not fixed_outputs:  # addresses: checked on every call (not our own buffers')
-        refuse_outputs_over_inputs(f"{wrapper}.run()", q, kv, out if given[0] else None, lse if given[1] else None)
+        refuse_outputs_over_inputs(f"{wrapper}.run()", q, kv, out if given[0] else None, lse if given[1] else None,
+                                   sinks)
     if plan.split.kv_chunk_size and workspace is not plan.checked_workspace:
         target_of(wrapper, (workspace, q))
         check_workspace(workspace, split_workspace_bytes(plan.split.num_chunks, plan.num_qo_heads, plan.head_dim_vo),

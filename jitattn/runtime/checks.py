@@ -198,17 +198,17 @@ def refuse_written_over(where: str, outputs, reads) -> None:
 
 
 def refuse_outputs_over_inputs(where: str, q: torch.Tensor, kv, out: torch.Tensor | None,
-                               lse: torch.Tensor | None) -> None:
-    """A caller's ``out`` / ``lse`` against the inputs a launch reads while it writes them (``q``, and ``kv``: a
-    cache tensor or a (k, v) pair) and against each other (``written_over``: strided views too, such as an out cut
-    from the cache's own buffer)."""
+                               lse: torch.Tensor | None, sinks: torch.Tensor | None = None) -> None:
+    """A caller's ``out`` / ``lse`` against the inputs a launch reads while it writes them (``q``, ``kv``: a cache
+    tensor or a (k, v) pair, and the ``sinks``) and against each other (``written_over``: strided views too, such as
+    an out cut from the cache's own buffer)."""
     if isinstance(kv, torch.Tensor):
         caches = (("the kv cache", kv),)
     elif isinstance(kv, (tuple, list)) and len(kv) == 2:
         caches = (("k", kv[0]), ("v", kv[1]))
     else:
         caches = ()  # (the caller's own checks refuse it, by name)
-    refuse_written_over(where, (("out", out), ("lse", lse)), (("q", q), *caches))
+    refuse_written_over(where, (("out", out), ("lse", lse)), (("q", q), *caches, ("sinks", sinks)))
 
 
 def _reachable(offset: int, dims: list[tuple[int, int, int]]) -> bool:
