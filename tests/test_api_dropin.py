@@ -233,6 +233,9 @@ def test_forward_options_replace_the_planned_ones(device: str) -> None:
     assert_close_lse(lse, ref_lse)
     with pytest.raises(ValueError, match="window_left"):
         wrapper.run(q, batch.cache, window_left=100)
+    with pytest.raises(ValueError, match="sm_scale=0.0"):  # refused: the batch stays planned as it was
+        wrapper.forward(q, batch.cache, logits_soft_cap=5.0, sm_scale=0.0, window_left=20)
+    assert torch.equal(wrapper.run(q, batch.cache), capped)
 
 
 def test_a_failed_plan_leaves_no_plan_and_no_planned_options() -> None:

@@ -112,6 +112,11 @@ def test_shared_prefix_prefill_keeps_its_page_table_at_begin_forward_and_checks_
         w.forward(None, batch.k_shared, batch.v_shared, batch.cache)
     with pytest.raises(TypeError, match="unique_kv_cache must be a torch.Tensor, got NoneType"):
         w.forward(batch.q, batch.k_shared, batch.v_shared, None)
+    # a refused option leaves the next forward() working (it ran into an unplanned inner wrapper)
+    with pytest.raises(ValueError, match="sm_scale=0.0"):
+        w.forward(batch.q, batch.k_shared, batch.v_shared, batch.cache, sm_scale=0.0)
+    out = w.forward(batch.q, batch.k_shared, batch.v_shared, batch.cache)
+    torch.testing.assert_close(out.float(), batch.reference(), atol=2e-3, rtol=2e-3)
 
 
 # ---------------------------------------------------------------------------------------------------------------

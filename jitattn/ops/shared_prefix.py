@@ -157,6 +157,7 @@ class BatchPrefillWithSharedPrefixPagedKVCacheWrapper(NotCopyable):
         check_tensor("unique_kv_cache", unique_k)
         options = dict(causal=causal, sm_scale=sm_scale, q_data_type=q.dtype, kv_data_type=unique_k.dtype)
         if options != self._planned:  # plan once per batch and option set, as every layer passes the same
+            self._planned = None  # a refused plan leaves the unique part unplanned: the next call plans it again
             self._batch_prefill_wrapper.plan(*self._plan_args, **options)
             self._planned = options
         check_shared_kv(k_shared, v_shared, self._kv_layout, self._plan_args[5])  # [5]: num_kv_heads

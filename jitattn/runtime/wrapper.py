@@ -178,7 +178,15 @@ class BatchWrapperBase(NotCopyable):
                 "fast_decode_plan(); pass these options to fast_decode_plan and call run()"
             )
         if changed:
-            self.plan(**{**self._plan_call, **changed})
+            planned = dict(self._plan_call)
+            try:
+                self.plan(**{**planned, **changed})
+            except Exception:  # refused options leave the batch planned as it was (a refused plan() leaves none)
+                try:
+                    self.plan(**planned)
+                except Exception:
+                    pass
+                raise
         return self.run(*run_args, **run_kwargs)
 
     def _run(self, q, kv, k_scale, v_scale, out, lse, return_lse, variant_args, variant_positional=(),
