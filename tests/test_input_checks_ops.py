@@ -213,6 +213,21 @@ def test_mla_append_refuses_caches_that_share_memory_and_takes_disjoint_columns_
     assert torch.equal(buf[1, 1, :16], case.ckv[0]) and torch.equal(buf[2, 1, 16:], case.kpe[2])
 
 
+@pytest.mark.parametrize("source, cache", [("kpe", "ckv"), ("ckv", "kpe"), ("ckv", "ckv"), ("kpe", "kpe")])
+def test_mla_append_refuses_a_source_in_either_cache(source: str, cache: str) -> None:
+    """append_kpe inside ckv_cache was read after the ckv write had overwritten it (a wrong kpe, silently); each
+    source is checked against both caches, by this function's argument names."""
+    case = MlaAppend()
+    caches = {"ckv": case.ckv_cache, "kpe": case.kpe_cache}
+    width = {"ckv": 16, "kpe": 8}[source]
+    caches[cache][4:].view(-1)[: 3 * width] = torch.randn(3 * width)
+    inside = caches[cache][4:].view(-1)[: 3 * width].view(3, width)  # pages 4-5: not written by this append
+    before = (case.ckv_cache.clone(), case.kpe_cache.clone())
+    with pytest.raises(ValueError, match=rf"^append_{source} lies in {cache}_cache's memory"):
+        case.run(**{f"append_{source}": inside})
+    assert torch.equal(case.ckv_cache, before[0]) and torch.equal(case.kpe_cache, before[1])
+
+
 @pytest.mark.parametrize("change, message", [
     (lambda c: dict(batch_indices=_i32([0, 0, 1, 1])),
      r"batch_indices has 4 entries; expected nnz=3 \(append_ckv's rows\)"),

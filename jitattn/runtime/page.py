@@ -142,16 +142,15 @@ def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     return tensor.to(device, non_blocking=True).contiguous()
 
 
-def _refuse_sources_in_cache(append_key: torch.Tensor, append_value: torch.Tensor, paged_kv_cache) -> None:
-    """The appended tokens must not live in the cache's own bytes (a slice of a page): the launch would read
-    slots it is writing. Dense tensors (a cache, the step's new K / V) by a pointer compare, as this runs on every
-    call; others by their spans."""
-    caches = paged_kv_cache if isinstance(paged_kv_cache, (tuple, list)) else (paged_kv_cache,)
-    for name, source in (("append_key", append_key), ("append_value", append_value)):
-        for cache in caches:
+def _refuse_sources_in_cache(sources, caches) -> None:
+    """The appended tokens (``sources``: (name, tensor) pairs) must not live in a cache's own bytes (``caches``:
+    (name, tensor) pairs; a slice of a page): the launch would read slots it is writing. Dense tensors (a cache, the
+    step's new K / V) by a pointer compare, as this runs on every call; others by their spans."""
+    for name, source in sources:
+        for cache_name, cache in caches:
             dense = source.is_contiguous() and cache.is_contiguous()
             if dense_overlap(source, cache) if dense else spans_overlap(source, cache):
-                raise ValueError(f"{name} lies in paged_kv_cache's memory, which the append writes (it would read "
+                raise ValueError(f"{name} lies in {cache_name}'s memory, which the append writes (it would read "
                                  f"slots as they are overwritten); pass {name}.clone()")
 
 
@@ -198,7 +197,9 @@ def append_paged_kv_cache(
         raise ValueError("paged_kv_cache's k and v share memory, so the appended values would overwrite keys: pass "
                          "two caches that do not overlap (or one [pages, 2, ...] tensor)")
     nnz = _check_appended(append_key, append_value, cache)
-    _refuse_sources_in_cache(append_key, append_value, paged_kv_cache)
+    caches = paged_kv_cache if isinstance(paged_kv_cache, (tuple, list)) else (paged_kv_cache,)
+    _refuse_sources_in_cache((("append_key", append_key), ("append_value", append_value)),
+                             [("paged_kv_cache", c) for c in caches])
     target, device = target_of("append_paged_kv_cache", (append_key, append_value, cache.k, cache.v))
     if target is Target.CUDA and cache.dtype == torch.float32:
         raise TypeError(
@@ -444,6 +445,9 @@ def append_paged_mla_kv_cache(
         raise ValueError(f"ckv_cache and kpe_cache {what}, so the kpe writes could overwrite latent values: cut "
                          "them from disjoint columns of one buffer (buf[..., :512] and buf[..., 512:]) or pass two "
                          "tensors")
+    # either source in either cache: the first half's write would change what the second half reads
+    _refuse_sources_in_cache((("append_ckv", append_ckv), ("append_kpe", append_kpe)),
+                             (("ckv_cache", ckv_cache), ("kpe_cache", kpe_cache)))
     target, device = target_of("append_paged_mla_kv_cache", (append_ckv, append_kpe, ckv_cache, kpe_cache))
     for name, cache in (("ckv_cache", ckv_cache), ("kpe_cache", kpe_cache)):
         if target is Target.CUDA and cache.dtype == torch.float32:
