@@ -109,6 +109,16 @@ def test_rmsnorm_in_place(device, dtype) -> None:
     want = _rms_ref(x, w, 1e-6)
     assert jitattn.rmsnorm(x, w, out=x) is x
     _check("rmsnorm in place", x, want, dtype)
+    # another view object of the same elements is in place too (it was refused as 'overlaps input'), as FlashInfer
+    y, _ = _rows((7, 256), dtype, device, 13)
+    y = y.contiguous()
+    want = _rms_ref(y[:6], w, 1e-6)
+    last = y[6].clone()
+    jitattn.rmsnorm(y[:6], w, out=y[:6])
+    _check("rmsnorm in place through another view", y[:6], want, dtype)
+    assert torch.equal(y[6], last)
+    with pytest.raises(ValueError, match="out overlaps input without being it"):  # a shifted view: refused
+        jitattn.rmsnorm(y[:6], w, out=y[1:7])
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -188,6 +198,8 @@ def test_bad_inputs_get_clear_errors() -> None:
         jitattn.rmsnorm(torch.randn(64), w)
     with pytest.raises(ValueError, match="eps=-1"):
         jitattn.rmsnorm(x, w, eps=-1)
+    with pytest.raises(ValueError, match="device meta is not supported"):  # not 'out overlaps input' (pointers 0)
+        jitattn.rmsnorm(torch.randn(2, 8, device="meta"), torch.randn(8, device="meta"))
     with pytest.raises(TypeError, match=r"must be a Python float \(for a one-element tensor pass .item\(\)\)"):
         jitattn.rmsnorm(x, w, eps=torch.tensor(1e-6))
     with pytest.raises(TypeError, match="dtype int64"):

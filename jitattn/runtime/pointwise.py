@@ -87,6 +87,11 @@ def rms_norm(what: str, input: torch.Tensor, weight: torch.Tensor, eps, out: tor
     _same("weight", weight, input, "input")
     _same("out", out, input, "input")
     check_no_overlap("out", out)
+    # the devices before the addresses (a meta tensor's are all 0); a residual that is no tensor is named below
+    target, device = target_of(what, [input, weight, out] + ([residual] if isinstance(residual, torch.Tensor) else []))
+    if out is not input and out.device == input.device and (out.data_ptr(), out.stride()) == (input.data_ptr(),
+                                                                                               input.stride()):
+        out = input  # another view object of the same elements: in place, as FlashInfer takes it
     if residual is not None:
         _check("residual", residual)
         if tuple(residual.shape) != tuple(input.shape):
@@ -104,7 +109,6 @@ def rms_norm(what: str, input: torch.Tensor, weight: torch.Tensor, eps, out: tor
         if written is not None and written_over(written, (("weight", weight),)):
             raise ValueError(f"{what}: weight shares memory with {name}, which this call writes; pass a weight of "
                              "its own (weight.clone())")
-    target, device = target_of(what, [input, weight, out, residual])
     eps = _eps(eps)
     rows = math.prod(input.shape[:-1])
     if rows == 0:
