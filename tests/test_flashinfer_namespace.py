@@ -347,5 +347,8 @@ def test_packbits_and_segment_packbits_are_numpys() -> None:
                 assert got == np.packbits(x[indptr[i]:indptr[i + 1]].numpy(), bitorder=order).tolist()
     with pytest.raises(ValueError, match="indptr must start at 0"):
         fi.segment_packbits(torch.ones(4, dtype=torch.bool), torch.tensor([0, 5]))
+    for indptr in (torch.tensor([0, 3], dtype=torch.complex64), torch.tensor([False, True]), torch.tensor([0.0, 3.0])):
+        with pytest.raises(ValueError, match="indptr must be a 1-D integer tensor"):  # complex and bool were taken
+            fi.segment_packbits(torch.ones(3), indptr)
     with pytest.raises(ValueError, match="bitorder"):
         fi.packbits(torch.ones(4, dtype=torch.bool), "middle")

@@ -38,7 +38,8 @@ def segment_packbits(x: torch.Tensor, indptr: torch.Tensor, bitorder: str = "big
     (uint8 ``[new_indptr[-1]]``, int32 ``new_indptr`` with ``new_indptr[i + 1] - new_indptr[i] = (len_i + 7) // 8``).
     Reads the segment sizes on the host (a synchronisation when ``indptr`` is on a GPU)."""
     bits = _bits(x, "segment_packbits", bitorder)
-    if not isinstance(indptr, torch.Tensor) or indptr.dim() != 1 or indptr.numel() < 1 or indptr.is_floating_point():
+    if (not isinstance(indptr, torch.Tensor) or indptr.dim() != 1 or indptr.numel() < 1 or indptr.is_floating_point()
+            or indptr.is_complex() or indptr.dtype == torch.bool):
         raise ValueError("segment_packbits: indptr must be a 1-D integer tensor of batch_size + 1 entries")
     starts = indptr.to(device="cpu", dtype=torch.int64)
     lens = starts[1:] - starts[:-1]
