@@ -141,8 +141,9 @@ def test_sizes_take_numpy_ints_and_refuse_bools() -> None:
 
 
 def test_bad_options() -> None:
-    with pytest.raises(ValueError, match="pos_encoding_mode"):
-        _decode(pos_encoding_mode="ROPE_GPTJ")
+    for mode in ("ROPE_GPTJ", "ROPE", "rope"):  # "rope" is the spec's word, not one of FlashInfer's names
+        with pytest.raises(ValueError, match=f"pos_encoding_mode='{mode}' is not supported; use 'NONE', 'ROPE_LLAMA'"):
+            _decode(pos_encoding_mode=mode)
     with pytest.raises(ValueError, match="window_left"):
         _decode(window_left=-2)
     with pytest.raises(ValueError, match="logits_soft_cap"):

@@ -48,10 +48,14 @@ def parse_pos_encoding(value: str | int | PosEncoding) -> PosEncoding:
         if value in _POS_CODES:
             return _POS_CODES[value]
         raise ValueError(f"pos_encoding_mode={value} is not supported; use 'NONE', 'ROPE_LLAMA' or 'ALIBI'")
-    try:
-        return PosEncoding.parse(value, "pos_encoding_mode")
-    except ValueError:
-        raise ValueError(f"pos_encoding_mode={value!r} is not supported; use 'NONE', 'ROPE_LLAMA' or 'ALIBI'") from None
+    if isinstance(value, PosEncoding):
+        return value
+    if isinstance(value, str) and value.strip().upper() in _POS_NAMES:  # FlashInfer's names ("rope" is the spec's)
+        return _POS_NAMES[value.strip().upper()]
+    raise ValueError(f"pos_encoding_mode={value!r} is not supported; use 'NONE', 'ROPE_LLAMA' or 'ALIBI'")
+
+
+_POS_NAMES = {"NONE": PosEncoding.NONE, "ROPE_LLAMA": PosEncoding.ROPE_LLAMA, "ALIBI": PosEncoding.ALIBI}
 
 
 _TORCH_DTYPES = frozenset(d.torch_dtype for d in DType)
