@@ -313,6 +313,22 @@ def test_sinks_argument_is_checked() -> None:
         wrapper.run(q, batch.cache, sinks=[0.0] * 8)
 
 
+def test_sink_wrapper_constructor_pos_encoding_is_the_plans_default() -> None:
+    """FlashInfer's constructor takes pos_encoding_mode; a plan() without one runs it (it was passed on as the spec's
+    lowercase word, which plan() refuses since it takes FlashInfer's names only)."""
+    gen = torch.Generator().manual_seed(5)
+    batch, qo_indptr, q = _prefill_batch(gen, 4, 2, 64, f16, "cpu")
+    sinks = _sinks(4, gen, "cpu")
+    table = (qo_indptr, batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len, 4, 2, 64, PAGE)
+    ws = torch.empty(1 << 20, dtype=torch.uint8)
+    by_default = jitattn.BatchAttentionWithAttentionSinkWrapper(ws, pos_encoding_mode="ROPE_LLAMA", head_dim_qk=64,
+                                                               head_dim_vo=64)
+    by_default.plan(*table, q_data_type=f16)
+    explicit = jitattn.BatchAttentionWithAttentionSinkWrapper(torch.empty(1 << 20, dtype=torch.uint8))
+    explicit.plan(*table, pos_encoding_mode="ROPE_LLAMA", q_data_type=f16)
+    assert torch.equal(by_default.run(q, batch.cache, sinks), explicit.run(q, batch.cache, sinks))
+
+
 def test_sinks_inside_out_or_lse_are_refused() -> None:
     """sinks that share memory with out or lse were accepted and read after the kernel had written there."""
     gen = torch.Generator().manual_seed(3)

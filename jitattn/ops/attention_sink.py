@@ -57,7 +57,7 @@ class BatchAttentionWithAttentionSinkWrapper(BatchPrefillWithPagedKVCacheWrapper
     @functools.wraps(BatchPrefillWithPagedKVCacheWrapper.plan)  # its signature, for inspect and IDEs
     def plan(self, *args, **kwargs) -> None:
         if self._default_pos_encoding is not PosEncoding.NONE and "pos_encoding_mode" not in kwargs and len(args) < 13:
-            kwargs["pos_encoding_mode"] = self._default_pos_encoding.value
+            kwargs["pos_encoding_mode"] = self._default_pos_encoding
         super().plan(*args, **kwargs)
         self._plan.sink_launch_ready()
 
