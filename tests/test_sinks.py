@@ -297,12 +297,18 @@ def test_cascade_with_sinks_matches_flat_reference(device: str, num_levels: int,
 
 # -- what the argument must be ---------------------------------------------------------------------
 
-def test_sinks_argument_is_checked() -> None:
-    gen = torch.Generator().manual_seed(2)
+def _planned_decode(gen: torch.Generator):
+    """(batch, q, wrapper): a decode wrapper planned over two requests of 5 and 30 keys, 8 / 2 heads, f16."""
     batch = random_paged_batch([5, 30], 2, 64, PAGE, f16, generator=gen)
     q = torch.randn(2, 8, 64, generator=gen).to(f16)
     wrapper = jitattn.BatchDecodeWithPagedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8))
     wrapper.plan(batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len, 8, 2, 64, PAGE, q_data_type=f16)
+    return batch, q, wrapper
+
+
+def test_sinks_argument_is_checked() -> None:
+    gen = torch.Generator().manual_seed(2)
+    batch, q, wrapper = _planned_decode(gen)
     with pytest.raises(ValueError, match="float32"):
         wrapper.run(q, batch.cache, sinks=torch.zeros(8, dtype=f16))
     with pytest.raises(ValueError, match=r"\[num_qo_heads\] = \[8\]"):
@@ -332,10 +338,7 @@ def test_sink_wrapper_constructor_pos_encoding_is_the_plans_default() -> None:
 def test_sinks_inside_out_or_lse_are_refused() -> None:
     """sinks that share memory with out or lse were accepted and read after the kernel had written there."""
     gen = torch.Generator().manual_seed(3)
-    batch = random_paged_batch([5, 30], 2, 64, PAGE, f16, generator=gen)
-    q = torch.randn(2, 8, 64, generator=gen).to(f16)
-    wrapper = jitattn.BatchDecodeWithPagedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8))
-    wrapper.plan(batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len, 8, 2, 64, PAGE, q_data_type=f16)
+    batch, q, wrapper = _planned_decode(gen)
     lse = torch.randn(2, 8)
     with pytest.raises(ValueError, match=r"lse shares memory with sinks"):
         wrapper.run(q, batch.cache, sinks=lse[0], lse=lse, return_lse=True)
