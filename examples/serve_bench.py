@@ -33,6 +33,7 @@ The column is that bound over the measured decode time (1.0 = at the roofline).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 from pathlib import Path
 from typing import Callable
@@ -293,6 +294,29 @@ def _plot(points: dict, path: str) -> None:
     print(f"wrote {path}")
 
 
+# serve.py flags that each sweep point sets itself (a value passed through would override it, mislabelling the row)
+SWEEP_SETS = ("--num-requests", "--max-batch-size", "--system-prompt-len", "--prompt-len-range", "--prompt-len",
+              "--output-len")
+
+
+def check_sweep_flags(parser: argparse.ArgumentParser, args: argparse.Namespace, rest: list[str]) -> None:
+    """Refuse, before any run, what the sweep would ignore or mislabel, and a plot it could not write."""
+    if not args.sweep_prefix:
+        for flag, value in (("--plot", args.plot), ("--sweep-requests", args.sweep_requests)):
+            if value is not None:
+                parser.error(f"{flag} belongs to the sweep: give --sweep-prefix too (or leave {flag} out)")
+        return
+    clash = [flag for flag in rest if flag.split("=", 1)[0] in SWEEP_SETS]
+    if clash:
+        parser.error(f"{clash[0]}: each sweep point sets the request count, batch size, shared prefix, prompt and "
+                     "output lengths itself; leave it out")
+    if args.plot is not None:
+        if problem := serve.unwritable("--plot", args.plot):
+            parser.error(problem)
+        if importlib.util.find_spec("matplotlib") is None:
+            parser.error(f"--plot {args.plot}: matplotlib is not installed (pip install -e '.[plot]')")
+
+
 def main(argv: list[str] | None = None) -> None:
     # no abbreviations: serve.py's flags pass through, and --graphs must not be read as --graphs-only
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
@@ -301,7 +325,7 @@ def main(argv: list[str] | None = None) -> None:
                         "flags given here override them)")
     parser.add_argument("--sweep-prefix", type=serve.ints(1),
                         help="comma-separated shared-prefix lengths: time the decode step against them")
-    parser.add_argument("--sweep-requests", type=serve.ints(1), default=[64, 128],
+    parser.add_argument("--sweep-requests", type=serve.ints(1),
                         help="request counts of the sweep (default 64,128)")
     parser.add_argument("--plot", help="the sweep's PNG (needs matplotlib)")
     parser.add_argument("--repeat", type=int, default=1, help="runs per row, made interleaved; a row is their "
@@ -321,11 +345,12 @@ def main(argv: list[str] | None = None) -> None:
     if own:  # the bench gives these to each run itself (its rows are cascade on / off, graphs off / on)
         parser.error(f"{own[0]}: the bench sets cascade and graphs per row itself (--graphs-only for graph rows "
                      "alone); leave it out")
+    check_sweep_flags(parser, args, rest)
     device = argparse.ArgumentParser(add_help=False)
     device.add_argument("--device", default="auto")
     on_cuda = device.parse_known_args(rest)[0].device == "cuda"  # auto: run_workload asks the first run
     if args.sweep_prefix:
-        prefixes, counts = args.sweep_prefix, args.sweep_requests
+        prefixes, counts = args.sweep_prefix, args.sweep_requests or [64, 128]
         flags = " --graphs-only" if args.graphs_only else ""
         listed = lambda values: ",".join(map(str, values))  # noqa: E731
         lines = [f"# Decode step time against the shared prefix (`python3 examples/serve_bench.py "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -129,19 +130,19 @@ def test_serve_bench_presets_and_roofline() -> None:
 def test_serve_bench_sweeps_the_shared_prefix(tmp_path):
     """--sweep-prefix: one row per (request count, prefix, cascade on / off); the PNG where matplotlib is."""
     out, png = tmp_path / "sweep.md", tmp_path / "sweep.png"
-    proc = subprocess.run([sys.executable, str(EXAMPLES / "serve_bench.py"), "--out", str(out), "--sweep-prefix",
-                           "32,64", "--sweep-requests", "3", "--device", "cpu", "--plot", str(png)],
-                          env=child_env(), capture_output=True, text=True, timeout=600)
+    command = [sys.executable, str(EXAMPLES / "serve_bench.py"), "--out", str(out), "--sweep-prefix", "32,64",
+               "--sweep-requests", "3", "--device", "cpu", "--plot", str(png)]
+    has_matplotlib = importlib.util.find_spec("matplotlib") is not None
+    if not has_matplotlib:  # refused before the sweep (it used to say so after it, and exit 0)
+        proc = subprocess.run(command, env=child_env(), capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2 and "matplotlib is not installed" in proc.stderr and not out.exists()
+        command = command[:-2]
+    proc = subprocess.run(command, env=child_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = [line.split(" | ") for line in out.read_text().splitlines() if line.startswith("| 3 |")]
     assert [(r[1], r[2]) for r in rows] == [("32", "on"), ("32", "off"), ("64", "on"), ("64", "off")]
     assert all(float(r[4]) > 0 for r in rows) and rows[0][6].endswith("x |")
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        assert "matplotlib is not installed" in proc.stdout and not png.exists()
-    else:
-        assert png.stat().st_size > 0
+    assert png.exists() == has_matplotlib and (not has_matplotlib or png.stat().st_size > 0)
 
 
 def test_serve_bench_repeated_rows_are_medians_with_their_spread() -> None:
@@ -182,6 +183,11 @@ def test_serve_bench_refuses_no_runs(tmp_path):
     ("serve_bench.py", ["--out", "no/such/dir/x.md", "--preset", "system-2k"], "is not a directory"),
     ("serve_bench.py", ["--out", ".", "--preset", "system-2k"], "--out .: is a directory; give a file name"),
     ("serve_bench.py", ["--out", "x.md", "--graphs"], "--graphs: the bench sets cascade and graphs per row"),
+    ("serve_bench.py", ["--out", "x.md", "--plot", "p.png"], "--plot belongs to the sweep: give --sweep-prefix"),
+    ("serve_bench.py", ["--out", "x.md", "--sweep-requests", "3"], "--sweep-requests belongs to the sweep"),
+    ("serve_bench.py", ["--out", "x.md", "--sweep-prefix", "32", "--num-requests", "3"],
+     "--num-requests: each sweep point sets the request count"),  # it overrode the point's, mislabelling the rows
+    ("serve_bench.py", ["--out", "x.md", "--sweep-prefix", "32", "--output-len=4"], "--output-len=4: each sweep"),
     ("serve.py", ["--seed", "99999999999999999999"], "argument --seed: 99999999999999999999 must be in [0, 2^63)"),
 ])
 def test_serving_examples_refuse_bad_flags_before_running(script, flags, message, tmp_path):
