@@ -133,16 +133,32 @@ def setup_parallel(args: argparse.Namespace, device: str):
     return TPGroup(dist.get_rank(), dist.get_world_size()), device
 
 
+_HOST_BYTES_PER_TOKEN = 40  # a prompt token as a Python int in a list (its object and the list's pointer)
+
+
+def _host_memory() -> int:
+    """This host's physical memory in bytes (64 GiB where the system does not say)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, OSError, ValueError):
+        return 64 << 30
+
+
 def workload(args: argparse.Namespace, vocab: int) -> list[tuple[float, list[int], int]]:
     """(arrival s, prompt, output tokens) per request: the same on every rank (seeded)."""
-    gen = torch.Generator().manual_seed(args.seed)
-    system = torch.randint(0, vocab, (args.system_prompt_len,), generator=gen).tolist()
     if args.branches < 0 or (args.branches and args.branch_len < 1):
         sys.exit("--branches N needs N >= 0 and, with N > 0, --branch-len >= 1")
-    blocks = [torch.randint(0, vocab, (args.branch_len,), generator=gen).tolist() for _ in range(args.branches)]
     low, high = args.prompt_len_range or (args.prompt_len // 2, args.prompt_len * 3 // 2)
     if not 0 <= low <= high:
         sys.exit(f"--prompt-len-range {low} {high}: need 0 <= MIN <= MAX")
+    longest = args.system_prompt_len + (args.branch_len if args.branches else 0) + max(1, high)
+    if args.num_requests * longest * _HOST_BYTES_PER_TOKEN > _host_memory() // 2:  # before any list is built
+        sys.exit(f"the workload's prompts ({args.num_requests} requests of up to {longest} tokens: system prompt, "
+                 "branch and own prompt) would not fit in half this host's memory as token lists; give fewer "
+                 "(--num-requests) or shorter (--system-prompt-len, --prompt-len) requests")
+    gen = torch.Generator().manual_seed(args.seed)
+    system = torch.randint(0, vocab, (args.system_prompt_len,), generator=gen).tolist()
+    blocks = [torch.randint(0, vocab, (args.branch_len,), generator=gen).tolist() for _ in range(args.branches)]
     requests, arrival = [], 0.0
     for i in range(args.num_requests):
         if args.rate > 0:
@@ -233,8 +249,13 @@ def main(argv: list[str] | None = None) -> dict:
     except (torch.OutOfMemoryError, RuntimeError) as exc:  # the pool's one allocation (the CPU's says "allocate")
         if not isinstance(exc, torch.OutOfMemoryError) and "allocate" not in str(exc):
             raise
-        sys.exit(f"--num-pages {num_pages}: a KV pool of {num_pages} pages does not fit in {device}'s memory; give "
-                 "fewer pages")
+        if args.num_pages:
+            sys.exit(f"--num-pages {num_pages}: a KV pool of {num_pages} pages does not fit in {device}'s memory; "
+                     "give fewer pages")
+        sys.exit(f"the KV pool these requests need ({num_pages} pages of {args.page_size} tokens: up to "
+                 f"{min(args.num_requests, args.max_batch_size)} requests of up to {longest} tokens at once) does not "
+                 f"fit in {device}'s memory; give fewer or shorter requests (--output-len, --prompt-len), a smaller "
+                 "--max-batch-size or --page-size, or --num-pages")
     leader = group.rank == 0
     if args.graphs:  # at startup, as serving engines do: the timed run replays them
         capture_started = time.perf_counter()

@@ -196,3 +196,18 @@ def test_serving_examples_refuse_bad_flags_before_running(script, flags, message
     proc = subprocess.run([sys.executable, str(EXAMPLES / script), *flags], env=child_env(), capture_output=True,
                           text=True, timeout=120, cwd=tmp_path)
     assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--system-prompt-len", "1000000000"], "would not fit in half this host's memory as token lists"),
+    (["--num-requests", "1000000000"], "1000000000 requests of up to"),
+    (["--page-size", "1000000000"], "the KV pool these requests need (4 pages of 1000000000 tokens"),
+])
+def test_serve_refuses_a_workload_the_host_cannot_hold_naming_the_flags(flags, message, tmp_path):
+    """A billion-token prompt or a billion requests grew the process toward the memory's end with no output (the
+    token lists were built first); a pool too large for memory was blamed on --num-pages, which was not given."""
+    proc = subprocess.run([sys.executable, str(EXAMPLES / "serve.py"), "--device", "cpu", "--model", "tiny",
+                           "--num-requests", "2", *flags], env=child_env(), capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path)
+    assert proc.returncode == 1 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "--num-pages 4" not in proc.stderr
