@@ -213,13 +213,22 @@ def check_json_path(path: str | None) -> str | None:
         return f"--json {path}: {parent} is a file, not a directory"
     if not os.access(parent, os.W_OK):
         return f"--json {path}: {parent} is not writable"
-    if parent == directory:  # the directory exists: try it (root passes os.access where /proc refuses)
-        try:
-            fd, tmp = tempfile.mkstemp(dir=directory, prefix=".bench-", suffix=".json")
-        except OSError as exc:
-            return f"--json {path}: cannot write in {directory} ({exc.strerror})"
+    try:
+        name_max = os.pathconf(parent, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        name_max = 255
+    if len(os.fsencode(os.path.basename(path))) > name_max:
+        return f"--json {path}: the file name is longer than {name_max} bytes; give a shorter one"
+    try:  # the run would make the directory at its first write: made now, a refusal comes before the run
+        os.makedirs(directory, exist_ok=True)
+    except OSError as exc:
+        return f"--json {path}: cannot make {directory} ({exc.strerror})"
+    try:  # the directory exists: try it (root passes os.access where /proc and /sys refuse)
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".bench-", suffix=".json")
         os.close(fd)
         os.unlink(tmp)
+    except OSError as exc:
+        return f"--json {path}: cannot write in {directory} ({exc.strerror})"
     return None
 
 
