@@ -556,6 +556,17 @@ def test_a_run_the_results_page_cannot_read_is_named_not_dropped(tmp_path, capsy
     assert "bad.json" in err and re.search(match, err) and not (tmp_path / "RESULTS.md").exists()
 
 
+def test_the_results_page_of_no_cuda_run_is_refused(tmp_path, capsys) -> None:
+    """A folder without a cuda run's rows wrote a page of no tables, and said so as a success."""
+    from jitattn.bench import results
+
+    (tmp_path / "cpu.json").write_text('{"schema": "jitattn-bench/1", "target": "cpu", "rows": [{"name": '
+                                       '"decode/x", "status": "ok", "time_us": 1}]}')
+    assert results.main(["--runs", str(tmp_path)]) == 2
+    assert "holds no successful row of a cuda run" in capsys.readouterr().err
+    assert not (tmp_path / "RESULTS.md").exists()
+
+
 @pytest.mark.parametrize("name", list(ROPE_BYTES))
 def test_rope_bytes(name: str) -> None:
     case = configs.BY_NAME[name]

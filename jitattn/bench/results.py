@@ -88,6 +88,9 @@ def _sdpa(row: dict) -> str:
 
 def page(runs_dir: Path = RESULTS_DIR) -> str:
     rows = newest_rows(runs_dir)
+    if not rows:  # (an empty page would read as a result)
+        raise ValueError(f"{runs_dir} holds no successful row of a cuda run (*.json of `python -m jitattn.bench "
+                         "--json` on a GPU); nothing to write")
     lines = [
         "# Current results",
         "",
@@ -139,7 +142,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{target} is out of date: run python -m jitattn.bench.results", file=sys.stderr)
             return 1
         return 0
-    target.write_text(text)
+    try:
+        target.write_text(text)
+    except OSError as exc:
+        print(f"error: cannot write {target} ({exc.strerror}); name a --runs folder you can write in", file=sys.stderr)
+        return 1
     print(f"wrote {target}")
     return 0
 
