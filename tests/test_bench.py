@@ -17,6 +17,7 @@ import torch
 
 from jitattn.bench import configs, inputs, report, suite, units
 from jitattn.bench import rows as bench_rows
+from jitattn.bench import __main__ as bench_main
 from jitattn.bench.__main__ import main, parse_args
 
 # decode bytes = 2 * tokens read * H_kv * D * bytes/elem (K and V) + q bytes + o bytes (B * H_q * D * 2 each, bf16)
@@ -422,6 +423,16 @@ def test_plot_without_matplotlib(tmp_path, monkeypatch) -> None:
     assert not report.plot(_fake_doc(), str(tmp_path / "p.png"), messages.append)
     assert "matplotlib is not installed" in messages[0]
     assert not (tmp_path / "p.png").exists()
+
+
+def test_plot_without_matplotlib_or_a_writable_path_is_refused_before_the_run(tmp_path, monkeypatch, capsys) -> None:
+    """--plot was looked at after the whole run (then 'no plot written', exit 0)."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert main(["--target", "cpu", "--only", "decode/llama8b_b64_s2048", "--plot", str(tmp_path / "p.png")]) == 2
+    assert "--plot" in (err := capsys.readouterr().err) and "matplotlib is not installed" in err
+    monkeypatch.setattr(bench_main, "_has_matplotlib", lambda: True)
+    assert main(["--target", "cpu", "--only", "decode/llama8b_b64_s2048", "--plot", str(tmp_path)]) == 2
+    assert "is a directory; name a file" in capsys.readouterr().err
 
 
 def test_table_formats_every_row_status() -> None:

@@ -16,6 +16,7 @@ How numbers are produced: ``jitattn/bench/suite.py`` (with ``rows``, ``inputs``,
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 
 
@@ -59,6 +60,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return opts
 
 
+def _has_matplotlib() -> bool:
+    try:
+        return importlib.util.find_spec("matplotlib") is not None
+    except (ImportError, ValueError):  # a None entry in sys.modules (a blocked import)
+        return False
+
+
 def main(argv: list[str] | None = None) -> int:
     opts = parse_args(argv)
     from . import configs
@@ -77,6 +85,11 @@ def main(argv: list[str] | None = None) -> int:
     from . import compare, report, suite
 
     problem = report.check_json_path(opts.json)
+    if problem is None and opts.plot and not opts.child:  # before the run, not after it
+        if not _has_matplotlib():
+            problem = f"--plot {opts.plot}: matplotlib is not installed (pip install matplotlib)"
+        else:
+            problem = report.check_json_path(opts.plot, flag="--plot")
     if problem is not None:
         print(f"error: {problem}", file=sys.stderr)
         return 2

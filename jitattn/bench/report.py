@@ -198,37 +198,39 @@ def write_json(doc: dict, path: str | None) -> None:
         raise
 
 
-def check_json_path(path: str | None) -> str | None:
-    """Why ``--json path`` cannot be written (None: it can), checked before a run rather than after its first case."""
+def check_json_path(path: str | None, flag: str = "--json") -> str | None:
+    """Why ``--json path`` (or another output ``flag``'s) cannot be written (None: it can), checked before a run rather
+    than after its first case."""
     if not path:
         return None
     if os.path.isdir(path):
-        return f"--json {path} is a directory; name a file (e.g. {os.path.join(path, 'bench.json')})"
+        example = "bench.png" if flag == "--plot" else "bench.json"
+        return f"{flag} {path} is a directory; name a file (e.g. {os.path.join(path, example)})"
     if os.path.lexists(path) and not os.path.isfile(path):  # write_json replaces the path: a device, FIFO or socket
-        return f"--json {path} is not a regular file (the results replace what is there); name a file"
+        return f"{flag} {path} is not a regular file (the results replace what is there); name a file"
     directory = parent = os.path.dirname(os.path.abspath(path))
     while not os.path.exists(parent):
         parent = os.path.dirname(parent)
     if not os.path.isdir(parent):
-        return f"--json {path}: {parent} is a file, not a directory"
+        return f"{flag} {path}: {parent} is a file, not a directory"
     if not os.access(parent, os.W_OK):
-        return f"--json {path}: {parent} is not writable"
+        return f"{flag} {path}: {parent} is not writable"
     try:
         name_max = os.pathconf(parent, "PC_NAME_MAX")
     except (OSError, ValueError):
         name_max = 255
     if len(os.fsencode(os.path.basename(path))) > name_max:
-        return f"--json {path}: the file name is longer than {name_max} bytes; give a shorter one"
+        return f"{flag} {path}: the file name is longer than {name_max} bytes; give a shorter one"
     try:  # the run would make the directory at its first write: made now, a refusal comes before the run
         os.makedirs(directory, exist_ok=True)
     except OSError as exc:
-        return f"--json {path}: cannot make {directory} ({exc.strerror})"
+        return f"{flag} {path}: cannot make {directory} ({exc.strerror})"
     try:  # the directory exists: try it (root passes os.access where /proc and /sys refuse)
         fd, tmp = tempfile.mkstemp(dir=directory, prefix=".bench-", suffix=".json")
         os.close(fd)
         os.unlink(tmp)
     except OSError as exc:
-        return f"--json {path}: cannot write in {directory} ({exc.strerror})"
+        return f"{flag} {path}: cannot write in {directory} ({exc.strerror})"
     return None
 
 
