@@ -175,11 +175,15 @@ def workload(args: argparse.Namespace, vocab: int) -> list[tuple[float, list[int
 
 def unwritable(flag: str, path: str) -> str | None:
     """Why ``path`` cannot be written as a file (None when it can): checked before a run, not after it."""
+    if not path.strip():
+        return f"{flag}: the path is empty; name a file"
     target = Path(path)
     if target.is_dir():
         return f"{flag} {path}: is a directory; give a file name"
     if target.exists() and not target.is_file():  # a FIFO would block the trial open below
         return f"{flag} {path}: is not a regular file; give a file name"
+    if not target.resolve().parent.exists():
+        return f"{flag} {path}: {target.resolve().parent} does not exist; create it (mkdir -p) or name another file"
     if not target.resolve().parent.is_dir():
         return f"{flag} {path}: {target.resolve().parent} is not a directory"
     existed = target.exists()
@@ -223,7 +227,7 @@ def main(argv: list[str] | None = None) -> dict:
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     if device == "cuda" and not torch.cuda.is_available():
         sys.exit("--device cuda: no CUDA device is visible here (use --device cpu or auto)")
-    if args.json and (problem := unwritable("--json", args.json)):
+    if args.json is not None and (problem := unwritable("--json", args.json)):
         sys.exit(problem)
     group, device = setup_parallel(args, device)
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.startswith("cuda") else torch.float32)

@@ -721,6 +721,8 @@ def test_bad_arguments_are_refused_before_any_case_runs(tmp_path, capsys) -> Non
     os.mkfifo(tmp_path / "fifo")  # the results replace the path: a FIFO (or /dev/null, as root) would be replaced
     assert main(["--target", "cpu", "--json", str(tmp_path / "fifo"), "--only", "decode/llama8b_b64_s2048"]) == 2
     assert "is not a regular file" in capsys.readouterr().err and (tmp_path / "fifo").is_fifo()
+    assert main(["--target", "cpu", "--json", "", "--only", "decode/llama8b_b64_s2048"]) == 2  # it wrote nothing
+    assert "--json: the path is empty" in capsys.readouterr().err
     long_name = tmp_path / "new" / ("a" * 300 + ".json")  # it failed at the first write, the results lost
     assert main(["--target", "cpu", "--json", str(long_name), "--only", "decode/llama8b_b64_s2048"]) == 2
     assert "the file name is longer than" in capsys.readouterr().err and not (tmp_path / "new").exists()

@@ -85,8 +85,10 @@ def main(argv: list[str] | None = None) -> int:
     from . import compare, report, suite
 
     problem = report.check_json_path(opts.json)
-    if problem is None and opts.plot and not opts.child:  # before the run, not after it
-        if not _has_matplotlib():
+    if problem is None and opts.plot is not None and not opts.child:  # before the run, not after it
+        if not opts.plot.strip():
+            problem = "--plot: the path is empty; name a file"
+        elif not _has_matplotlib():
             problem = f"--plot {opts.plot}: matplotlib is not installed (pip install matplotlib)"
         else:
             problem = report.check_json_path(opts.plot, flag="--plot")

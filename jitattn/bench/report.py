@@ -201,8 +201,10 @@ def write_json(doc: dict, path: str | None) -> None:
 def check_json_path(path: str | None, flag: str = "--json") -> str | None:
     """Why ``--json path`` (or another output ``flag``'s) cannot be written (None: it can), checked before a run rather
     than after its first case."""
-    if not path:
+    if path is None:
         return None
+    if not path.strip():
+        return f"{flag}: the path is empty; name a file"
     if os.path.isdir(path):
         example = "bench.png" if flag == "--plot" else "bench.json"
         return f"{flag} {path} is a directory; name a file (e.g. {os.path.join(path, example)})"

@@ -297,7 +297,7 @@ def _device(opts) -> tuple[str, torch.device]:
     if target == "auto":
         target = "cuda" if torch.cuda.is_available() else "cpu"
     if target == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--target cuda: no CUDA device is visible")
+        raise SystemExit("--target cuda: no CUDA device is visible here; use --target cpu (or auto)")
     return target, torch.device("cuda", torch.cuda.current_device()) if target == "cuda" else torch.device("cpu")
 
 
