@@ -95,7 +95,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output-len", type=count(1), default=16, help="mean output tokens per request")
     p.add_argument("--cascade", action=argparse.BooleanOptionalAction, default=True,
                    help="cascade attention for requests sharing prefix pages (default on)")
-    p.add_argument("--cascade-depth", type=int, help="at most this many shared levels per cascade step (default: "
+    p.add_argument("--cascade-depth", type=count(1), help="at most this many shared levels per cascade step (default: "
                    "the prefix tree's depth on the cpu, its cheapest cut on cuda; 1: one node per prefix group, the "
                    "two-level cascade)")
     p.add_argument("--graphs", action="store_true",
@@ -149,8 +149,9 @@ def workload(args: argparse.Namespace, vocab: int) -> list[tuple[float, list[int
     if args.branches < 0 or (args.branches and args.branch_len < 1):
         sys.exit("--branches N needs N >= 0 and, with N > 0, --branch-len >= 1")
     low, high = args.prompt_len_range or (args.prompt_len // 2, args.prompt_len * 3 // 2)
-    if not 0 <= low <= high:
-        sys.exit(f"--prompt-len-range {low} {high}: need 0 <= MIN <= MAX")
+    if not 0 <= low <= high or high < 1:
+        sys.exit(f"--prompt-len-range {low} {high}: need 0 <= MIN <= MAX and MAX >= 1 (a prompt has a token of its "
+                 "own)")
     longest = args.system_prompt_len + (args.branch_len if args.branches else 0) + max(1, high)
     if args.num_requests * longest * _HOST_BYTES_PER_TOKEN > _host_memory() // 2:  # before any list is built
         sys.exit(f"the workload's prompts ({args.num_requests} requests of up to {longest} tokens: system prompt, "
@@ -227,6 +228,8 @@ def main(argv: list[str] | None = None) -> dict:
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     if device == "cuda" and not torch.cuda.is_available():
         sys.exit("--device cuda: no CUDA device is visible here (use --device cpu or auto)")
+    if args.graphs and device != "cuda":
+        sys.exit(f"--graphs replays CUDA graphs of the decode step: it needs --device cuda (this run is on {device})")
     if args.json is not None and (problem := unwritable("--json", args.json)):
         sys.exit(problem)
     group, device = setup_parallel(args, device)

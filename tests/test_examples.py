@@ -175,6 +175,7 @@ def test_serve_bench_refuses_no_runs(tmp_path):
     ("serve.py", ["--rate", "nan"], "argument --rate: nan must be a finite number >= 0"),
     ("serve.py", ["--dtype", "foo"], "argument --dtype: invalid choice"),
     ("serve.py", ["--layers", "0"], "argument --layers: 0 must be >= 1"),
+    ("serve.py", ["--cascade-depth", "0"], "argument --cascade-depth: 0 must be >= 1"),  # named the engine's keyword
     ("serve.py", ["--device", "cpu", "--kv-memory-fraction", "5"],
      "argument --kv-memory-fraction: 5 must be in (0, 1]"),
     ("serve_bench.py", ["--out", "x.md", "--no-cascade"], "--no-cascade: the bench sets cascade and graphs per row"),
@@ -203,6 +204,8 @@ def test_serving_examples_refuse_bad_flags_before_running(script, flags, message
     (["--system-prompt-len", "1000000000"], "would not fit in half this host's memory as token lists"),
     (["--num-requests", "1000000000"], "1000000000 requests of up to"),
     (["--page-size", "1000000000"], "the KV pool these requests need (4 pages of 1000000000 tokens"),
+    (["--graphs"], "--graphs replays CUDA graphs of the decode step: it needs --device cuda"),
+    (["--prompt-len-range", "0", "0"], "MAX >= 1 (a prompt has a token of its own)"),  # it became 1-token prompts
 ])
 def test_serve_refuses_a_workload_the_host_cannot_hold_naming_the_flags(flags, message, tmp_path):
     """A billion-token prompt or a billion requests grew the process toward the memory's end with no output (the
