@@ -243,9 +243,9 @@ def test_mixed_batch_refuses_outputs_over_each_other_or_the_inputs(overlap: str)
         match = "out and lse share memory"
     elif overlap == "out_is_q":
         out, match = q, "out shares memory with q"
-    else:
-        cache = cache.float()
-        lse, match = cache.view(-1)[: rows * heads].view(rows, heads), "lse shares memory with the kv cache"
+    else:  # the planned bf16 cache's first bytes as a float32 lse
+        lse = cache.view(-1)[: 2 * rows * heads].view(torch.float32).view(rows, heads)
+        match = "lse shares memory with the kv cache"
     before = (q.clone(), cache.clone())
     with pytest.raises(ValueError, match=rf"^BatchAttention\.run\(\): {match}"):
         wrapper.run(q, cache, out=out, lse=lse)
