@@ -140,7 +140,8 @@ class BatchAttention(NotCopyable):
             positive_int(value, name)  # before the split into parts reads them
         # As FlashInfer's: the batch is kv_len_arr's; qo_indptr / kv_indptr may be longer (fixed buffers sized for the
         # largest batch) and are read up to it.
-        batch = to_host_int32("kv_len_arr", kv_len_arr).numel()
+        kv_len_arr = to_host_int32("kv_len_arr", kv_len_arr)  # (one copy from a GPU)
+        batch = kv_len_arr.numel()
         qo_indptr, kv_indptr = (_batch_prefix(name, t, batch) for name, t in (("qo_indptr", qo_indptr),
                                                                                ("kv_indptr", kv_indptr)))
         last_page_len = last_page_lens(kv_indptr, kv_len_arr, page_size)
