@@ -82,6 +82,7 @@ def chain_violations(root: Path, *leaves: Path, directories: tuple[Path, ...] = 
     """Every violation on the paths from ``root`` down to each of ``leaves``, each path once; and a path that exists
     but is not a directory where one belongs (above a leaf, or one of ``directories``) is in the cache's way."""
     seen: set[Path] = set()
+    as_directory: set[Path] = set()  # paths already looked at as directories (one stat each)
     blocked: set[Path] = set()
     found: list[Violation] = []
     for leaf in leaves or (root,):
@@ -89,11 +90,13 @@ def chain_violations(root: Path, *leaves: Path, directories: tuple[Path, ...] = 
             if path not in seen:
                 seen.add(path)
                 found += violations(path, follow_links=path == root)
-            if (path != leaf or path in directories) and _in_the_way(path, follow_links=path == root):
-                if path not in blocked:
+            if (path != leaf or path in directories) and path not in as_directory:
+                as_directory.add(path)
+                if _in_the_way(path, follow_links=path == root):
                     blocked.add(path)
                     found.append(Violation(path, f"{path} is in the jitattn cache's way: it exists but is not a "
                                                  "directory", f"rm {shlex.quote(str(path))}"))
+            if path in blocked:
                 break  # nothing below it can exist
     return found
 
