@@ -379,15 +379,17 @@ def test_a_failing_case_is_a_row_error_and_the_suite_goes_on(tmp_path, monkeypat
                                                                (twin["flops"] / twin["time_us"]))
 
 
-def test_case_budget_and_deadline(tmp_path) -> None:
+def test_case_budget_and_deadline(tmp_path, capsys) -> None:
+    """A run that timed nothing exits 1 (a script checking the exit code must not take it for results)."""
     path = tmp_path / "bench.json"
     assert main(["--target", "cpu", "--only", "decode/llama8b_b1_s32768", "--json", str(path),
-                 "--case-budget", "0.0001", "--ceilings-json", "{}"]) == 0
+                 "--case-budget", "0.0001", "--ceilings-json", "{}"]) == 1
+    assert "no case was timed" in capsys.readouterr().err
     row = json.loads(path.read_text())["rows"][0]
     assert row["time_us"] is None and "time budget" in row["note"]
     assert parse_args(["--case-budget", "0"]).case_budget == 45.0  # 0 is the default, as for --deadline
     assert main(["--target", "cpu", "--only", "decode/llama8b_b1_s32768,mla/*", "--json", str(path),
-                 "--deadline", "0.001", "--ceilings-json", "{}", "--no-prebuild"]) == 0
+                 "--deadline", "0.001", "--ceilings-json", "{}", "--no-prebuild"]) == 1
     rows = json.loads(path.read_text())["rows"]
     assert rows and all(r["status"] == "skipped" and "time budget" in r["error"] for r in rows)
 
@@ -748,3 +750,14 @@ def test_results_json_is_readable_and_leaves_no_temp_file(tmp_path) -> None:
     with pytest.raises(TypeError):
         report.write_json({"bad": object()}, str(path))
     assert [p.name for p in tmp_path.iterdir()] == ["r.json"], "the temp file of a failed write is removed"
+
+
+def test_reader_gone_is_quiet() -> None:
+    """``python -m jitattn.bench --list | head -1``: the closed pipe ends the run without a traceback."""
+    import subprocess
+
+    proc = subprocess.Popen([sys.executable, "-m", "jitattn.bench", "--list"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    proc.stdout.close()  # before the first line is written: every write meets a closed pipe
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 1 and "Traceback" not in err and "BrokenPipe" not in err, err

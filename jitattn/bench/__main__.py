@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import sys
 
 
@@ -116,8 +117,20 @@ def main(argv: list[str] | None = None) -> int:
         if opts.json:
             print(f"results written to {opts.json}", flush=True)
     # a run whose rows failed is not a success (a script that checks the exit code must see it); skipped rows are
-    return 1 if any(row.get("status") == "error" for row in doc.get("rows", [])) else 0
+    # not failures, but a run that timed nothing at all (every case past --deadline or its budget) is not a success
+    rows = doc.get("rows", [])
+    if any(row.get("status") == "error" for row in rows):
+        return 1
+    if rows and not any(row.get("status") == "ok" and row.get("time_us") is not None for row in rows):
+        print("error: no case was timed (every row was skipped or ran out of its budget: see the notes above)",
+              file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except BrokenPipeError:  # the reader went away (``| head``): stop without a traceback, as other tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the interpreter's final flush stays quiet
+        sys.exit(1)
