@@ -761,3 +761,11 @@ def test_reader_gone_is_quiet() -> None:
     proc.stdout.close()  # before the first line is written: every write meets a closed pipe
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=120) == 1 and "Traceback" not in err and "BrokenPipe" not in err, err
+
+
+def test_skipped_row_reason_once(tmp_path, capsys) -> None:
+    """A skipped row's note names its reason once ("SKIPPED: the run's time budget ..."), not "SKIPPED: skipped: ..."."""
+    main(["--target", "cpu", "--only", "decode/llama8b_b1_s32768", "--deadline", "0.001", "--ceilings-json", "{}",
+          "--no-prebuild"])
+    out = capsys.readouterr().out
+    assert "SKIPPED: the run's time budget" in out and "skipped: skipped" not in out.lower(), out

@@ -88,7 +88,10 @@ def _sdpa_cells(row: dict) -> list[tuple[str, str]]:
 def _notes(row: dict) -> str:
     parts = []
     if row.get("error"):
-        parts.append(("SKIPPED: " if row.get("status") == "skipped" else "ERROR: ") + row["error"])
+        if row.get("status") == "skipped":  # its reason reads "skipped: ..." (suite.skipped_rows)
+            parts.append("SKIPPED: " + row["error"].removeprefix("skipped: "))
+        else:
+            parts.append("ERROR: " + row["error"])
     if row.get("plain_launch_us"):  # first: the notes column is cut, and this is what an eager loop pays
         parts.append(f"plain launches {fmt_time(row['plain_launch_us'])}/call")
     base = row.get("baseline")
