@@ -61,3 +61,43 @@ def test_host_peer_says_it_needs_cuda() -> None:
 def test_profile_plan_names_an_unknown_kind() -> None:
     proc = _tool("profile_plan.py", env={"KIND": "foo", "DEV": "cpu"}, timeout=120)
     assert proc.returncode == 1 and "KIND='foo': give KIND=decode" in proc.stderr, proc.stderr
+
+
+def test_prebuild_cache_takes_test_paths_from_the_working_directory(tmp_path) -> None:
+    (tmp_path / "test_here.py").write_text("GPU_SPECS = []\n")
+    proc = subprocess.run([sys.executable, str(TOOLS / "prebuild_cache.py"), "out.tar.xz", "test_here.py"],
+                          env={**child_env(), "JITATTN_CUDA_ARCH_LIST": "9.0a"}, cwd=tmp_path, capture_output=True,
+                          text=True, timeout=300)
+    # found (not "no such file"), loaded in the child (which runs from the repository root), nothing to build
+    assert proc.returncode == 1 and "no kernel built" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert not (tmp_path / "out.tar.xz").exists()
+
+
+def test_tools_without_arguments_print_their_usage() -> None:
+    for name in ("gen_wgmma.py", "profile_plan.py"):
+        proc = _tool(name, "--help", timeout=120)
+        assert proc.returncode == 0 and "python3 tools/" in proc.stdout, (name, proc.stdout)
+        proc = _tool(name, "--bogus", timeout=120)
+        assert proc.returncode == 2 and "python3 tools/" in proc.stdout, (name, proc.stdout)
+
+
+def test_profile_plan_names_an_unknown_sort() -> None:
+    proc = _tool("profile_plan.py", env={"SORT": "bogus", "DEV": "cpu"}, timeout=120)
+    assert proc.returncode == 1 and "SORT='bogus': give one of" in proc.stderr and "tottime" in proc.stderr
+
+
+def test_sass_loop_says_nvdisasm_is_missing(tmp_path) -> None:
+    (tmp_path / "k.cubin").write_bytes(b"not a cubin")
+    proc = _tool("sass_loop.py", str(tmp_path / "k.cubin"), env={"PATH": str(Path(sys.executable).parent)})
+    assert proc.returncode == 1 and "nvdisasm" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_bench_settings_fails_when_nothing_was_timed(tmp_path) -> None:
+    proc = _tool("bench_settings.py", str(tmp_path / "ab.json"), "", "X=1", "--only", "nosuch", "--rounds", "1")
+    assert proc.returncode == 1 and "no setting timed any row" in proc.stderr, proc.stderr
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the message of a machine without CUDA")
+def test_sweep_decode_split_says_it_needs_cuda() -> None:
+    proc = _tool("sweep_decode_split.py", timeout=120)
+    assert proc.returncode == 2 and "no CUDA device here" in proc.stderr, proc.stderr

@@ -60,11 +60,12 @@ def run_once(command: list[str], env: dict[str, str]) -> dict:
 
 
 def compare(out: str, labels: list[str], commands: list[list[str]], envs: list[dict[str, str]], rounds: int,
-            fast: bool = False) -> None:
+            fast: bool = False) -> int:
     """Run every (command, env) once per round, print a row per case and a column per setting (microseconds,
     one figure per round: the events figure, host cost hidden, then in brackets the plain-launch one, host cost
     included), and write every round's bench document to ``out`` (by setting). ``fast``: only the first run
-    times SDPA and measures the ceilings; the others take its ceilings and skip SDPA (``--no-sdpa``)."""
+    times SDPA and measures the ceilings; the others take its ceilings and skip SDPA (``--no-sdpa``).
+    -> the number of (case, setting) cells with at least one timed run."""
     # two settings alike (a noise check) keep a column each
     labels = [label if labels.index(label) == i else f"{label} #{i + 1}" for i, label in enumerate(labels)]
     docs: dict[str, list[dict]] = {label: [] for label in labels}
@@ -92,6 +93,7 @@ def compare(out: str, labels: list[str], commands: list[list[str]], envs: list[d
             cells.append(f"{events} [{plain}]" if plain else events)
         print(f"{n:46s} {f'{sdpa:.1f}' if sdpa else '-':>8s} " + " ".join(f"{c:>{width}s}" for c in cells))
     json.dump(docs, open(out, "w"), indent=1)
+    return sum(any(n in r and r[n].get("time_us") for r in rows[label]) for n in names for label in labels)
 
 
 def main(argv: list[str]) -> None:
@@ -106,8 +108,10 @@ def main(argv: list[str]) -> None:
     opts = ap.parse_args(argv)
     command = [sys.executable, "-m", "jitattn.bench", "--only", opts.only, "--measure-s", opts.measure_s]
     labels = [s or "(as is)" for s in opts.settings]
-    compare(opts.out, labels, [command] * len(labels), [parse_setting(s) for s in opts.settings], opts.rounds,
-            opts.fast)
+    timed = compare(opts.out, labels, [command] * len(labels), [parse_setting(s) for s in opts.settings],
+                    opts.rounds, opts.fast)
+    if not timed:  # a script that checks the exit code must not take an empty table for results
+        raise SystemExit(f"no setting timed any row of --only {opts.only!r} (see the runs' messages above)")
 
 
 if __name__ == "__main__":

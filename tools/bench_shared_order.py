@@ -13,6 +13,7 @@ with --peer, FlashInfer's decode on the same tables in the parent process.
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import sys
@@ -88,11 +89,7 @@ def run_cases(peer: bool) -> list[dict]:
             w = jitattn.BatchDecodeWithPagedKVCacheWrapper(ws, kv_layout="NHD")
             w.plan(indptr, indices, last, hq, hkv, d, PAGE, q_data_type=torch.bfloat16, logits_soft_cap=cap)
         out = torch.empty_like(q)
-
-        def fn():
-            return w.run(q, cache, out=out)
-
-        t = timer.measure(fn, 0.4).median_us
+        t = timer.measure(functools.partial(w.run, q, cache, out=out), 0.4).median_us
         rows.append({"case": name, "us": t, "TB/s (per-request bytes)": kv_bytes(b, shared, own, hkv, d) / t / 1e6,
                      "out_sum": float(out.float().sum())})
         del cache, ws

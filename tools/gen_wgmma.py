@@ -6,6 +6,8 @@ sums P's rows (``mma_rs_row_sum``) at the head dims of ``ROW_SUM_NS``. The accum
 is a float array of N/2 registers bound with "+f", so the register list is spelled out here.
 Run: python3 tools/gen_wgmma.py > templates/cuda/include/jitattn/wgmma_sm90.cuh
 """
+import sys
+
 NS = (64, 80, 96, 128, 176, 192, 256)
 ROW_SUM_NS = (64,)  # head_dim_vo of the P V GEMMs that can carry the row sum (wgmma N = that + 8)
 TYPES = {"bf16": "__nv_bfloat16", "f16": "__half"}
@@ -21,7 +23,7 @@ def wrapper(n: int, ab: str, ptx_t: str) -> str:
     if ab == "ss":
         a_text, nxt = f"%{regs}", regs + 1
         a_bind = '"l"(a)'
-        tail = "p, 1, 1;" if fp8 else f"p, 1, 1, 0, {{trans_b}};"
+        tail = "p, 1, 1;" if fp8 else "p, 1, 1, 0, {trans_b};"
     else:
         a_text, nxt = "{" + ",".join(f"%{regs + i}" for i in range(4)) + "}", regs + 4
         a_bind = '"r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3])'
@@ -103,4 +105,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:]:  # it takes no arguments: -h / --help (or anything else) prints how to run it
+        print(__doc__)
+        sys.exit(0 if sys.argv[1:] in (["-h"], ["--help"]) else 2)
     main()

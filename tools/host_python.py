@@ -11,6 +11,7 @@ and in ``plan()``'s upload (one pinned copy instead of clones). Run it single-th
 from __future__ import annotations
 
 import ctypes
+import sys
 from typing import Callable
 
 import torch
@@ -42,4 +43,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:]:  # it takes no arguments: -h / --help (or anything else) prints how to run it
+        print(__doc__)
+        sys.exit(0 if sys.argv[1:] in (["-h"], ["--help"]) else 2)
     main()

@@ -102,9 +102,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--jobs {args.jobs}: give at least 1")
     if args.out.is_dir() or not args.out.resolve().parent.is_dir():
         parser.error(f"{args.out}: name an archive in an existing directory")
-    missing = [t for t in [*args.tests, *args.manifests] if not (ROOT / t).exists() and not Path(t).exists()]
+    # paths from the working directory, else from the repository root (the child runs there): absolute from here on
+    args.tests, args.manifests = ([str(Path(t).resolve() if Path(t).exists() else ROOT / t) for t in paths]
+                                  for paths in (args.tests, args.manifests))
+    missing = [t for t in [*args.tests, *args.manifests] if not Path(t).exists()]
     if missing:
-        parser.error(f"{missing[0]}: no such file")
+        parser.error(f"{os.path.relpath(missing[0], ROOT)}: no such file (from here or from the repository root)")
     bad = [e for e in args.env if not e.partition("=")[0] or not e.partition("=")[1]]
     if bad:
         parser.error(f"--env {bad[0]!r}: give NAME=VALUE")
@@ -118,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
                 child_env[name] = value
             command = [sys.executable, __file__, str(args.out), *args.tests, "--jobs", str(args.jobs), "--child",
                        *(["--bench", args.bench] if args.bench else []),
-                       *(a for m in args.manifests for a in ("--manifests", str(Path(m).resolve())))]
+                       *(a for m in args.manifests for a in ("--manifests", m))]
             failed += subprocess.run(command, env=child_env, cwd=ROOT).returncode
         if not any(Path(cache).rglob("manifest.json")):  # nothing built: keep the archive there is
             print(f"no kernel built; {args.out} left as it was", file=sys.stderr)
@@ -126,9 +129,13 @@ def main(argv: list[str] | None = None) -> int:
         partial = args.out.with_name(args.out.name + ".partial")
         with tarfile.open(partial, "w:xz", preset=9) as tar:
             tar.add(cache, arcname=".")
+        if failed:  # an archive missing kernels would stand in for a whole one: the caller decides
+            print(f"some builds failed (above); {args.out} left as it was, the kernels that built are in {partial}",
+                  file=sys.stderr)
+            return 1
         partial.replace(args.out)  # whole or not at all
     print(f"wrote {args.out} ({args.out.stat().st_size / 1e6:.1f} MB)")
-    return 1 if failed else 0
+    return 0
 
 
 if __name__ == "__main__":

@@ -2,10 +2,17 @@
 
     python3 tools/profile_plan.py     # decode (page 16); DEV=cpu: on a machine without a GPU
     KIND=mla python3 tools/profile_plan.py     # the MLA wrapper at 128 heads, page 64 (the sm90 kernel on an H100/H200)
+    SORT=cumulative ...                        # the profile's order (pstats' keys; default tottime)
 """
-import cProfile, pstats, time, torch, jitattn, os
+import cProfile, pstats, time, torch, jitattn, os, sys
+if sys.argv[1:]:  # settings come from the environment: -h / --help (or anything else) prints them
+    print(__doc__)
+    sys.exit(0 if sys.argv[1:] in (["-h"], ["--help"]) else 2)
 dev = os.environ.get("DEV", "cuda")
 kind = os.environ.get("KIND", "decode")
+sort = os.environ.get("SORT", "tottime")
+if sort not in pstats.Stats.sort_arg_dict_default:
+    raise SystemExit(f"SORT={sort!r}: give one of {', '.join(sorted(pstats.Stats.sort_arg_dict_default))}")
 if kind not in ("decode", "mla"):
     raise SystemExit(f"KIND={kind!r}: give KIND=decode (the default) or KIND=mla")
 if dev.startswith("cuda") and not torch.cuda.is_available():
@@ -37,4 +44,4 @@ print(f"{kind} plan us", sorted(ts), getattr(wrapper, "kernel", ""))
 pr=cProfile.Profile(); pr.enable()
 for _ in range(200): plan()
 pr.disable()
-pstats.Stats(pr).sort_stats(os.environ.get("SORT", "tottime")).print_stats(25)
+pstats.Stats(pr).sort_stats(sort).print_stats(25)

@@ -28,7 +28,12 @@ _KERNEL = re.compile(r"^\.text\.(\S+):")
 
 def listing(cubin: Path, kernel: str | None) -> list[tuple[str, str]]:
     """(kind, text) rows of the disassembly: ("label", name), ("instr", text); one kernel's when ``kernel``."""
-    sass = subprocess.run(["nvdisasm", "-c", str(cubin)], capture_output=True, text=True, check=True).stdout
+    try:
+        sass = subprocess.run(["nvdisasm", "-c", str(cubin)], capture_output=True, text=True, check=True).stdout
+    except FileNotFoundError:
+        raise SystemExit("nvdisasm not found: put the CUDA toolkit's bin directory on PATH") from None
+    except subprocess.CalledProcessError as exc:
+        raise SystemExit(f"nvdisasm -c {cubin} failed: {exc.stderr.strip() or exc}") from None
     rows, keep = [], kernel is None
     for line in sass.splitlines():
         m = _KERNEL.match(line)

@@ -39,6 +39,8 @@ def main() -> None:
     ap.add_argument("--all", action="store_true", help="every chunk length of SPLITS (else auto and BEFORE's)")
     args = ap.parse_args()
     dev = torch.device(args.device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        ap.error("no CUDA device here: run it on a GPU machine, or --device cpu for a smoke run")
     timer = Timer(dev, scrub_bytes=256 << 20)
     gen = torch.Generator().manual_seed(0)
     ws = torch.empty(512 << 20, dtype=torch.uint8, device=dev)
