@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--family", choices=["decode", "prefill", "mla", "all"], default="all")
     parser.add_argument("--against", type=Path, help="an earlier OUT_DIR: print the opcodes whose counts changed")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # names before or after the options
     if args.jobs < 1:
         parser.error(f"--jobs {args.jobs}: give at least 1")
     if args.out.exists() and not args.out.is_dir():
