@@ -131,6 +131,16 @@ def _int32_values(name: str, values: np.ndarray) -> np.ndarray:
     return values.astype(np.int32)
 
 
+def _unsigned_max(values: np.ndarray) -> int:
+    """The largest of int32 ``values`` read as unsigned, in one pass: above ``_INT32_MAX`` when one is negative.
+    Under torch.compile, whose tracing of numpy has no unsigned max on the cpu, from their min and max (the same
+    value when none is negative; still above ``_INT32_MAX`` when one is)."""
+    if torch.compiler.is_compiling():
+        low = int(values.min())
+        return low + 2**32 if low < 0 else int(values.max())
+    return int(values.view(np.uint32).max())
+
+
 def positive_int(value, name: str) -> int:
     """``value`` as an int >= 1: Python's and numpy's ints are taken, a bool, a float or a string is refused."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
@@ -159,7 +169,7 @@ def _check_page_table(indptr, indices, last_page_len, page_size: int, num_pages:
             raise ValueError(f"{names[0]}[-1] = {total_pages} exceeds len({names[1]}) = {indices.numel()}")
         used = _int32_values(names[1], indices.numpy()[:total_pages])
         # One pass for both bounds: as unsigned, a negative index is larger than every valid one.
-        highest = int(used.view(np.uint32).max()) if total_pages else -1
+        highest = _unsigned_max(used) if total_pages else -1
         if highest > _INT32_MAX:
             i = int(np.flatnonzero(used < 0)[0])
             raise ValueError(f"{names[1]}[{i}] = {int(used[i])} is a negative page index")
@@ -175,7 +185,7 @@ def _check_page_table(indptr, indices, last_page_len, page_size: int, num_pages:
 def _check_last_page_lens(pages: np.ndarray, last: np.ndarray, page_size: int, name: str) -> None:
     # As unsigned, last - 1 < page_size is 1 <= last <= page_size (an int32 is at most _INT32_MAX): one
     # pass when every entry is in range, the usual case; otherwise only requests with pages must be.
-    if last.size and (last - 1).view(np.uint32).max() >= min(page_size, _INT32_MAX):
+    if last.size and _unsigned_max(last - 1) >= min(page_size, _INT32_MAX):
         bad = (pages > 0) & ((last < 1) | (last > page_size))
         if bad.any():
             r = int(np.flatnonzero(bad)[0])
@@ -188,7 +198,7 @@ def check_host_last_page_lens(indptr: torch.Tensor, last_page_len: torch.Tensor,
     int32, one entry more; a device ``last_page_len`` is not checked)."""
     if last_page_len.is_cpu:
         last = last_page_len.numpy()
-        if last.size and (last - 1).view(np.uint32).max() >= min(page_size, _INT32_MAX):  # else all in range
+        if last.size and _unsigned_max(last - 1) >= min(page_size, _INT32_MAX):  # else all in range
             _check_last_page_lens(np.diff(indptr.numpy()), last, page_size, "last_page_len")
 
 

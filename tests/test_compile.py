@@ -118,3 +118,22 @@ def test_decode_compiles_with_inductor_on_cuda() -> None:
         expected, _ = reference.batch_decode_paged(q, batch.cache, batch.kv_indptr, batch.kv_indices,
                                                    batch.kv_last_page_len)
         assert_close_out(out, torch.nn.functional.silu(expected.cuda()).cpu(), torch.bfloat16)
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_append_and_seq_lens_under_compile(backend: str) -> None:
+    """The page-table checks traced by Dynamo (numpy on the host) run on every backend, and still refuse bad pages
+    (their one-pass unsigned max has no cpu kernel in torch: under compile they take min and max)."""
+    i32 = lambda *x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
+    cache = torch.zeros(3, 2, 2, 1, 4)
+
+    @torch.compile(backend=backend)
+    def step(k, v, cache, indices):
+        jitattn.append_paged_kv_cache(k, v, i32(0, 0), i32(0, 1), cache, indices, i32(0, 1), i32(2))
+        return jitattn.get_seq_lens(i32(0, 2, 3), i32(1, 4), 4)
+
+    lens = step(torch.ones(2, 1, 4), torch.full((2, 1, 4), 2.0), cache, i32(2))
+    assert lens.tolist() == [5, 4]
+    assert (cache[2, 0] == 1).all() and (cache[2, 1] == 2).all() and (cache[:2] == 0).all()
+    with pytest.raises(ValueError, match="negative page index"):
+        step(torch.ones(2, 1, 4), torch.ones(2, 1, 4), cache, i32(-1))
