@@ -172,6 +172,20 @@ def test_single_prefill_calls_of_equal_shapes_each_attend_over_their_own_data(de
         call(kv_len, **kw)
 
 
+@pytest.mark.parametrize("option", ["sm_scale", "logits_soft_cap"])
+def test_single_prefill_reads_a_tensor_option_on_every_call(option: str) -> None:
+    """A 0-d tensor option filled anew between calls is read anew (a shared plan keyed by the tensor object would
+    keep its first value: it hashes by identity)."""
+    gen = torch.Generator().manual_seed(12)
+    q = torch.randn(5, 4, 64, generator=gen).half()
+    k, v = (torch.randn(9, 2, 64, generator=gen).half() for _ in range(2))
+    value = torch.tensor(0.1)
+    jitattn.single_prefill_with_kv_cache(q, k, v, **{option: value})
+    value.fill_(0.5)
+    out = jitattn.single_prefill_with_kv_cache(q, k, v, **{option: value})
+    assert_close_out(out, reference.single_attention(q, k, v, **{option: 0.5})[0], torch.float16)
+
+
 @pytest.mark.parametrize("device", devices())
 def test_single_prefill_from_two_threads_each_gets_its_own_result(device: str) -> None:
     """Threads calling with equal shapes at once: each result is its own inputs' (the shared plans are per thread)."""

@@ -87,7 +87,10 @@ def resolve_dtypes(
 
 def hashable(values: tuple) -> bool:
     """Whether ``values`` (a plan's shapes and options) can key a cache of planned wrappers (an sm_scale given as a
-    numpy array cannot: planned afresh)."""
+    numpy array cannot: planned afresh). A tensor hashes by identity while its value can change in place (a 0-d
+    sm_scale filled anew), so a tensor among them is planned afresh too."""
+    if any(isinstance(v, torch.Tensor) for v in values):
+        return False
     try:
         hash(values)
     except TypeError:
