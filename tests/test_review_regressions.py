@@ -143,7 +143,7 @@ def test_a_cascade_plan_refused_by_its_first_checks_leaves_no_plan() -> None:
     """Refused before any level is planned (a window, a level count, a flag), the plan leaves none either: the
     last batch's plan must not run on this batch's tensors."""
     wrapper, args, q, cache, _ = _two_level_decode_case(1 << 22, [30, 70])
-    for bad in (dict(window_left=5), dict(causal="yes")):
+    for bad in (dict(window_left=5), dict(causal="yes"), dict(use_fp16_qk_reduction="yes")):
         wrapper.plan(*args, q_data_type=torch.float16)
         wrapper.run(q, cache)
         try:

@@ -134,8 +134,8 @@ class MultiLevelCascadeAttentionWrapper(NotCopyable):
         ``variant``: a custom variant run at every level: the levels are merged by LSE, so it must use softmax and
         have no output transform, and it may not read positions (``request``, ``q_idx``, ``kv_idx``, ``qo_len``,
         ``kv_len``: a level's are its node's)."""
-        check_flag(use_fp16_qk_reduction, "use_fp16_qk_reduction")
         self._level_chunks = []  # unplanned until every check and level plan below has succeeded
+        check_flag(use_fp16_qk_reduction, "use_fp16_qk_reduction")
         causal, total_q = self._check_plan(qo_indptr_arr, paged_kv_indptr_arr, paged_kv_indices_arr,
                                            paged_kv_last_page_len, causal, pos_encoding_mode, window_left, variant,
                                            fixed_split_size)
