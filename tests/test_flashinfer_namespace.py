@@ -271,6 +271,17 @@ def test_merges_take_and_return_base2_lse(device: str) -> None:
     with pytest.raises(ValueError, match="^s .* has elements that share memory"):
         fi.merge_state_in_place(v_in, s_in, v_b, s_b)
     assert torch.equal(v_in, v_a)
+    # LSEs of another float dtype are read as float32, as FlashInfer's merges read them; an in-place merge's own s
+    # stays float32 (FlashInfer's would update a float32 copy and leave the caller's s as it was)
+    for dtype in (torch.float16, torch.bfloat16, torch.float64):
+        v, s = fi.merge_state(v_a, s_a.to(dtype), v_b, s_b.to(dtype))
+        v32, s32 = fi.merge_state(v_a, s_a.to(dtype).float(), v_b, s_b.to(dtype).float())
+        assert s.dtype == torch.float32 and torch.equal(v, v32) and torch.equal(s, s32)
+        assert torch.equal(fi.merge_states(vs, ss.to(dtype))[0], fi.merge_states(vs, ss.to(dtype).float())[0])
+    with pytest.raises(TypeError, match="^s has dtype float16"):
+        fi.merge_state_in_place(v_a.clone(), s_a.half(), v_b, s_b)
+    with pytest.raises(TypeError, match="s_a has dtype int32"):
+        fi.merge_state(v_a, s_a.int(), v_b, s_b)
 
 
 # -- the namespace itself --------------------------------------------------------------------------

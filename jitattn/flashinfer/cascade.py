@@ -20,10 +20,14 @@ __all__ = ["BatchDecodeWithSharedPrefixPagedKVCacheWrapper", "BatchPrefillWithSh
            "MultiLevelCascadeAttentionWrapper", "merge_state", "merge_state_in_place", "merge_states"]
 
 
-def _natural(name: str, lse) -> torch.Tensor:
+def _natural(name: str, lse, written: bool = False) -> torch.Tensor:
     """The caller's base-2 ``lse`` in natural log, its dtype checked first: the conversion would turn an
-    integer tensor into a float one that the native merge takes (and an in-place merge writes back truncated)."""
+    integer tensor into a float one that the native merge takes (and an in-place merge writes back truncated).
+    Another float dtype is read as float32, as FlashInfer's merges do, unless the merge writes it (``written``:
+    FlashInfer's in-place merge would update a float32 copy and leave the caller's tensor as it was)."""
     if isinstance(lse, torch.Tensor):
+        if not written and lse.is_floating_point() and lse.dtype != torch.float32:
+            lse = lse.float()
         check_tensor(name, lse, dtypes=(torch.float32,), last_dim_contiguous=False)
     return lse_to_natural(name, lse)
 
@@ -39,7 +43,7 @@ def merge_state_in_place(v: torch.Tensor, s: torch.Tensor, v_other: torch.Tensor
                          mask: torch.Tensor | None = None) -> None:
     """Merge ``(v_other, s_other)`` into ``(v, s)`` in place (rows where ``mask`` is False keep theirs);
     ``s`` and ``s_other`` in base 2."""
-    s_natural = _natural("s", s)
+    s_natural = _natural("s", s, written=True)
     check_no_overlap("s", s)  # before v is written: s is written back last (the native merge writes s_natural)
     native_merge.merge_state_in_place(v, s_natural, v_other, _natural("s_other", s_other), mask)
     merged = s_natural.mul_(LOG2E)
