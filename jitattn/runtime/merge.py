@@ -4,8 +4,10 @@ An attention *state* is the pair (v, s): v ``[seq_len, num_heads, head_dim]``
 is attention output over some subset of the keys, s ``[seq_len, num_heads]``
 (float32) is the **natural-log** LSE of the logits over that subset. Merging
 the states of disjoint key subsets gives the state over their union. A state
-with s = -inf (no keys) contributes nothing; merging two such states gives
-v = 0 and s = -inf, never NaN.
+with s = -inf (no keys) contributes nothing (its v is weighted by 0, so a NaN or
+inf left in it still reaches the result, as in FlashInfer's merges: an empty
+state's v must be finite); merging two such states gives v = 0 and s = -inf,
+never NaN.
 """
 
 from __future__ import annotations
