@@ -92,7 +92,7 @@ def test_fast_decode_plan_refuses_indices_shorter_than_the_page_table():
     batch, _ = _decode_batch()
     wrapper = jitattn.BatchDecodeWithPagedKVCacheWrapper(_workspace())
     n = int(batch.kv_indptr[-1])
-    with pytest.raises(ValueError, match=f"indptr\[-1\] = {n} pages but indices has {n - 2} entries"):
+    with pytest.raises(ValueError, match=rf"indptr\[-1\] = {n} pages but indices has {n - 2} entries"):
         jitattn.fast_decode_plan(wrapper, batch.kv_indptr, batch.kv_indices[: n - 2], batch.kv_last_page_len, HQ,
                                  HKV, D, PAGE, q_data_type=torch.float32)
 
@@ -143,9 +143,9 @@ def test_mla_plan_errors_name_its_own_arrays():
             torch.bfloat16)
     with pytest.raises(ValueError, match="kv_indptr must be non-decreasing"):
         wrapper.plan(args[0], i32(0, 2, 1), *args[2:])
-    with pytest.raises(ValueError, match="kv_indices\[1\] = -3 is a negative page index"):
+    with pytest.raises(ValueError, match=r"kv_indices\[1\] = -3 is a negative page index"):
         wrapper.plan(args[0], args[1], i32(0, -3), *args[3:])
-    with pytest.raises(ValueError, match="kv_indptr\[0\] must be 0"):
+    with pytest.raises(ValueError, match=r"kv_indptr\[0\] must be 0"):
         wrapper.plan(args[0], i32(1, 2, 3), *args[2:])
 
 
