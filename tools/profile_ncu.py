@@ -12,7 +12,8 @@ latent cache), fi_mla128 / fi_mla16 (FlashInfer's MLA on the same tables; PEER=1
 window: 64 / 8 heads d64, ragged causal b8 x 4096; tiles of a few KV blocks, where the tile's fixed cost shows),
 decode_window128 / decode_gptoss1024 (gpt-oss decode, b64 x 8192 with
 the 128-key window / b64 x 1024, page 16), fp8_prefill / bf16_prefill (the sm90 fp8 kernel, q, k, v e4m3, non-causal
-1 x 8192 ragged, and its bf16 twin: the suite's ops/fp8_prefill_noncausal_s8192 and its dense row).
+1 x 8192 ragged, and its bf16 twin: the suite's ops/fp8_prefill_noncausal_s8192 and its dense row), fi_bf16_prefill
+(FlashInfer's ragged prefill on bf16_prefill's data; PEER=1).
 Warm-up calls (the JIT build, the plan) run before the range; one call runs inside it.
 ``DECODE_TUNING='{"max_stages": 2}'`` renders the decode kernels with those overrides of
 ``jitattn.kernels.decode.TUNING`` (their own cache entries), to profile a layout beside the default;
@@ -139,11 +140,17 @@ def case_fn(name: str):
         w = jitattn.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD")
         w.plan(qo, indptr, indices, last, HQ, HKV, D, page, causal=True, q_data_type=torch.bfloat16)
         return lambda: w.run(q, cache, out=out)
-    if name in ("fp8_prefill", "bf16_prefill"):  # ops/fp8_prefill_noncausal_s8192 and its dense twin (1 x 8192)
-        n, dtype = 8192, torch.float8_e4m3fn if name == "fp8_prefill" else torch.bfloat16
+    if name in ("fp8_prefill", "bf16_prefill", "fi_bf16_prefill"):  # ops/fp8_prefill_noncausal_s8192, its dense twin
+        n, dtype = 8192, torch.float8_e4m3fn if name == "fp8_prefill" else torch.bfloat16  # (1 x 8192)
         q, k, v = (torch.randn(n, h, D, generator=gen).to(dtype).to(dev) for h in (HQ, HKV, HKV))
         indptr = torch.tensor([0, n], dtype=torch.int32)
         out = torch.empty(n, HQ, D, dtype=torch.bfloat16, device=dev)
+        if name == "fi_bf16_prefill":  # FlashInfer's ragged prefill on the same data (PEER=1)
+            import flashinfer
+
+            w = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD")
+            w.plan(indptr.to(dev), indptr.to(dev), HQ, HKV, D, q_data_type=dtype)
+            return lambda: w.run(q, k, v, out=out)
         w = jitattn.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD")
         w.plan(indptr, indptr, HQ, HKV, D, q_data_type=dtype, kv_data_type=dtype, o_data_type=torch.bfloat16)
         return lambda: w.run(q, k, v, out=out)
