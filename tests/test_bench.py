@@ -764,7 +764,7 @@ def test_reader_gone_is_quiet() -> None:
 
 
 def test_skipped_row_reason_once(tmp_path, capsys) -> None:
-    """A skipped row's note names its reason once ("SKIPPED: the run's time budget ..."), not "SKIPPED: skipped: ..."."""
+    """A skipped row's note names its reason once ("SKIPPED: the run's time budget ..."), not twice."""
     main(["--target", "cpu", "--only", "decode/llama8b_b1_s32768", "--deadline", "0.001", "--ceilings-json", "{}",
           "--no-prebuild"])
     out = capsys.readouterr().out
