@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     if not os.environ.get("JITATTN_CUDA_ARCH_LIST"):
         raise SystemExit("set JITATTN_CUDA_ARCH_LIST to the GPU machine's arch list (e.g. 9.0a for an H200)")
     if args.child:
-        return build(args.tests, args.bench, [str(Path(m).resolve()) for m in args.manifests], args.jobs)
+        return build(args.tests, args.bench, args.manifests, args.jobs)  # (the parent passes absolute paths)
     if args.jobs < 1:
         parser.error(f"--jobs {args.jobs}: give at least 1")
     if args.out.is_dir() or not args.out.resolve().parent.is_dir():
