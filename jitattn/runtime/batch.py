@@ -18,8 +18,8 @@ from ..log import get_logger
 from ..page_table import PagedIndex, check_page_pool
 from ..kv_split import KVSplit, split_workspace_bytes
 from ..spec import KVLayout, Op, VariantSpec
-from .checks import (FP8_DTYPES, check_no_overlap, check_planned_dtype, check_tensor, not_planned,
-                     refuse_outputs_over_inputs, stream_capturing, target_of)
+from .checks import (FP8_DTYPES, byte_extent, check_no_overlap, check_planned_dtype, check_tensor, not_planned,
+                     refuse_in_workspace, refuse_outputs_over_inputs, stream_capturing, target_of)
 from .kv import check_kv_pair, split_paged_kv_cache
 from .launch import PreparedAttention
 from .options import AttentionOptions
@@ -50,6 +50,8 @@ class AttentionPlan:
     checked_signature: tuple | None = None  # q/kv shapes, strides, dtypes, devices that passed the checks
     checked_outputs: tuple | None = None  # the same for out/lse
     checked_workspace: torch.Tensor | None = None  # the workspace that passed the size check
+    workspace_region: tuple[int, int] = (0, 0)  # its bytes the split-KV partials take (start, end addresses)
+    input_extents: tuple[int, int, int] = (0, 0, 0)  # bytes of q, k, v from their pointers (set with the signature)
     kv_offsets: tuple[int, int] | None = None  # k/v pointers relative to a one-tensor cache's
     variant_args: VariantArgs | None = None  # the variant's struct (spec.variant only), filled per run()
     wrapper: str = ""
@@ -228,7 +230,7 @@ def check_workspace(workspace: torch.Tensor, needed: int, wrapper: str) -> None:
     if needed > have:
         raise WorkspaceTooSmall(
             f"{wrapper}: this plan needs {needed} bytes of float workspace but the buffer has {have}; "
-            f"allocate at least {needed} bytes (see {wrapper}.workspace_size for the worst case), "
+            f"allocate at least {needed} bytes (the wrapper's workspace_size() gives the worst case), "
             "or plan with disable_split_kv=True"
         )
 
@@ -370,6 +372,7 @@ def run_plan(
             prepared.set_layout(q, k, v)
         plan.kv_offsets = ((k.data_ptr() - kv.data_ptr(), v.data_ptr() - kv.data_ptr())
                            if isinstance(kv, torch.Tensor) else None)
+        plan.input_extents = (byte_extent(q), byte_extent(k), byte_extent(v))
         plan.checked_signature = signature
     device_index = q.get_device()  # -1: the cpu target
     if device_index >= 0 and not plan.use_cuda_graph and stream_capturing():
@@ -394,11 +397,18 @@ def run_plan(
     if (given[0] or given[1]) and not fixed_outputs:  # addresses: checked on every call (not our own buffers')
         refuse_outputs_over_inputs(f"{wrapper}.run()", q, kv, out if given[0] else None, lse if given[1] else None,
                                    sinks)
-    if plan.split.kv_chunk_size and workspace is not plan.checked_workspace:
-        target_of(wrapper, (workspace, q))
-        check_workspace(workspace, split_workspace_bytes(plan.split.num_chunks, plan.num_qo_heads, plan.head_dim_vo),
-                        wrapper)
-        plan.checked_workspace = workspace
+    if plan.split.kv_chunk_size:
+        if workspace is not plan.checked_workspace:
+            target_of(wrapper, (workspace, q))
+            need = split_workspace_bytes(plan.split.num_chunks, plan.num_qo_heads, plan.head_dim_vo)
+            check_workspace(workspace, need, wrapper)
+            start = workspace.data_ptr()
+            plan.checked_workspace, plan.workspace_region = workspace, (start, start + need)
+        q_extent, k_extent, v_extent = plan.input_extents  # addresses: checked on every call, as out's are
+        ours = [("out", out.data_ptr(), byte_extent(out))] if given[0] else []
+        ours += [("lse", lse.data_ptr(), byte_extent(lse))] if given[1] else []
+        refuse_in_workspace(f"{wrapper}.run()", plan.workspace_region,
+                            [("q", q.data_ptr(), q_extent), ("k", k_ptr, k_extent), ("v", v_ptr, v_extent), *ours])
     if plan.total_qo:  # an empty batch has nothing to launch (and no storage to point at)
         launch.launch(device_index, q.data_ptr(), k_ptr, v_ptr, out.data_ptr(),
                       lse.data_ptr() if lse is not None else None, k_scale, v_scale, q_scale, workspace,

@@ -100,6 +100,10 @@ def check_tensor(
     """Raise a ValueError/TypeError naming ``name`` when the tensor has the wrong rank, dtype or strides."""
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.is_nested or tensor.layout is not torch.strided:
+        kind = "nested" if tensor.is_nested else str(tensor.layout).removeprefix("torch.")
+        raise TypeError(f"{name} is a {kind} tensor; the kernels take dense (strided) tensors: pass "
+                        + ("one padded or concatenated tensor" if tensor.is_nested else f"{name}.to_dense()"))
     if ndim is not None and tensor.dim() != ndim:
         raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(tensor.shape)}")
     if dtypes is not None and tensor.dtype not in dtypes:
@@ -159,6 +163,24 @@ def shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
         return dense_overlap(a, b)
     shared = shares_element(a, b)
     return spans_overlap(a, b) if shared is None else shared
+
+
+def byte_extent(t: torch.Tensor) -> int:
+    """Bytes from ``t.data_ptr()`` to the end of its last element (0 when empty; torch strides are never negative)."""
+    if t.numel() == 0:
+        return 0
+    return (sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1) * t.element_size()
+
+
+def refuse_in_workspace(where: str, region: tuple[int, int], tensors) -> None:
+    """Refuse the first of ``tensors`` ((name, pointer, byte extent) triples) whose bytes meet ``region``, the
+    ``[start, end)`` of a workspace the launch writes its split-KV partials into while it reads or writes them."""
+    lo, hi = region
+    for name, ptr, extent in tensors:
+        if extent and ptr < hi and lo < ptr + extent:
+            raise ValueError(f"{where}: {name} lies in the float workspace's first {hi - lo} bytes, where this plan's "
+                             f"split-KV partials are written during the launch; keep {name} outside the "
+                             "float_workspace_buffer")
 
 
 def written_over(written: torch.Tensor, reads) -> str | None:
