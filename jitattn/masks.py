@@ -23,6 +23,11 @@ def segment_packbits(custom_mask: torch.Tensor, qo_lens: list[int], kv_lens: lis
     """
     if not isinstance(custom_mask, torch.Tensor):
         raise TypeError(f"custom_mask must be a bool torch.Tensor, got {type(custom_mask).__name__}")
+    one = len(qo_lens) == 1 and (qo_lens[0], kv_lens[0])
+    if custom_mask.dim() != 1 and not (one and tuple(custom_mask.shape) == one):  # a transposed mask would be misread
+        raise ValueError(f"custom_mask has shape {tuple(custom_mask.shape)}; pass it flattened (1-D: each request's "
+                         "[qo_len, kv_len] mask row-major, the requests concatenated)"
+                         + (f", or [qo_len, kv_len] = {one} for this one request" if one else ""))
     mask = custom_mask.detach().to("cpu").reshape(-1)
     if mask.dtype != torch.bool:
         raise TypeError(f"custom_mask has dtype {mask.dtype}; pass a bool mask (or packed_custom_mask as uint8)")
