@@ -82,6 +82,13 @@ def _merge_state_in_place_eager(
         if not same and written_over(written, ((name + "_other", read),)):
             raise ValueError(f"{name} and {name}_other share memory but not row for row, so a merged row would "
                              f"overwrite another row's {name}_other before it is read; pass a copy of {name}_other")
+    if written_over(v, (("s", s),)):
+        raise ValueError("v and s share memory, so the merged values would overwrite the merged lse (or the reverse); "
+                         "pass separate tensors")
+    for name, written, read in (("v", v, ("s_other", s_other)), ("s", s, ("v_other", v_other))):
+        if written_over(written, (read,)):
+            raise ValueError(f"{name} shares memory with {read[0]}, which the merge reads while it writes {name}; "
+                             f"pass a copy of {read[0]}")
     if mask is not None:
         check_tensor("mask", mask, ndim=1, dtypes=(torch.bool, torch.uint8))
         check_shape("mask", mask, (v.shape[0],))
