@@ -241,6 +241,10 @@ def check_workspace_limits(**limits) -> None:
         low = 0 if name in ("max_kv_tokens", "max_qo_tokens") else 1
         if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low):
             raise ValueError(f"{name}={value!r} must be an int >= {low}")
+    heads = limits.get("num_qo_heads"), limits.get("num_kv_heads")
+    if None not in heads and heads[0] % heads[1]:
+        raise ValueError(f"num_qo_heads={heads[0]} is not a multiple of num_kv_heads={heads[1]}: plan() refuses such "
+                         "a batch (each KV head serves a whole group of query heads)")
 
 
 def split_workspace_bytes(num_chunks: int, num_qo_heads: int, head_dim_vo: int) -> int:

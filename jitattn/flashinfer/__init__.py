@@ -75,6 +75,9 @@ def install(name: str = "flashinfer") -> types.ModuleType:
     Call it before anything imports FlashInfer: a module that already holds the real package keeps it,
     so installing over an imported FlashInfer is refused. Installing twice is a no-op.
     """
+    if not isinstance(name, str) or not all(part.isidentifier() for part in name.split(".")):
+        raise TypeError(f"install(name={name!r}): name must be the module name to import this namespace as, such "
+                        "as 'flashinfer'")
     this = sys.modules[__name__]
     present = sys.modules.get(name)
     if present is not None and present is not this:

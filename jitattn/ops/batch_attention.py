@@ -17,7 +17,7 @@ import torch
 
 from ..runtime.checks import (check_no_overlap, check_tensor, named_refusals, no_backward, not_planned,
                               refuse_outputs_over_inputs)
-from ..runtime.options import number, positive_int, refuse_unsupported, resolve_batch_invariant
+from ..runtime.options import number, parse_dtype, positive_int, refuse_unsupported, resolve_batch_invariant
 from ..runtime.side_by_side import prefill_blocks, side_by_side
 from ..runtime.wrapper import NotCopyable
 from ..page_table import check_indptr, check_page_table, to_host_int32
@@ -132,7 +132,9 @@ class BatchAttention(NotCopyable):
         jitattn extension): each request's bits independent of the rest of the batch, as the decode and prefill
         wrappers' (a request takes the decode or the prefill kernels by its own query count)."""
         self._logits_soft_cap, self._parts = None, []
-        q_data_type = torch.bfloat16 if q_data_type is None else q_data_type  # None: this signature's default
+        if q_data_type is None:  # None: the 16-bit KV's dtype, else this signature's default
+            kv = None if kv_data_type is None else parse_dtype(kv_data_type, "kv_data_type")
+            q_data_type = kv if kv in (torch.float16, torch.bfloat16) else torch.bfloat16
         refuse_unsupported(f"{self._NAME}.plan", "profile with nsys / ncu (kernels carry readable names)",
                            use_profiler=True if use_profiler else None)
         for name, value in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads),

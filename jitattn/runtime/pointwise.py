@@ -86,7 +86,7 @@ def rms_norm(what: str, input: torch.Tensor, weight: torch.Tensor, eps, out: tor
                          "dimension)")
     _same("weight", weight, input, "input")
     _same("out", out, input, "input")
-    check_no_overlap("out", out)
+    check_no_overlap("input" if out is input else "out", out)  # (fused_add_rmsnorm writes its input)
     # the devices before the addresses (a meta tensor's are all 0); a residual that is no tensor is named below
     target, device = target_of(what, [input, weight, out] + ([residual] if isinstance(residual, torch.Tensor) else []))
     if out is not input and out.device == input.device and (out.data_ptr(), out.stride()) == (input.data_ptr(),
