@@ -51,7 +51,7 @@ class AttentionPlan:
     checked_outputs: tuple | None = None  # the same for out/lse
     checked_workspace: torch.Tensor | None = None  # the workspace that passed the size check
     workspace_region: tuple[int, int] = (0, 0)  # its bytes the split-KV partials take (start, end addresses)
-    input_extents: tuple[int, int, int] = (0, 0, 0)  # bytes of q, k, v from their pointers (set with the signature)
+    extents: tuple[int, ...] = (0,) * 5  # bytes of q, k, v, out, lse from their pointers (set with their checks)
     kv_offsets: tuple[int, int] | None = None  # k/v pointers relative to a one-tensor cache's
     variant_args: VariantArgs | None = None  # the variant's struct (spec.variant only), filled per run()
     wrapper: str = ""
@@ -372,7 +372,7 @@ def run_plan(
             prepared.set_layout(q, k, v)
         plan.kv_offsets = ((k.data_ptr() - kv.data_ptr(), v.data_ptr() - kv.data_ptr())
                            if isinstance(kv, torch.Tensor) else None)
-        plan.input_extents = (byte_extent(q), byte_extent(k), byte_extent(v))
+        plan.extents = (byte_extent(q), byte_extent(k), byte_extent(v)) + plan.extents[3:]
         plan.checked_signature = signature
     device_index = q.get_device()  # -1: the cpu target
     if device_index >= 0 and not plan.use_cuda_graph and stream_capturing():
@@ -391,6 +391,7 @@ def run_plan(
         outputs = (_output_signature(out), _output_signature(lse), given)
         if outputs != plan.checked_outputs:
             _check_outputs(plan, wrapper, q, kv, out, lse)
+            plan.extents = plan.extents[:3] + (byte_extent(out), 0 if lse is None else byte_extent(lse))
             for prepared in plan.launches():
                 prepared.set_outputs(out, lse)
             plan.checked_outputs = outputs
@@ -404,11 +405,9 @@ def run_plan(
             check_workspace(workspace, need, wrapper)
             start = workspace.data_ptr()
             plan.checked_workspace, plan.workspace_region = workspace, (start, start + need)
-        q_extent, k_extent, v_extent = plan.input_extents  # addresses: checked on every call, as out's are
-        ours = [("out", out.data_ptr(), byte_extent(out))] if given[0] else []
-        ours += [("lse", lse.data_ptr(), byte_extent(lse))] if given[1] else []
-        refuse_in_workspace(f"{wrapper}.run()", plan.workspace_region,
-                            [("q", q.data_ptr(), q_extent), ("k", k_ptr, k_extent), ("v", v_ptr, v_extent), *ours])
+        refuse_in_workspace(wrapper, plan.workspace_region, plan.extents,  # addresses: checked every call, as out's
+                            (q.data_ptr(), k_ptr, v_ptr, out.data_ptr() if given[0] else None,
+                             lse.data_ptr() if given[1] else None))
     if plan.total_qo:  # an empty batch has nothing to launch (and no storage to point at)
         launch.launch(device_index, q.data_ptr(), k_ptr, v_ptr, out.data_ptr(),
                       lse.data_ptr() if lse is not None else None, k_scale, v_scale, q_scale, workspace,

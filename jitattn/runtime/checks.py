@@ -172,15 +172,18 @@ def byte_extent(t: torch.Tensor) -> int:
     return (sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1) * t.element_size()
 
 
-def refuse_in_workspace(where: str, region: tuple[int, int], tensors) -> None:
-    """Refuse the first of ``tensors`` ((name, pointer, byte extent) triples) whose bytes meet ``region``, the
-    ``[start, end)`` of a workspace the launch writes its split-KV partials into while it reads or writes them."""
+def refuse_in_workspace(wrapper: str, region: tuple[int, int], extents, pointers) -> None:
+    """Refuse q, k, v, out or lse (their byte ``extents`` and ``pointers``; None: not the caller's) whose bytes meet
+    ``region``, the ``[start, end)`` of the workspace a launch writes its split-KV partials into while it uses them."""
     lo, hi = region
-    for name, ptr, extent in tensors:
-        if extent and ptr < hi and lo < ptr + extent:
-            raise ValueError(f"{where}: {name} lies in the float workspace's first {hi - lo} bytes, where this plan's "
-                             f"split-KV partials are written during the launch; keep {name} outside the "
+    i = 0
+    for ptr in pointers:  # (run() calls this every time: the loop kept to its comparisons)
+        if ptr is not None and lo - extents[i] < ptr < hi:
+            name = ("q", "k", "v", "out", "lse")[i]
+            raise ValueError(f"{wrapper}.run(): {name} lies in the float workspace's first {hi - lo} bytes, where this "
+                             f"plan's split-KV partials are written during the launch; keep {name} outside the "
                              "float_workspace_buffer")
+        i += 1
 
 
 def written_over(written: torch.Tensor, reads) -> str | None:
