@@ -19,7 +19,8 @@ from ..page_table import PagedIndex, check_page_pool
 from ..kv_split import KVSplit, split_workspace_bytes
 from ..spec import KVLayout, Op, VariantSpec
 from .checks import (FP8_DTYPES, byte_extent, check_no_overlap, check_planned_dtype, check_tensor, not_planned,
-                     refuse_in_workspace, refuse_outputs_over_inputs, stream_capturing, target_of)
+                     outputs_meet_inputs, refuse_in_workspace, refuse_outputs_over_inputs, stream_capturing,
+                     target_of)
 from .kv import check_kv_pair, split_paged_kv_cache
 from .launch import PreparedAttention
 from .options import AttentionOptions
@@ -395,9 +396,11 @@ def run_plan(
             for prepared in plan.launches():
                 prepared.set_outputs(out, lse)
             plan.checked_outputs = outputs
-    if (given[0] or given[1]) and not fixed_outputs:  # addresses: checked on every call (not our own buffers')
+    pointers = (q.data_ptr(), k_ptr, v_ptr, out.data_ptr() if given[0] else None, lse.data_ptr() if given[1] else None)
+    if (given[0] or given[1]) and not fixed_outputs and (sinks is not None or outputs_meet_inputs(plan.extents,
+                                                                                                   pointers)):
         refuse_outputs_over_inputs(f"{wrapper}.run()", q, kv, out if given[0] else None, lse if given[1] else None,
-                                   sinks)
+                                   sinks)  # (addresses: checked on every call; our own buffers are not)
     if plan.split.kv_chunk_size:
         if workspace is not plan.checked_workspace:
             target_of(wrapper, (workspace, q))
@@ -405,9 +408,7 @@ def run_plan(
             check_workspace(workspace, need, wrapper)
             start = workspace.data_ptr()
             plan.checked_workspace, plan.workspace_region = workspace, (start, start + need)
-        refuse_in_workspace(wrapper, plan.workspace_region, plan.extents,  # addresses: checked every call, as out's
-                            (q.data_ptr(), k_ptr, v_ptr, out.data_ptr() if given[0] else None,
-                             lse.data_ptr() if given[1] else None))
+        refuse_in_workspace(wrapper, plan.workspace_region, plan.extents, pointers)  # every call, as out's
     if plan.total_qo:  # an empty batch has nothing to launch (and no storage to point at)
         launch.launch(device_index, q.data_ptr(), k_ptr, v_ptr, out.data_ptr(),
                       lse.data_ptr() if lse is not None else None, k_scale, v_scale, q_scale, workspace,

@@ -172,6 +172,22 @@ def byte_extent(t: torch.Tensor) -> int:
     return (sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1) * t.element_size()
 
 
+def outputs_meet_inputs(extents, pointers) -> bool:
+    """Whether the byte range of out or lse (``pointers[3:]``, None: not the caller's) meets that of q, k, v or
+    the other output (``extents`` / ``pointers``: q, k, v, out, lse): a meeting that ``refuse_outputs_over_inputs``
+    then decides element by element. Disjoint ranges share no memory, so most calls stop at these comparisons."""
+    for i in (3, 4):
+        a = pointers[i]
+        if a is None:
+            continue
+        a_end = a + extents[i]
+        for j in range(5):
+            b = pointers[j]
+            if j != i and b is not None and a < b + extents[j] and b < a_end:
+                return True
+    return False
+
+
 def refuse_in_workspace(wrapper: str, region: tuple[int, int], extents, pointers) -> None:
     """Refuse q, k, v, out or lse (their byte ``extents`` and ``pointers``; None: not the caller's) whose bytes meet
     ``region``, the ``[start, end)`` of the workspace a launch writes its split-KV partials into while it uses them."""
