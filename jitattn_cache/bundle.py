@@ -115,6 +115,9 @@ def cmd_export(args: argparse.Namespace) -> int:
         raise UsageError(f"cannot write {out}: {out.parent} is not a directory")
     if out.is_dir():
         raise UsageError(f"cannot write {out}: it is a directory; name the bundle file, e.g. {out / 'jitattn.tar.gz'}")
+    if out.exists() and not out.is_file():  # a pipe or device: the bundle is written aside, then renamed over it
+        raise UsageError(f"cannot write {out}: it is not a regular file (a pipe or a device, which the bundle would "
+                         "replace); name a file path, and copy the file where it should go")
     if out.suffix.lower() in (".zip", ".7z", ".rar"):
         raise UsageError(f"cannot write {out}: bundles are tar archives; name it .tar.gz (or .tar.xz, .tar.bz2, .tar)")
     chosen, problems = _selected_entries(args)

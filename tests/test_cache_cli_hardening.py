@@ -217,3 +217,38 @@ def test_out_of_range_arguments_are_usage_errors(argv, message, fresh_cache, cap
     listed as cold specs that every build then failed."""
     rc, _, err = _cli(capsys, *argv)
     assert rc == 2 and message in err and "Traceback" not in err
+
+
+def test_a_reader_that_stops_reading_ends_the_cli_quietly(fresh_cache):
+    """`jitattn-cache presets | head -1`: exit 0, no "Broken pipe" line (what was read had been printed)."""
+    cli = subprocess.Popen([sys.executable, "-m", "jitattn_cache", "presets"], stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, env=child_env())
+    cli.stdout.close()  # the reader is gone before the first line
+    err = cli.stderr.read().decode()
+    assert cli.wait(timeout=60) == 0 and "Broken pipe" not in err, err
+
+
+def test_export_refuses_a_pipe_or_device_it_would_replace(fresh_cache, tmp_path, capsys):
+    fifo = tmp_path / "bundle"
+    os.mkfifo(fifo)
+    rc, _, err = _cli(capsys, "export", str(fifo))
+    assert rc == 2 and "not a regular file" in err and fifo.is_fifo()
+
+
+@pytest.mark.parametrize("kind", ["dangling link", "file"])
+def test_doctor_names_a_cache_dir_that_is_a_dangling_link_or_a_file(kind, tmp_path, monkeypatch, capsys):
+    root = tmp_path / "cache"
+    if kind == "file":
+        root.write_text("")
+    else:
+        root.symlink_to(tmp_path / "nowhere")
+    monkeypatch.setenv("JITATTN_CACHE_DIR", str(root))
+    _, out, _ = _cli(capsys, "doctor")
+    line = next(line for line in out.splitlines() if "cache dir" in line)
+    assert "FAIL" in line and ("symbolic link to nothing" if kind != "file" else "is not a directory") in line
+    assert "chmod" not in out
+
+
+def test_a_json_spec_that_is_not_an_object_is_named_as_such(fresh_cache, capsys):
+    rc, _, err = _cli(capsys, "warm", "--dry-run", "--spec", "[1]")
+    assert rc == 2 and "must be one JSON object" in err
