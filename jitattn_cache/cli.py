@@ -11,6 +11,7 @@ import argparse
 import contextlib
 import datetime
 import json
+import os
 import shutil
 import signal
 import sys
@@ -346,6 +347,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with _stopped_as_by_ctrl_c():
             return args.func(args)
+    except BrokenPipeError:  # the reader stopped reading (`| head`): what it took was printed, the work is done
+        _quiet_closed_stdout()
+        return EXIT_OK
     except UsageError as exc:
         print(f"jitattn-cache: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -359,6 +363,14 @@ def main(argv: list[str] | None = None) -> int:
         print("\njitattn-cache: interrupted; the cache is consistent (nothing half-built is published)",
               file=sys.stderr)
         return EXIT_INTERRUPTED
+
+
+def _quiet_closed_stdout() -> None:
+    """Point stdout at /dev/null, so that the interpreter's flush at exit does not report the closed pipe again."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
 
 
 @contextlib.contextmanager

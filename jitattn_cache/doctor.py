@@ -303,8 +303,16 @@ def _check_cache_dir(out: list[Check]) -> None:
     root = env.cache_dir()
     where = "JITATTN_CACHE_DIR" if os.environ.get("JITATTN_CACHE_DIR") else "the default location"
     existing = _nearest_existing(root)
+    if root.is_symlink() and not root.exists():
+        out.append(Check("cache dir", "FAIL", f"{root} ({where}) is a symbolic link to nothing (a dangling link or a "
+                         "loop)", f"remove it (rm {root}) or point it at a directory you own"))
+        return
     if root.exists():
-        if not root.is_dir() or not os.access(root, os.W_OK | os.X_OK):
+        if not root.is_dir():
+            out.append(Check("cache dir", "FAIL", f"{root} ({where}) is not a directory",
+                             "set JITATTN_CACHE_DIR to a directory of your own"))
+            return
+        if not os.access(root, os.W_OK | os.X_OK):
             out.append(Check("cache dir", "FAIL", f"{root} ({where}) is not a writable directory",
                              f"fix its permissions (chmod u+rwx {root}) or set JITATTN_CACHE_DIR elsewhere"))
             return

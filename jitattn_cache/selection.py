@@ -88,7 +88,7 @@ def _spec_from_text(text: str):
     from jitattn.spec import VariantSpec
     from jitattn.spec_text import parse_spec_text
 
-    if text.lstrip().startswith("{"):
+    if text.lstrip()[:1] in ("{", "[", '"'):  # JSON (a uri never starts so)
         try:
             data = json.loads(text)
         except json.JSONDecodeError as exc:

@@ -94,7 +94,7 @@ def _refuse_compile_if_asked(plan: BuildInputs) -> None:
              else "it is not in the cache")
     raise CompileDisabledError(
         f"{spec.uri}: {where} and JITATTN_ASSERT_NO_COMPILE=1 forbids compiling it; "
-        f"pre-build it ({warm_command(spec)}) or unset JITATTN_ASSERT_NO_COMPILE"
+        f"pre-build it in a process without that setting ({warm_command(spec)}), or unset JITATTN_ASSERT_NO_COMPILE"
     )
 
 

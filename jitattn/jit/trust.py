@@ -122,5 +122,6 @@ def require_trusted(root: Path, *leaves: Path, action: str) -> None:
     raise CacheError(
         f"refusing to {action} the jitattn cache at {root}: whoever can write a directory on the way to a "
         f"library can replace it with their own code, and\n{lines}\n"
-        "Run the fix commands (or `jitattn-cache doctor`), or set JITATTN_CACHE_DIR to a private directory"
+        "Run the fix commands (or `jitattn-cache doctor`), or set JITATTN_CACHE_DIR to a private directory (for a "
+        "read-only layer of JITATTN_CACHE_PATH: take it off that list)"
     )
