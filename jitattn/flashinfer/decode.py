@@ -29,7 +29,7 @@ def _get_range_buf(seq_len: int, device: torch.device) -> torch.Tensor:
 
 
 single_decode_with_kv_cache = returns_base2(native.single_decode_with_kv_cache)
-single_decode_with_kv_cache.__module__ = __name__  # pickled by reference as this module's (the native one is another object)
+single_decode_with_kv_cache.__module__ = __name__  # pickled by reference as this module's (the native one is another)
 
 
 class BatchDecodeWithPagedKVCacheWrapper(native.BatchDecodeWithPagedKVCacheWrapper):

@@ -11,7 +11,7 @@ __all__ = ["BatchPrefillWithPagedKVCacheWrapper", "BatchPrefillWithRaggedKVCache
            "single_prefill_with_kv_cache", "single_prefill_with_kv_cache_return_lse"]
 
 single_prefill_with_kv_cache = returns_base2(native.single_prefill_with_kv_cache)
-single_prefill_with_kv_cache.__module__ = __name__  # pickled by reference as this module's (the native one is another object)
+single_prefill_with_kv_cache.__module__ = __name__  # pickled by reference as this module's (the native one is another)
 single_prefill_with_kv_cache_return_lse = functools.partial(single_prefill_with_kv_cache, return_lse=True)
 
 
