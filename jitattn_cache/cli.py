@@ -96,7 +96,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
             unsafe += cache_violations(base, mine, writable=base == layers()[-1])
     for v in unsafe:
         print(f"UNSAFE {v.path}: {v.reason}\n  fix: {v.fix}")
-    bad = unfixed = 0
+    bad = unfixed = other = 0
     for e in rows:
         problem = foreign_entry_problem(e.path)
         if problem is None and entry_violations(e):  # never dlopen'ed: its constructors would run as you
@@ -104,6 +104,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
         if problem is None:  # consistent: does it load here as its module (the libraries it links, its uri)?
             problem = library_problem(e.path / LIBRARY_NAME, e.manifest["uri"])
         if problem is None:
+            continue
+        if problem.startswith("another jitattn version's"):  # a cache two versions share: theirs, kept
+            other += 1
+            print(f"OTHER {e.path}: {problem}; kept (this version never loads it: its own key differs)")
             continue
         bad += 1
         print(f"BAD {e.path}: {problem}")
@@ -117,7 +121,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
         else:
             unfixed += 1
             print("  not removed: its lock is held (a build of it is running); try again")
-    print(f"verify: {len(rows)} entries, {len(rows) - bad} ok, {bad} bad"
+    print(f"verify: {len(rows)} entries, {len(rows) - bad - other} ok, {bad} bad"
+          + (f", {other} of another jitattn version" if other else "")
           + (f", {bad - unfixed} removed" if args.fix else (" (--fix removes them)" if bad else ""))
           + (f"; {len(unsafe)} unsafe path(s): jitattn refuses to build in or load from them until fixed"
              if unsafe else ""))

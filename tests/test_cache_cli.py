@@ -397,6 +397,18 @@ def test_verify_fix_never_touches_a_read_only_layer(cache_copy, tmp_path, monkey
     assert victim.exists()
 
 
+def test_verify_fix_keeps_another_jitattn_versions_entries(cache_copy, monkeypatch, capsys) -> None:
+    """A cache two jitattn versions share: the other's entries (another ABI version, so another key: never loaded
+    here) are reported and kept, not removed as bad."""
+    import jitattn.jit.loader as loader
+
+    monkeypatch.setattr(loader, "ABI_VERSION", loader.ABI_VERSION + 1)  # as a newer jitattn sees these entries
+    rc, out, _ = run_cli(capsys, "verify", "--fix")
+    assert rc == 0 and "7 entries, 0 ok, 0 bad, 7 of another jitattn version" in out, out
+    assert out.count("OTHER ") == 7 and "0 removed" in out
+    assert len(list(entry_dirs(cache_copy / SCHEMA))) == 7
+
+
 def _set_built_at(root: Path, ages_days: dict[str, float]) -> None:
     now = datetime.datetime.now(datetime.timezone.utc)
     for path in entry_dirs(root / SCHEMA):

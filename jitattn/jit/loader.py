@@ -84,6 +84,10 @@ class Module:
         return f"Module({self.spec.uri!r}, {str(self.path)!r})"
 
 
+class OtherAbiVersion(RuntimeError):
+    """The library was built by a jitattn of another ABI version (a cache that two versions share)."""
+
+
 # What loading a library that cannot be this module raises (dlopen, a missing symbol, another ABI or module).
 LOAD_ERRORS = (OSError, AttributeError, RuntimeError)
 
@@ -93,6 +97,8 @@ def library_problem(path: Path, uri: str) -> str | None:
     libraries or damaged; another ABI version; another module), or None."""
     try:
         check_library(path, uri, ())
+    except OtherAbiVersion as exc:
+        return f"another jitattn version's: {exc}"
     except LOAD_ERRORS as exc:
         return f"its library does not load here: {exc}"
     return None
@@ -105,7 +111,7 @@ def check_library(path: Path, uri: str, entries: tuple[Entry, ...]) -> None:
     lib.jitattn_module_uri.restype = ctypes.c_char_p
     version = lib.jitattn_abi_version()
     if version != ABI_VERSION:
-        raise RuntimeError(f"{path}: ABI version {version}, expected {ABI_VERSION}")
+        raise OtherAbiVersion(f"{path}: ABI version {version}, expected {ABI_VERSION}")
     found_uri = lib.jitattn_module_uri().decode()
     if found_uri != uri:
         raise RuntimeError(f"{path}: module uri {found_uri!r}, expected {uri!r}")
