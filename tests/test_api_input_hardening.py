@@ -10,9 +10,10 @@ import pytest
 import torch
 
 import jitattn
+from jitattn import reference
 from jitattn.jit.loader import KernelError
 
-from attention_cases import random_paged_batch
+from attention_cases import assert_close_out, random_paged_batch
 
 PAGE = 16
 HQ, HKV, D = 8, 2, 64  # test_api_dropin's decode shapes: the same cpu module
@@ -620,10 +621,21 @@ def test_workspace_size_refuses_heads_that_plan_refuses():
 
 
 def test_batch_attention_q_dtype_none_takes_the_16_bit_kv_dtype():
+    """Refused before as a bf16 query over an f16 KV; now planned for f16 queries, which run exactly."""
+    gen = torch.Generator().manual_seed(11)
+    batch = random_paged_batch([5, 40], HKV, D, PAGE, torch.float16, generator=gen)
+    qo_indptr = torch.tensor([0, 1, 4], dtype=torch.int32)  # a decode row and a 3-token prefill
+    q = torch.randn(4, HQ, D, generator=gen).to(torch.float16)
     wrapper = jitattn.BatchAttention(device="cpu")
-    indptr, lens = torch.tensor([0, 1], dtype=torch.int32), torch.tensor([5], dtype=torch.int32)
-    wrapper.plan(indptr, indptr, torch.tensor([0], dtype=torch.int32), lens, HQ, HKV, D, D, PAGE,
-                 q_data_type=None, kv_data_type=torch.float16)  # refused before as bf16 q over f16 kv
+    wrapper.plan(qo_indptr, batch.kv_indptr, batch.kv_indices, torch.tensor([5, 40], dtype=torch.int32), HQ, HKV, D,
+                 D, PAGE, q_data_type=None, kv_data_type=torch.float16)
+    out, _ = wrapper.run(q, batch.cache)
+    expected, _ = reference.batch_prefill_paged(q, batch.cache, qo_indptr, batch.kv_indptr, batch.kv_indices,
+                                                batch.kv_last_page_len)
+    assert out.dtype == torch.float16
+    assert_close_out(out, expected, torch.float16)
+    with pytest.raises(TypeError):  # the plan is f16's: a bf16 query is refused
+        wrapper.run(q.to(torch.bfloat16), batch.cache)
 
 
 def test_flashinfer_install_takes_a_module_name_and_its_functions_pickle():
