@@ -396,11 +396,13 @@ def run_plan(
             for prepared in plan.launches():
                 prepared.set_outputs(out, lse)
             plan.checked_outputs = outputs
-    pointers = (q.data_ptr(), k_ptr, v_ptr, out.data_ptr() if given[0] else None, lse.data_ptr() if given[1] else None)
-    if (given[0] or given[1]) and not fixed_outputs and (sinks is not None or outputs_meet_inputs(plan.extents,
-                                                                                                   pointers)):
+    callers_outputs = (given[0] or given[1]) and not fixed_outputs  # (addresses: checked every call, not ours)
+    if callers_outputs or plan.split.kv_chunk_size:
+        pointers = (q.data_ptr(), k_ptr, v_ptr, out.data_ptr() if given[0] else None,
+                    lse.data_ptr() if given[1] else None)
+    if callers_outputs and (sinks is not None or outputs_meet_inputs(plan.extents, pointers)):
         refuse_outputs_over_inputs(f"{wrapper}.run()", q, kv, out if given[0] else None, lse if given[1] else None,
-                                   sinks)  # (addresses: checked on every call; our own buffers are not)
+                                   sinks)
     if plan.split.kv_chunk_size:
         if workspace is not plan.checked_workspace:
             target_of(wrapper, (workspace, q))
