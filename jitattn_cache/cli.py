@@ -84,7 +84,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
     """Re-checksum every entry of every layer, load its library (it must load here, as its module) and check the
     trust rule; --fix removes bad entries from the writable cache (permission problems are reported with their
     fix, never changed)."""
-    from jitattn.jit.admin import LIBRARY_NAME, foreign_entry_problem, layers, library_problem, remove_entry
+    from jitattn.jit.admin import (LIBRARY_NAME, OTHER_VERSION, foreign_entry_problem, layers, library_problem,
+                                   remove_entry)
 
     from .store import cache_violations, entries, entry_violations
 
@@ -105,7 +106,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
             problem = library_problem(e.path / LIBRARY_NAME, e.manifest["uri"])
         if problem is None:
             continue
-        if problem.startswith("another jitattn version's"):  # a cache two versions share: theirs, kept
+        if problem.startswith(OTHER_VERSION):  # a cache two versions share: theirs, kept
             other += 1
             print(f"OTHER {e.path}: {problem}; kept (this version never loads it: its own key differs)")
             continue

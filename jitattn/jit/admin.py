@@ -21,7 +21,7 @@ and the wrappers go through ``jitattn.jit``'s face (``load``, ``build_many``) ov
 from __future__ import annotations
 
 from .build import LIBRARY_NAME, cancel_builds, ninja_path, reset_cancel
-from .loader import library_problem
+from .loader import OTHER_VERSION, library_problem
 from .cache import (ENTRY_NAME_RE, entry_dirs, find_entry, foreign_entry_problem, layers, publish_entry, read_manifest,
                     remove_entry, remove_stale_builds, writable_root)
 from .errors import BuildError, JitError
@@ -30,7 +30,8 @@ from .toolchain import CPU_FLAGS, ToolchainError, cuda_arch_list, default_jobs, 
 from .trust import chain_violations
 
 __all__ = [
-    "BuildError", "CPU_FLAGS", "ENTRY_NAME_RE", "JitError", "LIBRARY_NAME", "SCHEMA", "ToolchainError", "build_inputs",
+    "BuildError", "CPU_FLAGS", "ENTRY_NAME_RE", "JitError", "LIBRARY_NAME", "OTHER_VERSION", "SCHEMA", "ToolchainError",
+    "build_inputs",
     "cancel_builds", "chain_violations", "cuda_arch_list", "default_jobs", "entry_dirs", "find_entry",
     "foreign_entry_problem", "layers", "library_problem", "ninja_path", "probe", "publish_entry", "read_manifest",
     "remove_entry", "remove_stale_builds", "reset_cancel", "writable_root",

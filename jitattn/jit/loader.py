@@ -88,6 +88,9 @@ class OtherAbiVersion(RuntimeError):
     """The library was built by a jitattn of another ABI version (a cache that two versions share)."""
 
 
+OTHER_VERSION = "another jitattn version's"  # how library_problem's answer for such a library begins
+
+
 # What loading a library that cannot be this module raises (dlopen, a missing symbol, another ABI or module).
 LOAD_ERRORS = (OSError, AttributeError, RuntimeError)
 
@@ -98,7 +101,7 @@ def library_problem(path: Path, uri: str) -> str | None:
     try:
         check_library(path, uri, ())
     except OtherAbiVersion as exc:
-        return f"another jitattn version's: {exc}"
+        return f"{OTHER_VERSION}: {exc}"
     except LOAD_ERRORS as exc:
         return f"its library does not load here: {exc}"
     return None
