@@ -333,6 +333,25 @@ def test_variable_plan_and_run_refuse_bad_input() -> None:
         wrapper.run(q, kv, kv, out=torch.empty(4, 5, 32).half())
 
 
+
+@pytest.mark.parametrize("block_row_sz,block_col_sz,last_block_only,name", [
+    ([[4]], [[2**30, 2**30]], False, "kv_indptr"),  # one head, 2^31 keys gathered
+    ([[4], [4]], [[2**30], [2**30]], False, "kv_indptr"),  # two heads of 2^30
+    ([[1] * 16], [[2**28]], False, "kv_indptr"),  # 16 query blocks each over all 2^28 keys: 2^32 gathered
+    ([[4], [4]], [[2**30, 1], [2**30, 1]], True, "kv_indices"),  # 2 keys gathered, head 1's at 2^31 + 1
+])
+def test_variable_plan_refuses_a_pattern_past_int32_before_building_it(block_row_sz, block_col_sz, last_block_only,
+                                                                       name) -> None:
+    """The index arrays hold one entry per gathered key (key h * kv_len + column of kv head h): past int32 the plan
+    is refused from the sizes alone (building them first asked numpy for 16-32 GiB)."""
+    rows, cols = torch.tensor(block_row_sz, dtype=torch.int64), torch.tensor(block_col_sz, dtype=torch.int64)
+    mask = torch.ones(rows.shape[0], rows.shape[1], cols.shape[1], dtype=torch.bool)
+    if last_block_only:
+        mask[..., :-1] = False
+    wrapper = jitattn.VariableBlockSparseAttentionWrapper(torch.empty(0, dtype=torch.uint8))
+    with pytest.raises(ValueError, match=f"{name} exceeds int32 .*too large for one plan"):
+        wrapper.plan(mask, rows, cols, rows.shape[0], rows.shape[0], 64)
+
 def _variable_wrapper():
     """A variable-block wrapper planned for 2 kv heads (group 2) of 5 query rows and 6 keys, head_dim 64."""
     wrapper = jitattn.VariableBlockSparseAttentionWrapper(torch.empty(128 << 20, dtype=torch.uint8))

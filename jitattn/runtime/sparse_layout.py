@@ -54,9 +54,14 @@ def _int_array(name: str, tensor, ndim: int) -> np.ndarray:
     return tensor.detach().to("cpu").to(torch.int64).numpy()
 
 
+def _check_int32(name: str, highest: int) -> None:
+    if highest > _INT32_MAX:
+        raise ValueError(f"{name} exceeds int32 ({highest}): the pattern is too large for one plan")
+
+
 def _as_int32(name: str, values: np.ndarray) -> torch.Tensor:
-    if values.size and int(values.max()) > _INT32_MAX:
-        raise ValueError(f"{name} exceeds int32 ({int(values.max())}): the pattern is too large for one plan")
+    if values.size:
+        _check_int32(name, int(values.max()))
     return torch.from_numpy(np.ascontiguousarray(values, dtype=np.int32))
 
 
@@ -240,6 +245,9 @@ def variable_page_table(block_mask_map, block_row_sz, block_col_sz,
     request = head * mb + row
     lengths = cols[head, col]
     col_first = np.cumsum(cols, axis=1) - cols
+    # (before the per-token arrays below, which a pattern past int32 would make huge)
+    _check_int32("kv_indices", heads * kv_len - 1)
+    _check_int32("kv_indptr", int(lengths.sum()))
     kv_indices = _ranges(head * kv_len + col_first[head, col], lengths)
     tokens = np.bincount(request, weights=lengths, minlength=heads * mb).astype(np.int64)
     table = SparsePageTable(
