@@ -159,6 +159,34 @@ def test_strided_query_and_flashinfer_namespace_base2_lse(device: str) -> None:
     assert jitattn.attention.BatchAttention is jitattn.BatchAttention and fi.attention.BatchAttention is fi.BatchAttention
 
 
+
+@pytest.mark.parametrize("lens", [
+    [(1, 40), (5, 20), (1, 7), (3, 3)],  # decode and prefill rows interleaved: the parts gather and scatter
+    [(1, 40), (1, 7), (5, 20), (3, 3)],  # each part's rows one run: slices of out
+    [(1, 40), (1, 7)],  # decode only
+    [(5, 20), (3, 3)],  # prefill only
+], ids=["interleaved", "contiguous_parts", "decode_only", "prefill_only"])
+def test_out_and_lse_strided_in_their_last_dimension_are_filled_whatever_the_batch(lens) -> None:
+    """out / lse views with a stride in their last dimension: filled (through the parts' own buffers) for every
+    arrangement of the batch, not accepted for some and refused for others."""
+    hq, hkv, d, page = 4, 2, 64, 16
+    gen = torch.Generator().manual_seed(7)
+    batch = random_paged_batch([k for _, k in lens], hkv, d, page, bf16, layout="NHD", generator=gen)
+    qo_indptr = torch.tensor([0] + torch.tensor([q for q, _ in lens]).cumsum(0).tolist(), dtype=torch.int32)
+    rows = int(qo_indptr[-1])
+    q = torch.randn(rows, hq, d, generator=gen).to(bf16)
+    wrapper = jitattn.BatchAttention(kv_layout="NHD", device="cpu")
+    wrapper.plan(qo_indptr, batch.kv_indptr, batch.kv_indices, torch.tensor([k for _, k in lens], dtype=torch.int32),
+                 hq, hkv, d, d, page, causal=True)
+    out = torch.full((rows, hq, 2 * d), float("nan"), dtype=bf16)[..., ::2]
+    lse = torch.full((rows, 2 * hq), float("nan"))[:, ::2]
+    got_out, got_lse = wrapper.run(q, batch.cache, out=out, lse=lse)
+    assert got_out.data_ptr() == out.data_ptr() and got_lse.data_ptr() == lse.data_ptr()
+    expected_o, expected_lse = reference.batch_prefill_paged(
+        q, batch.cache, qo_indptr, batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len, causal=True)
+    assert_close_out(out, expected_o, bf16)
+    assert_close_lse(lse, expected_lse)
+
 def test_plan_and_run_refuse_bad_input() -> None:
     wrapper = jitattn.BatchAttention(device="cpu")
     indptr, indices = torch.tensor([0, 2, 3], dtype=torch.int32), torch.tensor([0, 1, 2], dtype=torch.int32)

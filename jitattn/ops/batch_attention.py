@@ -218,7 +218,10 @@ class BatchAttention(NotCopyable):
         for name, given in (("out", out), ("lse", lse)):
             if given is not None:  # a tensor; its shape, dtype and device are checked with q's below
                 check_tensor(name, given, last_dim_contiguous=False)
-        if len(self._parts) == 1 and self._parts[0][1] is self._prefill:
+        # The kernels write rows of buffers contiguous in their last dimension: other out / lse take the parts'
+        # results through buffers of their own, whatever the batch (a part's rows a slice or not).
+        direct = all(t is None or t.stride(-1) == 1 for t in (out, lse))
+        if direct and len(self._parts) == 1 and self._parts[0][1] is self._prefill:
             return named_refusals(self._NAME, "batch on the paged prefill kernels (q, kv_cache, out, lse)",
                                   lambda: self._prefill.run(q, kv_cache, k_scale=k_scale, v_scale=v_scale, out=out,
                                                             lse=lse, return_lse=True))
@@ -236,7 +239,7 @@ class BatchAttention(NotCopyable):
             lse = torch.empty((rows, heads), dtype=torch.float32, device=q.device)
 
         def launch(part: _Part, wrapper):
-            sliced = isinstance(part.rows, slice)  # then the part writes its rows of out / lse in place
+            sliced = direct and isinstance(part.rows, slice)  # then the part writes its rows of out / lse in place
             which = "prefill" if wrapper is self._prefill else "decode"
             return named_refusals(self._NAME, f"{which} part (its rows of q, kv_cache, out, lse)", lambda: wrapper.run(
                 part.take(q), kv_cache, k_scale=k_scale, v_scale=v_scale, out=out[part.rows] if sliced else None,
