@@ -149,6 +149,22 @@ def test_cascade_refuses_a_level_whose_arrays_disagree_on_its_nodes() -> None:
                      [torch.tensor([3], **i32), torch.tensor([0, 2], **i32)], 4, 2, 64, 4, q_data_type=torch.float32)
 
 
+
+@pytest.mark.parametrize("levels", [1, 2])
+@pytest.mark.parametrize("flag", ["no", 2, None])
+def test_return_lse_must_be_a_bool_whatever_the_levels(levels: int, flag) -> None:
+    """return_lse="no" (truthy) or None was taken for its truthiness on a plan of several levels, while a one-level
+    plan refused it."""
+    i32 = lambda values: torch.tensor(values, dtype=torch.int32)  # noqa: E731
+    tables = [(i32([0, 3]), i32([0, 2]), i32([0, 1]), i32([5])),  # a shared node of 2 pages, then 2 own nodes
+              (i32([0, 1, 3]), i32([0, 1, 2]), i32([2, 3]), i32([3, 2]))][-levels:]
+    wrapper = jitattn.MultiLevelCascadeAttentionWrapper(levels, torch.empty(8 << 20, dtype=torch.uint8))
+    wrapper.plan(*(list(t) for t in zip(*tables)), 4, 2, 64, 5, q_data_type=torch.float16)
+    q, cache = torch.randn(3, 4, 64).half(), torch.randn(20, 2, 5, 2, 64).half()
+    assert isinstance(wrapper.run(q, cache, return_lse=1), tuple)
+    with pytest.raises(TypeError, match=f"return_lse={flag!r} must be True or False"):
+        wrapper.run(q, cache, return_lse=flag)
+
 @pytest.mark.parametrize("device", devices())
 def test_repeated_runs_return_fresh_outputs_and_check_each_query(device: str) -> None:
     """The per-layer path (checks once per signature, the merged lse in scratch unless asked for): each run()

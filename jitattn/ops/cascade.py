@@ -433,6 +433,7 @@ class MultiLevelCascadeAttentionWrapper(NotCopyable):
         if not self._level_chunks:
             raise not_planned("MultiLevelCascadeAttentionWrapper")
         check_tensor("MultiLevelCascadeAttentionWrapper.run(): q", q, last_dim_contiguous=False)
+        return_lse = resolve_flag(return_lse, "return_lse")  # (a level wrapper's run() would check only one plan's)
         states = self._states
         if states is None:  # one state and no batch-invariant mode: the level's launch writes the output
             return self._wrappers[0].run(q, paged_kv_cache, k_scale=k_scale, v_scale=v_scale, return_lse=return_lse,
