@@ -298,6 +298,27 @@ def test_teacher_forced_logits_match_the_reference(model, shared_workload, overl
         torch.testing.assert_close(torch.stack(r.logits), torch.stack(logits), rtol=1e-4, atol=1e-4)
 
 
+
+def test_reference_takes_and_checks_tokens_as_add_request_does(model) -> None:
+    """reference_generate took ``max_new_tokens`` forced tokens where the engine takes ``max_new_tokens - 1`` (the
+    last output is never fed: IndexError), and met an out-of-vocabulary or empty prompt with torch's IndexError."""
+    prompt, forced = [5, 6, 7], [1, 2, 3]
+    engine = Engine(model, num_pages=16, page_size=PAGE)
+    request = engine.add_request(prompt, 4, forced_tokens=forced, keep_logits=True)
+    engine.run()
+    tokens, logits = reference_generate(model, prompt, 4, forced_tokens=forced)
+    assert request.output == tokens and len(tokens) == 4
+    torch.testing.assert_close(torch.stack(request.logits), torch.stack(logits), rtol=1e-4, atol=1e-4)
+    vocab = model.config.vocab_size
+    for args, kwargs, match in [(([vocab], 2), {}, rf"prompt\[0\] = {vocab}: token {vocab} is outside"),
+                                (([], 2), {}, "a request needs a non-empty prompt"),
+                                (([1, 2], 3), {"forced_tokens": [4]}, "forced_tokens needs max_new_tokens - 1 tokens"),
+                                (([1, 2], 0), {}, "max_new_tokens=0 must be an int >= 1")]:
+        with pytest.raises(ValueError, match=match):
+            engine.add_request(*args, **kwargs)
+        with pytest.raises(ValueError, match=match):
+            reference_generate(model, *args, **kwargs)
+
 def test_models_the_kernels_cannot_run_are_refused_when_built(tmp_path) -> None:
     """A config or model the attention kernels cannot run used to be taken, and its first request then stayed in
     prefilling for good, holding its pages; a bad checkpoint said which file."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from .model import LlamaModel
+from .request import request_tokens
 
 
 def torch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -24,8 +25,11 @@ def reference_generate(model: LlamaModel, prompt: list[int], max_new_tokens: int
     """(greedy tokens, float32 logits of each) for one request, one token per forward after the prompt.
 
     ``forced_tokens``: teacher forcing, fed instead of the greedy choices (the returned tokens are
-    still the greedy ones, so they can be compared).
+    still the greedy ones, so they can be compared); as in ``Engine.add_request``, ``max_new_tokens - 1`` of them
+    (the last output is never fed), and the tokens are checked as it checks them.
     """
+    prompt, max_new_tokens, forced_tokens, _ = request_tokens(prompt, max_new_tokens, forced_tokens, None,
+                                                              model.config.vocab_size, max_seq_len=1 << 62)
     caches: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * model.config.num_hidden_layers
 
     def attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -42,6 +46,8 @@ def reference_generate(model: LlamaModel, prompt: list[int], max_new_tokens: int
         logits = model.logits(model.forward(ids, positions, attention)[-1:])[0]
         tokens.append(int(logits.argmax()))
         logits_out.append(logits.cpu())
+        if step + 1 == max_new_tokens:
+            break
         fed = forced_tokens[step] if forced_tokens is not None else tokens[-1]
         ids = torch.tensor([fed], dtype=torch.long, device=device)
         positions = torch.tensor([len(prompt) + step], device=device)
