@@ -785,6 +785,20 @@ def test_radix_insert_of_a_free_page_leaves_the_tree_as_it_was() -> None:
     assert tree.match([1, 2, 3, 4]) == [] and pool.refcount(page) == 1 and tree.num_cached_pages == 0
 
 
+
+def test_radix_tree_keys_tensor_tokens_by_their_values() -> None:
+    """A 1-D integer tensor of tokens was keyed by its elements' identities: a second insert of the same tokens
+    added a branch (and page references) nothing could reach, and match never hit."""
+    pool = KVPool(1, 6, 2, 1, 8, torch.float32, "cpu")
+    tree = RadixCache(pool)
+    pages = pool.alloc(2)
+    assert tree.insert([1, 2, 3, 4], pages) == 2
+    assert tree.insert(torch.tensor([1, 2, 3, 4]), pages) == 0 and [pool.refcount(p) for p in pages] == [2, 2]
+    assert tree.match(torch.tensor([1, 2, 3, 4, 5], dtype=torch.int32)) == pages
+    for bad in (torch.tensor([1.0, 2.0]), torch.tensor([[1, 2]])):
+        with pytest.raises(TypeError, match="tokens must be a sequence of ints or a 1-D integer tensor"):
+            tree.match(bad)
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float8_e4m3fn], ids=["f32", "e4m3"])  # e4m3: no isfinite
 def test_a_model_whose_weights_hold_nan_is_refused(dtype) -> None:
     """It served every request garbage (argmax of NaN logits: token 0) without an error."""
