@@ -224,6 +224,17 @@ def test_on_finish_sees_every_request_end_aborted_ones_included(model, overlap) 
     _pages_back(engine)
 
 
+
+def test_on_finish_that_is_not_a_function_is_refused_before_any_step(model) -> None:
+    """run(on_finish="x") ran the whole batch, then failed on the first call with Python's "'str' object is not
+    callable"."""
+    engine = Engine(model, num_pages=32, page_size=PAGE)
+    request = engine.add_request(_prompts(3, [5])[0], 3)
+    with pytest.raises(TypeError, match="on_finish='x' must be a function"):
+        engine.run(on_finish="x")
+    assert engine.stats.steps == 0 and engine.has_work
+    assert engine.run() == [request] and len(request.output) == 3
+
 @pytest.mark.parametrize("failing_call", range(2, 16))
 def test_a_clock_that_fails_once_loses_no_request_and_no_page(model, failing_call) -> None:
     """The caller's clock raising at any one of its reads (admission, a prefill's first token, the end of requests,

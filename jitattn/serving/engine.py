@@ -48,7 +48,8 @@ from .in_flight import InFlight, input_ids, timing_event, to_host
 from .kv_pool import KVPool
 from .model import LlamaModel
 from .radix import RadixCache, caches_next_page
-from .request import EngineStats, Request, arrival_time, clock_or_error, on_engine_clock, positive_int, request_tokens
+from .request import (EngineStats, Request, arrival_time, callback, clock_or_error, on_engine_clock, positive_int,
+                      request_tokens)
 from .step_cost import StepCosts
 
 
@@ -181,12 +182,12 @@ class Engine:
         """Step until every queued request has ended; returns the finished ones in finishing order (those given up
         are in ``failed``, ``error`` set). ``on_finish`` is called with each as it ends, either way; when it raises,
         the step's other requests still get their call, then the first error is raised."""
+        on_finish = callback("on_finish", on_finish)
         while self.has_work:
             errors = []
             for request in self.step():
                 try:
-                    if on_finish is not None:
-                        on_finish(request)
+                    on_finish(request)
                 except Exception as exc:  # noqa: BLE001 - the caller's; raised once the others were called
                     errors.append(exc)
             if errors:

@@ -168,6 +168,16 @@ def positive_int(name: str, value) -> int:
     return int(value)
 
 
+def callback(name: str, value):
+    """``value`` (a function, or None: nothing to call) as a function; anything else is refused up front, not when
+    the first call comes."""
+    if value is None:
+        return lambda *args: None
+    if not callable(value):
+        raise TypeError(f"{name}={value!r} must be a function (or None)")
+    return value
+
+
 def arrival_time(arrival, name: str = "arrival") -> float:
     """``arrival`` (seconds on the engine's clock, or the clock's own reading) as a finite float: None, a string,
     NaN or an infinity is refused (a NaN passes every order check and an infinite one is never due: either would
