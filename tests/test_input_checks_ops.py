@@ -280,10 +280,24 @@ def test_get_seq_lens_takes_the_arrays_flashinfer_takes() -> None:
 def test_int64_lengths_past_int32_are_refused_not_wrapped() -> None:
     """int64 host arrays are taken (as FlashInfer takes them); lengths past 2^31 wrapped around in the int32 result
     (2026-12-06 sweep: get_seq_lens gave 17 for 2^33 + 17 tokens)."""
-    with pytest.raises(ValueError, match="lengths .* reach 8589934609, past the int32"):
+    with pytest.raises(ValueError, match=r"lengths .* span \[8589934609, 8589934609\], which the int32 results "
+                                         "cannot hold"):
         jitattn.get_seq_lens(torch.tensor([0, 2**31 + 5]), torch.tensor([1]), P)
-    with pytest.raises(ValueError, match="seq_lens reach 8589934592, past the int32"):
+    with pytest.raises(ValueError, match=r"seq_lens span \[8589934592, 8589934592\], which the int32"):
         jitattn.get_batch_indices_positions(torch.tensor([0, 2]), torch.tensor([2**33]), 2)
+
+
+@pytest.mark.parametrize("kv_indptr, last, dtype, span", [
+    ([0, 2**28], [16], torch.int32, "4294967296, 4294967296"),  # past int32: wrapped to 0
+    ([0, 200], [3], torch.uint8, "3187, 3187"),  # past uint8: wrapped to 115
+    ([0, 1, 1], [2, -7], torch.int32, "-7, 2"),  # a request without pages gets its (negative) last_page_len
+])
+def test_flashinfer_get_seq_lens_refuses_lengths_its_dtype_cannot_hold(kv_indptr, last, dtype, span) -> None:
+    """The namespace's get_seq_lens (FlashInfer's arithmetic, in the inputs' dtype) returned the wrapped or
+    negative lengths."""
+    with pytest.raises(ValueError, match=rf"span \[{span}\], which the {str(dtype)[6:]} results cannot hold"):
+        fi.get_seq_lens(torch.tensor(kv_indptr, dtype=dtype), torch.tensor(last, dtype=dtype), 16)
+    assert fi.get_seq_lens(_i32([0, 1, 1]), _i32([2, 3]), 4).tolist() == [2, 3]  # a padding row: its last_page_len
 
 
 # ---------------------------------------------------------------------------------------------------------------

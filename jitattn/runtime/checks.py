@@ -7,10 +7,12 @@ target on that device, tensors on the CPU the ``cpu`` target.
 from __future__ import annotations
 
 import functools
+import threading
 
 from typing import Iterable
 
 import torch
+from torch.autograd.graph import increment_version
 
 from ..page_table import to_host_int32
 from ..spec import Target
@@ -398,6 +400,30 @@ def named_refusals(wrapper: str, part: str, run):
         raise prefixed from exc
 
 
+def check_writable(what: str, **written) -> None:
+    """Refuse tensors (None: skipped) that a kernel would write in place behind autograd's back: one that requires
+    grad while grad mode is on (no backward would see the write), and an inference tensor outside inference mode
+    (which torch's own in-place ops refuse)."""
+    grad = torch.is_grad_enabled() or getattr(_RECORDING, "active", False)  # (no_backward turns grad mode off)
+    for name, t in written.items():
+        if t is None:
+            continue
+        if grad and t.requires_grad:
+            raise RuntimeError(f"{what}: {name} requires grad, and this call writes it in place outside autograd "
+                               f"(it has no backward); call it under torch.no_grad() or torch.inference_mode(), or "
+                               f"pass {name}.detach()")
+        if t.is_inference() and not torch.is_inference_mode_enabled():
+            raise RuntimeError(f"{what}: {name} was made under torch.inference_mode(), and torch lets nothing update "
+                               f"such a tensor in place outside it; call this under torch.inference_mode() too, or "
+                               f"pass {name}.clone()")
+
+
+def mark_written(*tensors) -> None:
+    """Count a kernel's in-place write (through the tensors' pointers) in their version counters, as torch's own
+    in-place ops do: a backward that saved their earlier values then fails with torch's message instead of using
+    the new ones. None: skipped."""
+    increment_version([t for t in tensors if t is not None])
+
 def needs_grad(*values) -> bool:
     """Whether one of ``values`` (tensors, tuples or lists of them, anything else) requires grad: with grad mode
     on, autograd would record a call on them. Cheap (a loop of attribute reads: run() calls it in grad mode)."""
@@ -410,6 +436,9 @@ def needs_grad(*values) -> bool:
     return False
 
 
+_RECORDING = threading.local()  # .active: a call runs inside _NoBackward (its caller in grad mode)
+
+
 class _NoBackward(torch.autograd.Function):
     """Runs a kernel call inside autograd's record of it: its outputs then hang off a node whose backward says the
     call cannot be differentiated, instead of being tensors without a grad_fn (whose backward fails with torch's
@@ -418,7 +447,11 @@ class _NoBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, what: str, call, *inputs):  # inputs: only to tie the outputs to them
         ctx.what = what
-        return call()
+        _RECORDING.active = True  # the caller's grad mode, for check_writable (autograd turns it off in here)
+        try:
+            return call()
+        finally:
+            _RECORDING.active = False
 
     @staticmethod
     def backward(ctx, *grads):

@@ -19,8 +19,8 @@ import torch
 from ..jit import load
 from ..spec import Target
 from .specs import merge_spec
-from .checks import (check_no_overlap, check_shape, check_tensor, cpu_threads, no_backward, stream_handle,
-                     target_of, written_over)
+from .checks import (check_no_overlap, check_shape, check_tensor, check_writable, cpu_threads, mark_written,
+                     no_backward, stream_handle, target_of, written_over)
 
 _VALUE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -75,6 +75,7 @@ def _merge_state_in_place_eager(
 ) -> None:
     """Eager implementation (see the public function of the same name)."""
     _check_pair(v, s, v_other, s_other, ("v", "s", "v_other", "s_other"))
+    check_writable("merge_state_in_place", v=v, s=s)
     check_no_overlap("v", v)  # written in place
     check_no_overlap("s", s)
     for name, written, read in (("v", v, v_other), ("s", s, s_other)):  # the same tensor is fine: each row reads
@@ -82,9 +83,7 @@ def _merge_state_in_place_eager(
         if not same and written_over(written, ((name + "_other", read),)):
             raise ValueError(f"{name} and {name}_other share memory but not row for row, so a merged row would "
                              f"overwrite another row's {name}_other before it is read; pass a copy of {name}_other")
-    if written_over(v, (("s", s),)):
-        raise ValueError("v and s share memory, so the merged values would overwrite the merged lse (or the reverse); "
-                         "pass separate tensors")
+    refuse_v_over_s(v, s)
     for name, written, read in (("v", v, ("s_other", s_other)), ("s", s, ("v_other", v_other))):
         if written_over(written, (read,)):
             raise ValueError(f"{name} shares memory with {read[0]}, which the merge reads while it writes {name}; "
@@ -94,6 +93,14 @@ def _merge_state_in_place_eager(
         check_shape("mask", mask, (v.shape[0],))
         mask = mask.contiguous()
     _launch_pair(v, s, v_other, s_other, v, s, mask)
+    mark_written(v, s)
+
+
+def refuse_v_over_s(v: torch.Tensor, s: torch.Tensor) -> None:
+    """Refuse an in-place merge's ``v`` and ``s`` that share memory: one's merged rows would overwrite the other's."""
+    if written_over(v, (("s", s),)):
+        raise ValueError("v and s share memory, so the merged values would overwrite the merged lse (or the reverse); "
+                         "pass separate tensors")
 
 
 # merge_states launches prepared per input signature (shapes, strides, dtypes, device) and per thread:

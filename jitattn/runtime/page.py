@@ -25,8 +25,8 @@ from ..abi import APPEND_SOURCE_CODES
 from ..jit import load
 from ..page_table import check_page_table
 from ..spec import KVLayout, Target
-from .checks import (check_no_overlap, check_tensor, cpu_threads, dense_overlap, launch_on, shares_element,
-                     spans_overlap, target_of, views_overlap)
+from .checks import (check_no_overlap, check_tensor, check_writable, cpu_threads, dense_overlap, launch_on,
+                     mark_written, shares_element, spans_overlap, target_of, views_overlap)
 from .specs import append_spec
 from .kv import cache_geometry, check_kv_tensors, kv_strides, split_paged_kv_cache
 
@@ -200,6 +200,8 @@ def append_paged_kv_cache(
     caches = paged_kv_cache if isinstance(paged_kv_cache, (tuple, list)) else (paged_kv_cache,)
     _refuse_sources_in_cache((("append_key", append_key), ("append_value", append_value)),
                              [("paged_kv_cache", c) for c in caches])
+    check_writable("append_paged_kv_cache", **{f"paged_kv_cache[{i}]" if len(caches) > 1 else "paged_kv_cache": c
+                                               for i, c in enumerate(caches)})
     target, device = target_of("append_paged_kv_cache", (append_key, append_value, cache.k, cache.v))
     if target is Target.CUDA and cache.dtype == torch.float32:
         raise TypeError(
@@ -233,6 +235,7 @@ def append_paged_kv_cache(
         src_dtype=src_code, num_threads=cpu_threads(),
     )
     launch_on(module, "append", device, **params)
+    mark_written(*caches)
 
 
 def _check_appended(append_key: torch.Tensor, append_value: torch.Tensor, cache: _CacheView) -> int:
@@ -352,7 +355,7 @@ def get_batch_indices_positions(
                 f"request {r} appends {int(counts[r])} tokens but seq_lens[{r}]={int(lens[r])}; "
                 "seq_lens must count the tokens after the append"
             )
-        _fits_int32("seq_lens", lens)
+        _fits("seq_lens", lens)
     tokens = torch.arange(nnz, dtype=torch.int64, device=device)
     if batch_size == 0:
         empty = torch.zeros(nnz, dtype=torch.int32, device=device)
@@ -404,29 +407,27 @@ def get_seq_lens(kv_indptr: torch.Tensor, kv_last_page_len: torch.Tensor, page_s
     last = kv_last_page_len[:batch_size].to(device=device, dtype=torch.int64, non_blocking=True)
     if as_flashinfer:
         lens = (num_pages - 1).clamp_(min=0) * page_size + last
-        return lens.to(torch.promote_types(kv_indptr.dtype, kv_last_page_len.dtype))
+        dtype = torch.promote_types(kv_indptr.dtype, kv_last_page_len.dtype)
+        if device.type == "cpu":  # (a request without pages gets its kv_last_page_len, which nothing else checks)
+            _fits("the lengths (kv_indptr's pages x page_size + kv_last_page_len)", lens, dtype)
+        return lens.to(dtype)
     lens = torch.where(num_pages > 0, (num_pages - 1) * page_size + last, torch.zeros_like(last))
     if device.type == "cpu":
-        _fits_int32("the lengths (kv_indptr's pages x page_size)", lens)
+        _fits("the lengths (kv_indptr's pages x page_size)", lens)
     return lens.to(torch.int32)
 
 
-def _fits_int32(what: str, values: torch.Tensor) -> None:
-    """Refuse int64 host values that an int32 result would wrap around (no check on a GPU: it would sync)."""
-    if values.numel() and int(values.max()) > 2**31 - 1:
-        raise ValueError(f"{what} reach {int(values.max())}, past the int32 the results are: a request of over 2^31 "
-                         "tokens, or an index array that is not one")
+def _fits(what: str, values: torch.Tensor, dtype: torch.dtype = torch.int32) -> None:
+    """Refuse int64 host values that a ``dtype`` result would not hold (no check on a GPU: it would sync)."""
+    if values.numel() and not 0 <= int(values.min()) <= int(values.max()) <= torch.iinfo(dtype).max:
+        raise ValueError(f"{what} span [{int(values.min())}, {int(values.max())}], which the {_name(dtype)} results "
+                         "cannot hold: a request longer than that, a negative kv_last_page_len, or an index array "
+                         "that is not one")
 
 
 def append_paged_mla_kv_cache(
-    append_ckv: torch.Tensor,
-    append_kpe: torch.Tensor,
-    batch_indices: torch.Tensor,
-    positions: torch.Tensor,
-    ckv_cache: torch.Tensor,
-    kpe_cache: torch.Tensor,
-    kv_indices: torch.Tensor,
-    kv_indptr: torch.Tensor,
+    append_ckv: torch.Tensor, append_kpe: torch.Tensor, batch_indices: torch.Tensor, positions: torch.Tensor,
+    ckv_cache: torch.Tensor, kpe_cache: torch.Tensor, kv_indices: torch.Tensor, kv_indptr: torch.Tensor,
     kv_last_page_len: torch.Tensor,
 ) -> None:
     """Write new tokens' compressed KV ``[nnz, ckv]`` and rope keys ``[nnz, kpe]`` into an MLA latent cache.
@@ -459,6 +460,7 @@ def append_paged_mla_kv_cache(
     # Everything that differs between the halves is checked above; they share the index arrays, the page size
     # and the page count, so the first write's own checks of the index values refuse both halves or neither.
     ix = index_arrays
+    check_writable("append_paged_mla_kv_cache", ckv_cache=ckv_cache, kpe_cache=kpe_cache)
     for appended, cache in ((append_ckv, ckv_cache), (append_kpe, kpe_cache)):
         rows, views = appended.unsqueeze(1), cache.unsqueeze(2)  # one latent head
         append_paged_kv_cache(rows, rows, ix["batch_indices"], ix["positions"], (views, views), ix["kv_indices"],

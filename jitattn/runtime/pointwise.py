@@ -18,8 +18,8 @@ import torch
 from ..abi import ACT_CODES
 from ..jit import load
 from ..spec import Op
-from .checks import (check_no_overlap, check_tensor, cpu_threads, launch_on, shares_memory, target_of,
-                     written_over)
+from .checks import (check_no_overlap, check_tensor, check_writable, cpu_threads, launch_on, mark_written,
+                     shares_memory, target_of, written_over)
 from .specs import dtype_spec
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -87,6 +87,7 @@ def rms_norm(what: str, input: torch.Tensor, weight: torch.Tensor, eps, out: tor
     _same("weight", weight, input, "input")
     _same("out", out, input, "input")
     check_no_overlap("input" if out is input else "out", out)  # (fused_add_rmsnorm writes its input)
+    check_writable(what, **{"input" if out is input else "out": out, "residual": residual})
     # the devices before the addresses (a meta tensor's are all 0); a residual that is no tensor is named below
     target, device = target_of(what, [input, weight, out] + ([residual] if isinstance(residual, torch.Tensor) else []))
     if out is not input and out.device == input.device and (out.data_ptr(), out.stride()) == (input.data_ptr(),
@@ -122,6 +123,7 @@ def rms_norm(what: str, input: torch.Tensor, weight: torch.Tensor, eps, out: tor
         weight=weight.data_ptr(), out=dst.data_ptr(), rows=rows, hidden=hidden, in_stride=in_stride,
         res_stride=res_stride, out_stride=out_stride, eps=eps, weight_offset=float(weight_offset),
         num_threads=cpu_threads())
+    mark_written(out, residual)
     for written, staged in ((out, dst), (residual, res)):  # copies of tensors whose rows had no one stride
         if written is not None and staged is not written:
             written.copy_(staged)
@@ -146,6 +148,7 @@ def act_and_mul(what: str, act: str, input: torch.Tensor, out: torch.Tensor | No
         check_no_overlap("out", out)
         if shares_memory(out, input):
             raise ValueError(f"{what}: out shares memory with input; pass a tensor of its own")
+        check_writable(what, out=out)
     target, device = target_of(what, [input, out])
     rows = math.prod(input.shape[:-1])
     if rows == 0 or d == 0:
@@ -155,6 +158,7 @@ def act_and_mul(what: str, act: str, input: torch.Tensor, out: torch.Tensor | No
     launch_on(module, "act_and_mul", device,
         input=src.data_ptr(), out=dst.data_ptr(), rows=rows, d=d, in_stride=in_stride,
         out_stride=out_stride, act=ACT_CODES[act], num_threads=cpu_threads())
+    mark_written(out)
     if dst is not out:
         out.copy_(dst)
     return out

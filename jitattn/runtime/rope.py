@@ -22,7 +22,7 @@ import torch
 
 from ..abi import ROPE_POSITION_CODES
 from ..jit import load
-from .checks import check_no_overlap, check_tensor, cpu_threads, launch_on, target_of
+from .checks import check_no_overlap, check_tensor, check_writable, cpu_threads, launch_on, mark_written, target_of
 from .options import f32_scale, resolve_flag
 from .specs import rope_spec
 
@@ -279,6 +279,7 @@ def rotate(q: torch.Tensor, k: torch.Tensor, q_out: torch.Tensor, k_out: torch.T
     ``rotary_dim`` None rotates the whole head, or as many dimensions as ``cos_sin_cache`` is wide. ``names``: what
     the caller calls ``q`` and ``k`` (its errors say those)."""
     _check_qk(q, k, q_out, k_out, names)
+    check_writable("rope", **({names[0]: q_out, names[1]: k_out} if q_out is q else {}))  # (new outputs: ours)
     interleave = resolve_flag(interleave, "interleave")
     target, device = target_of("rope", [q, k, q_out, k_out])
     nnz, head_dim = q.shape[0], q.shape[2]
@@ -305,3 +306,4 @@ def rotate(q: torch.Tensor, k: torch.Tensor, q_out: torch.Tensor, k_out: torch.T
         copy_unrotated=int(q_out is not q), num_threads=cpu_threads(),
     )
     launch_on(module, "rope", device, **params)
+    mark_written(q_out, k_out)

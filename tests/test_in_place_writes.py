@@ -1,0 +1,117 @@
+"""The ops that write their arguments in place (RoPE's ``_inplace`` forms, the fused-add norms, ``rmsnorm(out=)``,
+the activations' ``out=``, the KV appends, ``merge_state_in_place``): their kernels write through pointers, so they
+tell autograd as torch's own in-place ops do. A tensor autograd saved for a backward, written since, fails that
+backward with torch's message (it used the new values, silently); a written tensor that requires grad is refused in
+grad mode, an inference tensor outside inference mode; under no_grad / inference_mode the writes go through."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import jitattn
+import jitattn.flashinfer as fi
+
+T = 6  # tokens
+POS = torch.arange(1, T + 1)
+
+
+def _rope(x: torch.Tensor) -> None:
+    fi.apply_rope_pos_ids_inplace(x.view(T, 2, 8), torch.randn(T, 1, 8), POS)
+
+
+def _rope_k(x: torch.Tensor) -> None:
+    fi.apply_rope_pos_ids_inplace(torch.randn(T, 2, 8), x.view(T, 2, 8), POS)
+
+
+def _fused_input(x: torch.Tensor) -> None:
+    fi.fused_add_rmsnorm(x.view(T, 16), torch.randn(T, 16), torch.rand(16) + 0.5)
+
+
+def _fused_residual(x: torch.Tensor) -> None:
+    fi.gemma_fused_add_rmsnorm(torch.randn(T, 16), x.view(T, 16), torch.rand(16))
+
+
+def _rmsnorm_out(x: torch.Tensor) -> None:
+    fi.rmsnorm(torch.randn(T, 16), torch.rand(16) + 0.5, out=x.view(T, 16))
+
+
+def _silu_out(x: torch.Tensor) -> None:
+    fi.silu_and_mul(torch.randn(T, 32), out=x.view(T, 16))
+
+
+def _append(x: torch.Tensor) -> None:  # x: a cache of 3 pages of 2 tokens, 1 head of 8, as [pages, 2, page, 1, 8]
+    cache = x.view(3, 2, 2, 1, 8)
+    fi.append_paged_kv_cache(torch.randn(T, 1, 8), torch.randn(T, 1, 8), torch.zeros(T, dtype=torch.int32),
+                             torch.arange(T, dtype=torch.int32), cache, torch.arange(3, dtype=torch.int32),
+                             torch.tensor([0, 3], dtype=torch.int32), torch.tensor([2], dtype=torch.int32))
+
+
+def _merge_v(x: torch.Tensor) -> None:
+    v = x.view(T, 2, 8)
+    jitattn.merge_state_in_place(v, torch.randn(T, 2), torch.randn(T, 2, 8), torch.randn(T, 2))
+
+
+def _merge_s_base2(x: torch.Tensor) -> None:
+    fi.merge_state_in_place(torch.randn(T, 2, 8), x.view(T, 16)[:, :2], torch.randn(T, 2, 8), torch.randn(T, 2))
+
+
+WRITERS = {"apply_rope_pos_ids_inplace q": _rope, "apply_rope_pos_ids_inplace k": _rope_k,
+           "fused_add_rmsnorm input": _fused_input, "gemma_fused_add_rmsnorm residual": _fused_residual,
+           "rmsnorm out": _rmsnorm_out, "silu_and_mul out": _silu_out, "append_paged_kv_cache": _append,
+           "merge_state_in_place v": _merge_v, "flashinfer merge_state_in_place s": _merge_s_base2}
+NAMES = {"apply_rope_pos_ids_inplace q": "q", "apply_rope_pos_ids_inplace k": "k",
+         "fused_add_rmsnorm input": "input", "gemma_fused_add_rmsnorm residual": "residual", "rmsnorm out": "out",
+         "silu_and_mul out": "out", "append_paged_kv_cache": "paged_kv_cache", "merge_state_in_place v": "v",
+         "flashinfer merge_state_in_place s": "s"}
+
+
+def _tensor() -> torch.Tensor:
+    """Storage for every writer's argument: T x 16 floats (a cache of 3 x 2 x 2 x 8 = 96 of them)."""
+    return torch.randn(T * 16)
+
+
+@pytest.mark.parametrize("writer", list(WRITERS))
+def test_a_backward_that_saved_the_written_tensor_fails(writer: str) -> None:
+    """(x * w).sum() saves x for w's gradient; x written in place since: torch's own error, not a gradient
+    computed from the new x."""
+    x, w = _tensor(), torch.randn(T * 16, requires_grad=True)
+    y = (x * w).sum()
+    version = x._version
+    WRITERS[writer](x)
+    assert x._version > version
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward()
+
+
+@pytest.mark.parametrize("writer", list(WRITERS))
+def test_a_written_tensor_that_requires_grad_is_refused_in_grad_mode(writer: str) -> None:
+    x = _tensor().requires_grad_()
+    before = x.detach().clone()
+    with pytest.raises(RuntimeError, match=f"{NAMES[writer]}.*requires grad.*writes it in place outside autograd"):
+        WRITERS[writer](x.view(-1) if writer.startswith("append") else x)
+    assert torch.equal(x.detach(), before)  # refused before anything was written
+    with torch.no_grad():
+        WRITERS[writer](x)  # the caller says no gradient flows here: written
+    assert not torch.equal(x.detach(), before)
+
+
+@pytest.mark.parametrize("writer", list(WRITERS))
+def test_an_inference_tensor_is_written_only_in_inference_mode(writer: str) -> None:
+    with torch.inference_mode():
+        x = _tensor()
+    before = x.clone()
+    with pytest.raises(RuntimeError, match=f"{NAMES[writer]} was made under torch.inference_mode"):
+        WRITERS[writer](x)
+    assert torch.equal(x, before)
+    with torch.inference_mode():
+        WRITERS[writer](x)
+    assert not torch.equal(x, before)
+
+
+def test_flashinfer_merge_in_place_refuses_an_s_inside_v() -> None:
+    """The base-2 twin converts s to a natural-log copy before the native merge, whose check of v against s then
+    saw the copy: an s cut from v's memory was taken, and the merged lse written back over merged values."""
+    v = torch.randn(T, 2, 8)
+    with pytest.raises(ValueError, match="v and s share memory"):
+        fi.merge_state_in_place(v, v[:, :, 0], torch.randn(T, 2, 8), torch.randn(T, 2))
