@@ -424,6 +424,7 @@ def mark_written(*tensors) -> None:
     the new ones. None: skipped."""
     increment_version([t for t in tensors if t is not None])
 
+
 def needs_grad(*values) -> bool:
     """Whether one of ``values`` (tensors, tuples or lists of them, anything else) requires grad: with grad mode
     on, autograd would record a call on them. Cheap (a loop of attribute reads: run() calls it in grad mode)."""
