@@ -200,14 +200,11 @@ def append_paged_kv_cache(
     caches = paged_kv_cache if isinstance(paged_kv_cache, (tuple, list)) else (paged_kv_cache,)
     _refuse_sources_in_cache((("append_key", append_key), ("append_value", append_value)),
                              [("paged_kv_cache", c) for c in caches])
-    check_writable("append_paged_kv_cache", **{f"paged_kv_cache[{i}]" if len(caches) > 1 else "paged_kv_cache": c
-                                               for i, c in enumerate(caches)})
+    check_writable("append_paged_kv_cache", paged_kv_cache=cache.k, **{"paged_kv_cache's v": cache.v})  # (views)
     target, device = target_of("append_paged_kv_cache", (append_key, append_value, cache.k, cache.v))
     if target is Target.CUDA and cache.dtype == torch.float32:
-        raise TypeError(
-            "float32 paged caches are supported on the cpu target only; on a CUDA device use a float16, "
-            "bfloat16 or fp8 cache"
-        )
+        raise TypeError("float32 paged caches are supported on the cpu target only; on a CUDA device use a float16, "
+                        "bfloat16 or fp8 cache")
     index_arrays = _as_int32({
         "batch_indices": batch_indices, "positions": positions, "kv_indices": kv_indices,
         "kv_indptr": kv_indptr, "kv_last_page_len": kv_last_page_len,
