@@ -12,20 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
 from .kv_pool import KVPool
-
-
-def _token_ids(tokens) -> list[int] | tuple[int, ...]:
-    """``tokens`` with elements that hash as ints: a 1-D integer tensor as its list (a tensor's elements hash by
-    identity, so a tree keyed by them would never match and would keep pages in unreachable branches)."""
-    if isinstance(tokens, torch.Tensor):
-        if tokens.dim() != 1 or tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == torch.bool:
-            raise TypeError(f"tokens must be a sequence of ints or a 1-D integer tensor, got a tensor of shape "
-                            f"{tuple(tokens.shape)} and dtype {str(tokens.dtype).removeprefix('torch.')}")
-        return tokens.tolist()
-    return tokens
+from .request import listed_tokens
 
 
 @dataclass(eq=False)
@@ -66,7 +54,7 @@ class RadixCache:
 
         Marks the path as just used. The caller takes its own references (``pool.incref``).
         """
-        ps, tokens = self.page_size, _token_ids(tokens)
+        ps, tokens = self.page_size, listed_tokens("tokens", tokens)  # (a tensor's elements hash by identity)
         limit = len(tokens) // ps if max_pages is None else min(max_pages, len(tokens) // ps)
         node, pages = self.root, []
         while len(pages) < limit:
@@ -101,7 +89,7 @@ class RadixCache:
         the tree takes one reference to each page it adds.
         """
         ps = self.page_size
-        tokens = tuple(_token_ids(tokens)[: len(pages) * ps])
+        tokens = tuple(listed_tokens("tokens", tokens)[: len(pages) * ps])
         if len(tokens) != len(pages) * ps:
             raise ValueError(f"{len(pages)} pages need {len(pages) * ps} tokens; got {len(tokens)}")
         node, done = self.root, 0

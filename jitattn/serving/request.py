@@ -104,9 +104,9 @@ class EngineStats:
         self.decode_pairs += pairs
 
 
-def token_ids(name: str, tokens, vocab_size: int) -> list[int]:
-    """``tokens`` (a sequence of ints, or a 1-D integer tensor or numpy array, as tokenizers return them) as a list
-    of ints in ``[0, vocab_size)``."""
+def listed_tokens(name: str, tokens):
+    """``tokens`` given as a 1-D integer tensor or numpy array (as tokenizers return them) as a list of ints (whose
+    elements hash by value, as a tensor's do not); anything else as it is."""
     if type(tokens).__name__ == "ndarray" and hasattr(tokens, "__array__"):
         tokens = torch.as_tensor(tokens)
     if isinstance(tokens, torch.Tensor):
@@ -115,8 +115,15 @@ def token_ids(name: str, tokens, vocab_size: int) -> list[int]:
                             f"{tuple(tokens.shape)} {str(tokens.dtype).removeprefix('torch.')}")
         if tokens.is_meta:
             raise TypeError(f"{name} is a meta tensor (no data); pass a tensor on the cpu or a GPU")
-        tokens = tokens.tolist()
-    elif isinstance(tokens, (str, bytes, bytearray, memoryview)) or not isinstance(tokens, Sequence):
+        return tokens.tolist()
+    return tokens
+
+
+def token_ids(name: str, tokens, vocab_size: int) -> list[int]:
+    """``tokens`` (a sequence of ints, or a 1-D integer tensor or numpy array, as tokenizers return them) as a list
+    of ints in ``[0, vocab_size)``."""
+    tokens = listed_tokens(name, tokens)
+    if isinstance(tokens, (str, bytes, bytearray, memoryview)) or not isinstance(tokens, Sequence):
         raise TypeError(f"{name} must be a list of token ids (ints); got {type(tokens).__name__}")
     ids = []
     for i, token in enumerate(tokens):
