@@ -31,8 +31,7 @@ from .trust import chain_violations
 
 __all__ = [
     "BuildError", "CPU_FLAGS", "ENTRY_NAME_RE", "JitError", "LIBRARY_NAME", "OTHER_VERSION", "SCHEMA", "ToolchainError",
-    "build_inputs",
-    "cancel_builds", "chain_violations", "cuda_arch_list", "default_jobs", "entry_dirs", "find_entry",
+    "build_inputs", "cancel_builds", "chain_violations", "cuda_arch_list", "default_jobs", "entry_dirs", "find_entry",
     "foreign_entry_problem", "layers", "library_problem", "ninja_path", "probe", "publish_entry", "read_manifest",
     "remove_entry", "remove_stale_builds", "reset_cancel", "writable_root",
 ]
