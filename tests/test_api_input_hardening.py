@@ -137,6 +137,25 @@ def test_a_strided_workspace_or_fixed_buffer_is_refused():
                                               torch.zeros(64, dtype=torch.int32)[::2], i32(1))
 
 
+def test_a_fixed_buffer_of_two_dimensions_is_refused_by_name():
+    batch, _ = _decode_batch()
+    n = batch.kv_indptr.numel()
+    wrapper = jitattn.BatchDecodeWithPagedKVCacheWrapper(
+        _workspace(), use_cuda_graph=True, paged_kv_indptr_buffer=torch.zeros(2, n + 1, dtype=torch.int32),
+        paged_kv_indices_buffer=torch.zeros(256, dtype=torch.int32),
+        paged_kv_last_page_len_buffer=torch.empty(n - 1, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"kv_indptr buffer has shape \(2, 5\); it must be one-dimensional"):
+        wrapper.plan(batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len, HQ, HKV, D, PAGE,
+                     q_data_type=torch.float32)
+
+
+def test_k_and_v_of_different_dtypes_are_named_as_such():
+    batch, q = _decode_batch()
+    wrapper = _decode_wrapper(batch)
+    with pytest.raises(TypeError, match=r"k and v caches have different dtypes \(torch.float32 vs torch.float16\)"):
+        wrapper.run(q, (batch.cache[:, 0], batch.cache[:, 1].half()))
+
+
 def test_mla_plan_errors_name_its_own_arrays():
     wrapper = jitattn.BatchMLAPagedAttentionWrapper(_workspace())
     i32 = lambda *v: torch.tensor(v, dtype=torch.int32)  # noqa: E731

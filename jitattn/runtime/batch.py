@@ -142,6 +142,9 @@ def share_queries(plan: AttentionPlan, q_rows: int) -> None:
 
 def check_fits(host: torch.Tensor, device: torch.device, buffer: torch.Tensor, name: str) -> None:
     """Raise unless the fixed ``buffer`` can take ``host`` (its dtype, its device, enough entries)."""
+    if buffer.dim() != 1:
+        raise ValueError(f"{name} buffer has shape {tuple(buffer.shape)}; it must be one-dimensional: allocate it "
+                         f"with torch.empty(n, dtype={host.dtype})")
     if not buffer.is_contiguous():  # written through its strides, read by the kernels as packed from data_ptr
         raise ValueError(f"{name} buffer (strides {tuple(buffer.stride())}) is not contiguous: the kernels read it "
                          "packed; allocate it with torch.empty")

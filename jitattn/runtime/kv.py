@@ -101,8 +101,10 @@ def check_kv_pair(
                          f"has page_size={page_size} (for a contiguous k/v: their token counts must agree)")
     if k_pages != v_pages:
         raise ValueError(f"k and v caches have different page counts ({k_pages} vs {v_pages})")
-    if k.dtype != dtype or v.dtype != dtype:
-        raise TypeError(f"kv cache dtype is {k.dtype}/{v.dtype} but the plan has kv_data_type={dtype}; "
+    if k.dtype != v.dtype:
+        raise TypeError(f"k and v caches have different dtypes ({k.dtype} vs {v.dtype}); keep both in one dtype")
+    if k.dtype != dtype:
+        raise TypeError(f"kv cache dtype is {k.dtype} but the plan has kv_data_type={dtype}; "
                         "pass kv_data_type to plan()")
     if k.stride(-1) != 1 or v.stride(-1) != 1:
         raise ValueError("kv cache must be contiguous in its last (head_dim) dimension")
