@@ -395,10 +395,12 @@ def check_head_dims(head_dim_qk: int | None, head_dim_vo: int | None) -> None:
         return
     if (head_dim_qk, head_dim_vo) in ASYMMETRIC_HEAD_DIMS:
         return
+    paddable = head_dim_qk == head_dim_vo and 0 < head_dim_qk < max(SUPPORTED_HEAD_DIMS)
     raise ValueError(
         f"head_dim_qk={head_dim_qk}, head_dim_vo={head_dim_vo} is not supported; supported: every multiple "
         f"of 8 from 8 to 256 (equal qk and vo), or (qk, vo) in {list(ASYMMETRIC_HEAD_DIMS)}. "
-        "Pad the head dimension to the next multiple of 8 if your model uses another size"
+        + ("Pad the head dimension to the next multiple of 8 (zero columns in q, k and v change nothing)"
+           if paddable else "No kernel serves this shape")
     )
 
 

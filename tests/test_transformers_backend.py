@@ -176,6 +176,26 @@ def test_what_the_backend_cannot_serve_is_refused_with_what_to_use() -> None:
             model(ids, attention_mask=per_head)
 
 
+@pytest.mark.parametrize("name", ["indices", "block_indices"])
+def test_a_sparse_models_selected_keys_are_refused_not_dropped(name) -> None:
+    """DeepSeek-V3.2-style models pass the indexer's top-k keys as indices= (block_indices= in MiniMax-M3) to any
+    implementation but eager and sdpa: run densely without them the logits were wrong, silently."""
+    module = torch.nn.Module().eval()
+    q, k, v = (torch.randn(1, 2, 6, 16) for _ in range(3))
+    with torch.no_grad(), pytest.raises(ValueError, match=rf"does not take {name}=.*attn_implementation='sdpa'"):
+        jitattn.integrations.transformers.jitattn_attention_forward(module, q, k, v, None,
+                                                                   **{name: torch.zeros(1, 6, 4, dtype=torch.int64)})
+
+
+@pytest.mark.parametrize("dims, advice", [((512, 512), "No kernel serves this shape"), ((20, 20), "Pad the head"),
+                                          ((32, 16), "No kernel serves this shape")])
+def test_a_head_dim_without_a_kernel_names_sdpa(dims, advice) -> None:
+    module = torch.nn.Module().eval()
+    q, k, v = torch.randn(1, 2, 4, dims[0]), torch.randn(1, 2, 4, dims[0]), torch.randn(1, 2, 4, dims[1])
+    with torch.no_grad(), pytest.raises(ValueError, match=rf"{advice}.*; use attn_implementation='sdpa'"):
+        jitattn.integrations.transformers.jitattn_attention_forward(module, q, k, v, None)
+
+
 def test_autocast_runs_and_alibi_in_the_mask_is_refused() -> None:
     """Under torch.autocast RoPE gives float32 q and k beside a bf16 v: the backend refused the mixed dtypes; it now
     runs them in the autocast dtype, as sdpa does. Falcon with alibi=True folds ALiBi into a per-head float mask:

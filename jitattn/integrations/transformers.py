@@ -25,6 +25,7 @@ import threading
 import torch
 
 import jitattn
+from jitattn.spec import check_head_dims
 
 NAME = "jitattn"
 _WORKSPACE_BYTES = 16 << 20
@@ -51,8 +52,10 @@ def jitattn_attention_forward(
     """
     if dropout and module.training:
         raise ValueError("jitattn attention has no dropout; use attn_implementation='eager' for training with dropout")
-    if kwargs.get("position_bias") is not None:
-        raise ValueError("jitattn attention does not take a position_bias; use attn_implementation='eager'")
+    for name in ("position_bias", "indices", "block_indices"):  # a bias; a sparse model's top-k keys (flash_mla's)
+        if kwargs.get(name) is not None:  # attention without them would be dense: wrong, silently
+            raise ValueError(f"jitattn attention does not take {name}= (this model's attention needs it); use "
+                             "attn_implementation='sdpa' or 'eager'")
     if kwargs.get("output_attentions"):  # the model would return no weights, silently
         raise ValueError("jitattn attention never materialises the attention weights, so output_attentions=True "
                          "cannot be served; use attn_implementation='eager' to get them")
@@ -94,6 +97,10 @@ def jitattn_attention_forward(
     q = query.transpose(1, 2).reshape(batch * q_len, heads, head_dim)
     k = key.transpose(1, 2).reshape(batch * kv_len, kv_heads, head_dim)
     v = value.transpose(1, 2).reshape(batch * kv_len, kv_heads, value.shape[-1])
+    try:
+        check_head_dims(head_dim, value.shape[-1])
+    except ValueError as exc:
+        raise ValueError(f"{exc}; use attn_implementation='sdpa' for this model") from None
     wrapper = _wrapper(query.device)
     wrapper.plan(torch.arange(batch + 1, dtype=torch.int32) * q_len, torch.arange(batch + 1, dtype=torch.int32) * kv_len,
                  heads, kv_heads, head_dim, head_dim_vo=value.shape[-1], custom_mask=custom_mask, causal=causal,
