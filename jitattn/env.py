@@ -31,6 +31,8 @@ def arch_list_problem(raw: str) -> str | None:
     """What is wrong with an arch list ('8.0;9.0a'): an entry that is not an arch, or one older than the kernels'
     sm_80; None when nothing is (the check of JITATTN_CUDA_ARCH_LIST's knob and of the archs a build parses)."""
     archs = [a for a in re.split(r"[;\s,]+", raw.strip()) if a]
+    if not archs:  # (the build would pass nvcc no -gencode: its default arch, older than the kernels')
+        return f"{raw!r} names no arch; use e.g. '9.0a' or '8.0;9.0a'"
     bad = [a for a in archs if not _ARCH.match(a)]
     if bad:
         return f"{', '.join(map(repr, bad))} is not an arch; use e.g. '8.0;9.0a' or '9.0a+PTX'"

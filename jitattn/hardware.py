@@ -44,7 +44,7 @@ def _parsed_arch_list(raw: str) -> tuple[str, ...]:
     """A JITATTN_CUDA_ARCH_LIST value's archs (parsed once per value: plan() asks on every call)."""
     problem = env.arch_list_problem(raw)
     if problem is not None:
-        raise ArchListError(f"JITATTN_CUDA_ARCH_LIST entry {problem}")
+        raise ArchListError(f"JITATTN_CUDA_ARCH_LIST: {problem}")
     return tuple(a for a in re.split(r"[;\s,]+", raw.strip()) if a)
 
 

@@ -148,6 +148,7 @@ def test_dry_run_lists_specs_and_cache_status_without_building(warmed, monkeypat
     (["warm", "--spec", "op=decode,target=cpu,q_dtype=f32,head_dim_qk=abc"], "head_dim_qk='abc' is not an integer"),
     (["warm", "--config", "/nonexistent/config.json"], "does not exist"),
     (["warm", "--preset", "llama-3-8b", "--arch", "9.x"], "'9.x' is not an arch"),
+    (["warm", "--preset", "llama-3-8b", "--arch", ";"], "';' names no arch"),
     pytest.param(["warm", "--preset", "llama-3-8b", "--target", "cuda"], "pass --arch",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="the visible GPU gives the arch")),
     (["warm", "--preset", "llama-3-8b", "--tp", "3"], "--tp 3 must divide num_attention_heads=32"),

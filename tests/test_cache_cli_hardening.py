@@ -143,6 +143,7 @@ def test_ls_lists_an_entry_whose_manifest_holds_odd_types(field, value, fresh_ca
     ("JITATTN_MAX_JOBS", "0", "is not a positive integer"),
     ("JITATTN_CUDA_ARCH_LIST", "9.0a;sm90", "'sm90' is not an arch"),
     ("JITATTN_CUDA_ARCH_LIST", "7.0", "'7.0' is older than the kernels' sm_80"),
+    ("JITATTN_CUDA_ARCH_LIST", ";;", "';;' names no arch"),  # nvcc's default arch without -gencode
     ("JITATTN_LOG_LEVEL", "verbose", "is not a level jitattn knows"),
     ("JITATTN_ASSERT_NO_COMPILE", "maybe", "is neither on nor off"),
     ("JITATTN_DEBUG", "2", "is neither on nor off"),
