@@ -54,10 +54,24 @@ def cmd_ls(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def cmd_info(args: argparse.Namespace) -> int:
-    from jitattn.jit.admin import foreign_entry_problem
+def entry_load_problem(e) -> str | None:
+    """Why the entry ``e`` does not load here as its module: inconsistent, on an unsafe path (never dlopen'ed then:
+    its constructors would run as you), or its library does not load (the libraries it links, its uri, another
+    jitattn version's: ``OTHER_VERSION``); None when it loads."""
+    from jitattn.jit.admin import LIBRARY_NAME, foreign_entry_problem, library_problem
 
-    from .store import entries, entry_violations, human_size
+    from .store import entry_violations
+
+    problem = foreign_entry_problem(e.path)
+    if problem is None and (unsafe := entry_violations(e)):
+        problem = f"on an unsafe path ({unsafe[0].path}: {unsafe[0].reason}); jitattn will not load it"
+    return problem if problem is not None else library_problem(e.path / LIBRARY_NAME, e.manifest["uri"])
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    from jitattn.jit.admin import OTHER_VERSION
+
+    from .store import entries, human_size
 
     query = args.uri
     found = [e for e in entries() if query in (e.uri, e.name)
@@ -67,15 +81,13 @@ def cmd_info(args: argparse.Namespace) -> int:
         return EXIT_FAILED
     bad = 0
     for e in found:
-        problem = foreign_entry_problem(e.path)
-        unsafe = entry_violations(e) if problem is None else []
-        if unsafe:
-            problem = f"on an unsafe path ({unsafe[0].path}: {unsafe[0].reason}); jitattn will not load it"
-        bad += problem is not None
+        problem = entry_load_problem(e)
+        other = problem is not None and problem.startswith(OTHER_VERSION)
+        bad += problem is not None and not other
         print(f"# {e.path}")
         print(f"layer:  {'writable' if e.writable else 'read-only'} ({e.base.parent})")
         print(f"size:   {human_size(e.size)}")
-        print(f"status: {'ok' if problem is None else 'BAD: ' + problem}")
+        print(f"status: {'ok' if problem is None else ('OTHER: ' if other else 'BAD: ') + problem}")
         print(json.dumps(e.manifest, indent=2, sort_keys=True) if e.manifest is not None else "(no manifest)")
     return EXIT_FAILED if bad else EXIT_OK  # (a script checking one entry reads the exit status)
 
@@ -84,10 +96,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
     """Re-checksum every entry of every layer, load its library (it must load here, as its module) and check the
     trust rule; --fix removes bad entries from the writable cache (permission problems are reported with their
     fix, never changed)."""
-    from jitattn.jit.admin import (LIBRARY_NAME, OTHER_VERSION, foreign_entry_problem, layers, library_problem,
-                                   remove_entry)
+    from jitattn.jit.admin import OTHER_VERSION, layers, remove_entry
 
-    from .store import cache_violations, entries, entry_violations
+    from .store import cache_violations, entries
 
     rows = entries()
     unsafe = []
@@ -99,11 +110,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         print(f"UNSAFE {v.path}: {v.reason}\n  fix: {v.fix}")
     bad = unfixed = other = 0
     for e in rows:
-        problem = foreign_entry_problem(e.path)
-        if problem is None and entry_violations(e):  # never dlopen'ed: its constructors would run as you
-            problem = "on an unsafe path (above), so not loaded; fix the path or remove the entry"
-        if problem is None:  # consistent: does it load here as its module (the libraries it links, its uri)?
-            problem = library_problem(e.path / LIBRARY_NAME, e.manifest["uri"])
+        problem = entry_load_problem(e)
         if problem is None:
             continue
         if problem.startswith(OTHER_VERSION):  # a cache two versions share: theirs, kept

@@ -358,6 +358,10 @@ def test_an_entry_whose_library_is_another_modules_is_a_clear_error_and_verify_f
     (entry / "manifest.json").write_text(json.dumps({**good, "sha256": digest}))
     with pytest.raises(CacheError, match="passes its checksum but does not load here.*verify --fix"):
         jitattn.jit.load(SPEC)
+    [result] = build_many([SPEC])  # warm and info said "cached" / "ok" (they checked the checksum alone)
+    assert result.status == "failed" and "does not load here" in result.error
+    rc, out, _ = _cli(capsys, "info", SPEC.uri)
+    assert rc == 1 and "status: BAD: its library does not load here" in out
     rc, out, _ = _cli(capsys, "verify", "--fix")
     assert "does not load here" in out and "removed" in out and not entry.exists()
     # the next load, in a process of its own (this one has the bad library mapped under the entry's path)
@@ -367,6 +371,36 @@ def test_an_entry_whose_library_is_another_modules_is_a_clear_error_and_verify_f
     verify = subprocess.run([sys.executable, "-m", "jitattn_cache", "verify"], env=os.environ.copy(), timeout=300,
                             capture_output=True, text=True)
     assert verify.returncode == 0 and entry.exists(), verify.stdout
+
+
+def test_warm_builds_in_the_writable_cache_what_a_read_only_layer_has_that_does_not_load(fresh_cache, tmp_path,
+                                                                                          monkeypatch):
+    """A layer's entry built against libraries this machine lacks: warm said "already cached" and every load then
+    built it anyway (or refused under JITATTN_ASSERT_NO_COMPILE=1, saying it was not in the cache)."""
+    import hashlib
+    import json
+    import shutil
+
+    other, _ = _published(fresh_cache, VariantSpec("merge", "cpu", o_dtype="f32"))
+    entry, good = _published(fresh_cache)
+    layer = tmp_path / "layer"
+    shutil.copytree(fresh_cache, layer, ignore=shutil.ignore_patterns("locks", "tmp"))
+    layer_entry = layer / entry.relative_to(fresh_cache)
+    (layer_entry / "lib.so").unlink()
+    shutil.copy(other / "lib.so", layer_entry / "lib.so")
+    digest = hashlib.sha256((layer_entry / "lib.so").read_bytes()).hexdigest()
+    (layer_entry / "manifest.json").write_text(json.dumps({**good, "sha256": digest}))
+    shutil.rmtree(entry)
+    monkeypatch.setenv("JITATTN_CACHE_PATH", str(layer))
+    monkeypatch.setenv("JITATTN_ASSERT_NO_COMPILE", "1")
+    [result] = build_many([SPEC])
+    assert result.status == "failed" and f"its cache entry {layer_entry} (a read-only layer) does not load here" \
+        in result.error and "JITATTN_ASSERT_NO_COMPILE=1 forbids" in result.error
+    monkeypatch.delenv("JITATTN_ASSERT_NO_COMPILE")
+    [result] = build_many([SPEC])
+    assert result.status == "built" and (entry / "lib.so").exists(), result
+    [result] = build_many([SPEC])
+    assert result.status == "cached", result
 
 
 def test_clear_removes_what_killed_builds_left_but_not_a_running_builds_directory(fresh_cache, capsys):

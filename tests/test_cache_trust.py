@@ -179,7 +179,7 @@ def test_an_entry_on_an_unsafe_path_is_never_loaded_nor_exported(fresh_cache, mo
     monkeypatch.setattr(admin, "library_problem", lambda path, uri: loaded.append(path) or real(path, uri))
     rc, out, _ = _cli(capsys, "verify")
     assert rc == 1 and not loaded
-    assert f"BAD {entry}: on an unsafe path (above), so not loaded" in out
+    assert f"BAD {entry}: on an unsafe path ({entry}: {entry} is writable by other users" in out
     rc, out, _ = _cli(capsys, "info", SPEC.uri)
     assert rc == 1 and f"status: BAD: on an unsafe path ({entry}: {entry} is writable by other users" in out
     bundle = tmp_path / "b.tar.gz"

@@ -11,18 +11,19 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Iterable
 
 from .. import env
 from ..log import get_logger
 from ..kernels import family
 from ..spec import Op, Target, VariantSpec
-from .build import compile_count
+from .build import LIBRARY_NAME, compile_count
 from .build_and_publish import build_entry, build_or_find_entry
 from .cache import MANIFEST, entry_problem, find_entry, layers, writable_root
 from .key import BuildInputs, build_inputs
 from .errors import BuildError, CacheError, CompileDisabledError, JitError, KernelError
-from .loader import LOAD_ERRORS, Module
+from .loader import LOAD_ERRORS, Module, library_problem
 from .render import render
 from .toolchain import ToolchainError, default_jobs
 
@@ -84,32 +85,51 @@ def warm_command(spec: VariantSpec) -> str:
     return f"{command} {shlex.quote(text)}"
 
 
-def _refuse_compile_if_asked(plan: BuildInputs) -> None:
+def _refuse_compile_if_asked(plan: BuildInputs, unloadable: str | None = None) -> None:
+    """Raise under JITATTN_ASSERT_NO_COMPILE=1, saying why the spec is not loadable from the cache: ``unloadable``
+    (an entry that does not load here), a damaged entry, or none at all."""
     if not env.assert_no_compile():
         return
     spec = plan.spec
     damaged = [(entry, problem) for entry in (base / plan.name for base in layers())
                if (entry / MANIFEST).exists() and (problem := entry_problem(entry, plan.key)) is not None]
-    where = (f"its cache entry {damaged[0][0]} is damaged ({damaged[0][1]})" if damaged
-             else "it is not in the cache")
+    where = (unloadable if unloadable is not None else
+             f"its cache entry {damaged[0][0]} is damaged ({damaged[0][1]})" if damaged else "it is not in the cache")
     raise CompileDisabledError(
         f"{spec.uri}: {where} and JITATTN_ASSERT_NO_COMPILE=1 forbids compiling it; "
         f"pre-build it in a process without that setting ({warm_command(spec)}), or unset JITATTN_ASSERT_NO_COMPILE"
     )
 
 
+def _does_not_load(entry_dir: Path, why: object) -> CacheError:
+    return CacheError(
+        f"the cache entry {entry_dir} passes its checksum but does not load here: {why}. It was built "
+        "against other libraries or toolchain (a cache shared between machines, or imported) or changed "
+        "after it was built; `jitattn-cache verify --fix` removes it, and the next load rebuilds it")
+
+
 def _ensure_built(plan: BuildInputs, jobs: int) -> tuple[str, float]:
-    """(status, seconds) after making sure ``plan`` has an entry.
+    """(status, seconds) after making sure ``plan`` has an entry that loads here.
 
     status: 'cached' (there before), 'built' (this process compiled it) or
-    'built-by-other' (another process published it while this one waited for its lock).
+    'built-by-other' (another process published it while this one waited for its lock). An entry of a read-only
+    layer that does not load here is built in the writable cache, as ``load`` would; one of the writable cache
+    raises (``load`` would).
     """
-    if find_entry(plan) is not None:
+    entry_dir = find_entry(plan)
+    problem = None if entry_dir is None else library_problem(entry_dir / LIBRARY_NAME, plan.spec.uri)
+    if entry_dir is not None and problem is None:
         return "cached", 0.0
-    _refuse_compile_if_asked(plan)
+    if problem is not None:
+        if entry_dir.parent == writable_root():
+            raise _does_not_load(entry_dir, problem)
+        problem = f"its cache entry {entry_dir} (a read-only layer) does not load here ({problem})"
+        get_logger().warning("%s: %s; building it in the writable cache", plan.spec.uri, problem)
+    _refuse_compile_if_asked(plan, problem)
     started = time.perf_counter()
     _, built = build_or_find_entry(plan, jobs=jobs)
-    return ("built" if built else "built-by-other"), time.perf_counter() - started
+    status = "built" if built else "cached" if problem is not None else "built-by-other"
+    return status, time.perf_counter() - started
 
 
 def _settings(spec: VariantSpec) -> tuple:
@@ -139,20 +159,17 @@ def _load_built(key: _Key, plan: BuildInputs, again: bool = True) -> Module:
             _failed_builds[key] = (exc, time.monotonic())
             raise
     try:
-        return Module(plan.spec, entry_dir / "lib.so", plan.entries)
+        return Module(plan.spec, entry_dir / LIBRARY_NAME, plan.entries)
     except LOAD_ERRORS as exc:  # its checksum matched: not a torn write
-        if again and not (entry_dir / "lib.so").exists():
+        if again and not (entry_dir / LIBRARY_NAME).exists():
             return _load_built(key, plan, again=False)
         if again and entry_dir.parent != writable_root():  # a read-only layer's, built elsewhere: build this one's
             get_logger().warning("the cache entry %s (a read-only layer) does not load here (%s); building the "
                                  "kernel in the writable cache", entry_dir, exc)
-            _refuse_compile_if_asked(plan)
-            return Module(plan.spec, build_entry(plan, jobs=default_jobs()) / "lib.so", plan.entries)
-        raise CacheError(
-            f"the cache entry {entry_dir} passes its checksum but does not load here: {exc}. It was built "
-            "against other libraries or toolchain (a cache shared between machines, or imported) or changed "
-            "after it was built; `jitattn-cache verify --fix` removes it, and the next load rebuilds it"
-        ) from exc
+            _refuse_compile_if_asked(plan, f"its cache entry {entry_dir} (a read-only layer) does not load here "
+                                           f"({exc})")
+            return Module(plan.spec, build_entry(plan, jobs=default_jobs()) / LIBRARY_NAME, plan.entries)
+        raise _does_not_load(entry_dir, exc) from exc
 
 
 def load(spec: VariantSpec) -> Module:
