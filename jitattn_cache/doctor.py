@@ -318,15 +318,15 @@ def _check_cache_dir(out: list[Check]) -> None:
             return
         from .store import cache_violations
 
-        unsafe = cache_violations(root / SCHEMA, [e.path for e in entries() if e.writable], writable=True)
+        mine = entries(include_readonly=False)
+        unsafe = cache_violations(root / SCHEMA, [e.path for e in mine], writable=True)
         unsafe += _failed_dir_violations(root / SCHEMA)
         for v in unsafe:
             out.append(Check("cache dir", "FAIL", f"unsafe: {v.reason}; jitattn refuses to build in or load from "
                              "this cache", v.fix))
         if unsafe:
             return
-        n = sum(1 for e in entries() if e.writable)
-        size = sum(e.size for e in entries() if e.writable)
+        n, size = len(mine), sum(e.size for e in mine)
         detail = f"{root} ({where}; {n} entries, {human_size(size)})"
         failed = root / SCHEMA / "failed"
         if failed.is_dir() and any(failed.iterdir()):
@@ -348,6 +348,7 @@ def _check_cache_dir(out: list[Check]) -> None:
 def _check_layers(out: list[Check]) -> None:
     from jitattn import env
     from jitattn.jit.admin import SCHEMA
+    from jitattn.jit import CacheError
     from jitattn.jit.admin import entry_dirs, foreign_entry_problem
 
     for layer in env.cache_path():
@@ -358,7 +359,11 @@ def _check_layers(out: list[Check]) -> None:
             continue
         from .store import cache_violations
 
-        dirs = entry_dirs(base)
+        try:
+            dirs = entry_dirs(base)
+        except CacheError as exc:
+            out.append(Check("read-only layer", "FAIL", str(exc), f"chmod -R u+rX {layer}"))
+            continue
         violations = cache_violations(base, dirs, writable=False)
         unsafe = [str(v) for v in violations]
         bad = sum(foreign_entry_problem(entry) is not None for entry in dirs)

@@ -521,3 +521,49 @@ def test_a_cache_dir_that_build_files_cannot_name_is_refused(tmp_path, monkeypat
     monkeypatch.setenv("JITATTN_CACHE_DIR", str(tmp_path / "a|b"))
     rc, _, err = _cli(capsys, "warm", "-q", "--spec", SPEC.uri)
     assert rc == 2 and "holds a '|' or a newline" in err
+
+
+def _denied_below(monkeypatch, folder: Path) -> None:
+    """Make this process unable to list ``folder`` or look at anything in it (as for a user without read and search
+    access; the tests may run as root, which the mode bits do not stop)."""
+    real_iterdir, real_stat = Path.iterdir, os.stat
+
+    def iterdir(self):
+        if self == folder:
+            raise PermissionError(errno.EACCES, "Permission denied", str(self))
+        return real_iterdir(self)
+
+    def stat(path, *args, **kwargs):
+        if folder in Path(path).parents:
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return real_stat(path, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "iterdir", iterdir)
+    monkeypatch.setattr(os, "stat", stat)
+
+
+def test_a_cache_folder_it_cannot_read_is_named_with_its_fix(fresh_cache, tmp_path, monkeypatch, capsys):
+    """A read-only layer (or its entry) this user cannot read: verify and ls reported 0 entries (or 'ok'), doctor
+    'safe', and warm, info, load and doctor failed with a bare '[Errno 13] Permission denied'."""
+    import shutil
+
+    entry, _ = _published(fresh_cache)
+    layer = tmp_path / "layer"
+    shutil.copytree(fresh_cache, layer, ignore=shutil.ignore_patterns("locks", "tmp"))
+    shutil.rmtree(entry)
+    monkeypatch.setenv("JITATTN_CACHE_PATH", str(layer))
+    _denied_below(monkeypatch, layer / SCHEMA)
+    for command in (("verify",), ("ls",), ("info", SPEC.uri)):
+        rc, _, err = _cli(capsys, *command)
+        assert rc == 1 and f"cannot read {layer / SCHEMA} (Permission denied): give yourself read and search " \
+            f"access to it (chmod -R u+rX {layer / SCHEMA})" in err, (command, err)
+    rc, out, _ = _cli(capsys, "doctor")
+    assert rc == 1 and f"[FAIL] read-only layer: cannot read {layer / SCHEMA}" in out
+    with pytest.raises(CacheError, match=rf"cannot read {re.escape(str(layer / SCHEMA / entry.name))} \(Permission"):
+        find_entry(build_inputs(SPEC))
+    monkeypatch.undo()
+    monkeypatch.setenv("JITATTN_CACHE_PATH", str(layer))
+    _denied_below(monkeypatch, layer / SCHEMA / entry.name)  # the layer lists, its entry cannot be looked into
+    rc, out, _ = _cli(capsys, "verify")
+    assert rc == 1 and f"UNSAFE {layer / SCHEMA / entry.name}/lib.so: " in out and \
+        f"fix: chmod u+rx {layer / SCHEMA / entry.name}" in out

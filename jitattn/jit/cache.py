@@ -140,8 +140,11 @@ def find_entry(plan: BuildInputs) -> Path | None:
     log = get_logger()
     for base in layers():
         entry_dir = base / plan.name
-        if not (entry_dir / MANIFEST).exists():
-            continue
+        try:
+            if not (entry_dir / MANIFEST).exists():
+                continue
+        except OSError as exc:  # (a missing path is False; one it cannot search raises)
+            raise unreadable(entry_dir, exc) from None
         # Whoever can write a directory on the way can swap entries in and out of it; the writable
         # cache's locks/ and tmp/ are held to the same rule as on the build path.
         extra = (base / "locks", base / "tmp") if base == layers()[-1] else ()
@@ -204,11 +207,20 @@ def entry_lock(base: Path, name: str) -> filelock.FileLock:
 
 
 def entry_dirs(base: Path) -> list[Path]:
-    """Every entry-named dir of schema dir ``base`` (valid or not), sorted by name."""
+    """Every entry-named dir of schema dir ``base`` (valid or not), sorted by name; none where it does not exist.
+    A ``base`` this process cannot read raises a CacheError (its entries would be missed, silently)."""
     try:
         return sorted(p for p in base.iterdir() if p.is_dir() and ENTRY_NAME_RE.match(p.name))
-    except OSError:
+    except (FileNotFoundError, NotADirectoryError):
         return []
+    except OSError as exc:
+        raise unreadable(base, exc) from None
+
+
+def unreadable(path: Path, exc: OSError) -> CacheError:
+    """The error for a cache directory (a layer's, an entry's) that this process cannot read."""
+    return CacheError(f"cannot read {path} ({exc.strerror or exc}): give yourself read and search access to it "
+                      f"(chmod -R u+rX {path}); a read-only layer may instead be taken out of JITATTN_CACHE_PATH")
 
 
 def foreign_entry_problem(entry_dir: Path) -> str | None:

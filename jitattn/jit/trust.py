@@ -51,6 +51,9 @@ def violations(path: Path, follow_links: bool = False) -> list[Violation]:
         st = path.stat() if follow_links else path.lstat()
     except (FileNotFoundError, NotADirectoryError):  # missing (a file above it: chain_violations names that)
         return []
+    except PermissionError as exc:  # the directory holding it is not searchable by this process
+        return [Violation(path, f"{path} cannot be looked at ({exc.strerror}): {path.parent} is not searchable by "
+                                "you", f"chmod u+rx {shlex.quote(str(path.parent))}")]
     quoted = shlex.quote(str(path))
     found = []
     if stat.S_ISLNK(st.st_mode):
