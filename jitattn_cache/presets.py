@@ -10,6 +10,7 @@ shapes with them.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -147,6 +148,10 @@ def from_hf_config(path: str | Path) -> ModelShape | MLAShape:
     if window is not None and window is not False:  # null / false: no window; else its length in tokens
         _positive_int(config, "sliding_window", path)
     uses_window = bool(window) and bool(config.get("use_sliding_window", True))
+    cap = config.get("attn_logit_softcapping")
+    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or not 0 <= cap < math.inf):
+        raise ValueError(f"{path}: attn_logit_softcapping={cap!r} is not a soft cap (a positive number, or null / 0 "
+                         "for none)")
     layer_types = [str(t) for t in config.get("layer_types") or []]
     if layer_types and "sliding_attention" not in layer_types:
         uses_window = False  # every layer is global
@@ -158,6 +163,6 @@ def from_hf_config(path: str | Path) -> ModelShape | MLAShape:
     return ModelShape(
         num_qo_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, sliding_window=uses_window,
         full_attention_too=(not uses_window) or alternating,
-        logits_soft_cap=bool(config.get("attn_logit_softcapping")),
+        logits_soft_cap=bool(cap),
         attention_sinks=str(config.get("model_type", "")) == "gpt_oss",
     )

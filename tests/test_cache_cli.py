@@ -258,7 +258,11 @@ def test_hf_config_variants(tmp_path) -> None:
                           "num_key_value_heads=0 must be a positive integer"),
                          ({"num_attention_heads": 32, "head_dim": 0}, "head_dim=0 must be a positive integer"),
                          ({"num_attention_heads": 32, "head_dim": 64, "sliding_window": "abc"},
-                          "sliding_window='abc' must be a positive integer")]:
+                          "sliding_window='abc' must be a positive integer"),
+                         ({"num_attention_heads": 8, "head_dim": 64, "attn_logit_softcapping": "x"},
+                          "attn_logit_softcapping='x' is not a soft cap"),
+                         ({"num_attention_heads": 8, "head_dim": 64, "attn_logit_softcapping": -1.0},
+                          "attn_logit_softcapping=-1.0 is not a soft cap")]:
         with pytest.raises(ValueError, match=message):
             shape(bad)
 

@@ -567,3 +567,36 @@ def test_a_cache_folder_it_cannot_read_is_named_with_its_fix(fresh_cache, tmp_pa
     rc, out, _ = _cli(capsys, "verify")
     assert rc == 1 and f"UNSAFE {layer / SCHEMA / entry.name}/lib.so: " in out and \
         f"fix: chmod u+rx {layer / SCHEMA / entry.name}" in out
+
+
+def test_removal_takes_only_entries_and_a_link_in_an_entrys_place(fresh_cache, tmp_path, capsys):
+    """admin.remove_entry deleted any directory it was given; clear left a link in an entry's place as a dangling
+    tmp/*.trash-* link for good."""
+    from jitattn.jit.admin import remove_entry, writable_root
+
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    with pytest.raises(ValueError, match="is not a cache entry of"):
+        remove_entry(writable_root(), victim)
+    assert victim.is_dir()
+    entry, _ = _published(fresh_cache)
+    import shutil
+
+    shutil.rmtree(entry)
+    entry.symlink_to(victim)
+    rc, _, _ = _cli(capsys, "clear")
+    assert rc == 0 and not os.path.lexists(entry) and victim.is_dir()
+    assert not list((fresh_cache / SCHEMA / "tmp").iterdir())
+
+
+@pytest.mark.parametrize("jobs", [0, -1, 1.5, True])
+def test_build_many_refuses_a_job_count_that_is_not_a_positive_int(jobs):
+    with pytest.raises(ValueError, match=r"jobs is a positive int"):
+        build_many([SPEC], jobs=jobs)
+
+
+def test_a_layer_spelt_as_the_writable_cache_is_listed_once(fresh_cache, monkeypatch, capsys):
+    _published(fresh_cache)
+    monkeypatch.setenv("JITATTN_CACHE_PATH", f"{fresh_cache}/../{fresh_cache.name}")
+    rc, out, _ = _cli(capsys, "ls")
+    assert rc == 0 and "1 entries" in out and " rw" in out

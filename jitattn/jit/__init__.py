@@ -225,6 +225,9 @@ def build_many(
     for spec in specs:
         _check_spec("build_many", spec)
     unique = list(dict.fromkeys(specs))
+    if jobs is not None and (isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1):
+        raise ValueError(f"build_many(jobs={jobs!r}): jobs is a positive int (compiler processes at once), or None "
+                         "for the memory-aware default")
     jobs = jobs or default_jobs()
     results: list[BuildResult] = []
 

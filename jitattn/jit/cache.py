@@ -75,8 +75,14 @@ def writable_root() -> Path:
 def layers() -> list[Path]:
     """Schema dirs to search for entries, read-only layers first (they need not exist)."""
     writable = _cache_dir() / SCHEMA
-    found = [layer / SCHEMA for layer in dict.fromkeys(env.cache_path())]
-    found = [base for base in found if base != writable]  # the writable cache listed as a layer too: once, writable
+    # each folder once, however it is spelt (a/../b, a link to it); the writable cache listed as a layer too: once,
+    # writable
+    seen = {os.path.realpath(writable)}
+    found = []
+    for base in (layer / SCHEMA for layer in env.cache_path()):
+        if os.path.realpath(base) not in seen:
+            seen.add(os.path.realpath(base))
+            found.append(base)
     found.append(writable)
     return found
 
@@ -247,15 +253,24 @@ def foreign_entry_problem(entry_dir: Path) -> str | None:
     return None
 
 
+def _check_entry_of(base: Path, entry_dir: Path) -> None:
+    if entry_dir.parent != base or not ENTRY_NAME_RE.match(entry_dir.name):
+        raise ValueError(f"{entry_dir} is not a cache entry of {base}; nothing removed")
+
+
 def discard_entry(base: Path, entry_dir: Path) -> None:
     """Move ``entry_dir`` into ``tmp/`` (one atomic step: a loader sees it whole or not at all), then delete it.
 
-    Call with the entry's lock held.
+    Call with the entry's lock held. ``entry_dir`` must be an entry's name in ``base`` (nothing else is removed).
     """
-    if entry_dir.exists():
+    _check_entry_of(base, entry_dir)
+    if os.path.lexists(entry_dir):  # (a link in an entry's place, dangling or not, goes too)
         trash = base / "tmp" / f"{entry_dir.name}.trash-{uuid.uuid4().hex[:8]}"
         os.replace(entry_dir, trash)
-        shutil.rmtree(trash, ignore_errors=True)
+        if trash.is_symlink():
+            trash.unlink()
+        else:
+            shutil.rmtree(trash, ignore_errors=True)
 
 
 def install_entry(base: Path, staged: Path, name: str) -> str:
@@ -310,6 +325,7 @@ def remove_entry(base: Path, entry_dir: Path, timeout: float = 10.0) -> bool:
     or not), then deleted. Returns False if the lock stayed busy (a build of
     that key is running).
     """
+    _check_entry_of(base, entry_dir)
     lock = entry_lock(base, entry_dir.name)
     try:
         lock.acquire(timeout=timeout)
