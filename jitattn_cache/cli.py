@@ -151,7 +151,8 @@ def _not_writable(exc: OSError, base: Path, progress: str) -> int:
               "writable, or point JITATTN_CACHE_DIR at your own cache (a shared read-only cache belongs in "
               "JITATTN_CACHE_PATH)", file=sys.stderr)
     else:
-        print(f"jitattn-cache: cannot change {path}: {exc.strerror or exc} ({progress})", file=sys.stderr)
+        fix = f"; it is in the cache's way: remove it (rm -rf {path}) and retry" if exc.errno == errno.EISDIR else ""
+        print(f"jitattn-cache: cannot change {path}: {exc.strerror or exc} ({progress}){fix}", file=sys.stderr)
     return EXIT_FAILED
 
 

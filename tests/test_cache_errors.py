@@ -600,3 +600,13 @@ def test_a_layer_spelt_as_the_writable_cache_is_listed_once(fresh_cache, monkeyp
     monkeypatch.setenv("JITATTN_CACHE_PATH", f"{fresh_cache}/../{fresh_cache.name}")
     rc, out, _ = _cli(capsys, "ls")
     assert rc == 0 and "1 entries" in out and " rw" in out
+
+
+def test_clear_names_a_directory_in_a_lock_files_place_with_its_fix(fresh_cache, capsys):
+    entry, _ = _published(fresh_cache)
+    lock = fresh_cache / SCHEMA / "locks" / f"{entry.name}.lock"
+    if lock.exists():
+        lock.unlink()
+    lock.mkdir(parents=True)
+    rc, _, err = _cli(capsys, "clear")
+    assert rc == 1 and f"cannot change {lock}: Is a directory" in err and f"remove it (rm -rf {lock})" in err
