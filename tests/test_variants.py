@@ -498,6 +498,35 @@ def test_a_snippet_compile_error_names_the_snippet_line_and_the_compiler_message
     assert len(message.splitlines()) < 20, "the report should not be a wall of template noise"
 
 
+def test_a_parameter_named_as_a_header_macro_is_named_in_the_build_error(fresh_cache):
+    """M_1_PI, EOF, INT32_MAX...: the compiler's 'expected unqualified-id' at variant.h's declaration, which named
+    no parameter and closed with a hint about crashes."""
+    clash = AttentionVariant("clash", logits_transform="logits * M_1_PI", params=(VariantParam("M_1_PI", "f32"),))
+    with pytest.raises(BuildError, match=r"parameter 'M_1_PI': the C/C\+\+ headers the kernel includes define this "
+                                         r"name \(a macro\), so it cannot name a parameter; rename it"):
+        jitattn.load(_cpu_spec(clash))
+
+
+@pytest.mark.parametrize("snippet", ['([]{ _Pragma("pack(1)") }(), logits)', "logits\x00 * 2.0f",
+                                     "logits\x1c * 2.0f", "logits\u2028 * 2.0f"])
+def test_pragma_operators_and_characters_that_are_not_source_are_refused(snippet):
+    """_Pragma got past the preprocessor check and packed the kernel's own structs; the compiler met a line break
+    where Python's splitlines saw one it did not (or dropped a NUL)."""
+    with pytest.raises(ValueError, match=r"no preprocessor lines or _Pragma|which C\+\+ source does not take"):
+        AttentionVariant("odd", logits_transform=snippet)
+
+
+def test_a_float_index_is_refused_by_the_checked_build_too(fresh_cache, monkeypatch):
+    """JITATTN_DEBUG=1's bounds-checked accessor took a float index (truncated) that the plain build refuses."""
+    float_index = AttentionVariant("fidx", logits_transform="logits + hb[logits > 0.0f ? 1.5f : 0.5f]",
+                                   params=(VariantParam("hb", "f32", 1),))
+    with pytest.raises(BuildError):
+        jitattn.load(_cpu_spec(float_index))
+    monkeypatch.setenv("JITATTN_DEBUG", "1")
+    with pytest.raises(BuildError, match="index must be an integer"):
+        jitattn.load(_cpu_spec(float_index))
+
+
 # -- the cuda tiers (run on the GPU machine; compile-checked locally with nvcc) ----------
 
 def _cuda_specs():

@@ -98,7 +98,10 @@ CHECKED_ACCESSOR = [
     "template <typename T>",
     "struct JitattnChecked {",
     "  const T* ptr; int64_t size; int hook; int param;",
-    "  JITATTN_VARIANT_FN T operator[](int64_t i) const {",
+    "  template <typename I>",
+    "  JITATTN_VARIANT_FN T operator[](I index) const {",
+    '    static_assert(std::is_integral<I>::value, "jitattn: a tensor parameter\'s index must be an integer");',
+    "    const int64_t i = static_cast<int64_t>(index);",
     "    if (ptr == nullptr || i < 0 || i >= size) { jitattn_report_fault(hook, param, i, size); return T(); }",
     "    return ptr[i];",
     "  }",
@@ -310,7 +313,7 @@ def explain_build_error(spec: VariantSpec, message: str, header_text: str | None
     compiled = header_text or header(spec)
     ends = snippet_ends(compiled) if HEADER_NAME in message else {}
     value = _value_error(variant, message, compiled)
-    found: list[str] = [value] if value else []
+    found: list[str] = ([value] if value else []) + _name_collisions(variant, message, compiled)
     for raw in message.splitlines():
         text = raw.strip()
         match = _LOCATION.match(text)
@@ -348,6 +351,23 @@ def explain_build_error(spec: VariantSpec, message: str, header_text: str | None
         + "\n(snippets are C++ expressions over the variables documented in jitattn.variant; " + hint + ")\n"
         + _source_note(message)
     )
+
+
+def _name_collisions(variant: AttentionVariant, message: str, header_text: str) -> list[str]:
+    """Parameters whose declaration in ``variant.h`` the compiler refused: a name the headers define as a macro
+    (``M_1_PI``, ``EOF``, ``INT32_MAX``; the common ones are refused when the parameter is made)."""
+    declared = {}
+    for number, line in enumerate(header_text.splitlines(), start=1):
+        for param in variant.params:
+            if re.search(rf"\b{param.name}\b\s*[;=]", line):
+                declared.setdefault(number, param.name)
+    names = []
+    for raw in message.splitlines():
+        match = _HEADER_LOCATION.match(raw.strip())
+        if match and int(match["line"] or match["nline"]) in declared:
+            names.append(declared[int(match["line"] or match["nline"])])
+    return [f"  parameter {name!r}: the C/C++ headers the kernel includes define this name (a macro), so it cannot "
+            "name a parameter; rename it" for name in dict.fromkeys(names)]
 
 
 def _source_note(message: str) -> str:
