@@ -196,6 +196,20 @@ def test_a_head_dim_without_a_kernel_names_sdpa(dims, advice) -> None:
         jitattn.integrations.transformers.jitattn_attention_forward(module, q, k, v, None)
 
 
+def test_a_three_dimensional_mask_is_named_as_such_and_a_strided_query_runs() -> None:
+    module = torch.nn.Module().eval()
+    gen = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(1, 2, 5, 32, generator=gen) for _ in range(3))
+    forward = jitattn.integrations.transformers.jitattn_attention_forward
+    with torch.no_grad(), pytest.raises(ValueError, match=r"got shape \(1, 5, 5\) \(a 3-D mask\)"):
+        forward(module, q, k, v, torch.ones(1, 5, 5, dtype=torch.bool))
+    strided = torch.randn(1, 2, 5, 64, generator=gen)[..., ::2]  # a query whose last dimension is strided
+    with torch.no_grad():
+        got, _ = forward(module, strided, k, v, None, is_causal=True)
+        expected = torch.nn.functional.scaled_dot_product_attention(strided, k, v, is_causal=True)
+    torch.testing.assert_close(got, expected.transpose(1, 2), atol=1e-4, rtol=1e-4)
+
+
 def test_autocast_runs_and_alibi_in_the_mask_is_refused() -> None:
     """Under torch.autocast RoPE gives float32 q and k beside a bf16 v: the backend refused the mixed dtypes; it now
     runs them in the autocast dtype, as sdpa does. Falcon with alibi=True folds ALiBi into a per-head float mask:

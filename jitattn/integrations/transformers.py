@@ -87,16 +87,18 @@ def jitattn_attention_forward(
                             "let the model build its mask, or a boolean 4-D one (additive == 0); build the model "
                             f"with attn_implementation='{NAME}' after importing jitattn.integrations.transformers")
         if attention_mask.dim() != 4 or attention_mask.shape[1] != 1:
+            what = "a mask per head" if attention_mask.dim() == 4 else f"a {attention_mask.dim()}-D mask"
             raise ValueError(f"the jitattn backend takes one mask for every head ([B, 1, T, S]); got shape "
-                             f"{tuple(attention_mask.shape)} (a mask per head); use attn_implementation='sdpa'")
+                             f"{tuple(attention_mask.shape)} ({what}); use attn_implementation='sdpa'")
         custom_mask = attention_mask.expand(batch, 1, q_len, kv_len)[:, 0].reshape(-1).cpu()
         causal = False  # the mask holds the causal pattern
     dtype = _autocast_dtype(query.device.type) if len({query.dtype, key.dtype, value.dtype}) > 1 else None
     if dtype is not None:  # under autocast (RoPE's float32 q and k beside a low-precision v): its dtype, as sdpa runs
         query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
-    q = query.transpose(1, 2).reshape(batch * q_len, heads, head_dim)
-    k = key.transpose(1, 2).reshape(batch * kv_len, kv_heads, head_dim)
-    v = value.transpose(1, 2).reshape(batch * kv_len, kv_heads, value.shape[-1])
+    # (the kernels read rows of head_dim contiguous elements: a model's strided last dimension is copied)
+    q = query.transpose(1, 2).reshape(batch * q_len, heads, head_dim).contiguous()
+    k = key.transpose(1, 2).reshape(batch * kv_len, kv_heads, head_dim).contiguous()
+    v = value.transpose(1, 2).reshape(batch * kv_len, kv_heads, value.shape[-1]).contiguous()
     try:
         check_head_dims(head_dim, value.shape[-1])
     except ValueError as exc:
