@@ -77,6 +77,42 @@ def test_ragged_prefill_compiles_with_aot_eager() -> None:
     torch.testing.assert_close(lse, expected_lse, atol=2e-3, rtol=1e-4)
 
 
+@pytest.mark.parametrize("route", ["rope_first", "fp8_upcast"])
+def test_paged_prefill_that_gathers_its_rows_compiles_once_across_plans(route) -> None:
+    """The gather of a plan that reads the cache's rows (RoPE first, the fp8 upcast) ran in the graph: its check of
+    the pool against the plan's highest page became a guard, so each plan recompiled (under fullgraph=True the
+    ninth failed on the recompile limit). It is a custom op now."""
+    gen = torch.Generator().manual_seed(6)
+    wrapper = jitattn.BatchPrefillWithPagedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8))
+    kv_dtype = torch.float8_e4m3fn if route == "fp8_upcast" else torch.float16
+    options = dict(kv_data_type=kv_dtype, fp8_upcast=True) if route == "fp8_upcast" else dict(
+        pos_encoding_mode="ROPE_LLAMA", rope_first=True)
+    compiles = []
+
+    def counting_backend(gm, example_inputs):
+        compiles.append(gm)
+        return gm.forward
+
+    @torch.compile(fullgraph=True, backend=counting_backend)
+    def layer(q, cache):
+        return wrapper.run(q, cache) + 0.0
+
+    qo = torch.tensor([0, 3, 6], dtype=torch.int32)
+    q = torch.randn(6, 4, 64, generator=gen).half()
+    for lens in ([20, 9], [33, 40], [5, 64]):
+        pages = sum((n + 15) // 16 for n in lens)
+        batch = random_paged_batch(lens, 2, 64, 16, kv_dtype, generator=gen, spare_pages=12 - pages)
+        wrapper.plan(qo, batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len, 4, 2, 64, 16, causal=True,
+                     q_data_type=torch.float16, **options)
+        out = layer(q, batch.cache)
+        torch.testing.assert_close(out, wrapper.run(q, batch.cache), atol=0, rtol=0)
+        expected, _ = reference.batch_prefill_paged(
+            q, batch.cache, qo, batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len, causal=True,
+            pos_encoding_mode=options.get("pos_encoding_mode", "NONE"))
+        assert_close_out(out, expected, torch.float16)
+    assert len(compiles) == 1, f"recompiled {len(compiles) - 1} times across plan() calls"
+
+
 def test_cascade_and_merges_compile_fullgraph() -> None:
     gen = torch.Generator().manual_seed(5)
     cache = torch.randn(8, 2, 16, 2, 64, generator=gen).half()

@@ -15,7 +15,7 @@ from ..runtime.kv_upcast import KVUpcast, ragged_indptr
 from ..runtime.rope_first import OPERAND_DTYPE, RopeFirst
 from ..runtime.wrapper import BatchWrapperBase, drops_plan_on_failure, plan_arguments
 from ..runtime.checks import check_tensor, no_backward, refuse_paged_arguments, stream_capturing, target_of
-from ..runtime.compiled import rope_first_operands
+from ..runtime.compiled import gathered_kv_rows, rope_first_operands
 from ..runtime.options import (PAGE_TABLE_HINT, check_flag, hashable, parse_kv_layout, per_tensor_scale,
                                  refuse_unsupported, resolve_batch_invariant, resolve_flag)
 from ..page_table import PagedIndex, check_indptr, check_paged_index
@@ -46,11 +46,9 @@ def _plan_prefill(
     o_data_type=None, buffers: dict[str, torch.Tensor | None], use_cuda_graph: bool = False,
     variant: AttentionVariant | None = None, multi_item: dict | None = None,
 ) -> AttentionPlan:
-    """Validate and upload one prefill batch (shared by the paged and ragged wrappers).
-
-    ``multi_item``: FlashInfer's multi-item scoring arguments (``prefix_len_ptr``,
-    ``token_pos_in_items_ptr``, ``token_pos_in_items_len``), turned into the equivalent custom mask.
-    """
+    """Validate and upload one prefill batch (shared by the paged and ragged wrappers). ``multi_item``: FlashInfer's
+    multi-item scoring arguments (``prefix_len_ptr``, ``token_pos_in_items_ptr``, ``token_pos_in_items_len``),
+    turned into the equivalent custom mask."""
     causal = resolve_flag(causal, "causal")
     qo_host = check_indptr("qo_indptr", qo_indptr)
     qo_lens = (qo_host[1:] - qo_host[:-1]).tolist()
@@ -135,6 +133,10 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapperBase):
         }, {"qo_indptr": "qo_indptr_buf", "kv_indptr": "paged_kv_indptr_buf", "kv_indices": "paged_kv_indices_buf",
             "kv_last_page_len": "paged_kv_last_page_len_buf"}, jit_args=jit_args, jit_kwargs=jit_kwargs)
         self._upcast: KVUpcast | None = None  # JITATTN_PREFILL_FP8_UPCAST's gather of the current plan
+
+    def kv_rows(self, paged_kv_cache) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ragged k / v rows of ``paged_kv_cache`` the current plan reads, when it gathers them (``_upcast``)."""
+        return self._upcast(paged_kv_cache)
 
     @drops_plan_on_failure
     def plan(
@@ -245,7 +247,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapperBase):
         in ``BatchDecodeWithPagedKVCacheWrapper.run`` (the lse returned is the keys' alone).
         ``args``/``variant_args``: the planned custom variant's parameters, in declaration order / by name."""
         if self._upcast is not None:  # fp8 upcast or RoPE first: the plan is of the 16-bit rows gathered here
-            paged_kv_cache = self._upcast(paged_kv_cache)
+            paged_kv_cache = gathered_kv_rows(self._op_key, self._upcast, self._upcast.kv_layout, paged_kv_cache)
         if self._rope is not None:  # RoPE first: the plan is of the rotated copies made here
             q, k, v = rope_first_operands(self._op_key, self._rope, q, *paged_kv_cache)
             paged_kv_cache = (k, v)
@@ -315,10 +317,8 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapperBase):
         variant: AttentionVariant | None = None, *, batch_invariant: bool | None = None,
         rope_first: bool | None = None,
     ) -> None:
-        """Plan one batch; request r's keys are rows ``kv_indptr[r]:kv_indptr[r+1]`` of k/v.
-
-        Options as in the paged wrapper's ``plan`` (multi-item scoring, ``batch_invariant`` and ``rope_first``
-        included)."""
+        """Plan one batch; request r's keys are rows ``kv_indptr[r]:kv_indptr[r+1]`` of k/v. Options as in the paged
+        wrapper's ``plan`` (multi-item scoring, ``batch_invariant`` and ``rope_first`` included)."""
         self._plan_call = plan_arguments(locals())
         resolve_batch_invariant(batch_invariant)  # validated; prefill is batch-invariant by construction
         check_fixed_split_size(fixed_split_size)

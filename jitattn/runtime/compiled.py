@@ -5,8 +5,11 @@ Under compilation a wrapper's ``run()`` becomes one opaque op call,
 the current plan is looked up when the op executes, so a new ``plan()``
 (different lengths, same shapes) never triggers a recompile. A prefill plan
 that applies RoPE before its kernel rotates its operands in a second op,
-``jitattn::wrapper_rope_first``, before it. The fake implementations give
-output shapes and dtypes without running anything.
+``jitattn::wrapper_rope_first``, before it; a paged plan whose kernel reads the
+cache's rows gathered (the fp8 upcast, RoPE first) gathers them in a third,
+``jitattn::wrapper_kv_rows``, whose row count is the plan's (a size the graph
+does not specialise on). The fake implementations give output shapes and dtypes
+without running anything.
 """
 
 from __future__ import annotations
@@ -87,3 +90,33 @@ def rope_first_operands(key: int, rotation, q: torch.Tensor, k: torch.Tensor, v:
     if torch.compiler.is_compiling():
         return torch.ops.jitattn.wrapper_rope_first(key, q, k, v)
     return rotation(q, k, v)
+
+
+@torch.library.custom_op("jitattn::wrapper_kv_rows", mutates_args=())
+def wrapper_kv_rows(key: int, k: torch.Tensor, v: torch.Tensor, heads_dim: int, out_dtype: torch.dtype
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The current plan's ragged k / v rows of the paged caches ``k`` / ``v`` (``kv_rows``); ``heads_dim``: the
+    caches' heads dimension (2 in NHD, 1 in HND); ``out_dtype``: the rows' (the plan's)."""
+    wrapper = _wrappers[key]()
+    if wrapper is None:
+        raise RuntimeError("jitattn: the wrapper this compiled graph calls no longer exists")
+    rows = wrapper.kv_rows((k, v))
+    return tuple(x.clone() if x is y else x for x, y in zip(rows, (k, v)))  # an op's outputs never alias
+
+
+@wrapper_kv_rows.register_fake
+def _wrapper_kv_rows_fake(key, k, v, heads_dim, out_dtype):
+    tokens = torch.library.get_ctx().new_dynamic_size()  # the plan's, known when the op runs
+    return tuple(x.new_empty((tokens, x.shape[heads_dim], x.shape[-1]), dtype=out_dtype) for x in (k, v))
+
+
+def gathered_kv_rows(key: int, gather, kv_layout, paged_kv_cache) -> tuple[torch.Tensor, torch.Tensor]:
+    """``gather(paged_kv_cache)`` (a ``KVUpcast``) eagerly; under torch.compile the custom op that finds it at run
+    time (its checks of the cache against the plan run there, not as guards of the graph)."""
+    if not torch.compiler.is_compiling():
+        return gather(paged_kv_cache)
+    from ..spec import KVLayout
+    from .kv import split_paged_kv_cache
+
+    k, v = split_paged_kv_cache(paged_kv_cache, kv_layout)
+    return torch.ops.jitattn.wrapper_kv_rows(key, k, v, 2 if kv_layout is KVLayout.NHD else 1, gather.out_dtype)
