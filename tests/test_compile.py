@@ -173,3 +173,30 @@ def test_append_and_seq_lens_under_compile(backend: str) -> None:
     assert (cache[2, 0] == 1).all() and (cache[2, 1] == 2).all() and (cache[:2] == 0).all()
     with pytest.raises(ValueError, match="negative page index"):
         step(torch.ones(2, 1, 4), torch.ones(2, 1, 4), cache, i32(-1))
+
+
+def test_a_plan_inside_a_compiled_step_runs_on_the_host() -> None:
+    """Traced, a plan's host arrays became fake tensors: an empty KV (single_decode_with_kv_cache, or a batch of empty
+    requests planned in the step) lost its placeholder address and the launch was refused, where eager returns 0."""
+    gen = torch.Generator().manual_seed(7)
+    q = torch.randn(4, 64, generator=gen).half()
+
+    @torch.compile(backend="eager")
+    def single(q, k, v):
+        return jitattn.single_decode_with_kv_cache(q, k, v)
+
+    for n in (0, 5):
+        k, v = (torch.randn(n, 2, 64, generator=gen).half() for _ in range(2))
+        torch.testing.assert_close(single(q, k, v), jitattn.single_decode_with_kv_cache(q, k, v), atol=0, rtol=0)
+    assert not single(q, k[:0], v[:0]).any()
+    wrapper = jitattn.BatchDecodeWithPagedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8))
+    cache = torch.randn(3, 2, 16, 2, 64, generator=gen).half()
+    empty = torch.zeros(3, dtype=torch.int32)
+
+    @torch.compile(backend="eager")
+    def step(q, cache, indptr, indices, last):
+        wrapper.plan(indptr, indices, last, 4, 2, 64, 16, q_data_type=torch.float16)
+        return wrapper.run(q, cache)
+
+    out = step(torch.randn(2, 4, 64, generator=gen).half(), cache, empty, empty[:0], empty[:2])
+    assert out.shape == (2, 4, 64) and not out.any()

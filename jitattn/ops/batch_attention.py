@@ -19,7 +19,7 @@ from ..runtime.checks import (check_no_overlap, check_tensor, named_refusals, no
                               refuse_outputs_over_inputs)
 from ..runtime.options import number, parse_dtype, positive_int, refuse_unsupported, resolve_batch_invariant
 from ..runtime.side_by_side import prefill_blocks, side_by_side
-from ..runtime.wrapper import NotCopyable
+from ..runtime.wrapper import NotCopyable, host_side
 from ..page_table import check_indptr, check_page_table, to_host_int32
 from .decode import BatchDecodeWithPagedKVCacheWrapper
 from .prefill import BatchPrefillWithPagedKVCacheWrapper
@@ -120,6 +120,7 @@ class BatchAttention(NotCopyable):
         self._prefill_blocks = 0  # the prefill part's grid cap beside the decode part (runtime.side_by_side)
         self._shape: tuple[int, int, int, int] = (0, 0, 0, 0)  # query rows, heads, head_dim_qk, head_dim_vo
 
+    @host_side
     def plan(
         self, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_len_arr: torch.Tensor,
         num_qo_heads: int, num_kv_heads: int, head_dim_qk: int, head_dim_vo: int, page_size: int,

@@ -28,7 +28,7 @@ from ..runtime.builder import attention_options, kernel_spec, num_workers
 from ..runtime.cascade_states import LevelStates
 from ..runtime.checks import check_tensor, no_backward, not_planned, target_of
 from ..runtime.merge import merge_state, merge_state_in_place, merge_states, merge_states_with_sinks
-from ..runtime.wrapper import NotCopyable, workspace_target
+from ..runtime.wrapper import NotCopyable, host_side, workspace_target
 from ..runtime.options import (check_flag, fp8_scale, parse_pos_encoding, per_level, positive_int,
                                resolve_batch_invariant, resolve_flag, resolve_window_left)
 from ..kv_split import (batch_invariant_chunk, cascade_chunk_pages, cascade_level_chunks, check_fixed_split_size,
@@ -103,6 +103,7 @@ class MultiLevelCascadeAttentionWrapper(NotCopyable):
                         + list(self._graph_levels.values()) + list(self._graph_decoders.values())):
             wrapper.reset_workspace_buffer(float_workspace_buffer)
 
+    @host_side
     def plan(
         self, qo_indptr_arr: list[torch.Tensor], paged_kv_indptr_arr: list[torch.Tensor],
         paged_kv_indices_arr: list[torch.Tensor], paged_kv_last_page_len: list[torch.Tensor],

@@ -9,7 +9,7 @@ import torch
 
 from ..runtime.batch import check_sinks, check_workspace, upload_int32
 from ..runtime.builder import HostIndex, attention_options, build_plan, kernel_spec, make_plan, num_workers
-from ..runtime.wrapper import BatchWrapperBase, drops_plan_on_failure, plan_arguments
+from ..runtime.wrapper import BatchWrapperBase, drops_plan_on_failure, host_side, plan_arguments
 from ..runtime.checks import check_tensor, fast_page_table, no_backward, target_of
 from ..runtime.launch import PreparedAttention
 from ..runtime.options import (
@@ -383,6 +383,7 @@ class CUDAGraphBatchDecodeWithPagedKVCacheWrapper(BatchDecodeWithPagedKVCacheWra
                          paged_kv_last_page_len_buffer=last_page_len_buffer)
 
 
+@host_side
 def fast_decode_plan(
     self: BatchDecodeWithPagedKVCacheWrapper, indptr: torch.Tensor, indices: torch.Tensor,
     last_page_len: torch.Tensor, num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
@@ -488,11 +489,9 @@ def check_single_kv(what: str, k: torch.Tensor, v: torch.Tensor, layout: KVLayou
 
 
 def single_request_pages(k: torch.Tensor, v: torch.Tensor, layout: KVLayout) -> tuple[torch.Tensor, torch.Tensor]:
-    """One request's k/v ``[kv_len, H, D]`` (NHD) / ``[H, kv_len, D]`` (HND) as a cache of one page.
-
-    With kv_len 0 the cache is one unreferenced page of one token, so its page size matches
-    the plan's (the kernels read no key of it).
-    """
+    """One request's k/v ``[kv_len, H, D]`` (NHD) / ``[H, kv_len, D]`` (HND) as a cache of one page. With kv_len 0
+    the cache is one unreferenced page of one token, so its page size matches the plan's (the kernels read no key of
+    it)."""
     token_dim = 0 if layout is KVLayout.NHD else 1
     if k.shape[token_dim] == 0:
         k = k.new_zeros(k.shape[:token_dim] + (1,) + k.shape[token_dim + 1:])

@@ -49,7 +49,7 @@ from ..log import logger
 from ..env import mla_kernel as mla_kernel_choice
 from ..hardware import num_sms
 from ..kernels.mla import CKV_DIM
-from ..runtime.wrapper import NotCopyable
+from ..runtime.wrapper import NotCopyable, host_side
 from ..runtime.mla_kernel import GraphArrays, KernelPlan, device_facts, layout_problem, select_kernel, unsupported_reason
 from ..kernels.mla_plan import workspace_row_bytes
 from ..page_table import check_indptr, check_page_table, to_host_int32
@@ -144,6 +144,7 @@ class BatchMLAPagedAttentionWrapper(NotCopyable):
     def is_cuda_graph_enabled(self) -> bool:
         return self._inner.is_cuda_graph_enabled
 
+    @host_side
     def plan(
         self, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_len_arr: torch.Tensor,
         num_heads: int, head_dim_ckv: int, head_dim_kpe: int, page_size: int, causal: bool, sm_scale: float,

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ..runtime.wrapper import NotCopyable, workspace_target
+from ..runtime.wrapper import NotCopyable, host_side, workspace_target
 from ..runtime.checks import check_planned_dtype, check_tensor, named_refusals, no_backward, not_planned
 from ..runtime.options import (check_flag, check_flags, parse_kv_layout, parse_pos_encoding, refuse_unsupported,
                                  resolve_dtypes, resolve_flag, resolve_window_left)
@@ -86,6 +86,7 @@ class PODWithPagedKVCacheWrapper(NotCopyable):
     def end_forward(self) -> None:
         """No-op kept for older FlashInfer call sites."""
 
+    @host_side
     def plan(
         self, indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tensor, num_qo_heads: int,
         num_kv_heads: int, head_dim: int, page_size: int, pos_encoding_mode: str = "NONE", window_left: int = -1,
@@ -204,6 +205,7 @@ class BatchPODWithPagedKVCacheWrapper(NotCopyable):
     def end_forward(self) -> None:
         """No-op kept for older FlashInfer call sites."""
 
+    @host_side
     def plan(
         self, qo_indptr_p: torch.Tensor, kv_indptr_p: torch.Tensor, kv_indices_p: torch.Tensor,
         last_page_len_p: torch.Tensor, qo_indptr_d: torch.Tensor, kv_indptr_d: torch.Tensor,

@@ -16,7 +16,7 @@ import torch
 from ..runtime.checks import (check_no_overlap, check_planned_dtype, check_tensor, named_refusals, no_backward,
                               not_planned, refuse_outputs_over_inputs)
 from ..runtime.options import check_flag, parse_pos_encoding, per_tensor_scale, positive_int, resolve_flag
-from ..runtime.wrapper import NotCopyable, plan_arguments, workspace_target
+from ..runtime.wrapper import NotCopyable, host_side, plan_arguments, workspace_target
 from .prefill import BatchPrefillWithPagedKVCacheWrapper
 from ..runtime.sparse_layout import (SparsePageTable, VariableGeometry, bsr_packed_mask, bsr_page_table, check_bsr,
                                      check_bsr_packed_mask, convert_bsr_mask_layout, variable_page_table)
@@ -92,6 +92,7 @@ class BlockSparseAttentionWrapper(_SparseWrapperBase):
         self.C: int | None = None
         self._table: SparsePageTable | None = None
 
+    @host_side
     def plan(
         self, indptr: torch.Tensor, indices: torch.Tensor, M: int, N: int, R: int, C: int, num_qo_heads: int,
         num_kv_heads: int, head_dim: int, mask: torch.Tensor | None = None, packed_mask: torch.Tensor | None = None,
@@ -188,6 +189,7 @@ class VariableBlockSparseAttentionWrapper(_SparseWrapperBase):
         self._num_kv_heads = 0
         self._group = 0
 
+    @host_side
     def plan(
         self, block_mask_map: torch.Tensor, block_row_sz: torch.Tensor, block_col_sz: torch.Tensor,
         num_qo_heads: int, num_kv_heads: int, head_dim: int, causal: bool = False, pos_encoding_mode: str = "NONE",

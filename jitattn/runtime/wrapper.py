@@ -250,7 +250,14 @@ def drops_plan_on_failure(plan):
         except BaseException:
             self.drop_plan()
             raise
-    return planned
+    return host_side(planned)
+
+
+def host_side(function):
+    """``function`` (a plan) run eagerly under torch.compile, a graph break: it computes on the host from index arrays
+    and binds the kernels' argument structs to their addresses, which a trace would turn into fake tensors (an empty
+    array's placeholder address lost, a launch refused); what runs each step is the run() custom op."""
+    return torch.compiler.disable(function)
 
 
 def plan_arguments(plan_locals: dict) -> dict:
