@@ -200,3 +200,18 @@ def test_a_plan_inside_a_compiled_step_runs_on_the_host() -> None:
 
     out = step(torch.randn(2, 4, 64, generator=gen).half(), cache, empty, empty[:0], empty[:2])
     assert out.shape == (2, 4, 64) and not out.any()
+
+
+def test_batch_attention_runs_under_compile() -> None:
+    """Its run() composes the parts' launches in Python (a data_ptr comparison among them): traced, it broke the
+    graph mid-function and torch failed building guards ("sources must not be empty"). It is a graph break now."""
+    gen = torch.Generator().manual_seed(8)
+    i32 = lambda *v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    cache = torch.randn(8, 2, 16, 2, 64, generator=gen).half()
+    wrapper = jitattn.BatchAttention(device="cpu")
+    wrapper.plan(i32(0, 1, 8), i32(0, 2, 4), i32(0, 1, 2, 3), i32(20, 30), 4, 2, 64, 64, 16, causal=True,
+                 q_data_type=torch.float16, kv_data_type=torch.float16)
+    q = torch.randn(8, 4, 64, generator=gen).half()
+    compiled = torch.compile(lambda q, c: wrapper.run(q, c), backend="aot_eager")
+    for got, expected in zip(compiled(q, cache), wrapper.run(q, cache)):
+        torch.testing.assert_close(got, expected, atol=0, rtol=0)

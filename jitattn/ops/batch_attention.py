@@ -200,6 +200,7 @@ class BatchAttention(NotCopyable):
                           page_size, logits_soft_cap=logits_soft_cap, q_data_type=q_data_type,
                           kv_data_type=kv_data_type, sm_scale=sm_scale, batch_invariant=invariant)
 
+    @host_side  # under torch.compile a graph break: the parts' launches compose in Python
     @no_backward
     def run(
         self, q: torch.Tensor, kv_cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor],

@@ -108,6 +108,7 @@ class PODWithPagedKVCacheWrapper(NotCopyable):
 
     begin_forward = plan
 
+    @host_side  # under torch.compile a graph break: the parts' launches compose in Python
     @no_backward
     def run(
         self, q_p: torch.Tensor, k_p: torch.Tensor, v_p: torch.Tensor, q_d: torch.Tensor,
@@ -249,6 +250,7 @@ class BatchPODWithPagedKVCacheWrapper(NotCopyable):
 
     begin_forward = plan
 
+    @host_side  # under torch.compile a graph break: the parts' launches compose in Python
     @no_backward
     def run(
         self, q_p: torch.Tensor, paged_kv_cache_p: torch.Tensor | tuple[torch.Tensor, torch.Tensor],

@@ -254,9 +254,10 @@ def drops_plan_on_failure(plan):
 
 
 def host_side(function):
-    """``function`` (a plan) run eagerly under torch.compile, a graph break: it computes on the host from index arrays
-    and binds the kernels' argument structs to their addresses, which a trace would turn into fake tensors (an empty
-    array's placeholder address lost, a launch refused); what runs each step is the run() custom op."""
+    """``function`` run eagerly under torch.compile, a graph break. A plan computes on the host from index arrays and
+    binds the kernels' argument structs to their addresses, which a trace would turn into fake tensors (an empty
+    array's placeholder address lost, a launch refused); what runs each step is the run() custom op. The mixed
+    batches' run() (BatchAttention, POD) composes its parts' launches in Python, which no graph holds either."""
     return torch.compiler.disable(function)
 
 
