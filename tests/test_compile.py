@@ -29,18 +29,22 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
+def _fullgraph_counted(function):
+    """``function`` under torch.compile(fullgraph=True), and the list of the graphs it compiles."""
+    graphs = []
+
+    def counting_backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    return torch.compile(function, fullgraph=True, backend=counting_backend), graphs
+
+
 def test_decode_compiles_fullgraph_and_survives_replanning() -> None:
     gen = torch.Generator().manual_seed(3)
     wrapper = jitattn.BatchDecodeWithPagedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8))
-    compiles = []
-
-    def counting_backend(gm, example_inputs):
-        compiles.append(gm)
-        return gm.forward
-
-    @torch.compile(fullgraph=True, backend=counting_backend)
-    def attention_layer(q, cache):
-        return wrapper.run(q * 1.0, cache) + 0.0  # ops around the call stay in the same graph
+    # ops around the call stay in the same graph
+    attention_layer, compiles = _fullgraph_counted(lambda q, cache: wrapper.run(q * 1.0, cache) + 0.0)
 
     for lens in ([5, 40, 17], [300, 1, 64], [9, 9, 200]):
         pages = sum((n + 15) // 16 for n in lens)
@@ -87,15 +91,7 @@ def test_paged_prefill_that_gathers_its_rows_compiles_once_across_plans(route) -
     kv_dtype = torch.float8_e4m3fn if route == "fp8_upcast" else torch.float16
     options = dict(kv_data_type=kv_dtype, fp8_upcast=True) if route == "fp8_upcast" else dict(
         pos_encoding_mode="ROPE_LLAMA", rope_first=True)
-    compiles = []
-
-    def counting_backend(gm, example_inputs):
-        compiles.append(gm)
-        return gm.forward
-
-    @torch.compile(fullgraph=True, backend=counting_backend)
-    def layer(q, cache):
-        return wrapper.run(q, cache) + 0.0
+    layer, compiles = _fullgraph_counted(lambda q, cache: wrapper.run(q, cache) + 0.0)
 
     qo = torch.tensor([0, 3, 6], dtype=torch.int32)
     q = torch.randn(6, 4, 64, generator=gen).half()
