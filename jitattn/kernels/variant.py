@@ -359,7 +359,8 @@ def _name_collisions(variant: AttentionVariant, message: str, header_text: str) 
     declared = {}
     for number, line in enumerate(header_text.splitlines(), start=1):
         for param in variant.params:
-            if re.search(rf"\b{param.name}\b\s*[;=]", line):
+            # its field (``float name;``) or its local (``... name = vp.name;``), not a snippet's use of it
+            if re.search(rf"\b{param.name}(?:;| = vp\.{param.name};)$", line):
                 declared.setdefault(number, param.name)
     names = []
     for raw in message.splitlines():
