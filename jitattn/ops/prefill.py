@@ -247,7 +247,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapperBase):
         in ``BatchDecodeWithPagedKVCacheWrapper.run`` (the lse returned is the keys' alone).
         ``args``/``variant_args``: the planned custom variant's parameters, in declaration order / by name."""
         if self._upcast is not None:  # fp8 upcast or RoPE first: the plan is of the 16-bit rows gathered here
-            paged_kv_cache = gathered_kv_rows(self._op_key, self._upcast, self._upcast.kv_layout, paged_kv_cache)
+            paged_kv_cache = gathered_kv_rows(self._op_key, self._upcast, paged_kv_cache)
         if self._rope is not None:  # RoPE first: the plan is of the rotated copies made here
             q, k, v = rope_first_operands(self._op_key, self._rope, q, *paged_kv_cache)
             paged_kv_cache = (k, v)

@@ -110,7 +110,7 @@ def _wrapper_kv_rows_fake(key, k, v, heads_dim, out_dtype):
     return tuple(x.new_empty((tokens, x.shape[heads_dim], x.shape[-1]), dtype=out_dtype) for x in (k, v))
 
 
-def gathered_kv_rows(key: int, gather, kv_layout, paged_kv_cache) -> tuple[torch.Tensor, torch.Tensor]:
+def gathered_kv_rows(key: int, gather, paged_kv_cache) -> tuple[torch.Tensor, torch.Tensor]:
     """``gather(paged_kv_cache)`` (a ``KVUpcast``) eagerly; under torch.compile the custom op that finds it at run
     time (its checks of the cache against the plan run there, not as guards of the graph)."""
     if not torch.compiler.is_compiling():
@@ -118,5 +118,6 @@ def gathered_kv_rows(key: int, gather, kv_layout, paged_kv_cache) -> tuple[torch
     from ..spec import KVLayout
     from .kv import split_paged_kv_cache
 
-    k, v = split_paged_kv_cache(paged_kv_cache, kv_layout)
-    return torch.ops.jitattn.wrapper_kv_rows(key, k, v, 2 if kv_layout is KVLayout.NHD else 1, gather.out_dtype)
+    k, v = split_paged_kv_cache(paged_kv_cache, gather.kv_layout)
+    heads_dim = 2 if gather.kv_layout is KVLayout.NHD else 1
+    return torch.ops.jitattn.wrapper_kv_rows(key, k, v, heads_dim, gather.out_dtype)
