@@ -85,10 +85,10 @@ MAX_RANK = 4
 _IDENT = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,31}$")
 _NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,23}$")
 _INDEX_VARIABLES = frozenset({"request", "qo_len", "kv_len", "qo_head", "kv_head", "q_idx", "kv_idx", "dim"})
-# Names a parameter may not take: the snippets' variables, the run() arguments
-# of every wrapper (parameters are passed to run() by keyword), and C/C++ words.
 # Characters a snippet may not hold: a NUL, and the line breaks other than "\n" and "\r\n".
 _NOT_SOURCE = frozenset("\x00\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029")
+# Names a parameter may not take: the snippets' variables, the run() arguments
+# of every wrapper (parameters are passed to run() by keyword), and C/C++ words.
 RESERVED_NAMES = frozenset(
     _INDEX_VARIABLES | {"q", "k", "v", "logits", "out", "o", "lse", "vp", "p", "params"}
     | {"paged_kv_cache", "k_scale", "v_scale", "return_lse", "self", "kwargs"}
@@ -202,8 +202,9 @@ class AttentionVariant:
                 )
             odd = sorted({c for c in text if c in _NOT_SOURCE})
             if odd:  # (Python's splitlines breaks lines at them where the compiler does not; a NUL is dropped)
-                raise ValueError(f"variant {self.name!r}: {hook} holds {', '.join(map(repr, odd))}, which C++ source "
-                                 "does not take; remove it")
+                raise ValueError(f"variant {self.name!r}: {hook} holds {', '.join(map(repr, odd))}: a NUL or a line "
+                                 "break other than '\\n', where the compiler's line numbers and the report's would "
+                                 "disagree; remove it")
             if any(line.rstrip(" \t").endswith("\\") for line in text.splitlines()):
                 raise ValueError(f"variant {self.name!r}: {hook} has a line ending in a backslash, which joins the "
                                  f"next line (after the last, the generated code's) to it; got {text!r}. Remove it")
