@@ -572,6 +572,8 @@ def test_a_cache_folder_it_cannot_read_is_named_with_its_fix(fresh_cache, tmp_pa
 def test_removal_takes_only_entries_and_a_link_in_an_entrys_place(fresh_cache, tmp_path, capsys):
     """admin.remove_entry deleted any directory it was given; clear left a link in an entry's place as a dangling
     tmp/*.trash-* link for good."""
+    import shutil
+
     from jitattn.jit.admin import remove_entry, writable_root
 
     victim = tmp_path / "victim"
@@ -580,8 +582,6 @@ def test_removal_takes_only_entries_and_a_link_in_an_entrys_place(fresh_cache, t
         remove_entry(writable_root(), victim)
     assert victim.is_dir()
     entry, _ = _published(fresh_cache)
-    import shutil
-
     shutil.rmtree(entry)
     entry.symlink_to(victim)
     rc, _, _ = _cli(capsys, "clear")
