@@ -211,3 +211,25 @@ def test_batch_attention_runs_under_compile() -> None:
     compiled = torch.compile(lambda q, c: wrapper.run(q, c), backend="aot_eager")
     for got, expected in zip(compiled(q, cache), wrapper.run(q, cache)):
         torch.testing.assert_close(got, expected, atol=0, rtol=0)
+
+
+def test_mla_compiles_fullgraph_over_views_of_one_latent_buffer() -> None:
+    """Its run() compared the latent caches' addresses (ckv and kpe as views of one buffer, SGLang's layout): under
+    fullgraph=True Dynamo failed on the pointer arithmetic. It is one custom op now (jitattn::mla_run)."""
+    import math
+
+    gen = torch.Generator().manual_seed(9)
+    heads, page, ckv_dim = 16, 16, 512
+    latent = (torch.randn(4, page, ckv_dim + 64, generator=gen) * 0.3).bfloat16()
+    ckv, kpe = latent[..., :ckv_dim], latent[..., ckv_dim:]
+    wrapper = jitattn.BatchMLAPagedAttentionWrapper(torch.empty(8 << 20, dtype=torch.uint8))
+    layer, graphs = _fullgraph_counted(lambda *args: wrapper.run(*args, return_lse=True))
+    for n in (20, 35, 9):
+        pages = (n + page - 1) // page
+        wrapper.plan(torch.tensor([0, 1], dtype=torch.int32), torch.tensor([0, pages], dtype=torch.int32),
+                     torch.tensor([2, 0, 1][:pages], dtype=torch.int32), torch.tensor([n], dtype=torch.int32), heads,
+                     ckv_dim, 64, page, False, 1 / math.sqrt(192), torch.bfloat16, torch.bfloat16)
+        q_nope, q_pe = (torch.randn(1, heads, d, generator=gen).bfloat16() for d in (ckv_dim, 64))
+        for got, expected in zip(layer(q_nope, q_pe, ckv, kpe), wrapper.run(q_nope, q_pe, ckv, kpe, return_lse=True)):
+            torch.testing.assert_close(got, expected, atol=0, rtol=0)
+    assert len(graphs) == 1, f"recompiled {len(graphs) - 1} times across plan() calls"

@@ -42,6 +42,7 @@ import numpy as np
 import torch
 
 from ..runtime.checks import check_tensor, no_backward, not_planned, refuse_written_over, stream_capturing
+from ..runtime.compiled import mla_run_compiled, register_wrapper
 from ..runtime.options import (
     f32_scale, fp8_scale, parse_dtype, positive_int, refuse_unsupported, resolve_batch_invariant, resolve_flag,
 )
@@ -134,6 +135,7 @@ class BatchMLAPagedAttentionWrapper(NotCopyable):
         self._prefill_args: dict | None = None  # an sm90 plan's arguments for the prefill kernels (run()'s fallback)
         self._graph_arrays: GraphArrays | None = None  # use_cuda_graph: the sm90 plans' fixed memory (first plan)
         self._graph_kernel: str | None = None  # use_cuda_graph: the kernel of the first plan, which a capture keeps
+        self._op_key = register_wrapper(self)  # the compiled run()'s handle on this wrapper (runtime.compiled)
 
     @property
     def kernel(self) -> str:
@@ -247,6 +249,9 @@ class BatchMLAPagedAttentionWrapper(NotCopyable):
         if profiler_buffer is not None or kv_len is not None or page_table is not None:
             refuse_unsupported(f"{_NAME}.run", "the batch is described by plan()", profiler_buffer=profiler_buffer,
                                kv_len=kv_len, page_table=page_table)
+        if torch.compiler.is_compiling():  # one opaque op (the checks below compare addresses)
+            return mla_run_compiled(self._op_key, q_nope, q_pe, ckv_cache, kpe_cache, out=out, lse=lse,
+                                    return_lse=return_lse, k_scale=k_scale, v_scale=v_scale)
         refuse_written_over(f"{_NAME}.run()", (("out", out), ("lse", lse)),  # addresses: checked on every call
                             (("q_nope", q_nope), ("q_pe", q_pe), ("ckv_cache", ckv_cache), ("kpe_cache", kpe_cache)))
         signature = None

@@ -8,8 +8,9 @@ that applies RoPE before its kernel rotates its operands in a second op,
 ``jitattn::wrapper_rope_first``, before it; a paged plan whose kernel reads the
 cache's rows gathered (the fp8 upcast, RoPE first) gathers them in a third,
 ``jitattn::wrapper_kv_rows``, whose row count is the plan's (a size the graph
-does not specialise on). The fake implementations give output shapes and dtypes
-without running anything.
+does not specialise on). ``BatchMLAPagedAttentionWrapper.run()`` is one op,
+``jitattn::mla_run`` (its launch checks the latent caches' addresses). The fake
+implementations give output shapes and dtypes without running anything.
 """
 
 from __future__ import annotations
@@ -57,6 +58,12 @@ def run_compiled(
     """The compiled path of a wrapper's run(): one custom op, results copied into out/lse if given."""
     result, result_lse = torch.ops.jitattn.wrapper_run(key, q, k, v, head_dim_vo, out_dtype, k_scale, v_scale,
                                                        q_scale, q_repeat)
+    return _returned(result, result_lse, out, lse, return_lse)
+
+
+def _returned(result: torch.Tensor, result_lse: torch.Tensor, out: torch.Tensor | None, lse: torch.Tensor | None,
+              return_lse: bool):
+    """An op's (out, lse) as run() returns them: copied into the caller's out / lse when given."""
     if out is not None:
         out.copy_(result)
         result = out
@@ -121,3 +128,30 @@ def gathered_kv_rows(key: int, gather, paged_kv_cache) -> tuple[torch.Tensor, to
     k, v = split_paged_kv_cache(paged_kv_cache, gather.kv_layout)
     heads_dim = 2 if gather.kv_layout is KVLayout.NHD else 1
     return torch.ops.jitattn.wrapper_kv_rows(key, k, v, heads_dim, gather.out_dtype)
+
+
+@torch.library.custom_op("jitattn::mla_run", mutates_args=())
+def mla_run(key: int, q_nope: torch.Tensor, q_pe: torch.Tensor, ckv: torch.Tensor, kpe: torch.Tensor,
+            k_scale: float, v_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The current plan of an MLA wrapper run over ``ckv`` / ``kpe``: (out, natural-log lse)."""
+    wrapper = _wrappers[key]()
+    if wrapper is None:
+        raise RuntimeError("jitattn: the wrapper this compiled graph calls no longer exists")
+    return wrapper.run(q_nope, q_pe, ckv, kpe, return_lse=True, k_scale=k_scale, v_scale=v_scale)
+
+
+@mla_run.register_fake
+def _mla_run_fake(key, q_nope, q_pe, ckv, kpe, k_scale, v_scale):
+    return q_nope.new_empty(q_nope.shape[:2] + (ckv.shape[-1],)), q_nope.new_empty(q_nope.shape[:2],
+                                                                                   dtype=torch.float32)
+
+
+def mla_run_compiled(key: int, q_nope: torch.Tensor, q_pe: torch.Tensor, ckv: torch.Tensor, kpe: torch.Tensor, *,
+                     out: torch.Tensor | None, lse: torch.Tensor | None, return_lse: bool, k_scale, v_scale):
+    """The compiled path of ``BatchMLAPagedAttentionWrapper.run()``: one custom op, results copied into out / lse."""
+    if isinstance(k_scale, torch.Tensor) or isinstance(v_scale, torch.Tensor):
+        raise NotImplementedError("BatchMLAPagedAttentionWrapper.run() with scale tensors is not supported under "
+                                  "torch.compile yet; pass Python floats or call it outside the compiled region")
+    k_scale, v_scale = (1.0 if x is None else float(x) for x in (k_scale, v_scale))
+    result, result_lse = torch.ops.jitattn.mla_run(key, q_nope, q_pe, ckv, kpe, k_scale, v_scale)
+    return _returned(result, result_lse, out, lse, return_lse)
