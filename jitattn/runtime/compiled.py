@@ -30,15 +30,21 @@ def register_wrapper(wrapper: object) -> int:
     return key
 
 
+def _wrapper_of(key: int):
+    """The wrapper ``key`` names (``register_wrapper``), when an op of a compiled graph runs."""
+    wrapper = _wrappers[key]()
+    if wrapper is None:
+        raise RuntimeError("jitattn: the wrapper this compiled graph calls no longer exists")
+    return wrapper
+
+
 @torch.library.custom_op("jitattn::wrapper_run", mutates_args=())
 def wrapper_run(
     key: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dim_vo: int, out_dtype: torch.dtype,
     k_scale: float, v_scale: float, q_scale: float, q_repeat: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``q_repeat``: output rows per q row (a plan whose rows share queries, e.g. a split cascade level)."""
-    wrapper = _wrappers[key]()
-    if wrapper is None:
-        raise RuntimeError("jitattn: the wrapper this compiled graph calls no longer exists")
+    wrapper = _wrapper_of(key)
     return wrapper._run_eager(q, k, v, k_scale=k_scale, v_scale=v_scale, q_scale=q_scale, out=None, lse=None,
                               return_lse=True)
 
@@ -77,9 +83,7 @@ def _returned(result: torch.Tensor, result_lse: torch.Tensor, out: torch.Tensor 
 def wrapper_rope_first(key: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The current plan's operands of a prefill wrapper that applies RoPE first (``rope_operands``)."""
-    wrapper = _wrappers[key]()
-    if wrapper is None:
-        raise RuntimeError("jitattn: the wrapper this compiled graph calls no longer exists")
+    wrapper = _wrapper_of(key)
     rotated = wrapper.rope_operands(q, k, v)
     return tuple(x.clone() if x is y else x for x, y in zip(rotated, (q, k, v)))  # an op's outputs never alias
 
@@ -104,9 +108,7 @@ def wrapper_kv_rows(key: int, k: torch.Tensor, v: torch.Tensor, heads_dim: int, 
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """The current plan's ragged k / v rows of the paged caches ``k`` / ``v`` (``kv_rows``); ``heads_dim``: the
     caches' heads dimension (2 in NHD, 1 in HND); ``out_dtype``: the rows' (the plan's)."""
-    wrapper = _wrappers[key]()
-    if wrapper is None:
-        raise RuntimeError("jitattn: the wrapper this compiled graph calls no longer exists")
+    wrapper = _wrapper_of(key)
     rows = wrapper.kv_rows((k, v))
     return tuple(x.clone() if x is y else x for x, y in zip(rows, (k, v)))  # an op's outputs never alias
 
@@ -134,9 +136,7 @@ def gathered_kv_rows(key: int, gather, paged_kv_cache) -> tuple[torch.Tensor, to
 def mla_run(key: int, q_nope: torch.Tensor, q_pe: torch.Tensor, ckv: torch.Tensor, kpe: torch.Tensor,
             k_scale: float, v_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The current plan of an MLA wrapper run over ``ckv`` / ``kpe``: (out, natural-log lse)."""
-    wrapper = _wrappers[key]()
-    if wrapper is None:
-        raise RuntimeError("jitattn: the wrapper this compiled graph calls no longer exists")
+    wrapper = _wrapper_of(key)
     return wrapper.run(q_nope, q_pe, ckv, kpe, return_lse=True, k_scale=k_scale, v_scale=v_scale)
 
 
