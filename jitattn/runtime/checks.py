@@ -404,6 +404,8 @@ def check_writable(what: str, **written) -> None:
     """Refuse tensors (None: skipped) that a kernel would write in place behind autograd's back: one that requires
     grad while grad mode is on (no backward would see the write), and an inference tensor outside inference mode
     (which torch's own in-place ops refuse)."""
+    if torch.is_inference_mode_enabled():  # neither can happen there (grad mode is off): the per-layer fast path
+        return
     grad = torch.is_grad_enabled() or getattr(_RECORDING, "active", False)  # (no_backward turns grad mode off)
     for name, t in written.items():
         if t is None:
@@ -412,7 +414,7 @@ def check_writable(what: str, **written) -> None:
             raise RuntimeError(f"{what}: {name} requires grad, and this call writes it in place outside autograd "
                                f"(it has no backward); call it under torch.no_grad() or torch.inference_mode(), or "
                                f"pass {name}.detach()")
-        if t.is_inference() and not torch.is_inference_mode_enabled():
+        if t.is_inference():
             raise RuntimeError(f"{what}: {name} was made under torch.inference_mode(), and torch lets nothing update "
                                f"such a tensor in place outside it; call this under torch.inference_mode() too, or "
                                f"pass {name}.clone()")
