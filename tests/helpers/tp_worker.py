@@ -16,6 +16,13 @@ def _init(rank: int, world: int, init_file: str, env: dict[str, str]) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
 
 
+def _end(dist) -> None:
+    """Leave the group together: a rank that tears its connections down while the other still uses them can abort
+    it (gloo's "terminate called without an active exception", SIGABRT)."""
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def _loaded_specs() -> list[str]:
     import jitattn.jit
 
@@ -39,7 +46,7 @@ def serve(rank: int, world: int, init_file: str, env: dict[str, str], config: di
                   loaded=_loaded_specs(), heads=[model.num_q_heads, model.num_kv_heads],
                   cascade_steps=engine.stats.cascade_steps)
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
-    dist.destroy_process_group()
+    _end(dist)
 
 
 def race_load(rank: int, world: int, init_file: str, env: dict[str, str], spec: dict, out_dir: str) -> None:
@@ -53,7 +60,7 @@ def race_load(rank: int, world: int, init_file: str, env: dict[str, str], spec: 
     dist.barrier()
     jitattn.jit.load(VariantSpec.from_dict(spec))
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(dict(compiles=jitattn.jit.compile_count())))
-    dist.destroy_process_group()
+    _end(dist)
 
 
 def serve_teacher_forced(rank: int, world: int, init_file: str, env: dict[str, str], config: dict,
@@ -83,4 +90,4 @@ def serve_teacher_forced(rank: int, world: int, init_file: str, env: dict[str, s
     if rank == 0:
         torch.save(dict(logits=[torch.stack(r.logits) for r in requests], seconds=seconds,
                         tokens=engine.stats.generated_tokens, compiles=int(compiles)), Path(out_dir, "rank0.pt"))
-    dist.destroy_process_group()
+    _end(dist)
