@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 
@@ -17,10 +18,17 @@ def _init(rank: int, world: int, init_file: str, env: dict[str, str]) -> None:
 
 
 def _end(dist) -> None:
-    """Leave the group together: a rank that tears its connections down while the other still uses them can abort
-    it (gloo's "terminate called without an active exception", SIGABRT)."""
+    """Leave the group together, then exit without the interpreter's finalisation.
+
+    A spawned rank otherwise leaves through ``sys.exit``, whose teardown of C++ statics met a still-joinable
+    gloo thread now and then ("terminate called without an active exception", SIGABRT) after every result had
+    been written. ``os._exit`` is how a forked multiprocessing child leaves too.
+    """
     dist.barrier()
     dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _loaded_specs() -> list[str]:
