@@ -3,7 +3,8 @@
 ``input`` is ``[..., 2 * d]`` (float16, bfloat16 or float32; 1-D included; its leading dimensions collapse into
 rows, so a slice of a wider buffer is fine); the result ``[..., d]`` is ``act(input[..., :d]) * input[..., d:]``,
 computed in float32 and rounded once, into ``out`` when given. ``act``: SiLU (``x * sigmoid(x)``), GeLU
-(``erf`` form) or GeLU's tanh approximation. ``enable_pdl`` is accepted and ignored.
+(``erf`` form) or GeLU's tanh approximation. ``enable_pdl`` is accepted and ignored. Under torch.compile each
+call is one custom op (``runtime/compiled_ops.py``): a model calling them compiles with ``fullgraph=True``.
 """
 
 from __future__ import annotations
@@ -12,16 +13,19 @@ from typing import Optional
 
 import torch
 
+from ..runtime import compiled_ops
 from ..runtime.checks import no_backward
 from ..runtime.options import check_flag
-from ..runtime.pointwise import act_and_mul
+from ..runtime.pointwise import act_and_mul as launch_act_and_mul
 
 __all__ = ["gelu_and_mul", "gelu_tanh_and_mul", "silu_and_mul"]
 
 
 def _act_and_mul(what: str, act: str, input: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
     """``act_and_mul`` over ``[..., 2 * d]``: a 1-D input (and its 1-D ``out``) runs as one row, which the
-    row-wise kernels need; an ``out`` of the wrong shape is named with the shape it must have."""
+    row-wise kernels need; an ``out`` of the wrong shape is named with the shape it must have. Under
+    torch.compile the launch is one custom op of the graph (its checks run when the graph does)."""
+    act_and_mul = compiled_ops.act_and_mul if torch.compiler.is_compiling() else launch_act_and_mul
     if not isinstance(input, torch.Tensor) or input.dim() == 0:
         if isinstance(input, torch.Tensor):
             raise ValueError(f"{what}: input is 0-d; expected [..., 2 * d] (at least 1 dimension)")

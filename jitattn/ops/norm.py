@@ -6,7 +6,8 @@ on one device (the cuda target on a CUDA device, the cpu target on the CPU). Eac
 ``x / sqrt(mean(x^2) + eps) * weight`` (Gemma: ``* (1 + weight)``), computed in float32 and rounded once.
 The ``fused_add`` forms first add ``input`` into ``residual`` (``residual += input``, rounded) and normalise
 that sum (from its float32 value, as FlashInfer does) into ``input``; both are written in place and nothing
-is returned. ``enable_pdl`` is accepted and ignored (no programmatic dependent launch).
+is returned. ``enable_pdl`` is accepted and ignored (no programmatic dependent launch). Under torch.compile
+each call is one custom op (``runtime/compiled_ops.py``): a model calling them compiles with ``fullgraph=True``.
 """
 
 from __future__ import annotations
@@ -15,11 +16,17 @@ from typing import Optional
 
 import torch
 
+from ..runtime import compiled_ops
 from ..runtime.checks import no_backward
 from ..runtime.options import check_flag
 from ..runtime.pointwise import rms_norm
 
 __all__ = ["fused_add_rmsnorm", "gemma_fused_add_rmsnorm", "gemma_rmsnorm", "rmsnorm"]
+
+
+def _launch():
+    """The launch: under torch.compile one custom op of the graph (its checks run when the graph does)."""
+    return compiled_ops.rms_norm if torch.compiler.is_compiling() else rms_norm
 
 
 def _normed(what: str, input: torch.Tensor, weight: torch.Tensor, eps, out: Optional[torch.Tensor],
@@ -28,7 +35,7 @@ def _normed(what: str, input: torch.Tensor, weight: torch.Tensor, eps, out: Opti
         if not isinstance(input, torch.Tensor):
             raise TypeError(f"{what}: input must be a torch.Tensor, got {type(input).__name__}")
         out = torch.empty_like(input)
-    rms_norm(what, input, weight, eps, out, weight_offset=weight_offset)
+    _launch()(what, input, weight, eps, out, weight_offset=weight_offset)
     return out
 
 
@@ -45,7 +52,7 @@ def _fused(what: str, input: torch.Tensor, residual: torch.Tensor, weight: torch
     if not isinstance(residual, torch.Tensor):  # None would make it a plain rmsnorm, silently
         raise TypeError(f"{what}: residual must be a torch.Tensor (written in place: residual += input), got "
                         f"{type(residual).__name__}; without a residual call rmsnorm")
-    rms_norm(what, input, weight, eps, input, residual=residual, weight_offset=weight_offset)
+    _launch()(what, input, weight, eps, input, residual=residual, weight_offset=weight_offset)
 
 
 def fused_add_rmsnorm(input: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,

@@ -23,7 +23,9 @@ Arithmetic is float32 and the results are rounded to the input dtype. The plain 
 ``(q_rope, k_rope)`` tensors (the dimensions past ``rotary_dim`` copied); the ``_inplace`` ones rotate
 ``q`` and ``k`` themselves and return None. On a CUDA device nothing waits for the device: an invalid
 device-side position (a token outside ``indptr``'s requests, a position outside the cos/sin cache)
-is not reported but gives that token NaN in its rotated dimensions; on the cpu target it raises.
+is not reported but gives that token NaN in its rotated dimensions; on the cpu target it raises. Under
+torch.compile each call is one custom op (``runtime/compiled_ops.py``): a model calling them compiles with
+``fullgraph=True``.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from ..runtime import compiled_ops
 from ..runtime.checks import check_tensor, no_backward
 from ..runtime.options import resolve_flag
 from ..runtime.rope import Angles, Positions, llama31_angles, rope_angles, rotate, split_heads
@@ -41,6 +44,11 @@ __all__ = [
     "apply_llama31_rope_pos_ids_inplace", "apply_rope", "apply_rope_inplace", "apply_rope_pos_ids",
     "apply_rope_pos_ids_inplace", "apply_rope_with_cos_sin_cache", "apply_rope_with_cos_sin_cache_inplace",
 ]
+
+
+def _rotate(*args) -> None:
+    """``rotate``; under torch.compile one custom op of the graph (its checks run when the graph does)."""
+    (compiled_ops.rotate if torch.compiler.is_compiling() else rotate)(*args)
 
 
 def _like(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,7 +66,7 @@ def apply_rope(
     """Rotate ragged ``q``/``k`` by positions ``offsets[r] + (t - indptr[r])``; returns ``(q_rope, k_rope)``."""
     angles = rope_angles(rope_scale, rope_theta)
     q_rope, k_rope = _like(q, k)
-    rotate(q, k, q_rope, k_rope, Positions(indptr=indptr, offsets=offsets), rotary_dim, interleave, angles)
+    _rotate(q, k, q_rope, k_rope, Positions(indptr=indptr, offsets=offsets), rotary_dim, interleave, angles)
     return q_rope, k_rope
 
 
@@ -68,7 +76,7 @@ def apply_rope_inplace(
 ) -> None:
     """:func:`apply_rope` written into ``q`` and ``k``."""
     angles = rope_angles(rope_scale, rope_theta)
-    rotate(q, k, q, k, Positions(indptr=indptr, offsets=offsets), rotary_dim, interleave, angles)
+    _rotate(q, k, q, k, Positions(indptr=indptr, offsets=offsets), rotary_dim, interleave, angles)
 
 
 @no_backward
@@ -79,7 +87,7 @@ def apply_rope_pos_ids(
     """Rotate token ``t`` of ``q``/``k`` by position ``pos_ids[t]``; returns ``(q_rope, k_rope)``."""
     angles = rope_angles(rope_scale, rope_theta)
     q_rope, k_rope = _like(q, k)
-    rotate(q, k, q_rope, k_rope, Positions(pos_ids=pos_ids, pos_ids_name="pos_ids"), rotary_dim, interleave, angles)
+    _rotate(q, k, q_rope, k_rope, Positions(pos_ids=pos_ids, pos_ids_name="pos_ids"), rotary_dim, interleave, angles)
     return q_rope, k_rope
 
 
@@ -89,7 +97,7 @@ def apply_rope_pos_ids_inplace(
 ) -> None:
     """:func:`apply_rope_pos_ids` written into ``q`` and ``k``."""
     angles = rope_angles(rope_scale, rope_theta)
-    rotate(q, k, q, k, Positions(pos_ids=pos_ids, pos_ids_name="pos_ids"), rotary_dim, interleave, angles)
+    _rotate(q, k, q, k, Positions(pos_ids=pos_ids, pos_ids_name="pos_ids"), rotary_dim, interleave, angles)
 
 
 @no_backward
@@ -101,7 +109,7 @@ def apply_llama31_rope(
     """:func:`apply_rope` with Llama 3.1's frequencies; returns ``(q_rope, k_rope)``."""
     angles = llama31_angles(rope_scale, rope_theta, low_freq_factor, high_freq_factor, old_context_len)
     q_rope, k_rope = _like(q, k)
-    rotate(q, k, q_rope, k_rope, Positions(indptr=indptr, offsets=offsets), rotary_dim, interleave, angles)
+    _rotate(q, k, q_rope, k_rope, Positions(indptr=indptr, offsets=offsets), rotary_dim, interleave, angles)
     return q_rope, k_rope
 
 
@@ -112,7 +120,7 @@ def apply_llama31_rope_inplace(
 ) -> None:
     """:func:`apply_llama31_rope` written into ``q`` and ``k``."""
     angles = llama31_angles(rope_scale, rope_theta, low_freq_factor, high_freq_factor, old_context_len)
-    rotate(q, k, q, k, Positions(indptr=indptr, offsets=offsets), rotary_dim, interleave, angles)
+    _rotate(q, k, q, k, Positions(indptr=indptr, offsets=offsets), rotary_dim, interleave, angles)
 
 
 @no_backward
@@ -124,7 +132,7 @@ def apply_llama31_rope_pos_ids(
     """:func:`apply_rope_pos_ids` with Llama 3.1's frequencies; returns ``(q_rope, k_rope)``."""
     angles = llama31_angles(rope_scale, rope_theta, low_freq_factor, high_freq_factor, old_context_len)
     q_rope, k_rope = _like(q, k)
-    rotate(q, k, q_rope, k_rope, Positions(pos_ids=pos_ids, pos_ids_name="pos_ids"), rotary_dim, interleave, angles)
+    _rotate(q, k, q_rope, k_rope, Positions(pos_ids=pos_ids, pos_ids_name="pos_ids"), rotary_dim, interleave, angles)
     return q_rope, k_rope
 
 
@@ -135,7 +143,7 @@ def apply_llama31_rope_pos_ids_inplace(
 ) -> None:
     """:func:`apply_llama31_rope_pos_ids` written into ``q`` and ``k``."""
     angles = llama31_angles(rope_scale, rope_theta, low_freq_factor, high_freq_factor, old_context_len)
-    rotate(q, k, q, k, Positions(pos_ids=pos_ids, pos_ids_name="pos_ids"), rotary_dim, interleave, angles)
+    _rotate(q, k, q, k, Positions(pos_ids=pos_ids, pos_ids_name="pos_ids"), rotary_dim, interleave, angles)
 
 
 @no_backward
@@ -150,7 +158,7 @@ def apply_rope_with_cos_sin_cache(
     q, k = split_heads("query", query, head_size), split_heads("key", key, head_size)
     query_out, key_out = _like(query, key)
     q_out, k_out = split_heads("query", query_out, head_size), split_heads("key", key_out, head_size)
-    rotate(q, k, q_out, k_out, Positions(pos_ids=positions, pos_ids_name="positions"), None,
+    _rotate(q, k, q_out, k_out, Positions(pos_ids=positions, pos_ids_name="positions"), None,
            not resolve_flag(is_neox, "is_neox"), Angles(cos_sin_cache=cos_sin_cache), ("query", "key"))
     return query_out, key_out
 
@@ -162,5 +170,5 @@ def apply_rope_with_cos_sin_cache_inplace(
     """:func:`apply_rope_with_cos_sin_cache` written into ``query`` and ``key``."""
     check_tensor("cos_sin_cache", cos_sin_cache, last_dim_contiguous=False)
     q, k = split_heads("query", query, head_size), split_heads("key", key, head_size)
-    rotate(q, k, q, k, Positions(pos_ids=positions, pos_ids_name="positions"), None,
+    _rotate(q, k, q, k, Positions(pos_ids=positions, pos_ids_name="positions"), None,
            not resolve_flag(is_neox, "is_neox"), Angles(cos_sin_cache=cos_sin_cache), ("query", "key"))
