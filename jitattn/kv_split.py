@@ -358,7 +358,8 @@ def split_level_page_table(qo_indptr: torch.Tensor, index: PagedIndex, num_chunk
     indices = torch.cat(new_indices).to(i32) if new_indices else torch.zeros(0, dtype=i32)
     chunked = PagedIndex(indptr=torch.tensor(new_kv, dtype=i32), indices=indices,
                          last_page_len=torch.tensor(new_last, dtype=i32), page_size=index.page_size,
-                         kv_len_array=np.array(kv_lens, dtype=np.int64), max_page_index=index.max_page_index)
+                         kv_len_array=np.array(kv_lens, dtype=np.int64), max_page_index=index.max_page_index,
+                         indices_name=index.indices_name)
     return torch.tensor(new_qo, dtype=i32), chunked
 
 
@@ -382,8 +383,9 @@ def concat_level_tables(levels: list[tuple[torch.Tensor, PagedIndex]]) -> tuple[
         row += int(qo_indptr[-1])
         page += used
     first = levels[0][1]
+    highest = max((index for _, index in levels), key=lambda index: index.max_page_index)  # (its name in errors)
     table = PagedIndex(indptr=torch.cat(kv_parts), indices=torch.cat(indices).to(torch.int32),
                        last_page_len=torch.cat(lasts).to(torch.int32), page_size=first.page_size,
-                       kv_len_array=np.concatenate(kv_lens),
-                       max_page_index=max(index.max_page_index for _, index in levels))
+                       kv_len_array=np.concatenate(kv_lens), max_page_index=highest.max_page_index,
+                       indices_name=highest.indices_name)
     return torch.cat(qo_parts), table

@@ -27,6 +27,7 @@ class PagedIndex:
     page_size: int
     kv_len_array: np.ndarray  # int64 [batch]: each request's KV length
     max_page_index: int  # -1 when no page is referenced
+    indices_name: str = "indices"  # what the caller called the indices (errors name it)
 
     @functools.cached_property
     def kv_lens(self) -> tuple[int, ...]:
@@ -219,14 +220,22 @@ def check_paged_index(
         kv_lens = np.where(pages > 0, kv_lens, 0)
     return PagedIndex(
         indptr=indptr_h, indices=indices_h, last_page_len=last_h, page_size=page_size,
-        kv_len_array=kv_lens, max_page_index=highest,
+        kv_len_array=kv_lens, max_page_index=highest, indices_name=names[1],
     )
 
 
-def check_page_pool(index: PagedIndex, num_pages_in_cache: int, indices_name: str = "indices") -> None:
+def check_cache_pool(index: PagedIndex, paged_kv_cache) -> None:
+    """``check_page_pool`` against a paged cache: one tensor or a ``(k, v)`` pair, pages first in every layout (a
+    cache of another kind is left to the launch's checks)."""
+    k = paged_kv_cache[0] if isinstance(paged_kv_cache, (tuple, list)) and paged_kv_cache else paged_kv_cache
+    if isinstance(k, torch.Tensor) and k.dim() > 0:
+        check_page_pool(index, k.shape[0])
+
+
+def check_page_pool(index: PagedIndex, num_pages_in_cache: int) -> None:
     """Refuse page indices past the end of the KV pool."""
     if index.max_page_index >= num_pages_in_cache:
         raise ValueError(
-            f"{indices_name} references page {index.max_page_index} but the kv cache has only "
+            f"{index.indices_name} references page {index.max_page_index} but the kv cache has only "
             f"{num_pages_in_cache} pages"
         )

@@ -74,6 +74,21 @@ def test_indices_past_the_page_pool() -> None:
         wrapper.run(q, small)
 
 
+@pytest.mark.parametrize("level", [0, 1, 2])
+def test_cascade_names_the_level_whose_indices_pass_the_page_pool(level: int) -> None:
+    """Each level launches through a wrapper of its own (the last on the decode kernel): the error said
+    "indices references page ..." whichever level it was."""
+    i32 = lambda *x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
+    indices = [i32(0), i32(1, 2), i32(3, 4)]
+    indices[level] = indices[level] + 30
+    wrapper = jitattn.MultiLevelCascadeAttentionWrapper(3, torch.empty(1 << 20, dtype=torch.uint8))
+    wrapper.plan([i32(0, 2), i32(0, 1, 2), i32(0, 1, 2)], [i32(0, 1), i32(0, 1, 2), i32(0, 1, 2)], indices,
+                 [i32(16), i32(16, 16), i32(5, 9)], 4, 2, 64, 16, q_data_type=torch.float16)
+    with pytest.raises(ValueError, match=rf"^paged_kv_indices_arr\[{level}\] references page 3\d but the kv cache "
+                                         "has only 8 pages"):
+        wrapper.run(torch.randn(2, 4, 64).half(), torch.randn(8, 2, 16, 2, 64).half())
+
+
 def test_wrong_q_dtype_shape_and_kv_dtype() -> None:
     wrapper, batch = _decode()
     with pytest.raises(TypeError, match=r"q has dtype float16 but the plan has q_data_type=bfloat16; pass "

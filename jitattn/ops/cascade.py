@@ -33,7 +33,7 @@ from ..runtime.options import (check_flag, fp8_scale, parse_pos_encoding, per_le
                                resolve_batch_invariant, resolve_flag, resolve_window_left)
 from ..kv_split import (batch_invariant_chunk, cascade_chunk_pages, cascade_level_chunks, check_fixed_split_size,
                         concat_level_tables, graph_level_chunks, split_level_page_table)
-from ..page_table import PagedIndex, check_indptr, check_paged_index
+from ..page_table import PagedIndex, check_cache_pool, check_indptr, check_paged_index
 from .decode import BatchDecodeWithPagedKVCacheWrapper
 from ..kernels.prefill import query_tile_rows
 from ..hardware import capability
@@ -44,10 +44,8 @@ from .shared_prefix import (BatchDecodeWithSharedPrefixPagedKVCacheWrapper,
 from ..spec import KVStorage, Op, PosEncoding
 from ..variant import AttentionVariant
 
-__all__ = [
-    "BatchDecodeWithSharedPrefixPagedKVCacheWrapper", "BatchPrefillWithSharedPrefixPagedKVCacheWrapper",
-    "MultiLevelCascadeAttentionWrapper", "merge_state", "merge_state_in_place", "merge_states",
-]
+__all__ = ["BatchDecodeWithSharedPrefixPagedKVCacheWrapper", "BatchPrefillWithSharedPrefixPagedKVCacheWrapper",
+           "MultiLevelCascadeAttentionWrapper", "merge_state", "merge_state_in_place", "merge_states"]
 
 
 class MultiLevelCascadeAttentionWrapper(NotCopyable):
@@ -152,6 +150,7 @@ class MultiLevelCascadeAttentionWrapper(NotCopyable):
                 paged_kv_last_page_len[level])
             level_chunks.append(chunks)
             tables.append((qo_host, index, level_causal))
+        self._highest = max((index for _, index, _ in tables), key=lambda index: index.max_page_index)
         options = dict(sm_scale=sm_scale, logits_soft_cap=logits_soft_cap, q_data_type=q_data_type,
                        kv_data_type=kv_data_type, variant=variant)
         launches = self._prefill_launches(rules, tables, level_chunks, decode_last, num_qo_heads, num_kv_heads,
@@ -435,6 +434,7 @@ class MultiLevelCascadeAttentionWrapper(NotCopyable):
             raise not_planned("MultiLevelCascadeAttentionWrapper")
         check_tensor("MultiLevelCascadeAttentionWrapper.run(): q", q, last_dim_contiguous=False)
         return_lse = resolve_flag(return_lse, "return_lse")  # (a level wrapper's run() would check only one plan's)
+        check_cache_pool(self._highest, paged_kv_cache)  # the level named (a decode level's own check would not)
         states = self._states
         if states is None:  # one state and no batch-invariant mode: the level's launch writes the output
             return self._wrappers[0].run(q, paged_kv_cache, k_scale=k_scale, v_scale=v_scale, return_lse=return_lse,
