@@ -5,6 +5,8 @@ and raises eager's errors when the graph runs."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch._dynamo
@@ -124,14 +126,14 @@ def test_a_single_tensor_cache_and_functional_rope_compile_fullgraph() -> None:
     assert len(graphs) == 1
 
 
-def test_bad_input_under_compile_raises_the_eager_error_when_the_graph_runs() -> None:
+def test_bad_input_under_compile_raises_the_eager_error() -> None:
+    """Checks of values the graph holds run when it runs (the tensors' shapes, the index arrays' values); those of
+    Python arguments run at trace time."""
     x = torch.randn(3, HIDDEN)
     with pytest.raises(ValueError, match=r"weight has shape \(32,\); expected \(64,\)"):
         torch.compile(lambda x, w: jitattn.rmsnorm(x, w), fullgraph=True, backend="aot_eager")(x, torch.randn(32))
-    torch._dynamo.reset()
-    with pytest.raises(ValueError, match="eps=-1.0 must be a finite number >= 0"):
-        torch.compile(lambda x: jitattn.rmsnorm(x, torch.ones(HIDDEN), eps=-1.0), fullgraph=True,
-                      backend="aot_eager")(x)
+    _raises_under_compile(lambda x: jitattn.rmsnorm(x, torch.ones(HIDDEN), eps=-1.0), x, error=ValueError,
+                          match="eps=-1.0 must be a finite number >= 0")
     torch._dynamo.reset()
     cache = torch.zeros(2, 2, PAGE, 1, 8)
     write = torch.compile(lambda k, idx: jitattn.append_paged_kv_cache(
@@ -143,3 +145,100 @@ def test_bad_input_under_compile_raises_the_eager_error_when_the_graph_runs() ->
     with pytest.raises(IndexError, match=r"positions\[1\]=70 is outside cos_sin_cache's 64 rows"):
         torch.compile(lambda pos, q, k: jitattn.apply_rope_with_cos_sin_cache_inplace(pos, q, k, 8, torch.ones(64, 8)),
                       fullgraph=True, backend="aot_eager")(torch.tensor([0, 70]), torch.randn(2, 16), torch.randn(2, 8))
+
+
+def _raises_under_compile(function, *args, error: type, match: str) -> None:
+    """``function(*args)`` compiled with fullgraph=True raises ``error`` (as Dynamo's Unsupported whose cause it is,
+    when raised at trace time), and without fullgraph it falls back to eager, which raises ``error`` itself."""
+    torch._dynamo.reset()
+    with pytest.raises(Exception) as info:
+        torch.compile(function, fullgraph=True, backend="aot_eager")(*args)
+    raised = info.value.__cause__ or info.value  # (the cause: Dynamo's Observed<error>)
+    assert error.__name__ in type(raised).__name__ and re.search(match, str(raised)), repr(info.value)
+    torch._dynamo.reset()
+    with pytest.raises(error, match=match):
+        torch.compile(function, backend="aot_eager")(*args)
+
+
+@pytest.mark.parametrize("case", ["fused_add_rmsnorm", "rope_inplace", "append", "mla_append", "rmsnorm_out"])
+def test_a_written_tensor_that_requires_grad_is_refused_under_compile(case: str) -> None:
+    """Inside the op the written tensors are copies (functionalisation) and grad mode is off: its own check could not
+    fire, and the write went into a tensor autograd then ignored (wrong gradients)."""
+    leaf = lambda *shape: torch.randn(*shape, requires_grad=True)  # noqa: E731
+    calls = {
+        "fused_add_rmsnorm": (lambda x, r: jitattn.fused_add_rmsnorm(x, r, torch.ones(HIDDEN)),
+                              (leaf(2, HIDDEN), torch.randn(2, HIDDEN)), "input requires grad"),
+        "rope_inplace": (lambda q, k: jitattn.apply_rope_pos_ids_inplace(q, k, _i32(0, 1)),
+                         (torch.randn(2, 2, 8), leaf(2, 1, 8)), "k requires grad"),
+        "append": (lambda k, c: jitattn.append_paged_kv_cache(k, k, _i32(0), _i32(0), c, _i32(0), _i32(0, 1), _i32(1)),
+                   (torch.randn(1, 1, 8), leaf(1, 2, PAGE, 1, 8)), "paged_kv_cache requires grad"),
+        "mla_append": (lambda c, p, ckv, kpe: jitattn.append_paged_mla_kv_cache(
+            c, p, _i32(0), _i32(0), ckv, kpe, _i32(0), _i32(0, 1), _i32(1)),
+            (torch.randn(1, 16), torch.randn(1, 8), torch.randn(1, PAGE, 16), leaf(1, PAGE, 8)),
+            "kpe_cache requires grad"),
+        "rmsnorm_out": (lambda x, o: jitattn.rmsnorm(x, torch.ones(HIDDEN), out=o),
+                        (torch.randn(2, HIDDEN), leaf(2, HIDDEN)), "out requires grad|rmsnorm is inference-only"),
+    }
+    function, args, match = calls[case]
+    _raises_under_compile(function, *args, error=RuntimeError, match=match)
+    torch._dynamo.reset()
+    with torch.no_grad():  # the same call is fine where nothing records it
+        torch.compile(function, fullgraph=True, backend="aot_eager")(*args)
+
+
+def test_inputs_that_require_grad_name_the_inference_only_op_under_compile() -> None:
+    """Dynamo traced the autograd.Function eager ties the outputs to, whose backward raises: under fullgraph a model
+    with a Parameter weight failed with an unrelated error even when nothing called backward."""
+    weight = torch.nn.Parameter(torch.ones(HIDDEN))
+    torch._dynamo.reset()
+    with pytest.raises(Exception) as info:
+        torch.compile(lambda x: jitattn.rmsnorm(x, weight), fullgraph=True, backend="aot_eager")(torch.randn(2, HIDDEN))
+    assert "rmsnorm is inference-only" in str(info.value.__cause__)
+    with torch.inference_mode():
+        out = torch.compile(lambda x: jitattn.rmsnorm(x, weight), fullgraph=True, backend="aot_eager")(torch.ones(2,
+                                                                                                          HIDDEN))
+    torch.testing.assert_close(out, torch.ones(2, HIDDEN), atol=1e-5, rtol=0)
+
+
+def test_rope_parameters_that_change_between_calls_compile_fullgraph() -> None:
+    """A rope_theta differing between layers (Gemma 3: 10k local, 1M global) became symbolic on the second call, and
+    the check of it (math.isfinite) broke the graph; dynamic=True did the same to the defaults."""
+    gen = torch.Generator().manual_seed(5)
+    step = torch.compile(lambda q, k, pos, theta: jitattn.apply_rope_pos_ids(q, k, pos, rope_theta=theta),
+                         fullgraph=True, backend="aot_eager")
+    q, k = torch.randn(3, 2, 16, generator=gen), torch.randn(3, 1, 16, generator=gen)
+    for theta in (1e4, 1e6, 5e5):
+        for got, expected in zip(step(q, k, _i32(0, 4, 9), theta), jitattn.apply_rope_pos_ids(q, k, _i32(0, 4, 9),
+                                                                                               rope_theta=theta)):
+            torch.testing.assert_close(got, expected, atol=0, rtol=0)
+    torch._dynamo.reset()
+    dynamic = torch.compile(lambda q, k, pos: jitattn.apply_llama31_rope_pos_ids(q, k, pos, interleave=1),
+                            fullgraph=True, dynamic=True, backend="aot_eager")
+    for got, expected in zip(dynamic(q, k, _i32(0, 4, 9)), jitattn.apply_llama31_rope_pos_ids(q, k, _i32(0, 4, 9),
+                                                                                             interleave=True)):
+        torch.testing.assert_close(got, expected, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("case", ["eps_tensor", "eps_none", "indptr_list", "rotary_dim_float", "one_tuple_cache",
+                                  "kv_layout_none"])
+def test_arguments_of_the_wrong_kind_get_eager_errors_under_compile(case: str) -> None:
+    x, cache = torch.randn(2, HIDDEN), torch.zeros(2, 2, PAGE, 1, 8)
+    q, k = torch.randn(2, 2, 8), torch.randn(2, 1, 8)
+    append = lambda c, layout="NHD": jitattn.append_paged_kv_cache(  # noqa: E731
+        k[:1], k[:1], _i32(0), _i32(0), c, _i32(0), _i32(0, 1), _i32(1), kv_layout=layout)
+    calls = {
+        "eps_tensor": (lambda x: jitattn.rmsnorm(x, torch.ones(HIDDEN), eps=torch.tensor(1e-6)), (x,), TypeError,
+                       r"eps is a tensor; it must be a Python float \(for a one-element tensor pass .item\(\)\)"),
+        "eps_none": (lambda x: jitattn.rmsnorm(x, torch.ones(HIDDEN), eps=None), (x,), TypeError,
+                     "eps=None must be a Python float"),
+        "indptr_list": (lambda q, k: jitattn.apply_rope(q, k, [0, 2], _i32(0)), (q, k), TypeError,
+                        "indptr must be a torch.Tensor"),
+        "rotary_dim_float": (lambda q, k: jitattn.apply_rope_pos_ids(q, k, _i32(0, 1), rotary_dim=8.0), (q, k),
+                             TypeError, r"rotary_dim=8.0 must be an int or None"),
+        "one_tuple_cache": (lambda c: append((c,)), (cache,), ValueError,
+                            r"paged_kv_cache as a tuple must be \(k_cache, v_cache\); got 1 items"),
+        "kv_layout_none": (lambda c: append(c, None), (cache,), ValueError, "kv_layout=None is not supported"),
+    }
+    function, args, error, match = calls[case]
+    _raises_under_compile(function, *args, error=error, match=match)
+    assert not cache.any()

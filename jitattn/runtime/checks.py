@@ -406,18 +406,23 @@ def check_writable(what: str, **written) -> None:
     (which torch's own in-place ops refuse)."""
     if torch.is_inference_mode_enabled():  # neither can happen there (grad mode is off): the per-layer fast path
         return
-    grad = torch.is_grad_enabled() or getattr(_RECORDING, "active", False)  # (no_backward turns grad mode off)
+    refuse_grad_writes(what, **written)
     for name, t in written.items():
-        if t is None:
-            continue
-        if grad and t.requires_grad:
-            raise RuntimeError(f"{what}: {name} requires grad, and this call writes it in place outside autograd "
-                               f"(it has no backward); call it under torch.no_grad() or torch.inference_mode(), or "
-                               f"pass {name}.detach()")
-        if t.is_inference():
+        if t is not None and t.is_inference():
             raise RuntimeError(f"{what}: {name} was made under torch.inference_mode(), and torch lets nothing update "
                                f"such a tensor in place outside it; call this under torch.inference_mode() too, or "
                                f"pass {name}.clone()")
+
+
+def refuse_grad_writes(what: str, **written) -> None:
+    """``check_writable``'s grad rule alone, traceable by Dynamo: under torch.compile a custom op writes copies of
+    the caller's tensors, where the rule inside it cannot see that they require grad."""
+    if torch.is_grad_enabled() or getattr(_RECORDING, "active", False):  # (no_backward turns grad mode off)
+        for name, t in written.items():
+            if t is not None and t.requires_grad:
+                raise RuntimeError(f"{what}: {name} requires grad, and this call writes it in place outside autograd "
+                                   f"(it has no backward); call it under torch.no_grad() or torch.inference_mode(), "
+                                   f"or pass {name}.detach()")
 
 
 def mark_written(*tensors) -> None:
@@ -480,6 +485,10 @@ def no_backward(fn):
     @functools.wraps(fn)
     def call(*args, **kwargs):
         if torch.is_grad_enabled() and needs_grad(*args, *kwargs.values()):
+            if torch.compiler.is_compiling():  # (Dynamo would trace the backward that raises, at every call)
+                raise RuntimeError(f"{what} is inference-only (jitattn's kernels have no backward), and an argument "
+                                   "requires grad: under torch.compile call it under torch.no_grad() or "
+                                   "torch.inference_mode(), or with tensors that do not require grad")
             return inference_only(what, lambda: fn(*args, **kwargs), (*args, *kwargs.values()))
         return fn(*args, **kwargs)
     return call

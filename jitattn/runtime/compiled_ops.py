@@ -2,33 +2,30 @@
 paged cache writes, so a model calling them compiles with ``torch.compile(fullgraph=True)``.
 
 Traced by Dynamo, these launches' checks (addresses, inference mode, index arrays read on the host) would break
-the graph. Under compilation ``jitattn.ops`` calls the functions here instead: each is one opaque op whose checks
-and launch run when the compiled graph runs (the eager errors, raised then), and whose fake implementation
-writes nothing (they write into tensors the caller made). An op's schema names the tensors it writes; a tensor
-written in place is passed once, as the written one (its ``input`` is then None). Arguments an op's schema
-cannot carry (a list where a tensor belongs, say) take the eager path, whose checks name them.
+the graph. Under compilation ``jitattn.ops`` calls the functions here instead: each checks what Dynamo can see
+at trace time (argument types, scalars, a written tensor that requires grad: the op itself gets copies of what
+it writes), then calls one opaque op whose own checks and launch run when the compiled graph runs (eager's
+errors, raised then), and whose fake implementation writes nothing (the ops write into tensors the caller
+made). An op's schema names the tensors it writes; a tensor written in place is passed once, as the written
+one (its ``input`` is then None). Under ``fullgraph=True`` an error raised at trace time reaches the caller as
+Dynamo's ``Unsupported`` whose cause is eager's error; without it the call falls back to eager, which raises it.
 """
 
 from __future__ import annotations
 
-import numbers
 from typing import Optional
 
 import torch
 
+from ..spec import KVLayout
 from . import page, pointwise, rope
+from .checks import check_tensor, refuse_grad_writes
+from .options import resolve_flag
 
 
-def _tensors(*values) -> bool:
-    return all(isinstance(v, torch.Tensor) for v in values)
-
-
-def _optional_tensors(*values) -> bool:
-    return all(v is None or isinstance(v, torch.Tensor) for v in values)
-
-
-def _real(value) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+def _tensor(name: str, value) -> None:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
 
 
 @torch.library.custom_op("jitattn::rms_norm", mutates_args=("out", "residual"))
@@ -45,9 +42,11 @@ def _rms_norm_fake(what, input, weight, eps, out, residual, weight_offset) -> No
 def rms_norm(what: str, input: torch.Tensor, weight: torch.Tensor, eps, out: torch.Tensor,
              residual: torch.Tensor | None = None, weight_offset: float = 0.0) -> None:
     """``pointwise.rms_norm`` as one op of the graph."""
-    if not (_tensors(input, weight, out) and _optional_tensors(residual) and _real(eps)):
-        return pointwise.rms_norm(what, input, weight, eps, out, residual, weight_offset)
-    torch.ops.jitattn.rms_norm(what, None if out is input else input, weight, float(eps), out, residual,
+    for name, t in dict(input=input, weight=weight, out=out, residual=residual).items():
+        if t is not None or name != "residual":
+            _tensor(name, t)
+    refuse_grad_writes(what, **{"input" if out is input else "out": out, "residual": residual})
+    torch.ops.jitattn.rms_norm(what, None if out is input else input, weight, pointwise.check_eps(eps), out, residual,
                                float(weight_offset))
 
 
@@ -63,10 +62,14 @@ def _act_and_mul_fake(what, act, input, out) -> None:
 
 def act_and_mul(what: str, act: str, input: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
     """``pointwise.act_and_mul`` as one op of the graph (``out`` made here when None)."""
-    if not (_tensors(input) and _optional_tensors(out)) or input.dim() == 0 or input.shape[-1] % 2:
-        return pointwise.act_and_mul(what, act, input, out)
+    check_tensor("input", input)
+    if input.dim() == 0 or input.shape[-1] % 2:
+        raise ValueError(f"{what}: input has shape {tuple(input.shape)}; its last dimension must be even (the "
+                         "activation's half, then the half it multiplies)")
     if out is None:
         out = input.new_empty((*input.shape[:-1], input.shape[-1] // 2))
+    _tensor("out", out)
+    refuse_grad_writes(what, out=out)
     torch.ops.jitattn.act_and_mul(what, act, input, out)
     return out
 
@@ -93,15 +96,19 @@ def rotate(q: torch.Tensor, k: torch.Tensor, q_out: torch.Tensor, k_out: torch.T
            rotary_dim: int | None, interleave: bool, angles: rope.Angles, names: tuple[str, str] = ("q", "k")) -> None:
     """``rope.rotate`` as one op of the graph."""
     p = positions
-    if not (_tensors(q, k, q_out, k_out) and _optional_tensors(p.indptr, p.offsets, p.pos_ids, angles.cos_sin_cache)
-            and (rotary_dim is None or isinstance(rotary_dim, int) and not isinstance(rotary_dim, bool))
-            and isinstance(interleave, bool)):
-        return rope.rotate(q, k, q_out, k_out, positions, rotary_dim, interleave, angles, names)
+    for name, t in zip(names, (q, k)):
+        _tensor(name, t)
+    for name, t in ((p.pos_ids_name, p.pos_ids),) if p.pos_ids_name else (("indptr", p.indptr), ("offsets", p.offsets)):
+        _tensor(name, t)
+    if angles.cos_sin_cache is not None:
+        _tensor("cos_sin_cache", angles.cos_sin_cache)
+    if rotary_dim is not None:
+        rotary_dim = rope.rotary_dim_of(rotary_dim, q.shape[-1])
+    refuse_grad_writes("rope", **({names[0]: q_out, names[1]: k_out} if q_out is q else {}))
     torch.ops.jitattn.rotate(
         None if q_out is q else q, None if k_out is k else k, q_out, k_out, p.indptr, p.offsets, p.pos_ids,
         p.pos_ids_name, angles.cos_sin_cache, [angles.rope_scale, angles.rope_theta, angles.smooth_a, angles.smooth_b],
-        rotary_dim, interleave, " ".join(names))  # (a schema has no list of strings)
-
+        rotary_dim, resolve_flag(interleave, "interleave"), " ".join(names))  # (a schema has no list of strings)
 
 
 @torch.library.custom_op("jitattn::append_paged_kv_cache", mutates_args=("k_cache", "v_cache"))
@@ -121,13 +128,21 @@ def append_paged_kv_cache(append_key, append_value, batch_indices, positions, pa
     """``page.append_paged_kv_cache`` as one op of the graph (a ``(k, v)`` cache's halves may be views of one
     buffer)."""
     index = [batch_indices, positions, kv_indices, kv_indptr, kv_last_page_len]
-    caches = tuple(paged_kv_cache) if isinstance(paged_kv_cache, (tuple, list)) else (paged_kv_cache,)
-    if not (_tensors(append_key, append_value, *index, *caches) and len(caches) in (1, 2)
-            and isinstance(kv_layout, str)):
-        return page.append_paged_kv_cache(append_key, append_value, batch_indices, positions, paged_kv_cache,
-                                          kv_indices, kv_indptr, kv_last_page_len, kv_layout)
-    torch.ops.jitattn.append_paged_kv_cache(append_key, append_value, index, caches[0],
-                                            caches[1] if len(caches) == 2 else None, kv_layout)
+    for name, t in zip(("append_key", "append_value", "batch_indices", "positions", "kv_indices", "kv_indptr",
+                        "kv_last_page_len"), (append_key, append_value, *index)):
+        _tensor(name, t)
+    if isinstance(paged_kv_cache, (tuple, list)):
+        if len(paged_kv_cache) != 2:
+            raise ValueError(f"paged_kv_cache as a tuple must be (k_cache, v_cache); got {len(paged_kv_cache)} items")
+        k_cache, v_cache = paged_kv_cache
+        _tensor("paged_kv_cache's k", k_cache)
+        _tensor("paged_kv_cache's v", v_cache)
+    else:
+        (k_cache, v_cache) = (paged_kv_cache, None)
+        _tensor("paged_kv_cache", k_cache)
+    refuse_grad_writes("append_paged_kv_cache", paged_kv_cache=k_cache, **{"paged_kv_cache's v": v_cache})
+    torch.ops.jitattn.append_paged_kv_cache(append_key, append_value, index, k_cache, v_cache,
+                                            KVLayout.parse(kv_layout, "kv_layout").value)
 
 
 @torch.library.custom_op("jitattn::append_paged_mla_kv_cache", mutates_args=("ckv_cache", "kpe_cache"))
@@ -145,7 +160,9 @@ def append_paged_mla_kv_cache(append_ckv, append_kpe, batch_indices, positions, 
                               kv_indptr, kv_last_page_len) -> None:
     """``page.append_paged_mla_kv_cache`` as one op of the graph (the caches may be views of one buffer)."""
     index = [batch_indices, positions, kv_indices, kv_indptr, kv_last_page_len]
-    if not _tensors(append_ckv, append_kpe, *index, ckv_cache, kpe_cache):
-        return page.append_paged_mla_kv_cache(append_ckv, append_kpe, batch_indices, positions, ckv_cache, kpe_cache,
-                                              kv_indices, kv_indptr, kv_last_page_len)
+    for name, t in zip(("append_ckv", "append_kpe", "batch_indices", "positions", "ckv_cache", "kpe_cache",
+                        "kv_indices", "kv_indptr", "kv_last_page_len"),
+                       (append_ckv, append_kpe, batch_indices, positions, ckv_cache, kpe_cache, *index[2:])):
+        _tensor(name, t)
+    refuse_grad_writes("append_paged_mla_kv_cache", ckv_cache=ckv_cache, kpe_cache=kpe_cache)
     torch.ops.jitattn.append_paged_mla_kv_cache(append_ckv, append_kpe, index, ckv_cache, kpe_cache)

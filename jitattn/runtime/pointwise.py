@@ -54,10 +54,11 @@ def _rowwise(t: torch.Tensor) -> tuple[torch.Tensor, int]:
     return (t, stride) if stride is not None else (t.contiguous(), t.shape[-1])
 
 
-def _eps(eps) -> float:
+def check_eps(eps) -> float:
+    if isinstance(eps, torch.Tensor):  # (its repr would not trace under torch.compile)
+        raise TypeError("eps is a tensor; it must be a Python float (for a one-element tensor pass .item())")
     if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
-        hint = " (for a one-element tensor pass .item())" if isinstance(eps, torch.Tensor) else ""
-        raise TypeError(f"eps={eps!r} must be a Python float{hint}")
+        raise TypeError(f"eps={eps!r} must be a Python float")
     if not math.isfinite(eps) or eps < 0:
         raise ValueError(f"eps={eps!r} must be a finite number >= 0")
     return float(eps)
@@ -110,7 +111,7 @@ def rms_norm(what: str, input: torch.Tensor, weight: torch.Tensor, eps, out: tor
         if written is not None and written_over(written, (("weight", weight),)):
             raise ValueError(f"{what}: weight shares memory with {name}, which this call writes; pass a weight of "
                              "its own (weight.clone())")
-    eps = _eps(eps)
+    eps = check_eps(eps)
     rows = math.prod(input.shape[:-1])
     if rows == 0:
         return

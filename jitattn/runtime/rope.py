@@ -67,7 +67,7 @@ def _positive(name: str, value) -> float:
     wrappers check rope_scale and rope_theta."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name}={value!r} must be a number")
-    if not (math.isfinite(value) and value > 0):
+    if not 0 < value < math.inf:  # (comparisons: under torch.compile a value that changes between calls is symbolic)
         raise ValueError(f"{name}={value!r} must be a finite number > 0")
     if not (f32_scale(float(value)) and f32_scale(1.0 / float(value))):
         raise ValueError(f"{name}={value!r} must be a positive finite number (its reciprocal too, in float32)")
