@@ -91,23 +91,41 @@ class ModelConfig:
             raise ValueError(f"{path}: hidden_act {data['hidden_act']!r}; the engine's MLP is SwiGLU (silu)")
         if model_type == "mistral" and data.get("sliding_window"):
             raise ValueError(f"{path}: sliding_window={data['sliding_window']} is not supported by this engine")
-        heads = data["num_attention_heads"]
-        rope = data.get("rope_parameters") or data.get("rope_scaling") or {}  # transformers 5 / 4 spellings
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default":
-            raise ValueError(f"{path}: rope_type {rope_type!r} is not supported by this small engine (plain RoPE only)")
-        theta = rope.get("rope_theta", data.get("rope_theta", 10000.0))
-        if not data.get("head_dim") and isinstance(heads, int) and heads > 0 and data["hidden_size"] % heads:
-            raise ValueError(f"{path}: hidden_size={data['hidden_size']} is not a multiple of num_attention_heads="
-                             f"{heads} and no head_dim is given; give head_dim")
-        return cls(
-            vocab_size=data["vocab_size"], hidden_size=data["hidden_size"],
-            intermediate_size=data["intermediate_size"], num_hidden_layers=data["num_hidden_layers"],
-            num_attention_heads=heads, num_key_value_heads=data.get("num_key_value_heads") or heads,
-            head_dim=data.get("head_dim") or data["hidden_size"] // heads,
-            rope_theta=float(theta), rms_norm_eps=float(data.get("rms_norm_eps", 1e-6)),
-            tie_word_embeddings=bool(data.get("tie_word_embeddings", False)),
-        )
+        try:
+            return cls(**_hf_fields(data))
+        except ValueError as exc:
+            raise ValueError(f"{path}: {exc}") from None
+
+
+def _hf_fields(data: dict) -> dict:
+    """``ModelConfig``'s fields from a Hugging Face config's (``None`` where transformers derives a default); what
+    they cannot be is a ValueError (``ModelConfig`` checks the rest)."""
+    heads, hidden = data["num_attention_heads"], data["hidden_size"]
+    rope = data.get("rope_parameters") or data.get("rope_scaling") or {}  # transformers 5 / 4 spellings
+    if not isinstance(rope, dict):
+        raise ValueError(f"rope_scaling={rope!r} must be an object (its rope_type and parameters)")
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        raise ValueError(f"rope_type {rope_type!r} is not supported by this small engine (plain RoPE only)")
+    head_dim = data.get("head_dim")
+    if head_dim is None and all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in (heads, hidden)):
+        if hidden % heads:
+            raise ValueError(f"hidden_size={hidden} is not a multiple of num_attention_heads={heads} and no head_dim "
+                             "is given; give head_dim")
+        head_dim = hidden // heads
+    kv_heads = data.get("num_key_value_heads")
+    fields = dict(vocab_size=data["vocab_size"], hidden_size=hidden, intermediate_size=data["intermediate_size"],
+                  num_hidden_layers=data["num_hidden_layers"], num_attention_heads=heads,
+                  num_key_value_heads=heads if kv_heads is None else kv_heads, head_dim=head_dim,
+                  rope_theta=rope.get("rope_theta", data.get("rope_theta", 10000.0)),
+                  rms_norm_eps=data.get("rms_norm_eps", 1e-6),
+                  tie_word_embeddings=data.get("tie_word_embeddings", False))
+    for name in ("rope_theta", "rms_norm_eps"):
+        if isinstance(fields[name], int) and not isinstance(fields[name], bool):
+            fields[name] = float(fields[name])
+    if not isinstance(fields["tie_word_embeddings"], bool):
+        raise ValueError(f"tie_word_embeddings={fields['tie_word_embeddings']!r} must be true or false")
+    return fields
 
 
 PRESETS: dict[str, ModelConfig] = {

@@ -28,6 +28,15 @@ from .kv_pool import KVPool
 from .model import LlamaModel
 
 
+def bucket_of(batch_size: int, max_batch_size: int) -> int:
+    """The smallest of ``bucket_sizes(max_batch_size)`` that holds ``batch_size`` rows, without listing them (an
+    engine's limit may be far above any batch it runs)."""
+    if not 1 <= batch_size <= max_batch_size:
+        raise ValueError(f"a batch of {batch_size} rows is outside the buckets of 1 to {max_batch_size} rows")
+    rounded = next(b for b in (1, 2, 4) if b >= batch_size) if batch_size <= 4 else -(-batch_size // 8) * 8
+    return min(rounded, max_batch_size)
+
+
 def bucket_sizes(max_batch_size: int) -> list[int]:
     """1, 2, 4, 8, then multiples of 8 up to ``max_batch_size`` (inclusive)."""
     sizes = [b for b in (1, 2, 4) if b < max_batch_size] + list(range(8, max_batch_size + 1, 8))
@@ -188,14 +197,18 @@ class StepGraphs:
     def __init__(self, model: LlamaModel, pool: KVPool, workspace: torch.Tensor, max_batch_size: int,
                  max_pages_per_seq: int, memory_pool=None) -> None:
         self.model, self.pool, self.workspace, self.memory_pool = model, pool, workspace, memory_pool
-        self.buckets = bucket_sizes(max_batch_size)
-        self.max_pages_per_seq = max_pages_per_seq
+        self.max_batch_size, self.max_pages_per_seq = max_batch_size, max_pages_per_seq
         self.flat: dict[int, DecodeGraph] = {}
         self.cascade: dict[tuple[int, tuple[int, ...]], CascadeGraph] = {}
 
+    @property
+    def buckets(self) -> list[int]:
+        """Every bucket (``capture`` captures them all)."""
+        return bucket_sizes(self.max_batch_size)
+
     def bucket(self, batch_size: int) -> int:
         """The smallest bucket of at least ``batch_size`` rows."""
-        return next(b for b in self.buckets if b >= batch_size)
+        return bucket_of(batch_size, self.max_batch_size)
 
     def flat_graph(self, bucket: int) -> DecodeGraph:
         if bucket not in self.flat:

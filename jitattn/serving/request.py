@@ -108,6 +108,9 @@ def listed_tokens(name: str, tokens):
     """``tokens`` given as a 1-D integer tensor or numpy array (as tokenizers return them) as a list of ints (whose
     elements hash by value, as a tensor's do not); anything else as it is."""
     if type(tokens).__name__ == "ndarray" and hasattr(tokens, "__array__"):
+        if tokens.dtype.kind not in "iub":  # (torch's own error for object or string arrays names neither)
+            raise TypeError(f"{name} as a tensor or array must be 1-D with an integer dtype; got shape "
+                            f"{tuple(tokens.shape)} {tokens.dtype}")
         tokens = torch.as_tensor(tokens)
     if isinstance(tokens, torch.Tensor):
         if tokens.dim() != 1 or tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == torch.bool:
