@@ -253,3 +253,48 @@ def test_pod_return_lse_flags_must_be_bools(flag: str, value) -> None:
                       v_p=torch.randn(6, HKV, D).half(), q_d=q_d, paged_kv_cache_d=batch.cache)
     with pytest.raises(TypeError, match=f"{flag}=.* must be True or False"):
         wrapper.run(**inputs, **{flag: value})
+
+
+def test_batch_pod_runs_the_planned_prefill_table_when_the_caller_reuses_its_arrays() -> None:
+    """The prefill part is planned at run() (with its mask): it read the caller's host arrays then, so values written
+    into them after plan() changed the result, and a grown kv_indptr_p read past the end of kv_indices_p."""
+    gen = torch.Generator().manual_seed(43)
+    prefill = random_paged_batch([20, 9], HKV, D, PAGE, f16, generator=gen, spare_pages=3)
+    decode, q_d = _decode_batch("NHD", f16, "cpu", gen)
+    arrays = [torch.tensor([0, 5, 12], dtype=torch.int32), prefill.kv_indptr.clone(), prefill.kv_indices.clone(),
+              prefill.kv_last_page_len.clone()]
+    inputs = dict(q_p=torch.randn(12, HQ, D, generator=gen).half(), paged_kv_cache_p=prefill.cache, q_d=q_d,
+                  paged_kv_cache_d=decode.cache, causal_p=True)
+
+    def planned(qo_p, kv_indptr_p, kv_indices_p, last_p):
+        wrapper = jitattn.BatchPODWithPagedKVCacheWrapper(torch.empty(128 << 20, dtype=torch.uint8))
+        wrapper.plan(qo_p, kv_indptr_p, kv_indices_p, last_p, torch.arange(len(DECODE_KV) + 1, dtype=torch.int32),
+                     decode.kv_indptr, decode.kv_indices, decode.kv_last_page_len, HQ, HKV, D, PAGE,
+                     q_data_type=f16)
+        return wrapper
+
+    expected = planned(*[a.clone() for a in arrays]).run(**inputs)
+    wrapper = planned(*arrays)
+    arrays[2].copy_(arrays[2].flip(0))  # the caller's buffers, reused for the next batch
+    arrays[1].copy_(torch.tensor([0, 3, 9], dtype=torch.int32))
+    arrays[3].fill_(1)
+    for got, want in zip(wrapper.run(**inputs), expected):
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+def test_pod_run_takes_decode_options_equal_to_the_planned_ones() -> None:
+    """A run's decode option equal in effect to the plan's (the default scale written out) was refused."""
+    batch, q_d = _decode_batch("NHD", f16, "cpu", torch.Generator().manual_seed(47))
+    wrapper = jitattn.PODWithPagedKVCacheWrapper(torch.empty(128 << 20, dtype=torch.uint8))
+    wrapper.plan(batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len, HQ, HKV, D, PAGE)
+    inputs = dict(q_p=torch.randn(4, HQ, D).half(), k_p=torch.randn(6, HKV, D).half(),
+                  v_p=torch.randn(6, HKV, D).half(), q_d=q_d, paged_kv_cache_d=batch.cache)
+    expected = wrapper.run(**inputs)[1]
+    same = wrapper.run(**inputs, sm_scale_d=1 / math.sqrt(D), rope_theta_d=1e4, rope_scale_d=1)[1]
+    torch.testing.assert_close(same, expected, atol=0, rtol=0)
+    with pytest.raises(ValueError, match=r"run\(sm_scale_d=0\.2\) differs from the plan"):
+        wrapper.run(**inputs, sm_scale_d=0.2)
+    with pytest.raises(ValueError, match=r"run\(pos_encoding_mode_d='ROPE_LLAMA'\) differs from the plan"):
+        wrapper.run(**inputs, pos_encoding_mode_d="ROPE_LLAMA")
+    with pytest.raises(ValueError, match=r"PODWithPagedKVCacheWrapper.run\(\), the kv_layout_d: kv_layout='XYZ'"):
+        wrapper.run(**inputs, kv_layout_d="XYZ")

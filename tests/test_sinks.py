@@ -444,3 +444,14 @@ def test_a_sink_wrapper_plan_that_raises_leaves_no_plan() -> None:
     assert wrapper._plan is None and wrapper._plan_call == {}
     with pytest.raises(RuntimeError, match="without a plan"):
         wrapper.run(torch.randn(3, 2, 64), torch.randn(2, 2, 4, 2, 64), torch.zeros(2))
+
+
+@pytest.mark.parametrize("argument,value,error,match", [
+    ("head_dim_qk", -5, ValueError, "head_dim_qk=-5 must be a positive int"),
+    ("window_left", "a", TypeError, "window_left='a' must be an int"),
+    ("q_data_type", "int8", ValueError, "q_data_type='int8' is not supported"),
+])
+def test_sink_wrapper_constructor_checks_the_arguments_flashinfer_builds_from(argument, value, error, match) -> None:
+    """FlashInfer builds its kernel from these; plan() takes them here, and they were not read at all."""
+    with pytest.raises(error, match=match):
+        jitattn.BatchAttentionWithAttentionSinkWrapper(torch.empty(1 << 20, dtype=torch.uint8), **{argument: value})

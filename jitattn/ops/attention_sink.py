@@ -15,7 +15,8 @@ import functools
 import torch
 
 from ..runtime.checks import no_backward
-from ..runtime.options import check_flag, f32_scale, number, parse_pos_encoding
+from ..runtime.options import (check_flag, f32_scale, number, parse_pos_encoding, positive_int, resolve_dtypes,
+                               resolve_window_left)
 from ..runtime.wrapper import drops_plan_on_failure
 from .prefill import BatchPrefillWithPagedKVCacheWrapper
 from ..spec import PosEncoding
@@ -45,6 +46,10 @@ class BatchAttentionWithAttentionSinkWrapper(BatchPrefillWithPagedKVCacheWrapper
         head_dim_qk: int = 128, head_dim_vo: int = 128, window_left: int = -1,
     ) -> None:
         check_flag(use_fp16_qk_reduction, "use_fp16_qk_reduction")
+        # FlashInfer builds its kernel from these; plan() takes them here (checked, so a typo is not silent)
+        resolve_dtypes(q_data_type, kv_data_type, None)
+        positive_int(head_dim_qk, "head_dim_qk"), positive_int(head_dim_vo, "head_dim_vo")
+        resolve_window_left(window_left)
         super().__init__(
             float_workspace_buffer, kv_layout, use_cuda_graph=use_cuda_graph, qo_indptr_buf=qo_indptr_buf,
             paged_kv_indptr_buf=paged_kv_indptr_buf, paged_kv_indices_buf=paged_kv_indices_buf,

@@ -14,6 +14,9 @@ None for a part that did not ask). LSE in natural log (``jitattn.flashinfer``: b
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import torch
 
 from ..runtime.wrapper import NotCopyable, host_side, workspace_target
@@ -34,6 +37,13 @@ def _planned_options(pos_encoding_mode, window_left, sm_scale, rope_scale, rope_
     """The position / scale options of a plan, parsed (what a run-time repeat of them is compared with)."""
     return dict(pos_encoding_mode=parse_pos_encoding(pos_encoding_mode), window_left=resolve_window_left(window_left),
                 sm_scale=sm_scale, rope_scale=rope_scale, rope_theta=rope_theta)
+
+
+def _effective(name: str, value, head_dim: int):
+    """An option's value with None as what it means (the scales' defaults), for comparing a run's with the plan's."""
+    if value is None and name in ("sm_scale", "rope_scale", "rope_theta"):
+        return {"sm_scale": 1.0 / math.sqrt(head_dim), "rope_scale": 1.0, "rope_theta": 1e4}[name]
+    return float(value) if name in ("sm_scale", "rope_scale", "rope_theta") else value
 
 
 def _pod_result(out_p, out_d, lse_p, lse_d, with_lse: bool):
@@ -133,8 +143,9 @@ class PODWithPagedKVCacheWrapper(NotCopyable):
             raise TypeError(f"{self._NAME}.run() takes no extra positional arguments; got {len(args)}")
         return_lse_p, return_lse_d = resolve_flag(return_lse_p, "return_lse_p"), resolve_flag(return_lse_d,
                                                                                                 "return_lse_d")
-        self._check_decode_options(custom_mask_d, packed_custom_mask_d, causal_d, kv_layout_d, _planned_options(
-            pos_encoding_mode_d, window_left_d, sm_scale_d, rope_scale_d, rope_theta_d))
+        self._check_decode_options(custom_mask_d, packed_custom_mask_d, causal_d, kv_layout_d, dict(
+            pos_encoding_mode=pos_encoding_mode_d, window_left=window_left_d, sm_scale=sm_scale_d,
+            rope_scale=rope_scale_d, rope_theta=rope_theta_d))
         for name, t in (("q_p", q_p), ("k_p", k_p), ("v_p", v_p)):
             check_tensor(name, t, ndim=3)
         _check_query("q_d", q_d, self._decode.current_plan)
@@ -162,16 +173,19 @@ class PODWithPagedKVCacheWrapper(NotCopyable):
         out_d, lse_d = decode if return_lse_d else (decode, None)
         return _pod_result(out_p, out_d, lse_p, lse_d, return_lse_p or return_lse_d)
 
-    def _check_decode_options(self, custom_mask_d, packed_custom_mask_d, causal_d, kv_layout_d, given: dict) -> None:
+    def _check_decode_options(self, custom_mask_d, packed_custom_mask_d, causal_d, kv_layout_d, raw: dict) -> None:
+        """The run's decode options (``raw``: as given) against the plan's: the defaults, or what was planned."""
         refuse_unsupported(f"{self._NAME}.run", "a decode query sees its whole KV; leave the decode masks unset",
                            custom_mask_d=custom_mask_d, packed_custom_mask_d=packed_custom_mask_d)
         resolve_flag(causal_d, "causal_d")  # one query at the end of its KV: causal or not, the same keys
-        if kv_layout_d != "NHD" and parse_kv_layout(kv_layout_d) is not self._decode.kv_layout:
+        if kv_layout_d != "NHD" and named_refusals(self._NAME, "kv_layout_d", lambda: parse_kv_layout(
+                kv_layout_d)) is not self._decode.kv_layout:
             raise ValueError(f"{self._NAME}.run(kv_layout_d={kv_layout_d!r}): the decode cache's layout is the "
                              f"wrapper's ({self._decode.kv_layout.value.upper()}); construct the wrapper with it")
-        defaults = _planned_options("NONE", -1, None, None, None)
-        differing = [f"{name}_d={value!r}" for name, value in given.items()
-                     if value != defaults[name] and value != self._planned[name]]
+        given, defaults = _planned_options(**raw), _planned_options("NONE", -1, None, None, None)
+        head_dim = self._decode.current_plan.head_dim_qk
+        differing = [f"{name}_d={raw[name]!r}" for name, value in given.items() if value != defaults[name] and
+                     _effective(name, value, head_dim) != _effective(name, self._planned[name], head_dim)]
         if differing:
             raise ValueError(f"{self._NAME}.run({', '.join(differing)}) differs from the plan; the decode part's "
                              "options are planned: pass them to plan()")
@@ -245,7 +259,10 @@ class BatchPODWithPagedKVCacheWrapper(NotCopyable):
                                       head_dim, page_size, causal=False, fp8_upcast=False, rope_first=False,
                                       batch_invariant=batch_invariant, **options)
             decode = self._decode_queries
-        self._prefill_batch = (qo_p, index_p, num_qo_heads, num_kv_heads, head_dim, options)
+        # copies: the prefill part is planned at run() (with its mask), and the caller may reuse its host arrays
+        index_p = dataclasses.replace(index_p, indptr=index_p.indptr.clone(), indices=index_p.indices.clone(),
+                                      last_page_len=index_p.last_page_len.clone())
+        self._prefill_batch = (qo_p.clone(), index_p, num_qo_heads, num_kv_heads, head_dim, options)
         self._decode = decode
 
     begin_forward = plan
