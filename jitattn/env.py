@@ -147,7 +147,8 @@ PREFILL_ROPE_FIRST = Knob(
     "prefill plans with pos_encoding_mode ROPE_LLAMA: on rotates q and k once per run (an f16 copy of q, k and v: "
     "memory 2 x (qo tokens x qo heads + 2 x kv tokens x kv heads) x dim bytes) and runs the f16 kernel without "
     "RoPE; auto (the default) does so where that kernel takes the sm90 tier; off keeps RoPE in the kernel")
-TEST_CACHE_DIR = Knob("JITATTN_TEST_CACHE_DIR", "path", "unset: each test run builds into a temp dir it removes",
+TEST_CACHE_DIR = Knob("JITATTN_TEST_CACHE_DIR", "path", "unset: JITATTN_CACHE_DIR when set, else a temp dir the run "
+                      "removes",
                       "the test suite's shared cache (tests/conftest.py; .ci/run sets it after warming)")
 
 # Development knobs: read where they apply (kernel experiments), listed by show-config only when set.

@@ -233,3 +233,17 @@ def test_mla_compiles_fullgraph_over_views_of_one_latent_buffer() -> None:
         for got, expected in zip(layer(q_nope, q_pe, ckv, kpe), wrapper.run(q_nope, q_pe, ckv, kpe, return_lse=True)):
             torch.testing.assert_close(got, expected, atol=0, rtol=0)
     assert len(graphs) == 1, f"recompiled {len(graphs) - 1} times across plan() calls"
+
+
+def test_a_scale_tensor_is_refused_by_name_under_compile() -> None:
+    """Traced, its value became a data-dependent guard: Dynamo failed with 'Could not guard on data-dependent
+    expression' and no word of the argument."""
+    gen = torch.Generator().manual_seed(10)
+    batch = random_paged_batch([5, 9], 2, 64, 16, torch.bfloat16, generator=gen)
+    wrapper = jitattn.BatchDecodeWithPagedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8))
+    wrapper.plan(batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len, 4, 2, 64, 16, q_data_type=torch.bfloat16)
+    layer = torch.compile(lambda q, cache, s: wrapper.run(q, cache, k_scale=s), fullgraph=True, backend="aot_eager")
+    with pytest.raises(Exception) as info:
+        layer(torch.randn(2, 4, 64, generator=gen).bfloat16(), batch.cache, torch.tensor(0.5))
+    raised = info.value.__cause__ or info.value
+    assert "k_scale as a tensor is not supported under torch.compile" in str(raised), repr(info.value)

@@ -227,6 +227,9 @@ def fp8_scale(value: float | torch.Tensor | None, name: str) -> float:
     if value is None:
         return 1.0
     if isinstance(value, torch.Tensor):
+        if torch.compiler.is_compiling():  # (traced, its value becomes a data-dependent guard Dynamo cannot make)
+            raise NotImplementedError(f"{name} as a tensor is not supported under torch.compile (the value is read "
+                                      "on the host); pass a Python float")
         if value.numel() != 1:
             raise ValueError(f"{name} must be a float or a one-element tensor (per-tensor scale)")
         if value.device.type != "cpu":
