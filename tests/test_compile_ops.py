@@ -242,3 +242,14 @@ def test_arguments_of_the_wrong_kind_get_eager_errors_under_compile(case: str) -
     function, args, error, match = calls[case]
     _raises_under_compile(function, *args, error=error, match=match)
     assert not cache.any()
+
+
+def test_ops_that_launch_a_plan_or_copy_host_arrays_stay_outside_inductors_cuda_graphs() -> None:
+    """Under mode="reduce-overhead" (transformers' generate compiles a static cache's forward so on a GPU) a replay of
+    a graph holding a wrapper's launch would run the captured plan: Inductor partitions around such ops."""
+    unsafe = torch._C.Tag.cudagraph_unsafe
+    for name in ("wrapper_run", "wrapper_rope_first", "wrapper_kv_rows", "mla_run", "rotate", "append_paged_kv_cache",
+                 "append_paged_mla_kv_cache"):
+        assert unsafe in getattr(torch.ops.jitattn, name).default.tags, name
+    for name in ("rms_norm", "act_and_mul", "merge_state"):  # device work only: captured with their neighbours
+        assert unsafe not in getattr(torch.ops.jitattn, name).default.tags, name

@@ -300,3 +300,26 @@ def test_bf16_llama_logits_and_generation_on_the_gpu() -> None:
     agree = float((out[NAME] == out["eager"]).float().mean())
     print(f"bf16 greedy tokens agreeing with eager: {agree:.0%}")
     assert agree > 0.75, f"only {agree:.0%} of the bf16 greedy tokens agree with eager"
+
+
+@pytest.mark.gpu
+def test_static_cache_generation_compiled_by_transformers_on_the_gpu() -> None:
+    """A static cache on a GPU makes generate() compile the forward (mode="reduce-overhead": CUDA graphs): the
+    backend's plan is a graph break and its launch runs between the graphs."""
+    config = transformers.LlamaConfig(vocab_size=1024, hidden_size=2048, intermediate_size=4096, num_hidden_layers=2,
+                                      num_attention_heads=16, num_key_value_heads=4)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=NAME, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, p.shape[1] ** -0.5)
+    model = model.to(device="cuda", dtype=torch.bfloat16).eval()
+    ids = torch.randint(0, 1024, (2, 48), generator=torch.Generator().manual_seed(8)).cuda()
+    with torch.no_grad():
+        dynamic = model.generate(ids, max_new_tokens=12, min_new_tokens=12, do_sample=False)[:, 48:]
+        static = model.generate(ids, max_new_tokens=12, min_new_tokens=12, do_sample=False,
+                                cache_implementation="static")[:, 48:]
+    agree = float((static == dynamic).float().mean())
+    print(f"\nstatic-cache (compiled) greedy tokens agreeing with the dynamic cache's: {agree:.0%}")
+    assert agree > 0.75

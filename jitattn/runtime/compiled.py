@@ -19,6 +19,12 @@ import itertools
 import weakref
 import torch
 
+# The ops whose launch is a plan made outside the graph (or, in compiled_ops, that may copy host index arrays to the
+# device): under torch.compile's CUDA graphs (mode="reduce-overhead", as transformers' generate compiles a static
+# cache's forward) Inductor runs them between its graphs, not inside one whose replays would launch the captured plan
+# (a wrapper without use_cuda_graph=True refuses the capture).
+OUTSIDE_CUDA_GRAPHS = tuple(t for t in (getattr(torch._C.Tag, "cudagraph_unsafe", None),) if t is not None)
+
 _wrappers: dict[int, weakref.ReferenceType] = {}
 _keys = itertools.count(1)
 
@@ -38,7 +44,7 @@ def _wrapper_of(key: int):
     return wrapper
 
 
-@torch.library.custom_op("jitattn::wrapper_run", mutates_args=())
+@torch.library.custom_op("jitattn::wrapper_run", mutates_args=(), tags=OUTSIDE_CUDA_GRAPHS)
 def wrapper_run(
     key: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dim_vo: int, out_dtype: torch.dtype,
     k_scale: float, v_scale: float, q_scale: float, q_repeat: int,
@@ -79,7 +85,7 @@ def _returned(result: torch.Tensor, result_lse: torch.Tensor, out: torch.Tensor 
     return (result, result_lse) if return_lse else result
 
 
-@torch.library.custom_op("jitattn::wrapper_rope_first", mutates_args=())
+@torch.library.custom_op("jitattn::wrapper_rope_first", mutates_args=(), tags=OUTSIDE_CUDA_GRAPHS)
 def wrapper_rope_first(key: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The current plan's operands of a prefill wrapper that applies RoPE first (``rope_operands``)."""
@@ -103,7 +109,7 @@ def rope_first_operands(key: int, rotation, q: torch.Tensor, k: torch.Tensor, v:
     return rotation(q, k, v)
 
 
-@torch.library.custom_op("jitattn::wrapper_kv_rows", mutates_args=())
+@torch.library.custom_op("jitattn::wrapper_kv_rows", mutates_args=(), tags=OUTSIDE_CUDA_GRAPHS)
 def wrapper_kv_rows(key: int, k: torch.Tensor, v: torch.Tensor, heads_dim: int, out_dtype: torch.dtype
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """The current plan's ragged k / v rows of the paged caches ``k`` / ``v`` (``kv_rows``); ``heads_dim``: the
@@ -132,7 +138,7 @@ def gathered_kv_rows(key: int, gather, paged_kv_cache) -> tuple[torch.Tensor, to
     return torch.ops.jitattn.wrapper_kv_rows(key, k, v, heads_dim, gather.out_dtype)
 
 
-@torch.library.custom_op("jitattn::mla_run", mutates_args=())
+@torch.library.custom_op("jitattn::mla_run", mutates_args=(), tags=OUTSIDE_CUDA_GRAPHS)
 def mla_run(key: int, q_nope: torch.Tensor, q_pe: torch.Tensor, ckv: torch.Tensor, kpe: torch.Tensor,
             k_scale: float, v_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The current plan of an MLA wrapper run over ``ckv`` / ``kpe``: (out, natural-log lse)."""

@@ -20,6 +20,7 @@ import torch
 from ..spec import KVLayout
 from . import page, pointwise, rope
 from .checks import check_tensor, refuse_grad_writes
+from .compiled import OUTSIDE_CUDA_GRAPHS
 from .options import resolve_flag
 
 
@@ -74,7 +75,7 @@ def act_and_mul(what: str, act: str, input: torch.Tensor, out: torch.Tensor | No
     return out
 
 
-@torch.library.custom_op("jitattn::rotate", mutates_args=("q_out", "k_out"))
+@torch.library.custom_op("jitattn::rotate", mutates_args=("q_out", "k_out"), tags=OUTSIDE_CUDA_GRAPHS)
 def _rotate_op(q: Optional[torch.Tensor], k: Optional[torch.Tensor], q_out: torch.Tensor, k_out: torch.Tensor,
                indptr: Optional[torch.Tensor], offsets: Optional[torch.Tensor], pos_ids: Optional[torch.Tensor],
                pos_ids_name: Optional[str], cos_sin_cache: Optional[torch.Tensor], angles: list[float],
@@ -111,7 +112,8 @@ def rotate(q: torch.Tensor, k: torch.Tensor, q_out: torch.Tensor, k_out: torch.T
         rotary_dim, resolve_flag(interleave, "interleave"), " ".join(names))  # (a schema has no list of strings)
 
 
-@torch.library.custom_op("jitattn::append_paged_kv_cache", mutates_args=("k_cache", "v_cache"))
+@torch.library.custom_op("jitattn::append_paged_kv_cache", mutates_args=("k_cache", "v_cache"),
+                         tags=OUTSIDE_CUDA_GRAPHS)
 def _append_op(append_key: torch.Tensor, append_value: torch.Tensor, index: list[torch.Tensor],
                k_cache: torch.Tensor, v_cache: Optional[torch.Tensor], kv_layout: str) -> None:
     cache = k_cache if v_cache is None else (k_cache, v_cache)
@@ -145,7 +147,8 @@ def append_paged_kv_cache(append_key, append_value, batch_indices, positions, pa
                                             KVLayout.parse(kv_layout, "kv_layout").value)
 
 
-@torch.library.custom_op("jitattn::append_paged_mla_kv_cache", mutates_args=("ckv_cache", "kpe_cache"))
+@torch.library.custom_op("jitattn::append_paged_mla_kv_cache", mutates_args=("ckv_cache", "kpe_cache"),
+                         tags=OUTSIDE_CUDA_GRAPHS)
 def _append_mla_op(append_ckv: torch.Tensor, append_kpe: torch.Tensor, index: list[torch.Tensor],
                    ckv_cache: torch.Tensor, kpe_cache: torch.Tensor) -> None:
     page.append_paged_mla_kv_cache(append_ckv, append_kpe, index[0], index[1], ckv_cache, kpe_cache, *index[2:])
