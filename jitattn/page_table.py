@@ -226,7 +226,10 @@ def check_paged_index(
 
 def check_cache_pool(index: PagedIndex, paged_kv_cache) -> None:
     """``check_page_pool`` against a paged cache: one tensor or a ``(k, v)`` pair, pages first in every layout (a
-    cache of another kind is left to the launch's checks)."""
+    cache of another kind is left to the launch's checks). Not under torch.compile: traced, the plan's highest page
+    would become a guard (a recompile at nearly every plan); the launch's op checks the pool when the graph runs."""
+    if torch.compiler.is_compiling():
+        return
     k = paged_kv_cache[0] if isinstance(paged_kv_cache, (tuple, list)) and paged_kv_cache else paged_kv_cache
     if isinstance(k, torch.Tensor) and k.dim() > 0:
         check_page_pool(index, k.shape[0])

@@ -130,6 +130,22 @@ def test_cascade_and_merges_compile_fullgraph() -> None:
     torch.testing.assert_close(merged, eager)
 
 
+def test_cascade_does_not_recompile_when_the_pages_change() -> None:
+    """Its run() checked the pool against the plan's highest page index: traced, a guard on it recompiled the step
+    at nearly every plan (past the limit of 8, fullgraph=True failed)."""
+    gen = torch.Generator().manual_seed(13)
+    cache = torch.randn(12, 2, 16, 2, 64, generator=gen).half()
+    i32 = lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
+    wrapper = jitattn.MultiLevelCascadeAttentionWrapper(2, torch.empty(1 << 20, dtype=torch.uint8))
+    step, graphs = _fullgraph_counted(lambda q, cache: wrapper.run(q, cache) + 0.0)
+    q = torch.randn(2, 4, 64, generator=gen).half()
+    for shared, own in ((3, [7, 1]), (9, [2, 11]), (0, [5, 4])):
+        wrapper.plan([i32([0, 2]), i32([0, 1, 2])], [i32([0, 1]), i32([0, 1, 2])], [i32([shared]), i32(own)],
+                     [i32([16]), i32([5, 9])], 4, 2, 64, 16, q_data_type=torch.float16)
+        torch.testing.assert_close(step(q, cache), wrapper.run(q, cache), atol=0, rtol=0)
+    assert len(graphs) == 1, f"recompiled {len(graphs) - 1} times across plan() calls"
+
+
 @pytest.mark.gpu
 def test_decode_compiles_with_inductor_on_cuda() -> None:
     gen = torch.Generator().manual_seed(8)
@@ -269,3 +285,37 @@ def test_a_scale_tensor_is_refused_by_name_under_compile() -> None:
         layer(torch.randn(2, 4, 64, generator=gen).bfloat16(), batch.cache, torch.tensor(0.5))
     raised = info.value.__cause__ or info.value
     assert "k_scale as a tensor is not supported under torch.compile" in str(raised), repr(info.value)
+
+
+def test_the_flashinfer_namespace_keeps_its_lse_base_under_compile() -> None:
+    """The MLA op called the wrapper's run(), which on jitattn.flashinfer's subclass already returns base 2: the
+    compiled LSE was converted twice (log2(e)^2 times the natural one), and return_lse_base_on_e gave base 2.
+    merge_state_in_place's checks of s ran outside its op, where Dynamo cannot trace them."""
+    import math
+
+    import jitattn.flashinfer as fi
+
+    gen = torch.Generator().manual_seed(12)
+    latent = torch.randn(4, 16, 576, generator=gen).bfloat16()
+    ckv, kpe = latent[..., :512], latent[..., 512:]
+    i32 = lambda *v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    wrapper = fi.mla.BatchMLAPagedAttentionWrapper(torch.empty(8 << 20, dtype=torch.uint8))
+    wrapper.plan(i32(0, 1, 2), i32(0, 2, 3), i32(3, 0, 1), i32(20, 9), 4, 512, 64, 16, False, 0.1, torch.bfloat16,
+                 torch.bfloat16)
+    q_nope, q_pe = (torch.randn(2, 4, d, generator=gen).bfloat16() for d in (512, 64))
+    for base_e in (False, True):
+        torch._dynamo.reset()
+        compiled = torch.compile(lambda *a: wrapper.run(*a, return_lse=True, return_lse_base_on_e=base_e),
+                                 fullgraph=True, backend="aot_eager")
+        for got, expected in zip(compiled(q_nope, q_pe, ckv, kpe), wrapper.run(
+                q_nope, q_pe, ckv, kpe, return_lse=True, return_lse_base_on_e=base_e)):
+            torch.testing.assert_close(got, expected, atol=0, rtol=0)
+    torch._dynamo.reset()
+    v, s = torch.randn(3, 2, 8, generator=gen), torch.randn(3, 2, generator=gen)
+    v_other, s_other = torch.randn(3, 2, 8, generator=gen), torch.randn(3, 2, generator=gen)
+    eager_v, eager_s = v.clone(), s.clone()
+    fi.merge_state_in_place(eager_v, eager_s, v_other, s_other)
+    torch.compile(fi.merge_state_in_place, fullgraph=True, backend="aot_eager")(v, s, v_other, s_other)
+    torch.testing.assert_close(v, eager_v, atol=0, rtol=0)
+    torch.testing.assert_close(s, eager_s, atol=1e-6, rtol=0)
+    assert math.isfinite(float(s.sum()))

@@ -42,9 +42,13 @@ def test_a_config_field_it_cannot_be_is_named_with_the_file(tmp_path, changes, m
 
 
 def test_fields_transformers_derives_are_derived(tmp_path) -> None:
-    config = _read(tmp_path, num_key_value_heads=None, rope_theta=10000)
-    assert (config.num_key_value_heads, config.head_dim, config.rope_theta) == (4, 32, 10000.0)
+    config = _read(tmp_path, num_key_value_heads=None, head_dim=None, rope_theta=10000, rms_norm_eps=0,
+                   rope_scaling=None, tie_word_embeddings=None)
+    assert (config.num_key_value_heads, config.head_dim, config.rope_theta, config.rms_norm_eps) == (4, 32, 1e4, 0.0)
+    assert type(config.rope_theta) is float and type(config.rms_norm_eps) is float
+    assert config.tie_word_embeddings is False
     assert _read(tmp_path, head_dim=64).head_dim == 64
+    assert _read(tmp_path, rope_scaling={"rope_type": "default", "rope_theta": None}, rope_theta=5e5).rope_theta == 5e5
 
 
 def _tree(seed: int, page_size: int = 2) -> tuple[KVPool, RadixCache, list[int]]:

@@ -12,7 +12,7 @@ import torch
 
 from ..ops import cascade as native
 from ..runtime import merge as native_merge
-from ..runtime.checks import check_no_overlap, check_tensor, check_writable
+from ..runtime.checks import check_no_overlap, check_tensor, check_writable, refuse_grad_writes
 from ..ops.cascade import BatchDecodeWithSharedPrefixPagedKVCacheWrapper, BatchPrefillWithSharedPrefixPagedKVCacheWrapper
 from .convention import LOG2E, lse_to_natural, returns_base2
 
@@ -44,10 +44,13 @@ def merge_state_in_place(v: torch.Tensor, s: torch.Tensor, v_other: torch.Tensor
     """Merge ``(v_other, s_other)`` into ``(v, s)`` in place (rows where ``mask`` is False keep theirs);
     ``s`` and ``s_other`` in base 2."""
     s_natural = _natural("s", s, written=True)
-    check_no_overlap("s", s)  # before v is written: s is written back last (the native merge writes s_natural)
-    check_writable("merge_state_in_place", s=s)
-    if isinstance(v, torch.Tensor):  # (the native merge checks v against s_natural, a copy)
-        native_merge.refuse_v_over_s(v, s)
+    if torch.compiler.is_compiling():  # (address and inference-mode checks do not trace: the grad rule alone)
+        refuse_grad_writes("merge_state_in_place", s=s)
+    else:
+        check_no_overlap("s", s)  # before v is written: s is written back last (the native merge writes s_natural)
+        check_writable("merge_state_in_place", s=s)
+        if isinstance(v, torch.Tensor):  # (the native merge checks v against s_natural, a copy)
+            native_merge.refuse_v_over_s(v, s)
     native_merge.merge_state_in_place(v, s_natural, v_other, _natural("s_other", s_other), mask)
     merged = s_natural.mul_(LOG2E)
     if mask is not None:  # rows left alone keep their exact bits (no round trip through natural log)

@@ -48,7 +48,8 @@ class BatchAttentionWithAttentionSinkWrapper(BatchPrefillWithPagedKVCacheWrapper
         check_flag(use_fp16_qk_reduction, "use_fp16_qk_reduction")
         # FlashInfer builds its kernel from these; plan() takes them here (checked, so a typo is not silent)
         resolve_dtypes(q_data_type, kv_data_type, None)
-        positive_int(head_dim_qk, "head_dim_qk"), positive_int(head_dim_vo, "head_dim_vo")
+        positive_int(head_dim_qk, "head_dim_qk")
+        positive_int(head_dim_vo, "head_dim_vo")
         resolve_window_left(window_left)
         super().__init__(
             float_workspace_buffer, kv_layout, use_cuda_graph=use_cuda_graph, qo_indptr_buf=qo_indptr_buf,

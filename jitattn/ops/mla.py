@@ -286,6 +286,9 @@ class BatchMLAPagedAttentionWrapper(NotCopyable):
         return self._run_prefill(q_nope, q_pe, ckv_cache, kpe_cache, out, lse, return_lse, k_scale, v_scale)
 
     run_return_lse = functools.partialmethod(run, return_lse=True)
+    # run() under a name jitattn.flashinfer's base-2 subclass does not override: the compiled op calls it
+    # (runtime/compiled.py), whose LSE is the natural log whichever of the two classes planned
+    run_natural_lse = run
 
     def _run_prefill(self, q_nope: torch.Tensor, q_pe: torch.Tensor, ckv_cache: torch.Tensor, kpe_cache: torch.Tensor,
                      out: torch.Tensor | None, lse: torch.Tensor | None, return_lse: bool, k_scale, v_scale):

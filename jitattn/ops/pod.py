@@ -17,6 +17,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import numpy as np
+
 import torch
 
 from ..runtime.wrapper import NotCopyable, host_side, workspace_target
@@ -40,10 +42,13 @@ def _planned_options(pos_encoding_mode, window_left, sm_scale, rope_scale, rope_
 
 
 def _effective(name: str, value, head_dim: int):
-    """An option's value with None as what it means (the scales' defaults), for comparing a run's with the plan's."""
-    if value is None and name in ("sm_scale", "rope_scale", "rope_theta"):
-        return {"sm_scale": 1.0 / math.sqrt(head_dim), "rope_scale": 1.0, "rope_theta": 1e4}[name]
-    return float(value) if name in ("sm_scale", "rope_scale", "rope_theta") else value
+    """An option's value as the kernel takes it (a scale's None its default, in float32: ``head_dim ** -0.5`` and
+    ``1 / sqrt(head_dim)`` differ in the last bit of a double), for comparing a run's with the plan's."""
+    if name not in ("sm_scale", "rope_scale", "rope_theta"):
+        return value
+    if value is None:
+        value = {"sm_scale": 1.0 / math.sqrt(head_dim), "rope_scale": 1.0, "rope_theta": 1e4}[name]
+    return float(np.float32(value))
 
 
 def _pod_result(out_p, out_d, lse_p, lse_d, with_lse: bool):

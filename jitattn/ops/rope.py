@@ -159,7 +159,7 @@ def apply_rope_with_cos_sin_cache(
     query_out, key_out = _like(query, key)
     q_out, k_out = split_heads("query", query_out, head_size), split_heads("key", key_out, head_size)
     _rotate(q, k, q_out, k_out, Positions(pos_ids=positions, pos_ids_name="positions"), None,
-           not resolve_flag(is_neox, "is_neox"), Angles(cos_sin_cache=cos_sin_cache), ("query", "key"))
+            not resolve_flag(is_neox, "is_neox"), Angles(cos_sin_cache=cos_sin_cache), ("query", "key"))
     return query_out, key_out
 
 
@@ -171,4 +171,4 @@ def apply_rope_with_cos_sin_cache_inplace(
     check_tensor("cos_sin_cache", cos_sin_cache, last_dim_contiguous=False)
     q, k = split_heads("query", query, head_size), split_heads("key", key, head_size)
     _rotate(q, k, q, k, Positions(pos_ids=positions, pos_ids_name="positions"), None,
-           not resolve_flag(is_neox, "is_neox"), Angles(cos_sin_cache=cos_sin_cache), ("query", "key"))
+            not resolve_flag(is_neox, "is_neox"), Angles(cos_sin_cache=cos_sin_cache), ("query", "key"))

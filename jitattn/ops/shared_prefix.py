@@ -8,7 +8,7 @@ import torch
 from ..page_table import check_indptr, check_page_table, positive_int, to_host_int32_many
 from ..runtime.checks import check_planned_dtype, check_tensor, no_backward, not_planned
 from ..runtime.merge import merge_state_in_place
-from ..runtime.options import parse_dtype, parse_kv_layout, resolve_batch_invariant
+from ..runtime.options import check_flag, f32_scale, number, parse_dtype, parse_kv_layout, resolve_batch_invariant
 from ..runtime.wrapper import NotCopyable, workspace_target
 from ..spec import KVLayout
 from .decode import KV_SHAPES, BatchDecodeWithPagedKVCacheWrapper
@@ -152,6 +152,11 @@ class BatchPrefillWithSharedPrefixPagedKVCacheWrapper(NotCopyable):
         if not self._plan_args:
             raise RuntimeError("BatchPrefillWithSharedPrefixPagedKVCacheWrapper.forward() called before "
                                "begin_forward(); call begin_forward() once per batch first")
+        check_flag(use_fp16_qk_reduction, "use_fp16_qk_reduction")
+        for name, value in (("rope_scale", rope_scale), ("rope_theta", rope_theta)):  # (taken, as FlashInfer's)
+            if value is not None and not f32_scale(number(value, name)):
+                raise ValueError(f"{name}={value!r} must be a positive finite number (no RoPE is applied here: "
+                                 "leave it None)")
         check_tensor("q", q, ndim=3)
         unique_k = unique_kv_cache[0] if isinstance(unique_kv_cache, (tuple, list)) else unique_kv_cache
         check_tensor("unique_kv_cache", unique_k)

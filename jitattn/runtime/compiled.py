@@ -23,7 +23,7 @@ import torch
 # device): under torch.compile's CUDA graphs (mode="reduce-overhead", as transformers' generate compiles a static
 # cache's forward) Inductor runs them between its graphs, not inside one whose replays would launch the captured plan
 # (a wrapper without use_cuda_graph=True refuses the capture).
-OUTSIDE_CUDA_GRAPHS = tuple(t for t in (getattr(torch._C.Tag, "cudagraph_unsafe", None),) if t is not None)
+OUTSIDE_CUDA_GRAPHS = tuple(t for t in (getattr(torch.Tag, "cudagraph_unsafe", None),) if t is not None)
 
 _wrappers: dict[int, weakref.ReferenceType] = {}
 _keys = itertools.count(1)
@@ -143,7 +143,7 @@ def mla_run(key: int, q_nope: torch.Tensor, q_pe: torch.Tensor, ckv: torch.Tenso
             k_scale: float, v_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The current plan of an MLA wrapper run over ``ckv`` / ``kpe``: (out, natural-log lse)."""
     wrapper = _wrapper_of(key)
-    return wrapper.run(q_nope, q_pe, ckv, kpe, return_lse=True, k_scale=k_scale, v_scale=v_scale)
+    return wrapper.run_natural_lse(q_nope, q_pe, ckv, kpe, return_lse=True, k_scale=k_scale, v_scale=v_scale)
 
 
 @mla_run.register_fake

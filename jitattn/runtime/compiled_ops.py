@@ -9,6 +9,9 @@ errors, raised then), and whose fake implementation writes nothing (the ops writ
 made). An op's schema names the tensors it writes; a tensor written in place is passed once, as the written
 one (its ``input`` is then None). Under ``fullgraph=True`` an error raised at trace time reaches the caller as
 Dynamo's ``Unsupported`` whose cause is eager's error; without it the call falls back to eager, which raises it.
+A backend that does not write in place (``aot_eager``) hands an op copies of what it writes: its checks of an output
+overlapping an input then see two tensors apart, and the op computes from the input's values (Inductor, which
+writes in place, passes the caller's tensors and the op refuses them, as eager does).
 """
 
 from __future__ import annotations

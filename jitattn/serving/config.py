@@ -97,6 +97,12 @@ class ModelConfig:
             raise ValueError(f"{path}: {exc}") from None
 
 
+def _given(*values):
+    """The first of ``values`` that is not None (a field given as null reads as not given, as transformers reads
+    it)."""
+    return next(v for v in values if v is not None)
+
+
 def _hf_fields(data: dict) -> dict:
     """``ModelConfig``'s fields from a Hugging Face config's (``None`` where transformers derives a default); what
     they cannot be is a ValueError (``ModelConfig`` checks the rest)."""
@@ -117,9 +123,9 @@ def _hf_fields(data: dict) -> dict:
     fields = dict(vocab_size=data["vocab_size"], hidden_size=hidden, intermediate_size=data["intermediate_size"],
                   num_hidden_layers=data["num_hidden_layers"], num_attention_heads=heads,
                   num_key_value_heads=heads if kv_heads is None else kv_heads, head_dim=head_dim,
-                  rope_theta=rope.get("rope_theta", data.get("rope_theta", 10000.0)),
-                  rms_norm_eps=data.get("rms_norm_eps", 1e-6),
-                  tie_word_embeddings=data.get("tie_word_embeddings", False))
+                  rope_theta=_given(rope.get("rope_theta"), data.get("rope_theta"), 10000.0),
+                  rms_norm_eps=data.get("rms_norm_eps", 1e-6),  # (null: refused, the norm has no eps then)
+                  tie_word_embeddings=_given(data.get("tie_word_embeddings"), False))
     for name in ("rope_theta", "rms_norm_eps"):
         if isinstance(fields[name], int) and not isinstance(fields[name], bool):
             fields[name] = float(fields[name])
