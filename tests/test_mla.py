@@ -284,6 +284,19 @@ def test_mla_slices_of_one_buffer_are_used_without_a_copy() -> None:
     assert_close_out(wrapper.run(q_nope, q_pe, ckv, kpe), ref_out, torch.float32)
 
 
+def test_mla_cache_of_too_few_pages_is_named_in_the_callers_terms() -> None:
+    """The fallback's inner prefill plan named its own argument (paged_kv_indices) for MLA's kv_indices."""
+    gen = torch.Generator().manual_seed(6)
+    ckv, kpe, indptr, indices, lens = _latent_cache([40, 7], 16, torch.float32, "cpu", gen, joined=True)
+    q_nope, q_pe = _queries([1, 1], 16, torch.float32, "cpu", gen)
+    wrapper = _wrapper("cpu")
+    wrapper.plan(_indptr([1, 1]), indptr, indices, lens, 16, CKV, KPE, 16, False, SM_SCALE, torch.float32,
+                 torch.float32)
+    highest = int(indices[: int(indptr[-1])].max())
+    with pytest.raises(ValueError, match=f"^kv_indices reference page {highest} but ckv_cache has {highest} pages"):
+        wrapper.run(q_nope, q_pe, ckv[:highest], kpe[:highest])
+
+
 # -- fp8 latent cache ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("mode", ["decode", "speculative"])

@@ -280,6 +280,9 @@ class BatchMLAPagedAttentionWrapper(NotCopyable):
             if t.shape[1] != self._page_size:
                 raise ValueError(f"{name} has shape {tuple(t.shape)}: pages of {t.shape[1]} tokens, but the plan has "
                                  f"page_size={self._page_size}")
+        if self._highest_page >= ckv_cache.shape[0]:  # (in the caller's names: the fallback's plan has its own)
+            raise ValueError(f"kv_indices reference page {self._highest_page} but ckv_cache has {ckv_cache.shape[0]} "
+                             "pages")
         if self._kernel is not None:
             return self._run_sm90(q_nope, q_pe, ckv_cache, kpe_cache, out, lse, return_lse, k_scale, v_scale,
                                   signature)
@@ -352,9 +355,6 @@ class BatchMLAPagedAttentionWrapper(NotCopyable):
                              "same [pages, page_size]")
         if ckv_cache.shape[1] != self._kernel.params.page_size:
             raise ValueError(f"ckv_cache has page_size {ckv_cache.shape[1]}; the plan has {self._kernel.params.page_size}")
-        if self._highest_page >= ckv_cache.shape[0]:
-            raise ValueError(f"kv_indices reference page {self._highest_page} but the cache has {ckv_cache.shape[0]} "
-                             "pages")
         tokens, heads = self._rows
         if out is None:
             out = torch.empty((tokens, heads, self._dims[0]), dtype=q_nope.dtype, device=q_nope.device)
