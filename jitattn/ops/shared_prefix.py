@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from ..page_table import check_indptr, check_page_table, positive_int, to_host_int32_many
+from ..page_table import (check_cache_pool, check_indptr, check_page_table, check_paged_index, positive_int,
+                          to_host_int32_many)
 from ..runtime.checks import check_planned_dtype, check_tensor, no_backward, not_planned
 from ..runtime.merge import merge_state_in_place
 from ..runtime.options import check_flag, f32_scale, number, parse_dtype, parse_kv_layout, resolve_batch_invariant
@@ -63,6 +64,8 @@ class BatchDecodeWithSharedPrefixPagedKVCacheWrapper(NotCopyable):
         """Plan the unique (paged) part; ``data_type`` is the q and kv dtype. ``batch_invariant``: as the
         decode wrapper's (the shared part is one prefill, merged with the unique part in a fixed order)."""
         self._num_kv_heads = None  # a plan that raises leaves none
+        self._index = check_paged_index(unique_kv_indptr, unique_kv_indices, unique_kv_last_page_len, page_size,
+                                        names=("unique_kv_indptr", "unique_kv_indices", "unique_kv_last_page_len"))
         self._batch_decode_wrapper.plan(
             unique_kv_indptr, unique_kv_indices, unique_kv_last_page_len, num_qo_heads, num_kv_heads, head_dim,
             page_size, q_data_type=data_type, kv_data_type=data_type, batch_invariant=batch_invariant,
@@ -82,6 +85,7 @@ class BatchDecodeWithSharedPrefixPagedKVCacheWrapper(NotCopyable):
             raise not_planned(type(self).__name__, "forward", "begin_forward() once per batch")
         check_shared_kv(k_shared, v_shared, self._kv_layout, self._num_kv_heads)
         check_tensor("q", q, ndim=3)
+        check_cache_pool(self._index, unique_kv_cache)  # (the decode wrapper's own check says "indices")
         for name, t in (("q", q), ("k_shared", k_shared), ("v_shared", v_shared)):
             check_planned_dtype(name, t, self._data_type, "data_type")
         out, lse = single_prefill_with_kv_cache(q, k_shared, v_shared, causal=False, kv_layout=self._kv_layout,
