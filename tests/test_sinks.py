@@ -242,6 +242,29 @@ def test_single_prefill_and_sink_wrapper(device: str) -> None:
     assert_close_lse(got_lse, ref_lse)  # the keys' own lse
 
 
+@pytest.mark.parametrize("route", ["rope_first", "fp8_upcast"])
+def test_sink_wrapper_runs_the_routes_its_plan_took(route: str) -> None:
+    """Its run() went straight to the launch, skipping the RoPE-first rotation and the fp8 upcast's gather the plan
+    had chosen (both auto on Hopper): "too many values to unpack"."""
+    gen = torch.Generator().manual_seed(9)
+    hq, hkv, d = 4, 2, 64
+    kv_dtype = torch.float8_e4m3fn if route == "fp8_upcast" else f16
+    batch, qo_indptr, q = _prefill_batch(gen, hq, hkv, d, f16, "cpu")
+    cache = batch.cache.to(kv_dtype)
+    sinks = _sinks(hq, gen, "cpu")
+    options = dict(pos_encoding_mode="ROPE_LLAMA", rope_first=True) if route == "rope_first" else dict(
+        kv_data_type=kv_dtype, fp8_upcast=True)
+    wrapper = jitattn.BatchAttentionWithAttentionSinkWrapper(torch.empty(1 << 20, dtype=torch.uint8),
+                                                             q_data_type=f16, kv_data_type=kv_dtype, head_dim_qk=d,
+                                                             head_dim_vo=d)
+    wrapper.plan(qo_indptr, batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len, hq, hkv, d, PAGE, causal=True,
+                 q_data_type=f16, **options)
+    ref_o, ref_lse = reference.batch_prefill_paged(
+        q, cache, qo_indptr, batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len, causal=True,
+        pos_encoding_mode=options.get("pos_encoding_mode", "NONE"))
+    assert_close_out(wrapper.run(q, cache, sinks), reference.apply_sinks(ref_o, ref_lse, sinks), f16)
+
+
 # -- cascade ---------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("device", devices())

@@ -98,6 +98,7 @@ class BatchAttentionWithAttentionSinkWrapper(BatchPrefillWithPagedKVCacheWrapper
         if len(args) == 2 and args[1] is not None and self._plan is not None:
             # The scale is a run-time scalar of the kernel: a different one is a factor on q_scale.
             q_scale = (1.0 if q_scale is None else float(q_scale)) * self._scale_factor(args[1])
+        q, paged_kv_cache = self.kernel_operands(q, paged_kv_cache)  # (the fp8 upcast or RoPE first, when planned)
         return self._run(q, paged_kv_cache, k_scale, v_scale, out, lse, return_lse, {}, (), q_scale, window_left,
                          sinks)
 

@@ -26,10 +26,8 @@ from ..spec import KVLayout, MaskMode, Op, Target
 from .prefill_fp8 import single_prefill_fp8
 from .prefill_routes import PlanSite, fp8_upcast_route, paged_gather, rope_first_route
 
-__all__ = [
-    "BatchPrefillWithPagedKVCacheWrapper", "BatchPrefillWithRaggedKVCacheWrapper", "single_prefill_with_kv_cache",
-    "single_prefill_with_kv_cache_return_lse",
-]
+__all__ = ["BatchPrefillWithPagedKVCacheWrapper", "BatchPrefillWithRaggedKVCacheWrapper",
+           "single_prefill_with_kv_cache", "single_prefill_with_kv_cache_return_lse"]
 
 # The FlashInfer options forward() may change, with their plan() defaults.
 _FORWARD_OPTIONS = ("causal", "pos_encoding_mode", "use_fp16_qk_reduction", "window_left", "logits_soft_cap",
@@ -81,8 +79,7 @@ def _plan_prefill(
         head_dim_vo=head_dim_vo, q_data_type=q_data_type, kv_data_type=kv_data_type, o_data_type=o_data_type,
         pos_encoding_mode=pos_encoding_mode, mask_mode=mask_mode, window_left=window_left,
         logits_soft_cap=logits_soft_cap, sm_scale=sm_scale, rope_scale=rope_scale, rope_theta=rope_theta,
-        variant=variant,
-    )
+        variant=variant)
     host = HostIndex(qo_host, kv_indptr_host, index, mask_host, mask_indptr_host)
     return build_plan(wrapper, target, device, kv_layout, options, host, unsplit(len(kv_lens)), buffers, use_cuda_graph)
 
@@ -101,8 +98,7 @@ class _PrefillWrapperBase(BatchWrapperBase):
 
     def workspace_size(
         self, max_batch_size: int, max_qo_tokens: int, max_kv_tokens: int, num_qo_heads: int, num_kv_heads: int,
-        head_dim_qk: int, page_size: int = 1, head_dim_vo: int | None = None,
-    ) -> tuple[int, int]:
+        head_dim_qk: int, page_size: int = 1, head_dim_vo: int | None = None) -> tuple[int, int]:
         """(float_bytes, int_bytes) that any plan within these limits needs. Prefill does not split the KV, so it
         needs no float workspace; int_bytes is the page table and indptr arrays this wrapper keeps in its own buffers
         (never in the shared float workspace), without a custom mask (add ``ceil(qo_len * kv_len / 8)`` bytes per
@@ -124,8 +120,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapperBase):
         qo_indptr_buf: torch.Tensor | None = None, paged_kv_indptr_buf: torch.Tensor | None = None,
         paged_kv_indices_buf: torch.Tensor | None = None, paged_kv_last_page_len_buf: torch.Tensor | None = None,
         custom_mask_buf: torch.Tensor | None = None, mask_indptr_buf: torch.Tensor | None = None,
-        backend: str = "auto", jit_args=None, jit_kwargs=None,
-    ) -> None:
+        backend: str = "auto", jit_args=None, jit_kwargs=None) -> None:
         super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph, backend, {
             "qo_indptr": qo_indptr_buf, "kv_indptr": paged_kv_indptr_buf, "kv_indices": paged_kv_indices_buf,
             "kv_last_page_len": paged_kv_last_page_len_buf, "custom_mask": custom_mask_buf,
@@ -246,15 +241,20 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapperBase):
         one; ``enable_pdl`` only tunes speed. ``sinks``: float32 ``[num_qo_heads]`` attention sinks, as
         in ``BatchDecodeWithPagedKVCacheWrapper.run`` (the lse returned is the keys' alone).
         ``args``/``variant_args``: the planned custom variant's parameters, in declaration order / by name."""
-        if self._upcast is not None:  # fp8 upcast or RoPE first: the plan is of the 16-bit rows gathered here
-            paged_kv_cache = gathered_kv_rows(self._op_key, self._upcast, paged_kv_cache)
-        if self._rope is not None:  # RoPE first: the plan is of the rotated copies made here
-            q, k, v = rope_first_operands(self._op_key, self._rope, q, *paged_kv_cache)
-            paged_kv_cache = (k, v)
+        q, paged_kv_cache = self.kernel_operands(q, paged_kv_cache)
         return self._run(q, paged_kv_cache, k_scale, v_scale, out, lse, return_lse, variant_args, args, q_scale,
                          window_left, sinks, enable_pdl)
 
     run_return_lse = functools.partialmethod(run, return_lse=True)
+
+    def kernel_operands(self, q: torch.Tensor, paged_kv_cache):
+        """What the plan's kernel reads: the cache's rows gathered (fp8 upcast, RoPE first), rotated (RoPE first)."""
+        if self._upcast is not None:
+            paged_kv_cache = gathered_kv_rows(self._op_key, self._upcast, paged_kv_cache)
+        if self._rope is not None:
+            q, k, v = rope_first_operands(self._op_key, self._rope, q, *paged_kv_cache)
+            paged_kv_cache = (k, v)
+        return q, paged_kv_cache
 
     def forward(
         self, q: torch.Tensor, paged_kv_cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
@@ -293,8 +293,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapperBase):
         self, float_workspace_buffer: torch.Tensor, kv_layout: str = "NHD", use_cuda_graph: bool = False,
         qo_indptr_buf: torch.Tensor | None = None, kv_indptr_buf: torch.Tensor | None = None,
         custom_mask_buf: torch.Tensor | None = None, mask_indptr_buf: torch.Tensor | None = None,
-        backend: str = "auto", jit_args=None, jit_kwargs=None,
-    ) -> None:
+        backend: str = "auto", jit_args=None, jit_kwargs=None) -> None:
         super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph, backend, {
             "qo_indptr": qo_indptr_buf, "kv_indptr": kv_indptr_buf, "custom_mask": custom_mask_buf,
             "mask_indptr": mask_indptr_buf,
