@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch._dynamo
@@ -319,3 +321,49 @@ def test_the_flashinfer_namespace_keeps_its_lse_base_under_compile() -> None:
     torch.testing.assert_close(v, eager_v, atol=0, rtol=0)
     torch.testing.assert_close(s, eager_s, atol=1e-6, rtol=0)
     assert math.isfinite(float(s.sum()))
+
+
+@pytest.mark.parametrize("case", ["out_dtype", "lse_dtype", "out_shape", "unknown_keyword"])
+def test_run_buffers_and_keywords_get_eager_errors_under_compile(case: str) -> None:
+    """The op's result was copied into any out= / lse= (a float16 lse rounded the LSE) and stray keywords were
+    dropped, where eager refuses them."""
+    gen = torch.Generator().manual_seed(14)
+    batch = random_paged_batch([5, 9], 2, 64, 16, torch.float16, generator=gen)
+    wrapper = jitattn.BatchDecodeWithPagedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8))
+    wrapper.plan(batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len, 4, 2, 64, 16, q_data_type=torch.float16)
+    q = torch.randn(2, 4, 64, generator=gen).half()
+    kwargs, error, match = {
+        "out_dtype": (dict(out=torch.empty(2, 4, 64)), TypeError, "out has dtype float32; expected one of float16"),
+        "lse_dtype": (dict(lse=torch.empty(2, 4).half(), return_lse=True), TypeError, "lse has dtype float16"),
+        "out_shape": (dict(out=torch.empty(3, 4, 64).half()), ValueError, r"out has shape \(3, 4, 64\); expected"),
+        "unknown_keyword": (dict(foo=q), TypeError, r"got unexpected keyword argument\(s\) \['foo'\]"),
+    }[case]
+    with pytest.raises(error, match=match):  # eager
+        wrapper.run(q, batch.cache, **kwargs)
+    with pytest.raises(Exception) as info:
+        torch.compile(lambda q, c: wrapper.run(q, c, **kwargs), fullgraph=True, backend="aot_eager")(q, batch.cache)
+    raised = info.value.__cause__ or info.value
+    assert error.__name__ in type(raised).__name__ and re.search(match, str(raised)), repr(info.value)
+
+
+@pytest.mark.parametrize("namespace", ["jitattn", "jitattn.flashinfer"])
+def test_run_return_lse_compiles_fullgraph(namespace: str) -> None:
+    """FlashInfer's run_return_lse was a functools.partialmethod, whose __get__ Dynamo cannot trace: under
+    fullgraph=True every such call failed."""
+    import importlib
+
+    api = importlib.import_module(namespace)
+    gen = torch.Generator().manual_seed(15)
+    batch = random_paged_batch([5, 9], 2, 64, 16, torch.float16, generator=gen)
+    i32 = lambda *v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    decode = api.BatchDecodeWithPagedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8))
+    decode.plan(batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len, 4, 2, 64, 16, q_data_type=torch.float16)
+    cascade = api.MultiLevelCascadeAttentionWrapper(2, torch.empty(1 << 20, dtype=torch.uint8))
+    cascade.plan([i32(0, 2), i32(0, 1, 2)], [i32(0, 1), i32(0, 1, 2)], [i32(0), i32(1, 2)], [i32(16), i32(5, 9)],
+                 4, 2, 64, 16, q_data_type=torch.float16)
+    q = torch.randn(2, 4, 64, generator=gen).half()
+    for call in (decode.run_return_lse, cascade.run_return_lse, cascade.forward_return_lse):
+        torch._dynamo.reset()
+        got = torch.compile(lambda q, c: call(q, c), fullgraph=True, backend="aot_eager")(q, batch.cache)
+        for g, e in zip(got, call(q, batch.cache)):
+            torch.testing.assert_close(g, e, atol=0, rtol=0)

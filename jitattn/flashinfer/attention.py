@@ -8,6 +8,7 @@ import torch
 
 from ..ops import attention_sink as native
 from ..ops import batch_attention as native_batch
+from ..runtime.wrapper import returning_lse
 from .convention import LOG2E, lse_to_base2, returns_base2_bound
 
 __all__ = ["BatchAttention", "BatchAttentionWithAttentionSinkWrapper"]
@@ -32,4 +33,4 @@ class BatchAttentionWithAttentionSinkWrapper(native.BatchAttentionWithAttentionS
             torch.logaddexp2(lse, (sinks * LOG2E).to(lse.device), out=lse)
         return result
 
-    run_return_lse = functools.partialmethod(run, return_lse=True)
+    run_return_lse = returning_lse(run)

@@ -6,13 +6,13 @@ merges are internal), so they are the native ones.
 
 from __future__ import annotations
 
-import functools
 
 import torch
 
 from ..ops import cascade as native
 from ..runtime import merge as native_merge
 from ..runtime.checks import check_no_overlap, check_tensor, check_writable, refuse_grad_writes
+from ..runtime.wrapper import returning_lse
 from ..ops.cascade import BatchDecodeWithSharedPrefixPagedKVCacheWrapper, BatchPrefillWithSharedPrefixPagedKVCacheWrapper
 from .convention import LOG2E, lse_to_natural, returns_base2
 
@@ -67,6 +67,6 @@ def merge_states(v: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.
 class MultiLevelCascadeAttentionWrapper(native.MultiLevelCascadeAttentionWrapper):
     __doc__ = native.MultiLevelCascadeAttentionWrapper.__doc__
     run = returns_base2(native.MultiLevelCascadeAttentionWrapper.run)
-    run_return_lse = functools.partialmethod(run, return_lse=True)
+    run_return_lse = returning_lse(run)
     forward = run
     forward_return_lse = run_return_lse

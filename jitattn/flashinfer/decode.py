@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import functools
 
 import torch
 
 from ..ops import decode as native
 from ..ops.decode import fast_decode_plan
+from ..runtime.wrapper import returning_lse
 from .convention import returns_base2
 from .page import get_seq_lens
 
@@ -35,7 +35,7 @@ single_decode_with_kv_cache.__module__ = __name__  # pickled by reference as thi
 class BatchDecodeWithPagedKVCacheWrapper(native.BatchDecodeWithPagedKVCacheWrapper):
     __doc__ = native.BatchDecodeWithPagedKVCacheWrapper.__doc__
     run = returns_base2(native.BatchDecodeWithPagedKVCacheWrapper.run)
-    run_return_lse = functools.partialmethod(run, return_lse=True)
+    run_return_lse = returning_lse(run)
 
 
 class CUDAGraphBatchDecodeWithPagedKVCacheWrapper(BatchDecodeWithPagedKVCacheWrapper,

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import functools
 
 import torch
 
 from ..ops import mla as native
+from ..runtime.wrapper import returning_lse
 from .convention import lse_to_base2
 
 __all__ = ["BatchMLAPagedAttentionWrapper"]
@@ -28,4 +28,4 @@ class BatchMLAPagedAttentionWrapper(native.BatchMLAPagedAttentionWrapper):
                              page_table, return_lse_base_on_e, k_scale=k_scale, v_scale=v_scale)
         return result if return_lse_base_on_e else lse_to_base2(result, lse)
 
-    run_return_lse = functools.partialmethod(run, return_lse=True)
+    run_return_lse = returning_lse(run)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 
 from ..ops import prefill as native
+from ..runtime.wrapper import returning_lse
 from .convention import returns_base2
 
 __all__ = ["BatchPrefillWithPagedKVCacheWrapper", "BatchPrefillWithRaggedKVCacheWrapper",
@@ -18,10 +19,10 @@ single_prefill_with_kv_cache_return_lse = functools.partial(single_prefill_with_
 class BatchPrefillWithPagedKVCacheWrapper(native.BatchPrefillWithPagedKVCacheWrapper):
     __doc__ = native.BatchPrefillWithPagedKVCacheWrapper.__doc__
     run = returns_base2(native.BatchPrefillWithPagedKVCacheWrapper.run)
-    run_return_lse = functools.partialmethod(run, return_lse=True)
+    run_return_lse = returning_lse(run)
 
 
 class BatchPrefillWithRaggedKVCacheWrapper(native.BatchPrefillWithRaggedKVCacheWrapper):
     __doc__ = native.BatchPrefillWithRaggedKVCacheWrapper.__doc__
     run = returns_base2(native.BatchPrefillWithRaggedKVCacheWrapper.run)
-    run_return_lse = functools.partialmethod(run, return_lse=True)
+    run_return_lse = returning_lse(run)

@@ -17,7 +17,7 @@ import torch
 from ..runtime.checks import no_backward
 from ..runtime.options import (check_flag, f32_scale, number, parse_pos_encoding, positive_int, resolve_dtypes,
                                resolve_window_left)
-from ..runtime.wrapper import drops_plan_on_failure
+from ..runtime.wrapper import drops_plan_on_failure, returning_lse
 from .prefill import BatchPrefillWithPagedKVCacheWrapper
 from ..spec import PosEncoding
 
@@ -102,7 +102,7 @@ class BatchAttentionWithAttentionSinkWrapper(BatchPrefillWithPagedKVCacheWrapper
         return self._run(q, paged_kv_cache, k_scale, v_scale, out, lse, return_lse, {}, (), q_scale, window_left,
                          sinks)
 
-    run_return_lse = functools.partialmethod(run, return_lse=True)  # this run (the parent's takes no sink)
+    run_return_lse = returning_lse(run)  # this run (the parent's takes no sink)
 
     def _scale_factor(self, sm_scale) -> float:
         """``run``'s positional ``sm_scale`` as the factor on the planned scale, checked as ``plan()`` checks its

@@ -18,7 +18,6 @@ are prefixes every query sees whole).
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -28,7 +27,7 @@ from ..runtime.builder import attention_options, kernel_spec, num_workers
 from ..runtime.cascade_states import LevelStates
 from ..runtime.checks import check_tensor, no_backward, not_planned, target_of
 from ..runtime.merge import merge_state, merge_state_in_place, merge_states, merge_states_with_sinks
-from ..runtime.wrapper import NotCopyable, host_side, workspace_target
+from ..runtime.wrapper import NotCopyable, host_side, returning_lse, workspace_target
 from ..runtime.options import (check_flag, fp8_scale, parse_pos_encoding, per_level, positive_int,
                                resolve_batch_invariant, resolve_flag, resolve_window_left)
 from ..kv_split import (batch_invariant_chunk, cascade_chunk_pages, cascade_level_chunks, check_fixed_split_size,
@@ -476,7 +475,7 @@ class MultiLevelCascadeAttentionWrapper(NotCopyable):
             out, lse = states.merge(states.v, states.s)
         return (out, lse) if return_lse else out
 
-    run_return_lse = functools.partialmethod(run, return_lse=True)
+    run_return_lse = returning_lse(run)
     forward = run
     forward_return_lse = run_return_lse
 

@@ -9,7 +9,7 @@ import torch
 
 from ..runtime.batch import check_sinks, check_workspace, upload_int32
 from ..runtime.builder import HostIndex, attention_options, build_plan, kernel_spec, make_plan, num_workers
-from ..runtime.wrapper import BatchWrapperBase, drops_plan_on_failure, host_side, plan_arguments
+from ..runtime.wrapper import BatchWrapperBase, drops_plan_on_failure, host_side, plan_arguments, returning_lse
 from ..runtime.checks import check_tensor, fast_page_table, no_backward, target_of
 from ..runtime.launch import PreparedAttention
 from ..runtime.options import (
@@ -341,7 +341,7 @@ class BatchDecodeWithPagedKVCacheWrapper(BatchWrapperBase):
         return self._run(q, paged_kv_cache, k_scale, v_scale, out, lse, return_lse, variant_args, args, q_scale,
                          window_left, sinks, enable_pdl)
 
-    run_return_lse = functools.partialmethod(run, return_lse=True)
+    run_return_lse = returning_lse(run)
 
     def forward(
         self, q: torch.Tensor, paged_kv_cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor],

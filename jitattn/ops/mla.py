@@ -35,7 +35,6 @@ place (rows not on 16 bytes, e.g. an fp8 cache with 8-byte-aligned rows, or ``ou
 
 from __future__ import annotations
 
-import functools
 import numbers
 
 import numpy as np
@@ -50,7 +49,7 @@ from ..log import logger
 from ..env import mla_kernel as mla_kernel_choice
 from ..hardware import num_sms
 from ..kernels.mla import CKV_DIM
-from ..runtime.wrapper import NotCopyable, host_side
+from ..runtime.wrapper import NotCopyable, host_side, returning_lse
 from ..runtime.mla_kernel import GraphArrays, KernelPlan, device_facts, layout_problem, select_kernel, unsupported_reason
 from ..kernels.mla_plan import workspace_row_bytes
 from ..page_table import check_indptr, check_page_table, to_host_int32
@@ -288,7 +287,7 @@ class BatchMLAPagedAttentionWrapper(NotCopyable):
                                   signature)
         return self._run_prefill(q_nope, q_pe, ckv_cache, kpe_cache, out, lse, return_lse, k_scale, v_scale)
 
-    run_return_lse = functools.partialmethod(run, return_lse=True)
+    run_return_lse = returning_lse(run)
     # run() under a name jitattn.flashinfer's base-2 subclass does not override: the compiled op calls it
     # (runtime/compiled.py), whose LSE is the natural log whichever of the two classes planned
     run_natural_lse = run

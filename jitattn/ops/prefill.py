@@ -13,7 +13,7 @@ from ..runtime.fp8_prefill import is_fp8
 from ..runtime.kv import hnd_ragged_views
 from ..runtime.kv_upcast import KVUpcast, ragged_indptr
 from ..runtime.rope_first import OPERAND_DTYPE, RopeFirst
-from ..runtime.wrapper import BatchWrapperBase, drops_plan_on_failure, plan_arguments
+from ..runtime.wrapper import BatchWrapperBase, drops_plan_on_failure, plan_arguments, returning_lse
 from ..runtime.checks import check_tensor, no_backward, refuse_paged_arguments, stream_capturing, target_of
 from ..runtime.compiled import gathered_kv_rows, rope_first_operands
 from ..runtime.options import (PAGE_TABLE_HINT, check_flag, hashable, parse_kv_layout, per_tensor_scale,
@@ -245,7 +245,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapperBase):
         return self._run(q, paged_kv_cache, k_scale, v_scale, out, lse, return_lse, variant_args, args, q_scale,
                          window_left, sinks, enable_pdl)
 
-    run_return_lse = functools.partialmethod(run, return_lse=True)
+    run_return_lse = returning_lse(run)
 
     def kernel_operands(self, q: torch.Tensor, paged_kv_cache):
         """What the plan's kernel reads: the cache's rows gathered (fp8 upcast, RoPE first), rotated (RoPE first)."""
@@ -363,7 +363,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapperBase):
         return self._run(q, (k, v), k_scale, v_scale, out, lse, return_lse, variant_args, args, q_scale, window_left,
                          sinks, enable_pdl)
 
-    run_return_lse = functools.partialmethod(run, return_lse=True)
+    run_return_lse = returning_lse(run)
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,

@@ -269,6 +269,8 @@ def run_plan_or_compiled(
             )
         if plan is None:
             raise not_planned(wrapper)
+        if variant_args:  # (eager's TypeError: variant plans are refused above, so this plan takes none)
+            _launch_for(plan, wrapper, q, variant_args, None)
         from .compiled import run_compiled
 
         k, v = split_paged_kv_cache(kv, plan.kv_layout) if plan.page_size is not None else kv

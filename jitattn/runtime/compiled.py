@@ -19,6 +19,8 @@ import itertools
 import weakref
 import torch
 
+from .checks import check_tensor, refuse_grad_writes
+
 # The ops whose launch is a plan made outside the graph (or, in compiled_ops, that may copy host index arrays to the
 # device): under torch.compile's CUDA graphs (mode="reduce-overhead", as transformers' generate compiles a static
 # cache's forward) Inductor runs them between its graphs, not inside one whose replays would launch the captured plan
@@ -68,9 +70,21 @@ def run_compiled(
     q_scale: float = 1.0, q_repeat: int = 1,
 ):
     """The compiled path of a wrapper's run(): one custom op, results copied into out/lse if given."""
+    check_buffers("run()", out, lse, (q.shape[0] * q_repeat, q.shape[1], head_dim_vo), out_dtype)
     result, result_lse = torch.ops.jitattn.wrapper_run(key, q, k, v, head_dim_vo, out_dtype, k_scale, v_scale,
                                                        q_scale, q_repeat)
     return _returned(result, result_lse, out, lse, return_lse)
+
+
+def check_buffers(where: str, out: torch.Tensor | None, lse: torch.Tensor | None, shape: tuple, dtype) -> None:
+    """The caller's out / lse against the op's result, at trace time: eager's checks of their shapes and dtypes,
+    and of a grad-requiring buffer (the op's result is copied into them; their addresses are not traceable)."""
+    refuse_grad_writes(where, out=out, lse=lse)
+    for name, t, want, dtypes in (("out", out, shape, (dtype,)), ("lse", lse, shape[:2], (torch.float32,))):
+        if t is not None:
+            check_tensor(name, t, ndim=len(want), dtypes=dtypes, last_dim_contiguous=name == "out")
+            if tuple(t.shape) != want:
+                raise ValueError(f"{name} has shape {tuple(t.shape)}; expected {want}")
 
 
 def _returned(result: torch.Tensor, result_lse: torch.Tensor, out: torch.Tensor | None, lse: torch.Tensor | None,
@@ -159,5 +173,6 @@ def mla_run_compiled(key: int, q_nope: torch.Tensor, q_pe: torch.Tensor, ckv: to
         raise NotImplementedError("BatchMLAPagedAttentionWrapper.run() with scale tensors is not supported under "
                                   "torch.compile yet; pass Python floats or call it outside the compiled region")
     k_scale, v_scale = (1.0 if x is None else float(x) for x in (k_scale, v_scale))
+    check_buffers("BatchMLAPagedAttentionWrapper.run()", out, lse, (*q_nope.shape[:2], ckv.shape[-1]), q_nope.dtype)
     result, result_lse = torch.ops.jitattn.mla_run(key, q_nope, q_pe, ckv, kpe, k_scale, v_scale)
     return _returned(result, result_lse, out, lse, return_lse)

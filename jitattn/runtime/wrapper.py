@@ -261,6 +261,17 @@ def host_side(function):
     return torch.compiler.disable(function)
 
 
+def returning_lse(run):
+    """FlashInfer's ``run_return_lse`` (a ``functools.partialmethod`` there) as a plain method, which Dynamo traces
+    (a partialmethod's ``__get__`` it does not: under ``fullgraph=True`` the call failed): ``run`` with
+    ``return_lse=True``, a keyword the call gives winning as with a partialmethod."""
+
+    @functools.wraps(run)
+    def run_return_lse(self, *args, **kwargs):
+        return run(self, *args, **{"return_lse": True, **kwargs})
+    return run_return_lse
+
+
 def plan_arguments(plan_locals: dict) -> dict:
     """A ``plan()``'s arguments from the ``locals()`` it takes first thing (``forward()`` re-plans with them)."""
     call = dict(plan_locals)
