@@ -367,3 +367,17 @@ def test_run_return_lse_compiles_fullgraph(namespace: str) -> None:
         got = torch.compile(lambda q, c: call(q, c), fullgraph=True, backend="aot_eager")(q, batch.cache)
         for g, e in zip(got, call(q, batch.cache)):
             torch.testing.assert_close(g, e, atol=0, rtol=0)
+
+
+def test_hnd_ragged_prefill_does_not_recompile_when_the_kv_length_changes() -> None:
+    """Its check of the HND views against the plan's total_kv ran in the trace: a guard, a recompile at every plan."""
+    gen = torch.Generator().manual_seed(16)
+    wrapper = jitattn.BatchPrefillWithRaggedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8), "HND")
+    layer, graphs = _fullgraph_counted(lambda q, k, v: wrapper.run(q, k, v) + 0.0)
+    q = torch.randn(4, 4, 64, generator=gen).half()
+    k, v = (torch.randn(2, 64, 64, generator=gen).half() for _ in range(2))
+    for n in (1, 5, 30):
+        wrapper.plan(torch.tensor([0, 4], dtype=torch.int32), torch.tensor([0, 4 + n], dtype=torch.int32), 4, 2, 64,
+                     causal=True, q_data_type=torch.float16)
+        torch.testing.assert_close(layer(q, k, v), wrapper.run(q, k, v), atol=0, rtol=0)
+    assert len(graphs) == 1, f"recompiled {len(graphs) - 1} times across plan() calls"

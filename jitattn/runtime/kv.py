@@ -114,10 +114,12 @@ def check_kv_pair(
 def hnd_ragged_views(plan, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """HND ragged k / v ``[H_kv, total_kv, D]`` as the ``[total_kv, H_kv, D]`` views the kernels read, checked
     against ``plan`` (None: unplanned, run() says so) in the caller's order first, so an error shows the shape the
-    caller passed."""
+    caller passed. Under torch.compile the token count is left to the op's check when the graph runs (traced, the
+    plan's total_kv would become a guard: a recompile at every plan)."""
+    tokens = 0 if plan is None or torch.compiler.is_compiling() else plan.total_kv
     for name, t, dim in (("k", k, plan and plan.head_dim_qk), ("v", v, plan and plan.head_dim_vo)):
         check_tensor(name, t, ndim=3)
-        if plan is not None and (t.shape[0] != plan.num_kv_heads or t.shape[2] != dim or t.shape[1] < plan.total_kv):
+        if plan is not None and (t.shape[0] != plan.num_kv_heads or t.shape[2] != dim or t.shape[1] < tokens):
             raise ValueError(f"{name} has shape {tuple(t.shape)}; this wrapper's kv_layout is HND, so {name} is "
                              f"[num_kv_heads={plan.num_kv_heads}, >= {plan.total_kv} tokens, {dim}] (NHD tensors "
                              "need a wrapper built with kv_layout='NHD')")
