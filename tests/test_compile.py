@@ -381,3 +381,25 @@ def test_hnd_ragged_prefill_does_not_recompile_when_the_kv_length_changes() -> N
                      causal=True, q_data_type=torch.float16)
         torch.testing.assert_close(layer(q, k, v), wrapper.run(q, k, v), atol=0, rtol=0)
     assert len(graphs) == 1, f"recompiled {len(graphs) - 1} times across plan() calls"
+
+
+@pytest.mark.parametrize("namespace", ["jitattn", "jitattn.flashinfer"])
+def test_a_split_cascade_does_not_recompile_when_its_chunk_count_changes(namespace: str) -> None:
+    """Its run() passed the plan's state buffers through the trace: their chunk counts became guards and each plan of
+    another split recompiled (fullgraph=True failed on the ninth). The whole run is one op now."""
+    import importlib
+
+    api = importlib.import_module(namespace)
+    gen = torch.Generator().manual_seed(17)
+    cache = torch.randn(40, 2, 16, 2, 64, generator=gen).half()
+    q = torch.randn(2, 4, 64, generator=gen).half()
+    i32 = lambda *v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    wrapper = api.MultiLevelCascadeAttentionWrapper(2, torch.empty(8 << 20, dtype=torch.uint8))
+    step, graphs = _fullgraph_counted(lambda q, c: wrapper.run(q, c, return_lse=True))
+    for shared in (1, 4, 11, 2):
+        wrapper.plan([i32(0, 2), i32(0, 1, 2)], [i32(0, shared), i32(0, 1, 2)],
+                     [torch.arange(shared, dtype=torch.int32), i32(30, 31)], [i32(16), i32(5, 9)], 4, 2, 64, 16,
+                     q_data_type=torch.float16, fixed_split_size=1)
+        for got, expected in zip(step(q, cache), wrapper.run(q, cache, return_lse=True)):
+            torch.testing.assert_close(got, expected, atol=0, rtol=0)
+    assert len(graphs) == 1, f"recompiled {len(graphs) - 1} times across plan() calls"

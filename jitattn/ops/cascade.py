@@ -26,6 +26,7 @@ from ..runtime.batch import WorkspaceTooSmall, check_sinks, share_queries
 from ..runtime.builder import attention_options, kernel_spec, num_workers
 from ..runtime.cascade_states import LevelStates
 from ..runtime.checks import check_tensor, no_backward, not_planned, target_of
+from ..runtime.compiled import cascade_run_compiled, register_wrapper
 from ..runtime.merge import merge_state, merge_state_in_place, merge_states, merge_states_with_sinks
 from ..runtime.wrapper import NotCopyable, host_side, returning_lse, workspace_target
 from ..runtime.options import (check_flag, fp8_scale, parse_pos_encoding, per_level, positive_int,
@@ -67,7 +68,7 @@ class MultiLevelCascadeAttentionWrapper(NotCopyable):
         self._fused_states = 0
         self._dependent_decode = False  # that launch is a programmatic dependent of the levels' (sm_90 and later)
         self._batch_invariant = False  # the last plan's mode
-        self._workspace, self._kv_layout = float_workspace_buffer, kv_layout
+        self._workspace, self._kv_layout, self._op_key = float_workspace_buffer, kv_layout, register_wrapper(self)
         self._decode: BatchDecodeWithPagedKVCacheWrapper | None = None  # a last level of one query per request
         # Under CUDA graphs: the wrappers (with buffers of their own, sized for a batch shape) of levels cut
         # into chunks, by (level, chunk nodes + 1), and of a last level on the decode kernel, by batch size; and
@@ -429,7 +430,7 @@ class MultiLevelCascadeAttentionWrapper(NotCopyable):
         if variant_args and ("out" in variant_args or "lse" in variant_args):
             raise TypeError("MultiLevelCascadeAttentionWrapper.run() takes no out= or lse= (FlashInfer's takes (q, "
                             "paged_kv_cache) only): it returns a new output; for the lse pass return_lse=True")
-        if not self._level_chunks:
+        if len(self._level_chunks) == 0:  # (not its values: traced, they would be guards, a recompile a plan)
             raise not_planned("MultiLevelCascadeAttentionWrapper")
         check_tensor("MultiLevelCascadeAttentionWrapper.run(): q", q, last_dim_contiguous=False)
         return_lse = resolve_flag(return_lse, "return_lse")  # (a level wrapper's run() would check only one plan's)
@@ -440,11 +441,12 @@ class MultiLevelCascadeAttentionWrapper(NotCopyable):
                                          sinks=sinks, **variant_args)
         if sinks is not None and q.dim() == 3:  # checked before any level runs (the final merge applies them)
             check_sinks("MultiLevelCascadeAttentionWrapper.run()", sinks, q.shape[1], q.device)
-        # Every level (each chunk of a split one) writes its state into the plan's chunk-major buffer;
-        # one merge of all the states per query then gives the result (sinks applied there, once).
-        # Batch-invariant mode always merges, so a query whose batch has one state gets the bits it
-        # gets among more (empty extra states add exact zeros to the merge).
-        if not variant_args and sinks is None and not torch.compiler.is_compiling():
+        # Every level (each chunk of a split one) writes its state into the plan's chunk-major buffer, then one merge
+        # per query (sinks applied there; batch-invariant mode always merges: empty states add exact zeros).
+        if not variant_args and sinks is None:
+            if torch.compiler.is_compiling():  # one op (runtime/compiled.py)
+                return cascade_run_compiled(self._op_key, q, paged_kv_cache, self._kv_layout, k_scale, v_scale,
+                                            return_lse)
             # The per-layer path: each level's plan launched as its wrapper's run() would (that adds only
             # argument defaults here), the merged lse left in a scratch buffer unless asked for.
             k_scale = 1.0 if k_scale is None else fp8_scale(k_scale, "k_scale")
@@ -469,15 +471,14 @@ class MultiLevelCascadeAttentionWrapper(NotCopyable):
             wrapper.run(q, paged_kv_cache, k_scale=k_scale, v_scale=v_scale, out=out, lse=lse, **variant_args)
         if sinks is not None:
             out, lse = merge_states_with_sinks(states.v, states.s, sinks)
-        elif torch.compiler.is_compiling():
-            out, lse = merge_states(states.v, states.s)
-        else:
+        else:  # (variant parameters: refused under torch.compile by the level's run)
             out, lse = states.merge(states.v, states.s)
         return (out, lse) if return_lse else out
 
     run_return_lse = returning_lse(run)
     forward = run
     forward_return_lse = run_return_lse
+    run_natural_lse = run  # (not overridden by jitattn.flashinfer's base-2 run: the compiled op calls it)
 
 
 @dataclass(frozen=True)

@@ -176,3 +176,30 @@ def mla_run_compiled(key: int, q_nope: torch.Tensor, q_pe: torch.Tensor, ckv: to
     check_buffers("BatchMLAPagedAttentionWrapper.run()", out, lse, (*q_nope.shape[:2], ckv.shape[-1]), q_nope.dtype)
     result, result_lse = torch.ops.jitattn.mla_run(key, q_nope, q_pe, ckv, kpe, k_scale, v_scale)
     return _returned(result, result_lse, out, lse, return_lse)
+
+
+@torch.library.custom_op("jitattn::cascade_run", mutates_args=(), tags=OUTSIDE_CUDA_GRAPHS)
+def cascade_run(key: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_scale: float, v_scale: float
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The current plan of a cascade wrapper over the paged cache ``(k, v)``: (out, natural-log lse). One op for
+    every level and the merge: traced, the plan's state buffers (their chunk counts) would be guarded inputs."""
+    wrapper = _wrapper_of(key)
+    return wrapper.run_natural_lse(q, (k, v), k_scale=k_scale, v_scale=v_scale, return_lse=True)
+
+
+@cascade_run.register_fake
+def _cascade_run_fake(key, q, k, v, k_scale, v_scale):
+    return q.new_empty(q.shape), q.new_empty(q.shape[:2], dtype=torch.float32)
+
+
+def cascade_run_compiled(key: int, q: torch.Tensor, paged_kv_cache, kv_layout, k_scale, v_scale, return_lse: bool):
+    """The compiled path of ``MultiLevelCascadeAttentionWrapper.run()`` without sinks or variant parameters."""
+    from ..spec import KVLayout
+    from .kv import split_paged_kv_cache
+    from .options import fp8_scale
+
+    k, v = split_paged_kv_cache(paged_kv_cache, KVLayout.parse(kv_layout, "kv_layout"))
+    k_scale, v_scale = (1.0 if x is None else fp8_scale(x, name) for x, name in ((k_scale, "k_scale"),
+                                                                               (v_scale, "v_scale")))
+    out, lse = torch.ops.jitattn.cascade_run(key, q, k, v, k_scale, v_scale)
+    return (out, lse) if return_lse else out
