@@ -23,8 +23,8 @@ import torch
 
 from ..runtime.wrapper import NotCopyable, host_side, workspace_target
 from ..runtime.checks import check_planned_dtype, check_tensor, named_refusals, no_backward, not_planned
-from ..runtime.options import (check_flag, check_flags, parse_kv_layout, parse_pos_encoding, refuse_unsupported,
-                                 resolve_dtypes, resolve_flag, resolve_window_left)
+from ..runtime.options import (check_flag, check_flags, number, parse_kv_layout, parse_pos_encoding,
+                                 refuse_unsupported, resolve_dtypes, resolve_flag, resolve_window_left)
 from .decode import BatchDecodeWithPagedKVCacheWrapper
 from ..page_table import check_indptr, check_paged_index
 from ..runtime.side_by_side import prefill_blocks, side_by_side
@@ -48,7 +48,7 @@ def _effective(name: str, value, head_dim: int):
         return value
     if value is None:
         value = {"sm_scale": 1.0 / math.sqrt(head_dim), "rope_scale": 1.0, "rope_theta": 1e4}[name]
-    return float(np.float32(value))
+    return float(np.float32(number(value, f"{name}_d")))  # (a run's value that is no number: a clear TypeError)
 
 
 def _pod_result(out_p, out_d, lse_p, lse_d, with_lse: bool):
