@@ -9,7 +9,9 @@ that applies RoPE before its kernel rotates its operands in a second op,
 cache's rows gathered (the fp8 upcast, RoPE first) gathers them in a third,
 ``jitattn::wrapper_kv_rows``, whose row count is the plan's (a size the graph
 does not specialise on). ``BatchMLAPagedAttentionWrapper.run()`` is one op,
-``jitattn::mla_run`` (its launch checks the latent caches' addresses). The fake
+``jitattn::mla_run`` (its launch checks the latent caches' addresses), and
+``MultiLevelCascadeAttentionWrapper.run()`` one, ``jitattn::cascade_run`` (every
+level and the merge: the plan's state buffers stay out of the graph). The fake
 implementations give output shapes and dtypes without running anything.
 """
 
