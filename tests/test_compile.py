@@ -238,19 +238,28 @@ def test_a_plan_inside_a_compiled_step_runs_on_the_host() -> None:
     assert out.shape == (2, 4, 64) and not out.any()
 
 
-def test_batch_attention_runs_under_compile() -> None:
+@pytest.mark.parametrize("namespace", ["jitattn", "jitattn.flashinfer"])
+def test_batch_attention_compiles_fullgraph_across_plans(namespace: str) -> None:
     """Its run() composes the parts' launches in Python (a data_ptr comparison among them): traced, it broke the
-    graph mid-function and torch failed building guards ("sources must not be empty"). It is a graph break now."""
+    graph mid-function and torch failed building guards ("sources must not be empty"); then it was a graph break.
+    It is one custom op now (jitattn::batch_attention_run): one graph across plans of other mixes."""
+    import importlib
+
+    api = importlib.import_module(namespace)
     gen = torch.Generator().manual_seed(8)
     i32 = lambda *v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
     cache = torch.randn(8, 2, 16, 2, 64, generator=gen).half()
-    wrapper = jitattn.BatchAttention(device="cpu")
-    wrapper.plan(i32(0, 1, 8), i32(0, 2, 4), i32(0, 1, 2, 3), i32(20, 30), 4, 2, 64, 64, 16, causal=True,
-                 q_data_type=torch.float16, kv_data_type=torch.float16)
+    wrapper = api.BatchAttention(device="cpu")
+    layer, graphs = _fullgraph_counted(lambda q, c: wrapper.run(q, c))
     q = torch.randn(8, 4, 64, generator=gen).half()
-    compiled = torch.compile(lambda q, c: wrapper.run(q, c), backend="aot_eager")
-    for got, expected in zip(compiled(q, cache), wrapper.run(q, cache)):
-        torch.testing.assert_close(got, expected, atol=0, rtol=0)
+    for qo, lens in (((0, 1, 8), (20, 30)), ((0, 4, 8), (9, 40)), ((0, 1, 2, 8), (5, 7, 33))):
+        pages = [(n + 15) // 16 for n in lens]
+        indptr = i32(*[sum(pages[:i]) for i in range(len(pages) + 1)])
+        wrapper.plan(i32(*qo), indptr, i32(*range(sum(pages))), i32(*lens), 4, 2, 64, 64, 16, causal=True,
+                     q_data_type=torch.float16, kv_data_type=torch.float16)
+        for got, expected in zip(layer(q, cache), wrapper.run(q, cache)):
+            torch.testing.assert_close(got, expected, atol=0, rtol=0)
+    assert len(graphs) == 1, f"{len(graphs)} graphs across plan() calls"
 
 
 def test_mla_compiles_fullgraph_over_views_of_one_latent_buffer() -> None:

@@ -19,6 +19,7 @@ from ..runtime.checks import (check_no_overlap, check_tensor, named_refusals, no
                               refuse_outputs_over_inputs)
 from ..runtime.options import number, parse_dtype, positive_int, refuse_unsupported, resolve_batch_invariant
 from ..runtime.side_by_side import prefill_blocks, side_by_side
+from ..runtime.compiled import batch_attention_run_compiled, register_wrapper
 from ..runtime.wrapper import NotCopyable, host_side
 from ..page_table import check_indptr, check_page_table, to_host_int32
 from .decode import BatchDecodeWithPagedKVCacheWrapper
@@ -119,6 +120,8 @@ class BatchAttention(NotCopyable):
         self._parts: list[tuple[_Part, object]] = []  # (rows, wrapper) of each part that has requests
         self._prefill_blocks = 0  # the prefill part's grid cap beside the decode part (runtime.side_by_side)
         self._shape: tuple[int, int, int, int] = (0, 0, 0, 0)  # query rows, heads, head_dim_qk, head_dim_vo
+        self._head_dim_vo = 0  # (alone: under torch.compile the rows of _shape would be guards)
+        self._op_key = register_wrapper(self)
 
     @host_side
     def plan(
@@ -180,6 +183,7 @@ class BatchAttention(NotCopyable):
         self._prefill_blocks = 0 if len(parts) < 2 else prefill_blocks(
             self._prefill.current_plan, np.diff(parts[0][0].qo_indptr.numpy()), self._decode.current_plan)
         self._shape = (int(qo[-1]), int(num_qo_heads), int(head_dim_qk), int(head_dim_vo))
+        self._head_dim_vo = self._shape[3]
         self._logits_soft_cap = 0.0 if logits_soft_cap is None else float(logits_soft_cap)
 
     def _plan_decode(self, part: _Part, num_qo_heads, num_kv_heads, head_dim, page_size, sm_scale, logits_soft_cap,
@@ -200,7 +204,6 @@ class BatchAttention(NotCopyable):
                           page_size, logits_soft_cap=logits_soft_cap, q_data_type=q_data_type,
                           kv_data_type=kv_data_type, sm_scale=sm_scale, batch_invariant=invariant)
 
-    @host_side  # under torch.compile a graph break: the parts' launches compose in Python
     @no_backward
     def run(
         self, q: torch.Tensor, kv_cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
@@ -217,6 +220,9 @@ class BatchAttention(NotCopyable):
         refuse_unsupported(f"{self._NAME}.run", "profile with nsys / ncu (kernels carry readable names)",
                            profiler_buffer=profiler_buffer)
         self._check_run_cap(logits_soft_cap)
+        if torch.compiler.is_compiling():  # one op (runtime/compiled.py): the parts' launches compose in Python
+            return batch_attention_run_compiled(self._op_key, q, kv_cache, self._kv_layout, out, lse, k_scale, v_scale,
+                                                self._head_dim_vo)
         for name, given in (("out", out), ("lse", lse)):
             if given is not None:  # a tensor; its shape, dtype and device are checked with q's below
                 check_tensor(name, given, last_dim_contiguous=False)
@@ -256,6 +262,8 @@ class BatchAttention(NotCopyable):
             part.put(out, part_out)
             part.put(lse, part_lse)
         return out, lse
+
+    run_natural_lse = run  # (not overridden by jitattn.flashinfer's base-2 run: the compiled op calls it)
 
     def _check_run_cap(self, logits_soft_cap) -> None:
         """``run``'s ``logits_soft_cap``: 0 / None (the planned cap) or the planned cap itself."""

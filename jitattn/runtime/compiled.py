@@ -205,3 +205,31 @@ def cascade_run_compiled(key: int, q: torch.Tensor, paged_kv_cache, kv_layout, k
                                                                                (v_scale, "v_scale")))
     out, lse = torch.ops.jitattn.cascade_run(key, q, k, v, k_scale, v_scale)
     return (out, lse) if return_lse else out
+
+
+@torch.library.custom_op("jitattn::batch_attention_run", mutates_args=(), tags=OUTSIDE_CUDA_GRAPHS)
+def batch_attention_run(key: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_scale: float, v_scale: float,
+                        head_dim_vo: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The current plan of a ``BatchAttention`` over the paged cache ``(k, v)``: (out, natural-log lse). One op for
+    its parts (prefill and decode, side by side), which compose in Python."""
+    return _wrapper_of(key).run_natural_lse(q, (k, v), k_scale=k_scale, v_scale=v_scale)
+
+
+@batch_attention_run.register_fake
+def _batch_attention_run_fake(key, q, k, v, k_scale, v_scale, head_dim_vo):
+    return q.new_empty((*q.shape[:2], head_dim_vo)), q.new_empty(q.shape[:2], dtype=torch.float32)
+
+
+def batch_attention_run_compiled(key: int, q: torch.Tensor, kv_cache, kv_layout, out, lse, k_scale, v_scale,
+                                 head_dim_vo: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The compiled path of ``BatchAttention.run()``: one custom op, results copied into out / lse if given."""
+    from ..spec import KVLayout
+    from .kv import split_paged_kv_cache
+    from .options import fp8_scale
+
+    k, v = split_paged_kv_cache(kv_cache, KVLayout.parse(kv_layout, "kv_layout"))
+    k_scale, v_scale = (1.0 if x is None else fp8_scale(x, name) for x, name in ((k_scale, "k_scale"),
+                                                                               (v_scale, "v_scale")))
+    check_buffers("BatchAttention.run()", out, lse, (*q.shape[:2], head_dim_vo), q.dtype)
+    result, result_lse = torch.ops.jitattn.batch_attention_run(key, q, k, v, k_scale, v_scale, head_dim_vo)
+    return _returned(result, result_lse, out, lse, True)
