@@ -249,8 +249,8 @@ def test_ops_that_launch_a_plan_or_copy_host_arrays_stay_outside_inductors_cuda_
     """Under mode="reduce-overhead" (transformers' generate compiles a static cache's forward so on a GPU) a replay of
     a graph holding a wrapper's launch would run the captured plan: Inductor partitions around such ops."""
     unsafe = torch._C.Tag.cudagraph_unsafe
-    for name in ("wrapper_run", "wrapper_rope_first", "wrapper_kv_rows", "mla_run", "rotate", "append_paged_kv_cache",
-                 "append_paged_mla_kv_cache"):
+    for name in ("wrapper_run", "wrapper_rope_first", "wrapper_kv_rows", "mla_run", "cascade_run", "batch_attention_run",
+                 "rotate", "append_paged_kv_cache", "append_paged_mla_kv_cache"):
         assert unsafe in getattr(torch.ops.jitattn, name).default.tags, name
     for name in ("rms_norm", "act_and_mul", "merge_state"):  # device work only: captured with their neighbours
         assert unsafe not in getattr(torch.ops.jitattn, name).default.tags, name
