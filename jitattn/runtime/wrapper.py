@@ -256,8 +256,9 @@ def drops_plan_on_failure(plan):
 def host_side(function):
     """``function`` run eagerly under torch.compile, a graph break. A plan computes on the host from index arrays and
     binds the kernels' argument structs to their addresses, which a trace would turn into fake tensors (an empty
-    array's placeholder address lost, a launch refused); what runs each step is the run() custom op. The mixed
-    batches' run() (BatchAttention, POD) composes its parts' launches in Python, which no graph holds either."""
+    array's placeholder address lost, a launch refused); what runs each step is the run() custom op. The POD
+    wrappers' run() composes its parts' launches in Python (and plans the prefill part), which no graph holds
+    either."""
     return torch.compiler.disable(function)
 
 
