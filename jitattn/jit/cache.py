@@ -80,8 +80,9 @@ def layers() -> list[Path]:
     seen = {os.path.realpath(writable)}
     found = []
     for base in (layer / SCHEMA for layer in env.cache_path()):
-        if os.path.realpath(base) not in seen:
-            seen.add(os.path.realpath(base))
+        real = os.path.realpath(base)
+        if real not in seen:
+            seen.add(real)
             found.append(base)
     found.append(writable)
     return found

@@ -21,7 +21,10 @@ import itertools
 import weakref
 import torch
 
+from ..spec import KVLayout
 from .checks import check_tensor, refuse_grad_writes
+from .kv import split_paged_kv_cache
+from .options import fp8_scale
 
 # The ops whose launch is a plan made outside the graph (or, in compiled_ops, that may copy host index arrays to the
 # device): under torch.compile's CUDA graphs (mode="reduce-overhead", as transformers' generate compiles a static
@@ -89,6 +92,11 @@ def check_buffers(where: str, out: torch.Tensor | None, lse: torch.Tensor | None
                 raise ValueError(f"{name} has shape {tuple(t.shape)}; expected {want}")
 
 
+def _scales(k_scale, v_scale) -> tuple[float, float]:
+    """A run's ``k_scale`` / ``v_scale`` as the floats an op takes (None: 1; a tensor is refused under compile)."""
+    return tuple(1.0 if x is None else fp8_scale(x, name) for x, name in ((k_scale, "k_scale"), (v_scale, "v_scale")))
+
+
 def _returned(result: torch.Tensor, result_lse: torch.Tensor, out: torch.Tensor | None, lse: torch.Tensor | None,
               return_lse: bool):
     """An op's (out, lse) as run() returns them: copied into the caller's out / lse when given."""
@@ -146,9 +154,6 @@ def gathered_kv_rows(key: int, gather, paged_kv_cache) -> tuple[torch.Tensor, to
     time (its checks of the cache against the plan run there, not as guards of the graph)."""
     if not torch.compiler.is_compiling():
         return gather(paged_kv_cache)
-    from ..spec import KVLayout
-    from .kv import split_paged_kv_cache
-
     k, v = split_paged_kv_cache(paged_kv_cache, gather.kv_layout)
     heads_dim = 2 if gather.kv_layout is KVLayout.NHD else 1
     return torch.ops.jitattn.wrapper_kv_rows(key, k, v, heads_dim, gather.out_dtype)
@@ -171,10 +176,7 @@ def _mla_run_fake(key, q_nope, q_pe, ckv, kpe, k_scale, v_scale):
 def mla_run_compiled(key: int, q_nope: torch.Tensor, q_pe: torch.Tensor, ckv: torch.Tensor, kpe: torch.Tensor, *,
                      out: torch.Tensor | None, lse: torch.Tensor | None, return_lse: bool, k_scale, v_scale):
     """The compiled path of ``BatchMLAPagedAttentionWrapper.run()``: one custom op, results copied into out / lse."""
-    if isinstance(k_scale, torch.Tensor) or isinstance(v_scale, torch.Tensor):
-        raise NotImplementedError("BatchMLAPagedAttentionWrapper.run() with scale tensors is not supported under "
-                                  "torch.compile yet; pass Python floats or call it outside the compiled region")
-    k_scale, v_scale = (1.0 if x is None else float(x) for x in (k_scale, v_scale))
+    k_scale, v_scale = _scales(k_scale, v_scale)
     check_buffers("BatchMLAPagedAttentionWrapper.run()", out, lse, (*q_nope.shape[:2], ckv.shape[-1]), q_nope.dtype)
     result, result_lse = torch.ops.jitattn.mla_run(key, q_nope, q_pe, ckv, kpe, k_scale, v_scale)
     return _returned(result, result_lse, out, lse, return_lse)
@@ -196,14 +198,8 @@ def _cascade_run_fake(key, q, k, v, k_scale, v_scale):
 
 def cascade_run_compiled(key: int, q: torch.Tensor, paged_kv_cache, kv_layout, k_scale, v_scale, return_lse: bool):
     """The compiled path of ``MultiLevelCascadeAttentionWrapper.run()`` without sinks or variant parameters."""
-    from ..spec import KVLayout
-    from .kv import split_paged_kv_cache
-    from .options import fp8_scale
-
     k, v = split_paged_kv_cache(paged_kv_cache, KVLayout.parse(kv_layout, "kv_layout"))
-    k_scale, v_scale = (1.0 if x is None else fp8_scale(x, name) for x, name in ((k_scale, "k_scale"),
-                                                                               (v_scale, "v_scale")))
-    out, lse = torch.ops.jitattn.cascade_run(key, q, k, v, k_scale, v_scale)
+    out, lse = torch.ops.jitattn.cascade_run(key, q, k, v, *_scales(k_scale, v_scale))
     return (out, lse) if return_lse else out
 
 
@@ -223,13 +219,7 @@ def _batch_attention_run_fake(key, q, k, v, k_scale, v_scale, head_dim_vo):
 def batch_attention_run_compiled(key: int, q: torch.Tensor, kv_cache, kv_layout, out, lse, k_scale, v_scale,
                                  head_dim_vo: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The compiled path of ``BatchAttention.run()``: one custom op, results copied into out / lse if given."""
-    from ..spec import KVLayout
-    from .kv import split_paged_kv_cache
-    from .options import fp8_scale
-
     k, v = split_paged_kv_cache(kv_cache, KVLayout.parse(kv_layout, "kv_layout"))
-    k_scale, v_scale = (1.0 if x is None else fp8_scale(x, name) for x, name in ((k_scale, "k_scale"),
-                                                                               (v_scale, "v_scale")))
     check_buffers("BatchAttention.run()", out, lse, (*q.shape[:2], head_dim_vo), q.dtype)
-    result, result_lse = torch.ops.jitattn.batch_attention_run(key, q, k, v, k_scale, v_scale, head_dim_vo)
+    result, result_lse = torch.ops.jitattn.batch_attention_run(key, q, k, v, *_scales(k_scale, v_scale), head_dim_vo)
     return _returned(result, result_lse, out, lse, True)

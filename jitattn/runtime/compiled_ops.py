@@ -27,11 +27,6 @@ from .compiled import OUTSIDE_CUDA_GRAPHS
 from .options import resolve_flag
 
 
-def _tensor(name: str, value) -> None:
-    if not isinstance(value, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
-
-
 @torch.library.custom_op("jitattn::rms_norm", mutates_args=("out", "residual"))
 def _rms_norm_op(what: str, input: Optional[torch.Tensor], weight: torch.Tensor, eps: float, out: torch.Tensor,
                  residual: Optional[torch.Tensor], weight_offset: float) -> None:
@@ -48,7 +43,7 @@ def rms_norm(what: str, input: torch.Tensor, weight: torch.Tensor, eps, out: tor
     """``pointwise.rms_norm`` as one op of the graph."""
     for name, t in dict(input=input, weight=weight, out=out, residual=residual).items():
         if t is not None or name != "residual":
-            _tensor(name, t)
+            check_tensor(name, t, last_dim_contiguous=False)
     refuse_grad_writes(what, **{"input" if out is input else "out": out, "residual": residual})
     torch.ops.jitattn.rms_norm(what, None if out is input else input, weight, pointwise.check_eps(eps), out, residual,
                                float(weight_offset))
@@ -72,7 +67,7 @@ def act_and_mul(what: str, act: str, input: torch.Tensor, out: torch.Tensor | No
                          "activation's half, then the half it multiplies)")
     if out is None:
         out = input.new_empty((*input.shape[:-1], input.shape[-1] // 2))
-    _tensor("out", out)
+    check_tensor("out", out, last_dim_contiguous=False)
     refuse_grad_writes(what, out=out)
     torch.ops.jitattn.act_and_mul(what, act, input, out)
     return out
@@ -101,11 +96,11 @@ def rotate(q: torch.Tensor, k: torch.Tensor, q_out: torch.Tensor, k_out: torch.T
     """``rope.rotate`` as one op of the graph."""
     p = positions
     for name, t in zip(names, (q, k)):
-        _tensor(name, t)
+        check_tensor(name, t, last_dim_contiguous=False)
     for name, t in ((p.pos_ids_name, p.pos_ids),) if p.pos_ids_name else (("indptr", p.indptr), ("offsets", p.offsets)):
-        _tensor(name, t)
+        check_tensor(name, t, last_dim_contiguous=False)
     if angles.cos_sin_cache is not None:
-        _tensor("cos_sin_cache", angles.cos_sin_cache)
+        check_tensor("cos_sin_cache", angles.cos_sin_cache, last_dim_contiguous=False)
     if rotary_dim is not None:
         rotary_dim = rope.rotary_dim_of(rotary_dim, q.shape[-1])
     refuse_grad_writes("rope", **({names[0]: q_out, names[1]: k_out} if q_out is q else {}))
@@ -135,16 +130,16 @@ def append_paged_kv_cache(append_key, append_value, batch_indices, positions, pa
     index = [batch_indices, positions, kv_indices, kv_indptr, kv_last_page_len]
     for name, t in zip(("append_key", "append_value", "batch_indices", "positions", "kv_indices", "kv_indptr",
                         "kv_last_page_len"), (append_key, append_value, *index)):
-        _tensor(name, t)
+        check_tensor(name, t, last_dim_contiguous=False)
     if isinstance(paged_kv_cache, (tuple, list)):
         if len(paged_kv_cache) != 2:
             raise ValueError(f"paged_kv_cache as a tuple must be (k_cache, v_cache); got {len(paged_kv_cache)} items")
         k_cache, v_cache = paged_kv_cache
-        _tensor("paged_kv_cache's k", k_cache)
-        _tensor("paged_kv_cache's v", v_cache)
+        check_tensor("paged_kv_cache's k", k_cache, last_dim_contiguous=False)
+        check_tensor("paged_kv_cache's v", v_cache, last_dim_contiguous=False)
     else:
         (k_cache, v_cache) = (paged_kv_cache, None)
-        _tensor("paged_kv_cache", k_cache)
+        check_tensor("paged_kv_cache", k_cache, last_dim_contiguous=False)
     refuse_grad_writes("append_paged_kv_cache", paged_kv_cache=k_cache, **{"paged_kv_cache's v": v_cache})
     torch.ops.jitattn.append_paged_kv_cache(append_key, append_value, index, k_cache, v_cache,
                                             KVLayout.parse(kv_layout, "kv_layout").value)
@@ -169,6 +164,6 @@ def append_paged_mla_kv_cache(append_ckv, append_kpe, batch_indices, positions, 
     for name, t in zip(("append_ckv", "append_kpe", "batch_indices", "positions", "ckv_cache", "kpe_cache",
                         "kv_indices", "kv_indptr", "kv_last_page_len"),
                        (append_ckv, append_kpe, batch_indices, positions, ckv_cache, kpe_cache, *index[2:])):
-        _tensor(name, t)
+        check_tensor(name, t, last_dim_contiguous=False)
     refuse_grad_writes("append_paged_mla_kv_cache", ckv_cache=ckv_cache, kpe_cache=kpe_cache)
     torch.ops.jitattn.append_paged_mla_kv_cache(append_ckv, append_kpe, index, ckv_cache, kpe_cache)
