@@ -16,6 +16,14 @@ def packed_mask_indptr(qo_lens: list[int], kv_lens: list[int]) -> torch.Tensor:
     return torch.tensor(out, dtype=torch.int32)
 
 
+def host_mask(name: str, mask: torch.Tensor) -> torch.Tensor:
+    """``mask`` (an argument called ``name``) copied to the host, where masks are packed; a meta tensor has no values
+    to copy."""
+    if mask.device.type == "meta":
+        raise ValueError(f"{name} is a meta tensor (a shape without values); pass the mask itself")
+    return mask.detach().to("cpu")
+
+
 def segment_packbits(custom_mask: torch.Tensor, qo_lens: list[int], kv_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """Pack FlashInfer's flattened boolean mask per request, bit i of a request at byte i//8, bit i%8.
 
@@ -28,7 +36,7 @@ def segment_packbits(custom_mask: torch.Tensor, qo_lens: list[int], kv_lens: lis
         raise ValueError(f"custom_mask has shape {tuple(custom_mask.shape)}; pass it flattened (1-D: each request's "
                          "[qo_len, kv_len] mask row-major, the requests concatenated)"
                          + (f", or [qo_len, kv_len] = {one} for this one request" if one else ""))
-    mask = custom_mask.detach().to("cpu").reshape(-1)
+    mask = host_mask("custom_mask", custom_mask).reshape(-1)
     if mask.dtype != torch.bool:
         raise TypeError(f"custom_mask has dtype {mask.dtype}; pass a bool mask (or packed_custom_mask as uint8)")
     expected = sum(q * k for q, k in zip(qo_lens, kv_lens))

@@ -667,3 +667,60 @@ def test_flashinfer_install_takes_a_module_name_and_its_functions_pickle():
             namespace.install(bad)
     for function in (namespace.single_decode_with_kv_cache, namespace.single_prefill_with_kv_cache):
         assert pickle.loads(pickle.dumps(function)) is function
+
+
+def _ragged_graph_wrapper(**mask_buffers) -> jitattn.BatchPrefillWithRaggedKVCacheWrapper:
+    i32 = dict(dtype=torch.int32)
+    return jitattn.BatchPrefillWithRaggedKVCacheWrapper(
+        _workspace(), use_cuda_graph=True, qo_indptr_buf=torch.empty(3, **i32), kv_indptr_buf=torch.empty(3, **i32),
+        **mask_buffers)
+
+
+@pytest.mark.parametrize("given", [{}, {"custom_mask_buf": torch.empty(64, dtype=torch.uint8)},
+                                   {"mask_indptr_buf": torch.empty(3, dtype=torch.int32)}],
+                         ids=["none", "mask-only", "indptr-only"])
+def test_a_graph_wrapper_refuses_a_mask_without_its_fixed_buffers(given):
+    """A captured run() reads the mask where the plan of its capture put it: without the caller's fixed buffers each
+    plan's mask would be a new allocation, and replays after a re-plan would read a stale or freed one."""
+    qo, kv = torch.tensor([0, 3, 5], dtype=torch.int32), torch.tensor([0, 6, 10], dtype=torch.int32)
+    missing = [name for name in ("custom_mask_buf", "mask_indptr_buf") if name not in given]
+    with pytest.raises(ValueError, match=f"needs the fixed buffers {' and '.join(missing)}"):
+        _ragged_graph_wrapper(**given).plan(qo, kv, HQ, HKV, D, custom_mask=torch.ones(26, dtype=torch.bool))
+    _ragged_graph_wrapper(**given).plan(qo, kv, HQ, HKV, D, causal=True)  # no mask: no mask buffers needed
+
+
+def test_a_graph_wrapper_plans_masks_into_its_fixed_buffers():
+    """Each plan's packed mask goes into the same caller buffer, and the run reads the latest plan's mask."""
+    gen = torch.Generator().manual_seed(21)
+    qo, kv = torch.tensor([0, 3, 5], dtype=torch.int32), torch.tensor([0, 6, 10], dtype=torch.int32)
+    q, k, v = torch.randn(5, HQ, D, generator=gen), torch.randn(10, HKV, D, generator=gen), torch.randn(10, HKV, D,
+                                                                                                        generator=gen)
+    mask_buf = torch.empty(64, dtype=torch.uint8)
+    wrapper = _ragged_graph_wrapper(custom_mask_buf=mask_buf, mask_indptr_buf=torch.empty(3, dtype=torch.int32))
+    for seed in (1, 2):
+        mask = torch.rand(26, generator=torch.Generator().manual_seed(seed)) < 0.6
+        wrapper.plan(qo, kv, HQ, HKV, D, custom_mask=mask, q_data_type=torch.float32)
+        assert wrapper._plan.custom_mask.data_ptr() == mask_buf.data_ptr()
+        out = wrapper.run(q, k, v)
+        ref, _ = reference.batch_ragged_attention(q, k, v, qo, kv, custom_mask=mask)
+        assert_close_out(out, ref, torch.float32)
+
+
+def test_a_mask_passed_to_run_is_named_as_a_plan_argument():
+    wrapper = jitattn.BatchPrefillWithRaggedKVCacheWrapper(_workspace())
+    qo = torch.tensor([0, 3], dtype=torch.int32)
+    wrapper.plan(qo, qo, HQ, HKV, D, q_data_type=torch.float32)
+    q, k = torch.randn(3, HQ, D), torch.randn(3, HKV, D)
+    with pytest.raises(TypeError, match=r"\['custom_mask'\]; custom_mask is a plan\(\) argument"):
+        wrapper.run(q, k, k, custom_mask=torch.ones(9, dtype=torch.bool))
+    with pytest.raises(TypeError, match="parameters of a custom variant"):
+        wrapper.run(q, k, k, gate=1.0)
+
+
+@pytest.mark.parametrize("name", ["custom_mask", "packed_custom_mask"])
+def test_a_meta_mask_is_refused_by_name(name):
+    q, k = torch.randn(3, HQ, D), torch.randn(4, HKV, D)
+    mask = torch.ones(3, 4, dtype=torch.bool, device="meta") if name == "custom_mask" else torch.ones(
+        2, dtype=torch.uint8, device="meta")
+    with pytest.raises(ValueError, match=f"{name} is a meta tensor"):
+        jitattn.single_prefill_with_kv_cache(q, k, k, **{name: mask})

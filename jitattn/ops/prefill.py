@@ -20,7 +20,7 @@ from ..runtime.options import (PAGE_TABLE_HINT, check_flag, hashable, parse_kv_l
                                  refuse_unsupported, resolve_batch_invariant, resolve_flag)
 from ..page_table import PagedIndex, check_indptr, check_paged_index
 from ..kv_split import check_fixed_split_size, check_workspace_limits, unsplit
-from ..masks import multi_item_mask, packed_mask_indptr, segment_packbits
+from ..masks import host_mask, multi_item_mask, packed_mask_indptr, segment_packbits
 from ..variant import AttentionVariant
 from ..spec import KVLayout, MaskMode, Op, Target
 from .prefill_fp8 import single_prefill_fp8
@@ -70,7 +70,7 @@ def _plan_prefill(
                 f"packed_custom_mask has {packed_custom_mask.numel()} bytes; expected {int(mask_indptr_host[-1])} "
                 "(each request's qo_len*kv_len bits packed little-endian, starting on a byte)"
             )
-        mask_host = packed_custom_mask.detach().to("cpu")
+        mask_host = host_mask("packed_custom_mask", packed_custom_mask)
     elif custom_mask is not None:
         mask_host, mask_indptr_host = segment_packbits(custom_mask, qo_lens, kv_lens)
     mask_mode = MaskMode.CUSTOM if mask_host is not None else (MaskMode.CAUSAL if causal else MaskMode.NONE)

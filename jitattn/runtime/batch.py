@@ -24,7 +24,7 @@ from .checks import (FP8_DTYPES, byte_extent, check_no_overlap, check_planned_dt
 from .kv import check_kv_pair, split_paged_kv_cache
 from .launch import PreparedAttention
 from .options import AttentionOptions
-from .variant_args import VariantArgs
+from .variant_args import VariantArgs, unexpected_run_arguments
 
 
 @dataclass
@@ -320,10 +320,7 @@ def _launch_for(plan: AttentionPlan | None, wrapper: str, q, variant_args: dict 
     if plan.variant_args is not None:
         plan.variant_args.fill(variant_args or {}, q.device, plan.total_qo)
     elif variant_args:
-        raise TypeError(
-            f"{wrapper}.run() got unexpected keyword argument(s) {sorted(variant_args)}; extra arguments are the "
-            "parameters of a custom variant, and this plan has none (plan(..., variant=...))"
-        )
+        raise unexpected_run_arguments(wrapper, variant_args)
     if not isinstance(q, torch.Tensor):
         raise TypeError(f"{wrapper}.run(): q must be a torch.Tensor, got {type(q).__name__}")
     if sinks is not None:

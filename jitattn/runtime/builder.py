@@ -144,6 +144,19 @@ def upload_mask(host: torch.Tensor, device: torch.device, buffer: torch.Tensor |
     return padded[: max(n, 1)]
 
 
+def _check_graph_mask_buffers(wrapper: str, buffers: dict[str, torch.Tensor | None]) -> None:
+    """A custom mask planned by a ``use_cuda_graph=True`` wrapper goes into the caller's fixed buffers: a captured run
+    reads the mask where the plan of its capture put it, so a copy of each plan's own would leave replays reading a
+    stale or freed one (FlashInfer refuses the same)."""
+    missing = [arg for role, arg in (("custom_mask", "custom_mask_buf"), ("mask_indptr", "mask_indptr_buf"))
+               if buffers.get(role) is None]
+    if missing:
+        raise ValueError(f"{wrapper}.plan(): a custom mask under use_cuda_graph=True needs the fixed buffers "
+                         f"{' and '.join(missing)} (construct the wrapper with them, sized for the largest mask: "
+                         "uint8 bytes of the packed mask, int32 [batch_size + 1]); a captured run() reads the mask "
+                         "where its plan put it")
+
+
 def build_plan(
     wrapper: str, target: Target, device: torch.device, kv_layout: KVLayout, options: AttentionOptions,
     host: HostIndex, split: KVSplit, buffers: dict[str, torch.Tensor | None], use_cuda_graph: bool,
@@ -156,6 +169,8 @@ def build_plan(
     ``launch``: a paged plan's prepared launch of the same kernel, options, batch, page size, split and
     counters (the previous plan's, which must no longer be in use): pointed at the uploaded arrays and
     used instead of filling a new one."""
+    if use_cuda_graph and host.mask is not None:
+        _check_graph_mask_buffers(wrapper, buffers)
     if spec is None:
         storage = KVStorage.PAGED if host.paged is not None else KVStorage.RAGGED
         spec = kernel_spec(options, target, kv_layout, storage)

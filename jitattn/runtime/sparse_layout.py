@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..masks import host_mask
 from .checks import check_tensor
 from .options import positive_int
 
@@ -167,7 +168,7 @@ def bsr_packed_mask(mask, geometry: BsrGeometry, R: int, C: int) -> torch.Tensor
     request_bytes = _block_row_mask_bytes(geometry)
     first_bit = (np.cumsum(request_bytes) - request_bytes) * 8
     bits = torch.zeros(int(request_bytes.sum()) * 8, dtype=torch.bool)
-    host = mask.detach().to("cpu")
+    host = host_mask("mask", mask)
     row = torch.arange(R, dtype=torch.int64)[None, :, None]
     col = torch.arange(C, dtype=torch.int64)[None, None, :]
     step = max(1, _MASK_CHUNK // (R * C))

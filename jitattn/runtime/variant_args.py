@@ -17,6 +17,18 @@ from ..abi import ctypes_struct, variant_params_entry
 from ..variant import TENSOR_DTYPES, AttentionVariant
 
 _INT_RANGE = {"i32": (-(2**31), 2**31 - 1), "i64": (-(2**63), 2**63 - 1)}
+# plan() arguments a caller may pass to run() by mistake: the mask, its mode and the variant are planned
+_PLAN_ONLY = frozenset({"custom_mask", "packed_custom_mask", "causal", "mask_mode", "variant", "pos_encoding_mode",
+                        "logits_soft_cap", "sm_scale", "rope_scale", "rope_theta"})
+
+
+def unexpected_run_arguments(wrapper: str, names) -> TypeError:
+    """The error for ``run()`` keyword arguments ``names`` of a plan without a custom variant."""
+    planned = sorted(set(names) & _PLAN_ONLY)
+    hint = (f"{', '.join(planned)} {'is a' if len(planned) == 1 else 'are'} plan() argument{'s' * (len(planned) > 1)}: "
+            "plan() fixes the mask and the kernel, so re-plan with it" if planned else
+            "extra arguments are the parameters of a custom variant, and this plan has none (plan(..., variant=...))")
+    return TypeError(f"{wrapper}.run() got unexpected keyword argument(s) {sorted(names)}; {hint}")
 
 
 class VariantArgs:
