@@ -48,10 +48,11 @@ def segment_packbits(x: torch.Tensor, indptr: torch.Tensor, bitorder: str = "big
                          f"; got {starts.tolist()[:8]}{' ...' if starts.numel() > 8 else ''}")
     new_indptr = torch.zeros_like(starts)
     new_indptr[1:] = torch.cumsum((lens + 7) // 8, 0)
-    # element j of segment s: byte new_indptr[s] + (j - indptr[s]) // 8, bit (j - indptr[s]) % 8 of that byte's order
-    segment = torch.repeat_interleave(torch.arange(lens.numel()), lens).to(bits.device)
-    local = torch.arange(bits.numel(), device=bits.device) - starts.to(bits.device)[segment]
-    byte = new_indptr.to(bits.device)[segment] + local // 8
-    out = torch.zeros(int(new_indptr[-1]), dtype=torch.int32, device=bits.device)
-    out.index_add_(0, byte, bits.to(torch.int32) * _weights(bitorder, bits.device).to(torch.int32)[local % 8])
-    return out.to(torch.uint8), new_indptr.to(device=indptr.device, dtype=torch.int32)
+    # element j of segment s goes to slot 8 new_indptr[s] + (j - indptr[s]) of the segments padded to whole bytes,
+    # which then pack as packbits packs (a scatter and a sum: an index_add_ per bit took ~60x longer on the cpu)
+    shift = (new_indptr[:-1] * 8 - starts[:-1]).to(bits.device)
+    slot = torch.arange(bits.numel(), device=bits.device) + torch.repeat_interleave(shift, lens.to(bits.device))
+    padded = torch.zeros(int(new_indptr[-1]) * 8, dtype=torch.uint8, device=bits.device)
+    padded[slot] = bits
+    out = (padded.view(-1, 8) * _weights(bitorder, bits.device)).sum(dim=1, dtype=torch.uint8)
+    return out, new_indptr.to(device=indptr.device, dtype=torch.int32)
