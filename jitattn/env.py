@@ -106,16 +106,35 @@ class Knob:
                 except RuntimeError:  # pathlib: "Could not determine home directory"
                     return f"{shown}: {part!r} starts with a ~user that names no user here; give the path in full"
                 if self.kind == "path":
-                    if "|" in part or "\n" in part:  # ninja's build files cannot name such paths
-                        return f"{shown} holds a '|' or a newline, which the build files cannot name; choose " \
-                               "another path"
-                    existing = next((p for p in (path, *path.absolute().parents) if p.exists()), None)
-                    if existing == path and not path.is_dir():
-                        return f"{shown} is not a directory; point it at one (or a new path)"
-                    if existing is not None and not existing.is_dir():
-                        return f"{shown}: {existing} is a file, so no directory can be made under it; point it " \
-                               "at a directory (or a new path)"
+                    problem = _directory_problem(part, path)
+                    if problem:
+                        return f"{shown} {problem}"
         return None
+
+
+def _directory_problem(part: str, path: Path) -> str | None:
+    """What keeps ``path`` (the setting's text ``part``) from being, or becoming, a directory jitattn can use; None
+    when nothing does."""
+    if not part.strip():
+        return "is blank; unset it (the default location) or give a directory"
+    if "|" in part or "\n" in part:  # ninja's build files cannot name such paths
+        return "holds a '|' or a newline, which the build files cannot name; choose another path"
+    try:
+        existing = next((p for p in (path, *path.absolute().parents) if os.path.lexists(p)), None)
+        longest = max((len(os.fsencode(c)) for c in path.parts), default=0)
+        if longest > 255 or len(os.fsencode(str(path.absolute()))) > 4000:  # NAME_MAX / PATH_MAX of common systems
+            return "is too long for the file system (a name of more than 255 bytes, or a path of more than 4000); " \
+                   "choose a shorter path"
+        if existing is not None and os.path.islink(existing) and not existing.exists():
+            return f"names {existing}, a symbolic link to nothing (a dangling link or a loop); point it at a directory"
+        if existing == path and not path.is_dir():
+            return "is not a directory; point it at one (or a new path)"
+        if existing is not None and not existing.is_dir():
+            return f"names a path under {existing}, which is a file, so no directory can be made there; point " \
+                   "it at a directory (or a new path)"
+    except OSError as exc:  # a name too long for the file system, a component it cannot search
+        return f"cannot be used ({exc.strerror}); choose a shorter or accessible path"
+    return None
 
 
 CACHE_DIR = Knob("JITATTN_CACHE_DIR", "path", "platformdirs.user_cache_dir('jitattn')", "writable cache root")

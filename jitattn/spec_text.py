@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import re
 from typing import Any
 
@@ -58,14 +60,28 @@ def _key_values(text: str) -> dict[str, Any]:
     return values
 
 
+def read_json_file(path, limit: int = 16 << 20):
+    """The JSON value in the small regular file ``path``. A FIFO or a device there would block the read for good or
+    never end (/dev/zero), so only a regular file of at most ``limit`` bytes is read (OSError otherwise)."""
+    import stat
+
+    info = os.stat(path)
+    if not stat.S_ISREG(info.st_mode):
+        raise OSError(errno.EINVAL, "not a regular file")
+    if info.st_size > limit:
+        raise OSError(errno.EFBIG, f"{info.st_size} bytes, more than the {limit} a JSON file here may have")
+    with open(path, encoding="utf-8") as f:
+        return json.loads(f.read(limit + 1))
+
+
 def _spec_from_file(path: str) -> VariantSpec:
     """``@path``: a JSON file holding one spec's fields (``VariantSpec.to_dict``), a variant included."""
-    from pathlib import Path
-
     try:
-        data = json.loads(Path(path).read_text())
+        data = read_json_file(path)
     except OSError as exc:
         raise ValueError(f"cannot read spec file {path!r}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"spec file {path!r} is not UTF-8 text: {exc.reason}") from None
     except json.JSONDecodeError as exc:
         raise ValueError(f"spec file {path!r} is not valid JSON: {exc}") from None
     if not isinstance(data, dict):

@@ -315,6 +315,9 @@ def _prepare_destination(to: str | None) -> Path:
 
     if to is None:
         return writable_root()
+    if not to.strip():
+        raise UsageError(f"--to {to!r} is blank; give the cache root to import into, or leave --to out for the "
+                         "writable cache")
     root = Path(to).expanduser()
     try:
         root.mkdir(mode=0o755, parents=True, exist_ok=True)

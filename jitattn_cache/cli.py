@@ -124,11 +124,19 @@ def cmd_verify(args: argparse.Namespace) -> int:
         elif not e.writable:
             unfixed += 1
             print(f"  not removed: {e.base.parent} is a read-only layer (JITATTN_CACHE_PATH); fix or replace it there")
-        elif remove_entry(e.base, e.path):
-            print("  removed")
         else:
-            unfixed += 1
-            print("  not removed: its lock is held (a build of it is running); try again")
+            try:
+                removed = remove_entry(e.base, e.path)
+            except OSError as exc:  # this entry's (or its directory's) permissions; the rest are still checked
+                unfixed += 1
+                print(f"  not removed: {exc.strerror or exc} ({exc.filename or e.path}); give yourself write access "
+                      f"to it and to {e.base} (chmod u+rwx), or remove it by hand")
+                continue
+            if removed:
+                print("  removed")
+            else:
+                unfixed += 1
+                print("  not removed: its lock is held (a build of it is running); try again")
     print(f"verify: {len(rows)} entries, {len(rows) - bad - other} ok, {bad} bad"
           + (f", {other} of another jitattn version" if other else "")
           + (f", {bad - unfixed} removed" if args.fix else (" (--fix removes them)" if bad else ""))
@@ -199,7 +207,8 @@ def cmd_prune(args: argparse.Namespace) -> int:
     max_size = parse_size(args.max_size) if args.max_size is not None else None
     max_age = parse_duration(args.older_than) if args.older_than is not None else None
     epoch = datetime.datetime.min.replace(tzinfo=datetime.timezone.utc)
-    rows = [e for e in entries(include_readonly=False) if e.manifest is not None]
+    every = entries(include_readonly=False)
+    rows = [e for e in every if e.manifest is not None]  # an entry without a readable manifest is verify's to fix
     rows.sort(key=lambda e: (e.built_at or epoch, e.name))  # unknown build time: oldest
     sizes = {e.name: e.size for e in rows}
     now = datetime.datetime.now(datetime.timezone.utc)
@@ -237,6 +246,11 @@ def cmd_prune(args: argparse.Namespace) -> int:
     verb = "would prune" if args.dry_run else "pruned"
     print(f"{verb} {removed} entries ({human_size(freed)}); {len(rows) - removed} entries, {human_size(left)} left "
           f"in {writable_base()}")
+    unreadable = [e for e in every if e.manifest is None]
+    if unreadable:
+        print(f"not counted: {len(unreadable)} entries without a readable manifest "
+              f"({human_size(sum(e.size for e in unreadable))}); `jitattn-cache verify --fix` removes them",
+              file=sys.stderr)
     return EXIT_FAILED if busy else EXIT_OK
 
 

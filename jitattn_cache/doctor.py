@@ -312,10 +312,13 @@ def _check_cache_dir(out: list[Check]) -> None:
             out.append(Check("cache dir", "FAIL", f"{root} ({where}) is not a directory",
                              "set JITATTN_CACHE_DIR to a directory of your own"))
             return
-        if not os.access(root, os.W_OK | os.X_OK):
-            out.append(Check("cache dir", "FAIL", f"{root} ({where}) is not a writable directory",
-                             f"fix its permissions (chmod u+rwx {root}) or set JITATTN_CACHE_DIR elsewhere"))
-            return
+        # the root, then the directories a build writes in (an entry, its lock, its build directory)
+        for d in (root, root / SCHEMA, root / SCHEMA / "locks", root / SCHEMA / "tmp"):
+            if d.is_dir() and not os.access(d, os.W_OK | os.X_OK):
+                out.append(Check("cache dir", "FAIL", f"{d} ({where}{', the cache root' if d == root else ''}) is not "
+                                 "a writable directory: every cold build fails",
+                                 f"fix its permissions (chmod u+rwx {d}) or set JITATTN_CACHE_DIR elsewhere"))
+                return
         from .store import cache_violations
 
         mine = entries(include_readonly=False)

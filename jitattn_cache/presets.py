@@ -9,10 +9,11 @@ shapes with them.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, replace
 from pathlib import Path
+
+from jitattn.spec_text import read_json_file
 
 
 @dataclass(frozen=True)
@@ -115,10 +116,12 @@ def from_hf_config(path: str | Path) -> ModelShape | MLAShape:
     as applied by the serving stack, and rope scalars are run-time arguments.
     """
     try:
-        config = json.loads(Path(path).read_text())
+        config = read_json_file(path)
     except FileNotFoundError:
         raise ValueError(f"model config {path} does not exist") from None
-    except (OSError, ValueError) as exc:
+    except OSError as exc:
+        raise ValueError(f"cannot read model config {path}: {exc.strerror or exc}") from None
+    except ValueError as exc:
         raise ValueError(f"cannot read model config {path}: {exc}") from None
     if not isinstance(config, dict):
         raise ValueError(f"{path}: not a JSON object; expected a Hugging Face config.json")

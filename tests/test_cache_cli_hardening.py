@@ -4,6 +4,7 @@ at once, --version, the `list` alias, and invalid settings flagged where they ar
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -253,3 +254,89 @@ def test_doctor_names_a_cache_dir_that_is_a_dangling_link_or_a_file(kind, tmp_pa
 def test_a_json_spec_that_is_not_an_object_is_named_as_such(fresh_cache, capsys):
     rc, _, err = _cli(capsys, "warm", "--dry-run", "--spec", "[1]")
     assert rc == 2 and "must be one JSON object" in err
+
+
+@pytest.mark.parametrize("value, message", [
+    ("   ", "is blank"),
+    ("/tmp/" + "a" * 300, "is too long for the file system"),
+    ("loop", "a symbolic link to nothing (a dangling link or a loop)"),
+], ids=["blank", "too-long", "link-loop"])
+def test_an_unusable_cache_dir_setting_is_named_before_any_use(value, message, tmp_path, monkeypatch, capsys):
+    """A blank JITATTN_CACHE_DIR made a directory named by spaces in the working directory; a name too long for the
+    file system raised OSError from inside the setting's own check (ls exited 0); a link loop got chmod advice."""
+    import jitattn.jit
+    from jitattn.spec import VariantSpec
+
+    if value == "loop":
+        value = str(tmp_path / "loop")
+        os.symlink(value, value)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("JITATTN_CACHE_DIR", value)
+    rc, out, err = _cli(capsys, "show-config")
+    assert rc == 1 and message in out and "1 invalid setting" in err
+    rc, out, err = _cli(capsys, "ls")
+    assert rc != 0 and message in err and "Traceback" not in err
+    jitattn.jit._registry.clear()
+    with pytest.raises(jitattn.jit.CacheError, match=re.escape(message)):
+        jitattn.jit.load(VariantSpec("merge", "cpu", o_dtype="f32"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == (["loop"] if "loop" in message else [])
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device"])
+def test_a_config_or_spec_file_that_is_not_a_regular_file_is_refused(kind, fresh_cache, tmp_path):
+    """A FIFO given to --config or --spec @FILE blocked forever; /dev/zero read until memory ran out."""
+    path = "/dev/zero"
+    if kind == "fifo":
+        path = str(tmp_path / "fifo")
+        os.mkfifo(path)
+    for argv in (["--config", path, "--target", "cpu"], ["--spec", "@" + path]):
+        cli = subprocess.run([sys.executable, "-m", "jitattn_cache", "warm", "--dry-run", *argv], capture_output=True,
+                             text=True, timeout=60, env=child_env())
+        assert cli.returncode == 2 and "not a regular file" in cli.stderr, (argv, cli.stderr)
+
+
+def test_import_refuses_a_blank_destination(fresh_cache, tmp_path, monkeypatch, capsys):
+    """`import B --to ''` imported into ./v1 of the working directory."""
+    rc, _, _ = _cli(capsys, "warm", "-q", "--spec", SPECS[0])
+    bundle = tmp_path / "b.tar.gz"
+    rc, _, err = _cli(capsys, "export", str(bundle), "--spec", SPECS[0])
+    assert rc == 0, err
+    monkeypatch.chdir(tmp_path)
+    rc, _, err = _cli(capsys, "import", str(bundle), "--to", "")
+    assert rc == 2 and "is blank" in err and not (tmp_path / SCHEMA).exists()
+
+
+def test_verify_fix_reports_an_entry_it_cannot_remove_and_checks_the_rest(fresh_cache, monkeypatch, capsys):
+    """An entry whose directory refused the removal ended verify --fix with a bare errno line and no summary."""
+    import jitattn.jit.admin as admin
+
+    rc, _, _ = _cli(capsys, "warm", "-q", "--spec", SPECS[0], "--spec", SPECS[1])
+    for entry in entry_dirs(fresh_cache / SCHEMA):
+        (entry / "manifest.json").write_text("[1, 2]")  # both bad
+
+    def refuse(base, path):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(admin, "remove_entry", refuse)
+    rc, out, err = _cli(capsys, "verify", "--fix")
+    assert rc == 1 and out.count("BAD ") == 2 and out.count("not removed: Permission denied") == 2, (out, err)
+    assert "2 bad, 0 removed" in out
+
+
+def test_prune_counts_entries_without_a_readable_manifest_apart(fresh_cache, capsys):
+    """prune said '0 entries, 0 B left' over an entry whose manifest was missing."""
+    rc, _, _ = _cli(capsys, "warm", "-q", "--spec", SPECS[0])
+    (entry_dirs(fresh_cache / SCHEMA)[0] / "manifest.json").unlink()
+    rc, out, err = _cli(capsys, "prune", "--max-size", "0")
+    assert rc == 0 and "not counted: 1 entries without a readable manifest" in err and "verify --fix" in err
+
+
+def test_doctor_names_a_schema_directory_a_build_cannot_write(fresh_cache, monkeypatch, capsys):
+    """doctor said 0 problems while v1/locks refused every build's lock (os.access: root passes any mode)."""
+    rc, _, _ = _cli(capsys, "warm", "-q", "--spec", SPECS[0])
+    locks = fresh_cache / SCHEMA / "locks"
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode, **kw: False if Path(path) == locks else real(path, mode, **kw))
+    rc, out, _ = _cli(capsys, "doctor")
+    line = next(line for line in out.splitlines() if "cache dir" in line)
+    assert rc == 1 and "FAIL" in line and f"{locks}" in line and "every cold build fails" in line
