@@ -610,3 +610,24 @@ def test_clear_names_a_directory_in_a_lock_files_place_with_its_fix(fresh_cache,
     lock.mkdir(parents=True)
     rc, _, err = _cli(capsys, "clear")
     assert rc == 1 and f"cannot change {lock}: Is a directory" in err and f"remove it (rm -rf {lock})" in err
+
+
+def test_a_locks_directory_that_refuses_the_lock_is_named_with_its_chmod(fresh_cache, monkeypatch):
+    """With locks/ unwritable the error said to remove a lock file that did not exist."""
+    import filelock
+
+    [result] = build_many([SPEC])
+    entry = fresh_cache / SCHEMA / build_inputs(SPEC).name
+    (entry / "manifest.json").unlink()  # the next load rebuilds it, under its lock
+    locks = fresh_cache / SCHEMA / "locks"
+    (locks / f"{entry.name}.lock").unlink(missing_ok=True)
+
+    def refused(self, *args, **kwargs):
+        raise PermissionError(13, "Permission denied", self.lock_file)
+
+    real_access = os.access
+    monkeypatch.setattr(filelock.FileLock, "acquire", refused)  # as an unwritable locks/ does (root passes any mode)
+    monkeypatch.setattr(os, "access", lambda p, mode, **kw: False if Path(p) == locks else real_access(p, mode, **kw))
+    jitattn.jit._registry.clear()
+    with pytest.raises(CacheError, match=rf"its directory {re.escape(str(locks))} is not writable.*chmod u\+rwx"):
+        jitattn.load(SPEC)

@@ -79,6 +79,10 @@ def build_or_find_entry(plan: BuildInputs, jobs: int = 1) -> tuple[Path, bool]:
                                 lock.lock_file, plan.spec.uri)
                     warn_at *= 4
     except OSError as exc:  # (after Timeout, one too) a directory, a link loop or an unwritable file in its place
+        locks = Path(lock.lock_file).parent
+        if not os.path.lexists(lock.lock_file) and not os.access(locks, os.W_OK | os.X_OK):
+            raise CacheError(f"cannot take the build lock {lock.lock_file} ({exc.strerror or exc}): its directory "
+                             f"{locks} is not writable for you; fix it (chmod u+rwx {locks}) and retry") from None
         raise CacheError(f"cannot take the build lock {lock.lock_file} ({exc.strerror or exc}); it must be a file "
                          f"you can write: remove it (rm -rf {lock.lock_file}) and retry") from None
     try:
