@@ -54,6 +54,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+UNSAFE_PATH = "on an unsafe path"  # an entry_load_problem that a permission fix cures, not a removal
+
+
 def entry_load_problem(e) -> str | None:
     """Why the entry ``e`` does not load here as its module: inconsistent, on an unsafe path (never dlopen'ed then:
     its constructors would run as you), or its library does not load (the libraries it links, its uri, another
@@ -64,7 +67,7 @@ def entry_load_problem(e) -> str | None:
 
     problem = foreign_entry_problem(e.path)
     if problem is None and (unsafe := entry_violations(e)):
-        problem = f"on an unsafe path ({unsafe[0].path}: {unsafe[0].reason}); jitattn will not load it"
+        problem = f"{UNSAFE_PATH} ({unsafe[0].path}: {unsafe[0].reason}; fix: {unsafe[0].fix}); jitattn will not load it"
     return problem if problem is not None else library_problem(e.path / LIBRARY_NAME, e.manifest["uri"])
 
 
@@ -124,6 +127,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
         elif not e.writable:
             unfixed += 1
             print(f"  not removed: {e.base.parent} is a read-only layer (JITATTN_CACHE_PATH); fix or replace it there")
+        elif problem.startswith(UNSAFE_PATH):  # the entry is sound; a path's permissions keep it from loading
+            unfixed += 1
+            print("  not removed: a permission problem, which --fix never changes (its fix is above)")
         else:
             try:
                 removed = remove_entry(e.base, e.path)

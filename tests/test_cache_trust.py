@@ -185,6 +185,9 @@ def test_an_entry_on_an_unsafe_path_is_never_loaded_nor_exported(fresh_cache, mo
     bundle = tmp_path / "b.tar.gz"
     rc, _, err = _cli(capsys, "export", str(bundle))
     assert rc == 1 and f"{entry}: on an unsafe path" in err and not bundle.exists()
+    rc, out, _ = _cli(capsys, "verify", "--fix")  # a permission problem: reported with its fix, the entry kept
+    assert rc == 1 and f"fix: chmod go-w {entry}" in out and "not removed: a permission problem" in out
+    assert (entry / "manifest.json").exists() and not loaded
     entry.chmod(0o755)
     rc, out, _ = _cli(capsys, "verify")
     assert rc == 0 and loaded  # safe again: loaded and checked
