@@ -183,6 +183,11 @@ def cmd_clear(args: argparse.Namespace) -> int:
         print(f"jitattn-cache: {base} is in the jitattn cache's way: it exists but is not a directory, so the cache "
               f"cannot be used; remove it (rm {base}) or set JITATTN_CACHE_DIR to another directory", file=sys.stderr)
         return EXIT_FAILED
+    if base.is_symlink():  # a load refuses a linked schema dir; clearing it would delete where the link points
+        print(f"jitattn-cache: {base} is a symbolic link (to {os.path.realpath(base)}), which jitattn never loads "
+              f"from; nothing removed. Replace the link with a directory (rm {base}) or point JITATTN_CACHE_DIR at "
+              "the real cache", file=sys.stderr)
+        return EXIT_FAILED
     removed, busy = 0, []
     try:
         for e in entries(include_readonly=False):

@@ -340,3 +340,14 @@ def test_doctor_names_a_schema_directory_a_build_cannot_write(fresh_cache, monke
     rc, out, _ = _cli(capsys, "doctor")
     line = next(line for line in out.splitlines() if "cache dir" in line)
     assert rc == 1 and "FAIL" in line and f"{locks}" in line and "every cold build fails" in line
+
+
+def test_clear_refuses_a_schema_dir_that_is_a_link(fresh_cache, tmp_path, capsys):
+    """clear went through a linked v1 that every load refuses, deleting the entries where the link pointed."""
+    rc, _, _ = _cli(capsys, "warm", "-q", "--spec", SPECS[0])
+    real = tmp_path / "elsewhere"
+    (fresh_cache / SCHEMA).rename(real)
+    (fresh_cache / SCHEMA).symlink_to(real)
+    rc, _, err = _cli(capsys, "clear")
+    assert rc == 1 and "is a symbolic link" in err and "nothing removed" in err
+    assert len(entry_dirs(real)) == 1
