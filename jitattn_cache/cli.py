@@ -170,6 +170,17 @@ def _not_writable(exc: OSError, base: Path, progress: str) -> int:
     return EXIT_FAILED
 
 
+def _linked(base: Path) -> bool:
+    """Whether the writable schema dir ``base`` is a symbolic link (said so): a load refuses one, and removing its
+    entries would delete where the link points."""
+    if not base.is_symlink():
+        return False
+    print(f"jitattn-cache: {base} is a symbolic link (to {os.path.realpath(base)}), which jitattn never loads from; "
+          f"nothing removed. Replace the link with a directory (rm {base}) or point JITATTN_CACHE_DIR at the real "
+          "cache", file=sys.stderr)
+    return True
+
+
 def cmd_clear(args: argparse.Namespace) -> int:
     """Remove every entry (and kept failed builds, and what killed builds left) of the writable cache, each under
     its lock."""
@@ -183,10 +194,7 @@ def cmd_clear(args: argparse.Namespace) -> int:
         print(f"jitattn-cache: {base} is in the jitattn cache's way: it exists but is not a directory, so the cache "
               f"cannot be used; remove it (rm {base}) or set JITATTN_CACHE_DIR to another directory", file=sys.stderr)
         return EXIT_FAILED
-    if base.is_symlink():  # a load refuses a linked schema dir; clearing it would delete where the link points
-        print(f"jitattn-cache: {base} is a symbolic link (to {os.path.realpath(base)}), which jitattn never loads "
-              f"from; nothing removed. Replace the link with a directory (rm {base}) or point JITATTN_CACHE_DIR at "
-              "the real cache", file=sys.stderr)
+    if _linked(base):
         return EXIT_FAILED
     removed, busy = 0, []
     try:
@@ -215,6 +223,8 @@ def cmd_prune(args: argparse.Namespace) -> int:
 
     if args.max_size is None and args.older_than is None:
         raise UsageError("prune needs --max-size SIZE (e.g. 2G) and/or --older-than AGE (e.g. 30d)")
+    if _linked(writable_base()):
+        return EXIT_FAILED
     max_size = parse_size(args.max_size) if args.max_size is not None else None
     max_age = parse_duration(args.older_than) if args.older_than is not None else None
     epoch = datetime.datetime.min.replace(tzinfo=datetime.timezone.utc)

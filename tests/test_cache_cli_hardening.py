@@ -342,12 +342,14 @@ def test_doctor_names_a_schema_directory_a_build_cannot_write(fresh_cache, monke
     assert rc == 1 and "FAIL" in line and f"{locks}" in line and "every cold build fails" in line
 
 
-def test_clear_refuses_a_schema_dir_that_is_a_link(fresh_cache, tmp_path, capsys):
-    """clear went through a linked v1 that every load refuses, deleting the entries where the link pointed."""
+def test_clear_and_prune_refuse_a_schema_dir_that_is_a_link(fresh_cache, tmp_path, capsys):
+    """clear and prune went through a linked v1 that every load refuses, deleting the entries where the link
+    pointed."""
     rc, _, _ = _cli(capsys, "warm", "-q", "--spec", SPECS[0])
     real = tmp_path / "elsewhere"
     (fresh_cache / SCHEMA).rename(real)
     (fresh_cache / SCHEMA).symlink_to(real)
-    rc, _, err = _cli(capsys, "clear")
-    assert rc == 1 and "is a symbolic link" in err and "nothing removed" in err
+    for command in (["clear"], ["prune", "--max-size", "0"]):
+        rc, _, err = _cli(capsys, *command)
+        assert rc == 1 and "is a symbolic link" in err and "nothing removed" in err, command
     assert len(entry_dirs(real)) == 1
