@@ -684,8 +684,14 @@ def test_a_graph_wrapper_refuses_a_mask_without_its_fixed_buffers(given):
     plan's mask would be a new allocation, and replays after a re-plan would read a stale or freed one."""
     qo, kv = torch.tensor([0, 3, 5], dtype=torch.int32), torch.tensor([0, 6, 10], dtype=torch.int32)
     missing = [name for name in ("custom_mask_buf", "mask_indptr_buf") if name not in given]
-    with pytest.raises(ValueError, match=f"needs the fixed buffers {' and '.join(missing)}"):
-        _ragged_graph_wrapper(**given).plan(qo, kv, HQ, HKV, D, custom_mask=torch.ones(26, dtype=torch.bool))
+    masks = {"custom_mask": torch.ones(26, dtype=torch.bool),
+             "packed_custom_mask": torch.full((4,), 255, dtype=torch.uint8),  # 3 + 1 bytes
+             "prefix_len_ptr": torch.tensor([2, 1], dtype=torch.int32)}  # multi-item scoring: planned as a mask
+    for name, mask in masks.items():
+        extra = dict(token_pos_in_items_ptr=torch.zeros(8, dtype=torch.int32), token_pos_in_items_len=4) \
+            if name == "prefix_len_ptr" else {}
+        with pytest.raises(ValueError, match=f"needs the fixed buffers {' and '.join(missing)}"):
+            _ragged_graph_wrapper(**given).plan(qo, kv, HQ, HKV, D, **{name: mask}, **extra)
     _ragged_graph_wrapper(**given).plan(qo, kv, HQ, HKV, D, causal=True)  # no mask: no mask buffers needed
 
 
@@ -715,6 +721,12 @@ def test_a_mask_passed_to_run_is_named_as_a_plan_argument():
         wrapper.run(q, k, k, custom_mask=torch.ones(9, dtype=torch.bool))
     with pytest.raises(TypeError, match="parameters of a custom variant"):
         wrapper.run(q, k, k, gate=1.0)
+    batch, q = _decode_batch()
+    decode = _decode_wrapper(batch)  # decode's plan() takes no mask: no advice to re-plan with one
+    with pytest.raises(TypeError, match=r"\['custom_mask'\]; decode attends to every key .* takes no mask"):
+        decode.run(q, batch.cache, custom_mask=torch.ones(9, dtype=torch.bool))
+    with pytest.raises(TypeError, match=r"\['sm_scale'\]; sm_scale is a plan\(\) argument"):
+        decode.run(q, batch.cache, sm_scale=0.1)
 
 
 @pytest.mark.parametrize("name", ["custom_mask", "packed_custom_mask"])

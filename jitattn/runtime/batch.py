@@ -320,7 +320,7 @@ def _launch_for(plan: AttentionPlan | None, wrapper: str, q, variant_args: dict 
     if plan.variant_args is not None:
         plan.variant_args.fill(variant_args or {}, q.device, plan.total_qo)
     elif variant_args:
-        raise unexpected_run_arguments(wrapper, variant_args)
+        raise unexpected_run_arguments(wrapper, variant_args, plan.options.op)
     if not isinstance(q, torch.Tensor):
         raise TypeError(f"{wrapper}.run(): q must be a torch.Tensor, got {type(q).__name__}")
     if sinks is not None:

@@ -147,14 +147,17 @@ def upload_mask(host: torch.Tensor, device: torch.device, buffer: torch.Tensor |
 def _check_graph_mask_buffers(wrapper: str, buffers: dict[str, torch.Tensor | None]) -> None:
     """A custom mask planned by a ``use_cuda_graph=True`` wrapper goes into the caller's fixed buffers: a captured run
     reads the mask where the plan of its capture put it, so a copy of each plan's own would leave replays reading a
-    stale or freed one (FlashInfer refuses the same)."""
+    stale or freed one (FlashInfer refuses a mask without them too). Multi-item scoring is planned as such a mask
+    here, so it needs them as well. The cpu target has no graphs, but refuses the same plans (the same program
+    moved to cuda must not change behaviour)."""
     missing = [arg for role, arg in (("custom_mask", "custom_mask_buf"), ("mask_indptr", "mask_indptr_buf"))
                if buffers.get(role) is None]
     if missing:
-        raise ValueError(f"{wrapper}.plan(): a custom mask under use_cuda_graph=True needs the fixed buffers "
-                         f"{' and '.join(missing)} (construct the wrapper with them, sized for the largest mask: "
-                         "uint8 bytes of the packed mask, int32 [batch_size + 1]); a captured run() reads the mask "
-                         "where its plan put it")
+        raise ValueError(f"{wrapper}.plan(): a custom mask (custom_mask, packed_custom_mask, or the one multi-item "
+                         f"scoring's prefix_len_ptr builds) under use_cuda_graph=True needs the fixed buffers "
+                         f"{' and '.join(missing)}: construct the wrapper with them, sized for the largest mask "
+                         "(uint8: its packed bytes plus 4, as the sm90 kernel reads whole 4-byte words; int32: "
+                         "batch_size + 1); a captured run() reads the mask where its plan put it")
 
 
 def build_plan(

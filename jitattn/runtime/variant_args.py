@@ -14,20 +14,26 @@ import math
 import torch
 
 from ..abi import ctypes_struct, variant_params_entry
+from ..spec import Op
 from ..variant import TENSOR_DTYPES, AttentionVariant
 
 _INT_RANGE = {"i32": (-(2**31), 2**31 - 1), "i64": (-(2**63), 2**63 - 1)}
-# plan() arguments a caller may pass to run() by mistake: the mask, its mode and the variant are planned
-_PLAN_ONLY = frozenset({"custom_mask", "packed_custom_mask", "causal", "mask_mode", "variant", "pos_encoding_mode",
-                        "logits_soft_cap", "sm_scale", "rope_scale", "rope_theta"})
+# plan() arguments a caller may pass to run() by mistake, by the op whose plan() takes them
+_SCALARS = frozenset({"pos_encoding_mode", "logits_soft_cap", "sm_scale", "rope_scale", "rope_theta"})
+_PLAN_ONLY = {Op.PREFILL: _SCALARS | {"custom_mask", "packed_custom_mask", "causal"}, Op.DECODE: _SCALARS}
+_MASKS = frozenset({"custom_mask", "packed_custom_mask", "causal"})
 
 
-def unexpected_run_arguments(wrapper: str, names) -> TypeError:
-    """The error for ``run()`` keyword arguments ``names`` of a plan without a custom variant."""
-    planned = sorted(set(names) & _PLAN_ONLY)
-    hint = (f"{', '.join(planned)} {'is a' if len(planned) == 1 else 'are'} plan() argument{'s' * (len(planned) > 1)}: "
-            "plan() fixes the mask and the kernel, so re-plan with it" if planned else
-            "extra arguments are the parameters of a custom variant, and this plan has none (plan(..., variant=...))")
+def unexpected_run_arguments(wrapper: str, names, op: Op) -> TypeError:
+    """The error for ``run()`` keyword arguments ``names`` of a plan (of ``op``) without a custom variant."""
+    planned = sorted(set(names) & _PLAN_ONLY.get(op, frozenset()))
+    if planned:
+        hint = (f"{', '.join(planned)} {'is a' if len(planned) == 1 else 'are'} plan() argument"
+                f"{'s' * (len(planned) > 1)}: plan() fixes the mask and the kernel, so re-plan with it")
+    elif op is Op.DECODE and set(names) & _MASKS:
+        hint = "decode attends to every key of a request's pages and takes no mask (a mask is a prefill's plan())"
+    else:
+        hint = "extra arguments are the parameters of a custom variant, and this plan has none (plan(..., variant=...))"
     return TypeError(f"{wrapper}.run() got unexpected keyword argument(s) {sorted(names)}; {hint}")
 
 
