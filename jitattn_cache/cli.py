@@ -111,7 +111,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
             unsafe += cache_violations(base, mine, writable=base == layers()[-1])
     for v in unsafe:
         print(f"UNSAFE {v.path}: {v.reason}\n  fix: {v.fix}")
-    bad = unfixed = other = 0
+    bad = unfixed = other = permission = 0
     for e in rows:
         problem = entry_load_problem(e)
         if problem is None:
@@ -121,15 +121,17 @@ def cmd_verify(args: argparse.Namespace) -> int:
             print(f"OTHER {e.path}: {problem}; kept (this version never loads it: its own key differs)")
             continue
         bad += 1
+        permission += problem.startswith(UNSAFE_PATH)
         print(f"BAD {e.path}: {problem}")
         if not args.fix:
             unfixed += 1
         elif not e.writable:
             unfixed += 1
             print(f"  not removed: {e.base.parent} is a read-only layer (JITATTN_CACHE_PATH); fix or replace it there")
-        elif problem.startswith(UNSAFE_PATH):  # the entry is sound; a path's permissions keep it from loading
+        elif problem.startswith(UNSAFE_PATH):  # a path's permissions keep it from loading (and from being checked)
             unfixed += 1
-            print("  not removed: a permission problem, which --fix never changes (its fix is above)")
+            print("  not removed: a permission problem, which --fix never changes (its fix is above); verify again "
+                  "after it to check the entry itself")
         else:
             try:
                 removed = remove_entry(e.base, e.path)
@@ -145,7 +147,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
                 print("  not removed: its lock is held (a build of it is running); try again")
     print(f"verify: {len(rows)} entries, {len(rows) - bad - other} ok, {bad} bad"
           + (f", {other} of another jitattn version" if other else "")
-          + (f", {bad - unfixed} removed" if args.fix else (" (--fix removes them)" if bad else ""))
+          + (f", {bad - unfixed} removed" if args.fix else
+             (f" (--fix removes {'them' if not permission else f'{bad - permission} of them'})"
+              if bad > permission else ""))
+          + (f"; {permission} of them need a permission fix (above), not a removal" if permission else "")
           + (f"; {len(unsafe)} unsafe path(s): jitattn refuses to build in or load from them until fixed"
              if unsafe else ""))
     return EXIT_FAILED if unfixed or unsafe else EXIT_OK
@@ -170,7 +175,7 @@ def _not_writable(exc: OSError, base: Path, progress: str) -> int:
     return EXIT_FAILED
 
 
-def _linked(base: Path) -> bool:
+def _refuse_linked_base(base: Path) -> bool:
     """Whether the writable schema dir ``base`` is a symbolic link (said so): a load refuses one, and removing its
     entries would delete where the link points."""
     if not base.is_symlink():
@@ -194,7 +199,7 @@ def cmd_clear(args: argparse.Namespace) -> int:
         print(f"jitattn-cache: {base} is in the jitattn cache's way: it exists but is not a directory, so the cache "
               f"cannot be used; remove it (rm {base}) or set JITATTN_CACHE_DIR to another directory", file=sys.stderr)
         return EXIT_FAILED
-    if _linked(base):
+    if _refuse_linked_base(base):
         return EXIT_FAILED
     removed, busy = 0, []
     try:
@@ -223,7 +228,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
 
     if args.max_size is None and args.older_than is None:
         raise UsageError("prune needs --max-size SIZE (e.g. 2G) and/or --older-than AGE (e.g. 30d)")
-    if _linked(writable_base()):
+    if _refuse_linked_base(writable_base()):
         return EXIT_FAILED
     max_size = parse_size(args.max_size) if args.max_size is not None else None
     max_age = parse_duration(args.older_than) if args.older_than is not None else None

@@ -180,6 +180,7 @@ def test_an_entry_on_an_unsafe_path_is_never_loaded_nor_exported(fresh_cache, mo
     rc, out, _ = _cli(capsys, "verify")
     assert rc == 1 and not loaded
     assert f"BAD {entry}: on an unsafe path ({entry}: {entry} is writable by other users" in out
+    assert "--fix removes" not in out and "1 of them need a permission fix (above), not a removal" in out
     rc, out, _ = _cli(capsys, "info", SPEC.uri)
     assert rc == 1 and f"status: BAD: on an unsafe path ({entry}: {entry} is writable by other users" in out
     bundle = tmp_path / "b.tar.gz"
