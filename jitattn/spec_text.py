@@ -7,6 +7,7 @@ import errno
 import json
 import os
 import re
+import stat
 from typing import Any
 
 from .env import OFF_WORDS, ON_WORDS
@@ -61,17 +62,17 @@ def _key_values(text: str) -> dict[str, Any]:
 
 
 def read_json_file(path, limit: int = 16 << 20):
-    """The JSON value in the small regular file ``path``. A FIFO or a device there would block the read for good or
-    never end (/dev/zero), so only a regular file of at most ``limit`` bytes is read (OSError otherwise)."""
-    import stat
-
-    info = os.stat(path)
-    if not stat.S_ISREG(info.st_mode):
-        raise OSError(errno.EINVAL, "not a regular file")
-    if info.st_size > limit:
-        raise OSError(errno.EFBIG, f"{info.st_size} bytes, more than the {limit} a JSON file here may have")
-    with open(path, encoding="utf-8") as f:
-        return json.loads(f.read(limit + 1))
+    """The JSON value in the small regular file ``path`` (a link to one is followed). A FIFO or a device there would
+    block the read for good or never end (/dev/zero): the file is opened without blocking and read only when it is
+    regular and at most ``limit`` bytes (OSError otherwise; UnicodeDecodeError / ValueError for its text)."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    with os.fdopen(fd, "rb") as f:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise OSError(errno.EINVAL, "not a regular file")
+        if info.st_size > limit:
+            raise OSError(errno.EFBIG, f"{info.st_size} bytes, more than the {limit} a JSON file here may have")
+        return json.loads(f.read(limit + 1).decode("utf-8"))
 
 
 def _spec_from_file(path: str) -> VariantSpec:

@@ -356,6 +356,17 @@ def test_packbits_and_segment_packbits_are_numpys() -> None:
             for i in range(len(cuts) + 1):
                 got = packed[new_indptr[i]:new_indptr[i + 1]].tolist()
                 assert got == np.packbits(x[indptr[i]:indptr[i + 1]].numpy(), bitorder=order).tolist()
+    for _ in range(20):  # many segments, empty ones among them, and segments of whole bytes
+        lens = torch.randint(0, 40, (int(torch.randint(0, 30, (1,), generator=gen)),), generator=gen)
+        lens[::3] = 0
+        lens[1::5] = 16
+        indptr = torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)])
+        x = torch.randint(0, 3, (int(indptr[-1]),), generator=gen, dtype=torch.int32)  # nonzero: a 1 bit
+        for order in ("big", "little"):
+            packed, new_indptr = fi.segment_packbits(x, indptr, order)
+            want = [np.packbits(x[indptr[i]:indptr[i + 1]].numpy() != 0, bitorder=order) for i in range(len(lens))]
+            assert packed.tolist() == [int(b) for w in want for b in w]
+            assert new_indptr.tolist() == [0, *np.cumsum([len(w) for w in want]).tolist()]
     with pytest.raises(ValueError, match="indptr must start at 0"):
         fi.segment_packbits(torch.ones(4, dtype=torch.bool), torch.tensor([0, 5]))
     for indptr in (torch.tensor([0, 3], dtype=torch.complex64), torch.tensor([False, True]), torch.tensor([0.0, 3.0])):

@@ -22,6 +22,15 @@ def _read(tmp_path, **changes) -> ModelConfig:
     return ModelConfig.from_hf_config(tmp_path)
 
 
+def test_a_config_that_is_not_a_regular_file_is_refused(tmp_path) -> None:
+    """A FIFO named config.json blocked the read for good (a device such as /dev/zero never ended)."""
+    import os
+
+    os.mkfifo(tmp_path / "config.json")
+    with pytest.raises(ValueError, match="config.json: not a regular file; expected a Hugging Face config.json"):
+        ModelConfig.from_hf_config(tmp_path)
+
+
 @pytest.mark.parametrize("changes,match", [
     (dict(num_attention_heads=0), "num_attention_heads=0 must be a positive int"),
     (dict(num_attention_heads="4"), "num_attention_heads='4' must be a positive int"),

@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from ..spec import SUPPORTED_HEAD_DIMS
+from ..spec_text import read_json_file
 
 
 @dataclass(frozen=True)
@@ -68,9 +69,14 @@ class ModelConfig:
         if path.is_dir():
             path = path / "config.json"
         try:
-            data = json.loads(path.read_text())
+            data = read_json_file(path)
         except FileNotFoundError:
             raise ValueError(f"{path} does not exist; expected a Hugging Face config.json") from None
+        except OSError as exc:
+            raise ValueError(f"cannot read {path}: {exc.strerror or exc}; expected a Hugging Face config.json") \
+                from None
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"{path} is not UTF-8 text ({exc.reason}); expected a Hugging Face config.json") from None
         except json.JSONDecodeError as exc:
             raise ValueError(f"{path} is not valid JSON ({exc}); expected a Hugging Face config.json") from None
         if not isinstance(data, dict):
