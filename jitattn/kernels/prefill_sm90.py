@@ -45,11 +45,12 @@ rendered source, hence in the cache key.
   when causal); a tile walks KV blocks from the one holding its first query's window start
   (``Tile::blk0``: producer and consumers decode the same range, blocks before it are neither
   loaded nor computed) and masks the blocks starting before its last query's window start.
-- Custom masks (``kCustom``): each consumer warpgroup loads its rows' bits per block and skips a block
-  none of its rows sees (a ``bar.red.or`` vote); the whole producer warpgroup reads the tile's mask
-  rows per block and, for a block no query of the tile sees, issues no TMA and marks the stage not
-  loaded (a word per stage at ``kOffLive``) so no consumer computes it. Gathered paged KV loads
-  every block.
+- Custom masks (``kCustom``): each consumer warpgroup loads its rows' bits per block while the block's S GEMM
+  runs and drops a block none of its rows sees (a ``bar.red.or`` vote: its S is discarded, its softmax and P V
+  skipped); a block whose bits let every key of a thread's rows through skips the per-element masking; the
+  whole producer warpgroup reads the tile's mask rows per block and, for a block no query of the tile sees,
+  issues no TMA and marks the stage not loaded (a word per stage at ``kOffLive``) so no consumer computes it.
+  Gathered paged KV loads every block.
 - Work mapping: the sm80 tier's virtual tiles (``base(r) = r + qo_indptr[r] * pack // 128``),
   items (virtual tile, kv head; query head when unpacked), a persistent grid of one block per
   SM taking items from the same per-stream counter slots as the sm80 tier
