@@ -67,7 +67,8 @@ def entry_load_problem(e) -> str | None:
 
     problem = foreign_entry_problem(e.path)
     if problem is None and (unsafe := entry_violations(e)):
-        problem = f"{UNSAFE_PATH} ({unsafe[0].path}: {unsafe[0].reason}; fix: {unsafe[0].fix}); jitattn will not load it"
+        v = unsafe[0]
+        problem = f"{UNSAFE_PATH} ({v.path}: {v.reason}; fix: {v.fix}); jitattn will not load it"
     return problem if problem is not None else library_problem(e.path / LIBRARY_NAME, e.manifest["uri"])
 
 
