@@ -27,7 +27,7 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    from .store import entries, human_size
+    from .store import entries, human_size, writable_base
 
     rows = entries()
     if args.json:
@@ -51,6 +51,12 @@ def cmd_ls(args: argparse.Namespace) -> int:
             print(f"{e.uri:{width}s} {e.target:6s} {e.arch:10s} {human_size(e.size):>10s}  {built:19s}  {layer}{note}")
     total = sum(e.size for e in rows)
     print(f"{len(rows)} entries, {human_size(total)}")
+    base = writable_base()
+    if base.is_symlink() or (base.exists() and not base.is_dir()):  # listed as empty, yet no load can use it
+        what = "a symbolic link, which jitattn never loads from" if base.is_symlink() else "not a directory"
+        print(f"jitattn-cache: {base} is {what}: the writable cache cannot be used; replace it with a directory "
+              f"(rm {base}) or set JITATTN_CACHE_DIR to another directory", file=sys.stderr)
+        return EXIT_FAILED
     return EXIT_OK
 
 

@@ -353,3 +353,16 @@ def test_clear_and_prune_refuse_a_schema_dir_that_is_a_link(fresh_cache, tmp_pat
         rc, _, err = _cli(capsys, *command)
         assert rc == 1 and "is a symbolic link" in err and "nothing removed" in err, command
     assert len(entry_dirs(real)) == 1
+
+
+@pytest.mark.parametrize("kind", ["file", "link"])
+def test_ls_says_when_the_writable_cache_cannot_be_used(kind, fresh_cache, tmp_path, capsys):
+    """ls listed '0 entries' and exited 0 over a v1 that was a file (or a link every load refuses)."""
+    fresh_cache.mkdir()
+    if kind == "file":
+        (fresh_cache / SCHEMA).write_text("")
+    else:
+        (tmp_path / "elsewhere").mkdir()
+        (fresh_cache / SCHEMA).symlink_to(tmp_path / "elsewhere")
+    rc, out, err = _cli(capsys, "ls")
+    assert rc == 1 and "the writable cache cannot be used" in err, (out, err)
