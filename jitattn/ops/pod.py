@@ -15,7 +15,6 @@ None for a part that did not ask). LSE in natural log (``jitattn.flashinfer``: b
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import numpy as np
 
@@ -41,14 +40,13 @@ def _planned_options(pos_encoding_mode, window_left, sm_scale, rope_scale, rope_
                 sm_scale=sm_scale, rope_scale=rope_scale, rope_theta=rope_theta)
 
 
-def _effective(name: str, value, head_dim: int):
-    """An option's value as the kernel takes it (a scale's None its default, in float32: ``head_dim ** -0.5`` and
-    ``1 / sqrt(head_dim)`` differ in the last bit of a double), for comparing a run's with the plan's."""
-    if name not in ("sm_scale", "rope_scale", "rope_theta"):
-        return value
-    if value is None:
-        value = {"sm_scale": 1.0 / math.sqrt(head_dim), "rope_scale": 1.0, "rope_theta": 1e4}[name]
-    return float(np.float32(number(value, f"{name}_d")))  # (a run's value that is no number: a clear TypeError)
+_SCALES = ("sm_scale", "rope_scale", "rope_theta")
+
+
+def _effective(name: str, value):
+    """A decode option as the kernel takes it, for comparing a run's with the plan's: a scale in float32
+    (``head_dim ** -0.5`` and ``1 / sqrt(head_dim)`` differ in the last bit of a double)."""
+    return float(np.float32(number(value, f"{name}_d"))) if name in _SCALES else value
 
 
 def _pod_result(out_p, out_d, lse_p, lse_d, with_lse: bool):
@@ -188,9 +186,10 @@ class PODWithPagedKVCacheWrapper(NotCopyable):
             raise ValueError(f"{self._NAME}.run(kv_layout_d={kv_layout_d!r}): the decode cache's layout is the "
                              f"wrapper's ({self._decode.kv_layout.value.upper()}); construct the wrapper with it")
         given, defaults = _planned_options(**raw), _planned_options("NONE", -1, None, None, None)
-        head_dim = self._decode.current_plan.head_dim_qk
+        scalars = self._decode.current_plan.scalars  # the planned scales with their defaults applied
+        planned = {**self._planned, **{name: getattr(scalars, name) for name in _SCALES}}
         differing = [f"{name}_d={raw[name]!r}" for name, value in given.items() if value != defaults[name] and
-                     _effective(name, value, head_dim) != _effective(name, self._planned[name], head_dim)]
+                     _effective(name, value) != _effective(name, planned[name])]
         if differing:
             raise ValueError(f"{self._NAME}.run({', '.join(differing)}) differs from the plan; the decode part's "
                              "options are planned: pass them to plan()")
