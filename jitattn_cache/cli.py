@@ -51,11 +51,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
             print(f"{e.uri:{width}s} {e.target:6s} {e.arch:10s} {human_size(e.size):>10s}  {built:19s}  {layer}{note}")
     total = sum(e.size for e in rows)
     print(f"{len(rows)} entries, {human_size(total)}")
-    base = writable_base()
-    if base.is_symlink() or (base.exists() and not base.is_dir()):  # listed as empty, yet no load can use it
-        what = "a symbolic link, which jitattn never loads from" if base.is_symlink() else "not a directory"
-        print(f"jitattn-cache: {base} is {what}: the writable cache cannot be used; replace it with a directory "
-              f"(rm {base}) or set JITATTN_CACHE_DIR to another directory", file=sys.stderr)
+    problem = _unusable_base(writable_base())  # listed as empty (or as usable), yet no load can use it
+    if problem:
+        print(f"jitattn-cache: {problem}", file=sys.stderr)
         return EXIT_FAILED
     return EXIT_OK
 
@@ -182,15 +180,25 @@ def _not_writable(exc: OSError, base: Path, progress: str) -> int:
     return EXIT_FAILED
 
 
-def _refuse_linked_base(base: Path) -> bool:
-    """Whether the writable schema dir ``base`` is a symbolic link (said so): a load refuses one, and removing its
-    entries would delete where the link points."""
-    if not base.is_symlink():
-        return False
-    print(f"jitattn-cache: {base} is a symbolic link (to {os.path.realpath(base)}), which jitattn never loads from; "
-          f"nothing removed. Replace the link with a directory (rm {base}) or point JITATTN_CACHE_DIR at the real "
-          "cache", file=sys.stderr)
-    return True
+def _unusable_base(base: Path) -> str | None:
+    """Why the writable schema dir ``base`` cannot be used, with its fix; None when it can (or does not exist yet). A
+    file there holds no entries; a link, which loads refuse, would have clear or prune delete where it points."""
+    if base.is_symlink():
+        return (f"{base} is a symbolic link (to {os.path.realpath(base)}), which jitattn never loads from: the "
+                f"writable cache cannot be used; replace the link with a directory (rm {base}) or point "
+                "JITATTN_CACHE_DIR at the real cache")
+    if base.exists() and not base.is_dir():
+        return (f"{base} is in the jitattn cache's way: it exists but is not a directory, so the writable cache "
+                f"cannot be used; remove it (rm {base}) or set JITATTN_CACHE_DIR to another directory")
+    return None
+
+
+def _refuse_unusable_base(base: Path) -> bool:
+    """Whether ``base`` cannot be used (said so, with nothing removed): clear and prune stop there."""
+    problem = _unusable_base(base)
+    if problem:
+        print(f"jitattn-cache: {problem}; nothing removed", file=sys.stderr)
+    return problem is not None
 
 
 def cmd_clear(args: argparse.Namespace) -> int:
@@ -202,11 +210,7 @@ def cmd_clear(args: argparse.Namespace) -> int:
     from .store import entries, writable_base
 
     base = writable_base()
-    if base.exists() and not base.is_dir():  # (entries() finds none in it: "removed 0" would read as done)
-        print(f"jitattn-cache: {base} is in the jitattn cache's way: it exists but is not a directory, so the cache "
-              f"cannot be used; remove it (rm {base}) or set JITATTN_CACHE_DIR to another directory", file=sys.stderr)
-        return EXIT_FAILED
-    if _refuse_linked_base(base):
+    if _refuse_unusable_base(base):  # (a file holds no entries: "removed 0" would read as done)
         return EXIT_FAILED
     removed, busy = 0, []
     try:
@@ -235,7 +239,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
 
     if args.max_size is None and args.older_than is None:
         raise UsageError("prune needs --max-size SIZE (e.g. 2G) and/or --older-than AGE (e.g. 30d)")
-    if _refuse_linked_base(writable_base()):
+    if _refuse_unusable_base(writable_base()):
         return EXIT_FAILED
     max_size = parse_size(args.max_size) if args.max_size is not None else None
     max_age = parse_duration(args.older_than) if args.older_than is not None else None
