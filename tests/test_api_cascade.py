@@ -492,3 +492,39 @@ def test_shared_prefix_decode_checks_dtypes_against_its_plan() -> None:
     with pytest.raises(TypeError, match="v_shared has dtype bfloat16 but the plan has data_type=float32"):
         wrapper.forward(q, k, v.bfloat16(), cache)
     assert wrapper.forward(q, k, v, cache).shape == q.shape
+
+
+def test_decode_levels_check_their_page_table_once(monkeypatch) -> None:
+    """The shared-prefix wrapper's and a cascade's decode level's page tables are checked in their own names and
+    handed to the decode wrapper checked (plan_checked): the decode wrapper's own check never runs for them, and
+    the outputs are those of attention over the pages."""
+    import jitattn.ops.decode as decode_module
+
+    def unexpected(*args, **kwargs):
+        raise AssertionError("the decode wrapper checked a page table already checked")
+
+    monkeypatch.setattr(decode_module, "check_paged_index", unexpected)
+    gen = torch.Generator().manual_seed(5)
+    hq, hkv, d = 4, 2, 64
+    pool = torch.randperm(40, generator=gen).tolist()
+    cache = torch.randn(40, 2, PAGE, hkv, d, generator=gen)
+    levels = [cascade_level(level, pool, PAGE) for level in ([40], [3, 0, 21])]
+    q = torch.randn(3, hq, d, generator=gen)
+    ws = torch.empty(8 << 20, dtype=torch.uint8)
+    wrapper = jitattn.MultiLevelCascadeAttentionWrapper(2, ws)
+    wrapper.plan([torch.tensor([0, 3], dtype=torch.int32), torch.arange(4, dtype=torch.int32)],
+                 [lv[0] for lv in levels], [lv[1] for lv in levels], [lv[2] for lv in levels], hq, hkv, d, PAGE,
+                 q_data_type=torch.float32)
+    assert isinstance(wrapper._launches[-1][0], jitattn.BatchDecodeWithPagedKVCacheWrapper)
+    expected, _ = _two_level_expected(q, cache, levels)
+    assert_close_out(wrapper.run(q, cache), expected, torch.float32)
+    shared = jitattn.BatchDecodeWithSharedPrefixPagedKVCacheWrapper(ws)
+    shared.begin_forward(*levels[1], hq, hkv, d, PAGE, data_type=torch.float32)
+    k_shared, v_shared = torch.randn(2, 9, hkv, d, generator=gen).unbind(0)
+    k_own, v_own, own = reference.paged_kv_to_ragged(cache, *levels[1])
+    expected = torch.cat([reference.single_attention(
+        q[r:r + 1], torch.cat([k_shared, k_own[own[r]:own[r + 1]]]), torch.cat([v_shared, v_own[own[r]:own[r + 1]]]))[0]
+        for r in range(3)])
+    assert_close_out(shared.forward(q, k_shared, v_shared, cache), expected, torch.float32)
+    with pytest.raises(AssertionError, match="already checked"):  # the patch is the one plan() calls
+        jitattn.BatchDecodeWithPagedKVCacheWrapper(ws).plan(*levels[1], hq, hkv, d, PAGE)

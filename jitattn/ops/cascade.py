@@ -316,15 +316,14 @@ class MultiLevelCascadeAttentionWrapper(NotCopyable):
             if self._decode is None:
                 self._decode = BatchDecodeWithPagedKVCacheWrapper(self._workspace, self._kv_layout)
             decoder = self._decode
-        decode_args = (index.indptr, index.indices, index.last_page_len, num_qo_heads, num_kv_heads, head_dim,
-                       page_size)
+        decode_args = (index, num_qo_heads, num_kv_heads, head_dim)  # the level's checked page table, handed on
         decode_options = dict(logits_soft_cap=options["logits_soft_cap"], q_data_type=options["q_data_type"],
                               kv_data_type=options["kv_data_type"], sm_scale=options["sm_scale"],
                               fixed_split_size=fixed_split_size, batch_invariant=False)
         try:
-            decoder.plan(*decode_args, **decode_options)
+            decoder.plan_checked(*decode_args, **decode_options)
         except WorkspaceTooSmall:  # the level's split-KV partials do not fit: each request in one piece
-            decoder.plan(*decode_args, **decode_options, disable_split_kv=True)
+            decoder.plan_checked(*decode_args, **decode_options, disable_split_kv=True)
         return decoder
 
     def _plan_states(self, launches, level_chunks, decode_last, graphs, total_q, num_qo_heads, variant) -> None:

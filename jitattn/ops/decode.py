@@ -23,7 +23,8 @@ from ..kv_split import (
     short_items_split, split_workspace_bytes, unsplit, window_lens,
 )
 from ..variant import AttentionVariant
-from ..spec import KVLayout, KVStorage, Op, Target
+from .single_kv import check_single_kv, single_request_pages
+from ..spec import KVStorage, Op, Target
 
 __all__ = [
     "BatchDecodeWithPagedKVCacheWrapper", "CUDAGraphBatchDecodeWithPagedKVCacheWrapper", "fast_decode_plan",
@@ -77,6 +78,7 @@ class BatchDecodeWithPagedKVCacheWrapper(BatchWrapperBase):
         # (what the last plan's launch struct was filled from, that launch): see _launch_to_reuse
         self._last_launch: tuple[tuple, PreparedAttention] | None = None
         self._graph_batch: int | None = None  # use_cuda_graph: its first successful plan's batch size
+        self._checked_index: PagedIndex | None = None  # plan_checked's page table, for the plan() it calls
 
     @property
     def use_tensor_cores(self) -> bool:
@@ -121,7 +123,7 @@ class BatchDecodeWithPagedKVCacheWrapper(BatchWrapperBase):
             pos_encoding_mode=pos_encoding_mode, window_left=window_left, logits_soft_cap=logits_soft_cap,
             sm_scale=sm_scale, rope_scale=rope_scale, rope_theta=rope_theta, variant=variant,
         )
-        index = check_paged_index(indptr, indices, last_page_len, page_size)
+        index = self._checked_index or check_paged_index(indptr, indices, last_page_len, page_size)
         spec = kernel_spec(options, self._target, self._kv_layout, KVStorage.PAGED)
         if variant is not None and not variant.splittable:
             disable_split_kv = True  # partial states of such a variant cannot be merged by LSE
@@ -147,6 +149,17 @@ class BatchDecodeWithPagedKVCacheWrapper(BatchWrapperBase):
             self._graph_batch = index.batch_size
 
     begin_forward = plan
+
+    def plan_checked(self, index: PagedIndex, num_qo_heads: int, num_kv_heads: int, head_dim: int,
+                     **options) -> None:
+        """``plan()`` over a page table that is already checked (a cascade level's, the shared-prefix wrapper's,
+        in their own names), with ``plan()``'s keyword options: the table is not validated a second time."""
+        self._checked_index = index
+        try:
+            self.plan(index.indptr, index.indices, index.last_page_len, num_qo_heads, num_kv_heads, head_dim,
+                      index.page_size, **options)
+        finally:
+            self._checked_index = None
 
     def _split(self, spec, kv_lens: np.ndarray, num_kv_heads: int, page_size: int,
                fixed_split_size: int | None, disable_split_kv: bool, batch_invariant: bool = False) -> KVSplit:
@@ -462,38 +475,3 @@ def single_decode_with_kv_cache(
     if return_lse:
         return result[0][0], result[1][0]
     return result[0]
-
-
-# One request's k / v shape in each layout, as error messages name it.
-KV_SHAPES = {KVLayout.NHD: "[kv_len, num_kv_heads, head_dim]", KVLayout.HND: "[num_kv_heads, kv_len, head_dim]"}
-
-
-def check_single_kv(what: str, k: torch.Tensor, v: torch.Tensor, layout: KVLayout, num_qo_heads: int,
-                    head_dim: int) -> tuple[int, int]:
-    """One request's k and v (3-D tensors, checked) against each other and q's ``num_qo_heads`` and ``head_dim``: one
-    dtype, one kv_len, one head count that divides q's (read in ``layout``: a mistaken layout shows here), k's head
-    dim q's (v's may differ). Returns (kv_len, num_kv_heads)."""
-    if k.shape[2] != head_dim:
-        raise ValueError(f"{what}: q has head_dim {head_dim} but k has {k.shape[2]}; q and k must share it")
-    if k.dtype != v.dtype:
-        raise TypeError(f"{what}: k is {k.dtype} but v is {v.dtype}; pass k and v of one dtype")
-    if k.shape[:2] != v.shape[:2]:
-        raise ValueError(f"{what}: k has shape {tuple(k.shape)} but v {tuple(v.shape)}; both are {KV_SHAPES[layout]} "
-                         f"({layout.value.upper()}) with the same kv_len and num_kv_heads")
-    kv_len, kv_heads = (k.shape[0], k.shape[1]) if layout is KVLayout.NHD else (k.shape[1], k.shape[0])
-    if kv_heads == 0 or num_qo_heads % kv_heads:
-        raise ValueError(f"{what}: k has shape {tuple(k.shape)}, read as {KV_SHAPES[layout]} (kv_layout="
-                         f"'{layout.value.upper()}'): {kv_heads} kv heads, which do not divide q's {num_qo_heads}; "
-                         "check kv_layout and the tensors' shapes")
-    return kv_len, kv_heads
-
-
-def single_request_pages(k: torch.Tensor, v: torch.Tensor, layout: KVLayout) -> tuple[torch.Tensor, torch.Tensor]:
-    """One request's k/v ``[kv_len, H, D]`` (NHD) / ``[H, kv_len, D]`` (HND) as a cache of one page. With kv_len 0
-    the cache is one unreferenced page of one token, so its page size matches the plan's (the kernels read no key of
-    it)."""
-    token_dim = 0 if layout is KVLayout.NHD else 1
-    if k.shape[token_dim] == 0:
-        k = k.new_zeros(k.shape[:token_dim] + (1,) + k.shape[token_dim + 1:])
-        v = v.new_zeros(v.shape[:token_dim] + (1,) + v.shape[token_dim + 1:])
-    return k.unsqueeze(0), v.unsqueeze(0)

@@ -25,6 +25,7 @@ from ..variant import AttentionVariant
 from ..spec import KVLayout, MaskMode, Op, Target
 from .prefill_fp8 import single_prefill_fp8
 from .prefill_routes import PlanSite, fp8_upcast_route, paged_gather, rope_first_route
+from .single_kv import check_single_kv, single_request_pages
 
 __all__ = ["BatchPrefillWithPagedKVCacheWrapper", "BatchPrefillWithRaggedKVCacheWrapper",
            "single_prefill_with_kv_cache", "single_prefill_with_kv_cache_return_lse"]
@@ -440,8 +441,6 @@ def plan_single_prefill(
     """What ``single_prefill_with_kv_cache`` runs for these tensors and options: a paged prefill wrapper planned
     for one request (shared by calls with equal shapes and options, see ``_single_request_plan``) and k/v as
     its one page; ``wrapper.run(q, kv, ...)`` computes the attention."""
-    from .decode import check_single_kv, single_request_pages
-
     layout = parse_kv_layout(kv_layout)
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(name, t, ndim=3)

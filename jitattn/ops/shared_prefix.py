@@ -12,7 +12,8 @@ from ..runtime.merge import merge_state_in_place
 from ..runtime.options import check_flag, f32_scale, number, parse_dtype, parse_kv_layout, resolve_batch_invariant
 from ..runtime.wrapper import NotCopyable, workspace_target
 from ..spec import KVLayout
-from .decode import KV_SHAPES, BatchDecodeWithPagedKVCacheWrapper
+from .decode import BatchDecodeWithPagedKVCacheWrapper
+from .single_kv import KV_SHAPES
 from .prefill import BatchPrefillWithPagedKVCacheWrapper, single_prefill_with_kv_cache
 
 __all__ = ["BatchDecodeWithSharedPrefixPagedKVCacheWrapper", "BatchPrefillWithSharedPrefixPagedKVCacheWrapper"]
@@ -66,10 +67,9 @@ class BatchDecodeWithSharedPrefixPagedKVCacheWrapper(NotCopyable):
         self._num_kv_heads = None  # a plan that raises leaves none
         self._index = check_paged_index(unique_kv_indptr, unique_kv_indices, unique_kv_last_page_len, page_size,
                                         names=("unique_kv_indptr", "unique_kv_indices", "unique_kv_last_page_len"))
-        self._batch_decode_wrapper.plan(
-            unique_kv_indptr, unique_kv_indices, unique_kv_last_page_len, num_qo_heads, num_kv_heads, head_dim,
-            page_size, q_data_type=data_type, kv_data_type=data_type, batch_invariant=batch_invariant,
-        )
+        self._batch_decode_wrapper.plan_checked(self._index, num_qo_heads, num_kv_heads, head_dim,
+                                                q_data_type=data_type, kv_data_type=data_type,
+                                                batch_invariant=batch_invariant)
         self._num_kv_heads = int(num_kv_heads)
         self._data_type = parse_dtype(data_type, "data_type")
 
