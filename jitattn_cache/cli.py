@@ -2,7 +2,7 @@
 
 Exit codes: 0 ok; 1 some builds or checks failed (or something was refused);
 2 usage error (bad arguments, unknown preset, bad spec text, missing file,
-bad --arch); 130 interrupted (Ctrl-C, SIGTERM or SIGHUP; the cache stays consistent).
+bad --arch, an unusable JITATTN_CACHE_DIR setting); 130 interrupted (Ctrl-C, SIGTERM or SIGHUP; the cache stays consistent).
 """
 
 from __future__ import annotations
@@ -409,6 +409,9 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE if exc.code not in (0, None) else EXIT_OK
     from jitattn.jit import JitError, ToolchainError
 
+    if args.command not in _REPORTS_SETTINGS and (problem := _cache_setting_problem()):
+        print(f"jitattn-cache: {problem}", file=sys.stderr)
+        return EXIT_USAGE
     try:
         with _stopped_as_by_ctrl_c():
             return args.func(args)
@@ -428,6 +431,18 @@ def main(argv: list[str] | None = None) -> int:
         print("\njitattn-cache: interrupted; the cache is consistent (nothing half-built is published)",
               file=sys.stderr)
         return EXIT_INTERRUPTED
+
+
+# Commands that report the settings themselves (each problem found: exit 1) or read no cache.
+_REPORTS_SETTINGS = frozenset({"show-config", "doctor", "presets"})
+
+
+def _cache_setting_problem() -> str | None:
+    """What is wrong with the cache directory's setting (blank, a file on its path, a link loop, ...), so that every
+    command touching the cache refuses it the same way (exit 2, a bad setting) before it starts."""
+    from jitattn import env
+
+    return env.CACHE_DIR.problem()
 
 
 def _quiet_closed_stdout() -> None:

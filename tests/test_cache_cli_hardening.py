@@ -263,7 +263,8 @@ def test_a_json_spec_that_is_not_an_object_is_named_as_such(fresh_cache, capsys)
 ], ids=["blank", "too-long", "link-loop"])
 def test_an_unusable_cache_dir_setting_is_named_before_any_use(value, message, tmp_path, monkeypatch, capsys):
     """A blank JITATTN_CACHE_DIR made a directory named by spaces in the working directory; a name too long for the
-    file system raised OSError from inside the setting's own check (ls exited 0); a link loop got chmod advice."""
+    file system raised OSError from inside the setting's own check (ls exited 0); a link loop got chmod advice; warm
+    exited 2 on it, ls / verify / clear 1."""
     import jitattn.jit
     from jitattn.spec import VariantSpec
 
@@ -274,8 +275,10 @@ def test_an_unusable_cache_dir_setting_is_named_before_any_use(value, message, t
     monkeypatch.setenv("JITATTN_CACHE_DIR", value)
     rc, out, err = _cli(capsys, "show-config")
     assert rc == 1 and message in out and "1 invalid setting" in err
-    rc, out, err = _cli(capsys, "ls")
-    assert rc != 0 and message in err and "Traceback" not in err
+    for argv in (["ls"], ["verify"], ["clear"], ["prune", "--max-size", "1G"], ["info", "x"],
+                 ["warm", "--dry-run", "--preset", "llama-3-8b", "--target", "cpu"]):
+        rc, out, err = _cli(capsys, *argv)  # every command the same way: a bad setting (ls and clear exited 1)
+        assert rc == 2 and message in err and "Traceback" not in err, (argv, rc, err)
     jitattn.jit._registry.clear()
     with pytest.raises(jitattn.jit.CacheError, match=re.escape(message)):
         jitattn.jit.load(VariantSpec("merge", "cpu", o_dtype="f32"))
