@@ -50,7 +50,9 @@ class Case:
     alibi: bool = False         # pos_encoding_mode="ALIBI" (the standard slopes; not with a soft cap on this tier)
     mask: bool = False          # a custom mask (not causal): random (every 7th row of a request wholly masked), or:
     mask_kind: str = "random"   # "causal" (lower-triangular: the blocks past a tile's diagonal are hidden from all of
-                                # its rows) or "bands" (keys in bands of 200, every other band hidden, rows 64-191 none)
+                                # its rows), "bands" (keys in bands of 200, every other band hidden, rows 64-191 none)
+                                # or "tree" (a draft tree's verification: every key of the prefix, then a random
+                                # ancestor set with the diagonal: the prefix's blocks are open to the whole tile)
     out: torch.dtype | None = None  # plan(o_data_type=...): an output dtype other than q's
 
 
@@ -125,6 +127,10 @@ CASES = {
                                            mask=True, mask_kind="causal"),
     "mask_bands_d64_mha_f16_alibi": Case(64, 4, 4, f16, False, -1, None, (700, 33), (1500, 900), mask=True,
                                          mask_kind="bands", alibi=True),
+    "mask_tree_d128_g4_bf16_batch": Case(128, 16, 4, bf16, False, -1, None, (64, 63, 5), (4160, 1000, 300), mask=True,
+                                         mask_kind="tree"),
+    "mask_tree_paged_d64_g8_f16_p16": Case(64, 8, 1, f16, False, -1, None, (48, 1), (2100, 777), paged=True, mask=True,
+                                           mask_kind="tree"),
     "mask_bands_paged_d256_g2_bf16_p16": Case(256, 8, 4, bf16, False, -1, None, (300, 5), (1000, 401), paged=True,
                                               mask=True, mask_kind="bands"),
     # page 5: the gathered loads, which load every block (the TMA loads skip blocks a tile does not need)
@@ -191,6 +197,10 @@ def _mask(c: Case) -> torch.Tensor | None:
     for qo, kv in zip(c.qo_lens, c.kv_lens):
         if c.mask_kind == "causal":
             m = torch.arange(kv)[None, :] <= torch.arange(qo)[:, None] + (kv - qo)
+        elif c.mask_kind == "tree":
+            m = torch.ones(qo, kv, dtype=torch.bool)
+            m[:, kv - qo:] = (torch.rand(qo, qo, generator=gen) < 0.5).tril()
+            m[:, kv - qo:] |= torch.eye(qo, dtype=torch.bool)
         elif c.mask_kind == "bands":
             m = (torch.arange(kv)[None, :] // 200 % 2 == 0).expand(qo, kv).clone()
             m[64:192] = False
@@ -328,7 +338,7 @@ def test_the_cases_exercise_what_they_claim():
     assert not any(c.alibi and c.cap is not None for c in CASES.values())  # not on this tier (it falls back)
     assert {c.out for c in CASES.values()} == {None, torch.float32, bf16}
     masks = [c for c in CASES.values() if c.mask]
-    assert {c.mask_kind for c in masks} == {"random", "causal", "bands"}
+    assert {c.mask_kind for c in masks} == {"random", "causal", "bands", "tree"}
     assert {c.d for c in masks} == {64, 128, 256} and {c.paged for c in masks} == {False, True}
     assert not any(c.causal for c in masks) and any(kv % 8 for c in masks for kv in c.kv_lens)
     assert any(prefill_sm90.sm90_pack(_spec(c)) > 1 for c in masks)

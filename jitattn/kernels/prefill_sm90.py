@@ -48,9 +48,10 @@ rendered source, hence in the cache key.
 - Custom masks (``kCustom``): each consumer warpgroup loads its rows' bits per block while the block's S GEMM
   runs and drops a block none of its rows sees (a ``bar.red.or`` vote: its S is discarded, its softmax and P V
   skipped); a block whose bits let every key of a thread's rows through skips the per-element masking; the
-  whole producer warpgroup reads the tile's mask rows per block and, for a block no query of the tile sees,
-  issues no TMA and marks the stage not loaded (a word per stage at ``kOffLive``) so no consumer computes it.
-  Gathered paged KV loads every block.
+  whole producer warpgroup reads the tile's mask rows per block and records the block's state in a word per
+  stage at ``kOffLive``: hidden (no query of the tile sees it: no TMA, no consumer computes it), open (every
+  query sees every key: the consumers read no bits) or masked. Gathered paged KV loads every block and its
+  consumers read every block's bits.
 - Work mapping: the sm80 tier's virtual tiles (``base(r) = r + qo_indptr[r] * pack // 128``),
   items (virtual tile, kv head; query head when unpacked), a persistent grid of one block per
   SM taking items from the same per-stream counter slots as the sm80 tier
