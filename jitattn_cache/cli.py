@@ -2,7 +2,8 @@
 
 Exit codes: 0 ok; 1 some builds or checks failed (or something was refused);
 2 usage error (bad arguments, unknown preset, bad spec text, missing file,
-bad --arch, an unusable JITATTN_CACHE_DIR setting); 130 interrupted (Ctrl-C, SIGTERM or SIGHUP; the cache stays consistent).
+bad --arch, an unusable JITATTN_CACHE_DIR setting); 130 interrupted (Ctrl-C,
+SIGTERM or SIGHUP; the cache stays consistent).
 """
 
 from __future__ import annotations
@@ -409,7 +410,8 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE if exc.code not in (0, None) else EXIT_OK
     from jitattn.jit import JitError, ToolchainError
 
-    if args.command not in _REPORTS_SETTINGS and (problem := _cache_setting_problem()):
+    uses_cache = args.command not in _REPORTS_SETTINGS and not (args.command == "import" and args.to is not None)
+    if uses_cache and (problem := _cache_setting_problem()):
         print(f"jitattn-cache: {problem}", file=sys.stderr)
         return EXIT_USAGE
     try:
@@ -433,7 +435,8 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_INTERRUPTED
 
 
-# Commands that report the settings themselves (each problem found: exit 1) or read no cache.
+# Commands that report the settings themselves (each problem found: exit 1) or read no cache (import --to DIR
+# writes into DIR alone).
 _REPORTS_SETTINGS = frozenset({"show-config", "doctor", "presets"})
 
 

@@ -123,7 +123,8 @@ class BatchDecodeWithPagedKVCacheWrapper(BatchWrapperBase):
             pos_encoding_mode=pos_encoding_mode, window_left=window_left, logits_soft_cap=logits_soft_cap,
             sm_scale=sm_scale, rope_scale=rope_scale, rope_theta=rope_theta, variant=variant,
         )
-        index = self._checked_index or check_paged_index(indptr, indices, last_page_len, page_size)
+        index = self._checked_index if self._checked_index is not None else check_paged_index(
+            indptr, indices, last_page_len, page_size)
         spec = kernel_spec(options, self._target, self._kv_layout, KVStorage.PAGED)
         if variant is not None and not variant.splittable:
             disable_split_kv = True  # partial states of such a variant cannot be merged by LSE
