@@ -36,8 +36,9 @@ with cf.ThreadPoolExecutor(4) as ex: list(ex.map(jit.load, specs))
 # gpu_ncu SECONDS CASE...: Nsight Compute (--set full) of tools/profile_ncu.py's CASEs into $R/ncu_CASE.txt (details),
 # _raw.txt (every metric) and _sass.csv (per-instruction samples: tools/ncu_stalls.py), the headline lines, the time;
 # the reports themselves are removed (large).
-# NCU_TAG=x names the files ncu_CASEx (two tunings of one case, e.g. with DECODE_TUNING set).
-gpu_ncu() { local s=$1; shift; local c n; for c in "$@"; do n="$c${NCU_TAG:-}"
+# NCU_TAG=x names the files ncu_CASEx (two tunings of one case, e.g. with DECODE_TUNING set); a suite:NAME case's
+# files take the name's last part (suite:variants/verify_custom_tree_b32_q64_s4160 -> ncu_verify_custom_tree_...).
+gpu_ncu() { local s=$1; shift; local c n; for c in "$@"; do n="${c##*[:/]}${NCU_TAG:-}"
   timeout "$s" ncu --profile-from-start off --set full --import-source no -f -o "$R/ncu_$n" \
     python3 tools/profile_ncu.py "$c" > "$R/ncu_$n.log" 2>&1
   ncu -i "$R/ncu_$n.ncu-rep" --page details > "$R/ncu_$n.txt" 2>&1

@@ -13,7 +13,9 @@ window: 64 / 8 heads d64, ragged causal b8 x 4096; tiles of a few KV blocks, whe
 decode_window128 / decode_gptoss1024 (gpt-oss decode, b64 x 8192 with
 the 128-key window / b64 x 1024, page 16), fp8_prefill / bf16_prefill (the sm90 fp8 kernel, q, k, v e4m3, non-causal
 1 x 8192 ragged, and its bf16 twin: the suite's ops/fp8_prefill_noncausal_s8192 and its dense row), fi_bf16_prefill
-(FlashInfer's ragged prefill on bf16_prefill's data; PEER=1).
+(FlashInfer's ragged prefill on bf16_prefill's data; PEER=1), suite:NAME (any decode or prefill row of
+``python -m jitattn.bench`` by its name, on the suite's own data and plan, e.g.
+suite:variants/verify_custom_tree_b32_q64_s4160).
 Warm-up calls (the JIT build, the plan) run before the range; one call runs inside it.
 ``DECODE_TUNING='{"max_stages": 2}'`` renders the decode kernels with those overrides of
 ``jitattn.kernels.decode.TUNING`` (their own cache entries), to profile a layout beside the default;
@@ -60,8 +62,24 @@ def ragged_prefill(b: int, n: int, hq: int, d: int, gen: torch.Generator, dev: t
     return lambda: w.run(q, k, v, out=out)
 
 
+def suite_case(name: str, dev: torch.device):
+    """The benchmark suite's attention row ``name``: its data and its plan through the public wrapper."""
+    from jitattn.bench.configs import Attn, select
+    from jitattn.bench.inputs import jitattn_fn, make_attn_data
+
+    try:
+        found = [c for c in select(only=[name]) if c.name == name and isinstance(c, Attn)]
+    except ValueError:  # no row of that name
+        found = []
+    if not found:
+        raise SystemExit(f"no decode or prefill row named {name!r} (python -m jitattn.bench --list)")
+    return jitattn_fn(make_attn_data(found[0], dev), dev)
+
+
 def case_fn(name: str):
     dev = torch.device(os.environ.get("PROFILE_DEVICE", "cuda"))  # cpu: a smoke run of the script
+    if name.startswith("suite:"):
+        return suite_case(name.removeprefix("suite:"), dev)
     gen = torch.Generator().manual_seed(0)
     ws = torch.empty(512 << 20, dtype=torch.uint8, device=dev)
     if name in ("decode_b1", "decode_b256"):
