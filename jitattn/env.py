@@ -9,6 +9,7 @@ knob's aliases are read, in order, when the knob itself is unset (``MAX_JOBS`` f
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -50,7 +51,7 @@ class Knob:
     """One setting: ``kind`` says how its value is read and checked."""
 
     name: str
-    kind: str  # "path" | "paths" | "jobs" | "flag" | "log_level" | "archs" | "executable" | "command", or a
+    kind: str  # "path" | "paths" | "jobs" | "seconds" | "flag" | "log_level" | "archs" | "executable" | "command", or a
     # _CHOICES kind ("tier", "mla", "upcast", "rope_first")
     default: str  # what applies when unset, as show-config describes it
     doc: str
@@ -79,6 +80,12 @@ class Knob:
             except ValueError:
                 ok = False
             return None if ok else f"{shown} is not a positive integer; set it to a job count such as 4, or unset it"
+        if self.kind == "seconds":
+            try:
+                ok = 0 <= float(raw) < math.inf
+            except ValueError:
+                ok = False
+            return None if ok else f"{shown} is not a number of seconds; set it to one such as 600 (0: no limit)"
         if self.kind == "flag":
             if raw.strip().lower() in ON_WORDS + OFF_WORDS:
                 return None
@@ -143,6 +150,8 @@ MAX_JOBS = Knob("JITATTN_MAX_JOBS", "jobs", "min(CPUs, free memory / 2 GiB)", "p
                 aliases=("MAX_JOBS",))
 CUDA_ARCH_LIST = Knob("JITATTN_CUDA_ARCH_LIST", "archs", "the visible GPU", "CUDA archs to build, e.g. '8.0;9.0a'",
                       aliases=("TORCH_CUDA_ARCH_LIST",))
+BUILD_TIMEOUT = Knob("JITATTN_BUILD_TIMEOUT", "seconds", "1800",
+                     "seconds one kernel build may take before its compiler is stopped (0: no limit)")
 ASSERT_NO_COMPILE = Knob("JITATTN_ASSERT_NO_COMPILE", "flag", "0", "1: any compile is an error (prove a cache is warm)")
 LOG_LEVEL = Knob("JITATTN_LOG_LEVEL", "log_level", "unset (no handler)", "info|debug: log to stderr (plans, cold builds)")
 DEBUG = Knob("JITATTN_DEBUG", "flag", "0", "1: custom-variant parameters are bounds-checked (a separate cache entry)")
@@ -173,8 +182,8 @@ TEST_CACHE_DIR = Knob("JITATTN_TEST_CACHE_DIR", "path", "unset: JITATTN_CACHE_DI
 # Development knobs: read where they apply (kernel experiments), listed by show-config only when set.
 DEV_KNOBS = ("JITATTN_DEV_SM90_TUNING",)
 
-KNOBS: tuple[Knob, ...] = (CACHE_DIR, CACHE_PATH, MAX_JOBS, CUDA_ARCH_LIST, ASSERT_NO_COMPILE, LOG_LEVEL, DEBUG,
-                           NVCC, CXX, CUDA_HOME, BATCH_INVARIANT, PREFILL_TIER, MLA_KERNEL,
+KNOBS: tuple[Knob, ...] = (CACHE_DIR, CACHE_PATH, MAX_JOBS, BUILD_TIMEOUT, CUDA_ARCH_LIST, ASSERT_NO_COMPILE,
+                           LOG_LEVEL, DEBUG, NVCC, CXX, CUDA_HOME, BATCH_INVARIANT, PREFILL_TIER, MLA_KERNEL,
                            PREFILL_FP8_UPCAST, PREFILL_ROPE_FIRST, TEST_CACHE_DIR)
 
 
@@ -240,6 +249,15 @@ def max_jobs_override() -> int | None:
         raise ValueError(problem)
     raw = MAX_JOBS.value()
     return int(raw) if raw is not None else None
+
+
+def build_timeout() -> float | None:
+    """Seconds one kernel build may take (JITATTN_BUILD_TIMEOUT, default 1800); None: no limit (0)."""
+    problem = BUILD_TIMEOUT.problem()
+    if problem is not None:
+        raise ValueError(problem)
+    seconds = float(BUILD_TIMEOUT.value() or 1800)
+    return seconds if seconds > 0 else None
 
 
 def cuda_arch_list() -> str | None:

@@ -173,6 +173,39 @@ def test_a_ninja_killed_by_a_signal_is_not_kept_as_a_compile_failure(fresh_cache
     assert not _entry(fresh_cache).exists()
 
 
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, killed and not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_a_build_past_its_time_limit_is_stopped_with_its_compiler(fresh_cache, monkeypatch, tmp_path):
+    """A hung compiler held a load (and a serving process's first request) forever. Past JITATTN_BUILD_TIMEOUT the
+    build is stopped, its compiler (in a process group of its own, as ninja starts them) killed with it, nothing kept
+    or published, and the error says what to do; a bad setting is refused before anything starts."""
+    pid_file = tmp_path / "compiler.pid"
+    ninja = tmp_path / "ninja"
+    ninja.write_text(f"#!/bin/sh\necho '[1/2] compiling attention.cpp'\n"
+                     f"setsid sh -c 'echo $$ > {pid_file}; exec sleep 60' &\nwait\n")
+    ninja.chmod(0o755)
+    monkeypatch.setattr(importlib.import_module("jitattn.jit.build"), "ninja_path", lambda: str(ninja))
+    monkeypatch.setenv("JITATTN_BUILD_TIMEOUT", "abc")
+    with pytest.raises(ValueError, match="JITATTN_BUILD_TIMEOUT='abc' is not a number of seconds"):
+        jitattn.load(SPEC)
+    assert not pid_file.exists()
+    monkeypatch.setenv("JITATTN_BUILD_TIMEOUT", "1.5")
+    with pytest.raises(BuildError, match=r"did not finish in 1.5 s \(JITATTN_BUILD_TIMEOUT\) and was stopped; "
+                                         r"nothing was published") as info:
+        jitattn.load(SPEC)
+    assert "compiling attention.cpp" in str(info.value) and "compile failed" not in str(info.value)
+    assert not _alive(int(pid_file.read_text()))
+    assert _failed(fresh_cache) == [] and _leftovers(fresh_cache) == []
+    assert not _entry(fresh_cache).exists()
+
+
 # -- compile errors in snippets -------------------------------------------------------------------
 
 

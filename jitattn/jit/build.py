@@ -10,6 +10,7 @@ import subprocess
 import threading
 from pathlib import Path
 
+from ..env import build_timeout
 from ..spec import Target
 from .errors import BuildError
 from .toolchain import Toolchain
@@ -94,6 +95,11 @@ class BuildKilled(BuildError):
     """ninja itself died of a signal (Ctrl-C, the OOM killer, kill): not a compile error, so nothing is kept."""
 
 
+class BuildTimedOut(BuildKilled):
+    """The build ran past JITATTN_BUILD_TIMEOUT (a hung compiler, or a machine far too busy): it was stopped, and
+    nothing is kept or published."""
+
+
 def cancel_builds() -> int:
     """Stop every compile this process is running, now, and refuse new ones; returns how many were stopped.
 
@@ -171,6 +177,16 @@ def _signal_name(number: int) -> str:
         return f"signal {number}"
 
 
+def _timed_out(source_path: Path, limit: float, log) -> str:
+    """The message of a build stopped at its time limit: what ran last (the log's tail) and what to do."""
+    log.seek(0)
+    tail = "\n".join(log.read().strip().splitlines()[-5:])
+    return (f"{source_path}: the build did not finish in {limit:g} s (JITATTN_BUILD_TIMEOUT) and was stopped; "
+            "nothing was published. A kernel builds in seconds to a few minutes: check the toolchain "
+            "(`jitattn-cache doctor`), or on a slow or busy machine raise JITATTN_BUILD_TIMEOUT (0: no limit)"
+            + (f"\nlast build output:\n{tail}" if tail else ""))
+
+
 def run_ninja(work_dir: Path, jobs: int, source_path: Path) -> None:
     """Run ninja in ``work_dir``; on failure raise BuildError with the compiler's message.
 
@@ -180,6 +196,7 @@ def run_ninja(work_dir: Path, jobs: int, source_path: Path) -> None:
     raise_if_cancelled(str(source_path))
     with _count_lock:
         _compile_count += 1
+    limit = build_timeout()  # (a bad setting is refused before anything starts)
     env = dict(os.environ)
     env.pop("MAKEFLAGS", None)
     log_path = work_dir / BUILD_LOG
@@ -193,7 +210,12 @@ def run_ninja(work_dir: Path, jobs: int, source_path: Path) -> None:
         try:
             if _cancelled.is_set():  # cancelled between the check above and the start
                 _kill_tree(proc.pid)
-            returncode = proc.wait()
+            try:
+                returncode = proc.wait(timeout=limit)
+            except subprocess.TimeoutExpired:
+                _kill_tree(proc.pid)
+                proc.wait()
+                raise BuildTimedOut(_timed_out(source_path, limit, log)) from None
         except BaseException:
             _kill_tree(proc.pid)
             proc.wait()
