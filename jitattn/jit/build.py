@@ -194,9 +194,9 @@ def run_ninja(work_dir: Path, jobs: int, source_path: Path) -> None:
     """
     global _compile_count
     raise_if_cancelled(str(source_path))
+    limit = build_timeout()  # (a bad setting is refused before anything starts)
     with _count_lock:
         _compile_count += 1
-    limit = build_timeout()  # (a bad setting is refused before anything starts)
     env = dict(os.environ)
     env.pop("MAKEFLAGS", None)
     log_path = work_dir / BUILD_LOG
