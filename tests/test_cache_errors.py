@@ -525,6 +525,14 @@ def test_things_in_the_caches_way_are_named_with_the_command_that_removes_them(f
     jitattn.jit._registry.clear()
     with pytest.raises(CacheError, match=rf"cannot take the build lock {re.escape(str(lock))} .*rm -rf"):
         jitattn.load(SPEC)
+    # The same in a locks/ this user cannot write (root's override stood in for): "rm" alone would fail there.
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode, **kw: False if Path(path) == lock.parent
+                        else real_access(path, mode, **kw))
+    with pytest.raises(CacheError, match=rf"its directory {re.escape(str(lock.parent))} is not writable for you; "
+                                         rf"fix it \(chmod u\+rwx .*\), remove it \(rm -rf {re.escape(str(lock))}\)"):
+        jitattn.load(SPEC)
+    monkeypatch.setattr(os, "access", real_access)
     lock.rmdir()
     tmp = fresh_cache / SCHEMA / "tmp"
     tmp.rmdir()

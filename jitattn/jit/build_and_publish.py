@@ -80,11 +80,14 @@ def build_or_find_entry(plan: BuildInputs, jobs: int = 1) -> tuple[Path, bool]:
                     warn_at *= 4
     except OSError as exc:  # (after Timeout, one too) a directory, a link loop or an unwritable file in its place
         locks = Path(lock.lock_file).parent
-        if not os.path.lexists(lock.lock_file) and not os.access(locks, os.W_OK | os.X_OK):
-            raise CacheError(f"cannot take the build lock {lock.lock_file} ({exc.strerror or exc}): its directory "
-                             f"{locks} is not writable for you; fix it (chmod u+rwx {locks}) and retry") from None
-        raise CacheError(f"cannot take the build lock {lock.lock_file} ({exc.strerror or exc}); it must be a file "
-                         f"you can write: remove it (rm -rf {lock.lock_file}) and retry") from None
+        what = f"cannot take the build lock {lock.lock_file} ({exc.strerror or exc})"
+        in_place = os.path.lexists(lock.lock_file)  # (something is there that is not a file this user can write)
+        if not os.access(locks, os.W_OK | os.X_OK):  # the lock cannot be made there, nor what is there removed
+            then = f", remove it (rm -rf {lock.lock_file})" if in_place else ""
+            raise CacheError(f"{what}: its directory {locks} is not writable for you; fix it (chmod u+rwx {locks})"
+                             f"{then} and retry") from None
+        raise CacheError(f"{what}; it must be a file you can write: remove it (rm -rf {lock.lock_file}) and "
+                         "retry") from None
     try:
         if (entry_dir / MANIFEST).exists() and entry_problem(entry_dir, plan.key) is None:
             trust.require_trusted(root, entry_dir / LIBRARY_NAME, action="load a kernel from")
