@@ -252,11 +252,11 @@ def max_jobs_override() -> int | None:
 
 
 def build_timeout() -> float | None:
-    """Seconds one kernel build may take (JITATTN_BUILD_TIMEOUT, default 1800); None: no limit (0)."""
+    """Seconds one kernel build may take (JITATTN_BUILD_TIMEOUT, else its default); None: no limit (0)."""
     problem = BUILD_TIMEOUT.problem()
     if problem is not None:
         raise ValueError(problem)
-    seconds = float(BUILD_TIMEOUT.value() or 1800)
+    seconds = float(BUILD_TIMEOUT.value() or BUILD_TIMEOUT.default)
     return seconds if seconds > 0 else None
 
 

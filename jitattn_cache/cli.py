@@ -408,10 +408,12 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exc:
         return EXIT_USAGE if exc.code not in (0, None) else EXIT_OK
+    from jitattn import env
     from jitattn.jit import JitError, ToolchainError
 
+    # every command touching the cache refuses a bad cache dir setting the same way (exit 2) before it starts
     uses_cache = args.command not in _REPORTS_SETTINGS and not (args.command == "import" and args.to is not None)
-    if uses_cache and (problem := _cache_setting_problem()):
+    if uses_cache and (problem := env.CACHE_DIR.problem()):
         print(f"jitattn-cache: {problem}", file=sys.stderr)
         return EXIT_USAGE
     try:
@@ -438,14 +440,6 @@ def main(argv: list[str] | None = None) -> int:
 # Commands that report the settings themselves (each problem found: exit 1) or read no cache (import --to DIR
 # writes into DIR alone).
 _REPORTS_SETTINGS = frozenset({"show-config", "doctor", "presets"})
-
-
-def _cache_setting_problem() -> str | None:
-    """What is wrong with the cache directory's setting (blank, a file on its path, a link loop, ...), so that every
-    command touching the cache refuses it the same way (exit 2, a bad setting) before it starts."""
-    from jitattn import env
-
-    return env.CACHE_DIR.problem()
 
 
 def _quiet_closed_stdout() -> None:
