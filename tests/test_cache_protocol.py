@@ -32,7 +32,7 @@ import jitattn.jit
 from jitattn import reference
 from jitattn.jit import BuildError, CacheError, CompileDisabledError, build_many, compile_count
 from jitattn.jit.key import SCHEMA, build_inputs
-from jitattn.jit.cache import entry_problem, find_entry
+from jitattn.jit.cache import entry_problem, find_entry, foreign_entry_problem
 from jitattn.jit.toolchain import probe
 from jitattn.spec import Target, VariantSpec
 
@@ -263,14 +263,23 @@ def _manifest_of_another_key(entry: Path) -> None:
     _replace_file(entry / "manifest.json", json.dumps(manifest).encode())
 
 
-@pytest.mark.parametrize("damage", [_truncate_library, _remove_library, _garbage_manifest, _manifest_of_another_key],
-                         ids=["truncated-library", "missing-library", "half-written-manifest", "foreign-manifest"])
+def _manifest_of_another_schema(entry: Path) -> None:
+    manifest = json.loads((entry / "manifest.json").read_text())
+    manifest["schema"] = "v0"
+    _replace_file(entry / "manifest.json", json.dumps(manifest).encode())
+
+
+@pytest.mark.parametrize("damage", [_truncate_library, _remove_library, _garbage_manifest, _manifest_of_another_key,
+                                    _manifest_of_another_schema],
+                         ids=["truncated-library", "missing-library", "half-written-manifest", "foreign-manifest",
+                              "edited-schema"])
 def test_a_damaged_entry_is_not_loaded_and_is_rebuilt(damage, fresh_cache):
     assert build_many([SPEC])[0].status == "built"
     entry = _entry(fresh_cache)
     damage(entry)
     plan = build_inputs(SPEC)
     assert find_entry(plan) is None
+    assert foreign_entry_problem(entry) is not None  # `jitattn-cache verify` reports what loads skip
     before = compile_count()
     [result] = build_many([SPEC])
     assert result.status == "built", result.error

@@ -130,6 +130,8 @@ def entry_problem(entry_dir: Path, key: str | None = None) -> str | None:
         return "no readable manifest"
     if key is not None and manifest.get("key") != key:
         return "manifest key does not match"
+    if manifest.get("schema") != SCHEMA:  # loads and verify read the same fields: a hand-edited one fails both
+        return f"manifest schema {manifest.get('schema')!r} is not {SCHEMA!r}"
     if manifest.get("library", LIBRARY_NAME) != LIBRARY_NAME:  # the loader opens LIBRARY_NAME: check that file
         return f"manifest names library {manifest.get('library')!r}, not {LIBRARY_NAME!r}"
     library = entry_dir / LIBRARY_NAME
@@ -233,15 +235,13 @@ def unreadable(path: Path, exc: OSError) -> CacheError:
 def foreign_entry_problem(entry_dir: Path) -> str | None:
     """Why ``entry_dir`` (possibly from another machine) is not a consistent entry, or None.
 
-    Beyond ``entry_problem``: the manifest's schema, uri and key must match the
+    Beyond ``entry_problem``: the manifest's uri and key must match the
     dir's name, and its spec must be valid and have that uri.
     """
     problem = entry_problem(entry_dir)
     if problem is not None:
         return problem
     manifest = read_manifest(entry_dir)
-    if manifest.get("schema") != SCHEMA or manifest.get("library", LIBRARY_NAME) != LIBRARY_NAME:
-        return f"manifest schema {manifest.get('schema')!r} / library {manifest.get('library')!r} is not ours"
     key = str(manifest.get("key", ""))
     if f"{manifest.get('uri')}-{key[:16]}" != entry_dir.name or not re.fullmatch(r"[0-9a-f]{64}", key):
         return "manifest uri/key do not match the entry's name"
