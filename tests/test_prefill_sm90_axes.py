@@ -509,3 +509,55 @@ def test_sm90_custom_variant_matches_reference(d, hq, hkv, causal, hopper):
         output_transform=lambda out, request, qo_head, **_: out * gate.double()[request][qo_head])
     assert_close_out(out, ref_o, bf16)
     assert_close_lse(lse, ref_lse)
+
+
+MASK_CASES = [case_id for case_id, c in CASES.items() if c.mask]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case_id", MASK_CASES)
+def test_sm90_mask_states_give_the_in_kernel_classifications_bits(case_id, hopper):
+    """A custom-mask plan writes its blocks' states once (``mask_states``) and its launches read them; a launch
+    without them classifies each block from the mask rows itself. Both give the same bits (the states decide only
+    what is skipped or left unmasked), and the states are what the plan wrote: hidden, masked or open."""
+    c = CASES[case_id]
+    seed = sum(map(ord, case_id)) + 7
+    q = _queries(c, torch.Generator().manual_seed(seed))
+    if c.paged:
+        batch = _paged_batch(c, torch.Generator().manual_seed(seed + 1), None)
+        wrapper, kv = _paged_wrapper(c, batch), (batch.cache,)
+    else:
+        wrapper, kv = _ragged_wrapper(c), _ragged_kv(c, torch.Generator().manual_seed(seed + 1))
+    plan = wrapper._plan  # (the plan's own fields: this test checks the two paths through one plan)
+    assert plan.mask_states is not None and plan.launch.params.workspace == plan.mask_states.data_ptr()
+    stride = int(plan.mask_states[:4].view(torch.int32).item())
+    assert stride > 0 and stride % 4 == 0
+    with_states = _run(wrapper, q, *kv, out_dtype=c.out)
+    plan.launch.params.workspace, plan.launch.params.workspace_bytes = None, 0
+    without = _run(wrapper, q, *kv, out_dtype=c.out)
+    assert torch.equal(with_states[0], without[0]) and torch.equal(with_states[1], without[1])
+    states = plan.mask_states[prefill_sm90.MASK_STATES_HEADER:].cpu()
+    assert _expected_states(c, stride) == {at: int(states[at]) for at in _expected_states(c, stride)}
+
+
+def _expected_states(c: Case, stride: int) -> dict[int, int]:
+    """Byte offset -> state (0 hidden, 1 masked, 2 open) of every (virtual tile, block) pair the kernel walks, from
+    the case's mask (a request's tiles last first, and from the block of the first query's window start, as the
+    kernel's decode_item)."""
+    layout = prefill_sm90.sm90_layout(_spec(c))
+    bm, bn, pack = layout["kBM"], layout["kBN"], layout["kPackG"]
+    mask, offset, expected = _mask(c), 0, {}
+    starts = _indptr(c.qo_lens).tolist()
+    for r, (qo, kv) in enumerate(zip(c.qo_lens, c.kv_lens)):
+        rows = mask[offset:offset + qo * kv].view(qo, kv)
+        offset += qo * kv
+        tiles = -(-qo * pack // bm)
+        for local in range(tiles):
+            tok0 = (tiles - 1 - local) * bm // pack
+            tile = rows[tok0:tok0 + bm // pack]
+            first = max(0, kv - qo + tok0 - c.window) // bn if c.window >= 0 else 0  # the window's first block
+            for j in range(first, -(-kv // bn)):
+                seen = tile[:, j * bn:(j + 1) * bn]
+                state = 2 if bool(seen.all()) else 1 if bool(seen.any()) else 0
+                expected[(r + starts[r] * pack // bm + local) * stride + j] = state
+    return expected

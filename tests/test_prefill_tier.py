@@ -339,3 +339,37 @@ def test_hardware_facts_come_from_one_module(tier_env):
     with pytest.raises(jitattn.jit.ToolchainError, match="not an arch"):
         jitattn.jit.toolchain.cuda_arch_list()
     assert hardware.known_arch_list() is None
+
+
+def test_custom_mask_modules_of_the_sm90_tier_export_mask_states(tier_env):
+    """The block states a custom-mask plan writes once (``mask_states``) exist on the sm90 tier only, with the
+    attention entry's fields; other specs and tiers export ``attention`` alone."""
+    custom, plain = SUPPORTED["custom_mask"], SUPPORTED["d128_bf16_causal"]
+    tier_env.setenv("JITATTN_CUDA_ARCH_LIST", "9.0a")
+    names = [e.name for e in prefill.entries(custom)]
+    assert names == ["attention", "mask_states"]
+    assert prefill.entries(custom)[1].fields == prefill.entries(custom)[0].fields
+    assert [e.name for e in prefill.entries(plain)] == ["attention"]
+    source = render(custom)["kernel.cu"]
+    assert "jitattn_mask_states(const MaskStatesParams*" in source and "_mask_states<<<" in source
+    assert "jitattn_mask_states(" not in render(plain)["kernel.cu"]
+    tier_env.setenv("JITATTN_CUDA_ARCH_LIST", "8.0")
+    assert [e.name for e in prefill.entries(custom)] == ["attention"]
+    assert "jitattn_mask_states(" not in render(custom)["kernel.cu"]
+
+
+@pytest.mark.parametrize("case_id", ["custom_mask", "paged_custom_mask_window"])
+def test_mask_states_bytes_cover_every_virtual_tile(case_id):
+    """A row per virtual tile of the kernel's items (``tile_base(batch)``: a request's tiles and one spare), each the
+    most KV blocks of a request rounded up to 4, after the header, and 8 spare bytes; none without a custom mask."""
+    spec = SUPPORTED[case_id]
+    layout = prefill_sm90.sm90_layout(spec)
+    bm, bn, pack = layout["kBM"], layout["kBN"], layout["kPackG"]
+    qo_lens, kv_lens = [1, 37, 300, 0, 129], [1, 200, 4100, 5, 129]
+    starts = [sum(qo_lens[:r]) for r in range(len(qo_lens) + 1)]
+    tiles = len(qo_lens) + starts[-1] * pack // bm  # the kernel's tile_base(batch)
+    assert all(r + starts[r] * pack // bm + -(-q * pack // bm) <= tiles for r, q in enumerate(qo_lens))
+    stride = -(-max(-(-k // bn) for k in kv_lens) // 4) * 4
+    assert prefill_sm90.mask_states_bytes(spec, qo_lens, kv_lens) == prefill_sm90.MASK_STATES_HEADER + tiles * stride + 8
+    assert prefill_sm90.mask_states_bytes(SUPPORTED["d128_bf16_causal"], qo_lens, kv_lens) == 0
+    assert prefill_sm90.mask_states_bytes(spec, [], []) == 0

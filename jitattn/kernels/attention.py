@@ -71,6 +71,9 @@ kernels ignore it): null, or float32 device scales multiplying the scalar ones -
 ``num_kv_heads`` of k's, then ``num_kv_heads`` of v's -- read by the kernel (a caller's scale tensors need no host
 read; FlashInfer's fp8 prefill takes per-head ones).
 
+The sm90 prefill tier's custom-mask modules read ``workspace`` (``workspace_bytes`` long; null: unused) as the
+blocks' states their ``mask_states`` entry (the same fields) wrote for the plan (``kernels.prefill_sm90``).
+
 ``short_items`` (the cuda decode kernel; others ignore it): 1 launches the module's short-items layout (more
 resident blocks with fewer or shorter stages: ``kernels.decode.short_items_layout``), which a plan of many short
 requests takes; a module without one refuses it.

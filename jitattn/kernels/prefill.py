@@ -55,9 +55,11 @@ from typing import Any, Callable
 import functools
 
 from .. import env, hardware
+from ..abi import Entry
 from ..spec import DType, KVStorage, MaskMode, PosEncoding, Target, VariantSpec
 from .attention import context as _attention_context
-from .attention import entries, explain_build_error  # noqa: F401  (the family interface)
+from .attention import entries as _attention_entries
+from .attention import explain_build_error  # noqa: F401  (the family interface)
 from .prefill_sm90 import TEMPLATE_SM90, sm90_context, sm90_unsupported
 
 TEMPLATES = {"cpu": "cpu/attention.cpp.jinja", "cuda": "cuda/prefill.cu.jinja"}
@@ -263,6 +265,15 @@ def resident_blocks(spec: VariantSpec) -> int:
 def _resident_blocks(spec: VariantSpec, archs: tuple[str, ...] | None, choice: str) -> int:
     """``resident_blocks`` for a given arch list and tier knob (``choice``: part of the key only)."""
     return 1 if tier(spec, archs) == "sm90" else cuda_layout(spec)["kMinBlocks"]
+
+
+def entries(spec: VariantSpec) -> tuple[Entry, ...]:
+    """The family hook: ``attention``; a custom-mask module of the sm90 tier also ``mask_states`` (the blocks'
+    states a plan writes once for its launches, ``kernels.prefill_sm90``), on the same params struct."""
+    base = _attention_entries(spec)
+    if spec.mask_mode is MaskMode.CUSTOM and spec.target is Target.CUDA and tier(spec, hardware.known_arch_list()) == "sm90":
+        return base + (Entry("mask_states", base[0].fields),)
+    return base
 
 
 def select(spec: VariantSpec, archs: tuple[str, ...] | None) -> tuple[str, dict[str, Any]]:

@@ -48,9 +48,12 @@ rendered source, hence in the cache key.
 - Custom masks (``kCustom``): each consumer warpgroup loads its rows' bits per block while the block's S GEMM
   runs and drops a block none of its rows sees (a ``bar.red.or`` vote: its S is discarded, its softmax and P V
   skipped); a block whose bits let every key of a thread's rows through skips the per-element masking; the
-  whole producer warpgroup reads the tile's mask rows per block and records the block's state in a word per
-  stage at ``kOffLive``: hidden (no query of the tile sees it: no TMA, no consumer computes it), open (every
-  query sees every key: the consumers read no bits) or masked. Gathered paged KV loads every block and its
+  producer records each block's state in a word per stage at ``kOffLive``: hidden (no query of the tile sees it:
+  no TMA, no consumer computes it), open (every query sees every key: the consumers read no bits) or masked.
+  With a workspace (``workspace`` / ``workspace_bytes``, ``mask_states_bytes`` below) a small kernel of the
+  module, ``mask_states``, writes every (virtual tile, block) pair's state there first, on the launch's stream,
+  once for all heads, and the producer reads one byte per block (a block ahead); without one, the whole producer
+  warpgroup reads the tile's mask rows per block and votes. Gathered paged KV loads every block and its
   consumers read every block's bits.
 - Work mapping: the sm80 tier's virtual tiles (``base(r) = r + qo_indptr[r] * pack // 128``),
   items (virtual tile, kv head; query head when unpacked), a persistent grid of one block per
@@ -366,4 +369,22 @@ def sm90_context(spec: VariantSpec) -> dict[str, Any]:
     constants.append(("bool", "kVariant", "true" if spec.variant is not None else "false"))
     constants.append(("float", "kLog2e", repr(_LOG2E) + "f"))
     return {**_attention_context(spec), "constants": constants, "smem_bytes": layout["kSmemBytes"],
-            "trace": bool(SM90_TUNING["trace"])}
+            "trace": bool(SM90_TUNING["trace"]), "custom_mask": spec.mask_mode is MaskMode.CUSTOM}
+
+
+# The layout the custom-mask kernels' mask_states writes into the workspace (the template's kStatesHeader): a 16-byte
+# header, then a byte per (virtual tile, KV block) pair: a row per virtual tile of the launch's items (tile_base), as
+# long as the most KV blocks of a request rounded up to 4, then 8 spare bytes.
+MASK_STATES_HEADER = 16
+
+
+def mask_states_bytes(spec: VariantSpec, qo_lens: list[int], kv_lens: list[int]) -> int:
+    """Workspace bytes a custom-mask launch of this tier needs for its blocks' states (0 without a custom mask): with
+    fewer the kernel classifies each block from the mask rows itself (exact, slower)."""
+    if spec.mask_mode is not MaskMode.CUSTOM or not qo_lens:
+        return 0
+    layout = sm90_layout(spec)
+    virtual_tiles = len(qo_lens) + sum(qo_lens) * layout["kPackG"] // layout["kBM"]
+    most_blocks = max((-(-k // layout["kBN"]) for k in kv_lens), default=0)
+    stride = -(-most_blocks // 4) * 4  # rows of whole 4-byte words, and 8 spare bytes past the last row
+    return MASK_STATES_HEADER + virtual_tiles * stride + 8

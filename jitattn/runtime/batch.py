@@ -22,7 +22,7 @@ from .checks import (FP8_DTYPES, byte_extent, check_no_overlap, check_planned_dt
                      outputs_meet_inputs, refuse_in_workspace, refuse_outputs_over_inputs, stream_capturing,
                      target_of)
 from .kv import check_kv_pair, split_paged_kv_cache
-from .launch import PreparedAttention
+from .launch import PreparedAttention, write_mask_states
 from .options import AttentionOptions
 from .variant_args import VariantArgs, unexpected_run_arguments
 
@@ -59,8 +59,9 @@ class AttentionPlan:
     kv_pointer_alignment: int = 16  # bytes; set from kv_alignment()
     split_counters: torch.Tensor | None = None  # the wrapper's zeroed split-KV chunk counters (None: the plan's own)
     q_rows: int = 0  # rows of q the plan reads: total_qo, or fewer when rows repeat (share_queries)
-    # The use_sinks twin of ``launch`` (same plan, the kernel built with use_sinks): made by the first
-    # run() with sinks (``sink_launch_ready``), or at plan time when the plan asks for it.
+    mask_states_bytes: int = 0  # the sm90 custom-mask kernel's block states, written at plan time (0: none) into:
+    mask_states: torch.Tensor | None = None  # (launch.write_mask_states)
+    # The use_sinks twin of ``launch`` (same plan): made by the first run() with sinks, or at plan time when asked.
     sink_launch: PreparedAttention | None = None
 
     # The options the run path reads, as attributes of the plan.
@@ -82,6 +83,8 @@ class AttentionPlan:
             self.launch = self._prepare(self.module)
         if self.spec.use_sinks:
             self.sink_launch = self.launch
+        if self.mask_states_bytes:
+            self.mask_states = write_mask_states(self.launch, self.mask_states_bytes, self.qo_indptr.device)
 
     def _prepare(self, module: Module) -> PreparedAttention:
         prepared = PreparedAttention(
@@ -112,6 +115,8 @@ class AttentionPlan:
                     "variant (a tensor parameter) or plan without the variant"
                 )
             self.sink_launch = self._prepare(load(_sink_twin(self.spec)))
+            if self.mask_states is not None:
+                write_mask_states(self.sink_launch, self.mask_states)
             self.checked_signature = self.checked_outputs = None  # the twin's strides are set by the next checks
         return self.sink_launch
 

@@ -10,9 +10,12 @@ from __future__ import annotations
 import numbers
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .. import hardware
+from ..kernels import prefill as prefill_kernels
+from ..kernels.prefill_sm90 import mask_states_bytes
 from ..jit import Module, load
 from ..page_table import PagedIndex
 from ..kv_split import KVSplit
@@ -112,7 +115,7 @@ def make_plan(
     kv_last_page_len: torch.Tensor | None, custom_mask: torch.Tensor | None, mask_indptr: torch.Tensor | None,
     index: PagedIndex | None, total_qo: int, total_kv: int | None, split: KVSplit,
     split_indptr: torch.Tensor | None, use_cuda_graph: bool, workspace_bytes: int = 0,
-    split_counters: torch.Tensor | None = None, launch: PreparedAttention | None = None,
+    split_counters: torch.Tensor | None = None, launch: PreparedAttention | None = None, mask_states_bytes: int = 0,
 ) -> AttentionPlan:
     """An ``AttentionPlan`` over index arrays already on the device (its launch struct filled once).
 
@@ -124,7 +127,7 @@ def make_plan(
         page_size=index.page_size if index is not None else None, kv_layout=kv_layout, total_qo=total_qo,
         qo_indptr=qo_indptr, kv_indptr=kv_indptr, kv_indices=kv_indices, kv_last_page_len=kv_last_page_len,
         custom_mask=custom_mask, mask_indptr=mask_indptr, index=index, split=split, split_indptr=split_indptr,
-        total_kv=total_kv, use_cuda_graph=use_cuda_graph, wrapper=wrapper,
+        total_kv=total_kv, use_cuda_graph=use_cuda_graph, wrapper=wrapper, mask_states_bytes=mask_states_bytes,
     )
     log_plan(wrapper, plan, workspace_bytes)
     return plan
@@ -204,7 +207,18 @@ def build_plan(
         index=paged, total_qo=total_qo, total_kv=total_kv,
         split=split, split_indptr=on_device.get("split_indptr"), use_cuda_graph=use_cuda_graph,
         workspace_bytes=workspace_bytes, split_counters=split_counters, launch=launch,
+        # (not under CUDA graphs: a capture would keep one plan's buffer while later plans write others)
+        mask_states_bytes=_mask_states_bytes(spec, host) if host.mask is not None and not use_cuda_graph else 0,
     )
+
+
+def _mask_states_bytes(spec: VariantSpec, host: HostIndex) -> int:
+    """The workspace the sm90 tier's custom-mask kernel takes for its blocks' states (``kernels.prefill_sm90``)."""
+    if spec.target is not Target.CUDA or prefill_kernels.tier(spec, hardware.known_arch_list()) != "sm90":
+        return 0
+    qo = host.qo_indptr.numpy()
+    kv_lens = (host.paged.kv_len_array if host.paged is not None else np.diff(host.kv_indptr.numpy())).tolist()
+    return mask_states_bytes(spec, np.diff(qo).tolist(), kv_lens)
 
 
 def num_workers(device: torch.device) -> int:
