@@ -370,6 +370,7 @@ def test_mask_states_bytes_cover_every_virtual_tile(case_id):
     tiles = len(qo_lens) + starts[-1] * pack // bm  # the kernel's tile_base(batch)
     assert all(r + starts[r] * pack // bm + -(-q * pack // bm) <= tiles for r, q in enumerate(qo_lens))
     stride = -(-max(-(-k // bn) for k in kv_lens) // 4) * 4
-    assert prefill_sm90.mask_states_bytes(spec, qo_lens, kv_lens) == prefill_sm90.MASK_STATES_HEADER + tiles * stride + 8
+    header = prefill_sm90.MASK_STATES_HEADER
+    assert prefill_sm90.mask_states_bytes(spec, qo_lens, kv_lens) == header + tiles * stride + 8
     assert prefill_sm90.mask_states_bytes(SUPPORTED["d128_bf16_causal"], qo_lens, kv_lens) == 0
     assert prefill_sm90.mask_states_bytes(spec, [], []) == 0

@@ -271,7 +271,8 @@ def entries(spec: VariantSpec) -> tuple[Entry, ...]:
     """The family hook: ``attention``; a custom-mask module of the sm90 tier also ``mask_states`` (the blocks'
     states a plan writes once for its launches, ``kernels.prefill_sm90``), on the same params struct."""
     base = _attention_entries(spec)
-    if spec.mask_mode is MaskMode.CUSTOM and spec.target is Target.CUDA and tier(spec, hardware.known_arch_list()) == "sm90":
+    custom = spec.mask_mode is MaskMode.CUSTOM and spec.target is Target.CUDA
+    if custom and tier(spec, hardware.known_arch_list()) == "sm90":
         return base + (Entry("mask_states", base[0].fields),)
     return base
 
