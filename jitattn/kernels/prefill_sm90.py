@@ -50,11 +50,11 @@ rendered source, hence in the cache key.
   skipped); a block whose bits let every key of a thread's rows through skips the per-element masking; the
   producer records each block's state in a word per stage at ``kOffLive``: hidden (no query of the tile sees it:
   no TMA, no consumer computes it), open (every query sees every key: the consumers read no bits) or masked.
-  With a workspace (``workspace`` / ``workspace_bytes``, ``mask_states_bytes`` below) a small kernel of the
-  module, ``mask_states``, writes every (virtual tile, block) pair's state there first, on the launch's stream,
-  once for all heads, and the producer reads one byte per block (a block ahead); without one, the whole producer
-  warpgroup reads the tile's mask rows per block and votes. Gathered paged KV loads every block and its
-  consumers read every block's bits.
+  A plan (not under CUDA graphs) writes every (virtual tile, block) pair's state once, for all heads, with the
+  module's second entry, ``mask_states`` (a small kernel), into a buffer of ``mask_states_bytes`` (below) that
+  its launches get as ``workspace``; the producer reads them four blocks to a word, a word ahead. Without them
+  the whole producer warpgroup reads the tile's mask rows per block and votes. Gathered paged KV loads every
+  block and its consumers read every block's bits.
 - Work mapping: the sm80 tier's virtual tiles (``base(r) = r + qo_indptr[r] * pack // 128``),
   items (virtual tile, kv head; query head when unpacked), a persistent grid of one block per
   SM taking items from the same per-stream counter slots as the sm80 tier

@@ -237,6 +237,9 @@ def write_mask_states(prepared: PreparedAttention, states: torch.Tensor | int, d
     if isinstance(states, int):
         states = torch.zeros(states, dtype=torch.uint8, device=device)  # (words past the walked blocks: defined)
     params = prepared.params
+    if "mask_states" not in prepared.module.entry_names:  # (a twin of another tier: it classifies blocks itself)
+        params.workspace, params.workspace_bytes = None, 0
+        return states
     params.workspace, params.workspace_bytes = states.data_ptr(), states.numel()
     fields = prepared.module.params("mask_states", **{name: getattr(params, name) for name, _ in params._fields_})
     with torch.cuda.device(states.device):
