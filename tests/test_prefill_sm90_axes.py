@@ -537,7 +537,8 @@ def test_sm90_mask_states_give_the_in_kernel_classifications_bits(case_id, hoppe
     without = _run(wrapper, q, *kv, out_dtype=c.out)
     assert torch.equal(with_states[0], without[0]) and torch.equal(with_states[1], without[1])
     states = plan.mask_states[prefill_sm90.MASK_STATES_HEADER:].cpu()
-    assert _expected_states(c, stride) == {at: int(states[at]) for at in _expected_states(c, stride)}
+    expected = _expected_states(c, stride)
+    assert expected == {at: int(states[at]) for at in expected}
 
 
 def _expected_states(c: Case, stride: int) -> dict[int, int]:

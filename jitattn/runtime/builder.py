@@ -14,7 +14,6 @@ import numpy as np
 import torch
 
 from .. import hardware
-from ..kernels import prefill as prefill_kernels
 from ..kernels.prefill_sm90 import mask_states_bytes
 from ..jit import Module, load
 from ..page_table import PagedIndex
@@ -207,21 +206,20 @@ def build_plan(
         index=paged, total_qo=total_qo, total_kv=total_kv,
         split=split, split_indptr=on_device.get("split_indptr"), use_cuda_graph=use_cuda_graph,
         workspace_bytes=workspace_bytes, split_counters=split_counters, launch=launch,
-        mask_states_bytes=_mask_states_bytes(spec, host, split, use_cuda_graph),
+        mask_states_bytes=_mask_states_bytes(module, host, split, use_cuda_graph),
     )
 
 
-def _mask_states_bytes(spec: VariantSpec, host: HostIndex, split: KVSplit, use_cuda_graph: bool) -> int:
-    """The buffer the sm90 tier's custom-mask kernel takes for its blocks' states (``kernels.prefill_sm90``); 0: none.
-    Not under CUDA graphs (a capture would keep one plan's buffer while later plans write others), nor for a split
-    plan (its launches' ``workspace`` is the float workspace's split-KV partials)."""
-    if host.mask is None or use_cuda_graph or split.kv_chunk_size or spec.target is not Target.CUDA:
-        return 0
-    if prefill_kernels.tier(spec, hardware.known_arch_list()) != "sm90":
+def _mask_states_bytes(module: Module, host: HostIndex, split: KVSplit, use_cuda_graph: bool) -> int:
+    """The buffer the module's blocks' states take (a module with a ``mask_states`` entry: the sm90 tier's
+    custom-mask kernels, ``kernels.prefill_sm90``); 0: none. Not under CUDA graphs (a capture would keep one plan's
+    buffer while later plans write others), nor for a split plan (its launches' ``workspace`` is the float
+    workspace's split-KV partials)."""
+    if host.mask is None or use_cuda_graph or split.kv_chunk_size or "mask_states" not in module.entry_names:
         return 0
     qo = host.qo_indptr.numpy()
     kv_lens = (host.paged.kv_len_array if host.paged is not None else np.diff(host.kv_indptr.numpy())).tolist()
-    return mask_states_bytes(spec, np.diff(qo).tolist(), kv_lens)
+    return mask_states_bytes(module.spec, np.diff(qo).tolist(), kv_lens)
 
 
 def num_workers(device: torch.device) -> int:
