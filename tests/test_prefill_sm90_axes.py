@@ -536,18 +536,21 @@ def test_sm90_mask_states_give_the_in_kernel_classifications_bits(case_id, hoppe
     plan.launch.params.workspace, plan.launch.params.workspace_bytes = None, 0
     without = _run(wrapper, q, *kv, out_dtype=c.out)
     assert torch.equal(with_states[0], without[0]) and torch.equal(with_states[1], without[1])
-    states = plan.mask_states[prefill_sm90.MASK_STATES_HEADER:].cpu()
-    expected = _expected_states(c, stride)
-    assert expected == {at: int(states[at]) for at in expected}
+    rows = plan.mask_states[prefill_sm90.MASK_STATES_HEADER:].cpu()
+    expected_states, expected_ends = _expected_states(c, stride)
+    assert expected_states == {at: int(rows[at]) for at in expected_states}
+    ends = {at: int(rows[at:at + 4].view(torch.int32).item()) for at in expected_ends}
+    assert expected_ends == ends and any(ends.values())
 
 
-def _expected_states(c: Case, stride: int) -> dict[int, int]:
-    """Byte offset -> state (0 hidden, 1 masked, 2 open) of every (virtual tile, block) pair the kernel walks, from
-    the case's mask (a request's tiles last first, and from the block of the first query's window start, as the
+def _expected_states(c: Case, stride: int) -> tuple[dict[int, int], dict[int, int]]:
+    """Byte offset -> state (0 hidden, 1 masked, 2 open) of every (virtual tile, block) pair the kernel walks, and
+    byte offset -> one past the last block some query of the tile sees (0: none) of every virtual tile, from the
+    case's mask (a request's tiles last first, and from the block of the first query's window start, as the
     kernel's decode_item)."""
     layout = prefill_sm90.sm90_layout(_spec(c))
     bm, bn, pack = layout["kBM"], layout["kBN"], layout["kPackG"]
-    mask, offset, expected = _mask(c), 0, {}
+    mask, offset, states, ends = _mask(c), 0, {}, {}
     starts = _indptr(c.qo_lens).tolist()
     for r, (qo, kv) in enumerate(zip(c.qo_lens, c.kv_lens)):
         rows = mask[offset:offset + qo * kv].view(qo, kv)
@@ -557,8 +560,10 @@ def _expected_states(c: Case, stride: int) -> dict[int, int]:
             tok0 = (tiles - 1 - local) * bm // pack
             tile = rows[tok0:tok0 + bm // pack]
             first = max(0, kv - qo + tok0 - c.window) // bn if c.window >= 0 else 0  # the window's first block
+            row = (r + starts[r] * pack // bm + local) * (4 + stride)
+            ends[row] = 0
             for j in range(first, -(-kv // bn)):
                 seen = tile[:, j * bn:(j + 1) * bn]
-                state = 2 if bool(seen.all()) else 1 if bool(seen.any()) else 0
-                expected[(r + starts[r] * pack // bm + local) * stride + j] = state
-    return expected
+                states[row + 4 + j] = 2 if bool(seen.all()) else 1 if bool(seen.any()) else 0
+                ends[row] = j + 1 if bool(seen.any()) else ends[row]
+    return states, ends

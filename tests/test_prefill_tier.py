@@ -360,8 +360,9 @@ def test_custom_mask_modules_of_the_sm90_tier_export_mask_states(tier_env):
 
 @pytest.mark.parametrize("case_id", ["custom_mask", "paged_custom_mask_window"])
 def test_mask_states_bytes_cover_every_virtual_tile(case_id):
-    """A row per virtual tile of the kernel's items (``tile_base(batch)``: a request's tiles and one spare), each the
-    most KV blocks of a request rounded up to 4, after the header, and 8 spare bytes; none without a custom mask."""
+    """A row per virtual tile of the kernel's items (``tile_base(batch)``: a request's tiles and one spare), each a
+    word (the tile's last block seen) and the most KV blocks of a request rounded up to 4, after the header, and 8
+    spare bytes; none without a custom mask."""
     spec = SUPPORTED[case_id]
     layout = prefill_sm90.sm90_layout(spec)
     bm, bn, pack = layout["kBM"], layout["kBN"], layout["kPackG"]
@@ -371,6 +372,6 @@ def test_mask_states_bytes_cover_every_virtual_tile(case_id):
     assert all(r + starts[r] * pack // bm + -(-q * pack // bm) <= tiles for r, q in enumerate(qo_lens))
     stride = -(-max(-(-k // bn) for k in kv_lens) // 4) * 4
     header = prefill_sm90.MASK_STATES_HEADER
-    assert prefill_sm90.mask_states_bytes(spec, qo_lens, kv_lens) == header + tiles * stride + 8
+    assert prefill_sm90.mask_states_bytes(spec, qo_lens, kv_lens) == header + tiles * (4 + stride) + 8
     assert prefill_sm90.mask_states_bytes(SUPPORTED["d128_bf16_causal"], qo_lens, kv_lens) == 0
     assert prefill_sm90.mask_states_bytes(spec, [], []) == 0

@@ -52,9 +52,11 @@ rendered source, hence in the cache key.
   no TMA, no consumer computes it), open (every query sees every key: the consumers read no bits) or masked.
   A plan (not under CUDA graphs) writes every (virtual tile, block) pair's state once, for all heads, with the
   module's second entry, ``mask_states`` (a small kernel), into a buffer of ``mask_states_bytes`` (below) that
-  its launches get as ``workspace``; the producer reads them four blocks to a word, a word ahead. Without them
-  the whole producer warpgroup reads the tile's mask rows per block and votes. Gathered paged KV loads every
-  block and its consumers read every block's bits.
+  its launches get as ``workspace``; the producer reads them four blocks to a word, a word ahead, and a tile's
+  walk ends at the last block some query of it sees (the states' word per tile: the hidden tail past it is not
+  walked; the count reaches the consumers with the Q TMA's arrive, ``tile_blocks``). Without them the whole
+  producer warpgroup reads the tile's mask rows per block and votes. Gathered paged KV loads every block and
+  its consumers read every block's bits.
 - Work mapping: the sm80 tier's virtual tiles (``base(r) = r + qo_indptr[r] * pack // 128``),
   items (virtual tile, kv head; query head when unpacked), a persistent grid of one block per
   SM taking items from the same per-stream counter slots as the sm80 tier
@@ -315,7 +317,8 @@ def sm90_layout(spec: VariantSpec) -> dict[str, int]:
         off_tab = off_items + _ceil(8 * ring, 16)
         tab_bytes = 2 * bn * 16 if paged else 0  # paged: two tables (block parity) of (k, v) int64 row offsets
         off_live = off_tab + tab_bytes
-        live_bytes = _ceil(4 * stages, 16) if spec.mask_mode is MaskMode.CUSTOM else 0  # custom mask: stage loaded?
+        # custom mask: each stage's block state, then the blocks each query buffer's tile walks (tile_blocks)
+        live_bytes = _ceil(4 * stages + 4 * q_bufs, 16) if spec.mask_mode is MaskMode.CUSTOM else 0
         off_stage_o = _ceil(off_live + live_bytes, 128)
         stage_o_bytes = 4 * consumers * _STAGE_O_WARP_BYTES if stage_o else 0
         # row_sum_mma's ones after every V stage (the P V descriptors' lbo reaches them forward), 1 KiB aligned
@@ -373,8 +376,9 @@ def sm90_context(spec: VariantSpec) -> dict[str, Any]:
 
 
 # The layout the custom-mask kernels' mask_states writes into the workspace (the template's kStatesHeader): a 16-byte
-# header, then a byte per (virtual tile, KV block) pair: a row per virtual tile of the launch's items (tile_base), as
-# long as the most KV blocks of a request rounded up to 4, then 8 spare bytes.
+# header (int32 [0]: the states per row), then a row per virtual tile of the launch's items (tile_base): an int32, one
+# past the last KV block some query of the tile sees (0: none), then a byte per KV block as many as the most KV
+# blocks of a request rounded up to 4; then 8 spare bytes.
 MASK_STATES_HEADER = 16
 
 
@@ -387,4 +391,4 @@ def mask_states_bytes(spec: VariantSpec, qo_lens: list[int], kv_lens: list[int])
     virtual_tiles = len(qo_lens) + sum(qo_lens) * layout["kPackG"] // layout["kBM"]
     most_blocks = max((-(-k // layout["kBN"]) for k in kv_lens), default=0)
     stride = -(-most_blocks // 4) * 4  # rows of whole 4-byte words, and 8 spare bytes past the last row
-    return MASK_STATES_HEADER + virtual_tiles * stride + 8
+    return MASK_STATES_HEADER + virtual_tiles * (4 + stride) + 8
