@@ -59,8 +59,8 @@ class AttentionPlan:
     kv_pointer_alignment: int = 16  # bytes; set from kv_alignment()
     split_counters: torch.Tensor | None = None  # the wrapper's zeroed split-KV chunk counters (None: the plan's own)
     q_rows: int = 0  # rows of q the plan reads: total_qo, or fewer when rows repeat (share_queries)
-    mask_states_bytes: int = 0  # the sm90 custom-mask kernel's block states, written at plan time (0: none) into:
-    mask_states: torch.Tensor | None = None  # (launch.write_mask_states)
+    # the sm90 custom-mask kernel's zeroed block states buffer (None: none), written at plan time (write_mask_states)
+    mask_states: torch.Tensor | None = None
     # The use_sinks twin of ``launch`` (same plan): made by the first run() with sinks, or at plan time when asked.
     sink_launch: PreparedAttention | None = None
 
@@ -83,8 +83,8 @@ class AttentionPlan:
             self.launch = self._prepare(self.module)
         if self.spec.use_sinks:
             self.sink_launch = self.launch
-        if self.mask_states_bytes:
-            self.mask_states = write_mask_states(self.launch, self.mask_states_bytes, self.qo_indptr.device)
+        if self.mask_states is not None:
+            write_mask_states(self.launch, self.mask_states)
 
     def _prepare(self, module: Module) -> PreparedAttention:
         prepared = PreparedAttention(

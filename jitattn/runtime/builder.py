@@ -114,7 +114,8 @@ def make_plan(
     kv_last_page_len: torch.Tensor | None, custom_mask: torch.Tensor | None, mask_indptr: torch.Tensor | None,
     index: PagedIndex | None, total_qo: int, total_kv: int | None, split: KVSplit,
     split_indptr: torch.Tensor | None, use_cuda_graph: bool, workspace_bytes: int = 0,
-    split_counters: torch.Tensor | None = None, launch: PreparedAttention | None = None, mask_states_bytes: int = 0,
+    split_counters: torch.Tensor | None = None, launch: PreparedAttention | None = None,
+    mask_states: torch.Tensor | None = None,
 ) -> AttentionPlan:
     """An ``AttentionPlan`` over index arrays already on the device (its launch struct filled once).
 
@@ -126,7 +127,7 @@ def make_plan(
         page_size=index.page_size if index is not None else None, kv_layout=kv_layout, total_qo=total_qo,
         qo_indptr=qo_indptr, kv_indptr=kv_indptr, kv_indices=kv_indices, kv_last_page_len=kv_last_page_len,
         custom_mask=custom_mask, mask_indptr=mask_indptr, index=index, split=split, split_indptr=split_indptr,
-        total_kv=total_kv, use_cuda_graph=use_cuda_graph, wrapper=wrapper, mask_states_bytes=mask_states_bytes,
+        total_kv=total_kv, use_cuda_graph=use_cuda_graph, wrapper=wrapper, mask_states=mask_states,
     )
     log_plan(wrapper, plan, workspace_bytes)
     return plan
@@ -206,20 +207,22 @@ def build_plan(
         index=paged, total_qo=total_qo, total_kv=total_kv,
         split=split, split_indptr=on_device.get("split_indptr"), use_cuda_graph=use_cuda_graph,
         workspace_bytes=workspace_bytes, split_counters=split_counters, launch=launch,
-        mask_states_bytes=_mask_states_bytes(module, host, split, use_cuda_graph),
+        mask_states=_mask_states_buffer(module, host, split, use_cuda_graph, device),
     )
 
 
-def _mask_states_bytes(module: Module, host: HostIndex, split: KVSplit, use_cuda_graph: bool) -> int:
-    """The buffer the module's blocks' states take (a module with a ``mask_states`` entry: the sm90 tier's
-    custom-mask kernels, ``kernels.prefill_sm90``); 0: none. Not under CUDA graphs (a capture would keep one plan's
-    buffer while later plans write others), nor for a split plan (its launches' ``workspace`` is the float
-    workspace's split-KV partials)."""
+def _mask_states_buffer(module: Module, host: HostIndex, split: KVSplit, use_cuda_graph: bool,
+                        device: torch.device) -> torch.Tensor | None:
+    """The zeroed buffer the module's blocks' states go into (a module with a ``mask_states`` entry: the sm90
+    tier's custom-mask kernels, ``kernels.prefill_sm90``); None: none. Not under CUDA graphs (a capture would keep
+    one plan's buffer while later plans write others), for a split plan (its launches' ``workspace`` is the float
+    workspace's split-KV partials) or an empty batch."""
     if host.mask is None or use_cuda_graph or split.kv_chunk_size or "mask_states" not in module.entry_names:
-        return 0
+        return None
     qo = host.qo_indptr.numpy()
     kv_lens = (host.paged.kv_len_array if host.paged is not None else np.diff(host.kv_indptr.numpy())).tolist()
-    return mask_states_bytes(module.spec, np.diff(qo).tolist(), kv_lens)
+    needed = mask_states_bytes(module.spec, np.diff(qo).tolist(), kv_lens)
+    return torch.zeros(needed, dtype=torch.uint8, device=device) if needed else None
 
 
 def num_workers(device: torch.device) -> int:

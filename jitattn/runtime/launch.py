@@ -228,20 +228,17 @@ def launch_attention(
     prepared(q, k, v, o, lse, k_scale, v_scale, workspace, sinks=sinks)
 
 
-def write_mask_states(prepared: PreparedAttention, states: torch.Tensor | int, device=None) -> torch.Tensor:
-    """Point ``prepared`` (an sm90 custom-mask kernel's launch) at ``states`` (a uint8 buffer of
-    ``kernels.prefill_sm90.mask_states_bytes``, or that size: a new one on ``device``) and write its blocks' states
-    there with the module's ``mask_states`` entry (the attention entry's fields), on the current stream: the launches
-    that follow on it read one byte per block instead of the tile's mask rows; returns the buffer. Not under CUDA
-    graphs (a capture keeps its plan's buffer while later plans write others)."""
-    if isinstance(states, int):
-        states = torch.zeros(states, dtype=torch.uint8, device=device)  # (words past the walked blocks: defined)
+def write_mask_states(prepared: PreparedAttention, states: torch.Tensor) -> None:
+    """Point ``prepared`` (an sm90 custom-mask kernel's launch) at ``states`` (a zeroed uint8 buffer of
+    ``kernels.prefill_sm90.mask_states_bytes``: the words past the walked blocks are read, the tiles' ends raised)
+    and write its blocks' states there with the module's ``mask_states`` entry (the attention entry's fields), on the
+    current stream: the launches that follow on it read one byte per block instead of the tile's mask rows. Not
+    under CUDA graphs (a capture keeps its plan's buffer while later plans write others)."""
     params = prepared.params
     if "mask_states" not in prepared.module.entry_names:  # (a twin of another tier: it classifies blocks itself)
         params.workspace, params.workspace_bytes = None, 0
-        return states
+        return
     params.workspace, params.workspace_bytes = states.data_ptr(), states.numel()
     fields = prepared.module.params("mask_states", **{name: getattr(params, name) for name, _ in params._fields_})
     with torch.cuda.device(states.device):
         prepared.module.call("mask_states", fields, torch.cuda.current_stream().cuda_stream)
-    return states
