@@ -11,7 +11,7 @@ the cases cover what they claim runs anywhere."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -21,6 +21,7 @@ import jitattn.jit
 from jitattn import reference
 from jitattn.runtime.specs import attention_spec
 from jitattn.kernels import prefill, prefill_sm90
+from jitattn.runtime import builder
 from jitattn.jit import render
 from jitattn.spec import KVLayout, KVStorage, MaskMode, Op, PosEncoding, Target
 
@@ -541,6 +542,50 @@ def test_sm90_mask_states_give_the_in_kernel_classifications_bits(case_id, hoppe
     assert expected_states == {at: int(rows[at]) for at in expected_states}
     ends = {at: int(rows[at:at + 4].view(torch.int32).item()) for at in expected_ends}
     assert expected_ends == ends and any(ends.values())
+
+
+@pytest.mark.gpu
+def test_sm90_mask_states_under_cuda_graphs_follow_each_plan(hopper, monkeypatch):
+    """Under CUDA graphs each plan writes its blocks' states into the wrapper's buffer (made by its first custom-mask
+    plan, at its address from then on): a run captured on one plan replays every later plan's mask exactly, and a
+    plan whose states do not fit the buffer finds a header of 0 there, its kernel classifying blocks itself."""
+    monkeypatch.setattr(builder, "GRAPH_MASK_STATES_HEADROOM", 1)  # the buffer: the first plan's bytes exactly
+    monkeypatch.setattr(builder, "GRAPH_MASK_STATES_MIN", 0)
+    first = CASES["mask_causal_d128_g4_bf16_batch"]
+    plans = [first, replace(first, mask_kind="random"),  # the same bytes: states
+             replace(first, qo_lens=(64, 63, 5), kv_lens=(4160, 1000, 300), mask_kind="tree"),  # fewer: states
+             replace(first, kv_lens=(1000, 700, 8000))]  # more KV blocks a row: header 0
+    gen = torch.Generator().manual_seed(5)
+    rows, kv_rows = max(sum(c.qo_lens) for c in plans), max(sum(c.kv_lens) for c in plans)
+    q = torch.randn(rows, first.hq, first.d, generator=gen).to(bf16).cuda()
+    k, v = (torch.randn(kv_rows, first.hkv, first.d, generator=gen).to(bf16).cuda() for _ in range(2))
+    out = torch.empty_like(q)
+    lse = torch.empty(rows, first.hq, device="cuda")
+    wrapper = jitattn.BatchPrefillWithRaggedKVCacheWrapper(
+        _workspace(), use_cuda_graph=True, qo_indptr_buf=torch.empty(4, dtype=torch.int32, device="cuda"),
+        kv_indptr_buf=torch.empty(4, dtype=torch.int32, device="cuda"),
+        custom_mask_buf=torch.empty(1 << 20, dtype=torch.uint8, device="cuda"),
+        mask_indptr_buf=torch.empty(4, dtype=torch.int32, device="cuda"))
+    graph = torch.cuda.CUDAGraph()
+    for i, c in enumerate(plans):
+        wrapper.plan(_indptr(c.qo_lens), _indptr(c.kv_lens), c.hq, c.hkv, c.d, **_plan_kw(c))
+        states = wrapper._plan.mask_states
+        if i == 0:
+            wrapper.run(q, k, v, out=out, lse=lse)  # loads the module outside the capture
+            torch.cuda.synchronize()
+            buffer = states
+            with torch.cuda.graph(graph):
+                wrapper.run(q, k, v, out=out, lse=lse)
+        assert states.data_ptr() == buffer.data_ptr() == wrapper._plan.launch.params.workspace
+        assert (int(states[:4].view(torch.int32).item()) > 0) == (i < 3)
+        out.fill_(float("nan"))
+        lse.fill_(float("nan"))
+        graph.replay()
+        n = sum(c.qo_lens)
+        ref_o, ref_lse = reference.batch_ragged_attention(q[:n], k, v, _indptr(c.qo_lens), _indptr(c.kv_lens),
+                                                          **_ref_kw(c))
+        assert_close_out(out[:n], ref_o, bf16)
+        assert_close_lse(lse[:n], ref_lse, atol=2e-3)
 
 
 def _expected_states(c: Case, stride: int) -> tuple[dict[int, int], dict[int, int]]:

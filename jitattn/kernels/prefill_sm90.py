@@ -50,9 +50,9 @@ rendered source, hence in the cache key.
   skipped); a block whose bits let every key of a thread's rows through skips the per-element masking; the
   producer records each block's state in a word per stage at ``kOffLive``: hidden (no query of the tile sees it:
   no TMA, no consumer computes it), open (every query sees every key: the consumers read no bits) or masked.
-  A plan (not under CUDA graphs) writes every (virtual tile, block) pair's state once, for all heads, with the
-  module's second entry, ``mask_states`` (a small kernel), into a buffer of ``mask_states_bytes`` (below) that
-  its launches get as ``workspace``; the producer reads them four blocks to a word, a word ahead, and a tile's
+  A plan writes every (virtual tile, block) pair's state once, for all heads, with the module's second entry,
+  ``mask_states`` (a small kernel), into a buffer of ``mask_states_bytes`` (below; under CUDA graphs the
+  wrapper's, fixed) that its launches get as ``workspace``; the producer reads them four blocks to a word, a word ahead, and a tile's
   walk ends at the last block some query of it sees (the states' word per tile: the hidden tail past it is not
   walked; the count reaches the consumers with the Q TMA's arrive, ``tile_blocks``). Without them the whole
   producer warpgroup reads the tile's mask rows per block and votes. Gathered paged KV loads every block and

@@ -207,22 +207,37 @@ def build_plan(
         index=paged, total_qo=total_qo, total_kv=total_kv,
         split=split, split_indptr=on_device.get("split_indptr"), use_cuda_graph=use_cuda_graph,
         workspace_bytes=workspace_bytes, split_counters=split_counters, launch=launch,
-        mask_states=_mask_states_buffer(module, host, split, use_cuda_graph, device),
+        mask_states=_mask_states_buffer(module, host, split, buffers, use_cuda_graph, device),
     )
 
 
-def _mask_states_buffer(module: Module, host: HostIndex, split: KVSplit, use_cuda_graph: bool,
-                        device: torch.device) -> torch.Tensor | None:
+# Under CUDA graphs a wrapper's first custom-mask plan allocates its blocks' states buffer, fixed from then on (a
+# capture keeps its address): GRAPH_MASK_STATES_HEADROOM times that plan's bytes, at least GRAPH_MASK_STATES_MIN. A
+# later plan that needs more finds a header of 0 there, and its kernel classifies blocks itself (exact, slower).
+GRAPH_MASK_STATES_HEADROOM = 4
+GRAPH_MASK_STATES_MIN = 1 << 20
+
+
+def _mask_states_buffer(module: Module, host: HostIndex, split: KVSplit, buffers: dict[str, torch.Tensor | None],
+                        use_cuda_graph: bool, device: torch.device) -> torch.Tensor | None:
     """The zeroed buffer the module's blocks' states go into (a module with a ``mask_states`` entry: the sm90
-    tier's custom-mask kernels, ``kernels.prefill_sm90``); None: none. Not under CUDA graphs (a capture would keep
-    one plan's buffer while later plans write others), for a split plan (its launches' ``workspace`` is the float
-    workspace's split-KV partials) or an empty batch."""
-    if host.mask is None or use_cuda_graph or split.kv_chunk_size or "mask_states" not in module.entry_names:
+    tier's custom-mask kernels, ``kernels.prefill_sm90``): the plan's own, or under CUDA graphs the wrapper's
+    (``buffers["mask_states"]``, made by its first such plan); None: none. Not for a split plan (its launches'
+    ``workspace`` is the float workspace's split-KV partials)."""
+    if host.mask is None or split.kv_chunk_size or "mask_states" not in module.entry_names:
         return None
     qo = host.qo_indptr.numpy()
     kv_lens = (host.paged.kv_len_array if host.paged is not None else np.diff(host.kv_indptr.numpy())).tolist()
     needed = mask_states_bytes(module.spec, np.diff(qo).tolist(), kv_lens)
-    return torch.zeros(needed, dtype=torch.uint8, device=device) if needed else None
+    if not use_cuda_graph:
+        return torch.zeros(needed, dtype=torch.uint8, device=device)
+    states = buffers.get("mask_states")
+    if states is None:
+        states = torch.empty(max(GRAPH_MASK_STATES_HEADROOM * needed, GRAPH_MASK_STATES_MIN), dtype=torch.uint8,
+                             device=device)
+        buffers["mask_states"] = states
+    states[:needed].zero_()  # (the rows' ends are raised by atomicMax; a plan past the end gets header 0)
+    return states
 
 
 def num_workers(device: torch.device) -> int:

@@ -229,11 +229,12 @@ def launch_attention(
 
 
 def write_mask_states(prepared: PreparedAttention, states: torch.Tensor) -> None:
-    """Point ``prepared`` (an sm90 custom-mask kernel's launch) at ``states`` (a zeroed uint8 buffer of
-    ``kernels.prefill_sm90.mask_states_bytes``: the words past the walked blocks are read, the tiles' ends raised)
-    and write its blocks' states there with the module's ``mask_states`` entry (the attention entry's fields), on the
-    current stream: the launches that follow on it read one byte per block instead of the tile's mask rows. Not
-    under CUDA graphs (a capture keeps its plan's buffer while later plans write others)."""
+    """Point ``prepared`` (an sm90 custom-mask kernel's launch) at ``states`` (a uint8 buffer, zeroed at least over
+    the ``kernels.prefill_sm90.mask_states_bytes`` the plan needs: the words past the walked blocks are read, the
+    tiles' ends raised) and write its blocks' states there with the module's ``mask_states`` entry (the attention
+    entry's fields), on the current stream: the launches that follow on it read one byte per block instead of the
+    tile's mask rows. A buffer shorter than the plan needs gets a header of 0: the kernel then classifies blocks
+    from the mask rows itself."""
     params = prepared.params
     if "mask_states" not in prepared.module.entry_names:  # (a twin of another tier: it classifies blocks itself)
         params.workspace, params.workspace_bytes = None, 0
