@@ -14,7 +14,7 @@ import torch
 from ..abi import POS_ENCODING_CODES
 from ..jit import Module
 from ..spec import KVLayout, PosEncoding
-from .checks import cpu_threads, current_cuda_device, raw_stream
+from .checks import cpu_threads, current_cuda_device, raw_stream, stream_capturing
 from .kv import kv_strides
 
 
@@ -234,9 +234,10 @@ def write_mask_states(prepared: PreparedAttention, states: torch.Tensor) -> None
     tiles' ends raised) and write its blocks' states there with the module's ``mask_states`` entry (the attention
     entry's fields), on the current stream: the launches that follow on it read one byte per block instead of the
     tile's mask rows. A buffer shorter than the plan needs gets a header of 0: the kernel then classifies blocks
-    from the mask rows itself."""
+    from the mask rows itself, as it does without states: for a twin of another tier, or when called inside a CUDA
+    graph capture (a sinks twin's first run; a captured write would replay over a later plan's states)."""
     params = prepared.params
-    if "mask_states" not in prepared.module.entry_names:  # (a twin of another tier: it classifies blocks itself)
+    if "mask_states" not in prepared.module.entry_names or stream_capturing():
         params.workspace, params.workspace_bytes = None, 0
         return
     params.workspace, params.workspace_bytes = states.data_ptr(), states.numel()
