@@ -588,6 +588,25 @@ def test_sm90_mask_states_under_cuda_graphs_follow_each_plan(hopper, monkeypatch
         assert_close_lse(lse[:n], ref_lse, atol=2e-3)
 
 
+@pytest.mark.gpu
+def test_sm90_custom_mask_plans_and_runs_an_empty_batch(hopper):
+    """A custom-mask plan of no requests has no blocks' states to write: it plans and runs (an empty output)."""
+    c = CASES["mask_d128_g4_bf16_batch"]
+    empty = torch.zeros(1, dtype=torch.int32)
+    for use_cuda_graph in (False, True):
+        graph_bufs = dict(qo_indptr_buf=torch.empty(4, dtype=torch.int32, device="cuda"),
+                          kv_indptr_buf=torch.empty(4, dtype=torch.int32, device="cuda"),
+                          custom_mask_buf=torch.empty(64, dtype=torch.uint8, device="cuda"),
+                          mask_indptr_buf=torch.empty(4, dtype=torch.int32, device="cuda")) if use_cuda_graph else {}
+        wrapper = jitattn.BatchPrefillWithRaggedKVCacheWrapper(_workspace(), use_cuda_graph=use_cuda_graph,
+                                                               **graph_bufs)
+        wrapper.plan(empty, empty, c.hq, c.hkv, c.d, custom_mask=torch.zeros(0, dtype=torch.bool), q_data_type=c.dtype)
+        assert wrapper._plan.mask_states is None
+        q = torch.empty(0, c.hq, c.d, dtype=c.dtype, device="cuda")
+        k = torch.empty(0, c.hkv, c.d, dtype=c.dtype, device="cuda")
+        assert wrapper.run(q, k, k).shape == (0, c.hq, c.d)
+
+
 def _expected_states(c: Case, stride: int) -> tuple[dict[int, int], dict[int, int]]:
     """Byte offset -> state (0 hidden, 1 masked, 2 open) of every (virtual tile, block) pair the kernel walks, and
     byte offset -> one past the last block some query of the tile sees (0: none) of every virtual tile, from the

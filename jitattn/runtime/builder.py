@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from .. import hardware
+from ..log import get_logger
 from ..kernels.prefill_sm90 import mask_states_bytes
 from ..jit import Module, load
 from ..page_table import PagedIndex
@@ -21,7 +22,7 @@ from ..kv_split import KVSplit
 from ..spec import KVLayout, KVStorage, MaskMode, Op, Target, VariantSpec
 from ..variant import AttentionVariant
 from .batch import AttentionPlan, log_plan, upload, upload_int32
-from .checks import cpu_threads
+from .checks import cpu_threads, stream_capturing
 from .launch import PreparedAttention
 from .options import (
     AttentionOptions, check_head_dim, parse_dtype, parse_pos_encoding, resolve_dtypes, resolve_scalars,
@@ -207,7 +208,7 @@ def build_plan(
         index=paged, total_qo=total_qo, total_kv=total_kv,
         split=split, split_indptr=on_device.get("split_indptr"), use_cuda_graph=use_cuda_graph,
         workspace_bytes=workspace_bytes, split_counters=split_counters, launch=launch,
-        mask_states=_mask_states_buffer(module, host, split, buffers, use_cuda_graph, device),
+        mask_states=_mask_states_buffer(wrapper, module, host, split, buffers, use_cuda_graph, device),
     )
 
 
@@ -218,17 +219,21 @@ GRAPH_MASK_STATES_HEADROOM = 4
 GRAPH_MASK_STATES_MIN = 1 << 20
 
 
-def _mask_states_buffer(module: Module, host: HostIndex, split: KVSplit, buffers: dict[str, torch.Tensor | None],
-                        use_cuda_graph: bool, device: torch.device) -> torch.Tensor | None:
+def _mask_states_buffer(wrapper: str, module: Module, host: HostIndex, split: KVSplit,
+                        buffers: dict[str, torch.Tensor | None], use_cuda_graph: bool,
+                        device: torch.device) -> torch.Tensor | None:
     """The zeroed buffer the module's blocks' states go into (a module with a ``mask_states`` entry: the sm90
     tier's custom-mask kernels, ``kernels.prefill_sm90``): the plan's own, or under CUDA graphs the wrapper's
-    (``buffers["mask_states"]``, made by its first such plan); None: none. Not for a split plan (its launches'
-    ``workspace`` is the float workspace's split-KV partials)."""
-    if host.mask is None or split.kv_chunk_size or "mask_states" not in module.entry_names:
+    (``buffers["mask_states"]``, made by its first such plan); None: none (the kernel classifies blocks from the
+    mask rows). Not for a split plan (its launches' ``workspace`` is the float workspace's split-KV partials), an
+    empty batch, or a plan made inside a CUDA graph capture (its writes would replay over later plans' states)."""
+    if host.mask is None or split.kv_chunk_size or "mask_states" not in module.entry_names or stream_capturing():
         return None
     qo = host.qo_indptr.numpy()
     kv_lens = (host.paged.kv_len_array if host.paged is not None else np.diff(host.kv_indptr.numpy())).tolist()
     needed = mask_states_bytes(module.spec, np.diff(qo).tolist(), kv_lens)
+    if not needed:
+        return None
     if not use_cuda_graph:
         return torch.zeros(needed, dtype=torch.uint8, device=device)
     states = buffers.get("mask_states")
@@ -236,6 +241,10 @@ def _mask_states_buffer(module: Module, host: HostIndex, split: KVSplit, buffers
         states = torch.empty(max(GRAPH_MASK_STATES_HEADROOM * needed, GRAPH_MASK_STATES_MIN), dtype=torch.uint8,
                              device=device)
         buffers["mask_states"] = states
+    elif needed > states.numel():
+        get_logger().info("%s.plan(): the blocks' states of this custom mask take %d bytes, the wrapper's buffer "
+                          "(sized by its first custom-mask plan) %d: its kernel classifies blocks itself (slower)",
+                          wrapper, needed, states.numel())
     states[:needed].zero_()  # (the rows' ends are raised by atomicMax; a plan past the end gets header 0)
     return states
 
