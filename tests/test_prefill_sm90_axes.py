@@ -588,6 +588,29 @@ def test_sm90_mask_states_under_cuda_graphs_follow_each_plan(hopper, monkeypatch
         assert_close_lse(lse[:n], ref_lse, atol=2e-3)
 
 
+# SM90_TUNING q_buffers 2: the mask cases whose tile fits shared memory with a second query buffer
+Q_BUFFERS_MASK_CASES = ["mask_bands_d64_mha_f16_alibi", "mask_tree_paged_d64_g8_f16_p16",
+                        "mask_bands_paged_d128_g4_bf16_p5"]
+
+
+def test_the_two_query_buffer_cases_are_mask_cases_that_fit(monkeypatch):
+    monkeypatch.setitem(prefill_sm90.SM90_TUNING, "q_buffers", 2)
+    for case_id in Q_BUFFERS_MASK_CASES:
+        assert CASES[case_id].mask and prefill_sm90.sm90_layout(_spec(CASES[case_id]))["kQBufs"] == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case_id", Q_BUFFERS_MASK_CASES)
+def test_sm90_custom_masks_with_two_query_buffers(case_id, hopper, monkeypatch, fresh_registry):
+    """With two query buffers a tile's walk (its hidden tail trimmed by the plan's states) reaches the consumers in
+    its query buffer's word: each of the two tiles in flight walks its own count, and the output is the
+    reference's."""
+    monkeypatch.setitem(prefill_sm90.SM90_TUNING, "q_buffers", 2)
+    jitattn.jit._registry.clear()
+    assert prefill_sm90.sm90_layout(_spec(CASES[case_id]))["kQBufs"] == 2
+    _check_against_reference(case_id)
+
+
 @pytest.mark.gpu
 def test_sm90_custom_mask_plans_and_runs_an_empty_batch(hopper):
     """A custom-mask plan of no requests has no blocks' states to write: it plans and runs (an empty output)."""
