@@ -574,7 +574,8 @@ def test_sm90_mask_states_under_cuda_graphs_follow_each_plan(hopper, monkeypatch
             wrapper.run(q, k, v, out=out, lse=lse)  # loads the module outside the capture
             torch.cuda.synchronize()
             buffer = states
-            with torch.cuda.graph(graph):
+            stream = torch.cuda.Stream()
+            with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
                 wrapper.run(q, k, v, out=out, lse=lse)
         assert states.data_ptr() == buffer.data_ptr() == wrapper._plan.launch.params.workspace
         assert (int(states[:4].view(torch.int32).item()) > 0) == (i < 3)
