@@ -57,8 +57,8 @@ class Case:
     out: torch.dtype | None = None  # plan(o_data_type=...): an output dtype other than q's
 
 
-# KV blocks: 128 tokens at head_dim 64 (three consumer warpgroups, 192-row tiles) and 128 (176 with a custom mask), 80
-# at 256 (paged: 128 at 64 and 128, 64 at 256).
+# KV blocks: 128 tokens at head_dim 64 (three consumer warpgroups, 192-row tiles) and 128, 80 at 256 (paged: 128 at
+# 64 and 128, 64 at 256).
 CASES = {
     # ragged
     "d128_g4_bf16_causal_w40_cap30_batch": Case(128, 16, 4, bf16, True, 40, 30.0, (1000, 1, 129, 0, 300, 64),

@@ -159,8 +159,6 @@ def test_sm90_layout_fits_and_aligns(case_id):
     assert layout["kD"] == spec.head_dim_qk and layout["kChunks"] * 64 == layout["kD"]
     assert layout["kDV"] == spec.head_dim_vo and layout["kChunksV"] * 64 == layout["kDV"]
     blocks = prefill_sm90.SM90_PAGED_KV_BLOCK if spec.kv_storage is KVStorage.PAGED else prefill_sm90.SM90_KV_BLOCK
-    if spec.mask_mode is MaskMode.CUSTOM and spec.kv_storage is not KVStorage.PAGED:
-        blocks = {**blocks, **prefill_sm90.SM90_KV_BLOCK_CUSTOM_MASK}  # 176 at head_dim 128 (measured faster there)
     consumers = prefill_sm90.SM90_TUNING["consumers_d64"] if spec.head_dim_qk == 64 else 2
     assert layout["kBM"] == 64 * consumers and layout["kThreads"] == 128 * (1 + consumers)
     block = prefill_sm90.SM90_KV_BLOCK_3WG if consumers == 3 else blocks[spec.head_dim_qk]

@@ -19,7 +19,7 @@ rendered source, hence in the cache key.
   group of one KV head packed into the rows (row = (token, head in group), ``128 // group``
   tokens; one Q TMA box of 64 columns x group heads x tokens) when the group divides 128 and
   head_dim >= 128, else 128 tokens of one query head (``sm90_pack`` has the measurements).
-- KV blocks of ``kBN`` tokens (ragged: 128 at head_dim 64 and 128, 176 at 128 with a custom mask, 80 at 256;
+- KV blocks of ``kBN`` tokens (ragged: 128 at head_dim 64 and 128, 80 at 256;
   paged: 128 at 64 and 128, 64 at 256) go through a
   2-stage pipeline (4 stages at head_dim 64); each 64-column slice of a row is one 128-byte-swizzled TMA box
   (ragged KV).
@@ -93,9 +93,9 @@ def _ceil(n: int, m: int) -> int:
 # head_dim_qk -> KV tokens per stage (docs/kernels/sm90_prefill.md: measured; d256: 80 is the most two stages fit
 # in 227 KiB beside the 128-row query tile, 5% faster than 64 on the H200; 192 (with head_dim_vo 128: DeepSeek's MLA
 # prefill): 128, the wgmma N that two stages of K and V fit; d128: 128, 1-4% faster than 176 on the suite's rows
-# (H200 and H100, 2026-12-06), but with a custom mask, where 176 is 1-2% faster: SM90_KV_BLOCK_CUSTOM_MASK)
+# (H200 and H100, 2026-12-06), and with a custom mask since its tiles end at their last seen block (causal 3% faster,
+# the tree's verify alike, H200 2026-12-07)
 SM90_KV_BLOCK = {64: 192, 128: 128, 256: 80, 192: 128}
-SM90_KV_BLOCK_CUSTOM_MASK = {128: 176}
 # (head_dim_qk, head_dim_vo) pairs of the tier: equal, or 192 / 128 (ragged KV only: its 24 pieces of a row do not
 # split over the producer's 128 threads, which the paged gathers and repeated query rows need)
 SM90_HEAD_DIMS = ((64, 64), (128, 128), (256, 256), (192, 128))
@@ -265,12 +265,11 @@ def _producer_regs(spec: VariantSpec, consumers: int, paged: bool, fp8: bool) ->
     return 56 if fp8 or (paged and spec.head_dim_vo <= 128) else 24
 
 
-def _kv_block(dim: int, consumers: int, paged: bool, fp8: bool, custom_mask: bool) -> int:
+def _kv_block(dim: int, consumers: int, paged: bool, fp8: bool) -> int:
     """KV tokens per stage: the tables', or SM90_TUNING's kv_block / paged_kv_block."""
     # three consumers: S, the last block's P and O in 160 registers, so KV blocks of 128
-    ragged_table = SM90_KV_BLOCK_CUSTOM_MASK if custom_mask and dim in SM90_KV_BLOCK_CUSTOM_MASK else SM90_KV_BLOCK
     paged_block, ragged_block = (SM90_KV_BLOCK_3WG, SM90_KV_BLOCK_3WG) if consumers == 3 else \
-        (SM90_PAGED_KV_BLOCK.get(dim), ragged_table[dim])  # (no paged KV at head_dim_qk 192)
+        (SM90_PAGED_KV_BLOCK.get(dim), SM90_KV_BLOCK[dim])  # (no paged KV at head_dim_qk 192)
     if fp8:  # V^T's rows: one 128-byte swizzle atom of keys (the P V GEMM's K-major B)
         ragged_block = SM90_FP8_KV_BLOCK
     bn = (SM90_TUNING["paged_kv_block"] or paged_block) if paged else (SM90_TUNING["kv_block"] or ragged_block)
@@ -294,7 +293,7 @@ def sm90_layout(spec: VariantSpec) -> dict[str, int]:
     bm, stages = 64 * consumers, tuning["kv_stages"] or (4 if consumers == 3 else 2)
     fp8 = spec.q_dtype.is_fp8
     elem = spec.q_dtype.itemsize
-    bn = _kv_block(dim, consumers, paged, fp8, spec.mask_mode is MaskMode.CUSTOM)
+    bn = _kv_block(dim, consumers, paged, fp8)
     if not 2 <= stages <= 8:
         raise ValueError(f"SM90_TUNING kv_stages={stages}: take 2 to 8")
     box = 128 // elem  # columns of one 128-byte TMA box (64 16-bit, 128 fp8 values)
