@@ -52,11 +52,11 @@ rendered source, hence in the cache key.
   no TMA, no consumer computes it), open (every query sees every key: the consumers read no bits) or masked.
   A plan writes every (virtual tile, block) pair's state once, for all heads, with the module's second entry,
   ``mask_states`` (a small kernel), into a buffer of ``mask_states_bytes`` (below; under CUDA graphs the
-  wrapper's, fixed) that its launches get as ``workspace``; the producer reads them four blocks to a word, a word ahead, and a tile's
-  walk ends at the last block some query of it sees (the states' word per tile: the hidden tail past it is not
-  walked; the count reaches the consumers with the Q TMA's arrive, ``tile_blocks``). Without them the whole
-  producer warpgroup reads the tile's mask rows per block and votes. Gathered paged KV loads every block and
-  its consumers read every block's bits.
+  wrapper's, fixed) that its launches get as ``workspace``; the producer reads them four blocks to a word, a
+  word ahead, and a tile's walk ends at the last block some query of it sees (the states' word per tile: the
+  hidden tail past it is not walked; the count reaches the consumers with the Q TMA's arrive, ``tile_blocks``).
+  Without them the whole producer warpgroup reads the tile's mask rows per block and votes. Gathered paged KV
+  loads every block and its consumers read every block's bits.
 - Work mapping: the sm80 tier's virtual tiles (``base(r) = r + qo_indptr[r] * pack // 128``),
   items (virtual tile, kv head; query head when unpacked), a persistent grid of one block per
   SM taking items from the same per-stream counter slots as the sm80 tier
