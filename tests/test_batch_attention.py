@@ -218,6 +218,23 @@ def test_plan_and_run_refuse_bad_input() -> None:
         jitattn.BatchAttention(device="gpu0")
 
 
+def test_q_data_type_none_takes_a_float32_caches_dtype() -> None:
+    """``q_data_type=None`` takes the KV's dtype when it is 16- or 32-bit (it took bf16 beside a float32 cache, and
+    the plan then refused the dtypes the caller never chose)."""
+    wrapper = jitattn.BatchAttention(device="cpu")
+    indptr, indices = torch.tensor([0, 2, 3], dtype=torch.int32), torch.tensor([0, 1, 2], dtype=torch.int32)
+    qo, kv_len = torch.tensor([0, 1, 4], dtype=torch.int32), torch.tensor([20, 5], dtype=torch.int32)
+    wrapper.plan(qo, indptr, indices, kv_len, 4, 2, 64, 64, 16, q_data_type=None, kv_data_type=torch.float32)
+    gen = torch.Generator().manual_seed(7)
+    q, cache = torch.randn(4, 4, 64, generator=gen), torch.randn(3, 2, 16, 2, 64, generator=gen)
+    out, lse = wrapper.run(q, cache)
+    expected_o, expected_lse = reference.batch_prefill_paged(
+        q, cache, qo, indptr, indices, torch.tensor([4, 5], dtype=torch.int32))
+    assert out.dtype == torch.float32
+    assert_close_out(out, expected_o, torch.float32)
+    assert_close_lse(lse, expected_lse)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the error of a machine without a GPU")
 def test_run_errors_from_a_part_name_batch_attention_and_the_part() -> None:
     """An error raised by the part's wrapper named that wrapper and its own arguments (indices), not the call the

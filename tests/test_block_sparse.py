@@ -290,6 +290,35 @@ def test_bsr_plan_refuses_bad_patterns(change: dict, error: type, match: str) ->
         wrapper.plan(**{**args, **change})
 
 
+@pytest.mark.parametrize("name", ["indptr", "indices"])
+def test_bsr_plan_refuses_meta_index_arrays_by_name(name: str) -> None:
+    wrapper, args = _planned_bsr()
+    with pytest.raises(ValueError, match=f"^{name} is on the meta device, which holds no data"):
+        wrapper.plan(**{**args, name: args[name].to("meta")})
+
+
+@pytest.mark.parametrize("position", [0, 1, 2], ids=["block_mask_map", "block_row_sz", "block_col_sz"])
+def test_variable_plan_refuses_a_meta_pattern_by_name(position: int) -> None:
+    pattern = [torch.ones(2, 2, 3, dtype=torch.bool), torch.tensor([[3, 2], [1, 4]], dtype=torch.int32),
+               torch.tensor([[2, 2, 2], [1, 1, 4]], dtype=torch.int32)]
+    name = ("block_mask_map", "block_row_sz", "block_col_sz")[position]
+    pattern[position] = pattern[position].to("meta")
+    wrapper = jitattn.VariableBlockSparseAttentionWrapper(torch.empty(0, dtype=torch.uint8))
+    with pytest.raises(ValueError, match=f"^{name} is on the meta device, which holds no data"):
+        wrapper.plan(*pattern, 4, 2, 64)
+
+
+@pytest.mark.parametrize("call", ["keyword", "positional"])
+def test_flashinfer_sparse_run_names_itself_on_arguments_that_do_not_fit(call: str) -> None:
+    """The base-2 LSE shim binds the arguments to find a positional ``lse``: arguments that do not fit raise
+    Python's own error, which names the method (the shim's bind said only "too many positional arguments")."""
+    wrapper = fi.BlockSparseAttentionWrapper(torch.empty(0, dtype=torch.uint8))
+    q = torch.randn(8, 2, 64).half()
+    args, kwargs = ((q, q, q), {"foo": 1}) if call == "keyword" else ((q, q, q) + (None,) * 7 + ("extra",), {})
+    with pytest.raises(TypeError, match=r"BlockSparseAttentionWrapper\.run\(\) (got an unexpected|takes from)"):
+        wrapper.run(*args, **kwargs)
+
+
 def test_bsr_run_refuses_before_plan_and_mismatched_tensors() -> None:
     wrapper, args = _planned_bsr()
     q, k = torch.randn(8, 2, 64).half(), torch.randn(8, 2, 64).half()

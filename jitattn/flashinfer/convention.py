@@ -52,7 +52,10 @@ def returns_base2_bound(function):
 
     @functools.wraps(function)
     def base2(*args, **kwargs):
-        lse = signature.bind(*args, **kwargs).arguments.get("lse")
+        try:
+            lse = signature.bind(*args, **kwargs).arguments.get("lse")
+        except TypeError:  # arguments that do not fit: the call itself raises Python's error, which names it
+            return function(*args, **kwargs)
         return lse_to_base2(function(*args, **kwargs), lse)
 
     return base2

@@ -136,9 +136,9 @@ class BatchAttention(NotCopyable):
         jitattn extension): each request's bits independent of the rest of the batch, as the decode and prefill
         wrappers' (a request takes the decode or the prefill kernels by its own query count)."""
         self._logits_soft_cap, self._parts = None, []
-        if q_data_type is None:  # None: the 16-bit KV's dtype, else this signature's default
+        if q_data_type is None:  # None: the 16- or 32-bit KV's dtype, else (fp8 KV) this signature's default
             kv = None if kv_data_type is None else parse_dtype(kv_data_type, "kv_data_type")
-            q_data_type = kv if kv in (torch.float16, torch.bfloat16) else torch.bfloat16
+            q_data_type = kv if kv in (torch.float16, torch.bfloat16, torch.float32) else torch.bfloat16
         refuse_unsupported(f"{self._NAME}.plan", "profile with nsys / ncu (kernels carry readable names)",
                            use_profiler=True if use_profiler else None)
         for name, value in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads),

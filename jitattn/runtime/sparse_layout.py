@@ -52,7 +52,14 @@ def _int_array(name: str, tensor, ndim: int) -> np.ndarray:
                         "tensor (int32)")
     if tensor.dim() != ndim:
         raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(tensor.shape)}")
+    _check_has_data(name, tensor)
     return tensor.detach().to("cpu").to(torch.int64).numpy()
+
+
+def _check_has_data(name: str, tensor: torch.Tensor) -> None:
+    if tensor.is_meta:
+        raise ValueError(f"{name} is on the meta device, which holds no data; pass it on the host or on the "
+                         "CUDA device")
 
 
 def _check_int32(name: str, highest: int) -> None:
@@ -227,6 +234,7 @@ def variable_page_table(block_mask_map, block_row_sz, block_col_sz,
     if block_mask_map.dtype != torch.bool:
         raise TypeError(f"block_mask_map has dtype {str(block_mask_map.dtype).removeprefix('torch.')}; pass a "
                         "bool tensor (True: the block is attended)")
+    _check_has_data("block_mask_map", block_mask_map)
     heads, mb, nb = block_mask_map.shape
     rows, cols = _int_array("block_row_sz", block_row_sz, 2), _int_array("block_col_sz", block_col_sz, 2)
     if heads != num_kv_heads or rows.shape != (heads, mb) or cols.shape != (heads, nb):
