@@ -192,7 +192,7 @@ def reference_error(data: AttnData) -> float:
     qo_off = data.qo_offsets
     for r in range(min(REF_REQUESTS, case.batch)):
         k, v = data.request_kv(r)
-        qo_len, kv_len = case.queries[r], case.kv_lens[r]
+        qo_len = case.queries[r]
         m = min(REF_QUERIES, qo_len)
         first = qo_off[r + 1] - m
         mask = custom_mask_rows(case, r, qo_len - m).to(data.q.device) if case.custom_mask else None
