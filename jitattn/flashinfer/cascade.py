@@ -11,7 +11,8 @@ import torch
 
 from ..ops import cascade as native
 from ..runtime import merge as native_merge
-from ..runtime.checks import check_no_overlap, check_tensor, check_writable, refuse_grad_writes
+from ..runtime.checks import check_no_overlap, check_tensor
+from ..runtime.grad import check_writable, refuse_grad_writes
 from ..runtime.wrapper import returning_lse
 from ..ops.cascade import BatchDecodeWithSharedPrefixPagedKVCacheWrapper, BatchPrefillWithSharedPrefixPagedKVCacheWrapper
 from .convention import LOG2E, lse_to_natural, returns_base2

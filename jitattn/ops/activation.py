@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 
 from ..runtime import compiled_ops
-from ..runtime.checks import no_backward
+from ..runtime.grad import no_backward
 from ..runtime.options import check_flag
 from ..runtime.pointwise import act_and_mul as launch_act_and_mul
 

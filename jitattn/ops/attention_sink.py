@@ -14,7 +14,7 @@ import functools
 
 import torch
 
-from ..runtime.checks import no_backward
+from ..runtime.grad import no_backward
 from ..runtime.options import (check_flag, f32_scale, number, parse_pos_encoding, positive_int, resolve_dtypes,
                                resolve_window_left)
 from ..runtime.wrapper import drops_plan_on_failure, returning_lse

@@ -15,8 +15,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..runtime.checks import (check_no_overlap, check_tensor, named_refusals, no_backward, not_planned,
-                              refuse_outputs_over_inputs)
+from ..runtime.checks import check_no_overlap, check_tensor, named_refusals, not_planned, refuse_outputs_over_inputs
+from ..runtime.grad import claim_outputs, no_backward
 from ..runtime.options import number, parse_dtype, positive_int, refuse_unsupported, resolve_batch_invariant
 from ..runtime.side_by_side import prefill_blocks, side_by_side
 from ..runtime.compiled import batch_attention_run_compiled, register_wrapper
@@ -279,6 +279,7 @@ class BatchAttention(NotCopyable):
                        o_dtype: torch.dtype) -> None:
         """The caller's out / lse against the plan, before any part writes its rows of them (a part whose rows
         are not contiguous writes them by a scatter, which would fail half-way)."""
+        claim_outputs(f"{self._NAME}.run()", out, lse)
         rows, heads, _, dvo = self._shape
         for name, given, shape, dtype in (("out", out, (rows, heads, dvo), o_dtype),
                                           ("lse", lse, (rows, heads), torch.float32)):

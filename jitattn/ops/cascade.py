@@ -25,7 +25,8 @@ import torch
 from ..runtime.batch import WorkspaceTooSmall, check_sinks, share_queries
 from ..runtime.builder import attention_options, kernel_spec, num_workers
 from ..runtime.cascade_states import LevelStates
-from ..runtime.checks import check_tensor, no_backward, not_planned, target_of
+from ..runtime.checks import check_tensor, not_planned, target_of
+from ..runtime.grad import no_backward
 from ..runtime.compiled import cascade_run_compiled, register_wrapper
 from ..runtime.merge import merge_state, merge_state_in_place, merge_states, merge_states_with_sinks
 from ..runtime.wrapper import NotCopyable, host_side, returning_lse, workspace_target

@@ -10,7 +10,8 @@ import torch
 from ..runtime.batch import check_sinks, check_workspace, upload_int32
 from ..runtime.builder import HostIndex, attention_options, build_plan, kernel_spec, make_plan, num_workers
 from ..runtime.wrapper import BatchWrapperBase, drops_plan_on_failure, host_side, plan_arguments, returning_lse
-from ..runtime.checks import check_tensor, fast_page_table, no_backward, target_of
+from ..runtime.checks import check_tensor, fast_page_table, target_of
+from ..runtime.grad import no_backward
 from ..runtime.launch import PreparedAttention
 from ..runtime.options import (
     PAGE_TABLE_HINT, check_flag, check_flags, fp8_scale, parse_kv_layout, positive_int, refuse_unsupported,

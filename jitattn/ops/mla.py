@@ -40,7 +40,8 @@ import numbers
 import numpy as np
 import torch
 
-from ..runtime.checks import check_tensor, no_backward, not_planned, refuse_written_over, stream_capturing
+from ..runtime.checks import check_tensor, not_planned, refuse_written_over, stream_capturing
+from ..runtime.grad import claim_outputs, no_backward
 from ..runtime.compiled import mla_run_compiled, register_wrapper
 from ..runtime.options import (
     f32_scale, fp8_scale, parse_dtype, positive_int, refuse_unsupported, resolve_batch_invariant, resolve_flag,
@@ -251,6 +252,8 @@ class BatchMLAPagedAttentionWrapper(NotCopyable):
         if torch.compiler.is_compiling():  # one opaque op (the checks below compare addresses)
             return mla_run_compiled(self._op_key, q_nope, q_pe, ckv_cache, kpe_cache, out=out, lse=lse,
                                     return_lse=return_lse, k_scale=k_scale, v_scale=v_scale)
+        if out is not None or lse is not None:
+            claim_outputs(f"{_NAME}.run()", out, lse)
         refuse_written_over(f"{_NAME}.run()", (("out", out), ("lse", lse)),  # addresses: checked on every call
                             (("q_nope", q_nope), ("q_pe", q_pe), ("ckv_cache", ckv_cache), ("kpe_cache", kpe_cache)))
         signature = None

@@ -21,7 +21,8 @@ import numpy as np
 import torch
 
 from ..runtime.wrapper import NotCopyable, host_side, workspace_target
-from ..runtime.checks import check_planned_dtype, check_tensor, named_refusals, no_backward, not_planned
+from ..runtime.checks import check_planned_dtype, check_tensor, named_refusals, not_planned
+from ..runtime.grad import no_backward
 from ..runtime.options import (check_flag, check_flags, number, parse_kv_layout, parse_pos_encoding,
                                  refuse_unsupported, resolve_dtypes, resolve_flag, resolve_window_left)
 from .decode import BatchDecodeWithPagedKVCacheWrapper

@@ -14,7 +14,8 @@ from ..runtime.kv import hnd_ragged_views
 from ..runtime.kv_upcast import KVUpcast, ragged_indptr
 from ..runtime.rope_first import OPERAND_DTYPE, RopeFirst
 from ..runtime.wrapper import BatchWrapperBase, drops_plan_on_failure, plan_arguments, returning_lse
-from ..runtime.checks import check_tensor, no_backward, refuse_paged_arguments, stream_capturing, target_of
+from ..runtime.checks import check_tensor, refuse_paged_arguments, stream_capturing, target_of
+from ..runtime.grad import no_backward
 from ..runtime.compiled import gathered_kv_rows, rope_first_operands
 from ..runtime.options import (PAGE_TABLE_HINT, check_flag, hashable, parse_kv_layout, per_tensor_scale,
                                  refuse_unsupported, resolve_batch_invariant, resolve_flag)

@@ -35,7 +35,8 @@ from typing import Optional, Tuple
 import torch
 
 from ..runtime import compiled_ops
-from ..runtime.checks import check_tensor, no_backward
+from ..runtime.checks import check_tensor
+from ..runtime.grad import no_backward
 from ..runtime.options import resolve_flag
 from ..runtime.rope import Angles, Positions, llama31_angles, rope_angles, rotate, split_heads
 

@@ -7,7 +7,8 @@ import torch
 
 from ..page_table import (check_cache_pool, check_indptr, check_page_table, check_paged_index, positive_int,
                           to_host_int32_many)
-from ..runtime.checks import check_planned_dtype, check_tensor, no_backward, not_planned
+from ..runtime.checks import check_planned_dtype, check_tensor, not_planned
+from ..runtime.grad import no_backward
 from ..runtime.merge import merge_state_in_place
 from ..runtime.options import check_flag, f32_scale, number, parse_dtype, parse_kv_layout, resolve_batch_invariant
 from ..runtime.wrapper import NotCopyable, workspace_target

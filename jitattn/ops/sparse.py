@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from ..runtime.checks import (check_no_overlap, check_planned_dtype, check_tensor, named_refusals, no_backward,
-                              not_planned, refuse_outputs_over_inputs)
+from ..runtime.checks import (check_no_overlap, check_planned_dtype, check_tensor, named_refusals, not_planned,
+                              refuse_outputs_over_inputs)
+from ..runtime.grad import no_backward
 from ..runtime.options import check_flag, parse_pos_encoding, per_tensor_scale, positive_int, resolve_flag
 from ..runtime.wrapper import NotCopyable, host_side, plan_arguments, workspace_target
 from .prefill import BatchPrefillWithPagedKVCacheWrapper

@@ -19,8 +19,8 @@ from ..page_table import PagedIndex, check_page_pool
 from ..kv_split import KVSplit, split_workspace_bytes
 from ..spec import KVLayout, Op, VariantSpec
 from .checks import (FP8_DTYPES, byte_extent, check_no_overlap, check_planned_dtype, check_tensor, not_planned,
-                     outputs_meet_inputs, refuse_in_workspace, refuse_outputs_over_inputs, stream_capturing,
-                     target_of)
+                     outputs_meet_inputs, refuse_in_workspace, refuse_outputs_over_inputs, stream_capturing, target_of)
+from .grad import claim_outputs
 from .kv import check_kv_pair, split_paged_kv_cache
 from .launch import PreparedAttention, write_mask_states
 from .options import AttentionOptions
@@ -314,10 +314,6 @@ def _kv_signature(kv) -> tuple | None:
         return None
 
 
-def _output_signature(t: torch.Tensor | None) -> tuple | None:
-    return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
-
-
 def _launch_for(plan: AttentionPlan | None, wrapper: str, q, variant_args: dict | None, sinks):
     """The launch this call takes (the plan's, or its sink twin's), after the checks that need no tensor shape."""
     if plan is None:
@@ -391,19 +387,22 @@ def run_plan(
         )
     k_ptr, v_ptr = _kv_pointers(plan, kv, device_index)
     given = (out is not None, lse is not None)  # the caller's buffers (checked against q and the KV) or ours
+    callers_outputs = (given[0] or given[1]) and not fixed_outputs  # (addresses: checked every call, not ours)
+    if callers_outputs:
+        claim_outputs(f"{wrapper}.run()", out, lse)
     if out is None:
         out = torch.empty((plan.total_qo, plan.num_qo_heads, plan.head_dim_vo), dtype=plan.o_dtype, device=q.device)
     if lse is None and return_lse:
         lse = torch.empty((plan.total_qo, plan.num_qo_heads), dtype=torch.float32, device=q.device)
     if not (fixed_outputs and plan.checked_outputs is not None):
-        outputs = (_output_signature(out), _output_signature(lse), given)
+        outputs = (out.shape, out.stride(), out.dtype, out.device,  # (out: the caller's or ours)
+                   None if lse is None else (lse.shape, lse.stride(), lse.dtype, lse.device), given)
         if outputs != plan.checked_outputs:
             _check_outputs(plan, wrapper, q, kv, out, lse)
             plan.extents = plan.extents[:3] + (byte_extent(out), 0 if lse is None else byte_extent(lse))
             for prepared in plan.launches():
                 prepared.set_outputs(out, lse)
             plan.checked_outputs = outputs
-    callers_outputs = (given[0] or given[1]) and not fixed_outputs  # (addresses: checked every call, not ours)
     if callers_outputs or plan.split.kv_chunk_size:
         pointers = (q.data_ptr(), k_ptr, v_ptr, out.data_ptr() if given[0] else None,
                     lse.data_ptr() if given[1] else None)

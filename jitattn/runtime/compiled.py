@@ -22,7 +22,8 @@ import weakref
 import torch
 
 from ..spec import KVLayout
-from .checks import check_tensor, refuse_grad_writes
+from .checks import check_tensor
+from .grad import refuse_grad_writes
 from .kv import split_paged_kv_cache
 from .options import fp8_scale
 

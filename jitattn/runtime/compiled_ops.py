@@ -22,7 +22,8 @@ import torch
 
 from ..spec import KVLayout
 from . import page, pointwise, rope
-from .checks import check_tensor, refuse_grad_writes
+from .checks import check_tensor
+from .grad import refuse_grad_writes
 from .compiled import OUTSIDE_CUDA_GRAPHS
 from .options import resolve_flag
 

@@ -19,8 +19,8 @@ import torch
 from ..jit import load
 from ..spec import Target
 from .specs import merge_spec
-from .checks import (check_no_overlap, check_shape, check_tensor, check_writable, cpu_threads, mark_written,
-                     no_backward, stream_handle, target_of, written_over)
+from .checks import check_no_overlap, check_shape, check_tensor, cpu_threads, stream_handle, target_of, written_over
+from .grad import check_writable, mark_written, no_backward
 
 _VALUE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 

@@ -25,8 +25,9 @@ from ..abi import APPEND_SOURCE_CODES
 from ..jit import load
 from ..page_table import check_page_table
 from ..spec import KVLayout, Target
-from .checks import (check_no_overlap, check_tensor, check_writable, cpu_threads, dense_overlap, launch_on,
-                     mark_written, shares_element, spans_overlap, target_of, views_overlap)
+from .checks import (check_no_overlap, check_tensor, cpu_threads, dense_overlap, launch_on, shares_element,
+                     spans_overlap, target_of, views_overlap)
+from .grad import check_writable, mark_written
 from .specs import append_spec
 from .kv import cache_geometry, check_kv_tensors, kv_strides, split_paged_kv_cache
 

@@ -18,8 +18,8 @@ import torch
 from ..abi import ACT_CODES
 from ..jit import load
 from ..spec import Op
-from .checks import (check_no_overlap, check_tensor, check_writable, cpu_threads, launch_on, mark_written,
-                     shares_memory, target_of, written_over)
+from .checks import check_no_overlap, check_tensor, cpu_threads, launch_on, shares_memory, target_of, written_over
+from .grad import check_writable, mark_written
 from .specs import dtype_spec
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)

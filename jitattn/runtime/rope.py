@@ -22,7 +22,8 @@ import torch
 
 from ..abi import ROPE_POSITION_CODES
 from ..jit import load
-from .checks import check_no_overlap, check_tensor, check_writable, cpu_threads, launch_on, mark_written, target_of
+from .checks import check_no_overlap, check_tensor, cpu_threads, launch_on, target_of
+from .grad import check_writable, mark_written
 from .options import f32_scale, resolve_flag
 from .specs import rope_spec
 

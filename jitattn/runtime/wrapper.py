@@ -16,7 +16,8 @@ import torch
 
 from ..spec import Target
 from .batch import AttentionPlan, run_plan, run_plan_or_compiled
-from .checks import FP8_DTYPES, inference_only, needs_grad, not_planned, target_of
+from .checks import FP8_DTYPES, not_planned, target_of
+from .grad import inference_only, needs_grad
 from .compiled import register_wrapper
 from .fp8_prefill import device_scales
 from .options import (FLAG_ARGUMENTS, check_flag, check_flags, fp8_scale, parse_kv_layout, refuse_unsupported,
