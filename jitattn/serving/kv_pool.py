@@ -20,8 +20,12 @@ def pages_in_budget(budget_bytes: int, num_layers: int, page_size: int, num_kv_h
     if min(num_layers, page_size, num_kv_heads, head_dim) < 1:
         raise ValueError(f"a KV page of num_layers={num_layers}, page_size={page_size}, num_kv_heads={num_kv_heads}, "
                          f"head_dim={head_dim} holds nothing: each must be >= 1")
-    page_bytes = num_layers * 2 * page_size * num_kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
-    return max(0, int(budget_bytes) // page_bytes)
+    return max(0, int(budget_bytes) // _page_bytes(num_layers, page_size, num_kv_heads, head_dim, dtype))
+
+
+def _page_bytes(num_layers: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes of one page's keys and values over every layer."""
+    return num_layers * 2 * page_size * num_kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
 
 
 class KVPool:
@@ -39,8 +43,14 @@ class KVPool:
         if page_size < 1:
             raise ValueError(f"page_size={page_size} must be positive")
         self.num_pages, self.page_size = num_pages, page_size
-        self.caches = [torch.zeros(num_pages, 2, page_size, num_kv_heads, head_dim, dtype=dtype, device=device)
-                       for _ in range(num_layers)]
+        try:
+            self.caches = [torch.zeros(num_pages, 2, page_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+                           for _ in range(num_layers)]
+        except (RuntimeError, MemoryError) as exc:  # (torch.OutOfMemoryError is a RuntimeError)
+            wanted = num_pages * _page_bytes(num_layers, page_size, num_kv_heads, head_dim, dtype)
+            raise MemoryError(f"the KV pool of num_pages={num_pages} x page_size={page_size} tokens over {num_layers} "
+                              f"layers needs {wanted / 2**30:.1f} GiB on {device}, more than can be allocated there; "
+                              "give fewer num_pages (pages_in_budget gives how many fit in a memory budget)") from exc
         self._refs = [0] * num_pages
         self._free = list(range(num_pages - 1, self.SCRATCH_PAGE, -1))  # pop() hands out low pages first
 
