@@ -277,6 +277,20 @@ def test_a_clock_that_is_not_a_function_of_finite_seconds_is_refused(model) -> N
             engine.add_request([1, 2], 2)  # (its arrival is checked against the clock)
 
 
+def test_a_clock_stepped_backwards_holds_up_no_request(model) -> None:
+    """A caller's clock read back below an earlier reading (time.time under an NTP step) reads as that earlier time
+    until it passes it again: a request that arrived at 100 was held while the clock read 50, and run() spun."""
+    now = [100.0]
+    engine = Engine(model, num_pages=16, page_size=PAGE, clock=lambda: now[0])
+    request = engine.add_request([1, 2, 3], 3)
+    now[0] = 50.0
+    assert engine.clock() == 100.0
+    engine.run()
+    assert request.output == reference_generate(model, [1, 2, 3], 3)[0] and not engine.waiting
+    now[0] = 120.0
+    assert engine.clock() == 120.0
+
+
 @pytest.mark.parametrize("name", ["num_pages", "page_size", "max_batch_size", "prefill_chunk_tokens", "max_seq_len"])
 @pytest.mark.parametrize("bad", [8.0, 2.5, "8", 0, True])
 def test_engine_sizes_must_be_positive_ints(model, name, bad) -> None:
@@ -959,3 +973,18 @@ def test_pool_and_group_shapes_are_checked_where_they_are_made() -> None:
         KVPool(1, 4.5, 4, 1, 8, torch.float32, "cpu")
     with pytest.raises(ValueError, match="page_size=0, .* holds nothing"):
         pages_in_budget(10**9, 1, 0, 1, 8, torch.float32)
+
+
+def test_a_pool_larger_than_memory_says_how_large_and_what_to_lower(monkeypatch) -> None:
+    """The allocator's own error ("[enforce fail at alloc_cpu.cpp] ... can't allocate", or CUDA's out of memory) is
+    replaced by the pool's size and the fix."""
+    from jitattn.serving import kv_pool
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] data. DefaultCPUAllocator: can't allocate memory")
+
+    monkeypatch.setattr(kv_pool.torch, "zeros", refuse)
+    with pytest.raises(MemoryError, match=r"num_pages=1000000 x page_size=16 tokens over 2 layers needs 122\.1 GiB on "
+                                          r"cpu, .*give fewer num_pages") as info:
+        kv_pool.KVPool(2, 10**6, 16, 8, 128, torch.bfloat16, "cpu")
+    assert "can't allocate" in str(info.value.__cause__)

@@ -48,8 +48,8 @@ from .in_flight import InFlight, input_ids, timing_event, to_host
 from .kv_pool import KVPool
 from .model import LlamaModel
 from .radix import RadixCache, caches_next_page
-from .request import (EngineStats, Request, arrival_time, callback, clock_or_error, on_engine_clock, positive_int,
-                      request_tokens)
+from .request import (EngineStats, NonDecreasingClock, Request, arrival_time, callback, clock_or_error,
+                      on_engine_clock, positive_int, request_tokens)
 from .step_cost import StepCosts
 
 
@@ -110,7 +110,7 @@ class Engine:
         # cuda none is taken as flat unmeasured: the byte model is of a GPU's DRAM and L2 (cpu steps are timed).
         self.decode_paths = DecodePathChooser() if on_cuda else DecodePathChooser(flat_below=0.0)
         self._clock_origin = time.perf_counter()  # the default clock's zero (capture_graphs moves it past capture)
-        self._clock = clock  # None: seconds since startup (no closure over self: the engine frees on its last reference)
+        self._clock = None if clock is None else NonDecreasingClock(clock)  # None: seconds since startup
         self.waiting: deque[Request] = deque()
         self.prefilling: list[Request] = []
         self.running: list[Request] = []
@@ -155,8 +155,7 @@ class Engine:
     def clock(self) -> float:
         """Seconds on the engine's clock: the caller's ``clock``, else since startup (``capture_graphs``
         restarts it), the time base of arrivals, TTFT and finish times."""
-        return arrival_time(self._clock(), "clock()") if self._clock is not None else \
-            time.perf_counter() - self._clock_origin
+        return self._clock() if self._clock is not None else time.perf_counter() - self._clock_origin
 
     def capture_graphs(self, shared_levels: Sequence[int] = (1, 2)) -> int:
         """Capture every batch-size bucket's decode graphs now, as a serving engine does at startup (cuda_graphs

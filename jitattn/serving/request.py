@@ -197,6 +197,18 @@ def arrival_time(arrival, name: str = "arrival") -> float:
     return float(arrival)
 
 
+class NonDecreasingClock:
+    """The caller's clock, checked (``arrival_time``) and never read back below its latest reading: a clock stepped
+    backwards (``time.time`` under an NTP correction) would hold every queued request until it caught up again."""
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self._clock, self._latest = clock, -math.inf
+
+    def __call__(self) -> float:
+        self._latest = max(arrival_time(self._clock(), "clock()"), self._latest)
+        return self._latest
+
+
 def clock_or_error(clock: Callable[[], float]) -> tuple[float, Exception | None]:
     """(``clock()``, None), or (NaN, what it raised): requests that ended are ended either way, the caller raises."""
     try:
