@@ -259,3 +259,28 @@ def test_specs_are_frozen():
     spec = VariantSpec(**MERGE_CPU)
     with pytest.raises(dataclasses.FrozenInstanceError):
         spec.o_dtype = DType.F16  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("flag", ["sliding_window", "full_attention_too", "logits_soft_cap", "attention_sinks"])
+@pytest.mark.parametrize("value", ["no", None, 2])
+def test_model_specs_flags_must_be_bools(flag: str, value) -> None:
+    """A string such as "no" was truthy: sliding_window="no" added the windowed builds."""
+    import jitattn
+
+    with pytest.raises(TypeError, match=f"^{flag}=.* must be True or False"):
+        jitattn.model_specs(Target.CPU, num_qo_heads=8, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16,
+                            kv_dtype=torch.bfloat16, **{flag: value})
+
+
+@pytest.mark.parametrize("change,named", [
+    (dict(kv_lora_rank=256), "kv_lora_rank=256 with qk_rope_head_dim=64"),
+    (dict(qk_rope_head_dim=0), "kv_lora_rank=512 with qk_rope_head_dim=0"),
+    (dict(v_head_dim=100), r"qk_nope_head_dim=128 \+ qk_rope_head_dim=64 with v_head_dim=100"),
+])
+def test_mla_model_specs_name_the_models_dimensions(change: dict, named: str) -> None:
+    """The refused shape is the spec's derived head dims: the message leads with the model's own arguments."""
+    import jitattn
+
+    dims = dict(num_heads=16, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128)
+    with pytest.raises(ValueError, match=f"^an MLA model of {named}: head_dim_qk=.* is not supported"):
+        jitattn.mla_model_specs(Target.CPU, **{**dims, **change}, dtype=torch.bfloat16, kv_dtype=torch.bfloat16)

@@ -16,6 +16,7 @@ from .. import hardware
 from ..variant import AttentionVariant
 from ..spec import DType, KVLayout, KVStorage, MaskMode, Op, PosEncoding, Target, VariantSpec
 from .checks import FP8_DTYPES
+from .options import resolve_flag
 
 
 @functools.lru_cache(maxsize=512)  # plan() asks for the same spec every step; validation is not free
@@ -106,6 +107,10 @@ def model_specs(
     ``attention_sinks`` (gpt-oss) adds the sink build of each attention and merge spec (``plan()``
     loads the plain one, the first ``run(sinks=...)`` its sink twin: both are needed).
     """
+    sliding_window, full_attention_too, logits_soft_cap, attention_sinks = (
+        resolve_flag(value, name) for name, value in (
+            ("sliding_window", sliding_window), ("full_attention_too", full_attention_too),
+            ("logits_soft_cap", logits_soft_cap), ("attention_sinks", attention_sinks)))
     windows = [True] if sliding_window and not full_attention_too else ([False, True] if sliding_window else [False])
     common = dict(
         q_dtype=dtype, kv_dtype=kv_dtype, o_dtype=dtype, head_dim_qk=head_dim, head_dim_vo=head_dim,
@@ -149,16 +154,18 @@ def mla_model_specs(
     common = dict(q_dtype=dtype, o_dtype=dtype, pos_encoding=PosEncoding.NONE, use_sliding_window=False,
                   use_logits_soft_cap=False, kv_layout=KVLayout.NHD)
     specs: list[VariantSpec] = []
+    latent = f"kv_lora_rank={kv_lora_rank} with qk_rope_head_dim={qk_rope_head_dim}"
     for mask in (MaskMode.NONE, MaskMode.CAUSAL):
-        specs.append(attention_spec(
+        specs.append(_named(latent, lambda: attention_spec(
             Op.PREFILL, target, kv_dtype=kv_dtype, head_dim_qk=kv_lora_rank + qk_rope_head_dim,
             head_dim_vo=kv_lora_rank, num_qo_heads=num_heads, num_kv_heads=1, mask_mode=mask,
-            kv_storage=KVStorage.PAGED, **common))
+            kv_storage=KVStorage.PAGED, **common)))
     for mask in (MaskMode.CAUSAL, MaskMode.NONE):
-        specs.append(attention_spec(
+        specs.append(_named(f"qk_nope_head_dim={qk_nope_head_dim} + qk_rope_head_dim={qk_rope_head_dim} with "
+                            f"v_head_dim={v_head_dim}", lambda: attention_spec(
             Op.PREFILL, target, kv_dtype=dtype, head_dim_qk=qk_nope_head_dim + qk_rope_head_dim,
             head_dim_vo=v_head_dim, num_qo_heads=num_heads, num_kv_heads=num_heads, mask_mode=mask,
-            kv_storage=KVStorage.RAGGED, **common))
+            kv_storage=KVStorage.RAGGED, **common)))
     specs.append(merge_spec(target, dtype))
     specs.append(append_spec(target, kv_dtype))
     if (target is Target.CUDA and hardware.hopper_only(hardware.known_arch_list()) and dtype in (torch.float16, torch.bfloat16)
@@ -166,6 +173,14 @@ def mla_model_specs(
             and (kv_lora_rank, qk_rope_head_dim) == (MLA_CKV_DIM, MLA_KPE_DIM)):
         specs.append(mla_kernel_spec(dtype, kv_dtype))  # what the MLA wrapper plans on an H100/H200
     return list(dict.fromkeys(specs))
+
+
+def _named(dims: str, make):
+    """``make()``, its ValueError led by the model's own dimensions (the spec's head dims are derived from them)."""
+    try:
+        return make()
+    except ValueError as exc:
+        raise ValueError(f"an MLA model of {dims}: {exc}") from None
 
 
 MLA_CKV_DIM, MLA_KPE_DIM = 512, 64  # the dedicated MLA kernel's latent widths (jitattn.kernels.mla)
