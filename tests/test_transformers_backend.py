@@ -5,6 +5,8 @@ Skipped when transformers is not installed (``pip install -e .[transformers]``).
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -207,6 +209,21 @@ def test_a_three_dimensional_mask_is_named_as_such_and_a_strided_query_runs() ->
     with torch.no_grad():
         got, _ = forward(module, strided, k, v, None, is_causal=True)
         expected = torch.nn.functional.scaled_dot_product_attention(strided, k, v, is_causal=True)
+    torch.testing.assert_close(got, expected.transpose(1, 2), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 5, 7), (1, 1, 4, 5), (3, 1, 5, 5)], ids=["keys", "queries", "batch"])
+def test_a_mask_of_other_lengths_says_what_it_must_be(shape) -> None:
+    """A boolean [B, 1, T, S] mask whose lengths are not the call's (nor 1) was torch's expand error."""
+    module = torch.nn.Module().eval()
+    q, k, v = (torch.randn(1, 2, 5, 32) for _ in range(3))
+    forward = jitattn.integrations.transformers.jitattn_attention_forward
+    with torch.no_grad(), pytest.raises(ValueError, match=rf"mask has shape {re.escape(str(shape))}, but these 1 "
+                                                          r"sequences of 5 queries over 5 keys take \[1, 1, 5, 5\]"):
+        forward(module, q, k, v, torch.ones(shape, dtype=torch.bool))
+    with torch.no_grad():  # a broadcast mask dimension of 1 is the call's
+        got, _ = forward(module, q, k, v, torch.ones(1, 1, 1, 5, dtype=torch.bool))
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v)
     torch.testing.assert_close(got, expected.transpose(1, 2), atol=1e-4, rtol=1e-4)
 
 

@@ -90,6 +90,11 @@ def jitattn_attention_forward(
             what = "a mask per head" if attention_mask.dim() == 4 else f"a {attention_mask.dim()}-D mask"
             raise ValueError(f"the jitattn backend takes one mask for every head ([B, 1, T, S]); got shape "
                              f"{tuple(attention_mask.shape)} ({what}); use attn_implementation='sdpa'")
+        mask_b, _, mask_t, mask_s = attention_mask.shape
+        if any(n not in (1, want) for n, want in ((mask_b, batch), (mask_t, q_len), (mask_s, kv_len))):
+            raise ValueError(f"the attention mask has shape {tuple(attention_mask.shape)}, but these {batch} "
+                             f"sequences of {q_len} queries over {kv_len} keys take [{batch}, 1, {q_len}, {kv_len}] "
+                             "(or 1 in a dimension to broadcast it)")
         custom_mask = attention_mask.expand(batch, 1, q_len, kv_len)[:, 0].reshape(-1).cpu()
         causal = False  # the mask holds the causal pattern
     dtype = _autocast_dtype(query.device.type) if len({query.dtype, key.dtype, value.dtype}) > 1 else None
