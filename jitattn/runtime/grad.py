@@ -50,9 +50,13 @@ def claim_outputs(where: str, out, lse) -> None:
     for name, t in (("out", out), ("lse", lse)):
         if t is not None and not isinstance(t, torch.Tensor):
             raise TypeError(f"{where}: {name} must be a torch.Tensor (or None), got {type(t).__name__}")
-    if not torch.is_inference_mode_enabled():
-        check_writable(where, out=out, lse=lse)
-        mark_written(out, lse)
+    if (out is None and lse is None) or torch.is_inference_mode_enabled():
+        return
+    written = (out,) if lse is None else (lse,) if out is None else (out, lse)
+    for t in written:  # (run() calls this every time: kept to a few calls where nothing is refused)
+        if t.requires_grad or t.is_inference():
+            check_writable(where, out=out, lse=lse)
+    increment_version(written)
 
 
 def needs_grad(*values) -> bool:
