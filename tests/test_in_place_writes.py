@@ -167,6 +167,6 @@ def test_an_out_or_lse_that_is_not_a_tensor_is_named(wrapper_kind: str, value, n
         wrapper, args = _mla_wrapper()
         call = lambda **kw: wrapper.run(*args, return_lse=True, **kw)
         where = "BatchMLAPagedAttentionWrapper.run()"
-    with pytest.raises(TypeError, match=rf"^{re.escape(where)}: {name} must be a torch.Tensor \(or None\), got "
+    with pytest.raises(TypeError, match=rf"^{re.escape(where)}: {name} must be a torch.Tensor, got "
                                         rf"{type(value).__name__}"):
         call(**{name: value})

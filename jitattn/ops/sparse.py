@@ -15,7 +15,7 @@ import torch
 
 from ..runtime.checks import (check_no_overlap, check_planned_dtype, check_tensor, named_refusals, not_planned,
                               refuse_outputs_over_inputs)
-from ..runtime.grad import no_backward
+from ..runtime.grad import claim_outputs, no_backward
 from ..runtime.options import check_flag, parse_pos_encoding, per_tensor_scale, positive_int, resolve_flag
 from ..runtime.wrapper import NotCopyable, host_side, plan_arguments, workspace_target
 from .prefill import BatchPrefillWithPagedKVCacheWrapper
@@ -151,6 +151,7 @@ class BlockSparseAttentionWrapper(_SparseWrapperBase):
         self._check_planned()
         return_lse = resolve_flag(return_lse, "return_lse")
         table = self._table
+        claim_outputs(f"{self._NAME}.run()", out, lse)
         for name, buffer in (("out", out), ("lse", lse)):
             if buffer is not None:  # its shape, dtype and device: checked with q's before the launch
                 check_tensor(name, buffer, last_dim_contiguous=False)

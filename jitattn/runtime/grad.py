@@ -49,7 +49,7 @@ def claim_outputs(where: str, out, lse) -> None:
     mode the type check alone (the per-layer fast path: nothing there records a backward)."""
     for name, t in (("out", out), ("lse", lse)):
         if t is not None and not isinstance(t, torch.Tensor):
-            raise TypeError(f"{where}: {name} must be a torch.Tensor (or None), got {type(t).__name__}")
+            raise TypeError(f"{where}: {name} must be a torch.Tensor, got {type(t).__name__}")
     if (out is None and lse is None) or torch.is_inference_mode_enabled():
         return
     written = (out,) if lse is None else (lse,) if out is None else (out, lse)
