@@ -977,14 +977,14 @@ def test_pool_and_group_shapes_are_checked_where_they_are_made() -> None:
 
 def test_a_pool_larger_than_memory_says_how_large_and_what_to_lower(monkeypatch) -> None:
     """The allocator's own error ("[enforce fail at alloc_cpu.cpp] ... can't allocate", or CUDA's out of memory) is
-    replaced by the pool's size and the fix."""
+    replaced by the pool's size and the fix, as the exception serving code catches for it."""
     from jitattn.serving import kv_pool
 
     def refuse(*args, **kwargs):
         raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] data. DefaultCPUAllocator: can't allocate memory")
 
     monkeypatch.setattr(kv_pool.torch, "zeros", refuse)
-    with pytest.raises(MemoryError, match=r"num_pages=1000000 x page_size=16 tokens over 2 layers needs 122\.1 GiB on "
+    with pytest.raises(torch.OutOfMemoryError, match=r"num_pages=1000000 x page_size=16 tokens over 2 layers needs 122\.1 GiB on "
                                           r"cpu, .*give fewer num_pages") as info:
         kv_pool.KVPool(2, 10**6, 16, 8, 128, torch.bfloat16, "cpu")
     assert "can't allocate" in str(info.value.__cause__)
