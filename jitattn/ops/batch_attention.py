@@ -279,7 +279,7 @@ class BatchAttention(NotCopyable):
                        o_dtype: torch.dtype) -> None:
         """The caller's out / lse against the plan, before any part writes its rows of them (a part whose rows
         are not contiguous writes them by a scatter, which would fail half-way)."""
-        claim_outputs(f"{self._NAME}.run()", out, lse)
+        claim_outputs(self._NAME, out, lse)
         rows, heads, _, dvo = self._shape
         for name, given, shape, dtype in (("out", out, (rows, heads, dvo), o_dtype),
                                           ("lse", lse, (rows, heads), torch.float32)):

@@ -151,7 +151,7 @@ class BlockSparseAttentionWrapper(_SparseWrapperBase):
         self._check_planned()
         return_lse = resolve_flag(return_lse, "return_lse")
         table = self._table
-        claim_outputs(f"{self._NAME}.run()", out, lse)
+        claim_outputs(self._NAME, out, lse)
         for name, buffer in (("out", out), ("lse", lse)):
             if buffer is not None:  # its shape, dtype and device: checked with q's before the launch
                 check_tensor(name, buffer, last_dim_contiguous=False)

@@ -389,7 +389,7 @@ def run_plan(
     given = (out is not None, lse is not None)  # the caller's buffers (checked against q and the KV) or ours
     callers_outputs = (given[0] or given[1]) and not fixed_outputs  # (addresses: checked every call, not ours)
     if callers_outputs:
-        claim_outputs(f"{wrapper}.run()", out, lse)
+        claim_outputs(wrapper, out, lse)
     if out is None:
         out = torch.empty((plan.total_qo, plan.num_qo_heads, plan.head_dim_vo), dtype=plan.o_dtype, device=q.device)
     if lse is None and return_lse:

@@ -43,19 +43,20 @@ def mark_written(*tensors) -> None:
     increment_version([t for t in tensors if t is not None])
 
 
-def claim_outputs(where: str, out, lse) -> None:
-    """A caller's ``out`` / ``lse`` buffers (None: not given) before a launch writes them: tensors, writable here
-    (``check_writable``) and counted as written (``mark_written``), as the in-place ops' arguments. Under inference
-    mode the type check alone (the per-layer fast path: nothing there records a backward)."""
+def claim_outputs(wrapper: str, out, lse) -> None:
+    """A caller's ``out`` / ``lse`` buffers (None: not given) before ``wrapper``'s run() writes them: tensors,
+    writable here (``check_writable``) and counted as written (``mark_written``), as the in-place ops' arguments.
+    Under inference mode the type check alone (nothing there records a backward). run() calls this every time: the
+    common case is kept to a few attribute reads and one call (the message is built only to raise)."""
     for name, t in (("out", out), ("lse", lse)):
         if t is not None and not isinstance(t, torch.Tensor):
-            raise TypeError(f"{where}: {name} must be a torch.Tensor, got {type(t).__name__}")
+            raise TypeError(f"{wrapper}.run(): {name} must be a torch.Tensor, got {type(t).__name__}")
     if (out is None and lse is None) or torch.is_inference_mode_enabled():
         return
-    written = (out,) if lse is None else (lse,) if out is None else (out, lse)
-    for t in written:  # (run() calls this every time: kept to a few calls where nothing is refused)
+    written = (lse,) if out is None else (out,) if lse is None else (out, lse)
+    for t in written:
         if t.requires_grad or t.is_inference():
-            check_writable(where, out=out, lse=lse)
+            check_writable(f"{wrapper}.run()", out=out, lse=lse)
     increment_version(written)
 
 
