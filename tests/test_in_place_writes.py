@@ -59,9 +59,10 @@ def _merge_s_base2(x: torch.Tensor) -> None:
     fi.merge_state_in_place(torch.randn(T, 2, 8), x[:96].view(T, 16)[:, :2], torch.randn(T, 2, 8), torch.randn(T, 2))
 
 
-def _ragged_wrapper(q_rows: int = T):
+def _ragged_wrapper():
+    """A ragged prefill plan of T queries of 2 heads over 5 keys of one kv head, head_dim 8, float32."""
     wrapper = jitattn.BatchPrefillWithRaggedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8))
-    wrapper.plan(torch.tensor([0, q_rows], dtype=torch.int32), torch.tensor([0, 5], dtype=torch.int32), 2, 1, 8,
+    wrapper.plan(torch.tensor([0, T], dtype=torch.int32), torch.tensor([0, 5], dtype=torch.int32), 2, 1, 8,
                  q_data_type=torch.float32)
     return wrapper
 

@@ -984,7 +984,7 @@ def test_a_pool_larger_than_memory_says_how_large_and_what_to_lower(monkeypatch)
         raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] data. DefaultCPUAllocator: can't allocate memory")
 
     monkeypatch.setattr(kv_pool.torch, "zeros", refuse)
-    with pytest.raises(torch.OutOfMemoryError, match=r"num_pages=1000000 x page_size=16 tokens over 2 layers needs 122\.1 GiB on "
-                                          r"cpu, .*give fewer num_pages") as info:
+    with pytest.raises(torch.OutOfMemoryError, match=r"num_pages=1000000 x page_size=16 tokens over 2 layers "
+                                                     r"needs 122\.1 GiB on cpu, .*give fewer num_pages") as info:
         kv_pool.KVPool(2, 10**6, 16, 8, 128, torch.bfloat16, "cpu")
     assert "can't allocate" in str(info.value.__cause__)

@@ -48,9 +48,10 @@ class KVPool:
                            for _ in range(num_layers)]
         except (RuntimeError, MemoryError) as exc:  # (torch.OutOfMemoryError, raised here too, is a RuntimeError)
             wanted = num_pages * _page_bytes(num_layers, page_size, num_kv_heads, head_dim, dtype)
-            raise torch.OutOfMemoryError(f"the KV pool of num_pages={num_pages} x page_size={page_size} tokens over {num_layers} "
-                              f"layers needs {wanted / 2**30:.1f} GiB on {device}, more than can be allocated there; "
-                              "give fewer num_pages (pages_in_budget gives how many fit in a memory budget)") from exc
+            raise torch.OutOfMemoryError(
+                f"the KV pool of num_pages={num_pages} x page_size={page_size} tokens over {num_layers} layers needs "
+                f"{wanted / 2**30:.1f} GiB on {device}, more than can be allocated there; give fewer num_pages "
+                "(pages_in_budget gives how many fit in a memory budget)") from exc
         self._refs = [0] * num_pages
         self._free = list(range(num_pages - 1, self.SCRATCH_PAGE, -1))  # pop() hands out low pages first
 
