@@ -252,8 +252,7 @@ class BatchMLAPagedAttentionWrapper(NotCopyable):
         if torch.compiler.is_compiling():  # one opaque op (the checks below compare addresses)
             return mla_run_compiled(self._op_key, q_nope, q_pe, ckv_cache, kpe_cache, out=out, lse=lse,
                                     return_lse=return_lse, k_scale=k_scale, v_scale=v_scale)
-        if out is not None or lse is not None:
-            claim_outputs(_NAME, out, lse)
+        claim_outputs(_NAME, out, lse)
         refuse_written_over(f"{_NAME}.run()", (("out", out), ("lse", lse)),  # addresses: checked on every call
                             (("q_nope", q_nope), ("q_pe", q_pe), ("ckv_cache", ckv_cache), ("kpe_cache", kpe_cache)))
         signature = None

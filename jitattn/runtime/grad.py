@@ -48,15 +48,18 @@ def claim_outputs(wrapper: str, out, lse) -> None:
     writable here (``check_writable``) and counted as written (``mark_written``), as the in-place ops' arguments.
     Under inference mode the type check alone (nothing there records a backward). run() calls this every time: the
     common case is kept to a few attribute reads and one call (the message is built only to raise)."""
+    if out is None and lse is None:
+        return
     for name, t in (("out", out), ("lse", lse)):
         if t is not None and not isinstance(t, torch.Tensor):
             raise TypeError(f"{wrapper}.run(): {name} must be a torch.Tensor, got {type(t).__name__}")
-    if (out is None and lse is None) or torch.is_inference_mode_enabled():
+    if torch.is_inference_mode_enabled():
         return
     written = (lse,) if out is None else (out,) if lse is None else (out, lse)
     for t in written:
         if t.requires_grad or t.is_inference():
-            check_writable(f"{wrapper}.run()", out=out, lse=lse)
+            check_writable(f"{wrapper}.run()", out=out, lse=lse)  # (every tensor in one call)
+            break
     increment_version(written)
 
 
