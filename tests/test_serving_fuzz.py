@@ -119,19 +119,21 @@ def _check_pages(engine: Engine) -> None:
         assert engine.pool.refcount(page) == holders[page], f"page {page}"
 
 
-def _serve(model: LlamaModel, s: Scenario, expected: list) -> None:
+def _serve(model: LlamaModel, s: Scenario, stops: list[int | None], **engine_args) -> tuple[Engine, dict]:
+    """Run ``s`` (``stops``: each request's stop token) on a fresh engine, checking the page counts after every step
+    and that each request ends once; returns the engine and its requests by index."""
     now = [0.0]
     engine = Engine(model, num_pages=s.pool_pages, page_size=s.page_size, max_batch_size=s.batch,
                     prefill_chunk_tokens=s.chunk, cascade=s.path != "flat", overlap=s.overlap, cascade_depth=s.depth,
-                    clock=lambda: now[0])
+                    clock=lambda: now[0], **engine_args)
     if s.path == "cascade":
         engine.decode_paths.choose = lambda bucket, estimate=None: "cascade"
     handles, ended = {}, collections.Counter()
     for step in range(STEPS):
-        for i, (req, (_, _, stop)) in enumerate(zip(s.requests, expected)):
+        for i, (req, stop) in enumerate(zip(s.requests, stops)):
             if req.arrival == step:
                 handles[i] = engine.add_request(req.prompt, req.new_tokens, forced_tokens=req.forced,
-                                                stop_token_ids=None if stop is None else [stop])
+                                                stop_token_ids=None if stop is None else [stop], keep_logits=True)
             if req.abort_at == step and i in handles:
                 engine.abort(handles[i])
         ended.update(id(r) for r in engine.step())
@@ -144,14 +146,9 @@ def _serve(model: LlamaModel, s: Scenario, expected: list) -> None:
     assert set(ended) == {id(h) for h in handles.values()} and set(ended.values()) == {1}
     assert engine.pool.num_used == engine.radix.num_cached_pages  # only the tree holds pages now
     for i, handle in handles.items():
-        tokens, gaps, _ = expected[i]
         aborted = handle.finish_reason == "abort"
         assert handle in (engine.failed if aborted else engine.finished), (i, handle.finish_reason)
-        assert aborted or len(handle.output) == len(tokens), (i, handle.output, tokens)
-        for k, (got, want) in enumerate(zip(handle.output, tokens)):
-            if got != want:
-                assert gaps[k] < TIE, f"request {i} token {k}: {got} != {want} (reference gap {gaps[k]:.2e})"
-                break  # a tie went the other way: the rest of this request's context differs
+    return engine, handles
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -160,4 +157,33 @@ def test_engine_against_the_reference_under_random_workloads(model, seed) -> Non
     expected = [_expected(model, r) for r in s.requests]
     other = "flat" if s.path == "cascade" else "cascade"
     for variant in (s, dataclasses.replace(s, path=other), dataclasses.replace(s, overlap=not s.overlap)):
-        _serve(model, variant, expected)
+        engine, handles = _serve(model, variant, [stop for _, _, stop in expected])
+        for i, handle in handles.items():
+            tokens, gaps, _ = expected[i]
+            assert handle.finish_reason == "abort" or len(handle.output) == len(tokens), (i, handle.output, tokens)
+            for k, (got, want) in enumerate(zip(handle.output, tokens)):
+                if got != want:
+                    assert gaps[k] < TIE, f"request {i} token {k}: {got} != {want} (reference gap {gaps[k]:.2e})"
+                    break  # a tie went the other way: the rest of this request's context differs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed", range(8))
+def test_engine_on_cuda_under_random_workloads(seed) -> None:
+    """The same workloads in bf16 on the GPU, every request teacher-forced (bf16 argmaxes may tie): each kept
+    logit row against the reference's, eager and with CUDA graphs (cascade steps captured at the drawn shapes)."""
+    import torch
+
+    model = LlamaModel.random(CONFIG, seed=3, dtype=torch.bfloat16, device="cuda")
+    rng = random.Random(seed)
+    s = draw(seed)
+    s.requests = [dataclasses.replace(r, forced=_tokens(rng, r.new_tokens - 1), stop=None) for r in s.requests]
+    expected = [reference_generate(model, r.prompt, r.new_tokens, r.forced)[1] for r in s.requests]
+    for graphs in (False, True):
+        _, handles = _serve(model, s, [None] * len(s.requests), cuda_graphs=graphs)
+        for i, handle in handles.items():
+            got = handle.logits
+            assert handle.finish_reason == "abort" or len(got) == len(expected[i])
+            for k, row in enumerate(got):
+                error = float((row - expected[i][k]).norm() / expected[i][k].norm())
+                assert error < 2e-2, f"graphs={graphs} request {i} token {k}: relative error {error:.2e}"
