@@ -14,6 +14,7 @@ import dataclasses
 import random
 
 import pytest
+import torch
 
 from jitattn.serving import Engine, LlamaModel, preset, reference_generate
 
@@ -119,9 +120,9 @@ def _check_pages(engine: Engine) -> None:
         assert engine.pool.refcount(page) == holders[page], f"page {page}"
 
 
-def _serve(model: LlamaModel, s: Scenario, stops: list[int | None], **engine_args) -> tuple[Engine, dict]:
+def _serve(model: LlamaModel, s: Scenario, stops: list[int | None], **engine_args) -> dict:
     """Run ``s`` (``stops``: each request's stop token) on a fresh engine, checking the page counts after every step
-    and that each request ends once; returns the engine and its requests by index."""
+    and that each request ends once; returns its requests by index."""
     now = [0.0]
     engine = Engine(model, num_pages=s.pool_pages, page_size=s.page_size, max_batch_size=s.batch,
                     prefill_chunk_tokens=s.chunk, cascade=s.path != "flat", overlap=s.overlap, cascade_depth=s.depth,
@@ -148,7 +149,7 @@ def _serve(model: LlamaModel, s: Scenario, stops: list[int | None], **engine_arg
     for i, handle in handles.items():
         aborted = handle.finish_reason == "abort"
         assert handle in (engine.failed if aborted else engine.finished), (i, handle.finish_reason)
-    return engine, handles
+    return handles
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -157,7 +158,7 @@ def test_engine_against_the_reference_under_random_workloads(model, seed) -> Non
     expected = [_expected(model, r) for r in s.requests]
     other = "flat" if s.path == "cascade" else "cascade"
     for variant in (s, dataclasses.replace(s, path=other), dataclasses.replace(s, overlap=not s.overlap)):
-        engine, handles = _serve(model, variant, [stop for _, _, stop in expected])
+        handles = _serve(model, variant, [stop for _, _, stop in expected])
         for i, handle in handles.items():
             tokens, gaps, _ = expected[i]
             assert handle.finish_reason == "abort" or len(handle.output) == len(tokens), (i, handle.output, tokens)
@@ -172,15 +173,13 @@ def test_engine_against_the_reference_under_random_workloads(model, seed) -> Non
 def test_engine_on_cuda_under_random_workloads(seed) -> None:
     """The same workloads in bf16 on the GPU, every request teacher-forced (bf16 argmaxes may tie): each kept
     logit row against the reference's, eager and with CUDA graphs (cascade steps captured at the drawn shapes)."""
-    import torch
-
     model = LlamaModel.random(CONFIG, seed=3, dtype=torch.bfloat16, device="cuda")
     rng = random.Random(seed)
     s = draw(seed)
     s.requests = [dataclasses.replace(r, forced=_tokens(rng, r.new_tokens - 1), stop=None) for r in s.requests]
     expected = [reference_generate(model, r.prompt, r.new_tokens, r.forced)[1] for r in s.requests]
     for graphs in (False, True):
-        _, handles = _serve(model, s, [None] * len(s.requests), cuda_graphs=graphs)
+        handles = _serve(model, s, [None] * len(s.requests), cuda_graphs=graphs)
         for i, handle in handles.items():
             got = handle.logits
             assert handle.finish_reason == "abort" or len(got) == len(expected[i])
