@@ -27,8 +27,9 @@ def _case(seed: int) -> dict:
                for _ in range(rng.randint(1, 4))]
     kv_lens = [q + rng.randint(0, 800) if rng.random() < 0.85 else rng.randint(0, q) for q in qo_lens]
     hq, hkv, d = rng.choice(HEADS)
-    return dict(qo_lens=qo_lens, kv_lens=kv_lens, hq=hq, hkv=hkv, d=d, dtype=rng.choice([torch.bfloat16, torch.float16]),
-                page=rng.choice([1, 16, 64]), layout=rng.choice(["NHD", "HND"]), causal=rng.random() < 0.6,
+    return dict(qo_lens=qo_lens, kv_lens=kv_lens, hq=hq, hkv=hkv, d=d,
+                dtype=rng.choice([torch.bfloat16, torch.float16]), page=rng.choice([1, 16, 64]),
+                layout=rng.choice(["NHD", "HND"]), causal=rng.random() < 0.6,
                 window=rng.choice([-1, -1, rng.randint(0, 300)]), cap=rng.choice([None, None, 30.0]),
                 pos=rng.choice(["NONE", "NONE", "ALIBI"]))
 
