@@ -44,9 +44,8 @@ def test_random_mixed_batches_match_the_reference(device: str, seed: int) -> Non
     out = torch.full_like(q, float("nan"))
     lse = torch.full(q.shape[:2], float("nan"), device=device)
     wrapper.run(q, batch.cache, out, lse)
-    cache = tuple(t.cpu() for t in batch.cache) if isinstance(batch.cache, tuple) else batch.cache.cpu()
     expected_o, expected_lse = reference.batch_prefill_paged(
-        q.cpu(), cache, qo_indptr, batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len, kv_layout=layout,
-        causal=causal)
+        q.cpu(), batch.cache.cpu(), qo_indptr, batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len,
+        kv_layout=layout, causal=causal)
     assert_close_out(out, expected_o, dtype)
     assert_close_lse(lse, expected_lse)
